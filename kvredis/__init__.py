@@ -1,0 +1,1 @@
+"""kvredis: a shared KV-cache block index for LLM routers."""

@@ -1,0 +1,151 @@
+"""Redis/Valkey server addresses: URL parsing into connection parameters.
+
+Accepted forms::
+
+    redis://[user[:password]@]host[:port][/db]      plain TCP (port 6379, db 0 by default)
+    rediss://...                                    TLS
+    valkey://...  valkeys://...                     the same as redis:// and rediss://
+    unix://[user[:password]@]/path/to/socket[?db=N]
+    host[:port][/db]                                a bare address, treated as redis://
+
+User and password are percent-decoded. ``db`` may also be given as a ``?db=N`` query parameter
+(``?password=`` and ``?username=`` too, as redis-py accepts them). Every malformed address raises
+:class:`~kvredis.errors.ConfigError` naming it, with any password masked.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from kvredis.errors import ConfigError
+
+DEFAULT_PORT = 6379
+
+#: URL scheme -> (transport, tls)
+_SCHEMES: dict[str, tuple[str, bool]] = {
+    "redis": ("tcp", False),
+    "valkey": ("tcp", False),
+    "rediss": ("tcp", True),
+    "valkeys": ("tcp", True),
+    "unix": ("unix", False),
+}
+
+_SCHEME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+_PASSWORD_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://[^:@/]*:)([^@]*)(@)")
+
+
+@dataclass(frozen=True, slots=True)
+class RedisAddress:
+    """A parsed server address.
+
+    ``transport`` is ``"tcp"`` (with ``host`` and ``port``) or ``"unix"`` (with ``path``).
+    ``display`` is the address as given with the password masked, for logs and error messages.
+    """
+
+    transport: str
+    host: str
+    port: int
+    path: str
+    tls: bool
+    username: str | None
+    password: str | None
+    db: int
+    display: str
+
+
+def mask_password(address: str) -> str:
+    """``address`` with the password of a ``scheme://user:password@`` prefix replaced by ``***``."""
+    return _PASSWORD_RE.sub(r"\1***\3", address)
+
+
+def _parse_db(text: str, shown: str) -> int:
+    if not text.isdigit():
+        raise ConfigError(
+            f"address {shown!r}: database must be a non-negative integer, got {text!r}"
+        )
+    return int(text)
+
+
+def parse_address(address: str) -> RedisAddress:
+    """Parse a Redis/Valkey address (see the module docstring for the accepted forms)."""
+    if not isinstance(address, str):
+        raise ConfigError(f"address must be a str, got {type(address).__name__}")
+    text = address.strip()
+    shown = mask_password(text)
+    if not text:
+        raise ConfigError("address is empty: expected e.g. redis://127.0.0.1:6379")
+    match = _SCHEME_RE.match(text)
+    if match is None:
+        text = "redis://" + text
+        scheme = "redis"
+    else:
+        scheme = match.group(1).lower()
+    if scheme not in _SCHEMES:
+        raise ConfigError(
+            f"address {shown!r}: unsupported scheme {scheme!r}; use redis://, rediss://, "
+            "valkey://, valkeys://, unix:// or a bare host:port"
+        )
+    transport, tls = _SCHEMES[scheme]
+    try:
+        parts = urlsplit(text)
+        port_value = parts.port
+    except ValueError as exc:
+        raise ConfigError(f"address {shown!r}: {exc}") from exc
+    if parts.fragment:
+        raise ConfigError(f"address {shown!r}: unexpected fragment {parts.fragment!r}")
+    try:
+        query = parse_qs(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query))
+    except ValueError as exc:
+        raise ConfigError(f"address {shown!r}: malformed query {parts.query!r}") from exc
+    unknown = sorted(set(query) - {"db", "password", "username"})
+    if unknown:
+        raise ConfigError(
+            f"address {shown!r}: unsupported query parameters {', '.join(unknown)} "
+            "(only db, username and password are understood)"
+        )
+    for name, values in query.items():
+        if len(values) != 1:
+            raise ConfigError(f"address {shown!r}: query parameter {name!r} given more than once")
+
+    username = unquote(parts.username) if parts.username else None
+    password = unquote(parts.password) if parts.password is not None else None
+    if "username" in query:
+        username = query["username"][0] or None
+    if "password" in query:
+        password = query["password"][0]
+    if password == "":
+        password = None
+
+    db: int | None = None
+    if "db" in query:
+        db = _parse_db(query["db"][0], shown)
+
+    if transport == "unix":
+        path = unquote(parts.path)
+        if not path:
+            raise ConfigError(
+                f"address {shown!r}: unix:// needs a socket path, e.g. unix:///run/redis.sock"
+            )
+        if parts.hostname:
+            raise ConfigError(
+                f"address {shown!r}: unix:// takes no host; write unix:///absolute/path.sock"
+            )
+        return RedisAddress("unix", "", 0, path, False, username, password, db or 0, shown)
+
+    host = parts.hostname
+    if not host:
+        raise ConfigError(f"address {shown!r}: missing host, expected e.g. redis://127.0.0.1:6379")
+    port = DEFAULT_PORT if port_value is None else port_value
+    if not 0 < port < 65536:
+        raise ConfigError(f"address {shown!r}: port must be in 1..65535, got {port}")
+    path_db = parts.path.strip("/")
+    if path_db:
+        if "/" in path_db:
+            raise ConfigError(f"address {shown!r}: the path must be a database number only")
+        parsed = _parse_db(path_db, shown)
+        if db is not None and db != parsed:
+            raise ConfigError(f"address {shown!r}: database given twice ({parsed} and {db})")
+        db = parsed
+    return RedisAddress("tcp", host, port, "", tls, username, password, db or 0, shown)

@@ -1,0 +1,217 @@
+"""Choosing and configuring an index backend, in the upstream llm-d JSON shape or in Python."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvredis.errors import ConfigError
+from kvredis.index import Index
+from kvredis.memory import (
+    CostAwareMemoryIndex,
+    CostAwareMemoryIndexConfig,
+    InMemoryIndex,
+    InMemoryIndexConfig,
+)
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    from kvredis.redis_index import RedisIndexConfig
+
+_DURATION_UNITS = {
+    "ns": 1e-9,
+    "us": 1e-6,
+    "µs": 1e-6,  # U+00B5 MICRO SIGN
+    "μs": 1e-6,  # U+03BC GREEK SMALL LETTER MU
+    "ms": 1e-3,
+    "s": 1.0,
+    "m": 60.0,
+    "h": 3600.0,
+}
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
+
+
+def parse_duration(value: float | str) -> float:
+    """Seconds in a duration: a number of seconds, or a Go duration string.
+
+    Go duration strings are a sequence of decimal numbers with units ``ns``, ``us`` (or ``µs``),
+    ``ms``, ``s``, ``m``, ``h``, e.g. ``"30s"``, ``"1m30s"``, ``"500ms"``, ``"1.5h"``; ``"0"`` is
+    zero. Negative, non-finite or malformed values raise :class:`~kvredis.errors.ConfigError`.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ConfigError(f"duration must be a number of seconds or a string, got {value!r}")
+    if isinstance(value, str):
+        text = value.strip()
+        if text == "0":
+            return 0.0
+        if text.startswith("+"):
+            text = text[1:]
+        pos, seconds = 0, 0.0
+        while pos < len(text):
+            match = _DURATION_PART.match(text, pos)
+            if match is None:
+                break
+            seconds += float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+            pos = match.end()
+        if not text or pos != len(text):
+            raise ConfigError(
+                f"cannot parse duration {value!r}: expected seconds or a Go duration such as "
+                "'30s', '1m30s', '500ms'"
+            )
+    else:
+        seconds = float(value)
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ConfigError(f"duration must be finite and not negative, got {value!r}")
+    return seconds
+
+
+_FIELDS = {
+    "inMemoryConfig": "in_memory_config",
+    "redisConfig": "redis_config",
+    "valkeyConfig": "valkey_config",
+    "costAwareMemoryConfig": "cost_aware_memory_config",
+    "enableMetrics": "enable_metrics",
+    "metricsLoggingInterval": "metrics_logging_interval",
+}
+_FIELDS.update({name: name for name in list(_FIELDS.values())})
+
+
+def _redis_module() -> ModuleType:
+    try:
+        import kvredis.redis_index as module
+    except ImportError as exc:
+        raise ConfigError(f"the Redis/Valkey backend is not available: {exc}") from exc
+    return module
+
+
+@dataclass(frozen=True, slots=True)
+class IndexConfig:
+    """Which backend :func:`new_index` builds, and its settings.
+
+    ``None`` means "not configured". :func:`new_index` builds the first configured of
+    cost-aware memory, Valkey, Redis and in-memory, and the in-memory index with its defaults
+    when nothing is configured. ``metrics_logging_interval`` is in seconds; 0 turns periodic
+    metrics logging off.
+    """
+
+    in_memory_config: InMemoryIndexConfig | None = None
+    redis_config: RedisIndexConfig | None = None
+    valkey_config: RedisIndexConfig | None = None
+    cost_aware_memory_config: CostAwareMemoryIndexConfig | None = None
+    enable_metrics: bool = False
+    metrics_logging_interval: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.in_memory_config is not None and not isinstance(
+            self.in_memory_config, InMemoryIndexConfig
+        ):
+            raise ConfigError(
+                f"in_memory_config must be an InMemoryIndexConfig, got {self.in_memory_config!r}"
+            )
+        if self.cost_aware_memory_config is not None and not isinstance(
+            self.cost_aware_memory_config, CostAwareMemoryIndexConfig
+        ):
+            raise ConfigError(
+                "cost_aware_memory_config must be a CostAwareMemoryIndexConfig, got "
+                f"{self.cost_aware_memory_config!r}"
+            )
+        for name in ("redis_config", "valkey_config"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, _redis_module().RedisIndexConfig):
+                raise ConfigError(f"{name} must be a RedisIndexConfig or a mapping, got {value!r}")
+        if not isinstance(self.enable_metrics, bool):
+            raise ConfigError(f"enable_metrics must be a bool, got {self.enable_metrics!r}")
+        interval = self.metrics_logging_interval
+        if isinstance(interval, bool) or not isinstance(interval, (int, float)):
+            raise ConfigError(
+                f"metrics_logging_interval must be a number of seconds, got {interval!r}"
+            )
+        object.__setattr__(self, "metrics_logging_interval", parse_duration(interval))
+
+    @classmethod
+    def from_dict(cls, mapping: Mapping[str, Any]) -> IndexConfig:
+        """Build from the upstream JSON shape.
+
+        Keys: ``inMemoryConfig`` (``size``, ``podCacheSize``), ``costAwareMemoryConfig``
+        (``size``), ``redisConfig`` and ``valkeyConfig`` (``address``, ``backendType``,
+        ``enableRDMA``, ...), ``enableMetrics``, ``metricsLoggingInterval`` (seconds, or a Go
+        duration string such as ``"30s"``). The snake_case field names are accepted too; a
+        ``null`` value means not configured; any other key raises ``ConfigError`` naming it.
+        """
+        if not isinstance(mapping, Mapping):
+            raise ConfigError(f"index config must be a mapping, got {type(mapping).__name__}")
+        unknown = [key for key in mapping if key not in _FIELDS]
+        if unknown:
+            raise ConfigError(
+                f"unknown index config keys: {', '.join(map(repr, unknown))}; expected "
+                f"{', '.join(k for k in _FIELDS if not k.islower())}"
+            )
+        raw: dict[str, Any] = {}
+        for key, value in mapping.items():
+            name = _FIELDS[key]
+            if name in raw:
+                raise ConfigError(f"index config sets {name} twice (camelCase and snake_case)")
+            raw[name] = value
+        kwargs: dict[str, Any] = {}
+        memory = raw.get("in_memory_config")
+        if memory is not None:
+            kwargs["in_memory_config"] = (
+                memory
+                if isinstance(memory, InMemoryIndexConfig)
+                else InMemoryIndexConfig.from_dict(memory)
+            )
+        cost_aware = raw.get("cost_aware_memory_config")
+        if cost_aware is not None:
+            kwargs["cost_aware_memory_config"] = (
+                cost_aware
+                if isinstance(cost_aware, CostAwareMemoryIndexConfig)
+                else CostAwareMemoryIndexConfig.from_dict(cost_aware)
+            )
+        for name in ("redis_config", "valkey_config"):
+            value = raw.get(name)
+            if value is None:
+                continue
+            module = _redis_module()
+            if not isinstance(value, Mapping):
+                kwargs[name] = value  # checked by __post_init__
+                continue
+            data = dict(value)
+            if name == "valkey_config":
+                data.setdefault("backendType", "valkey")
+                if "address" not in data:
+                    data["address"] = "valkey://127.0.0.1:6379"
+            kwargs[name] = module.RedisIndexConfig.from_dict(data)
+        if raw.get("enable_metrics") is not None:
+            kwargs["enable_metrics"] = raw["enable_metrics"]
+        if raw.get("metrics_logging_interval") is not None:
+            kwargs["metrics_logging_interval"] = parse_duration(raw["metrics_logging_interval"])
+        return cls(**kwargs)
+
+
+def new_index(config: IndexConfig | Mapping[str, Any] | None = None) -> Index:
+    """Build the index ``config`` selects: cost-aware, Valkey, Redis or in-memory, in that order.
+
+    ``config`` may also be the upstream JSON shape (see :meth:`IndexConfig.from_dict`); ``None``
+    gives the default in-memory index.
+    """
+    if config is None:
+        cfg = IndexConfig()
+    elif isinstance(config, IndexConfig):
+        cfg = config
+    elif isinstance(config, Mapping):
+        cfg = IndexConfig.from_dict(config)
+    else:
+        raise ConfigError(f"config must be an IndexConfig or a mapping, got {config!r}")
+    if cfg.cost_aware_memory_config is not None:
+        return CostAwareMemoryIndex(cfg.cost_aware_memory_config)
+    if cfg.valkey_config is not None:
+        index: Index = _redis_module().new_valkey_index(cfg.valkey_config)
+        return index
+    if cfg.redis_config is not None:
+        index = _redis_module().new_redis_index(cfg.redis_config)
+        return index
+    return InMemoryIndex(cfg.in_memory_config)

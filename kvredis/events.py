@@ -1,0 +1,476 @@
+"""KV-cache events as vLLM and SGLang publish them: wire decoding (and encoding) into typed values.
+
+An engine publishes one msgpack *batch* per scheduler step::
+
+    [ts: float, events: array, data_parallel_rank: int | nil]      (the third element is optional)
+
+Each event is either a map with the tag under ``"type"`` (vLLM 0.24 and later, current SGLang) or a
+positional array whose first element is the tag (vLLM 0.23 and earlier)::
+
+    ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id?, medium?,
+     lora_name?, extra_keys?, group_idx?, kv_cache_spec_kind?, kv_cache_spec_sliding_window?]
+    ["BlockRemoved", block_hashes, medium?, group_idx?]
+    ["AllBlocksCleared"]
+
+Map events may omit keys equal to their default and may carry keys this module does not know
+(``locality``, ``ownership``, ``session_id``, ``lookahead_token_ids``, ``cache_salt``, ...): they
+are ignored, as are extra trailing array fields. Block hashes arrive as unsigned 64-bit ints, as
+signed 64-bit ints (SGLang; read as their two's complement) or as raw bytes (the last 8 bytes,
+big-endian, shorter ones left-padded with zeros); :func:`wire_hash` normalizes all three.
+
+:func:`decode_batch` never raises on bad input. Every event is decoded on its own: a malformed one
+becomes a :class:`Rejection` with a :class:`RejectReason` and the well-formed events of the same
+batch are still returned. Only a payload that is not a batch at all is rejected as a whole.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import msgpack
+
+from kvredis.errors import InvalidInputError
+
+__all__ = [
+    "MAX_PAYLOAD_BYTES",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "DecodedBatch",
+    "Event",
+    "RejectReason",
+    "Rejection",
+    "WireError",
+    "decode_batch",
+    "decode_batch_object",
+    "encode_batch",
+    "event_to_wire",
+    "parse_topic",
+    "wire_hash",
+]
+
+MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
+"""Payloads larger than this are rejected unread (a batch of a scheduler step is far smaller)."""
+
+_U64 = 1 << 64
+_I64_MIN = -(1 << 63)
+_U32 = 1 << 32
+_GROUP_LIMIT = 1 << 31
+
+
+class RejectReason(enum.Enum):
+    """Why a payload, an event or a message was not applied. The value is the counter name."""
+
+    MALFORMED_PAYLOAD = "malformed_payload"
+    """Not a msgpack object (truncated, trailing bytes, nesting too deep, bad extension)."""
+    PAYLOAD_TOO_LARGE = "payload_too_large"
+    BAD_BATCH = "bad_batch"
+    """The payload is msgpack but not ``[ts, events, dp_rank?]`` with an events array."""
+    BAD_TIMESTAMP = "bad_timestamp"
+    """The batch ``ts`` is not a number (the events still apply)."""
+    BAD_DP_RANK = "bad_dp_rank"
+    """The batch ``data_parallel_rank`` is not an int or nil (the events still apply)."""
+    BAD_EVENT = "bad_event"
+    """An event is neither a map nor a non-empty array."""
+    MISSING_TAG = "missing_tag"
+    UNKNOWN_TAG = "unknown_tag"
+    MISSING_FIELD = "missing_field"
+    BAD_FIELD_TYPE = "bad_field_type"
+    BAD_FIELD_VALUE = "bad_field_value"
+    """Right type, impossible value (negative block size, group index out of range, bad UTF-8)."""
+    BAD_HASH = "bad_hash"
+    """A block hash that is not an int or non-empty bytes."""
+    HASH_OUT_OF_RANGE = "hash_out_of_range"
+    TOKEN_OUT_OF_RANGE = "token_out_of_range"
+    BAD_EXTRA_KEYS = "bad_extra_keys"
+    BAD_MESSAGE = "bad_message"
+    """A transport message without the ``[topic, seq, payload]`` frames or with a bad seq frame."""
+    SEQ_OUT_OF_RANGE = "seq_out_of_range"
+    NO_POD = "no_pod"
+    """Neither the endpoint configuration nor the topic names the pod."""
+    NO_MODEL = "no_model"
+    """A BlockStored event needs a model name for hashing and none is known."""
+    HASHING_FAILED = "hashing_failed"
+    """The token processor refused the event's tokens, model or features."""
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    """One rejected payload, event or message: the reason, a short detail, the event position."""
+
+    reason: RejectReason
+    detail: str
+    position: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """The engine cached full blocks (or, without tokens, moved known blocks to another tier)."""
+
+    block_hashes: tuple[int, ...]
+    parent_block_hash: int | None = None
+    token_ids: tuple[int, ...] = ()
+    block_size: int = 0
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: tuple[Any, ...] | None = None
+    """Raw per-engine-block extra keys (see :func:`kvredis.features.parse_raw_extra_keys`)."""
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+    @property
+    def tier(self) -> str:
+        """The device tier: ``medium`` lowercased, ``"gpu"`` when absent or empty."""
+        return _tier(self.medium)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """The engine dropped these blocks from one tier (and group)."""
+
+    block_hashes: tuple[int, ...]
+    medium: str | None = None
+    group_idx: int | None = None
+
+    @property
+    def tier(self) -> str:
+        """The device tier: ``medium`` lowercased, ``"gpu"`` when absent or empty."""
+        return _tier(self.medium)
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    """The engine dropped every cached block."""
+
+
+Event = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(frozen=True, slots=True)
+class DecodedBatch:
+    """A decoded engine batch: its well-formed events in order, and what was rejected."""
+
+    ts: float
+    events: tuple[Event, ...]
+    data_parallel_rank: int | None = None
+    rejects: tuple[Rejection, ...] = ()
+    total_events: int = 0
+    """Number of events the payload carried, well-formed or not."""
+
+
+def _tier(medium: str | None) -> str:
+    return medium.lower() if medium else "gpu"
+
+
+class WireError(InvalidInputError):
+    """A wire value that cannot be decoded; ``reason`` says which :class:`RejectReason`."""
+
+    def __init__(self, reason: RejectReason, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+
+
+def wire_hash(value: object, what: str = "block hash") -> int:
+    """Normalize a wire block hash (uint64, int64 or bytes) to an unsigned 64-bit int.
+
+    Raises :class:`WireError` (an ``InvalidInputError``) for other types, empty bytes and ints
+    outside ``[-2**63, 2**64)``.
+    """
+    if type(value) is int:
+        if 0 <= value < _U64:
+            return value
+        if _I64_MIN <= value < 0:
+            return value + _U64
+        raise WireError(RejectReason.HASH_OUT_OF_RANGE, f"{what} {value} is outside 64 bits")
+    if isinstance(value, (bytes, bytearray)):
+        if not value:
+            raise WireError(RejectReason.BAD_HASH, f"{what} is empty bytes")
+        return int.from_bytes(bytes(value[-8:]), "big")
+    raise WireError(RejectReason.BAD_HASH, f"{what} must be an int or bytes, got {_tname(value)}")
+
+
+def _tname(value: object) -> str:
+    return type(value).__name__
+
+
+def _hashes(value: object, what: str) -> tuple[int, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise WireError(
+            RejectReason.BAD_FIELD_TYPE, f"{what} must be an array, got {_tname(value)}"
+        )
+    if all(type(v) is int and 0 <= v < _U64 for v in value):
+        return tuple(value)
+    return tuple(wire_hash(v, "block hash") for v in value)
+
+
+def _opt_hash(value: object, what: str) -> int | None:
+    return None if value is None else wire_hash(value, what)
+
+
+def _tokens(value: object) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, (list, tuple)):
+        raise WireError(
+            RejectReason.BAD_FIELD_TYPE, f"token_ids must be an array, got {_tname(value)}"
+        )
+    if all(type(t) is int for t in value):
+        if value and (min(value) < 0 or max(value) >= _U32):
+            bad = next(t for t in value if not 0 <= t < _U32)
+            raise WireError(RejectReason.TOKEN_OUT_OF_RANGE, f"token id {bad} is outside uint32")
+        return tuple(value)
+    bad_item = next(t for t in value if type(t) is not int)
+    raise WireError(RejectReason.BAD_FIELD_TYPE, f"token ids must be ints, got {_tname(bad_item)}")
+
+
+def _opt_int(
+    value: object, what: str, low: int | None = None, high: int | None = None
+) -> int | None:
+    if value is None:
+        return None
+    if type(value) is not int:
+        raise WireError(RejectReason.BAD_FIELD_TYPE, f"{what} must be an int, got {_tname(value)}")
+    if (low is not None and value < low) or (high is not None and value >= high):
+        raise WireError(RejectReason.BAD_FIELD_VALUE, f"{what} {value} is out of range")
+    return value
+
+
+def _opt_str(value: object, what: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise WireError(
+            RejectReason.BAD_FIELD_TYPE, f"{what} must be a string, got {_tname(value)}"
+        )
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise WireError(RejectReason.BAD_FIELD_VALUE, f"{what} is not valid UTF-8") from None
+    return value
+
+
+def _extra_keys(value: object) -> tuple[Any, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)):
+        raise WireError(
+            RejectReason.BAD_EXTRA_KEYS, f"extra_keys must be an array, got {_tname(value)}"
+        )
+    for block in value:
+        if block is not None and not isinstance(block, (list, tuple)):
+            raise WireError(
+                RejectReason.BAD_EXTRA_KEYS,
+                f"extra_keys entries must be arrays or nil, got {_tname(block)}",
+            )
+    return tuple(value)
+
+
+def _block_stored(f: Mapping[str, Any]) -> BlockStored:
+    if "block_hashes" not in f:
+        raise WireError(RejectReason.MISSING_FIELD, "BlockStored without block_hashes")
+    block_size = _opt_int(f.get("block_size"), "block_size", 0, _U32)
+    return BlockStored(
+        block_hashes=_hashes(f["block_hashes"], "block_hashes"),
+        parent_block_hash=_opt_hash(f.get("parent_block_hash"), "parent_block_hash"),
+        token_ids=_tokens(f.get("token_ids")),
+        block_size=block_size or 0,
+        lora_id=_opt_int(f.get("lora_id"), "lora_id"),
+        medium=_opt_str(f.get("medium"), "medium"),
+        lora_name=_opt_str(f.get("lora_name"), "lora_name"),
+        extra_keys=_extra_keys(f.get("extra_keys")),
+        group_idx=_opt_int(f.get("group_idx"), "group_idx", 0, _GROUP_LIMIT),
+        kv_cache_spec_kind=_opt_str(f.get("kv_cache_spec_kind"), "kv_cache_spec_kind"),
+        kv_cache_spec_sliding_window=_opt_int(
+            f.get("kv_cache_spec_sliding_window"), "kv_cache_spec_sliding_window", 0
+        ),
+    )
+
+
+def _block_removed(f: Mapping[str, Any]) -> BlockRemoved:
+    if "block_hashes" not in f:
+        raise WireError(RejectReason.MISSING_FIELD, "BlockRemoved without block_hashes")
+    return BlockRemoved(
+        block_hashes=_hashes(f["block_hashes"], "block_hashes"),
+        medium=_opt_str(f.get("medium"), "medium"),
+        group_idx=_opt_int(f.get("group_idx"), "group_idx", 0, _GROUP_LIMIT),
+    )
+
+
+_STORED_FIELDS = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+)
+_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
+_FIELDS: dict[str, tuple[str, ...]] = {
+    "BlockStored": _STORED_FIELDS,
+    "BlockRemoved": _REMOVED_FIELDS,
+    "AllBlocksCleared": (),
+}
+
+
+def _event(raw: object) -> Event:
+    if isinstance(raw, Mapping):
+        tag = raw.get("type")
+        if tag is None:
+            raise WireError(RejectReason.MISSING_TAG, "map event without a 'type' key")
+        fields: Mapping[str, Any] = raw
+    elif isinstance(raw, (list, tuple)):
+        if not raw:
+            raise WireError(RejectReason.BAD_EVENT, "empty event array")
+        tag = raw[0]
+        names = _FIELDS.get(tag) if isinstance(tag, str) else None
+        fields = dict(zip(names, raw[1:], strict=False)) if names is not None else {}
+    else:
+        raise WireError(
+            RejectReason.BAD_EVENT, f"event must be a map or an array, got {_tname(raw)}"
+        )
+    if not isinstance(tag, str):
+        raise WireError(RejectReason.MISSING_TAG, f"event tag must be a string, got {_tname(tag)}")
+    if tag == "BlockStored":
+        return _block_stored(fields)
+    if tag == "BlockRemoved":
+        return _block_removed(fields)
+    if tag == "AllBlocksCleared":
+        return AllBlocksCleared()
+    raise WireError(RejectReason.UNKNOWN_TAG, f"unknown event tag {tag[:64]!r}")
+
+
+def _reject_batch(reason: RejectReason, detail: str) -> DecodedBatch:
+    return DecodedBatch(ts=0.0, events=(), rejects=(Rejection(reason, detail),))
+
+
+def decode_batch_object(obj: object) -> DecodedBatch:
+    """Decode an already-unpacked batch object (``[ts, events, dp_rank?]``). Never raises."""
+    if not isinstance(obj, (list, tuple)) or len(obj) < 2:
+        return _reject_batch(RejectReason.BAD_BATCH, "batch must be an array [ts, events, ...]")
+    raw_ts, raw_events = obj[0], obj[1]
+    if not isinstance(raw_events, (list, tuple)):
+        return _reject_batch(
+            RejectReason.BAD_BATCH, f"batch events must be an array, got {_tname(raw_events)}"
+        )
+    rejects: list[Rejection] = []
+    if isinstance(raw_ts, (int, float)) and not isinstance(raw_ts, bool):
+        ts = float(raw_ts)
+    else:
+        ts = 0.0
+        rejects.append(Rejection(RejectReason.BAD_TIMESTAMP, f"ts is a {_tname(raw_ts)}"))
+    dp_rank: int | None = None
+    if len(obj) > 2 and obj[2] is not None:
+        if type(obj[2]) is int:
+            dp_rank = obj[2]
+        else:
+            rejects.append(Rejection(RejectReason.BAD_DP_RANK, f"dp rank is a {_tname(obj[2])}"))
+    events: list[Event] = []
+    for position, raw in enumerate(raw_events):
+        try:
+            events.append(_event(raw))
+        except WireError as rej:
+            rejects.append(Rejection(rej.reason, rej.detail, position))
+        except Exception as exc:  # a hostile object must never escape as an exception
+            rejects.append(Rejection(RejectReason.BAD_EVENT, f"undecodable event: {exc!r}"[:200]))
+    return DecodedBatch(
+        ts=ts,
+        events=tuple(events),
+        data_parallel_rank=dp_rank,
+        rejects=tuple(rejects),
+        total_events=len(raw_events),
+    )
+
+
+def decode_batch(payload: bytes) -> DecodedBatch:
+    """Decode one msgpack batch payload. Never raises; see the module docstring."""
+    if len(payload) > MAX_PAYLOAD_BYTES:
+        return _reject_batch(
+            RejectReason.PAYLOAD_TOO_LARGE, f"{len(payload)} bytes > {MAX_PAYLOAD_BYTES}"
+        )
+    try:
+        obj = msgpack.unpackb(
+            payload, raw=False, strict_map_key=False, unicode_errors="surrogateescape"
+        )
+    except Exception as exc:
+        return _reject_batch(RejectReason.MALFORMED_PAYLOAD, f"{type(exc).__name__}: {exc}"[:200])
+    return decode_batch_object(obj)
+
+
+def parse_topic(topic: str) -> tuple[str | None, str | None]:
+    """``kv@<pod-id>@<model-name>`` → ``(pod, model)``; anything else → ``(None, None)``.
+
+    The model name may itself contain ``@``. Empty parts come back as ``None``.
+    """
+    parts = topic.split("@", 2)
+    if len(parts) != 3 or parts[0] != "kv":
+        return None, None
+    return parts[1] or None, parts[2] or None
+
+
+# ------------------------------------------------------------------------------------------
+# Encoding: the engine side of the wire, for test publishers, benchmarks and relays.
+# ------------------------------------------------------------------------------------------
+
+WireFormat = Literal["map", "array"]
+
+
+def event_to_wire(event: Event, fmt: WireFormat = "map") -> list[Any] | dict[str, Any]:
+    """The msgpack-ready form of ``event``, as vLLM would publish it in the given format.
+
+    Map events omit fields equal to their default (like msgspec's ``omit_defaults``); array
+    events carry every field up to the last non-default one.
+    """
+    if isinstance(event, AllBlocksCleared):
+        return {"type": "AllBlocksCleared"} if fmt == "map" else ["AllBlocksCleared"]
+    names: tuple[str, ...]
+    if isinstance(event, BlockStored):
+        names = _STORED_FIELDS
+        tag = "BlockStored"
+        required = 4
+    else:
+        names = _REMOVED_FIELDS
+        tag = "BlockRemoved"
+        required = 1
+    values: list[Any] = []
+    for name in names:
+        value = getattr(event, name)
+        values.append(list(value) if isinstance(value, tuple) else value)
+    if fmt == "map":
+        out: dict[str, Any] = {"type": tag}
+        for i, (name, value) in enumerate(zip(names, values, strict=True)):
+            if i < required or value is not None:
+                out[name] = value
+        return out
+    last = max([required - 1] + [i for i, v in enumerate(values) if v is not None])
+    return [tag, *values[: last + 1]]
+
+
+def encode_batch(
+    events: Sequence[Event | Mapping[str, Any] | Sequence[Any]],
+    ts: float = 0.0,
+    data_parallel_rank: int | None = None,
+    fmt: WireFormat = "map",
+) -> bytes:
+    """A msgpack batch payload. Typed events are converted; raw maps/arrays pass through."""
+    wire: list[Any] = []
+    for event in events:
+        if isinstance(event, (BlockStored, BlockRemoved, AllBlocksCleared)):
+            wire.append(event_to_wire(event, fmt))
+        else:
+            wire.append(event)
+    batch: list[Any] = [ts, wire]
+    if data_parallel_rank is not None:
+        batch.append(data_parallel_rank)
+    return msgpack.packb(batch, use_bin_type=True)  # type: ignore[no-any-return]

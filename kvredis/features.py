@@ -1,0 +1,189 @@
+"""Multimodal block features: which image/audio items taint which KV blocks.
+
+A block that holds (part of) a multimodal item's placeholder tokens must hash differently from a
+text block with the same token ids, because the engine's cached KV for it depends on the item's
+content. These helpers produce the per-block identifier lists that
+:meth:`kvredis.hashing.ChunkedTokenDatabase.tokens_to_kv_block_keys` mixes into the block keys:
+
+* :func:`compute_block_extra_features` derives them on the router side from the tokenizer's
+  multimodal hashes and placeholder ranges;
+* :func:`parse_raw_extra_keys` reads them from an engine's ``BlockStored`` event ``extra_keys``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvredis.errors import InvalidInputError
+
+__all__ = [
+    "BlockExtraFeatures",
+    "MMHash",
+    "PlaceholderRange",
+    "compute_block_extra_features",
+    "parse_raw_extra_keys",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class MMHash:
+    """The identifier (content hash) of one multimodal item overlapping a block."""
+
+    hash: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.hash, str):
+            raise InvalidInputError(f"MMHash.hash must be a str, got {type(self.hash).__name__}")
+        try:
+            self.hash.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidInputError(f"MMHash.hash is not encodable as UTF-8: {exc}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockExtraFeatures:
+    """Per-block extra data that taints the block hash: the overlapping items, in start order.
+
+    Instances compare by value. They hold a list, so they are not hashable. A block with an empty
+    ``mm_hashes`` list hashes exactly like a text block (``None``).
+    """
+
+    mm_hashes: list[MMHash]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mm_hashes, list):
+            raise InvalidInputError(
+                f"BlockExtraFeatures.mm_hashes must be a list, got {type(self.mm_hashes).__name__}"
+            )
+        for item in self.mm_hashes:
+            if not isinstance(item, MMHash):
+                raise InvalidInputError(
+                    "BlockExtraFeatures.mm_hashes must hold MMHash values, "
+                    f"got {type(item).__name__}"
+                )
+
+
+def _check_nonneg_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidInputError(f"PlaceholderRange.{name} must be an int, got {value!r}")
+    if value < 0:
+        raise InvalidInputError(f"PlaceholderRange.{name} must be >= 0, got {value}")
+
+
+@dataclass(frozen=True, slots=True)
+class PlaceholderRange:
+    """The placeholder tokens of one multimodal item: ``[offset, offset + length)``, absolute."""
+
+    offset: int
+    length: int
+
+    def __post_init__(self) -> None:
+        _check_nonneg_int("offset", self.offset)
+        _check_nonneg_int("length", self.length)
+
+
+def compute_block_extra_features(
+    mm_hashes: Mapping[str, Sequence[str]],
+    mm_placeholders: Mapping[str, Sequence[PlaceholderRange]],
+    block_size: int,
+    num_tokens: int,
+) -> list[BlockExtraFeatures | None] | None:
+    """Per full block, the identifiers of the multimodal items whose placeholders overlap it.
+
+    Each modality's hashes are paired with its placeholder ranges by position (pairs beyond the
+    shorter of the two lists are dropped; a modality without ranges contributes nothing). All
+    pairs are sorted by start offset (stably, so equal starts keep modality then list order).
+    Block ``i`` covers tokens ``[i * block_size, (i + 1) * block_size)`` and there are
+    ``num_tokens // block_size`` of them; a block gets the identifiers of every item whose range
+    ``[offset, offset + length)`` intersects it, in start order, or ``None`` when there is none
+    (a zero-length range intersects nothing).
+
+    Returns ``None`` when there are no hashes (or no pairs), ``block_size <= 0`` or
+    ``num_tokens <= 0``.
+    """
+    if not mm_hashes or block_size <= 0 or num_tokens <= 0:
+        return None
+    items: list[tuple[int, int, str]] = []
+    pairs = 0
+    for modality, hashes in mm_hashes.items():
+        if isinstance(hashes, (str, bytes)):
+            raise InvalidInputError(
+                f"mm_hashes[{modality!r}] must be a list of identifiers, "
+                f"got {type(hashes).__name__}"
+            )
+        ranges = mm_placeholders.get(modality)
+        if not ranges:
+            continue
+        for identifier, rng in zip(hashes, ranges, strict=False):
+            if not isinstance(identifier, str):
+                raise InvalidInputError(
+                    f"mm_hashes[{modality!r}] must hold str identifiers, "
+                    f"got {type(identifier).__name__}"
+                )
+            if not isinstance(rng, PlaceholderRange):
+                raise InvalidInputError(
+                    f"mm_placeholders[{modality!r}] must hold PlaceholderRange values, "
+                    f"got {type(rng).__name__}"
+                )
+            pairs += 1
+            if rng.length > 0:
+                items.append((rng.offset, rng.offset + rng.length, identifier))
+    if pairs == 0:
+        return None
+    items.sort(key=lambda item: item[0])
+
+    num_blocks = num_tokens // block_size
+    result: list[BlockExtraFeatures | None] = [None] * num_blocks
+    first = 0  # items before `first` end at or before the current block: never needed again
+    for block_idx in range(num_blocks):
+        block_start = block_idx * block_size
+        block_end = block_start + block_size
+        hits: list[MMHash] = []
+        for idx in range(first, len(items)):
+            start, end, identifier = items[idx]
+            if start >= block_end:
+                break
+            if end > block_start:
+                hits.append(MMHash(identifier))
+            elif idx == first:
+                first += 1
+        if hits:
+            result[block_idx] = BlockExtraFeatures(hits)
+    return result
+
+
+def parse_raw_extra_keys(
+    raw: Sequence[Sequence[Any] | None] | None,
+) -> list[BlockExtraFeatures | None] | None:
+    """Turn a ``BlockStored`` event's ``extra_keys`` into per-block features.
+
+    Each block's elements are bare string identifiers (current vLLM) or legacy
+    ``[identifier, offset]`` pairs (a list or tuple whose first element is a string; the offset is
+    ignored). Other elements (LoRA names, cache salts, numbers) are skipped. A ``None`` block, or
+    one without identifiers, becomes ``None``. ``raw=None`` returns ``None``.
+    """
+    if raw is None:
+        return None
+    if isinstance(raw, (str, bytes, bytearray)) or not isinstance(raw, Sequence):
+        raise InvalidInputError(
+            f"extra_keys must be a list of per-block lists, got {type(raw).__name__}"
+        )
+    result: list[BlockExtraFeatures | None] = []
+    for block_idx, block in enumerate(raw):
+        if block is None:
+            result.append(None)
+            continue
+        if isinstance(block, (str, bytes, bytearray)) or not isinstance(block, Sequence):
+            raise InvalidInputError(
+                f"extra_keys[{block_idx}] must be a list or None, got {type(block).__name__}"
+            )
+        hashes: list[MMHash] = []
+        for element in block:
+            if isinstance(element, str):
+                hashes.append(MMHash(element))
+            elif isinstance(element, (list, tuple)) and element and isinstance(element[0], str):
+                hashes.append(MMHash(element[0]))
+        result.append(BlockExtraFeatures(hashes) if hashes else None)
+    return result

@@ -1,0 +1,160 @@
+"""The Index contract shared by every backend, and the input checks every backend applies.
+
+An index maps *request keys* (block hashes kvredis computes from token ids) to the pod entries
+holding that block, and *engine keys* (the hashes engines report in KV events) to request keys.
+Every backend (in-memory, cost-aware, Redis, Valkey) implements :class:`Index`; the asyncio Redis
+backend implements :class:`AsyncIndex` with the same semantics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from typing import Protocol, runtime_checkable
+
+from kvredis.errors import InvalidInputError
+from kvredis.types import MAX_BLOCK_HASH, KeyType, PodEntry
+
+
+@runtime_checkable
+class Index(Protocol):
+    """A thread-safe KV-block index."""
+
+    def lookup(
+        self, request_keys: Sequence[int], pod_identifier_set: Collection[str] | None = None
+    ) -> dict[int, list[PodEntry]]:
+        """Walk ``request_keys`` in order; stop at the first key no (filtered) pod holds."""
+        ...
+
+    def add(
+        self,
+        engine_keys: Sequence[int] | None,
+        request_keys: Sequence[int],
+        entries: Sequence[PodEntry],
+    ) -> None:
+        """Store every entry under every request key; map engine keys to request keys."""
+        ...
+
+    def evict(self, key: int, key_type: KeyType, entries: Sequence[PodEntry]) -> None:
+        """Remove exactly these entries (an engine key resolves to its request keys)."""
+        ...
+
+    def get_request_key(self, engine_key: int) -> int:
+        """The last request key mapped to ``engine_key``; ``EngineKeyNotFoundError`` if none."""
+        ...
+
+    def clear(self, pod_identifier: str) -> None:
+        """Remove every entry of the pod, on every tier and group."""
+        ...
+
+
+@runtime_checkable
+class AsyncIndex(Protocol):
+    """The asyncio form of :class:`Index`: same methods, same semantics, as coroutines."""
+
+    async def lookup(
+        self, request_keys: Sequence[int], pod_identifier_set: Collection[str] | None = None
+    ) -> dict[int, list[PodEntry]]: ...
+
+    async def add(
+        self,
+        engine_keys: Sequence[int] | None,
+        request_keys: Sequence[int],
+        entries: Sequence[PodEntry],
+    ) -> None: ...
+
+    async def evict(self, key: int, key_type: KeyType, entries: Sequence[PodEntry]) -> None: ...
+
+    async def get_request_key(self, engine_key: int) -> int: ...
+
+    async def clear(self, pod_identifier: str) -> None: ...
+
+
+def check_hash(value: object, what: str = "block hash") -> int:
+    """Return ``value`` as an int if it is a valid 64-bit unsigned hash, else raise."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidInputError(f"{what} must be an int, got {type(value).__name__}")
+    if not 0 <= value <= MAX_BLOCK_HASH:
+        raise InvalidInputError(f"{what} must be in [0, 2**64), got {value}")
+    return int(value)
+
+
+def check_hashes(values: Sequence[int], what: str = "block hash") -> list[int]:
+    """Validate a sequence of 64-bit hashes (see :func:`check_hash`)."""
+    if isinstance(values, (str, bytes)):
+        raise InvalidInputError(f"{what}es must be a sequence of ints, got {type(values).__name__}")
+    return [check_hash(v, what) for v in values]
+
+
+def check_entries(entries: Sequence[PodEntry], *, for_add: bool = False) -> list[PodEntry]:
+    """Validate a non-empty sequence of pod entries.
+
+    With ``for_add`` the pod identifier and device tier must be non-empty: an entry that cannot be
+    named cannot be filtered, scored or cleared later.
+    """
+    if isinstance(entries, PodEntry):
+        raise InvalidInputError("entries must be a sequence of PodEntry, got a single PodEntry")
+    out = list(entries)
+    if not out:
+        raise InvalidInputError("no pod entries given: pass at least one PodEntry")
+    for entry in out:
+        if not isinstance(entry, PodEntry):
+            raise InvalidInputError(f"entries must be PodEntry values, got {type(entry).__name__}")
+        if for_add and (not entry.pod_identifier or not entry.device_tier):
+            raise InvalidInputError(
+                f"pod entry {entry!r} has an empty pod identifier or device tier; both must be "
+                "non-empty strings"
+            )
+    return out
+
+
+def check_add(
+    engine_keys: Sequence[int] | None, request_keys: Sequence[int], entries: Sequence[PodEntry]
+) -> tuple[list[int] | None, list[int], list[PodEntry]]:
+    """Validate the arguments of ``Index.add`` and return them as lists."""
+    req = check_hashes(request_keys, "request key")
+    if not req:
+        raise InvalidInputError("no request keys given: add needs at least one request key")
+    eng = None if engine_keys is None else check_hashes(engine_keys, "engine key")
+    return eng, req, check_entries(entries, for_add=True)
+
+
+def check_key_type(key_type: object) -> KeyType:
+    """Validate an evict key type."""
+    if not isinstance(key_type, KeyType):
+        raise InvalidInputError(
+            f"key_type must be KeyType.ENGINE or KeyType.REQUEST, got {key_type!r}"
+        )
+    return key_type
+
+
+def check_pod_identifier(pod_identifier: object) -> str:
+    """Validate the pod identifier of ``Index.clear``: a non-empty str."""
+    if not isinstance(pod_identifier, str) or not pod_identifier:
+        raise InvalidInputError(
+            f"pod_identifier must be a non-empty str, got {pod_identifier!r}"
+        )
+    return pod_identifier
+
+
+def pod_filter(pod_identifier_set: Collection[str] | None) -> frozenset[str] | None:
+    """Normalize a lookup filter: ``None`` or empty means every pod."""
+    if not pod_identifier_set:
+        return None
+    if isinstance(pod_identifier_set, str):
+        raise InvalidInputError("pod_identifier_set must be a collection of pod ids, not a str")
+    return frozenset(pod_identifier_set)
+
+
+def infer_mappings(
+    engine_keys: Sequence[int], request_keys: Sequence[int]
+) -> list[tuple[int, int]]:
+    """Engine-to-request key pairs inferred from the length ratio (1:1, many:1 and 1:many).
+
+    With ``n = max(len(e), len(r))``, position ``i`` in ``range(n)`` maps
+    ``e[i * len(e) // n]`` to ``r[i * len(r) // n]``. Either list empty gives no pairs.
+    """
+    ne, nr = len(engine_keys), len(request_keys)
+    if ne == 0 or nr == 0:
+        return []
+    n = max(ne, nr)
+    return [(engine_keys[i * ne // n], request_keys[i * nr // n]) for i in range(n)]

@@ -1,0 +1,85 @@
+"""The Indexer: from a prompt's token ids to per-pod prefix-cache scores."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+from kvredis.features import BlockExtraFeatures
+from kvredis.hashing import TokenProcessor
+from kvredis.index import Index
+from kvredis.scoring import LongestPrefixScorer
+from kvredis.types import EMPTY_BLOCK_HASH
+
+
+class Indexer:
+    """Turns token ids into block keys and scores the pods holding the longest prefix of them.
+
+    When the index scores on its own (it has a ``score(request_keys, medium_weights,
+    pod_identifier_set)`` method, like the Redis backend, which scores server-side and sends back
+    only the per-pod scores), the Indexer delegates to it with the scorer's tier weights;
+    otherwise it looks the keys up and scores them with the :class:`LongestPrefixScorer`. Both
+    paths give identical results.
+    """
+
+    __slots__ = ("_index", "_scorer", "_server_score", "_token_processor")
+
+    def __init__(
+        self,
+        index: Index,
+        token_processor: TokenProcessor,
+        scorer: LongestPrefixScorer | None = None,
+    ) -> None:
+        self._index = index
+        self._token_processor = token_processor
+        self._scorer = LongestPrefixScorer() if scorer is None else scorer
+        server_score = getattr(index, "score", None)
+        # A scorer subclass that changes score() must see the entries, so score client-side.
+        custom = type(self._scorer).score is not LongestPrefixScorer.score
+        self._server_score: Any = server_score if callable(server_score) and not custom else None
+
+    @property
+    def index(self) -> Index:
+        """The index the Indexer reads."""
+        return self._index
+
+    @property
+    def token_processor(self) -> TokenProcessor:
+        """The token processor computing block keys."""
+        return self._token_processor
+
+    @property
+    def scorer(self) -> LongestPrefixScorer:
+        """The scorer (its tier weights also drive server-side scoring)."""
+        return self._scorer
+
+    def compute_block_keys(
+        self,
+        tokens: Sequence[int],
+        model_name: str,
+        extra_features: Sequence[BlockExtraFeatures | None] | None = None,
+    ) -> list[int]:
+        """Request keys of the full blocks of ``tokens``, chained from the model's root."""
+        return self._token_processor.tokens_to_kv_block_keys(
+            EMPTY_BLOCK_HASH, tokens, model_name, extra_features
+        )
+
+    def score_tokens(
+        self,
+        tokens: Sequence[int],
+        model_name: str,
+        pod_identifiers: Collection[str] | None = None,
+        extra_features: Sequence[BlockExtraFeatures | None] | None = None,
+    ) -> dict[str, float]:
+        """Per-pod scores for a prompt; only ``pod_identifiers`` are considered when given.
+
+        A prompt shorter than one block, or one no pod holds, gives ``{}``.
+        """
+        keys = self.compute_block_keys(tokens, model_name, extra_features)
+        if not keys:
+            return {}
+        pods = pod_identifiers or None
+        if self._server_score is not None:
+            weights: Mapping[str, float] = dict(self._scorer.medium_weights)
+            return dict(self._server_score(keys, weights, pods))
+        return self._scorer.score(keys, self._index.lookup(keys, pods))

@@ -1,0 +1,564 @@
+"""Embedded indexes: the whole KV-block index in this process's memory.
+
+Two backends share one implementation and differ only in how they bound their memory:
+
+* :class:`InMemoryIndex` keeps at most ``size`` request keys and at most ``size`` engine keys
+  (least recently used dropped first) and at most ``pod_cache_size`` entries per request key
+  (least recently added dropped first).
+* :class:`CostAwareMemoryIndex` keeps an estimate of the bytes it holds (see
+  :func:`estimated_entry_cost` and the ``*_COST`` constants) under a budget such as ``"2GiB"``,
+  dropping the least recently used request keys and engine keys, whichever is older, until it
+  fits.
+
+"Used" means added to, looked up with a hit (request keys) or resolved by ``get_request_key``
+(engine keys). Both backends implement :class:`~kvredis.index.Index` and
+:class:`~kvredis.batch.BatchIndex`; one lock guards all state, so every method is atomic.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+from kvredis.batch import AddOp, EvictOp, IndexOp, Watermark
+from kvredis.errors import ConfigError, EngineKeyNotFoundError, InvalidInputError
+from kvredis.index import (
+    check_add,
+    check_entries,
+    check_hash,
+    check_hashes,
+    check_key_type,
+    check_pod_identifier,
+    infer_mappings,
+    pod_filter,
+)
+from kvredis.types import MAX_BLOCK_HASH, KeyType, PodEntry
+
+#: Most request keys remembered per engine key; older mappings of that engine key are dropped.
+MAX_REQUEST_KEYS_PER_ENGINE_KEY = 1024
+
+# Byte-cost estimate of the cost-aware index: what the structures below take on 64-bit CPython
+# 3.11, measured with tracemalloc. Dict growth makes the true figure swing with the number of
+# keys: for 100k-400k keys and 1-10 pods the estimate is within -10%/+30% of what is allocated,
+# for smaller indexes it errs high (scripts/bench_memory.py reports it, tests/test_memory.py
+# checks it).
+#: A request key: its int, its slot in the LRU dict and the per-key record with its tuple.
+KEY_COST = 152
+#: One entry under one request key (its tuple slot and per-pod bookkeeping), plus the length
+#: of its two strings (see estimated_entry_cost).
+ENTRY_COST = 88
+#: An engine key: its int, its slot in the LRU dict and the mapping record with its tuple.
+MAPPING_COST = 192
+#: One request key remembered by an engine key.
+MAPPING_REF_COST = 24
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)(?:[eE]([+-]?\d+))?\s*([A-Za-z]*)\s*$")
+_SIZE_UNITS: dict[str, int] = {"": 1, "b": 1}
+_SIZE_UNITS.update(
+    {
+        prefix + suffix: (1024 if suffix.startswith("i") else 1000) ** power
+        for power, prefix in enumerate(("k", "m", "g", "t", "p"), start=1)
+        for suffix in ("", "b", "i", "ib")
+    }
+)
+#: Largest budget accepted (bytes); anything bigger is certainly a typo.
+MAX_SIZE = 2**63 - 1
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes in a human size: ``"500MiB"``, ``"1GB"``, ``"1.5GiB"``, ``"100KB"``, ``2048``.
+
+    Binary units (KiB, MiB, GiB, TiB, PiB; also Ki, Mi, ...) are powers of 1024, decimal units
+    (KB, MB, GB, TB, PB; also K, M, ...) powers of 1000; case does not matter and a unit-less
+    number is bytes. Fractions round down to whole bytes. Anything else, or a size that is not
+    at least one byte, raises :class:`~kvredis.errors.ConfigError`.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ConfigError(f"size must be an int or a string like '2GiB', got {value!r}")
+    if isinstance(value, int):
+        amount = Decimal(value)
+    else:
+        match = _SIZE_RE.match(value)
+        unit = match.group(3).lower() if match else ""
+        if match is None or unit not in _SIZE_UNITS:
+            raise ConfigError(
+                f"cannot parse size {value!r}: expected a number of bytes or a number with a "
+                "unit such as 500MiB, 1GB, 2GiB"
+            )
+        try:
+            number = Decimal(match.group(1) + (f"e{match.group(2)}" if match.group(2) else ""))
+        except InvalidOperation as exc:  # pragma: no cover - the regex admits only numbers
+            raise ConfigError(f"cannot parse size {value!r}") from exc
+        amount = number * _SIZE_UNITS[unit]
+    if amount < 1:
+        raise ConfigError(f"size must be at least 1 byte, got {value!r}")
+    if amount > MAX_SIZE:
+        raise ConfigError(f"size must be at most 2**63 - 1 bytes, got {value!r}")
+    return int(amount)
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def _take_keys(what: str, mapping: Mapping[str, Any], fields: dict[str, str]) -> dict[str, Any]:
+    """Map upstream (camelCase) or Python (snake_case) keys to field names, rejecting others."""
+    if not isinstance(mapping, Mapping):
+        raise ConfigError(f"{what} must be a mapping, got {type(mapping).__name__}")
+    out: dict[str, Any] = {}
+    unknown = []
+    for key, value in mapping.items():
+        name = fields.get(key)
+        if name is None:
+            unknown.append(key)
+        elif name in out:
+            raise ConfigError(f"{what} sets {name} twice (camelCase and snake_case)")
+        elif value is not None:
+            out[name] = value
+    if unknown:
+        raise ConfigError(
+            f"unknown {what} keys: {', '.join(map(repr, unknown))}; "
+            f"expected {', '.join(sorted(set(fields)))}"
+        )
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class InMemoryIndexConfig:
+    """Bounds of :class:`InMemoryIndex`: request keys kept, entries kept per key."""
+
+    size: int = 100_000_000
+    pod_cache_size: int = 10
+
+    def __post_init__(self) -> None:
+        _positive_int("size", self.size)
+        _positive_int("pod_cache_size", self.pod_cache_size)
+
+    @classmethod
+    def from_dict(cls, mapping: Mapping[str, Any]) -> InMemoryIndexConfig:
+        """Build from the upstream JSON shape (``size``, ``podCacheSize``)."""
+        fields = {
+            "size": "size",
+            "podCacheSize": "pod_cache_size",
+            "pod_cache_size": "pod_cache_size",
+        }
+        return cls(**_take_keys("inMemoryConfig", mapping, fields))
+
+
+@dataclass(frozen=True, slots=True)
+class CostAwareMemoryIndexConfig:
+    """Budget of :class:`CostAwareMemoryIndex`: a human size (``"2GiB"``) or bytes."""
+
+    size: int | str = "2GiB"
+
+    def __post_init__(self) -> None:
+        parse_size(self.size)
+
+    @classmethod
+    def from_dict(cls, mapping: Mapping[str, Any]) -> CostAwareMemoryIndexConfig:
+        """Build from the upstream JSON shape (``size``)."""
+        return cls(**_take_keys("costAwareMemoryConfig", mapping, {"size": "size"}))
+
+    def max_cost(self) -> int:
+        """The budget in bytes."""
+        return parse_size(self.size)
+
+
+def estimated_entry_cost(entry: PodEntry) -> int:
+    """Estimated bytes of one entry stored under one request key (strings counted in full)."""
+    return ENTRY_COST + len(entry.pod_identifier) + len(entry.device_tier)
+
+
+class _Slot:
+    """One request key: its entries, oldest added first, and when it was last used."""
+
+    __slots__ = ("entries", "tick")
+
+    def __init__(self, tick: int) -> None:
+        self.entries: tuple[PodEntry, ...] = ()
+        self.tick = tick
+
+
+class _Mapping:
+    """One engine key: the request keys mapped to it, most recent last, and its last use."""
+
+    __slots__ = ("request_keys", "tick")
+
+    def __init__(self, tick: int, request_key: int) -> None:
+        self.request_keys: tuple[int, ...] = (request_key,)
+        self.tick = tick
+
+
+def _fast_hashes(values: Sequence[int]) -> Sequence[int] | None:
+    """``values`` if it is a non-empty list or tuple of plain in-range ints, else ``None``.
+
+    The common case of the hot paths, checked at C speed; anything else (including every bad
+    input) goes through the shared checks of :mod:`kvredis.index`.
+    """
+    if (
+        type(values) in (list, tuple)
+        and values
+        and set(map(type, values)) == _INT_ONLY
+        and min(values) >= 0
+        and max(values) <= MAX_BLOCK_HASH
+    ):
+        return values
+    return None
+
+
+_INT_ONLY = {int}
+
+
+def _check_batch(
+    ops: Sequence[IndexOp], stream: str | None, watermark: Watermark | None
+) -> list[IndexOp]:
+    """Validate a whole batch up front, so that a bad op rejects it before anything applies.
+
+    Returns the ops with their fields normalized to plain ints and tuples.
+    """
+    if (stream is None) != (watermark is None):
+        raise InvalidInputError("apply_batch needs both stream and watermark, or neither")
+    if stream is not None and (not isinstance(stream, str) or not stream):
+        raise InvalidInputError(f"stream must be a non-empty str, got {stream!r}")
+    if watermark is not None and not isinstance(watermark, Watermark):
+        raise InvalidInputError(f"watermark must be a Watermark, got {watermark!r}")
+    if isinstance(ops, (str, bytes)) or not isinstance(ops, Sequence):
+        raise InvalidInputError(f"ops must be a sequence of AddOp/EvictOp, got {ops!r}")
+    plan: list[IndexOp] = []
+    for position, op in enumerate(ops):
+        try:
+            if isinstance(op, AddOp):
+                eng, req, ents = check_add(op.engine_keys, op.request_keys, op.entries)
+                plan.append(AddOp(None if eng is None else tuple(eng), tuple(req), tuple(ents)))
+            elif isinstance(op, EvictOp):
+                key = check_hash(op.key, "evict key")
+                plan.append(
+                    EvictOp(key, check_key_type(op.key_type), tuple(check_entries(op.entries)))
+                )
+            else:
+                raise InvalidInputError(f"expected AddOp or EvictOp, got {type(op).__name__}")
+        except InvalidInputError as exc:
+            raise InvalidInputError(f"batch op {position}: {exc}") from exc
+    return plan
+
+
+class _MemoryIndex:
+    """The shared implementation; subclasses decide the per-key entry cap and :meth:`_shrink`."""
+
+    def __init__(self, entries_per_key: int | None) -> None:
+        self._lock = threading.Lock()
+        self._entries_per_key = entries_per_key
+        self._keys: OrderedDict[int, _Slot] = OrderedDict()
+        self._engine: OrderedDict[int, _Mapping] = OrderedDict()
+        # pod -> {request key: number of the pod's entries under it}, so clear() is O(pod's keys)
+        self._pod_keys: dict[str, dict[int, int]] = {}
+        self._watermarks: dict[str, Watermark] = {}
+        self._tick = 0
+        self._cost = 0
+
+    # -- Index -----------------------------------------------------------------------------
+
+    def lookup(
+        self, request_keys: Sequence[int], pod_identifier_set: Collection[str] | None = None
+    ) -> dict[int, list[PodEntry]]:
+        """Entries per key along the chain, stopping at the first key no (filtered) pod holds."""
+        keys = _fast_hashes(request_keys)
+        if keys is None:
+            keys = check_hashes(request_keys, "request key")
+        pods = pod_filter(pod_identifier_set)
+        out: dict[int, list[PodEntry]] = {}
+        with self._lock:
+            table = self._keys
+            self._tick += 1
+            tick = self._tick
+            for key in keys:
+                slot = table.get(key)
+                if slot is None:
+                    break
+                if pods is None:
+                    hits = list(slot.entries)
+                else:
+                    hits = [e for e in slot.entries if e.pod_identifier in pods]
+                    if not hits:
+                        break
+                out[key] = hits
+                table.move_to_end(key)
+                slot.tick = tick
+        return out
+
+    def add(
+        self,
+        engine_keys: Sequence[int] | None,
+        request_keys: Sequence[int],
+        entries: Sequence[PodEntry],
+    ) -> None:
+        """Store every entry under every request key and record the engine→request mappings."""
+        req = _fast_hashes(request_keys)
+        eng = None if engine_keys is None else _fast_hashes(engine_keys)
+        if req is None or (eng is None and engine_keys is not None):
+            eng, req, ents = check_add(engine_keys, request_keys, entries)
+        else:
+            ents = check_entries(entries, for_add=True)
+        with self._lock:
+            self._add(eng, req, ents)
+
+    def evict(self, key: int, key_type: KeyType, entries: Sequence[PodEntry]) -> None:
+        """Remove exactly these entries; an engine key resolves to all its request keys."""
+        k = check_hash(key, "evict key")
+        kt = check_key_type(key_type)
+        ents = check_entries(entries)
+        with self._lock:
+            self._evict(k, kt, ents)
+
+    def get_request_key(self, engine_key: int) -> int:
+        """The request key most recently mapped to ``engine_key``."""
+        k = check_hash(engine_key, "engine key")
+        with self._lock:
+            mapping = self._engine.get(k)
+            if mapping is None:
+                raise EngineKeyNotFoundError(k)
+            self._engine.move_to_end(k)
+            self._tick += 1
+            mapping.tick = self._tick
+            return mapping.request_keys[-1]
+
+    def clear(self, pod_identifier: str) -> None:
+        """Remove every entry of the pod, on every tier and group."""
+        pod = check_pod_identifier(pod_identifier)
+        with self._lock:
+            for key in list(self._pod_keys.get(pod, ())):
+                slot = self._keys[key]
+                self._remove(key, slot, [e for e in slot.entries if e.pod_identifier == pod])
+
+    def __len__(self) -> int:
+        """Number of request keys held."""
+        with self._lock:
+            return len(self._keys)
+
+    # -- BatchIndex ------------------------------------------------------------------------
+
+    def apply_batch(
+        self,
+        ops: Sequence[IndexOp],
+        stream: str | None = None,
+        watermark: Watermark | None = None,
+    ) -> bool:
+        """Apply ``ops`` in order, atomically, if ``watermark`` is newer than the stream's."""
+        plan = _check_batch(ops, stream, watermark)
+        with self._lock:
+            if stream is not None and watermark is not None:
+                stored = self._watermarks.get(stream)
+                if stored is not None and watermark <= stored:
+                    return False
+            for op in plan:
+                if isinstance(op, AddOp):
+                    self._add(op.engine_keys, op.request_keys, op.entries)
+                else:
+                    self._evict(op.key, op.key_type, op.entries)
+            if stream is not None and watermark is not None:
+                self._watermarks[stream] = watermark
+        return True
+
+    def get_watermark(self, stream: str) -> Watermark | None:
+        """The stored watermark of ``stream``, or ``None``."""
+        if not isinstance(stream, str) or not stream:
+            raise InvalidInputError(f"stream must be a non-empty str, got {stream!r}")
+        with self._lock:
+            return self._watermarks.get(stream)
+
+    def reset_watermark(self, stream: str, watermark: Watermark | None) -> None:
+        """Overwrite, or with ``None`` delete, the stored watermark of ``stream``."""
+        if not isinstance(stream, str) or not stream:
+            raise InvalidInputError(f"stream must be a non-empty str, got {stream!r}")
+        if watermark is not None and not isinstance(watermark, Watermark):
+            raise InvalidInputError(f"watermark must be a Watermark or None, got {watermark!r}")
+        with self._lock:
+            if watermark is None:
+                self._watermarks.pop(stream, None)
+            else:
+                self._watermarks[stream] = watermark
+
+    # -- internals (called with the lock held) ---------------------------------------------
+
+    def _add(self, eng: Sequence[int] | None, req: Sequence[int], ents: Sequence[PodEntry]) -> None:
+        self._tick += 1
+        tick = self._tick
+        table = self._keys
+        cap = self._entries_per_key
+        added = tuple(dict.fromkeys(ents))
+        for key in req:
+            slot = table.get(key)
+            if slot is None:
+                slot = table[key] = _Slot(tick)
+                self._cost += KEY_COST
+                held: tuple[PodEntry, ...] = ()
+            else:
+                table.move_to_end(key)
+                slot.tick = tick
+                held = slot.entries
+            # Re-adding an entry refreshes it: it moves to the most recently added end.
+            kept = tuple(e for e in held if e not in added) if held else ()
+            for entry in added:
+                if entry not in held:
+                    self._count(key, entry)
+            merged = kept + added
+            if cap is not None and len(merged) > cap:
+                for entry in merged[:-cap]:
+                    self._forget(key, entry)
+                merged = merged[-cap:]
+            slot.entries = merged
+        if eng:
+            for engine_key, request_key in infer_mappings(eng, req):
+                self._map(engine_key, request_key, tick)
+        self._shrink()
+
+    def _map(self, engine_key: int, request_key: int, tick: int) -> None:
+        mapping = self._engine.get(engine_key)
+        if mapping is None:
+            self._engine[engine_key] = _Mapping(tick, request_key)
+            self._cost += MAPPING_COST + MAPPING_REF_COST
+            return
+        self._engine.move_to_end(engine_key)
+        mapping.tick = tick
+        refs = mapping.request_keys
+        if refs[-1] == request_key:
+            return
+        if request_key in refs:
+            refs = tuple(r for r in refs if r != request_key)
+        else:
+            self._cost += MAPPING_REF_COST
+            if len(refs) >= MAX_REQUEST_KEYS_PER_ENGINE_KEY:
+                refs = refs[1:]
+                self._cost -= MAPPING_REF_COST
+        mapping.request_keys = (*refs, request_key)
+
+    def _evict(self, key: int, key_type: KeyType, ents: Sequence[PodEntry]) -> None:
+        table = self._keys
+        if key_type is KeyType.REQUEST:
+            slot = table.get(key)
+            if slot is not None:
+                self._remove(key, slot, ents)
+            return
+        mapping = self._engine.get(key)
+        if mapping is None:
+            return
+        for request_key in mapping.request_keys:
+            slot = table.get(request_key)
+            if slot is not None:
+                self._remove(request_key, slot, ents)
+        # Empty request keys are always removed, so "holds no entry" is "is not a key".
+        if not any(request_key in table for request_key in mapping.request_keys):
+            self._drop_mapping(key)
+
+    def _remove(self, key: int, slot: _Slot, gone: Sequence[PodEntry]) -> None:
+        """Remove the entries in ``gone`` from a key, and the key itself once it is empty."""
+        kept = []
+        for entry in slot.entries:
+            if entry in gone:
+                self._forget(key, entry)
+            else:
+                kept.append(entry)
+        if kept:
+            if len(kept) != len(slot.entries):
+                slot.entries = tuple(kept)
+        else:
+            del self._keys[key]
+            self._cost -= KEY_COST
+
+    def _count(self, key: int, entry: PodEntry) -> None:
+        """Account for an entry newly stored under a key."""
+        self._cost += estimated_entry_cost(entry)
+        counts = self._pod_keys.get(entry.pod_identifier)
+        if counts is None:
+            self._pod_keys[entry.pod_identifier] = {key: 1}
+        else:
+            counts[key] = counts.get(key, 0) + 1
+
+    def _forget(self, key: int, entry: PodEntry) -> None:
+        """Account for an entry no longer stored under a key."""
+        self._cost -= estimated_entry_cost(entry)
+        pod = entry.pod_identifier
+        counts = self._pod_keys[pod]
+        left = counts[key] - 1
+        if left:
+            counts[key] = left
+        else:
+            del counts[key]
+            if not counts:
+                del self._pod_keys[pod]
+
+    def _drop_key(self, key: int) -> None:
+        slot = self._keys.pop(key)
+        for entry in slot.entries:
+            self._forget(key, entry)
+        self._cost -= KEY_COST
+
+    def _drop_mapping(self, engine_key: int) -> None:
+        mapping = self._engine.pop(engine_key)
+        self._cost -= MAPPING_COST + MAPPING_REF_COST * len(mapping.request_keys)
+
+    def _shrink(self) -> None:
+        raise NotImplementedError
+
+
+class InMemoryIndex(_MemoryIndex):
+    """An embedded index bounded by key counts (see the module docstring)."""
+
+    def __init__(self, config: InMemoryIndexConfig | None = None) -> None:
+        cfg = InMemoryIndexConfig() if config is None else config
+        if not isinstance(cfg, InMemoryIndexConfig):
+            raise ConfigError(f"config must be an InMemoryIndexConfig, got {cfg!r}")
+        super().__init__(cfg.pod_cache_size)
+        self.config = cfg
+
+    def _shrink(self) -> None:
+        size = self.config.size
+        while len(self._keys) > size:
+            self._drop_key(next(iter(self._keys)))
+        while len(self._engine) > size:
+            self._drop_mapping(next(iter(self._engine)))
+
+
+class CostAwareMemoryIndex(_MemoryIndex):
+    """An embedded index bounded by an estimate of the bytes it holds (see the module docstring).
+
+    The estimate charges :data:`KEY_COST` per request key, :func:`estimated_entry_cost` per entry
+    under a key, :data:`MAPPING_COST` per engine key and :data:`MAPPING_REF_COST` per request key
+    an engine key remembers. The number of entries per request key is not capped separately.
+    """
+
+    def __init__(self, config: CostAwareMemoryIndexConfig | None = None) -> None:
+        cfg = CostAwareMemoryIndexConfig() if config is None else config
+        if not isinstance(cfg, CostAwareMemoryIndexConfig):
+            raise ConfigError(f"config must be a CostAwareMemoryIndexConfig, got {cfg!r}")
+        super().__init__(None)
+        self.config = cfg
+        self._max_cost = cfg.max_cost()
+
+    def max_cost(self) -> int:
+        """The byte budget."""
+        return self._max_cost
+
+    def cost(self) -> int:
+        """The current estimate of bytes held."""
+        with self._lock:
+            return self._cost
+
+    def _shrink(self) -> None:
+        keys, engine = self._keys, self._engine
+        while self._cost > self._max_cost and (keys or engine):
+            key = next(iter(keys), None)
+            engine_key = next(iter(engine), None)
+            if key is not None and (
+                engine_key is None or keys[key].tick <= engine[engine_key].tick
+            ):
+                self._drop_key(key)
+            elif engine_key is not None:
+                self._drop_mapping(engine_key)

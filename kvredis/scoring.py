@@ -1,0 +1,89 @@
+"""Scoring pods by the longest prefix of a request's blocks they hold, weighted by device tier."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+
+from kvredis.errors import InvalidInputError
+from kvredis.types import PodEntry
+
+#: Tier weights used when none are given: a block on GPU is worth more than one on CPU.
+DEFAULT_MEDIUM_WEIGHTS: Mapping[str, float] = MappingProxyType({"gpu": 1.0, "cpu": 0.8})
+
+#: Weight of a device tier missing from the weight map.
+UNKNOWN_TIER_WEIGHT = 1.0
+
+
+class LongestPrefixScorer:
+    """Scores each pod by the consecutive prefix of keys it holds, from the first key.
+
+    For every key along the chain a pod earns the highest weight among its tiers holding that
+    key (:data:`UNKNOWN_TIER_WEIGHT` for a tier not in ``medium_weights``) and drops out at the
+    first key it does not hold. A pod that does not hold the first key is absent from the result.
+    Scores are summed in key order, the order the Redis ``score`` script uses too, so both give
+    bit-identical floats.
+    """
+
+    __slots__ = ("_weights",)
+
+    def __init__(self, medium_weights: Mapping[str, float] | None = None) -> None:
+        if medium_weights is None:
+            medium_weights = DEFAULT_MEDIUM_WEIGHTS
+        if not isinstance(medium_weights, Mapping):
+            raise InvalidInputError(
+                f"medium_weights must be a mapping of tier to weight, got {medium_weights!r}"
+            )
+        weights: dict[str, float] = {}
+        for tier, weight in medium_weights.items():
+            if not isinstance(tier, str):
+                raise InvalidInputError(f"medium_weights keys must be str tiers, got {tier!r}")
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+                raise InvalidInputError(f"weight of tier {tier!r} must be a number, got {weight!r}")
+            if not math.isfinite(weight):
+                raise InvalidInputError(f"weight of tier {tier!r} must be finite, got {weight!r}")
+            weights[tier] = float(weight)
+        self._weights = weights
+
+    @property
+    def medium_weights(self) -> Mapping[str, float]:
+        """The tier weights in effect (read-only)."""
+        return MappingProxyType(self._weights)
+
+    def weight(self, device_tier: str) -> float:
+        """The weight of one device tier."""
+        return self._weights.get(device_tier, UNKNOWN_TIER_WEIGHT)
+
+    def score(
+        self, keys: Sequence[int], key_to_pods: Mapping[int, Sequence[PodEntry]]
+    ) -> dict[str, float]:
+        """Per-pod scores for the chain ``keys`` given which entries hold each key.
+
+        ``key_to_pods`` is typically the result of ``Index.lookup(keys, ...)``; keys it lacks
+        count as held by no pod.
+        """
+        if not keys:
+            return {}
+        weights = self._weights
+        scores: dict[str, float] = {}
+        for entry in key_to_pods.get(keys[0], ()):
+            w = weights.get(entry.device_tier, UNKNOWN_TIER_WEIGHT)
+            pod = entry.pod_identifier
+            if pod not in scores or w > scores[pod]:
+                scores[pod] = w
+        active: Mapping[str, float] = scores
+        for key in keys[1:]:
+            if not active:
+                break
+            best: dict[str, float] = {}
+            for entry in key_to_pods.get(key, ()):
+                pod = entry.pod_identifier
+                if pod in active:
+                    w = weights.get(entry.device_tier, UNKNOWN_TIER_WEIGHT)
+                    if pod not in best or w > best[pod]:
+                        best[pod] = w
+            for pod, w in best.items():
+                scores[pod] += w
+            active = best
+        return scores

@@ -1,0 +1,116 @@
+"""Core value types of the kvblock model: block hashes, key types, pod entries, KV-cache groups."""
+
+from __future__ import annotations
+
+import enum
+import threading
+from dataclasses import dataclass
+
+from kvredis.errors import InvalidInputError
+
+MAX_BLOCK_HASH = (1 << 64) - 1
+
+
+class BlockHash(int):
+    """A 64-bit block hash: an ``int`` in ``[0, 2**64)``; its ``str`` is the unsigned decimal."""
+
+    __slots__ = ()
+
+    def __new__(cls, value: int) -> BlockHash:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidInputError(f"block hash must be an int, got {type(value).__name__}")
+        if not 0 <= value <= MAX_BLOCK_HASH:
+            raise InvalidInputError(f"block hash must be in [0, 2**64), got {value}")
+        return super().__new__(cls, value)
+
+    def __repr__(self) -> str:
+        return f"BlockHash({int(self)})"
+
+    def __str__(self) -> str:
+        return int.__repr__(self)
+
+
+EMPTY_BLOCK_HASH = BlockHash(0)
+
+
+class KeyType(enum.Enum):
+    """Which key space a key passed to ``Index.evict`` belongs to."""
+
+    ENGINE = "engine"
+    REQUEST = "request"
+
+
+@dataclass(frozen=True, slots=True)
+class PodEntry:
+    """One holder of a block: a pod, on a device tier, optionally speculative, optionally grouped.
+
+    Equality and hashing cover all five fields. ``group_idx`` is meaningful only with
+    ``has_group=True`` (hybrid-memory-allocator KV-cache groups).
+    """
+
+    pod_identifier: str
+    device_tier: str = ""
+    speculative: bool = False
+    has_group: bool = False
+    group_idx: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pod_identifier, str):
+            raise InvalidInputError(
+                f"pod_identifier must be a str, got {type(self.pod_identifier).__name__}"
+            )
+        if not isinstance(self.device_tier, str):
+            raise InvalidInputError(
+                f"device_tier must be a str, got {type(self.device_tier).__name__}"
+            )
+        if not isinstance(self.speculative, bool) or not isinstance(self.has_group, bool):
+            raise InvalidInputError("speculative and has_group must be bools")
+        if isinstance(self.group_idx, bool) or not isinstance(self.group_idx, int):
+            raise InvalidInputError(f"group_idx must be an int, got {self.group_idx!r}")
+        if not 0 <= self.group_idx < (1 << 31):
+            raise InvalidInputError(f"group_idx must be in [0, 2**31), got {self.group_idx}")
+
+    def __str__(self) -> str:
+        text = f"{self.pod_identifier}@{self.device_tier}"
+        if self.speculative:
+            text += "[speculative]"
+        if self.has_group:
+            text += f"[group={self.group_idx}]"
+        return text
+
+
+@dataclass(frozen=True, slots=True)
+class GroupMetadata:
+    """What a pod reported about one of its KV-cache groups (kind, block size, sliding window)."""
+
+    kind: str
+    block_size: int
+    sliding_window_size: int | None = None
+
+
+class GroupCatalog:
+    """Thread-safe record of the KV-cache groups each pod has reported."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._groups: dict[tuple[str, int], GroupMetadata] = {}
+
+    def learn(self, pod_id: str, group_id: int, meta: GroupMetadata) -> None:
+        """Record (or replace) the metadata of ``group_id`` on ``pod_id``."""
+        with self._lock:
+            self._groups[(pod_id, group_id)] = meta
+
+    def get(self, pod_id: str, group_id: int) -> GroupMetadata | None:
+        """The metadata last learned for ``group_id`` on ``pod_id``, or ``None``."""
+        with self._lock:
+            return self._groups.get((pod_id, group_id))
+
+    def forget_pod(self, pod_id: str) -> None:
+        """Drop everything learned about ``pod_id`` (used when the pod's cache is cleared)."""
+        with self._lock:
+            for key in [k for k in self._groups if k[0] == pod_id]:
+                del self._groups[key]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._groups)

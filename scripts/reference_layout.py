@@ -1,0 +1,257 @@
+"""The reference the Redis benchmarks compare against: how the Go llm-d RedisIndex keeps the index.
+
+Layout (one Redis database holds nothing else, because the Go index uses bare key names):
+
+- one HASH per request key, named by the bare unsigned decimal hash (``"1234567890"``), with one
+  field per pod entry. The field name is the ``encoding/json`` rendering of the Go ``PodEntry``
+  struct, ``{"PodIdentifier":"pod-a","DeviceTier":"gpu","Speculative":false,"HasGroup":false,
+  "GroupIdx":0}``, and the value is the empty string;
+- one ZSET per engine key, named ``engine:<decimal engine hash>``, whose members are the decimal
+  request keys mapped to it, scored by their position in that engine key's mapping.
+
+Access, round trip by round trip, as the Go code makes them:
+
+- ``lookup``: one pipeline with an HKEYS for every request key of the chain (the whole chain is
+  read even when it breaks early), then every field is JSON-decoded and the chain is cut
+  client-side at the first key with no (filtered) entry. 1 round trip.
+- ``add``: one pipeline with a ZADD per inferred engine-to-request mapping and an HSET per
+  (request key, entry). 1 round trip.
+- ``evict`` by engine key: ZRANGE of the engine ZSET; then for each of its request keys a
+  pipeline of HDELs followed by a prune script (delete the hash if HLEN is 0); then a prune script
+  that deletes the engine ZSET only if all its request keys are empty.
+  ``2 + 2 * len(request keys)`` round trips (4 for a 1:1 mapping).
+- ``evict`` by request key: the HDEL pipeline and the prune script. 2 round trips.
+- ``get_request_key``: ``ZRANGE engine:<k> 0 0 REV``. 1 round trip.
+- ``clear``: SCAN ``*`` COUNT 1024 over the whole database; for every key that is not an engine
+  ZSET: HKEYS, decode, HDEL of the pod's fields and the prune script (3 round trips per key
+  holding the pod, 1 per other key).
+
+Scripts run the way go-redis ``Script.Run`` does: EVALSHA, loading the script on NOSCRIPT.
+Every method counts its round trips in :attr:`ReferenceLayout.round_trips`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection, Sequence
+
+import redis
+
+from kvredis.errors import EngineKeyNotFoundError
+from kvredis.index import (
+    check_add,
+    check_entries,
+    check_hash,
+    check_key_type,
+    check_pod_identifier,
+    pod_filter,
+)
+from kvredis.types import KeyType, PodEntry
+
+ENGINE_PREFIX = "engine:"
+SCAN_BATCH = 1024
+
+_PRUNE_REQUEST_KEY = """
+if redis.call('HLEN', KEYS[1]) == 0 then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+return 0
+"""
+
+_PRUNE_ENGINE_KEY = """
+for i = 2, #KEYS do
+  if redis.call('HLEN', KEYS[i]) > 0 then
+    return 0
+  end
+end
+redis.call('DEL', KEYS[1])
+return 1
+"""
+
+# encoding/json escapes these in strings by default (HTML-safe output); Python's json does not.
+_GO_EXTRA_ESCAPES = str.maketrans(
+    {"<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+)
+
+
+def encode_field(entry: PodEntry) -> str:
+    """The hash field name Go's ``json.Marshal(PodEntry)`` produces for ``entry``."""
+    text = json.dumps(
+        {
+            "PodIdentifier": entry.pod_identifier,
+            "DeviceTier": entry.device_tier,
+            "Speculative": entry.speculative,
+            "HasGroup": entry.has_group,
+            "GroupIdx": entry.group_idx,
+        },
+        ensure_ascii=False,
+        separators=(",", ":"),
+    )
+    return text.translate(_GO_EXTRA_ESCAPES)
+
+
+def decode_field(field: bytes | str) -> PodEntry | None:
+    """A hash field name back to a ``PodEntry``; ``None`` for a field that does not decode.
+
+    Like ``json.Unmarshal`` into the Go struct: missing members take their zero value, unknown
+    members are ignored.
+    """
+    try:
+        obj = json.loads(field)
+        return PodEntry(
+            obj.get("PodIdentifier", ""),
+            obj.get("DeviceTier", ""),
+            obj.get("Speculative", False),
+            obj.get("HasGroup", False),
+            obj.get("GroupIdx", 0),
+        )
+    except (ValueError, AttributeError, TypeError):
+        return None
+
+
+def engine_key_name(engine_key: int) -> str:
+    """Name of the ZSET holding the request keys of ``engine_key``."""
+    return f"{ENGINE_PREFIX}{engine_key}"
+
+
+def engine_to_request_mapping(
+    engine_keys: Sequence[int], request_keys: Sequence[int]
+) -> dict[int, list[int]]:
+    """Each engine key's ordered request keys, by the proportional length-ratio rule."""
+    mappings: dict[int, list[int]] = {}
+    ne, nr = len(engine_keys), len(request_keys)
+    if ne == 0 or nr == 0:
+        return mappings
+    n = max(ne, nr)
+    for i in range(n):
+        mappings.setdefault(engine_keys[i * ne // n], []).append(request_keys[i * nr // n])
+    return mappings
+
+
+class ReferenceLayout:
+    """The Go llm-d RedisIndex layout and access pattern, on a redis-py client.
+
+    The client should select a database used by nothing else (the layout has no namespace).
+    Input is validated with the same checks as every kvredis backend, so both sides of a
+    benchmark accept the same operations.
+    """
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+        self.round_trips = 0
+        self._prune_request_key = client.register_script(_PRUNE_REQUEST_KEY)
+        self._prune_engine_key = client.register_script(_PRUNE_ENGINE_KEY)
+
+    def lookup(
+        self, request_keys: Sequence[int], pod_identifier_set: Collection[str] | None = None
+    ) -> dict[int, list[PodEntry]]:
+        """HKEYS of every key in one pipeline, decode, cut at the first key with no entry."""
+        keys = [check_hash(k, "request key") for k in request_keys]
+        wanted = pod_filter(pod_identifier_set)
+        if not keys:
+            return {}
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.hkeys(str(key))
+        replies = pipe.execute()
+        self.round_trips += 1
+        out: dict[int, list[PodEntry]] = {}
+        for key, fields in zip(keys, replies, strict=True):
+            pods: list[PodEntry] = []
+            for field in fields:
+                entry = decode_field(field)
+                if entry is None:
+                    continue
+                if wanted is None or entry.pod_identifier in wanted:
+                    pods.append(entry)
+            if not pods:
+                break
+            out[key] = pods
+        return out
+
+    def add(
+        self,
+        engine_keys: Sequence[int] | None,
+        request_keys: Sequence[int],
+        entries: Sequence[PodEntry],
+    ) -> None:
+        """ZADD every engine mapping and HSET every (request key, entry) in one pipeline."""
+        eng, req, ents = check_add(engine_keys, request_keys, entries)
+        pipe = self.client.pipeline(transaction=False)
+        if eng is not None:
+            for ek, rks in engine_to_request_mapping(eng, req).items():
+                name = engine_key_name(ek)
+                for position, rk in enumerate(rks):
+                    pipe.zadd(name, {str(rk): position})
+        fields = [encode_field(e) for e in ents]
+        for rk in req:
+            name = str(rk)
+            for field in fields:
+                pipe.hset(name, field, "")
+        pipe.execute()
+        self.round_trips += 1
+
+    def evict(self, key: int, key_type: KeyType, entries: Sequence[PodEntry]) -> None:
+        """Remove the entries from the key; an engine key resolves through its ZSET first."""
+        key = check_hash(key, "key")
+        kind = check_key_type(key_type)
+        fields = [encode_field(e) for e in check_entries(entries)]
+        if kind is KeyType.REQUEST:
+            self._evict_from_request_key(str(key), fields)
+            return
+        request_keys = self._request_keys(key)
+        if not request_keys:
+            return
+        for rk in request_keys:
+            self._evict_from_request_key(rk, fields)
+        self._prune_engine_key(keys=[engine_key_name(key), *request_keys])
+        self.round_trips += 1
+
+    def get_request_key(self, engine_key: int) -> int:
+        """The highest-scored request key of the engine key's ZSET."""
+        key = check_hash(engine_key, "engine key")
+        members = self.client.zrange(engine_key_name(key), 0, 0, desc=True)
+        self.round_trips += 1
+        if not members:
+            raise EngineKeyNotFoundError(key)
+        return int(members[0])
+
+    def clear(self, pod_identifier: str) -> None:
+        """SCAN the database and remove the pod's fields key by key."""
+        pod = check_pod_identifier(pod_identifier)
+        cursor = 0
+        while True:
+            cursor, names = self.client.scan(cursor, match="*", count=SCAN_BATCH)
+            self.round_trips += 1
+            for name in names:
+                text = name.decode() if isinstance(name, bytes) else str(name)
+                if text.startswith(ENGINE_PREFIX):
+                    continue
+                fields = self.client.hkeys(name)
+                self.round_trips += 1
+                stale = [
+                    f
+                    for f in fields
+                    if (e := decode_field(f)) is not None and e.pod_identifier == pod
+                ]
+                if not stale:
+                    continue
+                self.client.hdel(name, *stale)
+                self._prune_request_key(keys=[name])
+                self.round_trips += 2
+            if cursor == 0:
+                break
+
+    def _request_keys(self, engine_key: int) -> list[str]:
+        members = self.client.zrange(engine_key_name(engine_key), 0, -1)
+        self.round_trips += 1
+        return [m.decode() if isinstance(m, bytes) else str(m) for m in members]
+
+    def _evict_from_request_key(self, name: str, fields: list[str]) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        for field in fields:
+            pipe.hdel(name, field)
+        pipe.execute()
+        self._prune_request_key(keys=[name])
+        self.round_trips += 2

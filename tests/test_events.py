@@ -1,0 +1,389 @@
+"""Wire decoding of engine KV-event batches: every format, every hash form, every reject reason."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvredis.events import (
+    MAX_PAYLOAD_BYTES,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    RejectReason,
+    WireError,
+    decode_batch,
+    decode_batch_object,
+    encode_batch,
+    event_to_wire,
+    parse_topic,
+    wire_hash,
+)
+
+
+def pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def one_event(raw: Any) -> BlockStored | BlockRemoved | AllBlocksCleared:
+    decoded = decode_batch(pack([1.5, [raw]]))
+    assert decoded.rejects == (), decoded.rejects
+    assert len(decoded.events) == 1
+    return decoded.events[0]
+
+
+def one_reject(raw: Any) -> RejectReason:
+    decoded = decode_batch(pack([1.5, [raw]]))
+    assert decoded.events == ()
+    assert len(decoded.rejects) == 1
+    assert decoded.rejects[0].position == 0
+    return decoded.rejects[0].reason
+
+
+FULL_MAP = {
+    "type": "BlockStored",
+    "block_hashes": [1, 2**64 - 1],
+    "parent_block_hash": 2**63,
+    "token_ids": [0, 1, 2**32 - 1, 7],
+    "block_size": 2,
+    "lora_id": 3,
+    "medium": "CPU_PINNED",
+    "lora_name": "adapter-x",
+    "extra_keys": [["img-1"], None],
+    "group_idx": 2,
+    "kv_cache_spec_kind": "sliding_window",
+    "kv_cache_spec_sliding_window": 128,
+    "locality": "LOCAL",
+    "ownership": "x",
+    "session_id": "s",
+    "lookahead_token_ids": [1, 2],
+    "cache_salt": "salt",
+}
+
+FULL_EVENT = BlockStored(
+    block_hashes=(1, 2**64 - 1),
+    parent_block_hash=2**63,
+    token_ids=(0, 1, 2**32 - 1, 7),
+    block_size=2,
+    lora_id=3,
+    medium="CPU_PINNED",
+    lora_name="adapter-x",
+    extra_keys=(["img-1"], None),
+    group_idx=2,
+    kv_cache_spec_kind="sliding_window",
+    kv_cache_spec_sliding_window=128,
+)
+
+
+def test_map_block_stored_with_every_field_and_unknown_keys() -> None:
+    event = one_event(FULL_MAP)
+    assert event == FULL_EVENT
+    assert isinstance(event, BlockStored)
+    assert event.tier == "cpu_pinned"
+
+
+def test_array_block_stored_with_every_field_and_extra_trailing_fields() -> None:
+    raw = ["BlockStored", [1, 2**64 - 1], 2**63, [0, 1, 2**32 - 1, 7], 2, 3, "CPU_PINNED"]
+    raw += ["adapter-x", [["img-1"], None], 2, "sliding_window", 128, "future-1", {"x": 1}]
+    assert one_event(raw) == FULL_EVENT
+
+
+def test_array_block_stored_with_trailing_fields_absent() -> None:
+    event = one_event(["BlockStored", [5], None, [1, 2], 2])
+    assert event == BlockStored((5,), None, (1, 2), 2)
+    assert isinstance(event, BlockStored)
+    assert event.tier == "gpu"
+    assert event.group_idx is None and event.lora_name is None and event.extra_keys is None
+
+
+def test_map_block_stored_with_defaults_omitted() -> None:
+    assert one_event({"type": "BlockStored", "block_hashes": [5]}) == BlockStored((5,))
+    event = one_event(
+        {"type": "BlockStored", "block_hashes": [5], "parent_block_hash": None, "medium": None}
+    )
+    assert event == BlockStored((5,))
+
+
+def test_block_removed_map_and_array() -> None:
+    expected = BlockRemoved((7, 8), "GPU", 1)
+    assert (
+        one_event(
+            {
+                "type": "BlockRemoved",
+                "block_hashes": [7, 8],
+                "medium": "GPU",
+                "group_idx": 1,
+                "locality": "x",
+            }
+        )
+        == expected
+    )
+    assert one_event(["BlockRemoved", [7, 8], "GPU", 1, "extra"]) == expected
+    removed = one_event(["BlockRemoved", [7]])
+    assert removed == BlockRemoved((7,))
+    assert isinstance(removed, BlockRemoved)
+    assert removed.tier == "gpu"
+
+
+def test_all_blocks_cleared_map_and_array() -> None:
+    assert one_event({"type": "AllBlocksCleared"}) == AllBlocksCleared()
+    assert one_event(["AllBlocksCleared"]) == AllBlocksCleared()
+    assert one_event(["AllBlocksCleared", "ignored"]) == AllBlocksCleared()
+
+
+@pytest.mark.parametrize(
+    ("medium", "tier"),
+    [
+        ("GPU", "gpu"),
+        ("CPU", "cpu"),
+        ("STORAGE", "storage"),
+        ("DISK", "disk"),
+        (None, "gpu"),
+        ("", "gpu"),
+        ("Cpu_Pinned", "cpu_pinned"),
+    ],
+)
+def test_medium_lowercased_to_tier(medium: str | None, tier: str) -> None:
+    event = one_event(["BlockRemoved", [1], medium])
+    assert isinstance(event, BlockRemoved)
+    assert event.tier == tier
+
+
+@pytest.mark.parametrize(
+    ("wire", "expected"),
+    [
+        (0, 0),
+        (2**63, 2**63),
+        (2**64 - 1, 2**64 - 1),
+        (-1, 2**64 - 1),
+        (-(2**63), 2**63),
+        (-12345, 2**64 - 12345),
+        (b"\x01\x02", 0x0102),
+        (b"\x00" * 7 + b"\x05", 5),
+        (bytes(range(32)), int.from_bytes(bytes(range(24, 32)), "big")),
+        (b"\xff" * 8, 2**64 - 1),
+    ],
+)
+def test_hash_forms(wire: Any, expected: int) -> None:
+    assert wire_hash(wire) == expected
+    event = one_event({"type": "BlockRemoved", "block_hashes": [wire]})
+    assert event == BlockRemoved((expected,))
+    stored = one_event(["BlockStored", [wire], wire, [], 16])
+    assert stored == BlockStored((expected,), expected, (), 16)
+
+
+def test_bad_hashes_raise_typed_errors() -> None:
+    for bad, reason in [
+        (b"", RejectReason.BAD_HASH),
+        (1.5, RejectReason.BAD_HASH),
+        ("12", RejectReason.BAD_HASH),
+        (True, RejectReason.BAD_HASH),
+        (2**64, RejectReason.HASH_OUT_OF_RANGE),
+        (-(2**63) - 1, RejectReason.HASH_OUT_OF_RANGE),
+    ]:
+        with pytest.raises(WireError) as info:
+            wire_hash(bad)
+        assert info.value.reason is reason
+        assert isinstance(info.value, ValueError)
+
+
+BAD_EVENTS: list[tuple[Any, RejectReason]] = [
+    (42, RejectReason.BAD_EVENT),
+    ("BlockStored", RejectReason.BAD_EVENT),
+    ([], RejectReason.BAD_EVENT),
+    ({"block_hashes": [1]}, RejectReason.MISSING_TAG),
+    ([7, [1]], RejectReason.MISSING_TAG),
+    ({"type": 3}, RejectReason.MISSING_TAG),
+    ({"type": "BlockMigrated", "block_hashes": [1]}, RejectReason.UNKNOWN_TAG),
+    (["Unknown"], RejectReason.UNKNOWN_TAG),
+    ({"type": "BlockStored"}, RejectReason.MISSING_FIELD),
+    (["BlockStored"], RejectReason.MISSING_FIELD),
+    (["BlockRemoved"], RejectReason.MISSING_FIELD),
+    ({"type": "BlockStored", "block_hashes": 5}, RejectReason.BAD_FIELD_TYPE),
+    (["BlockStored", [1], None, "tokens", 16], RejectReason.BAD_FIELD_TYPE),
+    (["BlockStored", [1], None, [1, "2"], 16], RejectReason.BAD_FIELD_TYPE),
+    (["BlockStored", [1], None, [1, 2.0], 16], RejectReason.BAD_FIELD_TYPE),
+    (["BlockStored", [1], None, [1], 16, None, 7], RejectReason.BAD_FIELD_TYPE),
+    (["BlockStored", [1], None, [1], 16, None, None, ["x"]], RejectReason.BAD_FIELD_TYPE),
+    (["BlockStored", [1], None, [1], "16"], RejectReason.BAD_FIELD_TYPE),
+    (["BlockStored", [1], None, [1], 16, "lora"], RejectReason.BAD_FIELD_TYPE),
+    ({"type": "BlockRemoved", "block_hashes": [1], "group_idx": "0"}, RejectReason.BAD_FIELD_TYPE),
+    (
+        {"type": "BlockStored", "block_hashes": [1], "kv_cache_spec_kind": 1},
+        RejectReason.BAD_FIELD_TYPE,
+    ),
+    (["BlockStored", [1], None, [1], -16], RejectReason.BAD_FIELD_VALUE),
+    ({"type": "BlockRemoved", "block_hashes": [1], "group_idx": -1}, RejectReason.BAD_FIELD_VALUE),
+    (
+        {"type": "BlockRemoved", "block_hashes": [1], "group_idx": 2**31},
+        RejectReason.BAD_FIELD_VALUE,
+    ),
+    (
+        {"type": "BlockStored", "block_hashes": [1], "kv_cache_spec_sliding_window": -1},
+        RejectReason.BAD_FIELD_VALUE,
+    ),
+    (["BlockStored", [1.0], None, [1], 16], RejectReason.BAD_HASH),
+    (["BlockStored", [b""], None, [1], 16], RejectReason.BAD_HASH),
+    (["BlockStored", [1], "parent", [1], 16], RejectReason.BAD_HASH),
+    (["BlockRemoved", [None]], RejectReason.BAD_HASH),
+    (["BlockStored", [1], None, [2**32], 16], RejectReason.TOKEN_OUT_OF_RANGE),
+    (["BlockStored", [1], None, [0, -1], 16], RejectReason.TOKEN_OUT_OF_RANGE),
+    (
+        {"type": "BlockStored", "block_hashes": [1], "extra_keys": "img"},
+        RejectReason.BAD_EXTRA_KEYS,
+    ),
+    ({"type": "BlockStored", "block_hashes": [1], "extra_keys": [5]}, RejectReason.BAD_EXTRA_KEYS),
+]
+
+
+@pytest.mark.parametrize(("raw", "reason"), BAD_EVENTS)
+def test_event_rejects(raw: Any, reason: RejectReason) -> None:
+    assert one_reject(raw) is reason
+
+
+def test_invalid_utf8_string_field_is_rejected() -> None:
+    raw = pack([0.0, [{"type": "BlockRemoved", "block_hashes": [1], "medium": b"\xff\xfeGPU"}]])
+    # rewrite the bin field into a str field holding invalid UTF-8
+    raw = raw.replace(b"\xc4\x05\xff\xfeGPU", b"\xa5\xff\xfeGPU")
+    decoded = decode_batch(raw)
+    assert [r.reason for r in decoded.rejects] == [RejectReason.BAD_FIELD_VALUE]
+
+
+def test_out_of_range_values_in_decoded_objects() -> None:
+    decoded = decode_batch_object(
+        [0.0, [["BlockRemoved", [2**64]], ["BlockRemoved", [-(2**64)]], ["BlockRemoved", [3]]]]
+    )
+    assert [r.reason for r in decoded.rejects] == [RejectReason.HASH_OUT_OF_RANGE] * 2
+    assert decoded.events == (BlockRemoved((3,)),)
+
+
+def test_bad_events_do_not_hide_good_ones() -> None:
+    events = [
+        ["BlockStored", [1], None, [1, 2], 2],
+        {"type": "Bogus"},
+        ["BlockRemoved", [b""]],
+        {"type": "BlockRemoved", "block_hashes": [2]},
+        7,
+        ["AllBlocksCleared"],
+    ]
+    decoded = decode_batch(pack([3.25, events, 0]))
+    assert decoded.ts == 3.25
+    assert decoded.data_parallel_rank == 0
+    assert decoded.total_events == 6
+    assert decoded.events == (
+        BlockStored((1,), None, (1, 2), 2),
+        BlockRemoved((2,)),
+        AllBlocksCleared(),
+    )
+    assert [(r.reason, r.position) for r in decoded.rejects] == [
+        (RejectReason.UNKNOWN_TAG, 1),
+        (RejectReason.BAD_HASH, 2),
+        (RejectReason.BAD_EVENT, 4),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("payload", "reason"),
+    [
+        (b"", RejectReason.MALFORMED_PAYLOAD),
+        (b"\xc1", RejectReason.MALFORMED_PAYLOAD),
+        (pack([1.0, []])[:-1] + b"\x93", RejectReason.MALFORMED_PAYLOAD),
+        (pack([1.0, []]) + b"\x00", RejectReason.MALFORMED_PAYLOAD),
+        (pack([1.0, [["BlockRemoved", [1]]]])[:-2], RejectReason.MALFORMED_PAYLOAD),
+        (b"\x91" * 100_000 + b"\xc0", RejectReason.MALFORMED_PAYLOAD),
+        (pack({"ts": 1.0, "events": []}), RejectReason.BAD_BATCH),
+        (pack([1.0]), RejectReason.BAD_BATCH),
+        (pack([1.0, {"a": 1}]), RejectReason.BAD_BATCH),
+        (pack("text"), RejectReason.BAD_BATCH),
+        (pack(None), RejectReason.BAD_BATCH),
+    ],
+)
+def test_payload_rejects(payload: bytes, reason: RejectReason) -> None:
+    decoded = decode_batch(payload)
+    assert decoded.events == ()
+    assert [r.reason for r in decoded.rejects] == [reason]
+
+
+def test_payload_too_large_is_rejected_unread() -> None:
+    decoded = decode_batch(b"\x00" * (MAX_PAYLOAD_BYTES + 1))
+    assert [r.reason for r in decoded.rejects] == [RejectReason.PAYLOAD_TOO_LARGE]
+
+
+def test_bad_timestamp_and_dp_rank_keep_the_events() -> None:
+    decoded = decode_batch(pack(["yesterday", [["BlockRemoved", [1]]], "rank"]))
+    assert decoded.events == (BlockRemoved((1,)),)
+    assert [r.reason for r in decoded.rejects] == [
+        RejectReason.BAD_TIMESTAMP,
+        RejectReason.BAD_DP_RANK,
+    ]
+    assert decode_batch(pack([1, [], None])).rejects == ()
+    assert decode_batch(pack([1, [], 3])).data_parallel_rank == 3
+
+
+def test_parse_topic() -> None:
+    assert parse_topic("kv@pod-1@meta-llama/Llama-3.1-8B") == ("pod-1", "meta-llama/Llama-3.1-8B")
+    assert parse_topic("kv@pod-1@model@rev2") == ("pod-1", "model@rev2")
+    assert parse_topic("kv@@m") == (None, "m")
+    assert parse_topic("") == (None, None)
+    assert parse_topic("pod@model") == (None, None)
+    assert parse_topic("xx@pod@model") == (None, None)
+
+
+def test_map_encoding_omits_defaults_and_array_encoding_trims_trailing() -> None:
+    wire = event_to_wire(BlockStored((1,), None, (1, 2), 2), "map")
+    assert wire == {
+        "type": "BlockStored",
+        "block_hashes": [1],
+        "parent_block_hash": None,
+        "token_ids": [1, 2],
+        "block_size": 2,
+    }
+    assert event_to_wire(BlockStored((1,), None, (1, 2), 2), "array") == [
+        "BlockStored",
+        [1],
+        None,
+        [1, 2],
+        2,
+    ]
+    assert event_to_wire(BlockRemoved((1,), group_idx=3), "array") == ["BlockRemoved", [1], None, 3]
+
+
+hashes = st.lists(st.integers(0, 2**64 - 1), max_size=4).map(tuple)
+tokens = st.lists(st.integers(0, 2**32 - 1), max_size=40).map(tuple)
+opt_str = st.none() | st.text(min_size=1, max_size=8)
+stored_events = st.builds(
+    BlockStored,
+    block_hashes=hashes,
+    parent_block_hash=st.none() | st.integers(0, 2**64 - 1),
+    token_ids=tokens,
+    block_size=st.integers(0, 64),
+    lora_id=st.none() | st.integers(0, 5),
+    medium=opt_str,
+    lora_name=opt_str,
+    extra_keys=st.none()
+    | st.lists(st.none() | st.lists(st.text(max_size=5), max_size=2), max_size=3).map(tuple),
+    group_idx=st.none() | st.integers(0, 2**31 - 1),
+    kv_cache_spec_kind=opt_str,
+    kv_cache_spec_sliding_window=st.none() | st.integers(0, 4096),
+)
+removed_events = st.builds(BlockRemoved, hashes, opt_str, st.none() | st.integers(0, 2**31 - 1))
+events = st.lists(stored_events | removed_events | st.just(AllBlocksCleared()), max_size=5)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    events,
+    st.sampled_from(["map", "array"]),
+    st.floats(allow_nan=False),
+    st.none() | st.integers(0, 7),
+)
+def test_encode_decode_round_trip(evs: list[Any], fmt: Any, ts: float, rank: int | None) -> None:
+    decoded = decode_batch(encode_batch(evs, ts=ts, data_parallel_rank=rank, fmt=fmt))
+    assert decoded.rejects == ()
+    assert decoded.ts == ts
+    assert decoded.data_parallel_rank == rank
+    assert list(decoded.events) == evs

@@ -1,0 +1,791 @@
+"""The Index contract, stated once and run against every backend (the ``index`` fixture).
+
+Every backend (in-memory, cost-aware, Redis, asyncio Redis) must pass every test here
+unchanged. Entry order inside one key is not part of the contract, so results are compared as
+sets after checking that no entry is reported twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import sys
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+
+from kvredis.batch import AddOp, EvictOp, Watermark
+from kvredis.errors import EngineKeyNotFoundError, InvalidInputError, KVRedisError
+from kvredis.types import MAX_BLOCK_HASH, BlockHash, KeyType, PodEntry
+
+ENGINE, REQUEST = KeyType.ENGINE, KeyType.REQUEST
+
+
+def hashes(n: int, tag: str) -> list[int]:
+    """``n`` distinct pseudo-random 64-bit keys, different for every tag (many above 2**53)."""
+    return [
+        int.from_bytes(hashlib.blake2b(f"{tag}/{i}".encode(), digest_size=8).digest(), "big")
+        for i in range(n)
+    ]
+
+
+def norm(result: Mapping[int, list[PodEntry]]) -> dict[int, set[PodEntry]]:
+    """A lookup result as sets, asserting every value is a non-empty list without repeats."""
+    out = {}
+    for key, entries in result.items():
+        assert isinstance(key, int) and not isinstance(key, bool)
+        assert isinstance(entries, list) and entries, f"key {key} reported with no entries"
+        assert len(set(entries)) == len(entries), f"key {key} reports an entry twice: {entries}"
+        out[key] = set(entries)
+    return out
+
+
+def held(index: Any, key: int) -> set[PodEntry]:
+    """Every entry held under one request key (empty set if the key holds none)."""
+    return norm(index.lookup([key])).get(key, set())
+
+
+def snapshot(index: Any, keys: list[int]) -> dict[int, set[PodEntry]]:
+    return {key: held(index, key) for key in keys}
+
+
+def mapped(index: Any, engine_key: int) -> int | None:
+    try:
+        return int(index.get_request_key(engine_key))
+    except EngineKeyNotFoundError:
+        return None
+
+
+A_GPU = PodEntry("pod-a", "gpu")
+A_CPU = PodEntry("pod-a", "cpu")
+B_GPU = PodEntry("pod-b", "gpu")
+C_GPU = PodEntry("pod-c", "gpu")
+
+
+# -- add / lookup ------------------------------------------------------------------------------
+
+
+def test_add_then_lookup_returns_every_key_in_chain_order(index: Any) -> None:
+    keys = hashes(6, "chain")
+    index.add(None, keys, [A_GPU, B_GPU])
+    result = index.lookup(keys)
+    assert list(result) == keys
+    assert norm(result) == {k: {A_GPU, B_GPU} for k in keys}
+    assert all(isinstance(e, PodEntry) for entries in result.values() for e in entries)
+
+
+def test_add_is_idempotent(index: Any) -> None:
+    keys = hashes(3, "idem")
+    index.add(None, keys, [A_GPU])
+    index.add(None, keys, [A_GPU, A_GPU])
+    assert norm(index.lookup(keys)) == {k: {A_GPU} for k in keys}
+
+
+def test_adds_accumulate_entries(index: Any) -> None:
+    keys = hashes(3, "acc")
+    index.add(None, keys, [A_GPU])
+    index.add(None, keys[:2], [B_GPU])
+    assert snapshot(index, keys) == {
+        keys[0]: {A_GPU, B_GPU},
+        keys[1]: {A_GPU, B_GPU},
+        keys[2]: {A_GPU},
+    }
+
+
+def test_same_pod_on_two_tiers_is_two_entries(index: Any) -> None:
+    keys = hashes(4, "tiers")
+    index.add(None, keys, [A_GPU])
+    index.add(None, keys[:2], [A_CPU])
+    assert norm(index.lookup(keys)) == {
+        keys[0]: {A_GPU, A_CPU},
+        keys[1]: {A_GPU, A_CPU},
+        keys[2]: {A_GPU},
+        keys[3]: {A_GPU},
+    }
+
+
+def test_filtered_lookup_keeps_only_filtered_pods_and_stops_at_their_first_miss(
+    index: Any,
+) -> None:
+    keys = hashes(5, "filter")
+    index.add(None, keys, [A_GPU])
+    index.add(None, keys[:2], [B_GPU, PodEntry("pod-b", "cpu")])
+    index.add(None, keys[:4], [C_GPU])
+    assert norm(index.lookup(keys, {"pod-b"})) == {
+        k: {B_GPU, PodEntry("pod-b", "cpu")} for k in keys[:2]
+    }
+    assert norm(index.lookup(keys, {"pod-b", "pod-c"})) == {
+        keys[0]: {B_GPU, PodEntry("pod-b", "cpu"), C_GPU},
+        keys[1]: {B_GPU, PodEntry("pod-b", "cpu"), C_GPU},
+        keys[2]: {C_GPU},
+        keys[3]: {C_GPU},
+    }
+    assert norm(index.lookup(keys, ["pod-a", "pod-nobody"])) == {k: {A_GPU} for k in keys}
+    assert index.lookup(keys, {"pod-nobody"}) == {}
+    # An empty filter, like None, means every pod.
+    everyone = norm(index.lookup(keys))
+    assert norm(index.lookup(keys, set())) == everyone
+    assert norm(index.lookup(keys, [])) == everyone
+    assert len(everyone) == 5
+
+
+def test_prefix_chain_stops_at_first_missing_key(index: Any) -> None:
+    keys = hashes(6, "gap")
+    index.add(None, keys[:2] + keys[3:], [A_GPU])
+    assert norm(index.lookup(keys)) == {keys[0]: {A_GPU}, keys[1]: {A_GPU}}
+    assert index.lookup(keys[2:]) == {}
+    assert norm(index.lookup(keys[3:])) == {k: {A_GPU} for k in keys[3:]}
+
+
+def test_empty_and_unknown_inputs(index: Any) -> None:
+    assert index.lookup([]) == {}
+    assert index.lookup([], {"pod-a"}) == {}
+    assert index.lookup(hashes(3, "never")) == {}
+    with pytest.raises(EngineKeyNotFoundError):
+        index.get_request_key(hashes(1, "never-engine")[0])
+    # Evicting unknown keys and clearing unknown pods are no-ops, not errors.
+    index.evict(hashes(1, "never-e")[0], ENGINE, [A_GPU])
+    index.evict(hashes(1, "never-r")[0], REQUEST, [A_GPU])
+    index.clear("pod-never-seen")
+    keys = hashes(2, "after-noops")
+    index.add(None, keys, [A_GPU])
+    assert norm(index.lookup(keys)) == {k: {A_GPU} for k in keys}
+
+
+# -- evict -------------------------------------------------------------------------------------
+
+VARIANTS = [
+    PodEntry("pod-x", "gpu"),
+    PodEntry("pod-y", "gpu"),  # other pod
+    PodEntry("pod-x", "cpu"),  # other tier
+    PodEntry("pod-x", "gpu", speculative=True),
+    PodEntry("pod-x", "gpu", has_group=True, group_idx=0),
+    PodEntry("pod-x", "gpu", has_group=True, group_idx=1),
+    PodEntry("pod-x", "gpu", speculative=True, has_group=True, group_idx=1),
+]
+
+
+@pytest.mark.parametrize("key_type", [REQUEST, ENGINE])
+def test_evict_matches_all_five_fields_exactly(index: Any, key_type: KeyType) -> None:
+    [request_key] = hashes(1, f"exact-{key_type.value}")
+    [engine_key] = hashes(1, f"exact-engine-{key_type.value}")
+    index.add([engine_key], [request_key], VARIANTS)
+    key = engine_key if key_type is ENGINE else request_key
+    remaining = set(VARIANTS)
+    order = list(range(len(VARIANTS)))
+    random.Random(7).shuffle(order)
+    for i in order:
+        index.evict(key, key_type, [VARIANTS[i]])
+        remaining.discard(VARIANTS[i])
+        assert held(index, request_key) == remaining, f"after evicting {VARIANTS[i]}"
+    assert index.lookup([request_key]) == {}
+
+
+def test_evict_of_entries_not_held_changes_nothing(index: Any) -> None:
+    keys = hashes(2, "not-held")
+    index.add(None, keys, [A_GPU])
+    index.evict(keys[0], REQUEST, [A_CPU, B_GPU, PodEntry("pod-a", "gpu", speculative=True)])
+    assert snapshot(index, keys) == {k: {A_GPU} for k in keys}
+
+
+def test_evict_by_request_key_removes_from_that_key_only(index: Any) -> None:
+    keys = hashes(3, "req-evict")
+    index.add(None, keys, [A_GPU, B_GPU])
+    index.evict(keys[1], REQUEST, [A_GPU, B_GPU])
+    assert snapshot(index, keys) == {
+        keys[0]: {A_GPU, B_GPU},
+        keys[1]: set(),
+        keys[2]: {A_GPU, B_GPU},
+    }
+    assert norm(index.lookup(keys)) == {keys[0]: {A_GPU, B_GPU}}
+
+
+def test_evict_several_entries_at_once(index: Any) -> None:
+    [key] = hashes(1, "multi")
+    index.add(None, [key], [A_GPU, A_CPU, B_GPU, C_GPU])
+    index.evict(key, REQUEST, [A_GPU, C_GPU])
+    assert held(index, key) == {A_CPU, B_GPU}
+
+
+# -- engine -> request mappings ----------------------------------------------------------------
+
+
+def test_one_to_one_mapping(index: Any) -> None:
+    engine, request = hashes(3, "e11"), hashes(3, "r11")
+    index.add(engine, request, [A_GPU])
+    assert [index.get_request_key(e) for e in engine] == request
+    index.evict(engine[1], ENGINE, [A_GPU])
+    assert norm(index.lookup(request)) == {request[0]: {A_GPU}}
+    assert held(index, request[2]) == {A_GPU}
+    with pytest.raises(EngineKeyNotFoundError) as info:
+        index.get_request_key(engine[1])
+    assert isinstance(info.value, KeyError) and isinstance(info.value, KVRedisError)
+    assert index.get_request_key(engine[0]) == request[0]
+    assert index.get_request_key(engine[2]) == request[2]
+
+
+def test_many_to_one_mapping(index: Any) -> None:
+    """Four engine blocks per two of ours: e0,e1 -> r0 and e2,e3 -> r1."""
+    engine, request = hashes(4, "em1"), hashes(2, "rm1")
+    index.add(engine, request, [A_GPU])
+    assert [index.get_request_key(e) for e in engine] == [
+        request[0],
+        request[0],
+        request[1],
+        request[1],
+    ]
+    index.evict(engine[0], ENGINE, [A_GPU])
+    assert held(index, request[0]) == set()
+    assert held(index, request[1]) == {A_GPU}
+    assert mapped(index, engine[0]) is None
+    # e1 still resolves to nothing but r0; evicting it finds r0 empty and drops the mapping.
+    assert mapped(index, engine[1]) in (request[0], None)
+    index.evict(engine[1], ENGINE, [A_GPU])
+    assert mapped(index, engine[1]) is None
+    assert index.get_request_key(engine[3]) == request[1]
+    index.evict(engine[3], ENGINE, [A_GPU])
+    assert held(index, request[1]) == set()
+    assert mapped(index, engine[3]) is None
+
+
+def test_one_to_many_mapping(index: Any) -> None:
+    """One engine block per four of ours: the engine key maps to all four, the last wins."""
+    [engine], request = hashes(1, "e1m"), hashes(4, "r1m")
+    index.add([engine], request, [A_GPU])
+    assert index.get_request_key(engine) == request[-1]
+    index.add(None, request, [B_GPU])
+    index.evict(engine, ENGINE, [A_GPU])
+    assert snapshot(index, request) == {k: {B_GPU} for k in request}
+    assert index.get_request_key(engine) == request[-1]
+    index.evict(engine, ENGINE, [B_GPU])
+    assert snapshot(index, request) == {k: set() for k in request}
+    assert mapped(index, engine) is None
+
+
+def test_two_engine_keys_over_four_request_keys(index: Any) -> None:
+    engine, request = hashes(2, "e24"), hashes(4, "r24")
+    index.add(engine, request, [A_GPU])
+    assert index.get_request_key(engine[0]) == request[1]
+    assert index.get_request_key(engine[1]) == request[3]
+    index.evict(engine[0], ENGINE, [A_GPU])
+    assert snapshot(index, request) == {
+        request[0]: set(),
+        request[1]: set(),
+        request[2]: {A_GPU},
+        request[3]: {A_GPU},
+    }
+    assert mapped(index, engine[0]) is None
+    assert index.get_request_key(engine[1]) == request[3]
+
+
+def test_remapping_an_engine_key_makes_the_new_request_key_last(index: Any) -> None:
+    [engine] = hashes(1, "remap-e")
+    first, second = hashes(2, "remap-r")
+    index.add([engine], [first], [A_GPU])
+    index.add([engine], [second], [A_GPU])
+    assert index.get_request_key(engine) == second
+    index.add([engine], [first], [A_CPU])
+    assert index.get_request_key(engine) == first
+    # The engine key resolves to both request keys when evicting.
+    index.evict(engine, ENGINE, [A_GPU])
+    assert held(index, first) == {A_CPU}
+    assert held(index, second) == set()
+    assert index.get_request_key(engine) == first
+
+
+def test_evict_keeps_mapping_while_another_tier_still_holds_the_key(index: Any) -> None:
+    [engine], [request] = hashes(1, "keep-e"), hashes(1, "keep-r")
+    index.add([engine], [request], [A_GPU])
+    index.add([engine], [request], [A_CPU])
+    index.evict(engine, ENGINE, [A_GPU])
+    assert held(index, request) == {A_CPU}
+    assert index.get_request_key(engine) == request
+    index.evict(engine, ENGINE, [A_CPU])
+    assert held(index, request) == set()
+    assert mapped(index, engine) is None
+
+
+def test_evict_keeps_mapping_while_another_pod_holds_the_key(index: Any) -> None:
+    [engine], [request] = hashes(1, "keep-pod-e"), hashes(1, "keep-pod-r")
+    index.add([engine], [request], [A_GPU, B_GPU])
+    index.evict(engine, ENGINE, [A_GPU])
+    assert index.get_request_key(engine) == request
+    assert held(index, request) == {B_GPU}
+
+
+def test_tier_update_without_engine_keys_keeps_engine_mapping_alive(index: Any) -> None:
+    engine, request = hashes(2, "tierup-e"), hashes(2, "tierup-r")
+    index.add(engine, request, [A_GPU])
+    index.add(None, [index.get_request_key(e) for e in engine], [A_CPU])
+    index.evict(engine[0], ENGINE, [A_GPU])
+    assert held(index, request[0]) == {A_CPU}
+    assert index.get_request_key(engine[0]) == request[0]
+
+
+# -- groups (hybrid memory allocator) ----------------------------------------------------------
+
+
+def test_grouped_entries_coexist_and_are_evicted_one_group_at_a_time(index: Any) -> None:
+    engine, request = hashes(3, "hma-e"), hashes(3, "hma-r")
+    groups = [PodEntry("pod-a", "gpu", has_group=True, group_idx=g) for g in range(3)]
+    for group in groups:
+        index.add(engine, request, [group])
+    index.add(None, request, [A_GPU])  # the ungrouped entry is yet another entry
+    assert norm(index.lookup(request)) == {k: {*groups, A_GPU} for k in request}
+    index.evict(engine[0], ENGINE, [groups[1]])
+    assert held(index, request[0]) == {groups[0], groups[2], A_GPU}
+    assert held(index, request[1]) == {*groups, A_GPU}
+    assert index.get_request_key(engine[0]) == request[0]
+    for entry in (groups[0], groups[2], A_GPU):
+        index.evict(engine[0], ENGINE, [entry])
+    assert held(index, request[0]) == set()
+    assert mapped(index, engine[0]) is None
+    assert norm(index.lookup(request[1:], {"pod-a"})) == {k: {*groups, A_GPU} for k in request[1:]}
+
+
+# -- clear -------------------------------------------------------------------------------------
+
+
+def test_clear_removes_the_pod_on_every_tier_and_group_and_spares_others(index: Any) -> None:
+    engine, request = hashes(8, "clear-e"), hashes(8, "clear-r")
+    a_entries = [
+        A_GPU,
+        A_CPU,
+        PodEntry("pod-a", "gpu", speculative=True),
+        PodEntry("pod-a", "gpu", has_group=True, group_idx=0),
+        PodEntry("pod-a", "disk", has_group=True, group_idx=5),
+    ]
+    index.add(engine, request, a_entries)
+    index.add(None, request[:4], [B_GPU, PodEntry("pod-b", "cpu")])
+    index.add(None, request[2:], [PodEntry("pod-a2", "gpu")])  # a prefix of pod-a's name
+    index.clear("pod-a")
+    assert snapshot(index, request) == {
+        **{k: {B_GPU, PodEntry("pod-b", "cpu")} for k in request[:2]},
+        **{k: {B_GPU, PodEntry("pod-b", "cpu"), PodEntry("pod-a2", "gpu")} for k in request[2:4]},
+        **{k: {PodEntry("pod-a2", "gpu")} for k in request[4:]},
+    }
+    assert index.lookup(request, {"pod-a"}) == {}
+    index.clear("pod-a")  # clearing again is a no-op
+    assert len(norm(index.lookup(request))) == 8
+
+
+def test_clear_then_readd(index: Any) -> None:
+    engine, request = hashes(4, "readd-e"), hashes(4, "readd-r")
+    index.add(engine, request, [A_GPU, A_CPU])
+    index.add(None, request, [B_GPU])
+    index.clear("pod-a")
+    index.add(engine, request, [A_GPU])
+    assert snapshot(index, request) == {k: {A_GPU, B_GPU} for k in request}
+    assert [index.get_request_key(e) for e in engine] == request
+    for e in engine:
+        index.evict(e, ENGINE, [A_GPU])
+    assert snapshot(index, request) == {k: {B_GPU} for k in request}
+
+
+def test_clear_of_the_only_pod_leaves_nothing_behind(index: Any) -> None:
+    request = hashes(5, "clear-all")
+    index.add(hashes(5, "clear-all-e"), request, [A_GPU, A_CPU])
+    index.clear("pod-a")
+    assert index.lookup(request) == {}
+    assert all(held(index, k) == set() for k in request)
+
+
+# -- speculative entries -----------------------------------------------------------------------
+
+
+def test_speculative_entries_added_without_engine_keys(index: Any) -> None:
+    request = hashes(3, "spec")
+    spec = PodEntry("pod-a", "gpu", speculative=True)
+    index.add(None, request, [spec])
+    assert norm(index.lookup(request)) == {k: {spec} for k in request}
+    index.add([], request, [A_GPU])  # an empty engine-key list records no mapping either
+    assert norm(index.lookup(request, {"pod-a"})) == {k: {spec, A_GPU} for k in request}
+    for key in request:
+        assert mapped(index, key) is None
+    index.evict(request[0], REQUEST, [spec])
+    assert held(index, request[0]) == {A_GPU}
+    assert held(index, request[1]) == {spec, A_GPU}
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+BAD_HASHES = [-1, 2**64, 2**70, "12", 1.0, True, None, b"\x01"]
+
+
+def test_bad_input_raises_typed_errors_and_changes_nothing(index: Any) -> None:
+    engine, request = hashes(3, "bad-e"), hashes(3, "bad-r")
+    index.add(engine, request, [A_GPU])
+    before = snapshot(index, request)
+    fresh = hashes(2, "bad-fresh")
+
+    def rejects(call: Any, *args: Any) -> None:
+        with pytest.raises(InvalidInputError) as info:
+            call(*args)
+        assert isinstance(info.value, ValueError) and isinstance(info.value, KVRedisError)
+
+    rejects(index.add, None, [], [A_GPU])
+    rejects(index.add, engine, [], [A_GPU])
+    rejects(index.add, None, fresh, [])
+    rejects(index.add, None, fresh, [PodEntry("", "gpu")])
+    rejects(index.add, None, fresh, [PodEntry("pod-a", "")])
+    rejects(index.add, None, fresh, ["pod-a"])
+    rejects(index.add, None, fresh, [A_GPU, None])
+    rejects(index.add, None, fresh, A_GPU)
+    for bad in BAD_HASHES:
+        rejects(index.add, None, [fresh[0], bad], [A_GPU])  # nothing of the add is applied
+        rejects(index.add, [fresh[1], bad], fresh, [A_GPU])
+        rejects(index.lookup, [request[0], bad])
+        rejects(index.evict, bad, REQUEST, [A_GPU])
+        rejects(index.evict, bad, ENGINE, [A_GPU])
+        rejects(index.get_request_key, bad)
+    rejects(index.evict, request[0], REQUEST, [])
+    rejects(index.evict, engine[0], ENGINE, [])
+    rejects(index.evict, request[0], "request", [A_GPU])
+    rejects(index.evict, request[0], None, [A_GPU])
+    rejects(index.evict, request[0], REQUEST, [A_GPU, "pod-a"])
+    rejects(index.lookup, "abc")
+    rejects(index.lookup, request, "pod-a")
+    rejects(index.clear, "")
+    rejects(index.clear, None)
+    rejects(index.clear, 7)
+    assert snapshot(index, request) == before
+    assert snapshot(index, fresh) == {k: set() for k in fresh}
+    assert [index.get_request_key(e) for e in engine] == request
+    assert mapped(index, fresh[1]) is None
+
+
+def test_uint64_extremes_round_trip_as_request_and_engine_keys(index: Any) -> None:
+    edge = [0, 1, 2**53 + 1, 2**63 - 1, 2**63, 2**64 - 2, MAX_BLOCK_HASH]
+    index.add(list(reversed(edge)), edge, [A_GPU])
+    result = index.lookup(edge)
+    assert list(result) == edge
+    for engine_key, request_key in zip(reversed(edge), edge, strict=True):
+        got = index.get_request_key(engine_key)
+        assert got == request_key and isinstance(got, int)
+    index.add(None, [BlockHash(MAX_BLOCK_HASH), BlockHash(0)], [B_GPU])
+    assert held(index, MAX_BLOCK_HASH) == {A_GPU, B_GPU}
+    index.evict(MAX_BLOCK_HASH, ENGINE, [A_GPU])  # maps to request key 0
+    assert held(index, 0) == {B_GPU}
+    assert held(index, MAX_BLOCK_HASH) == {A_GPU, B_GPU}
+    index.evict(BlockHash(2**64 - 2), ENGINE, [A_GPU])  # maps to request key 1
+    assert held(index, 1) == set()
+    assert mapped(index, 2**64 - 2) is None
+    assert held(index, 2**53) == set()  # no float rounding merged neighbours
+    assert held(index, 2**53 + 1) == {A_GPU}
+
+
+ODD_PODS = [
+    "pod@with@ats",
+    "a,b;c|d:e/f\\g",
+    'quote"double',
+    "quote'single",
+    '{"PodIdentifier":"x"}',
+    "spaces and\ttabs\nand newlines",
+    "ключ-ポッド-🚀",
+    "%s%d*?[]",
+    "p" * 1024,
+    "\x00nul",
+]
+
+
+ODD_TIER = 'tier ünï:@"'
+LONG_ENTRY = PodEntry("x" * 1024, "t" * 1024, speculative=True, has_group=True, group_idx=2**31 - 1)
+
+
+def test_pod_identifiers_and_tiers_round_trip_exactly(index: Any) -> None:
+    # At most 10 entries per key (the in-memory backend's default pod cache size): the pods
+    # come in two halves, each on its own chain.
+    halves = [ODD_PODS[:5], ODD_PODS[5:]]
+    chains = [hashes(3, "odd-chain-0"), hashes(3, "odd-chain-1")]
+    both = ("gpu", ODD_TIER)
+    for half, chain in zip(halves, chains, strict=True):
+        index.add(None, chain, [PodEntry(pod, tier) for pod in half for tier in both])
+    solo = hashes(len(ODD_PODS), "odd-solo")
+    engine = hashes(len(ODD_PODS), "odd-engine")
+    for pod, key, engine_key in zip(ODD_PODS, solo, engine, strict=True):
+        index.add([engine_key], [key], [PodEntry(pod, ODD_TIER), LONG_ENTRY])
+    for i, (pod, key, engine_key) in enumerate(zip(ODD_PODS, solo, engine, strict=True)):
+        assert held(index, key) == {PodEntry(pod, ODD_TIER), LONG_ENTRY}, pod
+        assert index.get_request_key(engine_key) == key
+        chain = chains[i // 5]
+        mine = {PodEntry(pod, tier) for tier in both}
+        assert norm(index.lookup(chain, {pod})) == {k: mine for k in chain}, pod
+    assert norm(index.lookup(solo, {LONG_ENTRY.pod_identifier})) == {k: {LONG_ENTRY} for k in solo}
+    index.evict(engine[2], ENGINE, [PodEntry(ODD_PODS[2], ODD_TIER)])
+    assert held(index, solo[2]) == {LONG_ENTRY}
+    index.evict(chains[0][0], REQUEST, [PodEntry(ODD_PODS[2], ODD_TIER)])
+    assert held(index, chains[0][0]) == {
+        PodEntry(pod, tier) for pod in halves[0] for tier in both
+    } - {PodEntry(ODD_PODS[2], ODD_TIER)}
+    for pod in halves[0]:
+        index.clear(pod)
+    assert index.lookup(chains[0]) == {}
+    survivors = {PodEntry(pod, tier) for pod in halves[1] for tier in both}
+    assert norm(index.lookup(chains[1])) == {k: survivors for k in chains[1]}
+    for pod, key in zip(ODD_PODS, solo, strict=True):
+        expected = {LONG_ENTRY} if pod in halves[0] else {PodEntry(pod, ODD_TIER), LONG_ENTRY}
+        assert held(index, key) == expected, pod
+    index.clear(LONG_ENTRY.pod_identifier)
+    assert index.lookup(solo, {LONG_ENTRY.pod_identifier}) == {}
+    assert held(index, solo[9]) == {PodEntry(ODD_PODS[9], ODD_TIER)}
+
+
+# -- concurrency -------------------------------------------------------------------------------
+
+THREADS = 100
+GROUPS = 10  # threads sharing one chain (at most 10 entries per key, one per thread)
+CHAIN = 12
+ROUNDS = 4
+
+
+def test_concurrent_add_evict_lookup_from_100_threads(index: Any) -> None:
+    chains = [hashes(CHAIN, f"conc-chain-{g}") for g in range(GROUPS)]
+    entry = [PodEntry(f"conc-pod-{t}", "gpu" if t % 2 else "cpu") for t in range(THREADS)]
+    engine = [hashes(CHAIN, f"conc-engine-{t}") for t in range(THREADS)]
+    # Threads t % 4 == 3 add speculatively (no engine keys) and evict by request key.
+    speculative = [t % 4 == 3 for t in range(THREADS)]
+    final: list[set[int]] = [set() for _ in range(THREADS)]
+    errors: list[BaseException] = []
+    start = threading.Barrier(THREADS)
+
+    def check_own(t: int, chain: list[int], holds: set[int]) -> None:
+        prefix = []
+        for key in chain:
+            if key not in holds:
+                break
+            prefix.append(key)
+        got = norm(index.lookup(chain, {entry[t].pod_identifier}))
+        assert got == {k: {entry[t]} for k in prefix}, f"thread {t} lost its own entries"
+
+    def work(t: int) -> None:
+        try:
+            rng = random.Random(t)
+            chain = chains[t % GROUPS]
+            group_pods = {entry[s] for s in range(t % GROUPS, THREADS, GROUPS)}
+            start.wait(30)
+            holds: set[int] = set()
+            for _ in range(ROUNDS):
+                index.add(None if speculative[t] else engine[t], chain, [entry[t]])
+                holds = set(chain)
+                check_own(t, chain, holds)
+                for i in rng.sample(range(CHAIN), rng.randint(1, CHAIN)):
+                    if speculative[t]:
+                        index.evict(chain[i], REQUEST, [entry[t]])
+                    else:
+                        index.evict(engine[t][i], ENGINE, [entry[t]])
+                    holds.discard(chain[i])
+                check_own(t, chain, holds)
+                seen = norm(index.lookup(chain))
+                assert list(seen) == chain[: len(seen)]
+                assert all(entries <= group_pods for entries in seen.values())
+                if not speculative[t]:
+                    for i in range(CHAIN):
+                        if chain[i] in holds:
+                            assert index.get_request_key(engine[t][i]) == chain[i]
+            final[t] = holds
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(THREADS)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # interleave in-process backends as finely as possible
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+    finally:
+        sys.setswitchinterval(interval)
+    assert not any(thread.is_alive() for thread in threads)
+    if errors:
+        raise errors[0]
+
+    # Every key holds exactly the entries whose thread finished holding it.
+    for g, chain in enumerate(chains):
+        for key in chain:
+            expected = {entry[t] for t in range(g, THREADS, GROUPS) if key in final[t]}
+            assert held(index, key) == expected
+    for t in range(THREADS):
+        if not speculative[t]:
+            for i, key in enumerate(chains[t % GROUPS]):
+                got = mapped(index, engine[t][i])
+                if key in final[t]:
+                    assert got == key
+                else:
+                    assert got in (key, None)
+    # Evicting every entry empties every key; a second pass finds every mapping's keys empty.
+    for _ in range(2):
+        for t in range(THREADS):
+            for i, key in enumerate(chains[t % GROUPS]):
+                if speculative[t]:
+                    index.evict(key, REQUEST, [entry[t]])
+                else:
+                    index.evict(engine[t][i], ENGINE, [entry[t]])
+    for chain in chains:
+        assert index.lookup(chain) == {}
+        assert all(held(index, key) == set() for key in chain)
+    assert all(mapped(index, e) is None for t in range(THREADS) for e in engine[t])
+
+
+# -- BatchIndex --------------------------------------------------------------------------------
+
+
+def batch_index(index: Any) -> Any:
+    target = getattr(index, "inner", index)
+    if not callable(getattr(target, "apply_batch", None)):
+        pytest.skip(f"{type(target).__name__} does not implement BatchIndex")
+    return index
+
+
+def test_apply_batch_applies_once_per_watermark(index: Any) -> None:
+    idx = batch_index(index)
+    request = hashes(2, "wm-r")
+    ops = [AddOp(None, tuple(request), (A_GPU,))]
+    assert idx.get_watermark("pod-a") is None
+    assert idx.apply_batch(ops, "pod-a", Watermark(0, 0)) is True
+    assert snapshot(idx, request) == {k: {A_GPU} for k in request}
+    assert idx.get_watermark("pod-a") == Watermark(0, 0)
+    idx.evict(request[0], REQUEST, [A_GPU])
+    # A replayed batch (same or older watermark) is skipped: the evicted entry stays evicted.
+    assert idx.apply_batch(ops, "pod-a", Watermark(0, 0)) is False
+    assert idx.apply_batch(ops, "pod-a", Watermark(0, -1)) is False
+    assert held(idx, request[0]) == set()
+    assert idx.apply_batch(ops, "pod-a", Watermark(0, 7)) is True
+    assert held(idx, request[0]) == {A_GPU}
+    idx.evict(request[0], REQUEST, [A_GPU])
+    assert idx.apply_batch(ops, "pod-a", Watermark(0, 3)) is False
+    assert held(idx, request[0]) == set()
+    # A new epoch (publisher restart) is newer whatever its seq.
+    assert idx.apply_batch(ops, "pod-a", Watermark(1, 0)) is True
+    assert held(idx, request[0]) == {A_GPU}
+    assert idx.get_watermark("pod-a") == Watermark(1, 0)
+    # Streams are independent.
+    assert idx.get_watermark("pod-b") is None
+    assert idx.apply_batch([AddOp(None, (request[1],), (B_GPU,))], "pod-b", Watermark(0, 0))
+    assert idx.get_watermark("pod-b") == Watermark(0, 0)
+    assert idx.get_watermark("pod-a") == Watermark(1, 0)
+    assert held(idx, request[1]) == {A_GPU, B_GPU}
+
+
+def test_reset_watermark(index: Any) -> None:
+    idx = batch_index(index)
+    [request] = hashes(1, "reset-r")
+    ops = [AddOp(None, (request,), (A_GPU,))]
+    assert idx.apply_batch(ops, "s", Watermark(3, 9))
+    idx.reset_watermark("s", Watermark(5, 5))
+    assert idx.get_watermark("s") == Watermark(5, 5)
+    assert idx.apply_batch(ops, "s", Watermark(4, 100)) is False
+    idx.reset_watermark("s", None)
+    assert idx.get_watermark("s") is None
+    idx.evict(request, REQUEST, [A_GPU])
+    assert idx.apply_batch(ops, "s", Watermark(0, 0)) is True
+    assert held(idx, request) == {A_GPU}
+    idx.reset_watermark("never-applied", None)  # deleting nothing is fine
+    assert idx.get_watermark("never-applied") is None
+
+
+def test_apply_batch_applies_ops_in_order(index: Any) -> None:
+    idx = batch_index(index)
+    [r1, r2, r3] = hashes(3, "order-r")
+    [e1, e2] = hashes(2, "order-e")
+    assert idx.apply_batch(
+        [
+            AddOp((e1,), (r1,), (A_GPU,)),
+            EvictOp(e1, ENGINE, (A_GPU,)),
+            EvictOp(r2, REQUEST, (B_GPU,)),
+            AddOp(None, (r2,), (B_GPU,)),
+            AddOp((e2,), (r3,), (A_GPU, A_CPU)),
+            EvictOp(r3, REQUEST, (A_CPU,)),
+        ],
+        "order",
+        Watermark(0, 1),
+    )
+    assert held(idx, r1) == set()
+    assert mapped(idx, e1) is None
+    assert held(idx, r2) == {B_GPU}
+    assert held(idx, r3) == {A_GPU}
+    assert idx.get_request_key(e2) == r3
+    # Without a stream the batch is not fenced and applies every time.
+    assert idx.apply_batch([EvictOp(r2, REQUEST, (B_GPU,))]) is True
+    assert held(idx, r2) == set()
+    assert idx.apply_batch([AddOp(None, (r2,), (B_GPU,))]) is True
+    assert idx.apply_batch([AddOp(None, (r2,), (C_GPU,))]) is True
+    assert held(idx, r2) == {B_GPU, C_GPU}
+
+
+def test_apply_batch_with_no_ops_still_advances_the_watermark(index: Any) -> None:
+    idx = batch_index(index)
+    assert idx.apply_batch([], "empty", Watermark(2, 3)) is True
+    assert idx.get_watermark("empty") == Watermark(2, 3)
+    assert idx.apply_batch([], "empty", Watermark(2, 3)) is False
+
+
+@pytest.mark.parametrize(
+    "bad_op",
+    [
+        AddOp(None, (), (A_GPU,)),
+        AddOp(None, (5,), ()),
+        AddOp(None, (-1,), (A_GPU,)),
+        AddOp((2**64,), (5,), (A_GPU,)),
+        AddOp(None, (5,), (PodEntry("", "gpu"),)),
+        EvictOp(5, REQUEST, ()),
+        EvictOp(-5, ENGINE, (A_GPU,)),
+        EvictOp(5, "engine", (A_GPU,)),  # type: ignore[arg-type]
+        "not an op",
+    ],
+)
+def test_invalid_op_rejects_the_whole_batch(index: Any, bad_op: Any) -> None:
+    idx = batch_index(index)
+    [r1, r2] = hashes(2, "reject-r")
+    [e1] = hashes(1, "reject-e")
+    idx.add(None, [r2], [B_GPU])
+    ops = [AddOp((e1,), (r1,), (A_GPU,)), EvictOp(r2, REQUEST, (B_GPU,)), bad_op]
+    with pytest.raises(InvalidInputError):
+        idx.apply_batch(ops, "reject", Watermark(0, 0))
+    assert held(idx, r1) == set()
+    assert held(idx, r2) == {B_GPU}
+    assert mapped(idx, e1) is None
+    assert idx.get_watermark("reject") is None
+    with pytest.raises(InvalidInputError):
+        idx.apply_batch(ops)
+    assert held(idx, r2) == {B_GPU}
+    assert idx.apply_batch(ops[:2], "reject", Watermark(0, 0)) is True
+    assert held(idx, r1) == {A_GPU}
+    assert held(idx, r2) == set()
+
+
+def test_concurrent_replicas_apply_a_batch_exactly_once(index: Any) -> None:
+    idx = batch_index(index)
+    request = hashes(4, "replicas-r")
+    results: list[bool] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+    start = threading.Barrier(16)
+
+    def replica() -> None:
+        try:
+            start.wait(30)
+            for s in range(5):
+                ops = [AddOp(None, (request[s % 4],), (PodEntry("pod-r", f"tier-{s}"),))]
+                applied = idx.apply_batch(ops, "pod-r", Watermark(0, s))
+                with lock:
+                    results.append(applied)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=replica) for _ in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    if errors:
+        raise errors[0]
+    # Each replica offers seqs 0..4 in order, so the first offer of each seq finds the stream
+    # behind it: every batch is applied exactly once, by one replica.
+    assert len(results) == 16 * 5
+    assert results.count(True) == 5
+    assert idx.get_watermark("pod-r") == Watermark(0, 4)
+    assert held(idx, request[0]) == {PodEntry("pod-r", "tier-0"), PodEntry("pod-r", "tier-4")}
+    assert held(idx, request[3]) == {PodEntry("pod-r", "tier-3")}

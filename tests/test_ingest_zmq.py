@@ -1,0 +1,280 @@
+"""Ingestion over real ZMQ sockets on loopback: live events, replay, gaps, restarts, HA, stop."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvredis.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvredis.hashing import ChunkedTokenDatabase
+from kvredis.ingest import EndpointConfig, EventIngester, IngesterConfig
+from kvredis.memory import InMemoryIndex
+from kvredis.types import PodEntry
+from tests.ingest_engine import FakeEngine, wait_until
+
+pytestmark = pytest.mark.zmq
+
+TP = ChunkedTokenDatabase()
+CONFIG = IngesterConfig(workers=2, peer_grace_s=0.05, replay_timeout_s=1.0, poll_interval_s=0.005)
+GPU = PodEntry("pod-a", "gpu")
+
+
+def toks(start: int, n: int) -> tuple[int, ...]:
+    return tuple(range(start, start + n))
+
+
+def chain(tokens: tuple[int, ...], model: str = "model-a") -> list[int]:
+    return TP.tokens_to_kv_block_keys(0, tokens, model)
+
+
+def held(index: Any, tokens: tuple[int, ...]) -> int:
+    """How many leading blocks of ``tokens`` the index holds."""
+    return len(index.lookup(chain(tokens)))
+
+
+@pytest.fixture
+def engine() -> Iterator[FakeEngine]:
+    with FakeEngine() as eng:
+        yield eng
+
+
+def start(index: Any, eng: FakeEngine, config: IngesterConfig = CONFIG, **ep: Any) -> EventIngester:
+    ing = EventIngester(index, TP, [EndpointConfig(eng.endpoint, **ep)], config)
+    ing.start()
+    eng.wait_subscribed()
+    return ing
+
+
+def settle(ing: EventIngester, batches: int) -> None:
+    wait_until(lambda: ing.counters.get("batches") >= batches)
+    assert ing.wait_idle(10)
+
+
+def test_live_events_in_map_and_array_formats(engine: FakeEngine) -> None:
+    index = InMemoryIndex()
+    ing = start(index, engine)
+    try:
+        engine.publish([BlockStored((1, 2), None, toks(0, 32), 16)], fmt="map")
+        engine.publish([BlockStored((3, 4), 2, toks(32, 32), 16, medium="GPU")], fmt="array")
+        engine.publish(
+            [BlockRemoved((4,)), BlockStored((9,), None, toks(900, 16), 16)], fmt="array"
+        )
+        engine.publish(
+            [
+                {
+                    "type": "BlockStored",
+                    "block_hashes": [-5],
+                    "parent_block_hash": 3,
+                    "token_ids": list(toks(48, 16)),
+                    "block_size": 16,
+                    "medium": "CPU",
+                }
+            ]
+        )
+        settle(ing, 4)
+        blocks = chain(toks(0, 64))
+        assert held(index, toks(0, 64)) == 4
+        assert index.lookup([blocks[2]]) == {blocks[2]: [GPU]}
+        # block 3 left the GPU, then came back on the CPU (sent as signed hash -5)
+        assert index.lookup([blocks[3]]) == {blocks[3]: [PodEntry("pod-a", "cpu")]}
+        assert set(index.lookup(chain(toks(900, 16)))[chain(toks(900, 16))[0]]) == {GPU}
+        # the signed hash -5 is stored as its two's complement
+        assert index.get_request_key(2**64 - 5) == chain(toks(0, 64))[3]
+        c = ing.counters.snapshot()
+        assert (c["received"], c["batches_applied"], c["gaps"], c["rejected"]) == (4, 4, 0, 0)
+    finally:
+        assert ing.stop()
+
+
+@pytest.mark.parametrize("topic_frame", [True, False], ids=["topic-frame", "no-topic-frame"])
+def test_gap_is_filled_by_replay(topic_frame: bool) -> None:
+    with FakeEngine(replay_topic_frame=topic_frame) as eng:
+        index = InMemoryIndex()
+        ing = start(index, eng, replay_endpoint=eng.replay_endpoint)
+        try:
+            eng.publish([BlockStored((1,), None, toks(0, 16), 16)])
+            for i in range(1, 4):  # lost on the wire, still in the engine's replay buffer
+                eng.publish([BlockStored((i + 1,), i, toks(16 * i, 16), 16)], send=False)
+            eng.publish([BlockStored((5,), 4, toks(64, 16), 16)], fmt="array")
+            settle(ing, 5)
+            assert held(index, toks(0, 80)) == 5
+            assert eng.replay_requests == [1]
+            c = ing.counters.snapshot()
+            assert (c["gaps"], c["replays"], c["replayed_batches"], c["clears"]) == (1, 1, 4, 0)
+            assert c["batches_applied"] == 5 and c["batches_duplicate"] == 1
+        finally:
+            assert ing.stop()
+
+
+def test_gap_beyond_the_replay_buffer_clears_and_resumes() -> None:
+    with FakeEngine(buffer_size=3) as eng:
+        index = InMemoryIndex()
+        ing = start(index, eng, replay_endpoint=eng.replay_endpoint)
+        try:
+            eng.publish([BlockStored((1,), None, toks(0, 16), 16)])
+            for i in range(1, 6):  # lost, and pushed out of the 3-batch buffer
+                eng.publish([BlockStored((i + 1,), i, toks(16 * i, 16), 16)], send=False)
+            eng.publish([BlockStored((100,), None, toks(1000, 16), 16)], send=False)  # seq 6
+            eng.publish([BlockStored((101,), 100, toks(1016, 16), 16)], send=False)  # seq 7
+            eng.publish([BlockStored((102,), 101, toks(1032, 16), 16)])  # seq 8, live
+            wait_until(lambda: ing.counters.get("clears_gap") == 1)
+            assert ing.wait_idle(10)
+            assert held(index, toks(0, 16)) == 0
+            # the replayed tail (6, 7) and the live batch 8 apply after the clear
+            assert held(index, toks(1000, 48)) == 3
+            assert eng.replay_requests == [1]
+            c = ing.counters.snapshot()
+            assert (c["gaps"], c["replays"], c["replay_failures"], c["clears"]) == (1, 1, 1, 1)
+            assert c["batches_applied"] == 4 and c["parent_misses"] == 0
+        finally:
+            assert ing.stop()
+
+
+def test_engine_restart_clears_and_resumes(engine: FakeEngine) -> None:
+    index = InMemoryIndex()
+    ing = start(index, engine, replay_endpoint=engine.replay_endpoint)
+    try:
+        for i in range(3):
+            engine.publish([BlockStored((i + 1,), i or None, toks(16 * i, 16), 16)])
+        settle(ing, 3)
+        assert held(index, toks(0, 48)) == 3
+        engine.restart()
+        engine.wait_subscribed()
+        engine.publish([BlockStored((100,), None, toks(5000, 16), 16)])
+        engine.publish([BlockStored((101,), 100, toks(5016, 16), 16)])
+        wait_until(lambda: ing.counters.get("batches_applied") >= 5)
+        assert ing.wait_idle(10)
+        assert held(index, toks(0, 48)) == 0
+        assert held(index, toks(5000, 32)) == 2
+        c = ing.counters.snapshot()
+        assert (c["restarts"], c["clears_restart"], c["gaps"]) == (1, 1, 0)
+        assert c["connects"] >= 2 and c["disconnects"] >= 1
+        assert index.get_watermark(engine.endpoint) is not None
+        assert index.get_watermark(engine.endpoint).epoch == 1  # type: ignore[union-attr]
+    finally:
+        assert ing.stop()
+
+
+def test_configured_pod_and_model_with_the_default_empty_topic() -> None:
+    with FakeEngine(topic="") as eng:
+        index = InMemoryIndex()
+        ing = start(index, eng, pod_id="pod-z", model_name="model-z")
+        try:
+            eng.publish(
+                [
+                    BlockStored((1,), None, toks(0, 16), 16),
+                    AllBlocksCleared(),
+                    BlockStored((2,), None, toks(16, 16), 16),
+                ]
+            )
+            settle(ing, 1)
+            assert index.lookup(chain(toks(0, 16), "model-z")) == {}
+            key = chain(toks(16, 16), "model-z")[0]
+            assert index.lookup([key]) == {key: [PodEntry("pod-z", "gpu")]}
+            assert index.get_watermark("pod-z") is not None
+        finally:
+            assert ing.stop()
+
+
+def test_malformed_messages_are_rejected_and_the_stream_goes_on(engine: FakeEngine) -> None:
+    index = InMemoryIndex()
+    ing = start(index, engine)
+    try:
+        engine.send_frames([b"kv@pod-a@model-a", b"\x00\x00"])
+        engine.send_frames([b"kv@pod-a@model-a", b"\x00" * 4, b"payload"])
+        engine.publish_payload(b"\xc1 not msgpack")
+        engine.publish([BlockStored((1,), None, toks(0, 16), 16)])
+        settle(ing, 2)
+        c = ing.counters.snapshot()
+        assert c["rejected.bad_message"] == 2 and c["rejected.malformed_payload"] == 1
+        assert (c["batches_rejected"], c["batches_applied"], c["gaps"]) == (1, 1, 0)
+        assert held(index, toks(0, 16)) == 1
+    finally:
+        assert ing.stop()
+
+
+def test_backpressure_loses_nothing(engine: FakeEngine) -> None:
+    index = InMemoryIndex()
+    config = IngesterConfig(workers=1, queue_size=2, peer_grace_s=0.05)
+    ing = start(index, engine, config)
+    try:
+        n = 300
+        for i in range(n):
+            engine.publish([BlockStored((i + 1,), i or None, toks(16 * i, 16), 16)])
+        settle(ing, n)
+        assert ing.counters.get("gaps") == 0
+        assert held(index, toks(0, 16 * n)) == n
+    finally:
+        assert ing.stop()
+
+
+def test_stop_drains_everything_received(redis_server_url: str, engine: FakeEngine) -> None:
+    from kvredis.redis_index import RedisIndex, RedisIndexConfig
+
+    index = RedisIndex(
+        RedisIndexConfig(address=redis_server_url, namespace=f"kvt-{uuid.uuid4().hex[:12]}")
+    )
+    try:
+        ing = start(index, engine, IngesterConfig(workers=1, queue_size=10_000))
+        n = 400
+        for i in range(n):
+            engine.publish([BlockStored((i + 1,), i or None, toks(16 * i, 16), 16)])
+        wait_until(lambda: ing.counters.get("received") == n)
+        assert ing.stop(drain=True)
+        assert ing.counters.get("batches_applied") == n
+        assert held(index, toks(0, 16 * n)) == n
+    finally:
+        index.close()
+
+
+def test_two_ingesters_on_one_redis(redis_server_url: str, engine: FakeEngine) -> None:
+    """HA: both replicas consume the same engine; each batch takes effect once, restarts too."""
+    from kvredis.redis_index import RedisIndex, RedisIndexConfig
+
+    config = RedisIndexConfig(address=redis_server_url, namespace=f"kvt-{uuid.uuid4().hex[:12]}")
+    clients = [RedisIndex(config), RedisIndex(config)]
+    ings = [
+        EventIngester(c, TP, [EndpointConfig(engine.endpoint, pod_id="pod-a")], CONFIG)
+        for c in clients
+    ]
+    try:
+        for ing in ings:
+            ing.start()
+            engine.wait_subscribed()
+        n = 120
+        for i in range(n):
+            events: list[Any] = [BlockStored((i + 1,), i or None, toks(16 * i, 16), 16)]
+            if i % 4 == 3:
+                events.append(BlockRemoved((i,)))  # drop the previous block
+            engine.publish(events, fmt="array" if i % 2 else "map")
+        for ing in ings:
+            settle(ing, n)
+        applied = sum(i.counters.get("batches_applied") for i in ings)
+        assert applied == n
+        expected = {k for j, k in enumerate(chain(toks(0, 16 * n))) if j % 4 != 2}
+        present = {k for k in chain(toks(0, 16 * n)) if clients[0].lookup([k])}
+        assert present == expected
+
+        engine.restart()
+        for _ in ings:
+            engine.wait_subscribed()
+        for i in range(10):
+            engine.publish(
+                [BlockStored((500 + i,), 499 + i if i else None, toks(8000 + 16 * i, 16), 16)]
+            )
+        for ing in ings:
+            wait_until(lambda ing=ing: ing.counters.get("restarts") == 1)
+            settle(ing, n + 10)
+        assert sum(i.counters.get("clears_restart") for i in ings) == 1
+        assert sum(i.counters.get("batches_applied") for i in ings) == n + 10
+        assert not any(clients[0].lookup([k]) for k in expected)
+        assert held(clients[0], toks(8000, 160)) == 10
+        assert clients[0].get_watermark("pod-a").epoch == 1  # type: ignore[union-attr]
+    finally:
+        for ing in ings:
+            ing.stop()
+        for c in clients:
+            c.close()

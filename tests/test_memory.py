@@ -1,0 +1,393 @@
+"""The embedded backends beyond the shared contract: their bounds, cost estimate and sizes."""
+
+from __future__ import annotations
+
+import gc
+import tracemalloc
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvredis.batch import AddOp, Watermark
+from kvredis.errors import ConfigError, EngineKeyNotFoundError, InvalidInputError
+from kvredis.memory import (
+    KEY_COST,
+    MAX_REQUEST_KEYS_PER_ENGINE_KEY,
+    CostAwareMemoryIndex,
+    CostAwareMemoryIndexConfig,
+    InMemoryIndex,
+    InMemoryIndexConfig,
+    estimated_entry_cost,
+    parse_size,
+)
+from kvredis.types import KeyType, PodEntry
+
+A = PodEntry("pod-a", "gpu")
+B = PodEntry("pod-b", "gpu")
+C = PodEntry("pod-c", "gpu")
+
+
+def present(index: Any, key: int) -> set[PodEntry]:
+    return set(index.lookup([key]).get(key, []))
+
+
+# -- InMemoryIndex bounds ----------------------------------------------------------------------
+
+
+def test_request_keys_are_lru_bounded() -> None:
+    index = InMemoryIndex(InMemoryIndexConfig(size=3))
+    index.add(None, [1, 2, 3], [A])
+    assert index.lookup([1]) == {1: [A]}  # 1 is now more recently used than 2 and 3
+    index.add(None, [4], [A])
+    assert len(index) == 3
+    assert present(index, 2) == set()
+    assert {k for k in (1, 3, 4) if present(index, k)} == {1, 3, 4}
+    index.add(None, [5, 6, 7, 8], [B])  # one add larger than the bound keeps its last keys
+    assert len(index) == 3
+    assert [k for k in range(1, 9) if present(index, k)] == [6, 7, 8]
+
+
+def test_adding_to_an_existing_key_refreshes_its_recency() -> None:
+    index = InMemoryIndex(InMemoryIndexConfig(size=2))
+    index.add(None, [1, 2], [A])
+    index.add(None, [1], [B])
+    index.add(None, [3], [A])
+    assert present(index, 1) == {A, B}
+    assert present(index, 2) == set()
+
+
+def test_engine_mappings_are_lru_bounded_too() -> None:
+    index = InMemoryIndex(InMemoryIndexConfig(size=2))
+    index.add([101], [1], [A])
+    index.add([102], [2], [A])
+    assert index.get_request_key(101) == 1  # resolving counts as use
+    index.add([103], [3], [A])
+    assert index.get_request_key(101) == 1
+    assert index.get_request_key(103) == 3
+    with pytest.raises(EngineKeyNotFoundError):
+        index.get_request_key(102)
+
+
+def test_entries_per_key_are_bounded_least_recently_added_first() -> None:
+    index = InMemoryIndex(InMemoryIndexConfig(pod_cache_size=2))
+    index.add(None, [1], [A])
+    index.add(None, [1], [B])
+    index.add(None, [1], [C])
+    assert present(index, 1) == {B, C}
+    index.add(None, [1], [B])  # re-adding refreshes B, so C is now the oldest
+    index.add(None, [1], [A])
+    assert present(index, 1) == {A, B}
+    index.add(None, [2], [A, B, C])  # one add with more entries than fit keeps the last ones
+    assert present(index, 2) == {B, C}
+    index.clear("pod-a")
+    assert present(index, 1) == {B}
+    assert present(index, 2) == {B, C}
+
+
+def test_engine_key_evict_after_its_request_key_aged_out_drops_the_mapping() -> None:
+    index = InMemoryIndex(InMemoryIndexConfig(size=2))
+    index.add([100], [1], [A])
+    index.add(None, [2, 3], [A])  # request key 1 ages out, its mapping survives
+    assert present(index, 1) == set()
+    assert index.get_request_key(100) == 1
+    index.evict(100, KeyType.ENGINE, [A])
+    with pytest.raises(EngineKeyNotFoundError):
+        index.get_request_key(100)
+
+
+def test_request_keys_per_engine_key_are_bounded() -> None:
+    index = InMemoryIndex()
+    n = MAX_REQUEST_KEYS_PER_ENGINE_KEY + 5
+    for request_key in range(1, n + 1):
+        index.add([7], [request_key], [A])
+    assert index.get_request_key(7) == n
+    index.evict(7, KeyType.ENGINE, [A])
+    # Only the remembered (most recent) request keys were resolved; the oldest five keep A.
+    assert [k for k in range(1, n + 1) if present(index, k)] == [1, 2, 3, 4, 5]
+    with pytest.raises(EngineKeyNotFoundError):  # every key it still remembers is empty
+        index.get_request_key(7)
+
+
+# -- CostAwareMemoryIndex ----------------------------------------------------------------------
+
+
+def test_cost_aware_budget_and_default() -> None:
+    assert CostAwareMemoryIndex().max_cost() == 2 * 1024**3
+    assert CostAwareMemoryIndex(CostAwareMemoryIndexConfig("500MiB")).max_cost() == 500 * 2**20
+    assert CostAwareMemoryIndex(CostAwareMemoryIndexConfig(12345)).max_cost() == 12345
+
+
+def test_cost_aware_index_stays_within_budget_dropping_least_recently_used() -> None:
+    budget = 40 * (KEY_COST + estimated_entry_cost(A))
+    index = CostAwareMemoryIndex(CostAwareMemoryIndexConfig(budget))
+    index.add(None, [0], [A])
+    for key in range(1, 200):
+        index.add(None, [key], [A])
+        index.lookup([0])  # key 0 stays the most recently used
+        assert index.cost() <= index.max_cost()
+    kept = [k for k in range(200) if present(index, k)]
+    assert 0 in kept
+    assert len(kept) == 40
+    assert kept[1:] == list(range(161, 200))
+
+
+def test_cost_aware_index_drops_old_engine_mappings_first_when_they_are_older() -> None:
+    budget = 10 * (KEY_COST + estimated_entry_cost(A))
+    index = CostAwareMemoryIndex(CostAwareMemoryIndexConfig(budget))
+    index.add([1000], [1], [A])
+    for key in range(2, 40):
+        index.add(None, [key], [A])
+    assert present(index, 1) == set()
+    with pytest.raises(EngineKeyNotFoundError):
+        index.get_request_key(1000)
+    assert index.cost() <= budget
+
+
+def test_cost_returns_to_zero_once_everything_is_removed() -> None:
+    index = CostAwareMemoryIndex()
+    entries = [A, PodEntry("pod-a", "cpu"), PodEntry("pod-long" * 20, "gpu", has_group=True)]
+    index.add(list(range(100, 108)), list(range(1, 5)), entries)
+    index.add([200], list(range(3, 9)), [B])
+    index.add(None, [1, 2], [C])
+    assert index.cost() > 0
+    index.evict(1, KeyType.REQUEST, [C])
+    index.clear("pod-a")
+    index.clear("pod-long" * 20)
+    index.clear("pod-c")
+    index.evict(200, KeyType.ENGINE, [B])
+    # Mappings whose request keys are all empty now go on their next engine-key evict.
+    for engine_key in range(100, 108):
+        index.evict(engine_key, KeyType.ENGINE, [A])
+    assert len(index) == 0
+    assert index.cost() == 0
+
+
+def _traced_bytes(build: Any) -> tuple[int, Any]:
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        result = build()
+        gc.collect()
+        return tracemalloc.get_traced_memory()[0] - before, result
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("pods,mapped", [(1, False), (4, True)])
+def test_cost_estimate_tracks_the_memory_actually_allocated(pods: int, mapped: bool) -> None:
+    n = 10_000
+    keys = [(k * 0x9E3779B97F4A7C15) % 2**64 for k in range(1, n + 1)]
+    engine = [(k * 0xBF58476D1CE4E5B9) % 2**64 for k in range(1, n + 1)]
+
+    def build() -> CostAwareMemoryIndex:
+        index = CostAwareMemoryIndex()
+        for p in range(pods):
+            for i in range(0, n, 64):
+                index.add(
+                    engine[i : i + 64] if mapped else None,
+                    keys[i : i + 64],
+                    [PodEntry(f"pod-{p}", "gpu")],
+                )
+        return index
+
+    actual, index = _traced_bytes(build)
+    ratio = index.cost() / actual
+    assert 0.8 <= ratio <= 1.75, f"estimate {index.cost()} vs allocated {actual}"
+
+
+# -- BatchIndex specifics ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make", [InMemoryIndex, CostAwareMemoryIndex])
+def test_apply_batch_argument_checks(make: Any) -> None:
+    index = make()
+    ops = [AddOp(None, (1,), (A,))]
+    for stream, watermark in [
+        ("s", None),
+        (None, Watermark(0, 0)),
+        ("", Watermark(0, 0)),
+        (5, Watermark(0, 0)),
+        ("s", (0, 0)),
+    ]:
+        with pytest.raises(InvalidInputError):
+            index.apply_batch(ops, stream, watermark)
+    with pytest.raises(InvalidInputError):
+        index.apply_batch(AddOp(None, (1,), (A,)))  # a single op is not a batch
+    with pytest.raises(InvalidInputError):
+        index.get_watermark("")
+    with pytest.raises(InvalidInputError):
+        index.reset_watermark("s", (1, 2))
+    assert len(index) == 0
+
+
+# -- a reference model ------------------------------------------------------------------------
+
+ENTRIES = [
+    PodEntry(p, t, s) for p in ("p0", "p1", "p2") for t in ("gpu", "cpu") for s in (False, True)
+]
+KEYS = st.integers(0, 7)
+OPS = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("add"),
+            st.none() | st.lists(st.integers(100, 105), max_size=4),
+            st.lists(KEYS, min_size=1, max_size=4),
+            st.lists(st.sampled_from(ENTRIES), min_size=1, max_size=3),
+        ),
+        st.tuples(
+            st.just("evict"),
+            st.sampled_from(KeyType),
+            st.integers(0, 7) | st.integers(100, 105),
+            st.lists(st.sampled_from(ENTRIES), min_size=1, max_size=3),
+        ),
+        st.tuples(st.just("clear"), st.sampled_from(["p0", "p1", "p2"])),
+    ),
+    max_size=30,
+)
+
+
+class Model:
+    """The contract, written as plainly as possible (unbounded)."""
+
+    def __init__(self) -> None:
+        self.keys: dict[int, set[PodEntry]] = {}
+        self.engine: dict[int, list[int]] = {}
+
+    def add(self, eng: list[int] | None, req: list[int], ents: list[PodEntry]) -> None:
+        for r in req:
+            self.keys.setdefault(r, set()).update(ents)
+        if eng:
+            n = max(len(eng), len(req))
+            for i in range(n):
+                e, r = eng[i * len(eng) // n], req[i * len(req) // n]
+                refs = self.engine.setdefault(e, [])
+                if r in refs:
+                    refs.remove(r)
+                refs.append(r)
+
+    def evict(self, key_type: KeyType, key: int, ents: list[PodEntry]) -> None:
+        targets = [key] if key_type is KeyType.REQUEST else self.engine.get(key, [])
+        for r in targets:
+            if r in self.keys:
+                self.keys[r] -= set(ents)
+                if not self.keys[r]:
+                    del self.keys[r]
+        if (
+            key_type is KeyType.ENGINE
+            and key in self.engine
+            and not any(r in self.keys for r in self.engine[key])
+        ):
+            del self.engine[key]
+
+    def clear(self, pod: str) -> None:
+        for r in list(self.keys):
+            self.keys[r] = {e for e in self.keys[r] if e.pod_identifier != pod}
+            if not self.keys[r]:
+                del self.keys[r]
+
+
+@pytest.mark.parametrize("make", [InMemoryIndex, CostAwareMemoryIndex])
+@settings(max_examples=150, deadline=None)
+@given(ops=OPS)
+def test_embedded_backends_match_a_reference_model(make: Any, ops: list[Any]) -> None:
+    index, model = make(), Model()
+    for op in ops:
+        if op[0] == "add":
+            index.add(op[1], op[2], op[3])
+            model.add(op[1], op[2], op[3])
+        elif op[0] == "evict":
+            index.evict(op[2], op[1], op[3])
+            model.evict(op[1], op[2], op[3])
+        else:
+            index.clear(op[1])
+            model.clear(op[1])
+        for key in range(8):
+            assert present(index, key) == model.keys.get(key, set())
+        for engine_key in range(100, 106):
+            expected = model.engine.get(engine_key)
+            if expected is None:
+                with pytest.raises(EngineKeyNotFoundError):
+                    index.get_request_key(engine_key)
+            else:
+                assert index.get_request_key(engine_key) == expected[-1]
+    assert len(index) == len(model.keys)
+    if isinstance(index, CostAwareMemoryIndex):
+        for pod in ("p0", "p1", "p2"):
+            index.clear(pod)
+        for engine_key in range(100, 106):
+            index.evict(engine_key, KeyType.ENGINE, [ENTRIES[0]])
+        assert index.cost() == 0
+
+
+# -- parse_size --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("500MiB", 500 * 1024**2),
+        ("1GB", 10**9),
+        ("2GiB", 2 * 1024**3),
+        ("1.5GiB", 1536 * 1024**2),
+        ("100KB", 100_000),
+        ("100KiB", 102_400),
+        ("3TB", 3 * 10**12),
+        ("1TiB", 1024**4),
+        ("4096", 4096),
+        (4096, 4096),
+        ("64B", 64),
+        (" 2 gib ", 2 * 1024**3),
+        ("1mb", 10**6),
+        ("8K", 8000),
+        ("8Ki", 8192),
+        ("0.5KiB", 512),
+        ("1.0001KB", 1000),
+        ("1e3", 1000),
+        ("2.5e1MB", 25 * 10**6),
+    ],
+)
+def test_parse_size(text: Any, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "",
+        "GiB",
+        "abc",
+        "1XB",
+        "-1",
+        "-1GiB",
+        "0",
+        "0.1",
+        0,
+        -5,
+        True,
+        1.5,
+        None,
+        "1.2.3MB",
+        "1 G iB",
+        "1GiBs",
+        "∞",
+        "nan",
+    ],
+)
+def test_parse_size_rejects(bad: Any) -> None:
+    with pytest.raises(ConfigError):
+        parse_size(bad)
+
+
+def test_configs_validate_eagerly() -> None:
+    with pytest.raises(ConfigError):
+        CostAwareMemoryIndexConfig("lots")
+    for kwargs in ({"size": 0}, {"pod_cache_size": 0}, {"size": "10"}, {"pod_cache_size": True}):
+        with pytest.raises(ConfigError):
+            InMemoryIndexConfig(**kwargs)
+    with pytest.raises(ConfigError):
+        InMemoryIndex(CostAwareMemoryIndexConfig())  # type: ignore[arg-type]
+    with pytest.raises(ConfigError):
+        CostAwareMemoryIndex(InMemoryIndexConfig())  # type: ignore[arg-type]

@@ -1,0 +1,261 @@
+"""LongestPrefixScorer and the Indexer, on every backend (client-side and server-side scoring)."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvredis.errors import InvalidInputError
+from kvredis.features import BlockExtraFeatures, MMHash
+from kvredis.hashing import ChunkedTokenDatabase, TokenProcessorConfig
+from kvredis.indexer import Indexer
+from kvredis.memory import InMemoryIndex
+from kvredis.scoring import DEFAULT_MEDIUM_WEIGHTS, LongestPrefixScorer
+from kvredis.types import PodEntry
+
+MODEL = "test/model-7b"
+BLOCK = 4
+
+
+def E(pod: str, tier: str = "gpu", **kwargs: Any) -> PodEntry:
+    return PodEntry(pod, tier, **kwargs)
+
+
+# -- LongestPrefixScorer -----------------------------------------------------------------------
+
+
+def test_default_weights() -> None:
+    assert dict(DEFAULT_MEDIUM_WEIGHTS) == {"gpu": 1.0, "cpu": 0.8}
+    assert dict(LongestPrefixScorer().medium_weights) == {"gpu": 1.0, "cpu": 0.8}
+    assert LongestPrefixScorer().weight("disk") == 1.0
+
+
+def test_pods_score_their_consecutive_prefix_and_drop_out_at_their_first_miss() -> None:
+    keys = [10, 11, 12, 13]
+    key_to_pods = {
+        10: [E("a"), E("b", "cpu"), E("c")],
+        11: [E("a"), E("b", "cpu")],
+        12: [E("a"), E("c"), E("d")],  # c missed key 11, d never held key 10
+        13: [E("a"), E("b", "cpu")],  # b missed key 12
+    }
+    scores = LongestPrefixScorer().score(keys, key_to_pods)
+    assert scores == {"a": 4.0, "b": pytest.approx(1.6), "c": 1.0}
+    assert "d" not in scores
+
+
+def test_highest_tier_weight_counts_once_per_key() -> None:
+    keys = [1, 2, 3]
+    key_to_pods = {
+        1: [E("a", "cpu"), E("a", "gpu"), E("a", "gpu", speculative=True)],
+        2: [E("a", "cpu")],
+        3: [E("a", "cpu"), E("a", "nvme")],  # unknown tier weighs 1.0, beating cpu
+    }
+    assert LongestPrefixScorer().score(keys, key_to_pods) == {"a": 1.0 + 0.8 + 1.0}
+
+
+def test_custom_and_empty_weights() -> None:
+    keys = [1, 2]
+    key_to_pods = {1: [E("a", "cpu"), E("b", "ssd")], 2: [E("a", "cpu"), E("b", "ssd")]}
+    assert LongestPrefixScorer({"cpu": 0.25, "ssd": 3}).score(keys, key_to_pods) == {
+        "a": 0.5,
+        "b": 6.0,
+    }
+    assert LongestPrefixScorer({}).score(keys, key_to_pods) == {"a": 2.0, "b": 2.0}
+    weights = {"cpu": 0.5}
+    scorer = LongestPrefixScorer(weights)
+    weights["cpu"] = 9.0  # the scorer keeps its own copy
+    assert scorer.score(keys, key_to_pods)["a"] == 1.0
+    with pytest.raises(TypeError):
+        scorer.medium_weights["cpu"] = 2.0  # type: ignore[index]
+
+
+def test_empty_inputs() -> None:
+    scorer = LongestPrefixScorer()
+    assert scorer.score([], {1: [E("a")]}) == {}
+    assert scorer.score([1, 2], {}) == {}
+    assert scorer.score([1, 2], {2: [E("a")]}) == {}
+
+
+@pytest.mark.parametrize(
+    "weights",
+    [
+        {"gpu": "1"},
+        {"gpu": True},
+        {"gpu": float("nan")},
+        {"gpu": float("inf")},
+        {1: 1.0},
+        [("gpu", 1.0)],
+    ],
+)
+def test_bad_weights_are_rejected(weights: Any) -> None:
+    with pytest.raises(InvalidInputError):
+        LongestPrefixScorer(weights)
+
+
+def reference_score(
+    keys: Sequence[int], key_to_pods: Mapping[int, Sequence[PodEntry]], weights: Mapping[str, float]
+) -> dict[str, float]:
+    """The definition, pod by pod: sum the best tier weight per key until the pod's first miss."""
+    if not keys:
+        return {}
+    pods = {e.pod_identifier for e in key_to_pods.get(keys[0], [])}
+    out = {}
+    for pod in pods:
+        total = 0.0
+        for key in keys:
+            tiers = [e.device_tier for e in key_to_pods.get(key, []) if e.pod_identifier == pod]
+            if not tiers:
+                break
+            total += max(weights.get(t, 1.0) for t in tiers)
+        out[pod] = total
+    return out
+
+
+ENTRY = st.builds(E, st.sampled_from(["a", "b", "c", "d"]), st.sampled_from(["gpu", "cpu", "x"]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n=st.integers(0, 8),
+    held=st.dictionaries(st.integers(0, 9), st.lists(ENTRY, max_size=6)),
+    weights=st.none() | st.dictionaries(st.sampled_from(["gpu", "cpu", "x"]), st.floats(0, 4)),
+)
+def test_scorer_matches_the_definition(
+    n: int, held: dict[int, list[PodEntry]], weights: dict[str, float] | None
+) -> None:
+    keys = list(range(n))
+    expected = reference_score(keys, held, DEFAULT_MEDIUM_WEIGHTS if weights is None else weights)
+    assert LongestPrefixScorer(weights).score(keys, held) == expected
+
+
+# -- Indexer -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def processor() -> ChunkedTokenDatabase:
+    return ChunkedTokenDatabase(TokenProcessorConfig(block_size_tokens=BLOCK))
+
+
+def prompt(n_blocks: int, start: int = 1) -> list[int]:
+    return list(range(start, start + n_blocks * BLOCK))
+
+
+def test_compute_block_keys_chains_from_the_model_root(processor: ChunkedTokenDatabase) -> None:
+    indexer = Indexer(InMemoryIndex(), processor)
+    tokens = [*prompt(5), 7, 7]  # a partial tail block is not hashed
+    keys = indexer.compute_block_keys(tokens, MODEL)
+    assert keys == processor.tokens_to_kv_block_keys(0, tokens, MODEL)
+    assert len(keys) == 5
+    assert indexer.compute_block_keys(tokens[:8], MODEL) == keys[:2]
+    assert indexer.compute_block_keys(tokens, "other/model") != keys
+    features: list[BlockExtraFeatures | None] = [None, BlockExtraFeatures([MMHash("img")]), None]
+    mm = indexer.compute_block_keys(prompt(3), MODEL, features)
+    assert mm[0] == keys[0] and mm[1] != keys[1]
+
+
+def test_score_tokens_on_every_backend(index: Any, processor: ChunkedTokenDatabase) -> None:
+    indexer = Indexer(index, processor)
+    tokens = prompt(6)
+    keys = indexer.compute_block_keys(tokens, MODEL)
+    index.add(None, keys[:4], [E("pod-a")])
+    index.add(None, keys, [E("pod-b", "cpu")])
+    index.add(None, keys[:2], [E("pod-b", "gpu")])
+    index.add(None, keys[1:], [E("pod-c")])  # never held the first block
+    assert indexer.score_tokens(tokens, MODEL) == pytest.approx({"pod-a": 4.0, "pod-b": 5.2})
+    assert indexer.score_tokens(tokens, MODEL, ["pod-b", "pod-c"]) == pytest.approx({"pod-b": 5.2})
+    assert indexer.score_tokens(tokens, MODEL, {"pod-c"}) == {}
+    assert indexer.score_tokens(tokens, MODEL, []) == pytest.approx({"pod-a": 4.0, "pod-b": 5.2})
+    assert indexer.score_tokens(tokens[: BLOCK - 1], MODEL) == {}  # no full block
+    assert indexer.score_tokens([], MODEL) == {}
+    assert indexer.score_tokens(tokens, "other/model") == {}
+    weighted = Indexer(index, processor, LongestPrefixScorer({"gpu": 2.0, "cpu": 0.5}))
+    assert weighted.score_tokens(tokens, MODEL) == pytest.approx({"pod-a": 8.0, "pod-b": 6.0})
+
+
+def test_client_side_and_server_side_scoring_are_identical(
+    index: Any, processor: ChunkedTokenDatabase
+) -> None:
+    score = getattr(index, "score", None)
+    if not callable(score):
+        pytest.skip(f"{type(index).__name__} scores client-side only")
+    tokens = prompt(40)
+    keys = processor.tokens_to_kv_block_keys(0, tokens, MODEL)
+    tiers = ["gpu", "cpu", "disk", "x"]
+    for p in range(6):
+        for t, tier in enumerate(tiers):
+            if (p + t) % 3:
+                index.add(None, keys[: 40 - 5 * p - t], [E(f"pod-{p}", tier)])
+    # Weights whose sums are inexact in binary: any lossy number formatting shows.
+    weight_sets: list[dict[str, float] | None] = [
+        None,
+        {"gpu": 0.1, "cpu": 0.7, "disk": 1 / 3},
+        {"gpu": 1e-7, "cpu": 123456.789, "x": 0.0},
+        {},
+    ]
+    for weights in weight_sets:
+        scorer = LongestPrefixScorer(weights)
+        for pods in (None, ["pod-1", "pod-4", "pod-none"]):
+            expected = scorer.score(keys, index.lookup(keys, pods))
+            assert len(expected) >= 2
+            got = score(keys, scorer.medium_weights, pods)
+            assert got == expected, (weights, pods)
+            assert Indexer(index, processor, scorer).score_tokens(tokens, MODEL, pods) == expected
+    assert score([], None, None) == {}
+
+
+class ScoringMemoryIndex(InMemoryIndex):
+    """An embedded index that also scores on its own, the way the Redis backend does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[list[int], dict[str, float] | None, Collection[str] | None]] = []
+
+    def score(
+        self,
+        request_keys: Sequence[int],
+        medium_weights: Mapping[str, float] | None = None,
+        pod_identifier_set: Collection[str] | None = None,
+    ) -> dict[str, float]:
+        self.calls.append(
+            (
+                list(request_keys),
+                None if medium_weights is None else dict(medium_weights),
+                pod_identifier_set,
+            )
+        )
+        scorer = LongestPrefixScorer(medium_weights)
+        return scorer.score(request_keys, self.lookup(request_keys, pod_identifier_set))
+
+
+def test_indexer_delegates_to_an_index_that_scores(processor: ChunkedTokenDatabase) -> None:
+    index = ScoringMemoryIndex()
+    tokens = prompt(3)
+    keys = processor.tokens_to_kv_block_keys(0, tokens, MODEL)
+    index.add(None, keys, [E("pod-a", "cpu")])
+    indexer = Indexer(index, processor, LongestPrefixScorer({"cpu": 0.5}))
+    assert indexer.score_tokens(tokens, MODEL, ["pod-a"]) == {"pod-a": 1.5}
+    assert index.calls == [(keys, {"cpu": 0.5}, ["pod-a"])]
+    assert indexer.score_tokens(prompt(3, start=100), MODEL) == {}
+    assert len(index.calls) == 2
+    assert indexer.score_tokens(tokens[:2], MODEL) == {}  # no keys: the index is not asked
+    assert len(index.calls) == 2
+
+
+def test_a_scorer_that_changes_scoring_is_used_client_side(
+    processor: ChunkedTokenDatabase,
+) -> None:
+    class FirstBlockOnly(LongestPrefixScorer):
+        def score(
+            self, keys: Sequence[int], key_to_pods: Mapping[int, Sequence[PodEntry]]
+        ) -> dict[str, float]:
+            return super().score(keys[:1], key_to_pods)
+
+    index = ScoringMemoryIndex()
+    tokens = prompt(3)
+    index.add(None, processor.tokens_to_kv_block_keys(0, tokens, MODEL), [E("pod-a")])
+    assert Indexer(index, processor, FirstBlockOnly()).score_tokens(tokens, MODEL) == {"pod-a": 1.0}
+    assert index.calls == []
