@@ -1,1 +1,109 @@
-"""kvredis: a shared KV-cache block index for LLM routers."""
+"""kvredis: a shared KV-cache block index for LLM routers, kept in Redis or Valkey.
+
+Everything public is re-exported here; submodules hold the implementations.
+"""
+
+from kvredis.address import RedisAddress, parse_address
+from kvredis.batch import AddOp, BatchIndex, EvictOp, IndexOp, Watermark
+from kvredis.config import IndexConfig, new_index
+from kvredis.errors import (
+    BackendError,
+    BackendUnavailableError,
+    ConfigError,
+    EngineKeyNotFoundError,
+    InvalidInputError,
+    KVRedisError,
+    NamespaceLayoutError,
+)
+from kvredis.features import (
+    BlockExtraFeatures,
+    MMHash,
+    PlaceholderRange,
+    compute_block_extra_features,
+    parse_raw_extra_keys,
+)
+from kvredis.hashing import (
+    DEFAULT_BLOCK_SIZE,
+    HASH_ALGOS,
+    ChunkedTokenDatabase,
+    TokenProcessor,
+    TokenProcessorConfig,
+)
+from kvredis.index import AsyncIndex, Index
+from kvredis.indexer import Indexer
+from kvredis.memory import (
+    CostAwareMemoryIndex,
+    CostAwareMemoryIndexConfig,
+    InMemoryIndex,
+    InMemoryIndexConfig,
+    parse_size,
+)
+from kvredis.redis_index import (
+    AsyncRedisIndex,
+    RedisIndex,
+    RedisIndexConfig,
+    new_redis_index,
+    new_valkey_index,
+)
+from kvredis.scoring import DEFAULT_MEDIUM_WEIGHTS, LongestPrefixScorer
+from kvredis.types import (
+    EMPTY_BLOCK_HASH,
+    BlockHash,
+    GroupCatalog,
+    GroupMetadata,
+    KeyType,
+    PodEntry,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_BLOCK_SIZE",
+    "DEFAULT_MEDIUM_WEIGHTS",
+    "EMPTY_BLOCK_HASH",
+    "HASH_ALGOS",
+    "AddOp",
+    "AsyncIndex",
+    "AsyncRedisIndex",
+    "BackendError",
+    "BackendUnavailableError",
+    "BatchIndex",
+    "BlockExtraFeatures",
+    "BlockHash",
+    "ChunkedTokenDatabase",
+    "ConfigError",
+    "CostAwareMemoryIndex",
+    "CostAwareMemoryIndexConfig",
+    "EngineKeyNotFoundError",
+    "EvictOp",
+    "GroupCatalog",
+    "GroupMetadata",
+    "InMemoryIndex",
+    "InMemoryIndexConfig",
+    "Index",
+    "IndexConfig",
+    "IndexOp",
+    "Indexer",
+    "InvalidInputError",
+    "KVRedisError",
+    "KeyType",
+    "LongestPrefixScorer",
+    "MMHash",
+    "NamespaceLayoutError",
+    "PlaceholderRange",
+    "PodEntry",
+    "RedisAddress",
+    "RedisIndex",
+    "RedisIndexConfig",
+    "TokenProcessor",
+    "TokenProcessorConfig",
+    "Watermark",
+    "__version__",
+    "compute_block_extra_features",
+    "new_index",
+    "new_redis_index",
+    "new_valkey_index",
+    "parse_address",
+    "parse_raw_extra_keys",
+    "parse_size",
+]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from kvredis.errors import InvalidInputError
+from kvredis.index import check_add, check_entries, check_hash, check_key_type
 from kvredis.types import KeyType, PodEntry
 
 
@@ -87,3 +88,36 @@ class BatchIndex(Protocol):
     def reset_watermark(self, stream: str, watermark: Watermark | None) -> None:
         """Overwrite (or with ``None`` delete) the stored watermark of ``stream``."""
         ...
+
+
+def check_batch(
+    ops: Sequence[IndexOp], stream: str | None, watermark: Watermark | None
+) -> list[IndexOp]:
+    """Validate a whole batch up front, so that a bad op rejects it before anything applies.
+
+    Returns the ops with their fields normalized to plain ints and tuples.
+    """
+    if (stream is None) != (watermark is None):
+        raise InvalidInputError("apply_batch needs both stream and watermark, or neither")
+    if stream is not None and (not isinstance(stream, str) or not stream):
+        raise InvalidInputError(f"stream must be a non-empty str, got {stream!r}")
+    if watermark is not None and not isinstance(watermark, Watermark):
+        raise InvalidInputError(f"watermark must be a Watermark, got {watermark!r}")
+    if isinstance(ops, (str, bytes)) or not isinstance(ops, Sequence):
+        raise InvalidInputError(f"ops must be a sequence of AddOp/EvictOp, got {ops!r}")
+    plan: list[IndexOp] = []
+    for position, op in enumerate(ops):
+        try:
+            if isinstance(op, AddOp):
+                eng, req, ents = check_add(op.engine_keys, op.request_keys, op.entries)
+                plan.append(AddOp(None if eng is None else tuple(eng), tuple(req), tuple(ents)))
+            elif isinstance(op, EvictOp):
+                key = check_hash(op.key, "evict key")
+                plan.append(
+                    EvictOp(key, check_key_type(op.key_type), tuple(check_entries(op.entries)))
+                )
+            else:
+                raise InvalidInputError(f"expected AddOp or EvictOp, got {type(op).__name__}")
+        except InvalidInputError as exc:
+            raise InvalidInputError(f"batch op {position}: {exc}") from exc
+    return plan

@@ -11,6 +11,7 @@ import click
 
 from kvredis.errors import KVRedisError
 from kvredis.index import Index
+from kvredis.ingest_cli import ingest
 
 BACKENDS = ("memory", "cost-aware")
 
@@ -149,15 +150,7 @@ def keys(model: str, tokens: list[int], block_size: int, hash_algo: str, hash_se
         click.echo(f"{i}\t{key}")
 
 
-def _register_optional() -> None:
-    try:
-        from kvredis.ingest_cli import ingest
-    except ImportError:  # pragma: no cover - ingestion ships with the package
-        return
-    cli.add_command(ingest)
-
-
-_register_optional()
+cli.add_command(ingest)
 
 
 def main() -> None:

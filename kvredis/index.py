@@ -14,6 +14,9 @@ from typing import Protocol, runtime_checkable
 from kvredis.errors import InvalidInputError
 from kvredis.types import MAX_BLOCK_HASH, KeyType, PodEntry
 
+#: Most request keys remembered per engine key (every backend); older mappings are dropped.
+MAX_REQUEST_KEYS_PER_ENGINE_KEY = 1024
+
 
 @runtime_checkable
 class Index(Protocol):

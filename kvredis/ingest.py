@@ -15,7 +15,8 @@ Semantics (per event, in batch order)
   ``Index.get_request_key``); an unresolvable parent skips the event (``parent_misses``).
   ``extra_keys`` go through :func:`kvredis.features.parse_raw_extra_keys` and are realigned to our
   block size (1:many replicates each engine block's features to its sub-blocks, many:1 merges the
-  identifiers of the engine blocks inside one of ours, first occurrence kept). With ``group_idx``
+  identifiers of the engine blocks inside one of ours, an item that continues across an engine
+  block boundary counted once). With ``group_idx``
   the entry is grouped and the pod's :class:`~kvredis.types.GroupCatalog` learns the group.
   Without a full block of tokens but with hashes, the event is a tier update: each engine key
   resolves to its request key and the new tier's entry is added to those keys, with no mapping.
@@ -98,7 +99,7 @@ import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from kvredis.batch import AddOp, BatchIndex, EvictOp, IndexOp, Watermark
 from kvredis.errors import (
@@ -398,8 +399,12 @@ def realign_extra_features(
     """Realign per-engine-block features to ``blocks`` of our blocks.
 
     Fewer engine blocks than ours (1:many) replicates each engine block's features to its
-    sub-blocks; more (many:1) merges the identifiers of the engine blocks inside each of ours,
-    keeping the first occurrence of each. Returns ``None`` when no block carries an identifier.
+    sub-blocks. More (many:1) concatenates the identifiers of the engine blocks inside each of
+    ours, in order, counting an item that continues from one engine block into the next once
+    (the longest run ending the previous block's list that also starts the next one's), so an
+    image spanning engine blocks appears once, as the router-side features list it, while two
+    copies of one image inside a block stay two. Returns ``None`` when no block carries an
+    identifier.
     """
     if not features or blocks <= 0:
         return None
@@ -410,20 +415,26 @@ def realign_extra_features(
     elif n_engine < blocks:
         out = [features[i * n_engine // blocks] for i in range(blocks)]
     else:
-        merged: list[list[MMHash] | None] = [None] * blocks
+        merged: list[list[MMHash]] = [[] for _ in range(blocks)]
+        prev_target, prev_ids = -1, cast("list[MMHash]", [])
         for i, feat in enumerate(features):
-            if feat is None or not feat.mm_hashes:
-                continue
-            target = merged[i * blocks // n_engine]
-            if target is None:
-                target = merged[i * blocks // n_engine] = []
-            for mm in feat.mm_hashes:
-                if mm not in target:
-                    target.append(mm)
-        out = [None if m is None else BlockExtraFeatures(m) for m in merged]
+            target = i * blocks // n_engine
+            ids = feat.mm_hashes if feat is not None else []
+            skip = _continued(prev_ids, ids) if target == prev_target else 0
+            merged[target].extend(ids[skip:])
+            prev_target, prev_ids = target, ids
+        out = [BlockExtraFeatures(m) if m else None for m in merged]
     if all(f is None or not f.mm_hashes for f in out):
         return None
     return out
+
+
+def _continued(acc: Sequence[MMHash], ids: Sequence[MMHash]) -> int:
+    """Length of the longest suffix of ``acc`` that is a prefix of ``ids``."""
+    for size in range(min(len(acc), len(ids)), 0, -1):
+        if list(acc[-size:]) == list(ids[:size]):
+            return size
+    return 0
 
 
 class _LRU:

@@ -25,9 +25,10 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from kvredis.batch import AddOp, EvictOp, IndexOp, Watermark
+from kvredis.batch import AddOp, IndexOp, Watermark, check_batch
 from kvredis.errors import ConfigError, EngineKeyNotFoundError, InvalidInputError
 from kvredis.index import (
+    MAX_REQUEST_KEYS_PER_ENGINE_KEY,
     check_add,
     check_entries,
     check_hash,
@@ -38,9 +39,6 @@ from kvredis.index import (
     pod_filter,
 )
 from kvredis.types import MAX_BLOCK_HASH, KeyType, PodEntry
-
-#: Most request keys remembered per engine key; older mappings of that engine key are dropped.
-MAX_REQUEST_KEYS_PER_ENGINE_KEY = 1024
 
 # Byte-cost estimate of the cost-aware index: what the structures below take on 64-bit CPython
 # 3.11, measured with tracemalloc. Dict growth makes the true figure swing with the number of
@@ -216,39 +214,6 @@ def _fast_hashes(values: Sequence[int]) -> Sequence[int] | None:
 _INT_ONLY = {int}
 
 
-def _check_batch(
-    ops: Sequence[IndexOp], stream: str | None, watermark: Watermark | None
-) -> list[IndexOp]:
-    """Validate a whole batch up front, so that a bad op rejects it before anything applies.
-
-    Returns the ops with their fields normalized to plain ints and tuples.
-    """
-    if (stream is None) != (watermark is None):
-        raise InvalidInputError("apply_batch needs both stream and watermark, or neither")
-    if stream is not None and (not isinstance(stream, str) or not stream):
-        raise InvalidInputError(f"stream must be a non-empty str, got {stream!r}")
-    if watermark is not None and not isinstance(watermark, Watermark):
-        raise InvalidInputError(f"watermark must be a Watermark, got {watermark!r}")
-    if isinstance(ops, (str, bytes)) or not isinstance(ops, Sequence):
-        raise InvalidInputError(f"ops must be a sequence of AddOp/EvictOp, got {ops!r}")
-    plan: list[IndexOp] = []
-    for position, op in enumerate(ops):
-        try:
-            if isinstance(op, AddOp):
-                eng, req, ents = check_add(op.engine_keys, op.request_keys, op.entries)
-                plan.append(AddOp(None if eng is None else tuple(eng), tuple(req), tuple(ents)))
-            elif isinstance(op, EvictOp):
-                key = check_hash(op.key, "evict key")
-                plan.append(
-                    EvictOp(key, check_key_type(op.key_type), tuple(check_entries(op.entries)))
-                )
-            else:
-                raise InvalidInputError(f"expected AddOp or EvictOp, got {type(op).__name__}")
-        except InvalidInputError as exc:
-            raise InvalidInputError(f"batch op {position}: {exc}") from exc
-    return plan
-
-
 class _MemoryIndex:
     """The shared implementation; subclasses decide the per-key entry cap and :meth:`_shrink`."""
 
@@ -336,6 +301,16 @@ class _MemoryIndex:
             for key in list(self._pod_keys.get(pod, ())):
                 slot = self._keys[key]
                 self._remove(key, slot, [e for e in slot.entries if e.pod_identifier == pod])
+            # As in the Redis backend, a clear also drops every engine mapping none of whose
+            # request keys holds an entry, so a stale engine key no longer resolves.
+            table = self._keys
+            dead = [
+                engine_key
+                for engine_key, mapping in self._engine.items()
+                if not any(rk in table for rk in mapping.request_keys)
+            ]
+            for engine_key in dead:
+                self._drop_mapping(engine_key)
 
     def __len__(self) -> int:
         """Number of request keys held."""
@@ -351,7 +326,7 @@ class _MemoryIndex:
         watermark: Watermark | None = None,
     ) -> bool:
         """Apply ``ops`` in order, atomically, if ``watermark`` is newer than the stream's."""
-        plan = _check_batch(ops, stream, watermark)
+        plan = check_batch(ops, stream, watermark)
         with self._lock:
             if stream is not None and watermark is not None:
                 stored = self._watermarks.get(stream)

@@ -4,7 +4,8 @@ Nothing here touches a socket. Every index operation is a generator that yields 
 (:class:`~kvredis.scripts.ScriptCall`, :class:`Command` or :class:`Pipeline`), receives each
 reply, and returns the operation's result; the sync and asyncio executors in
 :mod:`kvredis.redis_index` only send what it yields. So the index logic exists once, for both,
-and a cluster executor can drive the same operations.
+and an executor with another transport (a cluster one: see the README, "Key layout") can drive
+the same operations.
 
 Key layout of a namespace ``<ns>`` (all keys start with ``<ns>:``)::
 
@@ -31,7 +32,7 @@ from collections.abc import Callable, Collection, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvredis.batch import AddOp, EvictOp, IndexOp, Watermark
+from kvredis.batch import AddOp, EvictOp, IndexOp, Watermark, check_batch
 from kvredis.errors import (
     BackendError,
     EngineKeyNotFoundError,
@@ -39,6 +40,7 @@ from kvredis.errors import (
     NamespaceLayoutError,
 )
 from kvredis.index import (
+    MAX_REQUEST_KEYS_PER_ENGINE_KEY,
     check_add,
     check_entries,
     check_hash,
@@ -48,8 +50,6 @@ from kvredis.index import (
     infer_mappings,
     pod_filter,
 )
-from kvredis.memory import MAX_REQUEST_KEYS_PER_ENGINE_KEY
-from kvredis.memory import _check_batch as check_batch
 from kvredis.scoring import DEFAULT_MEDIUM_WEIGHTS, UNKNOWN_TIER_WEIGHT, LongestPrefixScorer
 from kvredis.scripts import Arg, PipelineItem, ScriptCall
 from kvredis.types import KeyType, PodEntry
@@ -66,7 +66,7 @@ DEFAULT_BUCKET_BITS = 16
 MIN_BUCKET_BITS = 1
 MAX_BUCKET_BITS = 24
 #: Fields the clear loop aims to examine per script call (sizes the SCAN pages).
-DEFAULT_CLEAR_FIELDS_PER_CALL = 2048
+DEFAULT_CLEAR_FIELDS_PER_CALL = 512
 
 ID_WIDTH = 4
 HASH_WIDTH = 8
@@ -274,9 +274,11 @@ class EntryCache:
     """Thread-safe id -> PodEntry dictionary of one client, filled from lookup replies.
 
     Entry ids are allocated in increasing order and never reused within a namespace generation,
-    so cached definitions stay valid until the generation changes (then :meth:`reset`).
-    ``floor`` is the highest id up to which every definition is known; lookups send it so the
-    server returns only definitions above it.
+    so cached definitions stay valid as long as the generation (a new generation gets a new
+    cache).
+    ``floor`` is the highest id up to which every definition is known; lookups send it, and the
+    server returns the definitions of the next ids (a bounded number per call) and of any hit id
+    above them, so a client soon knows the whole dictionary and replies carry no definitions.
     """
 
     _MAX_LISTS = 4096
@@ -287,30 +289,17 @@ class EntryCache:
         self._lists: dict[bytes, tuple[PodEntry, ...]] = {}
         self.floor = 0
 
-    def reset(self) -> None:
-        """Forget everything (the namespace generation changed)."""
-        with self._lock:
-            self._defs = {}
-            self._lists = {}
-            self.floor = 0
+    def learn(self, flat: Sequence[bytes], floor: int) -> None:
+        """Record definitions given as a flat ``id, encoded entry, ...`` sequence.
 
-    def learn(self, flat: Sequence[bytes]) -> None:
-        """Record definitions given as a flat ``id, encoded entry, ...`` sequence."""
-        if not flat:
-            return
+        ``floor`` is the id up to which the server has now sent every definition that exists.
+        """
         decoded = {}
         for i in range(0, len(flat), 2):
-            if not flat[i + 1]:
-                raise NamespaceLayoutError(
-                    f"entry id {flat[i]!r} has no definition in the namespace"
-                )
             decoded[bytes(flat[i])] = decode_entry(bytes(flat[i + 1]))
         with self._lock:
             self._defs.update(decoded)
-            floor = self.floor
-            while _U32.pack(floor + 1) in self._defs:
-                floor += 1
-            self.floor = floor
+            self.floor = max(self.floor, floor)
 
     def entries(self, ids: bytes) -> list[PodEntry]:
         """The entries of an id list (raises StaleNamespaceError on an unknown id)."""
@@ -351,27 +340,40 @@ Op = Generator[Request, Any, T]
 
 
 class CoreState:
-    """What one client knows about its namespace: the current layout and the entry cache."""
+    """What one client knows about its namespace: the current layout and its entry cache.
+
+    Both are replaced together when the namespace generation changes; an operation takes one
+    :meth:`snapshot` and uses that pair to the end, so a reply is always decoded with the
+    dictionary of the generation it was produced under.
+    """
 
     def __init__(self, namespace: str, bucket_bits: int = DEFAULT_BUCKET_BITS) -> None:
         self.namespace = check_namespace(namespace)
         self.bucket_bits = check_bucket_bits(bucket_bits)
-        self.cache = EntryCache()
-        self._layout: Layout | None = None
+        self._current: tuple[Layout, EntryCache] | None = None
         self._lock = threading.Lock()
+
+    def snapshot(self) -> tuple[Layout, EntryCache]:
+        """The loaded layout and the entry cache of its generation."""
+        current = self._current
+        if current is None:
+            raise BackendError("namespace not loaded yet")
+        return current
 
     @property
     def layout(self) -> Layout:
         """The loaded layout (after :func:`op_load_namespace`)."""
-        layout = self._layout
-        if layout is None:
-            raise BackendError("namespace not loaded yet")
-        return layout
+        return self.snapshot()[0]
+
+    @property
+    def cache(self) -> EntryCache:
+        """The entry cache of the loaded generation."""
+        return self.snapshot()[1]
 
     @property
     def loaded(self) -> bool:
         """Whether a layout was loaded."""
-        return self._layout is not None
+        return self._current is not None
 
     def adopt(self, reply: Sequence[Any]) -> Layout:
         """Take over the namespace record returned by the ``namespace`` script."""
@@ -400,12 +402,10 @@ class CoreState:
                 self.bucket_bits,
             )
         with self._lock:
-            old = self._layout
-            if old is None or old.gen != gen:
-                self.cache.reset()
-            if old is None or old.gen != gen or old.bucket_bits != bits:
-                self._layout = Layout(self.namespace, bits, gen)
-            return self._layout  # type: ignore[return-value]
+            current = self._current
+            if current is None or current[0].gen != gen or current[0].bucket_bits != bits:
+                current = self._current = (Layout(self.namespace, bits, gen), EntryCache())
+            return current[0]
 
 
 # -- operations --------------------------------------------------------------------------------
@@ -426,7 +426,10 @@ def op_load_namespace(state: CoreState, ping: bool = True) -> Op[Layout]:
 def _pod_args(pods: frozenset[str] | None) -> list[Arg]:
     if pods is None:
         return [0]
-    return [len(pods), *(text_bytes(p) for p in sorted(pods))]
+    # Only str ids can name a pod; a filter of nothing else matches nothing (the empty id,
+    # which no entry can have).
+    names = [text_bytes(p) for p in pods if isinstance(p, str)] or [b""]
+    return [len(names), *names]
 
 
 def op_lookup(
@@ -437,15 +440,15 @@ def op_lookup(
     pods = pod_filter(pod_identifier_set)
     if not keys:
         return {}
-    layout, cache = state.layout, state.cache
+    layout, cache = state.snapshot()
     reply = yield ScriptCall(
         "lookup",
         (layout.meta, layout.pi, layout.pp),
         (layout.gen, layout.rprefix, layout.bucket_bits, cache.floor, *_pod_args(pods), chain),
     )
-    cache.learn(reply[0])
+    cache.learn(reply[1], int(reply[0]))
     entries = cache.entries
-    return {key: entries(ids) for key, ids in zip(keys, reply[1:], strict=False)}
+    return {key: entries(ids) for key, ids in zip(keys, reply[2:], strict=False)}
 
 
 def score_weights(medium_weights: Mapping[str, float] | None) -> Mapping[str, float]:
@@ -661,35 +664,34 @@ def _paged(
     call: Callable[[list[bytes]], ScriptCall],
     on_page: Callable[[int, int], None],
 ) -> Op[None]:
-    """SCAN ``pattern`` and run ``call(keys)`` once per page, sized to ``fields_per_call``.
+    """SCAN ``pattern`` and run ``call(keys)`` on pages of keys sized to ``fields_per_call``.
 
-    Each page's script call travels in one pipeline with the next SCAN, so a page costs one
-    round trip. ``on_page(keys in page, first element of the script's reply)`` is called after
-    each page.
+    The page size adapts to the work the script reports per key (second element of its reply),
+    and a page never exceeds it even when SCAN returns more keys (they wait for the next call).
+    When the buffered keys run out, the script call travels in one pipeline with the next SCAN,
+    so a page costs one round trip. ``on_page(keys in page, first element of the reply)`` is
+    called after each page.
     """
-    count = 16
-    cursor, keys = _scan_reply((yield Command(("SCAN", 0, "MATCH", pattern, "COUNT", count))))
-    while True:
-        if keys:
-            if cursor:
-                replies = yield Pipeline(
-                    (call(keys), ("SCAN", cursor, "MATCH", pattern, "COUNT", count))
-                )
-                result, scan = replies[0], replies[1]
-            else:
-                result, scan = (yield call(keys)), None
-            n, examined = int(result[0]), int(result[1])
-            on_page(len(keys), n)
-            per_key = max(1.0, examined / len(keys))
-            count = max(1, min(1024, int(fields_per_call / per_key)))
-            if scan is None:
-                return
-            cursor, keys = _scan_reply(scan)
-        elif cursor:
-            scan = yield Command(("SCAN", cursor, "MATCH", pattern, "COUNT", count))
-            cursor, keys = _scan_reply(scan)
+    size = 8
+
+    def scan(cursor: int) -> Command:
+        return Command(("SCAN", cursor, "MATCH", pattern, "COUNT", size))
+
+    cursor, buffered = _scan_reply((yield scan(0)))
+    while buffered or cursor:
+        if not buffered:
+            cursor, buffered = _scan_reply((yield scan(cursor)))
+            continue
+        page, buffered = buffered[:size], buffered[size:]
+        if cursor and not buffered:
+            replies = yield Pipeline((call(page), scan(cursor).args))
+            result = replies[0]
+            cursor, buffered = _scan_reply(replies[1])
         else:
-            return
+            result = yield call(page)
+        n, work = int(result[0]), int(result[1])
+        on_page(len(page), n)
+        size = max(1, min(1024, int(fields_per_call / max(1.0, work / len(page)))))
 
 
 def op_clear(

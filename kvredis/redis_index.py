@@ -277,14 +277,18 @@ class _Executor:
     @staticmethod
     def check_pipeline(replies: list[Any]) -> list[Any]:
         for reply in replies:
-            if isinstance(reply, ResponseError):
-                raise _translate(reply)
             if isinstance(reply, Exception):
                 raise reply
         return replies
 
 
 _TRANSIENT = (redis.ConnectionError, redis.TimeoutError, OSError)
+#: Error replies of a server that is up but cannot serve right now (retried like timeouts).
+_TRANSIENT_REPLIES = ("BUSY", "LOADING", "MASTERDOWN", "READONLY", "TRYAGAIN")
+
+
+def _transient_reply(exc: ResponseError) -> bool:
+    return str(exc).startswith(_TRANSIENT_REPLIES)
 
 
 class _SyncExecutor(_Executor):
@@ -328,9 +332,9 @@ class _SyncExecutor(_Executor):
                 return self._dispatch(request)
             except AuthenticationError as exc:
                 raise self.unavailable(exc) from exc
-            except ResponseError as exc:
-                raise _translate(exc) from exc
-            except _TRANSIENT as exc:
+            except (*_TRANSIENT, ResponseError) as exc:
+                if isinstance(exc, ResponseError) and not _transient_reply(exc):
+                    raise _translate(exc) from exc
                 if attempt >= self.config.retries:
                     raise self.unavailable(exc) from exc
                 time.sleep(self.backoff(attempt))
@@ -356,9 +360,9 @@ class _SyncExecutor(_Executor):
             self.load()
             return self.drive(factory())
 
-    def load(self) -> None:
+    def load(self, ping: bool = False) -> None:
         with self._reload_lock:
-            self.drive(op_load_namespace(self.state, ping=False))
+            self.drive(op_load_namespace(self.state, ping=ping))
 
 
 class _AsyncExecutor(_Executor):
@@ -402,9 +406,9 @@ class _AsyncExecutor(_Executor):
                 return await self._dispatch(request)
             except AuthenticationError as exc:
                 raise self.unavailable(exc) from exc
-            except ResponseError as exc:
-                raise _translate(exc) from exc
-            except (*_TRANSIENT, asyncio.TimeoutError) as exc:
+            except (*_TRANSIENT, asyncio.TimeoutError, ResponseError) as exc:
+                if isinstance(exc, ResponseError) and not _transient_reply(exc):
+                    raise _translate(exc) from exc
                 if attempt >= self.config.retries:
                     raise self.unavailable(exc) from exc
                 await asyncio.sleep(self.backoff(attempt))
@@ -452,8 +456,7 @@ class RedisIndex:
         _log_rdma(cfg)
         self._exec = _SyncExecutor(cfg)
         try:
-            with self._exec._reload_lock:
-                self._exec.drive(op_load_namespace(self._exec.state, ping=True))
+            self._exec.load(ping=True)
         except BaseException:
             self._exec.close()
             raise

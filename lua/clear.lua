@@ -33,7 +33,11 @@ for i = 2, #KEYS do
       end
     end
   end
-  if #dels > 0 then hdel(KEYS[i], dels) end
-  if #sets > 0 then hset(KEYS[i], sets) end
+  if #dels > 0 and #dels * 2 == #all then
+    redis.call('DEL', KEYS[i])
+  else
+    if #dels > 0 then hdel(KEYS[i], dels) end
+    if #sets > 0 then hset(KEYS[i], sets) end
+  end
 end
 return {removed, examined}

@@ -4,7 +4,7 @@
   SCAN MATCH <ns>:e:* and calls this once per page).
   KEYS[1]     <ns>:meta    KEYS[2..] engine bucket keys of this page
   ARGV[1]     namespace generation    ARGV[2] request bucket prefix "<ns>:r:"    ARGV[3] bucket bits
-  Returns     [mappings dropped, fields examined]
+  Returns     [mappings dropped, work done (fields examined + request keys probed)]
   Complexity  O(mappings of the page's buckets x request keys per mapping). Request bucket names
               are built here from the mapped request keys (they are data, not arguments). Keys
               or fields without the shape of an engine bucket are left alone. ]]
@@ -25,11 +25,12 @@ for i = 2, #KEYS do
       local rfield = string.sub(refs, p, p + HASH_WIDTH - 1)
       held = redis.call('HEXISTS', rbucket(rfield), rfield) == 1
       p = p + HASH_WIDTH
+      examined = examined + 1
     end
     if not held then dels[#dels + 1] = all[j] end
   end
   if #dels > 0 then
-    hdel(KEYS[i], dels)
+    if #dels * 2 == #all then redis.call('DEL', KEYS[i]) else hdel(KEYS[i], dels) end
     dropped = dropped + #dels
   end
 end

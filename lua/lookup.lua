@@ -6,9 +6,11 @@
   ARGV[4]     highest entry id (decimal) up to which the client knows every definition
   ARGV[5]     f, the number of pods in the filter (0 = all pods); ARGV[6..5+f] the pod ids
   ARGV[6+f]   the request keys in chain order (hash blob)
-  Returns     array: [1] flat (id, encoded entry) definitions of hit ids above ARGV[4];
-              [2..] one id list per hit key, in chain order (filtered); the walk stops at the
-              first key with no (filtered) entry: keys after the miss are never read
+  Returns     array: [1] the id up to which the client now knows every definition (the
+              client's one plus at most 256 of the ids allocated after it); [2] flat (id, encoded
+              entry) definitions of those ids and of hit ids above them; [3..] one id list per
+              hit key, in chain order (filtered); the walk stops at the first key with no
+              (filtered) entry: keys after the miss are never read
   Complexity  O(hit keys x entries per key) ]]
 --@include _kvblock
 local meta = redis.call('HMGET', KEYS[1], 'gen', 'next_id')
@@ -16,6 +18,8 @@ if meta[1] ~= ARGV[1] then fail('STALE', 'namespace layout changed or was remove
 local rbucket = bucket_namer(ARGV[2], tonumber(ARGV[3]))
 local floor = tonumber(ARGV[4])
 local want_defs = tonumber(meta[2] or '0') > floor
+local upto = math.min(tonumber(meta[2] or '0'), floor + 256)
+if upto < floor then upto = floor end
 local nf = tonumber(ARGV[5])
 local allowed = nil
 if nf > 0 then
@@ -24,8 +28,13 @@ if nf > 0 then
   allowed = pods_ids(KEYS[3], pods)
 end
 local chain = ARGV[6 + nf]
-local out = {{}}
+local out = {upto, {}}
 local seen_lists, seen, unknown = {}, {}, {}
+for n = floor + 1, upto do
+  local id = struct.pack('>I4', n)
+  seen[id] = true
+  unknown[#unknown + 1] = id
+end
 for i = 1, #chain, HASH_WIDTH do
   local h = string.sub(chain, i, i + HASH_WIDTH - 1)
   local ids = redis.call('HGET', rbucket(h), h)
@@ -41,17 +50,19 @@ for i = 1, #chain, HASH_WIDTH do
       local id = string.sub(ids, j, j + ID_WIDTH - 1)
       if not seen[id] then
         seen[id] = true
-        if struct.unpack('>I4', id) > floor then unknown[#unknown + 1] = id end
+        if struct.unpack('>I4', id) > upto then unknown[#unknown + 1] = id end
       end
     end
   end
 end
 if #unknown > 0 then
   local defs = hmget(KEYS[2], unknown)
-  local flat = out[1]
+  local flat = out[2]
   for i = 1, #unknown do
-    flat[#flat + 1] = unknown[i]
-    flat[#flat + 1] = defs[i] or ''
+    if defs[i] then
+      flat[#flat + 1] = unknown[i]
+      flat[#flat + 1] = defs[i]
+    end
   end
 end
 return out

@@ -1,6 +1,8 @@
---[[ ping: a no-op script, the floor of any script round trip (used by benchmarks and health checks).
+#!lua flags=no-writes
+--[[ ping: do nothing and return 1; the floor of one EVALSHA round trip, used by health checks
+  and benchmarks.
   KEYS        none
   ARGV        none
-  Returns     1
+  Returns     integer 1
   Complexity  O(1) ]]
 return 1

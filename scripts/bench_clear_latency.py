@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import random
 import statistics
@@ -76,7 +77,7 @@ class Result:
 def percentile(samples: list[float], q: float) -> float:
     """The q-quantile (0..1) of ``samples`` by the nearest-rank method."""
     ordered = sorted(samples)
-    rank = max(0, min(len(ordered) - 1, round(q * len(ordered) + 0.5) - 1))
+    rank = max(0, min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1))
     return ordered[rank]
 
 
@@ -174,6 +175,8 @@ def server_times(address: str) -> list[ServerTime]:
         conn.close()
     by: dict[str, list[float]] = {}
     for item in log:
+        if bytes(item.get("client_address") or b"").startswith(b"?"):
+            continue  # a command a script ran; its time is part of the script's
         words = bytes(item["command"]).split(b" ")
         name = words[0].decode("ascii", "replace").upper()
         if name in ("SLOWLOG", "CONFIG"):

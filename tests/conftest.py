@@ -95,6 +95,16 @@ class SyncOverAsync:
     def clear(self, pod_identifier: str) -> None:
         self._loop.run(self.inner.clear(pod_identifier))
 
+    def score(
+        self,
+        request_keys: Sequence[int],
+        medium_weights: Any = None,
+        pod_identifier_set: Collection[str] | None = None,
+    ) -> dict[str, float]:
+        return self._loop.run(  # type: ignore[no-any-return]
+            self.inner.score(request_keys, medium_weights, pod_identifier_set)
+        )
+
     def apply_batch(
         self, ops: Sequence[Any], stream: str | None = None, watermark: Any = None
     ) -> bool:
@@ -145,6 +155,16 @@ def index(request: pytest.FixtureRequest) -> Iterator[Any]:
         close = getattr(idx, "close", None)
         if close is not None:
             close()
+
+
+@pytest.fixture(params=["redis", "async_redis"])
+def redis_backend_index(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """A fresh Redis-backed index, sync and async (through SyncOverAsync)."""
+    idx = make_backend(request.param, request)
+    try:
+        yield idx
+    finally:
+        idx.close()
 
 
 @pytest.fixture

@@ -392,6 +392,15 @@ def test_clear_of_the_only_pod_leaves_nothing_behind(index: Any) -> None:
     assert all(held(index, k) == set() for k in request)
 
 
+def test_clear_drops_engine_mappings_left_without_holders_only(index: Any) -> None:
+    engine, request = hashes(4, "clear-map-e"), hashes(4, "clear-map-r")
+    index.add(engine[:2], request[:2], [A_GPU])
+    index.add(engine[2:], request[2:], [A_GPU])
+    index.add(None, request[3:], [B_GPU])
+    index.clear("pod-a")
+    assert [mapped(index, e) for e in engine] == [None, None, None, request[3]]
+
+
 # -- speculative entries -----------------------------------------------------------------------
 
 

@@ -203,7 +203,8 @@ def test_multimodal_one_to_many_replicates_features(index: Any) -> None:
 def test_multimodal_many_to_one_merges_features(index: Any) -> None:
     tp64 = ChunkedTokenDatabase(TokenProcessorConfig(block_size_tokens=64))
     ing = EventIngester(index, tp64)  # our blocks: 64 tokens; the engine's: 16
-    raw = (["a"], ["a"], None, None, None, ["b"], ["c"], ["b"])
+    # image a spans engine blocks 0-1, b spans 5-6, c spans 6-7: each counts once
+    raw = (["a"], ["a"], None, None, None, ["b"], ["b", "c"], ["c"])
     Feeder(ing).send(BlockStored(tuple(range(1, 9)), None, toks(0, 128), 16, extra_keys=raw))
     a, bc = [MMHash("a")], [MMHash("b"), MMHash("c")]
     expected = tp64.tokens_to_kv_block_keys(
@@ -220,8 +221,17 @@ def test_realign_extra_features() -> None:
     assert realign_extra_features(f, 2) == f
     assert realign_extra_features(f, 4) == [f[0], f[0], f[1], f[1]]
     assert realign_extra_features([f[0], None, None, f[1]], 2) == [f[0], f[1]]
+    ab = BlockExtraFeatures([MMHash("a"), MMHash("b")])
+    bc = BlockExtraFeatures([MMHash("b"), MMHash("c")])
+    aa = BlockExtraFeatures([MMHash("a"), MMHash("a")])
+    # an item continuing into the next engine block counts once; a new copy counts again
+    assert realign_extra_features([f[0], f[0], None, f[0]], 1) == [aa]
+    assert realign_extra_features([ab, bc], 1) == [
+        BlockExtraFeatures([MMHash("a"), MMHash("b"), MMHash("c")])
+    ]
+    assert realign_extra_features([aa, None], 1) == [aa]
     assert realign_extra_features([f[0], f[1], f[0], None], 1) == [
-        BlockExtraFeatures([MMHash("a"), MMHash("b")])
+        BlockExtraFeatures([MMHash("a"), MMHash("b"), MMHash("a")])
     ]
     assert realign_extra_features([None, None, f[0], None], 2) == [None, f[0]]
 

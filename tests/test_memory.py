@@ -287,6 +287,8 @@ class Model:
             self.keys[r] = {e for e in self.keys[r] if e.pod_identifier != pod}
             if not self.keys[r]:
                 del self.keys[r]
+        for e in [e for e, refs in self.engine.items() if not any(r in self.keys for r in refs)]:
+            del self.engine[e]
 
 
 @pytest.mark.parametrize("make", [InMemoryIndex, CostAwareMemoryIndex])

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import shutil
+import subprocess
 import tempfile
 import uuid
 from pathlib import Path
@@ -292,5 +294,60 @@ def test_credentials_from_the_address_are_used() -> None:
         with pytest.raises(BackendUnavailableError) as info:
             RedisIndex(bad)
         assert "authentication" in str(info.value) and ":wrong@" not in str(info.value)
+    finally:
+        server.close()
+
+
+@pytest.mark.redis
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI for a cert")
+def test_tls_address_with_a_ca_file(tmp_path: Path) -> None:
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    tls_port = free_port()
+    server = RedisServer(
+        extra_args=[
+            "--tls-port",
+            str(tls_port),
+            "--tls-cert-file",
+            str(cert),
+            "--tls-key-file",
+            str(key),
+            "--tls-ca-cert-file",
+            str(cert),
+            "--tls-auth-clients",
+            "no",
+        ]
+    )
+    server.start()
+    try:
+        address = f"rediss://localhost:{tls_port}"
+        cfg = RedisIndexConfig(address=address, namespace=_ns(), tls_ca_file=str(cert))
+        with RedisIndex(cfg) as idx:
+            idx.add([1], [2], [A])
+            assert idx.lookup([2]) == {2: [A]}
+        untrusted = RedisIndexConfig(address=address, connect_timeout=1.0, retries=0)
+        with pytest.raises(BackendUnavailableError, match="localhost"):
+            RedisIndex(untrusted)  # the self-signed certificate is not trusted by default
     finally:
         server.close()

@@ -146,3 +146,37 @@ def test_close_releases_connections(own_redis_server: RedisServer) -> None:
         assert len(admin.client_list()) == before
     finally:
         admin.close()
+
+
+def test_a_server_busy_with_a_long_script_counts_as_unavailable(
+    own_redis_server: RedisServer,
+) -> None:
+    admin = redis.Redis(port=own_redis_server.port)
+    admin.config_set("busy-reply-threshold", 50)
+    busy = redis.Redis(port=own_redis_server.port, socket_timeout=30)
+    spin = """
+    local start = redis.call('TIME')
+    while true do
+      local now = redis.call('TIME')
+      if (now[1] - start[1]) * 1000000 + (now[2] - start[2]) > 1500000 then return 1 end
+    end"""
+    cfg = _config(own_redis_server)
+    try:
+        with RedisIndex(cfg) as idx:
+            idx.add(None, [1], [A])
+            runner = threading.Thread(target=lambda: busy.eval(spin, 0), daemon=True)
+            runner.start()
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:  # wait until the server answers BUSY
+                try:
+                    admin.ping()
+                except redis.ResponseError:
+                    break
+                time.sleep(0.02)
+            with pytest.raises(BackendUnavailableError, match="BUSY"):
+                idx.lookup([1])
+            runner.join(10)
+            assert idx.lookup([1]) == {1: [A]}
+    finally:
+        admin.close()
+        busy.close()

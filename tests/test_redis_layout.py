@@ -22,6 +22,7 @@ from kvredis.redis_core import (
     decode_entry,
     encode_entry,
     op_clear,
+    op_lookup,
 )
 from kvredis.redis_index import AsyncRedisIndex, RedisIndex, RedisIndexConfig
 from kvredis.scoring import LongestPrefixScorer
@@ -453,3 +454,33 @@ def test_clear_pages_do_bounded_work(make: Any, raw: redis.Redis) -> None:
     assert sum(examined) >= len(keys)
     assert max(examined) <= 4 * 256 + 64
     assert idx.lookup(keys[:1]) == {keys[0]: [B]}
+
+
+def test_lookups_teach_a_client_the_whole_dictionary_in_bounded_steps(
+    make: Any, raw: redis.Redis
+) -> None:
+    ns = _ns()
+    writer, reader = make(ns), make(ns)
+    pods = [PodEntry(f"pod-{i}", "gpu") for i in range(300)]
+    for i, entry in enumerate(pods):
+        writer.add(None, [10_000 + i], [entry])
+    state: CoreState = reader._exec.state
+
+    def lookup_reply(key: int) -> Any:
+        op = op_lookup(state, [key], None)
+        call = next(op)
+        reply = ScriptRegistry().call(raw, call)
+        try:
+            op.send(reply)
+        except StopIteration as stop:
+            assert stop.value == {key: [pods[key - 10_000]]}
+        return reply
+
+    first = lookup_reply(10_299)  # hits the newest entry only
+    assert int(first[0]) == 256 and len(first[1]) == 2 * 257  # ids 1..256 plus the hit id 300
+    second = lookup_reply(10_000)
+    assert int(second[0]) == 300 and len(second[1]) == 2 * 44  # the rest: ids 257..300
+    third = lookup_reply(10_150)
+    assert int(third[0]) == 300 and third[1] == []  # nothing left to learn
+    assert reader.lookup([10_000 + i for i in range(3)], {"pod-1"}) == {}
+    assert reader.lookup([10_001], {"pod-1"}) == {10_001: [pods[1]]}

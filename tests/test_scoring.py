@@ -177,11 +177,10 @@ def test_score_tokens_on_every_backend(index: Any, processor: ChunkedTokenDataba
 
 
 def test_client_side_and_server_side_scoring_are_identical(
-    index: Any, processor: ChunkedTokenDatabase
+    redis_backend_index: Any, processor: ChunkedTokenDatabase
 ) -> None:
-    score = getattr(index, "score", None)
-    if not callable(score):
-        pytest.skip(f"{type(index).__name__} scores client-side only")
+    index = redis_backend_index
+    score = index.score
     tokens = prompt(40)
     keys = processor.tokens_to_kv_block_keys(0, tokens, MODEL)
     tiers = ["gpu", "cpu", "disk", "x"]

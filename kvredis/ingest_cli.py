@@ -1,0 +1,305 @@
+"""``kvredis ingest``: subscribe to engines' KV events and keep an index true to them.
+
+Endpoint options form groups: ``--endpoint`` starts a publisher, and the ``--replay``, ``--pod``,
+``--model``, ``--topic-filter`` and ``--stream`` options after it (before the next ``--endpoint``)
+describe that publisher::
+
+    kvredis ingest --redis redis://127.0.0.1:6379 \\
+        --endpoint tcp://10.0.0.5:5557 --replay tcp://10.0.0.5:5558 --pod pod-a --model m \\
+        --endpoint tcp://10.0.0.6:5557 --pod pod-b --model m
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import signal
+import threading
+import time
+from collections.abc import Sequence
+from types import FrameType
+from typing import Any
+
+import click
+
+from kvredis.errors import BackendUnavailableError, ConfigError, KVRedisError
+from kvredis.hashing import HASH_ALGOS, ChunkedTokenDatabase, TokenProcessorConfig
+from kvredis.index import Index
+from kvredis.ingest import EndpointConfig, EventIngester, IngesterConfig
+
+__all__ = ["ingest"]
+
+logger = logging.getLogger("kvredis.ingest_cli")
+
+_GROUP_OPTIONS = {
+    "--endpoint": "endpoint",
+    "--replay": "replay_endpoint",
+    "--pod": "pod_id",
+    "--model": "model_name",
+    "--topic-filter": "topic_filter",
+    "--stream": "stream",
+}
+_ZMQ_ENDPOINT = re.compile(r"^(tcp://[^\s/]+:(\d+|\*)|ipc://\S+|inproc://\S+)$")
+_META_KEY = "kvredis.ingest.args"
+
+
+class _IngestCommand(click.Command):
+    """Keeps the raw argument order, which click's per-option value lists lose."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        ctx.meta[_META_KEY] = list(args)
+        return super().parse_args(ctx, args)
+
+
+def _value_options(ctx: click.Context) -> set[str]:
+    names: set[str] = set()
+    for param in ctx.command.params:
+        if isinstance(param, click.Option) and not param.is_flag and param.name != "help":
+            names.update(param.opts)
+            names.update(param.secondary_opts)
+    return names
+
+
+def _endpoint_groups(ctx: click.Context) -> list[dict[str, str]]:
+    args: list[str] = ctx.meta.get(_META_KEY, [])
+    takes_value = _value_options(ctx)
+    groups: list[dict[str, str]] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--":
+            break
+        name, eq, inline = arg.partition("=") if arg.startswith("--") else (arg, "", "")
+        if name in _GROUP_OPTIONS:
+            if eq:
+                value, i = inline, i + 1
+            elif i + 1 < len(args):
+                value, i = args[i + 1], i + 2
+            else:
+                raise click.UsageError(f"{name} needs a value")
+            field = _GROUP_OPTIONS[name]
+            if field == "endpoint":
+                groups.append({"endpoint": value})
+                continue
+            if not groups:
+                raise click.UsageError(
+                    f"{name} {value} comes before any --endpoint; put it after the --endpoint "
+                    "it describes"
+                )
+            if field in groups[-1]:
+                raise click.UsageError(
+                    f"{name} is given twice for --endpoint {groups[-1]['endpoint']}"
+                )
+            groups[-1][field] = value
+            continue
+        i += 2 if name in takes_value and not eq else 1
+    return groups
+
+
+def _endpoint_configs(groups: Sequence[dict[str, str]]) -> list[EndpointConfig]:
+    if not groups:
+        raise click.UsageError("give at least one --endpoint tcp://HOST:PORT to subscribe to")
+    configs = []
+    for group in groups:
+        for field, option in (("endpoint", "--endpoint"), ("replay_endpoint", "--replay")):
+            value = group.get(field)
+            if value is not None and not _ZMQ_ENDPOINT.match(value):
+                raise click.BadParameter(
+                    f"{value!r} is not a ZMQ endpoint (expected tcp://HOST:PORT, ipc://PATH)",
+                    param_hint=option,
+                )
+        try:
+            configs.append(EndpointConfig(**group))
+        except ConfigError as exc:
+            raise click.BadParameter(str(exc), param_hint="--endpoint") from None
+    seen: set[str] = set()
+    for config in configs:
+        if config.endpoint in seen:
+            raise click.BadParameter(f"{config.endpoint} is given twice", param_hint="--endpoint")
+        seen.add(config.endpoint)
+    streams = [c.stream_name for c in configs]
+    for name in streams:
+        if streams.count(name) > 1:
+            raise click.BadParameter(
+                f"two endpoints share the stream {name!r}; give them distinct --pod or --stream",
+                param_hint="--stream",
+            )
+    return configs
+
+
+def _open_index(redis_url: str | None, namespace: str) -> Index:
+    if redis_url is None:
+        from kvredis.memory import InMemoryIndex
+
+        logger.info("no --redis given: using an in-memory index (lost at exit)")
+        return InMemoryIndex()
+    from kvredis.redis_index import RedisIndexConfig, new_redis_index
+
+    try:
+        config = RedisIndexConfig(address=redis_url, namespace=namespace)
+    except (ConfigError, ValueError) as exc:
+        raise click.BadParameter(str(exc), param_hint="--redis") from None
+    try:
+        return new_redis_index(config)
+    except BackendUnavailableError as exc:
+        raise click.ClickException(f"cannot reach Redis: {exc}") from None
+
+
+@click.command(cls=_IngestCommand, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--endpoint",
+    "endpoints",
+    multiple=True,
+    metavar="URL",
+    help="Engine KV-event PUB endpoint (tcp://HOST:PORT); starts an endpoint group. Repeatable.",
+)
+@click.option("--replay", multiple=True, metavar="URL", help="The group's replay ROUTER endpoint.")
+@click.option(
+    "--pod", multiple=True, metavar="ID", help="The group's pod id (else from kv@POD@MODEL topics)."
+)
+@click.option(
+    "--model", multiple=True, metavar="NAME", help="The group's model (else the topic's)."
+)
+@click.option(
+    "--topic-filter", multiple=True, metavar="PREFIX", help="The group's ZMQ subscription prefix."
+)
+@click.option(
+    "--stream",
+    multiple=True,
+    metavar="NAME",
+    help="The group's watermark stream (default: its pod, else its endpoint).",
+)
+@click.option(
+    "--redis", "redis_url", metavar="URL", help="Redis/Valkey index (default: in memory)."
+)
+@click.option("--namespace", default="kvblock", show_default=True, help="Redis key namespace.")
+@click.option(
+    "--block-size",
+    type=click.IntRange(min=1),
+    default=16,
+    show_default=True,
+    help="Tokens per request-key block.",
+)
+@click.option("--hash-algo", type=click.Choice(HASH_ALGOS), default="xxh3_64", show_default=True)
+@click.option("--hash-seed", default="", help="Seed of the block-key chain roots.")
+@click.option("--workers", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option(
+    "--status-interval",
+    type=click.FloatRange(min=0.05),
+    default=10.0,
+    show_default=True,
+    help="Seconds between status lines.",
+)
+@click.option(
+    "--duration",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Stop after this many seconds (default: run until SIGINT/SIGTERM).",
+)
+@click.option(
+    "--no-watermarks",
+    is_flag=True,
+    help="Do not fence batches with stored watermarks (only for a single ingester).",
+)
+@click.pass_context
+def ingest(
+    ctx: click.Context,
+    endpoints: tuple[str, ...],
+    replay: tuple[str, ...],
+    pod: tuple[str, ...],
+    model: tuple[str, ...],
+    topic_filter: tuple[str, ...],
+    stream: tuple[str, ...],
+    redis_url: str | None,
+    namespace: str,
+    block_size: int,
+    hash_algo: str,
+    hash_seed: str,
+    workers: int,
+    status_interval: float,
+    duration: float | None,
+    no_watermarks: bool,
+) -> None:
+    """Subscribe to engines' KV-cache events (vLLM, SGLang) and apply them to the index.
+
+    Each --endpoint starts a group; the --replay, --pod, --model, --topic-filter and --stream
+    options after it describe that endpoint. Runs until interrupted, logging a status line
+    every --status-interval seconds.
+    """
+    configs = _endpoint_configs(_endpoint_groups(ctx))
+    try:
+        processor = ChunkedTokenDatabase(
+            TokenProcessorConfig(
+                block_size_tokens=block_size, hash_seed=hash_seed, hash_algo=hash_algo
+            )
+        )
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--block-size/--hash-algo") from None
+    _setup_logging()
+    index = _open_index(redis_url, namespace)
+    config = IngesterConfig(workers=workers, use_watermarks=not no_watermarks)
+    ingester = EventIngester(index, processor, configs, config)
+    stop = threading.Event()
+    previous = _install_signal_handlers(stop)
+    try:
+        ingester.start()
+        logger.info(
+            "ingesting from %s into %s",
+            ", ".join(f"{c.endpoint} (pod {c.pod_id or 'from topic'})" for c in configs),
+            redis_url or "an in-memory index",
+        )
+        deadline = None if duration is None else time.monotonic() + duration
+        while not stop.is_set():
+            wait = status_interval
+            if deadline is not None:
+                wait = min(wait, max(0.0, deadline - time.monotonic()))
+            if stop.wait(wait):
+                break
+            logger.info("status: %s", ingester.status_line())
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+    except KVRedisError as exc:
+        raise click.ClickException(str(exc)) from None
+    finally:
+        drained = ingester.stop(drain=True)
+        logger.info("stopped: %s", ingester.status_line())
+        _restore_signal_handlers(previous)
+        close = getattr(index, "close", None)
+        if close is not None:
+            close()
+    if not drained:
+        raise click.ClickException("shutdown timed out before every received batch was applied")
+
+
+def _setup_logging() -> None:
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
+    for name in ("kvredis.ingest_cli", "kvredis.ingest", "kvredis.zmq_transport"):
+        log = logging.getLogger(name)
+        if log.getEffectiveLevel() > logging.INFO:
+            log.setLevel(logging.INFO)
+
+
+def _install_signal_handlers(stop: threading.Event) -> dict[int, Any]:
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def handler(signum: int, _frame: FrameType | None) -> None:
+        logger.info("received %s, draining and stopping", signal.Signals(signum).name)
+        stop.set()
+
+    previous: dict[int, Any] = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        previous[sig] = signal.signal(sig, handler)
+    return previous
+
+
+def _restore_signal_handlers(previous: dict[int, Any]) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
+if __name__ == "__main__":
+    ingest()

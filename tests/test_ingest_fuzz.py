@@ -1,0 +1,320 @@
+"""Fuzzing the ingester with random and mutated msgpack payloads.
+
+The ingester must never raise, and the index it builds must equal the one a plain reference
+model builds by applying every decodable event one Index call at a time (the llm-d pool way),
+which checks batching, the parent cache and same-batch barriers against sequential semantics.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvredis.errors import EngineKeyNotFoundError
+from kvredis.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    decode_batch,
+    encode_batch,
+)
+from kvredis.features import BlockExtraFeatures, MMHash, parse_raw_extra_keys
+from kvredis.hashing import ChunkedTokenDatabase
+from kvredis.ingest import EventIngester, IngesterConfig
+from kvredis.memory import InMemoryIndex
+from kvredis.types import KeyType, PodEntry
+
+TP = ChunkedTokenDatabase()
+POD, MODEL = "pod-f", "model-f"
+TOPIC = f"kv@{POD}@{MODEL}"
+CONFIG = IngesterConfig(peer_grace_s=0.0, poll_interval_s=0.001)
+
+# -- an independent reference: one Index call per event ----------------------------------
+
+
+def _features(raw: Any, blocks: int) -> list[BlockExtraFeatures | None] | None:
+    parsed = parse_raw_extra_keys(list(raw))
+    if not parsed:
+        return None
+    n = len(parsed)
+    out: list[BlockExtraFeatures | None] = []
+    for i in range(blocks):
+        if n <= blocks:
+            out.append(parsed[i * n // blocks])
+            continue
+        ids: list[str] = []
+        before: list[str] = []
+        for j in (j for j in range(n) if j * blocks // n == i):
+            nxt = [m.hash for m in parsed[j].mm_hashes] if parsed[j] is not None else []
+            overlap = max(
+                k
+                for k in range(len(nxt) + 1)
+                if k <= len(before) and before[len(before) - k :] == nxt[:k]
+            )
+            ids += nxt[overlap:]
+            before = nxt
+        out.append(BlockExtraFeatures([MMHash(x) for x in ids]) if ids else None)
+    return out if any(f is not None and f.mm_hashes for f in out) else None
+
+
+def _request_key(index: InMemoryIndex, engine_key: int) -> int | None:
+    try:
+        return index.get_request_key(engine_key)
+    except EngineKeyNotFoundError:
+        return None
+
+
+def reference_apply(index: InMemoryIndex, events: tuple[Event, ...], seen: set[int]) -> None:
+    for ev in events:
+        if isinstance(ev, AllBlocksCleared):
+            index.clear(POD)
+            continue
+        tier = ev.medium.lower() if ev.medium else "gpu"
+        group = ev.group_idx
+        entry = PodEntry(POD, tier, has_group=group is not None, group_idx=group or 0)
+        if isinstance(ev, BlockRemoved):
+            for h in ev.block_hashes:
+                index.evict(h, KeyType.ENGINE, [entry])
+            continue
+        blocks = len(ev.token_ids) // TP.block_size()
+        if blocks == 0:
+            resolved: list[int] = []
+            for h in ev.block_hashes:
+                r = _request_key(index, h)
+                if r is not None and r not in resolved:
+                    resolved.append(r)
+            if resolved:
+                index.add(None, resolved, [entry])
+            continue
+        parent = 0
+        if ev.parent_block_hash:
+            found = _request_key(index, ev.parent_block_hash)
+            if found is None:
+                continue
+            parent = found
+        try:
+            feats = None if ev.extra_keys is None else _features(ev.extra_keys, blocks)
+        except ValueError:
+            continue
+        request = TP.tokens_to_kv_block_keys(parent, ev.token_ids, ev.lora_name or MODEL, feats)
+        seen.update(request)
+        index.add(ev.block_hashes, request, [entry])
+
+
+# -- strategies -----------------------------------------------------------------------------
+
+engine_keys = st.integers(0, 12) | st.integers(2**63 - 2, 2**63 + 2)
+token_runs = st.sampled_from([0, 8, 16, 32, 48]).flatmap(
+    lambda n: st.lists(st.integers(0, 3), min_size=n, max_size=n).map(tuple)
+)
+mediums = st.sampled_from([None, "GPU", "CPU", "cpu"])
+groups = st.sampled_from([None, None, 0, 1])
+extra = st.none() | st.lists(
+    st.none() | st.lists(st.sampled_from(["img-1", "img-2", "aud"]), max_size=2), max_size=4
+).map(tuple)
+
+stored = st.builds(
+    BlockStored,
+    block_hashes=st.lists(engine_keys, max_size=4).map(tuple),
+    parent_block_hash=st.none() | engine_keys,
+    token_ids=token_runs,
+    block_size=st.sampled_from([8, 16, 32]),
+    medium=mediums,
+    lora_name=st.sampled_from([None, None, "lora-x"]),
+    extra_keys=extra,
+    group_idx=groups,
+)
+removed = st.builds(BlockRemoved, st.lists(engine_keys, max_size=3).map(tuple), mediums, groups)
+event = st.one_of(stored, stored, removed, st.just(AllBlocksCleared()))
+
+msgpack_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=8)
+    | st.binary(max_size=10),
+    lambda inner: (
+        st.lists(inner, max_size=5)
+        | st.dictionaries(
+            st.sampled_from(["type", "block_hashes", "token_ids", "medium", "x"]), inner, max_size=5
+        )
+    ),
+    max_leaves=25,
+)
+raw_event = st.one_of(
+    msgpack_values,
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["BlockStored", "BlockRemoved", "Nope"])},
+        optional={
+            "block_hashes": msgpack_values,
+            "token_ids": msgpack_values,
+            "parent_block_hash": msgpack_values,
+            "medium": msgpack_values,
+            "group_idx": msgpack_values,
+            "extra_keys": msgpack_values,
+        },
+    ),
+)
+
+
+@st.composite
+def payloads(draw: st.DrawFn) -> bytes:
+    kind = draw(st.sampled_from(["valid", "valid", "mixed", "mutated", "random"]))
+    fmt = draw(st.sampled_from(["map", "array"]))
+    if kind == "random":
+        return msgpack.packb(draw(msgpack_values), use_bin_type=True)  # type: ignore[no-any-return]
+    events: list[Any] = draw(st.lists(event, max_size=5))
+    if kind == "mixed":
+        for _ in range(draw(st.integers(1, 3))):
+            events.insert(draw(st.integers(0, len(events))), draw(raw_event))
+    data = bytearray(encode_batch(events, fmt=fmt))
+    if kind == "mutated":
+        for _ in range(draw(st.integers(1, 4))):
+            op = draw(st.sampled_from(["flip", "cut", "insert"]))
+            pos = draw(st.integers(0, max(0, len(data) - 1)))
+            if op == "flip" and data:
+                data[pos] ^= draw(st.integers(1, 255))
+            elif op == "cut":
+                del data[pos:]
+            else:
+                data[pos:pos] = draw(st.binary(min_size=1, max_size=4))
+    return bytes(data)
+
+
+@st.composite
+def engine_streams(draw: st.DrawFn) -> list[bytes]:
+    """Batches shaped like an engine's: chains continue stored blocks, removals and tier moves
+    name stored blocks, so parents resolve (or just got evicted) as in production."""
+    stored: list[int] = []
+    next_hash = [1]
+
+    def fresh(n: int) -> tuple[int, ...]:
+        out = []
+        for _ in range(n):
+            if stored and draw(st.integers(0, 9)) == 0:
+                out.append(draw(st.sampled_from(stored)))  # an engine hash seen before
+            else:
+                out.append(next_hash[0])
+                next_hash[0] += 1
+        return tuple(out)
+
+    batches: list[bytes] = []
+    for _ in range(draw(st.integers(1, 7))):
+        events: list[Any] = []
+        for _ in range(draw(st.integers(1, 6))):
+            action = draw(st.sampled_from(["root", "child", "child", "remove", "tier", "clear"]))
+            medium, group = draw(mediums), draw(groups)
+            if action in ("root", "child"):
+                engine_bs = draw(st.sampled_from([8, 16, 32]))
+                n_engine = draw(st.integers(1, 3))
+                tokens = tuple(
+                    draw(
+                        st.lists(
+                            st.integers(0, 3),
+                            min_size=n_engine * engine_bs,
+                            max_size=n_engine * engine_bs,
+                        )
+                    )
+                )
+                parent = draw(st.sampled_from(stored)) if action == "child" and stored else None
+                hashes = fresh(n_engine)
+                keys_extra = draw(extra) if draw(st.booleans()) else None
+                events.append(
+                    BlockStored(
+                        hashes,
+                        parent,
+                        tokens,
+                        engine_bs,
+                        medium=medium,
+                        group_idx=group,
+                        extra_keys=keys_extra,
+                    )
+                )
+                stored.extend(hashes)
+            elif action == "remove" and stored:
+                events.append(
+                    BlockRemoved(
+                        tuple(draw(st.lists(st.sampled_from(stored), min_size=1, max_size=2))),
+                        medium,
+                        group,
+                    )
+                )
+            elif action == "tier" and stored:
+                hashes = tuple(draw(st.lists(st.sampled_from(stored), min_size=1, max_size=3)))
+                events.append(BlockStored(hashes, None, (), 16, medium="CPU", group_idx=group))
+            elif action == "clear" and draw(st.integers(0, 3)) == 0:
+                events.append(AllBlocksCleared())
+        batches.append(encode_batch(events, fmt=draw(st.sampled_from(["map", "array"]))))
+    return batches
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(engine_streams())
+def test_engine_like_streams_match_the_reference(batch_payloads: list[bytes]) -> None:
+    check_against_reference(batch_payloads)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(payloads(), min_size=1, max_size=8))
+def test_random_and_mutated_payloads_match_the_reference(batch_payloads: list[bytes]) -> None:
+    check_against_reference(batch_payloads)
+
+
+def check_against_reference(batch_payloads: list[bytes]) -> None:
+    index, ref = InMemoryIndex(), InMemoryIndex()
+    ing = EventIngester(index, TP, config=CONFIG)
+    request_keys: set[int] = set()
+    engine: set[int] = set()
+    for seq, payload in enumerate(batch_payloads):
+        ing.process(TOPIC, seq, payload)  # must not raise
+        decoded = decode_batch(payload)
+        reference_apply(ref, decoded.events, request_keys)
+        for ev in decoded.events:
+            if not isinstance(ev, AllBlocksCleared):
+                engine.update(ev.block_hashes)
+    for key in request_keys:
+        got, want = index.lookup([key]).get(key, []), ref.lookup([key]).get(key, [])
+        assert set(got) == set(want), key
+        assert all(e.pod_identifier == POD and e.device_tier for e in got)
+    for key in engine:
+        assert _request_key(index, key) == _request_key(ref, key), key
+    c = ing.counters.snapshot()
+    assert c["batches"] == len(batch_payloads)
+    assert c["batches_failed"] == c["batches_abandoned"] == 0
+    assert c["events"] == sum(decode_batch(p).total_events for p in batch_payloads)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from([b"", b"kv@p1@m", b"kv@p2@m", b"kv@@", b"\xff\xfe", b"kv@p1@m@x"]),
+            st.integers(-3, 12) | st.integers(2**47 - 3, 2**64),
+            payloads(),
+        ),
+        max_size=10,
+    )
+)
+def test_arbitrary_messages_never_raise_and_keep_entries_well_formed(
+    messages: list[tuple[bytes, int, bytes]],
+) -> None:
+    index = InMemoryIndex()
+    ing = EventIngester(index, TP, config=CONFIG)
+    for topic, seq, payload in messages:
+        ing.process(topic, seq, payload, "fuzz-endpoint")
+    c = ing.counters.snapshot()
+    assert c["messages"] == len(messages)
+    assert c["batches_failed"] == 0
+    for key in range(13):
+        try:
+            request = index.get_request_key(key)
+        except EngineKeyNotFoundError:
+            continue
+        for entry in index.lookup([request]).get(request, []):
+            assert entry.pod_identifier in {"p1", "p2"}
+            assert entry.device_tier in {"gpu", "cpu"}
