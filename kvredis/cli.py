@@ -53,12 +53,12 @@ def _index_factory(backend: str, redis_url: str | None, namespace: str) -> Calla
 @click.option("--namespace", default=None,
               help="Key namespace on Redis (default: a fresh demo-<id> namespace, removed after).")
 @click.option("--pods", type=click.IntRange(1, 256), default=8, show_default=True)
-@click.option("--conversations", type=click.IntRange(1, 100_000), default=120, show_default=True)
-@click.option("--turns", type=click.IntRange(1, 100), default=5, show_default=True)
-@click.option("--system-prompts", type=click.IntRange(1, 1000), default=6, show_default=True)
-@click.option("--gpu-blocks", type=click.IntRange(1), default=1200, show_default=True,
+@click.option("--conversations", type=click.IntRange(1, 100_000), default=200, show_default=True)
+@click.option("--turns", type=click.IntRange(1, 100), default=6, show_default=True)
+@click.option("--system-prompts", type=click.IntRange(1, 1000), default=16, show_default=True)
+@click.option("--gpu-blocks", type=click.IntRange(1), default=400, show_default=True,
               help="GPU-tier prefix-cache capacity per pod, in blocks.")
-@click.option("--cpu-blocks", type=click.IntRange(0), default=2400, show_default=True,
+@click.option("--cpu-blocks", type=click.IntRange(0), default=400, show_default=True,
               help="CPU-tier (offload) capacity per pod, in blocks.")
 @click.option("--seed", type=int, default=7, show_default=True)
 @click.option("--no-progress", is_flag=True, help="Do not draw progress bars.")

@@ -15,6 +15,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvredis.batch import AddOp, BatchIndex, EvictOp, IndexOp
 from kvredis.hashing import ChunkedTokenDatabase, TokenProcessorConfig
 from kvredis.index import Index
 from kvredis.indexer import Indexer
@@ -29,14 +30,14 @@ class WorkloadConfig:
     """Shape of the synthetic workload and fleet."""
 
     pods: int = 8
-    system_prompts: int = 6
+    system_prompts: int = 16
     system_prompt_tokens: int = 1024
-    conversations: int = 120
-    turns: int = 5
+    conversations: int = 200
+    turns: int = 6
     user_tokens: int = 96
     reply_tokens: int = 160
-    gpu_blocks_per_pod: int = 1200
-    cpu_blocks_per_pod: int = 2400
+    gpu_blocks_per_pod: int = 400
+    cpu_blocks_per_pod: int = 400
     block_size: int = 16
     model: str = "demo/llama-3-8b"
     seed: int = 7
@@ -98,7 +99,13 @@ class SimulatedPod:
         return n
 
     def store(self, request_keys: list[int]) -> None:
-        """Serve a sequence: every block ends up on the GPU tier, most recently used."""
+        """Serve a sequence: every block ends up on the GPU tier, most recently used.
+
+        What changed is reported the way an engine does, as one event batch per step: a single
+        ``apply_batch`` call on a :class:`~kvredis.batch.BatchIndex` (one op at a time otherwise).
+        """
+        gpu, cpu = PodEntry(self.name, GPU), PodEntry(self.name, CPU)
+        ops: list[IndexOp] = []
         new_engine: list[int] = []
         new_request: list[int] = []
         for key in request_keys:
@@ -107,22 +114,32 @@ class SimulatedPod:
                 continue
             engine_key = self.cpu.pop(key, None)
             if engine_key is not None:
-                self.index.evict(engine_key, KeyType.ENGINE, [PodEntry(self.name, CPU)])
+                ops.append(EvictOp(engine_key, KeyType.ENGINE, (cpu,)))
             else:
                 engine_key = _engine_key(self.name, key)
             self.gpu[key] = engine_key
             new_engine.append(engine_key)
             new_request.append(key)
         if new_request:
-            self.index.add(new_engine, new_request, [PodEntry(self.name, GPU)])
+            ops.append(AddOp(tuple(new_engine), tuple(new_request), (gpu,)))
         while len(self.gpu) > self.gpu_capacity:
             key, engine_key = self.gpu.popitem(last=False)
-            self.index.evict(engine_key, KeyType.ENGINE, [PodEntry(self.name, GPU)])
+            ops.append(EvictOp(engine_key, KeyType.ENGINE, (gpu,)))
             self.cpu[key] = engine_key
-            self.index.add([engine_key], [key], [PodEntry(self.name, CPU)])
+            ops.append(AddOp((engine_key,), (key,), (cpu,)))
         while len(self.cpu) > self.cpu_capacity:
             _key, engine_key = self.cpu.popitem(last=False)
-            self.index.evict(engine_key, KeyType.ENGINE, [PodEntry(self.name, CPU)])
+            ops.append(EvictOp(engine_key, KeyType.ENGINE, (cpu,)))
+        if not ops:
+            return
+        if isinstance(self.index, BatchIndex):
+            self.index.apply_batch(ops)
+            return
+        for op in ops:
+            if isinstance(op, AddOp):
+                self.index.add(op.engine_keys, op.request_keys, op.entries)
+            else:
+                self.index.evict(op.key, op.key_type, op.entries)
 
 
 def _engine_key(pod: str, request_key: int) -> int:

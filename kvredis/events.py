@@ -59,6 +59,7 @@ _U64 = 1 << 64
 _I64_MIN = -(1 << 63)
 _U32 = 1 << 32
 _GROUP_LIMIT = 1 << 31
+_INT_TYPE = {int}
 
 
 class RejectReason(enum.Enum):
@@ -204,9 +205,16 @@ def _hashes(value: object, what: str) -> tuple[int, ...]:
         raise WireError(
             RejectReason.BAD_FIELD_TYPE, f"{what} must be an array, got {_tname(value)}"
         )
-    if all(type(v) is int and 0 <= v < _U64 for v in value):
+    if not value:
+        return ()
+    if _only_ints(value) and min(value) >= 0 and max(value) < _U64:
         return tuple(value)
     return tuple(wire_hash(v, "block hash") for v in value)
+
+
+def _only_ints(values: list[Any] | tuple[Any, ...]) -> bool:
+    """Whether every element is exactly an ``int`` (``bool`` excluded), at C speed."""
+    return set(map(type, values)) == _INT_TYPE
 
 
 def _opt_hash(value: object, what: str) -> int | None:
@@ -220,8 +228,10 @@ def _tokens(value: object) -> tuple[int, ...]:
         raise WireError(
             RejectReason.BAD_FIELD_TYPE, f"token_ids must be an array, got {_tname(value)}"
         )
-    if all(type(t) is int for t in value):
-        if value and (min(value) < 0 or max(value) >= _U32):
+    if not value:
+        return ()
+    if _only_ints(value):
+        if min(value) < 0 or max(value) >= _U32:
             bad = next(t for t in value if not 0 <= t < _U32)
             raise WireError(RejectReason.TOKEN_OUT_OF_RANGE, f"token id {bad} is outside uint32")
         return tuple(value)

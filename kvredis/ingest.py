@@ -556,18 +556,24 @@ class _Run:
         seq: int,
         claim_seq: int,
         first_phase: int,
+        pod: str | None,
     ) -> None:
         self.ing = ing
         self.st = st
+        self.pod = pod
+        self.cache = ing._cache(pod) if pod is not None else None
         self.epoch = epoch
         self.seq = seq
         self.claim_seq = claim_seq
         self.phase = first_phase
         self.steps = 0
         self.pending: list[IndexOp] = []
-        self.batch_map: dict[int, tuple[str, int]] = {}
+        self.batch_map: dict[int, int] = {}
+        """Engine→request mappings added by this batch so far (not yet in the pod cache)."""
         self.pending_evicts: set[int] = set()
-        self.evicted: dict[int, str] = {}
+        """Engine keys evicted by ops not yet applied."""
+        self.evicted: set[int] = set()
+        """Engine keys evicted by this batch (and not re-added): the pod cache is stale there."""
         self.stats: dict[str, int] = {}
         self.rejects: list[Rejection] = []
         self.cleared: set[str] = set()
@@ -626,6 +632,8 @@ class _Run:
             self.cleared.add(pod)
             self.count("clears")
             self.count(f"clears_{cause}")
+        if self.pod is not None:
+            self.cache = self.ing._cache(self.pod)
         self.batch_map.clear()
         self.evicted.clear()
         self.pending_evicts.clear()
@@ -633,44 +641,56 @@ class _Run:
 
     # -- planning helpers ------------------------------------------------------------------
 
-    def add(self, op: AddOp, pod: str, mappings: list[tuple[int, int]] | None) -> None:
+    def add(self, op: AddOp, mappings: list[tuple[int, int]] | None) -> None:
         self.pending.append(op)
         if mappings:
+            batch_map, evicted = self.batch_map, self.evicted
             for engine_key, request_key in mappings:
-                self.batch_map[engine_key] = (pod, request_key)
-                self.evicted.pop(engine_key, None)
+                batch_map[engine_key] = request_key
+                evicted.discard(engine_key)
 
-    def evict(self, op: EvictOp, pod: str) -> None:
-        self.pending.append(op)
-        self.batch_map.pop(op.key, None)
-        self.pending_evicts.add(op.key)
-        self.evicted[op.key] = pod
+    def evict(self, keys: Sequence[int], entries: tuple[PodEntry, ...]) -> None:
+        self.pending.extend([EvictOp(key, KeyType.ENGINE, entries) for key in keys])
+        batch_map = self.batch_map
+        for key in keys:
+            batch_map.pop(key, None)
+        self.pending_evicts.update(keys)
+        self.evicted.update(keys)
 
-    def resolve(self, engine_key: int, pod: str) -> int | None:
+    def resolve(self, engine_key: int) -> int | None:
         """The request key ``engine_key`` maps to, as if the batch so far were applied."""
         hit = self.batch_map.get(engine_key)
         if hit is not None:
-            return hit[1]
+            return hit
         if engine_key in self.evicted:
             if engine_key in self.pending_evicts:
                 self.flush()
             return self.ing._index_request_key(engine_key, None, self)
-        cached = self.ing._cache(pod).get(engine_key)
+        assert self.cache is not None
+        cached = self.cache.get(engine_key)
         if cached is not None:
             return cached
-        return self.ing._index_request_key(engine_key, pod, self)
+        return self.ing._index_request_key(engine_key, self.cache, self)
 
     def commit_cache(self) -> None:
-        for engine_key, pod in self.evicted.items():
-            self.ing._cache(pod).pop(engine_key)
-        for engine_key, (pod, request_key) in self.batch_map.items():
-            self.ing._cache(pod).put(engine_key, request_key)
+        """The batch took effect: the pod cache learns its mappings and forgets its evictions."""
+        cache = self.cache
+        if cache is None:
+            return
+        for engine_key in self.evicted:
+            cache.pop(engine_key)
+        for engine_key, request_key in self.batch_map.items():
+            cache.put(engine_key, request_key)
 
     def discard_cache(self) -> None:
-        for engine_key, pod in self.evicted.items():
-            self.ing._cache(pod).pop(engine_key)
-        for engine_key, (pod, _) in self.batch_map.items():
-            self.ing._cache(pod).pop(engine_key)
+        """The batch may have partly applied: forget every mapping it touched."""
+        cache = self.cache
+        if cache is None:
+            return
+        for engine_key in self.evicted:
+            cache.pop(engine_key)
+        for engine_key in self.batch_map:
+            cache.pop(engine_key)
 
 
 # ------------------------------------------------------------------------------------------
@@ -715,6 +735,7 @@ class EventIngester:
         self._streams_lock = threading.Lock()
         self._endpoints: list[EndpointConfig] = []
         self._caches: dict[str, _LRU] = {}
+        self._entries: dict[tuple[str, str, int | None], PodEntry] = {}
         self._caches_lock = threading.Lock()
         self._log = _RateLimitedLog(self.config.reject_log_interval_s)
         self._stopping = threading.Event()
@@ -1344,6 +1365,7 @@ class EventIngester:
             msg=msg,
             depth=depth,
             unusable=unusable,
+            pod=pod,
         )
 
     def _run_batch(
@@ -1357,6 +1379,7 @@ class EventIngester:
         msg: _Message | None = None,
         depth: int = 0,
         unusable: bool = False,
+        pod: str | None = None,
     ) -> BatchOutcome:
         """Run ``plan`` as one batch until applied, found duplicate, or given up.
 
@@ -1366,7 +1389,7 @@ class EventIngester:
         first_phase = 1
         takeover_clear = False
         for _attempt in range(8):
-            run = _Run(self, st, epoch, seq, claim_seq, first_phase)
+            run = _Run(self, st, epoch, seq, claim_seq, first_phase, pod)
             try:
                 if takeover_clear:
                     run.clear(self._stream_pods(st, msg), "restart" if claim_seq < 0 else "gap")
@@ -1483,13 +1506,22 @@ class EventIngester:
     def _entry(
         self, run: _Run, pod: str, tier: str, group: int | None, position: int
     ) -> PodEntry | None:
+        key = (pod, tier, group)
+        entry = self._entries.get(key)
+        if entry is not None:
+            return entry
         try:
             if group is None:
-                return PodEntry(pod, tier)
-            return PodEntry(pod, tier, has_group=True, group_idx=group)
+                entry = PodEntry(pod, tier)
+            else:
+                entry = PodEntry(pod, tier, has_group=True, group_idx=group)
         except InvalidInputError as exc:
             run.rejects.append(Rejection(RejectReason.BAD_FIELD_VALUE, str(exc), position))
             return None
+        if len(self._entries) >= 4096:
+            self._entries.clear()
+        self._entries[key] = entry
+        return entry
 
     def _plan_stored(
         self, run: _Run, ev: BlockStored, pod: str, model: str | None, position: int
@@ -1512,14 +1544,14 @@ class EventIngester:
             resolved: list[int] = []
             seen: set[int] = set()
             for engine_key in ev.block_hashes:
-                request_key = run.resolve(engine_key, pod)
+                request_key = run.resolve(engine_key)
                 if request_key is not None and request_key not in seen:
                     seen.add(request_key)
                     resolved.append(request_key)
             if not resolved:
                 run.count("tier_update_misses")
                 return
-            run.add(AddOp(None, tuple(resolved), (entry,)), pod, None)
+            run.add(AddOp(None, tuple(resolved), (entry,)), None)
             run.count("tier_updates")
             run.count("events_applied")
             return
@@ -1531,7 +1563,7 @@ class EventIngester:
             return
         parent = 0
         if ev.parent_block_hash:
-            found = run.resolve(ev.parent_block_hash, pod)
+            found = run.resolve(ev.parent_block_hash)
             if found is None:
                 run.count("parent_misses")
                 return
@@ -1555,7 +1587,7 @@ class EventIngester:
             return
         request = tuple(request_keys)
         mappings = infer_mappings(ev.block_hashes, request) if ev.block_hashes else None
-        run.add(AddOp(ev.block_hashes, request, (entry,)), pod, mappings)
+        run.add(AddOp(ev.block_hashes, request, (entry,)), mappings)
         run.count("events_applied")
         run.count("blocks_stored", len(ev.block_hashes))
         run.count("request_keys_stored", len(request))
@@ -1564,9 +1596,7 @@ class EventIngester:
         entry = self._entry(run, pod, ev.tier, ev.group_idx, position)
         if entry is None:
             return
-        entries = (entry,)
-        for engine_key in ev.block_hashes:
-            run.evict(EvictOp(engine_key, KeyType.ENGINE, entries), pod)
+        run.evict(ev.block_hashes, (entry,))
         run.count("events_applied")
         run.count("blocks_removed", len(ev.block_hashes))
 
@@ -1626,7 +1656,7 @@ class EventIngester:
         except (_Abandon, _Failed):
             return None
 
-    def _index_request_key(self, engine_key: int, pod: str | None, run: _Run) -> int | None:
+    def _index_request_key(self, engine_key: int, cache: _LRU | None, run: _Run) -> int | None:
         index = self.index
         run.count("index_lookups")
 
@@ -1637,8 +1667,8 @@ class EventIngester:
                 return None
 
         found: int | None = self._call(call)
-        if found is not None and pod is not None:
-            self._cache(pod).put(engine_key, found)
+        if found is not None and cache is not None:
+            cache.put(engine_key, found)
         return found
 
     def _clear_pod(self, pod: str, heartbeat: Callable[[int, int], None]) -> None:

@@ -746,3 +746,27 @@ def op_clear(
         on_engine_page,
     )
     return removed
+
+
+def op_drop_namespace(state: CoreState, keys_per_call: int = 1000) -> Op[int]:
+    """Delete every key of the namespace (SCAN MATCH on its prefix, UNLINK page by page).
+
+    Returns the number of keys deleted. Other namespaces and foreign keys are never touched.
+    Clients of the dropped namespace notice on their next call (the meta record is gone) and
+    start over with an empty namespace.
+    """
+    pattern = state.layout.namespace_pattern()
+    meta = meta_key(state.layout.namespace)
+    deleted = 0
+    cursor = -1
+    while cursor != 0:
+        reply = yield Command(
+            ("SCAN", max(cursor, 0), "MATCH", pattern, "COUNT", keys_per_call)
+        )
+        cursor, keys = _scan_reply(reply)
+        keys = [k for k in keys if k != meta]
+        if keys:
+            deleted += int((yield Command(("UNLINK", *keys))))
+    # The meta record goes last, so a concurrent client cannot re-adopt half a namespace.
+    deleted += int((yield Command(("UNLINK", meta))))
+    return deleted

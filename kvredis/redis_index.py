@@ -54,6 +54,7 @@ from kvredis.redis_core import (
     op_add,
     op_apply_batch,
     op_clear,
+    op_drop_namespace,
     op_evict,
     op_get_request_key,
     op_get_watermark,
@@ -549,6 +550,11 @@ class RedisIndex:
         state = self._exec.state
         self._exec.run(lambda: op_reset_watermark(state, stream, watermark))
 
+    def drop_namespace(self) -> int:
+        """Delete every key of this index's namespace; returns the number of keys deleted."""
+        state = self._exec.state
+        return self._exec.run(lambda: op_drop_namespace(state))
+
     def close(self) -> None:
         """Close the connections."""
         self._exec.close()
@@ -655,6 +661,11 @@ class AsyncRedisIndex:
         """See :meth:`RedisIndex.clear` (``progress`` is a plain callable)."""
         state, per_call = self._exec.state, self.config.clear_fields_per_call
         await self._exec.run(lambda: op_clear(state, pod_identifier, progress, per_call))
+
+    async def drop_namespace(self) -> int:
+        """See :meth:`RedisIndex.drop_namespace`."""
+        state = self._exec.state
+        return await self._exec.run(lambda: op_drop_namespace(state))
 
     async def apply_batch(
         self,

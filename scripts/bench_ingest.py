@@ -1,0 +1,287 @@
+"""Event-ingestion throughput into Redis: batched EventIngester vs one Index call per event.
+
+Starts its own redis-server on a free port (or uses ``--url``). A simulated fleet of engines
+produces realistic batches, one per scheduler step and pod: BlockStored events of 1-64 blocks
+(prefills) and of single blocks (decodes continuing a running request), and BlockRemoved events
+of single hashes once a pod's cache is full. The same msgpack payloads are then applied
+
+* by ``EventIngester`` (one ``apply_batch`` per batch, parents from its local cache), in one
+  thread and with 4 worker threads (pods in parallel), and
+* the way the llm-d event pool does it: per event, ``get_request_key`` for the parent, then
+  ``add``; ``evict`` per removed hash; each a separate Index call,
+
+each into its own namespace of the same server. Round trips are counted from the server's
+``INFO commandstats`` (every command the run sent), and the resulting index states are compared.
+
+Run from the repository root:  .venv/bin/python scripts/bench_ingest.py [--quick] [--url URL]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import random
+import sys
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import redis  # noqa: E402
+
+from kvredis.errors import EngineKeyNotFoundError  # noqa: E402
+from kvredis.events import BlockRemoved, BlockStored, decode_batch, encode_batch  # noqa: E402
+from kvredis.hashing import ChunkedTokenDatabase  # noqa: E402
+from kvredis.ingest import EndpointConfig, EventIngester, IngesterConfig  # noqa: E402
+from kvredis.redis_index import RedisIndex, RedisIndexConfig  # noqa: E402
+from kvredis.types import KeyType, PodEntry  # noqa: E402
+from tests.servers import RedisServer  # noqa: E402
+
+BLOCK = 16
+MODEL = "bench-model"
+TARGET_RATIO = 3.0
+
+
+@dataclass
+class Message:
+    topic: bytes
+    seq: int
+    payload: bytes
+    pod: str
+
+
+@dataclass
+class Workload:
+    messages: list[Message]
+    stored_blocks: int
+    removed_blocks: int
+    events: int
+
+
+def make_workload(pods: int, steps: int, capacity: int, seed: int = 7) -> Workload:
+    """Engine batches, one per scheduler step and pod, interleaved across pods by step."""
+    rng = random.Random(seed)
+    per_pod: list[list[Message]] = []
+    stored_total = removed_total = events_total = 0
+    for p in range(pods):
+        pod = f"pod-{p}"
+        topic = f"kv@{pod}@{MODEL}".encode()
+        running: list[tuple[int, int]] = []  # (last engine hash, next token offset) per request
+        cache: deque[int] = deque()
+        messages = []
+        for seq in range(steps):
+            events: list[Any] = []
+            for _ in range(rng.randint(1, 6)):
+                if not running or rng.random() < 0.3:
+                    blocks = rng.randint(1, 64)  # a prefill
+                    parent = None
+                    base = rng.randrange(1 << 30)
+                    if len(running) > 24:
+                        running.pop(0)
+                else:
+                    blocks = 1  # a decode step that filled one more block
+                    i = rng.randrange(len(running))
+                    parent, base = running.pop(i)
+                hashes = tuple(rng.getrandbits(64) for _ in range(blocks))
+                tokens = tuple(range(base, base + blocks * BLOCK))
+                events.append(BlockStored(hashes, parent, tokens, BLOCK, medium="GPU"))
+                running.append((hashes[-1], base + blocks * BLOCK))
+                cache.extend(hashes)
+                stored_total += blocks
+            tails = {h for h, _ in running}  # blocks running requests still reference
+            while len(cache) > capacity:
+                victim = cache.popleft()
+                if victim in tails:
+                    cache.append(victim)
+                    continue
+                events.append(BlockRemoved((victim,), medium="GPU"))
+                removed_total += 1
+            events_total += len(events)
+            messages.append(Message(topic, seq, encode_batch(events, ts=time.time()), pod))
+        per_pod.append(messages)
+    interleaved = [m for step in zip(*per_pod, strict=True) for m in step]
+    return Workload(interleaved, stored_total, removed_total, events_total)
+
+
+def commands(client: redis.Redis) -> int:
+    """Commands the server has executed so far, excluding INFO itself."""
+    stats: dict[str, Any] = client.info("commandstats")
+    return sum(int(v["calls"]) for k, v in stats.items() if k != "cmdstat_info")
+
+
+@dataclass
+class Result:
+    name: str
+    seconds: float
+    blocks_per_s: float
+    commands_per_batch: float
+    index_calls_per_batch: float | None
+
+
+def run_ingester(
+    url: str, work: Workload, tp: ChunkedTokenDatabase, workers: int
+) -> tuple[RedisIndex, float, float]:
+    index = RedisIndex(RedisIndexConfig(address=url, namespace=f"bench-{uuid.uuid4().hex[:8]}"))
+    pods = sorted({m.pod for m in work.messages})
+    endpoints = [EndpointConfig(f"engine-{p}", pod_id=p, model_name=MODEL) for p in pods]
+    ing = EventIngester(index, tp, endpoints, IngesterConfig(workers=workers))
+    by_pod = {e.pod_id: e for e in endpoints}
+    start = time.perf_counter()
+    if workers == 1:
+        for m in work.messages:
+            ing.process(m.topic, m.seq, m.payload, by_pod[m.pod])
+    else:
+        ing.start()
+        for m in work.messages:
+            ing.submit(m.topic, m.seq, m.payload, by_pod[m.pod])
+        ing.wait_idle(600)
+    seconds = time.perf_counter() - start
+    ing.stop()
+    c = ing.counters.snapshot()
+    assert c["batches_applied"] == len(work.messages), c
+    assert c["parent_misses"] == 0 and c["rejected"] == 0, c
+    return index, seconds, c["index_calls"] / len(work.messages)
+
+
+def run_per_event(url: str, work: Workload, tp: ChunkedTokenDatabase) -> tuple[RedisIndex, float]:
+    """The llm-d pool way: every event is its own sequence of Index calls."""
+    index = RedisIndex(RedisIndexConfig(address=url, namespace=f"bench-{uuid.uuid4().hex[:8]}"))
+    start = time.perf_counter()
+    for m in work.messages:
+        entry = [PodEntry(m.pod, "gpu")]
+        for ev in decode_batch(m.payload).events:
+            if isinstance(ev, BlockStored):
+                parent = 0
+                if ev.parent_block_hash:
+                    try:
+                        parent = index.get_request_key(ev.parent_block_hash)
+                    except EngineKeyNotFoundError:
+                        continue
+                keys = tp.tokens_to_kv_block_keys(parent, ev.token_ids, MODEL)
+                index.add(ev.block_hashes, keys, entry)
+            elif isinstance(ev, BlockRemoved):
+                for h in ev.block_hashes:
+                    index.evict(h, KeyType.ENGINE, entry)
+    return index, time.perf_counter() - start
+
+
+def sample_state(index: RedisIndex, keys: list[int]) -> list[list[PodEntry]]:
+    return [sorted(index.lookup([k]).get(k, []), key=str) for k in keys]
+
+
+def measure(
+    name: str, client: redis.Redis, work: Workload, fn: Callable[[], tuple[Any, ...]]
+) -> tuple[Result, RedisIndex]:
+    before = commands(client)
+    out = fn()
+    after = commands(client)
+    index, seconds = out[0], out[1]
+    calls = out[2] if len(out) > 2 else None
+    result = Result(
+        name=name,
+        seconds=seconds,
+        blocks_per_s=work.stored_blocks / seconds,
+        commands_per_batch=(after - before) / len(work.messages),
+        index_calls_per_batch=calls,
+    )
+    return result, index
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a small workload (seconds)")
+    parser.add_argument("--url", help="use this Redis instead of starting one")
+    parser.add_argument("--pods", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=None, help="scheduler steps per pod")
+    parser.add_argument("--json", type=Path, help="also write the results as JSON")
+    args = parser.parse_args(argv)
+    pods = args.pods or (2 if args.quick else 4)
+    steps = args.steps or (60 if args.quick else 500)
+    work = make_workload(pods, steps, capacity=600 if args.quick else 3000)
+    tp = ChunkedTokenDatabase()
+    server = None
+    url = args.url
+    if url is None:
+        server = RedisServer()
+        server.start()
+        url = server.url
+    client = redis.Redis.from_url(url)
+    try:
+        print(
+            f"workload: {len(work.messages)} batches from {pods} pods, {work.events} events, "
+            f"{work.stored_blocks} stored blocks, {work.removed_blocks} removed blocks"
+        )
+        runs: list[tuple[Result, RedisIndex]] = [
+            measure(
+                "per-event Index calls (llm-d pool)",
+                client,
+                work,
+                lambda: run_per_event(url, work, tp),
+            ),
+            measure(
+                "EventIngester, 1 thread",
+                client,
+                work,
+                lambda: run_ingester(url, work, tp, workers=1),
+            ),
+            measure(
+                "EventIngester, 4 workers",
+                client,
+                work,
+                lambda: run_ingester(url, work, tp, workers=4),
+            ),
+        ]
+        rng = random.Random(1)
+        probe: list[int] = []
+        for m in rng.sample(work.messages, min(200, len(work.messages))):
+            for ev in decode_batch(m.payload).events:
+                if isinstance(ev, BlockStored):
+                    with contextlib.suppress(EngineKeyNotFoundError):
+                        probe.append(runs[0][1].get_request_key(ev.block_hashes[-1]))
+        reference = sample_state(runs[0][1], probe)
+        for result, index in runs[1:]:
+            if sample_state(index, probe) != reference:
+                print(f"STATE MISMATCH: {result.name} differs from the per-event run")
+                return 1
+        base = runs[0][0]
+        print(f"{'run':38} {'blocks/s':>10} {'x':>6} {'cmds/batch':>11} {'calls/batch':>12}")
+        for result, _ in runs:
+            calls = (
+                ""
+                if result.index_calls_per_batch is None
+                else f"{result.index_calls_per_batch:.2f}"
+            )
+            print(
+                f"{result.name:38} {result.blocks_per_s:10.0f} "
+                f"{result.blocks_per_s / base.blocks_per_s:5.1f}x "
+                f"{result.commands_per_batch:11.2f} {calls:>12}"
+            )
+        ratio = runs[1][0].blocks_per_s / base.blocks_per_s
+        verdict = "ok" if ratio >= TARGET_RATIO else "BELOW TARGET"
+        print(
+            f"batched / per-event (1 thread): {ratio:.1f}x (target >= {TARGET_RATIO:.0f}x: "
+            f"{verdict}); {runs[1][0].commands_per_batch:.2f} Redis commands per batch "
+            f"(per-event: {base.commands_per_batch:.1f}); index states agree on "
+            f"{len(probe)} probed keys"
+        )
+        if args.json:
+            args.json.write_text(json.dumps([asdict(r) for r, _ in runs], indent=2))
+        for _, index in runs:
+            index.close()
+        return 0
+    finally:
+        client.close()
+        if server is not None:
+            server.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
