@@ -126,6 +126,7 @@ if TYPE_CHECKING:
     from kvredis.hashing import TokenProcessor
 
 __all__ = [
+    "COUNTER_NAMES",
     "MAX_ENGINE_SEQ",
     "PHASE_DONE",
     "BatchOutcome",
@@ -438,31 +439,36 @@ def _continued(acc: Sequence[MMHash], ids: Sequence[MMHash]) -> int:
 
 
 class _LRU:
-    """A bounded engine→request map (least recently used dropped)."""
+    """A bounded, thread-safe engine→request map (least recently used dropped)."""
 
-    __slots__ = ("_data", "_limit")
+    __slots__ = ("_data", "_limit", "_lock")
 
     def __init__(self, limit: int) -> None:
         self._data: OrderedDict[int, int] = OrderedDict()
         self._limit = limit
+        self._lock = threading.Lock()
 
     def get(self, key: int) -> int | None:
-        value = self._data.get(key)
-        if value is not None:
-            self._data.move_to_end(key)
-        return value
+        with self._lock:
+            value = self._data.get(key)
+            if value is not None:
+                self._data.move_to_end(key)
+            return value
 
     def put(self, key: int, value: int) -> None:
-        self._data[key] = value
-        self._data.move_to_end(key)
-        if len(self._data) > self._limit:
-            self._data.popitem(last=False)
+        with self._lock:
+            self._data[key] = value
+            self._data.move_to_end(key)
+            if len(self._data) > self._limit:
+                self._data.popitem(last=False)
 
     def pop(self, key: int) -> None:
-        self._data.pop(key, None)
+        with self._lock:
+            self._data.pop(key, None)
 
     def __len__(self) -> int:
-        return len(self._data)
+        with self._lock:
+            return len(self._data)
 
 
 class BatchOutcome(enum.Enum):
@@ -870,10 +876,13 @@ class EventIngester:
     def stop(self, drain: bool = True, timeout: float = 30.0) -> bool:
         """Stop receiving; apply what was received (``drain``) or drop it; join the workers.
 
-        A batch in progress always completes. Returns ``False`` if the workers did not finish
-        within ``timeout`` seconds.
+        A batch in progress completes; waits for an unavailable backend or a stalled peer give
+        up (the batch is counted as abandoned). :meth:`process` calls running in other threads
+        are interrupted the same way. Returns ``False`` if the workers did not finish within
+        ``timeout`` seconds.
         """
         if not self._started:
+            self._stopping.set()
             self._close_replays()
             return True
         deadline = time.monotonic() + timeout
@@ -1054,6 +1063,10 @@ class EventIngester:
         except _Abandon:
             self.counters.inc("batches_abandoned")
             return BatchOutcome.ABANDONED
+        except _Failed as exc:
+            logger.error("stream %s: cannot read the stored watermark: %s", st.name, exc)
+            self.counters.inc("batches_failed")
+            return BatchOutcome.FAILED
         if depth > 4:
             logger.error(
                 "stream %s: giving up on batch %d after repeated conflicts", st.name, msg.seq
@@ -1209,7 +1222,9 @@ class EventIngester:
             if found is not None:
                 by_seq: dict[int, _Message] = {}
                 for item in found:
-                    if item.seq >= first_missing:
+                    # later batches are on their way live; applying them now would make them
+                    # look like a publisher restart when they arrive
+                    if first_missing <= item.seq <= msg.seq:
                         by_seq.setdefault(
                             item.seq, _Message(item.topic or st.last_topic, item.seq, item.payload)
                         )
@@ -1396,7 +1411,15 @@ class EventIngester:
                 plan(run)
                 run.finish()
             except _NotOwner:
-                verdict, stored = self._conflict(st, epoch, seq)
+                try:
+                    verdict, stored = self._conflict(st, epoch, seq)
+                except _Abandon:
+                    verdict, stored = "abandoned", None
+                except _Failed as exc:
+                    run.discard_cache()
+                    logger.error("stream %s: batch %d failed: %s", st.name, seq, exc)
+                    self.counters.inc("batches_failed")
+                    return BatchOutcome.FAILED
                 if verdict == "duplicate":
                     run.commit_cache()
                     if count_batch:

@@ -10,8 +10,10 @@ of single hashes once a pod's cache is full. The same msgpack payloads are then 
 * the way the llm-d event pool does it: per event, ``get_request_key`` for the parent, then
   ``add``; ``evict`` per removed hash; each a separate Index call,
 
-each into its own namespace of the same server. Round trips are counted from the server's
-``INFO commandstats`` (every command the run sent), and the resulting index states are compared.
+each into its own namespace of the same server. The runs alternate for ``--rounds`` rounds so
+they share the machine's state; medians are reported. Round trips are counted on the client
+(every request written to a Redis connection; a pipeline counts once), the server's execution
+time comes from ``INFO commandstats``, and the resulting index states are compared.
 
 Run from the repository root:  .venv/bin/python scripts/bench_ingest.py [--quick] [--url URL]
 """
@@ -22,6 +24,7 @@ import argparse
 import contextlib
 import json
 import random
+import statistics
 import sys
 import time
 import uuid
@@ -111,10 +114,38 @@ def make_workload(pods: int, steps: int, capacity: int, seed: int = 7) -> Worklo
     return Workload(interleaved, stored_total, removed_total, events_total)
 
 
-def commands(client: redis.Redis) -> int:
-    """Commands the server has executed so far, excluding INFO itself."""
+class RoundTrips:
+    """Counts requests written to any redis-py connection (one per command or pipeline)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._original = redis.connection.AbstractConnection.send_packed_command
+
+    def __enter__(self) -> RoundTrips:
+        original = self._original
+
+        def counting(conn: Any, command: Any, check_health: bool = True) -> None:
+            self.count += 1
+            original(conn, command, check_health)
+
+        redis.connection.AbstractConnection.send_packed_command = counting  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        redis.connection.AbstractConnection.send_packed_command = self._original  # type: ignore[method-assign]
+
+
+def server_usec(client: redis.Redis) -> int:
+    """Microseconds the server spent executing commands (scripts included), INFO excluded."""
     stats: dict[str, Any] = client.info("commandstats")
-    return sum(int(v["calls"]) for k, v in stats.items() if k != "cmdstat_info")
+    return sum(int(v["usec"]) for k, v in stats.items() if k != "cmdstat_info")
+
+
+@dataclass
+class Sample:
+    seconds: float
+    round_trips: int
+    server_seconds: float
 
 
 @dataclass
@@ -122,14 +153,14 @@ class Result:
     name: str
     seconds: float
     blocks_per_s: float
-    commands_per_batch: float
-    index_calls_per_batch: float | None
+    ratio: float
+    round_trips_per_batch: float
+    server_seconds: float
 
 
 def run_ingester(
-    url: str, work: Workload, tp: ChunkedTokenDatabase, workers: int
-) -> tuple[RedisIndex, float, float]:
-    index = RedisIndex(RedisIndexConfig(address=url, namespace=f"bench-{uuid.uuid4().hex[:8]}"))
+    index: RedisIndex, work: Workload, tp: ChunkedTokenDatabase, workers: int
+) -> float:
     pods = sorted({m.pod for m in work.messages})
     endpoints = [EndpointConfig(f"engine-{p}", pod_id=p, model_name=MODEL) for p in pods]
     ing = EventIngester(index, tp, endpoints, IngesterConfig(workers=workers))
@@ -148,12 +179,11 @@ def run_ingester(
     c = ing.counters.snapshot()
     assert c["batches_applied"] == len(work.messages), c
     assert c["parent_misses"] == 0 and c["rejected"] == 0, c
-    return index, seconds, c["index_calls"] / len(work.messages)
+    return seconds
 
 
-def run_per_event(url: str, work: Workload, tp: ChunkedTokenDatabase) -> tuple[RedisIndex, float]:
+def run_per_event(index: RedisIndex, work: Workload, tp: ChunkedTokenDatabase) -> float:
     """The llm-d pool way: every event is its own sequence of Index calls."""
-    index = RedisIndex(RedisIndexConfig(address=url, namespace=f"bench-{uuid.uuid4().hex[:8]}"))
     start = time.perf_counter()
     for m in work.messages:
         entry = [PodEntry(m.pod, "gpu")]
@@ -170,29 +200,35 @@ def run_per_event(url: str, work: Workload, tp: ChunkedTokenDatabase) -> tuple[R
             elif isinstance(ev, BlockRemoved):
                 for h in ev.block_hashes:
                     index.evict(h, KeyType.ENGINE, entry)
-    return index, time.perf_counter() - start
+    return time.perf_counter() - start
 
 
 def sample_state(index: RedisIndex, keys: list[int]) -> list[list[PodEntry]]:
     return [sorted(index.lookup([k]).get(k, []), key=str) for k in keys]
 
 
-def measure(
-    name: str, client: redis.Redis, work: Workload, fn: Callable[[], tuple[Any, ...]]
-) -> tuple[Result, RedisIndex]:
-    before = commands(client)
-    out = fn()
-    after = commands(client)
-    index, seconds = out[0], out[1]
-    calls = out[2] if len(out) > 2 else None
-    result = Result(
-        name=name,
-        seconds=seconds,
-        blocks_per_s=work.stored_blocks / seconds,
-        commands_per_batch=(after - before) / len(work.messages),
-        index_calls_per_batch=calls,
-    )
-    return result, index
+def probe_keys(index: RedisIndex, work: Workload) -> list[int]:
+    """Request keys of the last block of a sample of stored events, as the index maps them."""
+    rng = random.Random(1)
+    keys: list[int] = []
+    for m in rng.sample(work.messages, min(200, len(work.messages))):
+        for ev in decode_batch(m.payload).events:
+            if isinstance(ev, BlockStored):
+                with contextlib.suppress(EngineKeyNotFoundError):
+                    keys.append(index.get_request_key(ev.block_hashes[-1]))
+    return keys
+
+
+def sample_run(
+    client: redis.Redis, url: str, fn: Callable[[RedisIndex], float]
+) -> tuple[Sample, RedisIndex]:
+    """One run into a fresh namespace; the client is connected before counting starts."""
+    index = RedisIndex(RedisIndexConfig(address=url, namespace=f"bench-{uuid.uuid4().hex[:8]}"))
+    index.get_watermark("warm-up")
+    before = server_usec(client)
+    with RoundTrips() as trips:
+        seconds = fn(index)
+    return Sample(seconds, trips.count, (server_usec(client) - before) / 1e6), index
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,10 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--url", help="use this Redis instead of starting one")
     parser.add_argument("--pods", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None, help="scheduler steps per pod")
+    parser.add_argument("--rounds", type=int, default=None, help="alternating repetitions")
     parser.add_argument("--json", type=Path, help="also write the results as JSON")
     args = parser.parse_args(argv)
     pods = args.pods or (2 if args.quick else 4)
-    steps = args.steps or (60 if args.quick else 500)
+    steps = args.steps or (60 if args.quick else 400)
+    rounds = args.rounds or (2 if args.quick else 3)
     work = make_workload(pods, steps, capacity=600 if args.quick else 3000)
     tp = ChunkedTokenDatabase()
     server = None
@@ -214,68 +252,67 @@ def main(argv: list[str] | None = None) -> int:
         server.start()
         url = server.url
     client = redis.Redis.from_url(url)
+    runners: dict[str, Callable[[RedisIndex], float]] = {
+        "per-event Index calls (llm-d pool)": lambda index: run_per_event(index, work, tp),
+        "EventIngester, 1 thread": lambda index: run_ingester(index, work, tp, workers=1),
+        "EventIngester, 4 workers": lambda index: run_ingester(index, work, tp, workers=4),
+    }
+    samples: dict[str, list[Sample]] = {name: [] for name in runners}
     try:
         print(
             f"workload: {len(work.messages)} batches from {pods} pods, {work.events} events, "
-            f"{work.stored_blocks} stored blocks, {work.removed_blocks} removed blocks"
+            f"{work.stored_blocks} stored blocks, {work.removed_blocks} removed blocks; "
+            f"{rounds} alternating rounds"
         )
-        runs: list[tuple[Result, RedisIndex]] = [
-            measure(
-                "per-event Index calls (llm-d pool)",
-                client,
-                work,
-                lambda: run_per_event(url, work, tp),
-            ),
-            measure(
-                "EventIngester, 1 thread",
-                client,
-                work,
-                lambda: run_ingester(url, work, tp, workers=1),
-            ),
-            measure(
-                "EventIngester, 4 workers",
-                client,
-                work,
-                lambda: run_ingester(url, work, tp, workers=4),
-            ),
-        ]
-        rng = random.Random(1)
         probe: list[int] = []
-        for m in rng.sample(work.messages, min(200, len(work.messages))):
-            for ev in decode_batch(m.payload).events:
-                if isinstance(ev, BlockStored):
-                    with contextlib.suppress(EngineKeyNotFoundError):
-                        probe.append(runs[0][1].get_request_key(ev.block_hashes[-1]))
-        reference = sample_state(runs[0][1], probe)
-        for result, index in runs[1:]:
-            if sample_state(index, probe) != reference:
-                print(f"STATE MISMATCH: {result.name} differs from the per-event run")
-                return 1
-        base = runs[0][0]
-        print(f"{'run':38} {'blocks/s':>10} {'x':>6} {'cmds/batch':>11} {'calls/batch':>12}")
-        for result, _ in runs:
-            calls = (
-                ""
-                if result.index_calls_per_batch is None
-                else f"{result.index_calls_per_batch:.2f}"
+        reference: list[list[PodEntry]] = []
+        for r in range(rounds):
+            order = list(runners) if r % 2 == 0 else list(reversed(runners))
+            for name in order:
+                sample, index = sample_run(client, url, runners[name])
+                samples[name].append(sample)
+                if not probe:
+                    probe = probe_keys(index, work)
+                    reference = sample_state(index, probe)
+                elif sample_state(index, probe) != reference:
+                    print(f"STATE MISMATCH: {name} differs from the first run")
+                    return 1
+                index.close()
+        batches = len(work.messages)
+        results = []
+        base_seconds = statistics.median(x.seconds for x in samples[next(iter(runners))])
+        for name, runs in samples.items():
+            seconds = statistics.median(x.seconds for x in runs)
+            results.append(
+                Result(
+                    name=name,
+                    seconds=seconds,
+                    blocks_per_s=work.stored_blocks / seconds,
+                    ratio=base_seconds / seconds,
+                    round_trips_per_batch=statistics.median(x.round_trips for x in runs) / batches,
+                    server_seconds=statistics.median(x.server_seconds for x in runs),
+                )
             )
-            print(
-                f"{result.name:38} {result.blocks_per_s:10.0f} "
-                f"{result.blocks_per_s / base.blocks_per_s:5.1f}x "
-                f"{result.commands_per_batch:11.2f} {calls:>12}"
-            )
-        ratio = runs[1][0].blocks_per_s / base.blocks_per_s
-        verdict = "ok" if ratio >= TARGET_RATIO else "BELOW TARGET"
         print(
-            f"batched / per-event (1 thread): {ratio:.1f}x (target >= {TARGET_RATIO:.0f}x: "
-            f"{verdict}); {runs[1][0].commands_per_batch:.2f} Redis commands per batch "
-            f"(per-event: {base.commands_per_batch:.1f}); index states agree on "
+            f"{'run':36} {'seconds':>8} {'blocks/s':>10} {'ratio':>6} {'trips/batch':>12} "
+            f"{'server s':>9}"
+        )
+        for res in results:
+            print(
+                f"{res.name:36} {res.seconds:8.2f} {res.blocks_per_s:10.0f} {res.ratio:5.1f}x "
+                f"{res.round_trips_per_batch:12.3f} {res.server_seconds:9.2f}"
+            )
+        batched, base = results[1], results[0]
+        verdict = "ok" if batched.ratio >= TARGET_RATIO else "BELOW TARGET"
+        print(
+            f"batched / per-event (1 thread): {batched.ratio:.1f}x (target >= "
+            f"{TARGET_RATIO:.0f}x: {verdict}); {batched.round_trips_per_batch:.3f} round trips "
+            f"per batch, one more per stream at start (per-event: "
+            f"{base.round_trips_per_batch:.1f}); index states agree on "
             f"{len(probe)} probed keys"
         )
         if args.json:
-            args.json.write_text(json.dumps([asdict(r) for r, _ in runs], indent=2))
-        for _, index in runs:
-            index.close()
+            args.json.write_text(json.dumps([asdict(r) for r in results], indent=2))
         return 0
     finally:
         client.close()

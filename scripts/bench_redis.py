@@ -74,10 +74,14 @@ def percentile(samples: list[float], q: float) -> float:
     return ordered[rank]
 
 
-def timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter_ns()
-    fn()
-    return (time.perf_counter_ns() - start) / 1000.0
+def timed(fn: Callable[[int], object], calls: range) -> list[float]:
+    """Latency (µs) of ``fn(i)`` for each ``i`` in ``calls``."""
+    out = []
+    for i in calls:
+        start = time.perf_counter_ns()
+        fn(i)
+        out.append((time.perf_counter_ns() - start) / 1000.0)
+    return out
 
 
 def alternate(
@@ -96,10 +100,10 @@ def alternate(
     while done < calls:
         batch = range(done, min(calls, done + round_size))
         gc.collect()
-        kv_lat.extend(timed(lambda i=i: kv(i)) for i in batch)
+        kv_lat.extend(timed(kv, batch))
         if ref is not None:
             gc.collect()
-            ref_lat.extend(timed(lambda i=i: ref(i)) for i in batch)
+            ref_lat.extend(timed(ref, batch))
         done = batch.stop
     return kv_lat, ref_lat
 
@@ -158,11 +162,12 @@ def run(calls: int, url: str | None, seed: int) -> list[Row]:
     rows: list[Row] = []
     with server(url) as (host, port):
         namespace = f"bench-{uuid.uuid4().hex[:8]}"
-        kv = RedisIndex(RedisIndexConfig(address=f"redis://{host}:{port}/0", namespace=namespace))
         ref_client = redis.Redis(host=host, port=port, db=REFERENCE_DB)
         if url is not None and ref_client.dbsize():
+            ref_client.close()
             raise SystemExit(f"database {REFERENCE_DB} of {url} must be empty for the reference")
         ref = ReferenceLayout(ref_client)
+        kv = RedisIndex(RedisIndexConfig(address=f"redis://{host}:{port}/0", namespace=namespace))
         raw_client = redis.Redis(host=host, port=port, db=0)
         try:
             rows = _bench(kv, ref, ref_client, raw_client, calls, rng)
@@ -299,7 +304,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few calls per op (seconds)")
     parser.add_argument("--calls", type=int, default=None, help="timed calls per op and side")
-    parser.add_argument("--url", default=None, help="use this Redis instead of starting one")
+    parser.add_argument(
+        "--url",
+        default=None,
+        help="redis://host:port of a server to use instead of starting one (db 1 must be empty)",
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", default=None, metavar="PATH", help="also write rows as JSON")
     args = parser.parse_args(argv)

@@ -107,24 +107,27 @@ def memory(client: redis.Redis) -> tuple[int, int]:
     return int(info["used_memory"]), int(info.get("used_memory_scripts", 0))
 
 
-_HEXISH = re.compile(rb"[0-9a-fA-F]+")
-_DIGITS = re.compile(rb"\d+")
-_BINARY = re.compile(rb"[^\x20-\x7e]+")
+_BINARY = re.compile(rb"[^\x20-\x7e]")
+#: Groups with at most this many keys are listed key by key.
+SMALL_GROUP = 8
 
 
-def pattern_of(name: bytes) -> str:
-    """A key name with number-like parts shown as ``#`` and non-printable runs as ``?``.
+def printable(name: bytes) -> str:
+    """A key name with non-printable bytes shown as ``?``."""
+    return _BINARY.sub(b"?", name).decode("ascii")
 
-    A ``:``-separated segment that is all hex digits (a bucket number, a decimal hash) becomes
-    ``#``; digit runs elsewhere do too.
-    """
-    parts = []
-    for part in name.split(b":"):
-        if _HEXISH.fullmatch(part) and (len(part) >= 4 or _DIGITS.search(part)):
-            parts.append(b"#")
-        else:
-            parts.append(_BINARY.sub(b"?", _DIGITS.sub(b"#", part)))
-    return b":".join(parts).decode("ascii", "replace")
+
+def pattern_of(name: bytes, namespace: str = NAMESPACE) -> str:
+    """The group of a key: ``<ns>:<kind>:*`` or ``<ns>:<name>`` inside the kvredis namespace,
+    the name up to its first ``:`` then ``*`` outside it, ``#`` for a bare number."""
+    prefix = namespace.encode() + b":"
+    if name.startswith(prefix):
+        kind, sep, _rest = name[len(prefix) :].partition(b":")
+        return printable(prefix + kind) + (":*" if sep else "")
+    head, sep, _rest = name.partition(b":")
+    if sep:
+        return printable(head) + ":*"
+    return "#" if name.isdigit() else printable(name)
 
 
 def breakdown(client: redis.Redis, seed: int) -> tuple[int, list[KeyGroup]]:
@@ -138,6 +141,11 @@ def breakdown(client: redis.Redis, seed: int) -> tuple[int, list[KeyGroup]]:
             pipe.type(name)
         for name, kind in zip(chunk, pipe.execute(), strict=True):
             groups.setdefault((kind.decode(), pattern_of(name)), []).append(name)
+    for (kind, pattern), members in list(groups.items()):
+        if 1 < len(members) <= SMALL_GROUP:
+            del groups[(kind, pattern)]
+            for name in members:
+                groups[(kind, printable(name))] = [name]
     rng = random.Random(seed)
     out: list[KeyGroup] = []
     for (kind, pattern), members in sorted(groups.items(), key=lambda kv: -len(kv[1])):
@@ -264,6 +272,12 @@ def print_layout(layout: Layout) -> None:
             f"  {g.type:<6} {g.pattern[:34]:<34} {g.count:>9,} {g.avg_bytes:>10,.1f} "
             f"{g.est_total_bytes:>12,.0f} {g.est_total_bytes / layout.entries:>8.1f}  {enc}"
         )
+    sampled = sum(g.est_total_bytes for g in layout.groups)
+    rest = layout.used_memory_delta - layout.scripts_delta - sampled
+    print(
+        f"  {'':<6} {'(keyspace tables, allocator slack)':<34} {'':>9} {'':>10} "
+        f"{rest:>12,.0f} {rest / layout.entries:>8.1f}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

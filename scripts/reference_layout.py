@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Collection, Sequence
+from typing import cast
 
 import redis
 
@@ -215,7 +216,7 @@ class ReferenceLayout:
         self.round_trips += 1
         if not members:
             raise EngineKeyNotFoundError(key)
-        return int(members[0])
+        return int(cast(bytes, members[0]))
 
     def clear(self, pod_identifier: str) -> None:
         """SCAN the database and remove the pod's fields key by key."""

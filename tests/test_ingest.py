@@ -40,6 +40,7 @@ from kvredis.ingest import (
 )
 from kvredis.memory import InMemoryIndex
 from kvredis.types import GroupMetadata, PodEntry
+from tests.ingest_engine import wait_until
 
 TP = ChunkedTokenDatabase()
 MODEL = "model-a"
@@ -74,7 +75,7 @@ def entries(index: Any, key: int) -> set[PodEntry]:
     return set(index.lookup([key]).get(key, []))
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis)])
 def shared_index(request: pytest.FixtureRequest) -> Iterator[Any]:
     """A BatchIndex (in memory, or on the session's Redis under a fresh namespace)."""
     if request.param == "memory":
@@ -700,3 +701,59 @@ def test_two_replicas_restart_concurrently(shared_index: Any, second_client: Any
     assert snapshot(shared_index, 5) == {}
     for i in range(20):
         assert shared_index.lookup(keys(toks(7000 + 16 * i, 16)))
+
+
+@pytest.mark.redis
+def test_backend_outage_retries_then_applies(own_redis_server: Any) -> None:
+    """While Redis answers nothing, batches wait and retry; a stop gives them up.
+
+    ``CLIENT PAUSE ... WRITE`` holds every script call (all the index sends) without giving up
+    the server's port.
+    """
+    import redis
+
+    from kvredis.redis_index import RedisIndex, RedisIndexConfig
+
+    admin = redis.Redis.from_url(own_redis_server.url)
+    index = RedisIndex(
+        RedisIndexConfig(
+            address=own_redis_server.url, namespace="outage", socket_timeout=0.2, retries=0
+        )
+    )
+    ing = EventIngester(index, TP, config=IngesterConfig(backend_retry_max_s=0.05))
+    feed = Feeder(ing)
+    outcome: list[BatchOutcome] = []
+
+    def send(n: int) -> threading.Thread:
+        event = BlockStored((n,), None, toks(16 * n, 16), 16)
+        thread = threading.Thread(target=lambda: outcome.append(feed.send(event)))
+        thread.start()
+        return thread
+
+    worker: threading.Thread | None = None
+    try:
+        feed.send(BlockStored((1,), None, toks(16, 16), 16))
+        admin.execute_command("CLIENT", "PAUSE", 1500, "WRITE")
+        worker = send(2)
+        wait_until(lambda: ing.counters.get("backend_retries") >= 2)
+        assert worker.is_alive()  # the batch waits for the backend instead of being dropped
+        worker.join(30)
+        assert outcome == [BatchOutcome.APPLIED]
+        assert index.lookup(keys(toks(32, 16)))
+        assert index.get_watermark("engine-1") == Watermark(0, stream_position(1))
+
+        admin.execute_command("CLIENT", "PAUSE", 20_000, "WRITE")
+        retries = ing.counters.get("backend_retries")
+        worker = send(3)
+        wait_until(lambda: ing.counters.get("backend_retries") >= retries + 2)
+        assert ing.stop(timeout=10)  # shutting down during an outage does not hang
+        worker.join(10)
+        assert outcome[-1] is BatchOutcome.ABANDONED
+        assert ing.counters.get("batches_abandoned") == 1
+    finally:
+        ing.stop()
+        if worker is not None:
+            worker.join(10)
+        admin.execute_command("CLIENT", "UNPAUSE")
+        admin.close()
+        index.close()

@@ -83,6 +83,7 @@ def test_endpoint_groups_in_any_spelling(caplog: pytest.LogCaptureFixture) -> No
     assert "status: batches=0" in text and "stopped: batches=0" in text
 
 
+@pytest.mark.redis
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_runs_until_signalled(redis_server_url: str, sig: signal.Signals) -> None:
     from kvredis.redis_index import RedisIndex, RedisIndexConfig

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from kvredis.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvredis.events import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch
 from kvredis.hashing import ChunkedTokenDatabase
-from kvredis.ingest import EndpointConfig, EventIngester, IngesterConfig
+from kvredis.ingest import BatchOutcome, EndpointConfig, EventIngester, IngesterConfig
 from kvredis.memory import InMemoryIndex
 from kvredis.types import PodEntry
 from tests.ingest_engine import FakeEngine, wait_until
@@ -211,6 +211,7 @@ def test_backpressure_loses_nothing(engine: FakeEngine) -> None:
         assert ing.stop()
 
 
+@pytest.mark.redis
 def test_stop_drains_everything_received(redis_server_url: str, engine: FakeEngine) -> None:
     from kvredis.redis_index import RedisIndex, RedisIndexConfig
 
@@ -230,6 +231,7 @@ def test_stop_drains_everything_received(redis_server_url: str, engine: FakeEngi
         index.close()
 
 
+@pytest.mark.redis
 def test_two_ingesters_on_one_redis(redis_server_url: str, engine: FakeEngine) -> None:
     """HA: both replicas consume the same engine; each batch takes effect once, restarts too."""
     from kvredis.redis_index import RedisIndex, RedisIndexConfig
@@ -278,3 +280,68 @@ def test_two_ingesters_on_one_redis(redis_server_url: str, engine: FakeEngine) -
             ing.stop()
         for c in clients:
             c.close()
+
+
+def test_fresh_replica_probes_replay_to_tell_a_restart_from_a_peer_ahead() -> None:
+    """A new replica sees seq below the stored position: the engine's replay buffer decides."""
+    with FakeEngine() as eng:
+        index = InMemoryIndex()
+        payloads = [
+            encode_batch([BlockStored((i + 1,), i or None, toks(16 * i, 16), 16)])
+            for i in range(10)
+        ]
+        ahead = EventIngester(index, TP, config=CONFIG)
+        for seq, payload in enumerate(payloads):
+            eng.publish_payload(payload, send=False)  # in the engine's buffer, seq 0..9
+            ahead.process(eng.topic, seq, payload, eng.endpoint)
+
+        # a peer is ahead: the engine still buffers seq 9, so seq 5 is a duplicate
+        ep = EndpointConfig(eng.endpoint, replay_endpoint=eng.replay_endpoint)
+        late = EventIngester(index, TP, [ep], CONFIG)
+        try:
+            assert late.process(eng.topic, 5, payloads[5], ep) is BatchOutcome.DUPLICATE
+            assert eng.replay_requests == [9]
+            assert late.counters.get("clears") == 0
+        finally:
+            late.stop()
+
+        # the engine restarted: nothing at or after seq 9 is buffered any more
+        eng.restart()
+        fresh = encode_batch([BlockStored((77,), None, toks(7000, 16), 16)])
+        eng.publish_payload(fresh, send=False)
+        restarted = EventIngester(index, TP, [ep], CONFIG)
+        try:
+            assert restarted.process(eng.topic, 0, fresh, ep) is BatchOutcome.APPLIED
+            assert eng.replay_requests == [9, 9]
+            assert restarted.counters.get("clears_restart") == 1
+            assert held(index, toks(0, 160)) == 0
+            assert held(index, toks(7000, 16)) == 1
+        finally:
+            restarted.stop()
+
+
+def test_replay_fills_only_up_to_the_batch_in_hand() -> None:
+    """Batches the engine published after the gap arrive live: no spurious restart."""
+    with FakeEngine() as eng:
+        index = InMemoryIndex()
+        ep = EndpointConfig(eng.endpoint, replay_endpoint=eng.replay_endpoint)
+        ing = EventIngester(index, TP, [ep], CONFIG)
+        payloads = [
+            encode_batch([BlockStored((i + 1,), i or None, toks(16 * i, 16), 16)]) for i in range(7)
+        ]
+        try:
+            for payload in payloads:
+                eng.publish_payload(payload, send=False)
+            assert ing.process(eng.topic, 0, payloads[0], ep) is BatchOutcome.APPLIED
+            # 1..3 were lost; 4 arrives while 5 and 6 are already in the engine's buffer
+            # (4 itself is applied from the replay, so the live copy is a duplicate)
+            assert ing.process(eng.topic, 4, payloads[4], ep) is BatchOutcome.DUPLICATE
+            assert eng.replay_requests == [1]
+            assert held(index, toks(0, 112)) == 5
+            for seq in (5, 6):
+                assert ing.process(eng.topic, seq, payloads[seq], ep) is BatchOutcome.APPLIED
+            c = ing.counters.snapshot()
+            assert (c["restarts"], c["clears"], c["replayed_batches"]) == (0, 0, 4)
+            assert held(index, toks(0, 112)) == 7
+        finally:
+            ing.stop()
