@@ -15,6 +15,18 @@ from kvredis.errors import (
     KVRedisError,
     NamespaceLayoutError,
 )
+from kvredis.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    DecodedBatch,
+    Rejection,
+    RejectReason,
+    WireError,
+    decode_batch,
+    encode_batch,
+    parse_topic,
+)
 from kvredis.features import (
     BlockExtraFeatures,
     MMHash,
@@ -31,6 +43,15 @@ from kvredis.hashing import (
 )
 from kvredis.index import AsyncIndex, Index
 from kvredis.indexer import Indexer
+from kvredis.ingest import (
+    BatchOutcome,
+    EndpointConfig,
+    EventIngester,
+    IngestCounters,
+    IngesterConfig,
+    ReplayClient,
+    ReplayedMessage,
+)
 from kvredis.memory import (
     CostAwareMemoryIndex,
     CostAwareMemoryIndexConfig,
@@ -54,6 +75,7 @@ from kvredis.types import (
     KeyType,
     PodEntry,
 )
+from kvredis.zmq_transport import ZmqReplayClient
 
 __version__ = "0.1.0"
 
@@ -63,18 +85,25 @@ __all__ = [
     "EMPTY_BLOCK_HASH",
     "HASH_ALGOS",
     "AddOp",
+    "AllBlocksCleared",
     "AsyncIndex",
     "AsyncRedisIndex",
     "BackendError",
     "BackendUnavailableError",
     "BatchIndex",
+    "BatchOutcome",
     "BlockExtraFeatures",
     "BlockHash",
+    "BlockRemoved",
+    "BlockStored",
     "ChunkedTokenDatabase",
     "ConfigError",
     "CostAwareMemoryIndex",
     "CostAwareMemoryIndexConfig",
+    "DecodedBatch",
+    "EndpointConfig",
     "EngineKeyNotFoundError",
+    "EventIngester",
     "EvictOp",
     "GroupCatalog",
     "GroupMetadata",
@@ -84,6 +113,8 @@ __all__ = [
     "IndexConfig",
     "IndexOp",
     "Indexer",
+    "IngestCounters",
+    "IngesterConfig",
     "InvalidInputError",
     "KVRedisError",
     "KeyType",
@@ -95,15 +126,24 @@ __all__ = [
     "RedisAddress",
     "RedisIndex",
     "RedisIndexConfig",
+    "RejectReason",
+    "Rejection",
+    "ReplayClient",
+    "ReplayedMessage",
     "TokenProcessor",
     "TokenProcessorConfig",
     "Watermark",
+    "WireError",
+    "ZmqReplayClient",
     "__version__",
     "compute_block_extra_features",
+    "decode_batch",
+    "encode_batch",
     "new_index",
     "new_redis_index",
     "new_valkey_index",
     "parse_address",
     "parse_raw_extra_keys",
     "parse_size",
+    "parse_topic",
 ]
