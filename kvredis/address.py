@@ -34,6 +34,7 @@ _SCHEMES: dict[str, tuple[str, bool]] = {
 
 _SCHEME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _PASSWORD_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://[^:@/]*:)([^@]*)(@)")
+_QUERY_PASSWORD_RE = re.compile(r"([?&]password=)([^&#]*)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,8 +57,8 @@ class RedisAddress:
 
 
 def mask_password(address: str) -> str:
-    """``address`` with the password of a ``scheme://user:password@`` prefix replaced by ``***``."""
-    return _PASSWORD_RE.sub(r"\1***\3", address)
+    """``address`` with its password (``scheme://user:password@`` or ``?password=``) as ``***``."""
+    return _QUERY_PASSWORD_RE.sub(r"\1***", _PASSWORD_RE.sub(r"\1***\3", address))
 
 
 def _parse_db(text: str, shown: str) -> int:

@@ -181,8 +181,9 @@ class IndexConfig:
                 continue
             data = dict(value)
             if name == "valkey_config":
-                data.setdefault("backendType", "valkey")
-                if "address" not in data:
+                if "backendType" not in data and "backend_type" not in data:
+                    data["backendType"] = "valkey"
+                if data.get("address") is None:
                     data["address"] = "valkey://127.0.0.1:6379"
             kwargs[name] = module.RedisIndexConfig.from_dict(data)
         if raw.get("enable_metrics") is not None:

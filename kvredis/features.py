@@ -103,7 +103,15 @@ def compute_block_extra_features(
     Returns ``None`` when there are no hashes (or no pairs), ``block_size <= 0`` or
     ``num_tokens <= 0``.
     """
-    if not mm_hashes or block_size <= 0 or num_tokens <= 0:
+    for name, value in (("block_size", block_size), ("num_tokens", num_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidInputError(f"{name} must be an int, got {value!r}")
+    for name, mapping in (("mm_hashes", mm_hashes), ("mm_placeholders", mm_placeholders)):
+        if mapping is not None and not isinstance(mapping, Mapping):
+            raise InvalidInputError(
+                f"{name} must be a dict keyed by modality, got {type(mapping).__name__}"
+            )
+    if not mm_hashes or not mm_placeholders or block_size <= 0 or num_tokens <= 0:
         return None
     items: list[tuple[int, int, str]] = []
     pairs = 0

@@ -8,7 +8,7 @@ backend implements :class:`AsyncIndex` with the same semantics.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
 from kvredis.errors import InvalidInputError
@@ -83,8 +83,10 @@ def check_hash(value: object, what: str = "block hash") -> int:
 
 def check_hashes(values: Sequence[int], what: str = "block hash") -> list[int]:
     """Validate a sequence of 64-bit hashes (see :func:`check_hash`)."""
-    if isinstance(values, (str, bytes)):
-        raise InvalidInputError(f"{what}es must be a sequence of ints, got {type(values).__name__}")
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise InvalidInputError(
+            f"{what} list must be a sequence of ints, got {type(values).__name__}"
+        )
     return [check_hash(v, what) for v in values]
 
 
@@ -96,6 +98,10 @@ def check_entries(entries: Sequence[PodEntry], *, for_add: bool = False) -> list
     """
     if isinstance(entries, PodEntry):
         raise InvalidInputError("entries must be a sequence of PodEntry, got a single PodEntry")
+    if isinstance(entries, (str, bytes)) or not isinstance(entries, Iterable):
+        raise InvalidInputError(
+            f"entries must be a sequence of PodEntry, got {type(entries).__name__}"
+        )
     out = list(entries)
     if not out:
         raise InvalidInputError("no pod entries given: pass at least one PodEntry")
@@ -145,6 +151,11 @@ def pod_filter(pod_identifier_set: Collection[str] | None) -> frozenset[str] | N
         return None
     if isinstance(pod_identifier_set, str):
         raise InvalidInputError("pod_identifier_set must be a collection of pod ids, not a str")
+    if not isinstance(pod_identifier_set, Iterable):
+        raise InvalidInputError(
+            "pod_identifier_set must be a collection of pod ids, got "
+            f"{type(pod_identifier_set).__name__}"
+        )
     return frozenset(pod_identifier_set)
 
 

@@ -745,6 +745,9 @@ class EventIngester:
         self._caches_lock = threading.Lock()
         self._log = _RateLimitedLog(self.config.reject_log_interval_s)
         self._stopping = threading.Event()
+        """Set by :meth:`stop`: waits for the backend or for peers give up."""
+        self._closed = threading.Event()
+        """Set by :meth:`stop` once the receivers are done: nothing more is queued."""
         self._queues: list[queue.Queue[object]] = []
         self._workers: list[threading.Thread] = []
         self._receivers: list[Any] = []
@@ -853,6 +856,7 @@ class EventIngester:
         if self._started:
             return
         self._stopping.clear()
+        self._closed.clear()
         self._queues = [queue.Queue(self.config.queue_size) for _ in range(self.config.workers)]
         self._workers = [
             threading.Thread(
@@ -881,8 +885,9 @@ class EventIngester:
         are interrupted the same way. Returns ``False`` if the workers did not finish within
         ``timeout`` seconds.
         """
+        self._stopping.set()
         if not self._started:
-            self._stopping.set()
+            self._closed.set()
             self._close_replays()
             return True
         deadline = time.monotonic() + timeout
@@ -891,7 +896,7 @@ class EventIngester:
         for sub in self._receivers:
             sub.join(max(0.0, deadline - time.monotonic()))
         self._receivers = []
-        self._stopping.set()
+        self._closed.set()
         if not drain:
             for q in self._queues:
                 self._drop_queued(q)
@@ -972,7 +977,7 @@ class EventIngester:
             self._inflight += 1
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            if self._stopping.is_set():
+            if self._closed.is_set():
                 self._done_one()
                 return False
             try:

@@ -30,7 +30,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import AuthenticationError, ResponseError
 from redis.retry import Retry
 
-from kvredis.address import RedisAddress, parse_address
+from kvredis.address import RedisAddress, mask_password, parse_address
 from kvredis.batch import IndexOp, Watermark
 from kvredis.errors import (
     BackendError,
@@ -141,6 +141,17 @@ class RedisIndexConfig:
     tls_verify: bool = True
     tls_check_hostname: bool = True
     client_name: str | None = "kvredis"
+
+    def __repr__(self) -> str:
+        shown = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "address":
+                value = mask_password(value)
+            elif f.name == "password" and value is not None:
+                value = "***"
+            shown.append(f"{f.name}={value!r}")
+        return f"RedisIndexConfig({', '.join(shown)})"
 
     def __post_init__(self) -> None:
         parse_address(self.address)

@@ -33,6 +33,28 @@ def wait_until(
         time.sleep(interval)
 
 
+def ingester_threads() -> set[threading.Thread]:
+    """The live worker and subscriber threads of every EventIngester in this process."""
+    return {
+        t
+        for t in threading.enumerate()
+        if t.name.startswith(("kvredis-ingest-", "kvredis-sub-")) and t.is_alive()
+    }
+
+
+def assert_no_leaked_ingesters(before: set[threading.Thread], timeout: float = 10.0) -> None:
+    """Fail if ingester threads started since ``before`` are still running (a missing stop())."""
+    deadline = time.monotonic() + timeout
+    while True:
+        leaked = ingester_threads() - before
+        if not leaked:
+            return
+        if time.monotonic() > deadline:
+            names = ", ".join(sorted(t.name for t in leaked))
+            raise AssertionError(f"ingester threads still running after the test: {names}")
+        time.sleep(0.01)
+
+
 class FakeEngine:
     """Publishes event batches like an engine; can lose, replay and restart."""
 

@@ -226,6 +226,15 @@ def test_valkey_config_defaults_to_the_valkey_address() -> None:
     assert cfg.valkey_config.address.startswith("valkey://")
 
 
+def test_valkey_config_accepts_snake_case_keys() -> None:
+    cfg = IndexConfig.from_dict(
+        {"valkeyConfig": {"address": "valkey://h:7000", "backend_type": "valkey"}}
+    )
+    assert cfg.valkey_config is not None and cfg.valkey_config.backend_type == "valkey"
+    cfg = IndexConfig.from_dict({"valkey_config": {"enable_rdma": False, "address": None}})
+    assert cfg.valkey_config is not None and cfg.valkey_config.address.startswith("valkey://")
+
+
 def test_cost_aware_wins_over_configured_servers_without_connecting() -> None:
     _redis_module()
     index = new_index(

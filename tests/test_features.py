@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -208,6 +209,22 @@ def test_rejects_malformed_items() -> None:
         compute_block_extra_features({"image": ["a"]}, {"image": [(0, 1)]}, 16, 16)  # type: ignore[list-item]
     with pytest.raises(InvalidInputError, match="list of identifiers"):
         compute_block_extra_features({"image": "abc"}, {"image": [PlaceholderRange(0, 1)]}, 16, 16)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ({"image": ["a"]}, "image", 16, 16),
+        ({"image": ["a"]}, [PlaceholderRange(0, 1)], 16, 16),
+        (["a"], {"image": [PlaceholderRange(0, 1)]}, 16, 16),
+        ({"image": ["a"]}, {"image": [PlaceholderRange(0, 1)]}, "16", 16),
+        ({"image": ["a"]}, {"image": [PlaceholderRange(0, 1)]}, 16, None),
+        ({"image": ["a"]}, {"image": [PlaceholderRange(0, 1)]}, 16.0, 16),
+    ],
+)
+def test_rejects_malformed_arguments_with_a_typed_error(args: Any) -> None:
+    with pytest.raises(InvalidInputError):
+        compute_block_extra_features(*args)
 
 
 def _brute_force(

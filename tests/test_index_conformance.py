@@ -465,6 +465,26 @@ def test_bad_input_raises_typed_errors_and_changes_nothing(index: Any) -> None:
     assert mapped(index, fresh[1]) is None
 
 
+@pytest.mark.parametrize("bad", [None, 5, 1.5, object()])
+def test_non_sequence_arguments_raise_typed_errors(index: Any, bad: Any) -> None:
+    request = hashes(2, "nonseq-r")
+    index.add(None, request, [A_GPU])
+    calls = [
+        lambda: index.add(None, bad, [A_GPU]),
+        lambda: index.add(None, request, bad),
+        lambda: index.lookup(bad),
+        lambda: index.evict(request[0], REQUEST, bad),
+        lambda: index.evict(request[0], ENGINE, bad),
+    ]
+    if bad is not None:  # None is a valid engine key list and a valid filter
+        calls.append(lambda: index.add(bad, request, [A_GPU]))
+        calls.append(lambda: index.lookup(request, bad))
+    for call in calls:
+        with pytest.raises(InvalidInputError):
+            call()
+    assert snapshot(index, request) == {k: {A_GPU} for k in request}
+
+
 def test_uint64_extremes_round_trip_as_request_and_engine_keys(index: Any) -> None:
     edge = [0, 1, 2**53 + 1, 2**63 - 1, 2**63, 2**64 - 2, MAX_BLOCK_HASH]
     index.add(list(reversed(edge)), edge, [A_GPU])

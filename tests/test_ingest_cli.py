@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import uuid
+from collections.abc import Iterator
 
 import pytest
 from click.testing import CliRunner
@@ -16,9 +17,22 @@ from click.testing import CliRunner
 from kvredis.events import BlockStored
 from kvredis.hashing import ChunkedTokenDatabase
 from kvredis.ingest_cli import ingest
-from tests.ingest_engine import FakeEngine, wait_until
+from tests.ingest_engine import (
+    FakeEngine,
+    assert_no_leaked_ingesters,
+    ingester_threads,
+    wait_until,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_ingesters() -> Iterator[None]:
+    """The command stops its ingester on every exit path."""
+    before = ingester_threads()
+    yield
+    assert_no_leaked_ingesters(before)
 
 
 @pytest.mark.parametrize(

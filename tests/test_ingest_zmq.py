@@ -13,7 +13,12 @@ from kvredis.hashing import ChunkedTokenDatabase
 from kvredis.ingest import BatchOutcome, EndpointConfig, EventIngester, IngesterConfig
 from kvredis.memory import InMemoryIndex
 from kvredis.types import PodEntry
-from tests.ingest_engine import FakeEngine, wait_until
+from tests.ingest_engine import (
+    FakeEngine,
+    assert_no_leaked_ingesters,
+    ingester_threads,
+    wait_until,
+)
 
 pytestmark = pytest.mark.zmq
 
@@ -35,6 +40,14 @@ def held(index: Any, tokens: tuple[int, ...]) -> int:
     return len(index.lookup(chain(tokens)))
 
 
+@pytest.fixture(autouse=True)
+def no_leaked_ingesters() -> Iterator[None]:
+    """Every test stops the ingesters it starts (a leaked one keeps retrying a gone backend)."""
+    before = ingester_threads()
+    yield
+    assert_no_leaked_ingesters(before)
+
+
 @pytest.fixture
 def engine() -> Iterator[FakeEngine]:
     with FakeEngine() as eng:
@@ -44,7 +57,11 @@ def engine() -> Iterator[FakeEngine]:
 def start(index: Any, eng: FakeEngine, config: IngesterConfig = CONFIG, **ep: Any) -> EventIngester:
     ing = EventIngester(index, TP, [EndpointConfig(eng.endpoint, **ep)], config)
     ing.start()
-    eng.wait_subscribed()
+    try:
+        eng.wait_subscribed()
+    except BaseException:
+        ing.stop(drain=False)
+        raise
     return ing
 
 
@@ -220,13 +237,16 @@ def test_stop_drains_everything_received(redis_server_url: str, engine: FakeEngi
     )
     try:
         ing = start(index, engine, IngesterConfig(workers=1, queue_size=10_000))
-        n = 400
-        for i in range(n):
-            engine.publish([BlockStored((i + 1,), i or None, toks(16 * i, 16), 16)])
-        wait_until(lambda: ing.counters.get("received") == n)
-        assert ing.stop(drain=True)
-        assert ing.counters.get("batches_applied") == n
-        assert held(index, toks(0, 16 * n)) == n
+        try:
+            n = 400
+            for i in range(n):
+                engine.publish([BlockStored((i + 1,), i or None, toks(16 * i, 16), 16)])
+            wait_until(lambda: ing.counters.get("received") == n)
+            assert ing.stop(drain=True)
+            assert ing.counters.get("batches_applied") == n
+            assert held(index, toks(0, 16 * n)) == n
+        finally:
+            ing.stop(drain=False)
     finally:
         index.close()
 
@@ -345,3 +365,32 @@ def test_replay_fills_only_up_to_the_batch_in_hand() -> None:
             assert held(index, toks(0, 112)) == 7
         finally:
             ing.stop()
+
+
+@pytest.mark.redis
+def test_stop_during_a_backend_outage_with_a_full_queue(
+    own_redis_server: Any, engine: FakeEngine
+) -> None:
+    """A receiver blocked on a full queue while the backend is down does not hold up stop()."""
+    from kvredis.redis_index import RedisIndex, RedisIndexConfig
+
+    index = RedisIndex(
+        RedisIndexConfig(address=own_redis_server.url, connect_timeout=0.2, retries=0)
+    )
+    own_redis_server.stop()
+    config = IngesterConfig(workers=1, queue_size=1, backend_retry_max_s=0.05)
+    before = ingester_threads()
+    ing = start(index, engine, config)
+    try:
+        for i in range(5):
+            engine.publish([BlockStored((i + 1,), None, toks(16 * i, 16), 16)])
+        # the worker retries the first batch, one waits in the queue, the receiver blocks
+        wait_until(lambda: ing.counters.get("backend_retries") >= 2)
+        wait_until(lambda: ing.counters.get("received") >= 3)
+        assert ing.stop(timeout=5)
+        assert ing.counters.get("batches_applied") == 0
+        assert ing.counters.get("batches_abandoned") >= 1
+        assert not ingester_threads() - before
+    finally:
+        ing.stop()
+        index.close()

@@ -13,6 +13,7 @@ import pytest
 import redis
 
 from kvredis.address import mask_password, parse_address
+from kvredis.config import IndexConfig
 from kvredis.errors import BackendUnavailableError, ConfigError, InvalidInputError
 from kvredis.redis_index import (
     DEFAULT_VALKEY_ADDRESS,
@@ -112,6 +113,16 @@ def test_errors_name_the_address_without_its_password() -> None:
     assert "h:badport" in str(info.value) and "hunter2" not in str(info.value)
     with pytest.raises(ConfigError):
         parse_address(6379)  # type: ignore[arg-type]
+
+
+def test_a_password_given_as_query_parameter_is_masked_too() -> None:
+    parsed = parse_address("unix:///run/r.sock?db=3&password=hunter2")
+    assert parsed.password == "hunter2" and "hunter2" not in parsed.display
+    assert "hunter2" not in parse_address("h:1?password=hunter2&db=1").display
+    assert mask_password("redis://h:1?db=1&password=hunter2") == "redis://h:1?db=1&password=***"
+    with pytest.raises(ConfigError) as info:
+        parse_address("redis://h:1/x?password=hunter2")
+    assert "hunter2" not in str(info.value)
 
 
 # -- config ------------------------------------------------------------------------------------
@@ -351,3 +362,12 @@ def test_tls_address_with_a_ca_file(tmp_path: Path) -> None:
             RedisIndex(untrusted)  # the self-signed certificate is not trusted by default
     finally:
         server.close()
+
+
+def test_config_repr_never_shows_passwords() -> None:
+    config = RedisIndexConfig(address="redis://u:s3cret-a@h:6379/0", password="s3cret-b")
+    text = repr(config)
+    assert "s3cret" not in text
+    assert "password='***'" in text
+    assert "redis://u:***@h:6379/0" in text
+    assert "s3cret" not in repr(IndexConfig(redis_config=config))
