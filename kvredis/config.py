@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvredis.errors import ConfigError
 from kvredis.index import Index
+from kvredis.jsonconfig import take_fields
 from kvredis.memory import (
     CostAwareMemoryIndex,
     CostAwareMemoryIndexConfig,
@@ -77,7 +78,6 @@ _FIELDS = {
     "enableMetrics": "enable_metrics",
     "metricsLoggingInterval": "metrics_logging_interval",
 }
-_FIELDS.update({name: name for name in list(_FIELDS.values())})
 
 
 def _redis_module() -> ModuleType:
@@ -142,20 +142,7 @@ class IndexConfig:
         duration string such as ``"30s"``). The snake_case field names are accepted too; a
         ``null`` value means not configured; any other key raises ``ConfigError`` naming it.
         """
-        if not isinstance(mapping, Mapping):
-            raise ConfigError(f"index config must be a mapping, got {type(mapping).__name__}")
-        unknown = [key for key in mapping if key not in _FIELDS]
-        if unknown:
-            raise ConfigError(
-                f"unknown index config keys: {', '.join(map(repr, unknown))}; expected "
-                f"{', '.join(k for k in _FIELDS if not k.islower())}"
-            )
-        raw: dict[str, Any] = {}
-        for key, value in mapping.items():
-            name = _FIELDS[key]
-            if name in raw:
-                raise ConfigError(f"index config sets {name} twice (camelCase and snake_case)")
-            raw[name] = value
+        raw = take_fields("index config", mapping, _FIELDS)
         kwargs: dict[str, Any] = {}
         memory = raw.get("in_memory_config")
         if memory is not None:

@@ -61,6 +61,7 @@ from xxhash import xxh3_64_intdigest
 
 from kvredis.errors import ConfigError, InvalidInputError
 from kvredis.features import BlockExtraFeatures
+from kvredis.jsonconfig import take_fields
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
@@ -82,13 +83,9 @@ _MAX_TOKEN = (1 << 32) - 1
 
 _CONFIG_KEYS: dict[str, str] = {
     "blockSizeTokens": "block_size_tokens",
-    "block_size_tokens": "block_size_tokens",
     "blockSize": "block_size",
-    "block_size": "block_size",
     "hashSeed": "hash_seed",
-    "hash_seed": "hash_seed",
     "hashAlgo": "hash_algo",
-    "hash_algo": "hash_algo",
 }
 
 
@@ -149,21 +146,7 @@ class TokenProcessorConfig:
         As in the upstream JSON decoding, a missing ``blockSizeTokens`` counts as 0, so
         ``{"blockSize": 8}`` means 8 and ``{}`` means 16.
         """
-        if not isinstance(data, Mapping):
-            raise ConfigError(
-                f"token processor config must be a mapping, got {type(data).__name__}"
-            )
-        kwargs: dict[str, Any] = {}
-        for key, value in data.items():
-            field = _CONFIG_KEYS.get(key)
-            if field is None:
-                raise ConfigError(
-                    f"unknown token processor config key {key!r}; accepted keys are "
-                    "blockSizeTokens, blockSize, hashSeed, hashAlgo (or their snake_case names)"
-                )
-            if field in kwargs:
-                raise ConfigError(f"token processor config sets {field} twice")
-            kwargs[field] = value
+        kwargs = take_fields("token processor config", data, _CONFIG_KEYS)
         kwargs.setdefault("block_size_tokens", 0)
         return cls(**kwargs)
 

@@ -38,6 +38,7 @@ from kvredis.index import (
     infer_mappings,
     pod_filter,
 )
+from kvredis.jsonconfig import take_fields
 from kvredis.types import MAX_BLOCK_HASH, KeyType, PodEntry
 
 # Byte-cost estimate of the cost-aware index: what the structures below take on 64-bit CPython
@@ -106,28 +107,6 @@ def _positive_int(name: str, value: object) -> int:
     return value
 
 
-def _take_keys(what: str, mapping: Mapping[str, Any], fields: dict[str, str]) -> dict[str, Any]:
-    """Map upstream (camelCase) or Python (snake_case) keys to field names, rejecting others."""
-    if not isinstance(mapping, Mapping):
-        raise ConfigError(f"{what} must be a mapping, got {type(mapping).__name__}")
-    out: dict[str, Any] = {}
-    unknown = []
-    for key, value in mapping.items():
-        name = fields.get(key)
-        if name is None:
-            unknown.append(key)
-        elif name in out:
-            raise ConfigError(f"{what} sets {name} twice (camelCase and snake_case)")
-        elif value is not None:
-            out[name] = value
-    if unknown:
-        raise ConfigError(
-            f"unknown {what} keys: {', '.join(map(repr, unknown))}; "
-            f"expected {', '.join(sorted(set(fields)))}"
-        )
-    return out
-
-
 @dataclass(frozen=True, slots=True)
 class InMemoryIndexConfig:
     """Bounds of :class:`InMemoryIndex`: request keys kept, entries kept per key."""
@@ -142,12 +121,8 @@ class InMemoryIndexConfig:
     @classmethod
     def from_dict(cls, mapping: Mapping[str, Any]) -> InMemoryIndexConfig:
         """Build from the upstream JSON shape (``size``, ``podCacheSize``)."""
-        fields = {
-            "size": "size",
-            "podCacheSize": "pod_cache_size",
-            "pod_cache_size": "pod_cache_size",
-        }
-        return cls(**_take_keys("inMemoryConfig", mapping, fields))
+        fields = {"size": "size", "podCacheSize": "pod_cache_size"}
+        return cls(**take_fields("inMemoryConfig", mapping, fields))
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +137,7 @@ class CostAwareMemoryIndexConfig:
     @classmethod
     def from_dict(cls, mapping: Mapping[str, Any]) -> CostAwareMemoryIndexConfig:
         """Build from the upstream JSON shape (``size``)."""
-        return cls(**_take_keys("costAwareMemoryConfig", mapping, {"size": "size"}))
+        return cls(**take_fields("costAwareMemoryConfig", mapping, {"size": "size"}))
 
     def max_cost(self) -> int:
         """The budget in bytes."""

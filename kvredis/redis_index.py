@@ -40,6 +40,7 @@ from kvredis.errors import (
     NamespaceLayoutError,
     error_from_reply,
 )
+from kvredis.jsonconfig import take_fields
 from kvredis.redis_core import (
     DEFAULT_BUCKET_BITS,
     DEFAULT_CLEAR_FIELDS_PER_CALL,
@@ -191,24 +192,7 @@ class RedisIndexConfig:
 
         Every field is also accepted in its snake_case spelling; unknown keys raise ConfigError.
         """
-        if not isinstance(mapping, Mapping):
-            raise ConfigError(f"redis config must be a mapping, got {type(mapping).__name__}")
-        names = {f.name for f in fields(cls)}
-        kwargs: dict[str, Any] = {}
-        unknown = []
-        for key, value in mapping.items():
-            name = _CAMEL.get(key, key if key in names else None)
-            if name is None:
-                unknown.append(key)
-            elif name in kwargs:
-                raise ConfigError(f"redis config sets {name} twice")
-            elif value is not None:
-                kwargs[name] = value
-        if unknown:
-            raise ConfigError(
-                f"unknown redis config keys: {', '.join(map(repr, unknown))}; "
-                f"expected {', '.join(sorted(_CAMEL))}"
-            )
+        kwargs = take_fields("redis config", mapping, _CAMEL)
         return cls(**kwargs)
 
     def parsed_address(self) -> RedisAddress:
