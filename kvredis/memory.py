@@ -41,6 +41,9 @@ from kvredis.index import (
 from kvredis.jsonconfig import take_fields
 from kvredis.types import MAX_BLOCK_HASH, KeyType, PodEntry
 
+#: Engine mappings checked per lock hold when a clear drops the mappings it left without holders.
+CLEAR_MAPPINGS_PER_PAGE = 4096
+
 # Byte-cost estimate of the cost-aware index: what the structures below take on 64-bit CPython
 # 3.11, measured with tracemalloc. Dict growth makes the true figure swing with the number of
 # keys: for 100k-400k keys and 1-10 pods the estimate is within -10%/+30% of what is allocated,
@@ -276,16 +279,19 @@ class _MemoryIndex:
             for key in list(self._pod_keys.get(pod, ())):
                 slot = self._keys[key]
                 self._remove(key, slot, [e for e in slot.entries if e.pod_identifier == pod])
-            # As in the Redis backend, a clear also drops every engine mapping none of whose
-            # request keys holds an entry, so a stale engine key no longer resolves.
-            table = self._keys
-            dead = [
-                engine_key
-                for engine_key, mapping in self._engine.items()
-                if not any(rk in table for rk in mapping.request_keys)
-            ]
-            for engine_key in dead:
-                self._drop_mapping(engine_key)
+            engine_keys = list(self._engine)
+        # As in the Redis backend, a clear also drops every engine mapping none of whose request
+        # keys holds an entry, so a stale engine key no longer resolves. Like the Redis clear it
+        # goes page by page, so lookups are never held up for long by a large index.
+        for start in range(0, len(engine_keys), CLEAR_MAPPINGS_PER_PAGE):
+            with self._lock:
+                table, engine = self._keys, self._engine
+                for engine_key in engine_keys[start : start + CLEAR_MAPPINGS_PER_PAGE]:
+                    mapping = engine.get(engine_key)
+                    if mapping is not None and not any(
+                        rk in table for rk in mapping.request_keys
+                    ):
+                        self._drop_mapping(engine_key)
 
     def __len__(self) -> int:
         """Number of request keys held."""

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from kvredis.batch import AddOp, Watermark
 from kvredis.errors import ConfigError, EngineKeyNotFoundError, InvalidInputError
 from kvredis.memory import (
+    CLEAR_MAPPINGS_PER_PAGE,
     KEY_COST,
     MAX_REQUEST_KEYS_PER_ENGINE_KEY,
     CostAwareMemoryIndex,
@@ -393,3 +394,23 @@ def test_configs_validate_eagerly() -> None:
         InMemoryIndex(CostAwareMemoryIndexConfig())  # type: ignore[arg-type]
     with pytest.raises(ConfigError):
         CostAwareMemoryIndex(InMemoryIndexConfig())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("make", [InMemoryIndex, CostAwareMemoryIndex])
+def test_clear_drops_unheld_mappings_across_several_pages(make: Any) -> None:
+    index = make()
+    n = 2 * CLEAR_MAPPINGS_PER_PAGE + 17
+    a, b = PodEntry("pod-a", "gpu"), PodEntry("pod-b", "gpu")
+    engine = list(range(1, n + 1))
+    request = list(range(10**6, 10**6 + n))
+    index.add(engine, request, [a])
+    shared = request[::3]  # every third key is also held by pod-b and must keep its mapping
+    index.add(None, shared, [b])
+    index.clear("pod-a")
+    kept = set(shared)
+    for e, r in zip(engine, request, strict=True):
+        if r in kept:
+            assert index.get_request_key(e) == r
+        else:
+            with pytest.raises(EngineKeyNotFoundError):
+                index.get_request_key(e)
