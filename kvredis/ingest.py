@@ -1072,6 +1072,15 @@ class EventIngester:
             logger.error("stream %s: cannot read the stored watermark: %s", st.name, exc)
             self.counters.inc("batches_failed")
             return BatchOutcome.FAILED
+        try:
+            return self._sequence_synced(st, msg, allow_restart, depth)
+        except _Abandon:
+            self.counters.inc("batches_abandoned")
+            return BatchOutcome.ABANDONED
+
+    def _sequence_synced(
+        self, st: _Stream, msg: _Message, allow_restart: bool, depth: int
+    ) -> BatchOutcome:
         if depth > 4:
             logger.error(
                 "stream %s: giving up on batch %d after repeated conflicts", st.name, msg.seq
@@ -1162,6 +1171,8 @@ class EventIngester:
                 return "resequence"
             st.known = split_position(stored.seq)
             return "duplicate"
+        if self._stopping.is_set():
+            raise _Abandon  # undecided: clearing on a guess would hurt every replica
         return "restart"
 
     def _adopt_epoch(self, st: _Stream, stored: Watermark, msg: _Message | None) -> None:
@@ -1286,7 +1297,9 @@ class EventIngester:
                 st.known = split_position(stored.seq)
                 if stored.seq >= stream_position(last_missing):
                     return True
-            if time.monotonic() >= deadline or self._stopping.is_set():
+            if self._stopping.is_set():
+                raise _Abandon  # undecided: clearing on a guess would hurt every replica
+            if time.monotonic() >= deadline:
                 return False
             self._stopping.wait(self.config.poll_interval_s)
 

@@ -757,3 +757,36 @@ def test_backend_outage_retries_then_applies(own_redis_server: Any) -> None:
         admin.execute_command("CLIENT", "UNPAUSE")
         admin.close()
         index.close()
+
+
+@pytest.mark.parametrize("use_replay_gap", [False, True])
+def test_shutdown_while_waiting_on_peers_abandons_instead_of_clearing(
+    shared_index: Any, use_replay_gap: bool
+) -> None:
+    """A replica stopped while it waits to tell a lagging peer from a restart clears nothing."""
+    payloads = workload(50)
+    first = EventIngester(shared_index, TP, config=FAST)
+    for seq, payload in enumerate(payloads[:40]):
+        first.process(TOPIC, seq, payload, "engine-1")
+    patient = IngesterConfig(peer_grace_s=60, poll_interval_s=0.005, restart_window=2)
+    late = EventIngester(shared_index, TP, config=patient)
+    if use_replay_gap:
+        assert late.process(TOPIC, 40, payloads[40], "engine-1") is BatchOutcome.APPLIED
+        seq = 45  # a gap (41..44) no replay endpoint can fill: wait for a peer to cover it
+    else:
+        seq = 3  # far below the stored position: a restarted engine, or a peer far ahead?
+    before = snapshot(shared_index, 50)
+    assert before
+    calls = late.counters.get("index_calls")
+    outcome: list[BatchOutcome] = []
+    worker = threading.Thread(
+        target=lambda: outcome.append(late.process(TOPIC, seq, payloads[seq], "engine-1"))
+    )
+    worker.start()
+    wait_until(lambda: late.counters.get("index_calls") >= calls + 3)
+    assert worker.is_alive()  # still waiting for a peer's watermark to move
+    assert late.stop(timeout=10)
+    worker.join(10)
+    assert outcome == [BatchOutcome.ABANDONED]
+    assert late.counters.get("clears") == 0
+    assert snapshot(shared_index, 50) == before
