@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import click
 
-from kvredis.errors import KVRedisError
+from kvredis.errors import ConfigError, KVRedisError
 from kvredis.index import Index
 from kvredis.ingest_cli import ingest
 
@@ -100,6 +100,8 @@ def demo(
                 close = getattr(index, "close", None)
                 if callable(close):
                     close()
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint="--redis") from exc
     except KVRedisError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo("")

@@ -126,3 +126,15 @@ def test_bad_arguments_exit_nonzero(args: list[str]) -> None:
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 2, result.output
     assert "Error" in result.output
+
+
+def test_demo_reports_an_unreachable_or_malformed_redis() -> None:
+    from tests.servers import free_port
+
+    address = f"redis://127.0.0.1:{free_port()}"
+    down = CliRunner().invoke(cli, ["demo", "--redis", address, *SMALL])
+    assert down.exit_code == 1
+    assert f"127.0.0.1:{address.rsplit(':', 1)[1]}" in down.output
+    bad = CliRunner().invoke(cli, ["demo", "--redis", "http://nope", *SMALL])
+    assert bad.exit_code == 2
+    assert "--redis" in bad.output
