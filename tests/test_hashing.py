@@ -315,6 +315,57 @@ def test_fnv_block_payload_bytes() -> None:
     ]
 
 
+# These values were computed by the Go fxamacker/cbor + hash/fnv implementation of the definition
+# (Go 1.19, fxamacker/cbor v2.4.0 with cbor.CanonicalEncOptions(), hashing the CBOR of
+# []interface{}{parent uint64, tokens []uint32, extra} with fnv.New64a, as llm-d's kvblock token
+# processor does; extra is nil for text blocks, the model name for the root, and
+# []MMHash{{Hash: id}, ...} for multimodal blocks). Fields: (seed, model, block size, parent,
+# tokens, per-block identifiers or None, root of the model, keys).
+GO_VECTORS: list[
+    tuple[str, str, int, int, list[int], list[list[str] | None] | None, int, list[int]]
+] = [
+    ("", "", 1, 0, WIDTHS, None, 155877178866718358, [
+        9606260442538163877, 4047987399048154612, 13081790588459777252, 586235599674848574,
+        15022323966910520978, 5800579201535832762, 853365100112538891, 11447010254833598769,
+    ]),
+    ("42", "meta-llama/Llama-3.1-8B-Instruct", 4, 0, [*WIDTHS, 9, 9], None, 14719020265107256041,
+     [14802313545970200705, 16486575558929666096]),
+    ("h\u00e9llo-\u79cd\u5b50-\U0001f642", "\u6a21\u578b-\u00fc", 16, 0, WIDTHS * 4, None,
+     5729389165289478078, [1587171383948804767, 3889362789533552223]),
+    ("42", "m", 4, 2**64 - 1, WIDTHS, None, 13673417957312747559,
+     [13241354489957323985, 8668141808575716276]),
+    ("42", "m", 16, 2**64 - 2, WIDTHS * 2, None, 13673417957312747559, [5626701027625233478]),
+    ("", "m", 1, 2**32, [4294967295, 0, 65536], None, 11374735546233341228,
+     [4125272942863533819, 12506419591365686029, 14080645035433170821]),
+    ("", "llava", 4, 0, [*WIDTHS, 1, 2, 3, 4],
+     [None, ["img-0a1b2c"], ["img-0a1b2c", "audio-\u00ff-\U0001f642"]], 5993591407126103277,
+     [6946167106754517471, 16470652099316187948, 14855796439924182596]),
+    ("42", "llava", 1, 2**64 - 1, [24, 255, 256], [["x"], None, ["a" * 30, "b" * 300]],
+     8066993263751869806, [11843489739114013545, 16045392082482425380, 10332238162967407457]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("seed", "model", "block_size", "parent", "tokens", "extra", "root", "keys"), GO_VECTORS
+)
+def test_fnv64a_cbor_matches_go_computed_vectors(
+    seed: str,
+    model: str,
+    block_size: int,
+    parent: int,
+    tokens: list[int],
+    extra: list[list[str] | None] | None,
+    root: int,
+    keys: list[int],
+) -> None:
+    processor = db("fnv64a_cbor", block_size, seed)
+    assert processor.root_key(model) == root
+    feats = None if extra is None else features(extra)
+    assert processor.tokens_to_kv_block_keys(parent, tokens, model, feats) == keys
+    if parent == 0:
+        assert processor.tokens_to_kv_block_keys(root, tokens, model, feats) == keys
+
+
 # ---------------------------------------------------------------------------------------------
 # agreement with the references on random inputs
 # ---------------------------------------------------------------------------------------------
