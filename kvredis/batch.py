@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from kvredis.errors import InvalidInputError
-from kvredis.index import check_add, check_entries, check_hash, check_key_type
+from kvredis.index import Index, check_add, check_entries, check_hash, check_key_type
 from kvredis.types import KeyType, PodEntry
 
 
@@ -121,3 +121,11 @@ def check_batch(
         except InvalidInputError as exc:
             raise InvalidInputError(f"batch op {position}: {exc}") from exc
     return plan
+
+
+def apply_op(index: Index, op: IndexOp) -> None:
+    """Apply one op to any :class:`~kvredis.index.Index` with the matching call."""
+    if isinstance(op, AddOp):
+        index.add(op.engine_keys, op.request_keys, op.entries)
+    else:
+        index.evict(op.key, op.key_type, op.entries)

@@ -15,7 +15,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvredis.batch import AddOp, BatchIndex, EvictOp, IndexOp
+from kvredis.batch import AddOp, BatchIndex, EvictOp, IndexOp, apply_op
 from kvredis.hashing import ChunkedTokenDatabase, TokenProcessorConfig
 from kvredis.index import Index
 from kvredis.indexer import Indexer
@@ -136,10 +136,7 @@ class SimulatedPod:
             self.index.apply_batch(ops)
             return
         for op in ops:
-            if isinstance(op, AddOp):
-                self.index.add(op.engine_keys, op.request_keys, op.entries)
-            else:
-                self.index.evict(op.key, op.key_type, op.entries)
+            apply_op(self.index, op)
 
 
 def _engine_key(pod: str, request_key: int) -> int:

@@ -90,6 +90,7 @@ never applied twice. Sequence numbers of 2**47 - 1 and above are rejected.
 from __future__ import annotations
 
 import enum
+import functools
 import inspect
 import logging
 import queue
@@ -101,7 +102,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from kvredis.batch import AddOp, BatchIndex, EvictOp, IndexOp, Watermark
+from kvredis.batch import AddOp, BatchIndex, EvictOp, IndexOp, Watermark, apply_op
 from kvredis.errors import (
     BackendUnavailableError,
     ConfigError,
@@ -1064,15 +1065,12 @@ class EventIngester:
         self, st: _Stream, msg: _Message, allow_restart: bool, depth: int = 0
     ) -> BatchOutcome:
         try:
-            self._sync(st)
-        except _Abandon:
-            self.counters.inc("batches_abandoned")
-            return BatchOutcome.ABANDONED
-        except _Failed as exc:
-            logger.error("stream %s: cannot read the stored watermark: %s", st.name, exc)
-            self.counters.inc("batches_failed")
-            return BatchOutcome.FAILED
-        try:
+            try:
+                self._sync(st)
+            except _Failed as exc:
+                logger.error("stream %s: cannot read the stored watermark: %s", st.name, exc)
+                self.counters.inc("batches_failed")
+                return BatchOutcome.FAILED
             return self._sequence_synced(st, msg, allow_restart, depth)
         except _Abandon:
             self.counters.inc("batches_abandoned")
@@ -1684,7 +1682,7 @@ class EventIngester:
             self._call(lambda: index.apply_batch(ops))
             return
         for op in ops:
-            self._call(_op_call(index, op))
+            self._call(functools.partial(apply_op, index, op))
 
     def _get_watermark(self, stream: str) -> Watermark | None:
         index: Any = self.index
@@ -1719,12 +1717,6 @@ class EventIngester:
         else:
             self._call(lambda: index.clear(pod))
         self._drop_cache(pod)
-
-
-def _op_call(index: Any, op: IndexOp) -> Callable[[], None]:
-    if isinstance(op, AddOp):
-        return lambda: index.add(op.engine_keys, op.request_keys, op.entries)
-    return lambda: index.evict(op.key, op.key_type, op.entries)
 
 
 def _accepts_progress(index: object) -> bool:

@@ -755,15 +755,13 @@ def op_drop_namespace(state: CoreState, keys_per_call: int = 1000) -> Op[int]:
     Clients of the dropped namespace notice on their next call (the meta record is gone) and
     start over with an empty namespace.
     """
-    pattern = state.layout.namespace_pattern()
-    meta = meta_key(state.layout.namespace)
+    layout = state.layout
+    pattern, meta = layout.namespace_pattern(), layout.meta
     deleted = 0
-    cursor = -1
+    cursor: int | None = None
     while cursor != 0:
-        reply = yield Command(
-            ("SCAN", max(cursor, 0), "MATCH", pattern, "COUNT", keys_per_call)
-        )
-        cursor, keys = _scan_reply(reply)
+        scan = ("SCAN", cursor or 0, "MATCH", pattern, "COUNT", keys_per_call)
+        cursor, keys = _scan_reply((yield Command(scan)))
         keys = [k for k in keys if k != meta]
         if keys:
             deleted += int((yield Command(("UNLINK", *keys))))
