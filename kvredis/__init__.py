@@ -1,83 +1,97 @@
 """kvredis: a shared KV-cache block index for LLM routers, kept in Redis or Valkey.
 
-Everything public is re-exported here; submodules hold the implementations.
+Everything public is re-exported here, lazily (PEP 562): ``import kvredis`` loads neither pyzmq nor
+redis-py; a name is imported from its module on first use. The submodules hold the
+implementations.
 """
 
-from kvredis.address import RedisAddress, parse_address
-from kvredis.batch import AddOp, BatchIndex, EvictOp, IndexOp, Watermark
-from kvredis.config import IndexConfig, new_index
-from kvredis.errors import (
-    BackendError,
-    BackendUnavailableError,
-    ConfigError,
-    EngineKeyNotFoundError,
-    InvalidInputError,
-    KVRedisError,
-    NamespaceLayoutError,
-)
-from kvredis.events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    DecodedBatch,
-    Rejection,
-    RejectReason,
-    WireError,
-    decode_batch,
-    encode_batch,
-    parse_topic,
-)
-from kvredis.features import (
-    BlockExtraFeatures,
-    MMHash,
-    PlaceholderRange,
-    compute_block_extra_features,
-    parse_raw_extra_keys,
-)
-from kvredis.hashing import (
-    DEFAULT_BLOCK_SIZE,
-    HASH_ALGOS,
-    ChunkedTokenDatabase,
-    TokenProcessor,
-    TokenProcessorConfig,
-)
-from kvredis.index import AsyncIndex, Index
-from kvredis.indexer import Indexer
-from kvredis.ingest import (
-    BatchOutcome,
-    EndpointConfig,
-    EventIngester,
-    IngestCounters,
-    IngesterConfig,
-    ReplayClient,
-    ReplayedMessage,
-)
-from kvredis.memory import (
-    CostAwareMemoryIndex,
-    CostAwareMemoryIndexConfig,
-    InMemoryIndex,
-    InMemoryIndexConfig,
-    parse_size,
-)
-from kvredis.redis_index import (
-    AsyncRedisIndex,
-    RedisIndex,
-    RedisIndexConfig,
-    new_redis_index,
-    new_valkey_index,
-)
-from kvredis.scoring import DEFAULT_MEDIUM_WEIGHTS, LongestPrefixScorer
-from kvredis.types import (
-    EMPTY_BLOCK_HASH,
-    BlockHash,
-    GroupCatalog,
-    GroupMetadata,
-    KeyType,
-    PodEntry,
-)
-from kvredis.zmq_transport import ZmqReplayClient
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+#: public name -> module that defines it
+_EXPORTS: dict[str, str] = {
+    # values, errors, contracts
+    "EMPTY_BLOCK_HASH": "kvredis.types",
+    "BlockHash": "kvredis.types",
+    "GroupMetadata": "kvredis.types",
+    "KeyType": "kvredis.types",
+    "PodEntry": "kvredis.types",
+    "GroupCatalog": "kvredis.groups",
+    "BackendError": "kvredis.errors",
+    "BackendUnavailableError": "kvredis.errors",
+    "ConfigError": "kvredis.errors",
+    "EngineKeyNotFoundError": "kvredis.errors",
+    "InvalidInputError": "kvredis.errors",
+    "KVRedisError": "kvredis.errors",
+    "NamespaceLayoutError": "kvredis.errors",
+    "StaleNamespaceError": "kvredis.errors",
+    "AddOp": "kvredis.batch",
+    "EvictOp": "kvredis.batch",
+    "IndexOp": "kvredis.batch",
+    "Watermark": "kvredis.batch",
+    "AsyncIndex": "kvredis.index",
+    "AsyncBatchIndex": "kvredis.index",
+    "AsyncScoringIndex": "kvredis.index",
+    "BatchIndex": "kvredis.index",
+    "Index": "kvredis.index",
+    "NamespaceIndex": "kvredis.index",
+    "ProgressClearIndex": "kvredis.index",
+    "ScoringIndex": "kvredis.index",
+    "parse_size": "kvredis.jsonconfig",
+    "parse_duration": "kvredis.jsonconfig",
+    # hashing and features
+    "DEFAULT_BLOCK_SIZE": "kvredis.hashing",
+    "HASH_ALGOS": "kvredis.hashing",
+    "ChunkedTokenDatabase": "kvredis.hashing",
+    "TokenProcessor": "kvredis.hashing",
+    "TokenProcessorConfig": "kvredis.hashing",
+    "BlockExtraFeatures": "kvredis.features",
+    "MMHash": "kvredis.features",
+    "PlaceholderRange": "kvredis.features",
+    "compute_block_extra_features": "kvredis.features",
+    "parse_raw_extra_keys": "kvredis.features",
+    "realign_extra_features": "kvredis.features",
+    # backends, scoring, configuration
+    "CostAwareMemoryIndex": "kvredis.memory",
+    "CostAwareMemoryIndexConfig": "kvredis.memory",
+    "InMemoryIndex": "kvredis.memory",
+    "InMemoryIndexConfig": "kvredis.memory",
+    "DEFAULT_MEDIUM_WEIGHTS": "kvredis.scoring",
+    "LongestPrefixScorer": "kvredis.scoring",
+    "Indexer": "kvredis.indexer",
+    "IndexConfig": "kvredis.config",
+    "new_index": "kvredis.config",
+    "RedisAddress": "kvredis.address",
+    "parse_address": "kvredis.address",
+    "AsyncRedisIndex": "kvredis.redis_index",
+    "RedisIndex": "kvredis.redis_index",
+    "RedisIndexConfig": "kvredis.redis_index",
+    "new_redis_index": "kvredis.redis_index",
+    "new_valkey_index": "kvredis.redis_index",
+    # event ingestion
+    "AllBlocksCleared": "kvredis.events",
+    "BlockRemoved": "kvredis.events",
+    "BlockStored": "kvredis.events",
+    "DecodedBatch": "kvredis.events",
+    "Rejection": "kvredis.events",
+    "RejectReason": "kvredis.events",
+    "WireError": "kvredis.events",
+    "decode_batch": "kvredis.events",
+    "encode_batch": "kvredis.events",
+    "parse_topic": "kvredis.events",
+    "BatchOutcome": "kvredis.ingest",
+    "EndpointConfig": "kvredis.ingest",
+    "EventIngester": "kvredis.ingest",
+    "IngestCounters": "kvredis.ingest",
+    "IngesterConfig": "kvredis.ingest",
+    "ReplayClient": "kvredis.ingest",
+    "ReplayedMessage": "kvredis.ingest",
+    "ZmqReplayClient": "kvredis.zmq_transport",
+}
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
@@ -86,8 +100,10 @@ __all__ = [
     "HASH_ALGOS",
     "AddOp",
     "AllBlocksCleared",
+    "AsyncBatchIndex",
     "AsyncIndex",
     "AsyncRedisIndex",
+    "AsyncScoringIndex",
     "BackendError",
     "BackendUnavailableError",
     "BatchIndex",
@@ -120,9 +136,11 @@ __all__ = [
     "KeyType",
     "LongestPrefixScorer",
     "MMHash",
+    "NamespaceIndex",
     "NamespaceLayoutError",
     "PlaceholderRange",
     "PodEntry",
+    "ProgressClearIndex",
     "RedisAddress",
     "RedisIndex",
     "RedisIndexConfig",
@@ -130,6 +148,8 @@ __all__ = [
     "Rejection",
     "ReplayClient",
     "ReplayedMessage",
+    "ScoringIndex",
+    "StaleNamespaceError",
     "TokenProcessor",
     "TokenProcessorConfig",
     "Watermark",
@@ -143,7 +163,103 @@ __all__ = [
     "new_redis_index",
     "new_valkey_index",
     "parse_address",
+    "parse_duration",
     "parse_raw_extra_keys",
     "parse_size",
     "parse_topic",
+    "realign_extra_features",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvredis' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
+
+
+if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
+    from kvredis.address import RedisAddress, parse_address
+    from kvredis.batch import AddOp, EvictOp, IndexOp, Watermark
+    from kvredis.config import IndexConfig, new_index
+    from kvredis.errors import (
+        BackendError,
+        BackendUnavailableError,
+        ConfigError,
+        EngineKeyNotFoundError,
+        InvalidInputError,
+        KVRedisError,
+        NamespaceLayoutError,
+        StaleNamespaceError,
+    )
+    from kvredis.events import (
+        AllBlocksCleared,
+        BlockRemoved,
+        BlockStored,
+        DecodedBatch,
+        Rejection,
+        RejectReason,
+        WireError,
+        decode_batch,
+        encode_batch,
+        parse_topic,
+    )
+    from kvredis.features import (
+        BlockExtraFeatures,
+        MMHash,
+        PlaceholderRange,
+        compute_block_extra_features,
+        parse_raw_extra_keys,
+        realign_extra_features,
+    )
+    from kvredis.groups import GroupCatalog
+    from kvredis.hashing import (
+        DEFAULT_BLOCK_SIZE,
+        HASH_ALGOS,
+        ChunkedTokenDatabase,
+        TokenProcessor,
+        TokenProcessorConfig,
+    )
+    from kvredis.index import (
+        AsyncBatchIndex,
+        AsyncIndex,
+        AsyncScoringIndex,
+        BatchIndex,
+        Index,
+        NamespaceIndex,
+        ProgressClearIndex,
+        ScoringIndex,
+    )
+    from kvredis.indexer import Indexer
+    from kvredis.ingest import (
+        BatchOutcome,
+        EndpointConfig,
+        EventIngester,
+        IngestCounters,
+        IngesterConfig,
+        ReplayClient,
+        ReplayedMessage,
+    )
+    from kvredis.jsonconfig import parse_duration, parse_size
+    from kvredis.memory import (
+        CostAwareMemoryIndex,
+        CostAwareMemoryIndexConfig,
+        InMemoryIndex,
+        InMemoryIndexConfig,
+    )
+    from kvredis.redis_index import (
+        AsyncRedisIndex,
+        RedisIndex,
+        RedisIndexConfig,
+        new_redis_index,
+        new_valkey_index,
+    )
+    from kvredis.scoring import DEFAULT_MEDIUM_WEIGHTS, LongestPrefixScorer
+    from kvredis.types import EMPTY_BLOCK_HASH, BlockHash, GroupMetadata, KeyType, PodEntry
+    from kvredis.zmq_transport import ZmqReplayClient

@@ -1,21 +1,20 @@
 """Batched, fenced index mutations: the contract between event ingestion and index backends.
 
-An ingester turns one engine event batch into a list of :class:`AddOp` / :class:`EvictOp` and hands
-it to :meth:`BatchIndex.apply_batch` together with the batch's :class:`Watermark`. A backend applies
-the ops in order and atomically with the watermark check: the ops take effect only if the
-watermark is newer than the one stored for that stream, and the stored watermark advances in the
-same step. Several ingester replicas feeding one shared index therefore apply each batch at most
-once.
+An ingester turns one engine event batch into a list of :class:`AddOp` / :class:`EvictOp` and
+hands it to :meth:`kvredis.index.BatchIndex.apply_batch` together with the batch's
+:class:`Watermark`. A backend applies the ops in order and atomically with the watermark check:
+the ops take effect only if the watermark is newer than the one stored for that stream, and the
+stored watermark advances in the same step. Several ingester replicas feeding one shared index
+therefore apply each batch at most once.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
 
+from kvredis.checks import check_add, check_entries, check_hash, check_key_type
 from kvredis.errors import InvalidInputError
-from kvredis.index import Index, check_add, check_entries, check_hash, check_key_type
 from kvredis.types import KeyType, PodEntry
 
 
@@ -61,33 +60,21 @@ class Watermark:
                 raise InvalidInputError(f"watermark {name} must be in [-1, 2**63), got {value}")
 
 
-@runtime_checkable
-class BatchIndex(Protocol):
-    """An index that applies op lists atomically, fenced by a per-stream watermark."""
+def check_stream(stream: object) -> str:
+    """Validate a watermark stream name: a non-empty str."""
+    if not isinstance(stream, str) or not stream:
+        raise InvalidInputError(f"stream must be a non-empty str, got {stream!r}")
+    return stream
 
-    def apply_batch(
-        self,
-        ops: Sequence[IndexOp],
-        stream: str | None = None,
-        watermark: Watermark | None = None,
-    ) -> bool:
-        """Apply ``ops`` in order.
 
-        With ``stream`` and ``watermark`` given, the ops are applied only if ``watermark`` is
-        greater than the stored watermark of ``stream`` (or none is stored), and the stored
-        watermark becomes ``watermark`` in the same atomic step. Returns ``True`` if applied,
-        ``False`` if skipped because the stream already reached ``watermark``. Invalid ops raise
-        ``InvalidInputError`` before anything is applied.
-        """
-        ...
-
-    def get_watermark(self, stream: str) -> Watermark | None:
-        """The stored watermark of ``stream``, or ``None`` if nothing was applied from it."""
-        ...
-
-    def reset_watermark(self, stream: str, watermark: Watermark | None) -> None:
-        """Overwrite (or with ``None`` delete) the stored watermark of ``stream``."""
-        ...
+def check_watermark(watermark: object, *, optional: bool = False) -> Watermark | None:
+    """Validate a watermark argument (``None`` allowed only with ``optional``)."""
+    if watermark is None and optional:
+        return None
+    if not isinstance(watermark, Watermark):
+        kind = "a Watermark or None" if optional else "a Watermark"
+        raise InvalidInputError(f"watermark must be {kind}, got {watermark!r}")
+    return watermark
 
 
 def check_batch(
@@ -99,10 +86,9 @@ def check_batch(
     """
     if (stream is None) != (watermark is None):
         raise InvalidInputError("apply_batch needs both stream and watermark, or neither")
-    if stream is not None and (not isinstance(stream, str) or not stream):
-        raise InvalidInputError(f"stream must be a non-empty str, got {stream!r}")
-    if watermark is not None and not isinstance(watermark, Watermark):
-        raise InvalidInputError(f"watermark must be a Watermark, got {watermark!r}")
+    if stream is not None:
+        check_stream(stream)
+        check_watermark(watermark)
     if isinstance(ops, (str, bytes)) or not isinstance(ops, Sequence):
         raise InvalidInputError(f"ops must be a sequence of AddOp/EvictOp, got {ops!r}")
     plan: list[IndexOp] = []
@@ -121,11 +107,3 @@ def check_batch(
         except InvalidInputError as exc:
             raise InvalidInputError(f"batch op {position}: {exc}") from exc
     return plan
-
-
-def apply_op(index: Index, op: IndexOp) -> None:
-    """Apply one op to any :class:`~kvredis.index.Index` with the matching call."""
-    if isinstance(op, AddOp):
-        index.add(op.engine_keys, op.request_keys, op.entries)
-    else:
-        index.evict(op.key, op.key_type, op.entries)

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import click
 
 from kvredis.errors import ConfigError, KVRedisError
-from kvredis.index import Index
+from kvredis.index import Closeable, Index, NamespaceIndex
 from kvredis.ingest_cli import ingest
 
 BACKENDS = ("memory", "cost-aware")
@@ -94,12 +94,10 @@ def demo(
                     results.append(simulate(cfg, requests, index, name, router,
                                             lambda: bar.update(1)))
             finally:
-                drop = getattr(index, "drop_namespace", None)
-                if namespace is None and callable(drop):
-                    drop()
-                close = getattr(index, "close", None)
-                if callable(close):
-                    close()
+                if namespace is None and isinstance(index, NamespaceIndex):
+                    index.drop_namespace()
+                if isinstance(index, Closeable):
+                    index.close()
     except ConfigError as exc:
         raise click.BadParameter(str(exc), param_hint="--redis") from exc
     except KVRedisError as exc:

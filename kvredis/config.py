@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvredis.errors import ConfigError
 from kvredis.index import Index
-from kvredis.jsonconfig import take_fields
+from kvredis.jsonconfig import parse_duration, take_fields
 from kvredis.memory import (
     CostAwareMemoryIndex,
     CostAwareMemoryIndexConfig,
@@ -22,53 +20,6 @@ if TYPE_CHECKING:
     from types import ModuleType
 
     from kvredis.redis_index import RedisIndexConfig
-
-_DURATION_UNITS = {
-    "ns": 1e-9,
-    "us": 1e-6,
-    "µs": 1e-6,  # U+00B5 MICRO SIGN
-    "μs": 1e-6,  # U+03BC GREEK SMALL LETTER MU
-    "ms": 1e-3,
-    "s": 1.0,
-    "m": 60.0,
-    "h": 3600.0,
-}
-_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
-
-
-def parse_duration(value: float | str) -> float:
-    """Seconds in a duration: a number of seconds, or a Go duration string.
-
-    Go duration strings are a sequence of decimal numbers with units ``ns``, ``us`` (or ``µs``),
-    ``ms``, ``s``, ``m``, ``h``, e.g. ``"30s"``, ``"1m30s"``, ``"500ms"``, ``"1.5h"``; ``"0"`` is
-    zero. Negative, non-finite or malformed values raise :class:`~kvredis.errors.ConfigError`.
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ConfigError(f"duration must be a number of seconds or a string, got {value!r}")
-    if isinstance(value, str):
-        text = value.strip()
-        if text == "0":
-            return 0.0
-        if text.startswith("+"):
-            text = text[1:]
-        pos, seconds = 0, 0.0
-        while pos < len(text):
-            match = _DURATION_PART.match(text, pos)
-            if match is None:
-                break
-            seconds += float(match.group(1)) * _DURATION_UNITS[match.group(2)]
-            pos = match.end()
-        if not text or pos != len(text):
-            raise ConfigError(
-                f"cannot parse duration {value!r}: expected seconds or a Go duration such as "
-                "'30s', '1m30s', '500ms'"
-            )
-    else:
-        seconds = float(value)
-    if not math.isfinite(seconds) or seconds < 0:
-        raise ConfigError(f"duration must be finite and not negative, got {value!r}")
-    return seconds
-
 
 _FIELDS = {
     "inMemoryConfig": "in_memory_config",

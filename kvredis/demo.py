@@ -15,9 +15,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvredis.batch import AddOp, BatchIndex, EvictOp, IndexOp, apply_op
+from kvredis.batch import AddOp, EvictOp, IndexOp
 from kvredis.hashing import ChunkedTokenDatabase, TokenProcessorConfig
-from kvredis.index import Index
+from kvredis.index import BatchIndex, Closeable, Index, apply_op
 from kvredis.indexer import Indexer
 from kvredis.types import KeyType, PodEntry
 
@@ -239,7 +239,6 @@ def run_demo(cfg: WorkloadConfig, make_index: Callable[[str], Index]) -> list[Ro
         try:
             results.append(simulate(cfg, requests, index, name, router))
         finally:
-            close = getattr(index, "close", None)
-            if callable(close):
-                close()
+            if isinstance(index, Closeable):
+                index.close()
     return results

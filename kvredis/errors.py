@@ -1,12 +1,17 @@
-"""The kvredis exception hierarchy.
+"""The kvredis exception hierarchy, and the one table of server-side error codes.
 
 Every error raised on purpose by kvredis derives from :class:`KVRedisError` and from the builtin
 that matches its meaning, so callers may catch either ``KVRedisError`` or e.g. ``ValueError``.
-Server-side scripts report failures as ``KVREDIS_<CODE> message``; :func:`error_from_reply` turns
-such a reply into the matching class.
+Server-side scripts report failures as ``KVREDIS_<CODE> message``; :data:`LUA_ERROR_CODES` maps
+every code a script under ``lua/`` can raise to its exception class (a test scans the scripts and
+fails on a code missing here, or on a code here that no script raises), and :func:`translate`
+turns an error reply into the matching exception.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
 
 
 class KVRedisError(Exception):
@@ -47,17 +52,48 @@ class NamespaceLayoutError(BackendError):
     """The namespace holds data in a layout this client does not understand."""
 
 
-_CODES: dict[str, type[KVRedisError]] = {
-    "KVREDIS_INVALID": InvalidInputError,
-    "KVREDIS_NOTFOUND": BackendError,
-    "KVREDIS_LAYOUT": NamespaceLayoutError,
-}
+class StaleNamespaceError(BackendError):
+    """The namespace was recreated (flush, restart without persistence) since the client loaded it.
+
+    The Redis executors reload the namespace and run the operation again; it reaches callers only
+    if that keeps failing.
+    """
+
+
+#: Every ``KVREDIS_<CODE>`` a Lua script can raise (the part after ``KVREDIS_``) -> exception.
+LUA_ERROR_CODES: Mapping[str, type[KVRedisError]] = MappingProxyType(
+    {
+        "INVALID": InvalidInputError,
+        "LAYOUT": NamespaceLayoutError,
+        "STALE": StaleNamespaceError,
+    }
+)
+
+_PREFIX = "KVREDIS_"
+
+
+def translate(message: str) -> KVRedisError:
+    """The exception for an error reply of the server (``str`` of the client library's error).
+
+    ``KVREDIS_<CODE> text`` replies of the scripts map through :data:`LUA_ERROR_CODES` (Redis
+    appends `` script: <sha>, on @user_script:<line>.``, which is cut off); ``WRONGTYPE`` means a
+    foreign key sits inside the namespace; anything else is a :class:`BackendError`.
+    """
+    if message.startswith(_PREFIX):
+        text = message.split(" script: ", 1)[0]
+        code, _, detail = text.partition(" ")
+        cls = LUA_ERROR_CODES.get(code[len(_PREFIX) :])
+        if cls is None:
+            return BackendError(f"server error: {text}")
+        return cls(detail or code)
+    if message.startswith("WRONGTYPE"):
+        return NamespaceLayoutError(
+            f"a key of the namespace holds another type of value ({message}); the namespace "
+            "is shared with foreign data: use another namespace"
+        )
+    return BackendError(f"server error: {message}")
 
 
 def error_from_reply(message: str) -> KVRedisError:
-    """Map a ``KVREDIS_<CODE> text`` script error reply to the matching exception instance."""
-    code, _, text = message.partition(" ")
-    cls = _CODES.get(code)
-    if cls is None:
-        return BackendError(message)
-    return cls(text or code)
+    """Alias of :func:`translate` (kept for callers of the 0.1 API)."""
+    return translate(message)

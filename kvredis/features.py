@@ -7,14 +7,15 @@ content. These helpers produce the per-block identifier lists that
 
 * :func:`compute_block_extra_features` derives them on the router side from the tokenizer's
   multimodal hashes and placeholder ranges;
-* :func:`parse_raw_extra_keys` reads them from an engine's ``BlockStored`` event ``extra_keys``.
+* :func:`parse_raw_extra_keys` reads them from an engine's ``BlockStored`` event ``extra_keys``;
+* :func:`realign_extra_features` maps per-engine-block features onto kvredis's block size.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from kvredis.errors import InvalidInputError
 
@@ -24,6 +25,7 @@ __all__ = [
     "PlaceholderRange",
     "compute_block_extra_features",
     "parse_raw_extra_keys",
+    "realign_extra_features",
 ]
 
 
@@ -195,3 +197,47 @@ def parse_raw_extra_keys(
                 hashes.append(MMHash(element[0]))
         result.append(BlockExtraFeatures(hashes) if hashes else None)
     return result
+
+
+def realign_extra_features(
+    features: Sequence[BlockExtraFeatures | None] | None, blocks: int
+) -> list[BlockExtraFeatures | None] | None:
+    """Realign per-engine-block features to ``blocks`` of our blocks.
+
+    Fewer engine blocks than ours (1:many) replicates each engine block's features to its
+    sub-blocks. More (many:1) concatenates the identifiers of the engine blocks inside each of
+    ours, in order, counting an item that continues from one engine block into the next once
+    (the longest run ending the previous block's list that also starts the next one's), so an
+    image spanning engine blocks appears once, as the router-side features list it, while two
+    copies of one image inside a block stay two. Returns ``None`` when no block carries an
+    identifier.
+    """
+    if not features or blocks <= 0:
+        return None
+    n_engine = len(features)
+    out: list[BlockExtraFeatures | None]
+    if n_engine == blocks:
+        out = list(features)
+    elif n_engine < blocks:
+        out = [features[i * n_engine // blocks] for i in range(blocks)]
+    else:
+        merged: list[list[MMHash]] = [[] for _ in range(blocks)]
+        prev_target, prev_ids = -1, cast("list[MMHash]", [])
+        for i, feat in enumerate(features):
+            target = i * blocks // n_engine
+            ids = feat.mm_hashes if feat is not None else []
+            skip = _continued(prev_ids, ids) if target == prev_target else 0
+            merged[target].extend(ids[skip:])
+            prev_target, prev_ids = target, ids
+        out = [BlockExtraFeatures(m) if m else None for m in merged]
+    if all(f is None or not f.mm_hashes for f in out):
+        return None
+    return out
+
+
+def _continued(acc: Sequence[MMHash], ids: Sequence[MMHash]) -> int:
+    """Length of the longest suffix of ``acc`` that is a prefix of ``ids``."""
+    for size in range(min(len(acc), len(ids)), 0, -1):
+        if list(acc[-size:]) == list(ids[:size]):
+            return size
+    return 0

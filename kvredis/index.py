@@ -1,21 +1,53 @@
-"""The Index contract shared by every backend, and the input checks every backend applies.
+"""The Index contract shared by every backend, and the capabilities some backends add.
 
 An index maps *request keys* (block hashes kvredis computes from token ids) to the pod entries
 holding that block, and *engine keys* (the hashes engines report in KV events) to request keys.
 Every backend (in-memory, cost-aware, Redis, Valkey) implements :class:`Index`; the asyncio Redis
 backend implements :class:`AsyncIndex` with the same semantics.
+
+Capabilities beyond the core contract are declared as protocols of their own, so callers test
+``isinstance(index, ScoringIndex)`` instead of sniffing for methods:
+
+=========================  ===============================================================
+:class:`BatchIndex`        ``apply_batch`` fenced by per-stream watermarks (ingestion)
+:class:`ScoringIndex`      ``score``: the LongestPrefixScorer computed by the backend itself
+:class:`ProgressClearIndex` ``clear_with_progress``: a pod clear that reports progress
+:class:`NamespaceIndex`    ``drop_namespace``: delete everything the index stored
+:class:`Closeable`         ``close``: release connections (network backends)
+=========================  ===============================================================
+
+Each has an asyncio twin (``AsyncBatchIndex``, ...). The input checks every backend applies
+live in :mod:`kvredis.checks`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
-from kvredis.errors import InvalidInputError
-from kvredis.types import MAX_BLOCK_HASH, KeyType, PodEntry
+from kvredis.batch import AddOp, IndexOp, Watermark
+from kvredis.checks import MAX_REQUEST_KEYS_PER_ENGINE_KEY
+from kvredis.types import KeyType, PodEntry
 
-#: Most request keys remembered per engine key (every backend); older mappings are dropped.
-MAX_REQUEST_KEYS_PER_ENGINE_KEY = 1024
+__all__ = [
+    "MAX_REQUEST_KEYS_PER_ENGINE_KEY",
+    "AsyncBatchIndex",
+    "AsyncIndex",
+    "AsyncNamespaceIndex",
+    "AsyncProgressClearIndex",
+    "AsyncScoringIndex",
+    "BatchIndex",
+    "ClearProgress",
+    "Closeable",
+    "Index",
+    "NamespaceIndex",
+    "ProgressClearIndex",
+    "ScoringIndex",
+    "apply_op",
+]
+
+#: ``progress(done, removed)`` of a long clear: units of work done so far, entries removed so far.
+ClearProgress = Callable[[int, int], None]
 
 
 @runtime_checkable
@@ -72,103 +104,128 @@ class AsyncIndex(Protocol):
     async def clear(self, pod_identifier: str) -> None: ...
 
 
-def check_hash(value: object, what: str = "block hash") -> int:
-    """Return ``value`` as an int if it is a valid 64-bit unsigned hash, else raise."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidInputError(f"{what} must be an int, got {type(value).__name__}")
-    if not 0 <= value <= MAX_BLOCK_HASH:
-        raise InvalidInputError(f"{what} must be in [0, 2**64), got {value}")
-    return int(value)
+@runtime_checkable
+class BatchIndex(Protocol):
+    """An index that applies op lists atomically, fenced by a per-stream watermark."""
+
+    def apply_batch(
+        self,
+        ops: Sequence[IndexOp],
+        stream: str | None = None,
+        watermark: Watermark | None = None,
+    ) -> bool:
+        """Apply ``ops`` in order.
+
+        With ``stream`` and ``watermark`` given, the ops are applied only if ``watermark`` is
+        greater than the stored watermark of ``stream`` (or none is stored), and the stored
+        watermark becomes ``watermark`` in the same atomic step. Returns ``True`` if applied,
+        ``False`` if skipped because the stream already reached ``watermark``. Invalid ops raise
+        ``InvalidInputError`` before anything is applied.
+        """
+        ...
+
+    def get_watermark(self, stream: str) -> Watermark | None:
+        """The stored watermark of ``stream``, or ``None`` if nothing was applied from it."""
+        ...
+
+    def reset_watermark(self, stream: str, watermark: Watermark | None) -> None:
+        """Overwrite (or with ``None`` delete) the stored watermark of ``stream``."""
+        ...
 
 
-def check_hashes(values: Sequence[int], what: str = "block hash") -> list[int]:
-    """Validate a sequence of 64-bit hashes (see :func:`check_hash`)."""
-    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
-        raise InvalidInputError(
-            f"{what} list must be a sequence of ints, got {type(values).__name__}"
-        )
-    return [check_hash(v, what) for v in values]
+@runtime_checkable
+class AsyncBatchIndex(Protocol):
+    """The asyncio form of :class:`BatchIndex`."""
+
+    async def apply_batch(
+        self,
+        ops: Sequence[IndexOp],
+        stream: str | None = None,
+        watermark: Watermark | None = None,
+    ) -> bool: ...
+
+    async def get_watermark(self, stream: str) -> Watermark | None: ...
+
+    async def reset_watermark(self, stream: str, watermark: Watermark | None) -> None: ...
 
 
-def check_entries(entries: Sequence[PodEntry], *, for_add: bool = False) -> list[PodEntry]:
-    """Validate a non-empty sequence of pod entries.
+@runtime_checkable
+class ScoringIndex(Protocol):
+    """An index that computes the LongestPrefixScorer itself (server-side for Redis)."""
 
-    With ``for_add`` the pod identifier and device tier must be non-empty: an entry that cannot be
-    named cannot be filtered, scored or cleared later.
-    """
-    if isinstance(entries, PodEntry):
-        raise InvalidInputError("entries must be a sequence of PodEntry, got a single PodEntry")
-    if isinstance(entries, (str, bytes)) or not isinstance(entries, Iterable):
-        raise InvalidInputError(
-            f"entries must be a sequence of PodEntry, got {type(entries).__name__}"
-        )
-    out = list(entries)
-    if not out:
-        raise InvalidInputError("no pod entries given: pass at least one PodEntry")
-    for entry in out:
-        if not isinstance(entry, PodEntry):
-            raise InvalidInputError(f"entries must be PodEntry values, got {type(entry).__name__}")
-        if for_add and (not entry.pod_identifier or not entry.device_tier):
-            raise InvalidInputError(
-                f"pod entry {entry!r} has an empty pod identifier or device tier; both must be "
-                "non-empty strings"
-            )
-    return out
+    def score(
+        self,
+        request_keys: Sequence[int],
+        medium_weights: Mapping[str, float] | None = None,
+        pod_identifier_set: Collection[str] | None = None,
+    ) -> dict[str, float]:
+        """Per-pod longest-prefix scores; bit-identical to ``LongestPrefixScorer.score``."""
+        ...
 
 
-def check_add(
-    engine_keys: Sequence[int] | None, request_keys: Sequence[int], entries: Sequence[PodEntry]
-) -> tuple[list[int] | None, list[int], list[PodEntry]]:
-    """Validate the arguments of ``Index.add`` and return them as lists."""
-    req = check_hashes(request_keys, "request key")
-    if not req:
-        raise InvalidInputError("no request keys given: add needs at least one request key")
-    eng = None if engine_keys is None else check_hashes(engine_keys, "engine key")
-    return eng, req, check_entries(entries, for_add=True)
+@runtime_checkable
+class AsyncScoringIndex(Protocol):
+    """The asyncio form of :class:`ScoringIndex`."""
+
+    async def score(
+        self,
+        request_keys: Sequence[int],
+        medium_weights: Mapping[str, float] | None = None,
+        pod_identifier_set: Collection[str] | None = None,
+    ) -> dict[str, float]: ...
 
 
-def check_key_type(key_type: object) -> KeyType:
-    """Validate an evict key type."""
-    if not isinstance(key_type, KeyType):
-        raise InvalidInputError(
-            f"key_type must be KeyType.ENGINE or KeyType.REQUEST, got {key_type!r}"
-        )
-    return key_type
+@runtime_checkable
+class ProgressClearIndex(Protocol):
+    """An index whose pod clear reports progress and counts what it removed."""
+
+    def clear_with_progress(
+        self, pod_identifier: str, progress: ClearProgress | None = None
+    ) -> int:
+        """``clear(pod)``, calling ``progress(done, removed)`` after every page of work.
+
+        Returns the number of (request key, entry) pairs removed.
+        """
+        ...
 
 
-def check_pod_identifier(pod_identifier: object) -> str:
-    """Validate the pod identifier of ``Index.clear``: a non-empty str."""
-    if not isinstance(pod_identifier, str) or not pod_identifier:
-        raise InvalidInputError(
-            f"pod_identifier must be a non-empty str, got {pod_identifier!r}"
-        )
-    return pod_identifier
+@runtime_checkable
+class AsyncProgressClearIndex(Protocol):
+    """The asyncio form of :class:`ProgressClearIndex` (``progress`` is a plain callable)."""
+
+    async def clear_with_progress(
+        self, pod_identifier: str, progress: ClearProgress | None = None
+    ) -> int: ...
 
 
-def pod_filter(pod_identifier_set: Collection[str] | None) -> frozenset[str] | None:
-    """Normalize a lookup filter: ``None`` or empty means every pod."""
-    if not pod_identifier_set:
-        return None
-    if isinstance(pod_identifier_set, str):
-        raise InvalidInputError("pod_identifier_set must be a collection of pod ids, not a str")
-    if not isinstance(pod_identifier_set, Iterable):
-        raise InvalidInputError(
-            "pod_identifier_set must be a collection of pod ids, got "
-            f"{type(pod_identifier_set).__name__}"
-        )
-    return frozenset(pod_identifier_set)
+@runtime_checkable
+class NamespaceIndex(Protocol):
+    """An index kept in a shared store under a namespace, which it can delete as a whole."""
+
+    def drop_namespace(self) -> int:
+        """Delete every key of the namespace; returns how many were deleted."""
+        ...
 
 
-def infer_mappings(
-    engine_keys: Sequence[int], request_keys: Sequence[int]
-) -> list[tuple[int, int]]:
-    """Engine-to-request key pairs inferred from the length ratio (1:1, many:1 and 1:many).
+@runtime_checkable
+class AsyncNamespaceIndex(Protocol):
+    """The asyncio form of :class:`NamespaceIndex`."""
 
-    With ``n = max(len(e), len(r))``, position ``i`` in ``range(n)`` maps
-    ``e[i * len(e) // n]`` to ``r[i * len(r) // n]``. Either list empty gives no pairs.
-    """
-    ne, nr = len(engine_keys), len(request_keys)
-    if ne == 0 or nr == 0:
-        return []
-    n = max(ne, nr)
-    return [(engine_keys[i * ne // n], request_keys[i * nr // n]) for i in range(n)]
+    async def drop_namespace(self) -> int: ...
+
+
+@runtime_checkable
+class Closeable(Protocol):
+    """Something holding resources (connections) that ``close()`` releases."""
+
+    def close(self) -> None:
+        """Release the resources; the object is not used afterwards."""
+        ...
+
+
+def apply_op(index: Index, op: IndexOp) -> None:
+    """Apply one op to any :class:`Index` with the matching call (``add`` or ``evict``)."""
+    if isinstance(op, AddOp):
+        index.add(op.engine_keys, op.request_keys, op.entries)
+    else:
+        index.evict(op.key, op.key_type, op.entries)

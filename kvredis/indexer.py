@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from typing import Any
 
 from kvredis.features import BlockExtraFeatures
 from kvredis.hashing import TokenProcessor
-from kvredis.index import Index
+from kvredis.index import Index, ScoringIndex
 from kvredis.scoring import LongestPrefixScorer
 from kvredis.types import EMPTY_BLOCK_HASH
 
@@ -15,9 +14,9 @@ from kvredis.types import EMPTY_BLOCK_HASH
 class Indexer:
     """Turns token ids into block keys and scores the pods holding the longest prefix of them.
 
-    When the index scores on its own (it has a ``score(request_keys, medium_weights,
-    pod_identifier_set)`` method, like the Redis backend, which scores server-side and sends back
-    only the per-pod scores), the Indexer delegates to it with the scorer's tier weights;
+    When the index scores on its own (a :class:`~kvredis.index.ScoringIndex`, like the Redis
+    backend, which scores server-side and sends back only the per-pod scores), the Indexer
+    delegates to it with the scorer's tier weights;
     otherwise it looks the keys up and scores them with the :class:`LongestPrefixScorer`. Both
     paths give identical results.
     """
@@ -33,10 +32,11 @@ class Indexer:
         self._index = index
         self._token_processor = token_processor
         self._scorer = LongestPrefixScorer() if scorer is None else scorer
-        server_score = getattr(index, "score", None)
         # A scorer subclass that changes score() must see the entries, so score client-side.
         custom = type(self._scorer).score is not LongestPrefixScorer.score
-        self._server_score: Any = server_score if callable(server_score) and not custom else None
+        self._server_score: ScoringIndex | None = (
+            index if isinstance(index, ScoringIndex) and not custom else None
+        )
 
     @property
     def index(self) -> Index:
@@ -81,5 +81,5 @@ class Indexer:
         pods = pod_identifiers or None
         if self._server_score is not None:
             weights: Mapping[str, float] = dict(self._scorer.medium_weights)
-            return dict(self._server_score(keys, weights, pods))
+            return dict(self._server_score.score(keys, weights, pods))
         return self._scorer.score(keys, self._index.lookup(keys, pods))

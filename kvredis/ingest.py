@@ -91,7 +91,6 @@ from __future__ import annotations
 
 import enum
 import functools
-import inspect
 import logging
 import queue
 import threading
@@ -100,9 +99,10 @@ import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol
 
-from kvredis.batch import AddOp, BatchIndex, EvictOp, IndexOp, Watermark, apply_op
+from kvredis.batch import AddOp, EvictOp, IndexOp, Watermark
+from kvredis.checks import infer_mappings
 from kvredis.errors import (
     BackendUnavailableError,
     ConfigError,
@@ -119,9 +119,10 @@ from kvredis.events import (
     decode_batch,
     parse_topic,
 )
-from kvredis.features import BlockExtraFeatures, MMHash, parse_raw_extra_keys
-from kvredis.index import Index, infer_mappings
-from kvredis.types import GroupCatalog, GroupMetadata, KeyType, PodEntry
+from kvredis.features import parse_raw_extra_keys, realign_extra_features
+from kvredis.groups import GroupCatalog
+from kvredis.index import BatchIndex, Index, ProgressClearIndex, apply_op
+from kvredis.types import GroupMetadata, KeyType, PodEntry
 
 if TYPE_CHECKING:
     from kvredis.hashing import TokenProcessor
@@ -137,7 +138,6 @@ __all__ = [
     "IngesterConfig",
     "ReplayClient",
     "ReplayedMessage",
-    "realign_extra_features",
     "split_position",
     "stream_position",
 ]
@@ -393,50 +393,6 @@ class ReplayClient(Protocol):
 # ------------------------------------------------------------------------------------------
 # Helpers
 # ------------------------------------------------------------------------------------------
-
-
-def realign_extra_features(
-    features: Sequence[BlockExtraFeatures | None] | None, blocks: int
-) -> list[BlockExtraFeatures | None] | None:
-    """Realign per-engine-block features to ``blocks`` of our blocks.
-
-    Fewer engine blocks than ours (1:many) replicates each engine block's features to its
-    sub-blocks. More (many:1) concatenates the identifiers of the engine blocks inside each of
-    ours, in order, counting an item that continues from one engine block into the next once
-    (the longest run ending the previous block's list that also starts the next one's), so an
-    image spanning engine blocks appears once, as the router-side features list it, while two
-    copies of one image inside a block stay two. Returns ``None`` when no block carries an
-    identifier.
-    """
-    if not features or blocks <= 0:
-        return None
-    n_engine = len(features)
-    out: list[BlockExtraFeatures | None]
-    if n_engine == blocks:
-        out = list(features)
-    elif n_engine < blocks:
-        out = [features[i * n_engine // blocks] for i in range(blocks)]
-    else:
-        merged: list[list[MMHash]] = [[] for _ in range(blocks)]
-        prev_target, prev_ids = -1, cast("list[MMHash]", [])
-        for i, feat in enumerate(features):
-            target = i * blocks // n_engine
-            ids = feat.mm_hashes if feat is not None else []
-            skip = _continued(prev_ids, ids) if target == prev_target else 0
-            merged[target].extend(ids[skip:])
-            prev_target, prev_ids = target, ids
-        out = [BlockExtraFeatures(m) if m else None for m in merged]
-    if all(f is None or not f.mm_hashes for f in out):
-        return None
-    return out
-
-
-def _continued(acc: Sequence[MMHash], ids: Sequence[MMHash]) -> int:
-    """Length of the longest suffix of ``acc`` that is a prefix of ``ids``."""
-    for size in range(min(len(acc), len(ids)), 0, -1):
-        if list(acc[-size:]) == list(ids[:size]):
-            return size
-    return 0
 
 
 class _LRU:
@@ -736,7 +692,7 @@ class EventIngester:
             raise ConfigError(f"token processor block size must be > 0, got {self._block_size}")
         self._batch_index = isinstance(index, BatchIndex)
         self._fenced = self._batch_index and self.config.use_watermarks
-        self._clear_progress = _accepts_progress(index)
+        self._clear_progress = isinstance(index, ProgressClearIndex)
         self._replay_factory = replay_factory
         self._streams: dict[str, _Stream] = {}
         self._streams_lock = threading.Lock()
@@ -1713,17 +1669,7 @@ class EventIngester:
     def _clear_pod(self, pod: str, heartbeat: Callable[[int, int], None]) -> None:
         index: Any = self.index
         if self._clear_progress:
-            self._call(lambda: index.clear(pod, progress=heartbeat))
+            self._call(lambda: index.clear_with_progress(pod, heartbeat))
         else:
             self._call(lambda: index.clear(pod))
         self._drop_cache(pod)
-
-
-def _accepts_progress(index: object) -> bool:
-    clear = getattr(index, "clear", None)
-    if clear is None:
-        return False
-    try:
-        return "progress" in inspect.signature(clear).parameters
-    except (TypeError, ValueError):
-        return False

@@ -17,17 +17,14 @@ Two backends share one implementation and differ only in how they bound their me
 
 from __future__ import annotations
 
-import re
 import threading
 from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from kvredis.batch import AddOp, IndexOp, Watermark, check_batch
-from kvredis.errors import ConfigError, EngineKeyNotFoundError, InvalidInputError
-from kvredis.index import (
+from kvredis.batch import AddOp, IndexOp, Watermark, check_batch, check_stream, check_watermark
+from kvredis.checks import (
     MAX_REQUEST_KEYS_PER_ENGINE_KEY,
     check_add,
     check_entries,
@@ -38,7 +35,9 @@ from kvredis.index import (
     infer_mappings,
     pod_filter,
 )
-from kvredis.jsonconfig import take_fields
+from kvredis.errors import ConfigError, EngineKeyNotFoundError, InvalidInputError
+from kvredis.index import ClearProgress
+from kvredis.jsonconfig import parse_size, take_fields
 from kvredis.types import MAX_BLOCK_HASH, KeyType, PodEntry
 
 #: Engine mappings checked per lock hold when a clear drops the mappings it left without holders.
@@ -58,51 +57,6 @@ ENTRY_COST = 88
 MAPPING_COST = 192
 #: One request key remembered by an engine key.
 MAPPING_REF_COST = 24
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)(?:[eE]([+-]?\d+))?\s*([A-Za-z]*)\s*$")
-_SIZE_UNITS: dict[str, int] = {"": 1, "b": 1}
-_SIZE_UNITS.update(
-    {
-        prefix + suffix: (1024 if suffix.startswith("i") else 1000) ** power
-        for power, prefix in enumerate(("k", "m", "g", "t", "p"), start=1)
-        for suffix in ("", "b", "i", "ib")
-    }
-)
-#: Largest budget accepted (bytes); anything bigger is certainly a typo.
-MAX_SIZE = 2**63 - 1
-
-
-def parse_size(value: int | str) -> int:
-    """Bytes in a human size: ``"500MiB"``, ``"1GB"``, ``"1.5GiB"``, ``"100KB"``, ``2048``.
-
-    Binary units (KiB, MiB, GiB, TiB, PiB; also Ki, Mi, ...) are powers of 1024, decimal units
-    (KB, MB, GB, TB, PB; also K, M, ...) powers of 1000; case does not matter and a unit-less
-    number is bytes. Fractions round down to whole bytes. Anything else, or a size that is not
-    at least one byte, raises :class:`~kvredis.errors.ConfigError`.
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ConfigError(f"size must be an int or a string like '2GiB', got {value!r}")
-    if isinstance(value, int):
-        amount = Decimal(value)
-    else:
-        match = _SIZE_RE.match(value)
-        unit = match.group(3).lower() if match else ""
-        if match is None or unit not in _SIZE_UNITS:
-            raise ConfigError(
-                f"cannot parse size {value!r}: expected a number of bytes or a number with a "
-                "unit such as 500MiB, 1GB, 2GiB"
-            )
-        try:
-            number = Decimal(match.group(1) + (f"e{match.group(2)}" if match.group(2) else ""))
-        except InvalidOperation as exc:  # pragma: no cover - the regex admits only numbers
-            raise ConfigError(f"cannot parse size {value!r}") from exc
-        amount = number * _SIZE_UNITS[unit]
-    if amount < 1:
-        raise ConfigError(f"size must be at least 1 byte, got {value!r}")
-    if amount > MAX_SIZE:
-        raise ConfigError(f"size must be at most 2**63 - 1 bytes, got {value!r}")
-    return int(amount)
-
 
 def _positive_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -274,11 +228,25 @@ class _MemoryIndex:
 
     def clear(self, pod_identifier: str) -> None:
         """Remove every entry of the pod, on every tier and group."""
+        self.clear_with_progress(pod_identifier)
+
+    def clear_with_progress(
+        self, pod_identifier: str, progress: ClearProgress | None = None
+    ) -> int:
+        """:meth:`clear`, returning the (key, entry) pairs removed.
+
+        ``progress(done, removed)`` is called after every page of engine mappings examined.
+        """
         pod = check_pod_identifier(pod_identifier)
+        if progress is not None and not callable(progress):
+            raise InvalidInputError(f"progress must be a callable(done, removed), got {progress!r}")
+        removed = 0
         with self._lock:
             for key in list(self._pod_keys.get(pod, ())):
                 slot = self._keys[key]
-                self._remove(key, slot, [e for e in slot.entries if e.pod_identifier == pod])
+                gone = [e for e in slot.entries if e.pod_identifier == pod]
+                removed += len(gone)
+                self._remove(key, slot, gone)
             engine_keys = list(self._engine)
         # As in the Redis backend, a clear also drops every engine mapping none of whose request
         # keys holds an entry, so a stale engine key no longer resolves. Like the Redis clear it
@@ -292,6 +260,9 @@ class _MemoryIndex:
                         rk in table for rk in mapping.request_keys
                     ):
                         self._drop_mapping(engine_key)
+            if progress is not None:
+                progress(min(start + CLEAR_MAPPINGS_PER_PAGE, len(engine_keys)), removed)
+        return removed
 
     def __len__(self) -> int:
         """Number of request keys held."""
@@ -324,17 +295,14 @@ class _MemoryIndex:
 
     def get_watermark(self, stream: str) -> Watermark | None:
         """The stored watermark of ``stream``, or ``None``."""
-        if not isinstance(stream, str) or not stream:
-            raise InvalidInputError(f"stream must be a non-empty str, got {stream!r}")
+        check_stream(stream)
         with self._lock:
             return self._watermarks.get(stream)
 
     def reset_watermark(self, stream: str, watermark: Watermark | None) -> None:
         """Overwrite, or with ``None`` delete, the stored watermark of ``stream``."""
-        if not isinstance(stream, str) or not stream:
-            raise InvalidInputError(f"stream must be a non-empty str, got {stream!r}")
-        if watermark is not None and not isinstance(watermark, Watermark):
-            raise InvalidInputError(f"watermark must be a Watermark or None, got {watermark!r}")
+        check_stream(stream)
+        check_watermark(watermark, optional=True)
         with self._lock:
             if watermark is None:
                 self._watermarks.pop(stream, None)

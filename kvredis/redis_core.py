@@ -32,14 +32,8 @@ from collections.abc import Callable, Collection, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvredis.batch import AddOp, EvictOp, IndexOp, Watermark, check_batch
-from kvredis.errors import (
-    BackendError,
-    EngineKeyNotFoundError,
-    InvalidInputError,
-    NamespaceLayoutError,
-)
-from kvredis.index import (
+from kvredis.batch import AddOp, EvictOp, IndexOp, Watermark, check_batch, check_stream
+from kvredis.checks import (
     MAX_REQUEST_KEYS_PER_ENGINE_KEY,
     check_add,
     check_entries,
@@ -49,6 +43,13 @@ from kvredis.index import (
     check_pod_identifier,
     infer_mappings,
     pod_filter,
+)
+from kvredis.errors import (
+    BackendError,
+    EngineKeyNotFoundError,
+    InvalidInputError,
+    NamespaceLayoutError,
+    StaleNamespaceError,
 )
 from kvredis.scoring import DEFAULT_MEDIUM_WEIGHTS, UNKNOWN_TIER_WEIGHT, LongestPrefixScorer
 from kvredis.scripts import Arg, PipelineItem, ScriptCall
@@ -74,14 +75,6 @@ _U32 = struct.Struct(">I")
 _ENTRY_TAIL = struct.Struct(">BI")
 _SPECULATIVE, _HAS_GROUP = 1, 2
 _GLOB_SPECIAL = frozenset(b"*?[]\\")
-
-
-class StaleNamespaceError(BackendError):
-    """The namespace was recreated (flush, restart without persistence) since the client loaded it.
-
-    The executors reload the namespace and run the operation again; it reaches callers only if
-    that keeps failing.
-    """
 
 
 # -- encodings ---------------------------------------------------------------------------------
@@ -612,13 +605,6 @@ def op_apply_batch(
         [*program.common_args(), *fence, *program.entry_args(), program.count, *program.ops],
     )
     return bool(int(reply))
-
-
-def check_stream(stream: object) -> str:
-    """Validate a watermark stream name: a non-empty str."""
-    if not isinstance(stream, str) or not stream:
-        raise InvalidInputError(f"stream must be a non-empty str, got {stream!r}")
-    return stream
 
 
 def op_get_watermark(state: CoreState, stream: str) -> Op[Watermark | None]:

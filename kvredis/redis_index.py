@@ -33,14 +33,13 @@ from redis.retry import Retry
 from kvredis.address import RedisAddress, mask_password, parse_address
 from kvredis.batch import IndexOp, Watermark
 from kvredis.errors import (
-    BackendError,
     BackendUnavailableError,
     ConfigError,
     KVRedisError,
-    NamespaceLayoutError,
-    error_from_reply,
+    StaleNamespaceError,
+    translate,
 )
-from kvredis.jsonconfig import take_fields
+from kvredis.jsonconfig import check_number, take_fields
 from kvredis.redis_core import (
     DEFAULT_BUCKET_BITS,
     DEFAULT_CLEAR_FIELDS_PER_CALL,
@@ -49,7 +48,6 @@ from kvredis.redis_core import (
     CoreState,
     Op,
     Request,
-    StaleNamespaceError,
     check_bucket_bits,
     check_namespace,
     op_add,
@@ -98,14 +96,6 @@ _CAMEL = {
     "tlsCheckHostname": "tls_check_hostname",
     "clientName": "client_name",
 }
-
-
-def _positive(name: str, value: object, *, integer: bool = False, zero: bool = False) -> None:
-    kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds):
-        raise ConfigError(f"{name} must be a{'n int' if integer else ' number'}, got {value!r}")
-    if value < 0 or (value == 0 and not zero):
-        raise ConfigError(f"{name} must be {'>= 0' if zero else '> 0'}, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,11 +159,11 @@ class RedisIndexConfig:
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
         for name in ("socket_timeout", "connect_timeout", "pool_timeout"):
-            _positive(name, getattr(self, name))
-        _positive("retry_backoff", self.retry_backoff, zero=True)
-        _positive("pool_size", self.pool_size, integer=True)
-        _positive("retries", self.retries, integer=True, zero=True)
-        _positive("clear_fields_per_call", self.clear_fields_per_call, integer=True)
+            check_number(name, getattr(self, name))
+        check_number("retry_backoff", self.retry_backoff, zero=True)
+        check_number("pool_size", self.pool_size, integer=True)
+        check_number("retries", self.retries, integer=True, zero=True)
+        check_number("clear_fields_per_call", self.clear_fields_per_call, integer=True)
         for name in (
             "username",
             "password",
@@ -235,19 +225,7 @@ def _log_rdma(config: RedisIndexConfig) -> None:
 
 def _translate(exc: ResponseError) -> KVRedisError:
     """A kvredis exception for an error reply of the server."""
-    message = str(exc)
-    if message.startswith("KVREDIS_"):
-        # Redis appends " script: <sha>, on @user_script:<line>." to script errors.
-        text = message.split(" script: ", 1)[0]
-        if text.startswith("KVREDIS_STALE"):
-            return StaleNamespaceError(text)
-        return error_from_reply(text)
-    if message.startswith("WRONGTYPE"):
-        return NamespaceLayoutError(
-            f"a key of the namespace holds another type of value ({message}); the namespace "
-            "is shared with foreign data: use another namespace"
-        )
-    return BackendError(f"server error: {message}")
+    return translate(str(exc))
 
 
 class _Executor:
@@ -522,8 +500,14 @@ class RedisIndex:
         ``progress(done, removed)``, if given, is called after every page with the number of
         bucket keys processed so far and the number of (request key, entry) pairs removed so far.
         """
+        self.clear_with_progress(pod_identifier, progress)
+
+    def clear_with_progress(
+        self, pod_identifier: str, progress: ClearProgress | None = None
+    ) -> int:
+        """:meth:`clear`, returning the number of (request key, entry) pairs removed."""
         state, per_call = self._exec.state, self.config.clear_fields_per_call
-        self._exec.run(lambda: op_clear(state, pod_identifier, progress, per_call))
+        return self._exec.run(lambda: op_clear(state, pod_identifier, progress, per_call))
 
     def apply_batch(
         self,
@@ -654,8 +638,14 @@ class AsyncRedisIndex:
 
     async def clear(self, pod_identifier: str, progress: ClearProgress | None = None) -> None:
         """See :meth:`RedisIndex.clear` (``progress`` is a plain callable)."""
+        await self.clear_with_progress(pod_identifier, progress)
+
+    async def clear_with_progress(
+        self, pod_identifier: str, progress: ClearProgress | None = None
+    ) -> int:
+        """See :meth:`RedisIndex.clear_with_progress`."""
         state, per_call = self._exec.state, self.config.clear_fields_per_call
-        await self._exec.run(lambda: op_clear(state, pod_identifier, progress, per_call))
+        return await self._exec.run(lambda: op_clear(state, pod_identifier, progress, per_call))
 
     async def drop_namespace(self) -> int:
         """See :meth:`RedisIndex.drop_namespace`."""

@@ -38,8 +38,7 @@ from typing import cast
 
 import redis
 
-from kvredis.errors import EngineKeyNotFoundError
-from kvredis.index import (
+from kvredis.checks import (
     check_add,
     check_entries,
     check_hash,
@@ -47,6 +46,7 @@ from kvredis.index import (
     check_pod_identifier,
     pod_filter,
 )
+from kvredis.errors import EngineKeyNotFoundError
 from kvredis.types import KeyType, PodEntry
 
 ENGINE_PREFIX = "engine:"

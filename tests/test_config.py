@@ -7,8 +7,9 @@ from typing import Any
 
 import pytest
 
-from kvredis.config import IndexConfig, new_index, parse_duration
+from kvredis.config import IndexConfig, new_index
 from kvredis.errors import ConfigError
+from kvredis.jsonconfig import parse_duration
 from kvredis.memory import (
     CostAwareMemoryIndex,
     CostAwareMemoryIndexConfig,

@@ -16,7 +16,7 @@ from typing import Any
 import msgpack
 import pytest
 
-from kvredis.batch import BatchIndex, Watermark
+from kvredis.batch import Watermark
 from kvredis.errors import ConfigError, InvalidInputError
 from kvredis.events import (
     AllBlocksCleared,
@@ -25,16 +25,20 @@ from kvredis.events import (
     Event,
     encode_batch,
 )
-from kvredis.features import BlockExtraFeatures, MMHash, parse_raw_extra_keys
+from kvredis.features import (
+    BlockExtraFeatures,
+    MMHash,
+    parse_raw_extra_keys,
+    realign_extra_features,
+)
 from kvredis.hashing import ChunkedTokenDatabase, TokenProcessorConfig
-from kvredis.index import Index
+from kvredis.index import BatchIndex, Index
 from kvredis.ingest import (
     PHASE_DONE,
     BatchOutcome,
     EndpointConfig,
     EventIngester,
     IngesterConfig,
-    realign_extra_features,
     split_position,
     stream_position,
 )

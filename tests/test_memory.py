@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from kvredis.batch import AddOp, Watermark
 from kvredis.errors import ConfigError, EngineKeyNotFoundError, InvalidInputError
+from kvredis.jsonconfig import parse_size
 from kvredis.memory import (
     CLEAR_MAPPINGS_PER_PAGE,
     KEY_COST,
@@ -21,7 +22,6 @@ from kvredis.memory import (
     InMemoryIndex,
     InMemoryIndexConfig,
     estimated_entry_cost,
-    parse_size,
 )
 from kvredis.types import KeyType, PodEntry
 
