@@ -44,11 +44,11 @@ _EXPORTS: dict[str, str] = {
     "parse_size": "kvredis.jsonconfig",
     "parse_duration": "kvredis.jsonconfig",
     # hashing and features
-    "DEFAULT_BLOCK_SIZE": "kvredis.hashing",
-    "HASH_ALGOS": "kvredis.hashing",
-    "ChunkedTokenDatabase": "kvredis.hashing",
-    "TokenProcessor": "kvredis.hashing",
-    "TokenProcessorConfig": "kvredis.hashing",
+    "DEFAULT_BLOCK_SIZE": "kvredis.hashing.config",
+    "HASH_ALGOS": "kvredis.hashing.config",
+    "ChunkedTokenDatabase": "kvredis.hashing.database",
+    "TokenProcessor": "kvredis.hashing.database",
+    "TokenProcessorConfig": "kvredis.hashing.config",
     "BlockExtraFeatures": "kvredis.features",
     "MMHash": "kvredis.features",
     "PlaceholderRange": "kvredis.features",
@@ -219,13 +219,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
         realign_extra_features,
     )
     from kvredis.groups import GroupCatalog
-    from kvredis.hashing import (
-        DEFAULT_BLOCK_SIZE,
-        HASH_ALGOS,
-        ChunkedTokenDatabase,
-        TokenProcessor,
-        TokenProcessorConfig,
-    )
+    from kvredis.hashing.config import DEFAULT_BLOCK_SIZE, HASH_ALGOS, TokenProcessorConfig
+    from kvredis.hashing.database import ChunkedTokenDatabase, TokenProcessor
     from kvredis.index import (
         AsyncBatchIndex,
         AsyncIndex,

@@ -1,0 +1,84 @@
+"""How prompts are cut into blocks and hashed: :class:`TokenProcessorConfig`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvredis.errors import ConfigError
+from kvredis.jsonconfig import take_fields
+
+__all__ = ["DEFAULT_BLOCK_SIZE", "HASH_ALGOS", "TokenProcessorConfig"]
+
+DEFAULT_BLOCK_SIZE = 16
+HASH_ALGOS = ("xxh3_64", "fnv64a_cbor")
+
+_CONFIG_KEYS: dict[str, str] = {
+    "blockSizeTokens": "block_size_tokens",
+    "blockSize": "block_size",
+    "hashSeed": "hash_seed",
+    "hashAlgo": "hash_algo",
+}
+
+
+def _resolve_block_size(block_size_tokens: int, block_size: int) -> int:
+    """``block_size_tokens`` unless it is 0; then the deprecated ``block_size``; both 0 -> 16."""
+    if block_size_tokens == 0 and block_size == 0:
+        return DEFAULT_BLOCK_SIZE
+    value = block_size if block_size_tokens == 0 else block_size_tokens
+    if value <= 0:
+        raise ConfigError(f"blockSizeTokens must be greater than 0, got {value}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class TokenProcessorConfig:
+    """How prompts are cut into blocks and hashed.
+
+    ``block_size`` is the deprecated spelling of ``block_size_tokens``: it is used only when
+    ``block_size_tokens`` is 0 (pass ``block_size_tokens=0`` to use it), and both 0 means 16.
+    A block size <= 0 that would be used raises :class:`~kvredis.errors.ConfigError` (a
+    ``ValueError``). For ``"fnv64a_cbor"`` keys to match the engines', ``hash_seed`` must
+    match theirs (vLLM's ``PYTHONHASHSEED``).
+    """
+
+    block_size_tokens: int = DEFAULT_BLOCK_SIZE
+    hash_seed: str = ""
+    block_size: int = 0
+    hash_algo: str = "xxh3_64"
+
+    def __post_init__(self) -> None:
+        for name in ("block_size_tokens", "block_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"{name} must be an int, got {value!r}")
+        if not isinstance(self.hash_seed, str):
+            raise ConfigError(f"hash_seed must be a str, got {type(self.hash_seed).__name__}")
+        try:
+            self.hash_seed.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ConfigError(f"hash_seed is not encodable as UTF-8: {exc}") from None
+        if self.hash_algo not in HASH_ALGOS:
+            raise ConfigError(
+                f"unknown hash_algo {self.hash_algo!r}; valid values are "
+                + ", ".join(repr(a) for a in HASH_ALGOS)
+            )
+        _resolve_block_size(self.block_size_tokens, self.block_size)
+
+    @property
+    def resolved_block_size(self) -> int:
+        """The number of tokens per block actually used."""
+        return _resolve_block_size(self.block_size_tokens, self.block_size)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TokenProcessorConfig:
+        """Build from the upstream JSON shape (``blockSizeTokens``, ``blockSize``, ``hashSeed``,
+        ``hashAlgo``) or the Python field names. Unknown keys raise ``ConfigError``.
+
+        As in the upstream JSON decoding, a missing ``blockSizeTokens`` counts as 0, so
+        ``{"blockSize": 8}`` means 8 and ``{}`` means 16.
+        """
+        kwargs = take_fields("token processor config", data, _CONFIG_KEYS)
+        kwargs.setdefault("block_size_tokens", 0)
+        return cls(**kwargs)

@@ -1,0 +1,1 @@
+"""Tests of kvredis.hashing: one module per module of the package."""
