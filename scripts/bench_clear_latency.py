@@ -9,39 +9,30 @@ the number of pages (progress callbacks) and, on its own server, every command t
 1 ms or more on the server during the clear (SLOWLOG), so a batch size that blocks Redis for
 too long shows up by name. Target: lookup p99 under 10 ms during the clear.
 
-Run from the repository root:  .venv/bin/python scripts/bench_clear_latency.py [--quick]
+Run:  .venv/bin/python scripts/bench_clear_latency.py [--quick]
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-import math
 import multiprocessing as mp
 import random
 import statistics
 import sys
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.synchronize import Event
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+import redis
 
-import redis  # noqa: E402
+from kvredis.batch import AddOp
+from kvredis.redis_index import RedisIndex, RedisIndexConfig
+from kvredis.scripts import ScriptRegistry
+from kvredis.types import PodEntry
 
-from kvredis.batch import AddOp  # noqa: E402
-from kvredis.redis_index import RedisIndex, RedisIndexConfig  # noqa: E402
-from kvredis.scripts import ScriptRegistry  # noqa: E402
-from kvredis.types import PodEntry  # noqa: E402
-from tests.servers import RedisServer  # noqa: E402
+from _bench import bench_parser, percentile, redis_server, write_json
 
 TARGET_P99_MS = 10.0
 CHAIN = 128
@@ -90,13 +81,6 @@ class Result:
         return "PASS" if self.p99_ms < TARGET_P99_MS else "MISS"
 
 
-def percentile(samples: list[float], q: float) -> float:
-    """The q-quantile (0..1) of ``samples`` by the nearest-rank method."""
-    ordered = sorted(samples)
-    rank = max(0, min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1))
-    return ordered[rank]
-
-
 def lookup_loop(
     address: str, namespace: str, chain: list[int], go: Event, stop: Event, out: Connection
 ) -> None:
@@ -114,19 +98,6 @@ def lookup_loop(
         index.close()
     out.send(samples)
     out.close()
-
-
-@contextmanager
-def server(url: str | None) -> Iterator[str]:
-    if url is not None:
-        yield url
-        return
-    srv = RedisServer()
-    srv.start()
-    try:
-        yield srv.url
-    finally:
-        srv.close()
 
 
 def load(index: RedisIndex, entries: int, rng: random.Random) -> tuple[list[int], list[int]]:
@@ -200,7 +171,7 @@ def run(
     fields_per_call: int | None,
 ) -> Result:
     rng = random.Random(seed)
-    with server(url) as address:
+    with redis_server(url) as address:
         namespace = f"bench-clear-{uuid.uuid4().hex[:8]}"
         config = RedisIndexConfig(address=address, namespace=namespace)
         if fields_per_call is not None:
@@ -279,8 +250,7 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="50k entries (seconds)")
+    parser = bench_parser(__doc__, "50k entries (seconds)")
     parser.add_argument("--entries", type=int, default=None, help="victim entries (default 1M)")
     parser.add_argument("--url", default=None, help="use this Redis instead of starting one")
     parser.add_argument(
@@ -290,7 +260,6 @@ def main(argv: list[str] | None = None) -> int:
         help="RedisIndexConfig.clear_fields_per_call (default: the library's)",
     )
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--json", default=None, metavar="PATH", help="also write results as JSON")
     args = parser.parse_args(argv)
     entries = args.entries or (50_000 if args.quick else 1_000_000)
     r = run(entries, args.url, 0.5 if args.quick else 2.0, args.seed, args.fields_per_call)
@@ -318,11 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"target p99 < {TARGET_P99_MS:g} ms: {r.verdict}")
     if args.json:
-        text = json.dumps({**asdict(r), "verdict": r.verdict}, indent=2)
-        if args.json == "-":
-            print(text)
-        else:
-            Path(args.json).write_text(text + "\n")
+        write_json(args.json, {**asdict(r), "verdict": r.verdict})
     return 0 if r.verdict == "PASS" else 1
 
 

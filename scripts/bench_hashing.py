@@ -17,14 +17,12 @@ Ratios are row time / limit time. Target: ``kvredis xxh3_64, from list`` within 
 list-inclusive limit. The hash-only ratio is reported as well; with one Python-level call per
 block it is bounded below by the per-call cost (~100 ns per 16-token block) and cannot reach 4x.
 
-Run from the repository root:  .venv/bin/python scripts/bench_hashing.py [--quick] [--json PATH]
+Run:  .venv/bin/python scripts/bench_hashing.py [--quick] [--json PATH]
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import random
 import statistics
 import sys
@@ -32,16 +30,13 @@ import time
 from array import array
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from xxhash import xxh3_64_intdigest
 
-from xxhash import xxh3_64_intdigest  # noqa: E402
+from kvredis.features import BlockExtraFeatures, MMHash
+from kvredis.hashing import ChunkedTokenDatabase, TokenProcessorConfig
 
-from kvredis.features import BlockExtraFeatures, MMHash  # noqa: E402
-from kvredis.hashing import ChunkedTokenDatabase, TokenProcessorConfig  # noqa: E402
+from _bench import bench_parser, write_json
 
 TARGET_RATIO = 4.0
 VOCAB = 128_256  # Llama 3 vocabulary size: most ids need the 5-byte CBOR form
@@ -89,12 +84,10 @@ def measure(
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="few rounds, done in a few seconds")
+    parser = bench_parser(__doc__, "few rounds, done in a few seconds")
     parser.add_argument("--tokens", type=int, default=131_072, help="prompt length (128k)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--json", type=Path, help="also write the results as JSON")
     args = parser.parse_args()
 
     rng = random.Random(args.seed)
@@ -177,17 +170,15 @@ def main() -> int:
         f"{main_row.vs_hash_only:.0f}x the hash-only limit (bytes ready)"
     )
     if args.json:
-        args.json.write_text(
-            json.dumps(
-                {
-                    "tokens": args.tokens,
-                    "block_size": bs,
-                    "rows": [asdict(r) for r in rows],
-                    "target_ratio": TARGET_RATIO,
-                    "target_met": met,
-                },
-                indent=2,
-            )
+        write_json(
+            args.json,
+            {
+                "tokens": args.tokens,
+                "block_size": bs,
+                "rows": [asdict(r) for r in rows],
+                "target_ratio": TARGET_RATIO,
+                "target_met": met,
+            },
         )
     return 0
 

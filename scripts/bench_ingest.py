@@ -15,14 +15,12 @@ they share the machine's state; medians are reported. Round trips are counted on
 (every request written to a Redis connection; a pipeline counts once), the server's execution
 time comes from ``INFO commandstats``, and the resulting index states are compared.
 
-Run from the repository root:  .venv/bin/python scripts/bench_ingest.py [--quick] [--url URL]
+Run:  .venv/bin/python scripts/bench_ingest.py [--quick] [--url URL]
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import random
 import statistics
 import sys
@@ -31,22 +29,18 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+import redis
 
-import redis  # noqa: E402
+from kvredis.errors import EngineKeyNotFoundError
+from kvredis.events import BlockRemoved, BlockStored, decode_batch, encode_batch
+from kvredis.hashing import ChunkedTokenDatabase
+from kvredis.ingest import EndpointConfig, EventIngester, IngesterConfig
+from kvredis.redis_index import RedisIndex, RedisIndexConfig
+from kvredis.types import KeyType, PodEntry
 
-from kvredis.errors import EngineKeyNotFoundError  # noqa: E402
-from kvredis.events import BlockRemoved, BlockStored, decode_batch, encode_batch  # noqa: E402
-from kvredis.hashing import ChunkedTokenDatabase  # noqa: E402
-from kvredis.ingest import EndpointConfig, EventIngester, IngesterConfig  # noqa: E402
-from kvredis.redis_index import RedisIndex, RedisIndexConfig  # noqa: E402
-from kvredis.types import KeyType, PodEntry  # noqa: E402
-from tests.servers import RedisServer  # noqa: E402
+from _bench import bench_parser, redis_server, write_json
 
 BLOCK = 16
 MODEL = "bench-model"
@@ -231,26 +225,9 @@ def sample_run(
     return Sample(seconds, trips.count, (server_usec(client) - before) / 1e6), index
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a small workload (seconds)")
-    parser.add_argument("--url", help="use this Redis instead of starting one")
-    parser.add_argument("--pods", type=int, default=None)
-    parser.add_argument("--steps", type=int, default=None, help="scheduler steps per pod")
-    parser.add_argument("--rounds", type=int, default=None, help="alternating repetitions")
-    parser.add_argument("--json", type=Path, help="also write the results as JSON")
-    args = parser.parse_args(argv)
-    pods = args.pods or (2 if args.quick else 4)
-    steps = args.steps or (60 if args.quick else 400)
-    rounds = args.rounds or (2 if args.quick else 3)
-    work = make_workload(pods, steps, capacity=600 if args.quick else 3000)
+def compare(url: str, work: Workload, pods: int, rounds: int, json_path: str | None) -> int:
+    """Run the three ways of ingesting ``work`` into the Redis at ``url`` and report them."""
     tp = ChunkedTokenDatabase()
-    server = None
-    url = args.url
-    if url is None:
-        server = RedisServer()
-        server.start()
-        url = server.url
     client = redis.Redis.from_url(url)
     runners: dict[str, Callable[[RedisIndex], float]] = {
         "per-event Index calls (llm-d pool)": lambda index: run_per_event(index, work, tp),
@@ -311,13 +288,26 @@ def main(argv: list[str] | None = None) -> int:
             f"{base.round_trips_per_batch:.1f}); index states agree on "
             f"{len(probe)} probed keys"
         )
-        if args.json:
-            args.json.write_text(json.dumps([asdict(r) for r in results], indent=2))
+        if json_path:
+            write_json(json_path, [asdict(r) for r in results])
         return 0
     finally:
         client.close()
-        if server is not None:
-            server.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = bench_parser(__doc__, "a small workload (seconds)")
+    parser.add_argument("--url", help="use this Redis instead of starting one")
+    parser.add_argument("--pods", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=None, help="scheduler steps per pod")
+    parser.add_argument("--rounds", type=int, default=None, help="alternating repetitions")
+    args = parser.parse_args(argv)
+    pods = args.pods or (2 if args.quick else 4)
+    steps = args.steps or (60 if args.quick else 400)
+    rounds = args.rounds or (2 if args.quick else 3)
+    work = make_workload(pods, steps, capacity=600 if args.quick else 3000)
+    with redis_server(args.url) as url:
+        return compare(url, work, pods, rounds, args.json)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ Also reports how close the cost-aware index's byte estimate is to what tracemall
 
 from __future__ import annotations
 
-import argparse
 import gc
 import random
 import statistics
@@ -24,6 +23,8 @@ from kvredis.hashing import ChunkedTokenDatabase, TokenProcessorConfig
 from kvredis.indexer import Indexer
 from kvredis.memory import CostAwareMemoryIndex, InMemoryIndex
 from kvredis.types import KeyType, PodEntry
+
+from _bench import bench_parser
 
 MODEL = "bench/model"
 
@@ -127,8 +128,7 @@ def bench_estimate(n: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes, a few seconds")
+    parser = bench_parser(__doc__, "small sizes, a few seconds", with_json=False)
     args = parser.parse_args()
     chains, repeat = (40, 200) if args.quick else (400, 2000)
     chain_len, pods = 512, 4

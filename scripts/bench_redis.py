@@ -5,36 +5,28 @@ its own namespace, the reference layout (scripts/reference_layout.py) in databas
 two sides alternate in small rounds so both see the same machine state; each side's answers are
 checked against the other's before anything is timed.
 
-Run from the repository root:  .venv/bin/python scripts/bench_redis.py [--quick] [--json PATH]
+Run:  .venv/bin/python scripts/bench_redis.py [--quick] [--json PATH]
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
-import math
 import random
 import statistics
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+import redis
 
-import redis  # noqa: E402
+from kvredis.redis_index import RedisIndex, RedisIndexConfig
+from kvredis.scoring import LongestPrefixScorer
+from kvredis.types import KeyType, PodEntry
 
-from kvredis.redis_index import RedisIndex, RedisIndexConfig  # noqa: E402
-from kvredis.scoring import LongestPrefixScorer  # noqa: E402
-from kvredis.types import KeyType, PodEntry  # noqa: E402
-from scripts.reference_layout import ReferenceLayout  # noqa: E402
-from tests.servers import RedisServer  # noqa: E402
+from _bench import REPO, bench_parser, percentile, redis_server, write_json
+from reference_layout import ReferenceLayout
 
 REFERENCE_DB = 1
 CHAIN = 512
@@ -65,13 +57,6 @@ class Row:
             return ""
         ok = self.ratio > self.target if self.strict else self.ratio >= self.target
         return "PASS" if ok else "MISS"
-
-
-def percentile(samples: list[float], q: float) -> float:
-    """The q-quantile (0..1) of ``samples`` by the nearest-rank method."""
-    ordered = sorted(samples)
-    rank = max(0, min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1))
-    return ordered[rank]
 
 
 def timed(fn: Callable[[int], object], calls: range) -> list[float]:
@@ -140,27 +125,19 @@ def same(a: dict[int, list[PodEntry]], b: dict[int, list[PodEntry]]) -> bool:
     return {k: set(v) for k, v in a.items()} == {k: set(v) for k, v in b.items()}
 
 
-@contextmanager
-def server(url: str | None) -> Iterator[tuple[str, int]]:
-    """(host, port) of the server to use: ``url``'s, or a fresh redis-server's."""
-    if url is not None:
-        conn = redis.Redis.from_url(url)
-        kw = conn.connection_pool.connection_kwargs
-        conn.close()
-        yield str(kw.get("host", "127.0.0.1")), int(kw.get("port", 6379))
-        return
-    srv = RedisServer()
-    srv.start()
-    try:
-        yield "127.0.0.1", srv.port
-    finally:
-        srv.close()
+def host_port(url: str) -> tuple[str, int]:
+    """The host and port of the server at ``url``."""
+    conn = redis.Redis.from_url(url)
+    kw = conn.connection_pool.connection_kwargs
+    conn.close()
+    return str(kw.get("host", "127.0.0.1")), int(kw.get("port", 6379))
 
 
 def run(calls: int, url: str | None, seed: int) -> list[Row]:
     rng = random.Random(seed)
     rows: list[Row] = []
-    with server(url) as (host, port):
+    with redis_server(url) as address:
+        host, port = host_port(address)
         namespace = f"bench-{uuid.uuid4().hex[:8]}"
         ref_client = redis.Redis(host=host, port=port, db=REFERENCE_DB)
         if url is not None and ref_client.dbsize():
@@ -301,8 +278,7 @@ def print_table(rows: list[Row]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="few calls per op (seconds)")
+    parser = bench_parser(__doc__, "few calls per op (seconds)")
     parser.add_argument("--calls", type=int, default=None, help="timed calls per op and side")
     parser.add_argument(
         "--url",
@@ -310,18 +286,13 @@ def main(argv: list[str] | None = None) -> int:
         help="redis://host:port of a server to use instead of starting one (db 1 must be empty)",
     )
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--json", default=None, metavar="PATH", help="also write rows as JSON")
     args = parser.parse_args(argv)
     calls = args.calls or (40 if args.quick else 400)
     rows = run(calls, args.url, args.seed)
     print_table(rows)
     if args.json:
         payload = [{**asdict(r), "verdict": r.verdict} for r in rows]
-        text = json.dumps({"calls": calls, "rows": payload}, indent=2)
-        if args.json == "-":
-            print(text)
-        else:
-            Path(args.json).write_text(text + "\n")
+        write_json(args.json, {"calls": calls, "rows": payload})
     missed = [r.op for r in rows if r.verdict == "MISS"]
     return 1 if missed else 0
 

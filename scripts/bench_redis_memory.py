@@ -6,13 +6,11 @@ keys, so the engine->request mapping is included). The figure is the growth of `
 (INFO memory) over the empty server, minus the growth of the script cache, divided by
 blocks x pods. A per-key-type breakdown samples MEMORY USAGE and OBJECT ENCODING.
 
-Run from the repository root:  .venv/bin/python scripts/bench_redis_memory.py [--quick]
+Run:  .venv/bin/python scripts/bench_redis_memory.py [--quick]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
 import re
 import statistics
@@ -21,19 +19,15 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+import redis
 
-import redis  # noqa: E402
+from kvredis.batch import AddOp
+from kvredis.redis_index import RedisIndex, RedisIndexConfig
+from kvredis.types import PodEntry
 
-from kvredis.batch import AddOp  # noqa: E402
-from kvredis.redis_index import RedisIndex, RedisIndexConfig  # noqa: E402
-from kvredis.types import PodEntry  # noqa: E402
-from scripts.reference_layout import ReferenceLayout  # noqa: E402
-from tests.servers import RedisServer  # noqa: E402
+from _bench import RedisServer, bench_parser, write_json
+from reference_layout import ReferenceLayout
 
 EVENT_BLOCKS = 64
 NAMESPACE = "kvblock"
@@ -281,8 +275,7 @@ def print_layout(layout: Layout) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="10k blocks (seconds)")
+    parser = bench_parser(__doc__, "10k blocks (seconds)")
     parser.add_argument("--blocks", type=int, default=None, help="request keys (default 100k)")
     parser.add_argument("--pods", type=int, default=4)
     parser.add_argument(
@@ -293,7 +286,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ops-per-call", type=int, default=16, help="AddOps per apply_batch")
     parser.add_argument("--no-breakdown", action="store_true")
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--json", default=None, metavar="PATH", help="also write results as JSON")
     args = parser.parse_args(argv)
     blocks = args.blocks or (10_000 if args.quick else 100_000)
     workload = make_workload(blocks, args.pods, args.distinct_engine_keys, args.seed)
@@ -313,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     verdict = "PASS" if ratio <= TARGET else "MISS"
     print(f"kvredis / reference = {ratio:.3f} (target <= {TARGET:.3f}): {verdict}")
     if args.json:
-        text = json.dumps(
+        write_json(
+            args.json,
             {
                 "blocks": blocks,
                 "pods": args.pods,
@@ -323,12 +316,7 @@ def main(argv: list[str] | None = None) -> int:
                 "ratio": ratio,
                 "verdict": verdict,
             },
-            indent=2,
         )
-        if args.json == "-":
-            print(text)
-        else:
-            Path(args.json).write_text(text + "\n")
     return 0 if verdict == "PASS" else 1
 
 
