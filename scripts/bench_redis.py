@@ -30,7 +30,7 @@ if str(REPO) not in sys.path:
 
 import redis  # noqa: E402
 
-from kvredis.redis_index import RedisIndex, RedisIndexConfig  # noqa: E402
+from kvredis.redis import RedisIndex, RedisIndexConfig  # noqa: E402
 from kvredis.scoring import LongestPrefixScorer  # noqa: E402
 from kvredis.types import KeyType, PodEntry  # noqa: E402
 from scripts.reference_layout import ReferenceLayout  # noqa: E402

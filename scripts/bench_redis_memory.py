@@ -30,7 +30,7 @@ if str(REPO) not in sys.path:
 import redis  # noqa: E402
 
 from kvredis.batch import AddOp  # noqa: E402
-from kvredis.redis_index import RedisIndex, RedisIndexConfig  # noqa: E402
+from kvredis.redis import RedisIndex, RedisIndexConfig  # noqa: E402
 from kvredis.types import PodEntry  # noqa: E402
 from scripts.reference_layout import ReferenceLayout  # noqa: E402
 from tests.servers import RedisServer  # noqa: E402
