@@ -65,13 +65,14 @@ _EXPORTS: dict[str, str] = {
     "Indexer": "kvredis.indexer",
     "IndexConfig": "kvredis.config",
     "new_index": "kvredis.config",
-    "RedisAddress": "kvredis.address",
-    "parse_address": "kvredis.address",
-    "AsyncRedisIndex": "kvredis.redis_index",
-    "RedisIndex": "kvredis.redis_index",
-    "RedisIndexConfig": "kvredis.redis_index",
-    "new_redis_index": "kvredis.redis_index",
-    "new_valkey_index": "kvredis.redis_index",
+    "RedisAddress": "kvredis.redis.address",
+    "mask_password": "kvredis.redis.address",
+    "parse_address": "kvredis.redis.address",
+    "AsyncRedisIndex": "kvredis.redis.index",
+    "RedisIndex": "kvredis.redis.index",
+    "RedisIndexConfig": "kvredis.redis.config",
+    "new_redis_index": "kvredis.redis.index",
+    "new_valkey_index": "kvredis.redis.index",
     # event ingestion
     "AllBlocksCleared": "kvredis.events",
     "BlockRemoved": "kvredis.events",
@@ -159,6 +160,7 @@ __all__ = [
     "compute_block_extra_features",
     "decode_batch",
     "encode_batch",
+    "mask_password",
     "new_index",
     "new_redis_index",
     "new_valkey_index",
@@ -185,7 +187,6 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
-    from kvredis.address import RedisAddress, parse_address
     from kvredis.batch import AddOp, EvictOp, IndexOp, Watermark
     from kvredis.config import IndexConfig, new_index
     from kvredis.errors import (
@@ -248,10 +249,11 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
         InMemoryIndex,
         InMemoryIndexConfig,
     )
-    from kvredis.redis_index import (
+    from kvredis.redis.address import RedisAddress, mask_password, parse_address
+    from kvredis.redis.config import RedisIndexConfig
+    from kvredis.redis.index import (
         AsyncRedisIndex,
         RedisIndex,
-        RedisIndexConfig,
         new_redis_index,
         new_valkey_index,
     )

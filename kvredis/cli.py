@@ -26,7 +26,8 @@ def cli(verbose: int) -> None:
 
 def _index_factory(backend: str, redis_url: str | None, namespace: str) -> Callable[[str], Index]:
     if redis_url is not None:
-        from kvredis.redis_index import RedisIndexConfig, new_redis_index
+        from kvredis.redis.config import RedisIndexConfig
+        from kvredis.redis.index import new_redis_index
 
         def make_redis(router: str) -> Index:
             return new_redis_index(

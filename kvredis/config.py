@@ -19,7 +19,7 @@ from kvredis.memory import (
 if TYPE_CHECKING:
     from types import ModuleType
 
-    from kvredis.redis_index import RedisIndexConfig
+    from kvredis.redis.config import RedisIndexConfig
 
 _FIELDS = {
     "inMemoryConfig": "in_memory_config",
@@ -33,7 +33,7 @@ _FIELDS = {
 
 def _redis_module() -> ModuleType:
     try:
-        import kvredis.redis_index as module
+        import kvredis.redis.index as module
     except ImportError as exc:
         raise ConfigError(f"the Redis/Valkey backend is not available: {exc}") from exc
     return module

@@ -4,15 +4,15 @@
   ARGV[1]     namespace generation (KVREDIS_STALE if it differs from <ns>:meta gen)
   ARGV[2]     request bucket prefix "<ns>:r:"    ARGV[3] engine bucket prefix "<ns>:e:"
   ARGV[4]     bucket bits                        ARGV[5] most request keys kept per engine key
-  ARGV[6]     n, the number of encoded entries; ARGV[7..6+n] the entries (see _kvblock)
+  ARGV[6]     n, the number of encoded entries; ARGV[7..6+n] the entries (see includes/entries)
   ARGV[7+n..] one op: "A", nent, nent x entry index, request keys (hash blob),
               engine/request key pairs (hash blob: engine key, request key, ...)
+  Errors      KVREDIS_INVALID for malformed arguments, KVREDIS_LAYOUT when the entry id space
+              cannot hold the new entries; both before the first write
   Returns     0
   Complexity  O(request keys x entries per key + mappings); new entries are interned once ]]
---@include _kvblock
+--@include program
 check_gen(KEYS[1], ARGV[1])
-local k = write_context(KEYS[1], KEYS[2], KEYS[3], KEYS[4])
-local n = tonumber(ARGV[6])
-local ents = {}
-for i = 1, n do ents[i] = ARGV[6 + i] end
-return run_ops(k, ents, 7 + n, 1, tonumber(ARGV[5]))
+local k = write_context(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[2], ARGV[3], ARGV[4])
+local cap = int_arg(ARGV[5], 'request keys per engine key', 1, 2147483647)
+return run_program(k, read_program(ARGV, 6, 1, {A = true}), cap)

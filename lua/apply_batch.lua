@@ -8,7 +8,7 @@
   ARGV[4]     bucket bits                        ARGV[5] most request keys kept per engine key
   ARGV[6]     stream name, "" for an unfenced batch
   ARGV[7]     epoch, ARGV[8] seq: decimal integers >= -1 (compared as decimal strings)
-  ARGV[9]     n, the number of encoded entries; ARGV[10..9+n] the entries (see _kvblock)
+  ARGV[9]     n, the number of encoded entries; ARGV[10..9+n] the entries (see includes/entries)
   ARGV[10+n]  number of ops, then the ops, each one of
                 "A", nent, nent x entry index, request keys (hash blob),
                      engine/request key pairs (hash blob: engine key, request key, ...)
@@ -16,9 +16,20 @@
                 "E", 8-byte engine key, nent, nent x entry index
               (entry indexes are 1-based into the entries above)
   Stored      <ns>:wm field stream = "epoch:seq"
+  Errors      KVREDIS_INVALID for malformed arguments, KVREDIS_LAYOUT for a malformed stored
+              watermark or when the entry id space cannot hold the new entries; all before the
+              first write
   Returns     1 if applied, 0 if skipped (the stream already reached this watermark)
   Complexity  sum of the ops' costs (see add.lua and evict.lua) ]]
---@include _kvblock
+--@include program
+
+-- A decimal integer string without leading zeros (the form Python's str(int) gives).
+local function dec_arg(value, what)
+  if type(value) ~= 'string' or not (value == '0' or string.find(value, '^%-?[1-9]%d*$')) then
+    fail('INVALID', what .. ' must be a decimal integer, got ' .. tostring(value))
+  end
+  return value
+end
 
 -- Compare two decimal integer strings (optional leading "-", no leading zeros).
 local function cmp_dec(a, b)
@@ -38,7 +49,14 @@ local function cmp_dec(a, b)
 end
 
 check_gen(KEYS[1], ARGV[1])
+local k = write_context(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[2], ARGV[3], ARGV[4])
+local cap = int_arg(ARGV[5], 'request keys per engine key', 1, 2147483647)
 local stream, epoch, seq = ARGV[6], ARGV[7], ARGV[8]
+if stream ~= '' then
+  dec_arg(epoch, 'epoch')
+  dec_arg(seq, 'seq')
+end
+local program = read_program(ARGV, 9, nil, {A = true, R = true, E = true})
 if stream ~= '' then
   local stored = redis.call('HGET', KEYS[5], stream)
   if stored then
@@ -49,10 +67,6 @@ if stream ~= '' then
     if c <= 0 then return 0 end
   end
 end
-local k = write_context(KEYS[1], KEYS[2], KEYS[3], KEYS[4])
-local n = tonumber(ARGV[9])
-local ents = {}
-for i = 1, n do ents[i] = ARGV[9 + i] end
-run_ops(k, ents, 11 + n, tonumber(ARGV[10 + n]), tonumber(ARGV[5]))
+run_program(k, program, cap)
 if stream ~= '' then redis.call('HSET', KEYS[5], stream, epoch .. ':' .. seq) end
 return 1

@@ -6,12 +6,14 @@
   ARGV[2]     the pod's entry ids (id list, as stored in <ns>:pp)
   Returns     [pairs (request key, entry) removed, fields examined]; request keys left empty
               are deleted (the client sizes its next page from the fields examined)
+  Errors      KVREDIS_INVALID for a malformed id list, before the first write
   Complexity  O(fields of the page's buckets x entries per key). Keys or fields that do not have
               the shape of a request bucket (not a hash, field not 8 bytes) are left alone. ]]
---@include _kvblock
+--@include layout
+--@include id_lists
+--@include hash_chunks
 check_gen(KEYS[1], ARGV[1])
-local set = {}
-for i = 1, #ARGV[2], ID_WIDTH do set[string.sub(ARGV[2], i, i + ID_WIDTH - 1)] = true end
+local set = list_set(blob_arg(ARGV[2], ID_WIDTH, 'entry ids'), ID_WIDTH)
 local removed, examined = 0, 0
 for i = 2, #KEYS do
   local all = {}

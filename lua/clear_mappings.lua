@@ -7,10 +7,12 @@
   Returns     [mappings dropped, work done (fields examined + request keys probed)]
   Complexity  O(mappings of the page's buckets x request keys per mapping). Request bucket names
               are built here from the mapped request keys (they are data, not arguments). Keys
-              or fields without the shape of an engine bucket are left alone. ]]
---@include _kvblock
+              or fields without the shape of an engine bucket are left alone.
+  Errors      KVREDIS_INVALID for a malformed prefix or bucket bits, before the first write ]]
+--@include layout
+--@include hash_chunks
 check_gen(KEYS[1], ARGV[1])
-local rbucket = bucket_namer(ARGV[2], tonumber(ARGV[3]))
+local rbucket = bucket_namer(ARGV[2], ARGV[3])
 local dropped, examined = 0, 0
 for i = 2, #KEYS do
   local all = {}

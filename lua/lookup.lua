@@ -12,10 +12,10 @@
               hit key, in chain order (filtered); the walk stops at the first key with no
               (filtered) entry: keys after the miss are never read
   Complexity  O(hit keys x entries per key) ]]
---@include _kvblock
+--@include entries
 local meta = redis.call('HMGET', KEYS[1], 'gen', 'next_id')
 if meta[1] ~= ARGV[1] then fail('STALE', 'namespace layout changed or was removed; reload it') end
-local rbucket = bucket_namer(ARGV[2], tonumber(ARGV[3]))
+local rbucket = bucket_namer(ARGV[2], ARGV[3])
 local floor = tonumber(ARGV[4])
 local want_defs = tonumber(meta[2] or '0') > floor
 local upto = math.min(tonumber(meta[2] or '0'), floor + 256)

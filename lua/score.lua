@@ -12,9 +12,9 @@
   ARGV[7+f+2w] the request keys in chain order (hash blob)
   Returns     flat array pod id, score ("%.17g"), ... in order of first appearance
   Complexity  O(scored keys x entries per key); each distinct id list is weighed once ]]
---@include _kvblock
+--@include entries
 check_gen(KEYS[1], ARGV[1])
-local rbucket = bucket_namer(ARGV[2], tonumber(ARGV[3]))
+local rbucket = bucket_namer(ARGV[2], ARGV[3])
 local nf = tonumber(ARGV[4])
 local allowed = nil
 if nf > 0 then

@@ -28,8 +28,8 @@ from multiprocessing.synchronize import Event
 import redis
 
 from kvredis.batch import AddOp
-from kvredis.redis_index import RedisIndex, RedisIndexConfig
-from kvredis.scripts import ScriptRegistry
+from kvredis.redis import RedisIndex, RedisIndexConfig
+from kvredis.redis.scripts import ScriptRegistry
 from kvredis.types import PodEntry
 
 from _bench import bench_parser, percentile, redis_server, write_json

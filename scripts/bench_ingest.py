@@ -37,7 +37,7 @@ from kvredis.errors import EngineKeyNotFoundError
 from kvredis.events import BlockRemoved, BlockStored, decode_batch, encode_batch
 from kvredis.hashing import ChunkedTokenDatabase
 from kvredis.ingest import EndpointConfig, EventIngester, IngesterConfig
-from kvredis.redis_index import RedisIndex, RedisIndexConfig
+from kvredis.redis import RedisIndex, RedisIndexConfig
 from kvredis.types import KeyType, PodEntry
 
 from _bench import bench_parser, redis_server, write_json

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 
 import redis
 
-from kvredis.redis_index import RedisIndex, RedisIndexConfig
+from kvredis.redis import RedisIndex, RedisIndexConfig
 from kvredis.scoring import LongestPrefixScorer
 from kvredis.types import KeyType, PodEntry
 

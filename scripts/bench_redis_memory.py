@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 import redis
 
 from kvredis.batch import AddOp
-from kvredis.redis_index import RedisIndex, RedisIndexConfig
+from kvredis.redis import RedisIndex, RedisIndexConfig
 from kvredis.types import PodEntry
 
 from _bench import RedisServer, bench_parser, write_json

@@ -1,4 +1,11 @@
-"""Shared fixtures: real Redis servers on free ports and the Index backend matrix."""
+"""Shared fixtures: real Redis servers on free ports and the Index backend matrix.
+
+Markers follow the fixtures: a test that uses a Redis server (``redis_server_url``,
+``own_redis_server``, or a Redis backend of the matrix) carries the ``redis`` marker, so
+``pytest -m "not redis"`` runs everything that needs no server. Without ``redis-server`` (and
+without ``KVREDIS_TEST_REDIS_URL`` or Docker), a selected test that needs one fails at setup,
+saying so; it is never skipped.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +22,16 @@ from tests.servers import RedisServer, redis_url
 
 T = TypeVar("T")
 
-BACKENDS = ["memory", "cost_aware", "redis", "async_redis"]
+#: Fixtures that start or reach a Redis server; a test using one (directly or through another
+#: fixture) is marked ``redis``.
+REDIS_FIXTURES = frozenset({"redis_server_url", "own_redis_server"})
+REDIS_BACKENDS = [pytest.param(name, marks=pytest.mark.redis) for name in ("redis", "async_redis")]
+BACKENDS = ["memory", "cost_aware", *REDIS_BACKENDS]
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    if REDIS_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+        item.add_marker(pytest.mark.redis)
 
 
 @pytest.fixture(scope="session")
@@ -135,7 +151,7 @@ def make_backend(name: str, request: pytest.FixtureRequest) -> Any:
         return CostAwareMemoryIndex()
     url: str = request.getfixturevalue("redis_server_url")
     ns = f"kvt-{uuid.uuid4().hex[:12]}"
-    from kvredis.redis_index import AsyncRedisIndex, RedisIndex, RedisIndexConfig
+    from kvredis import AsyncRedisIndex, RedisIndex, RedisIndexConfig
 
     config = RedisIndexConfig(address=url, namespace=ns)
     if name == "redis":
@@ -157,7 +173,7 @@ def index(request: pytest.FixtureRequest) -> Iterator[Any]:
             close()
 
 
-@pytest.fixture(params=["redis", "async_redis"])
+@pytest.fixture(params=REDIS_BACKENDS)
 def redis_backend_index(request: pytest.FixtureRequest) -> Iterator[Any]:
     """A fresh Redis-backed index, sync and async (through SyncOverAsync)."""
     idx = make_backend(request.param, request)

@@ -44,7 +44,11 @@ class RedisServer:
     def __init__(self, binary: str | None = None, extra_args: list[str] | None = None) -> None:
         found = binary or shutil.which("redis-server") or shutil.which("valkey-server")
         if found is None:
-            raise RuntimeError("redis-server is not installed (apt-get install -y redis-server)")
+            raise RuntimeError(
+                "this test needs a Redis server, but neither redis-server nor valkey-server is "
+                "on PATH: install one (scripts/install-servers), point KVREDIS_TEST_REDIS_URL at "
+                'a server, or deselect such tests with -m "not redis"'
+            )
         self.binary = found
         self.extra_args = list(extra_args or [])
         self.port = free_port()

@@ -182,7 +182,7 @@ def test_new_index_rejects_other_types() -> None:
 
 
 def _redis_module() -> Any:
-    return pytest.importorskip("kvredis.redis_index")
+    return pytest.importorskip("kvredis.redis.index")
 
 
 @pytest.mark.redis

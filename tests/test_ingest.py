@@ -85,7 +85,7 @@ def shared_index(request: pytest.FixtureRequest) -> Iterator[Any]:
     if request.param == "memory":
         yield InMemoryIndex()
         return
-    from kvredis.redis_index import RedisIndex, RedisIndexConfig
+    from kvredis import RedisIndex, RedisIndexConfig
 
     url = request.getfixturevalue("redis_server_url")
     idx = RedisIndex(RedisIndexConfig(address=url, namespace=f"kvt-{uuid.uuid4().hex[:12]}"))
@@ -101,7 +101,7 @@ def second_client(shared_index: Any) -> Iterator[Any]:
     if isinstance(shared_index, InMemoryIndex):
         yield lambda _index: shared_index
         return
-    from kvredis.redis_index import RedisIndex
+    from kvredis import RedisIndex
 
     clients: list[RedisIndex] = []
 
@@ -716,7 +716,7 @@ def test_backend_outage_retries_then_applies(own_redis_server: Any) -> None:
     """
     import redis
 
-    from kvredis.redis_index import RedisIndex, RedisIndexConfig
+    from kvredis import RedisIndex, RedisIndexConfig
 
     admin = redis.Redis.from_url(own_redis_server.url)
     index = RedisIndex(

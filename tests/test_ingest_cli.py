@@ -100,7 +100,7 @@ def test_endpoint_groups_in_any_spelling(caplog: pytest.LogCaptureFixture) -> No
 @pytest.mark.redis
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_runs_until_signalled(redis_server_url: str, sig: signal.Signals) -> None:
-    from kvredis.redis_index import RedisIndex, RedisIndexConfig
+    from kvredis import RedisIndex, RedisIndexConfig
 
     namespace = f"kvt-{uuid.uuid4().hex[:12]}"
     tp = ChunkedTokenDatabase()

@@ -230,7 +230,7 @@ def test_backpressure_loses_nothing(engine: FakeEngine) -> None:
 
 @pytest.mark.redis
 def test_stop_drains_everything_received(redis_server_url: str, engine: FakeEngine) -> None:
-    from kvredis.redis_index import RedisIndex, RedisIndexConfig
+    from kvredis import RedisIndex, RedisIndexConfig
 
     index = RedisIndex(
         RedisIndexConfig(address=redis_server_url, namespace=f"kvt-{uuid.uuid4().hex[:12]}")
@@ -254,7 +254,7 @@ def test_stop_drains_everything_received(redis_server_url: str, engine: FakeEngi
 @pytest.mark.redis
 def test_two_ingesters_on_one_redis(redis_server_url: str, engine: FakeEngine) -> None:
     """HA: both replicas consume the same engine; each batch takes effect once, restarts too."""
-    from kvredis.redis_index import RedisIndex, RedisIndexConfig
+    from kvredis import RedisIndex, RedisIndexConfig
 
     config = RedisIndexConfig(address=redis_server_url, namespace=f"kvt-{uuid.uuid4().hex[:12]}")
     clients = [RedisIndex(config), RedisIndex(config)]
@@ -372,7 +372,7 @@ def test_stop_during_a_backend_outage_with_a_full_queue(
     own_redis_server: Any, engine: FakeEngine
 ) -> None:
     """A receiver blocked on a full queue while the backend is down does not hold up stop()."""
-    from kvredis.redis_index import RedisIndex, RedisIndexConfig
+    from kvredis import RedisIndex, RedisIndexConfig
 
     index = RedisIndex(
         RedisIndexConfig(address=own_redis_server.url, connect_timeout=0.2, retries=0)

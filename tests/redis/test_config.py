@@ -1,4 +1,4 @@
-"""Addresses, RedisIndexConfig, the factories, and the connection forms (TCP, unix, valkey://)."""
+"""RedisIndexConfig, the factories, and the connection forms (TCP, unix, TLS, valkey://)."""
 
 from __future__ import annotations
 
@@ -12,117 +12,22 @@ from pathlib import Path
 import pytest
 import redis
 
-from kvredis.address import mask_password, parse_address
-from kvredis.config import IndexConfig
-from kvredis.errors import BackendUnavailableError, ConfigError, InvalidInputError
-from kvredis.redis_index import (
-    DEFAULT_VALKEY_ADDRESS,
+from kvredis import (
     AsyncRedisIndex,
+    BackendUnavailableError,
+    ConfigError,
+    IndexConfig,
+    InvalidInputError,
+    PodEntry,
     RedisIndex,
     RedisIndexConfig,
     new_redis_index,
     new_valkey_index,
 )
-from kvredis.types import PodEntry
+from kvredis.redis.config import DEFAULT_VALKEY_ADDRESS
 from tests.servers import RedisServer, free_port
 
 A = PodEntry("pod-a", "gpu")
-
-
-# -- addresses ---------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("address", "transport", "host", "port", "tls", "db"),
-    [
-        ("redis://127.0.0.1:6379", "tcp", "127.0.0.1", 6379, False, 0),
-        ("redis://cache.example:7000/3", "tcp", "cache.example", 7000, False, 3),
-        ("rediss://cache.example:6380/0", "tcp", "cache.example", 6380, True, 0),
-        ("valkey://10.1.2.3", "tcp", "10.1.2.3", 6379, False, 0),
-        ("valkeys://10.1.2.3:6390/2", "tcp", "10.1.2.3", 6390, True, 2),
-        ("VALKEY://Host:1", "tcp", "host", 1, False, 0),
-        ("127.0.0.1:6400", "tcp", "127.0.0.1", 6400, False, 0),
-        ("localhost", "tcp", "localhost", 6379, False, 0),
-        ("cache:6379/5", "tcp", "cache", 6379, False, 5),
-        ("redis://[::1]:6379", "tcp", "::1", 6379, False, 0),
-        ("redis://h:1?db=4", "tcp", "h", 1, False, 4),
-        ("  redis://h:2/1  ", "tcp", "h", 2, False, 1),
-    ],
-)
-def test_tcp_address_forms(
-    address: str, transport: str, host: str, port: int, tls: bool, db: int
-) -> None:
-    parsed = parse_address(address)
-    assert (parsed.transport, parsed.host, parsed.port, parsed.tls, parsed.db) == (
-        transport,
-        host,
-        port,
-        tls,
-        db,
-    )
-
-
-def test_credentials_are_parsed_percent_decoded_and_masked() -> None:
-    parsed = parse_address("redis://alice:p%40ss%3Aword@h:1/2")
-    assert (parsed.username, parsed.password, parsed.db) == ("alice", "p@ss:word", 2)
-    assert "p%40ss" not in parsed.display and "***" in parsed.display
-    only_password = parse_address("rediss://:secret@h")
-    assert (only_password.username, only_password.password) == (None, "secret")
-    assert "secret" not in only_password.display
-    query = parse_address("unix:///run/r.sock?db=3&password=pw&username=bob")
-    assert (query.transport, query.path, query.db, query.password, query.username) == (
-        "unix",
-        "/run/r.sock",
-        3,
-        "pw",
-        "bob",
-    )
-    assert mask_password("redis://u:topsecret@h:1") == "redis://u:***@h:1"
-
-
-@pytest.mark.parametrize(
-    "address",
-    [
-        "",
-        "   ",
-        "http://h:1",
-        "redis://h:notaport",
-        "redis://h:0",
-        "redis://h:70000",
-        "redis://h:1/x",
-        "redis://h:1/-1",
-        "redis://h:1/1/2",
-        "redis://h:1/1?db=2",
-        "redis://h:1?timeout=3",
-        "redis://h:1?db=1&db=2",
-        "redis://:1",
-        "redis://h:1#frag",
-        "unix://",
-        "unix://host/path.sock",
-    ],
-)
-def test_malformed_addresses_raise_config_error(address: str) -> None:
-    with pytest.raises(ConfigError) as info:
-        parse_address(address)
-    assert isinstance(info.value, ValueError)
-
-
-def test_errors_name_the_address_without_its_password() -> None:
-    with pytest.raises(ConfigError) as info:
-        parse_address("redis://u:hunter2@h:badport")
-    assert "h:badport" in str(info.value) and "hunter2" not in str(info.value)
-    with pytest.raises(ConfigError):
-        parse_address(6379)  # type: ignore[arg-type]
-
-
-def test_a_password_given_as_query_parameter_is_masked_too() -> None:
-    parsed = parse_address("unix:///run/r.sock?db=3&password=hunter2")
-    assert parsed.password == "hunter2" and "hunter2" not in parsed.display
-    assert "hunter2" not in parse_address("h:1?password=hunter2&db=1").display
-    assert mask_password("redis://h:1?db=1&password=hunter2") == "redis://h:1?db=1&password=***"
-    with pytest.raises(ConfigError) as info:
-        parse_address("redis://h:1/x?password=hunter2")
-    assert "hunter2" not in str(info.value)
 
 
 # -- config ------------------------------------------------------------------------------------
@@ -275,7 +180,7 @@ def test_enable_rdma_logs_a_warning_and_uses_tcp(
     redis_server_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     cfg = RedisIndexConfig(address=redis_server_url, namespace=_ns(), enable_rdma=True)
-    with caplog.at_level(logging.WARNING, logger="kvredis.redis_index"):
+    with caplog.at_level(logging.WARNING, logger="kvredis.redis.index"):
         idx = RedisIndex(cfg)
     try:
         assert any("RDMA" in r.getMessage() for r in caplog.records)
@@ -284,7 +189,7 @@ def test_enable_rdma_logs_a_warning_and_uses_tcp(
     finally:
         idx.close()
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="kvredis.redis_index"):
+    with caplog.at_level(logging.WARNING, logger="kvredis.redis.index"):
         RedisIndex(RedisIndexConfig(address=redis_server_url, namespace=_ns())).close()
     assert not any("RDMA" in r.getMessage() for r in caplog.records)
 

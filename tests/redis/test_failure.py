@@ -11,9 +11,14 @@ import uuid
 import pytest
 import redis
 
-from kvredis.errors import BackendUnavailableError
-from kvredis.redis_index import AsyncRedisIndex, RedisIndex, RedisIndexConfig
-from kvredis.types import KeyType, PodEntry
+from kvredis import (
+    AsyncRedisIndex,
+    BackendUnavailableError,
+    KeyType,
+    PodEntry,
+    RedisIndex,
+    RedisIndexConfig,
+)
 from tests.servers import RedisServer
 
 pytestmark = pytest.mark.redis

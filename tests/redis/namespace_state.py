@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 import redis
 
-from kvredis.redis_core import decode_entry, escape_glob
-from kvredis.types import PodEntry
+from kvredis import PodEntry
+from kvredis.redis.codec import decode_entry, escape_glob
 
 
 @dataclass

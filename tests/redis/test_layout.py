@@ -1,4 +1,4 @@
-"""The Redis key layout: encodings, buckets, namespaces, round trips, scoring and clear."""
+"""The Redis key layout: buckets, namespaces, round trips, scoring and clear."""
 
 from __future__ import annotations
 
@@ -12,26 +12,26 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvredis.batch import AddOp, EvictOp, Watermark
-from kvredis.errors import InvalidInputError, NamespaceLayoutError
-from kvredis.redis_core import (
-    LAYOUT_VERSION,
-    CoreState,
-    Layout,
-    bucket_of,
-    decode_entry,
-    encode_entry,
-    op_clear,
-    op_lookup,
+from kvredis import (
+    AddOp,
+    AsyncRedisIndex,
+    EvictOp,
+    InvalidInputError,
+    KeyType,
+    LongestPrefixScorer,
+    NamespaceLayoutError,
+    PodEntry,
+    RedisIndex,
+    RedisIndexConfig,
+    Watermark,
 )
-from kvredis.redis_index import AsyncRedisIndex, RedisIndex, RedisIndexConfig
-from kvredis.scoring import LongestPrefixScorer
-from kvredis.scripts import ScriptCall, ScriptRegistry
-from kvredis.types import MAX_BLOCK_HASH, KeyType, PodEntry
-from tests.redis_state import read_namespace
+from kvredis.redis.layout import LAYOUT_VERSION, Layout, bucket_of
+from kvredis.redis.ops import op_clear, op_lookup, op_send
+from kvredis.redis.requests import Pipeline, Request, ScriptCall
+from kvredis.redis.state import CoreState
+from kvredis.types import MAX_BLOCK_HASH
+from tests.redis.namespace_state import read_namespace
 from tests.servers import RedisServer
-
-pytestmark = pytest.mark.redis
 
 ENGINE, REQUEST = KeyType.ENGINE, KeyType.REQUEST
 A, B, C = PodEntry("pod-a", "gpu"), PodEntry("pod-b", "gpu"), PodEntry("pod-c", "cpu")
@@ -82,31 +82,7 @@ def make(redis_server_url: str) -> Iterator[Any]:
             idx.close()
 
 
-# -- encodings ---------------------------------------------------------------------------------
-
-texts = st.text(alphabet=st.characters(codec=None), max_size=40)
-entries = st.builds(
-    PodEntry,
-    texts,
-    texts,
-    st.booleans(),
-    st.booleans(),
-    st.integers(min_value=0, max_value=2**31 - 1),
-)
-
-
-@settings(deadline=None, max_examples=300)
-@given(entries, entries)
-def test_entry_encoding_round_trips_and_is_injective(first: PodEntry, second: PodEntry) -> None:
-    assert decode_entry(encode_entry(first)) == first
-    assert (encode_entry(first) == encode_entry(second)) == (first == second)
-
-
-def test_malformed_entry_encoding_is_a_layout_error() -> None:
-    good = encode_entry(A)
-    for bad in (b"", good[:-1], good + b"x", b"\xff\xff\xff\xff" + good[4:]):
-        with pytest.raises(NamespaceLayoutError):
-            decode_entry(bad)
+# -- buckets ----------------------------------------------------------------------------------
 
 
 @settings(deadline=None, max_examples=200)
@@ -127,7 +103,7 @@ def test_python_and_lua_agree_on_buckets(make: Any, raw: redis.Redis, bits: int)
     engine = [k ^ 0x5A5A5A5A5A5A5A5A for k in keys]
     idx = make(bucket_bits=bits)
     idx.add(engine, keys, [A])
-    layout = idx._exec.state.layout
+    layout = idx._session.state.layout
     for key, engine_key in zip(keys, engine, strict=True):
         assert raw.hexists(layout.request_bucket(key), key.to_bytes(8, "big"))
         assert raw.hexists(layout.engine_bucket(engine_key), engine_key.to_bytes(8, "big"))
@@ -181,7 +157,7 @@ def test_a_client_only_creates_the_documented_keys(make: Any, raw: redis.Redis) 
     idx = make()
     idx.add([9], [1, 2], [A, C])
     idx.apply_batch([AddOp((8,), (3,), (B,))], "stream", Watermark(0, 1))
-    layout = idx._exec.state.layout
+    layout = idx._session.state.layout
     names = set(read_namespace(raw, idx.namespace).keys)
     fixed = {layout.meta, layout.pe, layout.pi, layout.pp, layout.wm}
     assert fixed <= names
@@ -426,28 +402,29 @@ def test_clear_reports_progress_and_drops_mappings_left_without_holders(
     assert (-1, -1) not in calls
 
 
-def test_clear_pages_do_bounded_work(make: Any, raw: redis.Redis) -> None:
+def _send(index: RedisIndex, request: Request) -> Any:
+    """The reply to one request of a hand-driven operation, sent by ``index``'s executor."""
+    return index._exec.run(op_send(index._session, request))
+
+
+def test_clear_pages_do_bounded_work(make: Any) -> None:
     """Drive the sans-IO clear by hand and look at every script call and its reply."""
     idx = make(bucket_bits=10)
     rng = random.Random(9)
     keys = [rng.getrandbits(64) for _ in range(6000)]
     for start in range(0, len(keys), 500):
         idx.add(None, keys[start : start + 500], [A, B])
-    state: CoreState = idx._exec.state
-    registry = ScriptRegistry()
+    state: CoreState = idx._session.state
     op = op_clear(state, "pod-a", None, fields_per_call=256)
     examined: list[int] = []
     request: Any = next(op)
     try:
         while True:
+            reply = _send(idx, request)
             if isinstance(request, ScriptCall):
-                reply = registry.call(raw, request)
                 examined.append(int(reply[1]))
-            elif hasattr(request, "items"):
-                reply = registry.execute(raw, request.items)
+            elif isinstance(request, Pipeline):
                 examined.append(int(reply[0][1]))
-            else:
-                reply = raw.execute_command(*request.args)
             request = op.send(reply)
     except StopIteration as stop:
         assert stop.value == len(keys)
@@ -456,20 +433,18 @@ def test_clear_pages_do_bounded_work(make: Any, raw: redis.Redis) -> None:
     assert idx.lookup(keys[:1]) == {keys[0]: [B]}
 
 
-def test_lookups_teach_a_client_the_whole_dictionary_in_bounded_steps(
-    make: Any, raw: redis.Redis
-) -> None:
+def test_lookups_teach_a_client_the_whole_dictionary_in_bounded_steps(make: Any) -> None:
     ns = _ns()
     writer, reader = make(ns), make(ns)
     pods = [PodEntry(f"pod-{i}", "gpu") for i in range(300)]
     for i, entry in enumerate(pods):
         writer.add(None, [10_000 + i], [entry])
-    state: CoreState = reader._exec.state
+    state: CoreState = reader._session.state
 
     def lookup_reply(key: int) -> Any:
         op = op_lookup(state, [key], None)
         call = next(op)
-        reply = ScriptRegistry().call(raw, call)
+        reply = _send(reader, call)
         try:
             op.send(reply)
         except StopIteration as stop:

@@ -9,9 +9,8 @@ import uuid
 import pytest
 import redis
 
-from kvredis.redis_index import RedisIndex, RedisIndexConfig
-from kvredis.types import KeyType, PodEntry
-from tests.redis_state import read_namespace
+from kvredis import KeyType, PodEntry, RedisIndex, RedisIndexConfig
+from tests.redis.namespace_state import read_namespace
 
 pytestmark = pytest.mark.redis
 

@@ -1,4 +1,5 @@
-"""The Lua script registry: sources, headers, EVALSHA, and recovery from flushes and restarts."""
+"""The Lua scripts and their registry: sources, includes, headers, the error-code table, EVALSHA,
+and recovery from flushes and restarts."""
 
 from __future__ import annotations
 
@@ -11,14 +12,17 @@ from pathlib import Path
 import pytest
 import redis
 
-from kvredis.redis_index import AsyncRedisIndex, RedisIndex, RedisIndexConfig
-from kvredis.scripts import ScriptCall, ScriptRegistry, expand, lua_sources
-from kvredis.types import KeyType, PodEntry
+from kvredis import AsyncRedisIndex, KeyType, PodEntry, RedisIndex, RedisIndexConfig
+from kvredis.errors import LUA_ERROR_CODES
+from kvredis.redis.executor import AsyncExecutor, SyncExecutor
+from kvredis.redis.ops import RetryPolicy, Session, op_send
+from kvredis.redis.requests import Command, Pipeline, ScriptCall
+from kvredis.redis.scripts import ScriptRegistry, expand, lua_sources
+from kvredis.redis.state import CoreState
 from tests.servers import RedisServer
 
-pytestmark = pytest.mark.redis
-
-LUA_DIR = Path(__file__).resolve().parent.parent / "lua"
+LUA_DIR = Path(__file__).resolve().parents[2] / "lua"
+INCLUDES = LUA_DIR / "includes"
 A, B = PodEntry("pod-a", "gpu"), PodEntry("pod-b", "cpu")
 COMMANDS = {
     "add",
@@ -47,12 +51,44 @@ def raw(own_redis_server: RedisServer) -> Iterator[redis.Redis]:
         client.close()
 
 
+def _session() -> Session:
+    return Session(CoreState(_ns()), ScriptRegistry(), RetryPolicy(0, 0.0, "the test server"))
+
+
 def test_every_command_file_is_registered_and_libraries_are_not() -> None:
     registry = ScriptRegistry()
     assert set(registry.names()) == COMMANDS
-    on_disk = {p.stem for p in LUA_DIR.glob("*.lua")}
-    assert {n for n in on_disk if not n.startswith("_")} == COMMANDS
-    assert "_kvblock" in on_disk and "_kvblock" not in registry
+    assert {p.stem for p in LUA_DIR.glob("*.lua")} == COMMANDS
+    includes = {p.stem for p in INCLUDES.glob("*.lua")}
+    assert "program" in includes and not includes & set(registry.names())
+    assert set(lua_sources()) == COMMANDS | {f"includes/{name}" for name in includes}
+
+
+@pytest.mark.parametrize("path", sorted(INCLUDES.glob("*.lua")), ids=lambda p: p.stem)
+def test_includes_take_every_input_as_a_parameter(path: Path) -> None:
+    text = path.read_text()
+    assert not re.search(r"\b(ARGV|KEYS)\b", text.split("]]", 1)[1]), f"{path.name} reads ARGV/KEYS"
+    assert text.startswith(f"--[[ {path.stem}: ")
+
+
+def _raised_codes() -> dict[str, set[str]]:
+    """Every error code a Lua file can raise, with the files raising it."""
+    raised: dict[str, set[str]] = {}
+    for path in sorted(LUA_DIR.rglob("*.lua")):
+        text = path.read_text()
+        codes = re.findall(r"fail\(\s*'([A-Z_]+)'", text) + re.findall(r"KVREDIS_([A-Z_]+)", text)
+        for code in codes:
+            raised.setdefault(code, set()).add(path.name)
+    return raised
+
+
+def test_every_raised_error_code_is_mapped_and_every_mapped_code_is_raised() -> None:
+    raised = _raised_codes()
+    unmapped = {code: files for code, files in raised.items() if code not in LUA_ERROR_CODES}
+    assert not unmapped, f"codes raised in lua/ but missing from LUA_ERROR_CODES: {unmapped}"
+    assert set(LUA_ERROR_CODES) <= set(raised), "LUA_ERROR_CODES maps codes no script raises"
+    # the scan sees what it must: fail() calls in includes and inline codes in commands
+    assert "errors.lua" in raised["STALE"] and "lookup.lua" in raised["STALE"]
 
 
 @pytest.mark.parametrize("name", sorted(COMMANDS))
@@ -84,32 +120,59 @@ def test_includes_are_expanded_and_shas_are_computed_locally(raw: redis.Redis) -
         assert not re.search(rb"(?m)^--@include", script.source)
         assert script.sha == hashlib.sha1(script.source).hexdigest()
         assert raw.script_load(script.source) == script.sha  # the server agrees
-    assert "local function run_ops" in expand("add", sources)
+    assert expand("add", sources).count("local function run_program") == 1
     with pytest.raises(Exception, match="not found"):
         expand("no_such_script", sources)
-    with pytest.raises(Exception, match="cycle"):
-        expand("a", {"a": "--@include b\n", "b": "--@include a\n"})
 
 
-def test_first_call_is_evalsha_and_loads_on_noscript(raw: redis.Redis) -> None:
-    registry = ScriptRegistry()
+def test_each_include_is_pasted_once_before_its_first_use() -> None:
+    sources = {
+        "cmd": "-- cmd\n--@include b\n--@include a\n--@include b\nbody\n",
+        "includes/a": "--@include c\nA\n",
+        "includes/b": "--@include a\n--@include c\nB\n",
+        "includes/c": "C\n",
+    }
+    lines = [line for line in expand("cmd", sources).splitlines() if line]
+    assert lines == ["-- cmd", "C", "A", "B", "body"]
+    cyclic = {"cmd": "--@include x\n", "includes/x": "--@include y\n"}
+    cyclic["includes/y"] = "--@include x\n"
+    with pytest.raises(Exception, match="cycle: cmd -> x -> y -> x"):
+        expand("cmd", cyclic)
+    with pytest.raises(Exception, match=r"'nope' \(of cmd\) not found"):
+        expand("cmd", {"cmd": "--@include nope\n"})
+
+
+@pytest.fixture
+def executor(own_redis_server: RedisServer) -> Iterator[SyncExecutor]:
+    runner = SyncExecutor(RedisIndexConfig(address=own_redis_server.url))
+    try:
+        yield runner
+    finally:
+        runner.close()
+
+
+def test_first_call_is_evalsha_and_loads_on_noscript(
+    raw: redis.Redis, executor: SyncExecutor
+) -> None:
+    session = _session()
+    registry = session.registry
     raw.script_flush()
-    assert registry.call(raw, ScriptCall("ping", (), ())) == 1
+    assert executor.run(op_send(session, ScriptCall("ping", (), ()))) == 1
     assert raw.script_exists(registry["ping"].sha) == [True]
-    assert registry.call(raw, ScriptCall("ping", (), ())) == 1
+    assert executor.run(op_send(session, ScriptCall("ping", (), ()))) == 1
 
 
-def test_noscript_inside_a_pipeline_recovers(raw: redis.Redis) -> None:
-    registry = ScriptRegistry()
+def test_noscript_inside_a_pipeline_recovers(raw: redis.Redis, executor: SyncExecutor) -> None:
+    session = _session()
     raw.script_flush()
-    items = [
+    items = (
         ScriptCall("ping", (), ()),
-        ("SET", "plain", "v"),
+        Command(("SET", "plain", "v")),
         ScriptCall("namespace", (b"pipe:meta",), ("kvredis-kvblock/1", 16, "g1")),
-        ("GET", "plain"),
+        Command(("GET", "plain")),
         ScriptCall("ping", (), ()),
-    ]
-    replies = registry.execute(raw, items)
+    )
+    replies = executor.run(op_send(session, Pipeline(items)))
     assert replies[0] == 1 and replies[4] == 1
     assert replies[1] is True and replies[3] == b"v"
     assert replies[2] == [b"kvredis-kvblock/1", b"16", b"g1"]
@@ -124,18 +187,18 @@ def test_noscript_inside_a_pipeline_recovers(raw: redis.Redis) -> None:
 async def test_noscript_inside_an_async_pipeline_recovers(
     own_redis_server: RedisServer,
 ) -> None:
-    client = redis.asyncio.Redis(port=own_redis_server.port)
+    executor = AsyncExecutor(RedisIndexConfig(address=own_redis_server.url))
+    client = executor.client
     try:
-        registry = ScriptRegistry()
+        session = _session()
         await client.script_flush()
-        replies = await registry.aexecute(
-            client, [ScriptCall("ping", (), ()), ("ECHO", "x"), ScriptCall("ping", (), ())]
-        )
+        items = (ScriptCall("ping", (), ()), Command(("ECHO", "x")), ScriptCall("ping", (), ()))
+        replies = await executor.run(op_send(session, Pipeline(items)))
         assert replies == [1, b"x", 1]
         await client.script_flush()
-        assert await registry.acall(client, ScriptCall("ping", (), ())) == 1
+        assert await executor.run(op_send(session, ScriptCall("ping", (), ()))) == 1
     finally:
-        await client.aclose()
+        await executor.close()
 
 
 def test_index_survives_script_flush(own_redis_server: RedisServer, raw: redis.Redis) -> None:

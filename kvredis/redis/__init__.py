@@ -1,0 +1,64 @@
+"""The Redis/Valkey backend: the KV-block index kept in one server shared by many router replicas.
+
+Modules, in dependency order (each imports only the ones before it):
+
+- ``address``   server addresses (``redis://``, ``rediss://``, ``valkey://``, ``unix://``, ...)
+- ``requests``  the sans-IO vocabulary: ScriptCall, Command, Pipeline, Sleep, the Failures an
+  executor throws into an operation
+- ``codec``     byte encodings (text, hashes, pod entries, SCAN patterns)
+- ``layout``    THE key layout of a namespace
+- ``state``     what a client knows of its namespace (layout, entry dictionary)
+- ``scripts``   the Lua script registry (``lua/``, includes expanded, SHA1s)
+- ``ops``       the index operations as generators, and the retry / NOSCRIPT / stale-namespace
+  combinators
+- ``config``    RedisIndexConfig
+- ``executor``  sync and asyncio executors: send one request with redis-py, nothing else
+- ``index``     RedisIndex and AsyncRedisIndex
+
+Everything up to ``config`` is sans-IO: importing it loads no redis-py. The public names below
+are loaded lazily (PEP 562), so ``import kvredis.redis`` does not load redis-py either.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS: dict[str, str] = {
+    "AsyncRedisIndex": "kvredis.redis.index",
+    "RedisIndex": "kvredis.redis.index",
+    "new_redis_index": "kvredis.redis.index",
+    "new_valkey_index": "kvredis.redis.index",
+    "RedisIndexConfig": "kvredis.redis.config",
+    "RedisAddress": "kvredis.redis.address",
+    "mask_password": "kvredis.redis.address",
+    "parse_address": "kvredis.redis.address",
+}
+
+__all__ = [
+    "AsyncRedisIndex",
+    "RedisAddress",
+    "RedisIndex",
+    "RedisIndexConfig",
+    "mask_password",
+    "new_redis_index",
+    "new_valkey_index",
+    "parse_address",
+]
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name from its module on first use (PEP 562)."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
+
+
+def __dir__() -> list[str]:
+    return __all__
+
+
+if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
+    from kvredis.redis.address import RedisAddress, mask_password, parse_address
+    from kvredis.redis.config import RedisIndexConfig
+    from kvredis.redis.index import AsyncRedisIndex, RedisIndex, new_redis_index, new_valkey_index

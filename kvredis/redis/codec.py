@@ -1,0 +1,103 @@
+"""Byte encodings of the Redis layout: text, 64-bit hashes, pod entries, SCAN patterns.
+
+- text: UTF-8 with lone surrogates kept (``surrogatepass``), so every ``str`` round-trips;
+- hash: a 64-bit block hash as 8 big-endian bytes (field names of the bucket hashes);
+- hash blob: many hashes concatenated, how the client passes a chain in one argument;
+- entry id: a 4-byte big-endian unsigned integer; an id list is ids concatenated;
+- entry: ``u32 len | pod id | u32 len | tier | u8 flags (1 speculative, 2 has_group) |
+  u32 group``, integers big-endian, strings as text above.
+
+The Lua side reads the same encodings (``lua/includes/entries.lua``, ``lua/includes/layout.lua``).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+
+from kvredis.checks import check_hashes
+from kvredis.errors import NamespaceLayoutError
+from kvredis.types import PodEntry
+
+HASH_WIDTH = 8
+ID_WIDTH = 4
+_U32 = struct.Struct(">I")
+_ENTRY_TAIL = struct.Struct(">BI")
+_SPECULATIVE, _HAS_GROUP = 1, 2
+_GLOB_SPECIAL = frozenset(b"*?[]\\")
+
+
+def text_bytes(text: str) -> bytes:
+    """The UTF-8 bytes of any ``str`` (lone surrogates kept, so every str round-trips)."""
+    return text.encode("utf-8", "surrogatepass")
+
+
+def bytes_text(data: bytes) -> str:
+    """Inverse of :func:`text_bytes`."""
+    return data.decode("utf-8", "surrogatepass")
+
+
+def hash_field(value: int) -> bytes:
+    """The 8-byte big-endian form of a 64-bit hash (field names in the bucket hashes)."""
+    return value.to_bytes(HASH_WIDTH, "big")
+
+
+def pack_hashes(values: Sequence[int], what: str = "block hash") -> tuple[list[int], bytes]:
+    """Validate 64-bit hashes and pack them as one blob of 8-byte big-endian values.
+
+    Returns the hashes as a list of ints and the blob. Fast for plain ``int`` inputs; anything
+    else goes through :func:`kvredis.checks.check_hashes` (same errors as every backend).
+    """
+    if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple)):
+        keys = check_hashes(values, what)
+    elif all(type(v) is int for v in values):
+        keys = values if isinstance(values, list) else list(values)
+    else:
+        keys = check_hashes(values, what)
+    try:
+        return keys, struct.pack(f">{len(keys)}Q", *keys)
+    except struct.error:
+        check_hashes(keys, what)
+        raise
+
+
+def encode_entry(entry: PodEntry) -> bytes:
+    """Unambiguous binary encoding of all five fields of a pod entry (see the module docstring)."""
+    pod = text_bytes(entry.pod_identifier)
+    tier = text_bytes(entry.device_tier)
+    flags = (_SPECULATIVE if entry.speculative else 0) | (_HAS_GROUP if entry.has_group else 0)
+    return b"".join(
+        (
+            _U32.pack(len(pod)),
+            pod,
+            _U32.pack(len(tier)),
+            tier,
+            _ENTRY_TAIL.pack(flags, entry.group_idx),
+        )
+    )
+
+
+def decode_entry(data: bytes) -> PodEntry:
+    """Inverse of :func:`encode_entry`; a malformed encoding raises NamespaceLayoutError."""
+    try:
+        (n,) = _U32.unpack_from(data, 0)
+        pod = data[4 : 4 + n]
+        (m,) = _U32.unpack_from(data, 4 + n)
+        tier = data[8 + n : 8 + n + m]
+        flags, group = _ENTRY_TAIL.unpack_from(data, 8 + n + m)
+        if len(data) != 8 + n + m + _ENTRY_TAIL.size or len(pod) != n or len(tier) != m:
+            raise ValueError("length mismatch")
+        return PodEntry(
+            bytes_text(pod),
+            bytes_text(tier),
+            bool(flags & _SPECULATIVE),
+            bool(flags & _HAS_GROUP),
+            group,
+        )
+    except (struct.error, ValueError) as exc:
+        raise NamespaceLayoutError(f"malformed pod entry encoding {data!r}: {exc}") from exc
+
+
+def escape_glob(data: bytes) -> bytes:
+    """``data`` with the glob characters of SCAN MATCH escaped (``* ? [ ] \\``)."""
+    return bytes(b for c in data for b in ((92, c) if c in _GLOB_SPECIAL else (c,)))

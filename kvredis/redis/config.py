@@ -1,0 +1,142 @@
+"""RedisIndexConfig: where and how to reach the server, and which namespace to use.
+
+Accepts the upstream llm-d JSON shape (``address``, ``backendType``, ``enableRDMA``, ...) through
+:meth:`RedisIndexConfig.from_dict`, and every field in its snake_case spelling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from kvredis.errors import ConfigError
+from kvredis.jsonconfig import check_number, take_fields
+from kvredis.redis.address import RedisAddress, mask_password, parse_address
+from kvredis.redis.layout import DEFAULT_BUCKET_BITS, check_bucket_bits, check_namespace
+from kvredis.redis.ops import DEFAULT_CLEAR_FIELDS_PER_CALL
+
+BACKEND_TYPES = ("redis", "valkey")
+#: Address of :func:`kvredis.redis.index.new_valkey_index` without a config.
+DEFAULT_VALKEY_ADDRESS = "valkey://127.0.0.1:6379"
+
+#: JSON key -> field name (snake_case names are accepted as well)
+_CAMEL = {
+    "address": "address",
+    "backendType": "backend_type",
+    "enableRDMA": "enable_rdma",
+    "enableRdma": "enable_rdma",
+    "namespace": "namespace",
+    "socketTimeout": "socket_timeout",
+    "connectTimeout": "connect_timeout",
+    "poolSize": "pool_size",
+    "poolTimeout": "pool_timeout",
+    "retries": "retries",
+    "retryBackoff": "retry_backoff",
+    "bucketBits": "bucket_bits",
+    "clearFieldsPerCall": "clear_fields_per_call",
+    "username": "username",
+    "password": "password",
+    "tlsCaFile": "tls_ca_file",
+    "tlsCertFile": "tls_cert_file",
+    "tlsKeyFile": "tls_key_file",
+    "tlsVerify": "tls_verify",
+    "tlsCheckHostname": "tls_check_hostname",
+    "clientName": "client_name",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class RedisIndexConfig:
+    """Where and how to reach the server, and which namespace to use.
+
+    ``address`` accepts ``redis://``, ``rediss://`` (TLS), ``valkey://``, ``valkeys://``,
+    ``unix://`` and a bare ``host:port`` (see :mod:`kvredis.redis.address`). ``enable_rdma`` is
+    accepted for upstream compatibility; the Python client does not support RDMA, logs a warning
+    and uses TCP. ``username``/``password`` override those in the address. Timeouts are in
+    seconds. ``bucket_bits`` only matters for the first client of a new namespace: it fixes the
+    number of buckets (``2**bucket_bits``) for everyone (aim for at most a few hundred request
+    keys per bucket: 16 bits suits up to ~30M request keys). ``clear_fields_per_call`` bounds the
+    work of one ``clear`` script call.
+    """
+
+    address: str = "redis://127.0.0.1:6379"
+    backend_type: str = "redis"
+    enable_rdma: bool = False
+    namespace: str = "kvblock"
+    socket_timeout: float = 2.0
+    connect_timeout: float = 2.0
+    pool_size: int = 32
+    pool_timeout: float = 5.0
+    retries: int = 2
+    retry_backoff: float = 0.05
+    bucket_bits: int = DEFAULT_BUCKET_BITS
+    clear_fields_per_call: int = DEFAULT_CLEAR_FIELDS_PER_CALL
+    username: str | None = None
+    password: str | None = None
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_verify: bool = True
+    tls_check_hostname: bool = True
+    client_name: str | None = "kvredis"
+
+    def __repr__(self) -> str:
+        shown = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "address":
+                value = mask_password(value)
+            elif f.name == "password" and value is not None:
+                value = "***"
+            shown.append(f"{f.name}={value!r}")
+        return f"RedisIndexConfig({', '.join(shown)})"
+
+    def __post_init__(self) -> None:
+        parse_address(self.address)
+        if self.backend_type not in BACKEND_TYPES:
+            raise ConfigError(
+                f"backend_type must be one of {', '.join(BACKEND_TYPES)}, got {self.backend_type!r}"
+            )
+        for name in ("enable_rdma", "tls_verify", "tls_check_hostname"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        try:
+            check_namespace(self.namespace)
+            check_bucket_bits(self.bucket_bits)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+        for name in ("socket_timeout", "connect_timeout", "pool_timeout"):
+            check_number(name, getattr(self, name))
+        check_number("retry_backoff", self.retry_backoff, zero=True)
+        check_number("pool_size", self.pool_size, integer=True)
+        check_number("retries", self.retries, integer=True, zero=True)
+        check_number("clear_fields_per_call", self.clear_fields_per_call, integer=True)
+        for name in (
+            "username",
+            "password",
+            "tls_ca_file",
+            "tls_cert_file",
+            "tls_key_file",
+            "client_name",
+        ):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ConfigError(f"{name} must be a str or None, got {value!r}")
+
+    @classmethod
+    def from_dict(cls, mapping: Mapping[str, Any]) -> RedisIndexConfig:
+        """Build from the upstream JSON shape (``address``, ``backendType``, ``enableRDMA``, ...).
+
+        Every field is also accepted in its snake_case spelling; unknown keys raise ConfigError.
+        """
+        kwargs = take_fields("redis config", mapping, _CAMEL)
+        return cls(**kwargs)
+
+    def parsed_address(self) -> RedisAddress:
+        """The parsed :attr:`address`."""
+        return parse_address(self.address)
+
+    def server(self) -> str:
+        """``"<backend type> at <address>"`` with any password masked, for messages."""
+        return f"{self.backend_type} at {self.parsed_address().display}"

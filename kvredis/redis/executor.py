@@ -1,0 +1,204 @@
+"""Executors: send the requests of a sans-IO operation to a server with redis-py, nothing else.
+
+:class:`SyncExecutor` (threads) and :class:`AsyncExecutor` (asyncio) own a connection pool. They
+drive an operation (:data:`~kvredis.redis.requests.Op`): send each request it yields and resume
+it with the reply, or throw into it the :class:`~kvredis.redis.requests.Failure` that stands for
+the redis-py exception (:func:`failure`). Retries, script reloads and error translation are the
+core's (:mod:`kvredis.redis.ops`): the operations driven here are wrapped in its combinators.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any, Generic, TypeVar
+
+import redis
+import redis.asyncio
+import redis.asyncio.retry
+import redis.retry
+from redis.backoff import NoBackoff
+
+from kvredis.redis import requests as rq
+from kvredis.redis.address import RedisAddress
+from kvredis.redis.config import RedisIndexConfig
+
+T = TypeVar("T")
+
+#: What a request may raise that is the server's or the network's doing (anything else, e.g. a
+#: DataError for an argument redis-py cannot encode, is a bug and propagates as it is).
+_FAILURES = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    redis.ResponseError,
+    OSError,
+    asyncio.TimeoutError,
+)
+#: Error codes redis-py strips from the message of the exception classes it maps them to
+#: (newer redis-py versions also keep the code in ``status_code``).
+_CODES: dict[type[BaseException], str] = {
+    redis.exceptions.NoScriptError: "NOSCRIPT",
+    redis.exceptions.ReadOnlyError: "READONLY",
+    redis.exceptions.TryAgainError: "TRYAGAIN",
+    redis.exceptions.MasterDownError: "MASTERDOWN",
+    redis.exceptions.OutOfMemoryError: "OOM",
+    redis.exceptions.NoPermissionError: "NOPERM",
+    redis.exceptions.ExecAbortError: "EXECABORT",
+}
+
+
+def failure(exc: BaseException) -> rq.Failure:
+    """The failure value of a redis-py exception (an error reply keeps its code in front)."""
+    if isinstance(exc, redis.AuthenticationError):
+        return rq.AuthenticationFailed(str(exc))
+    if isinstance(exc, redis.ResponseError):
+        code = getattr(exc, "status_code", None) or _CODES.get(type(exc))
+        return rq.ErrorReply(f"{code} {exc}" if code else str(exc))
+    return rq.ConnectionLost(str(exc))
+
+
+def _replies(replies: Sequence[Any]) -> list[Any]:
+    return [failure(r) if isinstance(r, BaseException) else r for r in replies]
+
+
+def _pool(config: RedisIndexConfig, address: RedisAddress, lib: ModuleType, retry: Any) -> Any:
+    """A blocking connection pool of ``lib`` (``redis`` or ``redis.asyncio``) for ``config``."""
+    kwargs: dict[str, Any] = {
+        "db": address.db,
+        "username": config.username if config.username is not None else address.username,
+        "password": config.password if config.password is not None else address.password,
+        "socket_timeout": config.socket_timeout,
+        "socket_connect_timeout": config.connect_timeout,
+        "client_name": config.client_name,
+    }
+    if address.transport == "unix":
+        kwargs["path"] = address.path
+        connection_class = lib.UnixDomainSocketConnection
+    else:
+        kwargs["host"] = address.host
+        kwargs["port"] = address.port
+        connection_class = lib.SSLConnection if address.tls else lib.Connection
+    if address.tls:
+        kwargs.update(
+            ssl_ca_certs=config.tls_ca_file,
+            ssl_certfile=config.tls_cert_file,
+            ssl_keyfile=config.tls_key_file,
+            ssl_cert_reqs="required" if config.tls_verify else "none",
+            ssl_check_hostname=config.tls_check_hostname and config.tls_verify,
+        )
+    return lib.BlockingConnectionPool(
+        connection_class=connection_class,
+        max_connections=config.pool_size,
+        timeout=config.pool_timeout,
+        retry=retry(NoBackoff(), 0),
+        **kwargs,
+    )
+
+
+class _Driven(Generic[T]):
+    """An operation being driven: resume it with an outcome, get its next request."""
+
+    __slots__ = ("op", "result")
+
+    def __init__(self, op: rq.Op[T]) -> None:
+        self.op = op
+
+    def __enter__(self) -> _Driven[T]:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.op.close()
+
+    def resume(self, outcome: Any) -> rq.Request | None:
+        """Send ``outcome`` (thrown if a Failure); the next request, or None once it returned."""
+        try:
+            if isinstance(outcome, rq.Failure):
+                return self.op.throw(outcome)
+            return self.op.send(outcome)
+        except StopIteration as stop:
+            self.result: T = stop.value
+            return None
+
+
+def _unsendable(request: object) -> TypeError:
+    return TypeError(f"an executor sends commands, pipelines and sleeps, not {request!r}")
+
+
+def _queued(pipe: Any, request: rq.Pipeline) -> Any:
+    for command in request.items:
+        if not isinstance(command, rq.Command):
+            raise _unsendable(command)
+        pipe.execute_command(*command.args)
+    return pipe
+
+
+class SyncExecutor:
+    """Sends requests over a pool of blocking connections; thread-safe."""
+
+    def __init__(self, config: RedisIndexConfig) -> None:
+        self.pool = _pool(config, config.parsed_address(), redis, redis.retry.Retry)
+        self.client = redis.Redis(connection_pool=self.pool)
+        self._send: Any = self.client.execute_command
+
+    def run(self, op: rq.Op[T]) -> T:
+        """Drive ``op`` to its end and return its result."""
+        with _Driven(op) as driven:
+            request = driven.resume(None)
+            while request is not None:
+                request = driven.resume(self._outcome(request))
+            return driven.result
+
+    def _outcome(self, request: rq.Request) -> Any:
+        try:
+            if isinstance(request, rq.Command):
+                return self._send(*request.args)
+            if isinstance(request, rq.Pipeline):
+                pipe = _queued(self.client.pipeline(transaction=False), request)
+                return _replies(pipe.execute(raise_on_error=False))
+            if isinstance(request, rq.Sleep):
+                return time.sleep(request.seconds)
+        except _FAILURES as exc:
+            return failure(exc)
+        raise _unsendable(request)
+
+    def close(self) -> None:
+        """Close the connections."""
+        self.client.close()
+        self.pool.disconnect()
+
+
+class AsyncExecutor:
+    """Sends requests over a pool of asyncio connections (use it from one event loop)."""
+
+    def __init__(self, config: RedisIndexConfig) -> None:
+        self.pool = _pool(config, config.parsed_address(), redis.asyncio, redis.asyncio.retry.Retry)
+        self.client = redis.asyncio.Redis(connection_pool=self.pool)
+        self._send: Any = self.client.execute_command
+
+    async def run(self, op: rq.Op[T]) -> T:
+        """Drive ``op`` to its end and return its result."""
+        with _Driven(op) as driven:
+            request = driven.resume(None)
+            while request is not None:
+                request = driven.resume(await self._outcome(request))
+            return driven.result
+
+    async def _outcome(self, request: rq.Request) -> Any:
+        try:
+            if isinstance(request, rq.Command):
+                return await self._send(*request.args)
+            if isinstance(request, rq.Pipeline):
+                pipe = _queued(self.client.pipeline(transaction=False), request)
+                return _replies(await pipe.execute(raise_on_error=False))
+            if isinstance(request, rq.Sleep):
+                return await asyncio.sleep(request.seconds)
+        except _FAILURES as exc:
+            return failure(exc)
+        raise _unsendable(request)
+
+    async def close(self) -> None:
+        """Close the connections."""
+        await self.client.aclose()
+        await self.pool.disconnect()

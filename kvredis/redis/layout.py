@@ -1,0 +1,132 @@
+"""The key layout of a namespace in Redis: THE specification both the client and the scripts follow.
+
+Key layout of a namespace ``<ns>`` (all keys start with ``<ns>:``)::
+
+    key              type  content
+    <ns>:meta        HASH  layout (LAYOUT_VERSION), bucket_bits, gen (random token of this
+                           incarnation), next_id (last entry id allocated)
+    <ns>:pe          HASH  encoded entry -> 4-byte entry id
+    <ns>:pi          HASH  4-byte entry id -> encoded entry (ids are never reused)
+    <ns>:pp          HASH  pod id -> the pod's entry ids (id list)
+    <ns>:wm          HASH  stream -> "epoch:seq" (apply_batch watermarks)
+    <ns>:r:<bucket>  HASH  8-byte request key -> entry ids (id list), oldest added first
+    <ns>:e:<bucket>  HASH  8-byte engine key -> request keys (hash list), most recent last,
+                           at most MAX_REQUEST_KEYS_PER_ENGINE_KEY
+
+``<bucket>`` is the bucket of the hash (:func:`bucket_of`: its low ``bucket_bits`` bits) as
+``ceil(bucket_bits / 8)`` big-endian bytes; the first client of a namespace fixes
+``bucket_bits`` in ``<ns>:meta`` and every later client adopts it. Encodings (entry, id list,
+hash) are those of :mod:`kvredis.redis.codec`. The scripts name bucket keys from the hashes the
+same way (``lua/includes/layout.lua``). Every script first compares ``gen`` with the client's:
+a client of an earlier incarnation gets ``KVREDIS_STALE`` and reloads.
+"""
+
+from __future__ import annotations
+
+from kvredis.errors import InvalidInputError
+from kvredis.redis.codec import escape_glob, text_bytes
+
+#: Layout version stored in ``<ns>:meta``; a client refuses a namespace of another version.
+LAYOUT_VERSION = "kvredis-kvblock/1"
+#: Bucket bits of a new namespace unless configured: 65,536 request buckets (and as many engine
+#: buckets), which keeps buckets small (listpack-encoded) up to tens of millions of keys.
+DEFAULT_BUCKET_BITS = 16
+MIN_BUCKET_BITS = 1
+MAX_BUCKET_BITS = 24
+
+
+def bucket_of(value: int, bits: int) -> int:
+    """The bucket of a 64-bit hash: its low ``bits`` bits.
+
+    Uniform for the hashes engines and kvredis produce, and still spread for small sequential
+    numbers. The bucket key name carries it as ``ceil(bits / 8)`` big-endian bytes, which the
+    Lua scripts cut from the 8-byte hash without arithmetic.
+    """
+    return value & ((1 << bits) - 1)
+
+
+def meta_key(namespace: str) -> bytes:
+    """The key of a namespace's meta record."""
+    return text_bytes(namespace) + b":meta"
+
+
+class Layout:
+    """Key names of one incarnation of a namespace (fixed bucket bits and generation)."""
+
+    __slots__ = (
+        "bucket_bits",
+        "eprefix",
+        "gen",
+        "mask",
+        "meta",
+        "namespace",
+        "pe",
+        "pi",
+        "pp",
+        "rprefix",
+        "suffix_bytes",
+        "wm",
+    )
+
+    def __init__(self, namespace: str, bucket_bits: int, gen: bytes) -> None:
+        self.namespace = namespace
+        self.bucket_bits = bucket_bits
+        self.gen = gen
+        self.mask = (1 << bucket_bits) - 1
+        self.suffix_bytes = (bucket_bits + 7) // 8
+        ns = text_bytes(namespace)
+        self.meta = meta_key(namespace)
+        self.pe = ns + b":pe"
+        self.pi = ns + b":pi"
+        self.pp = ns + b":pp"
+        self.wm = ns + b":wm"
+        self.rprefix = ns + b":r:"
+        self.eprefix = ns + b":e:"
+
+    def request_bucket(self, value: int) -> bytes:
+        """The request bucket key holding request key ``value``."""
+        return self.rprefix + (value & self.mask).to_bytes(self.suffix_bytes, "big")
+
+    def engine_bucket(self, value: int) -> bytes:
+        """The engine bucket key holding engine key ``value``."""
+        return self.eprefix + (value & self.mask).to_bytes(self.suffix_bytes, "big")
+
+    def request_pattern(self) -> bytes:
+        """SCAN MATCH pattern of the request buckets (and nothing else)."""
+        return escape_glob(self.rprefix) + b"?" * self.suffix_bytes
+
+    def engine_pattern(self) -> bytes:
+        """SCAN MATCH pattern of the engine buckets (and nothing else)."""
+        return escape_glob(self.eprefix) + b"?" * self.suffix_bytes
+
+    def namespace_pattern(self) -> bytes:
+        """SCAN MATCH pattern of every key of the namespace."""
+        return escape_glob(text_bytes(self.namespace) + b":") + b"*"
+
+
+def check_namespace(namespace: object) -> str:
+    """Validate a namespace name: a non-empty str that cannot nest inside another namespace.
+
+    Bucket keys are ``<ns>:r:<bucket>`` and ``<ns>:e:<bucket>``, so a namespace containing
+    ``:r:`` or ``:e:``, or ending in ``:r`` or ``:e``, would share key names with a shorter one;
+    such names are refused. Any other text (including ``:``) is fine.
+    """
+    if not isinstance(namespace, str) or not namespace:
+        raise InvalidInputError(f"namespace must be a non-empty str, got {namespace!r}")
+    if any(part in namespace for part in (":r:", ":e:")) or namespace.endswith((":r", ":e")):
+        raise InvalidInputError(
+            f"namespace {namespace!r} may not contain ':r:' or ':e:' or end in ':r' or ':e' "
+            "(its keys would collide with those of a shorter namespace)"
+        )
+    return namespace
+
+
+def check_bucket_bits(bits: object) -> int:
+    """Validate a bucket bit count."""
+    if isinstance(bits, bool) or not isinstance(bits, int):
+        raise InvalidInputError(f"bucket bits must be an int, got {bits!r}")
+    if not MIN_BUCKET_BITS <= bits <= MAX_BUCKET_BITS:
+        raise InvalidInputError(
+            f"bucket bits must be in [{MIN_BUCKET_BITS}, {MAX_BUCKET_BITS}], got {bits}"
+        )
+    return bits

@@ -1,0 +1,95 @@
+"""The sans-IO vocabulary between the index core and an executor: requests, replies, failures.
+
+An index operation (an :data:`Op`) is a generator. It yields a :data:`Request` and is resumed
+with the reply (``op.send(reply)``), or with a :class:`Failure` thrown into it
+(``op.throw(failure)``) when the request did not produce a reply. The core decides what a
+failure means (retry, reload, translate to a :mod:`kvredis.errors` exception); an executor only
+sends requests and maps its client library's exceptions to these failures.
+
+Requests an executor sends:
+
+- :class:`Command`: one Redis command, as its arguments (``EVALSHA`` and ``SCRIPT LOAD`` are
+  commands too);
+- :class:`Pipeline`: several commands in one round trip (no ``MULTI``); the reply is the list of
+  replies, with a :class:`Failure` value in place of each command that failed;
+- :class:`Sleep`: wait, then resume the operation with ``None``.
+
+A :class:`ScriptCall` names a Lua script (``lua/<name>.lua``) instead of its SHA1; the core turns
+it into an ``EVALSHA`` command (see :func:`kvredis.redis.ops.op_send`) before an executor sees it.
+This module imports no I/O library.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+#: A value a client library can send as a command argument.
+Arg = bytes | str | int | float
+
+
+@dataclass(frozen=True, slots=True)
+class ScriptCall:
+    """A call of the Lua script ``script`` with ``keys`` (KEYS) and ``args`` (ARGV)."""
+
+    script: str
+    keys: Sequence[Arg]
+    args: Sequence[Arg]
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    """A plain Redis command, as its arguments."""
+
+    args: tuple[Arg, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Pipeline:
+    """Several requests sent in one round trip (no MULTI); the reply is the list of replies."""
+
+    items: tuple[ScriptCall | Command, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Sleep:
+    """Wait ``seconds`` before the operation goes on (the backoff between retries)."""
+
+    seconds: float
+
+
+Request = ScriptCall | Command | Pipeline | Sleep
+#: An index operation: yields requests, receives their replies, returns the result.
+Op = Generator[Request, Any, T]
+
+
+class Failure(Exception):
+    """A request that produced no reply; ``message`` is what the client library said."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class ErrorReply(Failure):
+    """The server answered with an error reply: ``message`` is the reply, starting with its code.
+
+    E.g. ``"NOSCRIPT No matching script"``, ``"BUSY Redis is busy running a script"`` or
+    ``"KVREDIS_STALE namespace layout changed ..."``.
+    """
+
+    @property
+    def code(self) -> str:
+        """The error code: the reply's first word (``NOSCRIPT``, ``BUSY``, ``KVREDIS_STALE``)."""
+        return self.message.split(" ", 1)[0]
+
+
+class ConnectionLost(Failure):
+    """The server could not be reached, or did not answer in time."""
+
+
+class AuthenticationFailed(Failure):
+    """The server refused the credentials (retrying cannot help)."""

@@ -1,0 +1,145 @@
+"""The Lua script registry: the command scripts of ``lua/``, their includes expanded, and SHA1s.
+
+Sources come from the installed package data (``kvredis/lua/`` inside a wheel) when present,
+else from the repository's ``lua/`` directory (editable installs). Every ``lua/<name>.lua`` is a
+command; ``lua/includes/<name>.lua`` are libraries, pulled into a command (or into another
+include) by a line ``--@include <name>``. Expansion pastes each include once per script, before
+the first include line naming it (later lines naming it again are dropped), so includes may
+include each other; a cycle is an error. The SHA1 of every expanded script is computed locally,
+so the first call is already an EVALSHA.
+
+The registry only builds commands: ``EVALSHA`` for a :class:`~kvredis.redis.requests.ScriptCall`
+and ``SCRIPT LOAD`` for the reload after ``NOSCRIPT``. Sending them, and reloading on
+``NOSCRIPT``, is the job of :func:`kvredis.redis.ops.op_send`. No I/O library is imported here.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.resources
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib.abc import Traversable
+from pathlib import Path
+from typing import Any
+
+from kvredis.errors import BackendError
+from kvredis.redis.requests import Command, ScriptCall
+
+_INCLUDE_RE = re.compile(r"^--@include\s+(\S+)\s*$", re.MULTILINE)
+#: Folder (under ``lua/``) of the include files, and the prefix of their names in a source map.
+INCLUDES = "includes"
+_REPO_LUA = Path(__file__).resolve().parents[2] / "lua"
+
+
+@dataclass(frozen=True, slots=True)
+class Script:
+    """One command script: its name (file stem), expanded source and SHA1 (hex)."""
+
+    name: str
+    source: bytes
+    sha: str
+
+
+def _read_lua(folder: Traversable | Path, prefix: str = "") -> dict[str, str]:
+    files: dict[str, str] = {}
+    for entry in folder.iterdir():
+        if entry.is_file() and entry.name.endswith(".lua"):
+            files[prefix + entry.name[:-4]] = entry.read_text(encoding="utf-8")
+        elif entry.name == INCLUDES and not prefix and entry.is_dir():
+            files.update(_read_lua(entry, f"{INCLUDES}/"))
+    return files
+
+
+def lua_sources() -> dict[str, str]:
+    """The text of every Lua file shipped with kvredis: commands by file stem, includes as
+    ``includes/<stem>``."""
+    try:
+        files = _read_lua(importlib.resources.files("kvredis.lua"))
+    except (ModuleNotFoundError, FileNotFoundError, NotADirectoryError):
+        files = {}
+    if files:
+        return files
+    if not _REPO_LUA.is_dir():
+        raise BackendError(
+            f"kvredis Lua scripts not found (neither package data kvredis/lua nor {_REPO_LUA})"
+        )
+    return _read_lua(_REPO_LUA)
+
+
+def expand(name: str, sources: Mapping[str, str]) -> str:
+    """The source of command ``name`` with its ``--@include`` lines replaced by the includes.
+
+    Each include is pasted once, where it is first named; a cycle raises BackendError.
+    """
+    if name not in sources:
+        raise BackendError(f"Lua script {name!r} not found")
+    done: set[str] = set()
+
+    def paste(key: str, stack: tuple[str, ...]) -> str:
+        def include(match: re.Match[str]) -> str:
+            child = f"{INCLUDES}/{match.group(1)}"
+            if child in stack:
+                chain = " -> ".join(k.removeprefix(f"{INCLUDES}/") for k in (*stack, child))
+                raise BackendError(f"Lua include cycle: {chain}")
+            if child in done:
+                return ""
+            if child not in sources:
+                raise BackendError(f"Lua include {match.group(1)!r} (of {key}) not found")
+            text = paste(child, (*stack, child)).rstrip("\n")
+            done.add(child)
+            return text
+
+        return _INCLUDE_RE.sub(include, sources[key])
+
+    return paste(name, (name,))
+
+
+@functools.lru_cache(maxsize=1)
+def _shipped_scripts() -> dict[str, Script]:
+    sources = lua_sources()
+    out = {}
+    for name in sorted(sources):
+        if "/" in name:
+            continue
+        source = expand(name, sources).encode("utf-8")
+        out[name] = Script(name, source, hashlib.sha1(source).hexdigest())
+    return out
+
+
+class ScriptRegistry:
+    """The command scripts of one client, and the commands that call and load them."""
+
+    def __init__(self, scripts: Mapping[str, Script] | None = None) -> None:
+        self._scripts: dict[str, Script] = dict(_shipped_scripts() if scripts is None else scripts)
+
+    def __getitem__(self, name: str) -> Script:
+        try:
+            return self._scripts[name]
+        except KeyError:
+            raise BackendError(f"no Lua script named {name!r}") from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._scripts
+
+    def names(self) -> list[str]:
+        """Names of the registered scripts."""
+        return sorted(self._scripts)
+
+    def evalsha(self, call: ScriptCall) -> Command:
+        """The ``EVALSHA`` command of ``call``."""
+        keys = call.keys
+        return Command(("EVALSHA", self[call.script].sha, len(keys), *keys, *call.args))
+
+    def load(self, name: str) -> Command:
+        """The ``SCRIPT LOAD`` command of script ``name``."""
+        return Command(("SCRIPT", "LOAD", self[name].source))
+
+    def check_loaded(self, name: str, reply: Any) -> None:
+        """Check the reply of :meth:`load`: the server must hash the script as we did."""
+        script = self[name]
+        got = reply.decode() if isinstance(reply, bytes) else str(reply)
+        if got != script.sha:
+            raise BackendError(f"server hashed script {name} to {got}, expected {script.sha}")

@@ -1,0 +1,132 @@
+--[[ program: the op program of add, evict and apply_batch: read and check it whole, then run it.
+  Arguments, from a position pos of the script's ARGV:
+    n, then n encoded entries (see entries)
+    [number of ops, when the caller does not fix it]
+    the ops, each one of
+      "A", nent, nent x entry index, request keys (hash blob),
+           engine/request key pairs (hash blob: engine key, request key, ...)
+      "R", 8-byte request key, nent, nent x entry index
+      "E", 8-byte engine key, nent, nent x entry index
+    (entry indexes are 1-based into the entries; nothing may follow the last op)
+  read_program checks all of it without writing; run_program checks that the entry id space can
+  hold the new entries, then runs the ops in order. ]]
+--@include entries
+--@include writes
+
+-- The keys and bucket namers the ops write through.
+local function write_context(meta, pe, pi, pp, rprefix, eprefix, bits)
+  return {meta = meta, pe = pe, pi = pi, pp = pp,
+          rbucket = bucket_namer(rprefix, bits), ebucket = bucket_namer(eprefix, bits)}
+end
+
+local function entry_indexes(args, pos, nent, nents)
+  local out = {}
+  for j = 1, nent do out[j] = int_arg(args[pos + j - 1], 'entry index', 1, nents) end
+  return out
+end
+
+-- The entries and ops in args from pos, checked; nops nil reads the op count from args; tags is
+-- the set of op letters allowed. Returns {ents = encoded entries, ops = parsed ops}.
+local function read_program(args, pos, nops, tags)
+  local nents = int_arg(args[pos], 'entry count', 0, #args - pos)
+  local ents = {}
+  for i = 1, nents do
+    ents[i] = args[pos + i]
+    if not entry_ok(ents[i]) then fail('INVALID', 'malformed entry encoding ' .. i) end
+  end
+  pos = pos + nents + 1
+  if nops == nil then
+    nops = int_arg(args[pos], 'op count', 0, #args - pos)
+    pos = pos + 1
+  end
+  local ops = {}
+  for o = 1, nops do
+    local tag = args[pos]
+    if not tags[tag] then fail('INVALID', 'unknown op ' .. tostring(tag) .. ' (op ' .. o .. ')') end
+    local op = {tag = tag}
+    if tag == 'A' then
+      local nent = int_arg(args[pos + 1], 'op entry count', 0, #args - pos)
+      op.ents = entry_indexes(args, pos + 2, nent, nents)
+      op.req = blob_arg(args[pos + 2 + nent], HASH_WIDTH, 'request keys')
+      op.pairs = blob_arg(args[pos + 3 + nent], 2 * HASH_WIDTH, 'engine/request key pairs')
+      pos = pos + 4 + nent
+    else
+      op.field = blob_arg(args[pos + 1], HASH_WIDTH, 'evict key', 1)
+      local nent = int_arg(args[pos + 2], 'op entry count', 0, #args - pos)
+      op.ents = entry_indexes(args, pos + 3, nent, nents)
+      pos = pos + 3 + nent
+    end
+    ops[o] = op
+  end
+  if pos ~= #args + 1 then fail('INVALID', (#args + 1 - pos) .. ' arguments after the last op') end
+  return {ents = ents, ops = ops}
+end
+
+-- Run a program read by read_program through the context k (write_context); cap is the most
+-- request keys kept per engine key (add ops). Returns the (request key, entry) pairs removed.
+local function run_program(k, program, cap)
+  local ents, ops = program.ents, program.ops
+  -- Entries the add ops store: their ids, or false when new (interned on first use).
+  local ids, new = {}, 0
+  for _, op in ipairs(ops) do
+    if op.tag == 'A' then
+      for _, j in ipairs(op.ents) do
+        local enc = ents[j]
+        if ids[enc] == nil then
+          ids[enc] = redis.call('HGET', k.pe, enc)
+          if not ids[enc] then new = new + 1 end
+        end
+      end
+    end
+  end
+  check_id_space(k.meta, new)
+  local function entry_id(j, create)
+    local enc = ents[j]
+    local id = ids[enc]
+    if id == nil then
+      id = redis.call('HGET', k.pe, enc)
+      ids[enc] = id
+    end
+    if not id and create then
+      id = intern(k, enc)
+      ids[enc] = id
+    end
+    return id
+  end
+  local removed = 0
+  for _, op in ipairs(ops) do
+    local set = {}
+    if op.tag == 'A' then
+      local list = {}
+      for _, j in ipairs(op.ents) do
+        local id = entry_id(j, true)
+        if not set[id] then
+          set[id] = true
+          list[#list + 1] = id
+        end
+      end
+      local value, req, pairs_ = table.concat(list), op.req, op.pairs
+      for i = 1, #req, HASH_WIDTH do
+        local rfield = string.sub(req, i, i + HASH_WIDTH - 1)
+        add_ids(k.rbucket(rfield), rfield, value, set)
+      end
+      for i = 1, #pairs_, 2 * HASH_WIDTH do
+        local efield = string.sub(pairs_, i, i + HASH_WIDTH - 1)
+        local rfield = string.sub(pairs_, i + HASH_WIDTH, i + 2 * HASH_WIDTH - 1)
+        map_engine(k.ebucket(efield), efield, rfield, cap)
+      end
+    else
+      for _, j in ipairs(op.ents) do
+        local id = entry_id(j, false)
+        if id then set[id] = true end
+      end
+      if op.tag == 'R' then
+        local _, n = remove_ids(k.rbucket(op.field), op.field, set)
+        removed = removed + n
+      else
+        removed = removed + evict_engine(k.rbucket, k.ebucket(op.field), op.field, set)
+      end
+    end
+  end
+  return removed
+end

@@ -1,0 +1,508 @@
+"""The sans-IO core without a server: the requests each operation yields, how replies decode, and
+the combinators (NOSCRIPT reload, retry with backoff, stale-namespace reload, error translation),
+driven with scripted replies."""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import pytest
+
+from kvredis import (
+    AddOp,
+    BackendError,
+    BackendUnavailableError,
+    EngineKeyNotFoundError,
+    EvictOp,
+    InvalidInputError,
+    KeyType,
+    NamespaceLayoutError,
+    PodEntry,
+    StaleNamespaceError,
+    Watermark,
+)
+from kvredis.checks import MAX_REQUEST_KEYS_PER_ENGINE_KEY
+from kvredis.redis import ops
+from kvredis.redis import requests as rq
+from kvredis.redis.codec import encode_entry, hash_field
+from kvredis.redis.layout import LAYOUT_VERSION, Layout
+from kvredis.redis.scripts import ScriptRegistry
+from kvredis.redis.state import CoreState
+
+A, B = PodEntry("pod-a", "gpu"), PodEntry("pod-b", "cpu", speculative=True)
+GEN = b"0123456789abcdef"
+NOSCRIPT = "NOSCRIPT No matching script. Please use EVAL."
+SERVER = "redis at h:6379"
+
+
+def _id(n: int) -> bytes:
+    return struct.pack(">I", n)
+
+
+def _blob(*hashes: int) -> bytes:
+    return b"".join(hash_field(h) for h in hashes)
+
+
+def _state(bits: int = 16) -> CoreState:
+    state = CoreState("ns", bits)
+    state.adopt([LAYOUT_VERSION.encode(), str(bits).encode(), GEN])
+    return state
+
+
+def _session(
+    state: CoreState | None = None, retries: int = 2, backoff: float = 0.05
+) -> ops.Session:
+    return ops.Session(
+        _state() if state is None else state,
+        ScriptRegistry(),
+        ops.RetryPolicy(retries, backoff, SERVER),
+    )
+
+
+class Exchange:
+    """Drives an operation like an executor, answering each request from a script of replies.
+
+    Each reply is a value, a Failure (thrown into the operation), or a callable that computes
+    either from the request. ``requests`` records what the operation sent.
+    """
+
+    def __init__(self, replies: Sequence[Any]) -> None:
+        self.replies: Iterator[Any] = iter(replies)
+        self.requests: list[rq.Request] = []
+
+    def run(self, op: rq.Op[Any]) -> Any:
+        outcome: Any = None
+        while True:
+            try:
+                failed = isinstance(outcome, rq.Failure)
+                request = op.throw(outcome) if failed else op.send(outcome)
+            except StopIteration as stop:
+                rest = list(self.replies)
+                assert not rest, f"replies left over: {rest}"
+                return stop.value
+            self.requests.append(request)
+            try:
+                reply = next(self.replies)
+            except StopIteration:
+                raise AssertionError(f"no reply scripted for {request!r}") from None
+            outcome = reply(request) if callable(reply) else reply
+
+
+def _one(op: rq.Op[Any], reply: Any = None) -> tuple[rq.Request, Any]:
+    """The single request ``op`` yields, and its result for ``reply``."""
+    exchange = Exchange([reply])
+    result = exchange.run(op)
+    (request,) = exchange.requests
+    return request, result
+
+
+# -- what each operation sends, and how it decodes the reply ----------------------------------
+
+
+def test_load_namespace_pings_then_creates_or_reads_the_meta_record() -> None:
+    state = CoreState("ns", 12)
+    exchange = Exchange([b"PONG", [LAYOUT_VERSION.encode(), b"10", GEN]])
+    layout = exchange.run(ops.op_load_namespace(state, ping=True))
+    ping, call = exchange.requests
+    assert ping == rq.Command(("PING",))
+    assert isinstance(call, rq.ScriptCall) and call.script == "namespace"
+    assert call.keys == (b"ns:meta",)
+    assert call.args[:2] == (LAYOUT_VERSION, 12) and len(call.args[2]) == 16
+    assert isinstance(layout, Layout) and layout.bucket_bits == 10 and layout.gen == GEN
+    assert state.layout is layout
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [[b"someone-else/2", b"16", GEN], [LAYOUT_VERSION.encode(), b"99", GEN], [None, None, None]],
+)
+def test_a_foreign_or_broken_meta_record_is_a_layout_error(reply: list[Any]) -> None:
+    with pytest.raises(NamespaceLayoutError):
+        _one(ops.op_load_namespace(CoreState("ns"), ping=False), reply)
+
+
+def test_lookup_sends_the_chain_as_one_blob_and_decodes_through_the_entry_cache() -> None:
+    state = _state()
+    defs = [_id(1), encode_entry(A), _id(2), encode_entry(B)]
+    request, result = _one(
+        ops.op_lookup(state, [5, 2**64 - 1, 7], {"pod-a"}), [2, defs, _id(1) + _id(2), _id(2)]
+    )
+    assert request == rq.ScriptCall(
+        "lookup",
+        (b"ns:meta", b"ns:pi", b"ns:pp"),
+        (GEN, b"ns:r:", 16, 0, 1, b"pod-a", _blob(5, 2**64 - 1, 7)),
+    )
+    assert result == {5: [A, B], 2**64 - 1: [B]}  # the walk stopped before key 7
+    assert state.cache.floor == 2
+    request, result = _one(ops.op_lookup(state, [5], None), [2, [], _id(2)])
+    assert isinstance(request, rq.ScriptCall) and request.args[3:5] == (2, 0)  # floor, no filter
+    assert result == {5: [B]}
+
+
+def test_lookup_of_an_id_the_client_never_learned_is_stale() -> None:
+    with pytest.raises(StaleNamespaceError):
+        _one(ops.op_lookup(_state(), [5], None), [0, [], _id(9)])
+
+
+def test_empty_chains_and_bad_input_send_nothing() -> None:
+    state = _state()
+    assert Exchange([]).run(ops.op_lookup(state, [], None)) == {}
+    assert Exchange([]).run(ops.op_score(state, [], None, None)) == {}
+    for op in (
+        ops.op_lookup(state, [-1], None),
+        ops.op_add(state, None, [1], []),
+        ops.op_evict(state, 2**64, KeyType.ENGINE, [A]),
+        ops.op_get_request_key(state, "7"),  # type: ignore[arg-type]
+        ops.op_clear(state, "pod-a", progress=5),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(InvalidInputError):
+            Exchange([]).run(op)
+
+
+def test_score_sends_weights_and_decodes_scores() -> None:
+    request, result = _one(
+        ops.op_score(_state(), [1, 2], {"gpu": 1.0, "cpu": 0.5}, None),
+        [b"pod-a", b"2", b"pod-b", b"0.5"],
+    )
+    assert request == rq.ScriptCall(
+        "score",
+        (b"ns:meta", b"ns:pi", b"ns:pp"),
+        (GEN, b"ns:r:", 16, 0, 2, b"gpu", "1.0", b"cpu", "0.5", "1.0", _blob(1, 2)),
+    )
+    assert result == {"pod-a": 2.0, "pod-b": 0.5}
+
+
+def test_add_sends_one_op_with_interned_entries_and_inferred_mappings() -> None:
+    request, result = _one(ops.op_add(_state(), [100, 200], [1, 2, 3, 4], [A, B, A]))
+    assert result is None
+    assert request == rq.ScriptCall(
+        "add",
+        (b"ns:meta", b"ns:pe", b"ns:pi", b"ns:pp"),
+        [
+            GEN, b"ns:r:", b"ns:e:", 16, MAX_REQUEST_KEYS_PER_ENGINE_KEY,
+            2, encode_entry(A), encode_entry(B),
+            "A", 2, 1, 2, _blob(1, 2, 3, 4), _blob(100, 1, 100, 2, 200, 3, 200, 4),
+        ],
+    )  # fmt: skip
+
+
+def test_evict_sends_no_mapping_cap() -> None:
+    request, _ = _one(ops.op_evict(_state(), 9, KeyType.ENGINE, [B]))
+    assert request == rq.ScriptCall(
+        "evict",
+        (b"ns:meta", b"ns:pe"),
+        [GEN, b"ns:r:", b"ns:e:", 16, 1, encode_entry(B), "E", hash_field(9), 1, 1],
+    )
+    request, _ = _one(ops.op_evict(_state(), 9, KeyType.REQUEST, [A, B]))
+    assert isinstance(request, rq.ScriptCall) and request.args[-5:] == ["R", hash_field(9), 2, 1, 2]
+
+
+def test_apply_batch_sends_the_whole_program_and_the_fence() -> None:
+    batch = [AddOp(None, (1,), (A,)), EvictOp(1, KeyType.REQUEST, (A, B)), AddOp((7,), (8,), (B,))]
+    request, applied = _one(ops.op_apply_batch(_state(), batch, "s", Watermark(3, -1)), 1)
+    assert applied is True
+    assert request == rq.ScriptCall(
+        "apply_batch",
+        (b"ns:meta", b"ns:pe", b"ns:pi", b"ns:pp", b"ns:wm"),
+        [
+            GEN, b"ns:r:", b"ns:e:", 16, MAX_REQUEST_KEYS_PER_ENGINE_KEY,
+            b"s", "3", "-1",
+            2, encode_entry(A), encode_entry(B),
+            3,
+            "A", 1, 1, _blob(1), b"",
+            "R", hash_field(1), 2, 1, 2,
+            "A", 1, 2, _blob(8), _blob(7, 8),
+        ],
+    )  # fmt: skip
+    assert Exchange([]).run(ops.op_apply_batch(_state(), [], None, None)) is True  # nothing sent
+    request, applied = _one(ops.op_apply_batch(_state(), [], "s", Watermark(0, 0)), 0)
+    assert applied is False and isinstance(request, rq.ScriptCall)
+
+
+def test_get_request_key_decodes_the_key_or_raises_not_found() -> None:
+    request, result = _one(ops.op_get_request_key(_state(8), 0x1234), hash_field(77))
+    args = (GEN, b"ns:e:", 8, hash_field(0x1234))
+    assert request == rq.ScriptCall("request_key", (b"ns:meta",), args)
+    assert result == 77
+    with pytest.raises(EngineKeyNotFoundError):
+        _one(ops.op_get_request_key(_state(), 5), None)
+
+
+def test_watermarks_are_one_hash_command() -> None:
+    state = _state()
+    request, mark = _one(ops.op_get_watermark(state, "s"), b"3:-1")
+    assert request == rq.Command(("HGET", b"ns:wm", b"s")) and mark == Watermark(3, -1)
+    assert _one(ops.op_get_watermark(state, "s"), None)[1] is None
+    for bad in (b"3", b"x:1", b"1:-5"):
+        with pytest.raises(NamespaceLayoutError):
+            _one(ops.op_get_watermark(state, "s"), bad)
+    request, _ = _one(ops.op_reset_watermark(state, "s", Watermark(4, 5)))
+    assert request == rq.Command(("HSET", b"ns:wm", b"s", "4:5"))
+    request, _ = _one(ops.op_reset_watermark(state, "s", None))
+    assert request == rq.Command(("HDEL", b"ns:wm", b"s"))
+
+
+def test_clear_pages_with_scan_and_sends_the_last_page_with_the_next_scan() -> None:
+    state = _state(8)
+    progress: list[tuple[int, int]] = []
+    r1, r2, e1 = b"ns:r:\x01", b"ns:r:\x02", b"ns:e:\x01"
+    exchange = Exchange(
+        [
+            _id(1) + _id(2),  # HGET ns:pp pod-a
+            [b"5", [r1]],  # first SCAN: one key, more to come
+            [[2, 3], [b"0", [r2]]],  # clear(r1) pipelined with the next SCAN
+            [1, 4],  # clear(r2)
+            [b"0", [e1]],  # SCAN of the engine buckets
+            [0, 1],  # clear_mappings(e1)
+        ]
+    )
+    removed = exchange.run(ops.op_clear(state, "pod-a", lambda *a: progress.append(a)))
+    assert removed == 3
+    assert progress == [(1, 2), (2, 3), (3, 3)]
+    hget, scan, pipeline, last, escan, mappings = exchange.requests
+    assert hget == rq.Command(("HGET", b"ns:pp", b"pod-a"))
+    assert scan == rq.Command(("SCAN", 0, "MATCH", b"ns:r:?", "COUNT", 8))
+    clear_r1 = rq.ScriptCall("clear", (b"ns:meta", r1), (GEN, _id(1) + _id(2)))
+    assert isinstance(pipeline, rq.Pipeline) and pipeline.items[0] == clear_r1
+    assert pipeline.items[1] == rq.Command(("SCAN", 5, "MATCH", b"ns:r:?", "COUNT", 8))
+    assert last == rq.ScriptCall("clear", (b"ns:meta", r2), (GEN, _id(1) + _id(2)))
+    assert escan == rq.Command(("SCAN", 0, "MATCH", b"ns:e:?", "COUNT", 8))
+    assert mappings == rq.ScriptCall("clear_mappings", (b"ns:meta", e1), (GEN, b"ns:r:", 8))
+    assert Exchange([None]).run(ops.op_clear(state, "never-seen")) == 0  # one HGET only
+
+
+def test_drop_namespace_unlinks_pages_and_the_meta_record_last() -> None:
+    exchange = Exchange([[b"7", [b"ns:pe", b"ns:meta"]], 1, [b"0", [b"ns:wm"]], 1, 1])
+    assert exchange.run(ops.op_drop_namespace(_state(), keys_per_call=2)) == 3
+    assert [r.args[0] for r in exchange.requests if isinstance(r, rq.Command)] == [
+        "SCAN", "UNLINK", "SCAN", "UNLINK", "UNLINK",
+    ]  # fmt: skip
+    assert exchange.requests[1] == rq.Command(("UNLINK", b"ns:pe"))
+    assert exchange.requests[-1] == rq.Command(("UNLINK", b"ns:meta"))
+
+
+# -- op_send: scripts by EVALSHA, NOSCRIPT reload -----------------------------------------------
+
+
+def test_a_script_call_is_sent_as_evalsha_with_the_local_sha() -> None:
+    session = _session()
+    registry = session.registry
+    call = rq.ScriptCall("ping", (b"k",), ("a", 1))
+    request, reply = _one(ops.op_send(session, call), 1)
+    assert request == rq.Command(("EVALSHA", registry["ping"].sha, 1, b"k", "a", 1))
+    assert reply == 1
+
+
+def test_noscript_loads_the_script_and_sends_the_call_again() -> None:
+    session = _session()
+    script = session.registry["ping"]
+    exchange = Exchange([rq.ErrorReply(NOSCRIPT), script.sha.encode(), 1])
+    assert exchange.run(ops.op_send(session, rq.ScriptCall("ping", (), ()))) == 1
+    evalsha = rq.Command(("EVALSHA", script.sha, 0))
+    assert exchange.requests == [evalsha, rq.Command(("SCRIPT", "LOAD", script.source)), evalsha]
+
+
+def test_a_server_that_keeps_forgetting_scripts_gives_a_backend_error() -> None:
+    session = _session()
+    sha = session.registry["ping"].sha
+    noscript = rq.ErrorReply(NOSCRIPT)
+    exchange = Exchange([noscript, sha, noscript, sha, noscript])
+    with pytest.raises(BackendError, match="NOSCRIPT"):
+        exchange.run(ops.op_send(session, rq.ScriptCall("ping", (), ())))
+    assert len(exchange.requests) == 5  # three calls, two loads, no retry of a permanent error
+
+
+def test_a_server_hashing_a_script_differently_is_a_backend_error() -> None:
+    exchange = Exchange([rq.ErrorReply(NOSCRIPT), b"0" * 40])
+    with pytest.raises(BackendError, match="hashed script ping"):
+        exchange.run(ops.op_send(_session(), rq.ScriptCall("ping", (), ())))
+
+
+def test_noscript_in_a_pipeline_resends_only_the_calls_that_got_it() -> None:
+    session = _session()
+    registry = session.registry
+    ping, ns = registry["ping"], registry["namespace"]
+    items = (
+        rq.ScriptCall("ping", (), ()),
+        rq.Command(("GET", "x")),
+        rq.ScriptCall("namespace", (b"m",), ("v", 16, "g")),
+        rq.ScriptCall("ping", (), ()),
+    )
+    exchange = Exchange(
+        [
+            [rq.ErrorReply(NOSCRIPT), b"x", rq.ErrorReply(NOSCRIPT), 1],
+            ns.sha,  # loads go in name order
+            ping.sha,
+            [1, [b"v", b"16", b"g"]],
+        ]
+    )
+    replies = exchange.run(ops.op_send(session, rq.Pipeline(items)))
+    assert replies == [1, b"x", [b"v", b"16", b"g"], 1]
+    first, load_ns, load_ping, again = exchange.requests
+    assert isinstance(first, rq.Pipeline) and first.items[1] == rq.Command(("GET", "x"))
+    assert first.items[0] == rq.Command(("EVALSHA", ping.sha, 0))
+    assert load_ns == rq.Command(("SCRIPT", "LOAD", ns.source))
+    assert load_ping == rq.Command(("SCRIPT", "LOAD", ping.source))
+    assert again == rq.Pipeline(
+        (
+            rq.Command(("EVALSHA", ping.sha, 0)),
+            rq.Command(("EVALSHA", ns.sha, 1, b"m", "v", 16, "g")),
+        )
+    )
+
+
+def test_an_error_inside_a_pipeline_fails_the_request() -> None:
+    items = (rq.Command(("GET", "x")), rq.ScriptCall("ping", (), ()))
+    with pytest.raises(StaleNamespaceError):
+        Exchange([[b"x", rq.ErrorReply("KVREDIS_STALE reload")]]).run(
+            ops.op_send(_session(), rq.Pipeline(items))
+        )
+
+
+# -- op_send: retries and translation -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        rq.ConnectionLost("Connection refused"),
+        rq.ConnectionLost("Timeout reading from socket"),
+        rq.ErrorReply("BUSY Redis is busy running a script"),
+        rq.ErrorReply("LOADING Redis is loading the dataset in memory"),
+        rq.ErrorReply("MASTERDOWN Link with MASTER is down"),
+        rq.ErrorReply("READONLY You can't write against a read only replica."),
+        rq.ErrorReply("TRYAGAIN Multiple keys request during rehashing of slot"),
+    ],
+)
+def test_transient_failures_are_retried_after_backoff_then_name_the_server(
+    failure: rq.Failure,
+) -> None:
+    session = _session(retries=3, backoff=0.05)
+    exchange = Exchange([failure, None, failure, None, failure, None, failure])
+    with pytest.raises(BackendUnavailableError) as info:
+        exchange.run(ops.op_send(session, rq.Command(("PING",))))
+    assert str(info.value) == f"cannot reach {SERVER}: {failure.message}"
+    assert isinstance(info.value.__cause__, type(failure))
+    sleeps = [r for r in exchange.requests if isinstance(r, rq.Sleep)]
+    assert sleeps == [rq.Sleep(0.05), rq.Sleep(0.1), rq.Sleep(0.2)]
+    assert exchange.requests.count(rq.Command(("PING",))) == 4
+
+
+def test_a_retry_that_succeeds_returns_the_reply() -> None:
+    exchange = Exchange([rq.ConnectionLost("reset"), None, b"PONG"])
+    assert exchange.run(ops.op_send(_session(), rq.Command(("PING",)))) == b"PONG"
+    assert exchange.requests[1] == rq.Sleep(0.05)
+
+
+def test_backoff_doubles_up_to_one_second() -> None:
+    policy = ops.RetryPolicy(8, 0.3, SERVER)
+    assert [policy.delay(i) for i in range(4)] == [0.3, 0.6, 1.0, 1.0]
+
+
+def test_no_retries_gives_up_at_once_and_a_refused_password_never_retries() -> None:
+    with pytest.raises(BackendUnavailableError, match="cannot reach redis at h:6379: down"):
+        ping = ops.op_send(_session(retries=0), rq.Command(("PING",)))
+        Exchange([rq.ConnectionLost("down")]).run(ping)
+    with pytest.raises(BackendUnavailableError, match="authentication failed at redis at h:6379"):
+        Exchange([rq.AuthenticationFailed("WRONGPASS invalid username-password pair")]).run(
+            ops.op_send(_session(retries=5), rq.Command(("PING",)))
+        )
+
+
+@pytest.mark.parametrize(
+    ("message", "error"),
+    [
+        ("KVREDIS_INVALID unknown op X script: 1234, on @user_script:9.", InvalidInputError),
+        ("KVREDIS_LAYOUT entry id space exhausted", NamespaceLayoutError),
+        ("KVREDIS_STALE namespace layout changed", StaleNamespaceError),
+        ("WRONGTYPE Operation against a key holding the wrong kind of value", NamespaceLayoutError),
+        ("ERR unknown command", BackendError),
+        ("KVREDIS_NEW some code this client does not know", BackendError),
+    ],
+)
+def test_other_error_replies_are_translated_without_retry(
+    message: str, error: type[Exception]
+) -> None:
+    exchange = Exchange([rq.ErrorReply(message)])
+    with pytest.raises(error) as info:
+        exchange.run(ops.op_send(_session(), rq.Command(("PING",))))
+    assert len(exchange.requests) == 1
+    if message.startswith("KVREDIS_INVALID"):
+        assert str(info.value) == "unknown op X"
+
+
+# -- op_run: namespace loading and stale reloads ------------------------------------------------
+
+
+def _namespace_reply(gen: bytes) -> Callable[[rq.Request], Any]:
+    def reply(request: rq.Request) -> Any:
+        assert isinstance(request, rq.Command) and request.args[0] == "EVALSHA"
+        return [LAYOUT_VERSION.encode(), b"16", gen]
+
+    return reply
+
+
+def test_the_first_call_loads_the_namespace() -> None:
+    session = _session(CoreState("ns"))
+    exchange = Exchange([_namespace_reply(GEN), hash_field(3)])
+    assert exchange.run(ops.op_run(session, lambda: ops.op_get_request_key(session.state, 1))) == 3
+    assert session.state.layout.gen == GEN
+    assert len(exchange.requests) == 2
+
+
+def test_a_stale_namespace_is_reloaded_and_the_operation_runs_once_more() -> None:
+    session = _session()
+    old_cache = session.state.cache
+    stale = rq.ErrorReply("KVREDIS_STALE namespace layout changed or was removed; reload it")
+    exchange = Exchange([stale, _namespace_reply(b"new-generation"), hash_field(4)])
+    assert exchange.run(ops.op_run(session, lambda: ops.op_get_request_key(session.state, 1))) == 4
+    assert session.state.layout.gen == b"new-generation"
+    assert session.state.cache is not old_cache  # a new generation gets a new entry cache
+    first, _, again = exchange.requests
+    assert isinstance(first, rq.Command) and first.args[4] == GEN
+    assert isinstance(again, rq.Command) and again.args[4] == b"new-generation"
+
+
+def test_a_namespace_stale_twice_in_a_row_raises() -> None:
+    session = _session()
+    stale = rq.ErrorReply("KVREDIS_STALE gone")
+    exchange = Exchange([stale, _namespace_reply(b"g2"), stale])
+    with pytest.raises(StaleNamespaceError):
+        exchange.run(ops.op_run(session, lambda: ops.op_get_request_key(session.state, 1)))
+
+
+def test_an_unknown_entry_id_reloads_too() -> None:
+    session = _session()
+    exchange = Exchange(
+        [
+            [0, [], _id(1)],  # an id this client never learned
+            _namespace_reply(GEN),  # same generation: the cache is kept
+            [1, [_id(1), encode_entry(A)], _id(1)],
+        ]
+    )
+    lookup = ops.op_run(session, lambda: ops.op_lookup(session.state, [5], None))
+    assert exchange.run(lookup) == {5: [A]}
+
+
+def test_connect_pings_with_retries() -> None:
+    session = _session(CoreState("ns"))
+    exchange = Exchange([rq.ConnectionLost("refused"), None, b"PONG", _namespace_reply(GEN)])
+    layout = exchange.run(ops.op_connect(session))
+    assert layout.gen == GEN
+    assert exchange.requests[:3] == [rq.Command(("PING",)), rq.Sleep(0.05), rq.Command(("PING",))]
+
+
+def test_a_failure_thrown_into_an_operation_closes_it() -> None:
+    closed: list[bool] = []
+
+    def op() -> rq.Op[None]:
+        try:
+            yield rq.Command(("PING",))
+        finally:
+            closed.append(True)
+
+    with pytest.raises(BackendUnavailableError):
+        Exchange([rq.ConnectionLost("x")]).run(ops.op_run(_session(retries=0), op))
+    assert closed == [True]
