@@ -41,9 +41,9 @@ if str(REPO) not in sys.path:
 import redis  # noqa: E402
 
 from kvredis.errors import EngineKeyNotFoundError  # noqa: E402
-from kvredis.events import BlockRemoved, BlockStored, decode_batch, encode_batch  # noqa: E402
 from kvredis.hashing import ChunkedTokenDatabase  # noqa: E402
 from kvredis.ingest import EndpointConfig, EventIngester, IngesterConfig  # noqa: E402
+from kvredis.ingest.events import BlockRemoved, BlockStored, decode_batch, encode_batch  # noqa: E402
 from kvredis.redis_index import RedisIndex, RedisIndexConfig  # noqa: E402
 from kvredis.types import KeyType, PodEntry  # noqa: E402
 from tests.servers import RedisServer  # noqa: E402
