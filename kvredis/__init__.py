@@ -74,24 +74,25 @@ _EXPORTS: dict[str, str] = {
     "new_redis_index": "kvredis.redis.index",
     "new_valkey_index": "kvredis.redis.index",
     # event ingestion
-    "AllBlocksCleared": "kvredis.events",
-    "BlockRemoved": "kvredis.events",
-    "BlockStored": "kvredis.events",
-    "DecodedBatch": "kvredis.events",
-    "Rejection": "kvredis.events",
-    "RejectReason": "kvredis.events",
-    "WireError": "kvredis.events",
-    "decode_batch": "kvredis.events",
-    "encode_batch": "kvredis.events",
-    "parse_topic": "kvredis.events",
+    "AllBlocksCleared": "kvredis.ingest.events",
+    "BlockRemoved": "kvredis.ingest.events",
+    "BlockStored": "kvredis.ingest.events",
+    "DecodedBatch": "kvredis.ingest.events",
+    "Rejection": "kvredis.ingest.events",
+    "RejectReason": "kvredis.ingest.events",
+    "WireError": "kvredis.ingest.events",
+    "decode_batch": "kvredis.ingest.events",
+    "encode_batch": "kvredis.ingest.events",
+    "parse_topic": "kvredis.ingest.events",
     "BatchOutcome": "kvredis.ingest",
     "EndpointConfig": "kvredis.ingest",
     "EventIngester": "kvredis.ingest",
     "IngestCounters": "kvredis.ingest",
     "IngesterConfig": "kvredis.ingest",
+    "MessageSink": "kvredis.ingest",
     "ReplayClient": "kvredis.ingest",
     "ReplayedMessage": "kvredis.ingest",
-    "ZmqReplayClient": "kvredis.zmq_transport",
+    "ZmqReplayClient": "kvredis.ingest.zmq",
 }
 
 __all__ = [
@@ -137,6 +138,7 @@ __all__ = [
     "KeyType",
     "LongestPrefixScorer",
     "MMHash",
+    "MessageSink",
     "NamespaceIndex",
     "NamespaceLayoutError",
     "PlaceholderRange",
@@ -199,18 +201,6 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
         NamespaceLayoutError,
         StaleNamespaceError,
     )
-    from kvredis.events import (
-        AllBlocksCleared,
-        BlockRemoved,
-        BlockStored,
-        DecodedBatch,
-        Rejection,
-        RejectReason,
-        WireError,
-        decode_batch,
-        encode_batch,
-        parse_topic,
-    )
     from kvredis.features import (
         BlockExtraFeatures,
         MMHash,
@@ -239,9 +229,23 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
         EventIngester,
         IngestCounters,
         IngesterConfig,
+        MessageSink,
         ReplayClient,
         ReplayedMessage,
     )
+    from kvredis.ingest.events import (
+        AllBlocksCleared,
+        BlockRemoved,
+        BlockStored,
+        DecodedBatch,
+        Rejection,
+        RejectReason,
+        WireError,
+        decode_batch,
+        encode_batch,
+        parse_topic,
+    )
+    from kvredis.ingest.zmq import ZmqReplayClient
     from kvredis.jsonconfig import parse_duration, parse_size
     from kvredis.memory import (
         CostAwareMemoryIndex,
@@ -259,4 +263,3 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
     )
     from kvredis.scoring import DEFAULT_MEDIUM_WEIGHTS, LongestPrefixScorer
     from kvredis.types import EMPTY_BLOCK_HASH, BlockHash, GroupMetadata, KeyType, PodEntry
-    from kvredis.zmq_transport import ZmqReplayClient

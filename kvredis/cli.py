@@ -11,7 +11,7 @@ import click
 
 from kvredis.errors import ConfigError, KVRedisError
 from kvredis.index import Closeable, Index, NamespaceIndex
-from kvredis.ingest_cli import ingest
+from kvredis.ingest.cli import ingest
 
 BACKENDS = ("memory", "cost-aware")
 

@@ -34,9 +34,9 @@ from typing import Any
 import redis
 
 from kvredis.errors import EngineKeyNotFoundError
-from kvredis.events import BlockRemoved, BlockStored, decode_batch, encode_batch
 from kvredis.hashing import ChunkedTokenDatabase
 from kvredis.ingest import EndpointConfig, EventIngester, IngesterConfig
+from kvredis.ingest.events import BlockRemoved, BlockStored, decode_batch, encode_batch
 from kvredis.redis import RedisIndex, RedisIndexConfig
 from kvredis.types import KeyType, PodEntry
 

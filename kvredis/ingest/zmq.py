@@ -2,8 +2,9 @@
 
 Live events: the engine's PUB socket sends ``[topic, seq (8 bytes big-endian), payload]``. One
 :class:`ZmqSubscriber` thread per endpoint owns a SUB socket, validates the frames and queues the
-message to the :class:`~kvredis.ingest.EventIngester`'s workers (blocking while the queue is
-full). libzmq reconnects on its own with exponential backoff (``reconnect_ivl_s`` doubling up to
+message into a :class:`~kvredis.ingest.transport.MessageSink` (the
+:class:`~kvredis.ingest.EventIngester`'s worker queues, blocking while they are full). libzmq
+reconnects on its own with exponential backoff (``reconnect_ivl_s`` doubling up to
 ``reconnect_ivl_max_s``); ZMTP heartbeats detect a publisher that vanished without closing the
 connection, so a restarted engine is reconnected to and its reset sequence numbers are noticed.
 Socket errors recreate the socket after a backoff.
@@ -22,16 +23,15 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvredis.events import RejectReason
-from kvredis.ingest import EndpointConfig, ReplayedMessage
-
-if TYPE_CHECKING:
-    from kvredis.ingest import EventIngester
+from kvredis.ingest.config import EndpointConfig
+from kvredis.ingest.counters import Counter
+from kvredis.ingest.events import RejectReason
+from kvredis.ingest.transport import MessageSink, ReplayedMessage
 
 __all__ = [
     "END_SEQ",
@@ -81,12 +81,12 @@ class ZmqSubscriber:
     def __init__(
         self,
         endpoint: EndpointConfig,
-        ingester: EventIngester,
+        sink: MessageSink,
         context: Any,
         options: SubscriberOptions | None = None,
     ) -> None:
         self.endpoint = endpoint
-        self._ingester = ingester
+        self._sink = sink
         self._context = context
         self._options = options or SubscriberOptions()
         self._stop = threading.Event()
@@ -130,13 +130,13 @@ class ZmqSubscriber:
         return sock, monitor
 
     def _run(self) -> None:
-        counters = self._ingester.counters
+        counters = self._sink.counters
         backoff = self._options.reconnect_ivl_s
         while not self._stop.is_set():
             try:
                 sock, monitor = self._open()
             except zmq.ZMQError as exc:
-                counters.inc("transport_errors")
+                counters.inc(Counter.TRANSPORT_ERRORS)
                 logger.warning("cannot connect to %s: %s", self.endpoint.endpoint, exc)
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, self._options.error_backoff_max_s)
@@ -145,7 +145,7 @@ class ZmqSubscriber:
             try:
                 self._loop(sock, monitor)
             except zmq.ZMQError as exc:
-                counters.inc("transport_errors")
+                counters.inc(Counter.TRANSPORT_ERRORS)
                 logger.warning("socket error on %s, reopening: %s", self.endpoint.endpoint, exc)
                 self._stop.wait(backoff)
             finally:
@@ -174,7 +174,7 @@ class ZmqSubscriber:
                         return
 
     def _drain_monitor(self, monitor: Any) -> None:
-        counters = self._ingester.counters
+        counters = self._sink.counters
         while True:
             try:
                 event = recv_monitor_message(monitor, zmq.NOBLOCK)
@@ -182,17 +182,17 @@ class ZmqSubscriber:
                 return
             kind = event.get("event")
             if kind == zmq.EVENT_CONNECTED:
-                counters.inc("connects")
+                counters.inc(Counter.CONNECTS)
                 self.connected.set()
                 logger.info("connected to %s", self.endpoint.endpoint)
             elif kind == zmq.EVENT_DISCONNECTED:
-                counters.inc("disconnects")
+                counters.inc(Counter.DISCONNECTS)
                 self.connected.clear()
                 logger.warning("disconnected from %s, reconnecting", self.endpoint.endpoint)
 
     def _deliver(self, frames: list[bytes]) -> bool:
         if len(frames) != 3 or len(frames[1]) != 8:
-            self._ingester.reject_message(
+            self._sink.reject_message(
                 RejectReason.BAD_MESSAGE,
                 f"expected [topic, seq(8 bytes), payload], got {len(frames)} frames "
                 f"from {self.endpoint.endpoint}",
@@ -200,7 +200,7 @@ class ZmqSubscriber:
             return True
         topic, seq_frame, payload = frames
         seq = int.from_bytes(seq_frame, "big")
-        return self._ingester.enqueue_from_transport(self.endpoint, topic, seq, payload)
+        return self._sink.enqueue_from_transport(self.endpoint, topic, seq, payload)
 
 
 class ZmqReplayClient:

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvredis.events import (
+from kvredis.ingest.events import (
     MAX_PAYLOAD_BYTES,
     AllBlocksCleared,
     BlockRemoved,

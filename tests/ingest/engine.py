@@ -17,7 +17,7 @@ from typing import Any
 
 import zmq
 
-from kvredis.events import Event, WireFormat, encode_batch
+from kvredis.ingest.events import Event, WireFormat, encode_batch
 
 END = b"\xff" * 8
 

@@ -8,12 +8,12 @@ from typing import Any
 
 import pytest
 
-from kvredis.events import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch
 from kvredis.hashing import ChunkedTokenDatabase
 from kvredis.ingest import BatchOutcome, EndpointConfig, EventIngester, IngesterConfig
+from kvredis.ingest.events import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch
 from kvredis.memory import InMemoryIndex
 from kvredis.types import PodEntry
-from tests.ingest_engine import (
+from tests.ingest.engine import (
     FakeEngine,
     assert_no_leaked_ingesters,
     ingester_threads,

@@ -14,7 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvredis.errors import EngineKeyNotFoundError
-from kvredis.events import (
+from kvredis.features import BlockExtraFeatures, MMHash, parse_raw_extra_keys
+from kvredis.hashing import ChunkedTokenDatabase
+from kvredis.ingest import EventIngester, IngesterConfig
+from kvredis.ingest.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -22,9 +25,6 @@ from kvredis.events import (
     decode_batch,
     encode_batch,
 )
-from kvredis.features import BlockExtraFeatures, MMHash, parse_raw_extra_keys
-from kvredis.hashing import ChunkedTokenDatabase
-from kvredis.ingest import EventIngester, IngesterConfig
 from kvredis.memory import InMemoryIndex
 from kvredis.types import KeyType, PodEntry
 

@@ -14,17 +14,17 @@ from collections.abc import Iterator
 import pytest
 from click.testing import CliRunner
 
-from kvredis.events import BlockStored
 from kvredis.hashing import ChunkedTokenDatabase
-from kvredis.ingest_cli import ingest
-from tests.ingest_engine import (
+from kvredis.ingest.cli import ingest
+from kvredis.ingest.events import BlockStored
+from tests.ingest.engine import (
     FakeEngine,
     assert_no_leaked_ingesters,
     ingester_threads,
     wait_until,
 )
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(autouse=True)
@@ -109,7 +109,7 @@ def test_runs_until_signalled(redis_server_url: str, sig: signal.Signals) -> Non
             [
                 sys.executable,
                 "-m",
-                "kvredis.ingest_cli",
+                "kvredis.ingest.cli",
                 "--endpoint",
                 engine.endpoint,
                 "--replay",

@@ -24,12 +24,13 @@ import click
 
 from kvredis.errors import BackendUnavailableError, ConfigError, KVRedisError
 from kvredis.hashing import HASH_ALGOS, ChunkedTokenDatabase, TokenProcessorConfig
-from kvredis.index import Index
-from kvredis.ingest import EndpointConfig, EventIngester, IngesterConfig
+from kvredis.index import Closeable, Index
+from kvredis.ingest.config import EndpointConfig, IngesterConfig
+from kvredis.ingest.service import EventIngester
 
 __all__ = ["ingest"]
 
-logger = logging.getLogger("kvredis.ingest_cli")
+logger = logging.getLogger("kvredis.ingest.cli")  # also when run as __main__
 
 _GROUP_OPTIONS = {
     "--endpoint": "endpoint",
@@ -133,7 +134,7 @@ def _open_index(redis_url: str | None, namespace: str) -> Index:
 
         logger.info("no --redis given: using an in-memory index (lost at exit)")
         return InMemoryIndex()
-    from kvredis.redis_index import RedisIndexConfig, new_redis_index
+    from kvredis.redis import RedisIndexConfig, new_redis_index
 
     try:
         config = RedisIndexConfig(address=redis_url, namespace=namespace)
@@ -264,9 +265,8 @@ def ingest(
         drained = ingester.stop(drain=True)
         logger.info("stopped: %s", ingester.status_line())
         _restore_signal_handlers(previous)
-        close = getattr(index, "close", None)
-        if close is not None:
-            close()
+        if isinstance(index, Closeable):
+            index.close()
     if not drained:
         raise click.ClickException("shutdown timed out before every received batch was applied")
 
@@ -276,10 +276,9 @@ def _setup_logging() -> None:
         logging.basicConfig(
             level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
-    for name in ("kvredis.ingest_cli", "kvredis.ingest", "kvredis.zmq_transport"):
-        log = logging.getLogger(name)
-        if log.getEffectiveLevel() > logging.INFO:
-            log.setLevel(logging.INFO)
+    log = logging.getLogger("kvredis.ingest")  # this command, the ingester and its transport
+    if log.getEffectiveLevel() > logging.INFO:
+        log.setLevel(logging.INFO)
 
 
 def _install_signal_handlers(stop: threading.Event) -> dict[int, Any]:

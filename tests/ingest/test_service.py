@@ -18,13 +18,6 @@ import pytest
 
 from kvredis.batch import Watermark
 from kvredis.errors import ConfigError, InvalidInputError
-from kvredis.events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    Event,
-    encode_batch,
-)
 from kvredis.features import (
     BlockExtraFeatures,
     MMHash,
@@ -42,9 +35,16 @@ from kvredis.ingest import (
     split_position,
     stream_position,
 )
+from kvredis.ingest.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    encode_batch,
+)
 from kvredis.memory import InMemoryIndex
 from kvredis.types import GroupMetadata, PodEntry
-from tests.ingest_engine import wait_until
+from tests.ingest.engine import wait_until
 
 TP = ChunkedTokenDatabase()
 MODEL = "model-a"

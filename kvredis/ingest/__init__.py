@@ -1,0 +1,53 @@
+"""Event ingestion: apply engine KV-cache event batches to an Index in order, once, fast.
+
+:class:`EventIngester` subscribes to the KV-cache events vLLM and SGLang publish (or is fed them)
+and keeps an index true to what every pod holds. Several ingesters can share one index: the
+watermark/epoch protocol they follow, and its limits, are in ``docs/ingest-protocol.md``.
+
+The modules, each depending only on those listed before it:
+
+=============  ===============================================================================
+events         wire decoding (and encoding) of engine batches into typed events
+config         :class:`EndpointConfig` (a publisher), :class:`IngesterConfig` (tuning)
+counters       :class:`Counter` names, :class:`IngestCounters`, rate-limited warnings
+transport      the seam to transports: :class:`MessageSink`, :class:`ReplayClient`
+stream         one publisher's sequencing state; the watermark position encoding
+planner        decoded batch → index operations (pure; asks for lookups and barriers)
+sequencer      the ingest protocol as a sans-IO state machine that yields actions
+backend        the port those actions run against: index calls with retry, replay, waiting
+service        :class:`EventIngester`: lifecycle, workers, queues; drives the sequencer
+zmq            the ZMQ subscriber and replay client (the only module that loads pyzmq)
+cli            the ``kvredis ingest`` command
+=============  ===============================================================================
+
+Importing this package loads neither pyzmq nor redis-py: :mod:`kvredis.ingest.zmq` is imported
+by :meth:`EventIngester.start` only when an endpoint is a real ZMQ address (or a replay endpoint
+is used).
+"""
+
+from __future__ import annotations
+
+from kvredis.ingest.config import EndpointConfig, IngesterConfig
+from kvredis.ingest.counters import COUNTER_NAMES, Counter, IngestCounters
+from kvredis.ingest.sequencer import BatchOutcome
+from kvredis.ingest.service import EventIngester
+from kvredis.ingest.stream import MAX_ENGINE_SEQ, PHASE_DONE, split_position, stream_position
+from kvredis.ingest.transport import MessageSink, ReplayClient, ReplayedMessage, ReplayFactory
+
+__all__ = [
+    "COUNTER_NAMES",
+    "MAX_ENGINE_SEQ",
+    "PHASE_DONE",
+    "BatchOutcome",
+    "Counter",
+    "EndpointConfig",
+    "EventIngester",
+    "IngestCounters",
+    "IngesterConfig",
+    "MessageSink",
+    "ReplayClient",
+    "ReplayFactory",
+    "ReplayedMessage",
+    "split_position",
+    "stream_position",
+]

@@ -1,0 +1,202 @@
+"""The port the sequencer's actions run against: an index, the publishers' replay endpoints, time.
+
+:class:`IndexBackend` performs each :data:`~kvredis.ingest.sequencer.Action` of the sequencer.
+Index calls are retried with exponential backoff (up to ``backend_retry_max_s``) while the index
+raises :class:`~kvredis.errors.BackendUnavailableError`, so a batch waits out an outage instead
+of being dropped; once shutdown begins a waiting call gives up with
+:class:`~kvredis.ingest.sequencer.Abandoned`. Any other error becomes
+:class:`~kvredis.ingest.sequencer.Failed`. Every index call is counted (``index_calls``), every
+retry too (``backend_retries``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar
+
+from kvredis.batch import IndexOp
+from kvredis.errors import BackendUnavailableError, EngineKeyNotFoundError
+from kvredis.index import BatchIndex, Index, ProgressClearIndex, apply_op
+from kvredis.ingest.config import EndpointConfig
+from kvredis.ingest.counters import Counter, IngestCounters, RateLimitedLog
+from kvredis.ingest.sequencer import (
+    Abandoned,
+    Action,
+    ApplyOps,
+    ApplyStep,
+    ClearPod,
+    Failed,
+    FetchReplay,
+    Interrupt,
+    LookupRequestKey,
+    OpenReplay,
+    ReadWatermark,
+    SleepUntil,
+    StepResult,
+    drive,
+)
+from kvredis.ingest.transport import ReplayClient, ReplayedMessage, ReplayFactory
+
+__all__ = ["IndexBackend", "StopSignal"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_FIRST_RETRY_DELAY_S = 0.05
+
+
+class StopSignal(Protocol):
+    """Shutdown as the port sees it (a :class:`threading.Event` is one)."""
+
+    def is_set(self) -> bool:
+        """Whether shutdown began."""
+        ...
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Sleep up to ``timeout`` seconds, less once shutdown begins; whether it began."""
+        ...
+
+
+class IndexBackend:
+    """Performs the sequencer's actions against ``index``, replay clients and real waiting."""
+
+    def __init__(
+        self,
+        index: Index,
+        counters: IngestCounters,
+        *,
+        stop: StopSignal,
+        clock: Callable[[], float],
+        replay_factory: ReplayFactory,
+        retry_max_s: float,
+        warn: RateLimitedLog,
+    ) -> None:
+        self.index = index
+        self._batch = index if isinstance(index, BatchIndex) else None
+        self._counters = counters
+        self._stop = stop
+        self._clock = clock
+        self._replay_factory = replay_factory
+        self._replays: dict[str, ReplayClient | None] = {}
+        self._retry_max_s = retry_max_s
+        self._warn = warn
+
+    def perform(self, action: Action) -> Any:
+        """Perform one action and return its result (see :mod:`kvredis.ingest.sequencer`)."""
+        if isinstance(action, ApplyStep):
+            return self._apply_step(action)
+        if isinstance(action, ReadWatermark):
+            batch = self._batch_index()
+            return self._call(lambda: batch.get_watermark(action.stream))
+        if isinstance(action, LookupRequestKey):
+            return self._lookup(action.engine_key)
+        if isinstance(action, ApplyOps):
+            self._apply_ops(action.ops)
+            return None
+        if isinstance(action, ClearPod):
+            self._clear(action)
+            return None
+        if isinstance(action, SleepUntil):
+            self._stop.wait(max(0.0, action.deadline - self._clock()))
+            return None
+        if isinstance(action, OpenReplay):
+            return self._replay(action.endpoint) is not None
+        return self._fetch(action)
+
+    # -- index calls -----------------------------------------------------------------------
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        delay = _FIRST_RETRY_DELAY_S
+        while True:
+            self._counters.inc(Counter.INDEX_CALLS)
+            try:
+                return fn()
+            except BackendUnavailableError as exc:
+                self._counters.inc(Counter.BACKEND_RETRIES)
+                self._warn.warning("backend", "index backend unavailable, retrying: %s", exc)
+                if self._stop.is_set():
+                    raise Abandoned from exc
+                self._stop.wait(delay)
+                delay = min(delay * 2, self._retry_max_s)
+            except Interrupt:
+                raise
+            except Exception as exc:
+                raise Failed(f"{type(exc).__name__}: {exc}") from exc
+
+    def _batch_index(self) -> BatchIndex:
+        if self._batch is None:
+            raise Failed(f"{type(self.index).__name__} has no watermarks (not a BatchIndex)")
+        return self._batch
+
+    def _apply_step(self, action: ApplyStep) -> StepResult:
+        batch = self._batch_index()
+        attempts = 0
+
+        def call() -> bool:
+            nonlocal attempts
+            attempts += 1
+            return bool(batch.apply_batch(action.ops, action.stream, action.watermark))
+
+        applied = self._call(call)
+        return StepResult(applied, attempts)
+
+    def _apply_ops(self, ops: Sequence[IndexOp]) -> None:
+        batch = self._batch
+        if batch is not None:
+            self._call(lambda: batch.apply_batch(ops))
+            return
+        for op in ops:
+            self._call(functools.partial(apply_op, self.index, op))
+
+    def _lookup(self, engine_key: int) -> int | None:
+        index = self.index
+
+        def call() -> int | None:
+            try:
+                return int(index.get_request_key(engine_key))
+            except EngineKeyNotFoundError:
+                return None
+
+        return self._call(call)
+
+    def _clear(self, action: ClearPod) -> None:
+        index = self.index
+        if isinstance(index, ProgressClearIndex):
+
+            def progress(_done: int, _removed: int) -> None:
+                drive(action.heartbeat(), self.perform)
+
+            self._call(lambda: index.clear_with_progress(action.pod, progress))
+        else:
+            self._call(lambda: index.clear(action.pod))
+
+    # -- replay ----------------------------------------------------------------------------
+
+    def _replay(self, endpoint: EndpointConfig) -> ReplayClient | None:
+        key = endpoint.endpoint
+        if key not in self._replays:
+            self._replays[key] = self._replay_factory(endpoint)
+        return self._replays[key]
+
+    def _fetch(self, action: FetchReplay) -> list[ReplayedMessage] | None:
+        stream, start = action.endpoint.stream_name, action.start_seq
+        client = self._replay(action.endpoint)
+        found: list[ReplayedMessage] | None = None
+        if client is not None:
+            try:
+                found = client.fetch(start)
+            except Exception as exc:
+                logger.warning("stream %s: replay from %d failed: %s", stream, start, exc)
+        if found is None:
+            logger.warning("stream %s: replay from %d got no answer", stream, start)
+        return found
+
+    def close_replays(self) -> None:
+        """Close every replay client (they are opened again on next use)."""
+        replays, self._replays = self._replays, {}
+        for client in replays.values():
+            if client is not None:
+                client.close()

@@ -1,0 +1,103 @@
+"""What an ingester is told: the engine publishers it follows and how it is tuned."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvredis.errors import ConfigError
+from kvredis.jsonconfig import check_number
+
+__all__ = ["EndpointConfig", "IngesterConfig"]
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointConfig:
+    """One engine publisher.
+
+    ``endpoint`` is the ZMQ address of its PUB socket (any label when messages are fed directly).
+    ``pod_id`` and ``model_name`` override what the ``kv@<pod>@<model>`` topic says (the engine
+    default topic is empty). ``stream`` names the watermark stream; replicas of an HA deployment
+    must use the same name for the same publisher (default: ``pod_id``, else ``endpoint``).
+    """
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    pod_id: str | None = None
+    model_name: str | None = None
+    topic_filter: str = ""
+    stream: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.endpoint, str) or not self.endpoint:
+            raise ConfigError("endpoint must be a non-empty string")
+        for name in ("replay_endpoint", "pod_id", "model_name", "stream"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ConfigError(f"{name} must be a non-empty string or None, got {value!r}")
+        if not isinstance(self.topic_filter, str):
+            raise ConfigError("topic_filter must be a string")
+
+    @property
+    def stream_name(self) -> str:
+        """The watermark stream of this publisher."""
+        return self.stream or self.pod_id or self.endpoint
+
+    @property
+    def shard_key(self) -> str:
+        """What picks the worker: the pod id when configured, else the endpoint."""
+        return self.pod_id or self.endpoint
+
+
+@dataclass(frozen=True, slots=True)
+class IngesterConfig:
+    """Tuning of an :class:`~kvredis.ingest.EventIngester` (the defaults suit production).
+
+    The HA timings (``peer_grace_s``, ``takeover_timeout_s``, ``heartbeat_interval_s``,
+    ``restart_window``) are explained in ``docs/ingest-protocol.md``.
+    """
+
+    workers: int = 4
+    """Worker threads; endpoints are sharded across them."""
+    queue_size: int = 1024
+    """Messages buffered per worker before receivers block (backpressure)."""
+    parent_cache_size: int = 131_072
+    """Engine→request mappings remembered per pod for parent resolution."""
+    use_watermarks: bool = True
+    """Fence batches with per-stream watermarks when the index is a BatchIndex (HA-safe)."""
+    replay_timeout_s: float = 2.0
+    """Give up on a replay when the replay endpoint is silent this long."""
+    max_replay_batches: int = 20_000
+    peer_grace_s: float = 0.5
+    """How long to wait for peers before clearing after a lost batch or an ambiguous restart."""
+    takeover_timeout_s: float = 10.0
+    """How long a peer's in-progress batch may stall before this replica takes it over."""
+    heartbeat_interval_s: float = 1.0
+    """How often a long clear advances its claim (the takeover clock of the others)."""
+    restart_window: int = 32
+    """Without replay, a fresh subscriber's ``seq`` this close below the stored position is
+    taken for a peer that is slightly ahead, not for an engine restart."""
+    poll_interval_s: float = 0.02
+    backend_retry_max_s: float = 5.0
+    """Backoff cap while the index backend is unavailable (batches are retried, not dropped)."""
+    reject_log_interval_s: float = 10.0
+    """Rejections of one reason are logged at most once per interval (all are counted)."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "workers",
+            "queue_size",
+            "parent_cache_size",
+            "max_replay_batches",
+            "restart_window",
+        ):
+            check_number(name, getattr(self, name), integer=True)
+        for name in (
+            "replay_timeout_s",
+            "peer_grace_s",
+            "takeover_timeout_s",
+            "heartbeat_interval_s",
+            "poll_interval_s",
+            "backend_retry_max_s",
+            "reject_log_interval_s",
+        ):
+            check_number(name, getattr(self, name), zero=True)

@@ -1,0 +1,870 @@
+"""The ingest protocol as a sans-IO state machine: order, gaps, restarts, epochs, claims, takeovers.
+
+``docs/ingest-protocol.md`` describes the protocol and its limits; this module is its only
+implementation. :meth:`Sequencer.on_message` handles one engine message of one stream. It is a
+generator: it yields :data:`Action` values and receives their results, and returns the
+:class:`BatchOutcome`. It makes every decision itself and performs none of the I/O: no threads, no
+sleeps, no index or socket calls. Time comes from the injected ``clock``, shutdown from the
+injected ``stopping`` flag; :func:`drive` runs the generator against a port
+(:class:`~kvredis.ingest.backend.IndexBackend`, or a scripted one in tests).
+
+Actions and what the port sends back:
+
+==========================  ===============================================================
+:class:`ReadWatermark`      the stream's stored :class:`~kvredis.batch.Watermark` or ``None``
+:class:`ApplyStep`          a fenced step: :class:`StepResult` (applied? after how many tries)
+:class:`ApplyOps`           unfenced operations (no watermarks): ``None``
+:class:`LookupRequestKey`   the index's request key for an engine key, or ``None``
+:class:`ClearPod`           ``None``; the port runs ``heartbeat()`` steps while a clear is long
+:class:`OpenReplay`         whether the publisher has a replay endpoint
+:class:`FetchReplay`        the buffered batches from a ``seq`` on, or ``None`` if unreachable
+:class:`SleepUntil`         ``None`` once ``clock() >= deadline`` or shutdown began
+==========================  ===============================================================
+
+A port reports trouble by raising, into the machine, :class:`Abandoned` (shutdown while it
+waited for an unavailable backend) or :class:`Failed` (an error a retry will not fix); a refused
+heartbeat inside a :class:`ClearPod` raises :class:`LostOwnership` out of the clear.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Callable, Generator, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from kvredis.batch import IndexOp, Watermark
+from kvredis.ingest.config import EndpointConfig, IngesterConfig
+from kvredis.ingest.counters import Counter, IngestCounters
+from kvredis.ingest.events import DecodedBatch, Rejection, RejectReason, decode_batch
+from kvredis.ingest.planner import Barrier, BatchPlan, Lookup, Planner, PlanSteps
+from kvredis.ingest.stream import (
+    MAX_ENGINE_SEQ,
+    PHASE_DONE,
+    PHASE_LAST_STEP,
+    StreamState,
+    split_position,
+    stream_position,
+)
+from kvredis.ingest.transport import ReplayedMessage
+
+__all__ = [
+    "Abandoned",
+    "Action",
+    "ApplyOps",
+    "ApplyStep",
+    "BatchOutcome",
+    "BatchRun",
+    "ClearPod",
+    "Conflict",
+    "Failed",
+    "FetchReplay",
+    "FreshVerdict",
+    "Interrupt",
+    "LookupRequestKey",
+    "LostOwnership",
+    "OpenReplay",
+    "ReadWatermark",
+    "Sequencer",
+    "SleepUntil",
+    "StepResult",
+    "Steps",
+    "drive",
+]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# ------------------------------------------------------------------------------------------
+# Vocabulary: actions, results, interrupts, verdicts, outcomes
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ReadWatermark:
+    """Read the stored watermark of ``stream``."""
+
+    stream: str
+
+
+@dataclass(frozen=True, slots=True)
+class ApplyStep:
+    """Apply ``ops`` iff ``watermark`` is above the stream's stored one, storing it atomically."""
+
+    ops: Sequence[IndexOp]
+    stream: str
+    watermark: Watermark
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What an :class:`ApplyStep` did: ``applied``, after ``attempts`` tries (lost replies)."""
+
+    applied: bool
+    attempts: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class ApplyOps:
+    """Apply ``ops`` with no fencing (a single ingester, or an index without watermarks)."""
+
+    ops: Sequence[IndexOp]
+
+
+@dataclass(frozen=True, slots=True)
+class LookupRequestKey:
+    """Ask the index for the request key ``engine_key`` maps to."""
+
+    engine_key: int
+
+
+@dataclass(frozen=True, slots=True)
+class ClearPod:
+    """Clear every entry of ``pod``.
+
+    While the clear runs, the port drives ``heartbeat()`` (with :func:`drive`) after every page
+    of progress; its steps keep the claim alive, and a refused one raises :class:`LostOwnership`,
+    which must abort the clear and reach the machine.
+    """
+
+    pod: str
+    heartbeat: Callable[[], Steps[None]]
+
+
+@dataclass(frozen=True, slots=True)
+class OpenReplay:
+    """Does ``endpoint`` have a replay client? (The port opens it on first use.)"""
+
+    endpoint: EndpointConfig
+
+
+@dataclass(frozen=True, slots=True)
+class FetchReplay:
+    """Every batch the publisher buffers with ``seq >= start_seq``, or ``None`` if unreachable."""
+
+    endpoint: EndpointConfig
+    start_seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class SleepUntil:
+    """Wait until the clock reads ``deadline`` (sooner once shutdown began)."""
+
+    deadline: float
+
+
+Action = (
+    ReadWatermark
+    | ApplyStep
+    | ApplyOps
+    | LookupRequestKey
+    | ClearPod
+    | OpenReplay
+    | FetchReplay
+    | SleepUntil
+)
+Steps = Generator[Action, Any, T]
+"""A machine routine: yields actions, is sent their results, returns a ``T``."""
+
+
+class Interrupt(Exception):
+    """Raised into the machine at the action that could not complete."""
+
+
+class Abandoned(Interrupt):
+    """Shutdown began while the port waited (for an unavailable backend)."""
+
+
+class Failed(Interrupt):
+    """The batch cannot be applied: the index raised something a retry will not fix, or the
+    batch needs more steps than a watermark phase can number."""
+
+
+class LostOwnership(Interrupt):
+    """A later step or heartbeat of a multi-step batch was refused: a peer took it over."""
+
+
+class _NotOwner(Interrupt):
+    """The first step of a batch was refused by the stored watermark."""
+
+
+class FreshVerdict(enum.Enum):
+    """A fresh subscriber got ``seq`` below the stored position: what that means."""
+
+    PEER_AHEAD = "peer_ahead"
+    """A peer already applied it: skip it as a duplicate."""
+    RESTART = "restart"
+    """The engine restarted: start a new epoch."""
+    ADOPTED = "adopted"
+    """A peer started a new epoch meanwhile: this replica follows it and sequences again."""
+
+
+class Conflict(enum.Enum):
+    """Why the first step of a batch was refused, read from the stored watermark."""
+
+    DUPLICATE = "duplicate"
+    """The stream is done at or past this batch."""
+    RETRY = "retry"
+    """No watermark, or an older epoch, is stored (it was reset): try again."""
+    MOVED = "moved"
+    """A newer epoch, or a finished batch past the claim: sequence the message again."""
+    TAKEOVER = "takeover"
+    """A peer's multi-step batch stalled for ``takeover_timeout_s``: finish it."""
+    ABANDONED = "abandoned"
+    """Shutdown while waiting for a peer."""
+
+
+class BatchOutcome(enum.Enum):
+    """What happened to one engine message."""
+
+    APPLIED = "applied"
+    DUPLICATE = "duplicate"
+    """Already applied (by a peer replica, by a replay, or before a restart of this ingester)."""
+    FAILED = "failed"
+    """The index raised an unexpected error; the batch was dropped (logged, counted)."""
+    ABANDONED = "abandoned"
+    """Shutdown interrupted a wait for the backend or a peer; the batch was not applied."""
+    REJECTED = "rejected"
+    """Nothing usable in the message (bad seq or payload, no pod); counted and logged."""
+
+
+def drive(steps: Steps[T], perform: Callable[[Action], Any]) -> T:
+    """Run a machine routine to its end, performing each action with ``perform``.
+
+    An :class:`Interrupt` raised by ``perform`` is raised into the routine at that action.
+    """
+    reply: Any = None
+    error: Interrupt | None = None
+    while True:
+        try:
+            action = steps.send(reply) if error is None else steps.throw(error)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+        try:
+            reply, error = perform(action), None
+        except Interrupt as exc:
+            reply, error = None, exc
+
+
+# ------------------------------------------------------------------------------------------
+# One execution of one batch (possibly several steps)
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Message:
+    topic: bytes
+    seq: int
+    payload: bytes
+    counted: bool = False
+
+
+class BatchRun:
+    """One attempt at applying one batch: its steps, phases and claim (see the protocol doc)."""
+
+    def __init__(
+        self,
+        seqr: Sequencer,
+        st: StreamState,
+        epoch: int,
+        seq: int,
+        claim_seq: int,
+        first_phase: int,
+        pod: str | None,
+    ) -> None:
+        self._seqr = seqr
+        self.st = st
+        self.pod = pod
+        self.plan = BatchPlan(seqr.planner.caches.get(pod) if pod is not None else None)
+        self.epoch = epoch
+        self.seq = seq
+        self.claim_seq = claim_seq
+        self.phase = first_phase
+        self.steps = 0
+        self._last_beat = seqr.clock()
+
+    def _step(self, ops: list[IndexOp], position: int) -> Steps[None]:
+        seqr = self._seqr
+        if not seqr.fenced:
+            if ops:
+                yield ApplyOps(ops)
+            return
+        wm = Watermark(self.epoch, position)
+        name = self.st.name
+        result: StepResult = yield ApplyStep(ops, name, wm)
+        applied = result.applied
+        if not applied and result.attempts > 1:
+            # an attempt whose reply was lost may have applied: then the stored mark is ours
+            stored = yield ReadWatermark(name)
+            applied = stored == wm
+        if not applied:
+            raise _NotOwner if self.steps == 0 else LostOwnership
+        self.steps += 1
+        self.st.known = split_position(position)
+
+    def flush(self) -> Steps[None]:
+        """Apply the pending ops as an intermediate step (the first one claims the batch)."""
+        if self.phase > PHASE_LAST_STEP:
+            raise Failed("too many steps in one batch")
+        yield from self._step(self.plan.take(), stream_position(self.claim_seq, self.phase))
+        self.phase += 1
+        self._last_beat = self._seqr.clock()
+
+    def finish(self) -> Steps[None]:
+        """Apply the remaining ops as the batch's last step (phase done)."""
+        yield from self._step(self.plan.take(), stream_position(self.seq))
+
+    def heartbeat(self) -> Steps[None]:
+        """Advance the claim during a long clear so peers see progress (or learn we lost it)."""
+        seqr = self._seqr
+        if not seqr.fenced:
+            return
+        now = seqr.clock()
+        if now - self._last_beat < seqr.config.heartbeat_interval_s:
+            return
+        if self.phase > PHASE_LAST_STEP - 1:
+            return
+        self._last_beat = now
+        yield from self._step([], stream_position(self.claim_seq, self.phase))
+        self.phase += 1
+
+    def clear(self, pods: Iterable[str], cause: Counter) -> Steps[None]:
+        """Clear pods as a step of this batch (after applying what precedes it)."""
+        yield from self.flush()
+        seqr = self._seqr
+        caches = seqr.planner.caches
+        for pod in sorted(set(pods)):
+            yield ClearPod(pod, self.heartbeat)
+            caches.drop(pod)
+            self.plan.count(Counter.CLEARS)
+            self.plan.count(cause)
+        self.plan.after_clear(caches.get(self.pod) if self.pod is not None else None)
+        self._last_beat = seqr.clock()
+
+    def run_plan(self, planning: PlanSteps) -> Steps[None]:
+        """Drive the planner, answering its lookups and applying its barriers."""
+        answer: int | None = None
+        while True:
+            try:
+                need = planning.send(answer)
+            except StopIteration:
+                return
+            answer = None
+            if isinstance(need, Lookup):
+                answer = yield LookupRequestKey(need.engine_key)
+            elif need is Barrier.FLUSH:
+                yield from self.flush()
+            else:
+                assert self.pod is not None
+                yield from self.clear([self.pod], Counter.CLEARS_ALL_BLOCKS_CLEARED)
+
+
+PlanFn = Callable[[BatchRun], Steps[None]]
+
+# ------------------------------------------------------------------------------------------
+# The machine
+# ------------------------------------------------------------------------------------------
+
+
+class Sequencer:
+    """The protocol for every stream of one ingester.
+
+    What it knows of each stream lives in that stream's
+    :class:`~kvredis.ingest.stream.StreamState`; the caller handles one stream's messages one at
+    a time, in order (different streams may be handled concurrently).
+    """
+
+    def __init__(
+        self,
+        config: IngesterConfig,
+        planner: Planner,
+        counters: IngestCounters,
+        *,
+        fenced: bool,
+        clock: Callable[[], float],
+        stopping: Callable[[], bool],
+        reject: Callable[[Rejection, str], None],
+    ) -> None:
+        self.config = config
+        self.planner = planner
+        self.counters = counters
+        self.fenced = fenced
+        """Whether batches are fenced by stored watermarks (a BatchIndex with watermarks on)."""
+        self.clock = clock
+        self.stopping = stopping
+        self._reject = reject
+
+    # -- entry point -----------------------------------------------------------------------
+
+    def on_message(
+        self, st: StreamState, topic: bytes, seq: int, payload: object
+    ) -> Steps[BatchOutcome]:
+        """Handle one engine message of ``st``'s publisher. Never raises on bad input."""
+        self.counters.inc(Counter.MESSAGES)
+        where = st.endpoint.endpoint
+        if isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq <= MAX_ENGINE_SEQ:
+            self._reject(Rejection(RejectReason.SEQ_OUT_OF_RANGE, f"seq {seq!r}"), where)
+            return BatchOutcome.REJECTED
+        if not isinstance(payload, (bytes, bytearray, memoryview)):
+            detail = f"payload is a {type(payload).__name__}"
+            self._reject(Rejection(RejectReason.BAD_MESSAGE, detail), where)
+            return BatchOutcome.REJECTED
+        if topic:
+            st.last_topic = topic
+        msg = _Message(topic, seq, bytes(payload))
+        return (yield from self._sequence(st, msg, allow_restart=True))
+
+    # -- sequencing ------------------------------------------------------------------------
+
+    def _sync(self, st: StreamState) -> Steps[None]:
+        """Adopt the stored epoch and position (once per stream and ingester run)."""
+        if self.fenced:
+            stored: Watermark | None = yield ReadWatermark(st.name)
+            if stored is not None:
+                st.epoch = stored.epoch
+                st.known = split_position(stored.seq)
+        st.synced = True
+
+    def _sequence(
+        self, st: StreamState, msg: _Message, allow_restart: bool, depth: int = 0
+    ) -> Steps[BatchOutcome]:
+        try:
+            try:
+                if not st.synced:
+                    yield from self._sync(st)
+            except Failed as exc:
+                logger.error("stream %s: cannot read the stored watermark: %s", st.name, exc)
+                self.counters.inc(Counter.BATCHES_FAILED)
+                return BatchOutcome.FAILED
+            return (yield from self._sequence_synced(st, msg, allow_restart, depth))
+        except Abandoned:
+            self.counters.inc(Counter.BATCHES_ABANDONED)
+            return BatchOutcome.ABANDONED
+
+    def _sequence_synced(
+        self, st: StreamState, msg: _Message, allow_restart: bool, depth: int
+    ) -> Steps[BatchOutcome]:
+        if depth > 4:
+            logger.error(
+                "stream %s: giving up on batch %d after repeated conflicts", st.name, msg.seq
+            )
+            self.counters.inc(Counter.BATCHES_FAILED)
+            st.last_seq = msg.seq
+            return BatchOutcome.FAILED
+        seq = msg.seq
+        if st.last_seq is None:
+            if st.known is None:
+                expected = 0
+            else:
+                kseq, kphase = st.known
+                expected = kseq + 1 if kphase == PHASE_DONE else max(kseq, 0)
+            if seq < expected:
+                verdict = FreshVerdict.PEER_AHEAD
+                if allow_restart:
+                    verdict = yield from self._fresh_verdict(st, msg)
+                if verdict is FreshVerdict.RESTART:
+                    return (yield from self._restart(st, msg, depth))
+                if verdict is FreshVerdict.ADOPTED:
+                    return (yield from self._sequence(st, msg, False, depth + 1))
+                st.last_seq = seq
+                return self._count_duplicate(msg, st)
+            if seq > expected:
+                return (yield from self._gap(st, expected, msg, depth))
+            return (yield from self._apply(st, msg, depth))
+        if seq == st.last_seq + 1:
+            return (yield from self._apply(st, msg, depth))
+        if seq > st.last_seq + 1:
+            return (yield from self._gap(st, st.last_seq + 1, msg, depth))
+        if allow_restart:
+            return (yield from self._restart(st, msg, depth))
+        st.last_seq = seq
+        return self._count_duplicate(msg, st)
+
+    def _count_duplicate(self, msg: _Message, st: StreamState) -> BatchOutcome:
+        if not msg.counted:
+            msg.counted = True
+            self.counters.inc(Counter.BATCHES)
+        self.counters.inc(Counter.BATCHES_DUPLICATE)
+        pod, _ = st.identity(msg.topic)
+        if pod is not None:
+            self.planner.caches.forget_batch(pod, decode_batch(msg.payload))
+        return BatchOutcome.DUPLICATE
+
+    def _fresh_verdict(self, st: StreamState, msg: _Message) -> Steps[FreshVerdict]:
+        """A fresh subscription got ``seq`` below the stored position: restart or a peer ahead?
+
+        The replay endpoint settles it: a publisher with nothing at or after the stored
+        position has restarted. Without replay, a ``seq`` within ``restart_window`` batches of
+        the stored position is a peer slightly ahead; further below, the stored watermark must
+        move within ``peer_grace_s`` (a live peer) or it is a restart.
+        """
+        assert st.known is not None
+        stored_seq = st.known[0]
+        has_replay = yield from self._has_replay(st)
+        if has_replay and stored_seq >= 0:
+            found = yield from self._fetch(st, stored_seq)
+            if found is not None:
+                restarted = not any(m.seq >= stored_seq for m in found)
+                return FreshVerdict.RESTART if restarted else FreshVerdict.PEER_AHEAD
+        if not self.fenced:
+            return FreshVerdict.RESTART
+        if stored_seq - msg.seq <= self.config.restart_window:
+            return FreshVerdict.PEER_AHEAD
+        before = (st.epoch, st.known)
+        deadline = self.clock() + self.config.peer_grace_s
+        while self.clock() < deadline and not self.stopping():
+            yield SleepUntil(self.clock() + self.config.poll_interval_s)
+            stored = yield from self._read_quiet(st.name)
+            if stored is None or (stored.epoch, split_position(stored.seq)) == before:
+                continue
+            if stored.epoch != st.epoch:
+                self._adopt_epoch(st, stored, msg)
+                return FreshVerdict.ADOPTED
+            st.known = split_position(stored.seq)
+            return FreshVerdict.PEER_AHEAD
+        if self.stopping():
+            raise Abandoned  # undecided: clearing on a guess would hurt every replica
+        return FreshVerdict.RESTART
+
+    def _adopt_epoch(self, st: StreamState, stored: Watermark, msg: _Message | None) -> None:
+        """Follow the epoch a peer started (it detected a restart and cleared the pod)."""
+        self.counters.inc(Counter.EPOCHS_ADOPTED)
+        logger.info("stream %s: following epoch %d started by a peer", st.name, stored.epoch)
+        for pod in st.pods_for(msg.topic if msg is not None else None):
+            self.planner.caches.drop(pod)
+            self.planner.catalog.forget_pod(pod)
+        st.epoch = stored.epoch
+        st.known = split_position(stored.seq)
+        st.last_seq = None
+
+    def _restart(self, st: StreamState, msg: _Message, depth: int) -> Steps[BatchOutcome]:
+        self.counters.inc(Counter.RESTARTS)
+        pods = st.pods_for(msg.topic)
+        logger.warning(
+            "stream %s: seq went back to %d (last %s): engine restart, clearing %s",
+            st.name,
+            msg.seq,
+            st.last_seq if st.last_seq is not None else st.known,
+            ", ".join(sorted(pods)) or "nothing",
+        )
+        new_epoch = st.epoch + 1
+        for pod in pods:
+            self.planner.catalog.forget_pod(pod)
+            self.planner.caches.drop(pod)
+
+        def plan(run: BatchRun) -> Steps[None]:
+            if pods:
+                yield from run.clear(pods, Counter.CLEARS_RESTART)
+            else:
+                yield from run.flush()
+
+        outcome = yield from self._run_batch(
+            st, epoch=new_epoch, seq=-1, claim_seq=-1, plan=plan, count_batch=False
+        )
+        if outcome in (BatchOutcome.ABANDONED, BatchOutcome.FAILED):
+            st.last_seq = msg.seq
+            return outcome
+        if st.epoch < new_epoch:
+            st.epoch = new_epoch
+            if outcome is BatchOutcome.APPLIED:
+                st.known = (-1, PHASE_DONE)
+        st.last_seq = None
+        return (yield from self._sequence(st, msg, False, depth + 1))
+
+    def _gap(
+        self, st: StreamState, first_missing: int, msg: _Message, depth: int
+    ) -> Steps[BatchOutcome]:
+        self.counters.inc(Counter.GAPS)
+        logger.info("stream %s: gap, batches %d..%d missing", st.name, first_missing, msg.seq - 1)
+        replayed: list[_Message] = []
+        has_replay = yield from self._has_replay(st)
+        if has_replay:
+            found = yield from self._fetch(st, first_missing)
+            if found is not None:
+                by_seq: dict[int, _Message] = {}
+                for item in found:
+                    # later batches are on their way live; applying them now would make them
+                    # look like a publisher restart when they arrive
+                    if first_missing <= item.seq <= msg.seq:
+                        by_seq.setdefault(
+                            item.seq, _Message(item.topic or st.last_topic, item.seq, item.payload)
+                        )
+                expect = first_missing
+                while expect in by_seq:
+                    replayed.append(by_seq[expect])
+                    expect += 1
+                if replayed and replayed[-1].seq >= msg.seq - 1:
+                    self.counters.inc(Counter.REPLAYED_BATCHES, len(replayed))
+                    for replayed_msg in replayed:
+                        if st.last_seq is not None and replayed_msg.seq <= st.last_seq:
+                            continue
+                        yield from self._apply(st, replayed_msg, depth)
+                    if st.last_seq is not None and msg.seq <= st.last_seq:
+                        return self._count_duplicate(msg, st)
+                    return (yield from self._apply(st, msg, depth))
+                tail = [by_seq[s] for s in sorted(by_seq) if s < msg.seq and s > first_missing]
+                replayed = _contiguous_tail(tail, msg.seq)
+            self.counters.inc(Counter.REPLAY_FAILURES)
+        if not st.dirty():
+            st.last_seq = msg.seq - 1
+            return (yield from self._apply(st, msg, depth))
+        if self.fenced:
+            covered = yield from self._peers_covered(st, msg.seq - 1)
+            if covered:
+                st.last_seq = msg.seq - 1
+                return (yield from self._apply(st, msg, depth))
+        logger.warning(
+            "stream %s: batches %d..%d are lost, clearing the pod",
+            st.name,
+            first_missing,
+            msg.seq - 1,
+        )
+        batches = [*replayed, msg]
+        outcome = yield from self._apply(
+            st, batches[0], depth, pre_clear=True, claim_seq=first_missing
+        )
+        for later in batches[1:]:
+            outcome = yield from self._apply(st, later, depth)
+        return outcome
+
+    def _peers_covered(self, st: StreamState, last_missing: int) -> Steps[bool]:
+        """Wait up to ``peer_grace_s`` for peers to apply the missing batches."""
+        deadline = self.clock() + self.config.peer_grace_s
+        while True:
+            stored = yield from self._read_quiet(st.name)
+            if stored is not None and stored.epoch == st.epoch:
+                st.known = split_position(stored.seq)
+                if stored.seq >= stream_position(last_missing):
+                    return True
+            if self.stopping():
+                raise Abandoned  # undecided: clearing on a guess would hurt every replica
+            if self.clock() >= deadline:
+                return False
+            yield SleepUntil(self.clock() + self.config.poll_interval_s)
+
+    def _read_quiet(self, stream: str) -> Steps[Watermark | None]:
+        """The stored watermark, or ``None`` when the backend cannot tell right now."""
+        try:
+            stored: Watermark | None = yield ReadWatermark(stream)
+        except (Abandoned, Failed):
+            return None
+        return stored
+
+    # -- replay ----------------------------------------------------------------------------
+
+    def _has_replay(self, st: StreamState) -> Steps[bool]:
+        if st.has_replay is None:
+            st.has_replay = bool((yield OpenReplay(st.endpoint)))
+        return st.has_replay
+
+    def _fetch(self, st: StreamState, start: int) -> Steps[list[ReplayedMessage] | None]:
+        self.counters.inc(Counter.REPLAYS)
+        found: list[ReplayedMessage] | None = yield FetchReplay(st.endpoint, max(start, 0))
+        return found
+
+    # -- applying one batch ----------------------------------------------------------------
+
+    def _apply(
+        self,
+        st: StreamState,
+        msg: _Message,
+        depth: int,
+        pre_clear: bool = False,
+        claim_seq: int | None = None,
+    ) -> Steps[BatchOutcome]:
+        """Decode, plan and apply one batch of the current epoch; updates ``last_seq``."""
+        st.last_seq = msg.seq
+        first = not msg.counted
+        msg.counted = True
+        if first:
+            self.counters.inc(Counter.BATCHES)
+        if self.fenced and not pre_clear and st.known_at_least(msg.seq):
+            return self._count_duplicate(msg, st)
+        where = st.endpoint.endpoint
+        pod, model = st.identity(msg.topic)
+        decoded = decode_batch(msg.payload)
+        if first:
+            self.counters.inc(Counter.EVENTS, decoded.total_events)
+            for rejection in decoded.rejects:
+                self._reject(rejection, where)
+            if pod is None:
+                detail = f"topic {msg.topic[:80]!r} names no pod"
+                self._reject(Rejection(RejectReason.NO_POD, detail), where)
+        unusable = pod is None or (not decoded.events and bool(decoded.rejects))
+        if pod is None:
+            decoded = DecodedBatch(ts=decoded.ts, events=())
+        else:
+            st.pods.add(pod)
+        clear_pods = st.pods_for(msg.topic) if pre_clear else set()
+        planner = self.planner
+
+        def plan(run: BatchRun) -> Steps[None]:
+            if pre_clear:
+                yield from run.clear(clear_pods, Counter.CLEARS_GAP)
+            if pod is not None:
+                yield from run.run_plan(planner.plan(run.plan, decoded, pod, model))
+
+        return (
+            yield from self._run_batch(
+                st,
+                epoch=st.epoch,
+                seq=msg.seq,
+                claim_seq=msg.seq if claim_seq is None else claim_seq,
+                plan=plan,
+                count_batch=True,
+                msg=msg,
+                depth=depth,
+                unusable=unusable,
+                pod=pod,
+            )
+        )
+
+    def _run_batch(
+        self,
+        st: StreamState,
+        epoch: int,
+        seq: int,
+        claim_seq: int,
+        plan: PlanFn,
+        count_batch: bool,
+        msg: _Message | None = None,
+        depth: int = 0,
+        unusable: bool = False,
+        pod: str | None = None,
+    ) -> Steps[BatchOutcome]:
+        """Run ``plan`` as one batch until applied, found duplicate, or given up.
+
+        ``unusable`` marks a payload nothing could be decoded from: it still advances the
+        watermark (so peers see the stream move on) but counts as rejected, not applied.
+        """
+        counters = self.counters
+        first_phase = 1
+        takeover_clear = False
+        for _attempt in range(8):
+            run = BatchRun(self, st, epoch, seq, claim_seq, first_phase, pod)
+            try:
+                if takeover_clear:
+                    cause = Counter.CLEARS_RESTART if claim_seq < 0 else Counter.CLEARS_GAP
+                    yield from run.clear(st.pods_for(msg.topic if msg is not None else None), cause)
+                yield from plan(run)
+                yield from run.finish()
+            except _NotOwner:
+                try:
+                    verdict, stored = yield from self._conflict(st, epoch, seq)
+                except Abandoned:
+                    verdict, stored = Conflict.ABANDONED, None
+                except Failed as exc:
+                    run.plan.discard_cache()
+                    logger.error("stream %s: batch %d failed: %s", st.name, seq, exc)
+                    counters.inc(Counter.BATCHES_FAILED)
+                    return BatchOutcome.FAILED
+                if verdict is Conflict.DUPLICATE:
+                    run.plan.commit_cache()
+                    if count_batch:
+                        counters.inc(Counter.BATCHES_DUPLICATE)
+                    return BatchOutcome.DUPLICATE
+                if verdict is Conflict.TAKEOVER:
+                    assert stored is not None
+                    counters.inc(Counter.TAKEOVERS)
+                    sseq, sphase = split_position(stored.seq)
+                    logger.warning(
+                        "stream %s: peer stalled at batch %d phase %d, taking over",
+                        st.name,
+                        sseq,
+                        sphase,
+                    )
+                    claim_seq, first_phase = sseq, sphase + 1
+                    takeover_clear = sseq < seq
+                    continue
+                run.plan.discard_cache()
+                if verdict is Conflict.RETRY:
+                    continue
+                if verdict is Conflict.ABANDONED:
+                    counters.inc(Counter.BATCHES_ABANDONED)
+                    return BatchOutcome.ABANDONED
+                # the epoch moved on (a peer saw a restart) or the stream moved past our claim
+                assert stored is not None
+                if stored.epoch != st.epoch:
+                    self._adopt_epoch(st, stored, msg)
+                st.known = split_position(stored.seq)
+                if msg is None:
+                    return BatchOutcome.DUPLICATE
+                st.last_seq = None
+                return (yield from self._sequence(st, msg, False, depth + 1))
+            except LostOwnership:
+                run.plan.discard_cache()
+                counters.inc(Counter.LOST_OWNERSHIP)
+                logger.warning("stream %s: a peer took batch %d over", st.name, seq)
+                if count_batch:
+                    counters.inc(Counter.BATCHES_DUPLICATE)
+                return BatchOutcome.DUPLICATE
+            except Abandoned:
+                run.plan.discard_cache()
+                counters.inc(Counter.BATCHES_ABANDONED)
+                return BatchOutcome.ABANDONED
+            except Failed as exc:
+                run.plan.discard_cache()
+                logger.error("stream %s: batch %d failed: %s", st.name, seq, exc)
+                counters.inc(Counter.BATCHES_FAILED)
+                return BatchOutcome.FAILED
+            run.plan.commit_cache()
+            for rejection in run.plan.rejects:
+                self._reject(rejection, st.endpoint.endpoint)
+            counters.add_all(run.plan.stats)
+            if not self.fenced:
+                st.known = (seq, PHASE_DONE)
+            if unusable:
+                counters.inc(Counter.BATCHES_REJECTED)
+                return BatchOutcome.REJECTED
+            if count_batch:
+                counters.inc(Counter.BATCHES_APPLIED)
+            return BatchOutcome.APPLIED
+        logger.error("stream %s: batch %d kept conflicting, dropped", st.name, seq)
+        counters.inc(Counter.BATCHES_FAILED)
+        return BatchOutcome.FAILED
+
+    def _conflict(
+        self, st: StreamState, epoch: int, seq: int
+    ) -> Steps[tuple[Conflict, Watermark | None]]:
+        """Why a claim was refused: duplicate, a peer mid-batch (wait/takeover), or moved on."""
+        target = stream_position(seq)
+        last: Watermark | None = None
+        since = self.clock()
+        waited = False
+        while True:
+            stored: Watermark | None = yield ReadWatermark(st.name)
+            if stored is None or stored.epoch < epoch:
+                return Conflict.RETRY, stored
+            if stored.epoch > epoch:
+                return Conflict.MOVED, stored
+            if stored.seq >= target:
+                st.known = split_position(stored.seq)
+                return Conflict.DUPLICATE, stored
+            sphase = split_position(stored.seq)[1]
+            if sphase == PHASE_DONE:
+                return Conflict.MOVED, stored
+            if stored != last:
+                last, since = stored, self.clock()
+            elif self.clock() - since >= self.config.takeover_timeout_s:
+                return Conflict.TAKEOVER, stored
+            if self.stopping():
+                return Conflict.ABANDONED, stored
+            if not waited:
+                waited = True
+                self.counters.inc(Counter.PEER_WAITS)
+            yield SleepUntil(self.clock() + self.config.poll_interval_s)
+
+
+def _contiguous_tail(found: list[_Message], upto: int) -> list[_Message]:
+    """The replayed batches ending right before ``upto`` without a hole."""
+    tail: list[_Message] = []
+    expect = upto - 1
+    for m in sorted(found, key=lambda m: -m.seq):
+        if m.seq != expect:
+            break
+        tail.append(m)
+        expect -= 1
+    tail.reverse()
+    return tail

@@ -1,0 +1,412 @@
+"""The ingester service: lifecycle, worker threads and queues around the sequencer.
+
+:class:`EventIngester` takes an :class:`~kvredis.index.Index`, a token processor and endpoint
+configurations. Engine messages ``(topic, seq, payload)`` come from ZMQ subscribers
+(:mod:`kvredis.ingest.zmq`, started by :meth:`EventIngester.start`) or are fed directly
+(:meth:`EventIngester.process`, :meth:`EventIngester.submit`). Each message goes through the
+:class:`~kvredis.ingest.sequencer.Sequencer`, driven here with real time against an
+:class:`~kvredis.ingest.backend.IndexBackend`.
+
+Throughput: with a :class:`~kvredis.index.BatchIndex`, one engine batch becomes one
+``apply_batch`` call, one round trip to Redis in the common case; parents usually resolve from a
+bounded per-pod engine→request cache, so no lookup round trip is needed. Any other Index gets the
+operations one call at a time. Endpoints are sharded to worker threads by pod id (by endpoint when
+the pod comes from the topic): one publisher's batches are applied in order by one worker,
+different pods in parallel. Worker queues are bounded; a full queue blocks the receiver, and ZMQ
+then drops at the publisher's high-water mark, which shows up as a sequence gap.
+
+Sequencing, gaps, restarts and the HA protocol: ``docs/ingest-protocol.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvredis.errors import ConfigError, InvalidInputError
+from kvredis.groups import GroupCatalog
+from kvredis.index import BatchIndex, Index
+from kvredis.ingest.backend import IndexBackend
+from kvredis.ingest.config import EndpointConfig, IngesterConfig
+from kvredis.ingest.counters import Counter, IngestCounters, RateLimitedLog
+from kvredis.ingest.events import Rejection, RejectReason
+from kvredis.ingest.planner import Planner, PodCaches
+from kvredis.ingest.sequencer import BatchOutcome, Sequencer, drive
+from kvredis.ingest.stream import StreamState
+from kvredis.ingest.transport import ReplayClient, ReplayFactory
+
+if TYPE_CHECKING:
+    from kvredis.hashing import TokenProcessor
+
+__all__ = ["BatchOutcome", "EventIngester"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    """A publisher as the service holds it: sequencing state and the lock that orders it."""
+
+    state: StreamState
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+_STOP = object()
+
+
+@dataclass(frozen=True, slots=True)
+class _Queued:
+    stream: _Stream
+    topic: bytes
+    seq: int
+    payload: bytes
+
+
+class EventIngester:
+    """Applies engine KV-cache event batches to an index; see the module docstring.
+
+    Use :meth:`start`/:meth:`stop` (or ``with``) to run ZMQ subscribers for the configured
+    endpoints, or feed messages yourself with :meth:`process` (synchronous, in the caller's
+    thread) or :meth:`submit` (queued to the workers; needs :meth:`start`).
+    """
+
+    def __init__(
+        self,
+        index: Index,
+        token_processor: TokenProcessor,
+        endpoints: Sequence[EndpointConfig] = (),
+        config: IngesterConfig | None = None,
+        *,
+        group_catalog: GroupCatalog | None = None,
+        counters: IngestCounters | None = None,
+        replay_factory: ReplayFactory | None = None,
+    ) -> None:
+        self.index = index
+        self.token_processor = token_processor
+        self.config = config or IngesterConfig()
+        self.catalog = group_catalog if group_catalog is not None else GroupCatalog()
+        self.counters = counters if counters is not None else IngestCounters()
+        caches = PodCaches(self.config.parent_cache_size)
+        self._planner = Planner(token_processor, self.catalog, caches)
+        self._replay_factory = replay_factory
+        self._log = RateLimitedLog(logger, self.config.reject_log_interval_s)
+        self._stopping = threading.Event()
+        """Set by :meth:`stop`: waits for the backend or for peers give up."""
+        self._closed = threading.Event()
+        """Set by :meth:`stop` once the receivers are done: nothing more is queued."""
+        self._backend = IndexBackend(
+            index,
+            self.counters,
+            stop=self._stopping,
+            clock=time.monotonic,
+            replay_factory=self._open_replay,
+            retry_max_s=self.config.backend_retry_max_s,
+            warn=self._log,
+        )
+        self._sequencer = Sequencer(
+            self.config,
+            self._planner,
+            self.counters,
+            fenced=isinstance(index, BatchIndex) and self.config.use_watermarks,
+            clock=time.monotonic,
+            stopping=self._stopping.is_set,
+            reject=self._reject,
+        )
+        self._streams: dict[str, _Stream] = {}
+        self._streams_lock = threading.Lock()
+        self._endpoints: list[EndpointConfig] = []
+        self._queues: list[queue.Queue[object]] = []
+        self._workers: list[threading.Thread] = []
+        self._receivers: list[Any] = []
+        self._context: Any = None
+        self._idle = threading.Condition()
+        self._inflight = 0
+        self._started = False
+        for endpoint in endpoints:
+            self.add_endpoint(endpoint)
+
+    # -- configuration ---------------------------------------------------------------------
+
+    def add_endpoint(self, endpoint: EndpointConfig) -> None:
+        """Register a publisher (before :meth:`start`, or for direct feeding)."""
+        if not isinstance(endpoint, EndpointConfig):
+            raise ConfigError(f"expected an EndpointConfig, got {type(endpoint).__name__}")
+        with self._streams_lock:
+            if endpoint.endpoint in self._streams:
+                raise ConfigError(f"endpoint {endpoint.endpoint} is configured twice")
+            names = {s.state.name for s in self._streams.values()}
+            if endpoint.stream_name in names:
+                raise ConfigError(
+                    f"stream {endpoint.stream_name!r} is used by two endpoints; give each "
+                    "publisher its own stream name"
+                )
+            self._streams[endpoint.endpoint] = _Stream(StreamState(endpoint))
+            self._endpoints.append(endpoint)
+
+    @property
+    def endpoints(self) -> list[EndpointConfig]:
+        """The configured publishers."""
+        return list(self._endpoints)
+
+    def _stream(self, endpoint: EndpointConfig | str | None) -> _Stream:
+        key = endpoint.endpoint if isinstance(endpoint, EndpointConfig) else endpoint or "direct"
+        with self._streams_lock:
+            st = self._streams.get(key)
+        if st is None:
+            if isinstance(endpoint, EndpointConfig):
+                self.add_endpoint(endpoint)
+            else:
+                self.add_endpoint(EndpointConfig(endpoint=key))
+            with self._streams_lock:
+                st = self._streams[key]
+        return st
+
+    # -- public feeding API ----------------------------------------------------------------
+
+    def process(
+        self,
+        topic: bytes | str,
+        seq: int,
+        payload: bytes,
+        endpoint: EndpointConfig | str | None = None,
+    ) -> BatchOutcome:
+        """Apply one engine message now, in the caller's thread. Never raises on bad input.
+
+        ``endpoint`` names the publisher (an :class:`EndpointConfig`, the address of a
+        configured one, or any label; default ``"direct"``); sequence numbers are tracked per
+        publisher, so messages must arrive once and in order, like on a ZMQ subscription: a
+        ``seq`` at or below the previous one means the publisher restarted.
+        """
+        st = self._stream(endpoint)
+        topic_b = topic.encode("utf-8", "surrogateescape") if isinstance(topic, str) else topic
+        return self._handle(st, topic_b, seq, payload)
+
+    def submit(
+        self,
+        topic: bytes | str,
+        seq: int,
+        payload: bytes,
+        endpoint: EndpointConfig | str | None = None,
+        timeout: float | None = None,
+    ) -> bool:
+        """Queue one message for the workers (blocks while the queue is full).
+
+        Returns ``False`` if the ingester is stopping or ``timeout`` expired.
+        """
+        if not self._started:
+            raise InvalidInputError("submit() needs a started ingester; call start() first")
+        st = self._stream(endpoint)
+        topic_b = topic.encode("utf-8", "surrogateescape") if isinstance(topic, str) else topic
+        return self._enqueue(st, topic_b, seq, payload, timeout)
+
+    def enqueue_from_transport(
+        self, endpoint: EndpointConfig, topic: bytes, seq: int, payload: bytes
+    ) -> bool:
+        """Used by subscribers: queue a received message (blocks while the queue is full)."""
+        self.counters.inc(Counter.RECEIVED)
+        return self._enqueue(self._stream(endpoint), topic, seq, payload, None)
+
+    def reject_message(self, reason: RejectReason, detail: str) -> None:
+        """Count and log a message a transport could not even split into frames."""
+        self.counters.inc(Counter.MESSAGES)
+        self._reject(Rejection(reason, detail), "transport")
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the workers and a ZMQ subscriber per configured endpoint."""
+        if self._started:
+            return
+        self._stopping.clear()
+        self._closed.clear()
+        self._queues = [queue.Queue(self.config.queue_size) for _ in range(self.config.workers)]
+        self._workers = [
+            threading.Thread(
+                target=self._worker, args=(q,), name=f"kvredis-ingest-{i}", daemon=True
+            )
+            for i, q in enumerate(self._queues)
+        ]
+        for worker in self._workers:
+            worker.start()
+        self._started = True
+        real = [e for e in self._endpoints if "://" in e.endpoint]
+        if real:
+            from kvredis.ingest.zmq import ZmqSubscriber, new_context
+
+            self._context = new_context()
+            for endpoint in real:
+                sub = ZmqSubscriber(endpoint, self, self._context)
+                sub.start()
+                self._receivers.append(sub)
+
+    def stop(self, drain: bool = True, timeout: float = 30.0) -> bool:
+        """Stop receiving; apply what was received (``drain``) or drop it; join the workers.
+
+        A batch in progress completes; waits for an unavailable backend or a stalled peer give
+        up (the batch is counted as abandoned). :meth:`process` calls running in other threads
+        are interrupted the same way. Returns ``False`` if the workers did not finish within
+        ``timeout`` seconds.
+        """
+        self._stopping.set()
+        if not self._started:
+            self._closed.set()
+            self._close_replays()
+            return True
+        deadline = time.monotonic() + timeout
+        for sub in self._receivers:
+            sub.stop()
+        for sub in self._receivers:
+            sub.join(max(0.0, deadline - time.monotonic()))
+        self._receivers = []
+        self._closed.set()
+        if not drain:
+            for q in self._queues:
+                self._drop_queued(q)
+        for q in self._queues:
+            q.put(_STOP)
+        ok = True
+        for worker in self._workers:
+            worker.join(max(0.0, deadline - time.monotonic()))
+            ok = ok and not worker.is_alive()
+        if not ok:
+            logger.error("ingest workers did not finish within %.1fs", timeout)
+        self._workers = []
+        self._queues = []
+        self._started = False
+        self._close_replays()
+        if self._context is not None:
+            from kvredis.ingest.zmq import close_context
+
+            close_context(self._context)
+            self._context = None
+        return ok
+
+    def __enter__(self) -> EventIngester:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def wait_idle(self, timeout: float = 10.0) -> bool:
+        """Block until every queued message has been processed; ``False`` on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._idle:
+            while self._inflight:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._idle.wait(remaining)
+        return True
+
+    def status_line(self) -> str:
+        """A one-line summary of the counters (what the CLI logs periodically)."""
+        c = self.counters.snapshot()
+        return (
+            f"batches={c['batches']} applied={c['batches_applied']} "
+            f"dup={c['batches_duplicate']} events={c['events']} "
+            f"blocks=+{c['blocks_stored']}/-{c['blocks_removed']} gaps={c['gaps']} "
+            f"replays={c['replays']} restarts={c['restarts']} clears={c['clears']} "
+            f"rejects={c['rejected']} parent_misses={c['parent_misses']}"
+        )
+
+    # -- replay clients --------------------------------------------------------------------
+
+    def _open_replay(self, endpoint: EndpointConfig) -> ReplayClient | None:
+        if self._replay_factory is not None:
+            return self._replay_factory(endpoint)
+        if not endpoint.replay_endpoint:
+            return None
+        from kvredis.ingest.zmq import ZmqReplayClient
+
+        return ZmqReplayClient(
+            endpoint.replay_endpoint,
+            timeout_s=self.config.replay_timeout_s,
+            max_batches=self.config.max_replay_batches,
+            on_bad_message=lambda detail: self._reject(
+                Rejection(RejectReason.BAD_MESSAGE, detail), "replay"
+            ),
+        )
+
+    def _close_replays(self) -> None:
+        with self._streams_lock:
+            streams = list(self._streams.values())
+        self._backend.close_replays()
+        for st in streams:
+            st.state.has_replay = None
+
+    # -- workers ---------------------------------------------------------------------------
+
+    def _handle(self, st: _Stream, topic: bytes, seq: int, payload: object) -> BatchOutcome:
+        with st.lock:
+            steps = self._sequencer.on_message(st.state, topic, seq, payload)
+            return drive(steps, self._backend.perform)
+
+    def _enqueue(
+        self, st: _Stream, topic: bytes, seq: int, payload: bytes, timeout: float | None
+    ) -> bool:
+        shard = zlib.crc32(st.state.endpoint.shard_key.encode("utf-8", "surrogateescape"))
+        q = self._queues[shard % len(self._queues)]
+        with self._idle:
+            self._inflight += 1
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self._closed.is_set():
+                self._done_one()
+                return False
+            try:
+                q.put(_Queued(st, topic, seq, payload), timeout=0.1)
+                return True
+            except queue.Full:
+                if deadline is not None and time.monotonic() >= deadline:
+                    self._done_one()
+                    return False
+
+    def _drop_queued(self, q: queue.Queue[object]) -> None:
+        while True:
+            try:
+                item = q.get_nowait()
+            except queue.Empty:
+                return
+            if item is not _STOP:
+                self._done_one()
+
+    def _done_one(self) -> None:
+        with self._idle:
+            self._inflight -= 1
+            if not self._inflight:
+                self._idle.notify_all()
+
+    def _worker(self, q: queue.Queue[object]) -> None:
+        while True:
+            item = q.get()
+            if item is _STOP:
+                return
+            assert isinstance(item, _Queued)
+            try:
+                self._handle(item.stream, item.topic, item.seq, item.payload)
+            except Exception:  # the worker must survive anything
+                logger.exception("unexpected error while ingesting a batch")
+                self.counters.inc(Counter.BATCHES_FAILED)
+            finally:
+                self._done_one()
+
+    # -- rejections ------------------------------------------------------------------------
+
+    def _reject(self, rejection: Rejection, where: str) -> None:
+        self.counters.reject(rejection.reason)
+        position = "" if rejection.position is None else f" event {rejection.position}"
+        self._log.warning(
+            rejection.reason.value,
+            "rejected (%s) from %s%s: %s",
+            rejection.reason.value,
+            where,
+            position,
+            rejection.detail,
+        )

@@ -1,0 +1,43 @@
+"""Counter names are a closed set; the snapshot keeps its flat shape."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvredis.ingest.counters import COUNTER_NAMES, Counter, IngestCounters
+from kvredis.ingest.events import RejectReason
+
+#: The flat names metrics exporters read (they must not change).
+NAMES = [
+    "messages", "batches", "batches_applied", "batches_duplicate", "batches_failed",
+    "batches_abandoned", "batches_rejected", "events", "events_applied", "blocks_stored",
+    "blocks_removed", "request_keys_stored", "tier_updates", "tier_update_misses",
+    "parent_misses", "index_calls", "index_lookups", "gaps", "replays", "replayed_batches",
+    "replay_failures", "restarts", "epochs_adopted", "clears", "clears_all_blocks_cleared",
+    "clears_restart", "clears_gap", "peer_waits", "takeovers", "lost_ownership",
+    "backend_retries", "rejected", "received", "connects", "disconnects", "transport_errors",
+]
+
+
+def test_snapshot_is_the_flat_dict_of_every_name() -> None:
+    counters = IngestCounters()
+    counters.inc(Counter.CLEARS)
+    counters.add_all({Counter.CLEARS: 2, Counter.GAPS: 1})
+    counters.reject(RejectReason.NO_POD, 2)
+    snapshot = counters.snapshot()
+    assert list(COUNTER_NAMES) == NAMES
+    assert list(snapshot) == NAMES + [f"rejected.{r.value}" for r in RejectReason]
+    assert (snapshot["clears"], snapshot["gaps"]) == (3, 1)
+    assert (snapshot["rejected"], snapshot["rejected.no_pod"]) == (2, 2)
+    assert counters.get("rejected.no_pod") == counters.get(Counter.REJECTED) == 2
+
+
+def test_a_misspelt_counter_is_an_error_not_a_new_counter() -> None:
+    counters = IngestCounters()
+    with pytest.raises(AttributeError):
+        counters.inc(Counter.CLEAR)  # type: ignore[attr-defined]
+    with pytest.raises(KeyError):
+        counters.inc("clears")  # type: ignore[arg-type]
+    with pytest.raises(KeyError):
+        counters.get("clear")
+    assert set(counters.snapshot()) == set(NAMES) | {f"rejected.{r.value}" for r in RejectReason}
