@@ -6,9 +6,12 @@ Key layout of a namespace ``<ns>`` (all keys start with ``<ns>:``)::
     <ns>:meta        HASH  layout (LAYOUT_VERSION), bucket_bits, gen (random token of this
                            incarnation), next_id (last entry id allocated)
     <ns>:pe          HASH  encoded entry -> 4-byte entry id
-    <ns>:pi          HASH  4-byte entry id -> encoded entry (ids are never reused)
+    <ns>:pi          HASH  4-byte entry id -> encoded entry (ids are never reused); also the
+                           fields next_id and bucket_bits, from which a lost meta record heals
     <ns>:pp          HASH  pod id -> the pod's entry ids (id list)
-    <ns>:wm          HASH  stream -> "epoch:seq" (apply_batch watermarks)
+    <ns>:wm          HASH  stream -> "epoch:seq:token" (apply_batch watermarks; token: the call
+                           that applied it)
+    <ns>:wp          HASH  stream -> "epoch:seq:token:part", a batch being applied in parts
     <ns>:r:<bucket>  HASH  8-byte request key -> entry ids (id list), oldest added first
     <ns>:e:<bucket>  HASH  8-byte engine key -> request keys (hash list), most recent last,
                            at most MAX_REQUEST_KEYS_PER_ENGINE_KEY
@@ -18,7 +21,9 @@ Key layout of a namespace ``<ns>`` (all keys start with ``<ns>:``)::
 ``bucket_bits`` in ``<ns>:meta`` and every later client adopts it. Encodings (entry, id list,
 hash) are those of :mod:`kvredis.redis.codec`. The scripts name bucket keys from the hashes the
 same way (``lua/includes/layout.lua``). Every script first compares ``gen`` with the client's:
-a client of an earlier incarnation gets ``KVREDIS_STALE`` and reloads.
+a client of an earlier incarnation gets ``KVREDIS_STALE`` and reloads. While the namespace is
+being dropped, ``gen`` is a ``dropping:<token>`` tombstone (``lua/drop.lua``): nothing writes to
+it, and the next client to load it finishes the drop first.
 """
 
 from __future__ import annotations
@@ -63,9 +68,11 @@ class Layout:
         "pe",
         "pi",
         "pp",
+        "pr",
         "rprefix",
         "suffix_bytes",
         "wm",
+        "wp",
     )
 
     def __init__(self, namespace: str, bucket_bits: int, gen: bytes) -> None:
@@ -79,7 +86,9 @@ class Layout:
         self.pe = ns + b":pe"
         self.pi = ns + b":pi"
         self.pp = ns + b":pp"
+        self.pr = ns + b":pr"
         self.wm = ns + b":wm"
+        self.wp = ns + b":wp"
         self.rprefix = ns + b":r:"
         self.eprefix = ns + b":e:"
 
@@ -102,6 +111,23 @@ class Layout:
     def namespace_pattern(self) -> bytes:
         """SCAN MATCH pattern of every key of the namespace."""
         return escape_glob(text_bytes(self.namespace) + b":") + b"*"
+
+    def owns(self, key: bytes) -> bool:
+        """Whether ``key`` is a key of this namespace, whatever its bucket bits.
+
+        ``SCAN MATCH <ns>:*`` also returns the keys of every namespace whose name extends
+        ``<ns>:`` (``kv`` and ``kv:prod``); this tells them apart. Bucket keys are
+        ``<ns>:r:`` or ``<ns>:e:`` and 1 to 3 suffix bytes, which no other accepted namespace
+        can produce (:func:`check_namespace`).
+        """
+        if key in self.fixed_keys():
+            return True
+        suffix = len(key) - len(self.rprefix)
+        return 1 <= suffix <= 3 and key.startswith((self.rprefix, self.eprefix))
+
+    def fixed_keys(self) -> tuple[bytes, ...]:
+        """The keys of the namespace that are not buckets, ``<ns>:meta`` last."""
+        return (self.wm, self.wp, self.pp, self.pr, self.pe, self.pi, self.meta)
 
 
 def check_namespace(namespace: object) -> str:

@@ -52,7 +52,7 @@ from kvredis.errors import (
 )
 from kvredis.index import ClearProgress
 from kvredis.redis.codec import bytes_text, encode_entry, hash_field, pack_hashes, text_bytes
-from kvredis.redis.layout import LAYOUT_VERSION, Layout, meta_key
+from kvredis.redis.layout import LAYOUT_VERSION, Layout
 from kvredis.redis.requests import (
     Arg,
     AuthenticationFailed,
@@ -229,16 +229,36 @@ def op_connect(session: Session) -> Op[Layout]:
 # -- operations --------------------------------------------------------------------------------
 
 
+#: The prefix of the generation of a namespace being dropped (see ``lua/drop.lua``).
+TOMBSTONE = b"dropping:"
+#: How many times loading a namespace finishes a drop it finds before giving up.
+LOAD_ATTEMPTS = 4
+
+
 def op_load_namespace(state: CoreState, ping: bool = True) -> Op[Layout]:
-    """Ping the server, then create or read the namespace's meta record and adopt it."""
+    """Ping the server, then read the namespace's meta record (creating it if missing) and
+    adopt it.
+
+    The record is read with a plain HMGET first, so a client starts on a read-only replica and
+    under ``maxmemory`` with ``noeviction`` when the namespace exists; only a missing record
+    costs the (writing) ``namespace`` script. A drop in progress is finished first.
+    """
     if ping:
         yield Command(("PING",))
-    reply = yield ScriptCall(
-        "namespace",
-        (meta_key(state.namespace),),
-        (LAYOUT_VERSION, state.bucket_bits, secrets.token_hex(8)),
-    )
-    return state.adopt(reply)
+    keys = Layout(state.namespace, state.bucket_bits, b"")
+    for _ in range(LOAD_ATTEMPTS):
+        reply = yield Command(("HMGET", keys.meta, "layout", "bucket_bits", "gen"))
+        if not all(reply):
+            reply = yield ScriptCall(
+                "namespace",
+                (keys.meta, keys.pi),
+                (LAYOUT_VERSION, state.bucket_bits, secrets.token_hex(8)),
+            )
+        gen = reply[2] if isinstance(reply, (list, tuple)) and len(reply) == 3 else None
+        if not (isinstance(gen, bytes) and gen.startswith(TOMBSTONE)):
+            return state.adopt(reply)
+        yield from _finish_drop(keys, gen)
+    raise StaleNamespaceError(f"namespace {state.namespace!r} keeps being dropped; try again")
 
 
 def _pod_args(pods: frozenset[str] | None) -> list[Arg]:
@@ -305,6 +325,41 @@ def op_score(
     return {bytes_text(reply[i]): float(reply[i + 1]) for i in range(0, len(reply), 2)}
 
 
+#: The work one script call may do, in units of about one request key written (the measured
+#: cost of a unit is in ``scripts/bench_hardening.py``): adds, evicts and batches larger than
+#: this are sent in parts, so no call blocks the server for long whatever the input size.
+CALL_BUDGET = 4096
+#: Units of one engine -> request key mapping (its list of up to 1024 request keys is rewritten).
+PAIR_COST = 4
+#: Units of an evict by engine key (it rewrites every request key the engine key maps to).
+ENGINE_EVICT_COST = 64
+
+
+def compress_pairs(pairs: Sequence[tuple[int, int]], cap: int) -> list[tuple[int, int]]:
+    """The mappings that decide the outcome of recording ``pairs`` in order.
+
+    An engine key keeps its ``cap`` most recently mapped distinct request keys, so of many pairs
+    of one engine key only the last ``cap`` distinct request keys (by last occurrence) matter;
+    recording just those, in the same order, leaves the same mapping.
+    """
+    seen: set[tuple[int, int]] = set()
+    counts: dict[int, int] = {}
+    kept: list[tuple[int, int]] = []
+    for pair in reversed(pairs):
+        engine = pair[0]
+        if pair in seen or counts.get(engine, 0) >= cap:
+            continue
+        seen.add(pair)
+        counts[engine] = counts.get(engine, 0) + 1
+        kept.append(pair)
+    kept.reverse()
+    return kept
+
+
+def _pack(values: Sequence[int]) -> bytes:
+    return struct.pack(f">{len(values)}Q", *values)
+
+
 class _Program:
     """Builds the op program of add / evict / apply_batch (see ``lua/apply_batch.lua``)."""
 
@@ -314,6 +369,7 @@ class _Program:
         self._entry_index: dict[PodEntry, int] = {}
         self.ops: list[Arg] = []
         self.count = 0
+        self.cost = 0
 
     def entry(self, entry: PodEntry) -> int:
         index = self._entry_index.get(entry)
@@ -322,19 +378,19 @@ class _Program:
             index = self._entry_index[entry] = len(self.entries)
         return index
 
-    def add(self, engine_keys: Keys | None, request_keys: Keys, entries: Entries) -> None:
-        pairs = infer_mappings(engine_keys, request_keys) if engine_keys else []
-        ents = list(dict.fromkeys(entries))
-        self.ops += ("A", len(ents), *(self.entry(e) for e in ents))
-        self.ops.append(struct.pack(f">{len(request_keys)}Q", *request_keys))
-        self.ops.append(struct.pack(f">{2 * len(pairs)}Q", *(k for pair in pairs for k in pair)))
+    def add(self, request_keys: Keys, pairs: Sequence[tuple[int, int]], entries: Entries) -> None:
+        self.ops += ("A", len(entries), *(self.entry(e) for e in entries))
+        self.ops.append(_pack(request_keys))
+        self.ops.append(_pack([k for pair in pairs for k in pair]))
         self.count += 1
+        self.cost += 1 + len(entries) + len(request_keys) + PAIR_COST * len(pairs)
 
     def evict(self, key: int, key_type: KeyType, entries: Entries) -> None:
         ents = list(dict.fromkeys(entries))
         tag = "R" if key_type is KeyType.REQUEST else "E"
         self.ops += (tag, hash_field(key), len(ents), *(self.entry(e) for e in ents))
         self.count += 1
+        self.cost += len(ents) + (ENGINE_EVICT_COST if tag == "E" else 1)
 
     def bucket_args(self) -> list[Arg]:
         layout = self.layout
@@ -344,24 +400,47 @@ class _Program:
         return [len(self.entries), *self.entries]
 
 
+def add_pieces(
+    engine_keys: Keys | None, request_keys: Keys, entries: Entries, budget: int = CALL_BUDGET
+) -> list[tuple[Sequence[int], Sequence[tuple[int, int]]]]:
+    """An add split into pieces of at most ``budget`` units: (request keys, mappings) each.
+
+    The request keys come first, in chain order (a reader sees a growing prefix of the chain),
+    then the mappings (compressed: :func:`compress_pairs`).
+    """
+    pairs = infer_mappings(engine_keys, request_keys) if engine_keys else []
+    pairs = compress_pairs(pairs, MAX_REQUEST_KEYS_PER_ENGINE_KEY)
+    room = max(1, budget - 1 - len(entries))
+    if len(request_keys) + PAIR_COST * len(pairs) <= room:
+        return [(request_keys, pairs)]
+    pieces: list[tuple[Sequence[int], Sequence[tuple[int, int]]]] = [
+        (request_keys[i : i + room], []) for i in range(0, len(request_keys), room)
+    ]
+    step = max(1, room // PAIR_COST)
+    pieces += [([], pairs[i : i + step]) for i in range(0, len(pairs), step)]
+    return pieces
+
+
 def op_add(
     state: CoreState, engine_keys: Keys | None, request_keys: Keys, entries: Entries
 ) -> Op[None]:
-    """``Index.add``: one ``add`` script call."""
+    """``Index.add``: one ``add`` script call (one per :data:`CALL_BUDGET` of work)."""
     eng, req, ents = check_add(engine_keys, request_keys, entries)
     layout = state.layout
-    program = _Program(layout)
-    program.add(eng, req, ents)
-    yield ScriptCall(
-        "add",
-        (layout.meta, layout.pe, layout.pi, layout.pp),
-        [
-            *program.bucket_args(),
-            MAX_REQUEST_KEYS_PER_ENGINE_KEY,
-            *program.entry_args(),
-            *program.ops,
-        ],
-    )
+    unique = list(dict.fromkeys(ents))
+    for keys, pairs in add_pieces(eng, req, unique):
+        program = _Program(layout)
+        program.add(keys, pairs, unique)
+        yield ScriptCall(
+            "add",
+            (layout.meta, layout.pe, layout.pi, layout.pp),
+            [
+                *program.bucket_args(),
+                MAX_REQUEST_KEYS_PER_ENGINE_KEY,
+                *program.entry_args(),
+                *program.ops,
+            ],
+        )
 
 
 def op_evict(state: CoreState, key: int, key_type: KeyType, entries: Entries) -> Op[None]:
@@ -393,36 +472,68 @@ def op_get_request_key(state: CoreState, engine_key: int) -> Op[int]:
     return int.from_bytes(reply, "big")
 
 
+def batch_programs(
+    layout: Layout, plan: Sequence[IndexOp], budget: int = CALL_BUDGET
+) -> list[_Program]:
+    """The programs of a checked batch, each within ``budget`` units (at least one program)."""
+    programs = [_Program(layout)]
+
+    def room(cost: int) -> _Program:
+        if programs[-1].count and programs[-1].cost + cost > budget:
+            programs.append(_Program(layout))
+        return programs[-1]
+
+    for op in plan:
+        if isinstance(op, AddOp):
+            ents = list(dict.fromkeys(op.entries))
+            for keys, pairs in add_pieces(op.engine_keys, op.request_keys, ents, budget):
+                room(1 + len(ents) + len(keys) + PAIR_COST * len(pairs)).add(keys, pairs, ents)
+        elif isinstance(op, EvictOp):
+            cost = len(op.entries) + (ENGINE_EVICT_COST if op.key_type is KeyType.ENGINE else 1)
+            room(cost).evict(op.key, op.key_type, op.entries)
+    return programs
+
+
 def op_apply_batch(
     state: CoreState, ops: Sequence[IndexOp], stream: str | None, watermark: Watermark | None
 ) -> Op[bool]:
-    """``BatchIndex.apply_batch``: one ``apply_batch`` script call for the whole batch."""
+    """``BatchIndex.apply_batch``: one ``apply_batch`` script call for the whole batch.
+
+    A batch beyond one call's work budget goes in parts (``lua/apply_batch.lua``): each part is
+    its own atomic call, and the watermark advances with the last one. A random token names this
+    call, so a part sent again after its reply was lost is recognised by the server (reported
+    as applied, never applied twice).
+    """
     plan = check_batch(ops, stream, watermark)
     if not plan and stream is None:
         return True
     layout = state.layout
-    program = _Program(layout)
-    for op in plan:
-        if isinstance(op, AddOp):
-            program.add(op.engine_keys, op.request_keys, op.entries)
-        elif isinstance(op, EvictOp):
-            program.evict(op.key, op.key_type, op.entries)
+    programs = batch_programs(layout, plan)
     fence: list[Arg] = [b"", 0, 0]
     if stream is not None and watermark is not None:
         fence = [text_bytes(stream), str(watermark.epoch), str(watermark.seq)]
-    reply = yield ScriptCall(
-        "apply_batch",
-        (layout.meta, layout.pe, layout.pi, layout.pp, layout.wm),
-        [
-            *program.bucket_args(),
-            MAX_REQUEST_KEYS_PER_ENGINE_KEY,
-            *fence,
-            *program.entry_args(),
-            program.count,
-            *program.ops,
-        ],
-    )
-    return bool(int(reply))
+    token = secrets.token_hex(8)
+    applied = True
+    for part, program in enumerate(programs, 1):
+        reply = yield ScriptCall(
+            "apply_batch",
+            (layout.meta, layout.pe, layout.pi, layout.pp, layout.wm, layout.wp),
+            [
+                *program.bucket_args(),
+                MAX_REQUEST_KEYS_PER_ENGINE_KEY,
+                *fence,
+                token,
+                part,
+                len(programs),
+                *program.entry_args(),
+                program.count,
+                *program.ops,
+            ],
+        )
+        applied = bool(int(reply))
+        if not applied:
+            break
+    return applied
 
 
 def op_get_watermark(state: CoreState, stream: str) -> Op[Watermark | None]:
@@ -431,7 +542,8 @@ def op_get_watermark(state: CoreState, stream: str) -> Op[Watermark | None]:
     reply = yield Command(("HGET", state.layout.wm, text_bytes(name)))
     if reply is None:
         return None
-    epoch, sep, seq = bytes(reply).partition(b":")
+    epoch, sep, rest = bytes(reply).partition(b":")
+    seq = rest.split(b":", 1)[0]  # "epoch:seq:token" (the token of the call that applied it)
     try:
         if not sep:
             raise ValueError("no separator")
@@ -548,23 +660,38 @@ def op_clear(
     return removed
 
 
-def op_drop_namespace(state: CoreState, keys_per_call: int = 1000) -> Op[int]:
-    """Delete every key of the namespace (SCAN MATCH on its prefix, UNLINK page by page).
+def _finish_drop(layout: Layout, tombstone: bytes, keys_per_call: int = 1000) -> Op[int]:
+    """Delete the keys of a namespace whose meta record holds ``tombstone``, then the record.
 
-    Returns the number of keys deleted. Other namespaces and foreign keys are never touched.
-    Clients of the dropped namespace notice on their next call (the meta record is gone) and
-    start over with an empty namespace.
+    Only keys :meth:`Layout.owns` are deleted (never those of a namespace with a longer name),
+    and only while the tombstone is in place (each page is a ``drop`` script call).
     """
-    layout = state.layout
-    pattern, meta = layout.namespace_pattern(), layout.meta
     deleted = 0
     cursor: int | None = None
     while cursor != 0:
-        scan = ("SCAN", cursor or 0, "MATCH", pattern, "COUNT", keys_per_call)
-        cursor, keys = _scan_reply((yield Command(scan)))
-        keys = [k for k in keys if k != meta]
-        if keys:
-            deleted += int((yield Command(("UNLINK", *keys))))
-    # The meta record goes last, so a concurrent client cannot re-adopt half a namespace.
-    deleted += int((yield Command(("UNLINK", meta))))
+        scan = ("SCAN", cursor or 0, "MATCH", layout.namespace_pattern(), "COUNT", keys_per_call)
+        cursor, found = _scan_reply((yield Command(scan)))
+        page = [k for k in found if k != layout.meta and layout.owns(k)]
+        if page:
+            n = int((yield ScriptCall("drop", (layout.meta, *page), ("page", tombstone))))
+            if n < 0:
+                return deleted
+            deleted += n
+    deleted += int((yield ScriptCall("drop", (layout.meta,), ("end", tombstone))))
     return deleted
+
+
+def op_drop_namespace(state: CoreState, keys_per_call: int = 1000) -> Op[int]:
+    """Delete every key of the namespace; returns the number of keys deleted.
+
+    First the meta record's generation becomes a tombstone (``lua/drop.lua``), atomically: from
+    then on no client writes to the namespace (their calls fail the generation check), so the
+    SCAN that follows deletes every key the namespace had and no writer can re-create an entry
+    id whose definition is gone. The meta record goes last. Keys of other namespaces (also those
+    whose names extend this one's) and foreign keys are never touched. A client that finds the
+    tombstone (its dropper died, or is still at work) finishes the drop before it creates the
+    next incarnation; clients of the dropped namespace start over with an empty one.
+    """
+    keys = Layout(state.namespace, state.bucket_bits, b"")
+    tombstone = yield ScriptCall("drop", (keys.meta,), ("begin", secrets.token_hex(8)))
+    return (yield from _finish_drop(keys, bytes(tombstone), keys_per_call))

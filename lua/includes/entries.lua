@@ -1,6 +1,7 @@
 --[[ entries: the entry encoding and the namespace's entry dictionary (<ns>:pe, <ns>:pi, <ns>:pp).
     entry    u32 len | pod id | u32 len | tier | u8 flags (1 speculative, 2 has_group) | u32 group
-    entry id 4-byte big-endian unsigned integer, allocated from <ns>:meta next_id, never reused ]]
+    entry id 4-byte big-endian unsigned integer, allocated from <ns>:meta next_id, never reused;
+             <ns>:pi also holds the fields next_id and bucket_bits (see namespace.lua) ]]
 --@include layout
 --@include id_lists
 --@include hash_chunks
@@ -26,29 +27,53 @@ local function entry_tier(enc)
   return string.sub(enc, 9 + n, 8 + n + m)
 end
 
--- Fail KVREDIS_LAYOUT unless count more ids can be allocated.
-local function check_id_space(meta_key, count)
-  if count > 0 and tonumber(redis.call('HGET', meta_key, 'next_id') or '0') + count > MAX_ENTRY_ID then
-    fail('LAYOUT', 'entry id space exhausted')
+-- Ids for the new entries encs (none of them in <ns>:pe), read-only: the next free ids after
+-- <ns>:meta next_id, skipping ids already defined (a meta record recreated under existing ids).
+-- Fails KVREDIS_LAYOUT when the id space cannot hold them. Returns the ids and the new next_id.
+local function allocate_ids(k, encs)
+  local n = tonumber(redis.call('HGET', k.meta, 'next_id') or '0')
+  local ids = {}
+  for i = 1, #encs do
+    local id
+    repeat
+      n = n + 1
+      if n > MAX_ENTRY_ID then fail('LAYOUT', 'entry id space exhausted') end
+      id = struct.pack('>I4', n)
+    until redis.call('HEXISTS', k.pi, id) == 0
+    ids[i] = id
   end
+  return ids, n
 end
 
--- Allocate an id for a new entry (not in <ns>:pe) and record it under its pod. k holds the keys
--- meta, pe, pi, pp.
-local function intern(k, enc)
-  local id
-  while true do
-    local n = redis.call('HINCRBY', k.meta, 'next_id', 1)
-    -- Only reachable past check_id_space when <ns>:meta was recreated under existing ids.
-    if n > MAX_ENTRY_ID then fail('LAYOUT', 'entry id space exhausted') end
-    id = struct.pack('>I4', n)
-    -- HSETNX: an id already defined (namespace meta lost and recreated) is never redefined.
-    if redis.call('HSETNX', k.pi, id, enc) == 1 then break end
+-- Define the new entries encs with the ids allocate_ids gave (next_id its second result) and
+-- record them under their pods. pods_lists holds the pods' current id lists (read before the
+-- first write: read_pods). k holds the keys meta, pe, pi, pp and the bucket bits.
+local function define_entries(k, encs, ids, next_id, pod_lists)
+  if #encs == 0 then return end
+  local added = {}
+  for i = 1, #encs do
+    redis.call('HSET', k.pi, ids[i], encs[i])
+    redis.call('HSET', k.pe, encs[i], ids[i])
+    local pod = entry_pod(encs[i])
+    if not added[pod] then added[pod] = {} end
+    table.insert(added[pod], ids[i])
   end
-  redis.call('HSET', k.pe, enc, id)
-  local pod = entry_pod(enc)
-  redis.call('HSET', k.pp, pod, (redis.call('HGET', k.pp, pod) or '') .. id)
-  return id
+  for pod, list in pairs(added) do
+    redis.call('HSET', k.pp, pod, (pod_lists[pod] or '') .. table.concat(list))
+  end
+  redis.call('HSET', k.meta, 'next_id', tostring(next_id))
+  -- The high-water mark and bucket bits, kept where a lost <ns>:meta can be healed from.
+  redis.call('HSET', k.pi, 'next_id', tostring(next_id), 'bucket_bits', k.bits)
+end
+
+-- The current id lists of the pods of encs (pod -> list or false), read before any write.
+local function read_pods(pp_key, encs)
+  local out = {}
+  for i = 1, #encs do
+    local pod = entry_pod(encs[i])
+    if out[pod] == nil then out[pod] = redis.call('HGET', pp_key, pod) or false end
+  end
+  return out
 end
 
 -- The set of ids of the pods named in pods (array of pod ids), read from the pod records.

@@ -15,7 +15,7 @@
 
 -- The keys and bucket namers the ops write through.
 local function write_context(meta, pe, pi, pp, rprefix, eprefix, bits)
-  return {meta = meta, pe = pe, pi = pi, pp = pp,
+  return {meta = meta, pe = pe, pi = pi, pp = pp, bits = bits,
           rbucket = bucket_namer(rprefix, bits), ebucket = bucket_namer(eprefix, bits)}
 end
 
@@ -63,43 +63,46 @@ local function read_program(args, pos, nops, tags)
 end
 
 -- Run a program read by read_program through the context k (write_context); cap is the most
--- request keys kept per engine key (add ops). Returns the (request key, entry) pairs removed.
+-- request keys kept per engine key (add ops). Everything is read (and staged) before the first
+-- write, so a call that fails (a foreign key of the wrong type, the id space exhausted) writes
+-- nothing. Returns the (request key, entry) pairs removed.
 local function run_program(k, program, cap)
   local ents, ops = program.ents, program.ops
-  -- Entries the add ops store: their ids, or false when new (interned on first use).
-  local ids, new = {}, 0
-  for _, op in ipairs(ops) do
-    if op.tag == 'A' then
-      for _, j in ipairs(op.ents) do
-        local enc = ents[j]
-        if ids[enc] == nil then
-          ids[enc] = redis.call('HGET', k.pe, enc)
-          if not ids[enc] then new = new + 1 end
-        end
-      end
-    end
-  end
-  check_id_space(k.meta, new)
-  local function entry_id(j, create)
+  -- Entry ids: from <ns>:pe, or allocated (read-only) for entries an add op stores.
+  local ids, new = {}, {}
+  local function lookup_id(j)
     local enc = ents[j]
     local id = ids[enc]
     if id == nil then
-      id = redis.call('HGET', k.pe, enc)
-      ids[enc] = id
-    end
-    if not id and create then
-      id = intern(k, enc)
+      id = redis.call('HGET', k.pe, enc) or false
       ids[enc] = id
     end
     return id
   end
+  for _, op in ipairs(ops) do
+    if op.tag == 'A' then
+      for _, j in ipairs(op.ents) do
+        if not lookup_id(j) and ids[ents[j]] == false then
+          new[#new + 1] = ents[j]
+          ids[ents[j]] = 0
+        end
+      end
+    end
+  end
+  local new_ids, next_id, pod_lists = {}, nil, nil
+  if #new > 0 then
+    new_ids, next_id = allocate_ids(k, new)
+    for i = 1, #new do ids[new[i]] = new_ids[i] end
+    pod_lists = read_pods(k.pp, new)
+  end
+  local st = new_stage()
   local removed = 0
   for _, op in ipairs(ops) do
     local set = {}
     if op.tag == 'A' then
       local list = {}
       for _, j in ipairs(op.ents) do
-        local id = entry_id(j, true)
+        local id = ids[ents[j]]
         if not set[id] then
           set[id] = true
           list[#list + 1] = id
@@ -108,25 +111,27 @@ local function run_program(k, program, cap)
       local value, req, pairs_ = table.concat(list), op.req, op.pairs
       for i = 1, #req, HASH_WIDTH do
         local rfield = string.sub(req, i, i + HASH_WIDTH - 1)
-        add_ids(k.rbucket(rfield), rfield, value, set)
+        add_ids(st, k.rbucket(rfield), rfield, value, set)
       end
       for i = 1, #pairs_, 2 * HASH_WIDTH do
         local efield = string.sub(pairs_, i, i + HASH_WIDTH - 1)
         local rfield = string.sub(pairs_, i + HASH_WIDTH, i + 2 * HASH_WIDTH - 1)
-        map_engine(k.ebucket(efield), efield, rfield, cap)
+        map_engine(st, k.ebucket(efield), efield, rfield, cap)
       end
     else
       for _, j in ipairs(op.ents) do
-        local id = entry_id(j, false)
-        if id then set[id] = true end
+        local id = lookup_id(j)
+        if id and id ~= 0 then set[id] = true end
       end
       if op.tag == 'R' then
-        local _, n = remove_ids(k.rbucket(op.field), op.field, set)
+        local _, n = remove_ids(st, k.rbucket(op.field), op.field, set)
         removed = removed + n
       else
-        removed = removed + evict_engine(k.rbucket, k.ebucket(op.field), op.field, set)
+        removed = removed + evict_engine(st, k.rbucket, k.ebucket(op.field), op.field, set)
       end
     end
   end
+  if #new > 0 then define_entries(k, new, new_ids, next_id, pod_lists) end
+  flush_stage(st)
   return removed
 end

@@ -29,7 +29,8 @@ def read_namespace(client: redis.Redis, namespace: str) -> NamespaceState:
     ns = namespace.encode()
     state = NamespaceState()
     state.keys = sorted(client.scan_iter(match=escape_glob(ns + b":") + b"*", count=1000))
-    defs = {k: decode_entry(v) for k, v in client.hgetall(ns + b":pi").items()}
+    # 4-byte ids; the other fields (next_id, bucket_bits) are the meta record's backup
+    defs = {k: decode_entry(v) for k, v in client.hgetall(ns + b":pi").items() if len(k) == 4}
     rprefix, eprefix = ns + b":r:", ns + b":e:"
     for key in state.keys:
         if client.type(key) != b"hash":

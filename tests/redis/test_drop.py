@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
+import threading
+import time
+import uuid
+
 import pytest
 import redis
 
-from kvredis import AsyncRedisIndex, PodEntry, RedisIndex, RedisIndexConfig
+from kvredis import (
+    AddOp,
+    AsyncRedisIndex,
+    KVRedisError,
+    PodEntry,
+    RedisIndex,
+    RedisIndexConfig,
+    Watermark,
+)
+from kvredis.redis.codec import escape_glob
+from kvredis.redis.layout import Layout
 
 pytestmark = pytest.mark.redis
 
@@ -50,3 +64,111 @@ async def test_async_drop_namespace(redis_server_url: str, namespace: str) -> No
         assert await index.lookup([3, 4]) == {}
     finally:
         await index.aclose()
+
+
+# Pairs of accepted names where one extends the other (every shape the name check lets through).
+NESTED_NAMES = [
+    ("kv", "kv:prod"),
+    ("kv", "kv:meta"),
+    ("kv", "kv:pe"),
+    ("kv", "kv:wm"),
+    ("kv", "kv:rr"),
+    ("kv:prod", "kv"),
+    ("a*b", "a*b:c"),
+    ("x", "x:"),
+]
+
+
+def _dump(raw: redis.Redis, namespace: str) -> dict[bytes, bytes]:
+    """DUMP of every key of the namespace (exactly its layout's keys, nothing of longer names)."""
+    layout = Layout(namespace, 16, b"")
+    pattern = escape_glob(namespace.encode() + b":") + b"*"
+    return {
+        k: raw.dump(k)  # type: ignore[misc]
+        for k in raw.scan_iter(match=pattern, count=1000)
+        if layout.owns(k)
+    }
+
+
+@pytest.mark.parametrize(("dropped", "kept"), NESTED_NAMES)
+def test_drop_and_clear_never_touch_a_namespace_whose_name_extends_theirs(
+    redis_server_url: str, dropped: str, kept: str
+) -> None:
+    tag = uuid.uuid4().hex[:8]
+    dropped, kept = f"kvt-{tag}-{dropped}", f"kvt-{tag}-{kept}"
+    raw = redis.Redis.from_url(redis_server_url)
+    one = RedisIndex(RedisIndexConfig(address=redis_server_url, namespace=dropped))
+    other = RedisIndex(RedisIndexConfig(address=redis_server_url, namespace=kept))
+    try:
+        for idx in (one, other):
+            idx.add([1, 2], [10, 20], [P, PodEntry("pod-b", "cpu")])
+            idx.apply_batch([AddOp(None, (30,), (P,))], "s", Watermark(1, 1))
+        before = _dump(raw, kept)
+        assert before
+        one.clear("pod-a")
+        one.drop_namespace()
+        after = _dump(raw, kept)
+        assert set(after) == set(before), f"drop of {dropped!r} deleted keys of {kept!r}"
+        assert after == before
+        both = [P, PodEntry("pod-b", "cpu")]
+        assert other.lookup([10, 20, 30]) == {10: both, 20: both, 30: [P]}
+    finally:
+        for idx in (one, other):
+            idx.drop_namespace()
+            idx.close()
+        raw.close()
+
+
+def _race_trial(url: str) -> list[str]:
+    """Three writers keep interning new entries while the namespace is dropped under them;
+    returns the lookups afterwards that gave an entry not added under that key (or raised)."""
+    namespace = f"kvt-{uuid.uuid4().hex[:12]}"
+    cfg = RedisIndexConfig(address=url, namespace=namespace)
+    added: dict[int, set[PodEntry]] = {}
+    lock = threading.Lock()
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def writer(w: int) -> None:
+        try:
+            with RedisIndex(cfg) as idx:
+                i = 0
+                while not stop.is_set():
+                    key = (w << 32) + i
+                    entry = PodEntry(f"w{w}-{i}", "gpu")
+                    with lock:
+                        added.setdefault(key, set()).add(entry)
+                    idx.add([key], [key], [entry])
+                    i += 1
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(w,)) for w in range(3)]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.15)
+    with RedisIndex(cfg) as dropper:
+        dropper.drop_namespace()
+    time.sleep(0.15)
+    stop.set()
+    for thread in threads:
+        thread.join(30)
+    assert not errors, errors
+    wrong: list[str] = []
+    with RedisIndex(cfg) as reader:
+        for key in sorted(added):
+            try:
+                found = reader.lookup([key]).get(key, [])
+            except KVRedisError as exc:
+                wrong.append(f"key {key:#x} raised {exc!r}")
+                continue
+            wrong += [f"key {key:#x} returned {e}" for e in found if e not in added[key]]
+        reader.drop_namespace()
+    return wrong
+
+
+def test_drop_racing_writers_never_makes_a_lookup_return_an_entry_not_added_there(
+    redis_server_url: str,
+) -> None:
+    wrong = [w for _ in range(6) for w in _race_trial(redis_server_url)]
+    assert wrong == [], f"{len(wrong)} wrong answers, e.g. {wrong[:3]}"

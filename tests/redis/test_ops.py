@@ -103,15 +103,39 @@ def _one(op: rq.Op[Any], reply: Any = None) -> tuple[rq.Request, Any]:
 
 def test_load_namespace_pings_then_creates_or_reads_the_meta_record() -> None:
     state = CoreState("ns", 12)
-    exchange = Exchange([b"PONG", [LAYOUT_VERSION.encode(), b"10", GEN]])
+    exchange = Exchange([b"PONG", [None, None, None], [LAYOUT_VERSION.encode(), b"10", GEN]])
     layout = exchange.run(ops.op_load_namespace(state, ping=True))
-    ping, call = exchange.requests
+    ping, read, call = exchange.requests
     assert ping == rq.Command(("PING",))
+    assert read == rq.Command(("HMGET", b"ns:meta", "layout", "bucket_bits", "gen"))
     assert isinstance(call, rq.ScriptCall) and call.script == "namespace"
-    assert call.keys == (b"ns:meta",)
+    assert call.keys == (b"ns:meta", b"ns:pi")
     assert call.args[:2] == (LAYOUT_VERSION, 12) and len(call.args[2]) == 16
     assert isinstance(layout, Layout) and layout.bucket_bits == 10 and layout.gen == GEN
     assert state.layout is layout
+    # An existing record is only read: a reader starts on a replica and under maxmemory.
+    state = CoreState("ns", 12)
+    exchange = Exchange([[LAYOUT_VERSION.encode(), b"10", GEN]])
+    assert exchange.run(ops.op_load_namespace(state, ping=False)).gen == GEN
+
+
+def test_load_namespace_finishes_a_drop_it_finds_then_creates_the_namespace() -> None:
+    tomb = b"dropping:abc"
+    exchange = Exchange(
+        [
+            [LAYOUT_VERSION.encode(), b"16", tomb],  # HMGET: a drop in progress
+            [b"0", [b"ns:pe", b"ns:prod:pe", b"ns:meta"]],  # SCAN
+            1,  # drop page (ns:pe only: ns:prod is another namespace)
+            1,  # drop end
+            [None, None, None],  # HMGET: gone
+            [LAYOUT_VERSION.encode(), b"16", GEN],  # namespace script
+        ]
+    )
+    state = CoreState("ns")
+    assert exchange.run(ops.op_load_namespace(state, ping=False)).gen == GEN
+    page = exchange.requests[2]
+    assert page == rq.ScriptCall("drop", (b"ns:meta", b"ns:pe"), ("page", tomb))
+    assert exchange.requests[3] == rq.ScriptCall("drop", (b"ns:meta",), ("end", tomb))
 
 
 @pytest.mark.parametrize(
@@ -120,7 +144,8 @@ def test_load_namespace_pings_then_creates_or_reads_the_meta_record() -> None:
 )
 def test_a_foreign_or_broken_meta_record_is_a_layout_error(reply: list[Any]) -> None:
     with pytest.raises(NamespaceLayoutError):
-        _one(ops.op_load_namespace(CoreState("ns"), ping=False), reply)
+        exchange = Exchange([reply] if all(reply) else [reply, reply])
+        exchange.run(ops.op_load_namespace(CoreState("ns"), ping=False))
 
 
 def test_lookup_sends_the_chain_as_one_blob_and_decodes_through_the_entry_cache() -> None:
@@ -205,10 +230,10 @@ def test_apply_batch_sends_the_whole_program_and_the_fence() -> None:
     assert applied is True
     assert request == rq.ScriptCall(
         "apply_batch",
-        (b"ns:meta", b"ns:pe", b"ns:pi", b"ns:pp", b"ns:wm"),
+        (b"ns:meta", b"ns:pe", b"ns:pi", b"ns:pp", b"ns:wm", b"ns:wp"),
         [
             GEN, b"ns:r:", b"ns:e:", 16, MAX_REQUEST_KEYS_PER_ENGINE_KEY,
-            b"s", "3", "-1",
+            b"s", "3", "-1", request.args[8], 1, 1,
             2, encode_entry(A), encode_entry(B),
             3,
             "A", 1, 1, _blob(1), b"",
@@ -273,14 +298,17 @@ def test_clear_pages_with_scan_and_sends_the_last_page_with_the_next_scan() -> N
     assert Exchange([None]).run(ops.op_clear(state, "never-seen")) == 0  # one HGET only
 
 
-def test_drop_namespace_unlinks_pages_and_the_meta_record_last() -> None:
-    exchange = Exchange([[b"7", [b"ns:pe", b"ns:meta"]], 1, [b"0", [b"ns:wm"]], 1, 1])
+def test_drop_namespace_tombstones_then_deletes_its_own_keys_and_the_meta_record_last() -> None:
+    tomb = b"dropping:t"
+    exchange = Exchange(
+        [tomb, [b"7", [b"ns:pe", b"ns:meta", b"ns:x:pe"]], 1, [b"0", [b"ns:wm"]], 1, 1]
+    )
     assert exchange.run(ops.op_drop_namespace(_state(), keys_per_call=2)) == 3
-    assert [r.args[0] for r in exchange.requests if isinstance(r, rq.Command)] == [
-        "SCAN", "UNLINK", "SCAN", "UNLINK", "UNLINK",
-    ]  # fmt: skip
-    assert exchange.requests[1] == rq.Command(("UNLINK", b"ns:pe"))
-    assert exchange.requests[-1] == rq.Command(("UNLINK", b"ns:meta"))
+    begin, _, page, _, page2, end = exchange.requests
+    assert isinstance(begin, rq.ScriptCall) and begin.args[0] == "begin"
+    assert page == rq.ScriptCall("drop", (b"ns:meta", b"ns:pe"), ("page", tomb))
+    assert page2 == rq.ScriptCall("drop", (b"ns:meta", b"ns:wm"), ("page", tomb))
+    assert end == rq.ScriptCall("drop", (b"ns:meta",), ("end", tomb))
 
 
 # -- op_send: scripts by EVALSHA, NOSCRIPT reload -----------------------------------------------
@@ -438,7 +466,7 @@ def test_other_error_replies_are_translated_without_retry(
 
 def _namespace_reply(gen: bytes) -> Callable[[rq.Request], Any]:
     def reply(request: rq.Request) -> Any:
-        assert isinstance(request, rq.Command) and request.args[0] == "EVALSHA"
+        assert isinstance(request, rq.Command) and request.args[0] == "HMGET"
         return [LAYOUT_VERSION.encode(), b"16", gen]
 
     return reply

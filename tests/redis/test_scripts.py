@@ -29,6 +29,7 @@ COMMANDS = {
     "apply_batch",
     "clear",
     "clear_mappings",
+    "drop",
     "evict",
     "lookup",
     "namespace",
@@ -168,7 +169,7 @@ def test_noscript_inside_a_pipeline_recovers(raw: redis.Redis, executor: SyncExe
     items = (
         ScriptCall("ping", (), ()),
         Command(("SET", "plain", "v")),
-        ScriptCall("namespace", (b"pipe:meta",), ("kvredis-kvblock/1", 16, "g1")),
+        ScriptCall("namespace", (b"pipe:meta", b"pipe:pi"), ("kvredis-kvblock/1", 16, "g1")),
         Command(("GET", "plain")),
         ScriptCall("ping", (), ()),
     )

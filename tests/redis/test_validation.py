@@ -129,7 +129,7 @@ def test_a_batch_refused_by_its_last_op_applies_none_of_the_earlier_ones(index: 
     assert call.args[-4] == "E"
     last_op = len(call.args) - 4
     _refused(index, _with_args(call, lambda a: _set(a, last_op, "Z")), InvalidInputError, "op 3")
-    count = 9 + call.args[8]
+    count = 12 + call.args[11]
     assert call.args[count] == 3
     more_ops = _with_args(call, lambda a: _set(a, count, 4))
     _refused(index, more_ops, InvalidInputError, "unknown op nil")
