@@ -22,6 +22,8 @@ _EXPORTS: dict[str, str] = {
     "PodEntry": "kvredis.types",
     "GroupCatalog": "kvredis.groups",
     "BackendError": "kvredis.errors",
+    "BackendOutOfMemoryError": "kvredis.errors",
+    "UnsafeServerConfigError": "kvredis.errors",
     "BackendUnavailableError": "kvredis.errors",
     "ConfigError": "kvredis.errors",
     "EngineKeyNotFoundError": "kvredis.errors",
@@ -107,6 +109,7 @@ __all__ = [
     "AsyncRedisIndex",
     "AsyncScoringIndex",
     "BackendError",
+    "BackendOutOfMemoryError",
     "BackendUnavailableError",
     "BatchIndex",
     "BatchOutcome",
@@ -155,6 +158,7 @@ __all__ = [
     "StaleNamespaceError",
     "TokenProcessor",
     "TokenProcessorConfig",
+    "UnsafeServerConfigError",
     "Watermark",
     "WireError",
     "ZmqReplayClient",
@@ -193,6 +197,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
     from kvredis.config import IndexConfig, new_index
     from kvredis.errors import (
         BackendError,
+        BackendOutOfMemoryError,
         BackendUnavailableError,
         ConfigError,
         EngineKeyNotFoundError,
@@ -200,6 +205,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
         KVRedisError,
         NamespaceLayoutError,
         StaleNamespaceError,
+        UnsafeServerConfigError,
     )
     from kvredis.features import (
         BlockExtraFeatures,

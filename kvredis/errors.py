@@ -48,6 +48,19 @@ class BackendError(KVRedisError, RuntimeError):
     """The backend answered with an error kvredis did not expect (server bug, wrong server)."""
 
 
+class BackendOutOfMemoryError(BackendError):
+    """The server refused a write: it reached ``maxmemory`` (with policy ``noeviction``).
+
+    Lookups, evictions and clears keep working; free memory (evict or clear pods, raise
+    ``maxmemory``) before adding again.
+    """
+
+
+class UnsafeServerConfigError(BackendError):
+    """The server is configured in a way that makes the index lie (e.g. an ``allkeys-*``
+    ``maxmemory-policy`` that deletes its keys); raised instead of a warning with ``strict``."""
+
+
 class NamespaceLayoutError(BackendError):
     """The namespace holds data in a layout this client does not understand."""
 
@@ -86,6 +99,11 @@ def translate(message: str) -> KVRedisError:
         if cls is None:
             return BackendError(f"server error: {text}")
         return cls(detail or code)
+    if message.startswith("OOM"):
+        return BackendOutOfMemoryError(
+            f"the server is out of memory and refuses writes ({message.split(' script:', 1)[0]}); "
+            "evict or clear entries, or raise maxmemory"
+        )
     if message.startswith("WRONGTYPE"):
         return NamespaceLayoutError(
             f"a key of the namespace holds another type of value ({message}); the namespace "

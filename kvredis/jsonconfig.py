@@ -144,5 +144,7 @@ def check_number(name: str, value: object, *, integer: bool = False, zero: bool 
     kinds = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kinds):
         raise ConfigError(f"{name} must be a{'n int' if integer else ' number'}, got {value!r}")
+    if not math.isfinite(value):
+        raise ConfigError(f"{name} must be a finite number, got {value!r}")
     if value < 0 or (value == 0 and not zero):
         raise ConfigError(f"{name} must be {'>= 0' if zero else '> 0'}, got {value!r}")

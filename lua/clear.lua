@@ -1,4 +1,4 @@
-#!lua flags=allow-cross-slot-keys
+#!lua flags=allow-oom,allow-cross-slot-keys
 --[[ clear: remove a pod's entry ids from one batch of request buckets (the client pages the
   namespace with SCAN MATCH <ns>:r:* and calls this once per page: bounded work per call).
   KEYS[1]     <ns>:meta    KEYS[2..] request bucket keys of this page

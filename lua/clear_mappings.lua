@@ -1,4 +1,4 @@
-#!lua flags=allow-cross-slot-keys
+#!lua flags=allow-oom,allow-cross-slot-keys
 --[[ clear_mappings: drop the engine -> request mappings of one batch of engine buckets whose
   request keys all hold no entry (the second pass of clear; the client pages the namespace with
   SCAN MATCH <ns>:e:* and calls this once per page).

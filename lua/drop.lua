@@ -1,4 +1,4 @@
-#!lua flags=allow-cross-slot-keys
+#!lua flags=allow-oom,allow-cross-slot-keys
 --[[ drop: delete a namespace in steps, fenced by a tombstone in <ns>:meta.
   "begin" replaces the generation in <ns>:meta with the tombstone "dropping:<token>" (or joins the
   drop already in progress): from then on every client of the old generation gets KVREDIS_STALE,

@@ -1,4 +1,4 @@
-#!lua flags=allow-cross-slot-keys
+#!lua flags=allow-oom,allow-cross-slot-keys
 --[[ evict: remove exact pod entries from one request key, or from every request key an engine
   key maps to; empty request keys are deleted, and the engine mapping is dropped once none of
   its request keys holds any entry, all in this one atomic step.

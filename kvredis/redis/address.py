@@ -33,7 +33,8 @@ _SCHEMES: dict[str, tuple[str, bool]] = {
 }
 
 _SCHEME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
-_PASSWORD_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://[^:@/]*:)([^@]*)(@)")
+# The password runs to the last "@" of the authority (a password may contain "@").
+_PASSWORD_RE = re.compile(r"^((?:[A-Za-z][A-Za-z0-9+.-]*://)?[^:@/]*:)([^/?#]*)(@)")
 _QUERY_PASSWORD_RE = re.compile(r"([?&]password=)([^&#]*)")
 
 

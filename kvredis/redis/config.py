@@ -43,6 +43,7 @@ _CAMEL = {
     "tlsVerify": "tls_verify",
     "tlsCheckHostname": "tls_check_hostname",
     "clientName": "client_name",
+    "strict": "strict",
 }
 
 
@@ -57,7 +58,10 @@ class RedisIndexConfig:
     seconds. ``bucket_bits`` only matters for the first client of a new namespace: it fixes the
     number of buckets (``2**bucket_bits``) for everyone (aim for at most a few hundred request
     keys per bucket: 16 bits suits up to ~30M request keys). ``clear_fields_per_call`` bounds the
-    work of one ``clear`` script call.
+    work of one ``clear`` script call. ``tls_*`` options need a TLS address (``rediss://`` or
+    ``valkeys://``). Connecting checks the server's ``maxmemory-policy``: an ``allkeys-*``
+    policy (which deletes index keys) logs a warning, or with ``strict`` raises
+    :class:`~kvredis.errors.UnsafeServerConfigError`.
     """
 
     address: str = "redis://127.0.0.1:6379"
@@ -80,6 +84,7 @@ class RedisIndexConfig:
     tls_verify: bool = True
     tls_check_hostname: bool = True
     client_name: str | None = "kvredis"
+    strict: bool = False
 
     def __repr__(self) -> str:
         shown = []
@@ -98,7 +103,7 @@ class RedisIndexConfig:
             raise ConfigError(
                 f"backend_type must be one of {', '.join(BACKEND_TYPES)}, got {self.backend_type!r}"
             )
-        for name in ("enable_rdma", "tls_verify", "tls_check_hostname"):
+        for name in ("enable_rdma", "tls_verify", "tls_check_hostname", "strict"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
         try:
@@ -123,6 +128,22 @@ class RedisIndexConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise ConfigError(f"{name} must be a str or None, got {value!r}")
+        tls_set = [
+            name
+            for name, default in (
+                ("tls_ca_file", None),
+                ("tls_cert_file", None),
+                ("tls_key_file", None),
+                ("tls_verify", True),
+                ("tls_check_hostname", True),
+            )
+            if getattr(self, name) != default
+        ]
+        if tls_set and not self.parsed_address().tls:
+            raise ConfigError(
+                f"{', '.join(tls_set)} given, but address {mask_password(self.address)!r} is not "
+                "TLS; use rediss:// or valkeys:// (or drop the tls options)"
+            )
 
     @classmethod
     def from_dict(cls, mapping: Mapping[str, Any]) -> RedisIndexConfig:

@@ -30,6 +30,7 @@ T = TypeVar("T")
 #: What a request may raise that is the server's or the network's doing (anything else, e.g. a
 #: DataError for an argument redis-py cannot encode, is a bug and propagates as it is).
 _FAILURES = (
+    redis.exceptions.InvalidResponse,
     redis.ConnectionError,
     redis.TimeoutError,
     redis.ResponseError,
@@ -53,6 +54,8 @@ def failure(exc: BaseException) -> rq.Failure:
     """The failure value of a redis-py exception (an error reply keeps its code in front)."""
     if isinstance(exc, redis.AuthenticationError):
         return rq.AuthenticationFailed(str(exc))
+    if isinstance(exc, redis.exceptions.InvalidResponse):
+        return rq.NotRedis(str(exc))
     if isinstance(exc, redis.ResponseError):
         code = getattr(exc, "status_code", None) or _CODES.get(type(exc))
         return rq.ErrorReply(f"{code} {exc}" if code else str(exc))

@@ -113,7 +113,7 @@ class RedisIndex(_Facade):
         super().__init__(config)
         self._exec = SyncExecutor(self.config)
         try:
-            self._exec.run(op_connect(self._session))
+            self._exec.run(op_connect(self._session, self.config.strict))
         except BaseException:
             self._exec.close()
             raise
@@ -218,7 +218,7 @@ class AsyncRedisIndex(_Facade):
 
     async def connect(self) -> None:
         """Ping the server and load the namespace (BackendUnavailableError if unreachable)."""
-        await self._exec.run(op_connect(self._session))
+        await self._exec.run(op_connect(self._session, self.config.strict))
 
     @property
     def client(self) -> redis.asyncio.Redis:

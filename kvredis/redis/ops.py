@@ -25,6 +25,7 @@ is what makes retrying a request safe.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import struct
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -43,11 +44,13 @@ from kvredis.checks import (
     pod_filter,
 )
 from kvredis.errors import (
+    BackendError,
     BackendUnavailableError,
     EngineKeyNotFoundError,
     InvalidInputError,
     NamespaceLayoutError,
     StaleNamespaceError,
+    UnsafeServerConfigError,
     translate,
 )
 from kvredis.index import ClearProgress
@@ -60,6 +63,7 @@ from kvredis.redis.requests import (
     ConnectionLost,
     ErrorReply,
     Failure,
+    NotRedis,
     Op,
     Pipeline,
     Request,
@@ -72,6 +76,7 @@ from kvredis.scoring import DEFAULT_MEDIUM_WEIGHTS, UNKNOWN_TIER_WEIGHT, Longest
 from kvredis.types import KeyType, PodEntry
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 #: Argument types of the index operations (those of the Index protocol).
 Keys = Sequence[int]
@@ -106,11 +111,12 @@ class RetryPolicy:
 
     def unavailable(self, failure: Failure) -> BackendUnavailableError:
         """The error a request raises when it gives up."""
-        what = (
-            "authentication failed at"
-            if isinstance(failure, AuthenticationFailed)
-            else "cannot reach"
-        )
+        if isinstance(failure, AuthenticationFailed):
+            what = "authentication failed at"
+        elif isinstance(failure, NotRedis):
+            what = "no Redis/Valkey server answers (wrong port?) at"
+        else:
+            what = "cannot reach"
         return BackendUnavailableError(f"{what} {self.server}: {failure.message}")
 
 
@@ -182,7 +188,7 @@ def op_send(session: Session, request: Request) -> Op[Any]:
             if isinstance(request, Pipeline):
                 return (yield from _pipeline(registry, request.items))
             return (yield request)
-        except AuthenticationFailed as failure:
+        except (AuthenticationFailed, NotRedis) as failure:
             raise policy.unavailable(failure) from failure
         except (ConnectionLost, ErrorReply) as failure:
             if isinstance(failure, ErrorReply) and failure.code not in TRANSIENT_REPLIES:
@@ -221,9 +227,53 @@ def op_run(session: Session, factory: Callable[[], Op[T]]) -> Op[T]:
         return (yield from op_drive(session, factory()))
 
 
-def op_connect(session: Session) -> Op[Layout]:
-    """Ping the server and load the namespace (what constructing a client does)."""
-    return (yield from op_drive(session, op_load_namespace(session.state, ping=True)))
+def op_connect(session: Session, strict: bool = False) -> Op[Layout]:
+    """Ping the server, load the namespace and check the server's eviction policy (what
+    constructing a client does): see :func:`op_check_eviction_policy`."""
+    layout = yield from op_drive(session, op_load_namespace(session.state, ping=True))
+    try:
+        info = yield from op_send(session, Command(("INFO", "memory")))
+    except BackendError as exc:  # INFO not permitted (ACL, renamed command): nothing to check
+        logger.debug("cannot read INFO memory from %s: %s", session.policy.server, exc)
+        return layout
+    check_eviction_policy(info, session.policy.server, strict)
+    return layout
+
+
+#: maxmemory-policy values under which the server may delete the index's keys (they have no TTL,
+#: so the volatile-* policies never pick them).
+UNSAFE_POLICY_PREFIX = "allkeys-"
+
+
+def check_eviction_policy(info: Any, server: str, strict: bool) -> str | None:
+    """Warn (raise with ``strict``) when the server may evict index keys on its own.
+
+    ``info`` is the reply of ``INFO memory`` (parsed into a mapping, or its text). Under an
+    ``allkeys-*`` policy Redis deletes bucket and dictionary keys when it reaches ``maxmemory``,
+    and lookups then return stale entries or miss. Returns the policy found.
+    """
+    policy: Any = None
+    if isinstance(info, Mapping):
+        policy = info.get("maxmemory_policy")
+    elif isinstance(info, (bytes, str)):
+        text = info.decode("utf-8", "replace") if isinstance(info, bytes) else info
+        for line in text.splitlines():
+            if line.startswith("maxmemory_policy:"):
+                policy = line.split(":", 1)[1].strip()
+    if isinstance(policy, bytes):
+        policy = policy.decode("utf-8", "replace")
+    if not isinstance(policy, str):
+        return None
+    if policy.startswith(UNSAFE_POLICY_PREFIX):
+        message = (
+            f"{server} has maxmemory-policy {policy}: when it reaches maxmemory it deletes index "
+            "keys, and lookups then return stale or wrong entries; set maxmemory-policy to "
+            "noeviction (or a volatile-* policy), e.g. CONFIG SET maxmemory-policy noeviction"
+        )
+        if strict:
+            raise UnsafeServerConfigError(message)
+        logger.warning("%s", message)
+    return policy
 
 
 # -- operations --------------------------------------------------------------------------------

@@ -93,3 +93,8 @@ class ConnectionLost(Failure):
 
 class AuthenticationFailed(Failure):
     """The server refused the credentials (retrying cannot help)."""
+
+
+class NotRedis(Failure):
+    """The peer does not speak the Redis protocol (an HTTP server on that port; retrying cannot
+    help)."""

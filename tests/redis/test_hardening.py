@@ -1,0 +1,351 @@
+"""What an unlucky operator, a failover and a hostile publisher do to the index (each case
+reproduced against a real server, redis-server and Valkey)."""
+
+from __future__ import annotations
+
+import http.server
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import redis
+
+from kvredis import (
+    AddOp,
+    AsyncRedisIndex,
+    BackendOutOfMemoryError,
+    BackendUnavailableError,
+    EvictOp,
+    KeyType,
+    NamespaceLayoutError,
+    PodEntry,
+    RedisIndex,
+    RedisIndexConfig,
+    UnsafeServerConfigError,
+    Watermark,
+)
+from kvredis.redis.layout import Layout
+from tests.servers import Proxy, RedisServer
+
+pytestmark = pytest.mark.redis
+
+A = PodEntry("pod-a", "gpu")
+B = PodEntry("pod-b", "cpu")
+
+
+@pytest.fixture
+def raw(redis_server_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_server_url)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def cfg(redis_server_url: str, namespace: str) -> RedisIndexConfig:
+    return RedisIndexConfig(address=redis_server_url, namespace=namespace)
+
+
+def _namespace_keys(raw: redis.Redis, namespace: str) -> dict[bytes, object]:
+    layout = Layout(namespace, 16, b"")
+    out: dict[bytes, object] = {}
+    for key in raw.scan_iter(match=layout.namespace_pattern(), count=1000):
+        if layout.owns(key) and key != layout.meta:
+            kind = raw.type(key)
+            out[key] = (
+                raw.hgetall(key)
+                if kind == b"hash"
+                else raw.lrange(key, 0, -1)
+                if kind == b"list"
+                else raw.get(key)
+            )
+    return out
+
+
+# 3. Losing <ns>:meta alone must heal, for old and new clients alike.
+def test_losing_the_meta_record_alone_heals(cfg: RedisIndexConfig, raw: redis.Redis) -> None:
+    with RedisIndex(cfg) as old:
+        old.add([1, 2], [10, 20], [A])
+        old.add(None, [30], [B])
+        raw.delete(f"{cfg.namespace}:meta")
+        with RedisIndex(cfg) as new:
+            assert new.lookup([10, 20, 30]) == {10: [A], 20: [A], 30: [B]}
+        assert old.lookup([10, 20]) == {10: [A], 20: [A]}
+        # new entries never reuse an id of the lost record
+        old.add(None, [40], [PodEntry("pod-c", "gpu")])
+        assert old.lookup([10, 40]) == {10: [A], 40: [PodEntry("pod-c", "gpu")]}
+        assert old.lookup([30]) == {30: [B]}
+
+
+# 4. A call that fails partway must write nothing.
+@pytest.mark.parametrize("foreign", ["string", "list"])
+def test_a_foreign_key_of_the_wrong_type_on_a_bucket_fails_the_batch_before_any_write(
+    cfg: RedisIndexConfig, raw: redis.Redis, foreign: str
+) -> None:
+    with RedisIndex(cfg) as index:
+        index.add(None, [5], [A])
+        layout = Layout(cfg.namespace, index.bucket_bits, b"")
+        bad = layout.request_bucket(77)
+        if foreign == "string":
+            raw.set(bad, "foreign")
+        else:
+            raw.rpush(bad, "foreign")
+        before = _namespace_keys(raw, cfg.namespace)
+        batch = [
+            AddOp(None, (1, 2, 3), (A, PodEntry("pod-new", "gpu"))),
+            EvictOp(5, KeyType.REQUEST, (A,)),
+            AddOp(None, (77,), (B,)),
+        ]
+        with pytest.raises(NamespaceLayoutError):
+            index.apply_batch(batch, "s", Watermark(1, 1))
+        assert _namespace_keys(raw, cfg.namespace) == before
+        assert index.get_watermark("s") is None
+        with pytest.raises(NamespaceLayoutError):
+            index.add([9], [1, 77], [B])
+        assert _namespace_keys(raw, cfg.namespace) == before
+
+
+def test_an_exhausted_id_space_found_while_interning_writes_nothing(
+    cfg: RedisIndexConfig, raw: redis.Redis
+) -> None:
+    with RedisIndex(cfg) as index:
+        index.add(None, [5], [A])
+        meta, pi = f"{cfg.namespace}:meta", f"{cfg.namespace}:pi"
+        top = 2**32 - 1
+        # room for two ids by next_id, but one of them is already defined (a recreated record)
+        raw.hset(meta, "next_id", top - 2)
+        raw.hset(pi, (top - 1).to_bytes(4, "big"), raw.hget(pi, (1).to_bytes(4, "big")) or b"")
+        before = _namespace_keys(raw, cfg.namespace)
+        with pytest.raises(NamespaceLayoutError, match="id space"):
+            index.apply_batch(
+                [AddOp(None, (1,), (B,)), AddOp(None, (2,), (PodEntry("p", "t"),))],
+                "s",
+                Watermark(1, 1),
+            )
+        assert _namespace_keys(raw, cfg.namespace) == before
+        assert raw.hget(meta, "next_id") == str(top - 2).encode()
+
+
+# 5. A batch whose first reply was lost is reported as applied.
+def test_a_batch_whose_reply_was_lost_is_reported_applied(
+    redis_server_url: str, namespace: str
+) -> None:
+    port = int(redis_server_url.rsplit(":", 1)[1])
+    proxy = Proxy(port)
+    cfg = RedisIndexConfig(
+        address=proxy.url, namespace=namespace, retries=3, retry_backoff=0.01, socket_timeout=2
+    )
+    try:
+        with RedisIndex(cfg) as index:
+            proxy.lose_next_reply(b"stream-lost")
+            assert index.apply_batch([AddOp(None, (1,), (A,))], "stream-lost", Watermark(1, 1))
+            assert proxy.lost == 1
+            assert index.get_watermark("stream-lost") == Watermark(1, 1)
+            # another sender's resend of the same watermark is still skipped
+            with RedisIndex(cfg) as other:
+                batch = [AddOp(None, (2,), (A,))]
+                assert not other.apply_batch(batch, "stream-lost", Watermark(1, 1))
+            assert index.lookup([2]) == {}
+    finally:
+        proxy.close()
+
+
+# 6. Under maxmemory with noeviction: readers start and read, evict and clear work, adds fail
+# with a clear error; a reader starts and reads on a read-only replica.
+def _own_config(server: RedisServer, **kwargs: Any) -> RedisIndexConfig:
+    base: dict[str, Any] = dict(
+        address=server.url,
+        namespace=f"kvt-{uuid.uuid4().hex[:12]}",
+        retries=1,
+        retry_backoff=0.01,
+        socket_timeout=2.0,
+    )
+    return RedisIndexConfig(**(base | kwargs))
+
+
+def test_out_of_memory_readers_start_evict_and_clear_work_adds_fail_clearly(
+    own_redis_server: RedisServer,
+) -> None:
+    cfg = _own_config(own_redis_server)
+    admin = redis.Redis(port=own_redis_server.port)
+    try:
+        with RedisIndex(cfg) as writer:
+            writer.add([1, 2], [10, 20], [A, B])
+            writer.add(None, [30], [B])
+            admin.config_set("maxmemory-policy", "noeviction")
+            admin.config_set("maxmemory", 1)
+            with RedisIndex(cfg) as reader:
+                assert reader.lookup([10, 20]) == {10: [A, B], 20: [A, B]}
+            with pytest.raises(BackendOutOfMemoryError, match="out of memory"):
+                writer.add(None, [40], [A])
+            writer.evict(1, KeyType.ENGINE, [A])
+            assert writer.lookup([10]) == {10: [B]}
+            writer.clear("pod-b")
+            assert writer.lookup([10, 20, 30]) == {}
+    finally:
+        admin.config_set("maxmemory", 0)
+        admin.close()
+
+
+def test_a_reader_starts_and_reads_on_a_read_only_replica(own_redis_server: RedisServer) -> None:
+    cfg = _own_config(own_redis_server)
+    replica = RedisServer(own_redis_server.kind)
+    replica.start()
+    admin = redis.Redis(port=replica.port)
+    try:
+        with RedisIndex(cfg) as writer:
+            writer.add([1], [10], [A])
+        admin.replicaof("127.0.0.1", own_redis_server.port)
+        deadline = time.monotonic() + 10
+        while admin.info("replication").get("master_link_status") != "up":
+            assert time.monotonic() < deadline, "replica did not sync"
+            time.sleep(0.05)
+        while not admin.exists(f"{cfg.namespace}:meta"):
+            assert time.monotonic() < deadline, "replica did not sync"
+            time.sleep(0.05)
+        with RedisIndex(replace(cfg, address=replica.url)) as reader:
+            assert reader.lookup([10]) == {10: [A]}
+            with pytest.raises(BackendUnavailableError, match="READONLY"):
+                reader.add(None, [20], [A])
+    finally:
+        admin.close()
+        replica.close()
+
+
+# 7. A failover (primary demoted, replica promoted, the address moved) is ridden out.
+def _wait_synced(primary: redis.Redis, replica: redis.Redis) -> None:
+    deadline = time.monotonic() + 10
+    while True:
+        offset = primary.info("replication")["master_repl_offset"]
+        info = replica.info("replication")
+        if info.get("master_link_status") == "up" and info.get("slave_repl_offset", -1) >= offset:
+            return
+        assert time.monotonic() < deadline, "replica did not catch up"
+        time.sleep(0.02)
+
+
+def failover_ride_out(server: RedisServer, retries: int = 8) -> tuple[float, list[str], int]:
+    """Writers keep adding through a proxy while the primary is demoted and its replica
+    promoted; returns (longest call in seconds, errors, acknowledged adds missing after)."""
+    replica = RedisServer(server.kind)
+    replica.start()
+    proxy = Proxy(server.port)
+    s1, s2 = redis.Redis(port=server.port), redis.Redis(port=replica.port)
+    cfg = _own_config(server, address=proxy.url, retries=retries, retry_backoff=0.05)
+    cfg = replace(cfg, socket_timeout=1.0, connect_timeout=1.0)
+    errors: list[str] = []
+    acked: list[int] = []
+    longest = 0.0
+    stop = threading.Event()
+    try:
+        s2.replicaof("127.0.0.1", server.port)
+        with RedisIndex(cfg) as index:
+            index.add(None, [1], [A])
+            _wait_synced(s1, s2)
+
+            def write() -> None:
+                nonlocal longest
+                key = 100
+                while not stop.is_set():
+                    start = time.monotonic()
+                    try:
+                        index.add(None, [key], [A])
+                        acked.append(key)
+                    except Exception as exc:
+                        errors.append(repr(exc))
+                    longest = max(longest, time.monotonic() - start)
+                    key += 1
+
+            thread = threading.Thread(target=write)
+            thread.start()
+            time.sleep(0.2)
+            s1.execute_command("CLIENT", "PAUSE", 3000, "WRITE")
+            _wait_synced(s1, s2)
+            s2.replicaof("NO", "ONE")
+            s1.replicaof("127.0.0.1", replica.port)
+            s1.execute_command("CLIENT", "UNPAUSE")
+            time.sleep(0.3)  # writers meet READONLY from the demoted primary
+            proxy.retarget(replica.port)
+            time.sleep(0.3)
+            stop.set()
+            thread.join(60)
+            found = index.lookup([1])
+            assert found == {1: [A]}
+            missing = sum(1 for k in acked if not index.lookup([k]))
+        return longest, errors, missing
+    finally:
+        stop.set()
+        proxy.close()
+        s1.replicaof("NO", "ONE")
+        s1.close()
+        s2.close()
+        replica.close()
+
+
+def test_a_failover_is_ridden_out_within_retries(own_redis_server: RedisServer) -> None:
+    longest, errors, missing = failover_ride_out(own_redis_server)
+    assert errors == []
+    assert missing == 0
+    assert longest > 0
+
+
+# 9. The eviction policy is checked when connecting.
+def test_an_allkeys_eviction_policy_warns_or_raises_with_strict(
+    own_redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    admin = redis.Redis(port=own_redis_server.port)
+    try:
+        admin.config_set("maxmemory-policy", "allkeys-lru")
+        cfg = _own_config(own_redis_server)
+        with caplog.at_level(logging.WARNING), RedisIndex(cfg):
+            pass
+        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert any("allkeys-lru" in m and "noeviction" in m for m in warned), warned
+        with pytest.raises(UnsafeServerConfigError, match="allkeys-lru"):
+            RedisIndex(replace(cfg, strict=True))
+        caplog.clear()
+        admin.config_set("maxmemory-policy", "volatile-lru")
+        with caplog.at_level(logging.WARNING), RedisIndex(replace(cfg, strict=True)):
+            pass
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    finally:
+        admin.config_set("maxmemory-policy", "noeviction")
+        admin.close()
+
+
+# 13. A port that is not Redis: one BackendUnavailableError naming the address.
+def test_a_port_that_is_not_redis_is_a_backend_unavailable_error_naming_it() -> None:
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    port = server.server_address[1]
+    try:
+        for password in ("", ":p@ss-word"):
+            host = f"127.0.0.1:{port}"
+            address = f"redis://user{password}@{host}" if password else host
+            cfg = RedisIndexConfig(address=address, retries=1, socket_timeout=1.0)
+            with pytest.raises(BackendUnavailableError) as info:
+                RedisIndex(cfg)
+            assert f"127.0.0.1:{port}" in str(info.value)
+            assert "p@ss" not in str(info.value) and "ss-word" not in str(info.value)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+async def test_async_a_port_that_is_not_redis_is_a_backend_unavailable_error() -> None:
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    port = server.server_address[1]
+    try:
+        cfg = RedisIndexConfig(address=f"127.0.0.1:{port}", retries=0, socket_timeout=1.0)
+        with pytest.raises(BackendUnavailableError, match=f"127.0.0.1:{port}"):
+            await AsyncRedisIndex.create(cfg)
+    finally:
+        server.shutdown()
+        server.server_close()
