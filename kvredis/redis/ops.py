@@ -323,20 +323,30 @@ def _pod_args(pods: frozenset[str] | None) -> list[Arg]:
 def op_lookup(
     state: CoreState, request_keys: Keys, pod_identifier_set: Pods
 ) -> Op[dict[int, list[PodEntry]]]:
-    """``Index.lookup``: one ``lookup`` script call."""
+    """``Index.lookup``: one ``lookup`` script call (one per :data:`CALL_BUDGET` keys of a
+    longer chain, each sent only while the chain keeps hitting)."""
     keys, chain = pack_hashes(request_keys, "request key")
     pods = pod_filter(pod_identifier_set)
     if not keys:
         return {}
     layout, cache = state.snapshot()
-    reply = yield ScriptCall(
-        "lookup",
-        (layout.meta, layout.pi, layout.pp),
-        (layout.gen, layout.rprefix, layout.bucket_bits, cache.floor, *_pod_args(pods), chain),
-    )
-    cache.learn(reply[1], int(reply[0]))
-    entries = cache.entries
-    return {key: entries(ids) for key, ids in zip(keys, reply[2:], strict=False)}
+    pod_args = _pod_args(pods)
+    found: dict[int, list[PodEntry]] = {}
+    step = CALL_BUDGET
+    for start in range(0, len(keys), step):
+        piece = chain if len(keys) <= step else chain[start * 8 : (start + step) * 8]
+        reply = yield ScriptCall(
+            "lookup",
+            (layout.meta, layout.pi, layout.pp),
+            (layout.gen, layout.rprefix, layout.bucket_bits, cache.floor, *pod_args, piece),
+        )
+        cache.learn(reply[1], int(reply[0]))
+        entries = cache.entries
+        hits = reply[2:]
+        found.update(zip(keys[start : start + step], map(entries, hits), strict=False))
+        if len(hits) < len(piece) // 8:
+            break
+    return found
 
 
 def score_weights(medium_weights: Weights) -> Mapping[str, float]:
@@ -451,7 +461,7 @@ class _Program:
 
 
 def add_pieces(
-    engine_keys: Keys | None, request_keys: Keys, entries: Entries, budget: int = CALL_BUDGET
+    engine_keys: Keys | None, request_keys: Keys, entries: Entries, budget: int | None = None
 ) -> list[tuple[Sequence[int], Sequence[tuple[int, int]]]]:
     """An add split into pieces of at most ``budget`` units: (request keys, mappings) each.
 
@@ -460,7 +470,7 @@ def add_pieces(
     """
     pairs = infer_mappings(engine_keys, request_keys) if engine_keys else []
     pairs = compress_pairs(pairs, MAX_REQUEST_KEYS_PER_ENGINE_KEY)
-    room = max(1, budget - 1 - len(entries))
+    room = max(1, (CALL_BUDGET if budget is None else budget) - 1 - len(entries))
     if len(request_keys) + PAIR_COST * len(pairs) <= room:
         return [(request_keys, pairs)]
     pieces: list[tuple[Sequence[int], Sequence[tuple[int, int]]]] = [
@@ -523,9 +533,10 @@ def op_get_request_key(state: CoreState, engine_key: int) -> Op[int]:
 
 
 def batch_programs(
-    layout: Layout, plan: Sequence[IndexOp], budget: int = CALL_BUDGET
+    layout: Layout, plan: Sequence[IndexOp], budget: int | None = None
 ) -> list[_Program]:
     """The programs of a checked batch, each within ``budget`` units (at least one program)."""
+    budget = CALL_BUDGET if budget is None else budget
     programs = [_Program(layout)]
 
     def room(cost: int) -> _Program:

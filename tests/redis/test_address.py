@@ -98,3 +98,16 @@ def test_a_password_given_as_query_parameter_is_masked_too() -> None:
     with pytest.raises(ConfigError) as info:
         parse_address("redis://h:1/x?password=hunter2")
     assert "hunter2" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "address",
+    ["redis://u:p@ss@h:1/0", "u:p@ss@h:1", "rediss://:a@b@c@h", "valkey://u:x@y@h:1?db=2"],
+)
+def test_a_password_containing_at_signs_is_masked_whole(address: str) -> None:
+    parsed = parse_address(address)
+    assert parsed.password is not None and "@" in parsed.password
+    assert parsed.password not in parsed.display
+    for part in parsed.password.split("@"):
+        assert f":{part}" not in parsed.display and f"{part}@" not in parsed.display
+    assert parsed.host == ("h" if "h" in address else parsed.host)

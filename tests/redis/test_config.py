@@ -46,7 +46,7 @@ def test_config_defaults_match_upstream() -> None:
 def test_config_from_upstream_camel_case_and_snake_case() -> None:
     cfg = RedisIndexConfig.from_dict(
         {
-            "address": "valkey://v:6379",
+            "address": "valkeys://v:6379",
             "backendType": "valkey",
             "enableRDMA": True,
             "namespace": "prod",
@@ -57,7 +57,7 @@ def test_config_from_upstream_camel_case_and_snake_case() -> None:
         }
     )
     assert (cfg.address, cfg.backend_type, cfg.enable_rdma, cfg.namespace) == (
-        "valkey://v:6379",
+        "valkeys://v:6379",
         "valkey",
         True,
         "prod",
@@ -89,6 +89,17 @@ def test_config_from_upstream_camel_case_and_snake_case() -> None:
         {"enableRDMA": "yes"},
         {"password": 123},
         {"poolSize": 3, "pool_size": 4},
+        {"socketTimeout": float("nan")},
+        {"socketTimeout": float("inf")},
+        {"connectTimeout": float("nan")},
+        {"poolTimeout": float("inf")},
+        {"retryBackoff": float("nan")},
+        {"retryBackoff": float("inf")},
+        {"strict": "yes"},
+        {"address": "redis://h:1", "tlsCaFile": "/ca.pem"},
+        {"address": "redis://h:1", "tlsVerify": False},
+        {"address": "valkey://h:1", "tlsCertFile": "/c.pem"},
+        {"address": "unix:///r.sock", "tlsKeyFile": "/k.pem"},
     ],
 )
 def test_bad_config_raises_config_error(mapping: dict[str, object]) -> None:
@@ -269,6 +280,19 @@ def test_tls_address_with_a_ca_file(tmp_path: Path) -> None:
         server.close()
 
 
+def test_tls_options_need_a_tls_address_and_strict_is_read_from_json() -> None:
+    config = RedisIndexConfig.from_dict({"address": "rediss://h:1", "tlsCaFile": "/ca.pem"})
+    assert config.tls_ca_file == "/ca.pem"
+    with pytest.raises(ConfigError, match="rediss://"):
+        RedisIndexConfig(address="redis://u:hunter2@h:1", tls_ca_file="/ca.pem")
+    try:
+        RedisIndexConfig(address="redis://u:hunter2@h:1", tls_ca_file="/ca.pem")
+    except ConfigError as exc:
+        assert "hunter2" not in str(exc)
+    assert RedisIndexConfig.from_dict({"strict": True}).strict is True
+    assert RedisIndexConfig().strict is False
+
+
 def test_config_repr_never_shows_passwords() -> None:
     config = RedisIndexConfig(address="redis://u:s3cret-a@h:6379/0", password="s3cret-b")
     text = repr(config)
@@ -276,3 +300,7 @@ def test_config_repr_never_shows_passwords() -> None:
     assert "password='***'" in text
     assert "redis://u:***@h:6379/0" in text
     assert "s3cret" not in repr(IndexConfig(redis_config=config))
+    # a password containing "@" is masked whole, in repr and in the index's repr and errors
+    config = RedisIndexConfig(address="redis://u:p@ss@w0rd@h:6379/0")
+    assert "ss@w0rd" not in repr(config) and "w0rd" not in repr(config)
+    assert "w0rd" not in config.server()

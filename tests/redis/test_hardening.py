@@ -29,6 +29,7 @@ from kvredis import (
     UnsafeServerConfigError,
     Watermark,
 )
+from kvredis.redis import ops
 from kvredis.redis.layout import Layout
 from tests.servers import Proxy, RedisServer
 
@@ -349,3 +350,61 @@ async def test_async_a_port_that_is_not_redis_is_a_backend_unavailable_error() -
     finally:
         server.shutdown()
         server.server_close()
+
+
+# 8. Bounded work per call: large adds and batches go in parts; a batch still applies once.
+def _expected_after(index: RedisIndex, keys: list[int]) -> dict[int, list[PodEntry]]:
+    return {k: v for k in keys for k, v in index.lookup([k]).items()}
+
+
+def test_a_batch_in_parts_applies_at_most_once_and_survives_a_crash_between_parts(
+    cfg: RedisIndexConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ops, "CALL_BUDGET", 8)
+    keys = list(range(1, 41))
+    batch: list[Any] = [AddOp([1000 + k], (k,), (A,)) for k in keys]
+    batch += [EvictOp(k, KeyType.REQUEST, (A,)) for k in keys[:10]]
+    batch += [AddOp(None, tuple(keys[:5]), (B,))]
+    with RedisIndex(cfg) as index:
+        state = index._session.state
+        assert len(ops.batch_programs(state.layout, batch)) > 5
+        # a publisher dies after the first two parts of its batch
+        op = ops.op_apply_batch(state, batch, "s", Watermark(1, 1))
+        for request in (next(op), op.send(1)):
+            assert index._exec.run(ops.op_send(index._session, request)) == 1
+        op.close()
+        assert index.get_watermark("s") is None
+        # its replacement sends the same batch again: applied whole, exactly as in one call
+        assert index.apply_batch(batch, "s", Watermark(1, 1))
+        assert index.get_watermark("s") == Watermark(1, 1)
+        result = _expected_after(index, keys)
+        assert result == {k: [B] for k in keys[:5]} | {k: [A] for k in keys[10:]}
+        assert all(index.get_request_key(1000 + k) == k for k in keys)
+        # and once only
+        assert not index.apply_batch(batch[:1], "s", Watermark(1, 1))
+        # a part whose reply was lost is recognised, not applied again
+        op = ops.op_apply_batch(
+            state, [EvictOp(11, KeyType.REQUEST, (A,)), *batch[:20]], "s", Watermark(1, 2)
+        )
+        first = next(op)
+        assert index._exec.run(ops.op_send(index._session, first)) == 1
+        assert index._exec.run(ops.op_send(index._session, first)) == 1
+        with pytest.raises(StopIteration):
+            request: Any = op.send(1)
+            while True:
+                assert index._exec.run(ops.op_send(index._session, request)) == 1
+                request = op.send(1)
+        assert index.get_watermark("s") == Watermark(1, 2)
+
+
+def test_a_huge_add_under_one_engine_key_is_applied_whole(cfg: RedisIndexConfig) -> None:
+    keys = list(range(1, 20_001))
+    with RedisIndex(cfg) as index:
+        index.add([7], keys, [A])
+        found = index.lookup(keys)
+        assert len(found) == len(keys) and found[keys[-1]] == [A]
+        assert index.get_request_key(7) == keys[-1]
+        index.evict(7, KeyType.ENGINE, [A])
+        # the engine key maps to its most recent 1024 request keys only
+        assert index.lookup(keys[-1024:]) == {}
+        assert index.lookup(keys[:1]) == {1: [A]}

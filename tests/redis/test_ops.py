@@ -21,6 +21,7 @@ from kvredis import (
     NamespaceLayoutError,
     PodEntry,
     StaleNamespaceError,
+    UnsafeServerConfigError,
     Watermark,
 )
 from kvredis.checks import MAX_REQUEST_KEYS_PER_ENGINE_KEY
@@ -516,9 +517,11 @@ def test_an_unknown_entry_id_reloads_too() -> None:
 
 def test_connect_pings_with_retries() -> None:
     session = _session(CoreState("ns"))
-    exchange = Exchange([rq.ConnectionLost("refused"), None, b"PONG", _namespace_reply(GEN)])
+    info = {"maxmemory_policy": "noeviction"}
+    exchange = Exchange([rq.ConnectionLost("refused"), None, b"PONG", _namespace_reply(GEN), info])
     layout = exchange.run(ops.op_connect(session))
     assert layout.gen == GEN
+    assert exchange.requests[-1] == rq.Command(("INFO", "memory"))
     assert exchange.requests[:3] == [rq.Command(("PING",)), rq.Sleep(0.05), rq.Command(("PING",))]
 
 
@@ -534,3 +537,69 @@ def test_a_failure_thrown_into_an_operation_closes_it() -> None:
     with pytest.raises(BackendUnavailableError):
         Exchange([rq.ConnectionLost("x")]).run(ops.op_run(_session(retries=0), op))
     assert closed == [True]
+
+
+@pytest.mark.parametrize(
+    ("info", "unsafe"),
+    [
+        ({"maxmemory_policy": "allkeys-lru"}, True),
+        (b"# Memory\r\nmaxmemory_policy:allkeys-random\r\n", True),
+        ({"maxmemory_policy": "volatile-lfu"}, False),
+        ({"maxmemory_policy": "noeviction"}, False),
+        ({}, False),
+    ],
+)
+def test_the_eviction_policy_check(info: Any, unsafe: bool) -> None:
+    ops.check_eviction_policy(info, SERVER, strict=False)
+    if unsafe:
+        with pytest.raises(UnsafeServerConfigError, match="noeviction"):
+            ops.check_eviction_policy(info, SERVER, strict=True)
+    else:
+        ops.check_eviction_policy(info, SERVER, strict=True)
+
+
+def test_connect_without_permission_to_read_info_still_connects() -> None:
+    session = _session(CoreState("ns"))
+    denied = rq.ErrorReply("NOPERM this user has no permissions to run the 'info' command")
+    exchange = Exchange([b"PONG", _namespace_reply(GEN), denied])
+    assert exchange.run(ops.op_connect(session, strict=True)).gen == GEN
+
+
+def test_an_add_beyond_the_budget_goes_in_parts_within_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ops, "CALL_BUDGET", 64)
+    request_keys = list(range(1, 301))
+    op = ops.op_add(_state(), [7], request_keys, [A])
+    calls: list[rq.ScriptCall] = []
+    try:
+        request = next(op)
+        while True:
+            assert isinstance(request, rq.ScriptCall)
+            calls.append(request)
+            request = op.send(None)
+    except StopIteration:
+        pass
+    sent = b"".join(bytes(c.args[-2]) for c in calls)
+    assert sent == b"".join(k.to_bytes(8, "big") for k in request_keys)  # chain order kept
+    pairs = b"".join(bytes(c.args[-1]) for c in calls)
+    # one engine key keeps its most recent MAX_REQUEST_KEYS_PER_ENGINE_KEY request keys only
+    assert len(pairs) == 16 * min(300, MAX_REQUEST_KEYS_PER_ENGINE_KEY)
+    for call in calls:
+        units = len(bytes(call.args[-2])) // 8 + ops.PAIR_COST * len(bytes(call.args[-1])) // 16
+        assert units <= 64
+
+
+def test_compress_pairs_keeps_what_decides_the_mapping() -> None:
+    pairs = [(1, 10), (1, 11), (2, 20), (1, 10), (1, 12), (2, 21)]
+    assert ops.compress_pairs(pairs, 2) == [(2, 20), (1, 10), (1, 12), (2, 21)]
+    assert ops.compress_pairs(pairs, 10) == [(1, 11), (2, 20), (1, 10), (1, 12), (2, 21)]
+
+
+def test_a_long_lookup_chain_goes_in_parts_and_stops_at_the_first_miss(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(ops, "CALL_BUDGET", 2)
+    state = _state()
+    state.cache.learn([_id(1), encode_entry(A)], 1)
+    exchange = Exchange([[1, [], _id(1), _id(1)], [1, [], _id(1)]])
+    assert exchange.run(ops.op_lookup(state, [1, 2, 3, 4, 5], None)) == {k: [A] for k in (1, 2, 3)}
+    assert len(exchange.requests) == 2
