@@ -8,7 +8,8 @@
   ARGV[6+f]   the request keys in chain order (hash blob)
   Returns     array: [1] the id up to which the client now knows every definition (the
               client's one plus at most 256 of the ids allocated after it); [2] flat (id, encoded
-              entry) definitions of those ids and of hit ids above them; [3..] one id list per
+              entry) definitions of those ids and of hit ids above them ("" for an id whose
+              definition was reclaimed); [3..] one id list per
               hit key, in chain order (filtered); the walk stops at the first key with no
               (filtered) entry: keys after the miss are never read
   Complexity  O(hit keys x entries per key) ]]
@@ -59,10 +60,9 @@ if #unknown > 0 then
   local defs = hmget(KEYS[2], unknown)
   local flat = out[2]
   for i = 1, #unknown do
-    if defs[i] then
-      flat[#flat + 1] = unknown[i]
-      flat[#flat + 1] = defs[i]
-    end
+    flat[#flat + 1] = unknown[i]
+    -- "" for an id without definition (reclaimed: see reclaim.lua); the client skips it
+    flat[#flat + 1] = defs[i] or ''
   end
 end
 return out

@@ -86,6 +86,8 @@ Weights = Mapping[str, float] | None
 
 #: Fields the clear loop aims to examine per script call (sizes the SCAN pages).
 DEFAULT_CLEAR_FIELDS_PER_CALL = 512
+#: Entry ids one ``reclaim`` call deletes at most.
+RECLAIM_IDS_PER_CALL = 1024
 #: Error replies of a server that is up but cannot serve right now (retried like timeouts).
 TRANSIENT_REPLIES = frozenset({"BUSY", "LOADING", "MASTERDOWN", "READONLY", "TRYAGAIN"})
 #: How many times one call is sent in all when the server keeps answering NOSCRIPT (a flush
@@ -680,7 +682,8 @@ def op_clear(
     engine buckets (``clear_mappings`` script: drop mappings none of whose request keys holds an
     entry). ``progress(done, removed)`` is called after every page with the bucket keys processed
     so far (both passes; SCAN may report a key twice) and the (request key, entry) pairs removed
-    so far. A pod the namespace never saw costs one HGET.
+    so far. Last, the pod's entry definitions are reclaimed (``reclaim`` script). A pod the
+    namespace never saw costs one HGET.
     """
     pod = check_pod_identifier(pod_identifier)
     if progress is not None and not callable(progress):
@@ -718,6 +721,14 @@ def op_clear(
         ),
         on_engine_page,
     )
+    # The pod holds nothing now: reclaim its definitions (ids are never reused).
+    blob = bytes(ids)
+    for start in range(0, len(blob), RECLAIM_IDS_PER_CALL * 4):
+        yield ScriptCall(
+            "reclaim",
+            (layout.meta, layout.pe, layout.pi, layout.pp),
+            (layout.gen, text_bytes(pod), blob[start : start + RECLAIM_IDS_PER_CALL * 4]),
+        )
     return removed
 
 

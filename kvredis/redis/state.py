@@ -38,7 +38,9 @@ class EntryCache:
     Entry ids are allocated in increasing order and never reused within a namespace generation,
     so cached definitions stay valid as long as the generation (a new generation gets a new
     cache).
-    ``floor`` is the highest id up to which every definition is known; lookups send it, and the
+    An id whose definition was reclaimed (its pod was cleared: ``lua/reclaim.lua``) is known
+    as such and left out of the entries. ``floor`` is the highest id up to which every
+    definition is known; lookups send it, and the
     server returns the definitions of the next ids (a bounded number per call) and of any hit id
     above them, so a client soon knows the whole dictionary and replies carry no definitions.
     """
@@ -47,7 +49,7 @@ class EntryCache:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._defs: dict[bytes, PodEntry] = {}
+        self._defs: dict[bytes, PodEntry | None] = {}
         self._lists: dict[bytes, tuple[PodEntry, ...]] = {}
         self.floor = 0
 
@@ -56,9 +58,11 @@ class EntryCache:
 
         ``floor`` is the id up to which the server has now sent every definition that exists.
         """
-        decoded = {}
+        decoded: dict[bytes, PodEntry | None] = {}
         for i in range(0, len(flat), 2):
-            decoded[bytes(flat[i])] = decode_entry(bytes(flat[i + 1]))
+            enc = bytes(flat[i + 1])
+            # an empty definition: the id's entry was reclaimed (its pod cleared), skip it
+            decoded[bytes(flat[i])] = decode_entry(enc) if enc else None
         with self._lock:
             self._defs.update(decoded)
             self.floor = max(self.floor, floor)
@@ -69,9 +73,10 @@ class EntryCache:
         if known is None:
             defs = self._defs
             try:
-                known = tuple(defs[ids[i : i + ID_WIDTH]] for i in range(0, len(ids), ID_WIDTH))
+                found = tuple(defs[ids[i : i + ID_WIDTH]] for i in range(0, len(ids), ID_WIDTH))
             except KeyError:
                 raise StaleNamespaceError("entry id unknown to this client") from None
+            known = tuple(e for e in found if e is not None)
             with self._lock:
                 if len(self._lists) >= self._MAX_LISTS:
                     self._lists = {}

@@ -408,3 +408,45 @@ def test_a_huge_add_under_one_engine_key_is_applied_whole(cfg: RedisIndexConfig)
         # the engine key maps to its most recent 1024 request keys only
         assert index.lookup(keys[-1024:]) == {}
         assert index.lookup(keys[:1]) == {1: [A]}
+
+
+# 11. Cleared pods leave the entry dictionary; ids are never reused.
+def _definitions(raw: redis.Redis, namespace: str) -> tuple[int, int, int]:
+    pi = [k for k in raw.hkeys(f"{namespace}:pi") if len(k) == 4]
+    return len(pi), raw.hlen(f"{namespace}:pe"), raw.hlen(f"{namespace}:pp")
+
+
+def test_cleared_pods_leave_the_entry_dictionary_and_ids_are_never_reused(
+    cfg: RedisIndexConfig, raw: redis.Redis
+) -> None:
+    pods = [PodEntry(f"pod-{i}", "gpu") for i in range(200)]
+    with RedisIndex(cfg) as index, RedisIndex(cfg) as other:
+        for i, pod in enumerate(pods):
+            index.add([i], [i], [pod, A])
+        assert other.lookup([0]) == {0: [pods[0], A]}  # other caches pod-0's id
+        for pod in pods:
+            index.clear(pod.pod_identifier)
+        assert _definitions(raw, cfg.namespace) == (1, 1, 1)  # only pod-a's entry is left
+        assert index.lookup([0, 1]) == {0: [A], 1: [A]}
+        index.add(None, [5000], [pods[0]])  # interned again, under a new id
+        assert raw.hget(f"{cfg.namespace}:meta", "next_id") == b"202"
+        for client in (index, other, RedisIndex(cfg)):
+            assert client.lookup([5000]) == {5000: [pods[0]]}
+            assert client.lookup([0]) == {0: [A]}
+
+
+def test_an_id_re_added_while_its_pod_was_cleared_is_skipped_not_an_error(
+    cfg: RedisIndexConfig, raw: redis.Redis
+) -> None:
+    pod = PodEntry("pod-x", "gpu")
+    with RedisIndex(cfg) as index:
+        index.add(None, [1, 2], [pod, A])
+        layout = Layout(cfg.namespace, index.bucket_bits, b"")
+        bucket = layout.request_bucket(1)
+        field = (1).to_bytes(8, "big")
+        held = raw.hget(bucket, field)
+        index.clear("pod-x")
+        raw.hset(bucket, field, held or b"")  # what a racing add stored after the clear passed
+        for client in (index, RedisIndex(cfg)):
+            assert client.lookup([1, 2]) == {1: [A], 2: [A]}
+            assert client.score([1, 2]) == {"pod-a": 2.0}

@@ -282,12 +282,16 @@ def test_clear_pages_with_scan_and_sends_the_last_page_with_the_next_scan() -> N
             [1, 4],  # clear(r2)
             [b"0", [e1]],  # SCAN of the engine buckets
             [0, 1],  # clear_mappings(e1)
+            2,  # reclaim
         ]
     )
     removed = exchange.run(ops.op_clear(state, "pod-a", lambda *a: progress.append(a)))
     assert removed == 3
     assert progress == [(1, 2), (2, 3), (3, 3)]
-    hget, scan, pipeline, last, escan, mappings = exchange.requests
+    hget, scan, pipeline, last, escan, mappings, reclaim = exchange.requests
+    assert reclaim == rq.ScriptCall(
+        "reclaim", (b"ns:meta", b"ns:pe", b"ns:pi", b"ns:pp"), (GEN, b"pod-a", _id(1) + _id(2))
+    )
     assert hget == rq.Command(("HGET", b"ns:pp", b"pod-a"))
     assert scan == rq.Command(("SCAN", 0, "MATCH", b"ns:r:?", "COUNT", 8))
     clear_r1 = rq.ScriptCall("clear", (b"ns:meta", r1), (GEN, _id(1) + _id(2)))

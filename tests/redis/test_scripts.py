@@ -30,6 +30,7 @@ COMMANDS = {
     "clear",
     "clear_mappings",
     "drop",
+    "reclaim",
     "evict",
     "lookup",
     "namespace",
