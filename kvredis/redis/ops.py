@@ -325,8 +325,8 @@ def _pod_args(pods: frozenset[str] | None) -> list[Arg]:
 def op_lookup(
     state: CoreState, request_keys: Keys, pod_identifier_set: Pods
 ) -> Op[dict[int, list[PodEntry]]]:
-    """``Index.lookup``: one ``lookup`` script call (one per :data:`CALL_BUDGET` keys of a
-    longer chain, each sent only while the chain keeps hitting)."""
+    """``Index.lookup``: one ``lookup`` script call (one per :data:`LOOKUP_KEYS_PER_CALL` keys
+    of a longer chain, each sent only while the chain keeps hitting)."""
     keys, chain = pack_hashes(request_keys, "request key")
     pods = pod_filter(pod_identifier_set)
     if not keys:
@@ -334,7 +334,7 @@ def op_lookup(
     layout, cache = state.snapshot()
     pod_args = _pod_args(pods)
     found: dict[int, list[PodEntry]] = {}
-    step = CALL_BUDGET
+    step = LOOKUP_KEYS_PER_CALL
     for start in range(0, len(keys), step):
         piece = chain if len(keys) <= step else chain[start * 8 : (start + step) * 8]
         reply = yield ScriptCall(
@@ -387,10 +387,14 @@ def op_score(
     return {bytes_text(reply[i]): float(reply[i + 1]) for i in range(0, len(reply), 2)}
 
 
-#: The work one script call may do, in units of about one request key written (the measured
-#: cost of a unit is in ``scripts/bench_hardening.py``): adds, evicts and batches larger than
-#: this are sent in parts, so no call blocks the server for long whatever the input size.
-CALL_BUDGET = 4096
+#: The work one script call may do, in units of about one request key written (10-25 µs on a
+#: small machine, so a call stays within about 25 ms; ``scripts/bench_hardening.py`` measures
+#: the longest call): adds and batches larger than this are sent in parts, so no call blocks
+#: the server for long whatever the input size.
+CALL_BUDGET = 1024
+#: Request keys one ``lookup`` call walks at most (a read costs a fraction of a write); a longer
+#: chain is walked in parts, each sent only while the chain keeps hitting.
+LOOKUP_KEYS_PER_CALL = 4096
 #: Units of one engine -> request key mapping (its list of up to 1024 request keys is rewritten).
 PAIR_COST = 4
 #: Units of an evict by engine key (it rewrites every request key the engine key maps to).

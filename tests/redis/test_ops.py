@@ -601,7 +601,7 @@ def test_compress_pairs_keeps_what_decides_the_mapping() -> None:
 def test_a_long_lookup_chain_goes_in_parts_and_stops_at_the_first_miss(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(ops, "CALL_BUDGET", 2)
+    monkeypatch.setattr(ops, "LOOKUP_KEYS_PER_CALL", 2)
     state = _state()
     state.cache.learn([_id(1), encode_entry(A)], 1)
     exchange = Exchange([[1, [], _id(1), _id(1)], [1, [], _id(1)]])

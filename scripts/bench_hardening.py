@@ -1,0 +1,288 @@
+"""Hardening figures, before and after: wrong answers, lost data, failover ride-out, longest
+script call (SLOWLOG) and leftover definitions, for a base commit and for this checkout.
+
+Each side runs in its own process against its own fresh redis-server (or valkey-server with
+``--server valkey``): the base commit's ``kvredis`` is unpacked from git (``git archive``) into a
+temporary folder and put first on ``PYTHONPATH``; the figures are printed side by side.
+
+Run:  .venv/bin/python scripts/bench_hardening.py [--base main] [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from _bench import REPO, RedisServer, bench_parser, write_json
+
+#: Set in the child process that measures the base commit: where its tree was unpacked.
+BASE_VARIABLE = "KVREDIS_BENCH_BASE"
+
+
+def _cfg(url: str, **kwargs: Any) -> Any:
+    from kvredis import RedisIndexConfig
+
+    base: dict[str, Any] = {"address": url, "namespace": f"kvb-{uuid.uuid4().hex[:10]}"}
+    return RedisIndexConfig(**(base | kwargs))
+
+
+def drop_nested(url: str) -> int:
+    """1: keys of namespace ``<x>:prod`` deleted by ``drop_namespace()`` of ``<x>``."""
+    from kvredis import PodEntry, RedisIndex
+
+    root = f"kvb-{uuid.uuid4().hex[:8]}"
+    raw = redis.Redis.from_url(url)
+    with (
+        RedisIndex(_cfg(url, namespace=root)) as one,
+        RedisIndex(_cfg(url, namespace=root + ":prod")) as other,
+    ):
+        for idx in (one, other):
+            idx.add([1, 2], [10, 20], [PodEntry("pod-a", "gpu")])
+        before = len(list(raw.scan_iter(match=root + ":prod:*")))
+        one.drop_namespace()
+        after = len(list(raw.scan_iter(match=root + ":prod:*")))
+        other.drop_namespace()
+    raw.close()
+    return before - after
+
+
+def drop_race(url: str, trials: int) -> dict[str, int]:
+    """2: lookups after a drop racing three writers that returned a wrong entry (or raised)."""
+    from tests.redis.test_drop import _race_trial
+
+    wrong = [len(_race_trial(url)) for _ in range(trials)]
+    return {"trials": trials, "trials_wrong": sum(1 for w in wrong if w), "wrong": sum(wrong)}
+
+
+def lost_meta(url: str) -> int:
+    """3: lookups of 50 present keys that fail or miss after ``DEL <ns>:meta``."""
+    from kvredis import KVRedisError, PodEntry, RedisIndex
+
+    cfg = _cfg(url)
+    raw = redis.Redis.from_url(url)
+    bad = 0
+    with RedisIndex(cfg) as index:
+        for k in range(50):
+            index.add(None, [k], [PodEntry(f"pod-{k}", "gpu")])
+        raw.delete(f"{cfg.namespace}:meta")
+        with RedisIndex(cfg) as fresh:
+            for k in range(50):
+                try:
+                    bad += fresh.lookup([k]) != {k: [PodEntry(f"pod-{k}", "gpu")]}
+                except KVRedisError:
+                    bad += 1
+        index.drop_namespace()
+    raw.close()
+    return bad
+
+
+def half_applied(url: str) -> int:
+    """4: request keys written by a batch that failed on a foreign key (watermark not moved)."""
+    from kvredis import AddOp, KVRedisError, PodEntry, RedisIndex, Watermark
+
+    cfg = _cfg(url)
+    raw = redis.Redis.from_url(url)
+    with RedisIndex(cfg) as index:
+        bucket = f"{cfg.namespace}:r:".encode() + (77).to_bytes(2, "big")
+        raw.set(bucket, "foreign")
+        batch = [AddOp(None, (k,), (PodEntry("pod-a", "gpu"),)) for k in range(1, 11)]
+        batch.append(AddOp(None, (77,), (PodEntry("pod-a", "gpu"),)))
+        with contextlib.suppress(KVRedisError):
+            index.apply_batch(batch, "s", Watermark(1, 1))
+        raw.delete(bucket)
+        written = len(index.lookup(list(range(1, 11))))
+        index.drop_namespace()
+    raw.close()
+    return written
+
+
+def lost_reply(url: str) -> bool:
+    """5: what ``apply_batch`` returns when the reply to its first attempt was lost."""
+    from kvredis import AddOp, PodEntry, RedisIndex, Watermark
+    from tests.servers import Proxy
+
+    proxy = Proxy(int(url.rsplit(":", 1)[1]))
+    try:
+        cfg = _cfg(proxy.url, retries=3, retry_backoff=0.01)
+        with RedisIndex(cfg) as index:
+            proxy.lose_next_reply(b"stream-lost")
+            batch = [AddOp(None, (1,), (PodEntry("pod-a", "gpu"),))]
+            applied = bool(index.apply_batch(batch, "stream-lost", Watermark(1, 1)))
+            index.drop_namespace()
+        return applied
+    finally:
+        proxy.close()
+
+
+def failover(kind: str) -> dict[str, Any]:
+    """7: longest add call while the primary is demoted and its replica promoted."""
+    from tests.redis.test_hardening import failover_ride_out
+
+    server = RedisServer(kind)
+    server.start()
+    try:
+        longest, errors, missing = failover_ride_out(server)
+        return {"longest_s": round(longest, 3), "errors": len(errors), "acked_missing": missing}
+    except Exception as exc:
+        return {"failed": repr(exc)[:200]}
+    finally:
+        server.close()
+
+
+def slowlog(url: str, scale: float) -> dict[str, Any]:
+    """8: the longest script call (SLOWLOG, microseconds) of each oversized operation."""
+    from kvredis import AddOp, PodEntry, RedisIndex, Watermark
+
+    raw = redis.Redis.from_url(url)
+    raw.config_set("slowlog-log-slower-than", 0)
+    raw.config_set("slowlog-max-len", 100000)
+    entry = PodEntry("pod-a", "gpu")
+    n = int(100_000 * scale)
+    cases: dict[str, Callable[[Any], object]] = {
+        f"add {n} request keys under one engine key": lambda i: i.add(
+            [7], list(range(1, n + 1)), [entry]
+        ),
+        f"apply_batch of {int(60_000 * scale)} ops": lambda i: i.apply_batch(
+            [AddOp([k + 1_000_000], (k,), (entry,)) for k in range(1, int(60_000 * scale) + 1)],
+            "s",
+            Watermark(1, 1),
+        ),
+        f"add {n} engine/request key pairs (a ~4.8 MB BlockStored)": lambda i: i.add(
+            list(range(10**9, 10**9 + n)), list(range(1, n + 1)), [entry]
+        ),
+    }
+    out: dict[str, Any] = {}
+    for name, run in cases.items():
+        cfg = _cfg(url, socket_timeout=60.0, retries=0)
+        with RedisIndex(cfg) as index:
+            raw.slowlog_reset()
+            start = time.perf_counter()
+            error = None
+            try:
+                run(index)
+            except Exception as exc:
+                error = repr(exc)[:120]
+            wall = time.perf_counter() - start
+            longest = max(
+                (e["duration"] for e in raw.slowlog_get(100000) if b"EVALSHA" in _command(e)),
+                default=0,
+            )
+            out[name] = {"longest_call_us": longest, "wall_s": round(wall, 3)}
+            if error:
+                out[name]["error"] = error
+            index.drop_namespace()
+    raw.config_set("slowlog-log-slower-than", 10000)
+    raw.close()
+    return out
+
+
+def _command(entry: dict[str, Any]) -> bytes:
+    command = entry.get("command", b"")
+    return command if isinstance(command, bytes) else str(command).encode()
+
+
+def leftover_definitions(url: str, pods: int) -> int:
+    """11: entry definitions left after ``pods`` pods were added and cleared."""
+    from kvredis import PodEntry, RedisIndex
+
+    cfg = _cfg(url)
+    raw = redis.Redis.from_url(url)
+    with RedisIndex(cfg) as index:
+        for i in range(pods):
+            index.add(None, [i], [PodEntry(f"pod-{i}", "gpu")])
+        for i in range(pods):
+            index.clear(f"pod-{i}")
+        left = sum(1 for k in raw.hkeys(f"{cfg.namespace}:pi") if len(k) == 4)
+        index.drop_namespace()
+    raw.close()
+    return left
+
+
+def measure(kind: str, quick: bool) -> dict[str, Any]:
+    """Every figure, on one side (the ``kvredis`` this process imports)."""
+    server = RedisServer(kind)
+    server.start()
+    url = server.url
+    steps: dict[str, Callable[[], Any]] = {
+        "1 keys of <ns>:prod deleted by drop of <ns>": lambda: drop_nested(url),
+        "2 drop racing writers: wrong answers": lambda: drop_race(url, 3 if quick else 8),
+        "3 lookups failing after DEL <ns>:meta (of 50)": lambda: lost_meta(url),
+        "4 request keys written by a failed batch (of 10)": lambda: half_applied(url),
+        "5 apply_batch result after a lost reply": lambda: lost_reply(url),
+        "7 failover ride-out": lambda: failover(kind),
+        "8 longest script call": lambda: slowlog(url, 0.2 if quick else 1.0),
+        "11 definitions left after N pods cleared": lambda: leftover_definitions(
+            url, 200 if quick else 2000
+        ),
+    }
+    out: dict[str, Any] = {}
+    try:
+        for name, step in steps.items():
+            try:
+                out[name] = step()
+            except Exception:
+                out[name] = {"failed": traceback.format_exc(limit=2)[-300:]}
+    finally:
+        server.close()
+    return out
+
+
+def _side(pythonpath: str | None, kind: str, quick: bool) -> dict[str, Any]:
+    env = dict(os.environ)
+    env.pop(BASE_VARIABLE, None)
+    if pythonpath:
+        env[BASE_VARIABLE] = pythonpath
+    args = [sys.executable, __file__, "--child", "--server", kind] + (["--quick"] if quick else [])
+    done = subprocess.run(args, env=env, capture_output=True, text=True, check=False, cwd=REPO)
+    if done.returncode != 0:
+        return {"failed": done.stderr[-500:]}
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = bench_parser(__doc__, "smaller inputs and fewer trials (about a minute)")
+    parser.add_argument("--base", default="main", help="git revision of the 'before' side")
+    parser.add_argument("--server", default="redis", choices=("redis", "valkey"))
+    parser.add_argument("--child", action="store_true", help=argparse_hidden())
+    args = parser.parse_args(argv)
+    if args.child:
+        base = os.environ.get(BASE_VARIABLE)
+        if base:  # the base commit's kvredis, ahead of this checkout's
+            sys.path.insert(0, base)
+        print(json.dumps(measure(args.server, args.quick)))
+        return 0
+    with tempfile.TemporaryDirectory(prefix="kvredis-base-") as base:
+        archive = subprocess.run(
+            ["git", "-C", str(REPO), "archive", args.base], capture_output=True, check=True
+        )
+        subprocess.run(["tar", "-x", "-C", base], input=archive.stdout, check=True)
+        before = _side(base, args.server, args.quick)
+    after = _side(None, args.server, args.quick)
+    print(f"{args.server}: before = {args.base}, after = this checkout")
+    for name in after:
+        print(f"{name}\n  before: {before.get(name)}\n  after:  {after.get(name)}")
+    if args.json:
+        write_json(args.json, {"server": args.server, "before": before, "after": after})
+    return 0
+
+
+def argparse_hidden() -> str:
+    import argparse
+
+    return argparse.SUPPRESS
+
+
+if __name__ == "__main__":
+    sys.exit(main())
