@@ -127,7 +127,7 @@ def lost_reply(url: str) -> bool:
 
 def failover(kind: str) -> dict[str, Any]:
     """7: longest add call while the primary is demoted and its replica promoted."""
-    from tests.redis.test_hardening import failover_ride_out
+    from tests.redis.failover import failover_ride_out
 
     server = RedisServer(kind)
     server.start()
