@@ -209,6 +209,59 @@ def leftover_definitions(url: str, pods: int) -> int:
     return left
 
 
+def hot_paths(url: str, calls: int) -> dict[str, Any]:
+    """Redis CPU (µs per call, from INFO commandstats) and commands per call of the hot paths."""
+    import random
+
+    from kvredis import AddOp, KeyType, PodEntry, RedisIndex, Watermark
+
+    raw = redis.Redis.from_url(url)
+    rng = random.Random(7)
+    pods = [PodEntry(f"pod-{p}", t) for p in range(4) for t in ("gpu", "cpu")]
+    chain = [rng.getrandbits(64) for _ in range(512)]
+    out: dict[str, Any] = {}
+    with RedisIndex(_cfg(url)) as index:
+        index.add(None, chain, pods)
+        seq = iter(range(1, 10**9))
+        cases: dict[str, Callable[[], object]] = {
+            "lookup 512 blocks x 8 entries": lambda: index.lookup(chain),
+            "lookup, miss at block 16": lambda: index.lookup([*chain[:16], 1, *chain[16:]]),
+            "score 512 blocks": lambda: index.score(chain),
+            "add 64-block event": lambda: index.add(
+                [rng.getrandbits(64) for _ in range(64)],
+                [rng.getrandbits(64) for _ in range(64)],
+                pods[:1],
+            ),
+            "apply_batch of 16 ops": lambda: index.apply_batch(
+                [AddOp(None, (rng.getrandbits(64),), pods[:1]) for _ in range(16)],
+                "s",
+                Watermark(1, next(seq)),
+            ),
+            "evict by engine key": lambda: index.evict(
+                rng.getrandbits(64), KeyType.ENGINE, pods[:1]
+            ),
+        }
+        for name, run in cases.items():
+            run()
+            raw.config_resetstat()
+            for _ in range(calls):
+                run()
+            stats = raw.info("commandstats")
+            evalsha = stats.get("cmdstat_evalsha", {})
+            sent = sum(
+                v["calls"]
+                for k, v in stats.items()
+                if not k.startswith(("cmdstat_info", "cmdstat_config"))
+            )
+            out[name] = {
+                "redis_us_per_call": round(evalsha.get("usec", 0) / calls, 1),
+                "commands_per_call": round(sent / calls, 2),
+            }
+        index.drop_namespace()
+    raw.close()
+    return out
+
+
 def measure(kind: str, quick: bool) -> dict[str, Any]:
     """Every figure, on one side (the ``kvredis`` this process imports)."""
     server = RedisServer(kind)
@@ -225,6 +278,7 @@ def measure(kind: str, quick: bool) -> dict[str, Any]:
         "11 definitions left after N pods cleared": lambda: leftover_definitions(
             url, 200 if quick else 2000
         ),
+        "hot paths": lambda: hot_paths(url, 200 if quick else 1000),
     }
     out: dict[str, Any] = {}
     try:

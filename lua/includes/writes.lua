@@ -5,47 +5,45 @@
 --@include layout
 --@include id_lists
 
+-- A staging area: per bucket kind (r, e) the values read or staged by field (a field names its
+-- bucket, so the field alone is the key), and the changed (bucket, field) pairs in order.
 local function new_stage()
-  return {values = {}, order = {}}
+  return {r = {}, e = {}, order = {}, orig = {}}
 end
 
-
-local function stage_get(st, bucket, field)
-  local b = st.values[bucket]
-  if b then
-    local v = b[field]
-    if v ~= nil then return v end
-  else
-    b = {}
-    st.values[bucket] = b
+local function stage_get(st, kind, bucket, field)
+  local values = st[kind]
+  local v = values[field]
+  if v == nil then
+    v = redis.call('HGET', bucket, field) or false
+    values[field] = v
+    local order = st.order
+    local n = #order
+    order[n + 1] = bucket
+    order[n + 2] = field
+    order[n + 3] = kind
+    st.orig[(n + 3) / 3] = v
   end
-  local v = redis.call('HGET', bucket, field) or false
-  b[field] = v
   return v
 end
 
 -- Stage a value (false deletes the field); the field must have been read with stage_get.
-local function stage_put(st, bucket, field, value)
-  local b = st.values[bucket]
-  if b[field] == value then return end
-  b[field] = value
-  local seen = st.seen or {}
-  st.seen = seen
-  local bf = bucket .. field
-  if not seen[bf] then
-    seen[bf] = true
-    st.order[#st.order + 1] = {bucket, field}
-  end
+local function stage_put(st, kind, bucket, field, value)
+  st[kind][field] = value
 end
 
 -- Write every staged change.
 local function flush_stage(st)
-  for _, bf in ipairs(st.order) do
-    local value = st.values[bf[1]][bf[2]]
-    if value then
-      redis.call('HSET', bf[1], bf[2], value)
-    else
-      redis.call('HDEL', bf[1], bf[2])
+  local order, orig = st.order, st.orig
+  for i = 1, #order, 3 do
+    local field = order[i + 1]
+    local value = st[order[i + 2]][field]
+    if value ~= orig[(i + 2) / 3] then
+      if value then
+        redis.call('HSET', order[i], field, value)
+      else
+        redis.call('HDEL', order[i], field)
+      end
     end
   end
 end
@@ -53,20 +51,20 @@ end
 -- Store the ids (list and set form) under one request key. Entries already held move to the
 -- most recently added end, as in the embedded index.
 local function add_ids(st, bucket, field, ids, set)
-  local current = stage_get(st, bucket, field)
+  local current = stage_get(st, 'r', bucket, field)
   local value = ids
   if current then
     if current == ids then return end
     value = list_without(current, set, ID_WIDTH) .. ids
   end
-  stage_put(st, bucket, field, value)
+  stage_put(st, 'r', bucket, field, value)
 end
 
 -- Record engine key -> request key (most recent last, at most cap request keys per engine key).
 local function map_engine(st, bucket, efield, rfield, cap)
-  local current = stage_get(st, bucket, efield)
+  local current = stage_get(st, 'e', bucket, efield)
   if not current then
-    stage_put(st, bucket, efield, rfield)
+    stage_put(st, 'e', bucket, efield, rfield)
     return
   end
   if string.sub(current, -HASH_WIDTH) == rfield then return end
@@ -76,16 +74,16 @@ local function map_engine(st, bucket, efield, rfield, cap)
   elseif #current >= cap * HASH_WIDTH then
     current = string.sub(current, HASH_WIDTH + 1)
   end
-  stage_put(st, bucket, efield, current .. rfield)
+  stage_put(st, 'e', bucket, efield, current .. rfield)
 end
 
 -- Remove the ids in set from one request key, deleting the field once empty.
 -- Returns the ids left ('' when none, nil when the key held nothing) and how many were removed.
 local function remove_ids(st, bucket, field, set)
-  local current = stage_get(st, bucket, field)
+  local current = stage_get(st, 'r', bucket, field)
   if not current then return nil, 0 end
   local left, removed = list_without(current, set, ID_WIDTH)
-  if removed > 0 then stage_put(st, bucket, field, left ~= '' and left) end
+  if removed > 0 then stage_put(st, 'r', bucket, field, left ~= '' and left) end
   return left, removed
 end
 
@@ -94,7 +92,7 @@ end
 -- bucket_namer) because the request keys are only known once the mapping is read inside this
 -- atomic step.
 local function evict_engine(st, rbucket, bucket, efield, set)
-  local refs = stage_get(st, bucket, efield)
+  local refs = stage_get(st, 'e', bucket, efield)
   if not refs then return 0 end
   local held, removed = false, 0
   for i = 1, #refs, HASH_WIDTH do
@@ -103,6 +101,6 @@ local function evict_engine(st, rbucket, bucket, efield, set)
     removed = removed + n
     if left and left ~= '' then held = true end
   end
-  if not held then stage_put(st, bucket, efield, false) end
+  if not held then stage_put(st, 'e', bucket, efield, false) end
   return removed
 end
