@@ -1,7 +1,8 @@
 """RedisIndex and AsyncRedisIndex: the KV-block index kept in one Redis or Valkey server.
 
 All index logic runs server-side in the Lua scripts under ``lua/``; every public method is one
-script call (one round trip), except ``clear``, which pages the namespace with SCAN.
+script call (one round trip), except ``clear``, which pages the namespace with SCAN, and calls
+beyond one script call's work budget (:data:`kvredis.redis.ops.CALL_BUDGET`), which go in parts.
 :class:`RedisIndex` is the thread-safe sync client, :class:`AsyncRedisIndex` the asyncio one;
 both run the same sans-IO operations (:mod:`kvredis.redis.ops`) through an executor
 (:mod:`kvredis.redis.executor`), so they behave the same by construction.
@@ -10,7 +11,8 @@ Failures: constructing a :class:`RedisIndex` (connecting an :class:`AsyncRedisIn
 server and raises :class:`~kvredis.errors.BackendUnavailableError` naming the address when it
 cannot connect; later connection failures and timeouts raise the same after ``retries`` more
 attempts with exponential backoff (every index call is idempotent: adds and evicts have set
-semantics, and watermarked batches apply at most once). A call therefore gives up after at most
+semantics, and watermarked batches carry a token that recognises a resend of a call that was
+applied but whose reply was lost). A call therefore gives up after at most
 about ``(retries + 1) * max(socket_timeout, connect_timeout)`` plus the backoff.
 """
 

@@ -68,7 +68,6 @@ class Layout:
         "pe",
         "pi",
         "pp",
-        "pr",
         "rprefix",
         "suffix_bytes",
         "wm",
@@ -86,7 +85,6 @@ class Layout:
         self.pe = ns + b":pe"
         self.pi = ns + b":pi"
         self.pp = ns + b":pp"
-        self.pr = ns + b":pr"
         self.wm = ns + b":wm"
         self.wp = ns + b":wp"
         self.rprefix = ns + b":r:"
@@ -127,7 +125,7 @@ class Layout:
 
     def fixed_keys(self) -> tuple[bytes, ...]:
         """The keys of the namespace that are not buckets, ``<ns>:meta`` last."""
-        return (self.wm, self.wp, self.pp, self.pr, self.pe, self.pi, self.meta)
+        return (self.wm, self.wp, self.pp, self.pe, self.pi, self.meta)
 
 
 def check_namespace(namespace: object) -> str:

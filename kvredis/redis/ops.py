@@ -19,8 +19,9 @@ combinators add what every operation needs, once, for every executor:
 
 An executor (:mod:`kvredis.redis.executor`) only sends what the outermost generator yields and
 resumes it with the reply or a :class:`~kvredis.redis.requests.Failure`. Every index call is
-idempotent (adds and evicts have set semantics, watermarked batches apply at most once), which
-is what makes retrying a request safe.
+idempotent (adds and evicts have set semantics, watermarked batches apply at most once and carry
+a token, so a resent call that had been applied is recognised and reported applied), which is
+what makes retrying a request safe; no call does more than :data:`CALL_BUDGET` units of work.
 """
 
 from __future__ import annotations
