@@ -30,6 +30,8 @@ class Counter(enum.Enum):
     BATCHES_FAILED = "batches_failed"
     BATCHES_ABANDONED = "batches_abandoned"
     BATCHES_REJECTED = "batches_rejected"
+    BATCHES_SUPERSEDED = "batches_superseded"
+    """Batches of an engine incarnation a restart already superseded: dropped, never applied."""
     EVENTS = "events"
     EVENTS_APPLIED = "events_applied"
     BLOCKS_STORED = "blocks_stored"

@@ -84,9 +84,11 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True)
 class ReadWatermark:
-    """Read the stored watermark of ``stream``."""
+    """Read the stored watermark of ``stream`` (``once``: no retrying an unavailable backend,
+    which then raises :class:`Failed`)."""
 
     stream: str
+    once: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,6 +230,8 @@ class BatchOutcome(enum.Enum):
     """Shutdown interrupted a wait for the backend or a peer; the batch was not applied."""
     REJECTED = "rejected"
     """Nothing usable in the message (bad seq or payload, no pod); counted and logged."""
+    SUPERSEDED = "superseded"
+    """From an engine incarnation a peer already saw restart: dropped, never applied."""
 
 
 def drive(steps: Steps[T], perform: Callable[[Action], Any]) -> T:
@@ -414,14 +418,34 @@ class Sequencer:
         if topic:
             st.last_topic = topic
         msg = _Message(topic, seq, bytes(payload))
-        return (yield from self._sequence(st, msg, allow_restart=True))
+        try:
+            return (yield from self._sequence(st, msg, allow_restart=True))
+        finally:
+            st.subscribed_before = False
+
+    def on_subscribe(self, st: StreamState) -> Steps[None]:
+        """A new subscription to ``st``'s publisher begins: read the stored watermark first.
+
+        Called before the subscription receives anything, it ties the stream to the epoch
+        stored at that moment: every message received afterwards comes from that epoch's engine
+        incarnation or a later one. (Without it, the watermark is read with the first message.)
+        A backend that cannot answer leaves the read to the first message.
+        """
+        st.last_seq = None
+        st.superseded = False
+        st.synced = False
+        try:
+            yield from self._sync(st, once=True)
+            st.subscribed_before = True
+        except (Abandoned, Failed) as exc:
+            logger.warning("stream %s: cannot read the stored watermark yet: %s", st.name, exc)
 
     # -- sequencing ------------------------------------------------------------------------
 
-    def _sync(self, st: StreamState) -> Steps[None]:
+    def _sync(self, st: StreamState, once: bool = False) -> Steps[None]:
         """Adopt the stored epoch and position (once per stream and ingester run)."""
         if self.fenced:
-            stored: Watermark | None = yield ReadWatermark(st.name)
+            stored: Watermark | None = yield ReadWatermark(st.name, once)
             if stored is not None:
                 st.epoch = stored.epoch
                 st.known = split_position(stored.seq)
@@ -454,6 +478,11 @@ class Sequencer:
             st.last_seq = msg.seq
             return BatchOutcome.FAILED
         seq = msg.seq
+        if st.superseded:
+            assert st.last_seq is not None
+            if seq <= st.last_seq and allow_restart:
+                return (yield from self._restart(st, msg, depth))
+            return self._count_superseded(st, msg)
         if st.last_seq is None:
             if st.known is None:
                 expected = 0
@@ -467,6 +496,11 @@ class Sequencer:
                 if verdict is FreshVerdict.RESTART:
                     return (yield from self._restart(st, msg, depth))
                 if verdict is FreshVerdict.ADOPTED:
+                    if st.known is not None and st.known[0] == -1 and st.known[1] != PHASE_DONE:
+                        # the peer's opening clear is still running: wait for it or take it over
+                        opened = yield from self._open_epoch(st, st.epoch, msg)
+                        if opened not in (BatchOutcome.DUPLICATE, BatchOutcome.APPLIED):
+                            return opened
                     return (yield from self._sequence(st, msg, False, depth + 1))
                 st.last_seq = seq
                 return self._count_duplicate(msg, st)
@@ -481,6 +515,30 @@ class Sequencer:
             return (yield from self._restart(st, msg, depth))
         st.last_seq = seq
         return self._count_duplicate(msg, st)
+
+    def _supersede(self, st: StreamState, stored: Watermark, msg: _Message) -> BatchOutcome:
+        """A peer started a newer epoch than the one ``msg``'s incarnation belongs to."""
+        logger.warning(
+            "stream %s: a peer started epoch %d after an engine restart this replica has not "
+            "seen yet; dropping batches of the earlier incarnation from %d until seq goes back",
+            st.name,
+            stored.epoch,
+            msg.seq,
+        )
+        for pod in st.pods_for(msg.topic):
+            self.planner.caches.drop(pod)
+            self.planner.catalog.forget_pod(pod)
+        st.superseded = True
+        st.known = None
+        return self._count_superseded(st, msg)
+
+    def _count_superseded(self, st: StreamState, msg: _Message) -> BatchOutcome:
+        st.last_seq = msg.seq
+        if not msg.counted:
+            msg.counted = True
+            self.counters.inc(Counter.BATCHES)
+        self.counters.inc(Counter.BATCHES_SUPERSEDED)
+        return BatchOutcome.SUPERSEDED
 
     def _count_duplicate(self, msg: _Message, st: StreamState) -> BatchOutcome:
         if not msg.counted:
@@ -502,6 +560,10 @@ class Sequencer:
         """
         assert st.known is not None
         stored_seq = st.known[0]
+        if st.subscribed_before:
+            # the position was read before subscribing: anything received below it was
+            # published after it, so by a new incarnation
+            return FreshVerdict.RESTART
         has_replay = yield from self._has_replay(st)
         if has_replay and stored_seq >= 0:
             found = yield from self._fetch(st, stored_seq)
@@ -550,9 +612,32 @@ class Sequencer:
             ", ".join(sorted(pods)) or "nothing",
         )
         new_epoch = st.epoch + 1
+        st.superseded = False
         for pod in pods:
             self.planner.catalog.forget_pod(pod)
             self.planner.caches.drop(pod)
+        outcome = yield from self._open_epoch(st, new_epoch, msg)
+        if outcome in (BatchOutcome.ABANDONED, BatchOutcome.FAILED, BatchOutcome.SUPERSEDED):
+            st.last_seq = msg.seq
+            return outcome
+        if outcome is BatchOutcome.DUPLICATE:
+            self.counters.inc(Counter.EPOCHS_ADOPTED)
+        if st.epoch < new_epoch:
+            st.epoch = new_epoch
+            if outcome is BatchOutcome.APPLIED:
+                st.known = (-1, PHASE_DONE)
+        st.last_seq = None
+        return (yield from self._sequence(st, msg, False, depth + 1))
+
+    def _open_epoch(self, st: StreamState, epoch: int, msg: _Message) -> Steps[BatchOutcome]:
+        """Open ``epoch`` with a clear of every pod of the stream, or see that a peer did.
+
+        The claim is the epoch's first position, ``(seq -1, phase 1)``: APPLIED when this
+        replica cleared, DUPLICATE once a peer's opening clear is done (a clear in progress is
+        waited for, a stalled one taken over), SUPERSEDED when a peer is already in a later
+        epoch (``msg`` is then dropped and the stream follows ``epoch``'s incarnation).
+        """
+        pods = st.pods_for(msg.topic)
 
         def plan(run: BatchRun) -> Steps[None]:
             if pods:
@@ -560,18 +645,11 @@ class Sequencer:
             else:
                 yield from run.flush()
 
-        outcome = yield from self._run_batch(
-            st, epoch=new_epoch, seq=-1, claim_seq=-1, plan=plan, count_batch=False
+        return (
+            yield from self._run_batch(
+                st, epoch=epoch, seq=-1, claim_seq=-1, plan=plan, count_batch=False, msg=msg
+            )
         )
-        if outcome in (BatchOutcome.ABANDONED, BatchOutcome.FAILED):
-            st.last_seq = msg.seq
-            return outcome
-        if st.epoch < new_epoch:
-            st.epoch = new_epoch
-            if outcome is BatchOutcome.APPLIED:
-                st.known = (-1, PHASE_DONE)
-        st.last_seq = None
-        return (yield from self._sequence(st, msg, False, depth + 1))
 
     def _gap(
         self, st: StreamState, first_missing: int, msg: _Message, depth: int
@@ -729,7 +807,7 @@ class Sequencer:
         claim_seq: int,
         plan: PlanFn,
         count_batch: bool,
-        msg: _Message | None = None,
+        msg: _Message,
         depth: int = 0,
         unusable: bool = False,
         pod: str | None = None,
@@ -742,15 +820,31 @@ class Sequencer:
         counters = self.counters
         first_phase = 1
         takeover_clear = False
+        # a peer's claim seen in progress is never stepped over: wait for it or take it over
+        known = st.known
+        in_claim = (
+            self.fenced
+            and epoch == st.epoch
+            and known is not None
+            and known[1] != PHASE_DONE
+            and stream_position(*known) < stream_position(seq)
+        )
         for _attempt in range(8):
             run = BatchRun(self, st, epoch, seq, claim_seq, first_phase, pod)
             try:
+                if in_claim:
+                    in_claim = False
+                    raise _NotOwner
                 if takeover_clear:
                     cause = Counter.CLEARS_RESTART if claim_seq < 0 else Counter.CLEARS_GAP
-                    yield from run.clear(st.pods_for(msg.topic if msg is not None else None), cause)
+                    yield from run.clear(st.pods_for(msg.topic), cause)
                 yield from plan(run)
                 yield from run.finish()
-            except _NotOwner:
+            except (_NotOwner, LostOwnership) as refused:
+                if isinstance(refused, LostOwnership):
+                    # a peer took the batch over: wait until it is done (or take it back)
+                    counters.inc(Counter.LOST_OWNERSHIP)
+                    logger.warning("stream %s: a peer took batch %d over", st.name, seq)
                 try:
                     verdict, stored = yield from self._conflict(st, epoch, seq)
                 except Abandoned:
@@ -784,22 +878,16 @@ class Sequencer:
                 if verdict is Conflict.ABANDONED:
                     counters.inc(Counter.BATCHES_ABANDONED)
                     return BatchOutcome.ABANDONED
-                # the epoch moved on (a peer saw a restart) or the stream moved past our claim
-                assert stored is not None
-                if stored.epoch != st.epoch:
-                    self._adopt_epoch(st, stored, msg)
+                assert stored is not None and msg is not None
+                if stored.epoch > epoch:
+                    # a peer saw an engine restart this replica has not seen yet: the message
+                    # belongs to an earlier incarnation, and the restart's clear superseded it
+                    st.epoch = epoch
+                    return self._supersede(st, stored, msg)
+                # the stream moved past our claim: sequence the message again
                 st.known = split_position(stored.seq)
-                if msg is None:
-                    return BatchOutcome.DUPLICATE
                 st.last_seq = None
                 return (yield from self._sequence(st, msg, False, depth + 1))
-            except LostOwnership:
-                run.plan.discard_cache()
-                counters.inc(Counter.LOST_OWNERSHIP)
-                logger.warning("stream %s: a peer took batch %d over", st.name, seq)
-                if count_batch:
-                    counters.inc(Counter.BATCHES_DUPLICATE)
-                return BatchOutcome.DUPLICATE
             except Abandoned:
                 run.plan.discard_cache()
                 counters.inc(Counter.BATCHES_ABANDONED)

@@ -212,6 +212,12 @@ class EventIngester:
         self.counters.inc(Counter.RECEIVED)
         return self._enqueue(self._stream(endpoint), topic, seq, payload, None)
 
+    def subscribing(self, endpoint: EndpointConfig) -> None:
+        """Used by subscribers: a subscription to ``endpoint`` is about to connect."""
+        st = self._stream(endpoint)
+        with st.lock:
+            drive(self._sequencer.on_subscribe(st.state), self._backend.perform)
+
     def reject_message(self, reason: RejectReason, detail: str) -> None:
         """Count and log a message a transport could not even split into frames."""
         self.counters.inc(Counter.MESSAGES)

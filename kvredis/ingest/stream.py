@@ -52,6 +52,12 @@ class StreamState:
     epoch: int = 0
     last_seq: int | None = None
     """The last ``seq`` handled on the current subscription (None: a fresh subscriber)."""
+    subscribed_before: bool = False
+    """Whether ``known`` was read before the subscription delivered its first message (so a
+    first ``seq`` below it can only come from a new engine incarnation)."""
+    superseded: bool = False
+    """Whether the subscription still delivers an engine incarnation older than ``epoch``'s
+    successor a peer already started: its batches are dropped until ``seq`` goes back."""
     known: tuple[int, int] | None = None
     """Last known stored position of ``epoch`` as ``(seq, phase)`` (None: nothing applied)."""
     pods: set[str] = field(default_factory=set)

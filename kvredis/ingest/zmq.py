@@ -132,6 +132,7 @@ class ZmqSubscriber:
     def _run(self) -> None:
         counters = self._sink.counters
         backoff = self._options.reconnect_ivl_s
+        self._sink.subscribing(self.endpoint)
         while not self._stop.is_set():
             try:
                 sock, monitor = self._open()

@@ -794,3 +794,44 @@ def test_shutdown_while_waiting_on_peers_abandons_instead_of_clearing(
     assert outcome == [BatchOutcome.ABANDONED]
     assert late.counters.get("clears") == 0
     assert snapshot(shared_index, 50) == before
+
+
+def test_a_replica_lagging_across_a_restart_drops_its_old_backlog(
+    shared_index: Any, second_client: Any
+) -> None:
+    """Issue 13: B still holds old batches 2 and 3 when A has seen the engine restart."""
+    a = EventIngester(shared_index, TP, config=FAST)
+    b = EventIngester(second_client(shared_index), TP, config=FAST)
+    old = [encode_batch([BlockStored((i + 1,), None, toks(16 * i, 16), 16)]) for i in range(4)]
+    new = [
+        encode_batch([BlockStored((70 + i,), None, toks(7000 + 16 * i, 16), 16)]) for i in range(3)
+    ]
+    for seq in range(2):
+        a.process(TOPIC, seq, old[seq], "engine-1")
+        b.process(TOPIC, seq, old[seq], "engine-1")
+    for seq in range(2, 4):
+        a.process(TOPIC, seq, old[seq], "engine-1")
+    assert a.process(TOPIC, 0, new[0], "engine-1") is BatchOutcome.APPLIED
+    # B's backlog of the old engine: superseded by the restart clear, never applied
+    assert [b.process(TOPIC, seq, old[seq], "engine-1") for seq in (2, 3)] == [
+        getattr(BatchOutcome, "SUPERSEDED", "superseded")
+    ] * 2
+    held_new = [bool(shared_index.lookup(keys(toks(7000, 16))))]
+    held_old = [bool(shared_index.lookup(keys(toks(16 * i, 16)))) for i in range(4)]
+    assert (held_new, held_old) == ([True], [False] * 4)
+    assert shared_index.get_watermark("engine-1") == Watermark(1, stream_position(0))
+    # both follow the new engine: each batch applied once, by whoever comes first
+    assert a.process(TOPIC, 1, new[1], "engine-1") is BatchOutcome.APPLIED
+    assert [b.process(TOPIC, seq, new[seq], "engine-1") for seq in range(3)] == [
+        BatchOutcome.DUPLICATE,
+        BatchOutcome.DUPLICATE,
+        BatchOutcome.APPLIED,
+    ]
+    assert a.process(TOPIC, 2, new[2], "engine-1") is BatchOutcome.DUPLICATE
+    assert all(shared_index.lookup(keys(toks(7000 + 16 * i, 16))) for i in range(3))
+    assert shared_index.get_watermark("engine-1") == Watermark(1, stream_position(2))
+    ca, cb = a.counters.snapshot(), b.counters.snapshot()
+    assert ca["clears"] + cb["clears"] == 1
+    assert (ca["clears_restart"], cb["restarts"], cb["epochs_adopted"]) == (1, 1, 1)
+    assert ca["batches_applied"] + cb["batches_applied"] == 4 + 3
+    assert cb["batches_superseded"] == 2
