@@ -40,6 +40,7 @@ from kvredis.ingest.counters import Counter, IngestCounters
 from kvredis.ingest.events import DecodedBatch, Rejection, RejectReason, decode_batch
 from kvredis.ingest.planner import Barrier, BatchPlan, Lookup, Planner, PlanSteps
 from kvredis.ingest.stream import (
+    CLEAR_PHASE,
     MAX_ENGINE_SEQ,
     PHASE_DONE,
     PHASE_LAST_STEP,
@@ -286,6 +287,7 @@ class BatchRun:
         self.seq = seq
         self.claim_seq = claim_seq
         self.phase = first_phase
+        self.last_phase = PHASE_LAST_STEP if first_phase >= CLEAR_PHASE else CLEAR_PHASE - 1
         self.steps = 0
         self._last_beat = seqr.clock()
 
@@ -310,7 +312,7 @@ class BatchRun:
 
     def flush(self) -> Steps[None]:
         """Apply the pending ops as an intermediate step (the first one claims the batch)."""
-        if self.phase > PHASE_LAST_STEP:
+        if self.phase > self.last_phase:
             raise Failed("too many steps in one batch")
         yield from self._step(self.plan.take(), stream_position(self.claim_seq, self.phase))
         self.phase += 1
@@ -328,7 +330,7 @@ class BatchRun:
         now = seqr.clock()
         if now - self._last_beat < seqr.config.heartbeat_interval_s:
             return
-        if self.phase > PHASE_LAST_STEP - 1:
+        if self.phase > self.last_phase - 1:
             return
         self._last_beat = now
         yield from self._step([], stream_position(self.claim_seq, self.phase))
@@ -403,7 +405,7 @@ class Sequencer:
     # -- entry point -----------------------------------------------------------------------
 
     def on_message(
-        self, st: StreamState, topic: bytes, seq: int, payload: object
+        self, st: StreamState, topic: object, seq: int, payload: object
     ) -> Steps[BatchOutcome]:
         """Handle one engine message of ``st``'s publisher. Never raises on bad input."""
         self.counters.inc(Counter.MESSAGES)
@@ -411,17 +413,22 @@ class Sequencer:
         if isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq <= MAX_ENGINE_SEQ:
             self._reject(Rejection(RejectReason.SEQ_OUT_OF_RANGE, f"seq {seq!r}"), where)
             return BatchOutcome.REJECTED
+        if not isinstance(topic, (bytes, bytearray, memoryview)):
+            return self._bad_message(f"topic is a {type(topic).__name__}", where)
         if not isinstance(payload, (bytes, bytearray, memoryview)):
-            detail = f"payload is a {type(payload).__name__}"
-            self._reject(Rejection(RejectReason.BAD_MESSAGE, detail), where)
-            return BatchOutcome.REJECTED
-        if topic:
-            st.last_topic = topic
-        msg = _Message(topic, seq, bytes(payload))
+            return self._bad_message(f"payload is a {type(payload).__name__}", where)
+        topic_b = bytes(topic)
+        if topic_b:
+            st.last_topic = topic_b
+        msg = _Message(topic_b, seq, bytes(payload))
         try:
             return (yield from self._sequence(st, msg, allow_restart=True))
         finally:
             st.subscribed_before = False
+
+    def _bad_message(self, detail: str, where: str) -> BatchOutcome:
+        self._reject(Rejection(RejectReason.BAD_MESSAGE, detail), where)
+        return BatchOutcome.REJECTED
 
     def on_subscribe(self, st: StreamState) -> Steps[None]:
         """A new subscription to ``st``'s publisher begins: read the stored watermark first.
@@ -685,27 +692,27 @@ class Sequencer:
                 tail = [by_seq[s] for s in sorted(by_seq) if s < msg.seq and s > first_missing]
                 replayed = _contiguous_tail(tail, msg.seq)
             self.counters.inc(Counter.REPLAY_FAILURES)
-        if not st.dirty():
+        if not self.fenced and not st.dirty():
             st.last_seq = msg.seq - 1
             return (yield from self._apply(st, msg, depth))
-        if self.fenced:
+        if self.fenced and st.dirty():
             covered = yield from self._peers_covered(st, msg.seq - 1)
             if covered:
                 st.last_seq = msg.seq - 1
                 return (yield from self._apply(st, msg, depth))
-        logger.warning(
+        # With watermarks the clear is needed even when nothing of the epoch was applied as far
+        # as this replica knows: a peer may have applied the gap's first batches meanwhile, and
+        # the rest of the gap would then be refused to it.
+        logger.log(
+            logging.WARNING if st.dirty() else logging.INFO,
             "stream %s: batches %d..%d are lost, clearing the pod",
             st.name,
             first_missing,
             msg.seq - 1,
         )
-        batches = [*replayed, msg]
-        outcome = yield from self._apply(
-            st, batches[0], depth, pre_clear=True, claim_seq=first_missing
-        )
-        for later in batches[1:]:
-            outcome = yield from self._apply(st, later, depth)
-        return outcome
+        # one batch: claimed at the batch itself, so that no peer applies a batch of the gap
+        # after the clear; the replayed tail is applied after the clear, in the same batch
+        return (yield from self._apply(st, msg, depth, pre_clear=True, tail=replayed))
 
     def _peers_covered(self, st: StreamState, last_missing: int) -> Steps[bool]:
         """Wait up to ``peer_grace_s`` for peers to apply the missing batches."""
@@ -750,9 +757,13 @@ class Sequencer:
         msg: _Message,
         depth: int,
         pre_clear: bool = False,
-        claim_seq: int | None = None,
+        tail: Sequence[_Message] = (),
     ) -> Steps[BatchOutcome]:
-        """Decode, plan and apply one batch of the current epoch; updates ``last_seq``."""
+        """Decode, plan and apply one batch of the current epoch; updates ``last_seq``.
+
+        ``pre_clear``: the batch opens with a clear of the stream's pods (a gap nobody could
+        fill), then applies the replayed batches of ``tail`` (those right before it), then its own.
+        """
         st.last_seq = msg.seq
         first = not msg.counted
         msg.counted = True
@@ -777,27 +788,41 @@ class Sequencer:
             st.pods.add(pod)
         clear_pods = st.pods_for(msg.topic) if pre_clear else set()
         planner = self.planner
+        before: list[tuple[DecodedBatch, str, str | None]] = []
+        for earlier in tail:
+            self.counters.inc(Counter.BATCHES)
+            tail_pod, tail_model = st.identity(earlier.topic)
+            tail_decoded = decode_batch(earlier.payload)
+            self.counters.inc(Counter.EVENTS, tail_decoded.total_events)
+            for rejection in tail_decoded.rejects:
+                self._reject(rejection, where)
+            if tail_pod is not None:
+                before.append((tail_decoded, tail_pod, tail_model))
 
         def plan(run: BatchRun) -> Steps[None]:
             if pre_clear:
                 yield from run.clear(clear_pods, Counter.CLEARS_GAP)
+            for tail_decoded, tail_pod, tail_model in before:
+                yield from run.run_plan(planner.plan(run.plan, tail_decoded, tail_pod, tail_model))
             if pod is not None:
                 yield from run.run_plan(planner.plan(run.plan, decoded, pod, model))
 
-        return (
-            yield from self._run_batch(
-                st,
-                epoch=st.epoch,
-                seq=msg.seq,
-                claim_seq=msg.seq if claim_seq is None else claim_seq,
-                plan=plan,
-                count_batch=True,
-                msg=msg,
-                depth=depth,
-                unusable=unusable,
-                pod=pod,
-            )
+        outcome = yield from self._run_batch(
+            st,
+            epoch=st.epoch,
+            seq=msg.seq,
+            claim_seq=msg.seq,
+            plan=plan,
+            first_phase=CLEAR_PHASE if pre_clear else 1,
+            count_batch=True,
+            msg=msg,
+            depth=depth,
+            unusable=unusable,
+            pod=pod,
         )
+        if tail and outcome is BatchOutcome.APPLIED:
+            self.counters.inc(Counter.BATCHES_APPLIED, len(tail))
+        return outcome
 
     def _run_batch(
         self,
@@ -811,6 +836,7 @@ class Sequencer:
         depth: int = 0,
         unusable: bool = False,
         pod: str | None = None,
+        first_phase: int = 1,
     ) -> Steps[BatchOutcome]:
         """Run ``plan`` as one batch until applied, found duplicate, or given up.
 
@@ -818,7 +844,7 @@ class Sequencer:
         watermark (so peers see the stream move on) but counts as rejected, not applied.
         """
         counters = self.counters
-        first_phase = 1
+        plan_clears = first_phase >= CLEAR_PHASE or seq < 0
         takeover_clear = False
         # a peer's claim seen in progress is never stepped over: wait for it or take it over
         known = st.known
@@ -870,7 +896,10 @@ class Sequencer:
                         sphase,
                     )
                     claim_seq, first_phase = sseq, sphase + 1
-                    takeover_clear = sseq < seq
+                    if plan_clears and seq >= 0:
+                        first_phase = max(first_phase, CLEAR_PHASE)
+                    # the claim stood for a clear (below the batch, or at a clear phase): redo it
+                    takeover_clear = not plan_clears and (sseq < seq or sphase >= CLEAR_PHASE)
                     continue
                 run.plan.discard_cache()
                 if verdict is Conflict.RETRY:

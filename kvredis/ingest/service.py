@@ -185,7 +185,7 @@ class EventIngester:
         """
         st = self._stream(endpoint)
         topic_b = topic.encode("utf-8", "surrogateescape") if isinstance(topic, str) else topic
-        return self._handle(st, topic_b, seq, payload)
+        return self._handle(st, topic_b, seq, payload)  # anything not bytes is a counted reject
 
     def submit(
         self,
@@ -349,7 +349,7 @@ class EventIngester:
 
     # -- workers ---------------------------------------------------------------------------
 
-    def _handle(self, st: _Stream, topic: bytes, seq: int, payload: object) -> BatchOutcome:
+    def _handle(self, st: _Stream, topic: object, seq: int, payload: object) -> BatchOutcome:
         with st.lock:
             steps = self._sequencer.on_message(st.state, topic, seq, payload)
             return drive(steps, self._backend.perform)

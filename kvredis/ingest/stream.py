@@ -14,6 +14,7 @@ from kvredis.ingest.config import EndpointConfig
 from kvredis.ingest.events import parse_topic
 
 __all__ = [
+    "CLEAR_PHASE",
     "MAX_ENGINE_SEQ",
     "PHASE_BITS",
     "PHASE_DONE",
@@ -28,6 +29,9 @@ PHASE_DONE = (1 << PHASE_BITS) - 1
 """The phase of a batch that is fully applied."""
 PHASE_LAST_STEP = PHASE_DONE - 1
 """The highest phase an intermediate step of a multi-step batch may use."""
+CLEAR_PHASE = 1 << (PHASE_BITS - 1)
+"""The first phase of a batch that opens with a gap clear: a claim at this phase or above tells
+whoever takes it over that the clear is part of the batch (other batches stay below it)."""
 MAX_ENGINE_SEQ = (1 << 47) - 2
 """Largest engine ``seq`` that fits a watermark position."""
 

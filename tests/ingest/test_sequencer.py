@@ -28,7 +28,7 @@ from kvredis.ingest.sequencer import (
     ReadWatermark,
     SleepUntil,
 )
-from kvredis.ingest.stream import PHASE_DONE, stream_position
+from kvredis.ingest.stream import CLEAR_PHASE, PHASE_DONE, stream_position
 from kvredis.memory import InMemoryIndex
 from tests.ingest.harness import (
     CONFIG,
@@ -185,10 +185,12 @@ def test_gap_beyond_the_replay_buffer_clears_then_applies_the_tail(
     assert r.process(5, batch(5)) is BatchOutcome.APPLIED
     start = r.trace.index(FetchReplay(r.stream.endpoint, 1))
     kinds = [type(a) for a in r.trace[start:]]
-    # peers get peer_grace_s to cover the gap, then the clear claims batch 1 (the first missing)
+    # peers get peer_grace_s to cover the gap; then the batch claims itself at a clear phase
+    # (no peer can apply a batch of the gap after the clear), clears, and applies the replayed
+    # tail and itself as its last step
     assert kinds[1] is ReadWatermark and SleepUntil in kinds
-    assert kinds[-4:] == [ClearPod, ApplyStep, ApplyStep, ApplyStep]
-    assert steps_of(r)[1:] == [mark(0, 1, 1), mark(0, 3), mark(0, 4), mark(0, 5)]
+    assert kinds[-3:] == [ApplyStep, ClearPod, ApplyStep]
+    assert steps_of(r)[1:] == [mark(0, 5, CLEAR_PHASE), mark(0, 5)]
     assert held(index, range(6)) == {3, 4, 5}
     assert (r.count("replay_failures"), r.count("clears_gap")) == (1, 1)
     assert waited(clock) == pytest.approx(CONFIG.peer_grace_s, abs=CONFIG.poll_interval_s)
@@ -207,12 +209,23 @@ def test_unreachable_replay_is_a_failure_and_the_gap_clears(
     assert held(index, range(3)) == {2}
 
 
-def test_gap_before_anything_of_the_epoch_was_applied_does_not_clear(
+def test_gap_before_anything_of_the_epoch_was_applied_clears_without_waiting(
     index: InMemoryIndex, clock: FakeClock
 ) -> None:
+    """A peer may have applied the first batches of the gap: the rest would be refused to it."""
     r = Replica(index, clock)
     assert r.process(7, batch(7)) is BatchOutcome.APPLIED
-    assert [type(a) for a in r.trace] == [ReadWatermark, OpenReplay, ApplyStep]
+    assert [type(a) for a in r.trace] == [ReadWatermark, OpenReplay, ApplyStep, ClearPod, ApplyStep]
+    assert (r.count("gaps"), r.count("clears_gap")) == (1, 1)
+    assert clock.now == 1000.0
+
+
+def test_without_watermarks_a_gap_before_anything_was_applied_does_not_clear(
+    index: InMemoryIndex, clock: FakeClock
+) -> None:
+    r = Replica(index, clock, IngesterConfig(use_watermarks=False))
+    assert r.process(7, batch(7)) is BatchOutcome.APPLIED
+    assert [type(a) for a in r.trace] == [OpenReplay, ApplyOps]
     assert (r.count("gaps"), r.count("clears")) == (1, 0)
 
 

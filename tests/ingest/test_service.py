@@ -390,6 +390,10 @@ def test_bad_events_are_counted_and_the_rest_applies() -> None:
         ("kv@pod-a@m", 2**47 - 1, encode_batch([]), "seq_out_of_range", BatchOutcome.REJECTED),
         ("kv@pod-a@m", -1, encode_batch([]), "seq_out_of_range", BatchOutcome.REJECTED),
         ("kv@pod-a@m", 0, "not bytes", "bad_message", BatchOutcome.REJECTED),
+        ("kv@pod-a@m", 0, None, "bad_message", BatchOutcome.REJECTED),
+        ("kv@pod-a@m", 0, 12, "bad_message", BatchOutcome.REJECTED),
+        (None, 0, encode_batch([]), "bad_message", BatchOutcome.REJECTED),
+        (5, 0, encode_batch([]), "bad_message", BatchOutcome.REJECTED),
         (
             "kv@pod-a@",
             0,
@@ -400,7 +404,7 @@ def test_bad_events_are_counted_and_the_rest_applies() -> None:
     ],
 )
 def test_message_rejects(
-    topic: str, seq: int, payload: Any, reason: str, outcome: BatchOutcome
+    topic: Any, seq: int, payload: Any, reason: str, outcome: BatchOutcome
 ) -> None:
     index = InMemoryIndex()
     ing = EventIngester(index, TP)
@@ -487,15 +491,17 @@ def test_lost_batches_clear_the_pod(shared_index: Any) -> None:
     assert shared_index.get_watermark("engine-1") == Watermark(0, stream_position(5))
 
 
-def test_gap_before_anything_was_applied_does_not_clear(shared_index: Any) -> None:
+def test_gap_before_anything_was_applied_clears_without_waiting(shared_index: Any) -> None:
+    """With watermarks a peer may hold the gap's first batches: the pod is cleared at once."""
     other = EventIngester(shared_index, TP)
     Feeder(other, "kv@pod-a@m", "e2").send(BlockStored((1,), None, toks(0, 16), 16))
     ing = EventIngester(shared_index, TP, config=FAST)
     feed = Feeder(ing, "kv@pod-a@m")
     feed.seq = 7
     feed.send(BlockStored((5,), None, toks(100, 16), 16))
-    assert ing.counters.get("clears") == 0 and ing.counters.get("gaps") == 1
-    assert shared_index.lookup(keys(toks(0, 16), "m"))
+    c = ing.counters.snapshot()
+    assert (c["clears_gap"], c["gaps"], c["peer_waits"]) == (1, 1, 0)
+    assert not shared_index.lookup(keys(toks(0, 16), "m"))
     assert shared_index.lookup(keys(toks(100, 16), "m"))
 
 
