@@ -60,6 +60,13 @@ class IngesterConfig:
     """Worker threads; endpoints are sharded across them."""
     queue_size: int = 1024
     """Messages buffered per worker before receivers block (backpressure)."""
+    queue_bytes: int = 64 * 2**20
+    """Payload bytes buffered per worker before receivers block (a larger message waits for an
+    empty queue). See "Memory" in ``docs/ingest-protocol.md``."""
+    max_message_bytes: int = 8 * 2**20
+    """Largest engine message accepted, set as ZMQ_MAXMSGSIZE on the SUB and replay sockets: ZMQ
+    refuses a larger message from its size header, before buffering it, and drops that
+    connection (it is re-made; the message is lost, a gap). ``-1``: no limit."""
     parent_cache_size: int = 131_072
     """Engine→request mappings remembered per pod for parent resolution."""
     use_watermarks: bool = True
@@ -86,6 +93,7 @@ class IngesterConfig:
         for name in (
             "workers",
             "queue_size",
+            "queue_bytes",
             "parent_cache_size",
             "max_replay_batches",
             "restart_window",
@@ -101,3 +109,5 @@ class IngesterConfig:
             "reject_log_interval_s",
         ):
             check_number(name, getattr(self, name), zero=True)
+        if self.max_message_bytes != -1:
+            check_number("max_message_bytes", self.max_message_bytes, integer=True)

@@ -667,12 +667,23 @@ class Sequencer:
         has_replay = yield from self._has_replay(st)
         if has_replay:
             found = yield from self._fetch(st, first_missing)
+            if found is not None and not any(
+                item.seq == msg.seq and item.payload == msg.payload for item in found
+            ):
+                # the publisher does not hold the batch in hand: it restarted since (its buffer
+                # is another incarnation's), or the batch fell out of its buffer
+                logger.warning(
+                    "stream %s: replay does not hold batch %d as received; not using it",
+                    st.name,
+                    msg.seq,
+                )
+                found = None
             if found is not None:
                 by_seq: dict[int, _Message] = {}
                 for item in found:
                     # later batches are on their way live; applying them now would make them
                     # look like a publisher restart when they arrive
-                    if first_missing <= item.seq <= msg.seq:
+                    if first_missing <= item.seq < msg.seq:
                         by_seq.setdefault(
                             item.seq, _Message(item.topic or st.last_topic, item.seq, item.payload)
                         )

@@ -62,7 +62,10 @@ def close_context(context: Any) -> None:
 class SubscriberOptions:
     """Socket tuning of a :class:`ZmqSubscriber`."""
 
-    rcvhwm: int = 100_000
+    rcvhwm: int = 1000
+    """Messages ZMQ queues while the receiver is blocked (backpressure); more are dropped."""
+    max_message_bytes: int = -1
+    """ZMQ_MAXMSGSIZE: larger messages are refused before they are buffered (-1: no limit)."""
     reconnect_ivl_s: float = 0.1
     reconnect_ivl_max_s: float = 5.0
     heartbeat_ivl_s: float = 1.0
@@ -114,6 +117,7 @@ class ZmqSubscriber:
         sock = self._context.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, opts.rcvhwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, opts.max_message_bytes)
         sock.setsockopt(zmq.RECONNECT_IVL, _ms(opts.reconnect_ivl_s))
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, _ms(opts.reconnect_ivl_max_s))
         sock.setsockopt(zmq.HEARTBEAT_IVL, _ms(opts.heartbeat_ivl_s))
@@ -213,10 +217,15 @@ class ZmqReplayClient:
         timeout_s: float = 2.0,
         max_batches: int = 20_000,
         on_bad_message: Callable[[str], None] | None = None,
+        max_message_bytes: int = -1,
+        max_bytes: int | None = None,
     ) -> None:
         self.endpoint = endpoint
         self._timeout_ms = _ms(timeout_s)
         self._max = max_batches
+        self._max_message_bytes = max_message_bytes
+        self._max_bytes = max_bytes
+        """Payload bytes one fetch keeps at most; the rest of the replay is not read."""
         self._on_bad = on_bad_message
         self._context = zmq.Context()
 
@@ -228,7 +237,9 @@ class ZmqReplayClient:
         """
         sock = self._context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
         out: list[ReplayedMessage] = []
+        kept = 0
         try:
             sock.connect(self.endpoint)
             sock.send_multipart([b"", int(start_seq).to_bytes(8, "big")])
@@ -253,6 +264,15 @@ class ZmqReplayClient:
                 if len(seq_frame) != 8:
                     self._bad(f"replay seq frame of {len(seq_frame)} bytes")
                     continue
+                kept += len(payload)
+                if self._max_bytes is not None and kept > self._max_bytes:
+                    logger.warning(
+                        "replay from %s cut at %d batches: over %d bytes",
+                        self.endpoint,
+                        len(out),
+                        self._max_bytes,
+                    )
+                    return out
                 out.append(ReplayedMessage(topic, int.from_bytes(seq_frame, "big"), payload))
             return out
         except zmq.ZMQError as exc:

@@ -109,8 +109,9 @@ class Engine:
     def fetch(self, start_seq: int) -> list[ReplayedMessage] | None:
         if not self.reachable:
             return None
-        current = [m for m in self.log if m.incarnation == self.incarnation][-self.buffer :]
-        return [ReplayedMessage(TOPIC, m.seq, m.payload) for m in current if m.seq >= start_seq]
+        current = [m for m in self.log if m.incarnation == self.incarnation]
+        kept = current[len(current) - self.buffer :] if self.buffer else []
+        return [ReplayedMessage(TOPIC, m.seq, m.payload) for m in kept if m.seq >= start_seq]
 
     def close(self) -> None:
         pass
@@ -259,9 +260,20 @@ class Protocol(RuleBasedStateMachine):
         node.replica, node.stepper, node.current = None, None, None
         node.queue.clear()
 
+    def _lagging_by_two(self) -> bool:
+        """Whether a live replica still holds messages two or more restarts old (a limit)."""
+        oldest = self.engine.incarnation - 1
+        for node in self._live():
+            held = [*node.queue, *([node.current] if node.current is not None else [])]
+            if any(m.incarnation < oldest for m in held):
+                return True
+        return False
+
     @precondition(lambda self: any(n.replica is None for n in self.slots))
     @rule(which=strat.integers(0, 2))
     def join(self, which: int) -> None:
+        if self._lagging_by_two():
+            return  # outside the documented limits: a joiner would open an epoch it lags
         dead = [n for n in self.slots if n.replica is None]
         stored = self.index.get_watermark(STREAM)
         epoch, seq = (0, -1) if stored is None else (stored.epoch, split_position(stored.seq)[0])

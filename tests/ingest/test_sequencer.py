@@ -166,7 +166,7 @@ def test_refused_claim_on_a_batch_a_peer_applied_meanwhile_is_a_duplicate(
 
 
 def test_gap_filled_by_replay(index: InMemoryIndex, clock: FakeClock) -> None:
-    replay = FakeReplay({s: batch(s) for s in range(3)})
+    replay = FakeReplay({s: batch(s) for s in range(4)})  # it buffers what it sent, 3 too
     r = Replica(index, clock, replay=replay)
     r.process(0, batch(0))
     assert r.process(3, batch(3)) is BatchOutcome.APPLIED
@@ -194,6 +194,18 @@ def test_gap_beyond_the_replay_buffer_clears_then_applies_the_tail(
     assert held(index, range(6)) == {3, 4, 5}
     assert (r.count("replay_failures"), r.count("clears_gap")) == (1, 1)
     assert waited(clock) == pytest.approx(CONFIG.peer_grace_s, abs=CONFIG.poll_interval_s)
+
+
+def test_replay_of_a_restarted_publisher_is_not_used(
+    index: InMemoryIndex, clock: FakeClock
+) -> None:
+    """The engine restarted unseen: its buffer holds the new incarnation's batches 1..3."""
+    replay = FakeReplay({s: batch(50 + s) for s in range(4)})
+    r = Replica(index, clock, replay=replay)
+    r.process(0, batch(0))
+    assert r.process(3, batch(3)) is BatchOutcome.APPLIED
+    assert (r.count("replay_failures"), r.count("replayed_batches")) == (1, 0)
+    assert held(index, [0, 3, 51, 52]) == {3}
 
 
 def test_unreachable_replay_is_a_failure_and_the_gap_clears(
