@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -74,6 +75,10 @@ class SubscriberOptions:
     error_backoff_max_s: float = 5.0
 
 
+_NO_RETRY_S = 0.5
+"""How long after a disconnect ZMQ must report a reconnect attempt before the socket is reopened."""
+
+
 def _ms(seconds: float) -> int:
     return max(1, int(seconds * 1000))
 
@@ -98,6 +103,8 @@ class ZmqSubscriber:
         )
         self.connected = threading.Event()
         """Set while the SUB socket has a connection to the publisher."""
+        self._lost_at: float | None = None
+        """When the connection was lost, until ZMQ reports it is reconnecting."""
 
     def start(self) -> None:
         """Start the receiving thread."""
@@ -123,7 +130,9 @@ class ZmqSubscriber:
         sock.setsockopt(zmq.HEARTBEAT_IVL, _ms(opts.heartbeat_ivl_s))
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _ms(opts.heartbeat_timeout_s))
         sock.setsockopt(zmq.SUBSCRIBE, self.endpoint.topic_filter.encode("utf-8"))
-        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        monitor = sock.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+        )
         try:
             sock.connect(self.endpoint.endpoint)
         except zmq.ZMQError:
@@ -165,10 +174,21 @@ class ZmqSubscriber:
         poller.register(sock, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
         poll_ms = _ms(self._options.poll_s)
+        self._lost_at = None
         while not self._stop.is_set():
             ready = dict(poller.poll(poll_ms))
             if monitor in ready:
                 self._drain_monitor(monitor)
+            if self._lost_at is not None and time.monotonic() - self._lost_at > _NO_RETRY_S:
+                # ZMQ does not reconnect after a protocol error (such as a message over
+                # ZMQ_MAXMSGSIZE): reopen the socket
+                self._sink.counters.inc(Counter.TRANSPORT_ERRORS)
+                logger.warning(
+                    "%s dropped the connection for good (a message over %d bytes?); reopening",
+                    self.endpoint.endpoint,
+                    self._options.max_message_bytes,
+                )
+                return
             if sock in ready:
                 for _ in range(1000):
                     try:
@@ -187,11 +207,15 @@ class ZmqSubscriber:
                 return
             kind = event.get("event")
             if kind == zmq.EVENT_CONNECTED:
+                self._lost_at = None
                 counters.inc(Counter.CONNECTS)
                 self.connected.set()
                 logger.info("connected to %s", self.endpoint.endpoint)
+            elif kind == zmq.EVENT_CONNECT_RETRIED:
+                self._lost_at = None
             elif kind == zmq.EVENT_DISCONNECTED:
                 counters.inc(Counter.DISCONNECTS)
+                self._lost_at = time.monotonic()
                 self.connected.clear()
                 logger.warning("disconnected from %s, reconnecting", self.endpoint.endpoint)
 

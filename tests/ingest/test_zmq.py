@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -395,3 +396,55 @@ def test_stop_during_a_backend_outage_with_a_full_queue(
     finally:
         ing.stop()
         index.close()
+
+
+def test_oversized_messages_are_refused_at_the_socket_and_ingest_goes_on() -> None:
+    """A flood over ``max_message_bytes`` never reaches the queues; valid batches still apply."""
+    config = IngesterConfig(
+        workers=2, peer_grace_s=0.05, poll_interval_s=0.005, max_message_bytes=1 << 20
+    )
+    with FakeEngine() as eng:
+        index = InMemoryIndex()
+        ing = start(index, eng, config)
+        try:
+            eng.publish([BlockStored((1,), None, toks(0, 16), 16)])
+            settle(ing, 1)
+            flood = bytes(4 << 20)
+            for _ in range(20):
+                eng.send_frames([eng.topic, eng.seq.to_bytes(8, "big"), flood])
+                eng.seq += 1
+            # ZMQ drops the connection at the first oversized header; the subscriber reconnects
+            eng.wait_subscribed()
+            eng.publish([BlockStored((2,), None, toks(100, 16), 16)])
+            wait_until(lambda: held(index, toks(100, 16)) == 1)
+            c = ing.counters.snapshot()
+            assert c["received"] == 2 and c["rejected"] == 0
+            assert c["gaps"] == 1 and c["batches_applied"] == 2
+        finally:
+            assert ing.stop()
+
+
+def test_queue_bytes_bound_the_queued_payload() -> None:
+    """A worker's queue takes messages up to ``queue_bytes`` of payload, then submit() blocks."""
+    index = InMemoryIndex()
+    ing = EventIngester(index, TP, config=IngesterConfig(workers=1, queue_bytes=1000))
+    gate = threading.Event()
+    original = ing._handle  # the worker waits on the gate: the queue fills up
+
+    def gated(*args: Any) -> BatchOutcome:
+        gate.wait(10)
+        return original(*args)
+
+    ing._handle = gated  # type: ignore[method-assign]
+    ing.start()
+    try:
+        payload = bytes(300)  # rejected when handled; 300 bytes of budget until then
+        accepted = [ing.submit("kv@pod-a@model-a", s, payload, timeout=0.05) for s in range(6)]
+        # one in the worker's hands, two more queued (3 × 300 bytes of 1000), then full
+        assert accepted[:3] == [True] * 3 and not any(accepted[3:])
+        gate.set()
+        assert ing.wait_idle(10)
+        assert ing.submit("kv@pod-a@model-a", 6, payload, timeout=1.0)
+    finally:
+        gate.set()
+        assert ing.stop()
