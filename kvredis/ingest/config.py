@@ -83,6 +83,9 @@ class IngesterConfig:
     restart_window: int = 32
     """Without replay, a fresh subscriber's ``seq`` this close below the stored position is
     taken for a peer that is slightly ahead, not for an engine restart."""
+    reset_check_interval_s: float = 5.0
+    """How often (at most) a stream's stored watermark is read back to detect a namespace reset
+    (the index lost its data); ``0``: before every batch."""
     poll_interval_s: float = 0.02
     backend_retry_max_s: float = 5.0
     """Backoff cap while the index backend is unavailable (batches are retried, not dropped)."""
@@ -105,6 +108,7 @@ class IngesterConfig:
             "takeover_timeout_s",
             "heartbeat_interval_s",
             "poll_interval_s",
+            "reset_check_interval_s",
             "backend_retry_max_s",
             "reject_log_interval_s",
         ):

@@ -46,6 +46,9 @@ class Counter(enum.Enum):
     REPLAYS = "replays"
     REPLAYED_BATCHES = "replayed_batches"
     REPLAY_FAILURES = "replay_failures"
+    NAMESPACE_RESETS = "namespace_resets"
+    """The stored watermark went back while this ingester had progress: the index lost its data
+    (a Redis restart without persistence, a failover to an empty replica, a FLUSHALL)."""
     RESTARTS = "restarts"
     EPOCHS_ADOPTED = "epochs_adopted"
     CLEARS = "clears"

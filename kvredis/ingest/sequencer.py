@@ -456,6 +456,7 @@ class Sequencer:
             if stored is not None:
                 st.epoch = stored.epoch
                 st.known = split_position(stored.seq)
+        st.next_reset_check = self.clock() + self.config.reset_check_interval_s
         st.synced = True
 
     def _sequence(
@@ -474,9 +475,44 @@ class Sequencer:
             self.counters.inc(Counter.BATCHES_ABANDONED)
             return BatchOutcome.ABANDONED
 
+    def _reset_check(self, st: StreamState) -> Steps[bool]:
+        """Read the stored watermark back now and then: did it go back (the index lost its data)?"""
+        now = self.clock()
+        if not self.fenced or st.known is None or now < st.next_reset_check:
+            return False
+        st.next_reset_check = now + self.config.reset_check_interval_s
+        try:
+            stored: Watermark | None = yield ReadWatermark(st.name, once=True)
+        except (Abandoned, Failed):
+            return False  # the next batch's step will wait out the outage
+        mine = (st.epoch, stream_position(*st.known))
+        if stored is not None and (stored.epoch, stored.seq) >= mine:
+            return False
+        self.counters.inc(Counter.NAMESPACE_RESETS)
+        logger.error(
+            "stream %s: the index lost its data (stored watermark %s, this ingester had reached "
+            "epoch %d batch %d): a Redis restart without persistence, a failover to an empty "
+            "replica or a flush; recovering what the engine's replay buffer still holds",
+            st.name,
+            stored,
+            st.epoch,
+            st.known[0],
+        )
+        for pod in st.pods:
+            self.planner.caches.drop(pod)
+            self.planner.catalog.forget_pod(pod)
+        if stored is not None:
+            st.epoch = stored.epoch
+        st.known = None if stored is None else split_position(stored.seq)
+        st.last_seq = None
+        return True
+
     def _sequence_synced(
         self, st: StreamState, msg: _Message, allow_restart: bool, depth: int
     ) -> Steps[BatchOutcome]:
+        if allow_restart and (yield from self._reset_check(st)):
+            # everything from the start of the engine's replay buffer is missing: a gap
+            allow_restart = False
         if depth > 4:
             logger.error(
                 "stream %s: giving up on batch %d after repeated conflicts", st.name, msg.seq

@@ -67,6 +67,8 @@ class StreamState:
     pods: set[str] = field(default_factory=set)
     """Every pod this stream's batches named."""
     last_topic: bytes = b""
+    next_reset_check: float = 0.0
+    """When the stored watermark is next read back to detect a namespace reset (clock time)."""
     has_replay: bool | None = None
     """Whether the publisher has a replay client (None: not asked yet)."""
 

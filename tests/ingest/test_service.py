@@ -32,6 +32,7 @@ from kvredis.ingest import (
     EndpointConfig,
     EventIngester,
     IngesterConfig,
+    ReplayedMessage,
     split_position,
     stream_position,
 )
@@ -841,3 +842,54 @@ def test_a_replica_lagging_across_a_restart_drops_its_old_backlog(
     assert (ca["clears_restart"], cb["restarts"], cb["epochs_adopted"]) == (1, 1, 1)
     assert ca["batches_applied"] + cb["batches_applied"] == 4 + 3
     assert cb["batches_superseded"] == 2
+
+
+class BufferedReplay:
+    """An engine's replay buffer of its last ``size`` batches."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.batches: list[tuple[int, bytes]] = []
+
+    def keep(self, seq: int, payload: bytes) -> bytes:
+        self.batches = [*self.batches, (seq, payload)][-self.size :]
+        return payload
+
+    def fetch(self, start_seq: int) -> list[ReplayedMessage] | None:
+        return [ReplayedMessage(TOPIC.encode(), s, p) for s, p in self.batches if s >= start_seq]
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_redis_restart_that_loses_the_data_is_detected_and_replay_recovers(
+    own_redis_server: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 9.15: a restart without persistence empties the namespace under the ingester."""
+    from kvredis import RedisIndex, RedisIndexConfig
+
+    index = RedisIndex(RedisIndexConfig(address=own_redis_server.url, namespace="reset"))
+    replay = BufferedReplay(4)
+    config = IngesterConfig(reset_check_interval_s=0.0, backend_retry_max_s=0.05)
+    ing = EventIngester(index, TP, config=config, replay_factory=lambda _ep: replay)
+    endpoint = EndpointConfig("engine-1", replay_endpoint="tcp://replay")
+    payloads = [encode_batch([BlockStored((i + 1,), None, toks(16 * i, 16), 16)]) for i in range(12)]
+    try:
+        for seq in range(10):
+            ing.process(TOPIC, seq, replay.keep(seq, payloads[seq]), endpoint)
+        own_redis_server.restart()  # no persistence: everything is gone
+        with caplog.at_level(logging.ERROR, logger="kvredis.ingest.sequencer"):
+            outcome = ing.process(TOPIC, 10, replay.keep(10, payloads[10]), endpoint)
+        assert outcome is BatchOutcome.APPLIED
+        assert any("lost its data" in r.getMessage() for r in caplog.records)
+        assert ing.process(TOPIC, 11, replay.keep(11, payloads[11]), endpoint) is (
+            BatchOutcome.APPLIED
+        )
+        c = ing.counters.snapshot()
+        assert (c["namespace_resets"], c["replays"]) == (1, 1)
+        # the replay buffer held batches 7..10: they are back, the older ones are lost
+        held = [bool(index.lookup(keys(toks(16 * i, 16)))) for i in range(12)]
+        assert held == [False] * 7 + [True] * 5
+        assert index.get_watermark("engine-1") == Watermark(0, stream_position(11))
+    finally:
+        index.close()
