@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import time
@@ -33,11 +32,17 @@ from kvredis.memory import InMemoryIndex
 TOPIC = b"kv@pod-a@model-a"
 
 
-def rss_mb() -> float:
-    """Current RSS of this process in MB (Linux)."""
-    with open("/proc/self/statm") as f:
-        pages = int(f.read().split()[1])
-    return pages * resource.getpagesize() / 1e6
+def rss_mb(field: str = "VmRSS") -> float:
+    """This process's RSS (``VmRSS``) or peak RSS (``VmHWM``) in MB, from /proc (Linux).
+
+    ``VmHWM`` belongs to the process image: unlike ``ru_maxrss`` it does not carry over the
+    parent's peak through fork and exec.
+    """
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1e3
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def child(endpoint: str, mode: str) -> None:
@@ -59,7 +64,7 @@ def child(endpoint: str, mode: str) -> None:
     applied = bool(index.lookup(key))
     snapshot = ing.counters.snapshot()
     ing.stop(drain=False)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3
+    peak = rss_mb("VmHWM")
     print(
         json.dumps(
             {
