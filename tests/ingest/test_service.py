@@ -873,7 +873,9 @@ def test_a_redis_restart_that_loses_the_data_is_detected_and_replay_recovers(
     config = IngesterConfig(reset_check_interval_s=0.0, backend_retry_max_s=0.05)
     ing = EventIngester(index, TP, config=config, replay_factory=lambda _ep: replay)
     endpoint = EndpointConfig("engine-1", replay_endpoint="tcp://replay")
-    payloads = [encode_batch([BlockStored((i + 1,), None, toks(16 * i, 16), 16)]) for i in range(12)]
+    payloads = [
+        encode_batch([BlockStored((i + 1,), None, toks(16 * i, 16), 16)]) for i in range(12)
+    ]
     try:
         for seq in range(10):
             ing.process(TOPIC, seq, replay.keep(seq, payloads[seq]), endpoint)
