@@ -15,7 +15,8 @@ NAMES = [
     "parent_misses", "index_calls", "index_lookups", "gaps", "replays", "replayed_batches",
     "replay_failures", "namespace_resets", "restarts", "epochs_adopted", "clears",
     "clears_all_blocks_cleared", "clears_restart", "clears_gap", "peer_waits", "takeovers",
-    "lost_ownership", "backend_retries", "rejected", "received", "connects", "disconnects", "transport_errors",
+    "lost_ownership", "backend_retries", "rejected", "received", "connects", "disconnects",
+    "transport_errors",
 ]
 
 
