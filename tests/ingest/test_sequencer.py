@@ -507,3 +507,45 @@ def test_shutdown_during_a_backend_outage_abandons(clock: FakeClock) -> None:
     assert (r.count("backend_retries"), r.count("batches_abandoned")) == (3, 1)
     assert clock.now == pytest.approx(1000.0 + 0.05 + 0.1)  # no wait once shutdown began
     assert index.get_watermark(STREAM) is None
+
+
+def test_adopting_an_epoch_waits_for_its_opening_clear_then_takes_it_over(
+    index: InMemoryIndex, clock: FakeClock
+) -> None:
+    """Issue 13: the epoch a peer opened is followed only once its opening clear is done."""
+    a, b = Replica(index, clock), Replica(index, clock)
+    a.feed(range(20))
+    stalled = a.begin(0, batch(60))  # the engine restarted; a claims epoch 1, then stalls
+    stalled.run_until(is_clear)
+    assert index.get_watermark(STREAM) == mark(1, -1, 1)
+    assert b.process(0, batch(60)) is BatchOutcome.APPLIED
+    # b waited for the clear, took it over after takeover_timeout_s, then applied batch 0
+    assert waited(clock) >= CONFIG.takeover_timeout_s
+    assert [type(x) for x in b.trace].count(ClearPod) == 1
+    assert b.trace.index(next(x for x in b.trace if is_clear(x))) < len(b.trace) - 1
+    assert held(index, [*range(20), 60]) == {60}
+    assert stalled.finish() is BatchOutcome.DUPLICATE
+    assert (a.count("clears") + b.count("clears"), b.count("takeovers")) == (1, 1)
+    assert held(index, range(20)) == set()
+
+
+def test_a_lagging_replica_drops_two_incarnations_of_backlog(
+    index: InMemoryIndex, clock: FakeClock
+) -> None:
+    """Two restarts in a row while b lags: b follows them one regression at a time."""
+    a, b = Replica(index, clock), Replica(index, clock)
+    for r in (a, b):
+        r.feed(range(3))
+    a.feed(range(3, 6))
+    a.process(0, batch(30))  # restart 1: epoch 1
+    a.process(1, batch(31))
+    a.process(0, batch(40))  # restart 2: epoch 2
+    assert [b.process(s, batch(s)) for s in range(3, 6)] == [BatchOutcome.SUPERSEDED] * 3
+    # b's connection shows restart 1: epoch 1 is not the newest, so its batches are dropped too
+    assert [b.process(s, batch(30 + s)) for s in range(2)] == [BatchOutcome.SUPERSEDED] * 2
+    # restart 2: b follows epoch 2
+    assert b.process(0, batch(40)) is BatchOutcome.DUPLICATE
+    assert b.process(1, batch(41)) is BatchOutcome.APPLIED
+    assert held(index, [*range(6), 30, 31, 40, 41]) == {40, 41}
+    assert index.get_watermark(STREAM) == mark(2, 1)
+    assert (a.count("clears") + b.count("clears"), b.count("batches_superseded")) == (2, 5)
