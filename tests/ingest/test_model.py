@@ -368,7 +368,7 @@ class Protocol(RuleBasedStateMachine):
 
 
 Protocol.TestCase.settings = settings(
-    max_examples=int(os.environ.get("KVREDIS_MODEL_EXAMPLES", "150")),
+    max_examples=int(os.environ.get("KVREDIS_MODEL_EXAMPLES", "300")),
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],

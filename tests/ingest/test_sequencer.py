@@ -270,12 +270,18 @@ def test_seq_going_back_is_a_restart(index: InMemoryIndex, clock: FakeClock) -> 
     assert (r.count("restarts"), r.count("clears_restart"), r.count("gaps")) == (1, 1, 0)
 
 
+def both_fed(index: InMemoryIndex, clock: FakeClock, n: int = 3) -> tuple[Replica, Replica]:
+    """Two replicas that both handled batches ``0..n-1``."""
+    a, b = Replica(index, clock), Replica(index, clock)
+    for r in (a, b):
+        r.feed(range(n))
+    return a, b
+
+
 def test_two_replicas_that_see_one_restart_clear_once(
     index: InMemoryIndex, clock: FakeClock
 ) -> None:
-    a, b = Replica(index, clock), Replica(index, clock)
-    for r in (a, b):
-        r.feed(range(3))
+    a, b = both_fed(index, clock)
     a.process(0, batch(9))
     assert b.process(0, batch(9)) is BatchOutcome.DUPLICATE
     assert (a.count("clears") + b.count("clears"), b.count("restarts")) == (1, 1)
@@ -533,9 +539,7 @@ def test_a_lagging_replica_drops_two_incarnations_of_backlog(
     index: InMemoryIndex, clock: FakeClock
 ) -> None:
     """Two restarts in a row while b lags: b follows them one regression at a time."""
-    a, b = Replica(index, clock), Replica(index, clock)
-    for r in (a, b):
-        r.feed(range(3))
+    a, b = both_fed(index, clock)
     a.feed(range(3, 6))
     a.process(0, batch(30))  # restart 1: epoch 1
     a.process(1, batch(31))
