@@ -212,7 +212,8 @@ class Conflict(enum.Enum):
     RETRY = "retry"
     """No watermark, or an older epoch, is stored (it was reset): try again."""
     MOVED = "moved"
-    """A newer epoch, or a finished batch past the claim: sequence the message again."""
+    """A newer epoch (the message's incarnation was superseded by a restart a peer saw), or a
+    finished batch past the claim (sequence the message again)."""
     TAKEOVER = "takeover"
     """A peer's multi-step batch stalled for ``takeover_timeout_s``: finish it."""
     ABANDONED = "abandoned"
@@ -633,11 +634,11 @@ class Sequencer:
             raise Abandoned  # undecided: clearing on a guess would hurt every replica
         return FreshVerdict.RESTART
 
-    def _adopt_epoch(self, st: StreamState, stored: Watermark, msg: _Message | None) -> None:
+    def _adopt_epoch(self, st: StreamState, stored: Watermark, msg: _Message) -> None:
         """Follow the epoch a peer started (it detected a restart and cleared the pod)."""
         self.counters.inc(Counter.EPOCHS_ADOPTED)
         logger.info("stream %s: following epoch %d started by a peer", st.name, stored.epoch)
-        for pod in st.pods_for(msg.topic if msg is not None else None):
+        for pod in st.pods_for(msg.topic):
             self.planner.caches.drop(pod)
             self.planner.catalog.forget_pod(pod)
         st.epoch = stored.epoch
