@@ -90,6 +90,11 @@ class IndexBackend:
             return self._apply_step(action)
         if isinstance(action, ReadWatermark):
             batch = self._batch_index()
+            if action.once:
+                try:
+                    return batch.get_watermark(action.stream)
+                except Exception as exc:
+                    raise Failed(f"{type(exc).__name__}: {exc}") from exc
             return self._call(lambda: batch.get_watermark(action.stream))
         if isinstance(action, LookupRequestKey):
             return self._lookup(action.engine_key)

@@ -60,6 +60,13 @@ class IngesterConfig:
     """Worker threads; endpoints are sharded across them."""
     queue_size: int = 1024
     """Messages buffered per worker before receivers block (backpressure)."""
+    queue_bytes: int = 64 * 2**20
+    """Payload bytes buffered per worker before receivers block (a larger message waits for an
+    empty queue). See "Memory" in ``docs/ingest-protocol.md``."""
+    max_message_bytes: int = 8 * 2**20
+    """Largest engine message accepted, set as ZMQ_MAXMSGSIZE on the SUB and replay sockets: ZMQ
+    refuses a larger message from its size header, before buffering it, and drops that
+    connection (it is re-made; the message is lost, a gap). ``-1``: no limit."""
     parent_cache_size: int = 131_072
     """Engine→request mappings remembered per pod for parent resolution."""
     use_watermarks: bool = True
@@ -76,6 +83,9 @@ class IngesterConfig:
     restart_window: int = 32
     """Without replay, a fresh subscriber's ``seq`` this close below the stored position is
     taken for a peer that is slightly ahead, not for an engine restart."""
+    reset_check_interval_s: float = 5.0
+    """How often (at most) a stream's stored watermark is read back to detect a namespace reset
+    (the index lost its data); ``0``: before every batch."""
     poll_interval_s: float = 0.02
     backend_retry_max_s: float = 5.0
     """Backoff cap while the index backend is unavailable (batches are retried, not dropped)."""
@@ -86,6 +96,7 @@ class IngesterConfig:
         for name in (
             "workers",
             "queue_size",
+            "queue_bytes",
             "parent_cache_size",
             "max_replay_batches",
             "restart_window",
@@ -97,7 +108,10 @@ class IngesterConfig:
             "takeover_timeout_s",
             "heartbeat_interval_s",
             "poll_interval_s",
+            "reset_check_interval_s",
             "backend_retry_max_s",
             "reject_log_interval_s",
         ):
             check_number(name, getattr(self, name), zero=True)
+        if self.max_message_bytes != -1:
+            check_number("max_message_bytes", self.max_message_bytes, integer=True)

@@ -30,6 +30,8 @@ class Counter(enum.Enum):
     BATCHES_FAILED = "batches_failed"
     BATCHES_ABANDONED = "batches_abandoned"
     BATCHES_REJECTED = "batches_rejected"
+    BATCHES_SUPERSEDED = "batches_superseded"
+    """Batches of an engine incarnation a restart already superseded: dropped, never applied."""
     EVENTS = "events"
     EVENTS_APPLIED = "events_applied"
     BLOCKS_STORED = "blocks_stored"
@@ -44,6 +46,9 @@ class Counter(enum.Enum):
     REPLAYS = "replays"
     REPLAYED_BATCHES = "replayed_batches"
     REPLAY_FAILURES = "replay_failures"
+    NAMESPACE_RESETS = "namespace_resets"
+    """The stored watermark went back while this ingester had progress: the index lost its data
+    (a Redis restart without persistence, a failover to an empty replica, a FLUSHALL)."""
     RESTARTS = "restarts"
     EPOCHS_ADOPTED = "epochs_adopted"
     CLEARS = "clears"

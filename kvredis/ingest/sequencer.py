@@ -40,6 +40,7 @@ from kvredis.ingest.counters import Counter, IngestCounters
 from kvredis.ingest.events import DecodedBatch, Rejection, RejectReason, decode_batch
 from kvredis.ingest.planner import Barrier, BatchPlan, Lookup, Planner, PlanSteps
 from kvredis.ingest.stream import (
+    CLEAR_PHASE,
     MAX_ENGINE_SEQ,
     PHASE_DONE,
     PHASE_LAST_STEP,
@@ -84,9 +85,11 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True)
 class ReadWatermark:
-    """Read the stored watermark of ``stream``."""
+    """Read the stored watermark of ``stream`` (``once``: no retrying an unavailable backend,
+    which then raises :class:`Failed`)."""
 
     stream: str
+    once: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,7 +212,8 @@ class Conflict(enum.Enum):
     RETRY = "retry"
     """No watermark, or an older epoch, is stored (it was reset): try again."""
     MOVED = "moved"
-    """A newer epoch, or a finished batch past the claim: sequence the message again."""
+    """A newer epoch (the message's incarnation was superseded by a restart a peer saw), or a
+    finished batch past the claim (sequence the message again)."""
     TAKEOVER = "takeover"
     """A peer's multi-step batch stalled for ``takeover_timeout_s``: finish it."""
     ABANDONED = "abandoned"
@@ -228,6 +232,8 @@ class BatchOutcome(enum.Enum):
     """Shutdown interrupted a wait for the backend or a peer; the batch was not applied."""
     REJECTED = "rejected"
     """Nothing usable in the message (bad seq or payload, no pod); counted and logged."""
+    SUPERSEDED = "superseded"
+    """From an engine incarnation a peer already saw restart: dropped, never applied."""
 
 
 def drive(steps: Steps[T], perform: Callable[[Action], Any]) -> T:
@@ -282,6 +288,7 @@ class BatchRun:
         self.seq = seq
         self.claim_seq = claim_seq
         self.phase = first_phase
+        self.last_phase = PHASE_LAST_STEP if first_phase >= CLEAR_PHASE else CLEAR_PHASE - 1
         self.steps = 0
         self._last_beat = seqr.clock()
 
@@ -306,7 +313,7 @@ class BatchRun:
 
     def flush(self) -> Steps[None]:
         """Apply the pending ops as an intermediate step (the first one claims the batch)."""
-        if self.phase > PHASE_LAST_STEP:
+        if self.phase > self.last_phase:
             raise Failed("too many steps in one batch")
         yield from self._step(self.plan.take(), stream_position(self.claim_seq, self.phase))
         self.phase += 1
@@ -324,7 +331,7 @@ class BatchRun:
         now = seqr.clock()
         if now - self._last_beat < seqr.config.heartbeat_interval_s:
             return
-        if self.phase > PHASE_LAST_STEP - 1:
+        if self.phase > self.last_phase - 1:
             return
         self._last_beat = now
         yield from self._step([], stream_position(self.claim_seq, self.phase))
@@ -399,7 +406,7 @@ class Sequencer:
     # -- entry point -----------------------------------------------------------------------
 
     def on_message(
-        self, st: StreamState, topic: bytes, seq: int, payload: object
+        self, st: StreamState, topic: object, seq: int, payload: object
     ) -> Steps[BatchOutcome]:
         """Handle one engine message of ``st``'s publisher. Never raises on bad input."""
         self.counters.inc(Counter.MESSAGES)
@@ -407,24 +414,50 @@ class Sequencer:
         if isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq <= MAX_ENGINE_SEQ:
             self._reject(Rejection(RejectReason.SEQ_OUT_OF_RANGE, f"seq {seq!r}"), where)
             return BatchOutcome.REJECTED
+        if not isinstance(topic, (bytes, bytearray, memoryview)):
+            return self._bad_message(f"topic is a {type(topic).__name__}", where)
         if not isinstance(payload, (bytes, bytearray, memoryview)):
-            detail = f"payload is a {type(payload).__name__}"
-            self._reject(Rejection(RejectReason.BAD_MESSAGE, detail), where)
-            return BatchOutcome.REJECTED
-        if topic:
-            st.last_topic = topic
-        msg = _Message(topic, seq, bytes(payload))
-        return (yield from self._sequence(st, msg, allow_restart=True))
+            return self._bad_message(f"payload is a {type(payload).__name__}", where)
+        topic_b = bytes(topic)
+        if topic_b:
+            st.last_topic = topic_b
+        msg = _Message(topic_b, seq, bytes(payload))
+        try:
+            return (yield from self._sequence(st, msg, allow_restart=True))
+        finally:
+            st.subscribed_before = False
+
+    def _bad_message(self, detail: str, where: str) -> BatchOutcome:
+        self._reject(Rejection(RejectReason.BAD_MESSAGE, detail), where)
+        return BatchOutcome.REJECTED
+
+    def on_subscribe(self, st: StreamState) -> Steps[None]:
+        """A new subscription to ``st``'s publisher begins: read the stored watermark first.
+
+        Called before the subscription receives anything, it ties the stream to the epoch
+        stored at that moment: every message received afterwards comes from that epoch's engine
+        incarnation or a later one. (Without it, the watermark is read with the first message.)
+        A backend that cannot answer leaves the read to the first message.
+        """
+        st.last_seq = None
+        st.superseded = False
+        st.synced = False
+        try:
+            yield from self._sync(st, once=True)
+            st.subscribed_before = True
+        except (Abandoned, Failed) as exc:
+            logger.warning("stream %s: cannot read the stored watermark yet: %s", st.name, exc)
 
     # -- sequencing ------------------------------------------------------------------------
 
-    def _sync(self, st: StreamState) -> Steps[None]:
+    def _sync(self, st: StreamState, once: bool = False) -> Steps[None]:
         """Adopt the stored epoch and position (once per stream and ingester run)."""
         if self.fenced:
-            stored: Watermark | None = yield ReadWatermark(st.name)
+            stored: Watermark | None = yield ReadWatermark(st.name, once)
             if stored is not None:
                 st.epoch = stored.epoch
                 st.known = split_position(stored.seq)
+        st.next_reset_check = self.clock() + self.config.reset_check_interval_s
         st.synced = True
 
     def _sequence(
@@ -443,9 +476,44 @@ class Sequencer:
             self.counters.inc(Counter.BATCHES_ABANDONED)
             return BatchOutcome.ABANDONED
 
+    def _reset_check(self, st: StreamState) -> Steps[bool]:
+        """Read the stored watermark back now and then: did it go back (the index lost its data)?"""
+        now = self.clock()
+        if not self.fenced or st.known is None or now < st.next_reset_check:
+            return False
+        st.next_reset_check = now + self.config.reset_check_interval_s
+        try:
+            stored: Watermark | None = yield ReadWatermark(st.name, once=True)
+        except (Abandoned, Failed):
+            return False  # the next batch's step will wait out the outage
+        mine = (st.epoch, stream_position(*st.known))
+        if stored is not None and (stored.epoch, stored.seq) >= mine:
+            return False
+        self.counters.inc(Counter.NAMESPACE_RESETS)
+        logger.error(
+            "stream %s: the index lost its data (stored watermark %s, this ingester had reached "
+            "epoch %d batch %d): a Redis restart without persistence, a failover to an empty "
+            "replica or a flush; recovering what the engine's replay buffer still holds",
+            st.name,
+            stored,
+            st.epoch,
+            st.known[0],
+        )
+        for pod in st.pods:
+            self.planner.caches.drop(pod)
+            self.planner.catalog.forget_pod(pod)
+        if stored is not None:
+            st.epoch = stored.epoch
+        st.known = None if stored is None else split_position(stored.seq)
+        st.last_seq = None
+        return True
+
     def _sequence_synced(
         self, st: StreamState, msg: _Message, allow_restart: bool, depth: int
     ) -> Steps[BatchOutcome]:
+        if allow_restart and (yield from self._reset_check(st)):
+            # everything from the start of the engine's replay buffer is missing: a gap
+            allow_restart = False
         if depth > 4:
             logger.error(
                 "stream %s: giving up on batch %d after repeated conflicts", st.name, msg.seq
@@ -454,6 +522,11 @@ class Sequencer:
             st.last_seq = msg.seq
             return BatchOutcome.FAILED
         seq = msg.seq
+        if st.superseded:
+            assert st.last_seq is not None
+            if seq <= st.last_seq and allow_restart:
+                return (yield from self._restart(st, msg, depth))
+            return self._count_superseded(st, msg)
         if st.last_seq is None:
             if st.known is None:
                 expected = 0
@@ -467,6 +540,11 @@ class Sequencer:
                 if verdict is FreshVerdict.RESTART:
                     return (yield from self._restart(st, msg, depth))
                 if verdict is FreshVerdict.ADOPTED:
+                    if st.known is not None and st.known[0] == -1 and st.known[1] != PHASE_DONE:
+                        # the peer's opening clear is still running: wait for it or take it over
+                        opened = yield from self._open_epoch(st, st.epoch, msg)
+                        if opened not in (BatchOutcome.DUPLICATE, BatchOutcome.APPLIED):
+                            return opened
                     return (yield from self._sequence(st, msg, False, depth + 1))
                 st.last_seq = seq
                 return self._count_duplicate(msg, st)
@@ -481,6 +559,30 @@ class Sequencer:
             return (yield from self._restart(st, msg, depth))
         st.last_seq = seq
         return self._count_duplicate(msg, st)
+
+    def _supersede(self, st: StreamState, stored: Watermark, msg: _Message) -> BatchOutcome:
+        """A peer started a newer epoch than the one ``msg``'s incarnation belongs to."""
+        logger.warning(
+            "stream %s: a peer started epoch %d after an engine restart this replica has not "
+            "seen yet; dropping batches of the earlier incarnation from %d until seq goes back",
+            st.name,
+            stored.epoch,
+            msg.seq,
+        )
+        for pod in st.pods_for(msg.topic):
+            self.planner.caches.drop(pod)
+            self.planner.catalog.forget_pod(pod)
+        st.superseded = True
+        st.known = None
+        return self._count_superseded(st, msg)
+
+    def _count_superseded(self, st: StreamState, msg: _Message) -> BatchOutcome:
+        st.last_seq = msg.seq
+        if not msg.counted:
+            msg.counted = True
+            self.counters.inc(Counter.BATCHES)
+        self.counters.inc(Counter.BATCHES_SUPERSEDED)
+        return BatchOutcome.SUPERSEDED
 
     def _count_duplicate(self, msg: _Message, st: StreamState) -> BatchOutcome:
         if not msg.counted:
@@ -502,6 +604,10 @@ class Sequencer:
         """
         assert st.known is not None
         stored_seq = st.known[0]
+        if st.subscribed_before:
+            # the position was read before subscribing: anything received below it was
+            # published after it, so by a new incarnation
+            return FreshVerdict.RESTART
         has_replay = yield from self._has_replay(st)
         if has_replay and stored_seq >= 0:
             found = yield from self._fetch(st, stored_seq)
@@ -528,11 +634,11 @@ class Sequencer:
             raise Abandoned  # undecided: clearing on a guess would hurt every replica
         return FreshVerdict.RESTART
 
-    def _adopt_epoch(self, st: StreamState, stored: Watermark, msg: _Message | None) -> None:
+    def _adopt_epoch(self, st: StreamState, stored: Watermark, msg: _Message) -> None:
         """Follow the epoch a peer started (it detected a restart and cleared the pod)."""
         self.counters.inc(Counter.EPOCHS_ADOPTED)
         logger.info("stream %s: following epoch %d started by a peer", st.name, stored.epoch)
-        for pod in st.pods_for(msg.topic if msg is not None else None):
+        for pod in st.pods_for(msg.topic):
             self.planner.caches.drop(pod)
             self.planner.catalog.forget_pod(pod)
         st.epoch = stored.epoch
@@ -550,9 +656,32 @@ class Sequencer:
             ", ".join(sorted(pods)) or "nothing",
         )
         new_epoch = st.epoch + 1
+        st.superseded = False
         for pod in pods:
             self.planner.catalog.forget_pod(pod)
             self.planner.caches.drop(pod)
+        outcome = yield from self._open_epoch(st, new_epoch, msg)
+        if outcome in (BatchOutcome.ABANDONED, BatchOutcome.FAILED, BatchOutcome.SUPERSEDED):
+            st.last_seq = msg.seq
+            return outcome
+        if outcome is BatchOutcome.DUPLICATE:
+            self.counters.inc(Counter.EPOCHS_ADOPTED)
+        if st.epoch < new_epoch:
+            st.epoch = new_epoch
+            if outcome is BatchOutcome.APPLIED:
+                st.known = (-1, PHASE_DONE)
+        st.last_seq = None
+        return (yield from self._sequence(st, msg, False, depth + 1))
+
+    def _open_epoch(self, st: StreamState, epoch: int, msg: _Message) -> Steps[BatchOutcome]:
+        """Open ``epoch`` with a clear of every pod of the stream, or see that a peer did.
+
+        The claim is the epoch's first position, ``(seq -1, phase 1)``: APPLIED when this
+        replica cleared, DUPLICATE once a peer's opening clear is done (a clear in progress is
+        waited for, a stalled one taken over), SUPERSEDED when a peer is already in a later
+        epoch (``msg`` is then dropped and the stream follows ``epoch``'s incarnation).
+        """
+        pods = st.pods_for(msg.topic)
 
         def plan(run: BatchRun) -> Steps[None]:
             if pods:
@@ -560,18 +689,11 @@ class Sequencer:
             else:
                 yield from run.flush()
 
-        outcome = yield from self._run_batch(
-            st, epoch=new_epoch, seq=-1, claim_seq=-1, plan=plan, count_batch=False
+        return (
+            yield from self._run_batch(
+                st, epoch=epoch, seq=-1, claim_seq=-1, plan=plan, count_batch=False, msg=msg
+            )
         )
-        if outcome in (BatchOutcome.ABANDONED, BatchOutcome.FAILED):
-            st.last_seq = msg.seq
-            return outcome
-        if st.epoch < new_epoch:
-            st.epoch = new_epoch
-            if outcome is BatchOutcome.APPLIED:
-                st.known = (-1, PHASE_DONE)
-        st.last_seq = None
-        return (yield from self._sequence(st, msg, False, depth + 1))
 
     def _gap(
         self, st: StreamState, first_missing: int, msg: _Message, depth: int
@@ -582,12 +704,23 @@ class Sequencer:
         has_replay = yield from self._has_replay(st)
         if has_replay:
             found = yield from self._fetch(st, first_missing)
+            if found is not None and not any(
+                item.seq == msg.seq and item.payload == msg.payload for item in found
+            ):
+                # the publisher does not hold the batch in hand: it restarted since (its buffer
+                # is another incarnation's), or the batch fell out of its buffer
+                logger.warning(
+                    "stream %s: replay does not hold batch %d as received; not using it",
+                    st.name,
+                    msg.seq,
+                )
+                found = None
             if found is not None:
                 by_seq: dict[int, _Message] = {}
                 for item in found:
                     # later batches are on their way live; applying them now would make them
                     # look like a publisher restart when they arrive
-                    if first_missing <= item.seq <= msg.seq:
+                    if first_missing <= item.seq < msg.seq:
                         by_seq.setdefault(
                             item.seq, _Message(item.topic or st.last_topic, item.seq, item.payload)
                         )
@@ -607,27 +740,27 @@ class Sequencer:
                 tail = [by_seq[s] for s in sorted(by_seq) if s < msg.seq and s > first_missing]
                 replayed = _contiguous_tail(tail, msg.seq)
             self.counters.inc(Counter.REPLAY_FAILURES)
-        if not st.dirty():
+        if not self.fenced and not st.dirty():
             st.last_seq = msg.seq - 1
             return (yield from self._apply(st, msg, depth))
-        if self.fenced:
+        if self.fenced and st.dirty():
             covered = yield from self._peers_covered(st, msg.seq - 1)
             if covered:
                 st.last_seq = msg.seq - 1
                 return (yield from self._apply(st, msg, depth))
-        logger.warning(
+        # With watermarks the clear is needed even when nothing of the epoch was applied as far
+        # as this replica knows: a peer may have applied the gap's first batches meanwhile, and
+        # the rest of the gap would then be refused to it.
+        logger.log(
+            logging.WARNING if st.dirty() else logging.INFO,
             "stream %s: batches %d..%d are lost, clearing the pod",
             st.name,
             first_missing,
             msg.seq - 1,
         )
-        batches = [*replayed, msg]
-        outcome = yield from self._apply(
-            st, batches[0], depth, pre_clear=True, claim_seq=first_missing
-        )
-        for later in batches[1:]:
-            outcome = yield from self._apply(st, later, depth)
-        return outcome
+        # one batch: claimed at the batch itself, so that no peer applies a batch of the gap
+        # after the clear; the replayed tail is applied after the clear, in the same batch
+        return (yield from self._apply(st, msg, depth, pre_clear=True, tail=replayed))
 
     def _peers_covered(self, st: StreamState, last_missing: int) -> Steps[bool]:
         """Wait up to ``peer_grace_s`` for peers to apply the missing batches."""
@@ -672,9 +805,13 @@ class Sequencer:
         msg: _Message,
         depth: int,
         pre_clear: bool = False,
-        claim_seq: int | None = None,
+        tail: Sequence[_Message] = (),
     ) -> Steps[BatchOutcome]:
-        """Decode, plan and apply one batch of the current epoch; updates ``last_seq``."""
+        """Decode, plan and apply one batch of the current epoch; updates ``last_seq``.
+
+        ``pre_clear``: the batch opens with a clear of the stream's pods (a gap nobody could
+        fill), then applies the replayed batches of ``tail`` (those right before it), then its own.
+        """
         st.last_seq = msg.seq
         first = not msg.counted
         msg.counted = True
@@ -699,27 +836,41 @@ class Sequencer:
             st.pods.add(pod)
         clear_pods = st.pods_for(msg.topic) if pre_clear else set()
         planner = self.planner
+        before: list[tuple[DecodedBatch, str, str | None]] = []
+        for earlier in tail:
+            self.counters.inc(Counter.BATCHES)
+            tail_pod, tail_model = st.identity(earlier.topic)
+            tail_decoded = decode_batch(earlier.payload)
+            self.counters.inc(Counter.EVENTS, tail_decoded.total_events)
+            for rejection in tail_decoded.rejects:
+                self._reject(rejection, where)
+            if tail_pod is not None:
+                before.append((tail_decoded, tail_pod, tail_model))
 
         def plan(run: BatchRun) -> Steps[None]:
             if pre_clear:
                 yield from run.clear(clear_pods, Counter.CLEARS_GAP)
+            for tail_decoded, tail_pod, tail_model in before:
+                yield from run.run_plan(planner.plan(run.plan, tail_decoded, tail_pod, tail_model))
             if pod is not None:
                 yield from run.run_plan(planner.plan(run.plan, decoded, pod, model))
 
-        return (
-            yield from self._run_batch(
-                st,
-                epoch=st.epoch,
-                seq=msg.seq,
-                claim_seq=msg.seq if claim_seq is None else claim_seq,
-                plan=plan,
-                count_batch=True,
-                msg=msg,
-                depth=depth,
-                unusable=unusable,
-                pod=pod,
-            )
+        outcome = yield from self._run_batch(
+            st,
+            epoch=st.epoch,
+            seq=msg.seq,
+            claim_seq=msg.seq,
+            plan=plan,
+            first_phase=CLEAR_PHASE if pre_clear else 1,
+            count_batch=True,
+            msg=msg,
+            depth=depth,
+            unusable=unusable,
+            pod=pod,
         )
+        if tail and outcome is BatchOutcome.APPLIED:
+            self.counters.inc(Counter.BATCHES_APPLIED, len(tail))
+        return outcome
 
     def _run_batch(
         self,
@@ -729,10 +880,11 @@ class Sequencer:
         claim_seq: int,
         plan: PlanFn,
         count_batch: bool,
-        msg: _Message | None = None,
+        msg: _Message,
         depth: int = 0,
         unusable: bool = False,
         pod: str | None = None,
+        first_phase: int = 1,
     ) -> Steps[BatchOutcome]:
         """Run ``plan`` as one batch until applied, found duplicate, or given up.
 
@@ -740,17 +892,33 @@ class Sequencer:
         watermark (so peers see the stream move on) but counts as rejected, not applied.
         """
         counters = self.counters
-        first_phase = 1
+        plan_clears = first_phase >= CLEAR_PHASE or seq < 0
         takeover_clear = False
+        # a peer's claim seen in progress is never stepped over: wait for it or take it over
+        known = st.known
+        in_claim = (
+            self.fenced
+            and epoch == st.epoch
+            and known is not None
+            and known[1] != PHASE_DONE
+            and stream_position(*known) < stream_position(seq)
+        )
         for _attempt in range(8):
             run = BatchRun(self, st, epoch, seq, claim_seq, first_phase, pod)
             try:
+                if in_claim:
+                    in_claim = False
+                    raise _NotOwner
                 if takeover_clear:
                     cause = Counter.CLEARS_RESTART if claim_seq < 0 else Counter.CLEARS_GAP
-                    yield from run.clear(st.pods_for(msg.topic if msg is not None else None), cause)
+                    yield from run.clear(st.pods_for(msg.topic), cause)
                 yield from plan(run)
                 yield from run.finish()
-            except _NotOwner:
+            except (_NotOwner, LostOwnership) as refused:
+                if isinstance(refused, LostOwnership):
+                    # a peer took the batch over: wait until it is done (or take it back)
+                    counters.inc(Counter.LOST_OWNERSHIP)
+                    logger.warning("stream %s: a peer took batch %d over", st.name, seq)
                 try:
                     verdict, stored = yield from self._conflict(st, epoch, seq)
                 except Abandoned:
@@ -776,7 +944,10 @@ class Sequencer:
                         sphase,
                     )
                     claim_seq, first_phase = sseq, sphase + 1
-                    takeover_clear = sseq < seq
+                    if plan_clears and seq >= 0:
+                        first_phase = max(first_phase, CLEAR_PHASE)
+                    # the claim stood for a clear (below the batch, or at a clear phase): redo it
+                    takeover_clear = not plan_clears and (sseq < seq or sphase >= CLEAR_PHASE)
                     continue
                 run.plan.discard_cache()
                 if verdict is Conflict.RETRY:
@@ -784,22 +955,16 @@ class Sequencer:
                 if verdict is Conflict.ABANDONED:
                     counters.inc(Counter.BATCHES_ABANDONED)
                     return BatchOutcome.ABANDONED
-                # the epoch moved on (a peer saw a restart) or the stream moved past our claim
-                assert stored is not None
-                if stored.epoch != st.epoch:
-                    self._adopt_epoch(st, stored, msg)
+                assert stored is not None and msg is not None
+                if stored.epoch > epoch:
+                    # a peer saw an engine restart this replica has not seen yet: the message
+                    # belongs to an earlier incarnation, and the restart's clear superseded it
+                    st.epoch = epoch
+                    return self._supersede(st, stored, msg)
+                # the stream moved past our claim: sequence the message again
                 st.known = split_position(stored.seq)
-                if msg is None:
-                    return BatchOutcome.DUPLICATE
                 st.last_seq = None
                 return (yield from self._sequence(st, msg, False, depth + 1))
-            except LostOwnership:
-                run.plan.discard_cache()
-                counters.inc(Counter.LOST_OWNERSHIP)
-                logger.warning("stream %s: a peer took batch %d over", st.name, seq)
-                if count_batch:
-                    counters.inc(Counter.BATCHES_DUPLICATE)
-                return BatchOutcome.DUPLICATE
             except Abandoned:
                 run.plan.discard_cache()
                 counters.inc(Counter.BATCHES_ABANDONED)

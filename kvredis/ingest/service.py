@@ -66,6 +66,33 @@ class _Queued:
     topic: bytes
     seq: int
     payload: bytes
+    size: int
+
+
+class _ByteBudget:
+    """The payload bytes queued to (or held by) one worker, bounded by ``limit``.
+
+    A message that does not fit waits; one larger than ``limit`` waits for an empty budget.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, size: int, deadline: float | None, closed: threading.Event) -> bool:
+        with self._cond:
+            while self.used and self.used + size > self.limit:
+                if closed.is_set() or (deadline is not None and time.monotonic() >= deadline):
+                    return False
+                self._cond.wait(0.1)
+            self.used += size
+            return True
+
+    def release(self, size: int) -> None:
+        with self._cond:
+            self.used -= size
+            self._cond.notify_all()
 
 
 class EventIngester:
@@ -122,6 +149,7 @@ class EventIngester:
         self._streams_lock = threading.Lock()
         self._endpoints: list[EndpointConfig] = []
         self._queues: list[queue.Queue[object]] = []
+        self._budgets: list[_ByteBudget] = []
         self._workers: list[threading.Thread] = []
         self._receivers: list[Any] = []
         self._context: Any = None
@@ -185,7 +213,7 @@ class EventIngester:
         """
         st = self._stream(endpoint)
         topic_b = topic.encode("utf-8", "surrogateescape") if isinstance(topic, str) else topic
-        return self._handle(st, topic_b, seq, payload)
+        return self._handle(st, topic_b, seq, payload)  # anything not bytes is a counted reject
 
     def submit(
         self,
@@ -212,6 +240,12 @@ class EventIngester:
         self.counters.inc(Counter.RECEIVED)
         return self._enqueue(self._stream(endpoint), topic, seq, payload, None)
 
+    def subscribing(self, endpoint: EndpointConfig) -> None:
+        """Used by subscribers: a subscription to ``endpoint`` is about to connect."""
+        st = self._stream(endpoint)
+        with st.lock:
+            drive(self._sequencer.on_subscribe(st.state), self._backend.perform)
+
     def reject_message(self, reason: RejectReason, detail: str) -> None:
         """Count and log a message a transport could not even split into frames."""
         self.counters.inc(Counter.MESSAGES)
@@ -226,22 +260,24 @@ class EventIngester:
         self._stopping.clear()
         self._closed.clear()
         self._queues = [queue.Queue(self.config.queue_size) for _ in range(self.config.workers)]
+        self._budgets = [_ByteBudget(self.config.queue_bytes) for _ in self._queues]
         self._workers = [
             threading.Thread(
-                target=self._worker, args=(q,), name=f"kvredis-ingest-{i}", daemon=True
+                target=self._worker, args=(q, b), name=f"kvredis-ingest-{i}", daemon=True
             )
-            for i, q in enumerate(self._queues)
+            for i, (q, b) in enumerate(zip(self._queues, self._budgets, strict=True))
         ]
         for worker in self._workers:
             worker.start()
         self._started = True
         real = [e for e in self._endpoints if "://" in e.endpoint]
         if real:
-            from kvredis.ingest.zmq import ZmqSubscriber, new_context
+            from kvredis.ingest.zmq import SubscriberOptions, ZmqSubscriber, new_context
 
             self._context = new_context()
             for endpoint in real:
-                sub = ZmqSubscriber(endpoint, self, self._context)
+                options = SubscriberOptions(max_message_bytes=self.config.max_message_bytes)
+                sub = ZmqSubscriber(endpoint, self, self._context, options)
                 sub.start()
                 self._receivers.append(sub)
 
@@ -266,8 +302,8 @@ class EventIngester:
         self._receivers = []
         self._closed.set()
         if not drain:
-            for q in self._queues:
-                self._drop_queued(q)
+            for q, budget in zip(self._queues, self._budgets, strict=True):
+                self._drop_queued(q, budget)
         for q in self._queues:
             q.put(_STOP)
         ok = True
@@ -278,6 +314,7 @@ class EventIngester:
             logger.error("ingest workers did not finish within %.1fs", timeout)
         self._workers = []
         self._queues = []
+        self._budgets = []
         self._started = False
         self._close_replays()
         if self._context is not None:
@@ -329,6 +366,8 @@ class EventIngester:
             endpoint.replay_endpoint,
             timeout_s=self.config.replay_timeout_s,
             max_batches=self.config.max_replay_batches,
+            max_message_bytes=self.config.max_message_bytes,
+            max_bytes=self.config.queue_bytes,
             on_bad_message=lambda detail: self._reject(
                 Rejection(RejectReason.BAD_MESSAGE, detail), "replay"
             ),
@@ -343,7 +382,7 @@ class EventIngester:
 
     # -- workers ---------------------------------------------------------------------------
 
-    def _handle(self, st: _Stream, topic: bytes, seq: int, payload: object) -> BatchOutcome:
+    def _handle(self, st: _Stream, topic: object, seq: int, payload: object) -> BatchOutcome:
         with st.lock:
             steps = self._sequencer.on_message(st.state, topic, seq, payload)
             return drive(steps, self._backend.perform)
@@ -353,28 +392,36 @@ class EventIngester:
     ) -> bool:
         shard = zlib.crc32(st.state.endpoint.shard_key.encode("utf-8", "surrogateescape"))
         q = self._queues[shard % len(self._queues)]
+        budget = self._budgets[shard % len(self._queues)]
+        size = len(payload) if isinstance(payload, (bytes, bytearray, memoryview)) else 0
         with self._idle:
             self._inflight += 1
         deadline = None if timeout is None else time.monotonic() + timeout
+        if not budget.acquire(size, deadline, self._closed):
+            self._done_one()
+            return False
         while True:
             if self._closed.is_set():
+                budget.release(size)
                 self._done_one()
                 return False
             try:
-                q.put(_Queued(st, topic, seq, payload), timeout=0.1)
+                q.put(_Queued(st, topic, seq, payload, size), timeout=0.1)
                 return True
             except queue.Full:
                 if deadline is not None and time.monotonic() >= deadline:
+                    budget.release(size)
                     self._done_one()
                     return False
 
-    def _drop_queued(self, q: queue.Queue[object]) -> None:
+    def _drop_queued(self, q: queue.Queue[object], budget: _ByteBudget) -> None:
         while True:
             try:
                 item = q.get_nowait()
             except queue.Empty:
                 return
-            if item is not _STOP:
+            if isinstance(item, _Queued):
+                budget.release(item.size)
                 self._done_one()
 
     def _done_one(self) -> None:
@@ -383,7 +430,7 @@ class EventIngester:
             if not self._inflight:
                 self._idle.notify_all()
 
-    def _worker(self, q: queue.Queue[object]) -> None:
+    def _worker(self, q: queue.Queue[object], budget: _ByteBudget) -> None:
         while True:
             item = q.get()
             if item is _STOP:
@@ -395,6 +442,7 @@ class EventIngester:
                 logger.exception("unexpected error while ingesting a batch")
                 self.counters.inc(Counter.BATCHES_FAILED)
             finally:
+                budget.release(item.size)
                 self._done_one()
 
     # -- rejections ------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from kvredis.ingest.config import EndpointConfig
 from kvredis.ingest.events import parse_topic
 
 __all__ = [
+    "CLEAR_PHASE",
     "MAX_ENGINE_SEQ",
     "PHASE_BITS",
     "PHASE_DONE",
@@ -28,6 +29,9 @@ PHASE_DONE = (1 << PHASE_BITS) - 1
 """The phase of a batch that is fully applied."""
 PHASE_LAST_STEP = PHASE_DONE - 1
 """The highest phase an intermediate step of a multi-step batch may use."""
+CLEAR_PHASE = 1 << (PHASE_BITS - 1)
+"""The first phase of a batch that opens with a gap clear: a claim at this phase or above tells
+whoever takes it over that the clear is part of the batch (other batches stay below it)."""
 MAX_ENGINE_SEQ = (1 << 47) - 2
 """Largest engine ``seq`` that fits a watermark position."""
 
@@ -52,11 +56,19 @@ class StreamState:
     epoch: int = 0
     last_seq: int | None = None
     """The last ``seq`` handled on the current subscription (None: a fresh subscriber)."""
+    subscribed_before: bool = False
+    """Whether ``known`` was read before the subscription delivered its first message (so a
+    first ``seq`` below it can only come from a new engine incarnation)."""
+    superseded: bool = False
+    """Whether the subscription still delivers an engine incarnation older than ``epoch``'s
+    successor a peer already started: its batches are dropped until ``seq`` goes back."""
     known: tuple[int, int] | None = None
     """Last known stored position of ``epoch`` as ``(seq, phase)`` (None: nothing applied)."""
     pods: set[str] = field(default_factory=set)
     """Every pod this stream's batches named."""
     last_topic: bytes = b""
+    next_reset_check: float = 0.0
+    """When the stored watermark is next read back to detect a namespace reset (clock time)."""
     has_replay: bool | None = None
     """Whether the publisher has a replay client (None: not asked yet)."""
 

@@ -58,6 +58,11 @@ class MessageSink(Protocol):
         """Queue one received message (blocks while full); ``False`` once the sink is closing."""
         ...
 
+    def subscribing(self, endpoint: EndpointConfig) -> None:
+        """Called once before the subscription to ``endpoint`` connects (it reads the stream's
+        stored watermark, so that whatever arrives afterwards is known to be newer)."""
+        ...
+
     def reject_message(self, reason: RejectReason, detail: str) -> None:
         """Count and log a message the transport could not even split into frames."""
         ...

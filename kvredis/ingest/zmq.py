@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -62,13 +63,20 @@ def close_context(context: Any) -> None:
 class SubscriberOptions:
     """Socket tuning of a :class:`ZmqSubscriber`."""
 
-    rcvhwm: int = 100_000
+    rcvhwm: int = 1000
+    """Messages ZMQ queues while the receiver is blocked (backpressure); more are dropped."""
+    max_message_bytes: int = -1
+    """ZMQ_MAXMSGSIZE: larger messages are refused before they are buffered (-1: no limit)."""
     reconnect_ivl_s: float = 0.1
     reconnect_ivl_max_s: float = 5.0
     heartbeat_ivl_s: float = 1.0
     heartbeat_timeout_s: float = 3.0
     poll_s: float = 0.1
     error_backoff_max_s: float = 5.0
+
+
+_NO_RETRY_S = 0.5
+"""How long after a disconnect ZMQ must report a reconnect attempt before the socket is reopened."""
 
 
 def _ms(seconds: float) -> int:
@@ -95,6 +103,8 @@ class ZmqSubscriber:
         )
         self.connected = threading.Event()
         """Set while the SUB socket has a connection to the publisher."""
+        self._lost_at: float | None = None
+        """When the connection was lost, until ZMQ reports it is reconnecting."""
 
     def start(self) -> None:
         """Start the receiving thread."""
@@ -114,12 +124,15 @@ class ZmqSubscriber:
         sock = self._context.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, opts.rcvhwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, opts.max_message_bytes)
         sock.setsockopt(zmq.RECONNECT_IVL, _ms(opts.reconnect_ivl_s))
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, _ms(opts.reconnect_ivl_max_s))
         sock.setsockopt(zmq.HEARTBEAT_IVL, _ms(opts.heartbeat_ivl_s))
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _ms(opts.heartbeat_timeout_s))
         sock.setsockopt(zmq.SUBSCRIBE, self.endpoint.topic_filter.encode("utf-8"))
-        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        monitor = sock.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+        )
         try:
             sock.connect(self.endpoint.endpoint)
         except zmq.ZMQError:
@@ -132,6 +145,7 @@ class ZmqSubscriber:
     def _run(self) -> None:
         counters = self._sink.counters
         backoff = self._options.reconnect_ivl_s
+        self._sink.subscribing(self.endpoint)
         while not self._stop.is_set():
             try:
                 sock, monitor = self._open()
@@ -160,10 +174,21 @@ class ZmqSubscriber:
         poller.register(sock, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
         poll_ms = _ms(self._options.poll_s)
+        self._lost_at = None
         while not self._stop.is_set():
             ready = dict(poller.poll(poll_ms))
             if monitor in ready:
                 self._drain_monitor(monitor)
+            if self._lost_at is not None and time.monotonic() - self._lost_at > _NO_RETRY_S:
+                # ZMQ does not reconnect after a protocol error (such as a message over
+                # ZMQ_MAXMSGSIZE): reopen the socket
+                self._sink.counters.inc(Counter.TRANSPORT_ERRORS)
+                logger.warning(
+                    "%s dropped the connection for good (a message over %d bytes?); reopening",
+                    self.endpoint.endpoint,
+                    self._options.max_message_bytes,
+                )
+                return
             if sock in ready:
                 for _ in range(1000):
                     try:
@@ -182,11 +207,15 @@ class ZmqSubscriber:
                 return
             kind = event.get("event")
             if kind == zmq.EVENT_CONNECTED:
+                self._lost_at = None
                 counters.inc(Counter.CONNECTS)
                 self.connected.set()
                 logger.info("connected to %s", self.endpoint.endpoint)
+            elif kind == zmq.EVENT_CONNECT_RETRIED:
+                self._lost_at = None
             elif kind == zmq.EVENT_DISCONNECTED:
                 counters.inc(Counter.DISCONNECTS)
+                self._lost_at = time.monotonic()
                 self.connected.clear()
                 logger.warning("disconnected from %s, reconnecting", self.endpoint.endpoint)
 
@@ -212,10 +241,15 @@ class ZmqReplayClient:
         timeout_s: float = 2.0,
         max_batches: int = 20_000,
         on_bad_message: Callable[[str], None] | None = None,
+        max_message_bytes: int = -1,
+        max_bytes: int | None = None,
     ) -> None:
         self.endpoint = endpoint
         self._timeout_ms = _ms(timeout_s)
         self._max = max_batches
+        self._max_message_bytes = max_message_bytes
+        self._max_bytes = max_bytes
+        """Payload bytes one fetch keeps at most; the rest of the replay is not read."""
         self._on_bad = on_bad_message
         self._context = zmq.Context()
 
@@ -227,7 +261,9 @@ class ZmqReplayClient:
         """
         sock = self._context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
         out: list[ReplayedMessage] = []
+        kept = 0
         try:
             sock.connect(self.endpoint)
             sock.send_multipart([b"", int(start_seq).to_bytes(8, "big")])
@@ -252,6 +288,15 @@ class ZmqReplayClient:
                 if len(seq_frame) != 8:
                     self._bad(f"replay seq frame of {len(seq_frame)} bytes")
                     continue
+                kept += len(payload)
+                if self._max_bytes is not None and kept > self._max_bytes:
+                    logger.warning(
+                        "replay from %s cut at %d batches: over %d bytes",
+                        self.endpoint,
+                        len(out),
+                        self._max_bytes,
+                    )
+                    return out
                 out.append(ReplayedMessage(topic, int.from_bytes(seq_frame, "big"), payload))
             return out
         except zmq.ZMQError as exc:

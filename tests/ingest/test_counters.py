@@ -10,12 +10,13 @@ from kvredis.ingest.events import RejectReason
 #: The flat names metrics exporters read (they must not change).
 NAMES = [
     "messages", "batches", "batches_applied", "batches_duplicate", "batches_failed",
-    "batches_abandoned", "batches_rejected", "events", "events_applied", "blocks_stored",
-    "blocks_removed", "request_keys_stored", "tier_updates", "tier_update_misses",
+    "batches_abandoned", "batches_rejected", "batches_superseded", "events", "events_applied",
+    "blocks_stored", "blocks_removed", "request_keys_stored", "tier_updates", "tier_update_misses",
     "parent_misses", "index_calls", "index_lookups", "gaps", "replays", "replayed_batches",
-    "replay_failures", "restarts", "epochs_adopted", "clears", "clears_all_blocks_cleared",
-    "clears_restart", "clears_gap", "peer_waits", "takeovers", "lost_ownership",
-    "backend_retries", "rejected", "received", "connects", "disconnects", "transport_errors",
+    "replay_failures", "namespace_resets", "restarts", "epochs_adopted", "clears",
+    "clears_all_blocks_cleared", "clears_restart", "clears_gap", "peer_waits", "takeovers",
+    "lost_ownership", "backend_retries", "rejected", "received", "connects", "disconnects",
+    "transport_errors",
 ]
 
 

@@ -28,7 +28,7 @@ from kvredis.ingest.sequencer import (
     ReadWatermark,
     SleepUntil,
 )
-from kvredis.ingest.stream import PHASE_DONE, stream_position
+from kvredis.ingest.stream import CLEAR_PHASE, PHASE_DONE, stream_position
 from kvredis.memory import InMemoryIndex
 from tests.ingest.harness import (
     CONFIG,
@@ -166,7 +166,7 @@ def test_refused_claim_on_a_batch_a_peer_applied_meanwhile_is_a_duplicate(
 
 
 def test_gap_filled_by_replay(index: InMemoryIndex, clock: FakeClock) -> None:
-    replay = FakeReplay({s: batch(s) for s in range(3)})
+    replay = FakeReplay({s: batch(s) for s in range(4)})  # it buffers what it sent, 3 too
     r = Replica(index, clock, replay=replay)
     r.process(0, batch(0))
     assert r.process(3, batch(3)) is BatchOutcome.APPLIED
@@ -185,13 +185,27 @@ def test_gap_beyond_the_replay_buffer_clears_then_applies_the_tail(
     assert r.process(5, batch(5)) is BatchOutcome.APPLIED
     start = r.trace.index(FetchReplay(r.stream.endpoint, 1))
     kinds = [type(a) for a in r.trace[start:]]
-    # peers get peer_grace_s to cover the gap, then the clear claims batch 1 (the first missing)
+    # peers get peer_grace_s to cover the gap; then the batch claims itself at a clear phase
+    # (no peer can apply a batch of the gap after the clear), clears, and applies the replayed
+    # tail and itself as its last step
     assert kinds[1] is ReadWatermark and SleepUntil in kinds
-    assert kinds[-4:] == [ClearPod, ApplyStep, ApplyStep, ApplyStep]
-    assert steps_of(r)[1:] == [mark(0, 1, 1), mark(0, 3), mark(0, 4), mark(0, 5)]
+    assert kinds[-3:] == [ApplyStep, ClearPod, ApplyStep]
+    assert steps_of(r)[1:] == [mark(0, 5, CLEAR_PHASE), mark(0, 5)]
     assert held(index, range(6)) == {3, 4, 5}
     assert (r.count("replay_failures"), r.count("clears_gap")) == (1, 1)
     assert waited(clock) == pytest.approx(CONFIG.peer_grace_s, abs=CONFIG.poll_interval_s)
+
+
+def test_replay_of_a_restarted_publisher_is_not_used(
+    index: InMemoryIndex, clock: FakeClock
+) -> None:
+    """The engine restarted unseen: its buffer holds the new incarnation's batches 1..3."""
+    replay = FakeReplay({s: batch(50 + s) for s in range(4)})
+    r = Replica(index, clock, replay=replay)
+    r.process(0, batch(0))
+    assert r.process(3, batch(3)) is BatchOutcome.APPLIED
+    assert (r.count("replay_failures"), r.count("replayed_batches")) == (1, 0)
+    assert held(index, [0, 3, 51, 52]) == {3}
 
 
 def test_unreachable_replay_is_a_failure_and_the_gap_clears(
@@ -207,12 +221,23 @@ def test_unreachable_replay_is_a_failure_and_the_gap_clears(
     assert held(index, range(3)) == {2}
 
 
-def test_gap_before_anything_of_the_epoch_was_applied_does_not_clear(
+def test_gap_before_anything_of_the_epoch_was_applied_clears_without_waiting(
     index: InMemoryIndex, clock: FakeClock
 ) -> None:
+    """A peer may have applied the first batches of the gap: the rest would be refused to it."""
     r = Replica(index, clock)
     assert r.process(7, batch(7)) is BatchOutcome.APPLIED
-    assert [type(a) for a in r.trace] == [ReadWatermark, OpenReplay, ApplyStep]
+    assert [type(a) for a in r.trace] == [ReadWatermark, OpenReplay, ApplyStep, ClearPod, ApplyStep]
+    assert (r.count("gaps"), r.count("clears_gap")) == (1, 1)
+    assert clock.now == 1000.0
+
+
+def test_without_watermarks_a_gap_before_anything_was_applied_does_not_clear(
+    index: InMemoryIndex, clock: FakeClock
+) -> None:
+    r = Replica(index, clock, IngesterConfig(use_watermarks=False))
+    assert r.process(7, batch(7)) is BatchOutcome.APPLIED
+    assert [type(a) for a in r.trace] == [OpenReplay, ApplyOps]
     assert (r.count("gaps"), r.count("clears")) == (1, 0)
 
 
@@ -245,12 +270,18 @@ def test_seq_going_back_is_a_restart(index: InMemoryIndex, clock: FakeClock) -> 
     assert (r.count("restarts"), r.count("clears_restart"), r.count("gaps")) == (1, 1, 0)
 
 
+def both_fed(index: InMemoryIndex, clock: FakeClock, n: int = 3) -> tuple[Replica, Replica]:
+    """Two replicas that both handled batches ``0..n-1``."""
+    a, b = Replica(index, clock), Replica(index, clock)
+    for r in (a, b):
+        r.feed(range(n))
+    return a, b
+
+
 def test_two_replicas_that_see_one_restart_clear_once(
     index: InMemoryIndex, clock: FakeClock
 ) -> None:
-    a, b = Replica(index, clock), Replica(index, clock)
-    for r in (a, b):
-        r.feed(range(3))
+    a, b = both_fed(index, clock)
     a.process(0, batch(9))
     assert b.process(0, batch(9)) is BatchOutcome.DUPLICATE
     assert (a.count("clears") + b.count("clears"), b.count("restarts")) == (1, 1)
@@ -482,3 +513,43 @@ def test_shutdown_during_a_backend_outage_abandons(clock: FakeClock) -> None:
     assert (r.count("backend_retries"), r.count("batches_abandoned")) == (3, 1)
     assert clock.now == pytest.approx(1000.0 + 0.05 + 0.1)  # no wait once shutdown began
     assert index.get_watermark(STREAM) is None
+
+
+def test_adopting_an_epoch_waits_for_its_opening_clear_then_takes_it_over(
+    index: InMemoryIndex, clock: FakeClock
+) -> None:
+    """Issue 13: the epoch a peer opened is followed only once its opening clear is done."""
+    a, b = Replica(index, clock), Replica(index, clock)
+    a.feed(range(20))
+    stalled = a.begin(0, batch(60))  # the engine restarted; a claims epoch 1, then stalls
+    stalled.run_until(is_clear)
+    assert index.get_watermark(STREAM) == mark(1, -1, 1)
+    assert b.process(0, batch(60)) is BatchOutcome.APPLIED
+    # b waited for the clear, took it over after takeover_timeout_s, then applied batch 0
+    assert waited(clock) >= CONFIG.takeover_timeout_s
+    assert [type(x) for x in b.trace].count(ClearPod) == 1
+    assert b.trace.index(next(x for x in b.trace if is_clear(x))) < len(b.trace) - 1
+    assert held(index, [*range(20), 60]) == {60}
+    assert stalled.finish() is BatchOutcome.DUPLICATE
+    assert (a.count("clears") + b.count("clears"), b.count("takeovers")) == (1, 1)
+    assert held(index, range(20)) == set()
+
+
+def test_a_lagging_replica_drops_two_incarnations_of_backlog(
+    index: InMemoryIndex, clock: FakeClock
+) -> None:
+    """Two restarts in a row while b lags: b follows them one regression at a time."""
+    a, b = both_fed(index, clock)
+    a.feed(range(3, 6))
+    a.process(0, batch(30))  # restart 1: epoch 1
+    a.process(1, batch(31))
+    a.process(0, batch(40))  # restart 2: epoch 2
+    assert [b.process(s, batch(s)) for s in range(3, 6)] == [BatchOutcome.SUPERSEDED] * 3
+    # b's connection shows restart 1: epoch 1 is not the newest, so its batches are dropped too
+    assert [b.process(s, batch(30 + s)) for s in range(2)] == [BatchOutcome.SUPERSEDED] * 2
+    # restart 2: b follows epoch 2
+    assert b.process(0, batch(40)) is BatchOutcome.DUPLICATE
+    assert b.process(1, batch(41)) is BatchOutcome.APPLIED
+    assert held(index, [*range(6), 30, 31, 40, 41]) == {40, 41}
+    assert index.get_watermark(STREAM) == mark(2, 1)
+    assert (a.count("clears") + b.count("clears"), b.count("batches_superseded")) == (2, 5)

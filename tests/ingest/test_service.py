@@ -32,6 +32,7 @@ from kvredis.ingest import (
     EndpointConfig,
     EventIngester,
     IngesterConfig,
+    ReplayedMessage,
     split_position,
     stream_position,
 )
@@ -390,6 +391,10 @@ def test_bad_events_are_counted_and_the_rest_applies() -> None:
         ("kv@pod-a@m", 2**47 - 1, encode_batch([]), "seq_out_of_range", BatchOutcome.REJECTED),
         ("kv@pod-a@m", -1, encode_batch([]), "seq_out_of_range", BatchOutcome.REJECTED),
         ("kv@pod-a@m", 0, "not bytes", "bad_message", BatchOutcome.REJECTED),
+        ("kv@pod-a@m", 0, None, "bad_message", BatchOutcome.REJECTED),
+        ("kv@pod-a@m", 0, 12, "bad_message", BatchOutcome.REJECTED),
+        (None, 0, encode_batch([]), "bad_message", BatchOutcome.REJECTED),
+        (5, 0, encode_batch([]), "bad_message", BatchOutcome.REJECTED),
         (
             "kv@pod-a@",
             0,
@@ -400,7 +405,7 @@ def test_bad_events_are_counted_and_the_rest_applies() -> None:
     ],
 )
 def test_message_rejects(
-    topic: str, seq: int, payload: Any, reason: str, outcome: BatchOutcome
+    topic: Any, seq: int, payload: Any, reason: str, outcome: BatchOutcome
 ) -> None:
     index = InMemoryIndex()
     ing = EventIngester(index, TP)
@@ -487,15 +492,17 @@ def test_lost_batches_clear_the_pod(shared_index: Any) -> None:
     assert shared_index.get_watermark("engine-1") == Watermark(0, stream_position(5))
 
 
-def test_gap_before_anything_was_applied_does_not_clear(shared_index: Any) -> None:
+def test_gap_before_anything_was_applied_clears_without_waiting(shared_index: Any) -> None:
+    """With watermarks a peer may hold the gap's first batches: the pod is cleared at once."""
     other = EventIngester(shared_index, TP)
     Feeder(other, "kv@pod-a@m", "e2").send(BlockStored((1,), None, toks(0, 16), 16))
     ing = EventIngester(shared_index, TP, config=FAST)
     feed = Feeder(ing, "kv@pod-a@m")
     feed.seq = 7
     feed.send(BlockStored((5,), None, toks(100, 16), 16))
-    assert ing.counters.get("clears") == 0 and ing.counters.get("gaps") == 1
-    assert shared_index.lookup(keys(toks(0, 16), "m"))
+    c = ing.counters.snapshot()
+    assert (c["clears_gap"], c["gaps"], c["peer_waits"]) == (1, 1, 0)
+    assert not shared_index.lookup(keys(toks(0, 16), "m"))
     assert shared_index.lookup(keys(toks(100, 16), "m"))
 
 
@@ -794,3 +801,97 @@ def test_shutdown_while_waiting_on_peers_abandons_instead_of_clearing(
     assert outcome == [BatchOutcome.ABANDONED]
     assert late.counters.get("clears") == 0
     assert snapshot(shared_index, 50) == before
+
+
+def test_a_replica_lagging_across_a_restart_drops_its_old_backlog(
+    shared_index: Any, second_client: Any
+) -> None:
+    """Issue 13: B still holds old batches 2 and 3 when A has seen the engine restart."""
+    a = EventIngester(shared_index, TP, config=FAST)
+    b = EventIngester(second_client(shared_index), TP, config=FAST)
+    old = [encode_batch([BlockStored((i + 1,), None, toks(16 * i, 16), 16)]) for i in range(4)]
+    new = [
+        encode_batch([BlockStored((70 + i,), None, toks(7000 + 16 * i, 16), 16)]) for i in range(3)
+    ]
+    for seq in range(2):
+        a.process(TOPIC, seq, old[seq], "engine-1")
+        b.process(TOPIC, seq, old[seq], "engine-1")
+    for seq in range(2, 4):
+        a.process(TOPIC, seq, old[seq], "engine-1")
+    assert a.process(TOPIC, 0, new[0], "engine-1") is BatchOutcome.APPLIED
+    # B's backlog of the old engine: superseded by the restart clear, never applied
+    assert [b.process(TOPIC, seq, old[seq], "engine-1") for seq in (2, 3)] == [
+        getattr(BatchOutcome, "SUPERSEDED", "superseded")
+    ] * 2
+    held_new = [bool(shared_index.lookup(keys(toks(7000, 16))))]
+    held_old = [bool(shared_index.lookup(keys(toks(16 * i, 16)))) for i in range(4)]
+    assert (held_new, held_old) == ([True], [False] * 4)
+    assert shared_index.get_watermark("engine-1") == Watermark(1, stream_position(0))
+    # both follow the new engine: each batch applied once, by whoever comes first
+    assert a.process(TOPIC, 1, new[1], "engine-1") is BatchOutcome.APPLIED
+    assert [b.process(TOPIC, seq, new[seq], "engine-1") for seq in range(3)] == [
+        BatchOutcome.DUPLICATE,
+        BatchOutcome.DUPLICATE,
+        BatchOutcome.APPLIED,
+    ]
+    assert a.process(TOPIC, 2, new[2], "engine-1") is BatchOutcome.DUPLICATE
+    assert all(shared_index.lookup(keys(toks(7000 + 16 * i, 16))) for i in range(3))
+    assert shared_index.get_watermark("engine-1") == Watermark(1, stream_position(2))
+    ca, cb = a.counters.snapshot(), b.counters.snapshot()
+    assert ca["clears"] + cb["clears"] == 1
+    assert (ca["clears_restart"], cb["restarts"], cb["epochs_adopted"]) == (1, 1, 1)
+    assert ca["batches_applied"] + cb["batches_applied"] == 4 + 3
+    assert cb["batches_superseded"] == 2
+
+
+class BufferedReplay:
+    """An engine's replay buffer of its last ``size`` batches."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.batches: list[tuple[int, bytes]] = []
+
+    def keep(self, seq: int, payload: bytes) -> bytes:
+        self.batches = [*self.batches, (seq, payload)][-self.size :]
+        return payload
+
+    def fetch(self, start_seq: int) -> list[ReplayedMessage] | None:
+        return [ReplayedMessage(TOPIC.encode(), s, p) for s, p in self.batches if s >= start_seq]
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_redis_restart_that_loses_the_data_is_detected_and_replay_recovers(
+    own_redis_server: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 9.15: a restart without persistence empties the namespace under the ingester."""
+    from kvredis import RedisIndex, RedisIndexConfig
+
+    index = RedisIndex(RedisIndexConfig(address=own_redis_server.url, namespace="reset"))
+    replay = BufferedReplay(4)
+    config = IngesterConfig(reset_check_interval_s=0.0, backend_retry_max_s=0.05)
+    ing = EventIngester(index, TP, config=config, replay_factory=lambda _ep: replay)
+    endpoint = EndpointConfig("engine-1", replay_endpoint="tcp://replay")
+    payloads = [
+        encode_batch([BlockStored((i + 1,), None, toks(16 * i, 16), 16)]) for i in range(12)
+    ]
+    try:
+        for seq in range(10):
+            ing.process(TOPIC, seq, replay.keep(seq, payloads[seq]), endpoint)
+        own_redis_server.restart()  # no persistence: everything is gone
+        with caplog.at_level(logging.ERROR, logger="kvredis.ingest.sequencer"):
+            outcome = ing.process(TOPIC, 10, replay.keep(10, payloads[10]), endpoint)
+        assert outcome is BatchOutcome.APPLIED
+        assert any("lost its data" in r.getMessage() for r in caplog.records)
+        assert ing.process(TOPIC, 11, replay.keep(11, payloads[11]), endpoint) is (
+            BatchOutcome.APPLIED
+        )
+        c = ing.counters.snapshot()
+        assert (c["namespace_resets"], c["replays"]) == (1, 1)
+        # the replay buffer held batches 7..10: they are back, the older ones are lost
+        held = [bool(index.lookup(keys(toks(16 * i, 16)))) for i in range(12)]
+        assert held == [False] * 7 + [True] * 5
+        assert index.get_watermark("engine-1") == Watermark(0, stream_position(11))
+    finally:
+        index.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -120,8 +121,9 @@ def test_gap_is_filled_by_replay(topic_frame: bool) -> None:
             assert held(index, toks(0, 80)) == 5
             assert eng.replay_requests == [1]
             c = ing.counters.snapshot()
-            assert (c["gaps"], c["replays"], c["replayed_batches"], c["clears"]) == (1, 1, 4, 0)
-            assert c["batches_applied"] == 5 and c["batches_duplicate"] == 1
+            # 1..3 replayed; the batch in hand is applied as received
+            assert (c["gaps"], c["replays"], c["replayed_batches"], c["clears"]) == (1, 1, 3, 0)
+            assert c["batches_applied"] == 5 and c["batches_duplicate"] == 0
         finally:
             assert ing.stop()
 
@@ -354,14 +356,14 @@ def test_replay_fills_only_up_to_the_batch_in_hand() -> None:
                 eng.publish_payload(payload, send=False)
             assert ing.process(eng.topic, 0, payloads[0], ep) is BatchOutcome.APPLIED
             # 1..3 were lost; 4 arrives while 5 and 6 are already in the engine's buffer
-            # (4 itself is applied from the replay, so the live copy is a duplicate)
-            assert ing.process(eng.topic, 4, payloads[4], ep) is BatchOutcome.DUPLICATE
+            # (1..3 are applied from the replay, then 4 as received)
+            assert ing.process(eng.topic, 4, payloads[4], ep) is BatchOutcome.APPLIED
             assert eng.replay_requests == [1]
             assert held(index, toks(0, 112)) == 5
             for seq in (5, 6):
                 assert ing.process(eng.topic, seq, payloads[seq], ep) is BatchOutcome.APPLIED
             c = ing.counters.snapshot()
-            assert (c["restarts"], c["clears"], c["replayed_batches"]) == (0, 0, 4)
+            assert (c["restarts"], c["clears"], c["replayed_batches"]) == (0, 0, 3)
             assert held(index, toks(0, 112)) == 7
         finally:
             ing.stop()
@@ -394,3 +396,55 @@ def test_stop_during_a_backend_outage_with_a_full_queue(
     finally:
         ing.stop()
         index.close()
+
+
+def test_oversized_messages_are_refused_at_the_socket_and_ingest_goes_on() -> None:
+    """A flood over ``max_message_bytes`` never reaches the queues; valid batches still apply."""
+    config = IngesterConfig(
+        workers=2, peer_grace_s=0.05, poll_interval_s=0.005, max_message_bytes=1 << 20
+    )
+    with FakeEngine() as eng:
+        index = InMemoryIndex()
+        ing = start(index, eng, config)
+        try:
+            eng.publish([BlockStored((1,), None, toks(0, 16), 16)])
+            settle(ing, 1)
+            flood = bytes(4 << 20)
+            for _ in range(20):
+                eng.send_frames([eng.topic, eng.seq.to_bytes(8, "big"), flood])
+                eng.seq += 1
+            # ZMQ drops the connection at the first oversized header; the subscriber reconnects
+            eng.wait_subscribed()
+            eng.publish([BlockStored((2,), None, toks(100, 16), 16)])
+            wait_until(lambda: held(index, toks(100, 16)) == 1)
+            c = ing.counters.snapshot()
+            assert c["received"] == 2 and c["rejected"] == 0
+            assert c["gaps"] == 1 and c["batches_applied"] == 2
+        finally:
+            assert ing.stop()
+
+
+def test_queue_bytes_bound_the_queued_payload() -> None:
+    """A worker's queue takes messages up to ``queue_bytes`` of payload, then submit() blocks."""
+    index = InMemoryIndex()
+    ing = EventIngester(index, TP, config=IngesterConfig(workers=1, queue_bytes=1000))
+    gate = threading.Event()
+    original = ing._handle  # the worker waits on the gate: the queue fills up
+
+    def gated(*args: Any) -> BatchOutcome:
+        gate.wait(10)
+        return original(*args)
+
+    ing._handle = gated  # type: ignore[method-assign]
+    ing.start()
+    try:
+        payload = bytes(300)  # rejected when handled; 300 bytes of budget until then
+        accepted = [ing.submit("kv@pod-a@model-a", s, payload, timeout=0.05) for s in range(6)]
+        # one in the worker's hands, two more queued (3 × 300 bytes of 1000), then full
+        assert accepted[:3] == [True] * 3 and not any(accepted[3:])
+        gate.set()
+        assert ing.wait_idle(10)
+        assert ing.submit("kv@pod-a@model-a", 6, payload, timeout=1.0)
+    finally:
+        gate.set()
+        assert ing.stop()

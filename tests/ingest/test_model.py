@@ -1,0 +1,401 @@
+"""Model check of the HA ingest protocol: 2-3 sans-IO replicas through generated interleavings.
+
+Hypothesis drives an engine (publishing, restarting, with a replay buffer of a few batches that
+may be out of reach) and 2-3 replicas stepped one action at a time on a fake clock, with pauses
+(a replica not stepped), kills between any two actions, late joiners and messages lost on one
+replica's connection. After every step the index is checked against a single-replica model of
+what the pod holds (``docs/ingest-protocol.md``, "Limits", states what this proves):
+
+- no stale entry, ever: nothing of an earlier engine incarnation once a batch of a later one was
+  applied, and nothing the engine removed once a batch at or after the removal was applied;
+- each restart opens at most one epoch, and each epoch's opening clear is counted once, by the
+  replica that finished it;
+- once the replicas are quiet, the pod holds exactly what the engine holds, unless a documented
+  limit applied: a batch no replica received that replay could not return, a gap clear, or a
+  takeover of a replica that died (or stalled) mid-batch.
+
+Two documented limits are modelled rather than checked: a replica subscribing after a restart no
+replica saw, once the new incarnation passed the stored position (its incarnation is "blind": old
+entries may stay next to new ones until a replica sees the restart), and no replica subscribes
+while another lags two or more restarts behind. ``KVREDIS_MODEL_EXAMPLES`` and
+``KVREDIS_MODEL_STEPS`` raise the example count (300) and steps per example (40) for long runs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as strat
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvredis.batch import AddOp, IndexOp, Watermark
+from kvredis.ingest.events import BlockRemoved, BlockStored, encode_batch
+from kvredis.ingest.sequencer import BatchOutcome, drive
+from kvredis.ingest.stream import PHASE_DONE, split_position
+from kvredis.ingest.transport import ReplayedMessage
+from kvredis.memory import InMemoryIndex
+from tests.ingest.harness import CONFIG, STREAM, TOPIC, FakeClock, Replica, Stepper, block_key
+from tests.ingest.harness import block_tokens as tokens
+
+MAX_ACTIONS = 3000
+"""A bound on the actions one message may take (waits for a stalled peer end in a takeover)."""
+
+
+@cache
+def key_of(block: int) -> int:
+    return block_key(block)
+
+
+@dataclass(frozen=True)
+class Published:
+    """One engine batch: it stores ``block`` and maybe removes ``removes`` (same incarnation)."""
+
+    incarnation: int
+    seq: int
+    block: int
+    removes: int | None
+    payload: bytes
+
+
+class RecordingIndex(InMemoryIndex):
+    """The real in-memory index, remembering every request key an applied batch added."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.added: set[int] = set()
+
+    def apply_batch(
+        self,
+        ops: Any,
+        stream: str | None = None,
+        watermark: Watermark | None = None,
+    ) -> bool:
+        applied = super().apply_batch(ops, stream, watermark)
+        if applied:
+            op: IndexOp
+            for op in ops:
+                if isinstance(op, AddOp):
+                    self.added.update(op.request_keys)
+        return applied
+
+
+class Engine:
+    """An engine process after process: sequence numbers, a replay buffer of ``buffer`` batches."""
+
+    def __init__(self, buffer: int) -> None:
+        self.incarnation = 0
+        self.next_seq = 0
+        self.buffer = buffer
+        self.reachable = True
+        self.log: list[Published] = []
+        self.alive: list[int] = []
+        """Blocks the current incarnation holds."""
+
+    def publish(self, remove: bool) -> Published:
+        removes = self.alive.pop(0) if remove and self.alive else None
+        block = len(self.log)
+        events: list[Any] = [] if removes is None else [BlockRemoved((removes + 1,))]
+        events.append(BlockStored((block + 1,), None, tokens(block), 16))
+        msg = Published(self.incarnation, self.next_seq, block, removes, encode_batch(events))
+        self.log.append(msg)
+        self.alive.append(block)
+        self.next_seq += 1
+        return msg
+
+    def restart(self) -> None:
+        self.incarnation += 1
+        self.next_seq = 0
+        self.alive = []
+
+    def fetch(self, start_seq: int) -> list[ReplayedMessage] | None:
+        if not self.reachable:
+            return None
+        current = [m for m in self.log if m.incarnation == self.incarnation]
+        kept = current[len(current) - self.buffer :] if self.buffer else []
+        return [ReplayedMessage(TOPIC, m.seq, m.payload) for m in kept if m.seq >= start_seq]
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class Node:
+    """One replica slot: the running replica (None: dead) and its subscription's queue."""
+
+    replica: Replica | None = None
+    queue: deque[Published] = field(default_factory=deque)
+    stepper: Stepper | None = None
+    current: Published | None = None
+    received: int | None = None
+    """The incarnation of the last message delivered to it."""
+    witness: bool = False
+    """It received the engine's previous incarnation and has yet to handle the current one: its
+    connection will show the restart as seq going back."""
+
+
+#: Counters whose movement means a documented limit applied (entries may be missing).
+LIMIT_COUNTERS = ("clears_gap", "takeovers", "lost_ownership", "replay_failures")
+
+
+class Protocol(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = FakeClock()
+        self.index = RecordingIndex()
+        self.engine = Engine(buffer=4)
+        self.with_replay = True
+        self.slots: list[Node] = []
+        self.retired: list[Replica] = []
+        self.restarts = 0
+        self.epoch_at_restart = 0
+        self.blind: set[int] = set()
+        """Incarnations no replica can tell from the one before: no live replica received the
+        previous one (or all that did died first), or one subscribed after the restart once the
+        new incarnation had passed the stored position."""
+        self.clean = True
+        """No replica died holding messages of the current incarnation."""
+        self.limits_at_restart = (0,) * len(LIMIT_COUNTERS)
+        self.gaps_at_restart = 0
+        self.handled: set[tuple[int, int]] = set()
+        """(incarnation, seq) of every batch some replica applied or found applied."""
+
+    # -- setup -----------------------------------------------------------------------------
+
+    @initialize(
+        replicas=strat.integers(2, 3),
+        buffer=strat.integers(0, 6),
+        with_replay=strat.booleans(),
+    )
+    def setup(self, replicas: int, buffer: int, with_replay: bool) -> None:
+        self.engine.buffer = buffer
+        self.with_replay = with_replay
+        for _ in range(replicas):
+            self.slots.append(Node())
+            self._join(self.slots[-1])
+
+    def _join(self, node: Node) -> None:
+        replay = self.engine if self.with_replay else None
+        node.replica = Replica(self.index, self.clock, CONFIG, replay=replay)  # type: ignore[arg-type]
+        node.queue.clear()
+        node.witness, node.received = False, None
+        node.stepper, node.current = None, None
+        replica = node.replica
+        if hasattr(replica.sequencer, "on_subscribe"):
+            drive(replica.sequencer.on_subscribe(replica.stream), replica.perform)
+
+    def _live(self) -> list[Node]:
+        return [n for n in self.slots if n.replica is not None]
+
+    # -- the engine ------------------------------------------------------------------------
+
+    @rule(remove=strat.booleans())
+    def publish(self, remove: bool) -> None:
+        msg = self.engine.publish(remove)
+        for node in self._live():
+            node.queue.append(msg)
+            node.received = msg.incarnation
+
+    @rule()
+    def restart_engine(self) -> None:
+        outgoing = self.engine.incarnation
+        published = any(m.incarnation == outgoing for m in self.engine.log)
+        self.engine.restart()
+        self.restarts += published
+        if published:  # else this restart and the one before look like one on every connection
+            for node in self._live():
+                node.witness = node.received == outgoing
+        unseen = bool(self.engine.log) and not any(node.witness for node in self._live())
+        if unseen or (not published and outgoing in self.blind):
+            self.blind.add(self.engine.incarnation)
+        stored = self.index.get_watermark(STREAM)
+        self.epoch_at_restart = 0 if stored is None else stored.epoch
+        self.clean = True
+        self.limits_at_restart = self._limits()
+        self.gaps_at_restart = self._count("gaps")
+
+    @rule(reachable=strat.booleans())
+    def replay_reachable(self, reachable: bool) -> None:
+        self.engine.reachable = reachable
+
+    @rule(seconds=strat.sampled_from([0.05, 0.3, 1.0, 5.0, 11.0]))
+    def time_passes(self, seconds: float) -> None:
+        self.clock.advance(seconds)
+
+    # -- replicas --------------------------------------------------------------------------
+
+    @rule(which=strat.integers(0, 2), actions=strat.integers(1, 6))
+    def step(self, which: int, actions: int) -> None:
+        node = self.slots[which % len(self.slots)]
+        for _ in range(actions):
+            if not self._step(node):
+                return
+
+    @rule(which=strat.integers(0, 2))
+    def finish_message(self, which: int) -> None:
+        node = self.slots[which % len(self.slots)]
+        if node.stepper is None:
+            self._step(node)
+        for _ in range(MAX_ACTIONS):
+            if node.stepper is None:
+                return
+            self._step(node)
+        raise AssertionError("a message took more than MAX_ACTIONS actions")
+
+    def _step(self, node: Node) -> bool:
+        """One action of ``node`` (starting its next message if idle); False if it has none."""
+        replica = node.replica
+        if replica is None:
+            return False
+        if node.stepper is None:
+            if not node.queue:
+                return False
+            node.current = node.queue.popleft()
+            node.stepper = replica.begin(node.current.seq, node.current.payload)
+        else:
+            node.stepper.step()
+        if node.stepper.pending is None:
+            self._done(node, node.stepper.outcome)
+        return True
+
+    def _done(self, node: Node, outcome: BatchOutcome | None) -> None:
+        msg = node.current
+        assert msg is not None
+        node.stepper, node.current = None, None
+        if msg.incarnation == self.engine.incarnation:
+            node.witness = False
+        if outcome in (BatchOutcome.APPLIED, BatchOutcome.DUPLICATE):
+            self.handled.add((msg.incarnation, msg.seq))
+
+    @rule(which=strat.integers(0, 2))
+    def kill(self, which: int) -> None:
+        node = self.slots[which % len(self.slots)]
+        if node.replica is None:
+            return
+        self.retired.append(node.replica)
+        if node.queue or node.current is not None:
+            self.clean = False
+        node.replica, node.stepper, node.current = None, None, None
+        node.queue.clear()
+        if node.witness and not any(n.witness for n in self._live()):
+            self.blind.add(self.engine.incarnation)
+        node.witness, node.received = False, None
+
+    def _lagging_by_two(self) -> bool:
+        """Whether a live replica still holds messages two or more restarts old (a limit)."""
+        oldest = self.engine.incarnation - 1
+        for node in self._live():
+            held = [*node.queue, *([node.current] if node.current is not None else [])]
+            if any(m.incarnation < oldest for m in held):
+                return True
+        return False
+
+    @precondition(lambda self: any(n.replica is None for n in self.slots))
+    @rule(which=strat.integers(0, 2))
+    def join(self, which: int) -> None:
+        if self._lagging_by_two():
+            return  # outside the documented limits: a joiner would open an epoch it lags
+        dead = [n for n in self.slots if n.replica is None]
+        stored = self.index.get_watermark(STREAM)
+        epoch, seq = (0, -1) if stored is None else (stored.epoch, split_position(stored.seq)[0])
+        engine = self.engine
+        if engine.incarnation and epoch == self.epoch_at_restart and engine.next_seq > seq:
+            self.blind.add(engine.incarnation)
+        self._join(dead[which % len(dead)])
+
+    @rule(which=strat.integers(0, 2), position=strat.integers(0, 50))
+    def lose_message(self, which: int, position: int) -> None:
+        """A message lost on one replica's connection (never the first of an incarnation)."""
+        node = self.slots[which % len(self.slots)]
+        candidates = [i for i, m in enumerate(node.queue) if m.seq > 0]
+        if candidates:
+            del node.queue[candidates[position % len(candidates)]]
+
+    # -- checks ----------------------------------------------------------------------------
+
+    def _replicas(self) -> list[Replica]:
+        return self.retired + [n.replica for n in self.slots if n.replica is not None]
+
+    def _count(self, name: str) -> int:
+        return sum(r.count(name) for r in self._replicas())
+
+    def _limits(self) -> tuple[int, ...]:
+        return tuple(self._count(name) for name in LIMIT_COUNTERS)
+
+    @rule()
+    def settle(self) -> None:
+        """Every live replica handles everything it received; then the pod must be exact."""
+        for _ in range(MAX_ACTIONS * 10):
+            busy = [n for n in self._live() if n.queue or n.stepper is not None]
+            if not busy:
+                break
+            for node in busy:  # one action each in turn: a replica's waits let its peers move
+                self._step(node)
+        else:
+            raise AssertionError("the replicas never became quiet")
+        current = [m for m in self.engine.log if m.incarnation == self.engine.incarnation]
+        exact = (
+            current
+            and self.engine.incarnation not in self.blind
+            and self._live()
+            and self.clean
+            and self._limits() == self.limits_at_restart
+            # a gap is covered only by replay
+            and (self.with_replay or self._count("gaps") == self.gaps_at_restart)
+            and all((m.incarnation, m.seq) in self.handled for m in current)
+        )
+        if not exact:
+            return
+        held = {m.block for m in self.engine.log if self.index.lookup([key_of(m.block)])}
+        assert held == set(self.engine.alive), (
+            f"quiet, nothing lost, no limit applied: held {sorted(held)}, "
+            f"engine holds {sorted(self.engine.alive)}"
+        )
+
+    @invariant()
+    def no_stale_entry(self) -> None:
+        log = self.engine.log
+        applied = [m for m in log if key_of(m.block) in self.index.added]
+        if not applied:
+            return
+        newest = max(m.incarnation for m in applied)
+        if newest in self.blind:
+            return
+        removed_at = {m.removes: m for m in log if m.removes is not None}
+        for m in log:
+            if not self.index.lookup([key_of(m.block)]):
+                continue
+            assert m.incarnation == newest, (
+                f"stale: block {m.block} of incarnation {m.incarnation} held after a batch of "
+                f"incarnation {newest} was applied"
+            )
+            gone = removed_at.get(m.block)
+            if gone is not None:
+                later = [a for a in applied if a.incarnation == gone.incarnation]
+                assert not any(a.seq >= gone.seq for a in later), (
+                    f"stale: block {m.block} removed by batch {gone.seq} held after batch "
+                    f"{max(a.seq for a in later)} was applied"
+                )
+
+    @invariant()
+    def one_epoch_and_one_clear_per_restart(self) -> None:
+        stored = self.index.get_watermark(STREAM)
+        epoch = 0 if stored is None else stored.epoch
+        assert epoch <= self.restarts, f"epoch {epoch} after {self.restarts} restarts"
+        opened = epoch
+        if stored is not None and split_position(stored.seq) < (-1, PHASE_DONE):
+            opened -= 1  # the opening clear is in progress
+        assert self._count("clears_restart") == opened
+
+
+Protocol.TestCase.settings = settings(
+    max_examples=int(os.environ.get("KVREDIS_MODEL_EXAMPLES", "300")),
+    stateful_step_count=int(os.environ.get("KVREDIS_MODEL_STEPS", "40")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestProtocol = Protocol.TestCase
