@@ -99,8 +99,11 @@ def compute_block_extra_features(
     pairs are sorted by start offset (stably, so equal starts keep modality then list order).
     Block ``i`` covers tokens ``[i * block_size, (i + 1) * block_size)`` and there are
     ``num_tokens // block_size`` of them; a block gets the identifiers of every item whose range
-    ``[offset, offset + length)`` intersects it, in start order, or ``None`` when there is none
-    (a zero-length range intersects nothing).
+    ``[offset, offset + length)`` intersects it, in start order, or ``None`` when there is none.
+    As in the Go ``ComputeBlockExtraFeatures``, an item overlaps a block when it ends after the
+    block's start and starts before its end, so a zero-length range strictly inside a block
+    (``block_start < offset < block_end``) is kept for that block, and one starting on a block
+    boundary belongs to no block.
 
     Returns ``None`` when there are no hashes (or no pairs), ``block_size <= 0`` or
     ``num_tokens <= 0``.
@@ -116,7 +119,6 @@ def compute_block_extra_features(
     if not mm_hashes or not mm_placeholders or block_size <= 0 or num_tokens <= 0:
         return None
     items: list[tuple[int, int, str]] = []
-    pairs = 0
     for modality, hashes in mm_hashes.items():
         if isinstance(hashes, (str, bytes)):
             raise InvalidInputError(
@@ -137,10 +139,8 @@ def compute_block_extra_features(
                     f"mm_placeholders[{modality!r}] must hold PlaceholderRange values, "
                     f"got {type(rng).__name__}"
                 )
-            pairs += 1
-            if rng.length > 0:
-                items.append((rng.offset, rng.offset + rng.length, identifier))
-    if pairs == 0:
+            items.append((rng.offset, rng.offset + rng.length, identifier))
+    if not items:
         return None
     items.sort(key=lambda item: item[0])
 

@@ -154,14 +154,28 @@ def test_only_full_blocks_are_emitted() -> None:
     assert ids(result) == [["head"], None]
 
 
-def test_zero_length_range_overlaps_nothing() -> None:
+def test_zero_length_ranges_as_go() -> None:
+    # Go keeps an item whose empty range starts inside a block (end > block start and start <
+    # block end); an empty range on a block boundary belongs to no block.
     result = compute_block_extra_features(
-        {"image": ["empty", "real"]},
-        {"image": [PlaceholderRange(5, 0), PlaceholderRange(20, 1)]},
+        {"image": ["inside", "real", "boundary", "zero"]},
+        {
+            "image": [
+                PlaceholderRange(5, 0),
+                PlaceholderRange(20, 1),
+                PlaceholderRange(32, 0),
+                PlaceholderRange(0, 0),
+            ]
+        },
         16,
-        32,
+        48,
     )
-    assert ids(result) == [None, ["real"]]
+    assert ids(result) == [["inside"], ["real"], None]
+    # Only empty ranges, none inside a block: one (all-None) element per block, as Go.
+    only_empty = compute_block_extra_features(
+        {"image": ["e"]}, {"image": [PlaceholderRange(16, 0)]}, 16, 32
+    )
+    assert only_empty == [None, None]
 
 
 def test_modality_without_ranges_contributes_nothing() -> None:
@@ -233,7 +247,8 @@ def _brute_force(
     block_size: int,
     num_tokens: int,
 ) -> list[list[str] | None]:
-    """Token-by-token reference: an item overlaps a block iff they share a token index."""
+    """Token-by-token reference: an item overlaps a block iff they share a token index, or (an
+    empty range, as in Go) it starts strictly inside the block."""
     flat: list[tuple[int, str, set[int]]] = []
     for modality, hashes in mm_hashes.items():
         for identifier, rng in zip(hashes, placeholders.get(modality, []), strict=False):
@@ -241,8 +256,13 @@ def _brute_force(
     flat.sort(key=lambda item: item[0])
     blocks: list[list[str] | None] = []
     for b in range(num_tokens // block_size):
-        block = set(range(b * block_size, (b + 1) * block_size))
-        hit = [identifier for _, identifier, covered in flat if covered & block]
+        start, end = b * block_size, (b + 1) * block_size
+        block = set(range(start, end))
+        hit = [
+            identifier
+            for offset, identifier, covered in flat
+            if covered & block or (not covered and start < offset < end)
+        ]
         blocks.append(hit or None)
     return blocks
 
