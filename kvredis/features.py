@@ -7,7 +7,9 @@ content. These helpers produce the per-block identifier lists that
 
 * :func:`compute_block_extra_features` derives them on the router side from the tokenizer's
   multimodal hashes and placeholder ranges;
-* :func:`parse_raw_extra_keys` reads them from an engine's ``BlockStored`` event ``extra_keys``;
+* :func:`split_extra_keys` decodes an engine's ``BlockStored`` ``extra_keys`` item by item (LoRA
+  name, multimodal items, cache salt, prompt-embedding digests); :func:`parse_raw_extra_keys` is
+  the older reading that takes every string for a multimodal identifier;
 * :func:`realign_extra_features` maps per-engine-block features onto kvredis's block size.
 """
 
@@ -20,13 +22,19 @@ from typing import Any, cast
 from kvredis.errors import InvalidInputError
 
 __all__ = [
+    "PROMPT_EMBEDS_PREFIX",
     "BlockExtraFeatures",
+    "ExtraKeys",
     "MMHash",
     "PlaceholderRange",
     "compute_block_extra_features",
     "parse_raw_extra_keys",
     "realign_extra_features",
+    "split_extra_keys",
 ]
+
+#: Prefix of the identifier a prompt-embedding digest becomes (followed by the digest in hex).
+PROMPT_EMBEDS_PREFIX = "prompt_embeds:"
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,6 +205,99 @@ def parse_raw_extra_keys(
                 hashes.append(MMHash(element[0]))
         result.append(BlockExtraFeatures(hashes) if hashes else None)
     return result
+
+
+@dataclass(frozen=True, slots=True)
+class ExtraKeys:
+    """What a ``BlockStored`` event's ``extra_keys`` say, decoded (see :func:`split_extra_keys`)."""
+
+    features: list[BlockExtraFeatures | None] | None
+    """Per engine block, the identifiers that taint its hash; ``None`` when no block has one."""
+    cache_salt: str | None = None
+    """The salt of the request that stored the chain (first block of a chain only)."""
+
+
+def _block_items(block_idx: int, block: object) -> Sequence[Any]:
+    if block is None:
+        return ()
+    if isinstance(block, (str, bytes, bytearray)) or not isinstance(block, Sequence):
+        raise InvalidInputError(
+            f"extra_keys[{block_idx}] must be a list or None, got {type(block).__name__}"
+        )
+    return block
+
+
+def split_extra_keys(
+    raw: Sequence[Sequence[Any] | None] | None,
+    *,
+    lora_name: str | None = None,
+    chain_start: bool = False,
+) -> ExtraKeys:
+    """Decode a ``BlockStored`` event's ``extra_keys``, each item by its shape.
+
+    vLLM 0.34 publishes per engine block a list holding, in this order: the LoRA name (a bare
+    string, when the event has a ``lora_name``), the multimodal items overlapping the block as
+    ``[identifier, offset]`` pairs, the request's cache salt (a bare string, first block of a
+    request only) and prompt-embedding digests (``bytes``). Items are read as:
+
+    * a bare string equal to ``lora_name`` at the head of a block: the LoRA, *not* a feature
+      (the event is hashed under the adapter's name as the model, which already separates it);
+    * a list or tuple whose first element is a string (``[identifier, offset]``, or the legacy
+      tuples older engines and the upstream parser accept): a multimodal identifier;
+    * ``bytes``: a prompt-embedding digest, kept as the identifier
+      ``PROMPT_EMBEDS_PREFIX + digest.hex()``: blocks fed from embeddings hash apart from text
+      blocks with the same placeholder token ids (a wrong hit there would serve another
+      prompt's KV), and a router that knows the digests can pass the same identifiers;
+    * the cache salt: with ``chain_start`` (the event starts a chain: no parent), the last bare
+      string of the first block, unless the same string also appears in the second block (a
+      legacy multimodal identifier continuing into the next block); it goes to
+      :attr:`ExtraKeys.cache_salt`, not into the features;
+    * any other bare string: a multimodal identifier (older vLLM published bare identifiers);
+    * anything else (numbers, ``None``): ignored.
+
+    One case stays ambiguous: an old-style bare identifier that appears only in the first block
+    of a chain's first event reads as a salt. Both isolate the prefix; only the key differs.
+    """
+    if raw is None:
+        return ExtraKeys(None)
+    if isinstance(raw, (str, bytes, bytearray)) or not isinstance(raw, Sequence):
+        raise InvalidInputError(
+            f"extra_keys must be a list of per-block lists, got {type(raw).__name__}"
+        )
+    blocks = [_block_items(i, block) for i, block in enumerate(raw)]
+    salt_at: tuple[int, int] | None = None
+    if chain_start and blocks:
+        first = blocks[0]
+        bare = [
+            i
+            for i, item in enumerate(first)
+            if isinstance(item, str) and not (i == 0 and lora_name and item == lora_name)
+        ]
+        if bare:
+            last = bare[-1]
+            following = blocks[1] if len(blocks) > 1 else ()
+            if first[last] not in following:
+                salt_at = (0, last)
+    salt: str | None = None
+    result: list[BlockExtraFeatures | None] = []
+    for block_idx, items in enumerate(blocks):
+        hashes: list[MMHash] = []
+        for i, item in enumerate(items):
+            if isinstance(item, str):
+                if i == 0 and lora_name and item == lora_name:
+                    continue
+                if salt_at == (block_idx, i):
+                    salt = item
+                    continue
+                hashes.append(MMHash(item))
+            elif isinstance(item, (bytes, bytearray)):
+                hashes.append(MMHash(PROMPT_EMBEDS_PREFIX + bytes(item).hex()))
+            elif isinstance(item, (list, tuple)) and item and isinstance(item[0], str):
+                hashes.append(MMHash(item[0]))
+        result.append(BlockExtraFeatures(hashes) if hashes else None)
+    if all(f is None for f in result):
+        return ExtraKeys(None, salt or None)
+    return ExtraKeys(result, salt or None)
 
 
 def realign_extra_features(

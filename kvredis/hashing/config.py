@@ -43,8 +43,8 @@ class TokenProcessorConfig:
     given keeps ``block_size_tokens``. A resolved size <= 0 raises
     :class:`~kvredis.errors.ConfigError` (a ``ValueError``) whose message contains
     ``blockSizeTokens must be greater than 0, got <n>``. Read the size in use from
-    :attr:`resolved_block_size`. For ``"fnv64a_cbor"`` keys to match the engines', ``hash_seed`` must
-    match theirs (vLLM's ``PYTHONHASHSEED``).
+    :attr:`resolved_block_size`. For ``"fnv64a_cbor"`` keys to match the engines',
+    ``hash_seed`` must match theirs (vLLM's ``PYTHONHASHSEED``).
     """
 
     block_size_tokens: int = 0

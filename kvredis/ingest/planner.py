@@ -37,7 +37,12 @@ from typing import TYPE_CHECKING
 from kvredis.batch import AddOp, EvictOp, IndexOp
 from kvredis.checks import infer_mappings
 from kvredis.errors import ConfigError, InvalidInputError
-from kvredis.features import parse_raw_extra_keys, realign_extra_features
+from kvredis.features import (
+    BlockExtraFeatures,
+    MMHash,
+    realign_extra_features,
+    split_extra_keys,
+)
 from kvredis.groups import GroupCatalog
 from kvredis.ingest.counters import Counter
 from kvredis.ingest.events import (
@@ -61,18 +66,54 @@ __all__ = [
     "PlanSteps",
     "Planner",
     "PodCaches",
+    "Tail",
 ]
 
 
-class EngineKeyCache:
-    """A bounded, thread-safe engine→request map (least recently used dropped)."""
+@dataclass(frozen=True, slots=True)
+class Tail:
+    """Where a stored chain ends mid-block: what the next event needs to continue it exactly.
 
-    __slots__ = ("_data", "_limit", "_lock")
+    ``base`` is the request key of the chain's last full block (0: the chain has none yet, it
+    continues from the root of ``model`` under ``cache_salt``); ``tokens`` are the tokens past
+    it (fewer than one block), ``ids`` the multimodal identifiers of the engine blocks holding
+    them, ``engine_keys`` those engine blocks (mapped to the block they complete).
+    """
+
+    base: int
+    model: str
+    cache_salt: str | None
+    tokens: tuple[int, ...] = ()
+    ids: tuple[MMHash, ...] = ()
+    engine_keys: tuple[int, ...] = ()
+
+
+class EngineKeyCache:
+    """What one ingester knows of a pod's engine keys, bounded and thread-safe (least recently
+    used dropped): engine→request mappings, and the :class:`Tail` of chains that end mid-block.
+    """
+
+    __slots__ = ("_data", "_limit", "_lock", "_tails")
 
     def __init__(self, limit: int) -> None:
         self._data: OrderedDict[int, int] = OrderedDict()
+        self._tails: OrderedDict[int, Tail] = OrderedDict()
         self._limit = limit
         self._lock = threading.Lock()
+
+    def get_tail(self, key: int) -> Tail | None:
+        with self._lock:
+            tail = self._tails.get(key)
+            if tail is not None:
+                self._tails.move_to_end(key)
+            return tail
+
+    def put_tail(self, key: int, tail: Tail) -> None:
+        with self._lock:
+            self._tails[key] = tail
+            self._tails.move_to_end(key)
+            if len(self._tails) > self._limit:
+                self._tails.popitem(last=False)
 
     def get(self, key: int) -> int | None:
         with self._lock:
@@ -91,6 +132,7 @@ class EngineKeyCache:
     def pop(self, key: int) -> None:
         with self._lock:
             self._data.pop(key, None)
+            self._tails.pop(key, None)
 
     def __len__(self) -> int:
         with self._lock:
@@ -153,6 +195,7 @@ class BatchPlan:
 
     __slots__ = (
         "batch_map",
+        "batch_tails",
         "cache",
         "evicted",
         "pending",
@@ -168,6 +211,8 @@ class BatchPlan:
         """Operations planned since the last barrier."""
         self.batch_map: dict[int, int] = {}
         """Engine→request mappings added by this batch so far (not yet in the pod cache)."""
+        self.batch_tails: dict[int, Tail] = {}
+        """Chain tails recorded by this batch so far (not yet in the pod cache)."""
         self.pending_evicts: set[int] = set()
         """Engine keys evicted by pending operations."""
         self.evicted: set[int] = set()
@@ -190,6 +235,7 @@ class BatchPlan:
         """The pod was cleared as a step of this batch: start over from an empty cache."""
         self.cache = cache
         self.batch_map.clear()
+        self.batch_tails.clear()
         self.evicted.clear()
         self.pending_evicts.clear()
 
@@ -203,11 +249,23 @@ class BatchPlan:
 
     def evict(self, keys: Sequence[int], entries: tuple[PodEntry, ...]) -> None:
         self.pending.extend([EvictOp(key, KeyType.ENGINE, entries) for key in keys])
-        batch_map = self.batch_map
+        batch_map, batch_tails = self.batch_map, self.batch_tails
         for key in keys:
             batch_map.pop(key, None)
+            batch_tails.pop(key, None)
         self.pending_evicts.update(keys)
         self.evicted.update(keys)
+
+    def put_tail(self, engine_key: int, tail: Tail) -> None:
+        self.batch_tails[engine_key] = tail
+        self.evicted.discard(engine_key)
+
+    def tail(self, engine_key: int) -> Tail | None:
+        """The tail of the chain ending at ``engine_key``, as if the batch so far were applied."""
+        hit = self.batch_tails.get(engine_key)
+        if hit is not None or engine_key in self.evicted or self.cache is None:
+            return hit
+        return self.cache.get_tail(engine_key)
 
     def resolve(self, engine_key: int) -> Generator[Lookup | Barrier, int | None, int | None]:
         """The request key ``engine_key`` maps to, as if the batch so far were applied."""
@@ -252,9 +310,36 @@ class BatchPlan:
                 cache.put(engine_key, request_key)
             else:
                 cache.pop(engine_key)
+        for engine_key, tail in self.batch_tails.items():
+            if took_effect:
+                cache.put_tail(engine_key, tail)
+            else:
+                cache.pop(engine_key)
 
 
 _ENTRY_CACHE_LIMIT = 4096
+
+
+def _engine_spans(n_tokens: int, n_hashes: int, block_size: int) -> list[tuple[int, int]]:
+    """The token range ``[start, end)`` of each of an event's engine blocks.
+
+    The tokens split evenly over the hashes when they can (SGLang coalesces pages into one
+    event; vLLM's partial-block events); otherwise each hash covers ``block_size`` tokens and
+    the last one the rest.
+    """
+    if n_hashes == 0:
+        return []
+    size = n_tokens // n_hashes if n_tokens % n_hashes == 0 else max(block_size, 1)
+    return [(min(i * size, n_tokens), min((i + 1) * size, n_tokens)) for i in range(n_hashes)]
+
+
+def _continued(acc: list[MMHash], ids: list[MMHash]) -> int:
+    """Length of the longest suffix of ``acc`` that is a prefix of ``ids`` (an item running on
+    from one engine block into the next counts once)."""
+    for size in range(min(len(acc), len(ids)), 0, -1):
+        if acc[-size:] == ids[:size]:
+            return size
+    return 0
 
 
 class Planner:
@@ -318,8 +403,7 @@ class Planner:
                     ev.kv_cache_spec_kind or "", ev.block_size, ev.kv_cache_spec_sliding_window
                 ),
             )
-        blocks = len(ev.token_ids) // self.block_size
-        if blocks == 0:
+        if not ev.token_ids:
             if ev.block_hashes:
                 yield from self._tier_update(plan, ev, entry)
             return
@@ -329,36 +413,151 @@ class Planner:
                 Rejection(RejectReason.NO_MODEL, "no model name for hashing", position)
             )
             return
-        parent = 0
-        if ev.parent_block_hash:
-            found = yield from plan.resolve(ev.parent_block_hash)
-            if found is None:
-                plan.count(Counter.PARENT_MISSES)
-                return
-            parent = found
-        features = None
-        if ev.extra_keys is not None:
-            try:
-                parsed = parse_raw_extra_keys(list(ev.extra_keys))
-            except (ValueError, TypeError) as exc:
-                plan.rejects.append(Rejection(RejectReason.BAD_EXTRA_KEYS, str(exc), position))
-                return
-            features = realign_extra_features(parsed, blocks)
+        chain_start = not ev.parent_block_hash
         try:
-            request_keys = self.token_processor.tokens_to_kv_block_keys(
-                parent, ev.token_ids, model_name, features
+            extra = split_extra_keys(
+                None if ev.extra_keys is None else list(ev.extra_keys),
+                lora_name=ev.lora_name,
+                chain_start=chain_start,
             )
+        except (ValueError, TypeError) as exc:
+            plan.rejects.append(Rejection(RejectReason.BAD_EXTRA_KEYS, str(exc), position))
+            return
+        if chain_start:
+            tail = Tail(0, model_name, ev.cache_salt or extra.cache_salt)
+        else:
+            parent = ev.parent_block_hash
+            assert parent is not None
+            known = plan.tail(parent)
+            if known is not None:
+                tail = known
+            else:
+                found = yield from plan.resolve(parent)
+                if found is None:
+                    if len(ev.token_ids) < self.block_size and ev.block_hashes:
+                        yield from self._tier_update(plan, ev, entry)
+                    else:
+                        plan.count(Counter.PARENT_MISSES)
+                    return
+                tail = Tail(found, model_name, None)
+        try:
+            request, groups, after = self._continue(tail, ev, extra.features)
         except (ValueError, TypeError) as exc:
             plan.rejects.append(Rejection(RejectReason.HASHING_FAILED, str(exc), position))
             return
-        if not request_keys:
-            return
-        request = tuple(request_keys)
-        mappings = infer_mappings(ev.block_hashes, request) if ev.block_hashes else None
-        plan.add(AddOp(ev.block_hashes, request, (entry,)), mappings)
+        if ev.block_hashes and after.tokens:
+            plan.put_tail(ev.block_hashes[-1], after)
         plan.count(Counter.EVENTS_APPLIED)
         plan.count(Counter.BLOCKS_STORED, len(ev.block_hashes))
+        if not request:
+            return
+        if groups is None:
+            engine = ev.block_hashes or None
+            mappings = infer_mappings(ev.block_hashes, request) if ev.block_hashes else None
+            plan.add(AddOp(engine, request, (entry,)), mappings)
+        else:
+            for engine_keys, request_key in groups:
+                plan.add(
+                    AddOp(engine_keys or None, (request_key,), (entry,)),
+                    [(e, request_key) for e in engine_keys],
+                )
         plan.count(Counter.REQUEST_KEYS_STORED, len(request))
+
+    def _continue(
+        self, tail: Tail, ev: BlockStored, features: list[BlockExtraFeatures | None] | None
+    ) -> tuple[tuple[int, ...], list[tuple[tuple[int, ...], int]] | None, Tail]:
+        """Hash ``ev`` on from ``tail``: its request keys, the engine keys of each (``None``
+        when the engine's blocks line up so the index infers them) and the tail after it."""
+        bs = self.block_size
+        offset = len(tail.tokens)
+        tokens = ev.token_ids
+        n = len(tokens)
+        full = (offset + n) // bs
+        hashes = ev.block_hashes
+        spans = _engine_spans(n, len(hashes), ev.block_size)
+        # Extra keys come one per engine block; a list of another length is spread over the
+        # index blocks as a whole (from a block boundary), or else evenly over the tokens.
+        fspans = spans
+        realigned: list[BlockExtraFeatures | None] | None = None
+        if features is not None and len(features) != len(spans):
+            if offset == 0:
+                realigned = realign_extra_features(features, full) if full else None
+                features = None
+            else:
+                fspans = _engine_spans(n, len(features), ev.block_size)
+
+        def overlapping(lo: int, hi: int, over: list[tuple[int, int]]) -> list[int]:
+            """Engine blocks (indexes into ``over``) holding any event token in ``[lo, hi)``."""
+            return [i for i, (s, e) in enumerate(over) if s < hi and e > lo]
+
+        def ids_of(lo: int, hi: int, head: tuple[MMHash, ...]) -> list[MMHash]:
+            out = list(head)
+            if features is None or lo >= hi:
+                return out
+            prev: list[MMHash] = list(head)
+            for i in overlapping(lo, hi, fspans):
+                feat = features[i]
+                cur = list(feat.mm_hashes) if feat is not None else []
+                out.extend(cur[_continued(prev, cur) :])
+                prev = cur
+            return out
+
+        block_ranges = [(max(j * bs - offset, 0), (j + 1) * bs - offset) for j in range(full)]
+        per_block = [overlapping(lo, hi, spans) for lo, hi in block_ranges]
+        request: tuple[int, ...] = ()
+        if full:
+            block_feats: list[BlockExtraFeatures | None] = []
+            for j, (lo, hi) in enumerate(block_ranges):
+                ids = ids_of(lo, hi, tail.ids if j == 0 else ())
+                block_feats.append(BlockExtraFeatures(ids) if ids else None)
+            feats = block_feats if any(f is not None for f in block_feats) else realigned
+            chain = tail.tokens + tuple(tokens[: full * bs - offset])
+            if tail.base:
+                keys = self.token_processor.tokens_to_kv_block_keys(
+                    tail.base, chain, tail.model, feats
+                )
+            elif tail.cache_salt:
+                keys = self.token_processor.tokens_to_kv_block_keys(
+                    0, chain, tail.model, feats, cache_salt=tail.cache_salt
+                )
+            else:
+                keys = self.token_processor.tokens_to_kv_block_keys(0, chain, tail.model, feats)
+            request = tuple(keys)
+        rest_lo = max(full * bs - offset, 0)
+        rest = overlapping(rest_lo, n, spans)
+        if full:
+            after = Tail(
+                request[-1],
+                tail.model,
+                tail.cache_salt,
+                tuple(tokens[rest_lo:]),
+                tuple(ids_of(rest_lo, n, ())),
+                tuple(hashes[i] for i in rest),
+            )
+        else:
+            after = Tail(
+                tail.base,
+                tail.model,
+                tail.cache_salt,
+                tail.tokens + tuple(tokens),
+                tuple(ids_of(rest_lo, n, tail.ids)),
+                tail.engine_keys + tuple(hashes[i] for i in rest),
+            )
+        if not request or not hashes:
+            return request, None, after
+        groups = [
+            (
+                (tail.engine_keys if j == 0 else ())
+                + tuple(hashes[i] for i in per_block[j]),
+                request[j],
+            )
+            for j in range(full)
+        ]
+        if not tail.engine_keys:
+            pairs = [(e, r) for keys_, r in groups for e in keys_]
+            if pairs == infer_mappings(hashes, request):
+                return request, None, after
+        return request, groups, after
 
     def _tier_update(self, plan: BatchPlan, ev: BlockStored, entry: PodEntry) -> PlanSteps:
         resolved: list[int] = []
