@@ -91,7 +91,9 @@ class TierMap:
 
         The given ``mediums`` extend (and override) :data:`DEFAULT_MEDIUM_TIERS`.
         """
-        kwargs = take_fields("tier map", data, {"mediums": "mediums", "defaultTier": "default_tier"})
+        kwargs = take_fields(
+            "tier map", data, {"mediums": "mediums", "defaultTier": "default_tier"}
+        )
         if "mediums" in kwargs:
             kwargs["mediums"] = {**DEFAULT_MEDIUM_TIERS, **_frozen_mediums(kwargs["mediums"])}
         return cls(**kwargs)

@@ -282,7 +282,8 @@ def _bigram_tokens(pairs: list[Any] | tuple[Any, ...]) -> tuple[int, ...]:
         raise WireError(RejectReason.TOKEN_OUT_OF_RANGE, f"token id {bad} is outside uint32")
     if firsts[1:] != seconds[:-1]:
         raise WireError(
-            RejectReason.BAD_FIELD_VALUE, "bigram token pairs do not chain (pair[i][1] != pair[i+1][0])"
+            RejectReason.BAD_FIELD_VALUE,
+            "bigram token pairs do not chain (pair[i][1] != pair[i+1][0])",
         )
     return tuple(firsts)
 

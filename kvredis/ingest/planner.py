@@ -547,8 +547,7 @@ class Planner:
             return request, None, after
         groups = [
             (
-                (tail.engine_keys if j == 0 else ())
-                + tuple(hashes[i] for i in per_block[j]),
+                (tail.engine_keys if j == 0 else ()) + tuple(hashes[i] for i in per_block[j]),
                 request[j],
             )
             for j in range(full)

@@ -168,7 +168,10 @@ def sglang_stored(
             [
                 ("type", "BlockStored"),
                 ("block_hashes", [signed(h) for h in block_hashes]),
-                ("parent_block_hash", None if parent_block_hash is None else signed(parent_block_hash)),
+                (
+                    "parent_block_hash",
+                    None if parent_block_hash is None else signed(parent_block_hash),
+                ),
                 ("token_ids", [_item(t) for t in token_ids]),
                 ("block_size", block_size),
                 ("lora_id", None),
