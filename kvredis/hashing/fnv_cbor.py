@@ -7,9 +7,11 @@ maps ``{"Hash": identifier}`` for a multimodal block. The root of a model is
 ``H(FNV-1a-64(utf8(hash_seed)), null, model_name)``; under a cache salt (non-empty) it is
 ``H(FNV-1a-64(utf8(hash_seed)), null, [model_name, cache_salt])`` (extra a two-element array of
 text strings, which no unsalted root can encode), and every block key descends from it.
-Integers use the shortest CBOR head; map keys are sorted shortest first, then bytewise (RFC 7049 section 3.9, Go fxamacker/cbor's
-canonical mode). Block features with an empty identifier list encode as ``null`` (like Go's
-zero-value ``BlockExtraFeatures``).
+Integers use the shortest CBOR head; map keys are sorted shortest first, then bytewise
+(RFC 7049 section 3.9, Go fxamacker/cbor's canonical mode). Block features with an empty
+identifier list encode as ``null`` (like Go's zero-value ``BlockExtraFeatures``). The Go
+upstream has no cache salt: salted roots are kvredis's extension, and unsalted keys stay
+byte-compatible.
 
 This scheme runs in pure Python and is much slower than ``"xxh3_64"``; text blocks stream their
 CBOR bytes straight into FNV-1a instead of building them.

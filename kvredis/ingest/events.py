@@ -262,7 +262,7 @@ def _tokens(value: object) -> tuple[int, ...]:
 
 
 def _bigram_tokens(pairs: list[Any] | tuple[Any, ...]) -> tuple[int, ...]:
-    """An EAGLE bigram page ``[[t0, t1], [t1, t2], ...]`` as its first elements ``(t0, t1, ...)``."""
+    """An EAGLE bigram page ``[[t0, t1], [t1, t2], ...]`` as its first elements ``(t0, ...)``."""
     for pair in pairs:
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
             raise WireError(
