@@ -11,11 +11,14 @@ from hypothesis import strategies as st
 
 from kvredis.errors import InvalidInputError
 from kvredis.features import (
+    PROMPT_EMBEDS_PREFIX,
     BlockExtraFeatures,
+    ExtraKeys,
     MMHash,
     PlaceholderRange,
     compute_block_extra_features,
     parse_raw_extra_keys,
+    split_extra_keys,
 )
 
 
@@ -352,3 +355,40 @@ def test_parsed_features_match_computed_features() -> None:
     )
     from_engine = parse_raw_extra_keys([[["img-a", 4]], [["img-a", -12], ["img-b", 10]], None])
     assert computed == from_engine
+
+
+# split_extra_keys: each item by its shape
+
+
+def test_split_extra_keys_by_shape() -> None:
+    digest = bytes(range(32))
+    raw = [
+        ["lora", ["img", 4], "salt", digest],
+        ["lora", ["img", -12]],
+        ["lora"],
+        None,
+    ]
+    split = split_extra_keys(raw, lora_name="lora", chain_start=True)
+    assert split.cache_salt == "salt"
+    assert ids(split.features) == [
+        ["img", PROMPT_EMBEDS_PREFIX + digest.hex()],
+        ["img"],
+        None,
+        None,
+    ]
+    # Not a chain start: no salt can be there, a bare string is a (legacy) identifier.
+    assert split_extra_keys([["a"]], chain_start=False) == ExtraKeys(
+        [BlockExtraFeatures([MMHash("a")])]
+    )
+    # A salted text prompt: no features at all.
+    assert split_extra_keys([["s"], None], chain_start=True) == ExtraKeys(None, "s")
+    # A legacy bare identifier that runs on into the next block is not a salt.
+    legacy = split_extra_keys([["img"], ["img"]], chain_start=True)
+    assert legacy.cache_salt is None and ids(legacy.features) == [["img"], ["img"]]
+    # The LoRA name only counts at the head of a block and when the event names it.
+    assert ids(split_extra_keys([["x", "lora"]], lora_name="lora").features) == [["x", "lora"]]
+    assert split_extra_keys(None) == ExtraKeys(None)
+    with pytest.raises(InvalidInputError):
+        split_extra_keys("img")  # type: ignore[arg-type]
+    with pytest.raises(InvalidInputError):
+        split_extra_keys([["ok"], "img"])  # type: ignore[list-item]

@@ -14,15 +14,36 @@ generator that asks its driver (the sequencer):
 Semantics, per event in batch order:
 
 * ``BlockStored`` → ``AddOp(engine_keys, request_keys, [PodEntry(pod, tier[, group])])``. The
-  model is ``lora_name`` when present, else the endpoint's/topic's model. A non-zero parent hash
-  resolves to the parent's request key; an unresolvable parent skips the event
-  (``parent_misses``). ``extra_keys`` are parsed and realigned to our block size
-  (:func:`kvredis.features.realign_extra_features`). With ``group_idx`` the entry is grouped and
-  the :class:`~kvredis.groups.GroupCatalog` learns the group. Without a full block of tokens but
-  with hashes, the event is a tier update: each engine key resolves to its request key and the
-  new tier's entry is added to those keys, with no mapping.
+  tier is :attr:`Planner.tiers` applied to ``(medium, locality, ownership)``
+  (:mod:`kvredis.tiers`), so a remote copy is an entry of its own. The hashing model is
+  ``lora_name`` when present, else the endpoint's/topic's model. ``extra_keys`` are decoded by
+  :func:`kvredis.features.split_extra_keys` (the LoRA name is dropped, the cache salt taken
+  apart, the rest are block features). With ``group_idx`` the entry is grouped and the
+  :class:`~kvredis.groups.GroupCatalog` learns the group. An event without token ids but with
+  hashes is a tier update: each engine key resolves to its request key and the new tier's entry
+  is added to those keys, with no mapping.
 * ``BlockRemoved`` → ``EvictOp(hash, ENGINE, [PodEntry(pod, tier[, group])])`` per hash.
 * ``AllBlocksCleared`` → a clear of the pod.
+
+Chains. An event without a parent starts a chain at the model's root, salted by its cache salt
+(SGLang's ``cache_salt`` field, or the salt in vLLM's first-block extra keys). An event with a
+parent continues where the parent's chain ended: usually at a full index block (the parent's
+engine key maps to that block's request key), but when engine blocks are smaller than index
+blocks (SGLang's page size 1, vLLM's 16-token blocks under a 64-token index) a chain can end
+mid-block. The planner then keeps a :class:`Tail` for the chain's last engine key: the request
+key of the last full block (or the root's model and salt), the tokens past it and their
+multimodal identifiers, and the engine keys holding them. The next event is hashed on from
+there, so a prompt gets every full block's key however the engine cuts it into events (40+24,
+7+20+37, one page at a time). An index block's engine keys are exactly the engine blocks that
+hold its tokens (a tail's engine keys included), so removing any of them removes the block.
+
+Tails are bounded: at most ``parent_cache_size`` per pod (least recently used dropped), each
+under one index block of tokens. When a parent's tail is unknown (another replica stored the
+parent, this ingester restarted, the tail was dropped) and its engine key maps to no full block,
+the event is skipped and counted in ``parent_misses``: an ingester never guesses, so every key
+any replica writes is the key a router computes, and replicas never disagree on a key (they can
+differ only in which blocks they could index). A shorter event that continues nothing known and
+names known engine keys is taken as a tier update, as before.
 """
 
 from __future__ import annotations
@@ -53,6 +74,7 @@ from kvredis.ingest.events import (
     Rejection,
     RejectReason,
 )
+from kvredis.tiers import DEFAULT_TIERS, TierMap
 from kvredis.types import GroupMetadata, KeyType, PodEntry
 
 if TYPE_CHECKING:
@@ -346,11 +368,18 @@ class Planner:
     """Turns decoded batches into index operations for one token processor."""
 
     def __init__(
-        self, token_processor: TokenProcessor, catalog: GroupCatalog, caches: PodCaches
+        self,
+        token_processor: TokenProcessor,
+        catalog: GroupCatalog,
+        caches: PodCaches,
+        *,
+        tiers: TierMap = DEFAULT_TIERS,
     ) -> None:
         self.token_processor = token_processor
         self.catalog = catalog
         self.caches = caches
+        self.tiers = tiers
+        """How an event's medium, locality and ownership name the entry's device tier."""
         self.block_size = int(token_processor.block_size())
         if self.block_size <= 0:
             raise ConfigError(f"token processor block size must be > 0, got {self.block_size}")
@@ -392,7 +421,8 @@ class Planner:
     def _stored(
         self, plan: BatchPlan, ev: BlockStored, pod: str, model: str | None, position: int
     ) -> PlanSteps:
-        entry = self._entry(plan, pod, ev.tier, ev.group_idx, position)
+        tier = self.tiers.tier(ev.medium, ev.locality, ev.ownership)
+        entry = self._entry(plan, pod, tier, ev.group_idx, position)
         if entry is None:
             return
         if ev.group_idx is not None:
@@ -574,7 +604,8 @@ class Planner:
         plan.count(Counter.EVENTS_APPLIED)
 
     def _removed(self, plan: BatchPlan, ev: BlockRemoved, pod: str, position: int) -> None:
-        entry = self._entry(plan, pod, ev.tier, ev.group_idx, position)
+        tier = self.tiers.tier(ev.medium, ev.locality, ev.ownership)
+        entry = self._entry(plan, pod, tier, ev.group_idx, position)
         if entry is None:
             return
         plan.evict(ev.block_hashes, (entry,))
