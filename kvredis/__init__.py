@@ -55,6 +55,11 @@ _EXPORTS: dict[str, str] = {
     "compute_block_extra_features": "kvredis.features",
     "parse_raw_extra_keys": "kvredis.features",
     "realign_extra_features": "kvredis.features",
+    "split_extra_keys": "kvredis.features",
+    "ExtraKeys": "kvredis.features",
+    "PROMPT_EMBEDS_PREFIX": "kvredis.features",
+    "TierMap": "kvredis.tiers",
+    "DEFAULT_TIERS": "kvredis.tiers",
     # backends, scoring, configuration
     "CostAwareMemoryIndex": "kvredis.memory",
     "CostAwareMemoryIndexConfig": "kvredis.memory",
@@ -98,8 +103,10 @@ _EXPORTS: dict[str, str] = {
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "DEFAULT_MEDIUM_WEIGHTS",
+    "DEFAULT_TIERS",
     "EMPTY_BLOCK_HASH",
     "HASH_ALGOS",
+    "PROMPT_EMBEDS_PREFIX",
     "AddOp",
     "AllBlocksCleared",
     "AsyncBatchIndex",
@@ -123,6 +130,7 @@ __all__ = [
     "EngineKeyNotFoundError",
     "EventIngester",
     "EvictOp",
+    "ExtraKeys",
     "GroupCatalog",
     "GroupMetadata",
     "InMemoryIndex",
@@ -153,6 +161,7 @@ __all__ = [
     "ReplayedMessage",
     "ScoringIndex",
     "StaleNamespaceError",
+    "TierMap",
     "TokenProcessor",
     "TokenProcessorConfig",
     "Watermark",
@@ -172,6 +181,7 @@ __all__ = [
     "parse_size",
     "parse_topic",
     "realign_extra_features",
+    "split_extra_keys",
 ]
 
 
@@ -202,12 +212,15 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
         StaleNamespaceError,
     )
     from kvredis.features import (
+        PROMPT_EMBEDS_PREFIX,
         BlockExtraFeatures,
+        ExtraKeys,
         MMHash,
         PlaceholderRange,
         compute_block_extra_features,
         parse_raw_extra_keys,
         realign_extra_features,
+        split_extra_keys,
     )
     from kvredis.groups import GroupCatalog
     from kvredis.hashing.config import DEFAULT_BLOCK_SIZE, HASH_ALGOS, TokenProcessorConfig
@@ -262,4 +275,5 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
         new_valkey_index,
     )
     from kvredis.scoring import DEFAULT_MEDIUM_WEIGHTS, LongestPrefixScorer
+    from kvredis.tiers import DEFAULT_TIERS, TierMap
     from kvredis.types import EMPTY_BLOCK_HASH, BlockHash, GroupMetadata, KeyType, PodEntry
