@@ -34,4 +34,4 @@ def test_the_readme_has_python_blocks() -> None:
 @pytest.mark.parametrize(("line", "code"), BLOCKS, ids=[f"README.md:{n}" for n, _ in BLOCKS])
 def test_readme_block_runs(line: int, code: str, own_redis_server: RedisServer) -> None:
     source = _ADDRESS.sub(own_redis_server.url, code)
-    exec(compile(source, f"README.md:{line}", "exec"), {"__name__": "readme"})  # noqa: S102
+    exec(compile(source, f"README.md:{line}", "exec"), {"__name__": "readme"})
