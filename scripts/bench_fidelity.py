@@ -72,13 +72,16 @@ def _vllm_steps(steps: list[int], engine_block: int) -> list[tuple[str, bytes]]:
     return out
 
 
+def _vllm_one(**fields: Any) -> list[tuple[str, bytes]]:
+    """One vLLM batch storing the first 64 prompt tokens as 4 blocks on pod-a."""
+    return [("pod-a", vllm_batch([vllm_stored([1, 2, 3, 4], None, PROMPT[:64], 16, **fields)]))]
+
+
 def cases() -> list[Case]:
     turns = [23, 41, 9, 57, 30, 18, 50, 28]  # a conversation's radix nodes, 256 tokens
     lora_extra: list[Any] = [[LORA]] * 4
     image_extra: list[Any] = [[LORA, ["img-a", 4]], [LORA, ["img-a", -12]], [LORA], [LORA]]
-    salted = vllm_stored(
-        [1, 2, 3, 4], None, PROMPT[:64], 16, extra_keys=[["tenant-7"], None, None, None]
-    )
+    salt_extra: list[Any] = [["tenant-7"], None, None, None]
     bigram, last = sglang_pages(PROMPT[:40], 1, 1, bigram_next=PROMPT[40])
     bigram2, _ = sglang_pages(PROMPT[40:64], 1, 41, last, bigram_next=PROMPT[64])
     return [
@@ -95,48 +98,11 @@ def cases() -> list[Case]:
             "SGLang EAGLE bigram pages, 40+24",
             [("pod-a", sglang_batch(bigram)), ("pod-a", sglang_batch(bigram2))],
         ),
-        Case(
-            "vLLM LoRA",
-            [
-                (
-                    "pod-a",
-                    vllm_batch(
-                        [
-                            vllm_stored(
-                                [1, 2, 3, 4],
-                                None,
-                                PROMPT[:64],
-                                16,
-                                lora_id=1,
-                                lora_name=LORA,
-                                extra_keys=lora_extra,
-                            )
-                        ]
-                    ),
-                )
-            ],
-            model=LORA,
-        ),
-        Case("vLLM cache salt", [("pod-a", vllm_batch([salted]))], salt="tenant-7"),
+        Case("vLLM LoRA", _vllm_one(lora_id=1, lora_name=LORA, extra_keys=lora_extra), model=LORA),
+        Case("vLLM cache salt", _vllm_one(extra_keys=salt_extra), salt="tenant-7"),
         Case(
             "vLLM LoRA + image",
-            [
-                (
-                    "pod-a",
-                    vllm_batch(
-                        [
-                            vllm_stored(
-                                [1, 2, 3, 4],
-                                None,
-                                PROMPT[:64],
-                                16,
-                                lora_name=LORA,
-                                extra_keys=image_extra,
-                            )
-                        ]
-                    ),
-                )
-            ],
+            _vllm_one(lora_name=LORA, extra_keys=image_extra),
             model=LORA,
             image=("img-a", 4, 20),
         ),

@@ -248,9 +248,15 @@ def _tokens(value: object) -> tuple[int, ...]:
         )
     if not value:
         return ()
+    if not _only_ints(value) and isinstance(value[0], (list, tuple)):
+        return _bigram_tokens(value)
+    _check_token_ids(value)
+    return tuple(value)
+
+
+def _check_token_ids(value: list[Any] | tuple[Any, ...]) -> None:
+    """Raise unless ``value`` (non-empty) holds only uint32 ints."""
     if not _only_ints(value):
-        if isinstance(value[0], (list, tuple)):
-            return _bigram_tokens(value)
         bad_item = next(t for t in value if type(t) is not int)
         raise WireError(
             RejectReason.BAD_FIELD_TYPE, f"token ids must be ints, got {_tname(bad_item)}"
@@ -258,7 +264,6 @@ def _tokens(value: object) -> tuple[int, ...]:
     if min(value) < 0 or max(value) >= _U32:
         bad = next(t for t in value if not 0 <= t < _U32)
         raise WireError(RejectReason.TOKEN_OUT_OF_RANGE, f"token id {bad} is outside uint32")
-    return tuple(value)
 
 
 def _bigram_tokens(pairs: list[Any] | tuple[Any, ...]) -> tuple[int, ...]:
@@ -271,15 +276,7 @@ def _bigram_tokens(pairs: list[Any] | tuple[Any, ...]) -> tuple[int, ...]:
             )
     firsts = [pair[0] for pair in pairs]
     seconds = [pair[1] for pair in pairs]
-    both = firsts + seconds
-    if not _only_ints(both):
-        bad_item = next(t for t in both if type(t) is not int)
-        raise WireError(
-            RejectReason.BAD_FIELD_TYPE, f"token ids must be ints, got {_tname(bad_item)}"
-        )
-    if min(both) < 0 or max(both) >= _U32:
-        bad = next(t for t in both if not 0 <= t < _U32)
-        raise WireError(RejectReason.TOKEN_OUT_OF_RANGE, f"token id {bad} is outside uint32")
+    _check_token_ids(firsts + seconds)
     if firsts[1:] != seconds[:-1]:
         raise WireError(
             RejectReason.BAD_FIELD_VALUE,

@@ -346,17 +346,7 @@ def test_parse_topic() -> None:
 def test_map_encoding_omits_defaults_and_array_encoding_trims_trailing() -> None:
     wire = event_to_wire(BlockStored((1,), None, (1, 2), 2), "map")
     # vLLM's msgspec encoding: fields without a default are always there, in declaration order.
-    assert list(wire) == [
-        "type",
-        "block_hashes",
-        "parent_block_hash",
-        "token_ids",
-        "block_size",
-        "lora_id",
-        "medium",
-        "lora_name",
-    ]
-    assert wire == {
+    expected = {
         "type": "BlockStored",
         "block_hashes": [1],
         "parent_block_hash": None,
@@ -366,6 +356,8 @@ def test_map_encoding_omits_defaults_and_array_encoding_trims_trailing() -> None
         "medium": None,
         "lora_name": None,
     }
+    assert wire == expected
+    assert list(wire) == list(expected)
     assert event_to_wire(BlockRemoved((1,)), "map") == {
         "type": "BlockRemoved",
         "block_hashes": [1],
@@ -425,3 +417,21 @@ def test_encode_decode_round_trip(evs: list[Any], fmt: Any, ts: float, rank: int
     assert decoded.ts == ts
     assert decoded.data_parallel_rank == rank
     assert list(decoded.events) == evs
+
+
+@pytest.mark.parametrize("payload", [None, "text", 42, [b"x"]])
+def test_a_payload_that_is_not_bytes_is_a_reject(payload: Any) -> None:
+    decoded = decode_batch(payload)
+    assert decoded.events == ()
+    assert [r.reason for r in decoded.rejects] == [RejectReason.MALFORMED_PAYLOAD]
+    assert "not bytes" in decoded.rejects[0].detail
+
+
+def test_the_ingester_counts_a_none_payload_as_a_reject() -> None:
+    from kvredis.hashing import ChunkedTokenDatabase
+    from kvredis.ingest import EventIngester
+    from kvredis.memory import InMemoryIndex
+
+    ingester = EventIngester(InMemoryIndex(), ChunkedTokenDatabase())
+    ingester.process("kv@pod-a@m", 0, None)  # type: ignore[arg-type]
+    assert ingester.counters.snapshot()["rejected"] == 1
