@@ -249,8 +249,8 @@ def split_extra_keys(
       blocks with the same placeholder token ids (a wrong hit there would serve another
       prompt's KV), and a router that knows the digests can pass the same identifiers;
     * the cache salt: with ``chain_start`` (the event starts a chain: no parent), the last bare
-      string of the first block, unless the same string also appears in the second block (a
-      legacy multimodal identifier continuing into the next block); it goes to
+      string of the first block, unless later blocks hold bare strings too (then the event uses
+      the legacy bare-identifier shape, where an image runs on into the next block); it goes to
       :attr:`ExtraKeys.cache_salt`, not into the features;
     * any other bare string: a multimodal identifier (older vLLM published bare identifiers);
     * anything else (numbers, ``None``): ignored.
@@ -265,26 +265,24 @@ def split_extra_keys(
             f"extra_keys must be a list of per-block lists, got {type(raw).__name__}"
         )
     blocks = [_block_items(i, block) for i, block in enumerate(raw)]
+
+    def is_lora(i: int, item: object) -> bool:
+        return i == 0 and bool(lora_name) and item == lora_name
+
+    bare = [
+        [i for i, item in enumerate(items) if isinstance(item, str) and not is_lora(i, item)]
+        for items in blocks
+    ]
     salt_at: tuple[int, int] | None = None
-    if chain_start and blocks:
-        first = blocks[0]
-        bare = [
-            i
-            for i, item in enumerate(first)
-            if isinstance(item, str) and not (i == 0 and lora_name and item == lora_name)
-        ]
-        if bare:
-            last = bare[-1]
-            following = blocks[1] if len(blocks) > 1 else ()
-            if first[last] not in following:
-                salt_at = (0, last)
+    if chain_start and bare and bare[0] and not any(bare[1:]):
+        salt_at = (0, bare[0][-1])
     salt: str | None = None
     result: list[BlockExtraFeatures | None] = []
     for block_idx, items in enumerate(blocks):
         hashes: list[MMHash] = []
         for i, item in enumerate(items):
             if isinstance(item, str):
-                if i == 0 and lora_name and item == lora_name:
+                if is_lora(i, item):
                     continue
                 if salt_at == (block_idx, i):
                     salt = item

@@ -573,7 +573,9 @@ class Planner:
                 tuple(ids_of(rest_lo, n, tail.ids)),
                 tail.engine_keys + tuple(hashes[i] for i in rest),
             )
-        if not request or not hashes:
+        if not request or not hashes or (offset == 0 and not after.tokens):
+            # The event covers whole index blocks: the index maps its engine keys by length
+            # ratio (1:1, many:1, 1:many), as for every aligned event.
             return request, None, after
         groups = [
             (
@@ -582,10 +584,6 @@ class Planner:
             )
             for j in range(full)
         ]
-        if not tail.engine_keys:
-            pairs = [(e, r) for keys_, r in groups for e in keys_]
-            if pairs == infer_mappings(hashes, request):
-                return request, None, after
         return request, groups, after
 
     def _tier_update(self, plan: BatchPlan, ev: BlockStored, entry: PodEntry) -> PlanSteps:
