@@ -48,6 +48,7 @@ names known engine keys is taken as a tier update, as before.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import threading
 from collections import OrderedDict
@@ -60,6 +61,7 @@ from kvredis.checks import infer_mappings
 from kvredis.errors import ConfigError, InvalidInputError
 from kvredis.features import (
     BlockExtraFeatures,
+    ExtraKeys,
     MMHash,
     realign_extra_features,
     split_extra_keys,
@@ -97,17 +99,21 @@ class Tail:
     """Where a stored chain ends mid-block: what the next event needs to continue it exactly.
 
     ``base`` is the request key of the chain's last full block (0: the chain has none yet, it
-    continues from the root of ``model`` under ``cache_salt``); ``tokens`` are the tokens past
-    it (fewer than one block), ``ids`` the multimodal identifiers of the engine blocks holding
-    them, ``engine_keys`` those engine blocks (mapped to the block they complete).
+    continues from the root of ``model`` under ``cache_salt``; a ``model`` of ``None`` is the
+    endpoint's model); ``tokens`` are the tokens past it (fewer than one block), ``ids`` the
+    multimodal identifiers of the engine blocks holding them, ``engine_keys`` those engine
+    blocks (mapped to the block they complete). A tail learned from a batch a peer applied has
+    ``base_engine_key`` instead of ``base``: the engine key whose mapping in the index is the
+    base (the engine block holding the last token of the last full block).
     """
 
     base: int
-    model: str
+    model: str | None
     cache_salt: str | None
     tokens: tuple[int, ...] = ()
     ids: tuple[MMHash, ...] = ()
     engine_keys: tuple[int, ...] = ()
+    base_engine_key: int | None = None
 
 
 class EngineKeyCache:
@@ -129,6 +135,10 @@ class EngineKeyCache:
             if tail is not None:
                 self._tails.move_to_end(key)
             return tail
+
+    def pop_tail(self, key: int) -> None:
+        with self._lock:
+            self._tails.pop(key, None)
 
     def put_tail(self, key: int, tail: Tail) -> None:
         with self._lock:
@@ -168,6 +178,9 @@ class PodCaches:
         self._limit = limit
         self._caches: dict[str, EngineKeyCache] = {}
         self._lock = threading.Lock()
+        self.block_size: int | None = None
+        """The index block size, set by the :class:`Planner` using these caches: with it,
+        :meth:`forget_batch` learns the tails of the chains a peer's batch extended."""
 
     def get(self, pod: str) -> EngineKeyCache:
         """The pod's cache (created empty on first use)."""
@@ -183,15 +196,22 @@ class PodCaches:
             self._caches.pop(pod, None)
 
     def forget_batch(self, pod: str, decoded: DecodedBatch) -> None:
-        """A batch a peer applied may have changed mappings cached here: drop those."""
+        """A batch a peer applied may have changed mappings cached here: drop those, and learn
+        the tails of the chains it extended (their bases are read from the index when used), so
+        that this replica continues them exactly as the peer would."""
         cache = self.get(pod)
         for event in decoded.events:
             if isinstance(event, AllBlocksCleared):
                 self.drop(pod)
                 cache = self.get(pod)
-            else:
-                for engine_key in event.block_hashes:
-                    cache.pop(engine_key)
+                continue
+            prior = None
+            if isinstance(event, BlockStored) and event.parent_block_hash:
+                prior = cache.get_tail(event.parent_block_hash)
+            for engine_key in event.block_hashes:
+                cache.pop(engine_key)
+            if isinstance(event, BlockStored) and self.block_size is not None:
+                _learn_tail(cache, event, prior, self.block_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,10 +284,11 @@ class BatchPlan:
     def add(self, op: AddOp, mappings: list[tuple[int, int]] | None) -> None:
         self.pending.append(op)
         if mappings:
-            batch_map, evicted = self.batch_map, self.evicted
+            batch_map, evicted, tails = self.batch_map, self.evicted, self.batch_tails
             for engine_key, request_key in mappings:
                 batch_map[engine_key] = request_key
                 evicted.discard(engine_key)
+                tails.pop(engine_key, None)  # a chain end it held is no longer where it maps
 
     def evict(self, keys: Sequence[int], entries: tuple[PodEntry, ...]) -> None:
         self.pending.extend([EvictOp(key, KeyType.ENGINE, entries) for key in keys])
@@ -285,8 +306,10 @@ class BatchPlan:
     def tail(self, engine_key: int) -> Tail | None:
         """The tail of the chain ending at ``engine_key``, as if the batch so far were applied."""
         hit = self.batch_tails.get(engine_key)
-        if hit is not None or engine_key in self.evicted or self.cache is None:
+        if hit is not None or self.cache is None:
             return hit
+        if engine_key in self.evicted or engine_key in self.batch_map:
+            return None  # evicted, or mapped anew by this batch: a cached tail is stale
         return self.cache.get_tail(engine_key)
 
     def resolve(self, engine_key: int) -> Generator[Lookup | Barrier, int | None, int | None]:
@@ -329,6 +352,7 @@ class BatchPlan:
             cache.pop(engine_key)
         for engine_key, request_key in self.batch_map.items():
             if took_effect:
+                cache.pop_tail(engine_key)
                 cache.put(engine_key, request_key)
             else:
                 cache.pop(engine_key)
@@ -364,6 +388,148 @@ def _continued(acc: list[MMHash], ids: list[MMHash]) -> int:
     return 0
 
 
+def _extra_keys(ev: BlockStored) -> ExtraKeys:
+    """``ev.extra_keys`` decoded (raises InvalidInputError when malformed)."""
+    return split_extra_keys(
+        None if ev.extra_keys is None else list(ev.extra_keys),
+        lora_name=ev.lora_name,
+        chain_start=not ev.parent_block_hash,
+    )
+
+
+def _learn_tail(cache: EngineKeyCache, ev: BlockStored, prior: Tail | None, bs: int) -> None:
+    """Record the tail ``ev`` leaves (a peer applied it), without hashing or I/O."""
+    if not ev.token_ids or not ev.block_hashes:
+        return
+    try:
+        extra = _extra_keys(ev)
+    except (ValueError, TypeError):
+        return
+    if not ev.parent_block_hash:
+        prior = Tail(0, ev.lora_name, ev.cache_salt or extra.cache_salt)
+    elif prior is None:  # where the parent's chain ended is unknown here: learn nothing
+        return
+    step = _advance(prior, ev, extra.features, bs)
+    if step.full and step.last_engine_key is None:
+        return  # no engine key names the new base for sure: learn nothing
+    cache.put_tail(ev.block_hashes[-1], step.after(prior, 0, step.last_engine_key))
+
+
+@dataclass(frozen=True, slots=True)
+class _Step:
+    """How one ``BlockStored`` event extends a chain, computed without hashing."""
+
+    full: int
+    """Index blocks the event completes."""
+    chain: tuple[int, ...]
+    """Their tokens (the previous tail's first)."""
+    feats: list[BlockExtraFeatures | None] | None
+    """Their features."""
+    groups: list[tuple[int, ...]] | None
+    """Per completed block, the engine keys holding its tokens; ``None``: the event covers
+    whole index blocks and the index maps its engine keys by length ratio."""
+    tokens: tuple[int, ...]
+    ids: tuple[MMHash, ...]
+    engine_keys: tuple[int, ...]
+    """The tail after the event: its tokens, their identifiers and engine keys."""
+    last_engine_key: int | None
+    """An engine key whose most recent mapping is the last completed block's request key, now
+    and after any later event (``None`` when the event has no such key)."""
+
+    def after(self, tail: Tail, base: int, base_engine_key: int | None) -> Tail:
+        """The tail after the event, continuing from ``base`` (or ``base_engine_key``'s mapping)
+        when the event completes a block, else from where ``tail`` did."""
+        if not self.full:
+            base, base_engine_key = tail.base, tail.base_engine_key
+        return Tail(
+            base,
+            tail.model,
+            tail.cache_salt,
+            self.tokens,
+            self.ids,
+            self.engine_keys,
+            base_engine_key,
+        )
+
+
+def _advance(
+    tail: Tail, ev: BlockStored, features: list[BlockExtraFeatures | None] | None, bs: int
+) -> _Step:
+    offset = len(tail.tokens)
+    tokens = ev.token_ids
+    n = len(tokens)
+    full = (offset + n) // bs
+    hashes = ev.block_hashes
+    spans = _engine_spans(n, len(hashes), ev.block_size)
+    # Extra keys come one per engine block; a list of another length is spread over the
+    # index blocks as a whole (from a block boundary), or else evenly over the tokens.
+    fspans = spans
+    realigned: list[BlockExtraFeatures | None] | None = None
+    if features is not None and len(features) != len(spans):
+        if offset == 0:
+            realigned = realign_extra_features(features, full) if full else None
+            features = None
+        else:
+            fspans = _engine_spans(n, len(features), ev.block_size)
+
+    def overlapping(lo: int, hi: int, over: list[tuple[int, int]]) -> list[int]:
+        """Engine blocks (indexes into ``over``) holding any event token in ``[lo, hi)``."""
+        return [i for i, (s, e) in enumerate(over) if s < hi and e > lo]
+
+    def ids_of(lo: int, hi: int, head: tuple[MMHash, ...]) -> list[MMHash]:
+        out = list(head)
+        if features is None or lo >= hi:
+            return out
+        prev: list[MMHash] = list(head)
+        for i in overlapping(lo, hi, fspans):
+            feat = features[i]
+            cur = list(feat.mm_hashes) if feat is not None else []
+            out.extend(cur[_continued(prev, cur) :])
+            prev = cur
+        return out
+
+    block_ranges = [(max(j * bs - offset, 0), (j + 1) * bs - offset) for j in range(full)]
+    block_feats: list[BlockExtraFeatures | None] = []
+    for j, (lo, hi) in enumerate(block_ranges):
+        ids = ids_of(lo, hi, tail.ids if j == 0 else ())
+        block_feats.append(BlockExtraFeatures(ids) if ids else None)
+    rest_lo = max(full * bs - offset, 0)
+    rest = overlapping(rest_lo, n, spans)
+    if full:
+        tail_tokens = tuple(tokens[rest_lo:])
+        tail_ids = tuple(ids_of(rest_lo, n, ()))
+        tail_keys = tuple(hashes[i] for i in rest)
+    else:
+        tail_tokens = tail.tokens + tuple(tokens)
+        tail_ids = tuple(ids_of(rest_lo, n, tail.ids))
+        tail_keys = tail.engine_keys + tuple(hashes[i] for i in rest)
+    groups: list[tuple[int, ...]] | None = None
+    last_engine_key: int | None = None
+    if full and hashes:
+        if offset or tail_tokens:
+            groups = [
+                (tail.engine_keys if j == 0 else ())
+                + tuple(hashes[i] for i in overlapping(lo, hi, spans))
+                for j, (lo, hi) in enumerate(block_ranges)
+            ]
+            # An engine block ending inside the last full block maps to it last, and no later
+            # block claims it (only the engine blocks of a tail are mapped again).
+            inside = [i for i, (_, e) in enumerate(spans) if rest_lo - bs < e <= rest_lo]
+            last_engine_key = hashes[inside[-1]] if inside else None
+        else:
+            last_engine_key = hashes[-1]  # the ratio mapping maps it to the last block, last
+    return _Step(
+        full,
+        tail.tokens + tuple(tokens[:rest_lo]),
+        block_feats if any(f is not None for f in block_feats) else realigned,
+        groups,
+        tail_tokens,
+        tail_ids,
+        tail_keys,
+        last_engine_key,
+    )
+
+
 class Planner:
     """Turns decoded batches into index operations for one token processor."""
 
@@ -383,6 +549,7 @@ class Planner:
         self.block_size = int(token_processor.block_size())
         if self.block_size <= 0:
             raise ConfigError(f"token processor block size must be > 0, got {self.block_size}")
+        caches.block_size = self.block_size
         self._entries: dict[tuple[str, str, int | None], PodEntry] = {}
 
     def plan(
@@ -445,11 +612,7 @@ class Planner:
             return
         chain_start = not ev.parent_block_hash
         try:
-            extra = split_extra_keys(
-                None if ev.extra_keys is None else list(ev.extra_keys),
-                lora_name=ev.lora_name,
-                chain_start=chain_start,
-            )
+            extra = _extra_keys(ev)
         except (ValueError, TypeError) as exc:
             plan.rejects.append(Rejection(RejectReason.BAD_EXTRA_KEYS, str(exc), position))
             return
@@ -459,8 +622,14 @@ class Planner:
             parent = ev.parent_block_hash
             assert parent is not None
             known = plan.tail(parent)
+            if known is not None and known.base_engine_key is not None:
+                base = yield from plan.resolve(known.base_engine_key)
+                if base is None:
+                    plan.count(Counter.PARENT_MISSES)
+                    return
+                known = dataclasses.replace(known, base=base, base_engine_key=None)
             if known is not None:
-                tail = known
+                tail = dataclasses.replace(known, model=known.model or model_name)
             else:
                 found = yield from plan.resolve(parent)
                 if found is None:
@@ -475,10 +644,20 @@ class Planner:
         except (ValueError, TypeError) as exc:
             plan.rejects.append(Rejection(RejectReason.HASHING_FAILED, str(exc), position))
             return
-        if ev.block_hashes and after.tokens:
-            plan.put_tail(ev.block_hashes[-1], after)
         plan.count(Counter.EVENTS_APPLIED)
         plan.count(Counter.BLOCKS_STORED, len(ev.block_hashes))
+        self._add(plan, ev, entry, request, groups)
+        if ev.block_hashes:
+            plan.put_tail(ev.block_hashes[-1], after)
+
+    def _add(
+        self,
+        plan: BatchPlan,
+        ev: BlockStored,
+        entry: PodEntry,
+        request: tuple[int, ...],
+        groups: list[tuple[tuple[int, ...], int]] | None,
+    ) -> None:
         if not request:
             return
         if groups is None:
@@ -496,95 +675,28 @@ class Planner:
     def _continue(
         self, tail: Tail, ev: BlockStored, features: list[BlockExtraFeatures | None] | None
     ) -> tuple[tuple[int, ...], list[tuple[tuple[int, ...], int]] | None, Tail]:
-        """Hash ``ev`` on from ``tail``: its request keys, the engine keys of each (``None``
-        when the engine's blocks line up so the index infers them) and the tail after it."""
-        bs = self.block_size
-        offset = len(tail.tokens)
-        tokens = ev.token_ids
-        n = len(tokens)
-        full = (offset + n) // bs
-        hashes = ev.block_hashes
-        spans = _engine_spans(n, len(hashes), ev.block_size)
-        # Extra keys come one per engine block; a list of another length is spread over the
-        # index blocks as a whole (from a block boundary), or else evenly over the tokens.
-        fspans = spans
-        realigned: list[BlockExtraFeatures | None] | None = None
-        if features is not None and len(features) != len(spans):
-            if offset == 0:
-                realigned = realign_extra_features(features, full) if full else None
-                features = None
-            else:
-                fspans = _engine_spans(n, len(features), ev.block_size)
-
-        def overlapping(lo: int, hi: int, over: list[tuple[int, int]]) -> list[int]:
-            """Engine blocks (indexes into ``over``) holding any event token in ``[lo, hi)``."""
-            return [i for i, (s, e) in enumerate(over) if s < hi and e > lo]
-
-        def ids_of(lo: int, hi: int, head: tuple[MMHash, ...]) -> list[MMHash]:
-            out = list(head)
-            if features is None or lo >= hi:
-                return out
-            prev: list[MMHash] = list(head)
-            for i in overlapping(lo, hi, fspans):
-                feat = features[i]
-                cur = list(feat.mm_hashes) if feat is not None else []
-                out.extend(cur[_continued(prev, cur) :])
-                prev = cur
-            return out
-
-        block_ranges = [(max(j * bs - offset, 0), (j + 1) * bs - offset) for j in range(full)]
-        per_block = [overlapping(lo, hi, spans) for lo, hi in block_ranges]
+        """Hash ``ev`` on from ``tail`` (whose base is known): its request keys, the engine keys
+        of each (``None`` when the engine's blocks line up so the index infers them) and the
+        tail after it."""
+        step = _advance(tail, ev, features, self.block_size)
         request: tuple[int, ...] = ()
-        if full:
-            block_feats: list[BlockExtraFeatures | None] = []
-            for j, (lo, hi) in enumerate(block_ranges):
-                ids = ids_of(lo, hi, tail.ids if j == 0 else ())
-                block_feats.append(BlockExtraFeatures(ids) if ids else None)
-            feats = block_feats if any(f is not None for f in block_feats) else realigned
-            chain = tail.tokens + tuple(tokens[: full * bs - offset])
+        model = tail.model
+        assert model is not None, "a continued tail names its model"
+        if step.full:
+            tp = self.token_processor
             if tail.base:
-                keys = self.token_processor.tokens_to_kv_block_keys(
-                    tail.base, chain, tail.model, feats
-                )
+                keys = tp.tokens_to_kv_block_keys(tail.base, step.chain, model, step.feats)
             elif tail.cache_salt:
-                keys = self.token_processor.tokens_to_kv_block_keys(
-                    0, chain, tail.model, feats, cache_salt=tail.cache_salt
+                keys = tp.tokens_to_kv_block_keys(
+                    0, step.chain, model, step.feats, cache_salt=tail.cache_salt
                 )
             else:
-                keys = self.token_processor.tokens_to_kv_block_keys(0, chain, tail.model, feats)
+                keys = tp.tokens_to_kv_block_keys(0, step.chain, model, step.feats)
             request = tuple(keys)
-        rest_lo = max(full * bs - offset, 0)
-        rest = overlapping(rest_lo, n, spans)
-        if full:
-            after = Tail(
-                request[-1],
-                tail.model,
-                tail.cache_salt,
-                tuple(tokens[rest_lo:]),
-                tuple(ids_of(rest_lo, n, ())),
-                tuple(hashes[i] for i in rest),
-            )
-        else:
-            after = Tail(
-                tail.base,
-                tail.model,
-                tail.cache_salt,
-                tail.tokens + tuple(tokens),
-                tuple(ids_of(rest_lo, n, tail.ids)),
-                tail.engine_keys + tuple(hashes[i] for i in rest),
-            )
-        if not request or not hashes or (offset == 0 and not after.tokens):
-            # The event covers whole index blocks: the index maps its engine keys by length
-            # ratio (1:1, many:1, 1:many), as for every aligned event.
+        after = step.after(tail, request[-1] if request else tail.base, None)
+        if step.groups is None:
             return request, None, after
-        groups = [
-            (
-                (tail.engine_keys if j == 0 else ()) + tuple(hashes[i] for i in per_block[j]),
-                request[j],
-            )
-            for j in range(full)
-        ]
-        return request, groups, after
+        return request, [(g, r) for g, r in zip(step.groups, request, strict=True)], after
 
     def _tier_update(self, plan: BatchPlan, ev: BlockStored, entry: PodEntry) -> PlanSteps:
         resolved: list[int] = []

@@ -259,3 +259,20 @@ def test_remote_block_scores_below_a_local_one(index: Any) -> None:
     scores = Indexer(index, TP16, LongestPrefixScorer()).score_tokens(tokens, MODEL)
     assert scores["pod-local"] > scores["pod-remote"] > 0
     assert scores["pod-local"] > scores["pod-pinned"] > 0
+
+
+@pytest.mark.parametrize("split", [(40, 24), (7, 20, 37)], ids=["40+24", "7+20+37"])
+def test_ha_replicas_take_turns_and_agree(index: Any, split: Sequence[int]) -> None:
+    # Both replicas receive every batch of the stream; whoever comes first applies it, the other
+    # finds it applied. Each one plans every batch, so each knows every tail: the keys are the
+    # same whichever replica applies which batch.
+    payloads = _sglang_nodes(split, 1)
+    replicas = [EventIngester(index, TP16), EventIngester(index, TP16)]
+    for seq, payload in enumerate(payloads):
+        order = replicas if seq % 2 == 0 else replicas[::-1]
+        for ing in order:
+            ing.process(f"kv@pod-a@{MODEL}", seq, payload, endpoint="engine-a")
+    want = TP16.tokens_to_kv_block_keys(0, PROMPT[: sum(split)], MODEL)
+    assert hits(index, want) == len(want) == 4
+    for ing in replicas:
+        assert ing.counters.snapshot().get("parent_misses", 0) == 0
