@@ -38,12 +38,15 @@ there, so a prompt gets every full block's key however the engine cuts it into e
 hold its tokens (a tail's engine keys included), so removing any of them removes the block.
 
 Tails are bounded: at most ``parent_cache_size`` per pod (least recently used dropped), each
-under one index block of tokens. When a parent's tail is unknown (another replica stored the
-parent, this ingester restarted, the tail was dropped) and its engine key maps to no full block,
-the event is skipped and counted in ``parent_misses``: an ingester never guesses, so every key
-any replica writes is the key a router computes, and replicas never disagree on a key (they can
-differ only in which blocks they could index). A shorter event that continues nothing known and
-names known engine keys is taken as a tier update, as before.
+under one index block of tokens. HA replicas agree because a tail is a function of the event
+stream alone: every replica that sees a batch records the same tails, whether it applies the
+batch or finds that a peer did (:meth:`PodCaches.forget_batch` learns them then, without
+hashing: the base of a learned tail is read from the index when used, through an engine key of
+the last full block that no later block maps again). When a parent's tail is unknown (the
+replica never saw the parent's batch, a restart, the tail was dropped) and its engine key maps
+to no full block, the event is skipped and counted in ``parent_misses``: an ingester never
+guesses, so every key any replica writes is the key a router computes. A shorter event that
+continues nothing known and names known engine keys is taken as a tier update, as before.
 """
 
 from __future__ import annotations
@@ -243,6 +246,7 @@ class BatchPlan:
         "pending",
         "pending_evicts",
         "rejects",
+        "stale_tails",
         "stats",
     )
 
@@ -255,6 +259,8 @@ class BatchPlan:
         """Engine→request mappings added by this batch so far (not yet in the pod cache)."""
         self.batch_tails: dict[int, Tail] = {}
         """Chain tails recorded by this batch so far (not yet in the pod cache)."""
+        self.stale_tails: set[int] = set()
+        """Engine keys stored again by this batch: their cached tails no longer hold."""
         self.pending_evicts: set[int] = set()
         """Engine keys evicted by pending operations."""
         self.evicted: set[int] = set()
@@ -278,17 +284,17 @@ class BatchPlan:
         self.cache = cache
         self.batch_map.clear()
         self.batch_tails.clear()
+        self.stale_tails.clear()
         self.evicted.clear()
         self.pending_evicts.clear()
 
     def add(self, op: AddOp, mappings: list[tuple[int, int]] | None) -> None:
         self.pending.append(op)
         if mappings:
-            batch_map, evicted, tails = self.batch_map, self.evicted, self.batch_tails
+            batch_map, evicted = self.batch_map, self.evicted
             for engine_key, request_key in mappings:
                 batch_map[engine_key] = request_key
                 evicted.discard(engine_key)
-                tails.pop(engine_key, None)  # a chain end it held is no longer where it maps
 
     def evict(self, keys: Sequence[int], entries: tuple[PodEntry, ...]) -> None:
         self.pending.extend([EvictOp(key, KeyType.ENGINE, entries) for key in keys])
@@ -301,6 +307,7 @@ class BatchPlan:
 
     def put_tail(self, engine_key: int, tail: Tail) -> None:
         self.batch_tails[engine_key] = tail
+        self.stale_tails.discard(engine_key)
         self.evicted.discard(engine_key)
 
     def tail(self, engine_key: int) -> Tail | None:
@@ -308,9 +315,15 @@ class BatchPlan:
         hit = self.batch_tails.get(engine_key)
         if hit is not None or self.cache is None:
             return hit
-        if engine_key in self.evicted or engine_key in self.batch_map:
-            return None  # evicted, or mapped anew by this batch: a cached tail is stale
+        if engine_key in self.evicted or engine_key in self.stale_tails:
+            return None
         return self.cache.get_tail(engine_key)
+
+    def drop_tails(self, engine_keys: Sequence[int]) -> None:
+        """These engine keys were stored again: a chain end recorded for them is stale."""
+        for key in engine_keys:
+            self.batch_tails.pop(key, None)
+        self.stale_tails.update(engine_keys)
 
     def resolve(self, engine_key: int) -> Generator[Lookup | Barrier, int | None, int | None]:
         """The request key ``engine_key`` maps to, as if the batch so far were applied."""
@@ -350,9 +363,10 @@ class BatchPlan:
             return
         for engine_key in self.evicted:
             cache.pop(engine_key)
+        for engine_key in self.stale_tails:
+            cache.pop_tail(engine_key)
         for engine_key, request_key in self.batch_map.items():
             if took_effect:
-                cache.pop_tail(engine_key)
                 cache.put(engine_key, request_key)
             else:
                 cache.pop(engine_key)
@@ -648,6 +662,7 @@ class Planner:
         plan.count(Counter.BLOCKS_STORED, len(ev.block_hashes))
         self._add(plan, ev, entry, request, groups)
         if ev.block_hashes:
+            plan.drop_tails(ev.block_hashes[:-1])
             plan.put_tail(ev.block_hashes[-1], after)
 
     def _add(

@@ -276,3 +276,22 @@ def test_ha_replicas_take_turns_and_agree(index: Any, split: Sequence[int]) -> N
     assert hits(index, want) == len(want) == 4
     for ing in replicas:
         assert ing.counters.snapshot().get("parent_misses", 0) == 0
+
+
+def test_ha_branches_from_a_learned_tail(index: Any) -> None:
+    # Node A (40 tokens) and its child B (24) are applied by replica 1; replica 2 only learns
+    # them, then applies C, a second child of A: its keys must continue A, not B.
+    a_events, a_last = sglang_pages(PROMPT[:40], 1, 1)
+    b_events, _ = sglang_pages(PROMPT[40:64], 1, 100, parent=a_last)
+    other = tuple(range(5000, 5024))
+    c_events, _ = sglang_pages(other, 1, 200, parent=a_last)
+    one, two = EventIngester(index, TP16), EventIngester(index, TP16)
+    topic = f"kv@pod-a@{MODEL}"
+    for seq, events in enumerate([a_events, b_events]):
+        one.process(topic, seq, sglang_batch(events), endpoint="engine-a")
+        two.process(topic, seq, sglang_batch(events), endpoint="engine-a")
+    two.process(topic, 2, sglang_batch(c_events), endpoint="engine-a")
+    assert two.counters.snapshot()["batches_applied"] == 1
+    for tokens in (PROMPT[:64], PROMPT[:40] + other):
+        want = TP16.tokens_to_kv_block_keys(0, tokens, MODEL)
+        assert hits(index, want) == 4
