@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from kvredis import RedisIndex
 from tests.servers import RedisServer
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -34,4 +36,10 @@ def test_the_readme_has_python_blocks() -> None:
 @pytest.mark.parametrize(("line", "code"), BLOCKS, ids=[f"README.md:{n}" for n, _ in BLOCKS])
 def test_readme_block_runs(line: int, code: str, own_redis_server: RedisServer) -> None:
     source = _ADDRESS.sub(own_redis_server.url, code)
-    exec(compile(source, f"README.md:{line}", "exec"), {"__name__": "readme"})
+    scope: dict[str, Any] = {"__name__": "readme"}
+    try:
+        exec(compile(source, f"README.md:{line}", "exec"), scope)
+    finally:
+        for value in scope.values():  # release what the snippet opened (connection pools)
+            if isinstance(value, RedisIndex):
+                value.close()
