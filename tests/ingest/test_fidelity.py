@@ -23,9 +23,10 @@ from kvredis.features import (
 )
 from kvredis.hashing import ChunkedTokenDatabase, TokenProcessorConfig
 from kvredis.indexer import Indexer
-from kvredis.ingest import EventIngester
+from kvredis.ingest import EndpointConfig, EventIngester
 from kvredis.scoring import LongestPrefixScorer
 from kvredis.types import PodEntry
+from tests.ingest.engine import FakeEngine, wait_until
 from tests.ingest.wire import (
     sglang_batch,
     sglang_pages,
@@ -295,3 +296,27 @@ def test_ha_branches_from_a_learned_tail(index: Any) -> None:
     for tokens in (PROMPT[:64], PROMPT[:40] + other):
         want = TP16.tokens_to_kv_block_keys(0, tokens, MODEL)
         assert hits(index, want) == 4
+
+
+@pytest.mark.zmq
+def test_over_zmq_into_redis(redis_backend_index: Any) -> None:
+    # The transport `kvredis ingest` runs: the engine's 3-frame messages on a real socket.
+    with FakeEngine(topic=f"kv@pod-a@{MODEL}") as engine:
+        ing = EventIngester(redis_backend_index, TP16, [EndpointConfig(engine.endpoint)])
+        ing.start()
+        try:
+            engine.wait_subscribed()
+            for payload in _sglang_nodes((7, 20, 37), 1):
+                engine.publish_payload(payload)
+            salted = vllm_stored(
+                [1, 2], None, PROMPT[:32], 16, lora_name=LORA, extra_keys=[[LORA, "s"], [LORA]]
+            )
+            engine.publish_payload(vllm_map_batch([salted]))
+            wait_until(lambda: ing.counters.get("batches") >= 4)
+            assert ing.wait_idle(10)
+        finally:
+            assert ing.stop()
+    want = TP16.tokens_to_kv_block_keys(0, PROMPT[:64], MODEL)
+    assert hits(redis_backend_index, want) == 4
+    lora = TP16.tokens_to_kv_block_keys(0, PROMPT[:32], LORA, cache_salt="s")
+    assert hits(redis_backend_index, lora) == 2
