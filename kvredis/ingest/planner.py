@@ -37,16 +37,17 @@ there, so a prompt gets every full block's key however the engine cuts it into e
 7+20+37, one page at a time). An index block's engine keys are exactly the engine blocks that
 hold its tokens (a tail's engine keys included), so removing any of them removes the block.
 
-Tails are bounded: at most ``parent_cache_size`` per pod (least recently used dropped), each
-under one index block of tokens. HA replicas agree because a tail is a function of the event
-stream alone: every replica that sees a batch records the same tails, whether it applies the
-batch or finds that a peer did (:meth:`PodCaches.forget_batch` learns them then, without
-hashing: the base of a learned tail is read from the index when used, through an engine key of
-the last full block that no later block maps again). When a parent's tail is unknown (the
-replica never saw the parent's batch, a restart, the tail was dropped) and its engine key maps
-to no full block, the event is skipped and counted in ``parent_misses``: an ingester never
-guesses, so every key any replica writes is the key a router computes. A shorter event that
-continues nothing known and names known engine keys is taken as a tier update, as before.
+Tails are bounded: at most :data:`MAX_TAILS_PER_POD` (or ``parent_cache_size`` if smaller) per
+pod, least recently used dropped, each under one index block of tokens. HA replicas agree
+because a tail is a function of the event stream alone: every replica that sees a batch records
+the same tails, whether it applies the batch or finds that a peer did
+(:meth:`PodCaches.forget_batch` learns them then, without hashing: the base of a learned tail is
+read from the index when used, through an engine key of the last full block that no later block
+maps again). When a parent's tail is unknown (the replica never saw the parent's batch, a
+restart, the tail was dropped) and its engine key maps to no full block, the event is skipped
+and counted in ``parent_misses``: an ingester never guesses, so every key any replica writes is
+the key a router computes. A shorter event that continues nothing known and names known engine
+keys is taken as a tier update, as before.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ if TYPE_CHECKING:
     from kvredis.hashing import TokenProcessor
 
 __all__ = [
+    "MAX_TAILS_PER_POD",
     "Barrier",
     "BatchPlan",
     "EngineKeyCache",
@@ -95,6 +97,11 @@ __all__ = [
     "PodCaches",
     "Tail",
 ]
+
+
+MAX_TAILS_PER_POD = 32_768
+"""Chain ends remembered per pod (fewer when the engine-key cache is smaller): each holds less
+than one index block of tokens, a few hundred bytes."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +154,7 @@ class EngineKeyCache:
         with self._lock:
             self._tails[key] = tail
             self._tails.move_to_end(key)
-            if len(self._tails) > self._limit:
+            if len(self._tails) > min(self._limit, MAX_TAILS_PER_POD):
                 self._tails.popitem(last=False)
 
     def get(self, key: int) -> int | None:
