@@ -72,9 +72,10 @@ def _frozen_mediums(mediums: Mapping[str, str]) -> Mapping[str, str]:
 class TierMap:
     """Maps an event's ``(medium, locality, ownership)`` to an entry's device tier.
 
-    ``mediums`` is keyed by medium name (matched case-insensitively); ``default_tier`` is the
-    tier of an event without a medium. ``from_dict`` takes ``{"mediums": {...},
-    "defaultTier": ...}``.
+    ``mediums`` is keyed by medium name (matched case-insensitively) and replaces
+    :data:`DEFAULT_MEDIUM_TIERS` (pass ``{**DEFAULT_MEDIUM_TIERS, ...}`` to extend it);
+    ``default_tier`` is the tier of an event without a medium. ``from_dict`` takes
+    ``{"mediums": {...}, "defaultTier": ...}``.
     """
 
     mediums: Mapping[str, str] = field(default_factory=lambda: DEFAULT_MEDIUM_TIERS)
