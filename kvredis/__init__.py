@@ -57,6 +57,11 @@ _EXPORTS: dict[str, str] = {
     "compute_block_extra_features": "kvredis.features",
     "parse_raw_extra_keys": "kvredis.features",
     "realign_extra_features": "kvredis.features",
+    "split_extra_keys": "kvredis.features",
+    "ExtraKeys": "kvredis.features",
+    "PROMPT_EMBEDS_PREFIX": "kvredis.features",
+    "TierMap": "kvredis.tiers",
+    "DEFAULT_TIERS": "kvredis.tiers",
     # backends, scoring, configuration
     "CostAwareMemoryIndex": "kvredis.memory",
     "CostAwareMemoryIndexConfig": "kvredis.memory",
@@ -100,8 +105,10 @@ _EXPORTS: dict[str, str] = {
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "DEFAULT_MEDIUM_WEIGHTS",
+    "DEFAULT_TIERS",
     "EMPTY_BLOCK_HASH",
     "HASH_ALGOS",
+    "PROMPT_EMBEDS_PREFIX",
     "AddOp",
     "AllBlocksCleared",
     "AsyncBatchIndex",
@@ -126,6 +133,7 @@ __all__ = [
     "EngineKeyNotFoundError",
     "EventIngester",
     "EvictOp",
+    "ExtraKeys",
     "GroupCatalog",
     "GroupMetadata",
     "InMemoryIndex",
@@ -156,6 +164,7 @@ __all__ = [
     "ReplayedMessage",
     "ScoringIndex",
     "StaleNamespaceError",
+    "TierMap",
     "TokenProcessor",
     "TokenProcessorConfig",
     "UnsafeServerConfigError",
@@ -176,6 +185,7 @@ __all__ = [
     "parse_size",
     "parse_topic",
     "realign_extra_features",
+    "split_extra_keys",
 ]
 
 
@@ -208,12 +218,15 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
         UnsafeServerConfigError,
     )
     from kvredis.features import (
+        PROMPT_EMBEDS_PREFIX,
         BlockExtraFeatures,
+        ExtraKeys,
         MMHash,
         PlaceholderRange,
         compute_block_extra_features,
         parse_raw_extra_keys,
         realign_extra_features,
+        split_extra_keys,
     )
     from kvredis.groups import GroupCatalog
     from kvredis.hashing.config import DEFAULT_BLOCK_SIZE, HASH_ALGOS, TokenProcessorConfig
@@ -268,4 +281,5 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
         new_valkey_index,
     )
     from kvredis.scoring import DEFAULT_MEDIUM_WEIGHTS, LongestPrefixScorer
+    from kvredis.tiers import DEFAULT_TIERS, TierMap
     from kvredis.types import EMPTY_BLOCK_HASH, BlockHash, GroupMetadata, KeyType, PodEntry

@@ -36,8 +36,10 @@ def check_hashes(values: Sequence[int], what: str = "block hash") -> list[int]:
 def check_entries(entries: Sequence[PodEntry], *, for_add: bool = False) -> list[PodEntry]:
     """Validate a non-empty sequence of pod entries.
 
-    With ``for_add`` the pod identifier and device tier must be non-empty: an entry that cannot be
-    named cannot be filtered, scored or cleared later.
+    With ``for_add`` the pod identifier must be non-empty (an entry that cannot be named cannot
+    be filtered, scored or cleared later), and so must the device tier unless the entry is
+    speculative: the llm-d scorer adds ``PodEntry(pod, speculative=True)`` with no tier for a
+    request it just routed, and later evicts it by request key.
     """
     if isinstance(entries, PodEntry):
         raise InvalidInputError("entries must be a sequence of PodEntry, got a single PodEntry")
@@ -51,10 +53,14 @@ def check_entries(entries: Sequence[PodEntry], *, for_add: bool = False) -> list
     for entry in out:
         if not isinstance(entry, PodEntry):
             raise InvalidInputError(f"entries must be PodEntry values, got {type(entry).__name__}")
-        if for_add and (not entry.pod_identifier or not entry.device_tier):
+        if for_add and not entry.pod_identifier:
             raise InvalidInputError(
-                f"pod entry {entry!r} has an empty pod identifier or device tier; both must be "
-                "non-empty strings"
+                f"pod entry {entry!r} has an empty pod identifier; it must be a non-empty string"
+            )
+        if for_add and not entry.device_tier and not entry.speculative:
+            raise InvalidInputError(
+                f"pod entry {entry!r} has an empty device tier; only speculative entries may "
+                "have none"
             )
     return out
 

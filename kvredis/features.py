@@ -7,7 +7,9 @@ content. These helpers produce the per-block identifier lists that
 
 * :func:`compute_block_extra_features` derives them on the router side from the tokenizer's
   multimodal hashes and placeholder ranges;
-* :func:`parse_raw_extra_keys` reads them from an engine's ``BlockStored`` event ``extra_keys``;
+* :func:`split_extra_keys` decodes an engine's ``BlockStored`` ``extra_keys`` item by item (LoRA
+  name, multimodal items, cache salt, prompt-embedding digests); :func:`parse_raw_extra_keys` is
+  the older reading that takes every string for a multimodal identifier;
 * :func:`realign_extra_features` maps per-engine-block features onto kvredis's block size.
 """
 
@@ -20,13 +22,19 @@ from typing import Any, cast
 from kvredis.errors import InvalidInputError
 
 __all__ = [
+    "PROMPT_EMBEDS_PREFIX",
     "BlockExtraFeatures",
+    "ExtraKeys",
     "MMHash",
     "PlaceholderRange",
     "compute_block_extra_features",
     "parse_raw_extra_keys",
     "realign_extra_features",
+    "split_extra_keys",
 ]
+
+#: Prefix of the identifier a prompt-embedding digest becomes (followed by the digest in hex).
+PROMPT_EMBEDS_PREFIX = "prompt_embeds:"
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,8 +107,11 @@ def compute_block_extra_features(
     pairs are sorted by start offset (stably, so equal starts keep modality then list order).
     Block ``i`` covers tokens ``[i * block_size, (i + 1) * block_size)`` and there are
     ``num_tokens // block_size`` of them; a block gets the identifiers of every item whose range
-    ``[offset, offset + length)`` intersects it, in start order, or ``None`` when there is none
-    (a zero-length range intersects nothing).
+    ``[offset, offset + length)`` intersects it, in start order, or ``None`` when there is none.
+    As in the Go ``ComputeBlockExtraFeatures``, an item overlaps a block when it ends after the
+    block's start and starts before its end, so a zero-length range strictly inside a block
+    (``block_start < offset < block_end``) is kept for that block, and one starting on a block
+    boundary belongs to no block.
 
     Returns ``None`` when there are no hashes (or no pairs), ``block_size <= 0`` or
     ``num_tokens <= 0``.
@@ -116,7 +127,6 @@ def compute_block_extra_features(
     if not mm_hashes or not mm_placeholders or block_size <= 0 or num_tokens <= 0:
         return None
     items: list[tuple[int, int, str]] = []
-    pairs = 0
     for modality, hashes in mm_hashes.items():
         if isinstance(hashes, (str, bytes)):
             raise InvalidInputError(
@@ -137,10 +147,8 @@ def compute_block_extra_features(
                     f"mm_placeholders[{modality!r}] must hold PlaceholderRange values, "
                     f"got {type(rng).__name__}"
                 )
-            pairs += 1
-            if rng.length > 0:
-                items.append((rng.offset, rng.offset + rng.length, identifier))
-    if pairs == 0:
+            items.append((rng.offset, rng.offset + rng.length, identifier))
+    if not items:
         return None
     items.sort(key=lambda item: item[0])
 
@@ -197,6 +205,97 @@ def parse_raw_extra_keys(
                 hashes.append(MMHash(element[0]))
         result.append(BlockExtraFeatures(hashes) if hashes else None)
     return result
+
+
+@dataclass(frozen=True, slots=True)
+class ExtraKeys:
+    """What a ``BlockStored`` event's ``extra_keys`` say, decoded (see :func:`split_extra_keys`)."""
+
+    features: list[BlockExtraFeatures | None] | None
+    """Per engine block, the identifiers that taint its hash; ``None`` when no block has one."""
+    cache_salt: str | None = None
+    """The salt of the request that stored the chain (first block of a chain only)."""
+
+
+def _block_items(block_idx: int, block: object) -> Sequence[Any]:
+    if block is None:
+        return ()
+    if isinstance(block, (str, bytes, bytearray)) or not isinstance(block, Sequence):
+        raise InvalidInputError(
+            f"extra_keys[{block_idx}] must be a list or None, got {type(block).__name__}"
+        )
+    return block
+
+
+def split_extra_keys(
+    raw: Sequence[Sequence[Any] | None] | None,
+    *,
+    lora_name: str | None = None,
+    chain_start: bool = False,
+) -> ExtraKeys:
+    """Decode a ``BlockStored`` event's ``extra_keys``, each item by its shape.
+
+    vLLM 0.34 publishes per engine block a list holding, in this order: the LoRA name (a bare
+    string, when the event has a ``lora_name``), the multimodal items overlapping the block as
+    ``[identifier, offset]`` pairs, the request's cache salt (a bare string, first block of a
+    request only) and prompt-embedding digests (``bytes``). Items are read as:
+
+    * a bare string equal to ``lora_name`` at the head of a block: the LoRA, *not* a feature
+      (the event is hashed under the adapter's name as the model, which already separates it);
+    * a list or tuple whose first element is a string (``[identifier, offset]``, or the legacy
+      tuples older engines and the upstream parser accept): a multimodal identifier;
+    * ``bytes``: a prompt-embedding digest, kept as the identifier
+      ``PROMPT_EMBEDS_PREFIX + digest.hex()``: blocks fed from embeddings hash apart from text
+      blocks with the same placeholder token ids (a wrong hit there would serve another
+      prompt's KV), and a router that knows the digests can pass the same identifiers;
+    * the cache salt: with ``chain_start`` (the event starts a chain: no parent), the last bare
+      string of the first block, unless later blocks hold bare strings too (then the event uses
+      the legacy bare-identifier shape, where an image runs on into the next block); it goes to
+      :attr:`ExtraKeys.cache_salt`, not into the features;
+    * any other bare string: a multimodal identifier (older vLLM published bare identifiers);
+    * anything else (numbers, ``None``): ignored.
+
+    One case stays ambiguous: an old-style bare identifier that appears only in the first block
+    of a chain's first event reads as a salt. Both isolate the prefix; only the key differs.
+    """
+    if raw is None:
+        return ExtraKeys(None)
+    if isinstance(raw, (str, bytes, bytearray)) or not isinstance(raw, Sequence):
+        raise InvalidInputError(
+            f"extra_keys must be a list of per-block lists, got {type(raw).__name__}"
+        )
+    blocks = [_block_items(i, block) for i, block in enumerate(raw)]
+
+    def is_lora(i: int, item: object) -> bool:
+        return i == 0 and bool(lora_name) and item == lora_name
+
+    bare = [
+        [i for i, item in enumerate(items) if isinstance(item, str) and not is_lora(i, item)]
+        for items in blocks
+    ]
+    salt_at: tuple[int, int] | None = None
+    if chain_start and bare and bare[0] and not any(bare[1:]):
+        salt_at = (0, bare[0][-1])
+    salt: str | None = None
+    result: list[BlockExtraFeatures | None] = []
+    for block_idx, items in enumerate(blocks):
+        hashes: list[MMHash] = []
+        for i, item in enumerate(items):
+            if isinstance(item, str):
+                if is_lora(i, item):
+                    continue
+                if salt_at == (block_idx, i):
+                    salt = item
+                    continue
+                hashes.append(MMHash(item))
+            elif isinstance(item, (bytes, bytearray)):
+                hashes.append(MMHash(PROMPT_EMBEDS_PREFIX + bytes(item).hex()))
+            elif isinstance(item, (list, tuple)) and item and isinstance(item[0], str):
+                hashes.append(MMHash(item[0]))
+        result.append(BlockExtraFeatures(hashes) if hashes else None)
+    if all(f is None for f in result):
+        return ExtraKeys(None, salt or None)
+    return ExtraKeys(result, salt or None)
 
 
 def realign_extra_features(

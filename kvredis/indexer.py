@@ -58,10 +58,17 @@ class Indexer:
         tokens: Sequence[int],
         model_name: str,
         extra_features: Sequence[BlockExtraFeatures | None] | None = None,
+        *,
+        cache_salt: str | None = None,
     ) -> list[int]:
-        """Request keys of the full blocks of ``tokens``, chained from the model's root."""
+        """Request keys of the full blocks of ``tokens``, chained from the model's root (salted
+        by ``cache_salt``, the request's vLLM/SGLang ``cache_salt``, when given)."""
+        if cache_salt is None:
+            return self._token_processor.tokens_to_kv_block_keys(
+                EMPTY_BLOCK_HASH, tokens, model_name, extra_features
+            )
         return self._token_processor.tokens_to_kv_block_keys(
-            EMPTY_BLOCK_HASH, tokens, model_name, extra_features
+            EMPTY_BLOCK_HASH, tokens, model_name, extra_features, cache_salt=cache_salt
         )
 
     def score_tokens(
@@ -70,12 +77,16 @@ class Indexer:
         model_name: str,
         pod_identifiers: Collection[str] | None = None,
         extra_features: Sequence[BlockExtraFeatures | None] | None = None,
+        *,
+        cache_salt: str | None = None,
     ) -> dict[str, float]:
         """Per-pod scores for a prompt; only ``pod_identifiers`` are considered when given.
 
-        A prompt shorter than one block, or one no pod holds, gives ``{}``.
+        For a LoRA request pass the adapter's name as ``model_name`` (ingestion hashes a LoRA
+        event under its ``lora_name``); for a salted request its ``cache_salt``. A prompt
+        shorter than one block, or one no pod holds, gives ``{}``.
         """
-        keys = self.compute_block_keys(tokens, model_name, extra_features)
+        keys = self.compute_block_keys(tokens, model_name, extra_features, cache_salt=cache_salt)
         if not keys:
             return {}
         pods = pod_identifiers or None

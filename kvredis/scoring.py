@@ -9,8 +9,26 @@ from types import MappingProxyType
 from kvredis.errors import InvalidInputError
 from kvredis.types import PodEntry
 
-#: Tier weights used when none are given: a block on GPU is worth more than one on CPU.
-DEFAULT_MEDIUM_WEIGHTS: Mapping[str, float] = MappingProxyType({"gpu": 1.0, "cpu": 0.8})
+#: Tier weights used when none are given, for every tier :data:`kvredis.tiers.DEFAULT_TIERS`
+#: makes of what vLLM 0.34 and SGLang 0.5 publish: the faster the copy is to load, the more it
+#: is worth. Host memory (vLLM ``CPU``, SGLang ``CPU_PINNED``) is worth less than GPU, local disk
+#: and storage tiers less again, and a copy on remote storage less than the same tier on the pod.
+DEFAULT_MEDIUM_WEIGHTS: Mapping[str, float] = MappingProxyType(
+    {
+        "gpu": 1.0,
+        "cpu": 0.8,
+        "cpu/kvcr": 0.8,
+        "disk": 0.5,
+        "storage": 0.5,
+        "storage/kvcr": 0.5,
+        "external": 0.4,
+        "gpu:remote": 0.6,
+        "cpu:remote": 0.5,
+        "disk:remote": 0.3,
+        "storage:remote": 0.3,
+        "external:remote": 0.3,
+    }
+)
 
 #: Weight of a device tier missing from the weight map.
 UNKNOWN_TIER_WEIGHT = 1.0

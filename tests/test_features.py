@@ -11,11 +11,14 @@ from hypothesis import strategies as st
 
 from kvredis.errors import InvalidInputError
 from kvredis.features import (
+    PROMPT_EMBEDS_PREFIX,
     BlockExtraFeatures,
+    ExtraKeys,
     MMHash,
     PlaceholderRange,
     compute_block_extra_features,
     parse_raw_extra_keys,
+    split_extra_keys,
 )
 
 
@@ -154,14 +157,28 @@ def test_only_full_blocks_are_emitted() -> None:
     assert ids(result) == [["head"], None]
 
 
-def test_zero_length_range_overlaps_nothing() -> None:
+def test_zero_length_ranges_as_go() -> None:
+    # Go keeps an item whose empty range starts inside a block (end > block start and start <
+    # block end); an empty range on a block boundary belongs to no block.
     result = compute_block_extra_features(
-        {"image": ["empty", "real"]},
-        {"image": [PlaceholderRange(5, 0), PlaceholderRange(20, 1)]},
+        {"image": ["inside", "real", "boundary", "zero"]},
+        {
+            "image": [
+                PlaceholderRange(5, 0),
+                PlaceholderRange(20, 1),
+                PlaceholderRange(32, 0),
+                PlaceholderRange(0, 0),
+            ]
+        },
         16,
-        32,
+        48,
     )
-    assert ids(result) == [None, ["real"]]
+    assert ids(result) == [["inside"], ["real"], None]
+    # Only empty ranges, none inside a block: one (all-None) element per block, as Go.
+    only_empty = compute_block_extra_features(
+        {"image": ["e"]}, {"image": [PlaceholderRange(16, 0)]}, 16, 32
+    )
+    assert only_empty == [None, None]
 
 
 def test_modality_without_ranges_contributes_nothing() -> None:
@@ -233,7 +250,8 @@ def _brute_force(
     block_size: int,
     num_tokens: int,
 ) -> list[list[str] | None]:
-    """Token-by-token reference: an item overlaps a block iff they share a token index."""
+    """Token-by-token reference: an item overlaps a block iff they share a token index, or (an
+    empty range, as in Go) it starts strictly inside the block."""
     flat: list[tuple[int, str, set[int]]] = []
     for modality, hashes in mm_hashes.items():
         for identifier, rng in zip(hashes, placeholders.get(modality, []), strict=False):
@@ -241,8 +259,13 @@ def _brute_force(
     flat.sort(key=lambda item: item[0])
     blocks: list[list[str] | None] = []
     for b in range(num_tokens // block_size):
-        block = set(range(b * block_size, (b + 1) * block_size))
-        hit = [identifier for _, identifier, covered in flat if covered & block]
+        start, end = b * block_size, (b + 1) * block_size
+        block = set(range(start, end))
+        hit = [
+            identifier
+            for offset, identifier, covered in flat
+            if covered & block or (not covered and start < offset < end)
+        ]
         blocks.append(hit or None)
     return blocks
 
@@ -332,3 +355,40 @@ def test_parsed_features_match_computed_features() -> None:
     )
     from_engine = parse_raw_extra_keys([[["img-a", 4]], [["img-a", -12], ["img-b", 10]], None])
     assert computed == from_engine
+
+
+# split_extra_keys: each item by its shape
+
+
+def test_split_extra_keys_by_shape() -> None:
+    digest = bytes(range(32))
+    raw = [
+        ["lora", ["img", 4], "salt", digest],
+        ["lora", ["img", -12]],
+        ["lora"],
+        None,
+    ]
+    split = split_extra_keys(raw, lora_name="lora", chain_start=True)
+    assert split.cache_salt == "salt"
+    assert ids(split.features) == [
+        ["img", PROMPT_EMBEDS_PREFIX + digest.hex()],
+        ["img"],
+        None,
+        None,
+    ]
+    # Not a chain start: no salt can be there, a bare string is a (legacy) identifier.
+    assert split_extra_keys([["a"]], chain_start=False) == ExtraKeys(
+        [BlockExtraFeatures([MMHash("a")])]
+    )
+    # A salted text prompt: no features at all.
+    assert split_extra_keys([["s"], None], chain_start=True) == ExtraKeys(None, "s")
+    # A legacy bare identifier that runs on into the next block is not a salt.
+    legacy = split_extra_keys([["img"], ["img"]], chain_start=True)
+    assert legacy.cache_salt is None and ids(legacy.features) == [["img"], ["img"]]
+    # The LoRA name only counts at the head of a block and when the event names it.
+    assert ids(split_extra_keys([["x", "lora"]], lora_name="lora").features) == [["x", "lora"]]
+    assert split_extra_keys(None) == ExtraKeys(None)
+    with pytest.raises(InvalidInputError):
+        split_extra_keys("img")  # type: ignore[arg-type]
+    with pytest.raises(InvalidInputError):
+        split_extra_keys([["ok"], "img"])  # type: ignore[list-item]

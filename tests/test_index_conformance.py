@@ -418,6 +418,30 @@ def test_speculative_entries_added_without_engine_keys(index: Any) -> None:
     assert held(index, request[1]) == {spec, A_GPU}
 
 
+def test_speculative_entries_without_a_tier(index: Any) -> None:
+    # The llm-d scorer's Add(nil, requestKeys, PodEntry{pod, speculative}): no device tier.
+    request = hashes(3, "spec-no-tier")
+    spec = PodEntry("pod-a", speculative=True)
+    assert spec.device_tier == ""
+    index.add(None, request, [spec])
+    got = index.lookup(request)
+    assert norm(got) == {k: {spec} for k in request}
+    assert all(e.device_tier == "" and e.speculative for v in got.values() for e in v)
+    index.add(None, request[:1], [A_GPU])
+    assert held(index, request[0]) == {spec, A_GPU}
+    for key in request:
+        index.evict(key, REQUEST, [spec])
+    assert held(index, request[0]) == {A_GPU}
+    assert index.lookup(request[1:]) == {}
+    # Only speculative entries may lack a tier; no entry may lack a pod.
+    for bad in (PodEntry("pod-a"), PodEntry("", speculative=True)):
+        with pytest.raises(InvalidInputError):
+            index.add(None, request, [bad])
+    if callable(getattr(getattr(index, "inner", index), "apply_batch", None)):
+        assert index.apply_batch([AddOp(None, (request[2],), (spec,))], "spec", Watermark(0, 1))
+        assert held(index, request[2]) == {spec}
+
+
 # -- bad input ---------------------------------------------------------------------------------
 
 BAD_HASHES = [-1, 2**64, 2**70, "12", 1.0, True, None, b"\x01"]

@@ -15,6 +15,7 @@ from kvredis.hashing import ChunkedTokenDatabase, TokenProcessorConfig
 from kvredis.indexer import Indexer
 from kvredis.memory import InMemoryIndex
 from kvredis.scoring import DEFAULT_MEDIUM_WEIGHTS, LongestPrefixScorer
+from kvredis.tiers import DEFAULT_TIERS
 from kvredis.types import PodEntry
 
 MODEL = "test/model-7b"
@@ -29,9 +30,37 @@ def E(pod: str, tier: str = "gpu", **kwargs: Any) -> PodEntry:
 
 
 def test_default_weights() -> None:
-    assert dict(DEFAULT_MEDIUM_WEIGHTS) == {"gpu": 1.0, "cpu": 0.8}
-    assert dict(LongestPrefixScorer().medium_weights) == {"gpu": 1.0, "cpu": 0.8}
-    assert LongestPrefixScorer().weight("disk") == 1.0
+    assert (DEFAULT_MEDIUM_WEIGHTS["gpu"], DEFAULT_MEDIUM_WEIGHTS["cpu"]) == (1.0, 0.8)
+    assert dict(LongestPrefixScorer().medium_weights) == dict(DEFAULT_MEDIUM_WEIGHTS)
+    assert LongestPrefixScorer().weight("nvme") == 1.0  # a tier nobody maps to
+
+
+# What vLLM 0.34 and SGLang 0.5.23 put in (medium, locality, ownership), and the order of worth.
+ENGINE_COPIES = [
+    ("GPU", None, None),
+    ("CPU", "LOCAL", None),  # vLLM CPU offloading
+    ("CPU_PINNED", None, None),  # SGLang host pinned memory
+    ("CPU", None, "kvcr"),  # a vLLM KVCR inventory copy
+    ("STORAGE", "LOCAL", None),
+    ("DISK", None, None),
+    ("EXTERNAL", None, None),
+    ("STORAGE", "REMOTE", None),
+]
+
+
+def test_default_weights_cover_what_engines_send() -> None:
+    scorer = LongestPrefixScorer()
+    weights = []
+    for medium, locality, ownership in ENGINE_COPIES:
+        tier = DEFAULT_TIERS.tier(medium, locality, ownership)
+        assert tier in DEFAULT_MEDIUM_WEIGHTS, tier
+        weights.append(scorer.weight(tier))
+    assert weights == sorted(weights, reverse=True)
+    # Pinned host memory is host memory: worth less than GPU, the same as vLLM's CPU tier.
+    assert scorer.weight(DEFAULT_TIERS.tier("CPU_PINNED")) == scorer.weight("cpu") < 1.0
+    # A remote copy is worth less than the same tier on the pod.
+    for base in ("gpu", "cpu", "disk", "storage", "external"):
+        assert scorer.weight(base + ":remote") < scorer.weight(base)
 
 
 def test_pods_score_their_consecutive_prefix_and_drop_out_at_their_first_miss() -> None:

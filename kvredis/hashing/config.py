@@ -23,7 +23,8 @@ _CONFIG_KEYS: dict[str, str] = {
 
 
 def _resolve_block_size(block_size_tokens: int, block_size: int) -> int:
-    """``block_size_tokens`` unless it is 0; then the deprecated ``block_size``; both 0 -> 16."""
+    """The upstream rule: ``block_size_tokens`` unless it is 0 (unset); then the deprecated
+    ``block_size``; both 0 -> 16. A resolved size <= 0 is an error naming the value given."""
     if block_size_tokens == 0 and block_size == 0:
         return DEFAULT_BLOCK_SIZE
     value = block_size if block_size_tokens == 0 else block_size_tokens
@@ -36,14 +37,17 @@ def _resolve_block_size(block_size_tokens: int, block_size: int) -> int:
 class TokenProcessorConfig:
     """How prompts are cut into blocks and hashed.
 
-    ``block_size`` is the deprecated spelling of ``block_size_tokens``: it is used only when
-    ``block_size_tokens`` is 0 (pass ``block_size_tokens=0`` to use it), and both 0 means 16.
-    A block size <= 0 that would be used raises :class:`~kvredis.errors.ConfigError` (a
-    ``ValueError``). For ``"fnv64a_cbor"`` keys to match the engines', ``hash_seed`` must
-    match theirs (vLLM's ``PYTHONHASHSEED``).
+    ``block_size`` is the deprecated spelling of ``block_size_tokens``. As in the upstream,
+    ``block_size_tokens`` 0 means unset (the default): then ``block_size`` is used, so
+    ``TokenProcessorConfig(block_size=8)`` hashes 8-token blocks; both unset means 16; both
+    given keeps ``block_size_tokens``. A resolved size <= 0 raises
+    :class:`~kvredis.errors.ConfigError` (a ``ValueError``) whose message contains
+    ``blockSizeTokens must be greater than 0, got <n>``. Read the size in use from
+    :attr:`resolved_block_size`. For ``"fnv64a_cbor"`` keys to match the engines',
+    ``hash_seed`` must match theirs (vLLM's ``PYTHONHASHSEED``).
     """
 
-    block_size_tokens: int = DEFAULT_BLOCK_SIZE
+    block_size_tokens: int = 0
     hash_seed: str = ""
     block_size: int = 0
     hash_algo: str = "xxh3_64"
@@ -76,9 +80,7 @@ class TokenProcessorConfig:
         """Build from the upstream JSON shape (``blockSizeTokens``, ``blockSize``, ``hashSeed``,
         ``hashAlgo``) or the Python field names. Unknown keys raise ``ConfigError``.
 
-        As in the upstream JSON decoding, a missing ``blockSizeTokens`` counts as 0, so
-        ``{"blockSize": 8}`` means 8 and ``{}`` means 16.
+        A missing ``blockSizeTokens`` is unset, so ``{"blockSize": 8}`` means 8 and ``{}``
+        means 16.
         """
-        kwargs = take_fields("token processor config", data, _CONFIG_KEYS)
-        kwargs.setdefault("block_size_tokens", 0)
-        return cls(**kwargs)
+        return cls(**take_fields("token processor config", data, _CONFIG_KEYS))

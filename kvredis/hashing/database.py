@@ -31,8 +31,11 @@ class TokenProcessor(Protocol):
         tokens: Sequence[int],
         model_name: str,
         extra_features: Sequence[BlockExtraFeatures | None] | None = None,
+        *,
+        cache_salt: str | None = None,
     ) -> list[int]:
-        """Keys of the full blocks of ``tokens``, chained from ``parent_key`` (0: model root)."""
+        """Keys of the full blocks of ``tokens``, chained from ``parent_key`` (0: the root of
+        the model, under ``cache_salt`` when given)."""
         ...
 
     def block_size(self) -> int:
@@ -67,7 +70,7 @@ class ChunkedTokenDatabase:
             else FnvCborScheme(self._block_size)
         )
         self._seed_bytes = config.hash_seed.encode("utf-8")
-        self._roots: dict[str, int] = {}
+        self._roots: dict[tuple[str, str | None], int] = {}
 
     @property
     def config(self) -> TokenProcessorConfig:
@@ -86,20 +89,30 @@ class ChunkedTokenDatabase:
     def __repr__(self) -> str:
         return f"ChunkedTokenDatabase(block_size={self._block_size}, hash_algo={self._algo!r})"
 
-    def root_key(self, model_name: str) -> int:
-        """The chain root used for ``model_name`` when ``parent_key`` is 0."""
+    def root_key(self, model_name: str, *, cache_salt: str | None = None) -> int:
+        """The chain root used for ``model_name`` (and ``cache_salt``) when ``parent_key`` is 0.
+
+        An empty ``cache_salt`` is no salt (as in vLLM and SGLang, which ignore an empty one).
+        """
         if not isinstance(model_name, str):
             raise InvalidInputError(f"model_name must be a str, got {type(model_name).__name__}")
-        root = self._roots.get(model_name)
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise InvalidInputError(
+                f"cache_salt must be a str or None, got {type(cache_salt).__name__}"
+            )
+        salt = cache_salt or None
+        cache_key = (model_name, salt)
+        root = self._roots.get(cache_key)
         if root is None:
-            try:
-                model_name.encode("utf-8")
-            except UnicodeEncodeError as exc:
-                raise InvalidInputError(f"model_name is not encodable as UTF-8: {exc}") from None
-            root = self._scheme.root_key(self._seed_bytes, model_name)
+            for name, value in (("model_name", model_name), ("cache_salt", salt or "")):
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    raise InvalidInputError(f"{name} is not encodable as UTF-8: {exc}") from None
+            root = self._scheme.root_key(self._seed_bytes, model_name, salt)
             if len(self._roots) >= _ROOT_CACHE_LIMIT:
                 self._roots.clear()
-            self._roots[model_name] = root
+            self._roots[cache_key] = root
         return root
 
     def tokens_to_kv_block_keys(
@@ -108,10 +121,16 @@ class ChunkedTokenDatabase:
         tokens: Sequence[int],
         model_name: str,
         extra_features: Sequence[BlockExtraFeatures | None] | None = None,
+        *,
+        cache_salt: str | None = None,
     ) -> list[int]:
         """The keys of the full blocks of ``tokens``, in order.
 
-        ``parent_key`` 0 starts from the model's root; any other value continues that chain.
+        ``parent_key`` 0 starts from the model's root, salted by ``cache_salt`` when it is a
+        non-empty str (vLLM's and SGLang's per-request ``cache_salt``: a salted prompt shares no
+        key with the same prompt unsalted or under another salt); any other ``parent_key``
+        continues that chain, which already carries its salt, so ``cache_salt`` must then be
+        ``None`` (passing one raises, as it could not take effect).
         ``extra_features``, when given, has one element per full block (``None`` for a text
         block). Raises :class:`~kvredis.errors.InvalidInputError` (a ``ValueError``) for token
         ids outside [0, 2**32), a parent key outside [0, 2**64), a non-str model name or a
@@ -132,9 +151,14 @@ class ChunkedTokenDatabase:
                 raise InvalidInputError(
                     f"model_name must be a str, got {type(model_name).__name__}"
                 )
+            if cache_salt is not None:
+                raise InvalidInputError(
+                    "cache_salt applies to the chain root: pass it with parent_key=0 (a "
+                    "non-zero parent_key already carries the salt of its chain)"
+                )
             parent = int(parent_key)
         else:
-            parent = self.root_key(model_name)
+            parent = self.root_key(model_name, cache_salt=cache_salt)
         if n_blocks == 0:
             return []
         return self._scheme.block_keys(parent, values, identifiers)

@@ -4,10 +4,14 @@ Byte layout. ``H(parent, tokens, extra) = FNV-1a-64(canonical CBOR of [parent, t
 parent an unsigned integer, tokens an array of unsigned integers (``null`` for the root), extra
 ``null`` for text blocks, the model name (a text string) for the root, or an array of single-key
 maps ``{"Hash": identifier}`` for a multimodal block. The root of a model is
-``H(FNV-1a-64(utf8(hash_seed)), null, model_name)``. Integers use the shortest CBOR head; map
-keys are sorted shortest first, then bytewise (RFC 7049 section 3.9, Go fxamacker/cbor's
-canonical mode). Block features with an empty identifier list encode as ``null`` (like Go's
-zero-value ``BlockExtraFeatures``).
+``H(FNV-1a-64(utf8(hash_seed)), null, model_name)``; under a cache salt (non-empty) it is
+``H(FNV-1a-64(utf8(hash_seed)), null, [model_name, cache_salt])`` (extra a two-element array of
+text strings, which no unsalted root can encode), and every block key descends from it.
+Integers use the shortest CBOR head; map keys are sorted shortest first, then bytewise
+(RFC 7049 section 3.9, Go fxamacker/cbor's canonical mode). Block features with an empty
+identifier list encode as ``null`` (like Go's zero-value ``BlockExtraFeatures``). The Go
+upstream has no cache salt: salted roots are kvredis's extension, and unsalted keys stay
+byte-compatible.
 
 This scheme runs in pure Python and is much slower than ``"xxh3_64"``; text blocks stream their
 CBOR bytes straight into FNV-1a instead of building them.
@@ -144,9 +148,10 @@ class FnvCborScheme:
         self._block_size = block_size
         self._array_head = _cbor_head(4, block_size)
 
-    def root_key(self, hash_seed: bytes, model_name: str) -> int:
-        """The root of ``model_name``'s chains (``model_name`` must be encodable as UTF-8)."""
-        return _hash(fnv1a64(hash_seed), None, model_name)
+    def root_key(self, hash_seed: bytes, model_name: str, cache_salt: str | None = None) -> int:
+        """The root of ``model_name``'s chains, under ``cache_salt`` when it is not ``None``."""
+        extra: object = model_name if cache_salt is None else [model_name, cache_salt]
+        return _hash(fnv1a64(hash_seed), None, extra)
 
     def block_keys(
         self, parent: int, values: Sequence[int], identifiers: list[tuple[str, ...] | None] | None

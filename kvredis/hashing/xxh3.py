@@ -8,6 +8,13 @@ Byte layout (all integers little-endian). ``u32(x)`` is 4 bytes little-endian, `
   ``R = pad4(b"KVRXXH3\\x01" + u32(block_size) + u32(len(S)) + S + u32(len(N)) + N) + b"RR"``
   where ``S = utf8(hash_seed)``, ``N = utf8(model_name)`` and ``len`` counts bytes.
   ``len(R) % 4 == 2``.
+* Root of a model under a cache salt ``C = utf8(cache_salt)`` (non-empty): ``XXH3(R', seed=0)`` with
+  ``R' = pad4(b"KVRXXH3\\x01" + u32(block_size) + u32(len(S)) + S + u32(len(N)) + N
+  + u32(len(C)) + C) + b"RS"``. The trailer tells salted from unsalted roots apart (and a salt
+  from a model-name suffix: every length is explicit), so a salted chain shares no key with an
+  unsalted one or with one under another salt. The salt is mixed into the root only: every
+  block key descends from it, which is how vLLM isolates salted prefixes (its salt enters the
+  first block's hash only).
 * Text block: ``XXH3(T, seed=parent)`` where ``T`` is the block's ``block_size`` token ids as
   ``u32`` each (``4 * block_size`` bytes, the raw little-endian token array, no framing).
   ``len(T) % 4 == 0``.
@@ -43,15 +50,18 @@ def _pad4(buf: bytearray) -> None:
     buf.extend(b"\x00" * (-len(buf) % 4))
 
 
-def _root(block_size: int, hash_seed: bytes, model_name: bytes) -> int:
+def _root(block_size: int, hash_seed: bytes, model_name: bytes, salt: bytes | None) -> int:
     msg = bytearray(_ROOT_MAGIC)
     msg += _U32.pack(block_size)
     msg += _U32.pack(len(hash_seed))
     msg += hash_seed
     msg += _U32.pack(len(model_name))
     msg += model_name
+    if salt is not None:
+        msg += _U32.pack(len(salt))
+        msg += salt
     _pad4(msg)
-    msg += b"RR"
+    msg += b"RR" if salt is None else b"RS"
     return xxh3_64_intdigest(bytes(msg), 0)
 
 
@@ -79,9 +89,11 @@ class Xxh3Scheme:
         self._block_size = block_size
         self._block_struct = struct.Struct(f"{4 * block_size}s")
 
-    def root_key(self, hash_seed: bytes, model_name: str) -> int:
-        """The root of ``model_name``'s chains (``model_name`` must be encodable as UTF-8)."""
-        return _root(self._block_size, hash_seed, model_name.encode("utf-8"))
+    def root_key(self, hash_seed: bytes, model_name: str, cache_salt: str | None = None) -> int:
+        """The root of ``model_name``'s chains, under ``cache_salt`` when it is not ``None``
+        (both must be encodable as UTF-8)."""
+        salt = None if cache_salt is None else cache_salt.encode("utf-8")
+        return _root(self._block_size, hash_seed, model_name.encode("utf-8"), salt)
 
     def block_keys(
         self, parent: int, values: Sequence[int], identifiers: list[tuple[str, ...] | None] | None

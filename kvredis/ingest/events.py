@@ -1,22 +1,35 @@
 """KV-cache events as vLLM and SGLang publish them: wire decoding (and encoding) into typed values.
 
-An engine publishes one msgpack *batch* per scheduler step::
+An engine publishes one msgpack *batch* per scheduler step, a positional array (vLLM's
+``EventBatch`` omits a nil rank, SGLang always sends three elements)::
 
     [ts: float, events: array, data_parallel_rank: int | nil]      (the third element is optional)
 
-Each event is either a map with the tag under ``"type"`` (vLLM 0.24 and later, current SGLang) or a
+or, as some vLLM versions declare it, a map with the same field names (``{"ts": ..., "events":
+[...], "data_parallel_rank": ...}``; SGLang's name ``attn_dp_rank`` is accepted too).
+
+Each event is either a map with the tag under ``"type"`` (vLLM 0.24 and later, every SGLang) or a
 positional array whose first element is the tag (vLLM 0.23 and earlier)::
 
     ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id?, medium?,
-     lora_name?, extra_keys?, group_idx?, kv_cache_spec_kind?, kv_cache_spec_sliding_window?]
-    ["BlockRemoved", block_hashes, medium?, group_idx?]
+     lora_name?, extra_keys?, group_idx?, kv_cache_spec_kind?, kv_cache_spec_sliding_window?,
+     locality?, ownership?]
+    ["BlockRemoved", block_hashes, medium?, group_idx?, locality?, ownership?]
     ["AllBlocksCleared"]
 
 Map events may omit keys equal to their default and may carry keys this module does not know
-(``locality``, ``ownership``, ``session_id``, ``lookahead_token_ids``, ``cache_salt``, ...): they
-are ignored, as are extra trailing array fields. Block hashes arrive as unsigned 64-bit ints, as
-signed 64-bit ints (SGLang; read as their two's complement) or as raw bytes (the last 8 bytes,
-big-endian, shorter ones left-padded with zeros); :func:`wire_hash` normalizes all three.
+(``session_id``, ``lookahead_token_ids``, ...): they are ignored, as are extra trailing array
+fields. SGLang's ``BlockStored`` map also carries ``cache_salt`` (vLLM reports its salt inside
+``extra_keys``). Block hashes arrive as unsigned 64-bit ints, as signed 64-bit ints (SGLang; read
+as their two's complement) or as raw bytes (the last 8 bytes, big-endian, shorter ones
+left-padded with zeros); :func:`wire_hash` normalizes all three.
+
+SGLang with EAGLE speculative decoding publishes *bigram* pages: ``token_ids`` holds one
+``[token, next_token]`` pair per position (``block_size`` counts pairs). The page caches the KV of
+the first elements; the second ones only repeat the next position's token (the last one is the
+token after the page, which EAGLE's draft model needed). A bigram page decodes to its first
+elements, so it hashes exactly like the same page published as plain tokens; pairs that do not
+chain (``pair[i][1] != pair[i + 1][0]``) are rejected.
 
 :func:`decode_batch` never raises on bad input. Every event is decoded on its own: a malformed one
 becomes a :class:`Rejection` with a :class:`RejectReason` and the well-formed events of the same
@@ -33,6 +46,7 @@ from typing import Any, Literal
 import msgpack
 
 from kvredis.errors import InvalidInputError
+from kvredis.tiers import DEFAULT_TIERS
 
 __all__ = [
     "MAX_PAYLOAD_BYTES",
@@ -119,15 +133,21 @@ class BlockStored:
     medium: str | None = None
     lora_name: str | None = None
     extra_keys: tuple[Any, ...] | None = None
-    """Raw per-engine-block extra keys (see :func:`kvredis.features.parse_raw_extra_keys`)."""
+    """Raw per-engine-block extra keys (see :func:`kvredis.features.split_extra_keys`)."""
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    """vLLM: ``"LOCAL"`` or ``"REMOTE"`` relative to the publishing pod; ``None``: unspecified."""
+    ownership: str | None = None
+    """vLLM: the secondary offloading tier that reported the block, if any."""
+    cache_salt: str | None = None
+    """SGLang: the salt of the request that stored the blocks (vLLM: in ``extra_keys``)."""
 
     @property
     def tier(self) -> str:
-        """The device tier: ``medium`` lowercased, ``"gpu"`` when absent or empty."""
-        return _tier(self.medium)
+        """The device tier under :data:`kvredis.tiers.DEFAULT_TIERS`."""
+        return DEFAULT_TIERS.tier(self.medium, self.locality, self.ownership)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,11 +157,13 @@ class BlockRemoved:
     block_hashes: tuple[int, ...]
     medium: str | None = None
     group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
     @property
     def tier(self) -> str:
-        """The device tier: ``medium`` lowercased, ``"gpu"`` when absent or empty."""
-        return _tier(self.medium)
+        """The device tier under :data:`kvredis.tiers.DEFAULT_TIERS`."""
+        return DEFAULT_TIERS.tier(self.medium, self.locality, self.ownership)
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,10 +184,6 @@ class DecodedBatch:
     rejects: tuple[Rejection, ...] = ()
     total_events: int = 0
     """Number of events the payload carried, well-formed or not."""
-
-
-def _tier(medium: str | None) -> str:
-    return medium.lower() if medium else "gpu"
 
 
 class WireError(InvalidInputError):
@@ -230,13 +248,41 @@ def _tokens(value: object) -> tuple[int, ...]:
         )
     if not value:
         return ()
-    if _only_ints(value):
-        if min(value) < 0 or max(value) >= _U32:
-            bad = next(t for t in value if not 0 <= t < _U32)
-            raise WireError(RejectReason.TOKEN_OUT_OF_RANGE, f"token id {bad} is outside uint32")
-        return tuple(value)
-    bad_item = next(t for t in value if type(t) is not int)
-    raise WireError(RejectReason.BAD_FIELD_TYPE, f"token ids must be ints, got {_tname(bad_item)}")
+    if not _only_ints(value) and isinstance(value[0], (list, tuple)):
+        return _bigram_tokens(value)
+    _check_token_ids(value)
+    return tuple(value)
+
+
+def _check_token_ids(value: list[Any] | tuple[Any, ...]) -> None:
+    """Raise unless ``value`` (non-empty) holds only uint32 ints."""
+    if not _only_ints(value):
+        bad_item = next(t for t in value if type(t) is not int)
+        raise WireError(
+            RejectReason.BAD_FIELD_TYPE, f"token ids must be ints, got {_tname(bad_item)}"
+        )
+    if min(value) < 0 or max(value) >= _U32:
+        bad = next(t for t in value if not 0 <= t < _U32)
+        raise WireError(RejectReason.TOKEN_OUT_OF_RANGE, f"token id {bad} is outside uint32")
+
+
+def _bigram_tokens(pairs: list[Any] | tuple[Any, ...]) -> tuple[int, ...]:
+    """An EAGLE bigram page ``[[t0, t1], [t1, t2], ...]`` as its first elements ``(t0, ...)``."""
+    for pair in pairs:
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise WireError(
+                RejectReason.BAD_FIELD_TYPE,
+                f"bigram token_ids must hold [token, next] pairs, got {_tname(pair)}",
+            )
+    firsts = [pair[0] for pair in pairs]
+    seconds = [pair[1] for pair in pairs]
+    _check_token_ids(firsts + seconds)
+    if firsts[1:] != seconds[:-1]:
+        raise WireError(
+            RejectReason.BAD_FIELD_VALUE,
+            "bigram token pairs do not chain (pair[i][1] != pair[i+1][0])",
+        )
+    return tuple(firsts)
 
 
 def _opt_int(
@@ -300,6 +346,9 @@ def _block_stored(f: Mapping[str, Any]) -> BlockStored:
         kv_cache_spec_sliding_window=_opt_int(
             f.get("kv_cache_spec_sliding_window"), "kv_cache_spec_sliding_window", 0
         ),
+        locality=_opt_str(f.get("locality"), "locality"),
+        ownership=_opt_str(f.get("ownership"), "ownership"),
+        cache_salt=_opt_str(f.get("cache_salt"), "cache_salt"),
     )
 
 
@@ -310,6 +359,8 @@ def _block_removed(f: Mapping[str, Any]) -> BlockRemoved:
         block_hashes=_hashes(f["block_hashes"], "block_hashes"),
         medium=_opt_str(f.get("medium"), "medium"),
         group_idx=_opt_int(f.get("group_idx"), "group_idx", 0, _GROUP_LIMIT),
+        locality=_opt_str(f.get("locality"), "locality"),
+        ownership=_opt_str(f.get("ownership"), "ownership"),
     )
 
 
@@ -325,8 +376,16 @@ _STORED_FIELDS = (
     "group_idx",
     "kv_cache_spec_kind",
     "kv_cache_spec_sliding_window",
+    "locality",
+    "ownership",
 )
-_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
+"""BlockStored fields in vLLM's declaration order (the positional order of array events)."""
+_STORED_REQUIRED = 7
+"""vLLM's BlockStored fields without a default: always encoded, even as nil."""
+_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx", "locality", "ownership")
+_REMOVED_REQUIRED = 2
+_ARRAY_REQUIRED = {"BlockStored": 4, "BlockRemoved": 1}
+"""Leading fields an array event always carries (the fields of vLLM 0.23's first version)."""
 _FIELDS: dict[str, tuple[str, ...]] = {
     "BlockStored": _STORED_FIELDS,
     "BlockRemoved": _REMOVED_FIELDS,
@@ -365,11 +424,34 @@ def _reject_batch(reason: RejectReason, detail: str) -> DecodedBatch:
     return DecodedBatch(ts=0.0, events=(), rejects=(Rejection(reason, detail),))
 
 
+_RANK_NAMES = ("data_parallel_rank", "attn_dp_rank")
+
+
+def _batch_fields(obj: object) -> tuple[object, object, object] | None:
+    """``(ts, events, rank)`` of a batch array or map, or ``None`` when it is neither."""
+    if isinstance(obj, (list, tuple)):
+        if len(obj) < 2:
+            return None
+        return obj[0], obj[1], obj[2] if len(obj) > 2 else None
+    if isinstance(obj, Mapping):
+        if "events" not in obj:
+            return None
+        rank = next((obj[name] for name in _RANK_NAMES if obj.get(name) is not None), None)
+        return obj.get("ts"), obj["events"], rank
+    return None
+
+
 def decode_batch_object(obj: object) -> DecodedBatch:
-    """Decode an already-unpacked batch object (``[ts, events, dp_rank?]``). Never raises."""
-    if not isinstance(obj, (list, tuple)) or len(obj) < 2:
-        return _reject_batch(RejectReason.BAD_BATCH, "batch must be an array [ts, events, ...]")
-    raw_ts, raw_events = obj[0], obj[1]
+    """Decode an already-unpacked batch object (``[ts, events, dp_rank?]`` or the same as a map).
+
+    Never raises.
+    """
+    fields = _batch_fields(obj)
+    if fields is None:
+        return _reject_batch(
+            RejectReason.BAD_BATCH, "batch must be an array [ts, events, ...] or a map with events"
+        )
+    raw_ts, raw_events, raw_rank = fields
     if not isinstance(raw_events, (list, tuple)):
         return _reject_batch(
             RejectReason.BAD_BATCH, f"batch events must be an array, got {_tname(raw_events)}"
@@ -381,11 +463,11 @@ def decode_batch_object(obj: object) -> DecodedBatch:
         ts = 0.0
         rejects.append(Rejection(RejectReason.BAD_TIMESTAMP, f"ts is a {_tname(raw_ts)}"))
     dp_rank: int | None = None
-    if len(obj) > 2 and obj[2] is not None:
-        if type(obj[2]) is int:
-            dp_rank = obj[2]
+    if raw_rank is not None:
+        if type(raw_rank) is int:
+            dp_rank = raw_rank
         else:
-            rejects.append(Rejection(RejectReason.BAD_DP_RANK, f"dp rank is a {_tname(obj[2])}"))
+            rejects.append(Rejection(RejectReason.BAD_DP_RANK, f"dp rank is a {_tname(raw_rank)}"))
     events: list[Event] = []
     for position, raw in enumerate(raw_events):
         try:
@@ -404,7 +486,15 @@ def decode_batch_object(obj: object) -> DecodedBatch:
 
 
 def decode_batch(payload: bytes) -> DecodedBatch:
-    """Decode one msgpack batch payload. Never raises; see the module docstring."""
+    """Decode one msgpack batch payload. Never raises; see the module docstring.
+
+    Anything but ``bytes``, ``bytearray`` or ``memoryview`` (``None`` included) is a rejected
+    payload (:attr:`RejectReason.MALFORMED_PAYLOAD`).
+    """
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        return _reject_batch(
+            RejectReason.MALFORMED_PAYLOAD, f"payload is a {_tname(payload)}, not bytes"
+        )
     if len(payload) > MAX_PAYLOAD_BYTES:
         return _reject_batch(
             RejectReason.PAYLOAD_TOO_LARGE, f"{len(payload)} bytes > {MAX_PAYLOAD_BYTES}"
@@ -439,8 +529,11 @@ WireFormat = Literal["map", "array"]
 def event_to_wire(event: Event, fmt: WireFormat = "map") -> list[Any] | dict[str, Any]:
     """The msgpack-ready form of ``event``, as vLLM would publish it in the given format.
 
-    Map events omit fields equal to their default (like msgspec's ``omit_defaults``); array
-    events carry every field up to the last non-default one.
+    Map events are vLLM 0.34's msgspec encoding: the tag first, then the fields in declaration
+    order, those without a default always present (``nil`` when unset) and those with one
+    omitted at their default (``omit_defaults``); SGLang's ``cache_salt`` comes last when set.
+    Array events carry every field up to the last non-default one (they cannot carry
+    ``cache_salt``).
     """
     if isinstance(event, AllBlocksCleared):
         return {"type": "AllBlocksCleared"} if fmt == "map" else ["AllBlocksCleared"]
@@ -448,11 +541,11 @@ def event_to_wire(event: Event, fmt: WireFormat = "map") -> list[Any] | dict[str
     if isinstance(event, BlockStored):
         names = _STORED_FIELDS
         tag = "BlockStored"
-        required = 4
+        required = _STORED_REQUIRED
     else:
         names = _REMOVED_FIELDS
         tag = "BlockRemoved"
-        required = 1
+        required = _REMOVED_REQUIRED
     values: list[Any] = []
     for name in names:
         value = getattr(event, name)
@@ -462,8 +555,10 @@ def event_to_wire(event: Event, fmt: WireFormat = "map") -> list[Any] | dict[str
         for i, (name, value) in enumerate(zip(names, values, strict=True)):
             if i < required or value is not None:
                 out[name] = value
+        if isinstance(event, BlockStored) and event.cache_salt is not None:
+            out["cache_salt"] = event.cache_salt
         return out
-    last = max([required - 1] + [i for i, v in enumerate(values) if v is not None])
+    last = max([_ARRAY_REQUIRED[tag] - 1] + [i for i, v in enumerate(values) if v is not None])
     return [tag, *values[: last + 1]]
 
 

@@ -11,11 +11,12 @@ from kvredis.hashing import ChunkedTokenDatabase, TokenProcessor, TokenProcessor
 def test_defaults() -> None:
     config = TokenProcessorConfig()
     assert (config.block_size_tokens, config.hash_seed, config.block_size, config.hash_algo) == (
-        16,
+        0,
         "",
         0,
         "xxh3_64",
     )
+    assert config.resolved_block_size == 16
     processor = ChunkedTokenDatabase()
     assert processor.block_size() == 16
     assert processor.hash_algo == "xxh3_64"
@@ -50,6 +51,20 @@ def test_invalid_block_size_message(block_size_tokens: int, block_size: int, rep
         TokenProcessorConfig.from_dict(
             {"blockSizeTokens": block_size_tokens, "blockSize": block_size}
         )
+
+
+def test_deprecated_block_size_alone_means_that_many_tokens() -> None:
+    # As upstream, where an unset BlockSizeTokens defers to BlockSize: 8-token blocks, not 16.
+    config = TokenProcessorConfig(block_size=8)
+    assert config.resolved_block_size == 8
+    processor = ChunkedTokenDatabase(config)
+    assert processor.block_size() == 8
+    tokens = list(range(32))
+    assert processor.tokens_to_kv_block_keys(0, tokens, "m") == ChunkedTokenDatabase(
+        TokenProcessorConfig(block_size_tokens=8)
+    ).tokens_to_kv_block_keys(0, tokens, "m")
+    with pytest.raises(ConfigError, match="blockSizeTokens must be greater than 0, got -8"):
+        TokenProcessorConfig(block_size=-8)
 
 
 def test_unknown_hash_algo() -> None:
@@ -89,8 +104,7 @@ def test_from_dict_upstream_keys() -> None:
     assert TokenProcessorConfig.from_dict({"blockSize": 8, "blockSizeTokens": 32}) == (
         TokenProcessorConfig(block_size_tokens=32, block_size=8)
     )
-    # With keyword arguments, block_size_tokens defaults to 16 and wins over block_size.
-    assert TokenProcessorConfig(block_size=8).resolved_block_size == 16
+    assert TokenProcessorConfig(block_size=8, block_size_tokens=32).resolved_block_size == 32
     assert TokenProcessorConfig.from_dict({"block_size_tokens": 4}).resolved_block_size == 4
     # Only a seed set: the block size falls back to the default.
     assert TokenProcessorConfig.from_dict({"hashSeed": "x"}).resolved_block_size == 16

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import msgpack
@@ -76,19 +77,22 @@ FULL_EVENT = BlockStored(
     group_idx=2,
     kv_cache_spec_kind="sliding_window",
     kv_cache_spec_sliding_window=128,
+    locality="LOCAL",
+    ownership="x",
 )
 
 
 def test_map_block_stored_with_every_field_and_unknown_keys() -> None:
     event = one_event(FULL_MAP)
-    assert event == FULL_EVENT
+    assert event == dataclasses.replace(FULL_EVENT, cache_salt="salt")
     assert isinstance(event, BlockStored)
-    assert event.tier == "cpu_pinned"
+    assert event.tier == "cpu/x"
 
 
 def test_array_block_stored_with_every_field_and_extra_trailing_fields() -> None:
     raw = ["BlockStored", [1, 2**64 - 1], 2**63, [0, 1, 2**32 - 1, 7], 2, 3, "CPU_PINNED"]
-    raw += ["adapter-x", [["img-1"], None], 2, "sliding_window", 128, "future-1", {"x": 1}]
+    raw += ["adapter-x", [["img-1"], None], 2, "sliding_window", 128, "LOCAL", "x"]
+    raw += ["session", [[1]], "future-1", {"x": 1}]
     assert one_event(raw) == FULL_EVENT
 
 
@@ -109,7 +113,7 @@ def test_map_block_stored_with_defaults_omitted() -> None:
 
 
 def test_block_removed_map_and_array() -> None:
-    expected = BlockRemoved((7, 8), "GPU", 1)
+    expected = BlockRemoved((7, 8), "GPU", 1, "REMOTE")
     assert (
         one_event(
             {
@@ -117,12 +121,14 @@ def test_block_removed_map_and_array() -> None:
                 "block_hashes": [7, 8],
                 "medium": "GPU",
                 "group_idx": 1,
-                "locality": "x",
+                "locality": "REMOTE",
+                "future": 1,
             }
         )
         == expected
     )
-    assert one_event(["BlockRemoved", [7, 8], "GPU", 1, "extra"]) == expected
+    assert expected.tier == "gpu:remote"
+    assert one_event(["BlockRemoved", [7, 8], "GPU", 1, "REMOTE", None, "extra"]) == expected
     removed = one_event(["BlockRemoved", [7]])
     assert removed == BlockRemoved((7,))
     assert isinstance(removed, BlockRemoved)
@@ -144,10 +150,13 @@ def test_all_blocks_cleared_map_and_array() -> None:
         ("DISK", "disk"),
         (None, "gpu"),
         ("", "gpu"),
-        ("Cpu_Pinned", "cpu_pinned"),
+        ("CPU_PINNED", "cpu"),
+        ("Cpu_Pinned", "cpu"),
+        ("EXTERNAL", "external"),
+        ("NVMe", "nvme"),
     ],
 )
-def test_medium_lowercased_to_tier(medium: str | None, tier: str) -> None:
+def test_medium_to_tier(medium: str | None, tier: str) -> None:
     event = one_event(["BlockRemoved", [1], medium])
     assert isinstance(event, BlockRemoved)
     assert event.tier == tier
@@ -295,7 +304,8 @@ def test_bad_events_do_not_hide_good_ones() -> None:
         (pack([1.0, []]) + b"\x00", RejectReason.MALFORMED_PAYLOAD),
         (pack([1.0, [["BlockRemoved", [1]]]])[:-2], RejectReason.MALFORMED_PAYLOAD),
         (b"\x91" * 100_000 + b"\xc0", RejectReason.MALFORMED_PAYLOAD),
-        (pack({"ts": 1.0, "events": []}), RejectReason.BAD_BATCH),
+        (pack({"ts": 1.0, "evts": []}), RejectReason.BAD_BATCH),
+        (pack({"ts": 1.0, "events": {}}), RejectReason.BAD_BATCH),
         (pack([1.0]), RejectReason.BAD_BATCH),
         (pack([1.0, {"a": 1}]), RejectReason.BAD_BATCH),
         (pack("text"), RejectReason.BAD_BATCH),
@@ -335,12 +345,23 @@ def test_parse_topic() -> None:
 
 def test_map_encoding_omits_defaults_and_array_encoding_trims_trailing() -> None:
     wire = event_to_wire(BlockStored((1,), None, (1, 2), 2), "map")
-    assert wire == {
+    # vLLM's msgspec encoding: fields without a default are always there, in declaration order.
+    expected = {
         "type": "BlockStored",
         "block_hashes": [1],
         "parent_block_hash": None,
         "token_ids": [1, 2],
         "block_size": 2,
+        "lora_id": None,
+        "medium": None,
+        "lora_name": None,
+    }
+    assert wire == expected
+    assert list(wire) == list(expected)
+    assert event_to_wire(BlockRemoved((1,)), "map") == {
+        "type": "BlockRemoved",
+        "block_hashes": [1],
+        "medium": None,
     }
     assert event_to_wire(BlockStored((1,), None, (1, 2), 2), "array") == [
         "BlockStored",
@@ -369,8 +390,17 @@ stored_events = st.builds(
     group_idx=st.none() | st.integers(0, 2**31 - 1),
     kv_cache_spec_kind=opt_str,
     kv_cache_spec_sliding_window=st.none() | st.integers(0, 4096),
+    locality=st.none() | st.sampled_from(["LOCAL", "REMOTE"]),
+    ownership=opt_str,
 )
-removed_events = st.builds(BlockRemoved, hashes, opt_str, st.none() | st.integers(0, 2**31 - 1))
+removed_events = st.builds(
+    BlockRemoved,
+    hashes,
+    opt_str,
+    st.none() | st.integers(0, 2**31 - 1),
+    st.none() | st.sampled_from(["LOCAL", "REMOTE"]),
+    opt_str,
+)
 events = st.lists(stored_events | removed_events | st.just(AllBlocksCleared()), max_size=5)
 
 
@@ -387,3 +417,21 @@ def test_encode_decode_round_trip(evs: list[Any], fmt: Any, ts: float, rank: int
     assert decoded.ts == ts
     assert decoded.data_parallel_rank == rank
     assert list(decoded.events) == evs
+
+
+@pytest.mark.parametrize("payload", [None, "text", 42, [b"x"]])
+def test_a_payload_that_is_not_bytes_is_a_reject(payload: Any) -> None:
+    decoded = decode_batch(payload)
+    assert decoded.events == ()
+    assert [r.reason for r in decoded.rejects] == [RejectReason.MALFORMED_PAYLOAD]
+    assert "not bytes" in decoded.rejects[0].detail
+
+
+def test_the_ingester_counts_a_none_payload_as_a_reject() -> None:
+    from kvredis.hashing import ChunkedTokenDatabase
+    from kvredis.ingest import EventIngester
+    from kvredis.memory import InMemoryIndex
+
+    ingester = EventIngester(InMemoryIndex(), ChunkedTokenDatabase())
+    ingester.process("kv@pod-a@m", 0, None)  # type: ignore[arg-type]
+    assert ingester.counters.snapshot()["rejected"] == 1

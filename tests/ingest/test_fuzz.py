@@ -3,6 +3,8 @@
 The ingester must never raise, and the index it builds must equal the one a plain reference
 model builds by applying every decodable event one Index call at a time (the llm-d pool way),
 which checks batching, the parent cache and same-batch barriers against sequential semantics.
+Chains here end on index-block boundaries (partial-block tails have their own tests in
+``test_fidelity.py``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvredis.errors import EngineKeyNotFoundError
-from kvredis.features import BlockExtraFeatures, MMHash, parse_raw_extra_keys
+from kvredis.features import BlockExtraFeatures, MMHash, split_extra_keys
 from kvredis.hashing import ChunkedTokenDatabase
 from kvredis.ingest import EventIngester, IngesterConfig
 from kvredis.ingest.events import (
@@ -36,8 +38,9 @@ CONFIG = IngesterConfig(peer_grace_s=0.0, poll_interval_s=0.001)
 # -- an independent reference: one Index call per event ----------------------------------
 
 
-def _features(raw: Any, blocks: int) -> list[BlockExtraFeatures | None] | None:
-    parsed = parse_raw_extra_keys(list(raw))
+def _features(
+    parsed: list[BlockExtraFeatures | None] | None, blocks: int
+) -> list[BlockExtraFeatures | None] | None:
     if not parsed:
         return None
     n = len(parsed)
@@ -81,7 +84,7 @@ def reference_apply(index: InMemoryIndex, events: tuple[Event, ...], seen: set[i
                 index.evict(h, KeyType.ENGINE, [entry])
             continue
         blocks = len(ev.token_ids) // TP.block_size()
-        if blocks == 0:
+        if not ev.token_ids:
             resolved: list[int] = []
             for h in ev.block_hashes:
                 r = _request_key(index, h)
@@ -97,10 +100,18 @@ def reference_apply(index: InMemoryIndex, events: tuple[Event, ...], seen: set[i
                 continue
             parent = found
         try:
-            feats = None if ev.extra_keys is None else _features(ev.extra_keys, blocks)
+            split = split_extra_keys(
+                None if ev.extra_keys is None else list(ev.extra_keys),
+                lora_name=ev.lora_name,
+                chain_start=not ev.parent_block_hash,
+            )
         except ValueError:
             continue
-        request = TP.tokens_to_kv_block_keys(parent, ev.token_ids, ev.lora_name or MODEL, feats)
+        feats = _features(split.features, blocks)
+        salt = split.cache_salt if not ev.parent_block_hash else None
+        request = TP.tokens_to_kv_block_keys(
+            parent, ev.token_ids, ev.lora_name or MODEL, feats, cache_salt=salt
+        )
         seen.update(request)
         index.add(ev.block_hashes, request, [entry])
 
@@ -108,7 +119,7 @@ def reference_apply(index: InMemoryIndex, events: tuple[Event, ...], seen: set[i
 # -- strategies -----------------------------------------------------------------------------
 
 engine_keys = st.integers(0, 12) | st.integers(2**63 - 2, 2**63 + 2)
-token_runs = st.sampled_from([0, 8, 16, 32, 48]).flatmap(
+token_runs = st.sampled_from([0, 16, 32, 48]).flatmap(
     lambda n: st.lists(st.integers(0, 3), min_size=n, max_size=n).map(tuple)
 )
 mediums = st.sampled_from([None, "GPU", "CPU", "cpu"])
@@ -210,7 +221,7 @@ def engine_streams(draw: st.DrawFn) -> list[bytes]:
             action = draw(st.sampled_from(["root", "child", "child", "remove", "tier", "clear"]))
             medium, group = draw(mediums), draw(groups)
             if action in ("root", "child"):
-                engine_bs = draw(st.sampled_from([8, 16, 32]))
+                engine_bs = draw(st.sampled_from([16, 32]))
                 n_engine = draw(st.integers(1, 3))
                 tokens = tuple(
                     draw(

@@ -86,3 +86,44 @@ def test_all_blocks_cleared_is_a_clear_barrier() -> None:
     steps = p.plan(plan, decoded, POD, MODEL)
     assert next(steps) is Barrier.CLEAR
     assert plan.take() == [EvictOp(5, KeyType.ENGINE, (GPU,))]
+
+
+# -- partial-block tails ------------------------------------------------------------------------
+
+
+def _plan(p: Planner, caches_plan: BatchPlan, *events: BlockStored | BlockRemoved) -> None:
+    decoded = decode_batch(encode_batch(list(events)))
+    assert run(p.plan(caches_plan, decoded, POD, MODEL), {}) == []
+
+
+def test_a_tail_waits_for_the_rest_of_its_block_and_maps_every_engine_block() -> None:
+    p = planner()
+    tokens = tuple(range(100, 132))
+    plan = BatchPlan(p.caches.get(POD))
+    _plan(p, plan, BlockStored((1, 2, 3), None, tokens[:3], 1))  # 3 pages of 1 token
+    assert plan.take() == []
+    assert plan.stats == {Counter.EVENTS_APPLIED: 1, Counter.BLOCKS_STORED: 3}
+    _plan(p, plan, BlockStored((4,), 3, tokens[3:16], 13))
+    want = TP.tokens_to_kv_block_keys(0, tokens[:16], MODEL)
+    # One block of the index spans four engine blocks: each one maps to it.
+    assert plan.take() == [AddOp((1, 2, 3, 4), tuple(want), (GPU,))]
+
+
+def test_tails_are_bounded_and_dropped_with_their_engine_key() -> None:
+    p = Planner(TP, GroupCatalog(), PodCaches(4))
+    plan = BatchPlan(p.caches.get(POD))
+    for h in range(10):
+        _plan(p, plan, BlockStored((h + 1,), None, (h,) * 5, 5))
+    plan.commit_cache()
+    cache = p.caches.get(POD)
+    assert [cache.get_tail(h + 1) is not None for h in range(10)] == [False] * 6 + [True] * 4
+    plan = BatchPlan(cache)
+    _plan(p, plan, BlockRemoved((10,)))
+    assert plan.tail(10) is None
+    plan.commit_cache()
+    assert cache.get_tail(10) is None and cache.get_tail(9) is not None
+    # A batch that may have partly applied forgets the tails it recorded.
+    plan = BatchPlan(cache)
+    _plan(p, plan, BlockStored((20,), None, (1,) * 3, 3))
+    plan.discard_cache()
+    assert cache.get_tail(20) is None

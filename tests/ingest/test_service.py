@@ -187,7 +187,7 @@ def test_endpoint_configuration_overrides_the_topic(index: Any) -> None:
 
 def test_multimodal_extra_keys_same_block_size(index: Any) -> None:
     ing = EventIngester(index, TP)
-    raw = (["img-a"], None, [["img-b", 3]])
+    raw = ([["img-a", 0]], None, [["img-b", 3]])
     Feeder(ing).send(BlockStored((1, 2, 3), None, toks(0, 48), 16, extra_keys=raw))
     features = parse_raw_extra_keys([list(x) if x else None for x in raw])
     mm = keys(toks(0, 48), extra_features=features)
@@ -198,7 +198,7 @@ def test_multimodal_extra_keys_same_block_size(index: Any) -> None:
 
 def test_multimodal_one_to_many_replicates_features(index: Any) -> None:
     ing = EventIngester(index, TP)  # our blocks: 16 tokens; the engine's: 32
-    Feeder(ing).send(BlockStored((1, 2), None, toks(0, 64), 32, extra_keys=(["img"], None)))
+    Feeder(ing).send(BlockStored((1, 2), None, toks(0, 64), 32, extra_keys=([["img", 0]], None)))
     img = BlockExtraFeatures([MMHash("img")])
     expected = keys(toks(0, 64), extra_features=[img, img, None, None])
     assert len(index.lookup(expected)) == 4
@@ -253,7 +253,7 @@ def test_tier_update_adds_the_new_tier_without_mappings(index: Any) -> None:
     feed.send(BlockRemoved((1, 2), medium="GPU"))
     assert [entries(index, k) for k in chain] == [{cpu}, {cpu}]
     assert index.get_request_key(2) == chain[1]  # the CPU copy keeps the mapping alive
-    feed.send(BlockStored((77, 78), None, toks(0, 8), 16, medium="CPU"))
+    feed.send(BlockStored((77, 78), None, (), 16, medium="CPU"))
     c = ing.counters.snapshot()
     assert (c["tier_updates"], c["tier_update_misses"]) == (1, 1)
     feed.send(BlockRemoved((1, 2), medium="CPU"))
@@ -386,7 +386,7 @@ def test_bad_events_are_counted_and_the_rest_applies() -> None:
     ("topic", "seq", "payload", "reason", "outcome"),
     [
         ("kv@pod-a@m", 0, b"\xc1garbage", "malformed_payload", BatchOutcome.REJECTED),
-        ("kv@pod-a@m", 0, pack({"events": []}), "bad_batch", BatchOutcome.REJECTED),
+        ("kv@pod-a@m", 0, pack({"ts": 0.0, "evts": []}), "bad_batch", BatchOutcome.REJECTED),
         ("", 0, encode_batch([BlockRemoved((1,))]), "no_pod", BatchOutcome.REJECTED),
         ("kv@pod-a@m", 2**47 - 1, encode_batch([]), "seq_out_of_range", BatchOutcome.REJECTED),
         ("kv@pod-a@m", -1, encode_batch([]), "seq_out_of_range", BatchOutcome.REJECTED),

@@ -1,0 +1,322 @@
+"""Engine fidelity: what real vLLM 0.34 and SGLang 0.5.23 publish gets every full block's key.
+
+Every message is built by :mod:`tests.ingest.wire` in the engines' own wire shapes, goes through
+:class:`~kvredis.ingest.EventIngester` (what ``kvredis ingest`` runs) into every backend of the
+``index`` fixture (in-memory and a real Redis), and is then looked up with the keys a router
+computes for the prompt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from kvredis.features import (
+    PROMPT_EMBEDS_PREFIX,
+    BlockExtraFeatures,
+    MMHash,
+    PlaceholderRange,
+    compute_block_extra_features,
+)
+from kvredis.hashing import ChunkedTokenDatabase, TokenProcessorConfig
+from kvredis.indexer import Indexer
+from kvredis.ingest import EndpointConfig, EventIngester
+from kvredis.scoring import LongestPrefixScorer
+from kvredis.types import PodEntry
+from tests.ingest.engine import FakeEngine, wait_until
+from tests.ingest.wire import (
+    sglang_batch,
+    sglang_pages,
+    vllm_batch,
+    vllm_map_batch,
+    vllm_removed,
+    vllm_stored,
+)
+
+MODEL = "base-model"
+LORA = "sql-lora"
+TP16 = ChunkedTokenDatabase(TokenProcessorConfig(block_size_tokens=16))
+TP64 = ChunkedTokenDatabase(TokenProcessorConfig(block_size_tokens=64))
+PROMPT = tuple(range(1000, 1128))  # 128 tokens
+
+
+def ingest(
+    index: Any,
+    payloads: Sequence[bytes],
+    tp: ChunkedTokenDatabase = TP16,
+    pod: str = "pod-a",
+    ing: EventIngester | None = None,
+) -> EventIngester:
+    """Feed ``payloads`` as the next messages of ``pod``'s publisher (one stream per pod)."""
+    ing = EventIngester(index, tp) if ing is None else ing
+    for payload in payloads:
+        seq = _SEQ.get((id(ing), pod), -1) + 1
+        _SEQ[(id(ing), pod)] = seq
+        ing.process(f"kv@{pod}@{MODEL}", seq, payload, endpoint=pod)
+    return ing
+
+
+_SEQ: dict[tuple[int, str], int] = {}
+
+
+def hits(index: Any, keys: Sequence[int], pod: str = "pod-a") -> int:
+    """How many of the router's keys, from the first, the pod holds."""
+    found = index.lookup(list(keys), {pod})
+    n = 0
+    for key in keys:
+        if key not in found:
+            break
+        n += 1
+    return n
+
+
+# -- vLLM extra keys ----------------------------------------------------------------------------
+
+
+def test_lora_name_is_not_a_feature(index: Any) -> None:
+    tokens = PROMPT[:64]
+    event = vllm_stored(
+        [1, 2, 3, 4],
+        None,
+        tokens,
+        16,
+        lora_id=1,
+        lora_name=LORA,
+        extra_keys=[[LORA]] * 4,
+        group_idx=0,
+    )
+    ingest(index, [vllm_batch([event])])
+    assert hits(index, TP16.tokens_to_kv_block_keys(0, tokens, LORA)) == 4
+    assert hits(index, TP16.tokens_to_kv_block_keys(0, tokens, MODEL)) == 0
+
+
+def test_cache_salt_isolates_and_matches(index: Any) -> None:
+    tokens = PROMPT[:64]
+    salted = vllm_stored([1, 2], None, tokens[:32], 16, extra_keys=[["salt-1"], None])
+    more = vllm_stored([3, 4], 2, tokens[32:], 16)
+    ingest(index, [vllm_batch([salted]), vllm_batch([more])])
+    assert hits(index, TP16.tokens_to_kv_block_keys(0, tokens, MODEL, cache_salt="salt-1")) == 4
+    assert hits(index, TP16.tokens_to_kv_block_keys(0, tokens, MODEL)) == 0
+    assert hits(index, TP16.tokens_to_kv_block_keys(0, tokens, MODEL, cache_salt="salt-2")) == 0
+
+
+def test_lora_image_and_salt_together(index: Any) -> None:
+    tokens = PROMPT[:64]
+    image = PlaceholderRange(4, 20)  # tokens 4..23: blocks 0 and 1
+    extra = [[LORA, ["img-a", 4], "salt-1"], [LORA, ["img-a", -12]], [LORA], [LORA]]
+    event = vllm_stored([1, 2, 3, 4], None, tokens, 16, lora_name=LORA, extra_keys=extra)
+    ingest(index, [vllm_batch([event])])
+    feats = compute_block_extra_features({"image": ["img-a"]}, {"image": [image]}, 16, 64)
+    want = TP16.tokens_to_kv_block_keys(0, tokens, LORA, feats, cache_salt="salt-1")
+    assert hits(index, want) == 4
+    assert hits(index, TP16.tokens_to_kv_block_keys(0, tokens, LORA, feats)) == 0
+    assert hits(index, TP16.tokens_to_kv_block_keys(0, tokens, LORA, cache_salt="salt-1")) == 0
+
+
+def test_legacy_bare_identifiers_still_work(index: Any) -> None:
+    tokens = PROMPT[:64]
+    event = vllm_stored(
+        [1, 2, 3, 4], None, tokens, 16, extra_keys=[["img-a"], ["img-a"], None, None]
+    )
+    ingest(index, [vllm_batch([event])])
+    feats = compute_block_extra_features(
+        {"image": ["img-a"]}, {"image": [PlaceholderRange(0, 32)]}, 16, 64
+    )
+    assert hits(index, TP16.tokens_to_kv_block_keys(0, tokens, MODEL, feats)) == 4
+
+
+def test_prompt_embedding_digests_are_features(index: Any) -> None:
+    tokens = (0,) * 32
+    digests = [hashlib.sha256(bytes([i])).digest() for i in range(2)]
+    event = vllm_stored([1, 2], None, tokens, 16, extra_keys=[[d] for d in digests])
+    ingest(index, [vllm_batch([event])])
+    feats = [BlockExtraFeatures([MMHash(PROMPT_EMBEDS_PREFIX + d.hex())]) for d in digests]
+    assert hits(index, TP16.tokens_to_kv_block_keys(0, tokens, MODEL, feats)) == 2
+    assert hits(index, TP16.tokens_to_kv_block_keys(0, tokens, MODEL)) == 0
+
+
+def test_batch_as_a_map(index: Any) -> None:
+    tokens = PROMPT[:32]
+    ingest(index, [vllm_map_batch([vllm_stored([1, 2], None, tokens, 16)], data_parallel_rank=0)])
+    assert hits(index, TP16.tokens_to_kv_block_keys(0, tokens, MODEL)) == 2
+
+
+# -- SGLang -------------------------------------------------------------------------------------
+
+
+def test_sglang_salt_and_lora_fields(index: Any) -> None:
+    tokens = PROMPT[:64]
+    events, _ = sglang_pages(tokens, 16, 5000, cache_salt="s", lora_name=LORA)
+    ingest(index, [sglang_batch(events)])
+    assert hits(index, TP16.tokens_to_kv_block_keys(0, tokens, LORA, cache_salt="s")) == 4
+
+
+def test_sglang_eagle_bigram_pages_hash_like_plain_pages(index: Any) -> None:
+    tokens = PROMPT[:64]
+    first, last = sglang_pages(tokens[:40], 1, 100, bigram_next=tokens[40])
+    second, _ = sglang_pages(tokens[40:], 1, 200, parent=last, bigram_next=7)
+    ingest(index, [sglang_batch(first), sglang_batch(second)])
+    assert hits(index, TP16.tokens_to_kv_block_keys(0, tokens, MODEL)) == 4
+
+
+# -- partial-block tails ------------------------------------------------------------------------
+
+SPLITS = [(40, 24, 64), (7, 20, 37, 64), (64, 64), (1,) * 20 + (108,)]
+
+
+def _sglang_nodes(split: Sequence[int], page: int) -> list[bytes]:
+    payloads, parent, start, h = [], None, 0, 1
+    for size in split:
+        events, parent = sglang_pages(PROMPT[start : start + size], page, h, parent)
+        payloads.append(sglang_batch(events))
+        start += size
+        h += size
+    return payloads
+
+
+@pytest.mark.parametrize("tp", [TP16, TP64], ids=["index16", "index64"])
+@pytest.mark.parametrize("page", [1, 16, 64])
+@pytest.mark.parametrize("split", SPLITS, ids=["40+24", "7+20+37", "64+64", "1x20+108"])
+def test_every_full_block_however_the_engine_splits(
+    index: Any, tp: ChunkedTokenDatabase, page: int, split: Sequence[int]
+) -> None:
+    ingest(index, _sglang_nodes(split, page), tp)
+    want = tp.tokens_to_kv_block_keys(0, PROMPT, MODEL)
+    assert hits(index, want) == len(want)
+
+
+def test_vllm_engine_blocks_smaller_than_index_blocks(index: Any) -> None:
+    # vLLM publishes the blocks each scheduler step filled: 5 blocks, then 3 more.
+    first = vllm_stored([1, 2, 3, 4, 5], None, PROMPT[:80], 16)
+    second = vllm_stored([6, 7, 8], 5, PROMPT[80:], 16)
+    ing = ingest(index, [vllm_batch([first]), vllm_batch([second])], TP64)
+    assert hits(index, TP64.tokens_to_kv_block_keys(0, PROMPT, MODEL)) == 2
+    # Removing an engine block that an index block spans removes that index block.
+    ingest(index, [vllm_batch([vllm_removed([6])])], TP64, ing=ing)
+    assert hits(index, TP64.tokens_to_kv_block_keys(0, PROMPT, MODEL)) == 1
+
+
+def test_image_across_a_split(index: Any) -> None:
+    image = PlaceholderRange(30, 20)  # tokens 30..49, split at 40
+    first = vllm_stored(
+        list(range(1, 41)),
+        None,
+        PROMPT[:40],
+        1,
+        extra_keys=[None] * 30 + [[["img", 30 - i]] for i in range(30, 40)],
+    )
+    second = vllm_stored(
+        list(range(41, 65)),
+        40,
+        PROMPT[40:64],
+        1,
+        extra_keys=[[["img", 30 - i]] for i in range(40, 50)] + [None] * 14,
+    )
+    ingest(index, [vllm_batch([first]), vllm_batch([second])])
+    feats = compute_block_extra_features({"image": ["img"]}, {"image": [image]}, 16, 64)
+    assert hits(index, TP16.tokens_to_kv_block_keys(0, PROMPT[:64], MODEL, feats)) == 4
+
+
+def test_unknown_continuation_writes_no_key(index: Any) -> None:
+    # Replica A stored the first event (a 40-token chain end); replica B only sees the second.
+    first = sglang_batch(sglang_pages(PROMPT[:40], 1, 1)[0])
+    second = sglang_batch(sglang_pages(PROMPT[40:64], 1, 41, parent=40)[0])
+    ingest(index, [first])
+    b = EventIngester(index, TP16)
+    b.process(f"kv@pod-a@{MODEL}", 0, second, endpoint="replica-b")
+    assert b.counters.snapshot()["parent_misses"] == 1
+    want = TP16.tokens_to_kv_block_keys(0, PROMPT[:64], MODEL)
+    assert hits(index, want) == 2  # the blocks A could hash; B wrote nothing, not a wrong key
+    assert set(index.lookup(want[2:])) == set()
+
+
+# -- locality and tiers -------------------------------------------------------------------------
+
+
+def test_remote_copies_are_their_own_entries(index: Any) -> None:
+    tokens = PROMPT[:32]
+    local = vllm_stored([1, 2], None, tokens, 16, group_idx=0)
+    remote = vllm_stored([1, 2], None, tokens, 16, medium="STORAGE", locality="REMOTE", group_idx=0)
+    ing = ingest(index, [vllm_batch([local, remote])])
+    keys = TP16.tokens_to_kv_block_keys(0, tokens, MODEL)
+    local_entry = PodEntry("pod-a", "gpu", has_group=True, group_idx=0)
+    remote_entry = PodEntry("pod-a", "storage:remote", has_group=True, group_idx=0)
+    assert set(index.lookup(keys)[keys[0]]) == {local_entry, remote_entry}
+    removed = vllm_removed([1, 2], medium="STORAGE", locality="REMOTE", group_idx=0)
+    ingest(index, [vllm_batch([removed])], ing=ing)
+    assert set(index.lookup(keys)[keys[0]]) == {local_entry}
+
+
+def test_remote_block_scores_below_a_local_one(index: Any) -> None:
+    tokens = PROMPT[:32]
+    ingest(index, [vllm_batch([vllm_stored([1, 2], None, tokens, 16)])], pod="pod-local")
+    remote = vllm_stored([1, 2], None, tokens, 16, locality="REMOTE")
+    ingest(index, [vllm_batch([remote])], pod="pod-remote")
+    pinned = sglang_pages(tokens, 16, 1, medium="CPU_PINNED")[0]
+    ingest(index, [sglang_batch(pinned)], pod="pod-pinned")
+    scores = Indexer(index, TP16, LongestPrefixScorer()).score_tokens(tokens, MODEL)
+    assert scores["pod-local"] > scores["pod-remote"] > 0
+    assert scores["pod-local"] > scores["pod-pinned"] > 0
+
+
+@pytest.mark.parametrize("split", [(40, 24), (7, 20, 37)], ids=["40+24", "7+20+37"])
+def test_ha_replicas_take_turns_and_agree(index: Any, split: Sequence[int]) -> None:
+    # Both replicas receive every batch of the stream; whoever comes first applies it, the other
+    # finds it applied. Each one plans every batch, so each knows every tail: the keys are the
+    # same whichever replica applies which batch.
+    payloads = _sglang_nodes(split, 1)
+    replicas = [EventIngester(index, TP16), EventIngester(index, TP16)]
+    for seq, payload in enumerate(payloads):
+        order = replicas if seq % 2 == 0 else replicas[::-1]
+        for ing in order:
+            ing.process(f"kv@pod-a@{MODEL}", seq, payload, endpoint="engine-a")
+    want = TP16.tokens_to_kv_block_keys(0, PROMPT[: sum(split)], MODEL)
+    assert hits(index, want) == len(want) == 4
+    for ing in replicas:
+        assert ing.counters.snapshot().get("parent_misses", 0) == 0
+
+
+def test_ha_branches_from_a_learned_tail(index: Any) -> None:
+    # Node A (40 tokens) and its child B (24) are applied by replica 1; replica 2 only learns
+    # them, then applies C, a second child of A: its keys must continue A, not B.
+    a_events, a_last = sglang_pages(PROMPT[:40], 1, 1)
+    b_events, _ = sglang_pages(PROMPT[40:64], 1, 100, parent=a_last)
+    other = tuple(range(5000, 5024))
+    c_events, _ = sglang_pages(other, 1, 200, parent=a_last)
+    one, two = EventIngester(index, TP16), EventIngester(index, TP16)
+    topic = f"kv@pod-a@{MODEL}"
+    for seq, events in enumerate([a_events, b_events]):
+        one.process(topic, seq, sglang_batch(events), endpoint="engine-a")
+        two.process(topic, seq, sglang_batch(events), endpoint="engine-a")
+    two.process(topic, 2, sglang_batch(c_events), endpoint="engine-a")
+    assert two.counters.snapshot()["batches_applied"] == 1
+    for tokens in (PROMPT[:64], PROMPT[:40] + other):
+        want = TP16.tokens_to_kv_block_keys(0, tokens, MODEL)
+        assert hits(index, want) == 4
+
+
+@pytest.mark.zmq
+def test_over_zmq_into_redis(redis_backend_index: Any) -> None:
+    # The transport `kvredis ingest` runs: the engine's 3-frame messages on a real socket.
+    with FakeEngine(topic=f"kv@pod-a@{MODEL}") as engine:
+        ing = EventIngester(redis_backend_index, TP16, [EndpointConfig(engine.endpoint)])
+        ing.start()
+        try:
+            engine.wait_subscribed()
+            for payload in _sglang_nodes((7, 20, 37), 1):
+                engine.publish_payload(payload)
+            salted = vllm_stored(
+                [1, 2], None, PROMPT[:32], 16, lora_name=LORA, extra_keys=[[LORA, "s"], [LORA]]
+            )
+            engine.publish_payload(vllm_map_batch([salted]))
+            wait_until(lambda: ing.counters.get("batches") >= 4)
+            assert ing.wait_idle(10)
+        finally:
+            assert ing.stop()
+    want = TP16.tokens_to_kv_block_keys(0, PROMPT[:64], MODEL)
+    assert hits(redis_backend_index, want) == 4
+    lora = TP16.tokens_to_kv_block_keys(0, PROMPT[:32], LORA, cache_salt="s")
+    assert hits(redis_backend_index, lora) == 2
