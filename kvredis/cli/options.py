@@ -26,7 +26,9 @@ from kvredis.errors import BackendUnavailableError, ConfigError, KVRedisError
 __all__ = [
     "LOG_LEVELS",
     "RedisTarget",
+    "check_namespace_option",
     "echo_json",
+    "explicit_log_level",
     "handle_errors",
     "hashing_options",
     "json_option",
@@ -78,6 +80,12 @@ def _add_verbose(ctx: click.Context, _param: click.Parameter, value: int) -> Non
         meta = ctx.find_root().meta
         meta[_META_VERBOSE] = meta.get(_META_VERBOSE, 0) + value
     _apply_logging(ctx)
+
+
+def explicit_log_level(ctx: click.Context) -> bool:
+    """Whether ``--log-level`` or ``-v`` was given on the command line."""
+    meta = ctx.find_root().meta
+    return meta.get(_META_LEVEL) is not None or bool(meta.get(_META_VERBOSE))
 
 
 def logging_params() -> list[click.Parameter]:
