@@ -66,7 +66,11 @@ class _IngestCommand(click.Command):
 def _value_options(ctx: click.Context) -> set[str]:
     names: set[str] = set()
     for param in ctx.command.params:
-        if isinstance(param, click.Option) and not param.is_flag and param.name != "help":
+        if (
+            isinstance(param, click.Option)
+            and not (param.is_flag or param.count)
+            and param.name != "help"
+        ):
             names.update(param.opts)
             names.update(param.secondary_opts)
     return names
@@ -177,9 +181,7 @@ def _open_index(redis_url: str | None, namespace: str, password: str | None) -> 
         raise click.ClickException(f"cannot reach Redis: {exc}") from None
 
 
-def _check_redis_url(
-    _ctx: click.Context, _param: click.Parameter, value: str | None
-) -> str | None:
+def _check_redis_url(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
     if value is None:
         return None
     from kvredis.redis.address import parse_address
