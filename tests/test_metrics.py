@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import urllib.error
 import urllib.request
 from typing import Any
@@ -193,3 +194,71 @@ def test_probe_server_serves_metrics_and_probes() -> None:
         assert _get(base + "/nope")[0] == 404
     finally:
         server.close()
+
+
+def test_ingester_counters_become_metrics() -> None:
+    from kvredis.hashing import ChunkedTokenDatabase
+    from kvredis.ingest import EventIngester
+    from kvredis.ingest.counters import Counter
+    from kvredis.ingest.events import BlockStored, RejectReason, encode_batch
+    from kvredis.ingest.metrics import IngestMetrics
+
+    reg = CollectorRegistry()
+    index = InstrumentedIndex(InMemoryIndex(), registry=reg)
+    ingester = EventIngester(index, ChunkedTokenDatabase())
+    IngestMetrics(ingester, reg)
+    payload = encode_batch([BlockStored((1, 2), None, tuple(range(32)), 16)], ts=0.0)
+    ingester.process("kv@pod-a@m", 0, payload)
+    ingester.process("kv@pod-a@m", 1, b"\xc1 not msgpack")
+    ingester.process("", 2, payload, endpoint="other")
+    snapshot = ingester.counters.snapshot()
+    for counter in Counter:
+        if counter is Counter.REJECTED:
+            continue
+        name = f"kvredis_ingest_{counter.value}_total"
+        assert reg.get_sample_value(name) == snapshot[counter.value], name
+    assert value(reg, "kvredis_ingest_blocks_stored_total") == 2
+    assert value(reg, "kvredis_ingest_batches_applied_total") == 1
+    for reason in RejectReason:
+        got = reg.get_sample_value("kvredis_ingest_rejects_total", {"reason": reason.value})
+        assert got == snapshot[f"rejected.{reason.value}"], reason
+    assert value(reg, "kvredis_ingest_rejects_total", reason="malformed_payload") == 1
+    assert value(reg, "kvredis_ingest_rejects_total", reason="no_pod") == 1
+    assert value(reg, "kvcache_index_admissions_total", backend="in_memory") == 2
+    for stream in ("direct", "other"):
+        labels = {"stream": stream}
+        assert reg.get_sample_value("kvredis_ingest_stream_lag_batches", labels) == 0
+
+
+class _Gated(InMemoryIndex):
+    """An index whose adds wait for a gate (to hold batches in flight)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+
+    def add(self, engine_keys: Any, request_keys: Any, entries: Any) -> None:
+        self.gate.wait(20)
+        super().add(engine_keys, request_keys, entries)
+
+
+def test_stream_lag_counts_batches_not_yet_applied() -> None:
+    from kvredis.hashing import ChunkedTokenDatabase
+    from kvredis.ingest import EventIngester, IngesterConfig
+    from kvredis.ingest.events import BlockStored, encode_batch
+    from kvredis.ingest.metrics import IngestMetrics
+
+    reg = CollectorRegistry()
+    index = _Gated()
+    config = IngesterConfig(workers=1, use_watermarks=False)
+    ingester = EventIngester(index, ChunkedTokenDatabase(), config=config)
+    IngestMetrics(ingester, reg)
+    lag = {"stream": "s"}
+    with ingester:
+        for seq in range(3):
+            payload = encode_batch([BlockStored((seq + 1,), None, tuple(range(16)), 16)], ts=0.0)
+            assert ingester.submit("kv@pod-a@m", seq, payload, endpoint="s")
+        assert reg.get_sample_value("kvredis_ingest_stream_lag_batches", lag) == 3
+        index.gate.set()
+        assert ingester.wait_idle(20)
+        assert reg.get_sample_value("kvredis_ingest_stream_lag_batches", lag) == 0

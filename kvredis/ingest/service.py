@@ -55,6 +55,8 @@ class _Stream:
 
     state: StreamState
     lock: threading.Lock = field(default_factory=threading.Lock)
+    queued: int = 0
+    """Messages received and not yet handled (guarded by the service's ``_idle`` lock)."""
 
 
 _STOP = object()
@@ -305,6 +307,13 @@ class EventIngester:
                 self._idle.wait(remaining)
         return True
 
+    def stream_lags(self) -> dict[str, int]:
+        """Per watermark stream, messages received and not yet applied (queued or in progress)."""
+        with self._streams_lock:
+            streams = list(self._streams.values())
+        with self._idle:
+            return {st.state.name: st.queued for st in streams}
+
     def status_line(self) -> str:
         """A one-line summary of the counters (what the CLI logs periodically)."""
         c = self.counters.snapshot()
@@ -355,17 +364,18 @@ class EventIngester:
         q = self._queues[shard % len(self._queues)]
         with self._idle:
             self._inflight += 1
+            st.queued += 1
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if self._closed.is_set():
-                self._done_one()
+                self._done_one(st)
                 return False
             try:
                 q.put(_Queued(st, topic, seq, payload), timeout=0.1)
                 return True
             except queue.Full:
                 if deadline is not None and time.monotonic() >= deadline:
-                    self._done_one()
+                    self._done_one(st)
                     return False
 
     def _drop_queued(self, q: queue.Queue[object]) -> None:
@@ -374,12 +384,13 @@ class EventIngester:
                 item = q.get_nowait()
             except queue.Empty:
                 return
-            if item is not _STOP:
-                self._done_one()
+            if isinstance(item, _Queued):
+                self._done_one(item.stream)
 
-    def _done_one(self) -> None:
+    def _done_one(self, st: _Stream) -> None:
         with self._idle:
             self._inflight -= 1
+            st.queued -= 1
             if not self._inflight:
                 self._idle.notify_all()
 
@@ -395,7 +406,7 @@ class EventIngester:
                 logger.exception("unexpected error while ingesting a batch")
                 self.counters.inc(Counter.BATCHES_FAILED)
             finally:
-                self._done_one()
+                self._done_one(item.stream)
 
     # -- rejections ------------------------------------------------------------------------
 
