@@ -93,6 +93,12 @@ _EXPORTS: dict[str, str] = {
     "ReplayClient": "kvredis.ingest",
     "ReplayedMessage": "kvredis.ingest",
     "ZmqReplayClient": "kvredis.ingest.zmq",
+    # observability
+    "AsyncInstrumentedIndex": "kvredis.metrics",
+    "InstrumentedIndex": "kvredis.metrics",
+    "AsyncTracedIndex": "kvredis.tracing",
+    "TracedIndex": "kvredis.tracing",
+    "IngestMetrics": "kvredis.ingest.metrics",
 }
 
 __all__ = [
@@ -104,8 +110,10 @@ __all__ = [
     "AllBlocksCleared",
     "AsyncBatchIndex",
     "AsyncIndex",
+    "AsyncInstrumentedIndex",
     "AsyncRedisIndex",
     "AsyncScoringIndex",
+    "AsyncTracedIndex",
     "BackendError",
     "BackendUnavailableError",
     "BatchIndex",
@@ -132,7 +140,9 @@ __all__ = [
     "IndexOp",
     "Indexer",
     "IngestCounters",
+    "IngestMetrics",
     "IngesterConfig",
+    "InstrumentedIndex",
     "InvalidInputError",
     "KVRedisError",
     "KeyType",
@@ -155,6 +165,7 @@ __all__ = [
     "StaleNamespaceError",
     "TokenProcessor",
     "TokenProcessorConfig",
+    "TracedIndex",
     "Watermark",
     "WireError",
     "ZmqReplayClient",
@@ -245,6 +256,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
         encode_batch,
         parse_topic,
     )
+    from kvredis.ingest.metrics import IngestMetrics
     from kvredis.ingest.zmq import ZmqReplayClient
     from kvredis.jsonconfig import parse_duration, parse_size
     from kvredis.memory import (
@@ -253,6 +265,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
         InMemoryIndex,
         InMemoryIndexConfig,
     )
+    from kvredis.metrics import AsyncInstrumentedIndex, InstrumentedIndex
     from kvredis.redis.address import RedisAddress, mask_password, parse_address
     from kvredis.redis.config import RedisIndexConfig
     from kvredis.redis.index import (
@@ -262,4 +275,5 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
         new_valkey_index,
     )
     from kvredis.scoring import DEFAULT_MEDIUM_WEIGHTS, LongestPrefixScorer
+    from kvredis.tracing import AsyncTracedIndex, TracedIndex
     from kvredis.types import EMPTY_BLOCK_HASH, BlockHash, GroupMetadata, KeyType, PodEntry
