@@ -6,8 +6,6 @@ import logging
 import subprocess
 import sys
 import threading
-import urllib.error
-import urllib.request
 import uuid
 from pathlib import Path
 
@@ -18,18 +16,9 @@ from kvredis.cli import cli
 from kvredis.ingest.events import BlockStored
 from tests.ingest.engine import FakeEngine, wait_until
 from tests.servers import free_port
+from tests.test_metrics import get as _get
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as reply:
-            return reply.status, reply.read().decode()
-    except urllib.error.HTTPError as err:
-        return err.code, err.read().decode()
-    except OSError:
-        return 0, ""
 
 
 def _sample(body: str, name: str) -> float | None:
@@ -141,24 +130,3 @@ def test_password_is_masked_in_ingest_output(redis_server_url: str) -> None:
     )  # fmt: skip
     assert "topsecret9" not in proc.stdout + proc.stderr
     assert "***" in proc.stderr
-
-
-def test_not_redis_is_one_line_for_ingest() -> None:
-    import http.server
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        url = f"redis://127.0.0.1:{server.server_address[1]}"
-        proc = subprocess.run(
-            [sys.executable, "-m", "kvredis", "ingest", "--endpoint", "tcp://127.0.0.1:1",
-             "--redis", url],
-            capture_output=True, text=True, cwd=ROOT, timeout=60,
-        )  # fmt: skip
-    finally:
-        server.shutdown()
-        server.server_close()
-    assert proc.returncode == 1
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("Error")]
-    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr

@@ -263,7 +263,16 @@ def test_missing_namespace_and_bad_namespace(redis_server_url: str) -> None:
     assert code == 2 and "Invalid value for '--namespace'" in out
 
 
-def test_not_redis_is_one_line_error() -> None:
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["stats"],
+        ["ingest", "--endpoint", "tcp://127.0.0.1:1", "--pod", "p", "--model", "m"],
+        ["demo", "--pods", "1"],
+    ],
+    ids=["stats", "ingest", "demo"],
+)
+def test_not_redis_is_one_line_error(command: list[str]) -> None:
     import http.server
     import threading
 
@@ -273,7 +282,7 @@ def test_not_redis_is_one_line_error() -> None:
     try:
         url = f"redis://127.0.0.1:{server.server_address[1]}"
         proc = subprocess.run(
-            [sys.executable, "-m", "kvredis", "stats", "--redis", url],
+            [sys.executable, "-m", "kvredis", *command, "--redis", url],
             capture_output=True,
             text=True,
             cwd=ROOT,
@@ -284,7 +293,8 @@ def test_not_redis_is_one_line_error() -> None:
         server.server_close()
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: ") and url in lines[0], proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("Error: "), proc.stderr
+    assert f"127.0.0.1:{server.server_address[1]}" in lines[0]
 
 
 def test_password_from_env_never_shown(redis_server_url: str) -> None:

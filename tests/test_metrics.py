@@ -169,12 +169,15 @@ def test_summary_and_periodic_logging(caplog: pytest.LogCaptureFixture) -> None:
     assert "enable_metrics" in caplog.text
 
 
-def _get(url: str) -> tuple[int, str]:
+def get(url: str) -> tuple[int, str]:
+    """``(status, body)`` of a GET; ``(0, "")`` while nothing listens."""
     try:
         with urllib.request.urlopen(url, timeout=5) as reply:
             return reply.status, reply.read().decode()
     except urllib.error.HTTPError as err:
         return err.code, err.read().decode()
+    except OSError:
+        return 0, ""
 
 
 def test_probe_server_serves_metrics_and_probes() -> None:
@@ -184,14 +187,14 @@ def test_probe_server_serves_metrics_and_probes() -> None:
     server = ProbeServer(0, "127.0.0.1", reg, lambda: (state["ready"], ["redis: down"])).start()
     try:
         base = f"http://127.0.0.1:{server.port}"
-        status, body = _get(base + "/metrics")
+        status, body = get(base + "/metrics")
         assert status == 200
         assert 'kvcache_index_admissions_total{backend="in_memory"} 1.0' in body
-        assert _get(base + "/healthz") == (200, "ok\n")
-        assert _get(base + "/readyz") == (503, "redis: down\n")
+        assert get(base + "/healthz") == (200, "ok\n")
+        assert get(base + "/readyz") == (503, "redis: down\n")
         state["ready"] = True
-        assert _get(base + "/readyz")[0] == 200
-        assert _get(base + "/nope")[0] == 404
+        assert get(base + "/readyz")[0] == 200
+        assert get(base + "/nope")[0] == 404
     finally:
         server.close()
 

@@ -27,6 +27,7 @@ __all__ = [
     "LOG_LEVELS",
     "RedisTarget",
     "check_namespace_option",
+    "check_redis_url",
     "echo_json",
     "explicit_log_level",
     "handle_errors",
@@ -34,6 +35,7 @@ __all__ = [
     "json_option",
     "logging_options",
     "parse_tokens",
+    "password_file_option",
     "progress_bar",
     "read_tokens",
     "redis_options",
@@ -165,7 +167,7 @@ def check_namespace_option(
         raise click.BadParameter(str(exc)) from None
 
 
-def _check_url(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
+def check_redis_url(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
     if value is None:
         return None
     from kvredis.redis.address import parse_address
@@ -192,6 +194,15 @@ def read_password(password_file: str | None) -> str | None:
     return os.environ.get("KVREDIS_REDIS_PASSWORD") or None
 
 
+#: ``--password-file FILE`` (env ``KVREDIS_REDIS_PASSWORD_FILE``), read by :func:`read_password`.
+password_file_option = click.option(
+    "--password-file",
+    metavar="FILE",
+    envvar="KVREDIS_REDIS_PASSWORD_FILE",
+    help="Read the Redis password from FILE (else env KVREDIS_REDIS_PASSWORD).",
+)
+
+
 def redis_options(
     default_namespace: str | None = "kvblock", url_required: bool = False
 ) -> Callable[[F], F]:
@@ -205,7 +216,7 @@ def redis_options(
             envvar="KVREDIS_REDIS_URL",
             default=None if not url_required else "redis://127.0.0.1:6379",
             show_default=url_required,
-            callback=_check_url,
+            callback=check_redis_url,
             help="Redis/Valkey address (env KVREDIS_REDIS_URL).",
         )
         @click.option(
@@ -216,12 +227,7 @@ def redis_options(
             callback=check_namespace_option,
             help="Key namespace (env KVREDIS_NAMESPACE).",
         )
-        @click.option(
-            "--password-file",
-            metavar="FILE",
-            envvar="KVREDIS_REDIS_PASSWORD_FILE",
-            help="Read the Redis password from FILE (else env KVREDIS_REDIS_PASSWORD).",
-        )
+        @password_file_option
         @functools.wraps(f)
         def wrapper(
             *args: Any,

@@ -25,8 +25,10 @@ import click
 
 from kvredis.cli.options import (
     check_namespace_option,
+    check_redis_url,
     explicit_log_level,
     handle_errors,
+    password_file_option,
     read_password,
 )
 from kvredis.errors import BackendUnavailableError, ConfigError, KVRedisError
@@ -179,18 +181,12 @@ def _open_index(redis_url: str | None, namespace: str, password: str | None) -> 
         return new_redis_index(config)
     except BackendUnavailableError as exc:
         raise click.ClickException(f"cannot reach Redis: {exc}") from None
-
-
-def _check_redis_url(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
-    if value is None:
-        return None
-    from kvredis.redis.address import parse_address
-
-    try:
-        parse_address(value)
-    except ConfigError as exc:
-        raise click.BadParameter(str(exc)) from None
-    return value
+    except KVRedisError:
+        raise
+    except Exception as exc:  # e.g. a port that is not Redis: redis-py's protocol error
+        raise click.ClickException(
+            f"cannot reach Redis: {config.server()} did not answer as Redis or Valkey ({exc})"
+        ) from None
 
 
 def _identity_hints(configs: Sequence[EndpointConfig]) -> None:
@@ -284,7 +280,7 @@ def _is_redis(index: Index) -> TypeGuard[RedisIndex]:
     "redis_url",
     metavar="URL",
     envvar="KVREDIS_REDIS_URL",
-    callback=_check_redis_url,
+    callback=check_redis_url,
     help="Redis/Valkey index (env KVREDIS_REDIS_URL; default: in memory).",
 )
 @click.option(
@@ -295,12 +291,7 @@ def _is_redis(index: Index) -> TypeGuard[RedisIndex]:
     callback=check_namespace_option,
     help="Redis key namespace (env KVREDIS_NAMESPACE).",
 )
-@click.option(
-    "--password-file",
-    metavar="FILE",
-    envvar="KVREDIS_REDIS_PASSWORD_FILE",
-    help="Read the Redis password from FILE (else env KVREDIS_REDIS_PASSWORD).",
-)
+@password_file_option
 @click.option(
     "--block-size",
     type=click.IntRange(min=1),

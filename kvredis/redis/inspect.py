@@ -529,28 +529,25 @@ def _check_pod_records(c: _Checker, d: Dictionary, defined: set[bytes]) -> None:
             )
 
 
+def _well_formed(c: _Checker, key: bytes, fld: bytes, value: bytes, width: int, kind: str) -> bool:
+    """A bucket field must be an 8-byte hash holding a non-empty list of ``width``-byte items."""
+    if len(fld) == HASH_WIDTH and value and len(value) % width == 0:
+        return True
+    if len(fld) != HASH_WIDTH or len(value) % width:
+        detail = f"{kind} field of {len(fld)} bytes with a {len(value)}-byte list"
+        c.found(Problem.MALFORMED_FIELD, key, fld, detail, Command(("HDEL", key, fld)))
+    else:
+        detail = f"{kind} key holding nothing"
+        c.found(Problem.EMPTY_FIELD, key, fld, detail, Command(("HDEL", key, fld)))
+    return False
+
+
 def _check_request_bucket(
     c: _Checker, key: bytes, fields: dict[bytes, bytes], defined: set[bytes]
 ) -> None:
     lay = c.layout
     for fld, value in fields.items():
-        if len(fld) != HASH_WIDTH or len(value) % ID_WIDTH:
-            c.found(
-                Problem.MALFORMED_FIELD,
-                key,
-                fld,
-                f"request field of {len(fld)} bytes with a {len(value)}-byte id list",
-                Command(("HDEL", key, fld)),
-            )
-            continue
-        if not value:
-            c.found(
-                Problem.EMPTY_FIELD,
-                key,
-                fld,
-                "request key with no entry",
-                Command(("HDEL", key, fld)),
-            )
+        if not _well_formed(c, key, fld, value, ID_WIDTH, "request"):
             continue
         ids = _ids(value)
         kept = [i for i in dict.fromkeys(ids) if i in defined]
@@ -578,23 +575,7 @@ def _check_engine_bucket(
     lay = c.layout
     probe = []
     for fld, value in fields.items():
-        if len(fld) != HASH_WIDTH or len(value) % HASH_WIDTH:
-            c.found(
-                Problem.MALFORMED_FIELD,
-                key,
-                fld,
-                f"engine field of {len(fld)} bytes with a {len(value)}-byte hash list",
-                Command(("HDEL", key, fld)),
-            )
-            continue
-        if not value:
-            c.found(
-                Problem.EMPTY_FIELD,
-                key,
-                fld,
-                "engine key mapped to nothing",
-                Command(("HDEL", key, fld)),
-            )
+        if not _well_formed(c, key, fld, value, HASH_WIDTH, "engine"):
             continue
         home = lay.engine_bucket(int.from_bytes(fld, "big"))
         if home != key:
