@@ -293,40 +293,37 @@ def _observer(
     return _MetricsObserver(metrics, label)
 
 
-class InstrumentedIndex(ObservedIndex):
+class _Instrumented:
+    """The constructor both instrumented wrappers share (the next base is the observed index)."""
+
+    __slots__ = ()
+
+    def __init__(
+        self,
+        next: Any,
+        *,
+        registry: CollectorRegistry | None = None,
+        backend: str | None = None,
+    ) -> None:
+        observer = _observer(next, registry, backend)
+        super().__init__(next, observer, backend=observer.backend)  # type: ignore[call-arg]
+
+
+class InstrumentedIndex(_Instrumented, ObservedIndex):
     """Any :class:`~kvredis.index.Index`, exporting Prometheus metrics (see the module docstring).
 
-    Keeps the capabilities of ``next``. ``backend`` overrides the ``backend`` label (default:
-    derived from ``next``, see :func:`kvredis.observed.backend_label`).
+    ``InstrumentedIndex(next, *, registry=None, backend=None)``. Keeps the capabilities of
+    ``next``. ``backend`` overrides the ``backend`` label (default: derived from ``next``, see
+    :func:`kvredis.observed.backend_label`).
     """
 
     __slots__ = ()
 
-    def __init__(
-        self,
-        next: Any,
-        *,
-        registry: CollectorRegistry | None = None,
-        backend: str | None = None,
-    ) -> None:
-        observer = _observer(next, registry, backend)
-        super().__init__(next, observer, backend=observer.backend)
 
-
-class AsyncInstrumentedIndex(AsyncObservedIndex):
+class AsyncInstrumentedIndex(_Instrumented, AsyncObservedIndex):
     """The asyncio form of :class:`InstrumentedIndex`, e.g. for an ``AsyncRedisIndex``."""
 
     __slots__ = ()
-
-    def __init__(
-        self,
-        next: Any,
-        *,
-        registry: CollectorRegistry | None = None,
-        backend: str | None = None,
-    ) -> None:
-        observer = _observer(next, registry, backend)
-        super().__init__(next, observer, backend=observer.backend)
 
 
 # -- periodic summary --------------------------------------------------------------------------

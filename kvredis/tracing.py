@@ -182,29 +182,30 @@ class _TracingObserver:
         return _Span(call.op, span, token)
 
 
-class TracedIndex(ObservedIndex):
+class _Traced:
+    """The constructor both traced wrappers share (the next base is the observed index)."""
+
+    __slots__ = ()
+
+    def __init__(
+        self, next: Any, *, tracer_provider: Any = None, backend: str | None = None
+    ) -> None:
+        label = backend or backend_label(next)
+        observer = _TracingObserver(tracer_provider, label)
+        super().__init__(next, observer, backend=label)  # type: ignore[call-arg]
+
+
+class TracedIndex(_Traced, ObservedIndex):
     """Any :class:`~kvredis.index.Index`, with a span around every call (see the module docstring).
 
-    Keeps the capabilities of ``next``. A no-op wrapper when the OpenTelemetry API is not
-    installed.
+    ``TracedIndex(next, *, tracer_provider=None, backend=None)``. Keeps the capabilities of
+    ``next``. A no-op wrapper when the OpenTelemetry API is not installed.
     """
 
     __slots__ = ()
 
-    def __init__(
-        self, next: Any, *, tracer_provider: Any = None, backend: str | None = None
-    ) -> None:
-        label = backend or backend_label(next)
-        super().__init__(next, _TracingObserver(tracer_provider, label), backend=label)
 
-
-class AsyncTracedIndex(AsyncObservedIndex):
+class AsyncTracedIndex(_Traced, AsyncObservedIndex):
     """The asyncio form of :class:`TracedIndex`, e.g. for an ``AsyncRedisIndex``."""
 
     __slots__ = ()
-
-    def __init__(
-        self, next: Any, *, tracer_provider: Any = None, backend: str | None = None
-    ) -> None:
-        label = backend or backend_label(next)
-        super().__init__(next, _TracingObserver(tracer_provider, label), backend=label)

@@ -15,15 +15,13 @@ import click
 from kvredis import __version__
 from kvredis.cli.operate import COMMANDS
 from kvredis.cli.options import (
+    Prompt,
     RedisTarget,
     handle_errors,
-    hashing_options,
     logging_options,
     logging_params,
-    read_tokens,
+    prompt_options,
     redis_options,
-    token_options,
-    token_processor,
 )
 from kvredis.index import Closeable, Index, NamespaceIndex
 from kvredis.ingest.cli import ingest
@@ -165,8 +163,7 @@ def demo(
 
 
 @cli.command(epilog="\b\nExample:\n  kvredis keys --model m --tokens '1 2 3 4' --block-size 2")
-@token_options
-@hashing_options
+@prompt_options
 @click.option(
     "--parent",
     type=click.IntRange(0, 2**64 - 1),
@@ -176,25 +173,14 @@ def demo(
 )
 @logging_options
 @handle_errors
-def keys(
-    model: str,
-    tokens: str | None,
-    tokens_file: str | None,
-    block_size: int,
-    hash_algo: str,
-    hash_seed: str | None,
-    old_seed: str | None,
-    parent: int,
-) -> None:
+def keys(prompt: Prompt, parent: int) -> None:
     """Print the request keys (one per full block) of a token sequence."""
-    ids = read_tokens(tokens, tokens_file)
-    db = token_processor(block_size, hash_algo, hash_seed or old_seed)
-    try:
-        block_keys = db.tokens_to_kv_block_keys(parent, ids, model)
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from None
+    block_keys = prompt.block_keys(parent)
     if not block_keys:
-        click.echo(f"no full block: {len(ids)} tokens < block size {block_size}", err=True)
+        click.echo(
+            f"no full block: {len(prompt.tokens)} tokens < block size {prompt.block_size}",
+            err=True,
+        )
     for i, key in enumerate(block_keys):
         click.echo(f"{i}\t{key}")
 

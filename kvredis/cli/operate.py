@@ -13,18 +13,16 @@ from typing import IO, Any
 import click
 
 from kvredis.cli.options import (
+    Prompt,
     RedisTarget,
     echo_json,
     handle_errors,
-    hashing_options,
     json_option,
     logging_options,
     progress_bar,
-    read_tokens,
+    prompt_options,
     redis_options,
     table,
-    token_options,
-    token_processor,
 )
 
 __all__ = ["COMMANDS"]
@@ -163,20 +161,12 @@ def pods(target: RedisTarget, namespace: str, no_progress: bool, as_json: bool) 
 # -- lookup and score ---------------------------------------------------------------------------
 
 
-def _block_keys(
-    model: str,
-    tokens: str | None,
-    tokens_file: str | None,
-    block_size: int,
-    hash_algo: str,
-    hash_seed: str | None,
-) -> list[int]:
-    ids = read_tokens(tokens, tokens_file)
-    processor = token_processor(block_size, hash_algo, hash_seed)
-    keys: list[int] = processor.tokens_to_kv_block_keys(0, ids, model)
+def _block_keys(prompt: Prompt) -> list[int]:
+    keys = prompt.block_keys()
     if not keys:
         raise click.UsageError(
-            f"no full block: {len(ids)} tokens < block size {block_size} (check --block-size)"
+            f"no full block: {len(prompt.tokens)} tokens < block size {prompt.block_size} "
+            "(check --block-size)"
         )
     return keys
 
@@ -187,25 +177,18 @@ _POD_FILTER = click.option(
 
 
 @_command("kvredis lookup --model meta-llama/Llama-3.1-8B --tokens-file prompt.txt")
-@token_options
-@hashing_options
+@prompt_options
 @_POD_FILTER
 @json_option
 def lookup(
     target: RedisTarget,
     namespace: str,
-    model: str,
-    tokens: str | None,
-    tokens_file: str | None,
-    block_size: int,
-    hash_algo: str,
-    hash_seed: str | None,
-    old_seed: str | None,
+    prompt: Prompt,
     pods_filter: tuple[str, ...],
     as_json: bool,
 ) -> None:
     """The cached prefix of a prompt: per pod, how many leading blocks it holds, on which tiers."""
-    keys = _block_keys(model, tokens, tokens_file, block_size, hash_algo, hash_seed or old_seed)
+    keys = _block_keys(prompt)
     with _index(target) as index:
         found = index.lookup(keys, set(pods_filter) if pods_filter else None)
     chains: dict[str, dict[str, Any]] = {}
@@ -222,7 +205,7 @@ def lookup(
     result = {
         pod: {
             "blocks": c["blocks"],
-            "tokens": c["blocks"] * block_size,
+            "tokens": c["blocks"] * prompt.block_size,
             "tiers": sorted(c["tiers"]),
         }
         for pod, c in sorted(chains.items(), key=lambda kv: (-kv[1]["blocks"], kv[0]))
@@ -237,8 +220,7 @@ def lookup(
 
 
 @_command("kvredis score --model m --tokens 1,2,3,4 --block-size 2 --weight gpu=1 --weight cpu=0.8")
-@token_options
-@hashing_options
+@prompt_options
 @_POD_FILTER
 @click.option(
     "--weight", "weights", multiple=True, metavar="TIER=W", help="Device tier weight (repeatable)."
@@ -247,13 +229,7 @@ def lookup(
 def score(
     target: RedisTarget,
     namespace: str,
-    model: str,
-    tokens: str | None,
-    tokens_file: str | None,
-    block_size: int,
-    hash_algo: str,
-    hash_seed: str | None,
-    old_seed: str | None,
+    prompt: Prompt,
     pods_filter: tuple[str, ...],
     weights: tuple[str, ...],
     as_json: bool,
@@ -270,7 +246,7 @@ def score(
             raise click.BadParameter(
                 f"expected TIER=WEIGHT, got {item!r}", param_hint="--weight"
             ) from None
-    keys = _block_keys(model, tokens, tokens_file, block_size, hash_algo, hash_seed or old_seed)
+    keys = _block_keys(prompt)
     with _index(target) as index:
         scores = index.score(keys, medium or None, set(pods_filter) if pods_filter else None)
     ranked = dict(sorted(scores.items(), key=lambda kv: (-kv[1], kv[0])))

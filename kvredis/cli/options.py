@@ -25,6 +25,7 @@ from kvredis.errors import BackendUnavailableError, ConfigError, KVRedisError
 
 __all__ = [
     "LOG_LEVELS",
+    "Prompt",
     "RedisTarget",
     "check_namespace_option",
     "check_redis_url",
@@ -37,6 +38,7 @@ __all__ = [
     "parse_tokens",
     "password_file_option",
     "progress_bar",
+    "prompt_options",
     "read_tokens",
     "redis_options",
     "table",
@@ -368,6 +370,48 @@ def token_processor(block_size: int, hash_algo: str, hash_seed: str | None) -> A
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+
+
+class Prompt:
+    """The token ids and block-key settings of ``keys``, ``lookup`` and ``score``."""
+
+    def __init__(self, model: str, tokens: list[int], block_size: int, processor: Any) -> None:
+        self.model = model
+        self.tokens = tokens
+        self.block_size = block_size
+        self.processor = processor
+
+    def block_keys(self, parent: int = 0) -> list[int]:
+        """The request keys of the prompt's full blocks, chained from ``parent``."""
+        try:
+            keys: list[int] = self.processor.tokens_to_kv_block_keys(
+                parent, self.tokens, self.model
+            )
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from None
+        return keys
+
+
+def prompt_options(f: F) -> F:
+    """:func:`token_options` and :func:`hashing_options`, passed as one ``prompt`` (a Prompt)."""
+
+    @functools.wraps(f)
+    def wrapper(
+        *args: Any,
+        model: str,
+        tokens: str | None,
+        tokens_file: str | None,
+        block_size: int,
+        hash_algo: str,
+        hash_seed: str | None,
+        old_seed: str | None,
+        **kwargs: Any,
+    ) -> Any:
+        ids = read_tokens(tokens, tokens_file)
+        processor = token_processor(block_size, hash_algo, hash_seed or old_seed)
+        return f(*args, prompt=Prompt(model, ids, block_size, processor), **kwargs)
+
+    return token_options(hashing_options(wrapper))  # type: ignore[return-value]
 
 
 # -- output -------------------------------------------------------------------------------------
