@@ -265,3 +265,15 @@ def test_stream_lag_counts_batches_not_yet_applied() -> None:
         index.gate.set()
         assert ingester.wait_idle(20)
         assert reg.get_sample_value("kvredis_ingest_stream_lag_batches", lag) == 0
+
+
+def test_observability_modules_load_neither_redis_nor_zmq() -> None:
+    import subprocess
+    import sys
+
+    probe = (
+        "import kvredis.metrics, kvredis.tracing, kvredis.probes, kvredis.observed, sys\n"
+        "print(' '.join(m for m in ('redis', 'zmq') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == []
