@@ -45,7 +45,10 @@ import logging
 import threading
 import time
 import weakref
+from collections import Counter as Tally
 from collections.abc import Callable, Iterable, Iterator
+from itertools import chain
+from operator import attrgetter
 from typing import Any, Protocol, runtime_checkable
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
@@ -61,7 +64,6 @@ from kvredis.observed import (
     Operation,
     backend_label,
 )
-from kvredis.types import PodEntry
 
 __all__ = [
     "AsyncInstrumentedIndex",
@@ -193,15 +195,14 @@ def index_metrics(registry: CollectorRegistry | None = None) -> IndexMetrics:
         return metrics
 
 
+_POD = attrgetter("pod_identifier")
+
+
 def _max_pod_hits(result: object) -> int:
     """Upstream's hit count of a lookup: the most entries any one pod has in the result."""
-    per_pod: dict[str, int] = {}
-    if isinstance(result, dict):
-        for entries in result.values():
-            for entry in entries:
-                if isinstance(entry, PodEntry):
-                    pod = entry.pod_identifier
-                    per_pod[pod] = per_pod.get(pod, 0) + 1
+    if not isinstance(result, dict) or not result:
+        return 0
+    per_pod = Tally(map(_POD, chain.from_iterable(result.values())))
     return max(per_pod.values(), default=0)
 
 
