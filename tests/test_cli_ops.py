@@ -235,7 +235,11 @@ def test_dump_restore_round_trips_exactly(
         code, out = run(redis_server_url, other, "restore", str(path))
         assert code == 1 and "--replace" in out
         populated.drop_namespace()
-        code, out = run(redis_server_url, namespace, "restore", str(path))
+        dumped = CliRunner().invoke(
+            cli, ["dump", "-", "--redis", redis_server_url, "--namespace", other]
+        )
+        assert dumped.exit_code == 0 and f"dumped {len(original)} keys" in dumped.stderr
+        code, out = run(redis_server_url, namespace, "restore", "-", input=dumped.stdout)
         assert code == 0, out
         assert snapshot(prefix) == original
     finally:

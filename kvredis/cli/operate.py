@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import gzip
 import json
+import shutil
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import IO, Any
 
 import click
@@ -476,23 +478,49 @@ def restore(target: RedisTarget, namespace: str, file: str, replace: bool) -> No
 
     Refuses a namespace that already holds keys unless --replace.
     """
-    from kvredis.redis.inspect import DUMP_FORMAT, op_namespace_keys, op_restore
+    from kvredis.redis.inspect import DUMP_FORMAT
+
+    with ExitStack() as stack:
+        if file == "-":  # read twice below: spool stdin to a file
+            spool = stack.enter_context(
+                tempfile.NamedTemporaryFile("w+", encoding="utf-8", suffix=".jsonl")
+            )
+            shutil.copyfileobj(sys.stdin, spool)
+            spool.flush()
+            file = spool.name
+        header, trailer = _check_dump(file, DUMP_FORMAT)
+        _restore_records(target, file, replace, int(header["bucket_bits"]))
+    click.echo(
+        f"restored {trailer['keys']} keys of namespace {header['namespace']!r} into "
+        f"{target.namespace!r}",
+        err=True,
+    )
+
+
+def _check_dump(file: str, dump_format: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The header and end records of a complete dump (BadParameter for anything else)."""
+    header: dict[str, Any] = {}
+    last: dict[str, Any] = {}
+    count = 0
+    for n, record in enumerate(_records(file)):
+        if n == 0:
+            header = record
+        elif "key" in record:
+            count += 1
+        last = record
+    if header.get("format") != dump_format or not isinstance(header.get("bucket_bits"), int):
+        raise click.BadParameter(f"{file} is not a {dump_format} dump", param_hint="FILE")
+    if not last.get("end") or last.get("records") != count:
+        raise click.BadParameter(f"{file} is truncated (no end record)", param_hint="FILE")
+    return header, last
+
+
+def _restore_records(target: RedisTarget, file: str, replace: bool, bucket_bits: int) -> None:
+    from kvredis.redis.inspect import op_namespace_keys, op_restore
     from kvredis.redis.layout import Layout
 
-    try:
-        with _open(file, "r") as fh:
-            lines = [json.loads(line) for line in fh if line.strip()]
-    except (OSError, ValueError) as exc:
-        raise click.BadParameter(f"cannot read {file}: {exc}", param_hint="FILE") from None
-    if not lines or lines[0].get("format") != DUMP_FORMAT:
-        raise click.BadParameter(f"{file} is not a {DUMP_FORMAT} dump", param_hint="FILE")
-    trailer = lines[-1]
-    records = lines[1:-1]
-    if not trailer.get("end") or trailer.get("records") != len(records):
-        raise click.BadParameter(f"{file} is truncated (no end record)", param_hint="FILE")
-    header = lines[0]
     with _inspector(target) as inspector:
-        probe = Layout(target.namespace, int(header["bucket_bits"]), b"")
+        probe = Layout(target.namespace, bucket_bits, b"")
         existing = inspector.layout() or probe
         if inspector.run(op_namespace_keys(existing)):
             if not replace:
@@ -505,12 +533,21 @@ def restore(target: RedisTarget, namespace: str, file: str, replace: bool) -> No
             with RedisIndex(target.config()) as index:
                 index.drop_namespace()
         prefix = probe.meta[: -len(b"meta")]
-        fields = inspector.run(op_restore(prefix, records))
-    click.echo(
-        f"restored {trailer['keys']} keys ({fields} fields) of namespace "
-        f"{header['namespace']!r} into {target.namespace!r}",
-        err=True,
-    )
+        inspector.run(op_restore(prefix, (r for r in _records(file) if "key" in r)))
+
+
+def _records(file: str) -> Iterator[dict[str, Any]]:
+    """The JSON records of a dump file, one per line."""
+    try:
+        with _open(file, "r") as fh:
+            for line in fh:
+                if line.strip():
+                    record = json.loads(line)
+                    if not isinstance(record, dict):
+                        raise ValueError(f"a record is not an object: {line[:80]!r}")
+                    yield record
+    except (OSError, ValueError, EOFError) as exc:
+        raise click.BadParameter(f"cannot read {file}: {exc}", param_hint="FILE") from None
 
 
 COMMANDS = (stats, pods, lookup, score, clear, check, watermarks, dump, restore)

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import enum
 from collections import Counter as Tally
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -698,7 +698,7 @@ def op_dump(
     return exported
 
 
-def op_restore(layout_prefix: bytes, records: Sequence[Mapping[str, Any]]) -> Op[int]:
+def op_restore(layout_prefix: bytes, records: Iterable[Mapping[str, Any]]) -> Op[int]:
     """Write dump records under ``layout_prefix`` (``b"<ns>:"``); the meta record last.
 
     Returns the number of fields written.
