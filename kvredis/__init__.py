@@ -100,6 +100,12 @@ _EXPORTS: dict[str, str] = {
     "ReplayClient": "kvredis.ingest",
     "ReplayedMessage": "kvredis.ingest",
     "ZmqReplayClient": "kvredis.ingest.zmq",
+    # observability
+    "AsyncInstrumentedIndex": "kvredis.metrics",
+    "InstrumentedIndex": "kvredis.metrics",
+    "AsyncTracedIndex": "kvredis.tracing",
+    "TracedIndex": "kvredis.tracing",
+    "IngestMetrics": "kvredis.ingest.metrics",
 }
 
 __all__ = [
@@ -113,8 +119,10 @@ __all__ = [
     "AllBlocksCleared",
     "AsyncBatchIndex",
     "AsyncIndex",
+    "AsyncInstrumentedIndex",
     "AsyncRedisIndex",
     "AsyncScoringIndex",
+    "AsyncTracedIndex",
     "BackendError",
     "BackendOutOfMemoryError",
     "BackendUnavailableError",
@@ -143,7 +151,9 @@ __all__ = [
     "IndexOp",
     "Indexer",
     "IngestCounters",
+    "IngestMetrics",
     "IngesterConfig",
+    "InstrumentedIndex",
     "InvalidInputError",
     "KVRedisError",
     "KeyType",
@@ -167,6 +177,7 @@ __all__ = [
     "TierMap",
     "TokenProcessor",
     "TokenProcessorConfig",
+    "TracedIndex",
     "UnsafeServerConfigError",
     "Watermark",
     "WireError",
@@ -264,6 +275,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
         encode_batch,
         parse_topic,
     )
+    from kvredis.ingest.metrics import IngestMetrics
     from kvredis.ingest.zmq import ZmqReplayClient
     from kvredis.jsonconfig import parse_duration, parse_size
     from kvredis.memory import (
@@ -272,6 +284,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
         InMemoryIndex,
         InMemoryIndexConfig,
     )
+    from kvredis.metrics import AsyncInstrumentedIndex, InstrumentedIndex
     from kvredis.redis.address import RedisAddress, mask_password, parse_address
     from kvredis.redis.config import RedisIndexConfig
     from kvredis.redis.index import (
@@ -282,4 +295,5 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
     )
     from kvredis.scoring import DEFAULT_MEDIUM_WEIGHTS, LongestPrefixScorer
     from kvredis.tiers import DEFAULT_TIERS, TierMap
+    from kvredis.tracing import AsyncTracedIndex, TracedIndex
     from kvredis.types import EMPTY_BLOCK_HASH, BlockHash, GroupMetadata, KeyType, PodEntry

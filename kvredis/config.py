@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,8 @@ if TYPE_CHECKING:
     from types import ModuleType
 
     from kvredis.redis.config import RedisIndexConfig
+
+logger = logging.getLogger(__name__)
 
 _FIELDS = {
     "inMemoryConfig": "in_memory_config",
@@ -45,8 +48,9 @@ class IndexConfig:
 
     ``None`` means "not configured". :func:`new_index` builds the first configured of
     cost-aware memory, Valkey, Redis and in-memory, and the in-memory index with its defaults
-    when nothing is configured. ``metrics_logging_interval`` is in seconds; 0 turns periodic
-    metrics logging off.
+    when nothing is configured. ``enable_metrics`` wraps that index in a
+    :class:`~kvredis.metrics.InstrumentedIndex`; ``metrics_logging_interval`` (seconds, 0: off)
+    then logs a one-line summary of the metrics that often (it needs ``enable_metrics``).
     """
 
     in_memory_config: InMemoryIndexConfig | None = None
@@ -131,12 +135,34 @@ class IndexConfig:
         return cls(**kwargs)
 
 
-def new_index(config: IndexConfig | Mapping[str, Any] | None = None) -> Index:
+def new_index(
+    config: IndexConfig | Mapping[str, Any] | None = None, *, registry: Any = None
+) -> Index:
     """Build the index ``config`` selects: cost-aware, Valkey, Redis or in-memory, in that order.
 
     ``config`` may also be the upstream JSON shape (see :meth:`IndexConfig.from_dict`); ``None``
-    gives the default in-memory index.
+    gives the default in-memory index. With ``enable_metrics`` the index is wrapped in an
+    :class:`~kvredis.metrics.InstrumentedIndex` exporting to ``registry`` (a
+    ``prometheus_client.CollectorRegistry``; default: the global one), which keeps every
+    capability of the index.
     """
+    cfg = _index_config(config)
+    index = _backend(cfg)
+    if not cfg.enable_metrics:
+        if cfg.metrics_logging_interval > 0:
+            logger.warning(
+                "metrics_logging_interval is set but enable_metrics is not: nothing to log"
+            )
+        return index
+    from kvredis.metrics import InstrumentedIndex, start_metrics_logging
+
+    instrumented: Index = InstrumentedIndex(index, registry=registry)
+    if cfg.metrics_logging_interval > 0:
+        start_metrics_logging(cfg.metrics_logging_interval, registry, owner=instrumented)
+    return instrumented
+
+
+def _index_config(config: IndexConfig | Mapping[str, Any] | None) -> IndexConfig:
     if config is None:
         cfg = IndexConfig()
     elif isinstance(config, IndexConfig):
@@ -145,6 +171,10 @@ def new_index(config: IndexConfig | Mapping[str, Any] | None = None) -> Index:
         cfg = IndexConfig.from_dict(config)
     else:
         raise ConfigError(f"config must be an IndexConfig or a mapping, got {config!r}")
+    return cfg
+
+
+def _backend(cfg: IndexConfig) -> Index:
     if cfg.cost_aware_memory_config is not None:
         return CostAwareMemoryIndex(cfg.cost_aware_memory_config)
     if cfg.valkey_config is not None:

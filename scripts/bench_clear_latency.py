@@ -224,6 +224,7 @@ def run(
             assert len(survivors) == len(shared)
             assert all(v == [BYSTANDER] for v in survivors.values())
         finally:
+            index.drop_namespace()  # leave nothing behind on a --url server
             index.close()
 
     base = [lat / 1e6 for t, lat in samples if base_from <= t and t + lat <= base_to]

@@ -251,10 +251,14 @@ def compare(url: str, work: Workload, pods: int, rounds: int, json_path: str | N
                 if not probe:
                     probe = probe_keys(index, work)
                     reference = sample_state(index, probe)
-                elif sample_state(index, probe) != reference:
+                    mismatch = False
+                else:
+                    mismatch = sample_state(index, probe) != reference
+                index.drop_namespace()  # leave nothing behind on a --url server
+                index.close()
+                if mismatch:
                     print(f"STATE MISMATCH: {name} differs from the first run")
                     return 1
-                index.close()
         batches = len(work.messages)
         results = []
         base_seconds = statistics.median(x.seconds for x in samples[next(iter(runners))])

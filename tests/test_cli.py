@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import re
+import uuid
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -138,3 +141,114 @@ def test_demo_reports_an_unreachable_or_malformed_redis() -> None:
     bad = CliRunner().invoke(cli, ["demo", "--redis", "http://nope", *SMALL])
     assert bad.exit_code == 2
     assert "--redis" in bad.output
+
+
+def _keys(*args: str, input: str | None = None) -> tuple[int, str]:
+    result = CliRunner().invoke(
+        cli, ["keys", "--model", "m", "--block-size", "2", *args], input=input
+    )
+    return result.exit_code, result.output
+
+
+def test_keys_tokens_separated_by_spaces_are_not_glued() -> None:
+    expected = ChunkedTokenDatabase(TokenProcessorConfig(block_size_tokens=2))
+    keys = [str(k) for k in expected.tokens_to_kv_block_keys(0, [1, 2, 3, 4], "m")]
+    for spelling in ("1 2 3 4", "1,2,3,4", "1, 2,3 4", "[1, 2, 3, 4]"):
+        code, out = _keys("--tokens", spelling)
+        assert code == 0, out
+        assert out.split()[1::2] == keys, spelling
+
+
+def test_keys_tokens_from_file_and_stdin(tmp_path: Path) -> None:
+    tokens = list(range(30_000))
+    path = tmp_path / "prompt.txt"
+    path.write_text("\n".join(map(str, tokens)))
+    code, from_file = _keys("--tokens-file", str(path))
+    assert code == 0, from_file
+    assert len(from_file.splitlines()) == 15_000
+    code, from_stdin = _keys("--tokens", "-", input=" ".join(map(str, tokens)))
+    assert code == 0 and from_stdin == from_file
+    code, out = _keys("--tokens", "1,2", "--tokens-file", str(path))
+    assert code == 2 and "exactly one of --tokens and --tokens-file" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["keys", "--model", "m", "--tokens", "1,2", "--block-size", "0"], "--block-size"),
+        (["keys", "--model", "", "--tokens", "1,2"], "--model"),
+        (["keys", "--model", "  ", "--tokens", "1,2"], "must not be empty"),
+        (["keys", "--model", "m", "--tokens", "1,,2x"], "is not a token id"),
+        (["keys", "--model", "m", "--tokens", ""], "no token ids"),
+        (["keys", "--model", "m"], "exactly one of --tokens and --tokens-file"),
+        (["keys", "--model", "m", "--tokens", "1", "--seed", "a", "--hash-seed", "b"], "--seed"),
+        (["demo", "--namespace", "x:e"], "--namespace"),
+    ],
+)
+def test_hygiene_errors(args: list[str], message: str) -> None:
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+
+
+def test_seed_is_a_hidden_alias_of_hash_seed() -> None:
+    new = _keys("--tokens", "1,2,3,4", "--hash-seed", "42")
+    old = _keys("--tokens", "1,2,3,4", "--seed", "42")
+    plain = _keys("--tokens", "1,2,3,4")
+    assert new == old and new[0] == 0 and new != plain
+    help_text = CliRunner().invoke(cli, ["keys", "--help"]).output
+    assert "--hash-seed" in help_text and "--seed" not in help_text.replace("--hash-seed", "")
+
+
+def test_verbose_and_log_level_anywhere(caplog: pytest.LogCaptureFixture) -> None:
+    for args in (
+        ["-v", "keys", "--model", "m", "--tokens", "1,2"],
+        ["keys", "--model", "m", "--tokens", "1,2", "-v"],
+        ["keys", "-v", "--model", "m", "--tokens", "1,2"],
+        ["--log-level", "info", "keys", "--model", "m", "--tokens", "1,2"],
+        ["keys", "--model", "m", "--tokens", "1,2", "--log-level", "info"],
+    ):
+        logging.getLogger("kvredis").setLevel(logging.WARNING)
+        result = CliRunner().invoke(cli, args)
+        assert result.exit_code == 0, (args, result.output)
+        assert logging.getLogger("kvredis").level == logging.INFO, args
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        "demo",
+        "keys",
+        "ingest",
+        "stats",
+        "pods",
+        "lookup",
+        "score",
+        "clear",
+        "check",
+        "watermarks",
+        "dump",
+        "restore",
+    ],
+)
+def test_every_command_has_an_example_and_log_options(command: str) -> None:
+    result = CliRunner().invoke(cli, [command, "--help"])
+    assert result.exit_code == 0, result.output
+    assert "Example" in result.output and "kvredis " in result.output
+    assert "--log-level" in result.output and "-v, --verbose" in result.output
+
+
+@pytest.mark.redis
+def test_demo_namespace_is_cleaned_up_and_password_masked(redis_server_url: str) -> None:
+    import redis
+
+    server = redis.Redis.from_url(redis_server_url)
+    name = f"kvt-demo-{uuid.uuid4().hex[:8]}"
+    result = CliRunner().invoke(
+        cli, ["demo", "--redis", redis_server_url, "--namespace", name, *SMALL]
+    )
+    assert result.exit_code == 0, result.output
+    assert list(server.scan_iter(match=f"{name}*")) == []
+    shown = redis_server_url.replace("redis://", "redis://:pw-hidden@")
+    masked = CliRunner().invoke(cli, ["demo", "--redis", shown, *SMALL])
+    assert "pw-hidden" not in masked.output

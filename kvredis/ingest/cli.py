@@ -14,19 +14,32 @@ from __future__ import annotations
 import logging
 import re
 import signal
+import socket
 import threading
 import time
 from collections.abc import Sequence
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import click
 
+from kvredis.cli.options import (
+    check_namespace_option,
+    check_redis_url,
+    explicit_log_level,
+    handle_errors,
+    password_file_option,
+    read_password,
+)
 from kvredis.errors import BackendUnavailableError, ConfigError, KVRedisError
 from kvredis.hashing import HASH_ALGOS, ChunkedTokenDatabase, TokenProcessorConfig
 from kvredis.index import Closeable, Index
 from kvredis.ingest.config import EndpointConfig, IngesterConfig
+from kvredis.ingest.counters import Counter
 from kvredis.ingest.service import EventIngester
+
+if TYPE_CHECKING:
+    from kvredis.redis.index import RedisIndex
 
 __all__ = ["ingest"]
 
@@ -55,7 +68,11 @@ class _IngestCommand(click.Command):
 def _value_options(ctx: click.Context) -> set[str]:
     names: set[str] = set()
     for param in ctx.command.params:
-        if isinstance(param, click.Option) and not param.is_flag and param.name != "help":
+        if (
+            isinstance(param, click.Option)
+            and not (param.is_flag or param.count)
+            and param.name != "help"
+        ):
             names.update(param.opts)
             names.update(param.secondary_opts)
     return names
@@ -125,10 +142,30 @@ def _endpoint_configs(groups: Sequence[dict[str, str]]) -> list[EndpointConfig]:
                 f"two endpoints share the stream {name!r}; give them distinct --pod or --stream",
                 param_hint="--stream",
             )
+    for config in configs:
+        _check_resolvable(config.endpoint, "--endpoint")
+        if config.replay_endpoint:
+            _check_resolvable(config.replay_endpoint, "--replay")
     return configs
 
 
-def _open_index(redis_url: str | None, namespace: str) -> Index:
+def _check_resolvable(endpoint: str, option: str) -> None:
+    """A tcp:// endpoint's host must resolve (a typo would otherwise wait silently forever)."""
+    match = re.match(r"^tcp://(.+):(\d+|\*)$", endpoint)
+    if match is None:
+        return
+    host = match.group(1).strip("[]")
+    if host == "*":
+        return
+    try:
+        socket.getaddrinfo(host, None)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise click.BadParameter(
+            f"host {host!r} of {endpoint} does not resolve ({exc})", param_hint=option
+        ) from None
+
+
+def _open_index(redis_url: str | None, namespace: str, password: str | None) -> Index:
     if redis_url is None:
         from kvredis.memory import InMemoryIndex
 
@@ -137,13 +174,81 @@ def _open_index(redis_url: str | None, namespace: str) -> Index:
     from kvredis.redis import RedisIndexConfig, new_redis_index
 
     try:
-        config = RedisIndexConfig(address=redis_url, namespace=namespace)
+        config = RedisIndexConfig(address=redis_url, namespace=namespace, password=password)
     except (ConfigError, ValueError) as exc:
         raise click.BadParameter(str(exc), param_hint="--redis") from None
     try:
         return new_redis_index(config)
     except BackendUnavailableError as exc:
         raise click.ClickException(f"cannot reach Redis: {exc}") from None
+    except KVRedisError:
+        raise
+    except Exception as exc:  # e.g. a port that is not Redis: redis-py's protocol error
+        raise click.ClickException(
+            f"cannot reach Redis: {config.server()} did not answer as Redis or Valkey ({exc})"
+        ) from None
+
+
+def _identity_hints(configs: Sequence[EndpointConfig]) -> None:
+    for config in configs:
+        missing = [
+            option
+            for option, value in (("--pod", config.pod_id), ("--model", config.model_name))
+            if not value
+        ]
+        if missing:
+            logger.warning(
+                "endpoint %s has no %s: it must come from kv@POD@MODEL topics, but vLLM "
+                "publishes with an empty topic by default; give %s after this --endpoint",
+                config.endpoint,
+                " or ".join(missing),
+                " and ".join(missing),
+            )
+
+
+def _unidentified(ingester: EventIngester) -> str | None:
+    """Why nothing was applied, if every batch was refused for want of a pod or model."""
+    counts = ingester.counters.snapshot()
+    no_pod = counts.get("rejected.no_pod", 0)
+    no_model = counts.get("rejected.no_model", 0)
+    if counts.get(Counter.BATCHES_APPLIED.value, 0) or not (no_pod or no_model):
+        return None
+    return (
+        f"no batch was applied: {no_pod} refused for want of a pod and {no_model} for want "
+        "of a model; vLLM publishes with an empty topic by default, so give --pod and --model "
+        "after each --endpoint"
+    )
+
+
+def _readiness(index: Index, ingester: EventIngester) -> Any:
+    from kvredis.ingest.metrics import connected_endpoints
+
+    def ready() -> tuple[bool, list[str]]:
+        lines = []
+        ok = True
+        if _is_redis(index):
+            try:
+                index.client.ping()
+                lines.append("redis: ok")
+            except Exception as exc:  # any failure means not ready
+                ok = False
+                lines.append(f"redis: {type(exc).__name__}: {exc}")
+        else:
+            lines.append("index: in memory")
+        endpoints = [e for e in ingester.endpoints if "://" in e.endpoint]
+        connected = connected_endpoints(ingester.counters.snapshot())
+        if connected < len(endpoints):
+            ok = False
+        lines.append(f"endpoints: {min(connected, len(endpoints))}/{len(endpoints)} connected")
+        return ok, lines
+
+    return ready
+
+
+def _is_redis(index: Index) -> TypeGuard[RedisIndex]:
+    from kvredis.redis.index import RedisIndex
+
+    return isinstance(index, RedisIndex)
 
 
 @click.command(cls=_IngestCommand, context_settings={"help_option_names": ["-h", "--help"]})
@@ -171,9 +276,22 @@ def _open_index(redis_url: str | None, namespace: str) -> Index:
     help="The group's watermark stream (default: its pod, else its endpoint).",
 )
 @click.option(
-    "--redis", "redis_url", metavar="URL", help="Redis/Valkey index (default: in memory)."
+    "--redis",
+    "redis_url",
+    metavar="URL",
+    envvar="KVREDIS_REDIS_URL",
+    callback=check_redis_url,
+    help="Redis/Valkey index (env KVREDIS_REDIS_URL; default: in memory).",
 )
-@click.option("--namespace", default="kvblock", show_default=True, help="Redis key namespace.")
+@click.option(
+    "--namespace",
+    default="kvblock",
+    show_default=True,
+    envvar="KVREDIS_NAMESPACE",
+    callback=check_namespace_option,
+    help="Redis key namespace (env KVREDIS_NAMESPACE).",
+)
+@password_file_option
 @click.option(
     "--block-size",
     type=click.IntRange(min=1),
@@ -202,7 +320,20 @@ def _open_index(redis_url: str | None, namespace: str) -> Index:
     is_flag=True,
     help="Do not fence batches with stored watermarks (only for a single ingester).",
 )
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="Serve /metrics (Prometheus), /healthz and /readyz on this port.",
+)
+@click.option(
+    "--metrics-address",
+    default="0.0.0.0",
+    show_default=True,
+    help="Address the --metrics-port server listens on.",
+)
 @click.pass_context
+@handle_errors
 def ingest(
     ctx: click.Context,
     endpoints: tuple[str, ...],
@@ -213,6 +344,7 @@ def ingest(
     stream: tuple[str, ...],
     redis_url: str | None,
     namespace: str,
+    password_file: str | None,
     block_size: int,
     hash_algo: str,
     hash_seed: str,
@@ -220,12 +352,19 @@ def ingest(
     status_interval: float,
     duration: float | None,
     no_watermarks: bool,
+    metrics_port: int | None,
+    metrics_address: str,
 ) -> None:
     """Subscribe to engines' KV-cache events (vLLM, SGLang) and apply them to the index.
 
     Each --endpoint starts a group; the --replay, --pod, --model, --topic-filter and --stream
     options after it describe that endpoint. Runs until interrupted, logging a status line
     every --status-interval seconds.
+
+    \b
+    Example:
+      kvredis ingest --redis redis://10.0.0.7:6379 --metrics-port 9464 \\
+        --endpoint tcp://10.0.0.5:5557 --replay tcp://10.0.0.5:5558 --pod pod-a --model m
     """
     configs = _endpoint_configs(_endpoint_groups(ctx))
     try:
@@ -236,10 +375,39 @@ def ingest(
         )
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--block-size/--hash-algo") from None
-    _setup_logging()
-    index = _open_index(redis_url, namespace)
+    _setup_logging(ctx)
+    _identity_hints(configs)
+    index = _open_index(redis_url, namespace, read_password(password_file))
+    raw_index = index
+    registry = probes = None
+    if metrics_port is not None:
+        from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
+
+        from kvredis.metrics import InstrumentedIndex
+
+        registry = CollectorRegistry()
+        ProcessCollector(registry=registry)
+        PlatformCollector(registry=registry)
+        index = InstrumentedIndex(index, registry=registry)
     config = IngesterConfig(workers=workers, use_watermarks=not no_watermarks)
     ingester = EventIngester(index, processor, configs, config)
+    if registry is not None and metrics_port is not None:
+        from kvredis.ingest.metrics import IngestMetrics
+        from kvredis.probes import ProbeServer
+
+        IngestMetrics(ingester, registry)
+        try:
+            probes = ProbeServer(
+                metrics_port, metrics_address, registry, _readiness(raw_index, ingester)
+            ).start()
+        except OSError as exc:
+            if isinstance(index, Closeable):
+                index.close()
+            raise click.BadParameter(
+                f"cannot listen on {metrics_address}:{metrics_port}: {exc.strerror}",
+                param_hint="--metrics-port",
+            ) from None
+        logger.info("serving /metrics, /healthz and /readyz on port %d", probes.port)
     stop = threading.Event()
     previous = _install_signal_handlers(stop)
     try:
@@ -247,7 +415,7 @@ def ingest(
         logger.info(
             "ingesting from %s into %s",
             ", ".join(f"{c.endpoint} (pod {c.pod_id or 'from topic'})" for c in configs),
-            redis_url or "an in-memory index",
+            _shown(redis_url, namespace),
         )
         deadline = None if duration is None else time.monotonic() + duration
         while not stop.is_set():
@@ -257,6 +425,9 @@ def ingest(
             if stop.wait(wait):
                 break
             logger.info("status: %s", ingester.status_line())
+            hint = _unidentified(ingester)
+            if hint is not None:
+                logger.warning("%s", hint)
             if deadline is not None and time.monotonic() >= deadline:
                 break
     except KVRedisError as exc:
@@ -265,19 +436,32 @@ def ingest(
         drained = ingester.stop(drain=True)
         logger.info("stopped: %s", ingester.status_line())
         _restore_signal_handlers(previous)
+        if probes is not None:
+            probes.close()
         if isinstance(index, Closeable):
             index.close()
     if not drained:
         raise click.ClickException("shutdown timed out before every received batch was applied")
+    hint = _unidentified(ingester)
+    if hint is not None:
+        raise click.ClickException(hint)
 
 
-def _setup_logging() -> None:
+def _shown(redis_url: str | None, namespace: str) -> str:
+    if redis_url is None:
+        return "an in-memory index"
+    from kvredis.redis.address import mask_password
+
+    return f"{mask_password(redis_url)} (namespace {namespace})"
+
+
+def _setup_logging(ctx: click.Context) -> None:
     if not logging.getLogger().handlers:
         logging.basicConfig(
             level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
     log = logging.getLogger("kvredis.ingest")  # this command, the ingester and its transport
-    if log.getEffectiveLevel() > logging.INFO:
+    if not explicit_log_level(ctx) and log.getEffectiveLevel() > logging.INFO:
         log.setLevel(logging.INFO)
 
 

@@ -55,6 +55,8 @@ class _Stream:
 
     state: StreamState
     lock: threading.Lock = field(default_factory=threading.Lock)
+    queued: int = 0
+    """Messages received and not yet handled (guarded by the service's ``_idle`` lock)."""
 
 
 _STOP = object()
@@ -342,6 +344,13 @@ class EventIngester:
                 self._idle.wait(remaining)
         return True
 
+    def stream_lags(self) -> dict[str, int]:
+        """Per watermark stream, messages received and not yet applied (queued or in progress)."""
+        with self._streams_lock:
+            streams = list(self._streams.values())
+        with self._idle:
+            return {st.state.name: st.queued for st in streams}
+
     def status_line(self) -> str:
         """A one-line summary of the counters (what the CLI logs periodically)."""
         c = self.counters.snapshot()
@@ -396,14 +405,15 @@ class EventIngester:
         size = len(payload) if isinstance(payload, (bytes, bytearray, memoryview)) else 0
         with self._idle:
             self._inflight += 1
+            st.queued += 1
         deadline = None if timeout is None else time.monotonic() + timeout
         if not budget.acquire(size, deadline, self._closed):
-            self._done_one()
+            self._done_one(st)
             return False
         while True:
             if self._closed.is_set():
                 budget.release(size)
-                self._done_one()
+                self._done_one(st)
                 return False
             try:
                 q.put(_Queued(st, topic, seq, payload, size), timeout=0.1)
@@ -411,7 +421,7 @@ class EventIngester:
             except queue.Full:
                 if deadline is not None and time.monotonic() >= deadline:
                     budget.release(size)
-                    self._done_one()
+                    self._done_one(st)
                     return False
 
     def _drop_queued(self, q: queue.Queue[object], budget: _ByteBudget) -> None:
@@ -422,11 +432,12 @@ class EventIngester:
                 return
             if isinstance(item, _Queued):
                 budget.release(item.size)
-                self._done_one()
+                self._done_one(item.stream)
 
-    def _done_one(self) -> None:
+    def _done_one(self, st: _Stream) -> None:
         with self._idle:
             self._inflight -= 1
+            st.queued -= 1
             if not self._inflight:
                 self._idle.notify_all()
 
@@ -443,7 +454,7 @@ class EventIngester:
                 self.counters.inc(Counter.BATCHES_FAILED)
             finally:
                 budget.release(item.size)
-                self._done_one()
+                self._done_one(item.stream)
 
     # -- rejections ------------------------------------------------------------------------
 

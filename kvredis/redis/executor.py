@@ -10,6 +10,7 @@ core's (:mod:`kvredis.redis.ops`): the operations driven here are wrapped in its
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Sequence
 from types import ModuleType
@@ -144,6 +145,8 @@ class SyncExecutor:
         self.pool = _pool(config, config.parsed_address(), redis, redis.retry.Retry)
         self.client = redis.Redis(connection_pool=self.pool)
         self._send: Any = self.client.execute_command
+        self.round_trips = 0
+        self._trips_lock = threading.Lock()
 
     def run(self, op: rq.Op[T]) -> T:
         """Drive ``op`` to its end and return its result."""
@@ -154,6 +157,9 @@ class SyncExecutor:
             return driven.result
 
     def _outcome(self, request: rq.Request) -> Any:
+        if not isinstance(request, rq.Sleep):
+            with self._trips_lock:
+                self.round_trips += 1
         try:
             if isinstance(request, rq.Command):
                 return self._send(*request.args)
@@ -179,6 +185,7 @@ class AsyncExecutor:
         self.pool = _pool(config, config.parsed_address(), redis.asyncio, redis.asyncio.retry.Retry)
         self.client = redis.asyncio.Redis(connection_pool=self.pool)
         self._send: Any = self.client.execute_command
+        self.round_trips = 0
 
     async def run(self, op: rq.Op[T]) -> T:
         """Drive ``op`` to its end and return its result."""
@@ -189,6 +196,8 @@ class AsyncExecutor:
             return driven.result
 
     async def _outcome(self, request: rq.Request) -> Any:
+        if not isinstance(request, rq.Sleep):
+            self.round_trips += 1
         try:
             if isinstance(request, rq.Command):
                 return await self._send(*request.args)

@@ -130,6 +130,11 @@ class RedisIndex(_Facade):
         """The underlying redis-py client (for inspection and benchmarks)."""
         return self._exec.client
 
+    @property
+    def round_trips(self) -> int:
+        """Round trips to the server so far (read by :class:`kvredis.metrics.InstrumentedIndex`)."""
+        return self._exec.round_trips
+
     def lookup(self, request_keys: Keys, pod_identifier_set: Pods = None) -> Lookup:
         """Entries per key along the chain, stopping at the first key no (filtered) pod holds."""
         return self._exec.run(self._op(lambda s: op_lookup(s, request_keys, pod_identifier_set)))
@@ -226,6 +231,11 @@ class AsyncRedisIndex(_Facade):
     def client(self) -> redis.asyncio.Redis:
         """The underlying redis-py asyncio client."""
         return self._exec.client
+
+    @property
+    def round_trips(self) -> int:
+        """See :attr:`RedisIndex.round_trips`."""
+        return self._exec.round_trips
 
     async def lookup(self, request_keys: Keys, pod_identifier_set: Pods = None) -> Lookup:
         """See :meth:`RedisIndex.lookup`."""

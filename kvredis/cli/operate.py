@@ -1,0 +1,553 @@
+"""The operator's commands on a namespace in Redis: stats, pods, lookup, score, clear, check,
+watermarks, dump and restore."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from typing import IO, Any
+
+import click
+
+from kvredis.cli.options import (
+    Prompt,
+    RedisTarget,
+    echo_json,
+    handle_errors,
+    json_option,
+    logging_options,
+    progress_bar,
+    prompt_options,
+    redis_options,
+    table,
+)
+
+__all__ = ["COMMANDS"]
+
+_NO_PROGRESS = click.option("--no-progress", is_flag=True, help="Do not draw a progress bar.")
+
+
+def _command(example: str) -> Callable[[Callable[..., Any]], click.Command]:
+    """A command with the shared options, error handling and an example in its help."""
+
+    def decorate(f: Callable[..., Any]) -> click.Command:
+        f = handle_errors(f)
+        f = redis_options(url_required=True)(f)
+        f = logging_options(f)
+        return click.command(epilog=f"\b\nExample:\n  {example}")(f)
+
+    return decorate
+
+
+@contextmanager
+def _inspector(target: RedisTarget | None) -> Iterator[Any]:
+    from kvredis.redis.inspect import Inspector
+
+    assert target is not None
+    inspector = Inspector(target.config())
+    try:
+        yield inspector
+    finally:
+        inspector.close()
+
+
+def _existing_layout(inspector: Any, target: RedisTarget) -> Any:
+    layout = inspector.layout()
+    if layout is None:
+        raise click.ClickException(
+            f"namespace {target.namespace!r} does not exist at {target.shown} "
+            "(check --namespace and --redis)"
+        )
+    return layout
+
+
+@contextmanager
+def _index(target: RedisTarget) -> Iterator[Any]:
+    """A RedisIndex on an existing namespace (never creates one)."""
+    from kvredis.redis.index import RedisIndex
+
+    with _inspector(target) as inspector:
+        _existing_layout(inspector, target)
+    index = RedisIndex(target.config())
+    try:
+        yield index
+    finally:
+        index.close()
+
+
+# -- stats and pods -----------------------------------------------------------------------------
+
+
+@_command("kvredis stats --redis redis://10.0.0.7:6379 --namespace kvblock")
+@_NO_PROGRESS
+@click.option("--no-memory", is_flag=True, help="Skip MEMORY USAGE (faster on huge namespaces).")
+@json_option
+def stats(
+    target: RedisTarget, namespace: str, no_progress: bool, no_memory: bool, as_json: bool
+) -> None:
+    """What a namespace holds: keys, entries, pods per tier, engine mappings, bytes, server."""
+    from kvredis.redis.inspect import op_server_info, op_stats
+
+    with _inspector(target) as inspector:
+        layout = _existing_layout(inspector, target)
+        server = inspector.run(op_server_info())
+        bar = progress_bar("scanning", no_progress)
+        try:
+            result = inspector.run(op_stats(layout, bar, memory=not no_memory))
+        finally:
+            bar.close()
+    if as_json:
+        data = result.as_json()
+        data["server"] = {
+            "kind": server.server,
+            "version": server.version,
+            "maxmemory_policy": server.maxmemory_policy,
+            "used_memory": server.used_memory,
+        }
+        echo_json(data)
+        return
+    rows = [
+        ("namespace", result.namespace),
+        ("server", f"{server.server} {server.version} at {target.shown}"),
+        ("maxmemory-policy", server.maxmemory_policy),
+        ("bucket bits", result.bucket_bits),
+        ("keys", result.keys),
+        ("request keys", result.request_keys),
+        ("(key, entry) pairs", result.pairs),
+        ("engine keys", result.engine_keys),
+        ("engine mappings", result.engine_mappings),
+        ("dictionary entries", result.dictionary_entries),
+        ("watermarks", result.watermarks),
+        ("pods", len(result.pods)),
+        ("bytes used", "(skipped)" if no_memory else result.bytes_used),
+    ]
+    click.echo(table(("", "value"), rows))
+    if result.pods:
+        click.echo("")
+        click.echo(_pods_table(result.pods))
+
+
+def _pods_table(pods: dict[str, dict[str, int]]) -> str:
+    tiers = sorted({t for per in pods.values() for t in per})
+    rows = [(pod, *(per.get(t, 0) for t in tiers), sum(per.values())) for pod, per in pods.items()]
+    return table(("pod", *tiers, "total"), rows)
+
+
+@_command("kvredis pods --namespace kvblock --json")
+@_NO_PROGRESS
+@json_option
+def pods(target: RedisTarget, namespace: str, no_progress: bool, as_json: bool) -> None:
+    """The pods in a namespace, with their (key, entry) pairs per device tier."""
+    from kvredis.redis.inspect import op_stats
+
+    with _inspector(target) as inspector:
+        layout = _existing_layout(inspector, target)
+        bar = progress_bar("scanning", no_progress)
+        try:
+            result = inspector.run(op_stats(layout, bar, memory=False))
+        finally:
+            bar.close()
+    if as_json:
+        echo_json(result.pods)
+    elif not result.pods:
+        click.echo(f"no pod holds an entry in namespace {result.namespace!r}")
+    else:
+        click.echo(_pods_table(result.pods))
+
+
+# -- lookup and score ---------------------------------------------------------------------------
+
+
+def _block_keys(prompt: Prompt) -> list[int]:
+    keys = prompt.block_keys()
+    if not keys:
+        raise click.UsageError(
+            f"no full block: {len(prompt.tokens)} tokens < block size {prompt.block_size} "
+            "(check --block-size)"
+        )
+    return keys
+
+
+_POD_FILTER = click.option(
+    "--pod", "pods_filter", multiple=True, metavar="ID", help="Only these pods (repeatable)."
+)
+
+
+@_command("kvredis lookup --model meta-llama/Llama-3.1-8B --tokens-file prompt.txt")
+@prompt_options
+@_POD_FILTER
+@json_option
+def lookup(
+    target: RedisTarget,
+    namespace: str,
+    prompt: Prompt,
+    pods_filter: tuple[str, ...],
+    as_json: bool,
+) -> None:
+    """The cached prefix of a prompt: per pod, how many leading blocks it holds, on which tiers."""
+    keys = _block_keys(prompt)
+    with _index(target) as index:
+        found = index.lookup(keys, set(pods_filter) if pods_filter else None)
+    chains: dict[str, dict[str, Any]] = {}
+    for position, key in enumerate(keys):
+        holders = found.get(key, [])
+        if not holders:
+            break
+        for entry in holders:
+            chain = chains.setdefault(entry.pod_identifier, {"blocks": 0, "tiers": set()})
+            if chain["blocks"] == position:
+                chain["blocks"] = position + 1
+            if chain["blocks"] == position + 1:
+                chain["tiers"].add(entry.device_tier)
+    result = {
+        pod: {
+            "blocks": c["blocks"],
+            "tokens": c["blocks"] * prompt.block_size,
+            "tiers": sorted(c["tiers"]),
+        }
+        for pod, c in sorted(chains.items(), key=lambda kv: (-kv[1]["blocks"], kv[0]))
+    }
+    if as_json:
+        echo_json({"blocks": len(keys), "keys_found": len(found), "pods": result})
+        return
+    click.echo(f"{len(keys)} blocks; the chain is cached up to block {len(found)}")
+    if result:
+        rows = [(p, r["blocks"], r["tokens"], ",".join(r["tiers"])) for p, r in result.items()]
+        click.echo(table(("pod", "blocks", "tokens", "tiers"), rows))
+
+
+@_command("kvredis score --model m --tokens 1,2,3,4 --block-size 2 --weight gpu=1 --weight cpu=0.8")
+@prompt_options
+@_POD_FILTER
+@click.option(
+    "--weight", "weights", multiple=True, metavar="TIER=W", help="Device tier weight (repeatable)."
+)
+@json_option
+def score(
+    target: RedisTarget,
+    namespace: str,
+    prompt: Prompt,
+    pods_filter: tuple[str, ...],
+    weights: tuple[str, ...],
+    as_json: bool,
+) -> None:
+    """Per-pod longest-prefix scores of a prompt, as a router computes them."""
+    medium = {}
+    for item in weights:
+        tier, sep, value = item.partition("=")
+        try:
+            if not sep or not tier:
+                raise ValueError
+            medium[tier] = float(value)
+        except ValueError:
+            raise click.BadParameter(
+                f"expected TIER=WEIGHT, got {item!r}", param_hint="--weight"
+            ) from None
+    keys = _block_keys(prompt)
+    with _index(target) as index:
+        scores = index.score(keys, medium or None, set(pods_filter) if pods_filter else None)
+    ranked = dict(sorted(scores.items(), key=lambda kv: (-kv[1], kv[0])))
+    if as_json:
+        echo_json({"blocks": len(keys), "scores": ranked})
+    elif not ranked:
+        click.echo(f"no pod holds the first block of these {len(keys)} blocks")
+    else:
+        click.echo(table(("pod", "score"), [(p, f"{s:g}") for p, s in ranked.items()]))
+
+
+# -- clear --------------------------------------------------------------------------------------
+
+
+@_command("kvredis clear --pod vllm-7f9c-0 --yes")
+@click.option("--pod", required=True, metavar="ID", help="The pod whose entries to remove.")
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+@_NO_PROGRESS
+@json_option
+def clear(
+    target: RedisTarget, namespace: str, pod: str, yes: bool, no_progress: bool, as_json: bool
+) -> None:
+    """Remove every entry of one pod (e.g. a pod that died without its engine saying so)."""
+    from kvredis.redis.inspect import op_scan
+
+    if not pod:
+        raise click.BadParameter("must not be empty", param_hint="--pod")
+    if not yes:
+        click.confirm(
+            f"Remove every entry of pod {pod!r} from namespace {target.namespace!r} at "
+            f"{target.shown}?",
+            abort=True,
+            err=True,
+        )
+    with _inspector(target) as inspector:
+        layout = _existing_layout(inspector, target)
+        total = len(inspector.run(op_scan(layout.request_pattern())))
+        total += len(inspector.run(op_scan(layout.engine_pattern())))
+    bar = progress_bar(f"clearing {pod}", no_progress)
+    try:
+        with _index(target) as index:
+            removed = index.clear_with_progress(pod, lambda done, _n: bar(done, total))
+    finally:
+        bar.close()
+    if as_json:
+        echo_json({"pod": pod, "removed": removed})
+    else:
+        click.echo(f"removed {removed} (key, entry) pairs of pod {pod!r}")
+
+
+# -- check --------------------------------------------------------------------------------------
+
+
+@_command("kvredis check --namespace kvblock --repair")
+@click.option("--repair", is_flag=True, help="Fix what is found (stop the writers first).")
+@click.option(
+    "--limit",
+    type=click.IntRange(min=0),
+    default=20,
+    show_default=True,
+    help="Findings to list (0: all).",
+)
+@_NO_PROGRESS
+@json_option
+def check(
+    target: RedisTarget, namespace: str, repair: bool, limit: int, no_progress: bool, as_json: bool
+) -> None:
+    """Verify every invariant of the key layout; with --repair, fix what is broken.
+
+    Exits 1 when something is left broken.
+    """
+    from kvredis.redis.inspect import op_check
+
+    with _inspector(target) as inspector:
+        layout = _existing_layout(inspector, target)
+        bar = progress_bar("checking", no_progress)
+        try:
+            report = inspector.run(op_check(layout, repair, bar))
+        finally:
+            bar.close()
+    if as_json:
+        echo_json(
+            {
+                "namespace": report.namespace,
+                "keys_checked": report.keys_checked,
+                "ok": report.ok,
+                "counts": report.counts(),
+                "findings": [f.as_json() for f in report.findings],
+            }
+        )
+    else:
+        repaired = sum(f.repaired for f in report.findings)
+        click.echo(
+            f"checked {report.keys_checked} keys of namespace {report.namespace!r}: "
+            f"{len(report.findings)} problems found, {repaired} repaired"
+        )
+        if report.findings:
+            click.echo(table(("problem", "count"), report.counts().items()))
+            shown = report.findings if limit == 0 else report.findings[:limit]
+            for f in shown:
+                fld = "" if f.field is None else f" field {f.field.hex()}"
+                mark = "repaired" if f.repaired else "found"
+                click.echo(f"  {mark}: {f.problem.value} in {f.as_json()['key']}{fld}: {f.detail}")
+            if len(shown) < len(report.findings):
+                click.echo(f"  ... {len(report.findings) - len(shown)} more (--limit 0 lists all)")
+    if not report.ok:
+        sys.exit(1)
+
+
+# -- watermarks ---------------------------------------------------------------------------------
+
+
+def _decode_watermark(value: str) -> dict[str, Any]:
+    from kvredis.ingest.stream import PHASE_DONE, split_position
+
+    epoch, sep, position = value.partition(":")
+    try:
+        if not sep:
+            raise ValueError(value)
+        seq, phase = split_position(int(position))
+        return {
+            "epoch": int(epoch),
+            "seq": seq,
+            "phase": "done" if phase == PHASE_DONE else phase,
+            "stored": value,
+        }
+    except ValueError:
+        return {"epoch": None, "seq": None, "phase": None, "stored": value}
+
+
+@_command("kvredis watermarks --reset vllm-7f9c-0 --yes")
+@click.option(
+    "--reset",
+    "resets",
+    multiple=True,
+    metavar="STREAM",
+    help="Delete the watermark of STREAM (the next batch from it starts over).",
+)
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+@json_option
+def watermarks(
+    target: RedisTarget, namespace: str, resets: tuple[str, ...], yes: bool, as_json: bool
+) -> None:
+    """The ingest watermarks per event stream, decoded as (epoch, seq, phase)."""
+    from kvredis.redis.inspect import op_watermarks
+
+    if resets:
+        if not yes:
+            click.confirm(f"Delete the watermarks of {', '.join(resets)}?", abort=True, err=True)
+        with _index(target) as index:
+            for stream in resets:
+                if index.get_watermark(stream) is None:
+                    raise click.BadParameter(
+                        f"no watermark for stream {stream!r}", param_hint="--reset"
+                    )
+                index.reset_watermark(stream, None)
+        click.echo(f"reset {len(resets)} watermark(s)", err=True)
+    with _inspector(target) as inspector:
+        layout = _existing_layout(inspector, target)
+        stored = inspector.run(op_watermarks(layout))
+    decoded = {stream: _decode_watermark(v) for stream, v in stored.items()}
+    if as_json:
+        echo_json(decoded)
+    elif not decoded:
+        click.echo("no watermarks stored")
+    else:
+        rows = [(s, d["epoch"], d["seq"], d["phase"]) for s, d in decoded.items()]
+        click.echo(table(("stream", "epoch", "seq", "phase"), rows))
+
+
+# -- dump and restore ---------------------------------------------------------------------------
+
+
+def _open(path: str, mode: str) -> IO[str]:
+    if path == "-":
+        return sys.stdout if "w" in mode else sys.stdin
+    if path.endswith(".gz"):
+        return gzip.open(path, mode + "t", encoding="utf-8")  # type: ignore[return-value]
+    return open(path, mode, encoding="utf-8")
+
+
+@_command("kvredis dump kvblock-$(date +%F).jsonl.gz --namespace kvblock")
+@click.argument("file", metavar="FILE")
+@_NO_PROGRESS
+def dump(target: RedisTarget, namespace: str, file: str, no_progress: bool) -> None:
+    """Export a namespace to FILE (JSON lines; gzip if it ends in .gz; '-': stdout).
+
+    `kvredis restore` loads it back, on this server or another, byte for byte.
+    """
+    from kvredis.redis.inspect import DUMP_FORMAT, op_dump
+
+    with _inspector(target) as inspector:
+        layout = _existing_layout(inspector, target)
+        out = _open(file, "w")
+        records = 0
+
+        def write(record: Any) -> None:
+            nonlocal records
+            records += 1
+            out.write(json.dumps(record, separators=(",", ":")) + "\n")
+
+        bar = progress_bar("dumping", no_progress)
+        try:
+            write(
+                {
+                    "format": DUMP_FORMAT,
+                    "namespace": layout.namespace,
+                    "bucket_bits": layout.bucket_bits,
+                }
+            )
+            keys = inspector.run(op_dump(layout, write, bar))
+            write({"end": True, "keys": keys, "records": records - 1})
+        finally:
+            bar.close()
+            if file != "-":
+                out.close()
+            else:
+                out.flush()
+    click.echo(f"dumped {keys} keys of namespace {layout.namespace!r} to {file}", err=True)
+
+
+@_command("kvredis restore kvblock-2026-01-31.jsonl.gz --namespace kvblock")
+@click.argument("file", metavar="FILE")
+@click.option("--replace", is_flag=True, help="Drop the namespace first if it holds keys.")
+def restore(target: RedisTarget, namespace: str, file: str, replace: bool) -> None:
+    """Load a namespace exported by `kvredis dump` (into --namespace; '-': stdin).
+
+    Refuses a namespace that already holds keys unless --replace.
+    """
+    from kvredis.redis.inspect import DUMP_FORMAT
+
+    with ExitStack() as stack:
+        if file == "-":  # read twice below: spool stdin to a file
+            spool = stack.enter_context(
+                tempfile.NamedTemporaryFile("w+", encoding="utf-8", suffix=".jsonl")
+            )
+            shutil.copyfileobj(sys.stdin, spool)
+            spool.flush()
+            file = spool.name
+        header, trailer = _check_dump(file, DUMP_FORMAT)
+        _restore_records(target, file, replace, int(header["bucket_bits"]))
+    click.echo(
+        f"restored {trailer['keys']} keys of namespace {header['namespace']!r} into "
+        f"{target.namespace!r}",
+        err=True,
+    )
+
+
+def _check_dump(file: str, dump_format: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The header and end records of a complete dump (BadParameter for anything else)."""
+    header: dict[str, Any] = {}
+    last: dict[str, Any] = {}
+    count = 0
+    for n, record in enumerate(_records(file)):
+        if n == 0:
+            header = record
+        elif "key" in record:
+            count += 1
+        last = record
+    if header.get("format") != dump_format or not isinstance(header.get("bucket_bits"), int):
+        raise click.BadParameter(f"{file} is not a {dump_format} dump", param_hint="FILE")
+    if not last.get("end") or last.get("records") != count:
+        raise click.BadParameter(f"{file} is truncated (no end record)", param_hint="FILE")
+    return header, last
+
+
+def _restore_records(target: RedisTarget, file: str, replace: bool, bucket_bits: int) -> None:
+    from kvredis.redis.inspect import op_namespace_keys, op_restore
+    from kvredis.redis.layout import Layout
+
+    with _inspector(target) as inspector:
+        probe = Layout(target.namespace, bucket_bits, b"")
+        existing = inspector.layout() or probe
+        if inspector.run(op_namespace_keys(existing)):
+            if not replace:
+                raise click.ClickException(
+                    f"namespace {target.namespace!r} at {target.shown} already holds keys; "
+                    "pass --replace to drop them first"
+                )
+            from kvredis.redis.index import RedisIndex
+
+            with RedisIndex(target.config()) as index:
+                index.drop_namespace()
+        prefix = probe.meta[: -len(b"meta")]
+        inspector.run(op_restore(prefix, (r for r in _records(file) if "key" in r)))
+
+
+def _records(file: str) -> Iterator[dict[str, Any]]:
+    """The JSON records of a dump file, one per line."""
+    try:
+        with _open(file, "r") as fh:
+            for line in fh:
+                if line.strip():
+                    record = json.loads(line)
+                    if not isinstance(record, dict):
+                        raise ValueError(f"a record is not an object: {line[:80]!r}")
+                    yield record
+    except (OSError, ValueError, EOFError) as exc:
+        raise click.BadParameter(f"cannot read {file}: {exc}", param_hint="FILE") from None
+
+
+COMMANDS = (stats, pods, lookup, score, clear, check, watermarks, dump, restore)

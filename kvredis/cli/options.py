@@ -1,0 +1,517 @@
+"""What every ``kvredis`` command shares: logging, the Redis target, token input, output, errors.
+
+- ``--log-level`` and ``-v`` are accepted before and after the subcommand (the later one wins);
+- ``--redis URL`` (``KVREDIS_REDIS_URL``), ``--namespace`` (``KVREDIS_NAMESPACE``), the password
+  from ``KVREDIS_REDIS_PASSWORD`` or ``--password-file`` (``KVREDIS_REDIS_PASSWORD_FILE``); a
+  password never appears in output or logs;
+- token ids from ``--tokens`` (commas and/or spaces), ``--tokens-file FILE`` or ``-`` (stdin);
+- tables for people, ``--json`` for scripts;
+- every failure is one line on stderr and a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import re
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
+
+import click
+
+from kvredis.errors import BackendUnavailableError, ConfigError, KVRedisError
+
+__all__ = [
+    "LOG_LEVELS",
+    "Prompt",
+    "RedisTarget",
+    "check_namespace_option",
+    "check_redis_url",
+    "echo_json",
+    "explicit_log_level",
+    "handle_errors",
+    "hashing_options",
+    "json_option",
+    "logging_options",
+    "parse_tokens",
+    "password_file_option",
+    "progress_bar",
+    "prompt_options",
+    "read_tokens",
+    "redis_options",
+    "table",
+    "token_options",
+]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+_META_LEVEL = "kvredis.cli.log_level"
+_META_VERBOSE = "kvredis.cli.verbose"
+
+
+# -- logging ------------------------------------------------------------------------------------
+
+
+def _apply_logging(ctx: click.Context) -> None:
+    root_ctx = ctx.find_root()
+    level_name: str | None = root_ctx.meta.get(_META_LEVEL)
+    verbose: int = root_ctx.meta.get(_META_VERBOSE, 0)
+    if level_name is not None:
+        level = getattr(logging, level_name.upper())
+    else:
+        level = logging.WARNING - 10 * min(verbose, 2)
+    root = logging.getLogger()
+    if not root.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(_LOG_FORMAT))
+        root.addHandler(handler)
+    root.setLevel(level)
+    logging.getLogger("kvredis").setLevel(level)
+
+
+def _set_level(ctx: click.Context, _param: click.Parameter, value: str | None) -> None:
+    if value is not None:
+        ctx.find_root().meta[_META_LEVEL] = value.lower()
+    _apply_logging(ctx)
+
+
+def _add_verbose(ctx: click.Context, _param: click.Parameter, value: int) -> None:
+    if value:
+        meta = ctx.find_root().meta
+        meta[_META_VERBOSE] = meta.get(_META_VERBOSE, 0) + value
+    _apply_logging(ctx)
+
+
+def explicit_log_level(ctx: click.Context) -> bool:
+    """Whether ``--log-level`` or ``-v`` was given on the command line."""
+    meta = ctx.find_root().meta
+    return meta.get(_META_LEVEL) is not None or bool(meta.get(_META_VERBOSE))
+
+
+def logging_params() -> list[click.Parameter]:
+    """``--log-level`` and ``-v``, as parameters (for commands defined elsewhere)."""
+    return [
+        click.Option(
+            ["--log-level"],
+            type=click.Choice(LOG_LEVELS, case_sensitive=False),
+            envvar="KVREDIS_LOG_LEVEL",
+            callback=_set_level,
+            expose_value=False,
+            is_eager=True,
+            help="Log level (default warning; env KVREDIS_LOG_LEVEL).",
+        ),
+        click.Option(
+            ["-v", "--verbose"],
+            count=True,
+            callback=_add_verbose,
+            expose_value=False,
+            is_eager=True,
+            help="More logging: -v info, -vv debug (anywhere on the line).",
+        ),
+    ]
+
+
+def logging_options(f: F) -> F:
+    """Add ``--log-level`` and ``-v`` to a command."""
+    cmd_params = getattr(f, "__click_params__", [])
+    cmd_params.extend(logging_params())
+    f.__click_params__ = cmd_params  # type: ignore[attr-defined]
+    return f
+
+
+# -- the Redis target ---------------------------------------------------------------------------
+
+
+class RedisTarget:
+    """The server and namespace a command works on (from ``--redis``, ``--namespace``, ...)."""
+
+    def __init__(self, url: str, namespace: str, password: str | None) -> None:
+        self.url = url
+        self.namespace = namespace
+        self.password = password
+
+    @property
+    def shown(self) -> str:
+        """The address with any password masked (for messages)."""
+        from kvredis.redis.address import mask_password
+
+        return mask_password(self.url)
+
+    def config(self, **overrides: Any) -> Any:
+        """The :class:`~kvredis.redis.config.RedisIndexConfig` of this target."""
+        from kvredis.redis.config import RedisIndexConfig
+
+        kwargs: dict[str, Any] = {"address": self.url, "namespace": self.namespace}
+        if self.password is not None:
+            kwargs["password"] = self.password
+        kwargs.update(overrides)
+        try:
+            return RedisIndexConfig(**kwargs)
+        except (ConfigError, ValueError) as exc:
+            raise click.BadParameter(str(exc), param_hint="--redis") from None
+
+
+def check_namespace_option(
+    _ctx: click.Context, _param: click.Parameter, value: str | None
+) -> str | None:
+    """Validate ``--namespace`` (blamed on ``--namespace``, not on ``--redis``)."""
+    if value is None:
+        return None
+    from kvredis.redis.layout import check_namespace
+
+    try:
+        return check_namespace(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def check_redis_url(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
+    if value is None:
+        return None
+    from kvredis.redis.address import parse_address
+
+    try:
+        parse_address(value)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc)) from None
+    return value
+
+
+def read_password(password_file: str | None) -> str | None:
+    """The password: from ``password_file`` (first line), else ``KVREDIS_REDIS_PASSWORD``."""
+    import os
+
+    if password_file:
+        try:
+            with open(password_file, encoding="utf-8") as fh:
+                return fh.readline().rstrip("\r\n") or None
+        except OSError as exc:
+            raise click.BadParameter(
+                f"cannot read {password_file}: {exc.strerror}", param_hint="--password-file"
+            ) from None
+    return os.environ.get("KVREDIS_REDIS_PASSWORD") or None
+
+
+#: ``--password-file FILE`` (env ``KVREDIS_REDIS_PASSWORD_FILE``), read by :func:`read_password`.
+password_file_option = click.option(
+    "--password-file",
+    metavar="FILE",
+    envvar="KVREDIS_REDIS_PASSWORD_FILE",
+    help="Read the Redis password from FILE (else env KVREDIS_REDIS_PASSWORD).",
+)
+
+
+def redis_options(
+    default_namespace: str | None = "kvblock", url_required: bool = False
+) -> Callable[[F], F]:
+    """Add ``--redis``, ``--namespace`` and ``--password-file``; pass a ``target``."""
+
+    def decorate(f: F) -> F:
+        @click.option(
+            "--redis",
+            "redis_url",
+            metavar="URL",
+            envvar="KVREDIS_REDIS_URL",
+            default=None if not url_required else "redis://127.0.0.1:6379",
+            show_default=url_required,
+            callback=check_redis_url,
+            help="Redis/Valkey address (env KVREDIS_REDIS_URL).",
+        )
+        @click.option(
+            "--namespace",
+            envvar="KVREDIS_NAMESPACE",
+            default=default_namespace,
+            show_default=default_namespace is not None,
+            callback=check_namespace_option,
+            help="Key namespace (env KVREDIS_NAMESPACE).",
+        )
+        @password_file_option
+        @functools.wraps(f)
+        def wrapper(
+            *args: Any,
+            redis_url: str | None,
+            namespace: str | None,
+            password_file: str | None,
+            **kwargs: Any,
+        ) -> Any:
+            target = None
+            if redis_url is not None:
+                target = RedisTarget(
+                    redis_url, namespace or "kvblock", read_password(password_file)
+                )
+            return f(*args, target=target, namespace=namespace, **kwargs)
+
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
+
+
+# -- token input --------------------------------------------------------------------------------
+
+_TOKEN_SPLIT = re.compile(r"[\s,]+")
+
+
+def parse_tokens(text: str, where: str = "--tokens") -> list[int]:
+    """Token ids from text: separated by commas and/or whitespace, or a JSON array."""
+    stripped = text.strip()
+    if stripped.startswith("["):
+        try:
+            values = json.loads(stripped)
+        except json.JSONDecodeError as exc:
+            raise click.BadParameter(f"not a JSON array: {exc}", param_hint=where) from None
+        if not isinstance(values, list):
+            raise click.BadParameter("expected a JSON array of token ids", param_hint=where)
+        parts: Iterable[object] = values
+    else:
+        parts = [p for p in _TOKEN_SPLIT.split(stripped) if p]
+    tokens = []
+    for part in parts:
+        if isinstance(part, bool) or not isinstance(part, (int, str)):
+            raise click.BadParameter(f"{part!r} is not a token id", param_hint=where)
+        try:
+            value = int(part)
+        except ValueError:
+            raise click.BadParameter(
+                f"{part!r} is not a token id (expected integers separated by commas or spaces)",
+                param_hint=where,
+            ) from None
+        if value < 0:
+            raise click.BadParameter(f"token id {value} is negative", param_hint=where)
+        tokens.append(value)
+    if not tokens:
+        raise click.BadParameter("no token ids given", param_hint=where)
+    return tokens
+
+
+def read_tokens(tokens: str | None, tokens_file: str | None) -> list[int]:
+    """The tokens of ``--tokens`` or ``--tokens-file`` (``-`` in either reads stdin)."""
+    if (tokens is None) == (tokens_file is None):
+        raise click.UsageError("give exactly one of --tokens and --tokens-file")
+    if tokens is not None and tokens != "-":
+        return parse_tokens(tokens)
+    path = tokens_file if tokens_file is not None else "-"
+    where = "--tokens-file" if tokens_file is not None else "--tokens"
+    if path == "-":
+        return parse_tokens(sys.stdin.read(), "stdin")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return parse_tokens(fh.read(), where)
+    except OSError as exc:
+        raise click.BadParameter(f"cannot read {path}: {exc.strerror}", param_hint=where) from None
+
+
+def _check_model(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
+    if not value.strip():
+        raise click.BadParameter("must not be empty")
+    return value
+
+
+def token_options(f: F) -> F:
+    """``--model``, ``--tokens`` and ``--tokens-file``."""
+    f = click.option(
+        "--tokens-file",
+        metavar="FILE",
+        help="Read the token ids from FILE ('-': stdin); same formats as --tokens.",
+    )(f)
+    f = click.option(
+        "--tokens",
+        metavar="IDS",
+        help="Token ids: '1,2,3', '1 2 3' or a JSON array; '-' reads stdin.",
+    )(f)
+    return click.option(
+        "--model", required=True, callback=_check_model, help="Model name the keys belong to."
+    )(f)
+
+
+def _merge_seed(ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
+    if value is not None:
+        previous = ctx.meta.get("kvredis.cli.hash_seed")
+        if previous is not None and previous != value:
+            raise click.BadParameter("--seed is an old name of --hash-seed; give one of them")
+        ctx.meta["kvredis.cli.hash_seed"] = value
+    return value
+
+
+def hashing_options(f: F) -> F:
+    """``--block-size``, ``--hash-algo``, ``--hash-seed`` (old name ``--seed``, hidden)."""
+    from kvredis.hashing import HASH_ALGOS
+
+    f = click.option("--seed", "old_seed", hidden=True, callback=_merge_seed)(f)
+    f = click.option(
+        "--hash-seed",
+        callback=_merge_seed,
+        help="Seed of the block-key chain (the engine's PYTHONHASHSEED).",
+    )(f)
+    f = click.option(
+        "--hash-algo", type=click.Choice(HASH_ALGOS), default="xxh3_64", show_default=True
+    )(f)
+    return click.option(
+        "--block-size",
+        type=click.IntRange(min=1),
+        default=16,
+        show_default=True,
+        help="Tokens per block.",
+    )(f)
+
+
+def token_processor(block_size: int, hash_algo: str, hash_seed: str | None) -> Any:
+    """The ChunkedTokenDatabase of the hashing options."""
+    from kvredis.hashing import ChunkedTokenDatabase, TokenProcessorConfig
+
+    try:
+        return ChunkedTokenDatabase(
+            TokenProcessorConfig(
+                block_size_tokens=block_size, hash_seed=hash_seed or "", hash_algo=hash_algo
+            )
+        )
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+class Prompt:
+    """The token ids and block-key settings of ``keys``, ``lookup`` and ``score``."""
+
+    def __init__(self, model: str, tokens: list[int], block_size: int, processor: Any) -> None:
+        self.model = model
+        self.tokens = tokens
+        self.block_size = block_size
+        self.processor = processor
+
+    def block_keys(self, parent: int = 0) -> list[int]:
+        """The request keys of the prompt's full blocks, chained from ``parent``."""
+        try:
+            keys: list[int] = self.processor.tokens_to_kv_block_keys(
+                parent, self.tokens, self.model
+            )
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from None
+        return keys
+
+
+def prompt_options(f: F) -> F:
+    """:func:`token_options` and :func:`hashing_options`, passed as one ``prompt`` (a Prompt)."""
+
+    @functools.wraps(f)
+    def wrapper(
+        *args: Any,
+        model: str,
+        tokens: str | None,
+        tokens_file: str | None,
+        block_size: int,
+        hash_algo: str,
+        hash_seed: str | None,
+        old_seed: str | None,
+        **kwargs: Any,
+    ) -> Any:
+        ids = read_tokens(tokens, tokens_file)
+        processor = token_processor(block_size, hash_algo, hash_seed or old_seed)
+        return f(*args, prompt=Prompt(model, ids, block_size, processor), **kwargs)
+
+    return token_options(hashing_options(wrapper))  # type: ignore[return-value]
+
+
+# -- output -------------------------------------------------------------------------------------
+
+
+def json_option(f: F) -> F:
+    """``--json``: machine-readable output."""
+    return click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")(f)
+
+
+def echo_json(data: Any) -> None:
+    """Print ``data`` as indented JSON."""
+    click.echo(json.dumps(data, indent=2, sort_keys=False, default=str))
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    """A plain text table: left-aligned text, right-aligned numbers."""
+    body = [[str(c) for c in row] for row in rows]
+    numeric = [all(_is_number(r[i]) for r in body) and bool(body) for i in range(len(headers))]
+    widths = [max([len(h)] + [len(r[i]) for r in body]) for i, h in enumerate(headers)]
+
+    def line(cells: Sequence[str]) -> str:
+        out = [
+            c.rjust(w) if num else c.ljust(w)
+            for c, w, num in zip(cells, widths, numeric, strict=True)
+        ]
+        return "  ".join(out).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(list(headers)), rule, *(line(r) for r in body)])
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text.replace(",", ""))
+    except ValueError:
+        return False
+    return True
+
+
+class _Bar:
+    """A progress callback ``(done, total)`` drawing a click progress bar on stderr (a TTY)."""
+
+    def __init__(self, label: str, enabled: bool) -> None:
+        self.label = label
+        self.enabled = enabled
+        self._bar: Any = None
+        self._shown = 0
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled or total <= 0:
+            return
+        if self._bar is None:
+            self._bar = click.progressbar(
+                length=total, label=self.label, file=sys.stderr, show_eta=False
+            )
+            self._bar.__enter__()
+        done = min(done, total)
+        self._bar.update(done - self._shown)
+        self._shown = done
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.__exit__(None, None, None)
+            self._bar = None
+
+
+def progress_bar(label: str, no_progress: bool = False) -> _Bar:
+    """A progress callback, drawing only when stderr is a terminal and not ``no_progress``."""
+    return _Bar(label, not no_progress and sys.stderr.isatty())
+
+
+# -- errors -------------------------------------------------------------------------------------
+
+
+def handle_errors(f: F) -> F:
+    """Turn every failure into one line on stderr and exit status 1 (usage errors: 2)."""
+
+    @functools.wraps(f)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return f(*args, **kwargs)
+        except click.ClickException:
+            raise
+        except BackendUnavailableError as exc:
+            raise click.ClickException(str(exc)) from None
+        except KVRedisError as exc:
+            raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
+        except Exception as exc:
+            if _is_redis_error(exc) or isinstance(exc, OSError):
+                target = kwargs.get("target")
+                where = f" at {target.shown}" if isinstance(target, RedisTarget) else ""
+                raise click.ClickException(
+                    f"unexpected reply from the server{where} (is it Redis or Valkey?): {exc}"
+                ) from None
+            raise
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _is_redis_error(exc: BaseException) -> bool:
+    redis = sys.modules.get("redis")
+    return redis is not None and isinstance(exc, redis.RedisError)

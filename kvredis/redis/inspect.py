@@ -1,0 +1,772 @@
+"""Reading a namespace as an operator does: statistics, the invariant check and its repair, dump.
+
+Everything here reads the key layout of :mod:`kvredis.redis.layout` (the key names come from a
+:class:`~kvredis.redis.layout.Layout`, the encodings from :mod:`kvredis.redis.codec`) and is
+written, like the index operations, as sans-IO generators (``op_*``) that yield requests; an
+:class:`Inspector` drives them with a :class:`~kvredis.redis.executor.SyncExecutor` and the
+retry/translation combinators of :mod:`kvredis.redis.ops`. Nothing here creates a namespace:
+:func:`op_read_layout` returns ``None`` for one that does not exist.
+
+Every scan is bounded: SCAN MATCH on the namespace's own key patterns (never ``KEYS``), HSCAN on
+the dictionary hashes, and pipelines of at most :data:`KEYS_PER_PIPELINE` keys.
+
+The invariants :func:`op_check` verifies (``repair=True`` also fixes them):
+
+=========================  ===============================================  =====================
+problem                    what it means                                    repair
+=========================  ===============================================  =====================
+``missing_pe``             ``pi`` defines an id ``pe`` does not point to    add it to ``pe``
+``missing_pi``             ``pe`` names an id ``pi`` does not define        define it from ``pe``
+``undecodable_entry``      a ``pi`` definition that does not decode         drop the id
+``pod_record_missing``     an id missing from its pod's ``pp`` list         append it
+``pod_record_stray``       a ``pp`` id undefined or of another pod          remove it
+``duplicate_definition``   two ids define the same entry                    (reported only)
+``empty_field``            a bucket field with nothing in it                delete the field
+``malformed_field``        a field or value of the wrong shape              delete the field
+``unknown_id``             a request key holding an undefined id            remove the id
+``duplicate_id``           an id listed twice under one request key         keep one
+``misplaced_field``        a field in a bucket its hash does not select     move it
+``dangling_mapping``       an engine key none of whose request keys exist   delete the mapping
+``wrong_type``             a key of the layout that is not a hash           (reported only)
+``expired_speculative``    speculative entries past their expiry            (none kept yet)
+=========================  ===============================================  =====================
+
+Repairs are plain commands, not one atomic step: run ``check --repair`` while no writer uses the
+namespace (stop the ingesters first), or a concurrent write may be undone.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter as Tally
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from kvredis.errors import NamespaceLayoutError
+from kvredis.redis.codec import HASH_WIDTH, ID_WIDTH, bytes_text, decode_entry
+from kvredis.redis.config import RedisIndexConfig
+from kvredis.redis.executor import SyncExecutor
+from kvredis.redis.layout import Layout, meta_key
+from kvredis.redis.ops import RetryPolicy, Session, op_drive
+from kvredis.redis.requests import Command, Op, Pipeline
+from kvredis.redis.scripts import ScriptRegistry
+from kvredis.redis.state import CoreState
+from kvredis.types import PodEntry
+
+__all__ = [
+    "DUMP_FORMAT",
+    "CheckReport",
+    "Dictionary",
+    "Finding",
+    "Inspector",
+    "NamespaceStats",
+    "Problem",
+    "ServerInfo",
+    "op_check",
+    "op_dictionary",
+    "op_dump",
+    "op_namespace_keys",
+    "op_read_layout",
+    "op_restore",
+    "op_server_info",
+    "op_stats",
+    "op_watermarks",
+]
+
+T = TypeVar("T")
+
+#: Keys per pipelined read (HGETALL, TYPE, MEMORY USAGE) and per SCAN page.
+KEYS_PER_PIPELINE = 256
+#: Fields per HSCAN page and per HSET of a restore.
+FIELDS_PER_CALL = 1000
+#: ``format`` of the header record of a dump.
+DUMP_FORMAT = "kvredis-dump/1"
+
+#: progress(done, total): keys processed so far, of ``total``.
+Progress = Callable[[int, int], None]
+
+
+def _noop(_done: int, _total: int) -> None:
+    return None
+
+
+# -- reading ------------------------------------------------------------------------------------
+
+
+def op_read_layout(namespace: str) -> Op[Layout | None]:
+    """The namespace's layout, from its meta record; ``None`` if it has none (never creates it).
+
+    A meta record of another layout version or with bad fields raises NamespaceLayoutError.
+    """
+    state = CoreState(namespace)
+    reply = yield Command(("HMGET", meta_key(namespace), "layout", "bucket_bits", "gen"))
+    if not any(reply):
+        return None
+    return state.adopt(reply)
+
+
+def op_scan(pattern: bytes, count: int = KEYS_PER_PIPELINE) -> Op[list[bytes]]:
+    """Every key matching ``pattern`` (SCAN MATCH; sorted, without repeats)."""
+    found: set[bytes] = set()
+    cursor = -1
+    while cursor != 0:
+        cursor_reply, keys = yield Command(
+            ("SCAN", max(cursor, 0), "MATCH", pattern, "COUNT", count)
+        )
+        cursor = int(cursor_reply)
+        found.update(bytes(k) for k in keys)
+    return sorted(found)
+
+
+def _fixed_keys(layout: Layout) -> list[bytes]:
+    return [layout.meta, layout.pe, layout.pi, layout.pp, layout.wm]
+
+
+def op_namespace_keys(layout: Layout) -> Op[list[bytes]]:
+    """Every key of the namespace's layout: its records, then its request and engine buckets.
+
+    Only the layout's own names and bucket patterns are read, so the keys of another namespace
+    are never included, whatever the two names.
+    """
+    fixed = _fixed_keys(layout)
+    exists = yield Pipeline(tuple(Command(("EXISTS", k)) for k in fixed))
+    keys = [k for k, n in zip(fixed, exists, strict=True) if int(n)]
+    keys += yield from op_scan(layout.request_pattern())
+    keys += yield from op_scan(layout.engine_pattern())
+    return keys
+
+
+def op_hscan(key: bytes) -> Op[dict[bytes, bytes]]:
+    """Every field of a hash, read page by page (HSCAN)."""
+    out: dict[bytes, bytes] = {}
+    cursor = -1
+    while cursor != 0:
+        cursor_reply, flat = yield Command(("HSCAN", key, max(cursor, 0), "COUNT", FIELDS_PER_CALL))
+        cursor = int(cursor_reply)
+        if isinstance(flat, dict):
+            out.update((bytes(f), bytes(v)) for f, v in flat.items())
+        else:
+            out.update((bytes(flat[i]), bytes(flat[i + 1])) for i in range(0, len(flat), 2))
+    return out
+
+
+def _chunks(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
+    for i in range(0, len(items), size):
+        yield items[i : i + size]
+
+
+def _as_dict(reply: Any) -> dict[bytes, bytes]:
+    if isinstance(reply, dict):
+        return {bytes(f): bytes(v) for f, v in reply.items()}
+    return {bytes(reply[i]): bytes(reply[i + 1]) for i in range(0, len(reply), 2)}
+
+
+def op_read_hashes(
+    keys: Sequence[bytes], visit: Callable[[bytes, dict[bytes, bytes]], None], progress: Progress
+) -> Op[None]:
+    """HGETALL every key (pipelined), calling ``visit(key, fields)`` for each hash key.
+
+    A key that is not a hash is visited with an empty dict only if its TYPE is ``none``; keys of
+    another type are skipped (see :func:`op_check`, which reports them).
+    """
+    done = 0
+    for chunk in _chunks(keys, KEYS_PER_PIPELINE):
+        types = yield Pipeline(tuple(Command(("TYPE", k)) for k in chunk))
+        hashes = [k for k, t in zip(chunk, types, strict=True) if _type(t) == "hash"]
+        if hashes:
+            replies = yield Pipeline(tuple(Command(("HGETALL", k)) for k in hashes))
+            for key, reply in zip(hashes, replies, strict=True):
+                visit(key, _as_dict(reply))
+        done += len(chunk)
+        progress(done, len(keys))
+
+
+def _type(reply: Any) -> str:
+    return (bytes(reply) if not isinstance(reply, str) else reply.encode()).decode()
+
+
+def _ids(value: bytes) -> list[bytes]:
+    return [value[i : i + ID_WIDTH] for i in range(0, len(value), ID_WIDTH)]
+
+
+def _hashes(value: bytes) -> list[bytes]:
+    return [value[i : i + HASH_WIDTH] for i in range(0, len(value), HASH_WIDTH)]
+
+
+@dataclass
+class Dictionary:
+    """The entry dictionary as stored (``pe``, ``pi``, ``pp``) and what of it decodes."""
+
+    pe: dict[bytes, bytes]
+    pi: dict[bytes, bytes]
+    pp: dict[bytes, bytes]
+    entries: dict[bytes, PodEntry] = field(default_factory=dict)
+    """id -> entry, for every ``pi`` definition that decodes."""
+    undecodable: dict[bytes, str] = field(default_factory=dict)
+    """id -> why its ``pi`` definition does not decode."""
+
+    def __post_init__(self) -> None:
+        for entry_id, enc in self.pi.items():
+            try:
+                if len(entry_id) != ID_WIDTH:
+                    raise NamespaceLayoutError(f"id {entry_id!r} is not {ID_WIDTH} bytes")
+                self.entries[entry_id] = decode_entry(enc)
+            except NamespaceLayoutError as exc:
+                self.undecodable[entry_id] = str(exc)
+
+
+def op_dictionary(layout: Layout) -> Op[Dictionary]:
+    """Read the entry dictionary (``pe``, ``pi``, ``pp``) with HSCAN."""
+    pe = yield from op_hscan(layout.pe)
+    pi = yield from op_hscan(layout.pi)
+    pp = yield from op_hscan(layout.pp)
+    return Dictionary(pe, pi, pp)
+
+
+# -- statistics ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ServerInfo:
+    """What the server says about itself."""
+
+    server: str
+    """``redis`` or ``valkey``."""
+    version: str
+    maxmemory_policy: str
+    used_memory: int
+
+
+def _info_fields(reply: Any) -> dict[str, str]:
+    if isinstance(reply, dict):
+        return {str(k): str(v) for k, v in reply.items()}
+    text = bytes(reply).decode("utf-8", "replace") if not isinstance(reply, str) else reply
+    out = {}
+    for line in text.splitlines():
+        name, sep, value = line.partition(":")
+        if sep and not line.startswith("#"):
+            out[name.strip()] = value.strip()
+    return out
+
+
+def op_server_info() -> Op[ServerInfo]:
+    """Server kind, version, eviction policy and memory in use (INFO server, INFO memory)."""
+    server = _info_fields((yield Command(("INFO", "server"))))
+    memory = _info_fields((yield Command(("INFO", "memory"))))
+    valkey = server.get("valkey_version") or ("" if server.get("server_name") != "valkey" else "?")
+    return ServerInfo(
+        server="valkey" if valkey else "redis",
+        version=valkey or server.get("redis_version", "?"),
+        maxmemory_policy=memory.get("maxmemory_policy", "?"),
+        used_memory=int(memory.get("used_memory", "0") or 0),
+    )
+
+
+@dataclass
+class NamespaceStats:
+    """What a namespace holds (see :func:`op_stats`)."""
+
+    namespace: str
+    bucket_bits: int
+    keys: int = 0
+    """Keys of the namespace (records and buckets)."""
+    request_buckets: int = 0
+    engine_buckets: int = 0
+    request_keys: int = 0
+    """Request keys holding at least one entry."""
+    pairs: int = 0
+    """(request key, entry) pairs."""
+    engine_keys: int = 0
+    """Engine keys with a mapping."""
+    engine_mappings: int = 0
+    """(engine key, request key) mappings."""
+    dictionary_entries: int = 0
+    watermarks: int = 0
+    bytes_used: int = 0
+    """MEMORY USAGE summed over the namespace's keys."""
+    pods: dict[str, dict[str, int]] = field(default_factory=dict)
+    """pod -> tier -> (request key, entry) pairs."""
+
+    def as_json(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
+
+def op_stats(layout: Layout, progress: Progress = _noop, memory: bool = True) -> Op[NamespaceStats]:
+    """Count everything in the namespace, reading every bucket once (pipelined).
+
+    ``progress(done, total)`` is called after every page of keys. With ``memory`` the bytes
+    used are summed with MEMORY USAGE.
+    """
+    stats = NamespaceStats(layout.namespace, layout.bucket_bits)
+    keys = yield from op_namespace_keys(layout)
+    stats.keys = len(keys)
+    dictionary = yield from op_dictionary(layout)
+    stats.dictionary_entries = len(dictionary.pi)
+    stats.watermarks = int((yield Command(("HLEN", layout.wm))))
+    per_id: Tally[bytes] = Tally()
+
+    def visit(key: bytes, fields: dict[bytes, bytes]) -> None:
+        if key.startswith(layout.rprefix):
+            stats.request_buckets += 1
+            stats.request_keys += len(fields)
+            for value in fields.values():
+                per_id.update(_ids(value))
+        elif key.startswith(layout.eprefix):
+            stats.engine_buckets += 1
+            stats.engine_keys += len(fields)
+            stats.engine_mappings += sum(len(v) // HASH_WIDTH for v in fields.values())
+
+    buckets = [k for k in keys if k.startswith((layout.rprefix, layout.eprefix))]
+    yield from op_read_hashes(buckets, visit, progress)
+    stats.pairs = sum(per_id.values())
+    pods: dict[str, dict[str, int]] = {}
+    for entry_id, count in per_id.items():
+        entry = dictionary.entries.get(entry_id)
+        pod, tier = (entry.pod_identifier, entry.device_tier) if entry else ("?", "?")
+        tiers = pods.setdefault(pod, {})
+        tiers[tier] = tiers.get(tier, 0) + count
+    stats.pods = dict(sorted(pods.items()))
+    if memory:
+        for chunk in _chunks(keys, KEYS_PER_PIPELINE):
+            sizes = yield Pipeline(
+                tuple(Command(("MEMORY", "USAGE", k, "SAMPLES", 0)) for k in chunk)
+            )
+            stats.bytes_used += sum(int(s or 0) for s in sizes)
+    return stats
+
+
+def op_watermarks(layout: Layout) -> Op[dict[str, str]]:
+    """The stored watermarks: stream -> value as stored (``"epoch:position"``)."""
+    stored = yield from op_hscan(layout.wm)
+    return {bytes_text(k): v.decode("utf-8", "replace") for k, v in sorted(stored.items())}
+
+
+# -- check and repair ---------------------------------------------------------------------------
+
+
+class Problem(enum.Enum):
+    """What :func:`op_check` can find (see the module docstring)."""
+
+    MISSING_PE = "missing_pe"
+    MISSING_PI = "missing_pi"
+    UNDECODABLE_ENTRY = "undecodable_entry"
+    POD_RECORD_MISSING = "pod_record_missing"
+    POD_RECORD_STRAY = "pod_record_stray"
+    DUPLICATE_DEFINITION = "duplicate_definition"
+    EMPTY_FIELD = "empty_field"
+    MALFORMED_FIELD = "malformed_field"
+    UNKNOWN_ID = "unknown_id"
+    DUPLICATE_ID = "duplicate_id"
+    MISPLACED_FIELD = "misplaced_field"
+    DANGLING_MAPPING = "dangling_mapping"
+    WRONG_TYPE = "wrong_type"
+    EXPIRED_SPECULATIVE = "expired_speculative"
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """One broken invariant: where, what, and whether it was repaired."""
+
+    problem: Problem
+    key: bytes
+    field: bytes | None
+    detail: str
+    repaired: bool = False
+
+    def as_json(self) -> dict[str, Any]:
+        """A JSON-ready dict (key and field as text, non-UTF-8 bytes escaped)."""
+        return {
+            "problem": self.problem.value,
+            "key": _show(self.key),
+            "field": None if self.field is None else self.field.hex(),
+            "detail": self.detail,
+            "repaired": self.repaired,
+        }
+
+
+def _show(data: bytes) -> str:
+    return data.decode("utf-8", "backslashreplace")
+
+
+@dataclass
+class CheckReport:
+    """The outcome of :func:`op_check`."""
+
+    namespace: str
+    keys_checked: int = 0
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """Whether nothing is left broken (no finding, or every finding repaired)."""
+        return all(f.repaired for f in self.findings)
+
+    def counts(self) -> dict[str, int]:
+        """Findings per problem."""
+        return dict(sorted(Tally(f.problem.value for f in self.findings).items()))
+
+
+class _Checker:
+    """Collects findings and the commands that repair them."""
+
+    def __init__(self, layout: Layout, repair: bool) -> None:
+        self.layout = layout
+        self.repair = repair
+        self.findings: list[Finding] = []
+        self.fixes: list[Command] = []
+
+    def found(
+        self, problem: Problem, key: bytes, fld: bytes | None, detail: str, *fix: Command
+    ) -> None:
+        fixable = bool(fix) and self.repair
+        self.findings.append(Finding(problem, key, fld, detail, fixable))
+        if fixable:
+            self.fixes.extend(fix)
+
+
+def _check_dictionary(c: _Checker, d: Dictionary) -> set[bytes]:
+    """Check ``pe``/``pi``/``pp``; returns the ids that stay defined after repair."""
+    lay = c.layout
+    for entry_id, why in d.undecodable.items():
+        fixes = [Command(("HDEL", lay.pi, entry_id))]
+        enc = d.pi[entry_id]
+        if d.pe.get(enc) == entry_id:
+            fixes.append(Command(("HDEL", lay.pe, enc)))
+        c.found(Problem.UNDECODABLE_ENTRY, lay.pi, entry_id, why, *fixes)
+    seen: dict[bytes, bytes] = {}
+    for entry_id, enc in sorted(d.pi.items()):
+        if entry_id in d.undecodable:
+            continue
+        if enc in seen:
+            c.found(
+                Problem.DUPLICATE_DEFINITION,
+                lay.pi,
+                entry_id,
+                f"defines the same entry as id {seen[enc].hex()}",
+            )
+        seen.setdefault(enc, entry_id)
+        if enc not in d.pe:
+            c.found(
+                Problem.MISSING_PE,
+                lay.pe,
+                enc,
+                f"entry {d.entries[entry_id]} (id {entry_id.hex()}) is not in pe",
+                Command(("HSET", lay.pe, enc, entry_id)),
+            )
+    defined = set(d.entries)
+    for enc, entry_id in d.pe.items():
+        if entry_id not in d.pi:
+            try:
+                entry: PodEntry | None = decode_entry(enc)
+            except NamespaceLayoutError:
+                entry = None
+            if entry is not None and len(entry_id) == ID_WIDTH:
+                c.found(
+                    Problem.MISSING_PI,
+                    lay.pi,
+                    entry_id,
+                    f"id of {entry} is not defined in pi",
+                    Command(("HSETNX", lay.pi, entry_id, enc)),
+                )
+                if c.repair:
+                    d.entries[entry_id] = entry
+                    defined.add(entry_id)
+            else:
+                c.found(
+                    Problem.MALFORMED_FIELD,
+                    lay.pe,
+                    enc,
+                    "pe maps an undecodable entry to an undefined id",
+                    Command(("HDEL", lay.pe, enc)),
+                )
+    _check_pod_records(c, d, defined)
+    return defined if c.repair else set(d.entries)
+
+
+def _check_pod_records(c: _Checker, d: Dictionary, defined: set[bytes]) -> None:
+    lay = c.layout
+    expected: dict[bytes, list[bytes]] = {}
+    for entry_id in sorted(defined):
+        pod = d.entries[entry_id].pod_identifier.encode("utf-8", "surrogatepass")
+        expected.setdefault(pod, []).append(entry_id)
+    for pod in sorted(set(expected) | set(d.pp)):
+        stored = d.pp.get(pod, b"")
+        ids = _ids(stored) if len(stored) % ID_WIDTH == 0 else []
+        want = expected.get(pod, [])
+        stray = [
+            i
+            for i in ids
+            if i not in defined
+            or d.entries[i].pod_identifier.encode("utf-8", "surrogatepass") != pod
+        ]
+        missing = [i for i in want if i not in ids]
+        if not stray and not missing and len(stored) % ID_WIDTH == 0:
+            continue
+        kept = [i for i in dict.fromkeys(ids) if i not in stray] + missing
+        fix = (
+            Command(("HSET", lay.pp, pod, b"".join(kept)))
+            if kept
+            else Command(("HDEL", lay.pp, pod))
+        )
+        name = _show(pod)
+        if stray or len(stored) % ID_WIDTH:
+            c.found(
+                Problem.POD_RECORD_STRAY,
+                lay.pp,
+                pod,
+                f"pod {name!r} lists {len(stray)} ids it does not own",
+                *([] if missing else [fix]),
+            )
+        if missing:
+            c.found(
+                Problem.POD_RECORD_MISSING,
+                lay.pp,
+                pod,
+                f"pod {name!r} does not list {len(missing)} of its ids",
+                fix,
+            )
+
+
+def _well_formed(c: _Checker, key: bytes, fld: bytes, value: bytes, width: int, kind: str) -> bool:
+    """A bucket field must be an 8-byte hash holding a non-empty list of ``width``-byte items."""
+    if len(fld) == HASH_WIDTH and value and len(value) % width == 0:
+        return True
+    if len(fld) != HASH_WIDTH or len(value) % width:
+        detail = f"{kind} field of {len(fld)} bytes with a {len(value)}-byte list"
+        c.found(Problem.MALFORMED_FIELD, key, fld, detail, Command(("HDEL", key, fld)))
+    else:
+        detail = f"{kind} key holding nothing"
+        c.found(Problem.EMPTY_FIELD, key, fld, detail, Command(("HDEL", key, fld)))
+    return False
+
+
+def _check_request_bucket(
+    c: _Checker, key: bytes, fields: dict[bytes, bytes], defined: set[bytes]
+) -> None:
+    lay = c.layout
+    for fld, value in fields.items():
+        if not _well_formed(c, key, fld, value, ID_WIDTH, "request"):
+            continue
+        ids = _ids(value)
+        kept = [i for i in dict.fromkeys(ids) if i in defined]
+        unknown = [i for i in ids if i not in defined]
+        home = lay.request_bucket(int.from_bytes(fld, "big"))
+        new_value = b"".join(kept)
+        write = (
+            [Command(("HDEL", key, fld))] if not kept else [Command(("HSET", key, fld, new_value))]
+        )
+        if unknown:
+            c.found(Problem.UNKNOWN_ID, key, fld, f"{len(unknown)} undefined ids", *write)
+        elif len(kept) != len(ids):
+            c.found(Problem.DUPLICATE_ID, key, fld, f"{len(ids) - len(kept)} ids repeated", *write)
+        if home != key:
+            move = [Command(("HDEL", key, fld))]
+            if kept:
+                move.insert(0, Command(("HSET", home, fld, new_value)))
+            c.found(Problem.MISPLACED_FIELD, key, fld, f"belongs in {_show(home)}", *move)
+
+
+def _check_engine_bucket(
+    c: _Checker, key: bytes, fields: dict[bytes, bytes]
+) -> list[tuple[bytes, bytes, list[bytes]]]:
+    """Check shapes; returns the well-formed mappings ``(field, value, request keys)`` to probe."""
+    lay = c.layout
+    probe = []
+    for fld, value in fields.items():
+        if not _well_formed(c, key, fld, value, HASH_WIDTH, "engine"):
+            continue
+        home = lay.engine_bucket(int.from_bytes(fld, "big"))
+        if home != key:
+            c.found(
+                Problem.MISPLACED_FIELD,
+                key,
+                fld,
+                f"belongs in {_show(home)}",
+                Command(("HSET", home, fld, value)),
+                Command(("HDEL", key, fld)),
+            )
+        probe.append((fld, value, _hashes(value)))
+    return probe
+
+
+def op_check(layout: Layout, repair: bool = False, progress: Progress = _noop) -> Op[CheckReport]:
+    """Verify every invariant of the layout (see the module docstring); with ``repair`` fix them.
+
+    Returns what was found (and repaired). ``progress(done, total)`` follows the bucket pages.
+    """
+    c = _Checker(layout, repair)
+    report = CheckReport(layout.namespace)
+    fixed = _fixed_keys(layout)
+    types = yield Pipeline(tuple(Command(("TYPE", k)) for k in fixed))
+    for key, t in zip(fixed, types, strict=True):
+        if _type(t) not in ("hash", "none"):
+            c.found(Problem.WRONG_TYPE, key, None, f"a {_type(t)}, not a hash: delete it")
+    dictionary = yield from op_dictionary(layout)
+    defined = _check_dictionary(c, dictionary)
+    keys = yield from op_namespace_keys(layout)
+    buckets = [k for k in keys if k not in fixed]
+    report.keys_checked = len(keys)
+    btypes: list[Any] = []
+    for chunk in _chunks(buckets, KEYS_PER_PIPELINE):
+        btypes += yield Pipeline(tuple(Command(("TYPE", k)) for k in chunk))
+    for key, t in zip(buckets, btypes, strict=True):
+        if _type(t) not in ("hash", "none"):
+            c.found(Problem.WRONG_TYPE, key, None, f"a {_type(t)}, not a bucket hash: delete it")
+    mappings: list[tuple[bytes, bytes, list[bytes]]] = []
+    map_keys: list[bytes] = []
+
+    def visit(key: bytes, fields: dict[bytes, bytes]) -> None:
+        if key.startswith(layout.rprefix):
+            _check_request_bucket(c, key, fields, defined)
+        else:
+            for m in _check_engine_bucket(c, key, fields):
+                mappings.append(m)
+                map_keys.append(key)
+
+    yield from op_read_hashes(buckets, visit, progress)
+    yield from _check_mappings(c, mappings, map_keys)
+    c.findings.extend(_expired_speculative(layout))
+    if c.fixes:
+        for fixes in _chunks(c.fixes, KEYS_PER_PIPELINE):
+            yield Pipeline(tuple(fixes))
+    report.findings = c.findings
+    return report
+
+
+def _check_mappings(
+    c: _Checker, mappings: list[tuple[bytes, bytes, list[bytes]]], keys: list[bytes]
+) -> Op[None]:
+    """Find engine mappings none of whose request keys exists (HEXISTS, pipelined)."""
+    lay = c.layout
+    probes = [(i, r) for i, (_f, _v, refs) in enumerate(mappings) for r in refs]
+    held = [False] * len(mappings)
+    for chunk in _chunks(probes, KEYS_PER_PIPELINE):
+        replies = yield Pipeline(
+            tuple(
+                Command(("HEXISTS", lay.request_bucket(int.from_bytes(r, "big")), r))
+                for _, r in chunk
+            )
+        )
+        for (i, _r), exists in zip(chunk, replies, strict=True):
+            held[i] = held[i] or bool(int(exists))
+    for (fld, _value, refs), key, ok in zip(mappings, keys, held, strict=True):
+        if not ok:
+            home = lay.engine_bucket(int.from_bytes(fld, "big"))
+            c.found(
+                Problem.DANGLING_MAPPING,
+                home,
+                fld,
+                f"none of its {len(refs)} request keys holds an entry",
+                Command(("HDEL", home, fld)),
+                *([Command(("HDEL", key, fld))] if key != home else []),
+            )
+
+
+def _expired_speculative(layout: Layout) -> list[Finding]:
+    """Speculative entries past their expiry: none can be stored yet, so nothing to find."""
+    return []
+
+
+# -- dump and restore ---------------------------------------------------------------------------
+
+
+def op_dump(
+    layout: Layout, write: Callable[[Mapping[str, Any]], None], progress: Progress = _noop
+) -> Op[int]:
+    """Export every key of the namespace as records ``{"key", "fields"}`` (see the CLI's dump).
+
+    ``key`` is the key name without the ``<ns>:`` prefix and ``fields`` a list of
+    ``[field, value]`` pairs, all hex-encoded bytes; a hash larger than
+    :data:`FIELDS_PER_CALL` fields is written as several records of the same key. The meta
+    record comes last. Returns the number of keys exported.
+    """
+    keys = yield from op_namespace_keys(layout)
+    prefix = len(layout.meta) - len(b"meta")
+    ordered = [k for k in keys if k != layout.meta] + [k for k in keys if k == layout.meta]
+    exported = 0
+
+    def visit(key: bytes, fields: dict[bytes, bytes]) -> None:
+        nonlocal exported
+        exported += 1
+        items = sorted(fields.items())
+        for chunk in _chunks(items, FIELDS_PER_CALL):
+            write({"key": key[prefix:].hex(), "fields": [[f.hex(), v.hex()] for f, v in chunk]})
+
+    yield from op_read_hashes(ordered, visit, progress)
+    return exported
+
+
+def op_restore(layout_prefix: bytes, records: Iterable[Mapping[str, Any]]) -> Op[int]:
+    """Write dump records under ``layout_prefix`` (``b"<ns>:"``); the meta record last.
+
+    Returns the number of fields written.
+    """
+    written = 0
+    meta: list[Command] = []
+    batch: list[Command] = []
+    for record in records:
+        key = layout_prefix + bytes.fromhex(record["key"])
+        flat: list[bytes] = []
+        for f, v in record["fields"]:
+            flat += [bytes.fromhex(f), bytes.fromhex(v)]
+        if not flat:
+            continue
+        command = Command(("HSET", key, *flat))
+        written += len(flat) // 2
+        (meta if record["key"] == b"meta".hex() else batch).append(command)
+        if len(batch) >= KEYS_PER_PIPELINE:
+            yield Pipeline(tuple(batch))
+            batch = []
+    if batch:
+        yield Pipeline(tuple(batch))
+    for command in meta:
+        yield command
+    return written
+
+
+# -- driving ------------------------------------------------------------------------------------
+
+
+class Inspector:
+    """Runs the ``op_*`` functions of this module against one server (the operator's client).
+
+    Uses the connection settings of ``config`` and the same retries and error translation as
+    the index: an unreachable server raises BackendUnavailableError naming the address.
+    """
+
+    def __init__(self, config: RedisIndexConfig) -> None:
+        self.config = config
+        self._exec = SyncExecutor(config)
+        self._session = Session(
+            CoreState(config.namespace, config.bucket_bits),
+            ScriptRegistry(),
+            RetryPolicy(config.retries, config.retry_backoff, config.server()),
+        )
+
+    def run(self, op: Op[T]) -> T:
+        """Run one operation to its end."""
+        return self._exec.run(op_drive(self._session, op))
+
+    def ping(self) -> None:
+        """Check that the server answers (BackendUnavailableError otherwise)."""
+        self.run(_op_ping())
+
+    def layout(self) -> Layout | None:
+        """The namespace's layout, or ``None`` if it does not exist."""
+        return self.run(op_read_layout(self.config.namespace))
+
+    def close(self) -> None:
+        """Close the connections."""
+        self._exec.close()
+
+    def __enter__(self) -> Inspector:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _op_ping() -> Op[None]:
+    yield Command(("PING",))

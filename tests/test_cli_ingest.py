@@ -1,0 +1,132 @@
+"""``kvredis ingest`` as an operator runs it: probes and metrics, hints, hosts, secrets."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import threading
+import uuid
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from kvredis.cli import cli
+from kvredis.ingest.events import BlockStored
+from tests.ingest.engine import FakeEngine, wait_until
+from tests.servers import free_port
+from tests.test_metrics import get as _get
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _sample(body: str, name: str) -> float | None:
+    for line in body.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+@pytest.mark.redis
+def test_metrics_port_serves_metrics_and_probes(redis_server_url: str) -> None:
+    from kvredis import RedisIndex, RedisIndexConfig
+
+    namespace = f"kvt-{uuid.uuid4().hex[:12]}"
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    with FakeEngine(topic="") as engine:
+        proc = subprocess.Popen(
+            [
+                sys.executable, "-m", "kvredis", "ingest",
+                "--endpoint", engine.endpoint, "--pod", "pod-a", "--model", "m",
+                "--redis", redis_server_url, "--namespace", namespace,
+                "--metrics-port", str(port), "--metrics-address", "127.0.0.1",
+            ],
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            wait_until(lambda: _get(base + "/healthz") == (200, "ok\n"), timeout=30)
+            engine.wait_subscribed(20)
+            wait_until(lambda: _get(base + "/readyz")[0] == 200, timeout=20)
+            body = _get(base + "/readyz")[1]
+            assert "redis: ok" in body and "endpoints: 1/1 connected" in body
+            engine.publish([BlockStored((1, 2), None, tuple(range(32)), 16)])
+
+            def stored() -> bool:
+                return (
+                    _sample(_get(base + "/metrics")[1], "kvredis_ingest_blocks_stored_total") == 2
+                )
+
+            wait_until(stored, timeout=20)
+            body = _get(base + "/metrics")[1]
+            assert _sample(body, "kvredis_ingest_batches_applied_total") == 1
+            assert _sample(body, 'kvcache_index_admissions_total{backend="redis"}') == 2
+            assert _sample(body, 'kvredis_ingest_rejects_total{reason="no_pod"}') == 0
+            assert _sample(body, "kvredis_ingest_endpoints_connected") == 1
+            assert _sample(body, 'kvredis_index_redis_round_trips_total{backend="redis"}')
+            assert "process_resident_memory_bytes" in body
+        finally:
+            proc.terminate()
+            _, err = proc.communicate(timeout=30)
+            with RedisIndex(RedisIndexConfig(address=redis_server_url, namespace=namespace)) as ix:
+                ix.drop_namespace()
+    assert proc.returncode == 0, err
+
+
+def test_empty_topic_without_pod_and_model_warns_and_fails(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with FakeEngine(topic="") as engine, caplog.at_level(logging.INFO):
+
+        def publish() -> None:
+            engine.wait_subscribed(20)
+            for _ in range(3):
+                engine.publish([BlockStored((1,), None, tuple(range(16)), 16)])
+
+        thread = threading.Thread(target=publish, daemon=True)
+        thread.start()
+        result = CliRunner().invoke(
+            cli,
+            [
+                "ingest",
+                "--endpoint",
+                engine.endpoint,
+                "--duration",
+                "2",
+                "--status-interval",
+                "0.2",
+            ],
+        )
+        thread.join(20)
+    assert "has no --pod or --model" in caplog.text
+    assert result.exit_code == 1, result.output
+    assert "give --pod and --model after each --endpoint" in result.output
+
+
+def test_unresolvable_endpoint_host_is_an_error() -> None:
+    result = CliRunner().invoke(cli, ["ingest", "--endpoint", "tcp://no-such-host.invalid:5557"])
+    assert result.exit_code == 2
+    assert "does not resolve" in result.output and "--endpoint" in result.output
+
+
+def test_bad_namespace_is_blamed_on_namespace() -> None:
+    result = CliRunner().invoke(
+        cli, ["ingest", "--endpoint", "tcp://127.0.0.1:1", "--namespace", "kv:r:x"]
+    )
+    assert result.exit_code == 2
+    assert "'--namespace'" in result.output and "--redis" not in result.output
+
+
+@pytest.mark.redis
+def test_password_is_masked_in_ingest_output(redis_server_url: str) -> None:
+    url = redis_server_url.replace("redis://", "redis://:topsecret9@")
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "kvredis", "ingest", "-v", "--endpoint", "tcp://127.0.0.1:1",
+            "--pod", "p", "--model", "m", "--redis", url, "--duration", "0.2",
+        ],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert "topsecret9" not in proc.stdout + proc.stderr
+    assert "***" in proc.stderr

@@ -1,0 +1,343 @@
+"""The operator's commands against a real redis-server: click's runner and a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from click.testing import CliRunner
+
+from kvredis import RedisIndex, RedisIndexConfig
+from kvredis.batch import AddOp, Watermark
+from kvredis.cli import cli
+from kvredis.hashing import ChunkedTokenDatabase, TokenProcessorConfig
+from kvredis.ingest.stream import stream_position
+from kvredis.redis.layout import Layout
+from kvredis.types import PodEntry
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKENS = list(range(1, 13))
+A, B, C = PodEntry("pod-a", "gpu"), PodEntry("pod-b", "cpu"), PodEntry("pod-c", "gpu")
+
+
+def block_keys(tokens: list[int] = TOKENS) -> list[int]:
+    db = ChunkedTokenDatabase(TokenProcessorConfig(block_size_tokens=4))
+    return db.tokens_to_kv_block_keys(0, tokens, "m")
+
+
+@pytest.fixture
+def populated(redis_server_url: str, namespace: str) -> Iterator[RedisIndex]:
+    """A namespace with three pods on two tiers, engine mappings and a watermark."""
+    index = RedisIndex(RedisIndexConfig(address=redis_server_url, namespace=namespace))
+    keys = block_keys()
+    index.add([101, 102, 103], keys, [A])
+    index.add(None, keys[:2], [B])
+    index.apply_batch([AddOp(None, (keys[0],), (C,))], "pod-c", Watermark(3, stream_position(7)))
+    try:
+        yield index
+    finally:
+        index.drop_namespace()
+        index.close()
+
+
+def run(url: str, namespace: str, *args: str, input: str | None = None) -> tuple[int, str]:
+    result = CliRunner().invoke(cli, [*args, "--redis", url, "--namespace", namespace], input=input)
+    return result.exit_code, result.output
+
+
+def run_json(url: str, namespace: str, *args: str) -> object:
+    code, out = run(url, namespace, *args, "--json")
+    assert code == 0, out
+    return json.loads(out)
+
+
+def test_stats_and_pods(populated: RedisIndex, redis_server_url: str, namespace: str) -> None:
+    stats = run_json(redis_server_url, namespace, "stats")
+    assert isinstance(stats, dict)
+    assert stats["request_keys"] == 3 and stats["pairs"] == 6
+    assert stats["engine_keys"] == 3 and stats["engine_mappings"] == 3
+    assert stats["dictionary_entries"] == 3 and stats["watermarks"] == 1
+    assert stats["pods"] == {"pod-a": {"gpu": 3}, "pod-b": {"cpu": 2}, "pod-c": {"gpu": 1}}
+    assert stats["bytes_used"] > 0
+    assert stats["server"]["kind"] == "redis" and stats["server"]["maxmemory_policy"]
+    code, out = run(redis_server_url, namespace, "stats")
+    assert code == 0 and "(key, entry) pairs" in out and "pod-b" in out
+    assert run_json(redis_server_url, namespace, "pods") == stats["pods"]
+
+
+def test_lookup_and_score(populated: RedisIndex, redis_server_url: str, namespace: str) -> None:
+    common = ("--model", "m", "--block-size", "4")
+    found = run_json(
+        redis_server_url, namespace, "lookup", *common, "--tokens", "1 2 3 4 5 6 7 8 9 10 11 12"
+    )
+    assert found == {
+        "blocks": 3,
+        "keys_found": 3,
+        "pods": {
+            "pod-a": {"blocks": 3, "tokens": 12, "tiers": ["gpu"]},
+            "pod-b": {"blocks": 2, "tokens": 8, "tiers": ["cpu"]},
+            "pod-c": {"blocks": 1, "tokens": 4, "tiers": ["gpu"]},
+        },
+    }
+    code, out = run(
+        redis_server_url,
+        namespace,
+        "score",
+        *common,
+        "--tokens",
+        "-",
+        "--json",
+        input=",".join(map(str, TOKENS)),
+    )
+    assert code == 0, out
+    scores = json.loads(out)
+    assert scores["blocks"] == 3 and next(iter(scores["scores"])) == "pod-a"
+    assert scores["scores"] == populated.score(block_keys())
+    weighted = run_json(
+        redis_server_url,
+        namespace,
+        "score",
+        *common,
+        "--tokens",
+        "1,2,3,4,5,6,7,8",
+        "--weight",
+        "cpu=0.5",
+    )
+    assert isinstance(weighted, dict)
+    assert weighted["scores"] == populated.score(block_keys()[:2], {"cpu": 0.5})
+
+
+def test_tokens_from_a_file(
+    populated: RedisIndex, redis_server_url: str, namespace: str, tmp_path: Path
+) -> None:
+    path = tmp_path / "prompt.txt"
+    path.write_text(json.dumps(TOKENS))
+    found = run_json(
+        redis_server_url,
+        namespace,
+        "lookup",
+        "--model",
+        "m",
+        "--block-size",
+        "4",
+        "--tokens-file",
+        str(path),
+        "--pod",
+        "pod-b",
+    )
+    assert isinstance(found, dict) and list(found["pods"]) == ["pod-b"]
+
+
+def test_clear_asks_then_removes(
+    populated: RedisIndex, redis_server_url: str, namespace: str
+) -> None:
+    code, out = run(redis_server_url, namespace, "clear", "--pod", "pod-a", input="n\n")
+    assert code == 1 and "Aborted" in out
+    assert populated.lookup(block_keys(), {"pod-a"})
+    code, out = run(redis_server_url, namespace, "clear", "--pod", "pod-a", input="y\n")
+    assert code == 0 and "removed 3 (key, entry) pairs of pod 'pod-a'" in out
+    assert run_json(redis_server_url, namespace, "clear", "--pod", "pod-b", "--yes") == {
+        "pod": "pod-b",
+        "removed": 2,
+    }
+    assert not populated.lookup(block_keys(), {"pod-a", "pod-b"})
+
+
+def test_watermarks_decoded_and_reset(
+    populated: RedisIndex, redis_server_url: str, namespace: str
+) -> None:
+    assert run_json(redis_server_url, namespace, "watermarks") == {
+        "pod-c": {"epoch": 3, "seq": 7, "phase": "done", "stored": f"3:{stream_position(7)}"}
+    }
+    code, out = run(redis_server_url, namespace, "watermarks", "--reset", "nope", "--yes")
+    assert code == 2 and "no watermark for stream 'nope'" in out
+    code, out = run(redis_server_url, namespace, "watermarks", "--reset", "pod-c", "--yes")
+    assert code == 0 and "no watermarks stored" in out
+    assert populated.get_watermark("pod-c") is None
+
+
+def _plant(client: redis.Redis, layout: Layout) -> None:
+    """Break one invariant of each kind."""
+    rbuckets = sorted(client.scan_iter(match=layout.request_pattern()))
+    ebuckets = sorted(client.scan_iter(match=layout.engine_pattern()))
+    suffix = rbuckets[0][len(layout.rprefix) :]
+    client.hset(rbuckets[0], b"\x01" * (8 - len(suffix)) + suffix, b"")  # empty field
+    client.hset(rbuckets[0], b"\x02" * (8 - len(suffix)) + suffix, b"\x00\x00\x00\x63")  # unknown
+    client.hset(rbuckets[1], b"\x44" * 8, b"\x00\x00\x00\x01")  # misplaced
+    esuffix = ebuckets[0][len(layout.eprefix) :]
+    client.hset(ebuckets[0], b"\x03" * (8 - len(esuffix)) + esuffix, b"\x05" * 8)  # dangling
+    enc = next(iter(client.hgetall(layout.pe)))
+    client.hdel(layout.pe, enc)  # pe lost an entry
+    client.hset(layout.pi, b"\x00\x00\x00\x50", b"junk")  # undecodable
+    client.hset(layout.pp, "pod-a", client.hget(layout.pp, "pod-a") + b"\x00\x00\x00\x51")
+
+
+def test_check_finds_and_repairs_planted_corruption(
+    populated: RedisIndex, redis_server_url: str, namespace: str
+) -> None:
+    clean = run_json(redis_server_url, namespace, "check")
+    assert isinstance(clean, dict) and clean["ok"] and clean["findings"] == []
+    before = populated.lookup(block_keys())
+    _plant(populated.client, populated._session.state.layout)
+    code, out = run(redis_server_url, namespace, "check")
+    assert code == 1
+    code, out = run(redis_server_url, namespace, "check", "--json")
+    assert code == 1
+    report = json.loads(out)
+    assert report["counts"] == {
+        "dangling_mapping": 1,
+        "empty_field": 1,
+        "misplaced_field": 1,
+        "missing_pe": 1,
+        "pod_record_stray": 1,
+        "undecodable_entry": 1,
+        "unknown_id": 1,
+    }
+    assert not any(f["repaired"] for f in report["findings"])
+    code, out = run(redis_server_url, namespace, "check", "--repair")
+    assert code == 0, out
+    assert "7 problems found, 7 repaired" in out
+    assert run_json(redis_server_url, namespace, "check")["findings"] == []  # type: ignore[index]
+    assert populated.lookup(block_keys()) == before
+
+
+def test_dump_restore_round_trips_exactly(
+    populated: RedisIndex, redis_server_url: str, namespace: str, tmp_path: Path
+) -> None:
+    client = populated.client
+    layout = populated._session.state.layout
+    prefix = layout.meta[: -len(b"meta")]
+
+    def snapshot(pre: bytes) -> dict[bytes, dict[bytes, bytes]]:
+        keys = [k for k in client.scan_iter(match=pre + b"*")]
+        return {k[len(pre) :]: client.hgetall(k) for k in keys}
+
+    original = snapshot(prefix)
+    path = tmp_path / "dump.jsonl.gz"
+    code, out = run(redis_server_url, namespace, "dump", str(path))
+    assert code == 0, out
+    other = f"kvt-{uuid.uuid4().hex[:12]}"
+    code, out = run(redis_server_url, other, "restore", str(path))
+    assert code == 0, out
+    try:
+        assert snapshot(f"{other}:".encode()) == original
+        with RedisIndex(RedisIndexConfig(address=redis_server_url, namespace=other)) as copy:
+            keys = block_keys()
+            assert copy.lookup(keys) == populated.lookup(keys)
+            assert copy.get_watermark("pod-c") == populated.get_watermark("pod-c")
+        code, out = run(redis_server_url, other, "restore", str(path))
+        assert code == 1 and "--replace" in out
+        populated.drop_namespace()
+        dumped = CliRunner().invoke(
+            cli, ["dump", "-", "--redis", redis_server_url, "--namespace", other]
+        )
+        assert dumped.exit_code == 0 and f"dumped {len(original)} keys" in dumped.stderr
+        code, out = run(redis_server_url, namespace, "restore", "-", input=dumped.stdout)
+        assert code == 0, out
+        assert snapshot(prefix) == original
+    finally:
+        for key in client.scan_iter(match=f"{other}:*"):
+            client.delete(key)
+
+
+def test_truncated_dump_is_refused(
+    populated: RedisIndex, redis_server_url: str, namespace: str, tmp_path: Path
+) -> None:
+    path = tmp_path / "dump.jsonl"
+    assert run(redis_server_url, namespace, "dump", str(path))[0] == 0
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines[:-1]) + "\n")
+    code, out = run(redis_server_url, f"kvt-{uuid.uuid4().hex[:12]}", "restore", str(path))
+    assert code == 2 and "truncated" in out
+
+
+def test_missing_namespace_and_bad_namespace(redis_server_url: str) -> None:
+    code, out = run(redis_server_url, "never-created", "stats")
+    assert code == 1 and "namespace 'never-created' does not exist" in out
+    client = redis.Redis.from_url(redis_server_url)
+    assert not client.exists("never-created:meta")
+    code, out = run(redis_server_url, "a:r:b", "pods")
+    assert code == 2 and "Invalid value for '--namespace'" in out
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["stats"],
+        ["ingest", "--endpoint", "tcp://127.0.0.1:1", "--pod", "p", "--model", "m"],
+        ["demo", "--pods", "1"],
+    ],
+    ids=["stats", "ingest", "demo"],
+)
+def test_not_redis_is_one_line_error(command: list[str]) -> None:
+    import http.server
+    import threading
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"redis://127.0.0.1:{server.server_address[1]}"
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvredis", *command, "--redis", url],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=60,
+        )
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), proc.stderr
+    assert f"127.0.0.1:{server.server_address[1]}" in lines[0]
+
+
+def test_password_from_env_never_shown(redis_server_url: str) -> None:
+    env = dict(
+        os.environ, KVREDIS_REDIS_PASSWORD="hunter2@x", KVREDIS_REDIS_URL="redis://127.0.0.1:1"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvredis", "-v", "stats", "--log-level", "debug"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=60,
+    )
+    assert proc.returncode == 1
+    assert "hunter2" not in proc.stderr + proc.stdout
+    assert "cannot reach redis at redis://127.0.0.1:1" in proc.stderr
+    url = "redis://:s3cret@127.0.0.1:1"
+    code, out = run(url, "kvblock", "pods")
+    assert code == 1 and "s3cret" not in out and "***" in out
+
+
+def test_subprocess_and_version(
+    populated: RedisIndex, redis_server_url: str, namespace: str
+) -> None:
+    env = dict(os.environ, KVREDIS_REDIS_URL=redis_server_url, KVREDIS_NAMESPACE=namespace)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvredis", "pods", "--json"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["pod-a"] == {"gpu": 3}
+    from kvredis import __version__
+
+    version = subprocess.run(
+        [sys.executable, "-m", "kvredis", "--version"], capture_output=True, text=True, cwd=ROOT
+    )
+    assert version.returncode == 0 and __version__ in version.stdout
