@@ -110,6 +110,16 @@ def test_unresolvable_endpoint_host_is_an_error() -> None:
     assert "does not resolve" in result.output and "--endpoint" in result.output
 
 
+@pytest.mark.parametrize(
+    "spec", ['[1]', '{"mediums": {"GPU": ""}}', '{"tiers": {}}', "@/no/such/file.json", "{"]
+)
+def test_bad_tier_map_is_an_error(spec: str) -> None:
+    result = CliRunner().invoke(
+        cli, ["ingest", "--tier-map", spec, "--endpoint", "tcp://127.0.0.1:1", "--pod", "p"]
+    )
+    assert result.exit_code == 2 and "--tier-map" in result.output
+
+
 def test_bad_namespace_is_blamed_on_namespace() -> None:
     result = CliRunner().invoke(
         cli, ["ingest", "--endpoint", "tcp://127.0.0.1:1", "--namespace", "kv:r:x"]

@@ -362,21 +362,21 @@ def check(
 
 
 def _decode_watermark(value: str) -> dict[str, Any]:
+    from kvredis.errors import NamespaceLayoutError
     from kvredis.ingest.stream import PHASE_DONE, split_position
+    from kvredis.redis.ops import decode_watermark
 
-    epoch, sep, position = value.partition(":")
     try:
-        if not sep:
-            raise ValueError(value)
-        seq, phase = split_position(int(position))
-        return {
-            "epoch": int(epoch),
-            "seq": seq,
-            "phase": "done" if phase == PHASE_DONE else phase,
-            "stored": value,
-        }
-    except ValueError:
+        mark = decode_watermark(value.encode("utf-8", "surrogateescape"))
+        seq, phase = split_position(mark.seq)
+    except (NamespaceLayoutError, ValueError):
         return {"epoch": None, "seq": None, "phase": None, "stored": value}
+    return {
+        "epoch": mark.epoch,
+        "seq": seq,
+        "phase": "done" if phase == PHASE_DONE else phase,
+        "stored": value,
+    }
 
 
 @_command("kvredis watermarks --reset vllm-7f9c-0 --yes")

@@ -11,6 +11,7 @@ describe that publisher::
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import signal
@@ -37,6 +38,7 @@ from kvredis.index import Closeable, Index
 from kvredis.ingest.config import EndpointConfig, IngesterConfig
 from kvredis.ingest.counters import Counter
 from kvredis.ingest.service import EventIngester
+from kvredis.tiers import DEFAULT_TIERS, TierMap
 
 if TYPE_CHECKING:
     from kvredis.redis.index import RedisIndex
@@ -251,6 +253,22 @@ def _is_redis(index: Index) -> TypeGuard[RedisIndex]:
     return isinstance(index, RedisIndex)
 
 
+def _tier_map(spec: str | None) -> TierMap:
+    """``--tier-map``: a JSON object, or ``@FILE`` holding one."""
+    if spec is None:
+        return DEFAULT_TIERS
+    try:
+        if spec.startswith("@"):
+            with open(spec[1:], encoding="utf-8") as f:
+                spec = f.read()
+        data = json.loads(spec)
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+        return TierMap.from_dict(data)
+    except (OSError, ValueError, ConfigError) as exc:
+        raise click.BadParameter(str(exc), param_hint="--tier-map") from None
+
+
 @click.command(cls=_IngestCommand, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option(
     "--endpoint",
@@ -332,6 +350,13 @@ def _is_redis(index: Index) -> TypeGuard[RedisIndex]:
     show_default=True,
     help="Address the --metrics-port server listens on.",
 )
+@click.option(
+    "--tier-map",
+    default=None,
+    metavar="JSON|@FILE",
+    help='Medium to device tier, e.g. \'{"mediums": {"CPU_PINNED": "cpu"}, "defaultTier": "gpu"}\' '
+    "(extends the defaults; @FILE reads it from a file).",
+)
 @click.pass_context
 @handle_errors
 def ingest(
@@ -354,6 +379,7 @@ def ingest(
     no_watermarks: bool,
     metrics_port: int | None,
     metrics_address: str,
+    tier_map: str | None,
 ) -> None:
     """Subscribe to engines' KV-cache events (vLLM, SGLang) and apply them to the index.
 
@@ -389,7 +415,9 @@ def ingest(
         ProcessCollector(registry=registry)
         PlatformCollector(registry=registry)
         index = InstrumentedIndex(index, registry=registry)
-    config = IngesterConfig(workers=workers, use_watermarks=not no_watermarks)
+    config = IngesterConfig(
+        workers=workers, use_watermarks=not no_watermarks, tiers=_tier_map(tier_map)
+    )
     ingester = EventIngester(index, processor, configs, config)
     if registry is not None and metrics_port is not None:
         from kvredis.ingest.metrics import IngestMetrics

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvredis.errors import ConfigError
 from kvredis.jsonconfig import check_number
+from kvredis.tiers import DEFAULT_TIERS, TierMap
 
 __all__ = ["EndpointConfig", "IngesterConfig"]
 
@@ -91,6 +92,8 @@ class IngesterConfig:
     """Backoff cap while the index backend is unavailable (batches are retried, not dropped)."""
     reject_log_interval_s: float = 10.0
     """Rejections of one reason are logged at most once per interval (all are counted)."""
+    tiers: TierMap = field(default=DEFAULT_TIERS)
+    """How an event's medium, locality and ownership become an entry's device tier."""
 
     def __post_init__(self) -> None:
         for name in (

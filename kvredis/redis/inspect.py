@@ -47,7 +47,7 @@ from kvredis.errors import NamespaceLayoutError
 from kvredis.redis.codec import HASH_WIDTH, ID_WIDTH, bytes_text, decode_entry
 from kvredis.redis.config import RedisIndexConfig
 from kvredis.redis.executor import SyncExecutor
-from kvredis.redis.layout import Layout, meta_key
+from kvredis.redis.layout import PI_RECORD_FIELDS, Layout, meta_key
 from kvredis.redis.ops import RetryPolicy, Session, op_drive
 from kvredis.redis.requests import Command, Op, Pipeline
 from kvredis.redis.scripts import ScriptRegistry
@@ -120,7 +120,7 @@ def op_scan(pattern: bytes, count: int = KEYS_PER_PIPELINE) -> Op[list[bytes]]:
 
 
 def _fixed_keys(layout: Layout) -> list[bytes]:
-    return [layout.meta, layout.pe, layout.pi, layout.pp, layout.wm]
+    return [layout.meta, layout.pe, layout.pi, layout.pp, layout.wm, layout.wp]
 
 
 def op_namespace_keys(layout: Layout) -> Op[list[bytes]]:
@@ -220,6 +220,8 @@ def op_dictionary(layout: Layout) -> Op[Dictionary]:
     """Read the entry dictionary (``pe``, ``pi``, ``pp``) with HSCAN."""
     pe = yield from op_hscan(layout.pe)
     pi = yield from op_hscan(layout.pi)
+    for name in PI_RECORD_FIELDS:
+        pi.pop(name, None)
     pp = yield from op_hscan(layout.pp)
     return Dictionary(pe, pi, pp)
 

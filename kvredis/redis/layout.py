@@ -38,6 +38,9 @@ LAYOUT_VERSION = "kvredis-kvblock/1"
 DEFAULT_BUCKET_BITS = 16
 MIN_BUCKET_BITS = 1
 MAX_BUCKET_BITS = 24
+#: The fields of ``<ns>:pi`` that are not entry ids: the copy of ``next_id`` and ``bucket_bits``
+#: from which a lost ``<ns>:meta`` heals. Entry ids are 4 bytes, so they never collide.
+PI_RECORD_FIELDS = (b"next_id", b"bucket_bits")
 
 
 def bucket_of(value: int, bits: int) -> int:

@@ -610,14 +610,26 @@ def op_get_watermark(state: CoreState, stream: str) -> Op[Watermark | None]:
     reply = yield Command(("HGET", state.layout.wm, text_bytes(name)))
     if reply is None:
         return None
-    epoch, sep, rest = bytes(reply).partition(b":")
-    seq = rest.split(b":", 1)[0]  # "epoch:seq:token" (the token of the call that applied it)
+    try:
+        return decode_watermark(bytes(reply))
+    except NamespaceLayoutError as exc:
+        raise NamespaceLayoutError(f"{exc} for stream {name!r}") from None
+
+
+def decode_watermark(stored: bytes) -> Watermark:
+    """A watermark as stored in ``<ns>:wm``: ``"epoch:seq"`` or ``"epoch:seq:token"``.
+
+    The token names the call that applied it; raises :class:`NamespaceLayoutError` on
+    anything else.
+    """
+    epoch, sep, rest = stored.partition(b":")
+    seq = rest.split(b":", 1)[0]
     try:
         if not sep:
             raise ValueError("no separator")
         return Watermark(int(epoch), int(seq))
     except (ValueError, InvalidInputError) as exc:
-        raise NamespaceLayoutError(f"malformed watermark {reply!r} for stream {name!r}") from exc
+        raise NamespaceLayoutError(f"malformed watermark {stored!r}") from exc
 
 
 def op_reset_watermark(state: CoreState, stream: str, watermark: Watermark | None) -> Op[None]:

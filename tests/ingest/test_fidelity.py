@@ -23,8 +23,9 @@ from kvredis.features import (
 )
 from kvredis.hashing import ChunkedTokenDatabase, TokenProcessorConfig
 from kvredis.indexer import Indexer
-from kvredis.ingest import EndpointConfig, EventIngester
+from kvredis.ingest import EndpointConfig, EventIngester, IngesterConfig
 from kvredis.scoring import LongestPrefixScorer
+from kvredis.tiers import TierMap
 from kvredis.types import PodEntry
 from tests.ingest.engine import FakeEngine, wait_until
 from tests.ingest.wire import (
@@ -248,6 +249,20 @@ def test_remote_copies_are_their_own_entries(index: Any) -> None:
     removed = vllm_removed([1, 2], medium="STORAGE", locality="REMOTE", group_idx=0)
     ingest(index, [vllm_batch([removed])], ing=ing)
     assert set(index.lookup(keys)[keys[0]]) == {local_entry}
+
+
+def test_ingester_config_carries_the_tier_map(index: Any) -> None:
+    tiers = TierMap.from_dict({"mediums": {"STORAGE": "disk"}, "defaultTier": "hbm"})
+    ing = EventIngester(index, TP16, config=IngesterConfig(tiers=tiers))
+    tokens = PROMPT[:32]
+    plain = vllm_stored([1, 2], None, tokens, 16, medium=None, group_idx=0)
+    stored = vllm_stored([3, 4], None, tokens, 16, medium="STORAGE", group_idx=0)
+    ingest(index, [vllm_batch([plain, stored])], ing=ing)
+    keys = TP16.tokens_to_kv_block_keys(0, tokens, MODEL)
+    assert set(index.lookup(keys)[keys[0]]) == {
+        PodEntry("pod-a", "hbm", has_group=True, group_idx=0),
+        PodEntry("pod-a", "disk", has_group=True, group_idx=0),
+    }
 
 
 def test_remote_block_scores_below_a_local_one(index: Any) -> None:
