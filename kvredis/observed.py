@@ -150,13 +150,39 @@ def _instance(cls: type[W], index: object, table: Sequence[tuple[type, type]]) -
     return cast(W, object.__new__(_composed(cast(type, cls), mixins)))
 
 
+class _Wrapper:
+    """What the sync and async wrappers share: the wrapped index, its observer and label."""
+
+    __slots__ = ("_backend", "_observer", "_progress_clear", "_wrapped")
+    _wrapped: Any
+    _observer: Observer
+    _backend: str
+    _progress_clear: bool
+
+    def _wrap(
+        self, next: Any, observer: Observer, backend: str | None, progress_clear: type
+    ) -> None:
+        self._wrapped = next
+        self._observer = observer
+        self._backend = backend or backend_label(next)
+        self._progress_clear = isinstance(next, progress_clear)
+
+    @property
+    def wrapped(self) -> Any:
+        """The index this wrapper calls."""
+        return self._wrapped
+
+    @property
+    def backend(self) -> str:
+        """The ``backend`` label of the wrapped index (see :func:`backend_label`)."""
+        return self._backend
+
+
 # -- sync --------------------------------------------------------------------------------------
 
 
-class _Sync:
+class _Sync(_Wrapper):
     __slots__ = ()
-    _wrapped: Any
-    _observer: Observer
 
     def _run(self, call: Call, fn: Callable[[], T]) -> T:
         observation = self._observer.begin(call)
@@ -264,26 +290,13 @@ class ObservedIndex(_Sync):
     ``clear_with_progress``, so the observer learns how many entries were removed.
     """
 
-    __slots__ = ("__weakref__", "_backend", "_observer", "_progress_clear", "_wrapped")
+    __slots__ = ("__weakref__",)
 
     def __new__(cls, next: object, *args: Any, **kwargs: Any) -> ObservedIndex:
         return _instance(cls, next, _SYNC_CAPABILITIES)
 
     def __init__(self, next: Any, observer: Observer, *, backend: str | None = None) -> None:
-        self._wrapped = next
-        self._observer = observer
-        self._backend = backend or backend_label(next)
-        self._progress_clear = isinstance(next, ProgressClearIndex)
-
-    @property
-    def wrapped(self) -> Any:
-        """The index this wrapper calls."""
-        return self._wrapped
-
-    @property
-    def backend(self) -> str:
-        """The ``backend`` label of the wrapped index (see :func:`backend_label`)."""
-        return self._backend
+        self._wrap(next, observer, backend, ProgressClearIndex)
 
     def lookup(
         self, request_keys: Keys, pod_identifier_set: Pods = None
@@ -329,10 +342,8 @@ class _AsyncClosing(Protocol):
     async def aclose(self) -> None: ...
 
 
-class _Async:
+class _Async(_Wrapper):
     __slots__ = ()
-    _wrapped: Any
-    _observer: Observer
 
     async def _arun(self, call: Call, fn: Callable[[], Awaitable[T]]) -> T:
         observation = self._observer.begin(call)
@@ -449,26 +460,13 @@ class AsyncObservedIndex(_Async):
     ``clear_with_progress``, ``drop_namespace``, ``aclose`` and ``async with``).
     """
 
-    __slots__ = ("__weakref__", "_backend", "_observer", "_progress_clear", "_wrapped")
+    __slots__ = ("__weakref__",)
 
     def __new__(cls, next: object, *args: Any, **kwargs: Any) -> AsyncObservedIndex:
         return _instance(cls, next, _ASYNC_CAPABILITIES)
 
     def __init__(self, next: Any, observer: Observer, *, backend: str | None = None) -> None:
-        self._wrapped = next
-        self._observer = observer
-        self._backend = backend or backend_label(next)
-        self._progress_clear = isinstance(next, AsyncProgressClearIndex)
-
-    @property
-    def wrapped(self) -> Any:
-        """The index this wrapper calls."""
-        return self._wrapped
-
-    @property
-    def backend(self) -> str:
-        """The ``backend`` label of the wrapped index (see :func:`backend_label`)."""
-        return self._backend
+        self._wrap(next, observer, backend, AsyncProgressClearIndex)
 
     async def lookup(
         self, request_keys: Keys, pod_identifier_set: Pods = None
