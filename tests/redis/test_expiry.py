@@ -1,4 +1,4 @@
-"""Speculative entries with a ttl in Redis: reclaimed by the write scripts, memory back to baseline."""
+"""Speculative entries with a ttl in Redis: reclaimed by the writes, memory back to baseline."""
 
 from __future__ import annotations
 
