@@ -38,13 +38,6 @@ local function expiry_filter(sx)
   end
 end
 
--- Remove members from the sorted set sx, in chunks.
-local function zrem(sx, members)
-  for i = 1, #members, CHUNK do
-    redis.call('ZREM', sx, unpack(members, i, math.min(i + CHUNK - 1, #members)))
-  end
-end
-
 -- The due members of sx (at most SWEEP_PER_CALL), read-only.
 local function due_pairs(sx, now)
   return redis.call('ZRANGEBYSCORE', sx, '-inf', tostring(now), 'LIMIT', 0, SWEEP_PER_CALL)

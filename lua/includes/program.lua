@@ -198,10 +198,8 @@ local function run_program(k, program, cap, ttl)
   end
   if #new > 0 then define_entries(k, new, new_ids, next_id, pod_lists) end
   flush_stage(st)
-  if #due > 0 then zrem(ttl.sx, due) end
-  if #undated > 0 then zrem(ttl.sx, undated) end
-  for i = 1, #deadlines, CHUNK do
-    redis.call('ZADD', ttl.sx, unpack(deadlines, i, math.min(i + CHUNK - 1, #deadlines)))
-  end
+  if #due > 0 then call_chunked('ZREM', ttl.sx, due) end
+  if #undated > 0 then call_chunked('ZREM', ttl.sx, undated) end
+  if #deadlines > 0 then call_chunked('ZADD', ttl.sx, deadlines) end
   return removed
 end
