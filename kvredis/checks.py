@@ -6,6 +6,7 @@ which are part of the contract every backend keeps.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Iterable, Sequence
 
 from kvredis.errors import InvalidInputError
@@ -76,6 +77,28 @@ def check_add(
     return eng, req, check_entries(entries, for_add=True)
 
 
+#: Longest TTL of a speculative entry, in seconds (30 days).
+MAX_TTL = 30 * 24 * 3600.0
+
+
+def check_ttl(ttl: object, entries: Sequence[PodEntry]) -> float | None:
+    """Validate the ``ttl`` of ``Index.add``: ``None``, or seconds (finite, > 0, at most
+    :data:`MAX_TTL`) for entries that are all speculative (confirmed entries never expire)."""
+    if ttl is None:
+        return None
+    if isinstance(ttl, bool) or not isinstance(ttl, int | float):
+        raise InvalidInputError(f"ttl must be a number of seconds or None, got {ttl!r}")
+    value = float(ttl)
+    if not math.isfinite(value) or value <= 0 or value > MAX_TTL:
+        raise InvalidInputError(f"ttl must be finite, > 0 and at most {MAX_TTL:g} s, got {ttl!r}")
+    for entry in entries:
+        if not entry.speculative:
+            raise InvalidInputError(
+                f"ttl given for the confirmed entry {entry!r}: only speculative entries expire"
+            )
+    return value
+
+
 def check_key_type(key_type: object) -> KeyType:
     """Validate an evict key type."""
     if not isinstance(key_type, KeyType):
@@ -88,9 +111,7 @@ def check_key_type(key_type: object) -> KeyType:
 def check_pod_identifier(pod_identifier: object) -> str:
     """Validate the pod identifier of ``Index.clear``: a non-empty str."""
     if not isinstance(pod_identifier, str) or not pod_identifier:
-        raise InvalidInputError(
-            f"pod_identifier must be a non-empty str, got {pod_identifier!r}"
-        )
+        raise InvalidInputError(f"pod_identifier must be a non-empty str, got {pod_identifier!r}")
     return pod_identifier
 
 

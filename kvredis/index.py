@@ -65,8 +65,16 @@ class Index(Protocol):
         engine_keys: Sequence[int] | None,
         request_keys: Sequence[int],
         entries: Sequence[PodEntry],
+        *,
+        ttl: float | None = None,
     ) -> None:
-        """Store every entry under every request key; map engine keys to request keys."""
+        """Store every entry under every request key; map engine keys to request keys.
+
+        ``ttl`` (seconds, finite, > 0; speculative entries only, else ``InvalidInputError``)
+        makes the added entries expire by themselves: after it they are never returned, and
+        their memory is reclaimed without an outside process. A confirmed entry of a pod
+        replaces that pod's speculative entries under the same key.
+        """
         ...
 
     def evict(self, key: int, key_type: KeyType, entries: Sequence[PodEntry]) -> None:
@@ -95,6 +103,8 @@ class AsyncIndex(Protocol):
         engine_keys: Sequence[int] | None,
         request_keys: Sequence[int],
         entries: Sequence[PodEntry],
+        *,
+        ttl: float | None = None,
     ) -> None: ...
 
     async def evict(self, key: int, key_type: KeyType, entries: Sequence[PodEntry]) -> None: ...

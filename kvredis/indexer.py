@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 
+from kvredis.checks import check_ttl
 from kvredis.features import BlockExtraFeatures
 from kvredis.hashing import TokenProcessor
 from kvredis.index import Index, ScoringIndex
 from kvredis.scoring import LongestPrefixScorer
-from kvredis.types import EMPTY_BLOCK_HASH
+from kvredis.types import EMPTY_BLOCK_HASH, PodEntry
 
 
 class Indexer:
@@ -70,6 +71,27 @@ class Indexer:
         return self._token_processor.tokens_to_kv_block_keys(
             EMPTY_BLOCK_HASH, tokens, model_name, extra_features, cache_salt=cache_salt
         )
+
+    def add_speculative(
+        self,
+        tokens: Sequence[int],
+        model_name: str,
+        pod_identifier: str,
+        ttl: float,
+        extra_features: Sequence[BlockExtraFeatures | None] | None = None,
+        *,
+        cache_salt: str | None = None,
+    ) -> list[int]:
+        """Record that ``pod_identifier`` will soon hold the blocks of ``tokens`` (a request just
+        routed to it): a speculative entry, without tier or engine keys, under every request
+        key, expiring after ``ttl`` seconds unless the engine's event confirms it first.
+        Returns the request keys (``[]`` for a prompt shorter than one block)."""
+        entry = PodEntry(pod_identifier, speculative=True)
+        check_ttl(ttl, [entry])
+        keys = self.compute_block_keys(tokens, model_name, extra_features, cache_salt=cache_salt)
+        if keys:
+            self._index.add(None, keys, [entry], ttl=ttl)
+        return keys
 
     def score_tokens(
         self,

@@ -17,7 +17,9 @@ Two backends share one implementation and differ only in how they bound their me
 
 from __future__ import annotations
 
+import heapq
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -32,6 +34,7 @@ from kvredis.checks import (
     check_hashes,
     check_key_type,
     check_pod_identifier,
+    check_ttl,
     infer_mappings,
     pod_filter,
 )
@@ -39,6 +42,10 @@ from kvredis.errors import ConfigError, EngineKeyNotFoundError, InvalidInputErro
 from kvredis.index import ClearProgress
 from kvredis.jsonconfig import parse_size, take_fields
 from kvredis.types import MAX_BLOCK_HASH, KeyType, PodEntry
+
+#: Most expired speculative entries reclaimed per call (the rest on later calls; reads filter
+#: out whatever is left past its deadline).
+EXPIRED_PER_CALL = 256
 
 #: Engine mappings checked per lock hold when a clear drops the mappings it left without holders.
 CLEAR_MAPPINGS_PER_PAGE = 4096
@@ -57,6 +64,7 @@ ENTRY_COST = 88
 MAPPING_COST = 192
 #: One request key remembered by an engine key.
 MAPPING_REF_COST = 24
+
 
 def _positive_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -159,6 +167,11 @@ class _MemoryIndex:
         self._watermarks: dict[str, Watermark] = {}
         self._tick = 0
         self._cost = 0
+        # Speculative entries added with a ttl: (request key, entry) -> monotonic deadline, and
+        # a heap of (deadline, seq, key, entry), stale once the dict holds another deadline.
+        self._deadlines: dict[tuple[int, PodEntry], float] = {}
+        self._expiry: list[tuple[float, int, int, PodEntry]] = []
+        self._seq = 0
 
     # -- Index -----------------------------------------------------------------------------
 
@@ -172,6 +185,11 @@ class _MemoryIndex:
         pods = pod_filter(pod_identifier_set)
         out: dict[int, list[PodEntry]] = {}
         with self._lock:
+            deadlines = self._deadlines
+            now = 0.0
+            if deadlines:
+                now = time.monotonic()
+                self._expire(now)
             table = self._keys
             self._tick += 1
             tick = self._tick
@@ -183,8 +201,10 @@ class _MemoryIndex:
                     hits = list(slot.entries)
                 else:
                     hits = [e for e in slot.entries if e.pod_identifier in pods]
-                    if not hits:
-                        break
+                if deadlines:
+                    hits = [e for e in hits if deadlines.get((key, e), now + 1.0) > now]
+                if not hits:
+                    break
                 out[key] = hits
                 table.move_to_end(key)
                 slot.tick = tick
@@ -195,16 +215,25 @@ class _MemoryIndex:
         engine_keys: Sequence[int] | None,
         request_keys: Sequence[int],
         entries: Sequence[PodEntry],
+        *,
+        ttl: float | None = None,
     ) -> None:
-        """Store every entry under every request key and record the engine→request mappings."""
+        """Store every entry under every request key and record the engine→request mappings.
+
+        With ``ttl`` (seconds; speculative entries only) the entries expire by themselves.
+        """
         req = _fast_hashes(request_keys)
         eng = None if engine_keys is None else _fast_hashes(engine_keys)
         if req is None or (eng is None and engine_keys is not None):
             eng, req, ents = check_add(engine_keys, request_keys, entries)
         else:
             ents = check_entries(entries, for_add=True)
+        seconds = check_ttl(ttl, ents)
         with self._lock:
-            self._add(eng, req, ents)
+            now = time.monotonic()
+            if self._expiry:
+                self._expire(now)
+            self._add(eng, req, ents, None if seconds is None else now + seconds)
 
     def evict(self, key: int, key_type: KeyType, entries: Sequence[PodEntry]) -> None:
         """Remove exactly these entries; an engine key resolves to all its request keys."""
@@ -212,6 +241,8 @@ class _MemoryIndex:
         kt = check_key_type(key_type)
         ents = check_entries(entries)
         with self._lock:
+            if self._expiry:
+                self._expire(time.monotonic())
             self._evict(k, kt, ents)
 
     def get_request_key(self, engine_key: int) -> int:
@@ -256,9 +287,7 @@ class _MemoryIndex:
                 table, engine = self._keys, self._engine
                 for engine_key in engine_keys[start : start + CLEAR_MAPPINGS_PER_PAGE]:
                     mapping = engine.get(engine_key)
-                    if mapping is not None and not any(
-                        rk in table for rk in mapping.request_keys
-                    ):
+                    if mapping is not None and not any(rk in table for rk in mapping.request_keys):
                         self._drop_mapping(engine_key)
             if progress is not None:
                 progress(min(start + CLEAR_MAPPINGS_PER_PAGE, len(engine_keys)), removed)
@@ -267,6 +296,8 @@ class _MemoryIndex:
     def __len__(self) -> int:
         """Number of request keys held."""
         with self._lock:
+            if self._expiry:
+                self._expire(time.monotonic())
             return len(self._keys)
 
     # -- BatchIndex ------------------------------------------------------------------------
@@ -280,6 +311,8 @@ class _MemoryIndex:
         """Apply ``ops`` in order, atomically, if ``watermark`` is newer than the stream's."""
         plan = check_batch(ops, stream, watermark)
         with self._lock:
+            if self._expiry:
+                self._expire(time.monotonic())
             if stream is not None and watermark is not None:
                 stored = self._watermarks.get(stream)
                 if stored is not None and watermark <= stored:
@@ -311,12 +344,22 @@ class _MemoryIndex:
 
     # -- internals (called with the lock held) ---------------------------------------------
 
-    def _add(self, eng: Sequence[int] | None, req: Sequence[int], ents: Sequence[PodEntry]) -> None:
+    def _add(
+        self,
+        eng: Sequence[int] | None,
+        req: Sequence[int],
+        ents: Sequence[PodEntry],
+        deadline: float | None = None,
+    ) -> None:
         self._tick += 1
         tick = self._tick
         table = self._keys
         cap = self._entries_per_key
         added = tuple(dict.fromkeys(ents))
+        # A confirmed entry of a pod replaces that pod's expiring speculative entries under
+        # the key (speculative entries added without a ttl stay until evicted).
+        deadlines = self._deadlines
+        confirmed = {e.pod_identifier for e in added if not e.speculative} if deadlines else ()
         for key in req:
             slot = table.get(key)
             if slot is None:
@@ -329,6 +372,14 @@ class _MemoryIndex:
                 held = slot.entries
             # Re-adding an entry refreshes it: it moves to the most recently added end.
             kept = tuple(e for e in held if e not in added) if held else ()
+            if confirmed and kept:
+                replaced = [
+                    e for e in kept if e.pod_identifier in confirmed and (key, e) in deadlines
+                ]
+                if replaced:
+                    for entry in replaced:
+                        self._forget(key, entry)
+                    kept = tuple(e for e in kept if e not in replaced)
             for entry in added:
                 if entry not in held:
                     self._count(key, entry)
@@ -338,10 +389,44 @@ class _MemoryIndex:
                     self._forget(key, entry)
                 merged = merged[-cap:]
             slot.entries = merged
+            if deadline is not None:
+                self._expire_at(key, added, deadline)
+            elif self._deadlines:
+                for entry in added:
+                    self._deadlines.pop((key, entry), None)
         if eng:
             for engine_key, request_key in infer_mappings(eng, req):
                 self._map(engine_key, request_key, tick)
         self._shrink()
+
+    def _expire_at(self, key: int, added: Sequence[PodEntry], deadline: float) -> None:
+        """Give the entries just added under ``key`` (and still held) an expiry."""
+        held = self._keys.get(key)
+        if held is None:
+            return
+        for entry in added:
+            if entry in held.entries:
+                self._deadlines[(key, entry)] = deadline
+                self._seq += 1
+                heapq.heappush(self._expiry, (deadline, self._seq, key, entry))
+
+    def _expire(self, now: float) -> None:
+        """Reclaim up to :data:`EXPIRED_PER_CALL` entries whose deadline is past."""
+        heap, deadlines = self._expiry, self._deadlines
+        if not deadlines:
+            heap.clear()
+            return
+        done = 0
+        while heap and heap[0][0] <= now and done < EXPIRED_PER_CALL:
+            deadline, _, key, entry = heapq.heappop(heap)
+            if deadlines.get((key, entry)) != deadline:
+                continue
+            done += 1
+            slot = self._keys.get(key)
+            if slot is None:
+                del deadlines[(key, entry)]
+            else:
+                self._remove(key, slot, (entry,))
 
     def _map(self, engine_key: int, request_key: int, tick: int) -> None:
         mapping = self._engine.get(engine_key)
@@ -408,6 +493,8 @@ class _MemoryIndex:
     def _forget(self, key: int, entry: PodEntry) -> None:
         """Account for an entry no longer stored under a key."""
         self._cost -= estimated_entry_cost(entry)
+        if self._deadlines:
+            self._deadlines.pop((key, entry), None)
         pod = entry.pod_identifier
         counts = self._pod_keys[pod]
         left = counts[key] - 1

@@ -305,12 +305,19 @@ class ObservedIndex(_Sync):
         call = Call(Operation.LOOKUP, request_keys=request_keys, pods=pod_identifier_set)
         return self._run(call, lambda: self._wrapped.lookup(request_keys, pod_identifier_set))
 
-    def add(self, engine_keys: Keys | None, request_keys: Keys, entries: Entries) -> None:
+    def add(
+        self,
+        engine_keys: Keys | None,
+        request_keys: Keys,
+        entries: Entries,
+        *,
+        ttl: float | None = None,
+    ) -> None:
         """See :meth:`kvredis.index.Index.add`."""
         call = Call(
             Operation.ADD, request_keys=request_keys, engine_keys=engine_keys, entries=entries
         )
-        self._run(call, lambda: self._wrapped.add(engine_keys, request_keys, entries))
+        self._run(call, lambda: self._wrapped.add(engine_keys, request_keys, entries, ttl=ttl))
 
     def evict(self, key: int, key_type: KeyType, entries: Entries) -> None:
         """See :meth:`kvredis.index.Index.evict`."""
@@ -476,12 +483,21 @@ class AsyncObservedIndex(_Async):
         inner = self._wrapped
         return await self._arun(call, lambda: inner.lookup(request_keys, pod_identifier_set))
 
-    async def add(self, engine_keys: Keys | None, request_keys: Keys, entries: Entries) -> None:
+    async def add(
+        self,
+        engine_keys: Keys | None,
+        request_keys: Keys,
+        entries: Entries,
+        *,
+        ttl: float | None = None,
+    ) -> None:
         """See :meth:`kvredis.index.Index.add`."""
         call = Call(
             Operation.ADD, request_keys=request_keys, engine_keys=engine_keys, entries=entries
         )
-        await self._arun(call, lambda: self._wrapped.add(engine_keys, request_keys, entries))
+        await self._arun(
+            call, lambda: self._wrapped.add(engine_keys, request_keys, entries, ttl=ttl)
+        )
 
     async def evict(self, key: int, key_type: KeyType, entries: Entries) -> None:
         """See :meth:`kvredis.index.Index.evict`."""

@@ -1,6 +1,6 @@
 #!lua flags=no-writes,allow-cross-slot-keys
 --[[ lookup: walk a prefix chain of request keys and return their entry ids until the first miss.
-  KEYS[1]     <ns>:meta    KEYS[2] <ns>:pi    KEYS[3] <ns>:pp
+  KEYS[1]     <ns>:meta    KEYS[2] <ns>:pi    KEYS[3] <ns>:pp    KEYS[4] <ns>:sx
   ARGV[1]     namespace generation
   ARGV[2]     request bucket prefix "<ns>:r:"    ARGV[3] bucket bits
   ARGV[4]     highest entry id (decimal) up to which the client knows every definition
@@ -11,9 +11,11 @@
               entry) definitions of those ids and of hit ids above them ("" for an id whose
               definition was reclaimed); [3..] one id list per
               hit key, in chain order (filtered); the walk stops at the first key with no
-              (filtered) entry: keys after the miss are never read
+              (filtered) entry: keys after the miss are never read; expired speculative
+              entries (includes/expiry) are left out
   Complexity  O(hit keys x entries per key) ]]
 --@include entries
+--@include expiry
 local meta = redis.call('HMGET', KEYS[1], 'gen', 'next_id')
 if meta[1] ~= ARGV[1] then fail('STALE', 'namespace layout changed or was removed; reload it') end
 local rbucket = bucket_namer(ARGV[2], ARGV[3])
@@ -29,6 +31,7 @@ if nf > 0 then
   allowed = pods_ids(KEYS[3], pods)
 end
 local chain = ARGV[6 + nf]
+local unexpired = expiry_filter(KEYS[4])
 local out = {upto, {}}
 local seen_lists, seen, unknown = {}, {}, {}
 for n = floor + 1, upto do
@@ -40,6 +43,10 @@ for i = 1, #chain, HASH_WIDTH do
   local h = string.sub(chain, i, i + HASH_WIDTH - 1)
   local ids = redis.call('HGET', rbucket(h), h)
   if not ids then break end
+  if unexpired then
+    ids = unexpired(h, ids)
+    if ids == '' then break end
+  end
   if allowed then
     ids = list_only(ids, allowed, ID_WIDTH)
     if ids == '' then break end

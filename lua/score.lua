@@ -3,16 +3,18 @@
   A pod earns, for each consecutive key from the first, the highest weight among its tiers
   holding that key, and drops out at the first key it does not hold; the walk ends when no pod
   is left. Scores are summed in key order (bit-identical to kvredis.scoring.LongestPrefixScorer).
-  KEYS[1]     <ns>:meta    KEYS[2] <ns>:pi    KEYS[3] <ns>:pp
+  KEYS[1]     <ns>:meta    KEYS[2] <ns>:pi    KEYS[3] <ns>:pp    KEYS[4] <ns>:sx
   ARGV[1]     namespace generation
   ARGV[2]     request bucket prefix "<ns>:r:"    ARGV[3] bucket bits
   ARGV[4]     f, the number of pods in the filter (0 = all pods); ARGV[5..4+f] the pod ids
   ARGV[5+f]   w, the number of tier weights; then w x (tier, weight as a decimal float)
   ARGV[6+f+2w] weight of a tier without an entry in the map
   ARGV[7+f+2w] the request keys in chain order (hash blob)
+  Expired speculative entries (includes/expiry) are left out.
   Returns     flat array pod id, score ("%.17g"), ... in order of first appearance
   Complexity  O(scored keys x entries per key); each distinct id list is weighed once ]]
 --@include entries
+--@include expiry
 check_gen(KEYS[1], ARGV[1])
 local rbucket = bucket_namer(ARGV[2], ARGV[3])
 local nf = tonumber(ARGV[4])
@@ -28,6 +30,7 @@ local weights = {}
 for i = 1, nw do weights[ARGV[at + 2 * i - 1]] = tonumber(ARGV[at + 2 * i]) end
 local default_weight = tonumber(ARGV[at + 2 * nw + 1])
 local chain = ARGV[at + 2 * nw + 2]
+local unexpired = expiry_filter(KEYS[4])
 
 local defs = {}   -- id -> {pod, weight}, or false for an id without definition
 local function def(id)
@@ -75,6 +78,10 @@ for i = 1, #chain, HASH_WIDTH do
   local h = string.sub(chain, i, i + HASH_WIDTH - 1)
   local ids = redis.call('HGET', rbucket(h), h)
   if not ids then break end
+  if unexpired then
+    ids = unexpired(h, ids)
+    if ids == '' then break end
+  end
   local w = weigh(ids)
   local left = 0
   if ids == previous then

@@ -192,8 +192,10 @@ class SyncOverAsync:
         engine_keys: Sequence[int] | None,
         request_keys: Sequence[int],
         entries: Sequence[PodEntry],
+        *,
+        ttl: float | None = None,
     ) -> None:
-        self._loop.run(self.inner.add(engine_keys, request_keys, entries))
+        self._loop.run(self.inner.add(engine_keys, request_keys, entries, ttl=ttl))
 
     def evict(self, key: int, key_type: KeyType, entries: Sequence[PodEntry]) -> None:
         self._loop.run(self.inner.evict(key, key_type, entries))

@@ -20,7 +20,7 @@ from kvredis.cli import cli
 from kvredis.hashing import ChunkedTokenDatabase, TokenProcessorConfig
 from kvredis.ingest.stream import stream_position
 from kvredis.redis.layout import Layout
-from kvredis.types import PodEntry
+from kvredis.types import KeyType, PodEntry
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENS = list(range(1, 13))
@@ -344,3 +344,28 @@ def test_subprocess_and_version(
         [sys.executable, "-m", "kvredis", "--version"], capture_output=True, text=True, cwd=ROOT
     )
     assert version.returncode == 0 and __version__ in version.stdout
+
+
+def test_check_reports_and_repairs_expired_speculative_entries(
+    populated: RedisIndex, redis_server_url: str, namespace: str
+) -> None:
+    import time
+
+    raw = redis.Redis.from_url(redis_server_url)
+    keys = block_keys()
+    before = populated.lookup(keys)
+    spec = PodEntry("pod-s", speculative=True)
+    populated.add(None, [*keys, 777], [spec], ttl=0.1)
+    sx = populated._session.state.layout.sx
+    # A deadline left without its entry (the entry evicted while its deadline stood).
+    populated.evict(777, KeyType.REQUEST, [spec])
+    time.sleep(0.25)  # expired, and no write since to reclaim them
+    code, out = run(redis_server_url, namespace, "check", "--json")
+    assert code == 1
+    report = json.loads(out)
+    assert report["counts"] == {"expired_speculative": len(keys) + 1}
+    code, out = run(redis_server_url, namespace, "check", "--repair")
+    assert code == 0, out
+    assert not raw.exists(sx)
+    assert run_json(redis_server_url, namespace, "check")["findings"] == []  # type: ignore[index]
+    assert populated.lookup(keys) == before

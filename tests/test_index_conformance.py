@@ -11,6 +11,7 @@ import hashlib
 import random
 import sys
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -440,6 +441,90 @@ def test_speculative_entries_without_a_tier(index: Any) -> None:
     if callable(getattr(getattr(index, "inner", index), "apply_batch", None)):
         assert index.apply_batch([AddOp(None, (request[2],), (spec,))], "spec", Watermark(0, 1))
         assert held(index, request[2]) == {spec}
+
+
+# -- speculative entries with a ttl ----------------------------------------------------------
+
+TTL = 0.2
+SPEC_A = PodEntry("pod-a", speculative=True)
+SPEC_B = PodEntry("pod-b", speculative=True)
+
+
+def wait_past(ttl: float = TTL) -> None:
+    time.sleep(ttl + 0.15)
+
+
+def test_speculative_entries_with_a_ttl_expire_by_themselves(index: Any) -> None:
+    request = hashes(4, "ttl")
+    index.add(None, request[:2], [B_GPU])
+    index.add(None, request, [SPEC_A], ttl=TTL)
+    assert norm(index.lookup(request)) == {
+        **{k: {SPEC_A, B_GPU} for k in request[:2]},
+        **{k: {SPEC_A} for k in request[2:]},
+    }
+    wait_past()
+    assert norm(index.lookup(request)) == {k: {B_GPU} for k in request[:2]}
+    assert index.lookup(request, {"pod-a"}) == {}
+    assert index.lookup(request[2:]) == {}
+    # Writes reclaim what expired; the index still works afterwards.
+    index.add(None, request[3:], [A_GPU])
+    assert norm(index.lookup(request)) == {k: {B_GPU} for k in request[:2]}
+    assert norm(index.lookup(request[3:])) == {request[3]: {A_GPU}}
+
+
+def test_a_confirmation_replaces_the_expiring_speculative_entry(index: Any) -> None:
+    request = hashes(3, "ttl-confirm")
+    index.add(None, request, [SPEC_A, SPEC_B], ttl=TTL)
+    index.add(None, request[:2], [A_GPU])
+    assert norm(index.lookup(request[:2])) == {k: {A_GPU, SPEC_B} for k in request[:2]}
+    assert norm(index.lookup(request[2:])) == {request[2]: {SPEC_A, SPEC_B}}
+    wait_past()
+    # The confirmed entry does not expire; the unconfirmed ones do.
+    assert norm(index.lookup(request)) == {k: {A_GPU} for k in request[:2]}
+    index.evict(request[0], REQUEST, [A_GPU])
+    assert norm(index.lookup(request[1:2])) == {request[1]: {A_GPU}}
+
+
+def test_a_confirmation_through_apply_batch_replaces_the_speculative_entry(index: Any) -> None:
+    if not callable(getattr(getattr(index, "inner", index), "apply_batch", None)):
+        pytest.skip("backend without apply_batch")
+    request = hashes(2, "ttl-batch")
+    index.add(None, request, [SPEC_A], ttl=TTL)
+    assert index.apply_batch([AddOp((1, 2), tuple(request), (A_GPU,))], "ttl", Watermark(0, 1))
+    assert norm(index.lookup(request)) == {k: {A_GPU} for k in request}
+    wait_past()
+    assert norm(index.lookup(request)) == {k: {A_GPU} for k in request}
+    assert index.get_request_key(2) == request[1]
+
+
+def test_readding_refreshes_or_cancels_the_expiry(index: Any) -> None:
+    request = hashes(2, "ttl-readd")
+    index.add(None, request, [SPEC_A], ttl=TTL)
+    index.add(None, request[:1], [SPEC_A], ttl=60)  # a new deadline
+    index.add(None, request[1:], [SPEC_A])  # no ttl: it no longer expires
+    wait_past()
+    assert norm(index.lookup(request)) == {k: {SPEC_A} for k in request}
+    index.add(None, request, [SPEC_A], ttl=TTL)
+    wait_past()
+    assert index.lookup(request) == {}
+
+
+@pytest.mark.parametrize(
+    "ttl", [0, -1, 0.0, float("nan"), float("inf"), -float("inf"), "1", True, b"1", 10**9]
+)
+def test_bad_ttl_raises_a_typed_error_and_changes_nothing(index: Any, ttl: Any) -> None:
+    request = hashes(2, "ttl-bad")
+    with pytest.raises(InvalidInputError):
+        index.add(None, request, [SPEC_A], ttl=ttl)
+    assert index.lookup(request) == {}
+
+
+def test_ttl_is_refused_for_confirmed_entries(index: Any) -> None:
+    request = hashes(2, "ttl-confirmed")
+    for ents in ([A_GPU], [SPEC_A, A_GPU]):
+        with pytest.raises(InvalidInputError, match="only speculative entries expire"):
+            index.add(None, request, ents, ttl=1.0)
+    assert index.lookup(request) == {}
 
 
 # -- bad input ---------------------------------------------------------------------------------

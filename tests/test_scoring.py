@@ -287,3 +287,25 @@ def test_a_scorer_that_changes_scoring_is_used_client_side(
     index.add(None, processor.tokens_to_kv_block_keys(0, tokens, MODEL), [E("pod-a")])
     assert Indexer(index, processor, FirstBlockOnly()).score_tokens(tokens, MODEL) == {"pod-a": 1.0}
     assert index.calls == []
+
+
+def test_add_speculative_scores_until_the_ttl_then_expires(
+    index: Any, processor: ChunkedTokenDatabase
+) -> None:
+    import time
+
+    indexer = Indexer(index, processor)
+    tokens = prompt(4)
+    keys = indexer.add_speculative(tokens, MODEL, "pod-a", 0.2)
+    assert keys == indexer.compute_block_keys(tokens, MODEL)
+    assert index.lookup(keys) == {k: [PodEntry("pod-a", speculative=True)] for k in keys}
+    index.add(None, keys[:2], [E("pod-b")])
+    spec_weight = LongestPrefixScorer().medium_weights.get("", 1.0)
+    before = indexer.score_tokens(tokens, MODEL)
+    assert before["pod-a"] == pytest.approx(4 * spec_weight) and "pod-b" in before
+    time.sleep(0.35)
+    assert indexer.score_tokens(tokens, MODEL) == {"pod-b": before["pod-b"]}
+    assert indexer.add_speculative(tokens[:1], MODEL, "pod-a", 0.2) == []
+    for bad in (0, float("nan"), -1.0):
+        with pytest.raises(InvalidInputError):
+            indexer.add_speculative(tokens, MODEL, "pod-a", bad)

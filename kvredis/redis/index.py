@@ -146,9 +146,16 @@ class RedisIndex(_Facade):
         args = (request_keys, medium_weights, pod_identifier_set)
         return self._exec.run(self._op(lambda s: op_score(s, *args)))
 
-    def add(self, engine_keys: Keys | None, request_keys: Keys, entries: Entries) -> None:
+    def add(
+        self,
+        engine_keys: Keys | None,
+        request_keys: Keys,
+        entries: Entries,
+        *,
+        ttl: float | None = None,
+    ) -> None:
         """Store every entry under every request key and record the engine→request mappings."""
-        self._exec.run(self._op(lambda s: op_add(s, engine_keys, request_keys, entries)))
+        self._exec.run(self._op(lambda s: op_add(s, engine_keys, request_keys, entries, ttl)))
 
     def evict(self, key: int, key_type: KeyType, entries: Entries) -> None:
         """Remove exactly these entries; an engine key resolves to all its request keys."""
@@ -249,9 +256,16 @@ class AsyncRedisIndex(_Facade):
         args = (request_keys, medium_weights, pod_identifier_set)
         return await self._exec.run(self._op(lambda s: op_score(s, *args)))
 
-    async def add(self, engine_keys: Keys | None, request_keys: Keys, entries: Entries) -> None:
+    async def add(
+        self,
+        engine_keys: Keys | None,
+        request_keys: Keys,
+        entries: Entries,
+        *,
+        ttl: float | None = None,
+    ) -> None:
         """See :meth:`RedisIndex.add`."""
-        await self._exec.run(self._op(lambda s: op_add(s, engine_keys, request_keys, entries)))
+        await self._exec.run(self._op(lambda s: op_add(s, engine_keys, request_keys, entries, ttl)))
 
     async def evict(self, key: int, key_type: KeyType, entries: Entries) -> None:
         """See :meth:`RedisIndex.evict`."""

@@ -28,7 +28,8 @@ problem                    what it means                                    repa
 ``misplaced_field``        a field in a bucket its hash does not select     move it
 ``dangling_mapping``       an engine key none of whose request keys exist   delete the mapping
 ``wrong_type``             a key of the layout that is not a hash           (reported only)
-``expired_speculative``    speculative entries past their expiry            (none kept yet)
+``expired_speculative``    a ``sx`` deadline past due (its entry still      remove the id and the
+                           held, or a deadline left without its entry)      deadline
 =========================  ===============================================  =====================
 
 Repairs are plain commands, not one atomic step: run ``check --repair`` while no writer uses the
@@ -618,10 +619,14 @@ def op_check(layout: Layout, repair: bool = False, progress: Progress = _noop) -
             c.found(Problem.WRONG_TYPE, key, None, f"a {_type(t)}, not a bucket hash: delete it")
     mappings: list[tuple[bytes, bytes, list[bytes]]] = []
     map_keys: list[bytes] = []
+    expired = yield from _op_expired(layout)
+    held: dict[bytes, tuple[bytes, bytes]] = {}
 
     def visit(key: bytes, fields: dict[bytes, bytes]) -> None:
         if key.startswith(layout.rprefix):
             _check_request_bucket(c, key, fields, defined)
+            for fld in expired.keys() & fields.keys():
+                held[fld] = (key, fields[fld])
         else:
             for m in _check_engine_bucket(c, key, fields):
                 mappings.append(m)
@@ -629,7 +634,7 @@ def op_check(layout: Layout, repair: bool = False, progress: Progress = _noop) -
 
     yield from op_read_hashes(buckets, visit, progress)
     yield from _check_mappings(c, mappings, map_keys)
-    c.findings.extend(_expired_speculative(layout))
+    _check_expired(c, expired, held)
     if c.fixes:
         for fixes in _chunks(c.fixes, KEYS_PER_PIPELINE):
             yield Pipeline(tuple(fixes))
@@ -666,9 +671,46 @@ def _check_mappings(
             )
 
 
-def _expired_speculative(layout: Layout) -> list[Finding]:
-    """Speculative entries past their expiry: none can be stored yet, so nothing to find."""
-    return []
+#: Past-due deadlines read per ZRANGE call.
+EXPIRED_PER_PAGE = 1000
+
+
+def _op_expired(layout: Layout) -> Op[dict[bytes, list[bytes]]]:
+    """The past-due deadlines of ``<ns>:sx`` (server clock): request key -> expired entry ids."""
+    kind = yield Command(("TYPE", layout.sx))
+    if _type(kind) != "zset":
+        return {}
+    sec, usec = yield Command(("TIME",))
+    now = int(sec) * 1000 + int(usec) // 1000
+    out: dict[bytes, list[bytes]] = {}
+    offset = 0
+    while True:
+        page = yield Command(
+            ("ZRANGE", layout.sx, "-inf", now, "BYSCORE", "LIMIT", offset, EXPIRED_PER_PAGE)
+        )
+        for member in page:
+            out.setdefault(member[:HASH_WIDTH], []).append(member[HASH_WIDTH:])
+        if len(page) < EXPIRED_PER_PAGE:
+            return out
+        offset += EXPIRED_PER_PAGE
+
+
+def _check_expired(
+    c: _Checker, expired: Mapping[bytes, list[bytes]], held: Mapping[bytes, tuple[bytes, bytes]]
+) -> None:
+    """Report past-due deadlines (the add scripts reclaim them as writes come; a namespace no
+    one writes to keeps them); the repair removes the ids and the deadlines."""
+    sx = c.layout.sx
+    for fld, ids in expired.items():
+        forget = Command(("ZREM", sx, *(fld + i for i in ids)))
+        key, value = held.get(fld, (c.layout.request_bucket(int.from_bytes(fld, "big")), b""))
+        left = [i for i in _ids(value) if i not in ids] if len(value) % ID_WIDTH == 0 else None
+        if left is None or len(left) * ID_WIDTH == len(value):
+            c.found(Problem.EXPIRED_SPECULATIVE, sx, fld, f"{len(ids)} deadlines left", forget)
+            continue
+        write = Command(("HSET", key, fld, b"".join(left))) if left else Command(("HDEL", key, fld))
+        detail = f"{len(value) // ID_WIDTH - len(left)} expired entries still held"
+        c.found(Problem.EXPIRED_SPECULATIVE, key, fld, detail, write, forget)
 
 
 # -- dump and restore ---------------------------------------------------------------------------

@@ -11,6 +11,8 @@ Key layout of a namespace ``<ns>`` (all keys start with ``<ns>:``)::
     <ns>:pp          HASH  pod id -> the pod's entry ids (id list)
     <ns>:wm          HASH  stream -> "epoch:seq:token" (apply_batch watermarks; token: the call
                            that applied it)
+    <ns>:sx          ZSET  8-byte request key + 4-byte entry id -> deadline (ms, server
+                           clock) of a speculative entry added with a ttl (lua/includes/expiry)
     <ns>:wp          HASH  stream -> "epoch:seq:token:part", a batch being applied in parts
     <ns>:r:<bucket>  HASH  8-byte request key -> entry ids (id list), oldest added first
     <ns>:e:<bucket>  HASH  8-byte engine key -> request keys (hash list), most recent last,
@@ -73,6 +75,7 @@ class Layout:
         "pp",
         "rprefix",
         "suffix_bytes",
+        "sx",
         "wm",
         "wp",
     )
@@ -90,6 +93,7 @@ class Layout:
         self.pp = ns + b":pp"
         self.wm = ns + b":wm"
         self.wp = ns + b":wp"
+        self.sx = ns + b":sx"
         self.rprefix = ns + b":r:"
         self.eprefix = ns + b":e:"
 
@@ -128,7 +132,7 @@ class Layout:
 
     def fixed_keys(self) -> tuple[bytes, ...]:
         """The keys of the namespace that are not buckets, ``<ns>:meta`` last."""
-        return (self.wm, self.wp, self.pp, self.pe, self.pi, self.meta)
+        return (self.wm, self.wp, self.sx, self.pp, self.pe, self.pi, self.meta)
 
 
 def check_namespace(namespace: object) -> str:

@@ -27,6 +27,7 @@ what makes retrying a request safe; no call does more than :data:`CALL_BUDGET` u
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import struct
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -41,6 +42,7 @@ from kvredis.checks import (
     check_hash,
     check_key_type,
     check_pod_identifier,
+    check_ttl,
     infer_mappings,
     pod_filter,
 )
@@ -340,7 +342,7 @@ def op_lookup(
         piece = chain if len(keys) <= step else chain[start * 8 : (start + step) * 8]
         reply = yield ScriptCall(
             "lookup",
-            (layout.meta, layout.pi, layout.pp),
+            (layout.meta, layout.pi, layout.pp, layout.sx),
             (layout.gen, layout.rprefix, layout.bucket_bits, cache.floor, *pod_args, piece),
         )
         cache.learn(reply[1], int(reply[0]))
@@ -374,7 +376,7 @@ def op_score(
         weight_args += (text_bytes(tier), repr(float(weight)))
     reply = yield ScriptCall(
         "score",
-        (layout.meta, layout.pi, layout.pp),
+        (layout.meta, layout.pi, layout.pp, layout.sx),
         (
             layout.gen,
             layout.rprefix,
@@ -489,10 +491,16 @@ def add_pieces(
 
 
 def op_add(
-    state: CoreState, engine_keys: Keys | None, request_keys: Keys, entries: Entries
+    state: CoreState,
+    engine_keys: Keys | None,
+    request_keys: Keys,
+    entries: Entries,
+    ttl: float | None = None,
 ) -> Op[None]:
     """``Index.add``: one ``add`` script call (one per :data:`CALL_BUDGET` of work)."""
     eng, req, ents = check_add(engine_keys, request_keys, entries)
+    seconds = check_ttl(ttl, ents)
+    ttl_ms = 0 if seconds is None else max(1, math.ceil(seconds * 1000))
     layout = state.layout
     unique = list(dict.fromkeys(ents))
     for keys, pairs in add_pieces(eng, req, unique):
@@ -500,10 +508,11 @@ def op_add(
         program.add(keys, pairs, unique)
         yield ScriptCall(
             "add",
-            (layout.meta, layout.pe, layout.pi, layout.pp),
+            (layout.meta, layout.pe, layout.pi, layout.pp, layout.sx),
             [
                 *program.bucket_args(),
                 MAX_REQUEST_KEYS_PER_ENGINE_KEY,
+                ttl_ms,
                 *program.entry_args(),
                 *program.ops,
             ],
@@ -585,7 +594,7 @@ def op_apply_batch(
     for part, program in enumerate(programs, 1):
         reply = yield ScriptCall(
             "apply_batch",
-            (layout.meta, layout.pe, layout.pi, layout.pp, layout.wm, layout.wp),
+            (layout.meta, layout.pe, layout.pi, layout.pp, layout.wm, layout.wp, layout.sx),
             [
                 *program.bucket_args(),
                 MAX_REQUEST_KEYS_PER_ENGINE_KEY,

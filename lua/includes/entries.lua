@@ -21,6 +21,13 @@ local function entry_pod(enc)
   return string.sub(enc, 5, 4 + n)
 end
 
+-- Whether enc encodes a speculative entry (flags bit 1).
+local function entry_speculative(enc)
+  local n = struct.unpack('>I4', enc)
+  local m = struct.unpack('>I4', enc, 5 + n)
+  return bit.band(string.byte(enc, 9 + n + m), 1) == 1
+end
+
 local function entry_tier(enc)
   local n = struct.unpack('>I4', enc)
   local m = struct.unpack('>I4', enc, 5 + n)
@@ -82,6 +89,19 @@ local function pods_ids(pp_key, pods)
   local lists = hmget(pp_key, pods)
   for i = 1, #lists do
     if lists[i] then list_set(lists[i], ID_WIDTH, set) end
+  end
+  return set
+end
+
+-- The set of ids of the speculative entries of the pods named in pods (array of pod ids).
+local function pods_speculative_ids(pp_key, pi_key, pods)
+  local ids = {}
+  for id in pairs(pods_ids(pp_key, pods)) do ids[#ids + 1] = id end
+  local set = {}
+  if #ids == 0 then return set end
+  local defs = hmget(pi_key, ids)
+  for i = 1, #ids do
+    if defs[i] and entry_speculative(defs[i]) then set[ids[i]] = true end
   end
   return set
 end

@@ -12,10 +12,15 @@ local function hmget(key, fields)
   return out
 end
 
-local function hdel(key, fields)
-  for i = 1, #fields, CHUNK do
-    redis.call('HDEL', key, unpack(fields, i, math.min(i + CHUNK - 1, #fields)))
+-- cmd key items..., in chunks (a command that takes many members: HDEL, ZREM, ...)
+local function call_chunked(cmd, key, items)
+  for i = 1, #items, CHUNK do
+    redis.call(cmd, key, unpack(items, i, math.min(i + CHUNK - 1, #items)))
   end
+end
+
+local function hdel(key, fields)
+  call_chunked('HDEL', key, fields)
 end
 
 -- pairs_ is a flat field, value, field, value, ... array

@@ -12,6 +12,7 @@
   hold the new entries, then runs the ops in order. ]]
 --@include entries
 --@include writes
+--@include expiry
 
 -- The keys and bucket namers the ops write through.
 local function write_context(meta, pe, pi, pp, rprefix, eprefix, bits)
@@ -62,11 +63,35 @@ local function read_program(args, pos, nops, tags)
   return {ents = ents, ops = ops}
 end
 
+-- The speculative ids of the pods an add op adds a confirmed entry of, or nil when none (spec
+-- caches pod -> set of speculative ids).
+local function confirmed_pods_speculative(k, ents, op, spec)
+  local out = nil
+  for _, j in ipairs(op.ents) do
+    local enc = ents[j]
+    if not entry_speculative(enc) then
+      local pod = entry_pod(enc)
+      local set = spec[pod]
+      if set == nil then
+        set = pods_speculative_ids(k.pp, k.pi, {pod})
+        spec[pod] = set
+      end
+      for id in pairs(set) do
+        out = out or {}
+        out[id] = true
+      end
+    end
+  end
+  return out
+end
+
 -- Run a program read by read_program through the context k (write_context); cap is the most
--- request keys kept per engine key (add ops). Everything is read (and staged) before the first
--- write, so a call that fails (a foreign key of the wrong type, the id space exhausted) writes
--- nothing. Returns the (request key, entry) pairs removed.
-local function run_program(k, program, cap)
+-- request keys kept per engine key (add ops). ttl, for the add scripts only, is nil or
+-- {sx = <ns>:sx, ms = ttl in ms (0 for none), now = server clock in ms}: due expired pairs are
+-- reclaimed (a bounded number) and the entries added get their deadline. Everything is read
+-- (and staged) before the first write, so a call that fails (a foreign key of the wrong type,
+-- the id space exhausted) writes nothing. Returns the (request key, entry) pairs removed.
+local function run_program(k, program, cap, ttl)
   local ents, ops = program.ents, program.ops
   -- Entry ids: from <ns>:pe, or allocated (read-only) for entries an add op stores.
   local ids, new = {}, {}
@@ -97,6 +122,16 @@ local function run_program(k, program, cap)
   end
   local st = new_stage()
   local removed = 0
+  local spec = {}
+  local due, deadlines, undated = {}, {}, {}
+  local timed = ttl and redis.call('ZCARD', ttl.sx) > 0
+  if timed then
+    due = due_pairs(ttl.sx, ttl.now)
+    for _, m in ipairs(due) do
+      local rfield = string.sub(m, 1, HASH_WIDTH)
+      remove_ids(st, k.rbucket(rfield), rfield, {[string.sub(m, HASH_WIDTH + 1)] = true})
+    end
+  end
   for _, op in ipairs(ops) do
     local set = {}
     if op.tag == 'A' then
@@ -108,10 +143,40 @@ local function run_program(k, program, cap)
           list[#list + 1] = id
         end
       end
+      -- With expiring entries in the namespace, a confirmed entry replaces its pod's expiring
+      -- speculative entries, and speculative entries added again without a ttl stop expiring.
+      local replaceable = timed and confirmed_pods_speculative(k, ents, op, spec)
+      local own = {}
+      if ttl and (ttl.ms > 0 or timed) then
+        for _, j in ipairs(op.ents) do
+          if entry_speculative(ents[j]) then own[#own + 1] = ids[ents[j]] end
+        end
+      end
       local value, req, pairs_ = table.concat(list), op.req, op.pairs
       for i = 1, #req, HASH_WIDTH do
         local rfield = string.sub(req, i, i + HASH_WIDTH - 1)
-        add_ids(st, k.rbucket(rfield), rfield, value, set)
+        local without = set
+        if replaceable then
+          for id in pairs(replaceable) do
+            if not set[id] and redis.call('ZSCORE', ttl.sx, rfield .. id) then
+              if without == set then
+                without = {}
+                for s_id in pairs(set) do without[s_id] = true end
+              end
+              without[id] = true
+              undated[#undated + 1] = rfield .. id
+            end
+          end
+        end
+        add_ids(st, k.rbucket(rfield), rfield, value, without)
+        for _, id in ipairs(own) do
+          if ttl.ms > 0 then
+            deadlines[#deadlines + 1] = tostring(ttl.now + ttl.ms)
+            deadlines[#deadlines + 1] = rfield .. id
+          else
+            undated[#undated + 1] = rfield .. id
+          end
+        end
       end
       for i = 1, #pairs_, 2 * HASH_WIDTH do
         local efield = string.sub(pairs_, i, i + HASH_WIDTH - 1)
@@ -133,5 +198,8 @@ local function run_program(k, program, cap)
   end
   if #new > 0 then define_entries(k, new, new_ids, next_id, pod_lists) end
   flush_stage(st)
+  if #due > 0 then call_chunked('ZREM', ttl.sx, due) end
+  if #undated > 0 then call_chunked('ZREM', ttl.sx, undated) end
+  if #deadlines > 0 then call_chunked('ZADD', ttl.sx, deadlines) end
   return removed
 end

@@ -157,7 +157,7 @@ def test_lookup_sends_the_chain_as_one_blob_and_decodes_through_the_entry_cache(
     )
     assert request == rq.ScriptCall(
         "lookup",
-        (b"ns:meta", b"ns:pi", b"ns:pp"),
+        (b"ns:meta", b"ns:pi", b"ns:pp", b"ns:sx"),
         (GEN, b"ns:r:", 16, 0, 1, b"pod-a", _blob(5, 2**64 - 1, 7)),
     )
     assert result == {5: [A, B], 2**64 - 1: [B]}  # the walk stopped before key 7
@@ -194,7 +194,7 @@ def test_score_sends_weights_and_decodes_scores() -> None:
     )
     assert request == rq.ScriptCall(
         "score",
-        (b"ns:meta", b"ns:pi", b"ns:pp"),
+        (b"ns:meta", b"ns:pi", b"ns:pp", b"ns:sx"),
         (GEN, b"ns:r:", 16, 0, 2, b"gpu", "1.0", b"cpu", "0.5", "1.0", _blob(1, 2)),
     )
     assert result == {"pod-a": 2.0, "pod-b": 0.5}
@@ -205,9 +205,9 @@ def test_add_sends_one_op_with_interned_entries_and_inferred_mappings() -> None:
     assert result is None
     assert request == rq.ScriptCall(
         "add",
-        (b"ns:meta", b"ns:pe", b"ns:pi", b"ns:pp"),
+        (b"ns:meta", b"ns:pe", b"ns:pi", b"ns:pp", b"ns:sx"),
         [
-            GEN, b"ns:r:", b"ns:e:", 16, MAX_REQUEST_KEYS_PER_ENGINE_KEY,
+            GEN, b"ns:r:", b"ns:e:", 16, MAX_REQUEST_KEYS_PER_ENGINE_KEY, 0,
             2, encode_entry(A), encode_entry(B),
             "A", 2, 1, 2, _blob(1, 2, 3, 4), _blob(100, 1, 100, 2, 200, 3, 200, 4),
         ],
@@ -231,7 +231,7 @@ def test_apply_batch_sends_the_whole_program_and_the_fence() -> None:
     assert applied is True
     assert request == rq.ScriptCall(
         "apply_batch",
-        (b"ns:meta", b"ns:pe", b"ns:pi", b"ns:pp", b"ns:wm", b"ns:wp"),
+        (b"ns:meta", b"ns:pe", b"ns:pi", b"ns:pp", b"ns:wm", b"ns:wp", b"ns:sx"),
         [
             GEN, b"ns:r:", b"ns:e:", 16, MAX_REQUEST_KEYS_PER_ENGINE_KEY,
             b"s", "3", "-1", request.args[8], 1, 1,
@@ -607,3 +607,11 @@ def test_a_long_lookup_chain_goes_in_parts_and_stops_at_the_first_miss(
     exchange = Exchange([[1, [], _id(1), _id(1)], [1, [], _id(1)]])
     assert exchange.run(ops.op_lookup(state, [1, 2, 3, 4, 5], None)) == {k: [A] for k in (1, 2, 3)}
     assert len(exchange.requests) == 2
+
+
+def test_add_with_a_ttl_sends_it_in_milliseconds() -> None:
+    spec = PodEntry("pod-s", speculative=True)
+    request, _ = _one(ops.op_add(_state(), None, [1], [spec], 0.2501))
+    assert isinstance(request, rq.ScriptCall) and request.args[5] == 251
+    with pytest.raises(InvalidInputError):
+        _one(ops.op_add(_state(), None, [1], [A], 1.0))

@@ -74,18 +74,20 @@ def _set(args: list[Any], index: int, value: Any) -> list[Any]:
 
 
 ADD_REFUSALS: list[tuple[str, Callable[[list[Any]], list[Any]], str]] = [
-    ("unknown op", lambda a: _set(a, 8, "X"), "unknown op X"),
-    ("evict op in add", lambda a: _set(a, 8, "R"), "unknown op R"),
-    ("entry index 0", lambda a: _set(a, 10, 0), "entry index"),
-    ("entry index past the entries", lambda a: _set(a, 11, 3), "entry index"),
-    ("malformed entry", lambda a: _set(a, 7, encode_entry(B)[:-1]), "malformed entry"),
-    ("request keys of 7 bytes", lambda a: _set(a, 12, a[12][:-1]), "request keys"),
-    ("pairs of one hash", lambda a: _set(a, 13, hash_field(5)), "pairs"),
+    ("unknown op", lambda a: _set(a, 9, "X"), "unknown op X"),
+    ("evict op in add", lambda a: _set(a, 9, "R"), "unknown op R"),
+    ("entry index 0", lambda a: _set(a, 11, 0), "entry index"),
+    ("entry index past the entries", lambda a: _set(a, 12, 3), "entry index"),
+    ("malformed entry", lambda a: _set(a, 8, encode_entry(B)[:-1]), "malformed entry"),
+    ("request keys of 7 bytes", lambda a: _set(a, 13, a[13][:-1]), "request keys"),
+    ("pairs of one hash", lambda a: _set(a, 14, hash_field(5)), "pairs"),
     ("trailing argument", lambda a: [*a, b"extra"], "after the last op"),
     ("missing pairs", lambda a: a[:-1], "pairs"),
     ("bucket bits 25", lambda a: _set(a, 3, 25), "bucket bits"),
     ("mapping cap 0", lambda a: _set(a, 4, 0), "request keys per engine key"),
-    ("entry count past the arguments", lambda a: _set(a, 5, 99), "entry count"),
+    ("negative ttl", lambda a: _set(a, 5, -1), "ttl ms"),
+    ("ttl not a number", lambda a: _set(a, 5, "soon"), "ttl ms"),
+    ("entry count past the arguments", lambda a: _set(a, 6, 99), "entry count"),
 ]
 
 
@@ -96,7 +98,7 @@ def test_a_malformed_add_writes_nothing(
     index: RedisIndex, edit: Callable[[list[Any]], list[Any]], match: str
 ) -> None:
     call = _add(index)
-    assert call.args[8] == "A" and call.args[5] == 2  # the positions the edits assume
+    assert call.args[9] == "A" and call.args[6] == 2  # the positions the edits assume
     _refused(index, _with_args(call, edit), InvalidInputError, match)
     index._exec.run(op_send(index._session, call))  # the unedited call is fine
     assert index.lookup([50, 60]) == {50: [A, PodEntry("pod-d", "gpu")]} | {
