@@ -369,3 +369,29 @@ def test_check_reports_and_repairs_expired_speculative_entries(
     assert not raw.exists(sx)
     assert run_json(redis_server_url, namespace, "check")["findings"] == []  # type: ignore[index]
     assert populated.lookup(keys) == before
+
+
+def test_dump_restore_keeps_speculative_deadlines(
+    redis_server_url: str, namespace: str, tmp_path: Path
+) -> None:
+    config = RedisIndexConfig(address=redis_server_url, namespace=namespace)
+    other = f"kvt-{uuid.uuid4().hex[:12]}"
+    with RedisIndex(config) as index:
+        keys = block_keys()
+        index.add(None, keys[:3], [PodEntry("pod-s", "", speculative=True)], ttl=600)
+        sx = index._session.state.layout.sx
+        before = dict(index.client.zrange(sx, 0, -1, withscores=True))
+        assert len(before) == 3
+        path = tmp_path / "dump.jsonl"
+        code, out = run(redis_server_url, namespace, "dump", str(path))
+        assert code == 0, out
+        code, out = run(redis_server_url, other, "restore", str(path))
+        assert code == 0, out
+        with RedisIndex(RedisIndexConfig(address=redis_server_url, namespace=other)) as copy:
+            try:
+                copied = copy._session.state.layout.sx
+                after = dict(copy.client.zrange(copied, 0, -1, withscores=True))
+                assert after == before
+                assert copy.lookup(keys[:3]) == index.lookup(keys[:3])
+            finally:
+                copy.drop_namespace()

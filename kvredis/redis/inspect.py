@@ -723,12 +723,13 @@ def op_dump(
 
     ``key`` is the key name without the ``<ns>:`` prefix and ``fields`` a list of
     ``[field, value]`` pairs, all hex-encoded bytes; a hash larger than
-    :data:`FIELDS_PER_CALL` fields is written as several records of the same key. The meta
-    record comes last. Returns the number of keys exported.
+    :data:`FIELDS_PER_CALL` fields is written as several records of the same key. The
+    deadlines of expiring speculative entries (``<ns>:sx``) are records ``{"key", "zset"}``
+    with ``[member, unix ms]`` pairs. The meta record comes last. Returns the number of keys
+    exported.
     """
     keys = yield from op_namespace_keys(layout)
     prefix = len(layout.meta) - len(b"meta")
-    ordered = [k for k in keys if k != layout.meta] + [k for k in keys if k == layout.meta]
     exported = 0
 
     def visit(key: bytes, fields: dict[bytes, bytes]) -> None:
@@ -738,8 +739,34 @@ def op_dump(
         for chunk in _chunks(items, FIELDS_PER_CALL):
             write({"key": key[prefix:].hex(), "fields": [[f.hex(), v.hex()] for f, v in chunk]})
 
-    yield from op_read_hashes(ordered, visit, progress)
+    yield from op_read_hashes([k for k in keys if k != layout.meta], visit, progress)
+    # the deadlines of expiring speculative entries (a sorted set: member -> unix ms)
+    deadlines = yield from op_zscan(layout.sx)
+    if deadlines:
+        exported += 1
+        for part in _chunks(deadlines, FIELDS_PER_CALL):
+            write({"key": layout.sx[prefix:].hex(), "zset": [[m.hex(), ms] for m, ms in part]})
+    if layout.meta in keys:
+        yield from op_read_hashes([layout.meta], visit, progress)
     return exported
+
+
+def op_zscan(key: bytes) -> Op[list[tuple[bytes, int]]]:
+    """Every (member, integer score) of a sorted set, with ZSCAN (empty if the key is absent)."""
+    found: dict[bytes, int] = {}
+    cursor = -1
+    while cursor != 0:
+        cursor_reply, flat = yield Command(("ZSCAN", key, max(cursor, 0), "COUNT", 1000))
+        cursor = int(cursor_reply)
+        if isinstance(flat, dict):
+            pairs = list(flat.items())
+        elif flat and isinstance(flat[0], (tuple, list)):  # parsed by the client
+            pairs = [(m, sc) for m, sc in flat]
+        else:
+            pairs = [(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)]
+        for member, score in pairs:
+            found[bytes(member)] = int(float(score))
+    return sorted(found.items())
 
 
 def op_restore(layout_prefix: bytes, records: Iterable[Mapping[str, Any]]) -> Op[int]:
@@ -752,6 +779,14 @@ def op_restore(layout_prefix: bytes, records: Iterable[Mapping[str, Any]]) -> Op
     batch: list[Command] = []
     for record in records:
         key = layout_prefix + bytes.fromhex(record["key"])
+        if "zset" in record:
+            scored: list[bytes | int] = []
+            for m, ms in record["zset"]:
+                scored += [int(ms), bytes.fromhex(m)]
+            if scored:
+                batch.append(Command(("ZADD", key, *scored)))
+                written += len(scored) // 2
+            continue
         flat: list[bytes] = []
         for f, v in record["fields"]:
             flat += [bytes.fromhex(f), bytes.fromhex(v)]
