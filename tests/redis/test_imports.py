@@ -17,6 +17,10 @@ SANS_IO = [
     "kvredis.redis.scripts",
     "kvredis.redis.ops",
     "kvredis.redis.config",
+    "kvredis.redis.cluster",
+    "kvredis.redis.cluster.slots",
+    "kvredis.redis.cluster.redirect",
+    "kvredis.redis.cluster.topology",
 ]
 
 
