@@ -333,6 +333,7 @@ class LocalCluster:
                     "--cluster-port", str(bus),
                     "--cluster-replica-validity-factor", "0",
                     "--repl-diskless-sync-delay", "0",
+                    "--repl-ping-replica-period", "1",
                 ],
             )  # fmt: skip
             while server.port in taken:
@@ -461,7 +462,8 @@ class LocalCluster:
 
     def wait_converged(self, timeout: float = 30.0, dead: Collection[int] = ()) -> None:
         """Wait until every live node reports ``cluster_state:ok``, all live nodes show the
-        same topology (every primary owning slots, every replica linked and in sync)."""
+        same topology (every primary owning slots, every replica linked and in sync), and
+        ``CLUSTER SHARDS`` calls every node healthy."""
 
         def converged() -> bool:
             live = [p for p in self.live_ports() if p not in dead]
@@ -473,7 +475,7 @@ class LocalCluster:
                     return False
                 if role == "slave" and not self._replica_linked(p):
                     return False
-            return self._state_ok(live)
+            return self._state_ok(live) and all(self._all_online(p, live) for p in live)
 
         self._wait(converged, timeout, "the cluster to converge")
 
@@ -503,6 +505,18 @@ class LocalCluster:
             if "cluster_state:ok" not in str(info):
                 return False
         return True
+
+    def _all_online(self, port: int, live: Collection[int]) -> bool:
+        """Whether CLUSTER SHARDS of a node reports every live node healthy (a replica counts
+        as ``loading`` there until the node hears of its replication offset)."""
+        with self._admin(port) as admin:
+            shards = admin.execute_command("CLUSTER", "SHARDS")
+        return all(
+            str(node.get("health")) == "online"
+            for shard in shards
+            for node in shard["nodes"]
+            if int(node["port"]) in live
+        )
 
     def _replica_linked(self, port: int) -> bool:
         with self._admin(port) as admin:

@@ -17,7 +17,7 @@ from tests.servers import LocalCluster
         ("MOVED 0 ::1:6381", Redirect(RedirectKind.MOVED, 0, "::1", 6381)),
         ("MOVED 5 [fe80::1]:7001", Redirect(RedirectKind.MOVED, 5, "fe80::1", 7001)),
         ("MOVED 12 :6380", Redirect(RedirectKind.MOVED, 12, "", 6380)),
-        ("MOVED 1 redis-0.redis.svc:6379", Redirect(RedirectKind.MOVED, 1, "redis-0.redis.svc", 6379)),
+        ("MOVED 1 r-0.svc:6379", Redirect(RedirectKind.MOVED, 1, "r-0.svc", 6379)),
     ],
 )
 def test_redirects_parse(message: str | bytes, expected: Redirect) -> None:
