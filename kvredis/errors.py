@@ -61,6 +61,28 @@ class UnsafeServerConfigError(BackendError):
     ``maxmemory-policy`` that deletes its keys); raised instead of a warning with ``strict``."""
 
 
+class ClusterModeError(ConfigError, BackendError):
+    """The server is a Redis Cluster node, but the address names a single server.
+
+    Raised when connecting (the server reports ``cluster_enabled:1``) or when a node answers a
+    command with a cluster redirection (``MOVED``, ``ASK``, ``CROSSSLOT``, ``CLUSTERDOWN``).
+    A cluster is addressed as ``redis+cluster://host:port[,host:port...]``.
+    """
+
+
+#: Error codes only a Redis Cluster node answers.
+CLUSTER_REPLY_CODES = frozenset({"MOVED", "ASK", "CROSSSLOT", "CLUSTERDOWN"})
+
+
+def cluster_mode_error(server: str, evidence: str) -> ClusterModeError:
+    """The error for a single-server client that reached a cluster node."""
+    return ClusterModeError(
+        f"{server} is a Redis Cluster node ({evidence}), but the address names a single "
+        "server; address the cluster as redis+cluster://host:port[,host:port...] "
+        "(valkey+cluster:// for Valkey)"
+    )
+
+
 class NamespaceLayoutError(BackendError):
     """The namespace holds data in a layout this client does not understand."""
 
@@ -90,7 +112,9 @@ def translate(message: str) -> KVRedisError:
 
     ``KVREDIS_<CODE> text`` replies of the scripts map through :data:`LUA_ERROR_CODES` (Redis
     appends `` script: <sha>, on @user_script:<line>.``, which is cut off); ``WRONGTYPE`` means a
-    foreign key sits inside the namespace; anything else is a :class:`BackendError`.
+    foreign key sits inside the namespace; a cluster redirection (``MOVED``, ``ASK``,
+    ``CROSSSLOT``, ``CLUSTERDOWN``) means a cluster node was addressed as a single server
+    (:class:`ClusterModeError`); anything else is a :class:`BackendError`.
     """
     if message.startswith(_PREFIX):
         text = message.split(" script: ", 1)[0]
@@ -104,6 +128,8 @@ def translate(message: str) -> KVRedisError:
             f"the server is out of memory and refuses writes ({message.split(' script:', 1)[0]}); "
             "evict or clear entries, or raise maxmemory"
         )
+    if message.split(" ", 1)[0] in CLUSTER_REPLY_CODES:
+        return cluster_mode_error("the server", f"it answered {message!r}")
     if message.startswith("WRONGTYPE"):
         return NamespaceLayoutError(
             f"a key of the namespace holds another type of value ({message}); the namespace "

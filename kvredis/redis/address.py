@@ -7,6 +7,12 @@ Accepted forms::
     valkey://...  valkeys://...                     the same as redis:// and rediss://
     unix://[user[:password]@]/path/to/socket[?db=N]
     host[:port][/db]                                a bare address, treated as redis://
+    redis+cluster://[user[:password]@]host:port[,host:port...]   a Redis Cluster, by seed nodes
+    valkey+cluster://...                            the same
+    rediss+cluster://...  valkeys+cluster://...     a cluster over TLS
+
+A cluster address lists one or more seed nodes (any nodes of the cluster: the client learns
+the rest from them; IPv6 hosts in brackets); a cluster has database 0 only.
 
 User and password are percent-decoded. ``db`` may also be given as a ``?db=N`` query parameter
 (``?password=`` and ``?username=`` too, as redis-py accepts them). Every malformed address raises
@@ -30,7 +36,13 @@ _SCHEMES: dict[str, tuple[str, bool]] = {
     "rediss": ("tcp", True),
     "valkeys": ("tcp", True),
     "unix": ("unix", False),
+    "redis+cluster": ("tcp", False),
+    "valkey+cluster": ("tcp", False),
+    "rediss+cluster": ("tcp", True),
+    "valkeys+cluster": ("tcp", True),
 }
+#: The suffix of the schemes of cluster addresses.
+CLUSTER_SUFFIX = "+cluster"
 
 _SCHEME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 # The password runs to the last "@" of the authority (a password may contain "@").
@@ -44,6 +56,9 @@ class RedisAddress:
 
     ``transport`` is ``"tcp"`` (with ``host`` and ``port``) or ``"unix"`` (with ``path``).
     ``display`` is the address as given with the password masked, for logs and error messages.
+    ``cluster`` tells a Redis Cluster address (``redis+cluster://`` ...), whose ``seeds`` are the
+    ``(host, port)`` nodes it lists, in order (``host`` and ``port`` are the first of them); a
+    single-server TCP address has itself as its one seed, a unix socket none.
     """
 
     transport: str
@@ -55,6 +70,8 @@ class RedisAddress:
     password: str | None
     db: int
     display: str
+    cluster: bool = False
+    seeds: tuple[tuple[str, int], ...] = ()
 
 
 def mask_password(address: str) -> str:
@@ -87,9 +104,24 @@ def parse_address(address: str) -> RedisAddress:
     if scheme not in _SCHEMES:
         raise ConfigError(
             f"address {shown!r}: unsupported scheme {scheme!r}; use redis://, rediss://, "
-            "valkey://, valkeys://, unix:// or a bare host:port"
+            "valkey://, valkeys://, unix://, a bare host:port, or redis+cluster:// (valkey+, "
+            "rediss+, valkeys+cluster://) for a cluster"
         )
     transport, tls = _SCHEMES[scheme]
+    cluster = scheme.endswith(CLUSTER_SUFFIX)
+    start = text.index("://") + 3
+    end = min((i for i in map(text.find, "/?#", (start,) * 3) if i >= 0), default=len(text))
+    userinfo, at, hosts = text[start:end].rpartition("@")
+    if "," in hosts and not cluster:
+        raise ConfigError(
+            f"address {shown!r} lists several hosts: a Redis Cluster address starts with "
+            "redis+cluster:// (or valkey+cluster://, rediss+cluster://, valkeys+cluster://)"
+        )
+    seeds = _seeds(hosts, shown) if cluster else ()
+    if cluster:  # parse the rest as the address of the first seed
+        host0, port0 = seeds[0]
+        first = f"[{host0}]:{port0}" if ":" in host0 else f"{host0}:{port0}"
+        text = f"{text[:start]}{userinfo}{at}{first}{text[end:]}"
     try:
         parts = urlsplit(text)
         port_value = parts.port
@@ -150,4 +182,32 @@ def parse_address(address: str) -> RedisAddress:
         if db is not None and db != parsed:
             raise ConfigError(f"address {shown!r}: database given twice ({parsed} and {db})")
         db = parsed
-    return RedisAddress("tcp", host, port, "", tls, username, password, db or 0, shown)
+    if cluster and db:
+        raise ConfigError(
+            f"address {shown!r}: a Redis Cluster has database 0 only, got database {db}"
+        )
+    return RedisAddress(
+        "tcp", host, port, "", tls, username, password, db or 0, shown, cluster,
+        seeds or ((host, port),),
+    )  # fmt: skip
+
+
+def _seeds(hosts: str, shown: str) -> tuple[tuple[str, int], ...]:
+    """The ``host:port`` entries of a cluster address, in order, each once."""
+    seeds: dict[tuple[str, int], None] = {}
+    for entry in hosts.split(","):
+        try:
+            parts = urlsplit(f"//{entry.strip()}")
+            port = parts.port
+        except ValueError as exc:
+            raise ConfigError(f"address {shown!r}: seed {entry!r}: {exc}") from exc
+        if not parts.hostname:
+            raise ConfigError(
+                f"address {shown!r}: seed {entry!r} has no host; list the seed nodes as "
+                "host:port,host:port"
+            )
+        port = DEFAULT_PORT if port is None else port
+        if not 0 < port < 65536:
+            raise ConfigError(f"address {shown!r}: port must be in 1..65535, got {port}")
+        seeds[(parts.hostname, port)] = None
+    return tuple(seeds)

@@ -44,6 +44,8 @@ _CAMEL = {
     "tlsCheckHostname": "tls_check_hostname",
     "clientName": "client_name",
     "strict": "strict",
+    "cluster": "cluster",
+    "readFromReplicas": "read_from_replicas",
 }
 
 
@@ -62,6 +64,12 @@ class RedisIndexConfig:
     ``valkeys://``). Connecting checks the server's ``maxmemory-policy``: an ``allkeys-*``
     policy (which deletes index keys) logs a warning, or with ``strict`` raises
     :class:`~kvredis.errors.UnsafeServerConfigError`.
+
+    ``cluster`` selects Redis Cluster mode: ``address`` then names seed nodes. A cluster address
+    (``redis+cluster://``, ``valkey+cluster://``, ``rediss+cluster://``, ``valkeys+cluster://``)
+    sets it by itself. ``read_from_replicas`` spreads lookups and scores over replicas. This
+    version parses and checks both, but its index clients serve single servers only: building
+    one with either raises :class:`~kvredis.errors.ConfigError` (see :func:`check_supported`).
     """
 
     address: str = "redis://127.0.0.1:6379"
@@ -85,6 +93,8 @@ class RedisIndexConfig:
     tls_check_hostname: bool = True
     client_name: str | None = "kvredis"
     strict: bool = False
+    cluster: bool = False
+    read_from_replicas: bool = False
 
     def __repr__(self) -> str:
         shown = []
@@ -98,14 +108,22 @@ class RedisIndexConfig:
         return f"RedisIndexConfig({', '.join(shown)})"
 
     def __post_init__(self) -> None:
-        parse_address(self.address)
+        address = parse_address(self.address)
         if self.backend_type not in BACKEND_TYPES:
             raise ConfigError(
                 f"backend_type must be one of {', '.join(BACKEND_TYPES)}, got {self.backend_type!r}"
             )
-        for name in ("enable_rdma", "tls_verify", "tls_check_hostname", "strict"):
+        names = ("enable_rdma", "tls_verify", "tls_check_hostname", "strict", "cluster")
+        for name in (*names, "read_from_replicas"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if address.cluster and not self.cluster:
+            object.__setattr__(self, "cluster", True)  # the address says so
+        if self.cluster and address.transport != "tcp":
+            raise ConfigError(
+                f"cluster is set, but address {address.display!r} is a unix socket; a cluster "
+                "is reached over TCP: use redis+cluster://host:port[,host:port...]"
+            )
         try:
             check_namespace(self.namespace)
             check_bucket_bits(self.bucket_bits)
@@ -161,3 +179,20 @@ class RedisIndexConfig:
     def server(self) -> str:
         """``"<backend type> at <address>"`` with any password masked, for messages."""
         return f"{self.backend_type} at {self.parsed_address().display}"
+
+
+def check_supported(config: RedisIndexConfig) -> None:
+    """Raise :class:`~kvredis.errors.ConfigError` for a config this version's index clients
+    cannot serve: Redis Cluster mode (a cluster address or ``cluster``) and
+    ``read_from_replicas``."""
+    if config.cluster:
+        raise ConfigError(
+            f"{config.server()} is a Redis Cluster address (cluster mode), but the cluster "
+            "backend is not available in this version of kvredis; point it at a single "
+            "Redis/Valkey server (redis://host:port)"
+        )
+    if config.read_from_replicas:
+        raise ConfigError(
+            "read_from_replicas is not available in this version of kvredis; leave it unset "
+            "(reads go to the server of the address)"
+        )

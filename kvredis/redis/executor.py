@@ -48,6 +48,10 @@ _CODES: dict[type[BaseException], str] = {
     redis.exceptions.OutOfMemoryError: "OOM",
     redis.exceptions.NoPermissionError: "NOPERM",
     redis.exceptions.ExecAbortError: "EXECABORT",
+    redis.exceptions.MovedError: "MOVED",
+    redis.exceptions.AskError: "ASK",
+    redis.exceptions.ClusterDownError: "CLUSTERDOWN",
+    redis.exceptions.ClusterCrossSlotError: "CROSSSLOT",
 }
 
 

@@ -29,7 +29,7 @@ import redis.asyncio
 from kvredis.batch import IndexOp, Watermark
 from kvredis.errors import ConfigError
 from kvredis.index import ClearProgress
-from kvredis.redis.config import DEFAULT_VALKEY_ADDRESS, RedisIndexConfig
+from kvredis.redis.config import DEFAULT_VALKEY_ADDRESS, RedisIndexConfig, check_supported
 from kvredis.redis.executor import AsyncExecutor, SyncExecutor
 from kvredis.redis.ops import (
     Entries,
@@ -71,6 +71,7 @@ class _Facade:
         cfg = RedisIndexConfig() if config is None else config
         if not isinstance(cfg, RedisIndexConfig):
             raise ConfigError(f"config must be a RedisIndexConfig, got {cfg!r}")
+        check_supported(cfg)
         self.config = cfg
         if cfg.enable_rdma:
             logger.warning(

@@ -54,6 +54,7 @@ from kvredis.errors import (
     NamespaceLayoutError,
     StaleNamespaceError,
     UnsafeServerConfigError,
+    cluster_mode_error,
     translate,
 )
 from kvredis.index import ClearProgress
@@ -233,9 +234,17 @@ def op_run(session: Session, factory: Callable[[], Op[T]]) -> Op[T]:
 
 
 def op_connect(session: Session, strict: bool = False) -> Op[Layout]:
-    """Ping the server, load the namespace and check the server's eviction policy (what
-    constructing a client does): see :func:`op_check_eviction_policy`."""
-    layout = yield from op_drive(session, op_load_namespace(session.state, ping=True))
+    """Ping the server, check that it is no cluster node (:func:`check_not_cluster`), load the
+    namespace and check the server's eviction policy (what constructing a client does): see
+    :func:`check_eviction_policy`."""
+    yield from op_send(session, Command(("PING",)))
+    try:
+        cluster_info = yield from op_send(session, Command(("INFO", "cluster")))
+    except BackendError as exc:  # INFO not permitted (ACL, renamed command)
+        logger.debug("cannot read INFO cluster from %s: %s", session.policy.server, exc)
+    else:
+        check_not_cluster(cluster_info, session.policy.server)
+    layout = yield from op_drive(session, op_load_namespace(session.state, ping=False))
     try:
         info = yield from op_send(session, Command(("INFO", "memory")))
     except BackendError as exc:  # INFO not permitted (ACL, renamed command): nothing to check
@@ -243,6 +252,27 @@ def op_connect(session: Session, strict: bool = False) -> Op[Layout]:
         return layout
     check_eviction_policy(info, session.policy.server, strict)
     return layout
+
+
+def _info_field(info: Any, name: str) -> Any:
+    """A field of an ``INFO`` reply (parsed into a mapping, or its text); bytes as str."""
+    value: Any = None
+    if isinstance(info, Mapping):
+        value = info.get(name)
+    elif isinstance(info, (bytes, str)):
+        text = info.decode("utf-8", "replace") if isinstance(info, bytes) else info
+        for line in text.splitlines():
+            if line.startswith(f"{name}:"):
+                value = line.split(":", 1)[1].strip()
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+
+
+def check_not_cluster(info: Any, server: str) -> None:
+    """Raise :class:`~kvredis.errors.ClusterModeError` when ``info`` (the reply of ``INFO
+    cluster``) says the server runs in cluster mode: a single-server client would only get
+    MOVED replies from it."""
+    if str(_info_field(info, "cluster_enabled")) == "1":
+        raise cluster_mode_error(server, "it reports cluster_enabled:1")
 
 
 #: maxmemory-policy values under which the server may delete the index's keys (they have no TTL,
@@ -257,16 +287,7 @@ def check_eviction_policy(info: Any, server: str, strict: bool) -> str | None:
     ``allkeys-*`` policy Redis deletes bucket and dictionary keys when it reaches ``maxmemory``,
     and lookups then return stale entries or miss. Returns the policy found.
     """
-    policy: Any = None
-    if isinstance(info, Mapping):
-        policy = info.get("maxmemory_policy")
-    elif isinstance(info, (bytes, str)):
-        text = info.decode("utf-8", "replace") if isinstance(info, bytes) else info
-        for line in text.splitlines():
-            if line.startswith("maxmemory_policy:"):
-                policy = line.split(":", 1)[1].strip()
-    if isinstance(policy, bytes):
-        policy = policy.decode("utf-8", "replace")
+    policy = _info_field(info, "maxmemory_policy")
     if not isinstance(policy, str):
         return None
     if policy.startswith(UNSAFE_POLICY_PREFIX):

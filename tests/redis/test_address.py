@@ -111,3 +111,66 @@ def test_a_password_containing_at_signs_is_masked_whole(address: str) -> None:
     for part in parsed.password.split("@"):
         assert f":{part}" not in parsed.display and f"{part}@" not in parsed.display
     assert parsed.host == ("h" if "h" in address else parsed.host)
+
+
+# -- cluster addresses -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("address", "tls", "seeds"),
+    [
+        ("redis+cluster://10.0.0.1:7000", False, (("10.0.0.1", 7000),)),
+        ("redis+cluster://a:7000,b:7001,c", False, (("a", 7000), ("b", 7001), ("c", 6379))),
+        ("valkey+cluster://a:1,b:2", False, (("a", 1), ("b", 2))),
+        ("rediss+cluster://a:1,b:2", True, (("a", 1), ("b", 2))),
+        ("valkeys+cluster://a:1", True, (("a", 1),)),
+        ("VALKEY+CLUSTER://Node-A:1, node-b:2", False, (("node-a", 1), ("node-b", 2))),
+        ("redis+cluster://[::1]:7000,[fe80::2]:7001", False, (("::1", 7000), ("fe80::2", 7001))),
+        ("redis+cluster://a:1,a:1,b:2/0", False, (("a", 1), ("b", 2))),  # each seed once
+        ("redis+cluster://a:1?db=0", False, (("a", 1),)),
+    ],
+)
+def test_cluster_addresses_list_their_seeds(
+    address: str, tls: bool, seeds: tuple[tuple[str, int], ...]
+) -> None:
+    parsed = parse_address(address)
+    assert parsed.cluster
+    assert parsed.seeds == seeds
+    assert (parsed.transport, parsed.tls, parsed.db) == ("tcp", tls, 0)
+    assert (parsed.host, parsed.port) == seeds[0]
+
+
+def test_a_single_server_address_is_its_own_seed() -> None:
+    assert parse_address("redis://h:1").seeds == (("h", 1),)
+    assert not parse_address("redis://h:1").cluster
+    assert parse_address("unix:///run/redis.sock").seeds == ()
+
+
+def test_cluster_credentials_apply_to_every_seed_and_stay_masked() -> None:
+    parsed = parse_address("valkey+cluster://user:p%40ss@a:1,b:2")
+    assert (parsed.username, parsed.password) == ("user", "p@ss")
+    assert parsed.seeds == (("a", 1), ("b", 2))
+    assert parsed.display == "valkey+cluster://user:***@a:1,b:2"
+    with pytest.raises(ConfigError) as caught:
+        parse_address("redis+cluster://user:topsecret@a:1,b:port")
+    assert "topsecret" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("address", "message"),
+    [
+        ("redis://a:1,b:2", "redis\\+cluster://"),
+        ("valkey://a,b", "redis\\+cluster://"),
+        ("a:1,b:2", "redis\\+cluster://"),
+        ("redis+cluster://", "no host"),
+        ("redis+cluster://a:1,,b:2", "no host"),
+        ("redis+cluster://a:1,b:x", "b:x"),
+        ("redis+cluster://a:70000", "a:70000"),
+        ("redis+cluster://a:1/3", "database 0 only"),
+        ("redis+cluster://a:1?db=2", "database 0 only"),
+        ("unix+cluster:///x.sock", "unsupported scheme"),
+    ],
+)
+def test_malformed_cluster_addresses_raise_config_error(address: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_address(address)

@@ -21,6 +21,7 @@ from kvredis import (
     PodEntry,
     RedisIndex,
     RedisIndexConfig,
+    new_index,
     new_redis_index,
     new_valkey_index,
 )
@@ -304,3 +305,61 @@ def test_config_repr_never_shows_passwords() -> None:
     config = RedisIndexConfig(address="redis://u:p@ss@w0rd@h:6379/0")
     assert "ss@w0rd" not in repr(config) and "w0rd" not in repr(config)
     assert "w0rd" not in config.server()
+
+
+# -- cluster mode (parsed and checked; this version's clients serve single servers) ------------
+
+
+def test_cluster_options_in_the_upstream_json_shape() -> None:
+    cfg = RedisIndexConfig.from_dict(
+        {"address": "redis://10.0.0.1:7000", "cluster": True, "readFromReplicas": True}
+    )
+    assert (cfg.cluster, cfg.read_from_replicas) == (True, True)
+    snake = RedisIndexConfig.from_dict({"cluster": True, "read_from_replicas": False})
+    assert (snake.cluster, snake.read_from_replicas) == (True, False)
+    assert (RedisIndexConfig().cluster, RedisIndexConfig().read_from_replicas) == (False, False)
+
+
+def test_a_cluster_address_sets_cluster_mode() -> None:
+    cfg = RedisIndexConfig(address="valkey+cluster://a:1,b:2")
+    assert cfg.cluster
+    assert cfg.parsed_address().seeds == (("a", 1), ("b", 2))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"cluster": "yes"}, "cluster must be a bool"),
+        ({"read_from_replicas": 1}, "read_from_replicas must be a bool"),
+        ({"cluster": True, "address": "unix:///run/r.sock"}, "unix socket"),
+    ],
+)
+def test_cluster_options_are_checked(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        RedisIndexConfig(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"address": "redis+cluster://127.0.0.1:1"},
+        {"address": "rediss+cluster://127.0.0.1:1,127.0.0.1:2"},
+        {"address": "redis://127.0.0.1:1", "cluster": True},
+    ],
+)
+def test_the_cluster_backend_is_not_available_in_this_version(kwargs: dict[str, object]) -> None:
+    cfg = RedisIndexConfig(**kwargs)  # type: ignore[arg-type]
+    for build in (RedisIndex, AsyncRedisIndex, new_redis_index, new_valkey_index):
+        with pytest.raises(ConfigError, match="cluster backend is not available in this version"):
+            build(cfg)
+    mapping = {"redisConfig": {"address": cfg.address, "cluster": cfg.cluster}}
+    with pytest.raises(ConfigError, match="not available in this version"):
+        new_index(mapping)
+    with pytest.raises(ConfigError, match="not available in this version"):
+        new_index(IndexConfig(valkey_config=cfg))
+
+
+def test_read_from_replicas_is_not_available_in_this_version() -> None:
+    cfg = RedisIndexConfig(address="redis://127.0.0.1:1", read_from_replicas=True)
+    with pytest.raises(ConfigError, match="read_from_replicas is not available"):
+        RedisIndex(cfg)

@@ -522,11 +522,18 @@ def test_an_unknown_entry_id_reloads_too() -> None:
 def test_connect_pings_with_retries() -> None:
     session = _session(CoreState("ns"))
     info = {"maxmemory_policy": "noeviction"}
-    exchange = Exchange([rq.ConnectionLost("refused"), None, b"PONG", _namespace_reply(GEN), info])
+    standalone = {"cluster_enabled": 0}
+    replies = [rq.ConnectionLost("refused"), None, b"PONG", standalone, _namespace_reply(GEN), info]
+    exchange = Exchange(replies)
     layout = exchange.run(ops.op_connect(session))
     assert layout.gen == GEN
     assert exchange.requests[-1] == rq.Command(("INFO", "memory"))
-    assert exchange.requests[:3] == [rq.Command(("PING",)), rq.Sleep(0.05), rq.Command(("PING",))]
+    assert exchange.requests[:4] == [
+        rq.Command(("PING",)),
+        rq.Sleep(0.05),
+        rq.Command(("PING",)),
+        rq.Command(("INFO", "cluster")),
+    ]
 
 
 def test_a_failure_thrown_into_an_operation_closes_it() -> None:
@@ -565,7 +572,7 @@ def test_the_eviction_policy_check(info: Any, unsafe: bool) -> None:
 def test_connect_without_permission_to_read_info_still_connects() -> None:
     session = _session(CoreState("ns"))
     denied = rq.ErrorReply("NOPERM this user has no permissions to run the 'info' command")
-    exchange = Exchange([b"PONG", _namespace_reply(GEN), denied])
+    exchange = Exchange([b"PONG", denied, _namespace_reply(GEN), denied])
     assert exchange.run(ops.op_connect(session, strict=True)).gen == GEN
 
 
