@@ -21,6 +21,7 @@ SANS_IO = [
     "kvredis.redis.cluster.slots",
     "kvredis.redis.cluster.redirect",
     "kvredis.redis.cluster.topology",
+    "kvredis.redis.cluster.routing",
 ]
 
 

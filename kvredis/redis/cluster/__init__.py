@@ -6,7 +6,9 @@ Modules, in dependency order (each imports only the ones before it):
 - ``redirect``  MOVED / ASK error replies as typed values
 - ``topology``  the slot map (primaries and replicas per slot range) parsed from
   ``CLUSTER SHARDS`` or ``CLUSTER SLOTS``, and keys grouped by owning node
-- ``wave``      a per-node parallel wave of commands (sync and asyncio), following MOVED and ASK
+- ``routing``   one parallel wave of commands grouped by node, following MOVED and ASK and
+  riding out failovers (a sans-IO operation)
+- ``executor``  sync and asyncio executors that send the waves with redis-py
 
-Everything but ``wave`` is sans-IO: it imports no I/O library.
+Everything but ``executor`` is sans-IO: it imports no I/O library.
 """

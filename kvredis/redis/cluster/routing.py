@@ -1,0 +1,192 @@
+"""One parallel wave of commands over a cluster, as a sans-IO operation that follows MOVED
+and ASK and rides out failovers.
+
+:func:`op_wave` takes commands, each with the slot it targets, groups them by the node serving
+the slot (:meth:`~kvredis.redis.cluster.topology.SlotMap.group_slots`) and yields one
+:class:`Wave`: every node gets its commands as one pipeline, and an executor sends all of them
+at once (one round trip per involved node, in parallel). Then, per command:
+
+- a reply, or an error reply that is no redirection and not transient, is its result (error
+  replies stay :class:`~kvredis.redis.requests.Failure` values, as in a pipeline);
+- ``MOVED``: the slot lives elsewhere now: the command goes to the named node in the next wave,
+  and the slot map is refreshed (:class:`RefreshSlotMap`);
+- ``ASK``: the slot is migrating and the key is already at the named node: the command goes
+  there in the next wave, preceded by ``ASKING`` (the map stays);
+- a lost connection, or ``TRYAGAIN``/``CLUSTERDOWN``/``LOADING``/``BUSY``/``MASTERDOWN``/
+  ``READONLY`` (a failover in progress): after a :class:`~kvredis.redis.requests.Sleep` with
+  backoff the map is refreshed and the command sent to its slot's node again.
+
+Redirections count against ``max_redirects`` and retries against the policy's ``retries``;
+past either the wave raises :class:`~kvredis.errors.BackendUnavailableError`. Read waves
+(``read=True``) go to replicas where the map has healthy ones (each of those pipelines starts
+with ``READONLY``). Every command must be safe to send twice (a command whose reply was lost is
+sent again).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvredis.errors import BackendUnavailableError
+from kvredis.redis.cluster.redirect import RedirectKind, parse_redirect
+from kvredis.redis.cluster.topology import ClusterNode, SlotMap
+from kvredis.redis.requests import Arg, ConnectionLost, ErrorReply, Failure, Sleep
+
+#: Error replies a node gives while a slot or the cluster is in flux (retried, map refreshed).
+TRANSIENT_CLUSTER_REPLIES = frozenset(
+    {"TRYAGAIN", "CLUSTERDOWN", "LOADING", "BUSY", "MASTERDOWN", "READONLY"}
+)
+#: Redirections one wave follows at most (a slot moving twice while the wave runs is rare).
+DEFAULT_MAX_REDIRECTS = 5
+
+
+@dataclass(frozen=True, slots=True)
+class SlotCommand:
+    """A command and the slot of the keys it touches."""
+
+    slot: int
+    args: tuple[Arg, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class NodeBatch:
+    """Commands for one node, sent as one pipeline (no MULTI)."""
+
+    node: ClusterNode
+    commands: tuple[tuple[Arg, ...], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Wave:
+    """Pipelines for several nodes, sent in parallel. The reply is one list per batch, in
+    order: the replies of its commands, a :class:`Failure` in place of each that failed (a
+    batch whose node could not be reached has a ConnectionLost for every command)."""
+
+    batches: tuple[NodeBatch, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RefreshSlotMap:
+    """Ask for the slot map: the executor's current one, or (``force``) a fresh one from the
+    cluster. The reply is a :class:`SlotMap`."""
+
+    force: bool = False
+
+
+WaveRequest = Wave | RefreshSlotMap | Sleep
+#: A cluster operation: yields waves, map refreshes and sleeps.
+WaveOp = Generator[WaveRequest, Any, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class WavePolicy:
+    """How often a wave retries (failovers) and follows redirections before giving up."""
+
+    retries: int = 2
+    backoff: float = 0.05
+    max_redirects: int = DEFAULT_MAX_REDIRECTS
+    #: the cluster as named in errors, e.g. ``"redis cluster at redis+cluster://a:1,b:2"``
+    server: str = "the cluster"
+
+    def delay(self, attempt: int) -> float:
+        """Seconds to wait before retry ``attempt + 1``: exponential, at most one second."""
+        return float(min(1.0, self.backoff * (2**attempt)))
+
+
+def _retryable(reply: Failure) -> bool:
+    if isinstance(reply, ConnectionLost):
+        return True
+    return isinstance(reply, ErrorReply) and reply.code in TRANSIENT_CLUSTER_REPLIES
+
+
+def op_wave(
+    commands: Sequence[SlotCommand], policy: WavePolicy, read: bool = False, pick: int = 0
+) -> Generator[WaveRequest, Any, list[Any]]:
+    """Send ``commands`` in parallel waves until each has its reply; the replies in order."""
+    slot_map: SlotMap = yield RefreshSlotMap()
+    results: list[Any] = [None] * len(commands)
+    # position -> (node, asking); None: the slot map decides
+    targets: dict[int, tuple[ClusterNode, bool] | None] = dict.fromkeys(range(len(commands)))
+    attempt = redirects = 0
+    while targets:
+        try:
+            batches, positions = _plan(commands, targets, slot_map, read, pick)
+        except BackendUnavailableError as exc:  # a slot no node serves (yet)
+            failure: Failure = ConnectionLost(str(exc))
+            slot_map = yield from _backoff(policy, attempt, failure)
+            attempt += 1
+            continue
+        replies = yield Wave(batches)
+        moved = False
+        failed: Failure | None = None
+        for batch, batch_positions, batch_replies in zip(batches, positions, replies, strict=True):
+            for position, reply in zip(batch_positions, batch_replies, strict=True):
+                if position is None:  # ASKING / READONLY
+                    continue
+                redirect = parse_redirect(reply.message) if isinstance(reply, ErrorReply) else None
+                if redirect is not None:
+                    node = _node_of(redirect.address(batch.node.host))
+                    targets[position] = (node, redirect.kind is RedirectKind.ASK)
+                    moved = moved or redirect.kind is RedirectKind.MOVED
+                    redirects += 1
+                elif isinstance(reply, Failure) and _retryable(reply):
+                    targets[position] = None
+                    failed = reply
+                else:
+                    results[position] = reply
+                    del targets[position]
+        if redirects > policy.max_redirects:
+            raise BackendUnavailableError(
+                f"{policy.server}: gave up after {redirects} MOVED/ASK redirections "
+                "(slots keep moving); try again"
+            )
+        if failed is not None:
+            slot_map = yield from _backoff(policy, attempt, failed)
+            attempt += 1
+        elif moved:
+            slot_map = yield RefreshSlotMap(force=True)
+    return results
+
+
+def _backoff(policy: WavePolicy, attempt: int, failure: Failure) -> Generator[Any, Any, SlotMap]:
+    if attempt >= policy.retries:
+        raise BackendUnavailableError(f"cannot reach {policy.server}: {failure.message}")
+    yield Sleep(policy.delay(attempt))
+    slot_map: SlotMap = yield RefreshSlotMap(force=True)
+    return slot_map
+
+
+def _node_of(address: tuple[str, int]) -> ClusterNode:
+    return ClusterNode(address[0], address[1])
+
+
+def _plan(
+    commands: Sequence[SlotCommand],
+    targets: dict[int, tuple[ClusterNode, bool] | None],
+    slot_map: SlotMap,
+    read: bool,
+    pick: int,
+) -> tuple[tuple[NodeBatch, ...], list[list[int | None]]]:
+    """The batches of the next wave, and per batch the position of each command (None for
+    the ASKING / READONLY commands the plan adds)."""
+    replicas = {node for r in slot_map.ranges for node in r.replicas} if read else set()
+    plan: dict[ClusterNode, tuple[list[tuple[Arg, ...]], list[int | None]]] = {}
+    for position, target in targets.items():
+        slot = commands[position].slot
+        if target is None:
+            node = slot_map.reader(slot, pick) if read else slot_map.primary(slot)
+            asking = False
+        else:
+            node, asking = target
+        if node not in plan:
+            plan[node] = ([("READONLY",)], [None]) if node in replicas else ([], [])
+        args, positions = plan[node]
+        if asking:
+            args.append(("ASKING",))
+            positions.append(None)
+        args.append(commands[position].args)
+        positions.append(position)
+    batches = tuple(NodeBatch(node, tuple(args)) for node, (args, _) in plan.items())
+    return batches, [positions for _, positions in plan.values()]
