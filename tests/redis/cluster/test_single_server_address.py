@@ -22,22 +22,21 @@ from tests.conftest import TEST_PREFIX, LoopThread
 from tests.servers import LocalCluster
 
 
-def _namespace_keys(cluster: LocalCluster) -> int:
+def _namespace_keys(cluster: LocalCluster, namespace: str) -> int:
     total = 0
     for port in cluster.live_ports():
         client = cluster.client(port)
         try:
-            total += len(list(client.scan_iter(match=f"{TEST_PREFIX}*")))
+            total += len(list(client.scan_iter(match=f"{namespace}*")))
         finally:
             client.close()
     return total
 
 
 def test_every_node_addressed_as_a_single_server_raises(redis_cluster: LocalCluster) -> None:
+    namespace = f"{TEST_PREFIX}{uuid.uuid4().hex[:12]}"
     for port in redis_cluster.live_ports():  # primaries and replicas
-        config = RedisIndexConfig(
-            address=f"redis://127.0.0.1:{port}", namespace=f"{TEST_PREFIX}{uuid.uuid4().hex}"
-        )
+        config = RedisIndexConfig(address=f"redis://127.0.0.1:{port}", namespace=namespace)
         with pytest.raises(ClusterModeError, match="redis\\+cluster://") as caught:
             RedisIndex(config)
         assert f"127.0.0.1:{port}" in str(caught.value)
@@ -48,7 +47,7 @@ def test_every_node_addressed_as_a_single_server_raises(redis_cluster: LocalClus
                 loop.run(AsyncRedisIndex.create(config))
         finally:
             loop.close()
-    assert _namespace_keys(redis_cluster) == 0  # refused before writing anything
+    assert _namespace_keys(redis_cluster, namespace) == 0  # refused before writing anything
 
 
 def test_without_info_a_redirect_reply_still_raises(redis_cluster: LocalCluster) -> None:
