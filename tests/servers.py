@@ -437,6 +437,13 @@ class LocalCluster:
         next(n for n in self.nodes if n.port == port).start()
         self.wait_converged(timeout)
 
+    def wait_replicated(self, timeout_ms: int = 2000) -> None:
+        """Wait until every primary's writes so far reached its replicas (``WAIT``)."""
+        for port, (role, _, _) in self.topology().items():
+            if role == "master":
+                with self._admin(port) as admin:
+                    admin.execute_command("WAIT", 1, timeout_ms)
+
     # -- observation --------------------------------------------------------------------------
 
     def topology(self, port: int | None = None) -> dict[int, tuple[str, int, str]]:

@@ -14,6 +14,8 @@ Modules, in dependency order (each imports only the ones before it):
 - ``config``    RedisIndexConfig
 - ``executor``  sync and asyncio executors: send one request with redis-py, nothing else
 - ``index``     RedisIndex and AsyncRedisIndex
+- ``cluster/``  Redis Cluster groundwork: key slots, MOVED/ASK, the slot map, parallel waves
+  per node (its own ``executor`` loads redis-py; the rest is sans-IO)
 
 Everything up to ``config`` is sans-IO: importing it loads no redis-py. The public names below
 are loaded lazily (PEP 562), so ``import kvredis.redis`` does not load redis-py either.

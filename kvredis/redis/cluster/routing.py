@@ -9,7 +9,8 @@ at once (one round trip per involved node, in parallel). Then, per command:
 - a reply, or an error reply that is no redirection and not transient, is its result (error
   replies stay :class:`~kvredis.redis.requests.Failure` values, as in a pipeline);
 - ``MOVED``: the slot lives elsewhere now: the command goes to the named node in the next wave,
-  and the slot map is refreshed (:class:`RefreshSlotMap`);
+  and the slot map is refreshed (:func:`op_refresh`: ``CLUSTER SHARDS`` asked of the nodes
+  of the current map, then of the seeds, until one answers);
 - ``ASK``: the slot is migrating and the key is already at the named node: the command goes
   there in the next wave, preceded by ``ASKING`` (the map stays);
 - a lost connection, or ``TRYAGAIN``/``CLUSTERDOWN``/``LOADING``/``BUSY``/``MASTERDOWN``/
@@ -27,12 +28,14 @@ from __future__ import annotations
 
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-from kvredis.errors import BackendUnavailableError
+from kvredis.errors import BackendUnavailableError, KVRedisError
 from kvredis.redis.cluster.redirect import RedirectKind, parse_redirect
-from kvredis.redis.cluster.topology import ClusterNode, SlotMap
-from kvredis.redis.requests import Arg, ConnectionLost, ErrorReply, Failure, Sleep
+from kvredis.redis.cluster.topology import ClusterNode, SlotMap, op_slot_map
+from kvredis.redis.requests import Arg, Command, ConnectionLost, ErrorReply, Failure, Sleep
+
+T = TypeVar("T")
 
 #: Error replies a node gives while a slot or the cluster is in flux (retried, map refreshed).
 TRANSIENT_CLUSTER_REPLIES = frozenset(
@@ -67,17 +70,47 @@ class Wave:
     batches: tuple[NodeBatch, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class RefreshSlotMap:
-    """Ask for the slot map: the executor's current one, or (``force``) a fresh one from the
-    cluster. The reply is a :class:`SlotMap`."""
-
-    force: bool = False
+WaveRequest = Wave | Sleep
+#: A cluster operation: yields waves and sleeps.
+WaveOp = Generator[WaveRequest, Any, T]
 
 
-WaveRequest = Wave | RefreshSlotMap | Sleep
-#: A cluster operation: yields waves, map refreshes and sleeps.
-WaveOp = Generator[WaveRequest, Any, Any]
+class ClusterState:
+    """What a cluster client knows: its seed nodes, and the slot map it last fetched."""
+
+    def __init__(self, seeds: Sequence[ClusterNode], tls: bool = False) -> None:
+        if not seeds:
+            raise ValueError("a cluster needs at least one seed node")
+        self.seeds = tuple(seeds)
+        self.tls = tls
+        self.slot_map: SlotMap | None = None
+
+    def candidates(self) -> list[ClusterNode]:
+        """Nodes to ask for the slot map: those of the current map, then the seeds."""
+        known = self.slot_map.nodes if self.slot_map is not None else ()
+        return list(dict.fromkeys((*known, *self.seeds)))
+
+
+def op_refresh(state: ClusterState, server: str = "the cluster") -> WaveOp[SlotMap]:
+    """Fetch the slot map from the first node that tells it (see :func:`op_slot_map`) and keep
+    it in ``state``; BackendUnavailableError when none does."""
+    errors: list[str] = []
+    for node in state.candidates():
+        op = op_slot_map(node.host, state.tls)
+        try:
+            request = next(op)
+            while True:
+                assert isinstance(request, Command)  # op_slot_map sends plain commands
+                ((reply,),) = yield Wave((NodeBatch(node, (request.args,)),))
+                request = op.throw(reply) if isinstance(reply, Failure) else op.send(reply)
+        except StopIteration as stop:
+            state.slot_map = stop.value
+            return state.slot_map
+        except (Failure, KVRedisError) as exc:  # this node cannot tell: ask the next one
+            errors.append(f"{node}: {exc}")
+        finally:
+            op.close()
+    raise BackendUnavailableError(f"no node of {server} told its slot map: {'; '.join(errors)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,10 +135,14 @@ def _retryable(reply: Failure) -> bool:
 
 
 def op_wave(
-    commands: Sequence[SlotCommand], policy: WavePolicy, read: bool = False, pick: int = 0
-) -> Generator[WaveRequest, Any, list[Any]]:
+    state: ClusterState,
+    commands: Sequence[SlotCommand],
+    policy: WavePolicy,
+    read: bool = False,
+    pick: int = 0,
+) -> WaveOp[list[Any]]:
     """Send ``commands`` in parallel waves until each has its reply; the replies in order."""
-    slot_map: SlotMap = yield RefreshSlotMap()
+    slot_map = state.slot_map or (yield from op_refresh(state, policy.server))
     results: list[Any] = [None] * len(commands)
     # position -> (node, asking); None: the slot map decides
     targets: dict[int, tuple[ClusterNode, bool] | None] = dict.fromkeys(range(len(commands)))
@@ -115,7 +152,7 @@ def op_wave(
             batches, positions = _plan(commands, targets, slot_map, read, pick)
         except BackendUnavailableError as exc:  # a slot no node serves (yet)
             failure: Failure = ConnectionLost(str(exc))
-            slot_map = yield from _backoff(policy, attempt, failure)
+            slot_map = yield from _backoff(state, policy, attempt, failure)
             attempt += 1
             continue
         replies = yield Wave(batches)
@@ -143,19 +180,24 @@ def op_wave(
                 "(slots keep moving); try again"
             )
         if failed is not None:
-            slot_map = yield from _backoff(policy, attempt, failed)
+            slot_map = yield from _backoff(state, policy, attempt, failed)
             attempt += 1
         elif moved:
-            slot_map = yield RefreshSlotMap(force=True)
+            slot_map = yield from op_refresh(state, policy.server)
     return results
 
 
-def _backoff(policy: WavePolicy, attempt: int, failure: Failure) -> Generator[Any, Any, SlotMap]:
+def _backoff(
+    state: ClusterState, policy: WavePolicy, attempt: int, failure: Failure
+) -> WaveOp[SlotMap]:
     if attempt >= policy.retries:
         raise BackendUnavailableError(f"cannot reach {policy.server}: {failure.message}")
     yield Sleep(policy.delay(attempt))
-    slot_map: SlotMap = yield RefreshSlotMap(force=True)
-    return slot_map
+    try:
+        return (yield from op_refresh(state, policy.server))
+    except BackendUnavailableError:  # no node answers yet: keep the map, retry later
+        assert state.slot_map is not None
+        return state.slot_map
 
 
 def _node_of(address: tuple[str, int]) -> ClusterNode:

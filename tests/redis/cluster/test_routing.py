@@ -8,11 +8,12 @@ import pytest
 
 from kvredis.errors import BackendUnavailableError
 from kvredis.redis.cluster.routing import (
+    ClusterState,
     NodeBatch,
-    RefreshSlotMap,
     SlotCommand,
     Wave,
     WavePolicy,
+    op_refresh,
     op_wave,
 )
 from kvredis.redis.cluster.topology import ClusterNode, SlotMap, SlotRange
@@ -23,13 +24,32 @@ RA = ClusterNode("ra", 4)
 MAP = SlotMap([SlotRange(0, 8191, A, (RA,)), SlotRange(8192, 16383, B)])
 MOVED_MAP = SlotMap([SlotRange(0, 99, C), SlotRange(100, 8191, A), SlotRange(8192, 16383, B)])
 POLICY = WavePolicy(retries=2, backoff=0.1, max_redirects=3, server="the test cluster")
+SHARDS = ("CLUSTER", "SHARDS")
+
+
+def _shards(slot_map: SlotMap) -> list[Any]:
+    """A CLUSTER SHARDS reply telling ``slot_map``."""
+
+    def node(n: ClusterNode, role: str) -> dict[str, Any]:
+        return {"id": n.host, "port": n.port, "endpoint": n.host, "role": role}
+
+    return [
+        {
+            "slots": [r.start, r.end],
+            "nodes": [node(r.primary, "master"), *(node(n, "replica") for n in r.replicas)],
+        }
+        for r in slot_map.ranges
+    ]
 
 
 class Steps:
-    """Drives op_wave: answers map requests itself, waves with a function of the wave."""
+    """Drives op_wave on a state that knows MAP: answers CLUSTER SHARDS with the next of
+    ``maps``, other waves with a function of each batch."""
 
     def __init__(self, maps: list[SlotMap]) -> None:
         self.maps = maps
+        self.state = ClusterState([A])
+        self.state.slot_map = MAP
         self.requests: list[Any] = []
 
     def run(self, op: Any, answer: Any) -> Any:
@@ -37,20 +57,29 @@ class Steps:
             request = next(op)
             while True:
                 self.requests.append(request)
-                if isinstance(request, RefreshSlotMap):
-                    reply: Any = self.maps.pop(0) if request.force else MAP
-                elif isinstance(request, Sleep):
-                    reply = None
+                if isinstance(request, Sleep):
+                    reply: Any = None
+                elif request.batches[0].commands == (SHARDS,):
+                    reply = [[_shards(self.maps.pop(0))]]
                 else:
-                    assert isinstance(request, Wave)
                     reply = [answer(batch) for batch in request.batches]
                 request = op.send(reply)
         except StopIteration as stop:
             return stop.value
 
+    def wave(self, commands: list[SlotCommand], answer: Any, read: bool = False) -> Any:
+        return self.run(op_wave(self.state, commands, POLICY, read), answer)
+
     @property
     def waves(self) -> list[Wave]:
-        return [r for r in self.requests if isinstance(r, Wave)]
+        return [
+            r for r in self.requests if isinstance(r, Wave) and r.batches[0].commands != (SHARDS,)
+        ]
+
+    @property
+    def refreshes(self) -> int:
+        waves = [r for r in self.requests if isinstance(r, Wave)]
+        return sum(w.batches[0].commands == (SHARDS,) for w in waves)
 
 
 def _echo(batch: NodeBatch) -> list[Any]:
@@ -60,7 +89,7 @@ def _echo(batch: NodeBatch) -> list[Any]:
 def test_one_pipeline_per_node_in_one_wave_replies_in_order() -> None:
     commands = [SlotCommand(s, ("GET", f"k{s}")) for s in (9000, 5, 16000, 6, 8191)]
     steps = Steps([])
-    assert steps.run(op_wave(commands, POLICY), _echo) == [
+    assert steps.wave(commands, _echo) == [
         "b:GET k9000", "a:GET k5", "b:GET k16000", "a:GET k6", "a:GET k8191",
     ]  # fmt: skip
     (wave,) = steps.waves
@@ -73,7 +102,7 @@ def test_one_pipeline_per_node_in_one_wave_replies_in_order() -> None:
 def test_a_read_wave_goes_to_replicas_after_readonly() -> None:
     commands = [SlotCommand(s, ("GET", f"k{s}")) for s in (1, 9000)]
     steps = Steps([])
-    assert steps.run(op_wave(commands, POLICY, read=True), _echo) == ["ra:GET k1", "b:GET k9000"]
+    assert steps.wave(commands, _echo, read=True) == ["ra:GET k1", "b:GET k9000"]
     assert steps.waves[0].batches[0] == NodeBatch(RA, (("READONLY",), ("GET", "k1")))
 
 
@@ -86,20 +115,20 @@ def test_moved_sends_to_the_named_node_and_refreshes_the_map() -> None:
         return ["OK"] * len(batch.commands)
 
     steps = Steps([MOVED_MAP])
-    assert steps.run(op_wave(commands, POLICY), answer) == ["OK", "OK"]
+    assert steps.wave(commands, answer) == ["OK", "OK"]
     first, second = steps.waves
     assert [b.node for b in first.batches] == [A, B]
     assert second.batches == (NodeBatch(ClusterNode("a", 3), (("SET", "x", 1),)),)
-    assert RefreshSlotMap(force=True) in steps.requests
+    assert steps.refreshes == 1 and steps.state.slot_map == MOVED_MAP
 
 
 def test_ask_sends_asking_first_and_keeps_the_map() -> None:
     commands = [SlotCommand(50, ("GET", "x"))]
     replies = iter([[ErrorReply("ASK 50 c:3")], ["OK", "value"]])
     steps = Steps([])
-    assert steps.run(op_wave(commands, POLICY), lambda batch: next(replies)) == ["value"]
+    assert steps.wave(commands, lambda batch: next(replies)) == ["value"]
     assert steps.waves[1].batches == (NodeBatch(C, (("ASKING",), ("GET", "x"))),)
-    assert RefreshSlotMap(force=True) not in steps.requests
+    assert steps.refreshes == 0
 
 
 def test_a_lost_node_is_retried_after_backoff_on_a_fresh_map() -> None:
@@ -113,7 +142,7 @@ def test_a_lost_node_is_retried_after_backoff_on_a_fresh_map() -> None:
         return [f"from {batch.node.host}"]
 
     steps = Steps([MOVED_MAP])
-    assert steps.run(op_wave(commands, POLICY), answer) == ["from c", "from b"]
+    assert steps.wave(commands, answer) == ["from c", "from b"]
     assert calls == [A, B, C]  # only the failed command is sent again
     assert Sleep(0.1) in steps.requests
 
@@ -124,22 +153,20 @@ def test_a_lost_node_is_retried_after_backoff_on_a_fresh_map() -> None:
 def test_transient_cluster_replies_are_retried(reply: str) -> None:
     replies = iter([[ErrorReply(reply)], ["fine"]])
     steps = Steps([MAP])
-    result = steps.run(op_wave([SlotCommand(1, ("GET", "x"))], POLICY), lambda b: next(replies))
+    result = steps.wave([SlotCommand(1, ("GET", "x"))], lambda b: next(replies))
     assert result == ["fine"]
 
 
 def test_other_error_replies_are_results() -> None:
     error = ErrorReply("WRONGTYPE Operation against a key holding the wrong kind of value")
-    result = Steps([]).run(op_wave([SlotCommand(1, ("GET", "x"))], POLICY), lambda b: [error])
+    result = Steps([]).wave([SlotCommand(1, ("GET", "x"))], lambda b: [error])
     assert result == [error]
 
 
 def test_retries_are_bounded() -> None:
     steps = Steps([MAP] * 5)
     with pytest.raises(BackendUnavailableError, match="cannot reach the test cluster: refused"):
-        steps.run(
-            op_wave([SlotCommand(1, ("GET", "x"))], POLICY), lambda b: [ConnectionLost("refused")]
-        )
+        steps.wave([SlotCommand(1, ("GET", "x"))], lambda b: [ConnectionLost("refused")])
     assert [r for r in steps.requests if isinstance(r, Sleep)] == [Sleep(0.1), Sleep(0.2)]
 
 
@@ -147,16 +174,37 @@ def test_redirections_are_bounded() -> None:
     steps = Steps([MAP] * 10)
     with pytest.raises(BackendUnavailableError, match="4 MOVED/ASK redirections"):
         moved = ErrorReply("MOVED 1 b:2")
-        steps.run(op_wave([SlotCommand(1, ("GET", "x"))], POLICY), lambda b: [moved])
+        steps.wave([SlotCommand(1, ("GET", "x"))], lambda b: [moved])
 
 
 def test_a_slot_no_node_serves_is_retried_then_unavailable() -> None:
     partial = SlotMap([SlotRange(0, 10, A)])
-    op = op_wave([SlotCommand(500, ("GET", "x"))], POLICY)
-    request = next(op)
-    sleeps = 0
+    steps = Steps([partial, partial])
+    steps.state.slot_map = partial
     with pytest.raises(BackendUnavailableError, match="slot 500"):
-        while True:
-            sleeps += isinstance(request, Sleep)
-            request = op.send(partial if isinstance(request, RefreshSlotMap) else None)
-    assert sleeps == 2
+        steps.wave([SlotCommand(500, ("GET", "x"))], _echo)
+    assert [r for r in steps.requests if isinstance(r, Sleep)] == [Sleep(0.1), Sleep(0.2)]
+
+
+def test_the_map_comes_from_the_first_node_that_tells_it() -> None:
+    state = ClusterState([A, B, C])
+    op = op_refresh(state, "the test cluster")
+    asked = [next(op)]
+    asked.append(op.send([[ConnectionLost("refused")]]))
+    asked.append(op.send([[ErrorReply("NOPERM no permission for 'cluster|shards'")]]))
+    with pytest.raises(StopIteration) as done:
+        op.send([[_shards(MOVED_MAP)]])
+    assert done.value.value == MOVED_MAP == state.slot_map
+    assert [w.batches for w in asked] == [(NodeBatch(n, (SHARDS,)),) for n in (A, B, C)]
+    # later refreshes ask the nodes of the map first
+    assert state.candidates() == [C, A, B]
+
+
+def test_no_node_telling_the_map_is_unavailable() -> None:
+    op = op_refresh(ClusterState([A, B]), "the test cluster")
+    next(op)
+    op.send([[ConnectionLost("refused")]])
+    with pytest.raises(BackendUnavailableError, match=r"no node of the test cluster.*b:2: refused"):
+        op.send([[ConnectionLost("refused")]])
+    with pytest.raises(ValueError, match="seed"):
+        ClusterState([])

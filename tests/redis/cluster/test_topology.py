@@ -251,6 +251,7 @@ def test_the_map_of_every_node_agrees_with_cluster_nodes(redis_cluster: LocalClu
 def test_keys_land_where_the_map_says(redis_cluster: LocalCluster) -> None:
     import redis
 
+    cluster = redis_cluster
     port = redis_cluster.ports[0]
     slot_map = parse_cluster_shards(_raw(port, "CLUSTER", "SHARDS"), "127.0.0.1")
     rng = random.Random(7)
@@ -265,8 +266,7 @@ def test_keys_land_where_the_map_says(redis_cluster: LocalCluster) -> None:
                 pipe.set(keys[i], i)
             assert pipe.execute() == [True] * len(positions)  # no MOVED: the owner took them
         replicas = {n for r in slot_map.ranges for n in r.replicas}
-        for primary in slot_map.primaries:
-            clients[primary].execute_command("WAIT", 1, 2000)
+        cluster.wait_replicated()
         for node, positions in slot_map.group(keys, read=True).items():
             assert node in replicas
             clients[node].execute_command("READONLY")  # replicas serve their primary's slots
