@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import pytest
 import redis
 
 from kvredis import KeyType, PodEntry, RedisIndex, RedisIndexConfig
+from kvredis.redis.inspect import Inspector, Problem, op_check, op_dump, op_restore
 from kvredis.redis.layout import EXPIRY_FIELD, EXPIRY_KEY, Layout
+from tests.conftest import drop_keys
 from tests.servers import RedisServer
 
 pytestmark = pytest.mark.redis
@@ -122,8 +125,6 @@ def test_lookups_without_live_expiring_entries_read_only_the_request_buckets(
     finally:
         index.close()
         control.close()
-        from tests.conftest import drop_keys
-
         drop_keys(redis_server_url, control_ns)
 
 
@@ -226,7 +227,10 @@ def test_a_read_only_replica_reads_expiring_entries_and_drops_them_after_the_ttl
     replica = RedisServer(own_redis_server.kind)
     replica.start()
     namespace = f"kvt-{uuid.uuid4().hex[:12]}"
-    primary_raw, replica_raw = redis.Redis(port=own_redis_server.port), redis.Redis(port=replica.port)
+    primary_raw, replica_raw = (
+        redis.Redis(port=own_redis_server.port),
+        redis.Redis(port=replica.port),
+    )
     writer = RedisIndex(RedisIndexConfig(address=own_redis_server.url, namespace=namespace))
     reader = None
     try:
@@ -250,3 +254,42 @@ def test_a_read_only_replica_reads_expiring_entries_and_drops_them_after_the_ttl
             reader.close()
         writer.close()
         replica.close()
+
+
+def test_check_finds_an_expiring_bucket_the_server_would_keep_and_dump_restore_keeps_expiry(
+    redis_server_url: str, namespace: str
+) -> None:
+    raw = redis.Redis.from_url(redis_server_url)
+    config = RedisIndexConfig(address=redis_server_url, namespace=namespace)
+    copy_ns = f"{namespace}-copy"
+    index = RedisIndex(config)
+    try:
+        index.add(None, [1, 2], [SPEC], ttl=600)
+        layout = index._session.state.layout
+        bucket, field = layout.expiring_bucket(1), (1).to_bytes(8, "big")
+        fields_expire = raw.hget(layout.meta, "expiry") == EXPIRY_FIELD.encode()
+        with Inspector(config) as inspector:
+            assert inspector.run(op_check(layout)).findings == []
+            records: list[Mapping[str, Any]] = []
+            inspector.run(op_dump(layout, records.append))
+            if fields_expire:
+                raw.execute_command("HPERSIST", bucket, "FIELDS", 1, field)
+            else:
+                raw.persist(bucket)
+            report = inspector.run(op_check(layout, repair=True))
+            assert [f.problem for f in report.findings] == [Problem.NO_EXPIRY]
+            assert report.ok
+            assert inspector.run(op_check(layout)).findings == []
+            inspector.run(op_restore(f"{copy_ns}:".encode(), records))
+        copy = Layout(copy_ns, layout.bucket_bits, b"")
+        for key in (1, 2):
+            pair = (copy.expiring_bucket(key), layout.expiring_bucket(key))
+            if fields_expire:
+                when = [raw.execute_command("HPEXPIRETIME", k, "FIELDS", 1, field) for k in pair]
+            else:
+                when = [raw.execute_command("PEXPIRETIME", k) for k in pair]
+            assert when[0] == when[1] and when[0] != -1
+        assert raw.get(copy.sx) == raw.get(layout.sx)
+    finally:
+        index.close()
+        drop_keys(redis_server_url, copy_ns)
