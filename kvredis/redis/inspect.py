@@ -667,18 +667,19 @@ def op_check(layout: Layout, repair: bool = False, progress: Progress = _noop) -
 def _check_mappings(
     c: _Checker, mappings: list[tuple[bytes, bytes, list[bytes]]], keys: list[bytes]
 ) -> Op[None]:
-    """Find engine mappings none of whose request keys exists (HEXISTS, pipelined)."""
+    """Find engine mappings none of whose request keys holds an entry, with or without expiry
+    (HEXISTS, pipelined)."""
     lay = c.layout
-    probes = [(i, r) for i, (_f, _v, refs) in enumerate(mappings) for r in refs]
+    probes = [
+        (i, bucket(int.from_bytes(r, "big")), r)
+        for i, (_f, _v, refs) in enumerate(mappings)
+        for r in refs
+        for bucket in (lay.request_bucket, lay.expiring_bucket)
+    ]
     held = [False] * len(mappings)
     for chunk in _chunks(probes, KEYS_PER_PIPELINE):
-        replies = yield Pipeline(
-            tuple(
-                Command(("HEXISTS", lay.request_bucket(int.from_bytes(r, "big")), r))
-                for _, r in chunk
-            )
-        )
-        for (i, _r), exists in zip(chunk, replies, strict=True):
+        replies = yield Pipeline(tuple(Command(("HEXISTS", b, r)) for _, b, r in chunk))
+        for (i, _b, _r), exists in zip(chunk, replies, strict=True):
             held[i] = held[i] or bool(int(exists))
     for (fld, _value, refs), key, ok in zip(mappings, keys, held, strict=True):
         if not ok:

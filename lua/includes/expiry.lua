@@ -76,12 +76,14 @@ end
 
 -- Write path: a staging area for the expiring buckets of one script call (reads first, writes
 -- in expiring_flush). meta is <ns>:meta (its field "expiry" picks the mode), sx the gate key.
--- .live tells whether any expiring entry may be live (the gate key exists).
+-- .live tells whether any expiring entry may be live (the gate key exists). A gate that is not
+-- a number (a foreign key: kvredis check reports it) counts as absent; the next ttl replaces it.
 local function expiring_stage(meta, sx, bits)
-  local gate = redis.call('GET', sx)
+  local gate = redis.pcall('GET', sx)
+  if type(gate) == 'table' then gate = false end
   return {sx = sx, sbucket = expiring_namer(sx, bits), now = now_ms(),
           fields = redis.call('HGET', meta, 'expiry') == 'field',
-          live = gate ~= false, gate = tonumber(gate or '0'),
+          live = gate ~= false, gate = tonumber(gate or '0') or 0,
           values = {}, orig = {}, order = {}, loaded = {}, latest = 0}
 end
 
