@@ -300,6 +300,9 @@ class NamespaceStats:
     """Engine keys with a mapping."""
     engine_mappings: int = 0
     """(engine key, request key) mappings."""
+    expiring_entries: int = 0
+    """(request key, entry) pairs of speculative entries added with a ttl, past due or not (not
+    in ``pairs`` or ``pods``)."""
     dictionary_entries: int = 0
     watermarks: int = 0
     bytes_used: int = 0
@@ -336,8 +339,10 @@ def op_stats(layout: Layout, progress: Progress = _noop, memory: bool = True) ->
             stats.engine_buckets += 1
             stats.engine_keys += len(fields)
             stats.engine_mappings += sum(len(v) // HASH_WIDTH for v in fields.values())
+        elif key.startswith(layout.sprefix):
+            stats.expiring_entries += sum(len(v) // EXPIRING_ITEM_WIDTH for v in fields.values())
 
-    buckets = [k for k in keys if k.startswith((layout.rprefix, layout.eprefix))]
+    buckets = [k for k in keys if k.startswith((layout.rprefix, layout.eprefix, layout.sprefix))]
     yield from op_read_hashes(buckets, visit, progress)
     stats.pairs = sum(per_id.values())
     pods: dict[str, dict[str, int]] = {}

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import pytest
 import redis
 
 from kvredis import KeyType, PodEntry, RedisIndex, RedisIndexConfig
-from kvredis.redis.inspect import Inspector, Problem, op_check, op_dump, op_restore
+from kvredis.redis.inspect import Inspector, Problem, op_check, op_dump, op_restore, op_stats
 from kvredis.redis.layout import EXPIRY_FIELD, EXPIRY_KEY, Layout
 from tests.conftest import drop_keys
 from tests.servers import RedisServer
@@ -28,6 +28,14 @@ SPEC_C = PodEntry("pod-c", speculative=True)
 CONFIRMED = PodEntry("pod-b", "gpu")
 #: Longest a test waits for the server to delete what expired.
 RECLAIM_WITHIN = 5.0
+
+
+@pytest.fixture
+def clients(redis_server_url: str, namespace: str) -> Iterator[tuple[redis.Redis, RedisIndex]]:
+    """A plain client and an index on a fresh namespace."""
+    raw = redis.Redis.from_url(redis_server_url)
+    with RedisIndex(RedisIndexConfig(address=redis_server_url, namespace=namespace)) as index:
+        yield raw, index
 
 
 def eventually(condition: Callable[[], bool], within: float = RECLAIM_WITHIN) -> None:
@@ -129,74 +137,62 @@ def test_lookups_without_live_expiring_entries_read_only_the_request_buckets(
 
 
 def test_evict_removes_expiring_entries_and_their_deadlines(
-    redis_server_url: str, namespace: str
+    clients: tuple[redis.Redis, RedisIndex], namespace: str
 ) -> None:
-    raw = redis.Redis.from_url(redis_server_url)
-    index = RedisIndex(RedisIndexConfig(address=redis_server_url, namespace=namespace))
-    try:
-        index.add([100], [1, 2], [CONFIRMED])
-        before = snapshot(raw, namespace)
-        index.add(None, [1, 2, 3], [SPEC, SPEC_C], ttl=600)
-        index.evict(3, KeyType.REQUEST, [SPEC])
-        index.evict(100, KeyType.ENGINE, [SPEC, CONFIRMED])
-        layout = index._session.state.layout
-        assert index.lookup([1, 2, 3]) == {1: [SPEC_C], 2: [SPEC_C], 3: [SPEC_C]}
-        for key in (1, 2, 3):
-            items = raw.hget(layout.expiring_bucket(key), key.to_bytes(8, "big"))
-            assert items is not None and len(items) == 12  # pod-c's id and deadline only
-        index.evict(3, KeyType.REQUEST, [SPEC_C])
-        index.evict(1, KeyType.REQUEST, [SPEC_C])
-        index.evict(2, KeyType.REQUEST, [SPEC_C])
-        assert index.lookup([1]) == {}
-        assert not list(raw.scan_iter(match=layout.expiring_pattern()))
-        after = snapshot(raw, namespace)
-        # the request buckets and mappings are gone with their entries; only the dictionary,
-        # the meta record and the gate (which expires with the ttl) are left
-        assert {k for k in after if k != layout.sx} == {
-            k for k in before if not k.startswith((layout.rprefix, layout.eprefix))
-        }
-    finally:
-        index.close()
+    raw, index = clients
+    index.add([100], [1, 2], [CONFIRMED])
+    before = snapshot(raw, namespace)
+    index.add(None, [1, 2, 3], [SPEC, SPEC_C], ttl=600)
+    index.evict(3, KeyType.REQUEST, [SPEC])
+    index.evict(100, KeyType.ENGINE, [SPEC, CONFIRMED])
+    layout = index._session.state.layout
+    assert index.lookup([1, 2, 3]) == {1: [SPEC_C], 2: [SPEC_C], 3: [SPEC_C]}
+    for key in (1, 2, 3):
+        items = raw.hget(layout.expiring_bucket(key), key.to_bytes(8, "big"))
+        assert items is not None and len(items) == 12  # pod-c's id and deadline only
+    index.evict(3, KeyType.REQUEST, [SPEC_C])
+    index.evict(1, KeyType.REQUEST, [SPEC_C])
+    index.evict(2, KeyType.REQUEST, [SPEC_C])
+    assert index.lookup([1]) == {}
+    assert not list(raw.scan_iter(match=layout.expiring_pattern()))
+    after = snapshot(raw, namespace)
+    # the request buckets and mappings are gone with their entries; only the dictionary,
+    # the meta record and the gate (which expires with the ttl) are left
+    assert {k for k in after if k != layout.sx} == {
+        k for k in before if not k.startswith((layout.rprefix, layout.eprefix))
+    }
 
 
 def test_clear_removes_the_pods_expiring_entries_and_reclaims_their_definitions(
-    redis_server_url: str, namespace: str
+    clients: tuple[redis.Redis, RedisIndex], namespace: str
 ) -> None:
-    raw = redis.Redis.from_url(redis_server_url)
-    index = RedisIndex(RedisIndexConfig(address=redis_server_url, namespace=namespace))
-    try:
-        index.add(None, list(range(1, 50)), [SPEC, SPEC_C], ttl=600)
-        index.add(None, list(range(1, 10)), [CONFIRMED])
-        index.clear("pod-a")
-        layout = index._session.state.layout
-        assert index.lookup([1, 20]) == {1: [CONFIRMED, SPEC_C], 20: [SPEC_C]}
-        for key in raw.scan_iter(match=layout.expiring_pattern()):
-            for items in raw.hgetall(key).values():
-                assert len(items) == 12
-        index.clear("pod-c")
-        assert not list(raw.scan_iter(match=layout.expiring_pattern()))
-        assert raw.hkeys(layout.pp) == [b"pod-b"]
-        assert index.lookup([1, 20]) == {1: [CONFIRMED]}
-    finally:
-        index.close()
+    raw, index = clients
+    index.add(None, list(range(1, 50)), [SPEC, SPEC_C], ttl=600)
+    index.add(None, list(range(1, 10)), [CONFIRMED])
+    index.clear("pod-a")
+    layout = index._session.state.layout
+    assert index.lookup([1, 20]) == {1: [CONFIRMED, SPEC_C], 20: [SPEC_C]}
+    for key in raw.scan_iter(match=layout.expiring_pattern()):
+        for items in raw.hgetall(key).values():
+            assert len(items) == 12
+    index.clear("pod-c")
+    assert not list(raw.scan_iter(match=layout.expiring_pattern()))
+    assert raw.hkeys(layout.pp) == [b"pod-b"]
+    assert index.lookup([1, 20]) == {1: [CONFIRMED]}
 
 
 def test_a_confirmation_replaces_the_expiring_entry_and_does_not_expire(
-    redis_server_url: str, namespace: str
+    clients: tuple[redis.Redis, RedisIndex], namespace: str
 ) -> None:
-    raw = redis.Redis.from_url(redis_server_url)
-    index = RedisIndex(RedisIndexConfig(address=redis_server_url, namespace=namespace))
+    raw, index = clients
     confirmed = PodEntry("pod-a", "gpu")
-    try:
-        index.add(None, [1, 2], [SPEC], ttl=0.3)
-        index.add([9], [1], [confirmed])
-        layout = index._session.state.layout
-        assert raw.hget(layout.expiring_bucket(1), (1).to_bytes(8, "big")) is None
-        assert index.lookup([1, 2]) == {1: [confirmed], 2: [SPEC]}
-        eventually(lambda: not expiring_keys(raw, namespace))
-        assert index.lookup([1, 2]) == {1: [confirmed]}
-    finally:
-        index.close()
+    index.add(None, [1, 2], [SPEC], ttl=0.3)
+    index.add([9], [1], [confirmed])
+    layout = index._session.state.layout
+    assert raw.hget(layout.expiring_bucket(1), (1).to_bytes(8, "big")) is None
+    assert index.lookup([1, 2]) == {1: [confirmed], 2: [SPEC]}
+    eventually(lambda: not expiring_keys(raw, namespace))
+    assert index.lookup([1, 2]) == {1: [confirmed]}
 
 
 def test_without_field_expiry_a_write_drops_the_past_due_items_of_its_bucket(
@@ -270,6 +266,8 @@ def test_check_finds_an_expiring_bucket_the_server_would_keep_and_dump_restore_k
         fields_expire = raw.hget(layout.meta, "expiry") == EXPIRY_FIELD.encode()
         with Inspector(config) as inspector:
             assert inspector.run(op_check(layout)).findings == []
+            stats = inspector.run(op_stats(layout, memory=False))
+            assert (stats.expiring_entries, stats.pairs) == (2, 0)
             records: list[Mapping[str, Any]] = []
             inspector.run(op_dump(layout, records.append))
             if fields_expire:
