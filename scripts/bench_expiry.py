@@ -11,7 +11,8 @@ same chains:
   main branch, on the same namespace (in the ``no ttl`` scenario only);
 - ``no ttl``: the namespace never held an expiring entry (the gate costs one EXISTS per call);
 - ``gate live``: expiring entries live elsewhere in the namespace, none on these chains;
-- ``ttl on all``: every key of the chains also holds a live expiring entry.
+- ``ttl on all``: every key of the chains also holds a live expiring entry;
+- ``writes``: an add of one chain, a confirmed entry vs a speculative entry with a ttl.
 
 Variants alternate round by round, and each prints µs of Redis CPU per call and its ratio to
 the bare walk. Also printed: bytes per live expiring entry (``MEMORY USAGE`` of the expiring
@@ -116,6 +117,21 @@ def run_kind(
         for chain in keys:
             index.add(None, chain, [spec], ttl=3600)
         results["ttl on all"] = measure()
+        # writes of one chain: confirmed entries, and speculative entries with a ttl
+        confirmed = PodEntry("pod-c", "gpu")
+        writes: dict[str, list[float]] = {}
+        for _ in range(rounds):
+            for name, entry, ttl in (("add", confirmed, None), ("add ttl", spec, 3600.0)):
+                chain_of = iter(range(calls))
+                usec = evalsha_usec(
+                    raw,
+                    lambda e=entry, t=ttl, i=chain_of: index.add(
+                        None, keys[next(i) % chains], [e], ttl=t
+                    ),
+                    calls,
+                )
+                writes.setdefault(name, []).append(usec)
+        results["writes"] = {k: statistics.median(v) for k, v in writes.items()}
         bucket = state.layout.request_bucket(keys[0][0])
         return {
             "results": results,

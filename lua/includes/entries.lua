@@ -69,7 +69,7 @@ local function define_entries(k, encs, ids, next_id, pod_lists)
     redis.call('HSET', k.pp, pod, (pod_lists[pod] or '') .. table.concat(list))
   end
   redis.call('HSET', k.meta, 'next_id', tostring(next_id))
-  -- The high-water mark, bucket bits and expiry mode, kept where a lost <ns>:meta can be healed from.
+  -- The high-water mark, bucket bits and expiry mode, from which a lost <ns>:meta heals.
   redis.call('HSET', k.pi, 'next_id', tostring(next_id), 'bucket_bits', k.bits,
     'expiry', k.xs.fields and 'field' or 'key')
 end

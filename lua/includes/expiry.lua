@@ -67,7 +67,9 @@ local function expiring_reader(sx, bits)
     if not items then return ids end
     local live = {}
     for j = 1, #items, ITEM_WIDTH do
-      if item_deadline(items, j) > now then live[#live + 1] = string.sub(items, j, j + ID_WIDTH - 1) end
+      if item_deadline(items, j) > now then
+        live[#live + 1] = string.sub(items, j, j + ID_WIDTH - 1)
+      end
     end
     if #live == 0 then return ids end
     return (ids or '') .. table.concat(live)
@@ -193,7 +195,9 @@ local function clear_expiring(meta, keys, set)
             redis.call('HDEL', key, h)
           else
             redis.call('HSET', key, h, left)
-            if fields then redis.call('HPEXPIREAT', key, string.format('%.0f', latest), 'FIELDS', 1, h) end
+            if fields then
+              redis.call('HPEXPIREAT', key, string.format('%.0f', latest), 'FIELDS', 1, h)
+            end
           end
         end
       end
