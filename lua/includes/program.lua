@@ -146,8 +146,13 @@ local function run_program(k, program, cap, ms)
       -- speculative entries, and speculative entries added again without a ttl stop expiring.
       local untimed = nil
       if xs.live and ms == 0 then
-        untimed = confirmed_pods_speculative(k, ents, op, spec) or {}
-        for id in pairs(set) do untimed[id] = true end
+        untimed = confirmed_pods_speculative(k, ents, op, spec)
+        for _, j in ipairs(op.ents) do
+          if entry_speculative(ents[j]) then
+            untimed = untimed or {}
+            untimed[ids[ents[j]]] = true
+          end
+        end
       end
       local value, req, pairs_ = table.concat(list), op.req, op.pairs
       local deadline = xs.now + ms
