@@ -16,6 +16,7 @@ import pytest
 import redis
 
 from kvredis import KeyType, PodEntry, RedisIndex, RedisIndexConfig
+from kvredis.redis import ops
 from kvredis.redis.inspect import Inspector, Problem, op_check, op_dump, op_restore, op_stats
 from kvredis.redis.layout import EXPIRY_FIELD, EXPIRY_KEY, Layout
 from tests.conftest import drop_keys
@@ -291,3 +292,23 @@ def test_check_finds_an_expiring_bucket_the_server_would_keep_and_dump_restore_k
     finally:
         index.close()
         drop_keys(redis_server_url, copy_ns)
+
+
+def test_a_lost_meta_record_heals_with_the_namespaces_expiry_mode(
+    clients: tuple[redis.Redis, RedisIndex],
+    redis_server_url: str,
+    namespace: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    raw, index = clients
+    index.add(None, [1], [SPEC], ttl=600)
+    layout = index._session.state.layout
+    mode = raw.hget(layout.meta, "expiry")
+    assert raw.hget(layout.pi, "expiry") == mode
+    raw.delete(layout.meta)
+    other = EXPIRY_FIELD if mode == EXPIRY_KEY.encode() else EXPIRY_KEY
+    monkeypatch.setattr(ops, "expiry_mode_of", lambda _info: other)
+    config = RedisIndexConfig(address=redis_server_url, namespace=namespace)
+    with RedisIndex(config) as healed:
+        assert raw.hget(layout.meta, "expiry") == mode
+        assert healed.lookup([1]) == {1: [SPEC]}
