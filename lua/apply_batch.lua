@@ -8,7 +8,7 @@
   recognised and not applied twice; the same batch sent again under another token (a publisher
   replaying it after a crash) starts over from part 1, which re-applies set operations only.
   KEYS[1]     <ns>:meta   KEYS[2] <ns>:pe   KEYS[3] <ns>:pi   KEYS[4] <ns>:pp   KEYS[5] <ns>:wm
-  KEYS[6]     <ns>:wp     KEYS[7] <ns>:sx (speculative entries' deadlines: includes/expiry)
+  KEYS[6]     <ns>:wp     KEYS[7] <ns>:sx (gate key of the expiring buckets: includes/expiry)
   ARGV[1]     namespace generation
   ARGV[2]     request bucket prefix "<ns>:r:"    ARGV[3] engine bucket prefix "<ns>:e:"
   ARGV[4]     bucket bits                        ARGV[5] most request keys kept per engine key
@@ -60,7 +60,7 @@ local function cmp_dec(a, b)
 end
 
 check_gen(KEYS[1], ARGV[1])
-local k = write_context(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[2], ARGV[3], ARGV[4])
+local k = write_context(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[2], ARGV[3], ARGV[4], KEYS[7])
 local cap = int_arg(ARGV[5], 'request keys per engine key', 1, 2147483647)
 local stream, epoch, seq, token = ARGV[6], ARGV[7], ARGV[8], ARGV[9]
 local parts = int_arg(ARGV[11], 'parts', 1, 2147483647)
@@ -99,7 +99,7 @@ if stream ~= '' then
     if part ~= done + 1 then return 0 end
   end
 end
-run_program(k, program, cap, {sx = KEYS[7], ms = 0, now = now_ms()})
+run_program(k, program, cap, 0)
 if stream ~= '' then
   if part == parts then
     redis.call('HSET', KEYS[5], stream, mark .. ':' .. token)

@@ -1,9 +1,11 @@
 #!lua flags=allow-oom,allow-cross-slot-keys
 --[[ clear: remove a pod's entry ids from one batch of request buckets (the client pages the
-  namespace with SCAN MATCH <ns>:r:* and calls this once per page: bounded work per call).
-  KEYS[1]     <ns>:meta    KEYS[2..] request bucket keys of this page
+  namespace with SCAN MATCH <ns>:r:* and calls this once per page: bounded work per call), or
+  of expiring buckets (SCAN MATCH <ns>:s:*, includes/expiry: past-due items go too).
+  KEYS[1]     <ns>:meta    KEYS[2..] request (or expiring) bucket keys of this page
   ARGV[1]     namespace generation
   ARGV[2]     the pod's entry ids (id list, as stored in <ns>:pp)
+  ARGV[3]     "s" when the keys are expiring buckets, else absent or ""
   Returns     [pairs (request key, entry) removed, fields examined]; request keys left empty
               are deleted (the client sizes its next page from the fields examined)
   Errors      KVREDIS_INVALID for a malformed id list, before the first write
@@ -12,8 +14,10 @@
 --@include layout
 --@include id_lists
 --@include hash_chunks
+--@include expiry
 check_gen(KEYS[1], ARGV[1])
 local set = list_set(blob_arg(ARGV[2], ID_WIDTH, 'entry ids'), ID_WIDTH)
+if ARGV[3] == 's' then return {clear_expiring(KEYS[1], {unpack(KEYS, 2)}, set)} end
 local removed, examined = 0, 0
 for i = 2, #KEYS do
   local all = {}

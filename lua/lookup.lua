@@ -1,6 +1,7 @@
 #!lua flags=no-writes,allow-cross-slot-keys
 --[[ lookup: walk a prefix chain of request keys and return their entry ids until the first miss.
-  KEYS[1]     <ns>:meta    KEYS[2] <ns>:pi    KEYS[3] <ns>:pp    KEYS[4] <ns>:sx
+  KEYS[1]     <ns>:meta    KEYS[2] <ns>:pi    KEYS[3] <ns>:pp    KEYS[4] <ns>:sx (gate key of
+              the expiring buckets, includes/expiry)
   ARGV[1]     namespace generation
   ARGV[2]     request bucket prefix "<ns>:r:"    ARGV[3] bucket bits
   ARGV[4]     highest entry id (decimal) up to which the client knows every definition
@@ -31,7 +32,7 @@ if nf > 0 then
   allowed = pods_ids(KEYS[3], pods)
 end
 local chain = ARGV[6 + nf]
-local unexpired = expiry_filter(KEYS[4])
+local expiring = expiring_reader(KEYS[4], ARGV[3])
 local out = {upto, {}}
 local seen_lists, seen, unknown = {}, {}, {}
 for n = floor + 1, upto do
@@ -42,11 +43,8 @@ end
 for i = 1, #chain, HASH_WIDTH do
   local h = string.sub(chain, i, i + HASH_WIDTH - 1)
   local ids = redis.call('HGET', rbucket(h), h)
+  if expiring then ids = expiring(h, ids) end
   if not ids then break end
-  if unexpired then
-    ids = unexpired(h, ids)
-    if ids == '' then break end
-  end
   if allowed then
     ids = list_only(ids, allowed, ID_WIDTH)
     if ids == '' then break end

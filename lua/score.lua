@@ -3,7 +3,8 @@
   A pod earns, for each consecutive key from the first, the highest weight among its tiers
   holding that key, and drops out at the first key it does not hold; the walk ends when no pod
   is left. Scores are summed in key order (bit-identical to kvredis.scoring.LongestPrefixScorer).
-  KEYS[1]     <ns>:meta    KEYS[2] <ns>:pi    KEYS[3] <ns>:pp    KEYS[4] <ns>:sx
+  KEYS[1]     <ns>:meta    KEYS[2] <ns>:pi    KEYS[3] <ns>:pp    KEYS[4] <ns>:sx (gate key of
+              the expiring buckets, includes/expiry)
   ARGV[1]     namespace generation
   ARGV[2]     request bucket prefix "<ns>:r:"    ARGV[3] bucket bits
   ARGV[4]     f, the number of pods in the filter (0 = all pods); ARGV[5..4+f] the pod ids
@@ -30,7 +31,7 @@ local weights = {}
 for i = 1, nw do weights[ARGV[at + 2 * i - 1]] = tonumber(ARGV[at + 2 * i]) end
 local default_weight = tonumber(ARGV[at + 2 * nw + 1])
 local chain = ARGV[at + 2 * nw + 2]
-local unexpired = expiry_filter(KEYS[4])
+local expiring = expiring_reader(KEYS[4], ARGV[3])
 
 local defs = {}   -- id -> {pod, weight}, or false for an id without definition
 local function def(id)
@@ -77,11 +78,8 @@ local first, previous = true, nil
 for i = 1, #chain, HASH_WIDTH do
   local h = string.sub(chain, i, i + HASH_WIDTH - 1)
   local ids = redis.call('HGET', rbucket(h), h)
+  if expiring then ids = expiring(h, ids) end
   if not ids then break end
-  if unexpired then
-    ids = unexpired(h, ids)
-    if ids == '' then break end
-  end
   local w = weigh(ids)
   local left = 0
   if ids == previous then

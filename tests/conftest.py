@@ -105,8 +105,11 @@ _PER_KIND = ("tests/redis/", "tests/test_index_conformance.py")
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     path = metafunc.definition.nodeid.split("::", 1)[0]
-    if "server_kind" in metafunc.fixturenames and path.startswith(_PER_KIND):
-        metafunc.parametrize("server_kind", server_kinds(), scope="session")
+    if "server_kind" in metafunc.fixturenames:
+        # Elsewhere too, so that every test's kind is a parameter: a session fixture built
+        # from an unparametrized kind would otherwise be reused for the other kinds.
+        kinds = server_kinds() if path.startswith(_PER_KIND) else server_kinds()[:1]
+        metafunc.parametrize("server_kind", kinds, scope="session")
 
 
 @pytest.fixture(scope="session")

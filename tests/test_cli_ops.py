@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +21,7 @@ from kvredis.cli import cli
 from kvredis.hashing import ChunkedTokenDatabase, TokenProcessorConfig
 from kvredis.ingest.stream import stream_position
 from kvredis.redis.layout import Layout
-from kvredis.types import KeyType, PodEntry
+from kvredis.types import PodEntry
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENS = list(range(1, 13))
@@ -346,29 +347,41 @@ def test_subprocess_and_version(
     assert version.returncode == 0 and __version__ in version.stdout
 
 
-def test_check_reports_and_repairs_expired_speculative_entries(
+def test_check_reports_and_repairs_expiring_entries(
     populated: RedisIndex, redis_server_url: str, namespace: str
 ) -> None:
-    import time
-
     raw = redis.Redis.from_url(redis_server_url)
     keys = block_keys()
     before = populated.lookup(keys)
     spec = PodEntry("pod-s", speculative=True)
-    populated.add(None, [*keys, 777], [spec], ttl=0.1)
-    sx = populated._session.state.layout.sx
-    # A deadline left without its entry (the entry evicted while its deadline stood).
-    populated.evict(777, KeyType.REQUEST, [spec])
-    time.sleep(0.25)  # expired, and no write since to reclaim them
+    populated.add(None, keys, [spec], ttl=600)
+    layout = populated._session.state.layout
+    spec_id = raw.hget(layout.pe, next(k for k in raw.hkeys(layout.pe) if b"pod-s" in k))
+    assert spec_id is not None
+    # Planted: a bucket the server would never delete, holding a past-due entry next to a live
+    # one and an undefined id; and a gate that ends too early.
+    field = (123456).to_bytes(8, "big")
+    bucket = layout.expiring_bucket(123456)
+    past, future = (1000).to_bytes(8, "big"), (2**42).to_bytes(8, "big")
+    raw.hset(bucket, field, spec_id + past + spec_id + future)
+    other = (123457 + 2**20).to_bytes(8, "big")
+    other_bucket = layout.expiring_bucket(int.from_bytes(other, "big"))
+    raw.hset(other_bucket, other, b"\xff\xff\xff\xf0" + future)
+    raw.persist(bucket)
+    raw.set(layout.sx, "1", px=600_000)
     code, out = run(redis_server_url, namespace, "check", "--json")
     assert code == 1
-    report = json.loads(out)
-    assert report["counts"] == {"expired_speculative": len(keys) + 1}
+    counts = json.loads(out)["counts"]
+    assert counts["expired_speculative"] == 1
+    assert counts["unknown_id"] == 1
+    assert counts["no_expiry"] >= 1
+    assert counts["expiry_gate"] == 1
     code, out = run(redis_server_url, namespace, "check", "--repair")
     assert code == 0, out
-    assert not raw.exists(sx)
     assert run_json(redis_server_url, namespace, "check")["findings"] == []  # type: ignore[index]
-    assert populated.lookup(keys) == before
+    assert raw.hget(bucket, field) == spec_id + future
+    assert int(raw.get(layout.sx) or 0) == 2**42
+    assert populated.lookup(keys) == {k: [*before[k], spec] for k in keys}
 
 
 def test_dump_restore_keeps_speculative_deadlines(
@@ -376,12 +389,19 @@ def test_dump_restore_keeps_speculative_deadlines(
 ) -> None:
     config = RedisIndexConfig(address=redis_server_url, namespace=namespace)
     other = f"kvt-{uuid.uuid4().hex[:12]}"
+    spec = PodEntry("pod-s", "", speculative=True)
     with RedisIndex(config) as index:
         keys = block_keys()
-        index.add(None, keys[:3], [PodEntry("pod-s", "", speculative=True)], ttl=600)
-        sx = index._session.state.layout.sx
-        before = dict(index.client.zrange(sx, 0, -1, withscores=True))
-        assert len(before) == 3
+        index.add(None, keys[:2], [spec], ttl=600)
+        index.add(None, keys[2:], [spec], ttl=0.2)
+        layout = index._session.state.layout
+        raw = index.client
+        time.sleep(0.25)
+        live = {
+            k[len(layout.sprefix) :]: raw.hgetall(k)
+            for k in raw.scan_iter(match=layout.expiring_pattern())
+        }
+        assert len(live) == 2
         path = tmp_path / "dump.jsonl"
         code, out = run(redis_server_url, namespace, "dump", str(path))
         assert code == 0, out
@@ -389,9 +409,18 @@ def test_dump_restore_keeps_speculative_deadlines(
         assert code == 0, out
         with RedisIndex(RedisIndexConfig(address=redis_server_url, namespace=other)) as copy:
             try:
-                copied = copy._session.state.layout.sx
-                after = dict(copy.client.zrange(copied, 0, -1, withscores=True))
-                assert after == before
-                assert copy.lookup(keys[:3]) == index.lookup(keys[:3])
+                copied = copy._session.state.layout
+                after = {
+                    k[len(copied.sprefix) :]: raw.hgetall(k)
+                    for k in raw.scan_iter(match=copied.expiring_pattern())
+                }
+                assert after == live
+                assert raw.get(copied.sx) == raw.get(layout.sx)
+                assert 0 < raw.pttl(copied.sx) <= 600_000
+                for key in live:
+                    pair = (copied.sprefix + key, layout.sprefix + key)
+                    expiry = [raw.execute_command("PEXPIRETIME", k) for k in pair]
+                    assert expiry[0] == expiry[1]
+                assert copy.lookup(keys) == index.lookup(keys) == {k: [spec] for k in keys[:2]}
             finally:
                 copy.drop_namespace()

@@ -27,9 +27,15 @@ problem                    what it means                                    repa
 ``duplicate_id``           an id listed twice under one request key         keep one
 ``misplaced_field``        a field in a bucket its hash does not select     move it
 ``dangling_mapping``       an engine key none of whose request keys exist   delete the mapping
-``wrong_type``             a key of the layout that is not a hash           (reported only)
-``expired_speculative``    a ``sx`` deadline past due (its entry still      remove the id and the
-                           held, or a deadline left without its entry)      deadline
+``wrong_type``             a key of the layout that is not a hash (``sx``:  (reported only)
+                           a string)
+``expired_speculative``    an expiring entry past its deadline still held   remove it
+                           (allowed without hash field expiry until its
+                           bucket expires; reported all the same)
+``no_expiry``              an expiring bucket (or field, with hash field    set it to the latest
+                           expiry) the server would never delete            deadline held
+``expiry_gate``            the gate ``sx`` ends before an expiring entry    move it to the latest
+                           (lookups would not see that entry)               deadline
 =========================  ===============================================  =====================
 
 Repairs are plain commands, not one atomic step: run ``check --repair`` while no writer uses the
@@ -48,8 +54,16 @@ from kvredis.errors import NamespaceLayoutError
 from kvredis.redis.codec import HASH_WIDTH, ID_WIDTH, bytes_text, decode_entry
 from kvredis.redis.config import RedisIndexConfig
 from kvredis.redis.executor import SyncExecutor
-from kvredis.redis.layout import PI_RECORD_FIELDS, Layout, meta_key
-from kvredis.redis.ops import RetryPolicy, Session, op_drive
+from kvredis.redis.layout import (
+    EXPIRING_ITEM_WIDTH,
+    EXPIRY_FIELD,
+    EXPIRY_KEY,
+    PI_RECORD_FIELDS,
+    Layout,
+    expiring_item_deadline,
+    meta_key,
+)
+from kvredis.redis.ops import RetryPolicy, Session, expiry_mode_of, op_drive
 from kvredis.redis.requests import Command, Op, Pipeline
 from kvredis.redis.scripts import ScriptRegistry
 from kvredis.redis.state import CoreState
@@ -125,16 +139,18 @@ def _fixed_keys(layout: Layout) -> list[bytes]:
 
 
 def op_namespace_keys(layout: Layout) -> Op[list[bytes]]:
-    """Every key of the namespace's layout: its records, then its request and engine buckets.
+    """Every key of the namespace's layout: its records (and the gate ``sx``), then its
+    request, engine and expiring buckets.
 
     Only the layout's own names and bucket patterns are read, so the keys of another namespace
     are never included, whatever the two names.
     """
-    fixed = _fixed_keys(layout)
+    fixed = [*_fixed_keys(layout), layout.sx]
     exists = yield Pipeline(tuple(Command(("EXISTS", k)) for k in fixed))
     keys = [k for k, n in zip(fixed, exists, strict=True) if int(n)]
     keys += yield from op_scan(layout.request_pattern())
     keys += yield from op_scan(layout.engine_pattern())
+    keys += yield from op_scan(layout.expiring_pattern())
     return keys
 
 
@@ -284,6 +300,9 @@ class NamespaceStats:
     """Engine keys with a mapping."""
     engine_mappings: int = 0
     """(engine key, request key) mappings."""
+    expiring_entries: int = 0
+    """(request key, entry) pairs of speculative entries added with a ttl, past due or not (not
+    in ``pairs`` or ``pods``)."""
     dictionary_entries: int = 0
     watermarks: int = 0
     bytes_used: int = 0
@@ -320,8 +339,10 @@ def op_stats(layout: Layout, progress: Progress = _noop, memory: bool = True) ->
             stats.engine_buckets += 1
             stats.engine_keys += len(fields)
             stats.engine_mappings += sum(len(v) // HASH_WIDTH for v in fields.values())
+        elif key.startswith(layout.sprefix):
+            stats.expiring_entries += sum(len(v) // EXPIRING_ITEM_WIDTH for v in fields.values())
 
-    buckets = [k for k in keys if k.startswith((layout.rprefix, layout.eprefix))]
+    buckets = [k for k in keys if k.startswith((layout.rprefix, layout.eprefix, layout.sprefix))]
     yield from op_read_hashes(buckets, visit, progress)
     stats.pairs = sum(per_id.values())
     pods: dict[str, dict[str, int]] = {}
@@ -366,6 +387,8 @@ class Problem(enum.Enum):
     DANGLING_MAPPING = "dangling_mapping"
     WRONG_TYPE = "wrong_type"
     EXPIRED_SPECULATIVE = "expired_speculative"
+    NO_EXPIRY = "no_expiry"
+    EXPIRY_GATE = "expiry_gate"
 
 
 @dataclass(frozen=True, slots=True)
@@ -606,10 +629,13 @@ def op_check(layout: Layout, repair: bool = False, progress: Progress = _noop) -
     for key, t in zip(fixed, types, strict=True):
         if _type(t) not in ("hash", "none"):
             c.found(Problem.WRONG_TYPE, key, None, f"a {_type(t)}, not a hash: delete it")
+    gate_type = yield Command(("TYPE", layout.sx))
+    if _type(gate_type) not in ("string", "none"):
+        c.found(Problem.WRONG_TYPE, layout.sx, None, f"a {_type(gate_type)}, not a string")
     dictionary = yield from op_dictionary(layout)
     defined = _check_dictionary(c, dictionary)
     keys = yield from op_namespace_keys(layout)
-    buckets = [k for k in keys if k not in fixed]
+    buckets = [k for k in keys if k not in fixed and k != layout.sx]
     report.keys_checked = len(keys)
     btypes: list[Any] = []
     for chunk in _chunks(buckets, KEYS_PER_PIPELINE):
@@ -619,14 +645,15 @@ def op_check(layout: Layout, repair: bool = False, progress: Progress = _noop) -
             c.found(Problem.WRONG_TYPE, key, None, f"a {_type(t)}, not a bucket hash: delete it")
     mappings: list[tuple[bytes, bytes, list[bytes]]] = []
     map_keys: list[bytes] = []
-    expired = yield from _op_expired(layout)
-    held: dict[bytes, tuple[bytes, bytes]] = {}
+    sec, usec = yield Command(("TIME",))
+    now = int(sec) * 1000 + int(usec) // 1000
+    expiring: dict[bytes, dict[bytes, int]] = {}
 
     def visit(key: bytes, fields: dict[bytes, bytes]) -> None:
         if key.startswith(layout.rprefix):
             _check_request_bucket(c, key, fields, defined)
-            for fld in expired.keys() & fields.keys():
-                held[fld] = (key, fields[fld])
+        elif key.startswith(layout.sprefix):
+            expiring[key] = _check_expiring_bucket(c, key, fields, defined, now)
         else:
             for m in _check_engine_bucket(c, key, fields):
                 mappings.append(m)
@@ -634,7 +661,7 @@ def op_check(layout: Layout, repair: bool = False, progress: Progress = _noop) -
 
     yield from op_read_hashes(buckets, visit, progress)
     yield from _check_mappings(c, mappings, map_keys)
-    _check_expired(c, expired, held)
+    yield from _check_expiry(c, expiring, _type(gate_type) == "string")
     if c.fixes:
         for fixes in _chunks(c.fixes, KEYS_PER_PIPELINE):
             yield Pipeline(tuple(fixes))
@@ -645,18 +672,19 @@ def op_check(layout: Layout, repair: bool = False, progress: Progress = _noop) -
 def _check_mappings(
     c: _Checker, mappings: list[tuple[bytes, bytes, list[bytes]]], keys: list[bytes]
 ) -> Op[None]:
-    """Find engine mappings none of whose request keys exists (HEXISTS, pipelined)."""
+    """Find engine mappings none of whose request keys holds an entry, with or without expiry
+    (HEXISTS, pipelined)."""
     lay = c.layout
-    probes = [(i, r) for i, (_f, _v, refs) in enumerate(mappings) for r in refs]
+    probes = [
+        (i, bucket(int.from_bytes(r, "big")), r)
+        for i, (_f, _v, refs) in enumerate(mappings)
+        for r in refs
+        for bucket in (lay.request_bucket, lay.expiring_bucket)
+    ]
     held = [False] * len(mappings)
     for chunk in _chunks(probes, KEYS_PER_PIPELINE):
-        replies = yield Pipeline(
-            tuple(
-                Command(("HEXISTS", lay.request_bucket(int.from_bytes(r, "big")), r))
-                for _, r in chunk
-            )
-        )
-        for (i, _r), exists in zip(chunk, replies, strict=True):
+        replies = yield Pipeline(tuple(Command(("HEXISTS", b, r)) for _, b, r in chunk))
+        for (i, _b, _r), exists in zip(chunk, replies, strict=True):
             held[i] = held[i] or bool(int(exists))
     for (fld, _value, refs), key, ok in zip(mappings, keys, held, strict=True):
         if not ok:
@@ -671,46 +699,91 @@ def _check_mappings(
             )
 
 
-#: Past-due deadlines read per ZRANGE call.
-EXPIRED_PER_PAGE = 1000
-
-
-def _op_expired(layout: Layout) -> Op[dict[bytes, list[bytes]]]:
-    """The past-due deadlines of ``<ns>:sx`` (server clock): request key -> expired entry ids."""
-    kind = yield Command(("TYPE", layout.sx))
-    if _type(kind) != "zset":
-        return {}
-    sec, usec = yield Command(("TIME",))
-    now = int(sec) * 1000 + int(usec) // 1000
-    out: dict[bytes, list[bytes]] = {}
-    offset = 0
-    while True:
-        page = yield Command(
-            ("ZRANGE", layout.sx, "-inf", now, "BYSCORE", "LIMIT", offset, EXPIRED_PER_PAGE)
-        )
-        for member in page:
-            out.setdefault(member[:HASH_WIDTH], []).append(member[HASH_WIDTH:])
-        if len(page) < EXPIRED_PER_PAGE:
-            return out
-        offset += EXPIRED_PER_PAGE
-
-
-def _check_expired(
-    c: _Checker, expired: Mapping[bytes, list[bytes]], held: Mapping[bytes, tuple[bytes, bytes]]
-) -> None:
-    """Report past-due deadlines (the add scripts reclaim them as writes come; a namespace no
-    one writes to keeps them); the repair removes the ids and the deadlines."""
-    sx = c.layout.sx
-    for fld, ids in expired.items():
-        forget = Command(("ZREM", sx, *(fld + i for i in ids)))
-        key, value = held.get(fld, (c.layout.request_bucket(int.from_bytes(fld, "big")), b""))
-        left = [i for i in _ids(value) if i not in ids] if len(value) % ID_WIDTH == 0 else None
-        if left is None or len(left) * ID_WIDTH == len(value):
-            c.found(Problem.EXPIRED_SPECULATIVE, sx, fld, f"{len(ids)} deadlines left", forget)
+def _check_expiring_bucket(
+    c: _Checker, key: bytes, fields: dict[bytes, bytes], defined: set[bytes], now: int
+) -> dict[bytes, int]:
+    """Check an expiring bucket; returns field -> latest deadline of what it keeps."""
+    lay = c.layout
+    latest: dict[bytes, int] = {}
+    for fld, value in fields.items():
+        if not _well_formed(c, key, fld, value, EXPIRING_ITEM_WIDTH, "expiring"):
             continue
-        write = Command(("HSET", key, fld, b"".join(left))) if left else Command(("HDEL", key, fld))
-        detail = f"{len(value) // ID_WIDTH - len(left)} expired entries still held"
-        c.found(Problem.EXPIRED_SPECULATIVE, key, fld, detail, write, forget)
+        items = [
+            value[i : i + EXPIRING_ITEM_WIDTH] for i in range(0, len(value), EXPIRING_ITEM_WIDTH)
+        ]
+        unknown = [i for i in items if i[:ID_WIDTH] not in defined]
+        due = [i for i in items if i not in unknown and expiring_item_deadline(i) <= now]
+        kept = [i for i in items if i not in unknown and i not in due]
+        new_value = b"".join(kept)
+        write = (
+            [Command(("HDEL", key, fld))] if not kept else [Command(("HSET", key, fld, new_value))]
+        )
+        if unknown:
+            c.found(Problem.UNKNOWN_ID, key, fld, f"{len(unknown)} undefined ids", *write)
+        if due:
+            detail = f"{len(due)} expired entries still held"
+            c.found(Problem.EXPIRED_SPECULATIVE, key, fld, detail, *([] if unknown else write))
+        home = lay.expiring_bucket(int.from_bytes(fld, "big"))
+        if home != key:
+            move = [Command(("HDEL", key, fld))]
+            if kept:
+                move.insert(0, Command(("HSET", home, fld, new_value)))
+            c.found(Problem.MISPLACED_FIELD, key, fld, f"belongs in {_show(home)}", *move)
+        elif kept:
+            latest[fld] = max(expiring_item_deadline(i) for i in kept)
+    return latest
+
+
+def _check_expiry(
+    c: _Checker, expiring: Mapping[bytes, Mapping[bytes, int]], gate: bool
+) -> Op[None]:
+    """Every expiring bucket (or field, with hash field expiry) must expire by itself, and the
+    gate must last as long as the latest expiring entry."""
+    lay = c.layout
+    mode = yield Command(("HGET", lay.meta, "expiry"))
+    fields_expire = mode is not None and bytes(mode).decode() == EXPIRY_FIELD
+    probes: list[tuple[bytes, bytes | None, int]] = []
+    for key, latest in expiring.items():
+        if not latest:
+            continue
+        if fields_expire:
+            probes += [(key, f, d) for f, d in latest.items()]
+        else:
+            probes.append((key, None, max(latest.values())))
+    for chunk in _chunks(probes, KEYS_PER_PIPELINE):
+        replies = yield Pipeline(
+            tuple(
+                Command(("HPEXPIRETIME", k, "FIELDS", 1, f)) if f else Command(("PEXPIRETIME", k))
+                for k, f, _ in chunk
+            )
+        )
+        for (key, fld, deadline), reply in zip(chunk, replies, strict=True):
+            when = int(reply[0] if isinstance(reply, (list, tuple)) else reply)
+            if when >= 0:
+                continue
+            at = str(deadline)
+            fix = (
+                Command(("HPEXPIREAT", key, at, "FIELDS", 1, fld))
+                if fld
+                else Command(("PEXPIREAT", key, at))
+            )
+            c.found(Problem.NO_EXPIRY, key, fld, "the server would never delete it", fix)
+    latest_all = max((d for _, _, d in probes), default=0)
+    if latest_all:
+        stored = (yield Command(("GET", lay.sx))) if gate else None
+        try:
+            held = int(stored) if stored is not None else 0
+        except ValueError:
+            held = 0
+        if held < latest_all:
+            at = str(latest_all)
+            c.found(
+                Problem.EXPIRY_GATE,
+                lay.sx,
+                None,
+                "ends before the latest expiring entry (lookups would not see it)",
+                Command(("SET", lay.sx, at, "PXAT", at)),
+            )
 
 
 # -- dump and restore ---------------------------------------------------------------------------
@@ -723,10 +796,9 @@ def op_dump(
 
     ``key`` is the key name without the ``<ns>:`` prefix and ``fields`` a list of
     ``[field, value]`` pairs, all hex-encoded bytes; a hash larger than
-    :data:`FIELDS_PER_CALL` fields is written as several records of the same key. The
-    deadlines of expiring speculative entries (``<ns>:sx``) are records ``{"key", "zset"}``
-    with ``[member, unix ms]`` pairs. The meta record comes last. Returns the number of keys
-    exported.
+    :data:`FIELDS_PER_CALL` fields is written as several records of the same key. Expiring
+    buckets carry their deadlines in their values; their expiry and the gate ``sx`` are derived
+    from them on restore. The meta record comes last. Returns the number of keys exported.
     """
     keys = yield from op_namespace_keys(layout)
     prefix = len(layout.meta) - len(b"meta")
@@ -739,70 +811,87 @@ def op_dump(
         for chunk in _chunks(items, FIELDS_PER_CALL):
             write({"key": key[prefix:].hex(), "fields": [[f.hex(), v.hex()] for f, v in chunk]})
 
-    yield from op_read_hashes([k for k in keys if k != layout.meta], visit, progress)
-    # the deadlines of expiring speculative entries (a sorted set: member -> unix ms)
-    deadlines = yield from op_zscan(layout.sx)
-    if deadlines:
-        exported += 1
-        for part in _chunks(deadlines, FIELDS_PER_CALL):
-            write({"key": layout.sx[prefix:].hex(), "zset": [[m.hex(), ms] for m, ms in part]})
+    records = [k for k in keys if k not in (layout.meta, layout.sx)]
+    yield from op_read_hashes(records, visit, progress)
     if layout.meta in keys:
         yield from op_read_hashes([layout.meta], visit, progress)
     return exported
 
 
-def op_zscan(key: bytes) -> Op[list[tuple[bytes, int]]]:
-    """Every (member, integer score) of a sorted set, with ZSCAN (empty if the key is absent)."""
-    found: dict[bytes, int] = {}
-    cursor = -1
-    while cursor != 0:
-        cursor_reply, flat = yield Command(("ZSCAN", key, max(cursor, 0), "COUNT", 1000))
-        cursor = int(cursor_reply)
-        if isinstance(flat, dict):
-            pairs = list(flat.items())
-        elif flat and isinstance(flat[0], (tuple, list)):  # parsed by the client
-            pairs = [(m, sc) for m, sc in flat]
-        else:
-            pairs = [(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)]
-        for member, score in pairs:
-            found[bytes(member)] = int(float(score))
-    return sorted(found.items())
+#: The relative key names (after ``<ns>:``) of the records a restore treats specially.
+_META, _PI, _EXPIRING = b"meta", b"pi", b"s:"
 
 
 def op_restore(layout_prefix: bytes, records: Iterable[Mapping[str, Any]]) -> Op[int]:
     """Write dump records under ``layout_prefix`` (``b"<ns>:"``); the meta record last.
 
-    Returns the number of fields written.
+    The expiring buckets get their expiry back from the deadlines they hold (per field with
+    hash field expiry, per bucket key otherwise), and the gate ``<ns>:sx`` the latest of them.
+    A namespace dumped with hash field expiry and restored to a server without it switches to
+    bucket key expiry (``expiry`` in the meta and ``pi`` records). Returns the fields written.
     """
     written = 0
-    meta: list[Command] = []
+    meta: list[bytes] = []
     batch: list[Command] = []
+    expiring: dict[bytes, dict[bytes, int]] = {}
+    restored_pi = False
     for record in records:
-        key = layout_prefix + bytes.fromhex(record["key"])
-        if "zset" in record:
-            scored: list[bytes | int] = []
-            for m, ms in record["zset"]:
-                scored += [int(ms), bytes.fromhex(m)]
-            if scored:
-                batch.append(Command(("ZADD", key, *scored)))
-                written += len(scored) // 2
-            continue
+        rel = bytes.fromhex(record["key"])
+        key = layout_prefix + rel
         flat: list[bytes] = []
         for f, v in record["fields"]:
             flat += [bytes.fromhex(f), bytes.fromhex(v)]
         if not flat:
             continue
-        command = Command(("HSET", key, *flat))
         written += len(flat) // 2
-        (meta if record["key"] == b"meta".hex() else batch).append(command)
+        if rel == _META:
+            meta += flat
+            continue
+        restored_pi = restored_pi or rel == _PI
+        if rel.startswith(_EXPIRING):
+            latest = expiring.setdefault(key, {})
+            for i in range(0, len(flat), 2):
+                value = flat[i + 1]
+                deadlines = [
+                    expiring_item_deadline(value[j : j + EXPIRING_ITEM_WIDTH])
+                    for j in range(0, len(value), EXPIRING_ITEM_WIDTH)
+                ]
+                latest[flat[i]] = max(deadlines, default=0)
+        batch.append(Command(("HSET", key, *flat)))
         if len(batch) >= KEYS_PER_PIPELINE:
             yield Pipeline(tuple(batch))
             batch = []
     if batch:
         yield Pipeline(tuple(batch))
-    for command in meta:
-        yield command
+    mode = dict(zip(meta[::2], meta[1::2], strict=True)).get(b"expiry", EXPIRY_KEY.encode())
+    if mode == EXPIRY_FIELD.encode():
+        mode = expiry_mode_of((yield Command(("INFO", "server")))).encode()
+        if meta:
+            meta += [b"expiry", mode]
+        if restored_pi:
+            yield Command(("HSET", layout_prefix + _PI, "expiry", mode))
+    yield from _restore_expiry(layout_prefix, expiring, mode == EXPIRY_FIELD.encode())
+    if meta:
+        yield Command(("HSET", layout_prefix + _META, *meta))
     return written
+
+
+def _restore_expiry(
+    layout_prefix: bytes, expiring: Mapping[bytes, Mapping[bytes, int]], fields_expire: bool
+) -> Op[None]:
+    commands: list[Command] = []
+    for key, latest in expiring.items():
+        if fields_expire:
+            commands += [
+                Command(("HPEXPIREAT", key, str(d), "FIELDS", 1, f)) for f, d in latest.items()
+            ]
+        elif latest:
+            commands.append(Command(("PEXPIREAT", key, str(max(latest.values())))))
+    for chunk in _chunks(commands, KEYS_PER_PIPELINE):
+        yield Pipeline(tuple(chunk))
+    gate = max((d for latest in expiring.values() for d in latest.values()), default=0)
+    if gate:
+        yield Command(("SET", layout_prefix + b"sx", str(gate), "PXAT", str(gate)))
 
 
 # -- driving ------------------------------------------------------------------------------------

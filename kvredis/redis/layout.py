@@ -4,19 +4,27 @@ Key layout of a namespace ``<ns>`` (all keys start with ``<ns>:``)::
 
     key              type  content
     <ns>:meta        HASH  layout (LAYOUT_VERSION), bucket_bits, gen (random token of this
-                           incarnation), next_id (last entry id allocated)
+                           incarnation), next_id (last entry id allocated), expiry (how
+                           expiring entries expire: "field" or "key", see below)
     <ns>:pe          HASH  encoded entry -> 4-byte entry id
     <ns>:pi          HASH  4-byte entry id -> encoded entry (ids are never reused); also the
-                           fields next_id and bucket_bits, from which a lost meta record heals
+                           fields next_id, bucket_bits and expiry, from which a lost meta
+                           record heals
     <ns>:pp          HASH  pod id -> the pod's entry ids (id list)
     <ns>:wm          HASH  stream -> "epoch:seq:token" (apply_batch watermarks; token: the call
                            that applied it)
-    <ns>:sx          ZSET  8-byte request key + 4-byte entry id -> deadline (ms, server
-                           clock) of a speculative entry added with a ttl (lua/includes/expiry)
+    <ns>:sx          STR   the latest deadline (ms, server clock) of any expiring entry;
+                           expires then (the gate of the expiring buckets)
     <ns>:wp          HASH  stream -> "epoch:seq:token:part", a batch being applied in parts
     <ns>:r:<bucket>  HASH  8-byte request key -> entry ids (id list), oldest added first
     <ns>:e:<bucket>  HASH  8-byte engine key -> request keys (hash list), most recent last,
                            at most MAX_REQUEST_KEYS_PER_ENGINE_KEY
+    <ns>:s:<bucket>  HASH  8-byte request key -> its expiring speculative entries: 12-byte
+                           items, 4-byte entry id + 8-byte big-endian deadline (ms, server
+                           clock), most recent last; deleted by the server itself: each field
+                           at its latest deadline (hash field expiry, meta expiry "field") or
+                           the whole key at its latest deadline (expiry "key"; writes then
+                           drop the bucket's past-due items). lua/includes/expiry.
 
 ``<bucket>`` is the bucket of the hash (:func:`bucket_of`: its low ``bucket_bits`` bits) as
 ``ceil(bucket_bits / 8)`` big-endian bytes; the first client of a namespace fixes
@@ -40,9 +48,20 @@ LAYOUT_VERSION = "kvredis-kvblock/1"
 DEFAULT_BUCKET_BITS = 16
 MIN_BUCKET_BITS = 1
 MAX_BUCKET_BITS = 24
-#: The fields of ``<ns>:pi`` that are not entry ids: the copy of ``next_id`` and ``bucket_bits``
-#: from which a lost ``<ns>:meta`` heals. Entry ids are 4 bytes, so they never collide.
-PI_RECORD_FIELDS = (b"next_id", b"bucket_bits")
+#: The fields of ``<ns>:pi`` that are not entry ids: the copy of ``next_id``, ``bucket_bits`` and
+#: ``expiry`` from which a lost ``<ns>:meta`` heals. Entry ids are 4 bytes, so they never collide.
+PI_RECORD_FIELDS = (b"next_id", b"bucket_bits", b"expiry")
+#: Width of an item of an expiring bucket: entry id (4 bytes) + deadline (8 bytes, ms).
+EXPIRING_ITEM_WIDTH = 12
+#: ``expiry`` in ``<ns>:meta``: expiring entries use hash field expiry (HPEXPIREAT per field) ...
+EXPIRY_FIELD = "field"
+#: ... or expiring bucket keys (PEXPIREAT per bucket key; also what an absent field means).
+EXPIRY_KEY = "key"
+
+
+def expiring_item_deadline(item: bytes) -> int:
+    """The deadline (unix ms, server clock) of an item of an expiring bucket."""
+    return int.from_bytes(item[4:EXPIRING_ITEM_WIDTH], "big")
 
 
 def bucket_of(value: int, bits: int) -> int:
@@ -74,6 +93,7 @@ class Layout:
         "pi",
         "pp",
         "rprefix",
+        "sprefix",
         "suffix_bytes",
         "sx",
         "wm",
@@ -96,6 +116,7 @@ class Layout:
         self.sx = ns + b":sx"
         self.rprefix = ns + b":r:"
         self.eprefix = ns + b":e:"
+        self.sprefix = ns + b":s:"
 
     def request_bucket(self, value: int) -> bytes:
         """The request bucket key holding request key ``value``."""
@@ -104,6 +125,14 @@ class Layout:
     def engine_bucket(self, value: int) -> bytes:
         """The engine bucket key holding engine key ``value``."""
         return self.eprefix + (value & self.mask).to_bytes(self.suffix_bytes, "big")
+
+    def expiring_bucket(self, value: int) -> bytes:
+        """The expiring bucket key holding the expiring entries of request key ``value``."""
+        return self.sprefix + (value & self.mask).to_bytes(self.suffix_bytes, "big")
+
+    def expiring_pattern(self) -> bytes:
+        """SCAN MATCH pattern of the expiring buckets (and nothing else)."""
+        return escape_glob(self.sprefix) + b"?" * self.suffix_bytes
 
     def request_pattern(self) -> bytes:
         """SCAN MATCH pattern of the request buckets (and nothing else)."""
@@ -122,13 +151,13 @@ class Layout:
 
         ``SCAN MATCH <ns>:*`` also returns the keys of every namespace whose name extends
         ``<ns>:`` (``kv`` and ``kv:prod``); this tells them apart. Bucket keys are
-        ``<ns>:r:`` or ``<ns>:e:`` and 1 to 3 suffix bytes, which no other accepted namespace
-        can produce (:func:`check_namespace`).
+        ``<ns>:r:``, ``<ns>:e:`` or ``<ns>:s:`` and 1 to 3 suffix bytes, which no other
+        accepted namespace can produce (:func:`check_namespace`).
         """
         if key in self.fixed_keys():
             return True
         suffix = len(key) - len(self.rprefix)
-        return 1 <= suffix <= 3 and key.startswith((self.rprefix, self.eprefix))
+        return 1 <= suffix <= 3 and key.startswith((self.rprefix, self.eprefix, self.sprefix))
 
     def fixed_keys(self) -> tuple[bytes, ...]:
         """The keys of the namespace that are not buckets, ``<ns>:meta`` last."""
@@ -138,16 +167,17 @@ class Layout:
 def check_namespace(namespace: object) -> str:
     """Validate a namespace name: a non-empty str that cannot nest inside another namespace.
 
-    Bucket keys are ``<ns>:r:<bucket>`` and ``<ns>:e:<bucket>``, so a namespace containing
-    ``:r:`` or ``:e:``, or ending in ``:r`` or ``:e``, would share key names with a shorter one;
-    such names are refused. Any other text (including ``:``) is fine.
+    Bucket keys are ``<ns>:r:<bucket>``, ``<ns>:e:<bucket>`` and ``<ns>:s:<bucket>``, so a
+    namespace containing ``:r:``, ``:e:`` or ``:s:``, or ending in ``:r``, ``:e`` or ``:s``, would
+    share key names with a shorter one; such names are refused. Any other text (including ``:``)
+    is fine.
     """
     if not isinstance(namespace, str) or not namespace:
         raise InvalidInputError(f"namespace must be a non-empty str, got {namespace!r}")
-    if any(part in namespace for part in (":r:", ":e:")) or namespace.endswith((":r", ":e")):
+    if any(f":{k}:" in namespace or namespace.endswith(f":{k}") for k in "res"):
         raise InvalidInputError(
-            f"namespace {namespace!r} may not contain ':r:' or ':e:' or end in ':r' or ':e' "
-            "(its keys would collide with those of a shorter namespace)"
+            f"namespace {namespace!r} may not contain ':r:', ':e:' or ':s:' or end in ':r', "
+            "':e' or ':s' (its keys would collide with those of a shorter namespace)"
         )
     return namespace
 

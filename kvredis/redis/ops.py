@@ -59,7 +59,7 @@ from kvredis.errors import (
 )
 from kvredis.index import ClearProgress
 from kvredis.redis.codec import bytes_text, encode_entry, hash_field, pack_hashes, text_bytes
-from kvredis.redis.layout import LAYOUT_VERSION, Layout
+from kvredis.redis.layout import EXPIRY_FIELD, EXPIRY_KEY, LAYOUT_VERSION, Layout
 from kvredis.redis.requests import (
     Arg,
     AuthenticationFailed,
@@ -234,16 +234,19 @@ def op_run(session: Session, factory: Callable[[], Op[T]]) -> Op[T]:
 
 
 def op_connect(session: Session, strict: bool = False) -> Op[Layout]:
-    """Ping the server, check that it is no cluster node (:func:`check_not_cluster`), load the
-    namespace and check the server's eviction policy (what constructing a client does): see
-    :func:`check_eviction_policy`."""
+    """Ping the server, check that it is no cluster node (:func:`check_not_cluster`), read its
+    version (:func:`op_expiry_mode`), load the namespace and check the server's eviction policy
+    (what constructing a client does): see :func:`check_eviction_policy`."""
     yield from op_send(session, Command(("PING",)))
     try:
         cluster_info = yield from op_send(session, Command(("INFO", "cluster")))
+    except BackendUnavailableError:
+        raise
     except BackendError as exc:  # INFO not permitted (ACL, renamed command)
         logger.debug("cannot read INFO cluster from %s: %s", session.policy.server, exc)
     else:
         check_not_cluster(cluster_info, session.policy.server)
+    session.state.expiry_mode = yield from op_expiry_mode(session)
     layout = yield from op_drive(session, op_load_namespace(session.state, ping=False))
     try:
         info = yield from op_send(session, Command(("INFO", "memory")))
@@ -317,7 +320,9 @@ def op_load_namespace(state: CoreState, ping: bool = True) -> Op[Layout]:
 
     The record is read with a plain HMGET first, so a client starts on a read-only replica and
     under ``maxmemory`` with ``noeviction`` when the namespace exists; only a missing record
-    costs the (writing) ``namespace`` script. A drop in progress is finished first.
+    costs the (writing) ``namespace`` script. A drop in progress is finished first. A new
+    namespace records how its expiring entries expire (``state.expiry_mode``, found by
+    :func:`op_expiry_mode` when the client connects).
     """
     if ping:
         yield Command(("PING",))
@@ -328,13 +333,55 @@ def op_load_namespace(state: CoreState, ping: bool = True) -> Op[Layout]:
             reply = yield ScriptCall(
                 "namespace",
                 (keys.meta, keys.pi),
-                (LAYOUT_VERSION, state.bucket_bits, secrets.token_hex(8)),
+                (LAYOUT_VERSION, state.bucket_bits, secrets.token_hex(8), state.expiry_mode),
             )
         gen = reply[2] if isinstance(reply, (list, tuple)) and len(reply) == 3 else None
         if not (isinstance(gen, bytes) and gen.startswith(TOMBSTONE)):
             return state.adopt(reply)
         yield from _finish_drop(keys, gen)
     raise StaleNamespaceError(f"namespace {state.namespace!r} keeps being dropped; try again")
+
+
+def op_expiry_mode(session: Session) -> Op[str]:
+    """How this server can expire speculative entries by itself: ``"field"`` with hash field
+    expiry (``HPEXPIREAT``: Redis 7.4+, Valkey 9+), else ``"key"``, from the versions in
+    ``INFO server``. A server that does not answer it (ACL, renamed command) counts as
+    ``"key"``, which works everywhere."""
+    try:
+        info = yield from op_send(session, Command(("INFO", "server")))
+    except BackendUnavailableError:
+        raise
+    except BackendError as exc:
+        logger.debug("cannot read INFO server from %s: %s", session.policy.server, exc)
+        return EXPIRY_KEY
+    return expiry_mode_of(info)
+
+
+#: The first versions with hash field expiry (HPEXPIREAT), by ``INFO server`` field.
+FIELD_EXPIRY_SINCE = {"valkey_version": (9, 0), "redis_version": (7, 4)}
+
+
+def expiry_mode_of(info: Any) -> str:
+    """``"field"`` when ``INFO server`` (a mapping, or its text) names a server with hash field
+    expiry, else ``"key"``. Valkey also reports a ``redis_version`` (7.2.4), so its own version
+    decides."""
+    fields: dict[str, str] = {}
+    if isinstance(info, Mapping):
+        fields = {str(k): str(v) for k, v in info.items()}
+    elif isinstance(info, (bytes, str)):
+        text = info.decode("utf-8", "replace") if isinstance(info, bytes) else info
+        for line in text.splitlines():
+            name, _, value = line.partition(":")
+            fields[name.strip()] = value.strip()
+    for name, since in FIELD_EXPIRY_SINCE.items():
+        if name in fields:
+            parts = fields[name].split(".")[:2]
+            try:
+                version = tuple(int(p) for p in parts)
+            except ValueError:
+                return EXPIRY_KEY
+            return EXPIRY_FIELD if version >= since else EXPIRY_KEY
+    return EXPIRY_KEY
 
 
 def _pod_args(pods: frozenset[str] | None) -> list[Arg]:
@@ -550,7 +597,7 @@ def op_evict(state: CoreState, key: int, key_type: KeyType, entries: Entries) ->
     program.evict(k, kt, ents)
     yield ScriptCall(
         "evict",
-        (layout.meta, layout.pe),
+        (layout.meta, layout.pe, layout.sx),
         [*program.bucket_args(), *program.entry_args(), *program.ops],
     )
 
@@ -724,8 +771,9 @@ def op_clear(
 ) -> Op[int]:
     """``Index.clear``: remove every entry of the pod, page by page; returns entries removed.
 
-    Two passes over the namespace with SCAN MATCH (never the whole keyspace): the request
-    buckets (``clear`` script: remove the pod's entry ids, delete emptied request keys), then the
+    Three passes over the namespace with SCAN MATCH (never the whole keyspace): the request
+    buckets (``clear`` script: remove the pod's entry ids, delete emptied request keys), the
+    expiring buckets (the same script: the pod's expiring entries and their deadlines), then the
     engine buckets (``clear_mappings`` script: drop mappings none of whose request keys holds an
     entry). ``progress(done, removed)`` is called after every page with the bucket keys processed
     so far (both passes; SCAN may report a key twice) and the (request key, entry) pairs removed
@@ -758,6 +806,12 @@ def op_clear(
         layout.request_pattern(),
         fields_per_call,
         lambda keys: ScriptCall("clear", (layout.meta, *keys), (layout.gen, ids)),
+        on_request_page,
+    )
+    yield from _paged(
+        layout.expiring_pattern(),
+        fields_per_call,
+        lambda keys: ScriptCall("clear", (layout.meta, *keys), (layout.gen, ids, "s")),
         on_request_page,
     )
     yield from _paged(

@@ -22,6 +22,7 @@ from kvredis.errors import (
 from kvredis.redis.codec import ID_WIDTH, decode_entry
 from kvredis.redis.layout import (
     DEFAULT_BUCKET_BITS,
+    EXPIRY_KEY,
     LAYOUT_VERSION,
     Layout,
     check_bucket_bits,
@@ -90,6 +91,9 @@ class CoreState:
     def __init__(self, namespace: str, bucket_bits: int = DEFAULT_BUCKET_BITS) -> None:
         self.namespace = check_namespace(namespace)
         self.bucket_bits = check_bucket_bits(bucket_bits)
+        #: How a namespace this client creates expires its expiring entries (``"field"`` or
+        #: ``"key"``: see :mod:`kvredis.redis.layout`), set from the server when connecting.
+        self.expiry_mode = EXPIRY_KEY
         self._current: tuple[Layout, EntryCache] | None = None
         self._lock = threading.Lock()
 

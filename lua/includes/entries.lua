@@ -69,8 +69,9 @@ local function define_entries(k, encs, ids, next_id, pod_lists)
     redis.call('HSET', k.pp, pod, (pod_lists[pod] or '') .. table.concat(list))
   end
   redis.call('HSET', k.meta, 'next_id', tostring(next_id))
-  -- The high-water mark and bucket bits, kept where a lost <ns>:meta can be healed from.
-  redis.call('HSET', k.pi, 'next_id', tostring(next_id), 'bucket_bits', k.bits)
+  -- The high-water mark, bucket bits and expiry mode, from which a lost <ns>:meta heals.
+  redis.call('HSET', k.pi, 'next_id', tostring(next_id), 'bucket_bits', k.bits,
+    'expiry', k.xs.fields and 'field' or 'key')
 end
 
 -- The current id lists of the pods of encs (pod -> list or false), read before any write.

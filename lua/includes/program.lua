@@ -14,10 +14,12 @@
 --@include writes
 --@include expiry
 
--- The keys and bucket namers the ops write through.
-local function write_context(meta, pe, pi, pp, rprefix, eprefix, bits)
+-- The keys and bucket namers the ops write through; sx is the gate key of the expiring
+-- buckets (includes/expiry), read here, before any write.
+local function write_context(meta, pe, pi, pp, rprefix, eprefix, bits, sx)
   return {meta = meta, pe = pe, pi = pi, pp = pp, bits = bits,
-          rbucket = bucket_namer(rprefix, bits), ebucket = bucket_namer(eprefix, bits)}
+          rbucket = bucket_namer(rprefix, bits), ebucket = bucket_namer(eprefix, bits),
+          xs = expiring_stage(meta, sx, bits)}
 end
 
 local function entry_indexes(args, pos, nent, nents)
@@ -86,12 +88,11 @@ local function confirmed_pods_speculative(k, ents, op, spec)
 end
 
 -- Run a program read by read_program through the context k (write_context); cap is the most
--- request keys kept per engine key (add ops). ttl, for the add scripts only, is nil or
--- {sx = <ns>:sx, ms = ttl in ms (0 for none), now = server clock in ms}: due expired pairs are
--- reclaimed (a bounded number) and the entries added get their deadline. Everything is read
--- (and staged) before the first write, so a call that fails (a foreign key of the wrong type,
--- the id space exhausted) writes nothing. Returns the (request key, entry) pairs removed.
-local function run_program(k, program, cap, ttl)
+-- request keys kept per engine key (add ops); ms the ttl in ms of the speculative entries the
+-- add ops store (0 for none: then they are stored without deadline). Everything is read (and
+-- staged) before the first write, so a call that fails (a foreign key of the wrong type, the id
+-- space exhausted) writes nothing. Returns the (request key, entry) pairs removed.
+local function run_program(k, program, cap, ms)
   local ents, ops = program.ents, program.ops
   -- Entry ids: from <ns>:pe, or allocated (read-only) for entries an add op stores.
   local ids, new = {}, {}
@@ -120,62 +121,50 @@ local function run_program(k, program, cap, ttl)
     for i = 1, #new do ids[new[i]] = new_ids[i] end
     pod_lists = read_pods(k.pp, new)
   end
-  local st = new_stage()
+  local st, xs = new_stage(), k.xs
   local removed = 0
   local spec = {}
-  local due, deadlines, undated = {}, {}, {}
-  local timed = ttl and redis.call('ZCARD', ttl.sx) > 0
-  if timed then
-    due = due_pairs(ttl.sx, ttl.now)
-    for _, m in ipairs(due) do
-      local rfield = string.sub(m, 1, HASH_WIDTH)
-      remove_ids(st, k.rbucket(rfield), rfield, {[string.sub(m, HASH_WIDTH + 1)] = true})
-    end
-  end
   for _, op in ipairs(ops) do
     local set = {}
     if op.tag == 'A' then
-      local list = {}
+      -- With a ttl the speculative entries get a deadline (and leave the request bucket);
+      -- the others are stored without one.
+      local list, timed, timed_set = {}, {}, {}
       for _, j in ipairs(op.ents) do
         local id = ids[ents[j]]
-        if not set[id] then
+        if ms > 0 and entry_speculative(ents[j]) then
+          if not timed_set[id] then
+            timed_set[id] = true
+            timed[#timed + 1] = id
+          end
+        elseif not set[id] then
           set[id] = true
           list[#list + 1] = id
         end
       end
-      -- With expiring entries in the namespace, a confirmed entry replaces its pod's expiring
+      -- While expiring entries may be live, a confirmed entry replaces its pod's expiring
       -- speculative entries, and speculative entries added again without a ttl stop expiring.
-      local replaceable = timed and confirmed_pods_speculative(k, ents, op, spec)
-      local own = {}
-      if ttl and (ttl.ms > 0 or timed) then
+      local untimed = nil
+      if xs.live and ms == 0 then
+        untimed = confirmed_pods_speculative(k, ents, op, spec)
         for _, j in ipairs(op.ents) do
-          if entry_speculative(ents[j]) then own[#own + 1] = ids[ents[j]] end
+          if entry_speculative(ents[j]) then
+            untimed = untimed or {}
+            untimed[ids[ents[j]]] = true
+          end
         end
       end
       local value, req, pairs_ = table.concat(list), op.req, op.pairs
+      local deadline = xs.now + ms
       for i = 1, #req, HASH_WIDTH do
         local rfield = string.sub(req, i, i + HASH_WIDTH - 1)
-        local without = set
-        if replaceable then
-          for id in pairs(replaceable) do
-            if not set[id] and redis.call('ZSCORE', ttl.sx, rfield .. id) then
-              if without == set then
-                without = {}
-                for s_id in pairs(set) do without[s_id] = true end
-              end
-              without[id] = true
-              undated[#undated + 1] = rfield .. id
-            end
-          end
-        end
-        add_ids(st, k.rbucket(rfield), rfield, value, without)
-        for _, id in ipairs(own) do
-          if ttl.ms > 0 then
-            deadlines[#deadlines + 1] = tostring(ttl.now + ttl.ms)
-            deadlines[#deadlines + 1] = rfield .. id
-          else
-            undated[#undated + 1] = rfield .. id
-          end
+        local bucket = k.rbucket(rfield)
+        if value ~= '' then add_ids(st, bucket, rfield, value, set) end
+        if #timed > 0 then
+          remove_ids(st, bucket, rfield, timed_set)
+          expiring_add(xs, rfield, timed, deadline)
+        elseif untimed then
+          expiring_remove(xs, rfield, untimed)
         end
       end
       for i = 1, #pairs_, 2 * HASH_WIDTH do
@@ -191,15 +180,21 @@ local function run_program(k, program, cap, ttl)
       if op.tag == 'R' then
         local _, n = remove_ids(st, k.rbucket(op.field), op.field, set)
         removed = removed + n
+        if xs.live then removed = removed + expiring_remove(xs, op.field, set) end
       else
-        removed = removed + evict_engine(st, k.rbucket, k.ebucket(op.field), op.field, set)
+        local ebucket = k.ebucket(op.field)
+        if xs.live then
+          local refs = stage_get(st, 'e', ebucket, op.field) or ''
+          for i = 1, #refs, HASH_WIDTH do
+            removed = removed + expiring_remove(xs, string.sub(refs, i, i + HASH_WIDTH - 1), set)
+          end
+        end
+        removed = removed + evict_engine(st, k.rbucket, ebucket, op.field, set)
       end
     end
   end
   if #new > 0 then define_entries(k, new, new_ids, next_id, pod_lists) end
   flush_stage(st)
-  if #due > 0 then call_chunked('ZREM', ttl.sx, due) end
-  if #undated > 0 then call_chunked('ZREM', ttl.sx, undated) end
-  if #deadlines > 0 then call_chunked('ZADD', ttl.sx, deadlines) end
+  expiring_flush(xs)
   return removed
 end

@@ -218,7 +218,7 @@ def test_evict_sends_no_mapping_cap() -> None:
     request, _ = _one(ops.op_evict(_state(), 9, KeyType.ENGINE, [B]))
     assert request == rq.ScriptCall(
         "evict",
-        (b"ns:meta", b"ns:pe"),
+        (b"ns:meta", b"ns:pe", b"ns:sx"),
         [GEN, b"ns:r:", b"ns:e:", 16, 1, encode_entry(B), "E", hash_field(9), 1, 1],
     )
     request, _ = _one(ops.op_evict(_state(), 9, KeyType.REQUEST, [A, B]))
@@ -273,22 +273,26 @@ def test_watermarks_are_one_hash_command() -> None:
 def test_clear_pages_with_scan_and_sends_the_last_page_with_the_next_scan() -> None:
     state = _state(8)
     progress: list[tuple[int, int]] = []
-    r1, r2, e1 = b"ns:r:\x01", b"ns:r:\x02", b"ns:e:\x01"
+    r1, r2, e1, s1 = b"ns:r:\x01", b"ns:r:\x02", b"ns:e:\x01", b"ns:s:\x01"
     exchange = Exchange(
         [
             _id(1) + _id(2),  # HGET ns:pp pod-a
             [b"5", [r1]],  # first SCAN: one key, more to come
             [[2, 3], [b"0", [r2]]],  # clear(r1) pipelined with the next SCAN
             [1, 4],  # clear(r2)
+            [b"0", [s1]],  # SCAN of the expiring buckets
+            [1, 1],  # clear(s1)
             [b"0", [e1]],  # SCAN of the engine buckets
             [0, 1],  # clear_mappings(e1)
             2,  # reclaim
         ]
     )
     removed = exchange.run(ops.op_clear(state, "pod-a", lambda *a: progress.append(a)))
-    assert removed == 3
-    assert progress == [(1, 2), (2, 3), (3, 3)]
-    hget, scan, pipeline, last, escan, mappings, reclaim = exchange.requests
+    assert removed == 4
+    assert progress == [(1, 2), (2, 3), (3, 4), (4, 4)]
+    hget, scan, pipeline, last, sscan, sclear, escan, mappings, reclaim = exchange.requests
+    assert sscan == rq.Command(("SCAN", 0, "MATCH", b"ns:s:?", "COUNT", 8))
+    assert sclear == rq.ScriptCall("clear", (b"ns:meta", s1), (GEN, _id(1) + _id(2), "s"))
     assert reclaim == rq.ScriptCall(
         "reclaim", (b"ns:meta", b"ns:pe", b"ns:pi", b"ns:pp"), (GEN, b"pod-a", _id(1) + _id(2))
     )
@@ -523,17 +527,47 @@ def test_connect_pings_with_retries() -> None:
     session = _session(CoreState("ns"))
     info = {"maxmemory_policy": "noeviction"}
     standalone = {"cluster_enabled": 0}
-    replies = [rq.ConnectionLost("refused"), None, b"PONG", standalone, _namespace_reply(GEN), info]
-    exchange = Exchange(replies)
+    server = {"redis_version": "7.2.4", "valkey_version": "9.0.1"}
+    replies = [rq.ConnectionLost("refused"), None, b"PONG", standalone, server]
+    exchange = Exchange([*replies, _namespace_reply(GEN), info])
     layout = exchange.run(ops.op_connect(session))
     assert layout.gen == GEN
     assert exchange.requests[-1] == rq.Command(("INFO", "memory"))
-    assert exchange.requests[:4] == [
+    assert exchange.requests[:5] == [
         rq.Command(("PING",)),
         rq.Sleep(0.05),
         rq.Command(("PING",)),
         rq.Command(("INFO", "cluster")),
+        rq.Command(("INFO", "server")),
     ]
+    assert session.state.expiry_mode == "field"
+
+
+@pytest.mark.parametrize(
+    ("info", "mode"),
+    [
+        ({"redis_version": "7.0.15"}, "key"),
+        ({"redis_version": "7.4.0"}, "field"),
+        (b"# Server\r\nredis_version:8.2.1\r\n", "field"),
+        ({"redis_version": "7.2.4", "valkey_version": "8.1.0"}, "key"),
+        ({"redis_version": "7.2.4", "valkey_version": "9.0.0"}, "field"),
+        ({"redis_version": "x.y"}, "key"),
+        ({}, "key"),
+    ],
+)
+def test_the_expiry_mode_follows_the_server_version(info: Any, mode: str) -> None:
+    assert ops.expiry_mode_of(info) == mode
+
+
+def test_a_new_namespace_records_the_expiry_mode_of_its_server() -> None:
+    state = CoreState("ns")
+    state.expiry_mode = "field"
+    missing = [None, None, None]
+    exchange = Exchange([missing, [LAYOUT_VERSION.encode(), b"16", GEN]])
+    exchange.run(ops.op_load_namespace(state, ping=False))
+    create = exchange.requests[1]
+    assert isinstance(create, rq.ScriptCall) and create.script == "namespace"
+    assert create.args[-1] == "field"
 
 
 def test_a_failure_thrown_into_an_operation_closes_it() -> None:
@@ -574,6 +608,7 @@ def test_connect_without_permission_to_read_info_still_connects() -> None:
     denied = rq.ErrorReply("NOPERM this user has no permissions to run the 'info' command")
     exchange = Exchange([b"PONG", denied, _namespace_reply(GEN), denied])
     assert exchange.run(ops.op_connect(session, strict=True)).gen == GEN
+    assert session.state.expiry_mode == "key"
 
 
 def test_an_add_beyond_the_budget_goes_in_parts_within_it(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -183,6 +183,7 @@ def test_noscript_inside_a_pipeline_recovers(raw: redis.Redis, executor: SyncExe
         b"layout": b"kvredis-kvblock/1",
         b"bucket_bits": b"16",
         b"gen": b"g1",
+        b"expiry": b"key",
     }
 
 
