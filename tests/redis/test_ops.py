@@ -606,7 +606,7 @@ def test_the_eviction_policy_check(info: Any, unsafe: bool) -> None:
 def test_connect_without_permission_to_read_info_still_connects() -> None:
     session = _session(CoreState("ns"))
     denied = rq.ErrorReply("NOPERM this user has no permissions to run the 'info' command")
-    exchange = Exchange([b"PONG", denied, _namespace_reply(GEN), denied])
+    exchange = Exchange([b"PONG", denied, denied, _namespace_reply(GEN), denied])
     assert exchange.run(ops.op_connect(session, strict=True)).gen == GEN
     assert session.state.expiry_mode == "key"
 
