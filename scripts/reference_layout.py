@@ -28,14 +28,21 @@ Access, round trip by round trip, as the Go code makes them:
 
 Scripts run the way go-redis ``Script.Run`` does: EVALSHA, loading the script on NOSCRIPT.
 Every method counts its round trips in :attr:`ReferenceLayout.round_trips`.
+
+:class:`FastReferenceClient` is the same lookup (and lookup + ``LongestPrefixScorer``) on a
+client fast enough to saturate one server from a few Python processes: a raw socket
+(:class:`RespConnection`) sending pre-encoded RESP, replies parsed by ``hiredis.Reader`` (hiredis
+comes with the ``redis[hiredis]`` dependency), and each distinct field JSON-decoded once.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Sequence
+import socket
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import cast
 
+import hiredis
 import redis
 
 from kvredis.checks import (
@@ -47,6 +54,7 @@ from kvredis.checks import (
     pod_filter,
 )
 from kvredis.errors import EngineKeyNotFoundError
+from kvredis.scoring import LongestPrefixScorer
 from kvredis.types import KeyType, PodEntry
 
 ENGINE_PREFIX = "engine:"
@@ -256,3 +264,99 @@ class ReferenceLayout:
         pipe.execute()
         self._prune_request_key(keys=[name])
         self.round_trips += 2
+
+
+def encode_command(*args: bytes) -> bytes:
+    """One command as a RESP array of bulk strings."""
+    parts = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        parts.append(b"$%d\r\n%b\r\n" % (len(arg), arg))
+    return b"".join(parts)
+
+
+class RespConnection:
+    """A minimal RESP client: pre-encoded commands out over a raw socket, replies parsed by
+    ``hiredis.Reader``. Error replies raise ``redis.ResponseError``."""
+
+    def __init__(self, host: str, port: int, db: int = 0) -> None:
+        self._sock = socket.create_connection((host, port))
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._reader = hiredis.Reader()
+        if db:
+            self.pipeline([encode_command(b"SELECT", str(db).encode())])
+
+    def send(self, payload: bytes) -> None:
+        """Send pre-encoded commands."""
+        self._sock.sendall(payload)
+
+    def replies(self, n: int) -> list[object]:
+        """The next ``n`` replies."""
+        out: list[object] = []
+        reader = self._reader
+        while len(out) < n:
+            reply = reader.gets()
+            if reply is False:
+                data = self._sock.recv(1 << 20)
+                if not data:
+                    raise ConnectionError("server closed the connection")
+                reader.feed(data)
+                continue
+            if isinstance(reply, hiredis.ReplyError):
+                raise redis.ResponseError(str(reply))
+            out.append(reply)
+        return out
+
+    def pipeline(self, commands: Sequence[bytes]) -> list[object]:
+        """Send the encoded ``commands`` in one write and read their replies."""
+        self.send(b"".join(commands))
+        return self.replies(len(commands))
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+class FastReferenceClient:
+    """The reference lookup on a :class:`RespConnection`: one HKEYS pipeline per chain, cut at
+    the first key with no entry, optionally scored by ``LongestPrefixScorer``.
+
+    A chain is sent as the bytes of :meth:`encode_lookup`, so callers can encode their chains
+    before timing. Field names are JSON-decoded once each and remembered.
+    """
+
+    def __init__(self, conn: RespConnection, medium_weights: Mapping[str, float] | None = None):
+        self.conn = conn
+        self.scorer = LongestPrefixScorer(medium_weights)
+        self._decoded: dict[bytes, PodEntry | None] = {}
+
+    @staticmethod
+    def encode_lookup(request_keys: Iterable[int]) -> bytes:
+        """The HKEYS pipeline of a chain."""
+        return b"".join(encode_command(b"HKEYS", str(k).encode()) for k in request_keys)
+
+    def lookup(self, request_keys: Sequence[int], payload: bytes | None = None) -> dict[
+        int, list[PodEntry]
+    ]:
+        """Entries per key along the chain (as :meth:`ReferenceLayout.lookup` without a pod
+        filter); ``payload`` is the chain's :meth:`encode_lookup`, encoded here if omitted."""
+        if not request_keys:
+            return {}
+        self.conn.send(payload if payload is not None else self.encode_lookup(request_keys))
+        replies = self.conn.replies(len(request_keys))
+        decoded = self._decoded
+        out: dict[int, list[PodEntry]] = {}
+        for key, fields in zip(request_keys, replies, strict=True):
+            pods: list[PodEntry] = []
+            for field in cast(list[bytes], fields):
+                entry = decoded.get(field)
+                if entry is None and field not in decoded:
+                    entry = decoded[field] = decode_field(field)
+                if entry is not None:
+                    pods.append(entry)
+            if not pods:
+                break
+            out[key] = pods
+        return out
+
+    def score(self, request_keys: Sequence[int], payload: bytes | None = None) -> dict[str, float]:
+        """Per-pod longest-prefix scores of the chain: :meth:`lookup` + ``LongestPrefixScorer``."""
+        return self.scorer.score(request_keys, self.lookup(request_keys, payload))
