@@ -28,6 +28,7 @@ import sys
 import time
 import uuid
 from dataclasses import asdict, dataclass
+from threading import Barrier
 
 import redis
 
@@ -99,12 +100,12 @@ def _client(
     target: Target,
     data: Dataset,
     seed: int,
-    start_at: float,
-    stop_at: float,
+    seconds: float,
+    start: Barrier,
     out: multiprocessing.connection.Connection,
 ) -> None:
-    """One client process: score random chains from ``start_at`` to ``stop_at`` (wall clock),
-    send back the latencies (µs) of the calls that started and ended in that window."""
+    """One client process: warm up, wait at ``start`` for the others, then score random chains
+    for ``seconds`` and send back the latencies (µs) of its calls."""
     pin(0, CLIENT_CPU)
     rng = random.Random(seed)
     chains = data.random_chains(rng, CHAINS_PER_CLIENT)
@@ -131,12 +132,12 @@ def _client(
     try:
         for i in range(min(8, len(chains))):
             call(i)  # warm up: connection, scripts, decode cache
-        while time.time() < start_at:
-            time.sleep(0.001)
+        start.wait()
         i = 0
         n = len(chains)
         clock = time.perf_counter_ns
-        while time.time() < stop_at:
+        stop_at = clock() + int(seconds * 1e9)
+        while clock() < stop_at:
             t = clock()
             call(i % n)
             latencies.append((clock() - t) / 1000.0)
@@ -159,22 +160,21 @@ def timed_run(
     idle: float, seed: int,
 ) -> Run:
     ctx = multiprocessing.get_context("fork")
-    start_at = time.time() + 1.0 + 0.1 * clients  # time for every client to connect and warm up
-    stop_at = start_at + seconds
+    start = ctx.Barrier(clients + 1)
     pipes, procs = [], []
     for c in range(clients):
         recv, send = ctx.Pipe(duplex=False)
         proc = ctx.Process(
             target=_client,
-            args=(side, target, data, seed * 1000 + c, start_at, stop_at, send),
+            args=(side, target, data, seed * 1000 + c, seconds, start, send),
         )
         proc.start()
         send.close()
         pipes.append(recv)
         procs.append(proc)
-    time.sleep(max(0.0, start_at - time.time()))
+    start.wait(timeout=60)
     cpu0, t0 = server_cpu(probe), time.perf_counter()
-    time.sleep(max(0.0, stop_at - time.time()))
+    time.sleep(seconds)
     cpu1, t1 = server_cpu(probe), time.perf_counter()
     latencies: list[float] = []
     for recv, proc in zip(pipes, procs, strict=True):
@@ -230,7 +230,7 @@ def run(
         ref_load = load_reference(target.host, target.port, REFERENCE_DB, data)
         check_agree(target, data, seed)
         probe = redis.Redis(host=target.host, port=target.port)
-        idle = idle_rate(probe, 1.0)
+        idle = idle_rate(probe, min(1.0, seconds))
         runs = []
         for clients in client_counts:
             for side in SIDES:
