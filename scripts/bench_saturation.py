@@ -2,12 +2,14 @@
 
 Loads the 20k-chain dataset (scripts/_chains.py: 1,000 families x 384-block prefix + 20 x
 128-block tails, 8 pods) into one server, kvredis in database 0 under its own namespace, the
-reference layout (scripts/reference_layout.py) in database 1. Then, for K = 1, 2, 4, 8 client
-processes and each side in turn, every client scores random whole chains back to back for a
-fixed time: kvredis by ``RedisIndex.score`` (one EVALSHA), the reference by one HKEYS pipeline
-per chain and ``LongestPrefixScorer`` on the client, sent by ``FastReferenceClient`` (a raw
-socket with pre-encoded RESP, replies parsed by hiredis), so that a few Python processes
-saturate the server. Both sides' scores are checked against each other first.
+reference layout (scripts/reference_layout.py) in database 1; request keys only, unless
+``--engine-keys`` (scoring reads no engine mapping, and loading them doubles the load time).
+Then, for K = 1, 2, 4, 8 client processes and each side in turn, every client scores random
+whole chains back to back for a fixed time: kvredis by ``RedisIndex.score`` (one EVALSHA), the
+reference by one HKEYS pipeline per chain and ``LongestPrefixScorer``'s result computed on the
+client by ``FastReferenceClient`` (a raw socket with pre-encoded RESP; replies parsed by
+hiredis, identical replies compared as bytes), so that a few Python processes can saturate the
+server. Both sides' scores are checked against each other first.
 
 The server is pinned to CPU 0 and the clients to CPU 1 (``sched_setaffinity``, as ``taskset``
 does) when the machine has two CPUs or more. Reported per run: ops/s, p50/p99 latency, the
@@ -215,7 +217,12 @@ def check_agree(target: Target, data: Dataset, seed: int, n: int = 8) -> None:
 
 
 def run(
-    server_kind: str, scale: float, seconds: float, client_counts: list[int], seed: int
+    server_kind: str,
+    scale: float,
+    seconds: float,
+    client_counts: list[int],
+    seed: int,
+    engine_keys: bool = False,
 ) -> Result:
     data = build(TWENTY_K_CHAINS.scaled(scale))
     server = RedisServer(server_kind)
@@ -226,8 +233,10 @@ def run(
         pin(0, CLIENT_CPU)
         target = Target("127.0.0.1", server.port, f"bench-{uuid.uuid4().hex[:8]}")
         config = RedisIndexConfig(address=f"{server.url}/0", namespace=target.namespace)
-        kv_load = load_kvredis(config, data)
-        ref_load = load_reference(target.host, target.port, REFERENCE_DB, data)
+        kv_load = load_kvredis(config, data, with_engine_keys=engine_keys)
+        ref_load = load_reference(
+            target.host, target.port, REFERENCE_DB, data, with_engine_keys=engine_keys
+        )
         check_agree(target, data, seed)
         probe = redis.Redis(host=target.host, port=target.port)
         idle = idle_rate(probe, min(1.0, seconds))
@@ -246,6 +255,7 @@ def run(
         "pods": data.spec.pods,
         "distinct_keys": data.distinct_keys(),
         "entries": data.entries(),
+        "engine_keys": engine_keys,
     }
     loads = {"kvredis": kv_load.seconds, "reference": ref_load.seconds}
     return Result(server_kind, dataset, loads, 100.0 * idle, seconds, os.cpu_count(), runs)
@@ -296,11 +306,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=None, help="timed seconds per run")
     parser.add_argument("--clients", default="1,2,4,8", help="client process counts, e.g. 1,2,4")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--engine-keys",
+        action="store_true",
+        help="also load the engine-to-request mappings (scoring never reads them; ~2x the load)",
+    )
     args = parser.parse_args(argv)
     scale = args.scale if args.scale is not None else (0.05 if args.quick else 1.0)
     seconds = args.seconds if args.seconds is not None else (1.0 if args.quick else 10.0)
     counts = [int(c) for c in args.clients.split(",")]
-    result = run(args.server, scale, seconds, counts, args.seed)
+    result = run(args.server, scale, seconds, counts, args.seed, args.engine_keys)
     print_table(result)
     if args.json:
         write_json(args.json, asdict(result))
