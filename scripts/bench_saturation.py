@@ -9,7 +9,8 @@ whole chains back to back for a fixed time: kvredis by ``RedisIndex.score`` (one
 reference by one HKEYS pipeline per chain and ``LongestPrefixScorer``'s result computed on the
 client by ``FastReferenceClient`` (a raw socket with pre-encoded RESP; replies parsed by
 hiredis, identical replies compared as bytes), so that a few Python processes can saturate the
-server. Both sides' scores are checked against each other first.
+server. Both sides' scores are checked against each other first. The time of each K is split
+into ``--rounds`` windows per side, the sides alternating, so both see the same machine state.
 
 The server is pinned to CPU 0 and the clients to CPU 1 (``sched_setaffinity``, as ``taskset``
 does) when the machine has two CPUs or more. Reported per run: ops/s, p50/p99 latency, the
@@ -72,6 +73,7 @@ class Result:
     load_seconds: dict[str, float]
     idle_server_cpu_pct: float
     seconds_per_run: float
+    rounds: int
     cpus: int | None
     runs: list[Run]
 
@@ -157,10 +159,20 @@ def idle_rate(client: redis.Redis, seconds: float) -> float:
     return (server_cpu(client) - before) / (time.perf_counter() - t)
 
 
-def timed_run(
+@dataclass
+class Window:
+    """What one timed window of one side measured."""
+
+    latencies: list[float]
+    seconds: float
+    server_cpu_s: float
+
+
+def timed_window(
     side: str, clients: int, seconds: float, target: Target, data: Dataset, probe: redis.Redis,
-    idle: float, seed: int,
-) -> Run:
+    seed: int,
+) -> Window:
+    """Start ``clients`` processes of ``side``, time ``seconds`` of their calls."""
     ctx = multiprocessing.get_context("fork")
     start = ctx.Barrier(clients + 1)
     pipes, procs = [], []
@@ -184,8 +196,14 @@ def timed_run(
         proc.join()
         if proc.exitcode != 0:
             raise RuntimeError(f"{side} client exited with {proc.exitcode}")
-    window = t1 - t0
-    busy = max(0.0, (cpu1 - cpu0) / window - idle)
+    return Window(latencies, t1 - t0, cpu1 - cpu0)
+
+
+def summarize(side: str, clients: int, windows: list[Window], idle: float) -> Run:
+    """One side's windows at one K as a run."""
+    latencies = [x for w in windows for x in w.latencies]
+    window = sum(w.seconds for w in windows)
+    busy = max(0.0, sum(w.server_cpu_s for w in windows) / window - idle)
     ops_per_s = len(latencies) / window
     return Run(
         side=side,
@@ -223,6 +241,7 @@ def run(
     client_counts: list[int],
     seed: int,
     engine_keys: bool = False,
+    rounds: int = 1,
 ) -> Result:
     data = build(TWENTY_K_CHAINS.scaled(scale))
     server = RedisServer(server_kind)
@@ -242,8 +261,16 @@ def run(
         idle = idle_rate(probe, min(1.0, seconds))
         runs = []
         for clients in client_counts:
-            for side in SIDES:
-                runs.append(timed_run(side, clients, seconds, target, data, probe, idle, seed))
+            # the sides alternate in rounds, so that both see the same machine state
+            windows: dict[str, list[Window]] = {side: [] for side in SIDES}
+            for r in range(rounds):
+                for side in SIDES:
+                    windows[side].append(
+                        timed_window(
+                            side, clients, seconds / rounds, target, data, probe, seed + r
+                        )
+                    )
+            runs += [summarize(side, clients, windows[side], idle) for side in SIDES]
         probe.close()
     finally:
         server.close()
@@ -258,7 +285,9 @@ def run(
         "engine_keys": engine_keys,
     }
     loads = {"kvredis": kv_load.seconds, "reference": ref_load.seconds}
-    return Result(server_kind, dataset, loads, 100.0 * idle, seconds, os.cpu_count(), runs)
+    return Result(
+        server_kind, dataset, loads, 100.0 * idle, seconds, rounds, os.cpu_count(), runs
+    )
 
 
 def fmt(value: float | None, spec: str = ",.0f") -> str:
@@ -303,9 +332,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = bench_parser(__doc__, "1/20 of the dataset, 1 s per run (seconds)")
     parser.add_argument("--server", choices=["redis", "valkey"], default="redis")
     parser.add_argument("--scale", type=float, default=None, help="fraction of the 20k chains")
-    parser.add_argument("--seconds", type=float, default=None, help="timed seconds per run")
+    parser.add_argument(
+        "--seconds", type=float, default=None, help="timed seconds per side and K (default 12)"
+    )
     parser.add_argument("--clients", default="1,2,4,8", help="client process counts, e.g. 1,2,4")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--rounds", type=int, default=None, help="alternations of the sides per K (default 3)"
+    )
     parser.add_argument(
         "--engine-keys",
         action="store_true",
@@ -313,9 +347,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     scale = args.scale if args.scale is not None else (0.05 if args.quick else 1.0)
-    seconds = args.seconds if args.seconds is not None else (1.0 if args.quick else 10.0)
+    seconds = args.seconds if args.seconds is not None else (1.0 if args.quick else 12.0)
     counts = [int(c) for c in args.clients.split(",")]
-    result = run(args.server, scale, seconds, counts, args.seed, args.engine_keys)
+    rounds = args.rounds or (1 if args.quick else 3)
+    result = run(args.server, scale, seconds, counts, args.seed, args.engine_keys, rounds)
     print_table(result)
     if args.json:
         write_json(args.json, asdict(result))
