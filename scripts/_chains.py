@@ -7,7 +7,7 @@ prefix alone. Every chain is held by a seeded choice of ``holders`` of the datas
 family's prefix is held by the union of its chains' holders, as when the same system prompt is
 cached on every pod that served one of its conversations.
 
-The sets of issue 11:
+The sets the server-side benchmarks use:
 
 - :data:`TWENTY_K_CHAINS`: 1,000 families x 384-block prefix + 20 x 128-block tails = 20,000
   chains of 512 blocks, 8 pods, each chain on 1-3 pods; 2,944,000 distinct request keys.
@@ -21,13 +21,18 @@ events in every process, so a worker process rebuilds the dataset instead of rec
 Engine keys are a fixed bijection of the request keys (:func:`engine_key`), so every request key
 has its own engine key, mapped 1:1 as vLLM's block hashes are.
 
-Loaders write the final state two ways:
+The state to load is given two ways: :meth:`Dataset.runs`, each run of keys with all the pods
+holding it, and :meth:`Dataset.events`, the writes as engines report them, one event per (pod,
+chain) the pod holds (the whole chain for the first chain of a family on that pod, the tail for
+the next ones). Both end in the same (request key, pod) entries. The loaders:
 
-- :func:`load_kvredis`: through the public API, as an ingester writes: one event per (pod,
-  chain) the pod holds (the whole chain for the first chain of a family on that pod, the tail for
-  the next ones), ``AddOp`` batches in ``RedisIndex.apply_batch``, spread over worker processes.
-- :func:`load_reference`: the Go layout of ``reference_layout.py``, pipelined over a raw socket:
-  one HSET per request key with a field per holder, one ZADD per engine key.
+- :func:`load_kvredis`: through the public API, ``AddOp`` batches in ``RedisIndex.apply_batch``
+  (one op per run, or with ``per_event`` one per event), spread over worker processes.
+- :func:`load_reference`: the Go layout of ``reference_layout.py``, pipelined over raw sockets:
+  one HSET per request key with a field per holding pod, one ZADD per engine key.
+
+Both take ``with_engine_keys=False`` to leave out the engine-to-request mappings, which no lookup
+or score reads and which take about half the load time.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ __all__ = [
     "load_reference",
     "pod_entries",
     "random_keys",
+    "reference_commands",
 ]
 
 #: Medium weights the benchmarks score with (pods are on gpu or cpu).
