@@ -328,7 +328,8 @@ class RespConnection:
     def reply_runs(self, n: int) -> list[tuple[bytes, int]]:
         """The next ``n`` replies, each an array of bulk strings (or an empty array), as runs of
         byte-identical replies: (the raw RESP of one reply, how many in a row). A reply equal to
-        the one before costs one byte comparison, no parsing."""
+        the one before costs one byte comparison, no parsing. Reads the socket itself: call it
+        only when every earlier reply has been read."""
         runs: list[tuple[bytes, int]] = []
         buf, pos, got = b"", 0, 0
         while got < n:
