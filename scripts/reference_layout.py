@@ -28,14 +28,22 @@ Access, round trip by round trip, as the Go code makes them:
 
 Scripts run the way go-redis ``Script.Run`` does: EVALSHA, loading the script on NOSCRIPT.
 Every method counts its round trips in :attr:`ReferenceLayout.round_trips`.
+
+:class:`FastReferenceClient` is the same lookup (and lookup + ``LongestPrefixScorer``) on a
+client fast enough to saturate one server from a few Python processes: a raw socket
+(:class:`RespConnection`) sending pre-encoded RESP, replies parsed by ``hiredis.Reader`` (hiredis
+comes with the ``redis[hiredis]`` dependency), and each distinct field JSON-decoded once.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Sequence
+import math
+import socket
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import cast
 
+import hiredis
 import redis
 
 from kvredis.checks import (
@@ -47,6 +55,7 @@ from kvredis.checks import (
     pod_filter,
 )
 from kvredis.errors import EngineKeyNotFoundError
+from kvredis.scoring import LongestPrefixScorer
 from kvredis.types import KeyType, PodEntry
 
 ENGINE_PREFIX = "engine:"
@@ -256,3 +265,191 @@ class ReferenceLayout:
         pipe.execute()
         self._prune_request_key(keys=[name])
         self.round_trips += 2
+
+
+def encode_command(*args: bytes) -> bytes:
+    """One command as a RESP array of bulk strings."""
+    parts = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        parts.append(b"$%d\r\n%b\r\n" % (len(arg), arg))
+    return b"".join(parts)
+
+
+def _reply_end(buf: bytes, pos: int) -> int:
+    """Where the reply at ``buf[pos:]`` ends (an array of bulk strings), -1 if incomplete."""
+    end = buf.find(b"\r\n", pos)
+    if end < 0:
+        return -1
+    if buf[pos] == 0x2D:  # "-": an error reply
+        raise redis.ResponseError(buf[pos + 1 : end].decode(errors="replace"))
+    if buf[pos] != 0x2A:  # "*"
+        raise ConnectionError(f"expected an array reply, got {buf[pos:end]!r}")
+    at = end + 2
+    for _ in range(int(buf[pos + 1 : end])):
+        end = buf.find(b"\r\n", at)
+        if end < 0:
+            return -1
+        at = end + 2 + int(buf[at + 1 : end]) + 2
+    return at if at <= len(buf) else -1
+
+
+class RespConnection:
+    """A minimal RESP client: pre-encoded commands out over a raw socket, replies parsed by
+    ``hiredis.Reader``. Error replies raise ``redis.ResponseError``."""
+
+    def __init__(self, host: str, port: int, db: int = 0) -> None:
+        self._sock = socket.create_connection((host, port))
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._reader = hiredis.Reader()
+        if db:
+            self.pipeline([encode_command(b"SELECT", str(db).encode())])
+
+    def send(self, payload: bytes) -> None:
+        """Send pre-encoded commands."""
+        self._sock.sendall(payload)
+
+    def replies(self, n: int) -> list[object]:
+        """The next ``n`` replies."""
+        out: list[object] = []
+        reader = self._reader
+        while len(out) < n:
+            reply = reader.gets()
+            if reply is False:
+                data = self._sock.recv(1 << 20)
+                if not data:
+                    raise ConnectionError("server closed the connection")
+                reader.feed(data)
+                continue
+            if isinstance(reply, hiredis.ReplyError):
+                raise redis.ResponseError(str(reply))
+            out.append(reply)
+        return out
+
+    def reply_runs(self, n: int) -> list[tuple[bytes, int]]:
+        """The next ``n`` replies, each an array of bulk strings (or an empty array), as runs of
+        byte-identical replies: (the raw RESP of one reply, how many in a row). A reply equal to
+        the one before costs one byte comparison, no parsing. Reads the socket itself: call it
+        only when every earlier reply has been read."""
+        runs: list[tuple[bytes, int]] = []
+        buf, pos, got = b"", 0, 0
+        while got < n:
+            if runs:
+                last, count = runs[-1]
+                if buf.startswith(last, pos):
+                    runs[-1] = (last, count + 1)
+                    pos += len(last)
+                    got += 1
+                    continue
+            end = _reply_end(buf, pos)
+            if end < 0:
+                data = self._sock.recv(1 << 20)
+                if not data:
+                    raise ConnectionError("server closed the connection")
+                buf, pos = buf[pos:] + data, 0
+                continue
+            runs.append((buf[pos:end], 1))
+            pos = end
+            got += 1
+        if pos != len(buf):
+            raise ConnectionError("more replies than commands sent")
+        return runs
+
+    def pipeline(self, commands: Sequence[bytes]) -> list[object]:
+        """Send the encoded ``commands`` in one write and read their replies."""
+        self.send(b"".join(commands))
+        return self.replies(len(commands))
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+class FastReferenceClient:
+    """The reference lookup on a :class:`RespConnection`: one HKEYS pipeline per chain, cut at
+    the first key with no entry, optionally scored as ``LongestPrefixScorer`` scores it.
+
+    A chain is sent as the bytes of :meth:`encode_lookup`, so callers can encode their chains
+    before timing. Client-side work is kept small so that the server is what saturates: each
+    distinct field (and reply) is decoded once and remembered, and :meth:`score` takes a run of
+    byte-identical replies (keys held by the same pods) in one step
+    (:meth:`RespConnection.reply_runs`), adding the weights key by key so that the floats are
+    the scorer's own.
+    """
+
+    def __init__(
+        self, conn: RespConnection, medium_weights: Mapping[str, float] | None = None
+    ) -> None:
+        self.conn = conn
+        self.scorer = LongestPrefixScorer(medium_weights)
+        self._decoded: dict[bytes, PodEntry | None] = {}
+        self._weights: dict[bytes, dict[str, float]] = {}
+
+    @staticmethod
+    def encode_lookup(request_keys: Iterable[int]) -> bytes:
+        """The HKEYS pipeline of a chain."""
+        return b"".join(encode_command(b"HKEYS", b"%d" % k) for k in request_keys)
+
+    def _fields(self, request_keys: Sequence[int], payload: bytes | None) -> list[list[bytes]]:
+        self.conn.send(payload if payload is not None else self.encode_lookup(request_keys))
+        return cast(list[list[bytes]], self.conn.replies(len(request_keys)))
+
+    def _entry(self, field: bytes) -> PodEntry | None:
+        decoded = self._decoded
+        if field not in decoded:
+            decoded[field] = decode_field(field)
+        return decoded[field]
+
+    def lookup(
+        self, request_keys: Sequence[int], payload: bytes | None = None
+    ) -> dict[int, list[PodEntry]]:
+        """Entries per key along the chain (as :meth:`ReferenceLayout.lookup` without a pod
+        filter); ``payload`` is the chain's :meth:`encode_lookup`, encoded here if omitted."""
+        if not request_keys:
+            return {}
+        out: dict[int, list[PodEntry]] = {}
+        for key, fields in zip(request_keys, self._fields(request_keys, payload), strict=True):
+            pods = [e for f in fields if (e := self._entry(f)) is not None]
+            if not pods:
+                break
+            out[key] = pods
+        return out
+
+    def _pod_weights(self, reply: bytes) -> dict[str, float]:
+        """Each pod holding a key whose HKEYS reply is ``reply`` (raw RESP), and its best tier
+        weight there."""
+        best = self._weights.get(reply)
+        if best is None:
+            reader = hiredis.Reader()
+            reader.feed(reply)
+            best = {}
+            for field in cast(list[bytes], reader.gets()):
+                entry = self._entry(field)
+                if entry is None:
+                    continue
+                w = self.scorer.weight(entry.device_tier)
+                if w > best.get(entry.pod_identifier, -math.inf):
+                    best[entry.pod_identifier] = w
+            self._weights[reply] = best
+        return best
+
+    def score(self, request_keys: Sequence[int], payload: bytes | None = None) -> dict[str, float]:
+        """Per-pod longest-prefix scores of the chain, equal to ``LongestPrefixScorer.score``
+        of :meth:`lookup`."""
+        if not request_keys:
+            return {}
+        self.conn.send(payload if payload is not None else self.encode_lookup(request_keys))
+        scores: dict[str, float] = {}
+        active: dict[str, float] | None = None
+        for reply, run in self.conn.reply_runs(len(request_keys)):
+            best = self._pod_weights(reply)
+            active = best if active is None else {p: w for p, w in best.items() if p in active}
+            if not active:
+                break
+            for pod, w in active.items():
+                total = scores.get(pod)
+                todo = run
+                if total is None:
+                    total, todo = w, run - 1
+                for _ in range(todo):
+                    total += w
+                scores[pod] = total
+        return scores
