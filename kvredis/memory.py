@@ -53,17 +53,17 @@ EXPIRED_PER_CALL = 256
 CLEAR_MAPPINGS_PER_PAGE = 4096
 
 # Byte-cost estimate of the cost-aware index: what the structures below take on 64-bit CPython
-# 3.11, measured with tracemalloc. Dict growth makes the true figure swing with the number of
-# keys: for 100k-400k keys and 1-10 pods the estimate is within -10%/+30% of what is allocated,
-# for smaller indexes it errs high (scripts/bench_memory.py reports it, tests/test_memory.py
-# checks it).
-#: A request key: its int, its slot in the LRU dict and the per-key record with its tuple.
+# 3.11, measured with tracemalloc, counting the ints of the keys (the index keeps them). Dict
+# growth makes the true figure swing with the number of keys: for 100k-400k keys and 1-10 pods
+# the estimate is within -5%/+5% of what is allocated, for smaller indexes it errs high
+# (scripts/bench_memory.py reports it, tests/test_memory.py checks it).
+#: A request key: its int and its slots in the LRU dict and the last-use dict.
 KEY_COST = 152
-#: One entry under one request key (its tuple slot and per-pod bookkeeping), plus the length
-#: of its two strings (see estimated_entry_cost).
+#: One entry under one request key (its slot in the key's tuple and its key in the entry's
+#: key set), plus the length of its two strings (see estimated_entry_cost).
 ENTRY_COST = 88
-#: An engine key: its int, its slot in the LRU dict and the mapping record with its tuple.
-MAPPING_COST = 192
+#: An engine key: its int and its slots in the LRU dict and the last-use dict.
+MAPPING_COST = 136
 #: One request key remembered by an engine key.
 MAPPING_REF_COST = 24
 

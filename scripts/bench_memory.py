@@ -149,13 +149,25 @@ def bench_backend(
         )
         for n in iter(int, 1)
     )
+    # The events of chains 4.. again, from pods that do not hold them yet (keys held by others).
+    others = [PodEntry(f"pod-{p}", "gpu") for p in range(pods, 2 * pods)]
+    again = (
+        (eng_keys, req_keys, [other])
+        for other in others
+        for eng_keys, req_keys, _ in events[len(entries) * 8 * 4 :: len(entries)]
+    )
     hit, miss = keys[0], [*keys[1][:16], 12345, *keys[1][16:]]
     victims = ((e, KeyType.ENGINE, [entry]) for eng in engine[4:] for e in eng for entry in entries)
     rows = {
-        "add 64-block event, 1 entry": (
+        "add 64-block event, 1 entry, new keys": (
             lambda a: ref.add(*a),
             lambda a: index.add(*a),
             fresh,
+        ),
+        "add 64-block event, 1 entry, to keys held": (
+            lambda a: ref.add(*a),
+            lambda a: index.add(*a),
+            again,
         ),
         f"lookup {len(hit)}-block chain, {pods} pods, all hit": (
             ref.lookup,
