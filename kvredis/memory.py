@@ -193,10 +193,11 @@ class _MemoryIndex:
         self._watermarks: dict[str, Watermark] = {}
         self._tick = 0
         self._cost = 0
-        # Speculative entries added with a ttl: (request key, entry) -> monotonic deadline, and
-        # a heap of (deadline, seq, key, entry), stale once the dict holds another deadline.
-        self._deadlines: dict[tuple[int, PodEntry], float] = {}
-        self._expiry: list[tuple[float, int, int, PodEntry]] = []
+        # Speculative entries added with a ttl: (request key, entry record) -> monotonic
+        # deadline, and a heap of (deadline, seq, key, record), stale once the dict holds
+        # another deadline (records hash by identity, not by the five fields of the entry).
+        self._deadlines: dict[tuple[int, _Held], float] = {}
+        self._expiry: list[tuple[float, int, int, _Held]] = []
         self._seq = 0
 
     # -- Index -----------------------------------------------------------------------------
@@ -335,10 +336,12 @@ class _MemoryIndex:
         # goes page by page, so lookups are never held up for long by a large index.
         for start in range(0, len(engine_keys), CLEAR_MAPPINGS_PER_PAGE):
             with self._lock:
-                table, engine = self._keys, self._engine
+                table, get = self._keys, self._engine.get
                 for engine_key in engine_keys[start : start + CLEAR_MAPPINGS_PER_PAGE]:
-                    refs = engine.get(engine_key)
-                    if refs is not None and not any(r in table for r in _refs(refs)):
+                    refs = get(engine_key)
+                    if refs is None or refs in table:  # (an int: one request key)
+                        continue
+                    if type(refs) is int or not any(r in table for r in _refs(refs)):
                         self._drop_mapping(engine_key)
             if progress is not None:
                 progress(min(start + CLEAR_MAPPINGS_PER_PAGE, len(engine_keys)), removed)
@@ -419,7 +422,7 @@ class _MemoryIndex:
     ) -> dict[int, list[PodEntry]]:
         """The walk with a pod filter, expiring entries or keys other than plain ints."""
         out: dict[int, list[PodEntry]] = {}
-        table, deadlines = self._keys, self._deadlines
+        table, deadlines, by_id = self._keys, self._deadlines, self._by_id
         get, touch = table.get, table.move_to_end
         later = now + 1.0
         for key in keys:
@@ -432,7 +435,7 @@ class _MemoryIndex:
                 break
             hits = [*held] if pods is None else [e for e in held if e.pod_identifier in pods]
             if deadlines:
-                hits = [e for e in hits if deadlines.get((key, e), later) > now]
+                hits = [e for e in hits if deadlines.get((key, by_id[id(e)]), later) > now]
             if not hits:
                 break
             out[key] = hits
@@ -532,6 +535,7 @@ class _MemoryIndex:
         helds = [self._intern(e) for e in unique]
         added = tuple(h.entry for h in helds)
         added_ids = set(map(id, added))
+        by_id = self._by_id
         # A confirmed entry of a pod replaces that pod's expiring speculative entries under
         # the key (speculative entries added without a ttl stay until evicted).
         deadlines = self._deadlines
@@ -550,7 +554,7 @@ class _MemoryIndex:
                 replaced = {
                     id(e): e
                     for e in kept
-                    if e.pod_identifier in confirmed and (key, e) in deadlines
+                    if e.pod_identifier in confirmed and (key, by_id[id(e)]) in deadlines
                 }
                 if replaced:
                     for entry in replaced.values():
@@ -565,13 +569,13 @@ class _MemoryIndex:
                 merged = self._trim(key, merged, cap)
             table[key] = merged
             if deadline is not None:
-                for entry in added:
-                    deadlines[(key, entry)] = deadline
+                for held in helds:
+                    deadlines[(key, held)] = deadline
                     self._seq += 1
-                    heapq.heappush(self._expiry, (deadline, self._seq, key, entry))
+                    heapq.heappush(self._expiry, (deadline, self._seq, key, held))
             elif deadlines:
-                for entry in added:
-                    deadlines.pop((key, entry), None)
+                for held in helds:
+                    deadlines.pop((key, held), None)
 
     def _trim(
         self, key: int, stored: tuple[PodEntry, ...], cap: int
@@ -679,7 +683,7 @@ class _MemoryIndex:
             entry = held.entry
             table[key] = tuple([e for e in stored if e is not entry])
         if self._deadlines:
-            self._deadlines.pop((key, held.entry), None)
+            self._deadlines.pop((key, held), None)
         if not holders:
             self._release(held)
         return 1
@@ -690,7 +694,7 @@ class _MemoryIndex:
         held.keys.discard(key)
         self._cost -= held.cost
         if self._deadlines:
-            self._deadlines.pop((key, entry), None)
+            self._deadlines.pop((key, held), None)
         if not held.keys:
             self._release(held)
 
@@ -702,13 +706,12 @@ class _MemoryIndex:
             return
         done = 0
         while heap and heap[0][0] <= now and done < EXPIRED_PER_CALL:
-            deadline, _, key, entry = heapq.heappop(heap)
-            if deadlines.get((key, entry)) != deadline:
+            deadline, _, key, held = heapq.heappop(heap)
+            if deadlines.get((key, held)) != deadline:
                 continue
             done += 1
-            held = self._find(entry)
-            if held is None or not self._drop_pair(key, held):
-                deadlines.pop((key, entry), None)
+            if not self._drop_pair(key, held):
+                deadlines.pop((key, held), None)
 
     def _drop_key(self, key: int) -> None:
         stored = self._keys.pop(key)

@@ -5,12 +5,14 @@ from __future__ import annotations
 import dataclasses
 import gc
 import tracemalloc
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvredis import memory
 from kvredis.batch import AddOp, Watermark
 from kvredis.errors import ConfigError, EngineKeyNotFoundError, InvalidInputError
 from kvredis.jsonconfig import parse_size
@@ -152,6 +154,28 @@ def test_pods_added_and_cleared_leave_nothing_behind(make: Any) -> None:
     grown, _ = _traced_bytes(churn)
     assert grown < 20_000, f"{grown} bytes kept after 2,000 pods came and went"
     assert present(index, 1) == {A} and len(index) == 1
+
+
+@pytest.mark.parametrize("make", [InMemoryIndex, CostAwareMemoryIndex])
+def test_expiry_follows_the_latest_add_across_clears(make: Any, monkeypatch: Any) -> None:
+    clock = [1000.0]
+    monkeypatch.setattr(memory, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    index = make()
+    spec = PodEntry("pod-s", speculative=True)
+    index.add(None, [1, 2, 3], [spec], ttl=5)
+    index.clear("pod-s")  # the deadlines of the first add must not outlive it
+    index.add(None, [1], [PodEntry("pod-s", speculative=True)])  # equal, without a ttl
+    index.add(None, [2], [spec], ttl=50)
+    index.add(None, [3], [spec, A], ttl=None)
+    clock[0] += 10
+    assert [present(index, k) for k in (1, 2, 3)] == [{spec}, {spec}, {spec, A}]
+    clock[0] += 100
+    assert [present(index, k) for k in (1, 2, 3)] == [{spec}, set(), {spec, A}]
+    index.clear("pod-s")
+    index.clear("pod-a")
+    assert len(index) == 0
+    if isinstance(index, CostAwareMemoryIndex):
+        assert index.cost() == 0
 
 
 # -- CostAwareMemoryIndex ----------------------------------------------------------------------
