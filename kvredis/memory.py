@@ -13,6 +13,12 @@ Two backends share one implementation and differ only in how they bound their me
 "Used" means added to, looked up with a hit (request keys) or resolved by ``get_request_key``
 (engine keys). Both backends implement :class:`~kvredis.index.Index` and
 :class:`~kvredis.batch.BatchIndex`; one lock guards all state, so every method is atomic.
+
+Built to cost little more than a plain dict of sets on the hot paths (``scripts/bench_memory.py``
+measures the two side by side): inputs that are plain lists of ints and plain PodEntry values
+are checked at C speed or in one ``type()`` test, anything else goes through the shared checks
+of :mod:`kvredis.checks` (same errors as every backend); ``lookup`` checks each key as its walk
+reaches it, so keys past the first miss are never read.
 """
 
 from __future__ import annotations
