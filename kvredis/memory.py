@@ -136,8 +136,13 @@ class _Held:
         self.alone = (entry,)
 
 
-#: The five fields of a PodEntry as a tuple (hashed and compared at C speed).
 _FIELDS = attrgetter("pod_identifier", "device_tier", "speculative", "has_group", "group_idx")
+
+
+def _equality_key(entry: PodEntry) -> tuple[object, ...]:
+    """What PodEntry equality compares (the class and the five fields), as a tuple that is
+    hashed and compared at C speed."""
+    return (entry.__class__, _FIELDS(entry))
 
 _INT_ONLY = {int}
 _ENGINE, _REQUEST = KeyType.ENGINE, KeyType.REQUEST
@@ -288,7 +293,7 @@ class _MemoryIndex:
                     entry = ents[0]
                     held = self._by_id.get(id(entry))
                     if held is None or held.entry is not entry:
-                        held = self._held.get(_FIELDS(entry))
+                        held = self._held.get(_equality_key(entry))
                     if held is not None:
                         self._drop_pair(value, held)
                     if value not in self._keys:
@@ -453,13 +458,13 @@ class _MemoryIndex:
         held = self._by_id.get(id(entry))
         if held is not None and held.entry is entry:
             return held
-        return self._held.get(_FIELDS(entry))
+        return self._held.get(_equality_key(entry))
 
     def _intern(self, entry: PodEntry) -> _Held:
         """:meth:`_find`, creating the record (with ``entry`` as the instance stored)."""
         held = self._find(entry)
         if held is None:
-            fields = _FIELDS(entry)
+            fields = _equality_key(entry)
             held = self._held[fields] = _Held(entry, fields)
             self._by_id[id(entry)] = held
             pods = self._pods.get(entry.pod_identifier)
@@ -640,10 +645,7 @@ class _MemoryIndex:
     def _evict(self, key: int, key_type: KeyType, ents: Sequence[PodEntry]) -> None:
         found: Iterable[_Held]
         if len(ents) == 1:  # the common case, without building lists
-            entry = ents[0]
-            held = self._by_id.get(id(entry))
-            if held is None or held.entry is not entry:
-                held = self._held.get(_FIELDS(entry))
+            held = self._find(ents[0])
             found = () if held is None else (held,)
         else:
             found = [h for h in map(self._find, ents) if h is not None]

@@ -126,6 +126,23 @@ def test_a_key_repeated_in_one_add_takes_its_last_place_in_the_lru_order() -> No
 
 
 @pytest.mark.parametrize("make", [InMemoryIndex, CostAwareMemoryIndex])
+def test_entries_are_matched_as_podentry_equality_does(make: Any) -> None:
+    class Tagged(PodEntry):
+        __slots__ = ()
+
+    index = make()
+    tagged = Tagged("pod-a", "gpu")
+    assert tagged != A  # dataclass equality compares the class too
+    index.add(None, [1], [A])
+    index.add(None, [1], [tagged])
+    index.add(None, [1], [dataclasses.replace(A)])  # equal to A: refreshes it
+    assert index.lookup([1]) == {1: [tagged, A]}
+    index.evict(1, KeyType.REQUEST, [PodEntry("pod-a", "gpu")])
+    assert index.lookup([1]) == {1: [tagged]}
+    assert type(index.lookup([1])[1][0]) is Tagged
+
+
+@pytest.mark.parametrize("make", [InMemoryIndex, CostAwareMemoryIndex])
 def test_lookup_does_not_read_past_the_first_miss(make: Any) -> None:
     index = make()
     index.add(None, [1, 2], [A])
