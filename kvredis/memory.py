@@ -60,9 +60,10 @@ CLEAR_MAPPINGS_PER_PAGE = 4096
 
 # Byte-cost estimate of the cost-aware index: what the structures below take on 64-bit CPython
 # 3.11, measured with tracemalloc, counting the ints of the keys (the index keeps them). Dict
-# growth makes the true figure swing with the number of keys: for 100k-400k keys and 1-10 pods
-# the estimate is within -5%/+5% of what is allocated, for smaller indexes it errs high
-# (scripts/bench_memory.py reports it, tests/test_memory.py checks it).
+# and set tables grow in powers of two, so the true figure swings with the number of keys: for
+# 50k-400k keys and 1-10 pods the estimate is within -5%/+40% of what is allocated, around 20k
+# keys it can err low by up to 30% (scripts/bench_memory.py reports it, tests/test_memory.py
+# checks it).
 #: A request key: its int and its slots in the LRU dict and the last-use dict.
 KEY_COST = 152
 #: One entry under one request key (its slot in the key's tuple and its key in the entry's
@@ -143,6 +144,7 @@ def _equality_key(entry: PodEntry) -> tuple[object, ...]:
     """What PodEntry equality compares (the class and the five fields), as a tuple that is
     hashed and compared at C speed."""
     return (entry.__class__, _FIELDS(entry))
+
 
 _INT_ONLY = {int}
 _ENGINE, _REQUEST = KeyType.ENGINE, KeyType.REQUEST
@@ -588,9 +590,7 @@ class _MemoryIndex:
                 for held in helds:
                     deadlines.pop((key, held), None)
 
-    def _trim(
-        self, key: int, stored: tuple[PodEntry, ...], cap: int
-    ) -> tuple[PodEntry, ...]:
+    def _trim(self, key: int, stored: tuple[PodEntry, ...], cap: int) -> tuple[PodEntry, ...]:
         """Keep the ``cap`` most recently added entries of a key."""
         for entry in stored[:-cap]:
             self._forget(key, entry)

@@ -43,17 +43,18 @@ class DictOfSets:
         self.keys: dict[int, set[PodEntry]] = {}
         self.engine: dict[int, int] = {}
 
-    def add(self, engine_keys: Sequence[int] | None, request_keys: Sequence[int],
-            entries: Sequence[PodEntry]) -> None:  # fmt: skip
+    def add(
+        self, engine: Sequence[int] | None, request: Sequence[int], entries: Sequence[PodEntry]
+    ) -> None:
         keys = self.keys
-        for key in request_keys:
+        for key in request:
             held = keys.get(key)
             if held is None:
                 keys[key] = set(entries)
             else:
                 held.update(entries)
-        if engine_keys:
-            self.engine.update(zip(engine_keys, request_keys, strict=True))
+        if engine:
+            self.engine.update(zip(engine, request, strict=True))
 
     def lookup(self, request_keys: Sequence[int]) -> dict[int, list[PodEntry]]:
         out, keys = {}, self.keys
@@ -76,9 +77,7 @@ class DictOfSets:
 Op = Callable[[Any], object]
 
 
-def side_by_side(
-    ref: Op, idx: Op, args: Iterator[object], samples: int
-) -> tuple[float, float]:
+def side_by_side(ref: Op, idx: Op, args: Iterator[object], samples: int) -> tuple[float, float]:
     """Median µs per call of ``ref`` and of ``idx``, given the same arguments, alternating."""
     ref_t, idx_t = [], []
     clock = time.perf_counter
@@ -195,9 +194,7 @@ def bench_backend(
         )
         print(f"{label:<46} {ref_us:8.2f} us {idx_us:18.2f} us {idx_us / ref_us:6.2f}x")
 
-    summary(
-        "lookup filtered to 1 pod", timed(lambda: index.lookup(keys[2], {"pod-1"}), repeat)
-    )
+    summary("lookup filtered to 1 pod", timed(lambda: index.lookup(keys[2], {"pod-1"}), repeat))
     indexer = Indexer(index, processor)
     hashing = timed(lambda: processor.tokens_to_kv_block_keys(0, prompts[3], MODEL), repeat)
     summary("hash 8192 tokens (reference)", hashing)
@@ -232,8 +229,14 @@ def bench_estimate(n: int) -> list[dict[str, Any]]:
             f"{n:,} keys x {npods} pods: estimate {index.cost() / n:6.0f} B/key, "
             f"allocated {used / n:6.0f} B/key, ratio {index.cost() / used:.2f}"
         )
-        out.append({"keys": n, "pods": npods, "estimate_per_key": index.cost() / n,
-                    "allocated_per_key": used / n})  # fmt: skip
+        out.append(
+            {
+                "keys": n,
+                "pods": npods,
+                "estimate_per_key": index.cost() / n,
+                "allocated_per_key": used / n,
+            }
+        )
     return out
 
 
