@@ -184,8 +184,8 @@ def _refs(value: int | tuple[int, ...]) -> tuple[int, ...]:
 class _MemoryIndex:
     """The shared implementation; subclasses decide the per-key entry cap and :meth:`_shrink`.
 
-    State: request key -> the tuple of entries it holds, oldest added first (keys that hold
-    the same entries share one tuple where they were added together); per distinct entry a
+    State: request key -> the tuple of entries it holds, oldest added first (keys holding
+    just one entry share its 1-tuple); per distinct entry a
     :class:`_Held` with the set of request keys holding it (membership tests and
     ``clear(pod)`` work on those int sets, never comparing PodEntry values key by key); engine
     key -> its request key, or a tuple of them when it has several. ``_key_ticks`` and
@@ -227,7 +227,7 @@ class _MemoryIndex:
             keys = check_hashes(keys, "request key")
         pods = None if pod_identifier_set is None else pod_filter(pod_identifier_set)
         lock = self._lock
-        lock.acquire()  # (a with block costs more than the whole miss-at-16 walk)
+        lock.acquire()  # (a with block costs more: its special-method lookups)
         try:
             now = 0.0
             if self._deadlines:
