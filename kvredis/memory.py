@@ -13,6 +13,12 @@ Two backends share one implementation and differ only in how they bound their me
 "Used" means added to, looked up with a hit (request keys) or resolved by ``get_request_key``
 (engine keys). Both backends implement :class:`~kvredis.index.Index` and
 :class:`~kvredis.batch.BatchIndex`; one lock guards all state, so every method is atomic.
+
+Built to cost little more than a plain dict of sets on the hot paths (``scripts/bench_memory.py``
+measures the two side by side): inputs that are plain lists of ints and plain PodEntry values
+are checked at C speed or in one ``type()`` test, anything else goes through the shared checks
+of :mod:`kvredis.checks` (same errors as every backend); ``lookup`` checks each key as its walk
+reaches it, so keys past the first miss are never read.
 """
 
 from __future__ import annotations
@@ -20,9 +26,11 @@ from __future__ import annotations
 import heapq
 import threading
 import time
+from array import array
 from collections import OrderedDict
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 from kvredis.batch import AddOp, IndexOp, Watermark, check_batch, check_stream, check_watermark
@@ -51,17 +59,18 @@ EXPIRED_PER_CALL = 256
 CLEAR_MAPPINGS_PER_PAGE = 4096
 
 # Byte-cost estimate of the cost-aware index: what the structures below take on 64-bit CPython
-# 3.11, measured with tracemalloc. Dict growth makes the true figure swing with the number of
-# keys: for 100k-400k keys and 1-10 pods the estimate is within -10%/+30% of what is allocated,
-# for smaller indexes it errs high (scripts/bench_memory.py reports it, tests/test_memory.py
+# 3.11, measured with tracemalloc, counting the ints of the keys (the index keeps them). Dict
+# and set tables grow in powers of two, so the true figure swings with the number of keys: for
+# 50k-400k keys and 1-10 pods the estimate is within -5%/+40% of what is allocated, around 20k
+# keys it can err low by up to 30% (scripts/bench_memory.py reports it, tests/test_memory.py
 # checks it).
-#: A request key: its int, its slot in the LRU dict and the per-key record with its tuple.
+#: A request key: its int and its slots in the LRU dict and the last-use dict.
 KEY_COST = 152
-#: One entry under one request key (its tuple slot and per-pod bookkeeping), plus the length
-#: of its two strings (see estimated_entry_cost).
+#: One entry under one request key (its slot in the key's tuple and its key in the entry's
+#: key set), plus the length of its two strings (see estimated_entry_cost).
 ENTRY_COST = 88
-#: An engine key: its int, its slot in the LRU dict and the mapping record with its tuple.
-MAPPING_COST = 192
+#: An engine key: its int and its slots in the LRU dict and the last-use dict.
+MAPPING_COST = 136
 #: One request key remembered by an engine key.
 MAPPING_REF_COST = 24
 
@@ -114,63 +123,94 @@ def estimated_entry_cost(entry: PodEntry) -> int:
     return ENTRY_COST + len(entry.pod_identifier) + len(entry.device_tier)
 
 
-class _Slot:
-    """One request key: its entries, oldest added first, and when it was last used."""
+class _Held:
+    """One distinct entry the index holds: the one instance every key stores (equal entries
+    added later resolve to it), the request keys holding it, its cost and its 1-tuple."""
 
-    __slots__ = ("entries", "tick")
+    __slots__ = ("alone", "cost", "entry", "fields", "keys")
 
-    def __init__(self, tick: int) -> None:
-        self.entries: tuple[PodEntry, ...] = ()
-        self.tick = tick
-
-
-class _Mapping:
-    """One engine key: the request keys mapped to it, most recent last, and its last use."""
-
-    __slots__ = ("request_keys", "tick")
-
-    def __init__(self, tick: int, request_key: int) -> None:
-        self.request_keys: tuple[int, ...] = (request_key,)
-        self.tick = tick
+    def __init__(self, entry: PodEntry, fields: tuple[object, ...]) -> None:
+        self.entry = entry
+        self.fields = fields
+        self.keys: set[int] = set()
+        self.cost = estimated_entry_cost(entry)
+        self.alone = (entry,)
 
 
-def _fast_hashes(values: Sequence[int]) -> Sequence[int] | None:
-    """``values`` if it is a non-empty list or tuple of plain in-range ints, else ``None``.
+_FIELDS = attrgetter("pod_identifier", "device_tier", "speculative", "has_group", "group_idx")
 
-    The common case of the hot paths, checked at C speed; anything else (including every bad
-    input) goes through the shared checks of :mod:`kvredis.index`.
-    """
-    if (
-        type(values) in (list, tuple)
-        and values
-        and set(map(type, values)) == _INT_ONLY
-        and min(values) >= 0
-        and max(values) <= MAX_BLOCK_HASH
-    ):
-        return values
-    return None
+
+def _equality_key(entry: PodEntry) -> tuple[object, ...]:
+    """What PodEntry equality compares (the class and the five fields), as a tuple that is
+    hashed and compared at C speed."""
+    return (entry.__class__, _FIELDS(entry))
 
 
 _INT_ONLY = {int}
+_ENGINE, _REQUEST = KeyType.ENGINE, KeyType.REQUEST
+
+
+def _plain_hashes(values: object) -> bool:
+    """Whether ``values`` is a list or tuple of plain ints in ``[0, 2**64)``, checked at C
+    speed; anything else (including every bad input) goes through :mod:`kvredis.checks`."""
+    if type(values) is not list and type(values) is not tuple:
+        return False
+    if values and set(map(type, values)) != _INT_ONLY:
+        return False
+    try:
+        array("Q", values)  # refuses negative ints and ints of 2**64 and more
+    except OverflowError:
+        return False
+    return True
+
+
+def _checked_entries(entries: Sequence[PodEntry], *, for_add: bool) -> Sequence[PodEntry]:
+    """``entries`` validated as :func:`~kvredis.checks.check_entries` does; one plain entry
+    in a list or tuple (the common case) is checked inline."""
+    if (type(entries) is list or type(entries) is tuple) and len(entries) == 1:
+        entry = entries[0]
+        if type(entry) is PodEntry and (
+            not for_add or (entry.pod_identifier and (entry.device_tier or entry.speculative))
+        ):
+            return entries
+    return check_entries(entries, for_add=for_add)
+
+
+def _refs(value: int | tuple[int, ...]) -> tuple[int, ...]:
+    """The request keys of an engine mapping, oldest first (one is stored as a bare int)."""
+    return (value,) if type(value) is int else value  # type: ignore[return-value]
 
 
 class _MemoryIndex:
-    """The shared implementation; subclasses decide the per-key entry cap and :meth:`_shrink`."""
+    """The shared implementation; subclasses decide the per-key entry cap and :meth:`_shrink`.
 
-    def __init__(self, entries_per_key: int | None) -> None:
+    State: request key -> the tuple of entries it holds, oldest added first (keys holding
+    just one entry share its 1-tuple); per distinct entry a
+    :class:`_Held` with the set of request keys holding it (membership tests and
+    ``clear(pod)`` work on those int sets, never comparing PodEntry values key by key); engine
+    key -> its request key, or a tuple of them when it has several. ``_key_ticks`` and
+    ``_engine_ticks`` (last use of every key) exist only where :meth:`_shrink` weighs request
+    keys against engine keys.
+    """
+
+    def __init__(self, entries_per_key: int | None, *, track_ticks: bool = False) -> None:
         self._lock = threading.Lock()
         self._entries_per_key = entries_per_key
-        self._keys: OrderedDict[int, _Slot] = OrderedDict()
-        self._engine: OrderedDict[int, _Mapping] = OrderedDict()
-        # pod -> {request key: number of the pod's entries under it}, so clear() is O(pod's keys)
-        self._pod_keys: dict[str, dict[int, int]] = {}
+        self._keys: OrderedDict[int, tuple[PodEntry, ...]] = OrderedDict()
+        self._engine: OrderedDict[int, int | tuple[int, ...]] = OrderedDict()
+        self._held: dict[tuple[object, ...], _Held] = {}
+        self._by_id: dict[int, _Held] = {}  # id of the stored instance -> its record
+        self._pods: dict[str, set[_Held]] = {}  # so clear() is O(pod's keys)
+        self._key_ticks: dict[int, int] | None = {} if track_ticks else None
+        self._engine_ticks: dict[int, int] | None = {} if track_ticks else None
         self._watermarks: dict[str, Watermark] = {}
         self._tick = 0
         self._cost = 0
-        # Speculative entries added with a ttl: (request key, entry) -> monotonic deadline, and
-        # a heap of (deadline, seq, key, entry), stale once the dict holds another deadline.
-        self._deadlines: dict[tuple[int, PodEntry], float] = {}
-        self._expiry: list[tuple[float, int, int, PodEntry]] = []
+        # Speculative entries added with a ttl: (request key, entry record) -> monotonic
+        # deadline, and a heap of (deadline, seq, key, record), stale once the dict holds
+        # another deadline (records hash by identity, not by the five fields of the entry).
+        self._deadlines: dict[tuple[int, _Held], float] = {}
+        self._expiry: list[tuple[float, int, int, _Held]] = []
         self._seq = 0
 
     # -- Index -----------------------------------------------------------------------------
@@ -178,36 +218,31 @@ class _MemoryIndex:
     def lookup(
         self, request_keys: Sequence[int], pod_identifier_set: Collection[str] | None = None
     ) -> dict[int, list[PodEntry]]:
-        """Entries per key along the chain, stopping at the first key no (filtered) pod holds."""
-        keys = _fast_hashes(request_keys)
-        if keys is None:
-            keys = check_hashes(request_keys, "request key")
-        pods = pod_filter(pod_identifier_set)
-        out: dict[int, list[PodEntry]] = {}
-        with self._lock:
-            deadlines = self._deadlines
+        """Entries per key along the chain, stopping at the first key no (filtered) pod holds.
+
+        Keys are checked as the walk reaches them: a bad key past the first miss is not read.
+        """
+        keys = request_keys
+        if type(keys) is not list and type(keys) is not tuple:
+            keys = check_hashes(keys, "request key")
+        pods = None if pod_identifier_set is None else pod_filter(pod_identifier_set)
+        lock = self._lock
+        lock.acquire()  # (a with block costs more: its special-method lookups)
+        try:
             now = 0.0
-            if deadlines:
+            if self._deadlines:
                 now = time.monotonic()
                 self._expire(now)
-            table = self._keys
-            self._tick += 1
-            tick = self._tick
-            for key in keys:
-                slot = table.get(key)
-                if slot is None:
-                    break
-                if pods is None:
-                    hits = list(slot.entries)
-                else:
-                    hits = [e for e in slot.entries if e.pod_identifier in pods]
-                if deadlines:
-                    hits = [e for e in hits if deadlines.get((key, e), now + 1.0) > now]
-                if not hits:
-                    break
-                out[key] = hits
-                table.move_to_end(key)
-                slot.tick = tick
+            out = None
+            if pods is None and not self._deadlines:
+                out = self._walk_plain(keys)
+            if out is None:
+                out = self._walk(keys, pods, now)
+            if out and self._key_ticks is not None:
+                self._tick += 1
+                self._key_ticks.update(dict.fromkeys(out, self._tick))
+        finally:
+            lock.release()
         return out
 
     def add(
@@ -222,40 +257,72 @@ class _MemoryIndex:
 
         With ``ttl`` (seconds; speculative entries only) the entries expire by themselves.
         """
-        req = _fast_hashes(request_keys)
-        eng = None if engine_keys is None else _fast_hashes(engine_keys)
-        if req is None or (eng is None and engine_keys is not None):
-            eng, req, ents = check_add(engine_keys, request_keys, entries)
+        eng: Sequence[int] | None = engine_keys
+        req: Sequence[int] = request_keys
+        if req and _plain_hashes(req) and (eng is None or _plain_hashes(eng)):
+            ents = _checked_entries(entries, for_add=True)
         else:
-            ents = check_entries(entries, for_add=True)
-        seconds = check_ttl(ttl, ents)
-        with self._lock:
-            now = time.monotonic()
-            if self._expiry:
+            eng, req, ents = check_add(engine_keys, request_keys, entries)
+        seconds = None if ttl is None else check_ttl(ttl, ents)
+        lock = self._lock
+        lock.acquire()
+        try:
+            now = 0.0
+            if self._expiry or seconds is not None:
+                now = time.monotonic()
                 self._expire(now)
             self._add(eng, req, ents, None if seconds is None else now + seconds)
+        finally:
+            lock.release()
 
     def evict(self, key: int, key_type: KeyType, entries: Sequence[PodEntry]) -> None:
         """Remove exactly these entries; an engine key resolves to all its request keys."""
-        k = check_hash(key, "evict key")
-        kt = check_key_type(key_type)
-        ents = check_entries(entries)
-        with self._lock:
+        if type(key) is not int or not 0 <= key <= MAX_BLOCK_HASH:
+            key = check_hash(key, "evict key")
+        if key_type is not _ENGINE and key_type is not _REQUEST:
+            key_type = check_key_type(key_type)
+        ents = entries
+        if type(ents) is not list or len(ents) != 1 or type(ents[0]) is not PodEntry:
+            ents = check_entries(entries)
+        lock = self._lock
+        lock.acquire()
+        try:
             if self._expiry:
                 self._expire(time.monotonic())
-            self._evict(k, kt, ents)
+            if key_type is _ENGINE and len(ents) == 1:  # the common case, in as few steps
+                value = self._engine.get(key)
+                if type(value) is int:
+                    entry = ents[0]
+                    held = self._by_id.get(id(entry))
+                    if held is None or held.entry is not entry:
+                        held = self._held.get(_equality_key(entry))
+                    if held is not None:
+                        self._drop_pair(value, held)
+                    if value not in self._keys:
+                        self._drop_mapping(key)
+                    return
+            self._evict(key, key_type, ents)
+        finally:
+            lock.release()
 
     def get_request_key(self, engine_key: int) -> int:
         """The request key most recently mapped to ``engine_key``."""
-        k = check_hash(engine_key, "engine key")
-        with self._lock:
-            mapping = self._engine.get(k)
-            if mapping is None:
-                raise EngineKeyNotFoundError(k)
-            self._engine.move_to_end(k)
-            self._tick += 1
-            mapping.tick = self._tick
-            return mapping.request_keys[-1]
+        key = engine_key
+        if type(key) is not int or not 0 <= key <= MAX_BLOCK_HASH:
+            key = check_hash(key, "engine key")
+        lock = self._lock
+        lock.acquire()
+        try:
+            refs = self._engine.get(key)
+            if refs is None:
+                raise EngineKeyNotFoundError(key)
+            self._engine.move_to_end(key)
+            if self._engine_ticks is not None:
+                self._tick += 1
+                self._engine_ticks[key] = self._tick
+        finally:
+            lock.release()
+        return refs if type(refs) is int else refs[-1]  # type: ignore[index]
 
     def clear(self, pod_identifier: str) -> None:
         """Remove every entry of the pod, on every tier and group."""
@@ -273,21 +340,21 @@ class _MemoryIndex:
             raise InvalidInputError(f"progress must be a callable(done, removed), got {progress!r}")
         removed = 0
         with self._lock:
-            for key in list(self._pod_keys.get(pod, ())):
-                slot = self._keys[key]
-                gone = [e for e in slot.entries if e.pod_identifier == pod]
-                removed += len(gone)
-                self._remove(key, slot, gone)
+            for held in list(self._pods.get(pod, ())):
+                for key in list(held.keys):
+                    removed += self._drop_pair(key, held)
             engine_keys = list(self._engine)
         # As in the Redis backend, a clear also drops every engine mapping none of whose request
         # keys holds an entry, so a stale engine key no longer resolves. Like the Redis clear it
         # goes page by page, so lookups are never held up for long by a large index.
         for start in range(0, len(engine_keys), CLEAR_MAPPINGS_PER_PAGE):
             with self._lock:
-                table, engine = self._keys, self._engine
+                table, get = self._keys, self._engine.get
                 for engine_key in engine_keys[start : start + CLEAR_MAPPINGS_PER_PAGE]:
-                    mapping = engine.get(engine_key)
-                    if mapping is not None and not any(rk in table for rk in mapping.request_keys):
+                    refs = get(engine_key)
+                    if refs is None or refs in table:  # (an int: one request key)
+                        continue
+                    if type(refs) is int or not any(r in table for r in _refs(refs)):
                         self._drop_mapping(engine_key)
             if progress is not None:
                 progress(min(start + CLEAR_MAPPINGS_PER_PAGE, len(engine_keys)), removed)
@@ -344,6 +411,81 @@ class _MemoryIndex:
 
     # -- internals (called with the lock held) ---------------------------------------------
 
+    def _walk_plain(self, keys: Sequence[int]) -> dict[int, list[PodEntry]] | None:
+        """The unfiltered walk over plain int keys, or ``None`` once it meets any other key
+        (then :meth:`_walk` starts over and checks each key it reaches)."""
+        out: dict[int, list[PodEntry]] = {}
+        table = self._keys
+        get, touch = table.get, table.move_to_end
+        try:
+            for key in keys:
+                held = get(key)
+                if held is None or type(key) is not int:
+                    if type(key) is int and 0 <= key <= MAX_BLOCK_HASH:
+                        break
+                    return None
+                out[key] = [*held]
+                touch(key)
+        except TypeError:  # an unhashable key
+            return None
+        return out
+
+    def _walk(
+        self, keys: Sequence[int], pods: frozenset[str] | None, now: float
+    ) -> dict[int, list[PodEntry]]:
+        """The walk with a pod filter, expiring entries or keys other than plain ints."""
+        out: dict[int, list[PodEntry]] = {}
+        table, deadlines, by_id = self._keys, self._deadlines, self._by_id
+        get, touch = table.get, table.move_to_end
+        later = now + 1.0
+        for key in keys:
+            if type(key) is not int:
+                key = check_hash(key, "request key")
+            held = get(key)
+            if held is None:
+                if not 0 <= key <= MAX_BLOCK_HASH:
+                    check_hash(key, "request key")
+                break
+            hits = [*held] if pods is None else [e for e in held if e.pod_identifier in pods]
+            if deadlines:
+                hits = [e for e in hits if deadlines.get((key, by_id[id(e)]), later) > now]
+            if not hits:
+                break
+            out[key] = hits
+            touch(key)
+        return out
+
+    def _find(self, entry: PodEntry) -> _Held | None:
+        """The record of the entry equal to ``entry``, if the index holds one."""
+        held = self._by_id.get(id(entry))
+        if held is not None and held.entry is entry:
+            return held
+        return self._held.get(_equality_key(entry))
+
+    def _intern(self, entry: PodEntry) -> _Held:
+        """:meth:`_find`, creating the record (with ``entry`` as the instance stored)."""
+        held = self._find(entry)
+        if held is None:
+            fields = _equality_key(entry)
+            held = self._held[fields] = _Held(entry, fields)
+            self._by_id[id(entry)] = held
+            pods = self._pods.get(entry.pod_identifier)
+            if pods is None:
+                self._pods[entry.pod_identifier] = {held}
+            else:
+                pods.add(held)
+        return held
+
+    def _release(self, held: _Held) -> None:
+        """Forget the record of an entry no key holds any more."""
+        del self._held[held.fields]
+        del self._by_id[id(held.entry)]
+        pod = held.entry.pod_identifier
+        pods = self._pods[pod]
+        pods.discard(held)
+        if not pods:
+            del self._pods[pod]
+
     def _add(
         self,
         eng: Sequence[int] | None,
@@ -351,64 +493,218 @@ class _MemoryIndex:
         ents: Sequence[PodEntry],
         deadline: float | None = None,
     ) -> None:
+        if len(ents) == 1 and deadline is None and not self._deadlines:
+            self._add_one(req, self._intern(ents[0]))
+        else:
+            self._add_many(req, ents, deadline)
         self._tick += 1
-        tick = self._tick
-        table = self._keys
+        if self._key_ticks is not None:
+            self._key_ticks.update(dict.fromkeys(req, self._tick))
+        if eng:
+            self._map_all(eng, req)
+        self._shrink()
+
+    def _add_one(self, req: Sequence[int], held: _Held) -> None:
+        """Add one entry to every key of ``req`` (no expiry involved): the common event."""
+        table, holders = self._keys, held.keys
+        entry, alone = held.entry, held.alone
+        keys_before, pairs_before = len(table), len(holders)
+        fresh = None
+        if table.keys().isdisjoint(req):  # all new keys: one C-level update of each dict
+            fresh = dict.fromkeys(req, alone)
+            if len(fresh) == len(req):
+                table.update(fresh)
+                holders.update(fresh)
+            else:  # a key repeated: its place in the LRU order is its last occurrence
+                fresh = None
+        if fresh is None:
+            get, touch, cap = table.get, table.move_to_end, self._entries_per_key
+            for key in req:
+                stored = get(key)
+                if stored is None:
+                    table[key] = alone
+                    continue
+                if stored[-1] is not entry:
+                    if key in holders:  # re-added: it becomes the most recently added
+                        stored = (*[e for e in stored if e is not entry], entry)
+                    else:
+                        stored += alone
+                        if cap is not None and len(stored) > cap:
+                            stored = self._trim(key, stored, cap)
+                    table[key] = stored
+                touch(key)
+            holders.update(req)
+        self._cost += (len(table) - keys_before) * KEY_COST
+        self._cost += (len(holders) - pairs_before) * held.cost
+
+    def _add_many(
+        self, req: Sequence[int], ents: Sequence[PodEntry], deadline: float | None
+    ) -> None:
+        """Add several entries, or entries that expire, or while some entries expire."""
         cap = self._entries_per_key
-        added = tuple(dict.fromkeys(ents))
+        unique = list(dict.fromkeys(ents))
+        if cap is not None and len(unique) > cap:  # the oldest would be dropped at once
+            unique = unique[-cap:]
+        helds = [self._intern(e) for e in unique]
+        added = tuple(h.entry for h in helds)
+        added_ids = set(map(id, added))
+        by_id = self._by_id
         # A confirmed entry of a pod replaces that pod's expiring speculative entries under
         # the key (speculative entries added without a ttl stay until evicted).
         deadlines = self._deadlines
         confirmed = {e.pod_identifier for e in added if not e.speculative} if deadlines else ()
+        table = self._keys
         for key in req:
-            slot = table.get(key)
-            if slot is None:
-                slot = table[key] = _Slot(tick)
+            stored = table.get(key)
+            if stored is None:
+                stored = ()
                 self._cost += KEY_COST
-                held: tuple[PodEntry, ...] = ()
             else:
                 table.move_to_end(key)
-                slot.tick = tick
-                held = slot.entries
             # Re-adding an entry refreshes it: it moves to the most recently added end.
-            kept = tuple(e for e in held if e not in added) if held else ()
+            kept = [e for e in stored if id(e) not in added_ids]
             if confirmed and kept:
-                replaced = [
-                    e for e in kept if e.pod_identifier in confirmed and (key, e) in deadlines
-                ]
+                replaced = {
+                    id(e): e
+                    for e in kept
+                    if e.pod_identifier in confirmed and (key, by_id[id(e)]) in deadlines
+                }
                 if replaced:
-                    for entry in replaced:
+                    for entry in replaced.values():
                         self._forget(key, entry)
-                    kept = tuple(e for e in kept if e not in replaced)
-            for entry in added:
-                if entry not in held:
-                    self._count(key, entry)
-            merged = kept + added
+                    kept = [e for e in kept if id(e) not in replaced]
+            for held in helds:
+                if key not in held.keys:
+                    held.keys.add(key)
+                    self._cost += held.cost
+            merged = (*kept, *added)
             if cap is not None and len(merged) > cap:
-                for entry in merged[:-cap]:
-                    self._forget(key, entry)
-                merged = merged[-cap:]
-            slot.entries = merged
+                merged = self._trim(key, merged, cap)
+            table[key] = merged
             if deadline is not None:
-                self._expire_at(key, added, deadline)
-            elif self._deadlines:
-                for entry in added:
-                    self._deadlines.pop((key, entry), None)
-        if eng:
-            for engine_key, request_key in infer_mappings(eng, req):
-                self._map(engine_key, request_key, tick)
-        self._shrink()
+                for held in helds:
+                    deadlines[(key, held)] = deadline
+                    self._seq += 1
+                    heapq.heappush(self._expiry, (deadline, self._seq, key, held))
+            elif deadlines:
+                for held in helds:
+                    deadlines.pop((key, held), None)
 
-    def _expire_at(self, key: int, added: Sequence[PodEntry], deadline: float) -> None:
-        """Give the entries just added under ``key`` (and still held) an expiry."""
-        held = self._keys.get(key)
-        if held is None:
+    def _trim(self, key: int, stored: tuple[PodEntry, ...], cap: int) -> tuple[PodEntry, ...]:
+        """Keep the ``cap`` most recently added entries of a key."""
+        for entry in stored[:-cap]:
+            self._forget(key, entry)
+        return stored[-cap:]
+
+    def _map_all(self, eng: Sequence[int], req: Sequence[int]) -> None:
+        """Record the engine→request mappings of an add."""
+        engine = self._engine
+        pairs: Iterable[tuple[int, int]]
+        if len(eng) == len(req):
+            if engine.keys().isdisjoint(eng):  # all new engine keys: one C-level update
+                before = len(engine)
+                engine.update(zip(eng, req, strict=True))
+                if len(engine) - before == len(eng):
+                    self._cost += (MAPPING_COST + MAPPING_REF_COST) * len(eng)
+                    pairs = ()
+                else:  # an engine key repeated: undo, then pair by pair
+                    for engine_key in eng:
+                        engine.pop(engine_key, None)
+                    pairs = zip(eng, req, strict=True)
+            else:
+                pairs = zip(eng, req, strict=True)
+        else:
+            pairs = infer_mappings(eng, req)
+        get, touch = engine.get, engine.move_to_end
+        for engine_key, request_key in pairs:
+            refs = get(engine_key)
+            if refs is None:
+                engine[engine_key] = request_key
+                self._cost += MAPPING_COST + MAPPING_REF_COST
+            else:
+                touch(engine_key)
+                if refs != request_key:
+                    self._remap(engine_key, refs, request_key)
+        if self._engine_ticks is not None:
+            self._engine_ticks.update(dict.fromkeys(eng, self._tick))
+
+    def _remap(self, engine_key: int, value: int | tuple[int, ...], request_key: int) -> None:
+        """Make ``request_key`` the most recent of an engine key's request keys."""
+        refs = _refs(value)
+        if refs[-1] == request_key:
             return
-        for entry in added:
-            if entry in held.entries:
-                self._deadlines[(key, entry)] = deadline
-                self._seq += 1
-                heapq.heappush(self._expiry, (deadline, self._seq, key, entry))
+        if request_key in refs:
+            refs = tuple([r for r in refs if r != request_key])
+        else:
+            self._cost += MAPPING_REF_COST
+            if len(refs) >= MAX_REQUEST_KEYS_PER_ENGINE_KEY:
+                refs = refs[1:]
+                self._cost -= MAPPING_REF_COST
+        self._engine[engine_key] = (*refs, request_key)
+
+    def _evict(self, key: int, key_type: KeyType, ents: Sequence[PodEntry]) -> None:
+        found: Iterable[_Held]
+        if len(ents) == 1:  # the common case, without building lists
+            held = self._find(ents[0])
+            found = () if held is None else (held,)
+        else:
+            found = [h for h in map(self._find, ents) if h is not None]
+        if key_type is KeyType.REQUEST:
+            for held in found:
+                self._drop_pair(key, held)
+            return
+        value = self._engine.get(key)
+        if value is None:
+            return
+        table = self._keys
+        # Empty request keys are always removed, so "holds no entry" is "is not a key".
+        if type(value) is int:
+            for held in found:
+                self._drop_pair(value, held)
+            if value not in table:
+                self._drop_mapping(key)
+            return
+        refs: tuple[int, ...] = value  # type: ignore[assignment]
+        for request_key in refs:
+            for held in found:
+                self._drop_pair(request_key, held)
+        if not any(request_key in table for request_key in refs):
+            self._drop_mapping(key)
+
+    def _drop_pair(self, key: int, held: _Held) -> int:
+        """Remove one entry from one key (and the key once empty); 1 if it was there, else 0."""
+        holders = held.keys
+        if key not in holders:
+            return 0
+        holders.remove(key)
+        self._cost -= held.cost
+        table = self._keys
+        stored = table[key]
+        if len(stored) == 1:  # it held only this entry
+            del table[key]
+            self._cost -= KEY_COST
+            if self._key_ticks is not None:
+                del self._key_ticks[key]
+        elif stored[-1] is held.entry:
+            table[key] = stored[:-1]
+        else:
+            entry = held.entry
+            table[key] = tuple([e for e in stored if e is not entry])
+        if self._deadlines:
+            self._deadlines.pop((key, held), None)
+        if not holders:
+            self._release(held)
+        return 1
+
+    def _forget(self, key: int, entry: PodEntry) -> None:
+        """Account for a stored entry no longer under a key (the caller updates the key)."""
+        held = self._by_id[id(entry)]
+        held.keys.discard(key)
+        self._cost -= held.cost
+        if self._deadlines:
+            self._deadlines.pop((key, held), None)
+        if not held.keys:
+            self._release(held)
 
     def _expire(self, now: float) -> None:
         """Reclaim up to :data:`EXPIRED_PER_CALL` entries whose deadline is past."""
@@ -418,102 +714,26 @@ class _MemoryIndex:
             return
         done = 0
         while heap and heap[0][0] <= now and done < EXPIRED_PER_CALL:
-            deadline, _, key, entry = heapq.heappop(heap)
-            if deadlines.get((key, entry)) != deadline:
+            deadline, _, key, held = heapq.heappop(heap)
+            if deadlines.get((key, held)) != deadline:
                 continue
             done += 1
-            slot = self._keys.get(key)
-            if slot is None:
-                del deadlines[(key, entry)]
-            else:
-                self._remove(key, slot, (entry,))
-
-    def _map(self, engine_key: int, request_key: int, tick: int) -> None:
-        mapping = self._engine.get(engine_key)
-        if mapping is None:
-            self._engine[engine_key] = _Mapping(tick, request_key)
-            self._cost += MAPPING_COST + MAPPING_REF_COST
-            return
-        self._engine.move_to_end(engine_key)
-        mapping.tick = tick
-        refs = mapping.request_keys
-        if refs[-1] == request_key:
-            return
-        if request_key in refs:
-            refs = tuple(r for r in refs if r != request_key)
-        else:
-            self._cost += MAPPING_REF_COST
-            if len(refs) >= MAX_REQUEST_KEYS_PER_ENGINE_KEY:
-                refs = refs[1:]
-                self._cost -= MAPPING_REF_COST
-        mapping.request_keys = (*refs, request_key)
-
-    def _evict(self, key: int, key_type: KeyType, ents: Sequence[PodEntry]) -> None:
-        table = self._keys
-        if key_type is KeyType.REQUEST:
-            slot = table.get(key)
-            if slot is not None:
-                self._remove(key, slot, ents)
-            return
-        mapping = self._engine.get(key)
-        if mapping is None:
-            return
-        for request_key in mapping.request_keys:
-            slot = table.get(request_key)
-            if slot is not None:
-                self._remove(request_key, slot, ents)
-        # Empty request keys are always removed, so "holds no entry" is "is not a key".
-        if not any(request_key in table for request_key in mapping.request_keys):
-            self._drop_mapping(key)
-
-    def _remove(self, key: int, slot: _Slot, gone: Sequence[PodEntry]) -> None:
-        """Remove the entries in ``gone`` from a key, and the key itself once it is empty."""
-        kept = []
-        for entry in slot.entries:
-            if entry in gone:
-                self._forget(key, entry)
-            else:
-                kept.append(entry)
-        if kept:
-            if len(kept) != len(slot.entries):
-                slot.entries = tuple(kept)
-        else:
-            del self._keys[key]
-            self._cost -= KEY_COST
-
-    def _count(self, key: int, entry: PodEntry) -> None:
-        """Account for an entry newly stored under a key."""
-        self._cost += estimated_entry_cost(entry)
-        counts = self._pod_keys.get(entry.pod_identifier)
-        if counts is None:
-            self._pod_keys[entry.pod_identifier] = {key: 1}
-        else:
-            counts[key] = counts.get(key, 0) + 1
-
-    def _forget(self, key: int, entry: PodEntry) -> None:
-        """Account for an entry no longer stored under a key."""
-        self._cost -= estimated_entry_cost(entry)
-        if self._deadlines:
-            self._deadlines.pop((key, entry), None)
-        pod = entry.pod_identifier
-        counts = self._pod_keys[pod]
-        left = counts[key] - 1
-        if left:
-            counts[key] = left
-        else:
-            del counts[key]
-            if not counts:
-                del self._pod_keys[pod]
+            if not self._drop_pair(key, held):
+                deadlines.pop((key, held), None)
 
     def _drop_key(self, key: int) -> None:
-        slot = self._keys.pop(key)
-        for entry in slot.entries:
-            self._forget(key, entry)
+        stored = self._keys.pop(key)
         self._cost -= KEY_COST
+        if self._key_ticks is not None:
+            del self._key_ticks[key]
+        for entry in stored:
+            self._forget(key, entry)
 
     def _drop_mapping(self, engine_key: int) -> None:
-        mapping = self._engine.pop(engine_key)
-        self._cost -= MAPPING_COST + MAPPING_REF_COST * len(mapping.request_keys)
+        refs = self._engine.pop(engine_key)
+        self._cost -= MAPPING_COST + MAPPING_REF_COST * len(_refs(refs))
+        if self._engine_ticks is not None:
+            del self._engine_ticks[engine_key]
 
     def _shrink(self) -> None:
         raise NotImplementedError
@@ -528,13 +748,14 @@ class InMemoryIndex(_MemoryIndex):
             raise ConfigError(f"config must be an InMemoryIndexConfig, got {cfg!r}")
         super().__init__(cfg.pod_cache_size)
         self.config = cfg
+        self._size = cfg.size
 
     def _shrink(self) -> None:
-        size = self.config.size
-        while len(self._keys) > size:
-            self._drop_key(next(iter(self._keys)))
-        while len(self._engine) > size:
-            self._drop_mapping(next(iter(self._engine)))
+        keys, engine, size = self._keys, self._engine, self._size
+        while len(keys) > size:
+            self._drop_key(next(iter(keys)))
+        while len(engine) > size:
+            self._drop_mapping(next(iter(engine)))
 
 
 class CostAwareMemoryIndex(_MemoryIndex):
@@ -549,7 +770,7 @@ class CostAwareMemoryIndex(_MemoryIndex):
         cfg = CostAwareMemoryIndexConfig() if config is None else config
         if not isinstance(cfg, CostAwareMemoryIndexConfig):
             raise ConfigError(f"config must be a CostAwareMemoryIndexConfig, got {cfg!r}")
-        super().__init__(None)
+        super().__init__(None, track_ticks=True)
         self.config = cfg
         self._max_cost = cfg.max_cost()
 
@@ -563,12 +784,16 @@ class CostAwareMemoryIndex(_MemoryIndex):
             return self._cost
 
     def _shrink(self) -> None:
+        if self._cost <= self._max_cost:
+            return
         keys, engine = self._keys, self._engine
+        key_ticks, engine_ticks = self._key_ticks, self._engine_ticks
+        assert key_ticks is not None and engine_ticks is not None
         while self._cost > self._max_cost and (keys or engine):
             key = next(iter(keys), None)
             engine_key = next(iter(engine), None)
             if key is not None and (
-                engine_key is None or keys[key].tick <= engine[engine_key].tick
+                engine_key is None or key_ticks[key] <= engine_ticks[engine_key]
             ):
                 self._drop_key(key)
             elif engine_key is not None:

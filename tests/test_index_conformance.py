@@ -7,6 +7,7 @@ sets after checking that no entry is reported twice.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import random
 import sys
@@ -572,6 +573,38 @@ def test_bad_input_raises_typed_errors_and_changes_nothing(index: Any) -> None:
     assert snapshot(index, fresh) == {k: set() for k in fresh}
     assert [index.get_request_key(e) for e in engine] == request
     assert mapped(index, fresh[1]) is None
+
+
+def test_lookup_checks_every_key_its_walk_reaches(index: Any) -> None:
+    """The lookup contract on bad keys: any key up to and including the one the walk stops at
+    is checked on every backend; keys past that point may go unchecked (the in-memory
+    backends never read them, Redis checks the whole chain it sends): for a bad key there the
+    result is the walked prefix or ``InvalidInputError``, never anything else."""
+    keys = hashes(4, "walk")
+    index.add(None, [*keys[:2], 0, 1], [A_GPU])
+    index.add(None, keys[1:2], [B_GPU])
+    prefix = {keys[0]: {A_GPU}, keys[1]: {A_GPU, B_GPU}}
+    for bad in [*BAD_HASHES, [1], 1.5, float("nan"), {}]:
+        for chain, pods in [
+            ([bad, *keys[:2]], None),  # the first key
+            ([*keys[:2], bad], None),  # after two hits
+            ([*keys[:2], bad, keys[2]], {"pod-a"}),  # with a filter
+        ]:
+            with pytest.raises(InvalidInputError):
+                index.lookup(chain, pods)
+        for chain, pods, walked in [
+            ([*keys[:2], keys[2], bad], None, prefix),  # past a missing key
+            ([*keys[:2], bad], {"pod-c"}, {}),  # past a key no filtered pod holds
+        ]:
+            with contextlib.suppress(InvalidInputError):
+                assert norm(index.lookup(chain, pods)) == walked
+    # Keys of other types that equal held keys (True == 1, 1.0 == 1) are still refused, and
+    # BlockHash keys are plain ints in the result.
+    for bad in [True, False, 1.0, 0.0]:
+        with pytest.raises(InvalidInputError):
+            index.lookup([bad])
+    result = index.lookup([BlockHash(keys[0]), BlockHash(keys[1])])
+    assert norm(result) == prefix and all(type(k) is int for k in result)
 
 
 @pytest.mark.parametrize("bad", [None, 5, 1.5, object()])

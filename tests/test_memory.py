@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import tracemalloc
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvredis import memory
 from kvredis.batch import AddOp, Watermark
 from kvredis.errors import ConfigError, EngineKeyNotFoundError, InvalidInputError
 from kvredis.jsonconfig import parse_size
@@ -109,6 +112,87 @@ def test_request_keys_per_engine_key_are_bounded() -> None:
     assert [k for k in range(1, n + 1) if present(index, k)] == [1, 2, 3, 4, 5]
     with pytest.raises(EngineKeyNotFoundError):  # every key it still remembers is empty
         index.get_request_key(7)
+
+
+def test_a_key_repeated_in_one_add_takes_its_last_place_in_the_lru_order() -> None:
+    index = InMemoryIndex(InMemoryIndexConfig(size=2))
+    index.add(None, [5, 6, 5], [A])  # 5 was used after 6
+    index.add(None, [7], [A])
+    assert [k for k in (5, 6, 7) if present(index, k)] == [5, 7]
+    index.add([9, 9], [1, 2], [B])  # an engine key repeated in a 1:1 add keeps both keys
+    assert index.get_request_key(9) == 2
+    index.evict(9, KeyType.ENGINE, [B])
+    assert not present(index, 1) and not present(index, 2)
+
+
+@pytest.mark.parametrize("make", [InMemoryIndex, CostAwareMemoryIndex])
+def test_entries_are_matched_as_podentry_equality_does(make: Any) -> None:
+    class Tagged(PodEntry):
+        __slots__ = ()
+
+    index = make()
+    tagged = Tagged("pod-a", "gpu")
+    assert tagged != A  # dataclass equality compares the class too
+    index.add(None, [1], [A])
+    index.add(None, [1], [tagged])
+    index.add(None, [1], [dataclasses.replace(A)])  # equal to A: refreshes it
+    assert index.lookup([1]) == {1: [tagged, A]}
+    index.evict(1, KeyType.REQUEST, [PodEntry("pod-a", "gpu")])
+    assert index.lookup([1]) == {1: [tagged]}
+    assert type(index.lookup([1])[1][0]) is Tagged
+
+
+@pytest.mark.parametrize("make", [InMemoryIndex, CostAwareMemoryIndex])
+def test_lookup_does_not_read_past_the_first_miss(make: Any) -> None:
+    index = make()
+    index.add(None, [1, 2], [A])
+    # The walk stops at 3, so what follows is never read: not even checked (the contract
+    # allows either; the embedded backends keep a miss at block 16 of 512 keys cheap).
+    assert index.lookup([1, 3, "junk", -1]) == {1: [A]}
+    assert index.lookup([1, 2, 3, [1]], {"pod-a"}) == {1: [A], 2: [A]}
+    assert index.lookup([1, 2, 3, 2**64]) == {1: [A], 2: [A]}
+    with pytest.raises(InvalidInputError):
+        index.lookup([1, 2, "junk"])
+
+
+@pytest.mark.parametrize("make", [InMemoryIndex, CostAwareMemoryIndex])
+def test_pods_added_and_cleared_leave_nothing_behind(make: Any) -> None:
+    index = make()
+    index.add([100], [1], [A])
+
+    def churn() -> None:
+        for n in range(2000):
+            pod = f"pod-churn-{n}"
+            index.add([200 + n], [2, 3 + n], [PodEntry(pod, "gpu"), PodEntry(pod, "cpu")])
+            index.evict(3 + n, KeyType.REQUEST, [PodEntry(pod, "cpu")])
+            index.clear(pod)
+
+    churn()  # the dicts reach their size
+    grown, _ = _traced_bytes(churn)
+    assert grown < 20_000, f"{grown} bytes kept after 2,000 pods came and went"
+    assert present(index, 1) == {A} and len(index) == 1
+
+
+@pytest.mark.parametrize("make", [InMemoryIndex, CostAwareMemoryIndex])
+def test_expiry_follows_the_latest_add_across_clears(make: Any, monkeypatch: Any) -> None:
+    clock = [1000.0]
+    monkeypatch.setattr(memory, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    index = make()
+    spec = PodEntry("pod-s", speculative=True)
+    index.add(None, [1, 2, 3], [spec], ttl=5)
+    index.clear("pod-s")  # the deadlines of the first add must not outlive it
+    index.add(None, [1], [PodEntry("pod-s", speculative=True)])  # equal, without a ttl
+    index.add(None, [2], [spec], ttl=50)
+    index.add(None, [3], [spec, A], ttl=None)
+    clock[0] += 10
+    assert [present(index, k) for k in (1, 2, 3)] == [{spec}, {spec}, {spec, A}]
+    clock[0] += 100
+    assert [present(index, k) for k in (1, 2, 3)] == [{spec}, set(), {spec, A}]
+    index.clear("pod-s")
+    index.clear("pod-a")
+    assert len(index) == 0
+    if isinstance(index, CostAwareMemoryIndex):
+        assert index.cost() == 0
 
 
 # -- CostAwareMemoryIndex ----------------------------------------------------------------------
@@ -229,6 +313,10 @@ def test_apply_batch_argument_checks(make: Any) -> None:
 ENTRIES = [
     PodEntry(p, t, s) for p in ("p0", "p1", "p2") for t in ("gpu", "cpu") for s in (False, True)
 ]
+# Sometimes an equal copy: the index must match entries by value, not by identity.
+SOME_ENTRY = st.tuples(st.sampled_from(ENTRIES), st.booleans()).map(
+    lambda pair: dataclasses.replace(pair[0]) if pair[1] else pair[0]
+)
 KEYS = st.integers(0, 7)
 OPS = st.lists(
     st.one_of(
@@ -236,13 +324,13 @@ OPS = st.lists(
             st.just("add"),
             st.none() | st.lists(st.integers(100, 105), max_size=4),
             st.lists(KEYS, min_size=1, max_size=4),
-            st.lists(st.sampled_from(ENTRIES), min_size=1, max_size=3),
+            st.lists(SOME_ENTRY, min_size=1, max_size=3),
         ),
         st.tuples(
             st.just("evict"),
             st.sampled_from(KeyType),
             st.integers(0, 7) | st.integers(100, 105),
-            st.lists(st.sampled_from(ENTRIES), min_size=1, max_size=3),
+            st.lists(SOME_ENTRY, min_size=1, max_size=3),
         ),
         st.tuples(st.just("clear"), st.sampled_from(["p0", "p1", "p2"])),
     ),
