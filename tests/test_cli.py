@@ -169,7 +169,19 @@ def test_keys_tokens_from_file_and_stdin(tmp_path: Path) -> None:
     code, from_stdin = _keys("--tokens", "-", input=" ".join(map(str, tokens)))
     assert code == 0 and from_stdin == from_file
     code, out = _keys("--tokens", "1,2", "--tokens-file", str(path))
-    assert code == 2 and "exactly one of --tokens and --tokens-file" in out
+    assert code == 2 and "exactly one of --tokens, --tokens-file and -" in out
+
+
+def test_keys_bare_dash_reads_stdin() -> None:
+    code, expected = _keys("--tokens", "1,2,3,4")
+    assert code == 0, expected
+    code, out = _keys("-", input="1 2 3 4\n")
+    assert code == 0, out
+    assert out == expected
+    code, out = _keys("-", "--tokens", "1,2", input="1 2 3 4")
+    assert code == 2 and "exactly one of" in out
+    code, out = _keys("prompt.txt")
+    assert code == 2 and "'-'" in out
 
 
 @pytest.mark.parametrize(
@@ -180,7 +192,7 @@ def test_keys_tokens_from_file_and_stdin(tmp_path: Path) -> None:
         (["keys", "--model", "  ", "--tokens", "1,2"], "must not be empty"),
         (["keys", "--model", "m", "--tokens", "1,,2x"], "is not a token id"),
         (["keys", "--model", "m", "--tokens", ""], "no token ids"),
-        (["keys", "--model", "m"], "exactly one of --tokens and --tokens-file"),
+        (["keys", "--model", "m"], "exactly one of --tokens, --tokens-file and -"),
         (["keys", "--model", "m", "--tokens", "1", "--seed", "a", "--hash-seed", "b"], "--seed"),
         (["demo", "--namespace", "x:e"], "--namespace"),
     ],

@@ -4,7 +4,7 @@
 - ``--redis URL`` (``KVREDIS_REDIS_URL``), ``--namespace`` (``KVREDIS_NAMESPACE``), the password
   from ``KVREDIS_REDIS_PASSWORD`` or ``--password-file`` (``KVREDIS_REDIS_PASSWORD_FILE``); a
   password never appears in output or logs;
-- token ids from ``--tokens`` (commas and/or spaces), ``--tokens-file FILE`` or ``-`` (stdin);
+- token ids from ``--tokens`` (commas and/or spaces), ``--tokens-file FILE`` or a bare ``-`` (stdin);
 - tables for people, ``--json`` for scripts;
 - every failure is one line on stderr and a non-zero exit.
 """
@@ -287,10 +287,15 @@ def parse_tokens(text: str, where: str = "--tokens") -> list[int]:
     return tokens
 
 
-def read_tokens(tokens: str | None, tokens_file: str | None) -> list[int]:
-    """The tokens of ``--tokens`` or ``--tokens-file`` (``-`` in either reads stdin)."""
-    if (tokens is None) == (tokens_file is None):
-        raise click.UsageError("give exactly one of --tokens and --tokens-file")
+def read_tokens(tokens: str | None, tokens_file: str | None, stdin: bool = False) -> list[int]:
+    """The tokens of ``--tokens``, ``--tokens-file`` or a bare ``-`` (``stdin``).
+
+    ``-`` as the value of either option reads stdin too.
+    """
+    if sum((tokens is not None, tokens_file is not None, stdin)) != 1:
+        raise click.UsageError("give exactly one of --tokens, --tokens-file and -")
+    if stdin:
+        tokens = "-"
     if tokens is not None and tokens != "-":
         return parse_tokens(tokens)
     path = tokens_file if tokens_file is not None else "-"
@@ -310,8 +315,18 @@ def _check_model(_ctx: click.Context, _param: click.Parameter, value: str) -> st
     return value
 
 
+def _check_dash(_ctx: click.Context, _param: click.Parameter, value: str | None) -> bool:
+    if value is not None and value != "-":
+        raise click.BadParameter(
+            f"{value!r}: the only argument is '-' (read the token ids from stdin); "
+            "use --tokens-file for a file"
+        )
+    return value is not None
+
+
 def token_options(f: F) -> F:
-    """``--model``, ``--tokens`` and ``--tokens-file``."""
+    """``--model``, ``--tokens``, ``--tokens-file`` and an optional ``-`` argument (stdin)."""
+    f = click.argument("stdin", metavar="[-]", required=False, callback=_check_dash)(f)
     f = click.option(
         "--tokens-file",
         metavar="FILE",
@@ -405,9 +420,10 @@ def prompt_options(f: F) -> F:
         hash_algo: str,
         hash_seed: str | None,
         old_seed: str | None,
+        stdin: bool,
         **kwargs: Any,
     ) -> Any:
-        ids = read_tokens(tokens, tokens_file)
+        ids = read_tokens(tokens, tokens_file, stdin)
         processor = token_processor(block_size, hash_algo, hash_seed or old_seed)
         return f(*args, prompt=Prompt(model, ids, block_size, processor), **kwargs)
 
