@@ -212,6 +212,32 @@ def test_check_finds_and_repairs_planted_corruption(
     assert populated.lookup(block_keys()) == before
 
 
+@pytest.mark.parametrize("name", ["pe", "pi", "pp", "wm"])
+def test_check_reports_a_dictionary_key_of_another_type(
+    populated: RedisIndex, redis_server_url: str, namespace: str, name: str
+) -> None:
+    layout = populated._session.state.layout
+    key = getattr(layout, name)
+    populated.client.delete(key)
+    populated.client.set(key, b"foreign")
+    code, out = run(redis_server_url, namespace, "check", "--json")
+    assert code == 1, out
+    report = json.loads(out)
+    assert report["counts"]["wrong_type"] == 1
+    assert [f["key"] for f in report["findings"] if f["problem"] == "wrong_type"] == [
+        bytes_key(key)
+    ]
+    code, out = run(redis_server_url, namespace, "check", "--repair", "--json")
+    assert code == 1, out  # the foreign value is left for the operator to delete
+    repaired = json.loads(out)["findings"]
+    assert not any(f["repaired"] for f in repaired if f["key"] == bytes_key(key))
+    assert populated.client.get(key) == b"foreign"
+
+
+def bytes_key(key: bytes) -> str:
+    return key.decode("utf-8", "backslashreplace")
+
+
 def test_dump_restore_round_trips_exactly(
     populated: RedisIndex, redis_server_url: str, namespace: str, tmp_path: Path
 ) -> None:

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import enum
 from collections import Counter as Tally
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -233,13 +233,20 @@ class Dictionary:
                 self.undecodable[entry_id] = str(exc)
 
 
-def op_dictionary(layout: Layout) -> Op[Dictionary]:
-    """Read the entry dictionary (``pe``, ``pi``, ``pp``) with HSCAN."""
-    pe = yield from op_hscan(layout.pe)
-    pi = yield from op_hscan(layout.pi)
+def op_dictionary(layout: Layout, unreadable: Collection[bytes] = ()) -> Op[Dictionary]:
+    """Read the entry dictionary (``pe``, ``pi``, ``pp``) with HSCAN; a key in ``unreadable``
+    (one that is not a hash) reads as empty."""
+
+    def read(key: bytes) -> Op[dict[bytes, bytes]]:
+        if key in unreadable:
+            return {}
+        return (yield from op_hscan(key))
+
+    pe = yield from read(layout.pe)
+    pi = yield from read(layout.pi)
     for name in PI_RECORD_FIELDS:
         pi.pop(name, None)
-    pp = yield from op_hscan(layout.pp)
+    pp = yield from read(layout.pp)
     return Dictionary(pe, pi, pp)
 
 
@@ -442,11 +449,14 @@ class _Checker:
         self.repair = repair
         self.findings: list[Finding] = []
         self.fixes: list[Command] = []
+        self.foreign: set[bytes] = set()
+        """Keys of the layout holding another type: reported, never written to."""
 
     def found(
         self, problem: Problem, key: bytes, fld: bytes | None, detail: str, *fix: Command
     ) -> None:
-        fixable = bool(fix) and self.repair
+        writable = not any(f.args[1] in self.foreign for f in fix)
+        fixable = bool(fix) and self.repair and writable
         self.findings.append(Finding(problem, key, fld, detail, fixable))
         if fixable:
             self.fixes.extend(fix)
@@ -628,11 +638,13 @@ def op_check(layout: Layout, repair: bool = False, progress: Progress = _noop) -
     types = yield Pipeline(tuple(Command(("TYPE", k)) for k in fixed))
     for key, t in zip(fixed, types, strict=True):
         if _type(t) not in ("hash", "none"):
+            c.foreign.add(key)
             c.found(Problem.WRONG_TYPE, key, None, f"a {_type(t)}, not a hash: delete it")
     gate_type = yield Command(("TYPE", layout.sx))
     if _type(gate_type) not in ("string", "none"):
+        c.foreign.add(layout.sx)
         c.found(Problem.WRONG_TYPE, layout.sx, None, f"a {_type(gate_type)}, not a string")
-    dictionary = yield from op_dictionary(layout)
+    dictionary = yield from op_dictionary(layout, c.foreign)
     defined = _check_dictionary(c, dictionary)
     keys = yield from op_namespace_keys(layout)
     buckets = [k for k in keys if k not in fixed and k != layout.sx]
