@@ -73,6 +73,20 @@ def test_stats_and_pods(populated: RedisIndex, redis_server_url: str, namespace:
     assert run_json(redis_server_url, namespace, "pods") == stats["pods"]
 
 
+def test_pods_lists_the_pods_holding_only_expiring_entries(
+    populated: RedisIndex, redis_server_url: str, namespace: str
+) -> None:
+    populated.add(None, block_keys()[:2], [PodEntry("pod-s", speculative=True)], ttl=600)
+    stats = run_json(redis_server_url, namespace, "stats")
+    assert isinstance(stats, dict) and stats["expiring_entries"] == 2
+    assert stats["pods"]["pod-s"] == {"": 2}
+    assert run_json(redis_server_url, namespace, "pods") == stats["pods"]
+    code, out = run(redis_server_url, namespace, "pods")
+    assert code == 0 and "pod-s" in out and "(none)" in out
+    code, out = run(redis_server_url, namespace, "stats")
+    assert code == 0 and "expiring entries" in out and "pod-s" in out
+
+
 def test_lookup_and_score(populated: RedisIndex, redis_server_url: str, namespace: str) -> None:
     common = ("--model", "m", "--block-size", "4")
     found = run_json(

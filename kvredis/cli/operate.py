@@ -121,6 +121,7 @@ def stats(
         ("(key, entry) pairs", result.pairs),
         ("engine keys", result.engine_keys),
         ("engine mappings", result.engine_mappings),
+        ("expiring entries", result.expiring_entries),
         ("dictionary entries", result.dictionary_entries),
         ("watermarks", result.watermarks),
         ("pods", len(result.pods)),
@@ -135,7 +136,7 @@ def stats(
 def _pods_table(pods: dict[str, dict[str, int]]) -> str:
     tiers = sorted({t for per in pods.values() for t in per})
     rows = [(pod, *(per.get(t, 0) for t in tiers), sum(per.values())) for pod, per in pods.items()]
-    return table(("pod", *tiers, "total"), rows)
+    return table(("pod", *(t or "(none)" for t in tiers), "total"), rows)
 
 
 @_command("kvredis pods --namespace kvblock --json")

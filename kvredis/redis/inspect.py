@@ -309,13 +309,14 @@ class NamespaceStats:
     """(engine key, request key) mappings."""
     expiring_entries: int = 0
     """(request key, entry) pairs of speculative entries added with a ttl, past due or not (not
-    in ``pairs`` or ``pods``)."""
+    in ``pairs``; the live ones count in ``pods``)."""
     dictionary_entries: int = 0
     watermarks: int = 0
     bytes_used: int = 0
     """MEMORY USAGE summed over the namespace's keys."""
     pods: dict[str, dict[str, int]] = field(default_factory=dict)
-    """pod -> tier -> (request key, entry) pairs."""
+    """pod -> tier -> (request key, entry) pairs, expiring entries before their deadline
+    included (a speculative entry's tier is ``""``)."""
 
     def as_json(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -335,6 +336,9 @@ def op_stats(layout: Layout, progress: Progress = _noop, memory: bool = True) ->
     stats.dictionary_entries = len(dictionary.pi)
     stats.watermarks = int((yield Command(("HLEN", layout.wm))))
     per_id: Tally[bytes] = Tally()
+    live: Tally[bytes] = Tally()
+    sec, usec = yield Command(("TIME",))
+    now = int(sec) * 1000 + int(usec) // 1000
 
     def visit(key: bytes, fields: dict[bytes, bytes]) -> None:
         if key.startswith(layout.rprefix):
@@ -347,13 +351,18 @@ def op_stats(layout: Layout, progress: Progress = _noop, memory: bool = True) ->
             stats.engine_keys += len(fields)
             stats.engine_mappings += sum(len(v) // HASH_WIDTH for v in fields.values())
         elif key.startswith(layout.sprefix):
-            stats.expiring_entries += sum(len(v) // EXPIRING_ITEM_WIDTH for v in fields.values())
+            for value in fields.values():
+                for i in range(0, len(value) - EXPIRING_ITEM_WIDTH + 1, EXPIRING_ITEM_WIDTH):
+                    stats.expiring_entries += 1
+                    item = value[i : i + EXPIRING_ITEM_WIDTH]
+                    if expiring_item_deadline(item) > now:
+                        live[item[:ID_WIDTH]] += 1
 
     buckets = [k for k in keys if k.startswith((layout.rprefix, layout.eprefix, layout.sprefix))]
     yield from op_read_hashes(buckets, visit, progress)
     stats.pairs = sum(per_id.values())
     pods: dict[str, dict[str, int]] = {}
-    for entry_id, count in per_id.items():
+    for entry_id, count in (per_id + live).items():
         entry = dictionary.entries.get(entry_id)
         pod, tier = (entry.pod_identifier, entry.device_tier) if entry else ("?", "?")
         tiers = pods.setdefault(pod, {})
