@@ -4,7 +4,8 @@
 - ``--redis URL`` (``KVREDIS_REDIS_URL``), ``--namespace`` (``KVREDIS_NAMESPACE``), the password
   from ``KVREDIS_REDIS_PASSWORD`` or ``--password-file`` (``KVREDIS_REDIS_PASSWORD_FILE``); a
   password never appears in output or logs;
-- token ids from ``--tokens`` (commas and/or spaces), ``--tokens-file FILE`` or a bare ``-`` (stdin);
+- token ids from ``--tokens`` (commas and/or spaces), ``--tokens-file FILE`` or a bare ``-``
+  (stdin);
 - tables for people, ``--json`` for scripts;
 - every failure is one line on stderr and a non-zero exit.
 """
