@@ -75,20 +75,21 @@ class Indexer:
     def add_speculative(
         self,
         tokens: Sequence[int],
-        model_name: str,
-        pod_identifier: str,
+        model: str,
+        pod: str,
         ttl: float,
         extra_features: Sequence[BlockExtraFeatures | None] | None = None,
         *,
         cache_salt: str | None = None,
     ) -> list[int]:
-        """Record that ``pod_identifier`` will soon hold the blocks of ``tokens`` (a request just
-        routed to it): a speculative entry, without tier or engine keys, under every request
-        key, expiring after ``ttl`` seconds unless the engine's event confirms it first.
-        Returns the request keys (``[]`` for a prompt shorter than one block)."""
-        entry = PodEntry(pod_identifier, speculative=True)
+        """Record that ``pod`` (its pod identifier) will soon hold the blocks of ``tokens`` of
+        ``model`` (a request just routed to it): a speculative entry, without tier or engine
+        keys, under every request key, expiring after ``ttl`` seconds unless the engine's event
+        confirms it first. Returns the request keys (``[]`` for a prompt shorter than one
+        block)."""
+        entry = PodEntry(pod, speculative=True)
         check_ttl(ttl, [entry])
-        keys = self.compute_block_keys(tokens, model_name, extra_features, cache_salt=cache_salt)
+        keys = self.compute_block_keys(tokens, model, extra_features, cache_salt=cache_salt)
         if keys:
             self._index.add(None, keys, [entry], ttl=ttl)
         return keys

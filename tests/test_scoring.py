@@ -309,3 +309,5 @@ def test_add_speculative_scores_until_the_ttl_then_expires(
     for bad in (0, float("nan"), -1.0):
         with pytest.raises(InvalidInputError):
             indexer.add_speculative(tokens, MODEL, "pod-a", bad)
+    named = indexer.add_speculative(tokens=tokens, model=MODEL, pod="pod-c", ttl=60)
+    assert named == keys and PodEntry("pod-c", speculative=True) in index.lookup(keys)[keys[0]]
