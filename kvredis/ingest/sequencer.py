@@ -340,6 +340,9 @@ class BatchRun:
     def clear(self, pods: Iterable[str], cause: Counter) -> Steps[None]:
         """Clear pods as a step of this batch (after applying what precedes it)."""
         yield from self.flush()
+        if cause is Counter.CLEARS_GAP and self.claim_seq < 0:
+            # the batch took over a stalled epoch opening: its clear is the opening clear
+            cause = Counter.CLEARS_RESTART
         seqr = self._seqr
         caches = seqr.planner.caches
         for pod in sorted(set(pods)):

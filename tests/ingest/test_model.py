@@ -138,10 +138,26 @@ class Node:
     witness: bool = False
     """It received the engine's previous incarnation and has yet to handle the current one: its
     connection will show the restart as seq going back."""
-    anchored_blind: bool = False
-    """It subscribed during a blind incarnation: a peer may open the epoch of that restart after
-    it anchored, so it takes the next restart it sees for that same epoch (one restart later,
-    it opens epochs of its own)."""
+    anchor: Anchor | None = None
+    """What its subscription read (None: it has received a message since)."""
+    misnumbered: bool = False
+    """It anchored in the wrong epoch while a peer counts the restarts it missed: every
+    incarnation it receives is blind (see :meth:`Protocol._anchor`)."""
+
+
+@dataclass(frozen=True)
+class Anchor:
+    """The stored watermark a replica read when it subscribed, as the model sees it."""
+
+    incarnation: int
+    """The engine incarnation live at the subscription."""
+    epoch: int
+    """The stored epoch."""
+    fits: bool
+    """Whether the stored epoch stands for that incarnation (opened since its restart, or the
+    first incarnation)."""
+    expected: int
+    """The first ``seq`` the replica takes for the next batch; below it is a restart."""
 
 
 #: Counters whose movement means a documented limit applied (entries may be missing).
@@ -159,6 +175,9 @@ class Protocol(RuleBasedStateMachine):
         self.retired: list[Replica] = []
         self.restarts = 0
         self.epoch_at_restart = 0
+        self.visible = {0: 0}
+        """Per incarnation, the restarts before it a connection can see (one that published
+        nothing and the restart after it look like one restart)."""
         self.blind: set[int] = set()
         """Incarnations no replica can tell from the one before: no live replica received the
         previous one (or all that did died first), or one subscribed after the restart once the
@@ -188,11 +207,19 @@ class Protocol(RuleBasedStateMachine):
         replay = self.engine if self.with_replay else None
         node.replica = Replica(self.index, self.clock, CONFIG, replay=replay)  # type: ignore[arg-type]
         node.queue.clear()
-        node.witness, node.received, node.anchored_blind = False, None, False
+        node.witness, node.received, node.misnumbered = False, None, False
+        stored = self.index.get_watermark(STREAM)
+        epoch, (kseq, kphase) = (0, (-1, PHASE_DONE)) if stored is None else (
+            stored.epoch,
+            split_position(stored.seq),
+        )
+        engine = self.engine
+        fits = not engine.incarnation or epoch != self.epoch_at_restart
+        expected = kseq + 1 if kphase == PHASE_DONE else max(kseq, 0)
+        node.anchor = Anchor(engine.incarnation, epoch, fits, expected)
         node.stepper, node.current = None, None
         replica = node.replica
-        if hasattr(replica.sequencer, "on_subscribe"):
-            drive(replica.sequencer.on_subscribe(replica.stream), replica.perform)
+        drive(replica.sequencer.on_subscribe(replica.stream), replica.perform)
 
     def _live(self) -> list[Node]:
         return [n for n in self.slots if n.replica is not None]
@@ -202,9 +229,43 @@ class Protocol(RuleBasedStateMachine):
     @rule(remove=strat.booleans())
     def publish(self, remove: bool) -> None:
         msg = self.engine.publish(remove)
+        counting = [n for n in self._live() if n.received is not None]
+        stored = self.index.get_watermark(STREAM)
         for node in self._live():
+            if node.anchor is not None:
+                opened = stored is not None and stored.epoch != node.anchor.epoch
+                self._anchor(node, msg, opened or any(peer is not node for peer in counting))
             node.queue.append(msg)
             node.received = msg.incarnation
+            if node.misnumbered:
+                self.blind.add(msg.incarnation)
+
+    def _anchor(self, node: Node, msg: Published, peers_counting: bool) -> None:
+        """The first message of ``node``'s subscription: does it number epochs as its peers do?
+
+        A replica counts restarts from the epoch it read when it subscribed. Its first message
+        comes from the incarnation live then or, if that one published nothing more, from the
+        next one (every published message reaches a live replica). It is right to take that
+        message for the stored epoch's incarnation (the epoch fits and ``seq`` is not below the
+        position read) or for the one after it (``seq`` below the position read: a restart, the
+        only one); otherwise it takes the message's incarnation for the stored epoch's, with
+        that epoch's entries still held (blind). If a peer opened an epoch since it subscribed,
+        or a peer received earlier messages (it counts the restart this replica missed), that
+        epoch stands for a restart this replica did not see, and it will take it for the next
+        restart it sees: the two numberings differ by one until this replica stops, so every
+        incarnation it receives is blind.
+        """
+        anchor = node.anchor
+        assert anchor is not None
+        node.anchor = None
+        seen_restart = msg.seq < anchor.expected
+        if self.visible[msg.incarnation] == self.visible[anchor.incarnation]:
+            aligned = anchor.fits != seen_restart
+        else:
+            aligned = anchor.fits and seen_restart
+        if not aligned:
+            self.blind.add(msg.incarnation)
+            node.misnumbered = peers_counting
 
     @rule()
     def restart_engine(self) -> None:
@@ -215,12 +276,8 @@ class Protocol(RuleBasedStateMachine):
         if published:  # else this restart and the one before look like one on every connection
             for node in self._live():
                 node.witness = node.received == outgoing
-        unseen = bool(self.engine.log) and not any(
-            node.witness and not node.anchored_blind for node in self._live()
-        )
-        if published:
-            for node in self._live():
-                node.anchored_blind = False
+        self.visible[self.engine.incarnation] = self.restarts
+        unseen = bool(self.engine.log) and not any(node.witness for node in self._live())
         if unseen or (not published and outgoing in self.blind):
             self.blind.add(self.engine.incarnation)
         stored = self.index.get_watermark(STREAM)
@@ -311,16 +368,7 @@ class Protocol(RuleBasedStateMachine):
         if self._lagging_by_two():
             return  # outside the documented limits: a joiner would open an epoch it lags
         dead = [n for n in self.slots if n.replica is None]
-        stored = self.index.get_watermark(STREAM)
-        epoch, seq = (0, -1) if stored is None else (stored.epoch, split_position(stored.seq)[0])
-        engine = self.engine
-        node = dead[which % len(dead)]
-        if engine.incarnation and epoch == self.epoch_at_restart and engine.next_seq > seq:
-            self.blind.add(engine.incarnation)
-            self._join(node)
-            node.anchored_blind = True
-            return
-        self._join(node)
+        self._join(dead[which % len(dead)])
 
     @rule(which=strat.integers(0, 2), position=strat.integers(0, 50))
     def lose_message(self, which: int, position: int) -> None:
@@ -416,3 +464,109 @@ Protocol.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestProtocol = Protocol.TestCase
+
+
+# -- counterexamples found by long runs, pinned as explicit step sequences --------------------
+
+Step = tuple[str, dict[str, Any]]
+
+
+def run_steps(setup: dict[str, Any], steps: list[Step]) -> Protocol:
+    """Drive the model through ``steps`` as hypothesis would, checking invariants after each."""
+    machine = Protocol()
+    checks = (machine.no_stale_entry, machine.one_epoch_and_one_clear_per_restart)
+    machine.setup(**setup)
+    for check in checks:
+        check()
+    for name, args in steps:
+        getattr(machine, name)(**args)
+        for check in checks:
+            check()
+    machine.teardown()
+    return machine
+
+
+NO_REPLAY = {"replicas": 2, "buffer": 0, "with_replay": False}
+PUBLISH: Step = ("publish", {"remove": False})
+RESTART: Step = ("restart_engine", {})
+SETTLE: Step = ("settle", {})
+
+
+def kill(which: int) -> Step:
+    return ("kill", {"which": which})
+
+
+def join(which: int) -> Step:
+    return ("join", {"which": which})
+
+
+def test_a_gap_batch_taking_over_a_stalled_epoch_opening_counts_one_restart_clear() -> None:
+    """Replica 0 dies holding the claim of epoch 1's opening; the joiner replacing it missed
+    batch 0, so its gap batch takes the opening over: its clear is the restart clear."""
+    machine = run_steps(
+        NO_REPLAY,
+        [
+            PUBLISH,
+            RESTART,
+            SETTLE,
+            PUBLISH,
+            ("step", {"actions": 2, "which": 0}),
+            kill(0),
+            join(0),
+            PUBLISH,
+            SETTLE,
+        ],
+    )
+    assert machine._count("clears_restart") == 1
+    assert machine._count("clears_gap") == 0
+
+
+def test_a_subscriber_that_received_nothing_before_a_restart_cannot_see_it() -> None:
+    """Replica 0 subscribes with nothing stored and receives nothing of incarnation 0; replica 1
+    applies its batch 0. Incarnation 1's batch 0 then looks to replica 0 like the batch replica 1
+    applied (a duplicate) and its batch 1 like the next one: incarnation 1 is blind until
+    replica 1 sees seq go back, and replica 0 numbers epochs one low from then on."""
+    machine = run_steps(
+        NO_REPLAY,
+        [
+            kill(0),
+            PUBLISH,
+            join(0),
+            RESTART,
+            ("finish_message", {"which": 1}),
+            PUBLISH,
+            PUBLISH,
+            ("step", {"actions": 5, "which": 0}),
+            SETTLE,
+        ],
+    )
+    assert machine.blind == {1}
+    assert machine.slots[0].misnumbered
+
+
+def test_a_subscriber_anchored_in_an_unseen_restart_stays_one_epoch_low() -> None:
+    """Replica 0 subscribes while replica 1 lags behind a restart (nothing stored yet, the new
+    incarnation past it). Replica 1 then opens epoch 1 for that restart and dies; replica 0
+    drops its first batch as superseded and takes the next restart it sees for epoch 1: the
+    batch a peer applied there is a duplicate to it, and the new block is never stored."""
+    machine = run_steps(
+        NO_REPLAY,
+        [
+            kill(0),
+            PUBLISH,
+            RESTART,
+            PUBLISH,
+            join(0),
+            RESTART,
+            SETTLE,
+            kill(1),
+            PUBLISH,
+            RESTART,
+            PUBLISH,
+            SETTLE,
+        ],
+    )
+    assert machine.blind == {2, 3}
+    replica = machine.slots[0].replica
+    assert replica is not None
+    assert (replica.count("batches_superseded"), replica.count("clears")) == (1, 0)

@@ -27,6 +27,7 @@ from kvredis.ingest.sequencer import (
     OpenReplay,
     ReadWatermark,
     SleepUntil,
+    drive,
 )
 from kvredis.ingest.stream import CLEAR_PHASE, PHASE_DONE, stream_position
 from kvredis.memory import InMemoryIndex
@@ -553,3 +554,41 @@ def test_a_lagging_replica_drops_two_incarnations_of_backlog(
     assert held(index, [*range(6), 30, 31, 40, 41]) == {40, 41}
     assert index.get_watermark(STREAM) == mark(2, 1)
     assert (a.count("clears") + b.count("clears"), b.count("batches_superseded")) == (2, 5)
+
+
+def test_a_subscriber_refused_by_a_newer_epoch_drops_then_follows_it_without_clearing(
+    index: InMemoryIndex, clock: FakeClock
+) -> None:
+    """Nothing stored at subscription; a peer then opened epoch 1 and applied its batch 0.
+
+    The subscriber's first seq 0 may be the incarnation before epoch 1 (superseded: dropped);
+    the next seq 0 is the restart epoch 1 stands for, whose batch 0 the peer applied.
+    """
+    r = Replica(index, clock)
+    drive(r.sequencer.on_subscribe(r.stream), r.perform)
+    assert index.apply_batch([], STREAM, mark(1, 0))
+    assert r.process(0, batch(2)) is BatchOutcome.SUPERSEDED
+    assert r.process(0, batch(3)) is BatchOutcome.DUPLICATE
+    assert (r.count("clears"), r.count("clears_restart"), r.count("epochs_adopted")) == (0, 0, 1)
+    assert (r.stream.epoch, index.get_watermark(STREAM)) == (1, mark(1, 0))
+    assert held(index, [2, 3]) == set()
+
+
+def test_a_gap_batch_that_takes_over_a_stalled_opening_counts_the_restart_clear(
+    index: InMemoryIndex, clock: FakeClock
+) -> None:
+    """The gap batch's clear is the epoch's opening clear: counted once, as a restart clear."""
+    a, b = Replica(index, clock), Replica(index, clock)
+    a.feed(range(3))
+    stalled = a.begin(0, batch(60))  # the engine restarted; a claims epoch 1, then stalls
+    stalled.run_until(is_clear)
+    assert index.get_watermark(STREAM) == mark(1, -1, 1)
+    # b starts now and missed batch 0 of the new incarnation: a gap, no replay
+    assert b.process(1, batch(61)) is BatchOutcome.APPLIED
+    assert waited(clock) >= CONFIG.takeover_timeout_s
+    assert (b.count("takeovers"), b.count("clears")) == (1, 1)
+    assert (b.count("clears_restart"), b.count("clears_gap")) == (1, 0)
+    assert held(index, [*range(3), 60, 61]) == {61}
+    assert index.get_watermark(STREAM) == mark(1, 1)
+    assert stalled.finish() is BatchOutcome.DUPLICATE
+    assert (a.count("clears"), a.count("lost_ownership")) == (0, 1)
