@@ -14,12 +14,13 @@ what the pod holds (``docs/ingest-protocol.md``, "Limits", states what this prov
   limit applied: a batch no replica received that replay could not return, a gap clear, or a
   takeover of a replica that died (or stalled) mid-batch.
 
-Two documented limits are modelled rather than checked: a replica subscribing after a restart no
-replica saw, once the new incarnation passed the stored position (its incarnation is "blind": old
-entries may stay next to new ones until a replica sees the restart; such a replica also takes the
-next restart it sees for the epoch a peer may have opened for the unseen one, so that restart is
-blind too), and no replica subscribes
-while another lags two or more restarts behind. ``KVREDIS_MODEL_EXAMPLES`` and
+Two documented limits are modelled rather than checked. An incarnation is "blind" (old entries
+may stay next to new ones until a replica sees the restart) when no replica can see its restart,
+and when a replica's subscription takes it for the stored epoch's incarnation (it received nothing
+of the incarnation it subscribed in, or subscribed after the new one passed the stored position);
+such a replica counts epochs one below a peer that counted the restart, so every incarnation it
+receives while it runs is blind too (:meth:`Protocol._anchor`). And no replica subscribes while
+another lags two or more restarts behind. ``KVREDIS_MODEL_EXAMPLES`` and
 ``KVREDIS_MODEL_STEPS`` raise the example count (300) and steps per example (40) for long runs.
 """
 
@@ -209,10 +210,9 @@ class Protocol(RuleBasedStateMachine):
         node.queue.clear()
         node.witness, node.received, node.misnumbered = False, None, False
         stored = self.index.get_watermark(STREAM)
-        epoch, (kseq, kphase) = (0, (-1, PHASE_DONE)) if stored is None else (
-            stored.epoch,
-            split_position(stored.seq),
-        )
+        epoch, (kseq, kphase) = 0, (-1, PHASE_DONE)
+        if stored is not None:
+            epoch, (kseq, kphase) = stored.epoch, split_position(stored.seq)
         engine = self.engine
         fits = not engine.incarnation or epoch != self.epoch_at_restart
         expected = kseq + 1 if kphase == PHASE_DONE else max(kseq, 0)
