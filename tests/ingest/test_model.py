@@ -150,13 +150,8 @@ class Node:
 class Anchor:
     """The stored watermark a replica read when it subscribed, as the model sees it."""
 
-    incarnation: int
-    """The engine incarnation live at the subscription."""
     epoch: int
     """The stored epoch."""
-    fits: bool
-    """Whether the stored epoch stands for that incarnation (opened since its restart, or the
-    first incarnation)."""
     expected: int
     """The first ``seq`` the replica takes for the next batch; below it is a restart."""
 
@@ -175,7 +170,8 @@ class Protocol(RuleBasedStateMachine):
         self.slots: list[Node] = []
         self.retired: list[Replica] = []
         self.restarts = 0
-        self.epoch_at_restart = 0
+        self.epoch_of: dict[int, int] = {0: 0}
+        """Per epoch, the visible restarts before the incarnation whose message opened it."""
         self.visible = {0: 0}
         """Per incarnation, the restarts before it a connection can see (one that published
         nothing and the restart after it look like one restart)."""
@@ -213,10 +209,8 @@ class Protocol(RuleBasedStateMachine):
         epoch, (kseq, kphase) = 0, (-1, PHASE_DONE)
         if stored is not None:
             epoch, (kseq, kphase) = stored.epoch, split_position(stored.seq)
-        engine = self.engine
-        fits = not engine.incarnation or epoch != self.epoch_at_restart
         expected = kseq + 1 if kphase == PHASE_DONE else max(kseq, 0)
-        node.anchor = Anchor(engine.incarnation, epoch, fits, expected)
+        node.anchor = Anchor(epoch, expected)
         node.stepper, node.current = None, None
         replica = node.replica
         drive(replica.sequencer.on_subscribe(replica.stream), replica.perform)
@@ -243,27 +237,23 @@ class Protocol(RuleBasedStateMachine):
     def _anchor(self, node: Node, msg: Published, peers_counting: bool) -> None:
         """The first message of ``node``'s subscription: does it number epochs as its peers do?
 
-        A replica counts restarts from the epoch it read when it subscribed. Its first message
-        comes from the incarnation live then or, if that one published nothing more, from the
-        next one (every published message reaches a live replica). It is right to take that
-        message for the stored epoch's incarnation (the epoch fits and ``seq`` is not below the
-        position read) or for the one after it (``seq`` below the position read: a restart, the
-        only one); otherwise it takes the message's incarnation for the stored epoch's, with
-        that epoch's entries still held (blind). If a peer opened an epoch since it subscribed,
-        or a peer received earlier messages (it counts the restart this replica missed), that
-        epoch stands for a restart this replica did not see, and it will take it for the next
-        restart it sees: the two numberings differ by one until this replica stops, so every
-        incarnation it receives is blind.
+        A replica counts restarts from the epoch it read when it subscribed. It is right if its
+        first message comes from the incarnation whose message opened that epoch (``seq`` not
+        below the position read) or from the next one (``seq`` below it: it sees that restart).
+        Otherwise nothing it receives tells it: it takes the message's incarnation for the
+        epoch's, whose entries are still held (blind). If a peer opened an epoch since it
+        subscribed, or a peer received earlier messages (it counts the restarts this replica
+        missed), that peer's epochs stand for restarts this replica did not see, and it takes the
+        next restart it sees for the epoch already open: the numberings differ until it stops,
+        so every incarnation it receives is blind.
         """
         anchor = node.anchor
         assert anchor is not None
         node.anchor = None
         seen_restart = msg.seq < anchor.expected
-        if self.visible[msg.incarnation] == self.visible[anchor.incarnation]:
-            aligned = anchor.fits != seen_restart
-        else:
-            aligned = anchor.fits and seen_restart
-        if not aligned:
+        # restarts between the stored epoch's incarnation and this message's
+        missed = self.visible[msg.incarnation] - self.epoch_of[anchor.epoch]
+        if missed != (1 if seen_restart else 0):
             self.blind.add(msg.incarnation)
             node.misnumbered = peers_counting
 
@@ -280,8 +270,6 @@ class Protocol(RuleBasedStateMachine):
         unseen = bool(self.engine.log) and not any(node.witness for node in self._live())
         if unseen or (not published and outgoing in self.blind):
             self.blind.add(self.engine.incarnation)
-        stored = self.index.get_watermark(STREAM)
-        self.epoch_at_restart = 0 if stored is None else stored.epoch
         self.clean = True
         self.limits_at_restart = self._limits()
         self.gaps_at_restart = self._count("gaps")
@@ -325,10 +313,19 @@ class Protocol(RuleBasedStateMachine):
             node.current = node.queue.popleft()
             node.stepper = replica.begin(node.current.seq, node.current.payload)
         else:
+            msg, before = node.current, self._epoch()
             node.stepper.step()
+            assert msg is not None
+            for opened in range(before + 1, self._epoch() + 1):
+                # the epoch stands for the incarnation of the message whose handling opened it
+                self.epoch_of[opened] = self.visible[msg.incarnation]
         if node.stepper.pending is None:
             self._done(node, node.stepper.outcome)
         return True
+
+    def _epoch(self) -> int:
+        stored = self.index.get_watermark(STREAM)
+        return 0 if stored is None else stored.epoch
 
     def _done(self, node: Node, outcome: BatchOutcome | None) -> None:
         msg = node.current
@@ -570,3 +567,29 @@ def test_a_subscriber_anchored_in_an_unseen_restart_stays_one_epoch_low() -> Non
     replica = machine.slots[0].replica
     assert replica is not None
     assert (replica.count("batches_superseded"), replica.count("clears")) == (1, 0)
+
+
+def test_a_subscriber_anchored_in_an_epoch_a_lagging_peer_opened_after_the_next_restart() -> None:
+    """Replica 1 opens epoch 1 for incarnation 1 only after the engine restarted again, and
+    dies; its replacement reads epoch 1 at batch 0 and receives incarnation 2's batch 1, which
+    looks exactly like incarnation 1's: it is applied in epoch 1 next to block 1 (blind) until
+    replica 0 sees seq go back."""
+    machine = run_steps(
+        NO_REPLAY,
+        [
+            PUBLISH,
+            SETTLE,
+            RESTART,
+            PUBLISH,
+            RESTART,
+            PUBLISH,
+            ("finish_message", {"which": 1}),
+            kill(1),
+            join(1),
+            PUBLISH,
+            ("step", {"actions": 6, "which": 1}),
+            SETTLE,
+        ],
+    )
+    assert machine.blind == {2}
+    assert machine.slots[1].misnumbered
