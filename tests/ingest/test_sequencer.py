@@ -516,15 +516,24 @@ def test_shutdown_during_a_backend_outage_abandons(clock: FakeClock) -> None:
     assert index.get_watermark(STREAM) is None
 
 
+def stalled_opening(
+    index: InMemoryIndex, clock: FakeClock, fed: int
+) -> tuple[Replica, Replica, Stepper]:
+    """Replica a handled batches ``0..fed-1``, saw the engine restart and stalls in epoch 1's
+    opening clear (the stepper of its message); replica b is fresh."""
+    a, b = Replica(index, clock), Replica(index, clock)
+    a.feed(range(fed))
+    stalled = a.begin(0, batch(60))
+    stalled.run_until(is_clear)
+    assert index.get_watermark(STREAM) == mark(1, -1, 1)
+    return a, b, stalled
+
+
 def test_adopting_an_epoch_waits_for_its_opening_clear_then_takes_it_over(
     index: InMemoryIndex, clock: FakeClock
 ) -> None:
     """Issue 13: the epoch a peer opened is followed only once its opening clear is done."""
-    a, b = Replica(index, clock), Replica(index, clock)
-    a.feed(range(20))
-    stalled = a.begin(0, batch(60))  # the engine restarted; a claims epoch 1, then stalls
-    stalled.run_until(is_clear)
-    assert index.get_watermark(STREAM) == mark(1, -1, 1)
+    a, b, stalled = stalled_opening(index, clock, 20)
     assert b.process(0, batch(60)) is BatchOutcome.APPLIED
     # b waited for the clear, took it over after takeover_timeout_s, then applied batch 0
     assert waited(clock) >= CONFIG.takeover_timeout_s
@@ -577,17 +586,13 @@ def test_a_subscriber_refused_by_a_newer_epoch_drops_then_follows_it_without_cle
 def test_a_gap_batch_that_takes_over_a_stalled_opening_counts_the_restart_clear(
     index: InMemoryIndex, clock: FakeClock
 ) -> None:
-    """The gap batch's clear is the epoch's opening clear: counted once, as a restart clear."""
-    a, b = Replica(index, clock), Replica(index, clock)
-    a.feed(range(3))
-    stalled = a.begin(0, batch(60))  # the engine restarted; a claims epoch 1, then stalls
-    stalled.run_until(is_clear)
-    assert index.get_watermark(STREAM) == mark(1, -1, 1)
-    # b starts now and missed batch 0 of the new incarnation: a gap, no replay
+    """b starts while a stalls and missed batch 0 of the new incarnation (a gap, no replay):
+    its gap batch takes the opening over, and its clear, the epoch's opening clear, is counted
+    once, as a restart clear."""
+    a, b, stalled = stalled_opening(index, clock, 3)
     assert b.process(1, batch(61)) is BatchOutcome.APPLIED
-    assert waited(clock) >= CONFIG.takeover_timeout_s
-    assert (b.count("takeovers"), b.count("clears")) == (1, 1)
-    assert (b.count("clears_restart"), b.count("clears_gap")) == (1, 0)
+    counted = [b.count(name) for name in ("takeovers", "clears", "clears_restart", "clears_gap")]
+    assert (counted, waited(clock) >= CONFIG.takeover_timeout_s) == ([1, 1, 1, 0], True)
     assert held(index, [*range(3), 60, 61]) == {61}
     assert index.get_watermark(STREAM) == mark(1, 1)
     assert stalled.finish() is BatchOutcome.DUPLICATE
