@@ -14,13 +14,15 @@ what the pod holds (``docs/ingest-protocol.md``, "Limits", states what this prov
   limit applied: a batch no replica received that replay could not return, a gap clear, or a
   takeover of a replica that died (or stalled) mid-batch.
 
-Two documented limits are modelled rather than checked. An incarnation is "blind" (old entries
-may stay next to new ones until a replica sees the restart) when no replica can see its restart,
-and when a replica's subscription takes it for the stored epoch's incarnation (it received nothing
-of the incarnation it subscribed in, or subscribed after the new one passed the stored position);
-such a replica counts epochs one below a peer that counted the restart, so every incarnation it
-receives while it runs is blind too (:meth:`Protocol._anchor`). ``KVREDIS_MODEL_EXAMPLES`` and
-``KVREDIS_MODEL_STEPS`` raise the example count (300) and steps per example (40) for long runs.
+The documented limits about restarts a replica cannot see are modelled rather than checked: an
+incarnation is "blind" (old entries may stay next to new ones until a replica sees the restart)
+when no replica can see its restart, or when a replica's subscription takes it for the
+incarnation the stored epoch was opened for (:meth:`Protocol._anchor`); such a replica counts
+epochs differently from a peer that counted the restarts it missed, so every incarnation it
+receives while it runs is blind too. ``KVREDIS_MODEL_EXAMPLES`` and
+``KVREDIS_MODEL_STEPS`` raise the example count (300) and steps per example (40) for long runs,
+which explore anew (a fresh seed, or ``--hypothesis-seed``); give them ``--timeout=0`` (the
+suite's per-test limit is 300 s).
 """
 
 from __future__ import annotations
