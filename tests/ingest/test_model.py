@@ -613,3 +613,64 @@ def test_a_subscriber_opening_one_epoch_for_two_restarts_a_lagging_peer_counts()
     )
     assert machine.blind == {2}
     assert machine.slots[0].misnumbered
+
+
+def step(which: int, actions: int) -> Step:
+    return ("step", {"which": which, "actions": actions})
+
+
+def finish(which: int) -> Step:
+    return ("finish_message", {"which": which})
+
+
+#: Replica 1 claims epoch 1's opening for incarnation 1 and stalls; replica 0 subscribes, loses
+#: incarnation 1's only message it would receive, and gets incarnation 2's seq 0 first.
+SUBSCRIBED_DURING_AN_OPENING: list[Step] = [
+    PUBLISH,
+    RESTART,
+    finish(1),
+    kill(0),
+    PUBLISH,
+    step(1, 2),
+    join(0),
+    PUBLISH,
+    ("lose_message", {"position": 0, "which": 0}),
+    RESTART,
+    PUBLISH,
+    finish(0),
+]
+
+
+def test_a_subscriber_that_read_an_epoch_opening_sees_seq_0_as_a_restart() -> None:
+    """The batch that made replica 1 open epoch 1 was published before replica 0 subscribed, so
+    the seq 0 replica 0 receives is a new incarnation's: it finishes the opening and opens epoch
+    2 (before, it took it for epoch 1's batch 0, and replica 1 then applied incarnation 1's batch
+    1 next to it)."""
+    machine = run_steps(NO_REPLAY, [*SUBSCRIBED_DURING_AN_OPENING, step(1, 5), SETTLE])
+    assert machine._epoch() == 2
+    assert machine.blind == set()
+
+
+def test_a_subscriber_that_read_an_epoch_opening_leaves_the_pod_exact() -> None:
+    """The same start, run on to two more restarts and a kill: the pod ends exact."""
+    machine = run_steps(
+        NO_REPLAY,
+        [
+            *SUBSCRIBED_DURING_AN_OPENING,
+            step(1, 4),
+            RESTART,
+            ("time_passes", {"seconds": 5.0}),
+            SETTLE,
+            finish(0),
+            finish(2),
+            SETTLE,
+            kill(1),
+            step(2, 5),
+            SETTLE,
+            ("replay_reachable", {"reachable": True}),
+            finish(1),
+            ("publish", {"remove": True}),
+            SETTLE,
+        ],
+    )
+    assert machine.blind == set()

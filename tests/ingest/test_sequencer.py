@@ -597,3 +597,19 @@ def test_a_gap_batch_that_takes_over_a_stalled_opening_counts_the_restart_clear(
     assert index.get_watermark(STREAM) == mark(1, 1)
     assert stalled.finish() is BatchOutcome.DUPLICATE
     assert (a.count("clears"), a.count("lost_ownership")) == (0, 1)
+
+
+def test_a_subscriber_that_read_an_epoch_opening_takes_seq_0_for_a_new_restart(
+    index: InMemoryIndex, clock: FakeClock
+) -> None:
+    """b subscribes while a opens epoch 1: the batch that made a open it was published before,
+    so a seq 0 b receives comes from a later incarnation. b finishes epoch 1's opening (a
+    stalled) and opens epoch 2 for it: one epoch and one counted clear per restart."""
+    a, b, stalled = stalled_opening(index, clock, 3)
+    drive(b.sequencer.on_subscribe(b.stream), b.perform)
+    assert b.process(0, batch(70)) is BatchOutcome.APPLIED
+    assert index.get_watermark(STREAM) == mark(2, 0)
+    assert (b.count("takeovers"), b.count("clears_restart"), b.count("restarts")) == (1, 2, 1)
+    assert held(index, [*range(3), 60, 70]) == {70}
+    assert stalled.finish() is BatchOutcome.SUPERSEDED
+    assert a.count("clears") == 0
