@@ -154,7 +154,7 @@ class Anchor:
     epoch: int
     """The stored epoch."""
     expected: int
-    """The first ``seq`` the replica takes for the next batch; below it is a restart."""
+    """The lowest ``seq`` published after the subscription; below it is a restart."""
 
 
 #: Counters whose movement means a documented limit applied (entries may be missing).
@@ -207,11 +207,12 @@ class Protocol(RuleBasedStateMachine):
         node.queue.clear()
         node.witness, node.received, node.misnumbered = False, None, False
         stored = self.index.get_watermark(STREAM)
-        epoch, (kseq, kphase) = 0, (-1, PHASE_DONE)
+        epoch, kseq = 0, -1
         if stored is not None:
-            epoch, (kseq, kphase) = stored.epoch, split_position(stored.seq)
-        expected = kseq + 1 if kphase == PHASE_DONE else max(kseq, 0)
-        node.anchor = Anchor(epoch, expected)
+            epoch, kseq = stored.epoch, split_position(stored.seq)[0]
+        # read before subscribing: the batch stored, and the one that opened the epoch (its seq 0
+        # at least), were published before
+        node.anchor = Anchor(epoch, max(kseq + 1, 1 if epoch else 0))
         node.stepper, node.current = None, None
         replica = node.replica
         drive(replica.sequencer.on_subscribe(replica.stream), replica.perform)
@@ -224,19 +225,14 @@ class Protocol(RuleBasedStateMachine):
     @rule(remove=strat.booleans())
     def publish(self, remove: bool) -> None:
         msg = self.engine.publish(remove)
-        counting = [n for n in self._live() if n.received is not None]
-        stored = self.index.get_watermark(STREAM)
         for node in self._live():
-            if node.anchor is not None:
-                opened = stored is not None and stored.epoch != node.anchor.epoch
-                self._anchor(node, msg, opened or any(peer is not node for peer in counting))
             node.queue.append(msg)
             node.received = msg.incarnation
             if node.misnumbered:
                 self.blind.add(msg.incarnation)
 
-    def _anchor(self, node: Node, msg: Published, peers_counting: bool) -> None:
-        """The first message of ``node``'s subscription: does it number epochs as its peers do?
+    def _anchor(self, node: Node, msg: Published) -> None:
+        """The first message ``node``'s subscription handles: does it number epochs as its peers?
 
         A replica counts restarts from the epoch it read when it subscribed. It is right if its
         first message comes from the incarnation whose message opened that epoch (``seq`` not
@@ -251,12 +247,18 @@ class Protocol(RuleBasedStateMachine):
         anchor = node.anchor
         assert anchor is not None
         node.anchor = None
+        opened = self._epoch() != anchor.epoch
+        peers_counting = opened or any(
+            peer is not node and peer.received is not None for peer in self._live()
+        )
         seen_restart = msg.seq < anchor.expected
         # restarts between the stored epoch's incarnation and this message's
         missed = self.visible[msg.incarnation] - self.epoch_of[anchor.epoch]
         if missed != (1 if seen_restart else 0):
             self.blind.add(msg.incarnation)
             node.misnumbered = peers_counting
+            if peers_counting:  # and so is every incarnation it received since
+                self.blind.update(range(msg.incarnation, self.engine.incarnation + 1))
 
     @rule()
     def restart_engine(self) -> None:
@@ -312,6 +314,8 @@ class Protocol(RuleBasedStateMachine):
             if not node.queue:
                 return False
             node.current = node.queue.popleft()
+            if node.anchor is not None:
+                self._anchor(node, node.current)
             node.stepper = replica.begin(node.current.seq, node.current.payload)
         else:
             msg, before = node.current, self._epoch()
