@@ -20,7 +20,7 @@ when no replica can see its restart, or when a replica's subscription takes it f
 incarnation the stored epoch was opened for (:meth:`Protocol._anchor`); such a replica counts
 epochs differently from a peer that counted the restarts it missed, so every incarnation it
 receives while it runs is blind too. ``KVREDIS_MODEL_EXAMPLES`` and
-``KVREDIS_MODEL_STEPS`` raise the example count (300) and steps per example (40) for long runs,
+``KVREDIS_MODEL_STEPS`` raise the example count (200) and steps per example (40) for long runs,
 which explore anew (a fresh seed, or ``--hypothesis-seed``); give them ``--timeout=0`` (the
 suite's per-test limit is 300 s).
 """
@@ -447,7 +447,7 @@ class Protocol(RuleBasedStateMachine):
 
 
 Protocol.TestCase.settings = settings(
-    max_examples=int(os.environ.get("KVREDIS_MODEL_EXAMPLES", "300")),
+    max_examples=int(os.environ.get("KVREDIS_MODEL_EXAMPLES", "200")),
     stateful_step_count=int(os.environ.get("KVREDIS_MODEL_STEPS", "40")),
     deadline=None,
     # the suite's run is the same on every machine; long runs (the variables set) explore anew
