@@ -340,6 +340,9 @@ class BatchRun:
     def clear(self, pods: Iterable[str], cause: Counter) -> Steps[None]:
         """Clear pods as a step of this batch (after applying what precedes it)."""
         yield from self.flush()
+        if cause is Counter.CLEARS_GAP and self.claim_seq < 0:
+            # the batch took over a stalled epoch opening: its clear is the opening clear
+            cause = Counter.CLEARS_RESTART
         seqr = self._seqr
         caches = seqr.planner.caches
         for pod in sorted(set(pods)):
@@ -530,6 +533,11 @@ class Sequencer:
         if st.last_seq is None:
             if st.known is None:
                 expected = 0
+            elif st.subscribed_before and allow_restart:
+                # read before subscribing: the batch stored (or claimed) was published before,
+                # and so was the batch that made a replica open the epoch (its seq 0 at least)
+                kseq = st.known[0]
+                expected = max(kseq + 1, 1 if st.epoch > 0 else 0)
             else:
                 kseq, kphase = st.known
                 expected = kseq + 1 if kphase == PHASE_DONE else max(kseq, 0)
@@ -660,6 +668,13 @@ class Sequencer:
         for pod in pods:
             self.planner.catalog.forget_pod(pod)
             self.planner.caches.drop(pod)
+        if self.fenced and st.known is not None and st.known[0] == -1 and st.known[1] != PHASE_DONE:
+            # the epoch followed is still opening (a peer's clear in progress): finish that
+            # first, waiting for it or taking it over, so each restart has its epoch and clear
+            opened = yield from self._open_epoch(st, st.epoch, msg, supersede=False)
+            if opened in (BatchOutcome.ABANDONED, BatchOutcome.FAILED):
+                st.last_seq = msg.seq
+                return opened
         outcome = yield from self._open_epoch(st, new_epoch, msg)
         if outcome in (BatchOutcome.ABANDONED, BatchOutcome.FAILED, BatchOutcome.SUPERSEDED):
             st.last_seq = msg.seq
@@ -673,13 +688,16 @@ class Sequencer:
         st.last_seq = None
         return (yield from self._sequence(st, msg, False, depth + 1))
 
-    def _open_epoch(self, st: StreamState, epoch: int, msg: _Message) -> Steps[BatchOutcome]:
+    def _open_epoch(
+        self, st: StreamState, epoch: int, msg: _Message, supersede: bool = True
+    ) -> Steps[BatchOutcome]:
         """Open ``epoch`` with a clear of every pod of the stream, or see that a peer did.
 
         The claim is the epoch's first position, ``(seq -1, phase 1)``: APPLIED when this
         replica cleared, DUPLICATE once a peer's opening clear is done (a clear in progress is
         waited for, a stalled one taken over), SUPERSEDED when a peer is already in a later
-        epoch (``msg`` is then dropped and the stream follows ``epoch``'s incarnation).
+        epoch (``msg`` is then dropped and the stream follows ``epoch``'s incarnation, unless
+        not ``supersede``: ``msg`` belongs to the later epoch).
         """
         pods = st.pods_for(msg.topic)
 
@@ -691,7 +709,14 @@ class Sequencer:
 
         return (
             yield from self._run_batch(
-                st, epoch=epoch, seq=-1, claim_seq=-1, plan=plan, count_batch=False, msg=msg
+                st,
+                epoch=epoch,
+                seq=-1,
+                claim_seq=-1,
+                plan=plan,
+                count_batch=False,
+                msg=msg,
+                supersede=supersede,
             )
         )
 
@@ -885,11 +910,13 @@ class Sequencer:
         unusable: bool = False,
         pod: str | None = None,
         first_phase: int = 1,
+        supersede: bool = True,
     ) -> Steps[BatchOutcome]:
         """Run ``plan`` as one batch until applied, found duplicate, or given up.
 
         ``unusable`` marks a payload nothing could be decoded from: it still advances the
         watermark (so peers see the stream move on) but counts as rejected, not applied.
+        A newer epoch stored supersedes ``msg`` (``supersede``) or just ends the batch.
         """
         counters = self.counters
         plan_clears = first_phase >= CLEAR_PHASE or seq < 0
@@ -957,6 +984,8 @@ class Sequencer:
                     return BatchOutcome.ABANDONED
                 assert stored is not None and msg is not None
                 if stored.epoch > epoch:
+                    if not supersede:
+                        return BatchOutcome.SUPERSEDED
                     # a peer saw an engine restart this replica has not seen yet: the message
                     # belongs to an earlier incarnation, and the restart's clear superseded it
                     st.epoch = epoch

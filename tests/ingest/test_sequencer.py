@@ -27,6 +27,7 @@ from kvredis.ingest.sequencer import (
     OpenReplay,
     ReadWatermark,
     SleepUntil,
+    drive,
 )
 from kvredis.ingest.stream import CLEAR_PHASE, PHASE_DONE, stream_position
 from kvredis.memory import InMemoryIndex
@@ -515,15 +516,24 @@ def test_shutdown_during_a_backend_outage_abandons(clock: FakeClock) -> None:
     assert index.get_watermark(STREAM) is None
 
 
+def stalled_opening(
+    index: InMemoryIndex, clock: FakeClock, fed: int
+) -> tuple[Replica, Replica, Stepper]:
+    """Replica a handled batches ``0..fed-1``, saw the engine restart and stalls in epoch 1's
+    opening clear (the stepper of its message); replica b is fresh."""
+    a, b = Replica(index, clock), Replica(index, clock)
+    a.feed(range(fed))
+    stalled = a.begin(0, batch(60))
+    stalled.run_until(is_clear)
+    assert index.get_watermark(STREAM) == mark(1, -1, 1)
+    return a, b, stalled
+
+
 def test_adopting_an_epoch_waits_for_its_opening_clear_then_takes_it_over(
     index: InMemoryIndex, clock: FakeClock
 ) -> None:
     """Issue 13: the epoch a peer opened is followed only once its opening clear is done."""
-    a, b = Replica(index, clock), Replica(index, clock)
-    a.feed(range(20))
-    stalled = a.begin(0, batch(60))  # the engine restarted; a claims epoch 1, then stalls
-    stalled.run_until(is_clear)
-    assert index.get_watermark(STREAM) == mark(1, -1, 1)
+    a, b, stalled = stalled_opening(index, clock, 20)
     assert b.process(0, batch(60)) is BatchOutcome.APPLIED
     # b waited for the clear, took it over after takeover_timeout_s, then applied batch 0
     assert waited(clock) >= CONFIG.takeover_timeout_s
@@ -553,3 +563,53 @@ def test_a_lagging_replica_drops_two_incarnations_of_backlog(
     assert held(index, [*range(6), 30, 31, 40, 41]) == {40, 41}
     assert index.get_watermark(STREAM) == mark(2, 1)
     assert (a.count("clears") + b.count("clears"), b.count("batches_superseded")) == (2, 5)
+
+
+def test_a_subscriber_refused_by_a_newer_epoch_drops_then_follows_it_without_clearing(
+    index: InMemoryIndex, clock: FakeClock
+) -> None:
+    """Nothing stored at subscription; a peer then opened epoch 1 and applied its batch 0.
+
+    The subscriber's first seq 0 may be the incarnation before epoch 1 (superseded: dropped);
+    the next seq 0 is the restart epoch 1 stands for, whose batch 0 the peer applied.
+    """
+    r = Replica(index, clock)
+    drive(r.sequencer.on_subscribe(r.stream), r.perform)
+    assert index.apply_batch([], STREAM, mark(1, 0))
+    assert r.process(0, batch(2)) is BatchOutcome.SUPERSEDED
+    assert r.process(0, batch(3)) is BatchOutcome.DUPLICATE
+    assert (r.count("clears"), r.count("clears_restart"), r.count("epochs_adopted")) == (0, 0, 1)
+    assert (r.stream.epoch, index.get_watermark(STREAM)) == (1, mark(1, 0))
+    assert held(index, [2, 3]) == set()
+
+
+def test_a_gap_batch_that_takes_over_a_stalled_opening_counts_the_restart_clear(
+    index: InMemoryIndex, clock: FakeClock
+) -> None:
+    """b starts while a stalls and missed batch 0 of the new incarnation (a gap, no replay):
+    its gap batch takes the opening over, and its clear, the epoch's opening clear, is counted
+    once, as a restart clear."""
+    a, b, stalled = stalled_opening(index, clock, 3)
+    assert b.process(1, batch(61)) is BatchOutcome.APPLIED
+    counted = [b.count(name) for name in ("takeovers", "clears", "clears_restart", "clears_gap")]
+    assert (counted, waited(clock) >= CONFIG.takeover_timeout_s) == ([1, 1, 1, 0], True)
+    assert held(index, [*range(3), 60, 61]) == {61}
+    assert index.get_watermark(STREAM) == mark(1, 1)
+    assert stalled.finish() is BatchOutcome.DUPLICATE
+    assert (a.count("clears"), a.count("lost_ownership")) == (0, 1)
+
+
+def test_a_subscriber_that_read_an_epoch_opening_takes_seq_0_for_a_new_restart(
+    index: InMemoryIndex, clock: FakeClock
+) -> None:
+    """b subscribes while a opens epoch 1: the batch that made a open it was published before,
+    so a seq 0 b receives comes from a later incarnation. b finishes epoch 1's opening (a
+    stalled) and opens epoch 2 for it: one epoch and one counted clear per restart."""
+    a, b, stalled = stalled_opening(index, clock, 3)
+    drive(b.sequencer.on_subscribe(b.stream), b.perform)
+    assert b.process(0, batch(70)) is BatchOutcome.APPLIED
+    assert index.get_watermark(STREAM) == mark(2, 0)
+    assert (b.count("takeovers"), b.count("clears_restart"), b.count("restarts")) == (1, 2, 1)
+    assert held(index, [*range(3), 60, 70]) == {70}
+    assert stalled.finish() is BatchOutcome.SUPERSEDED
+    assert a.count("clears") == 0
