@@ -39,11 +39,22 @@ CONFIG = IngesterConfig(peer_grace_s=0.0, poll_interval_s=0.001)
 
 
 def _features(
-    parsed: list[BlockExtraFeatures | None] | None, blocks: int
+    parsed: list[BlockExtraFeatures | None] | None, blocks: int, n_tokens: int, n_hashes: int
 ) -> list[BlockExtraFeatures | None] | None:
+    """Extra keys per index block. More engine blocks than index blocks: an index block takes
+    the items of every engine block whose tokens it shares when there is one list per engine
+    block and the tokens split evenly over them; otherwise the lists spread by index."""
     if not parsed:
         return None
     n = len(parsed)
+    size = TP.block_size()
+
+    def shares(j: int, i: int) -> bool:
+        if n != n_hashes or n_tokens % n:
+            return j * blocks // n == i
+        per = n_tokens // n
+        return j * per < (i + 1) * size and (j + 1) * per > i * size
+
     out: list[BlockExtraFeatures | None] = []
     for i in range(blocks):
         if n <= blocks:
@@ -51,7 +62,7 @@ def _features(
             continue
         ids: list[str] = []
         before: list[str] = []
-        for j in (j for j in range(n) if j * blocks // n == i):
+        for j in (j for j in range(n) if shares(j, i)):
             nxt = [m.hash for m in parsed[j].mm_hashes] if parsed[j] is not None else []
             overlap = max(
                 k
@@ -107,7 +118,7 @@ def reference_apply(index: InMemoryIndex, events: tuple[Event, ...], seen: set[i
             )
         except ValueError:
             continue
-        feats = _features(split.features, blocks)
+        feats = _features(split.features, blocks, len(ev.token_ids), len(ev.block_hashes))
         salt = split.cache_salt if not ev.parent_block_hash else None
         request = TP.tokens_to_kv_block_keys(
             parent, ev.token_ids, ev.lora_name or MODEL, feats, cache_salt=salt
