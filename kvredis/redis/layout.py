@@ -14,9 +14,19 @@ Key layout of a namespace ``<ns>`` (all keys start with ``<ns>:``)::
     <ns>:sx          ZSET  8-byte request key + 4-byte entry id -> deadline (ms, server
                            clock) of a speculative entry added with a ttl (lua/includes/expiry)
     <ns>:wp          HASH  stream -> "epoch:seq:token:part", a batch being applied in parts
-    <ns>:r:<bucket>  HASH  8-byte request key -> entry ids (id list), oldest added first
+    <ns>:r:<bucket>  HASH  8-byte request key -> entry ids (id list), oldest added first, or
+                           the 6-byte ref (u32 run id, u16 position) of the run holding it
+    <ns>:s:<run id>  HASH  a run of request keys stored together (RUN_MAX at most), fields
+                           k (their keys in chain order) and r (ranges of positions holding
+                           the same ids): see lua/includes/runs.lua
     <ns>:e:<bucket>  HASH  8-byte engine key -> request keys (hash list), most recent last,
                            at most MAX_REQUEST_KEYS_PER_ENGINE_KEY
+
+A run is what one add stored as consecutive new request keys (RUN_MIN of them or more, or
+any number following the last key of a run): a walk reads it with one call and compares its
+keys with the request's as bytes, instead of one call per key. ``<run id>`` is 4 big-endian
+bytes allocated from ``next_run`` in ``<ns>:meta`` (copied to ``<ns>:pi``, where a lost meta
+record heals from).
 
 ``<bucket>`` is the bucket of the hash (:func:`bucket_of`: its low ``bucket_bits`` bits) as
 ``ceil(bucket_bits / 8)`` big-endian bytes; the first client of a namespace fixes
@@ -34,7 +44,7 @@ from kvredis.errors import InvalidInputError
 from kvredis.redis.codec import escape_glob, text_bytes
 
 #: Layout version stored in ``<ns>:meta``; a client refuses a namespace of another version.
-LAYOUT_VERSION = "kvredis-kvblock/1"
+LAYOUT_VERSION = "kvredis-kvblock/2"
 #: Bucket bits of a new namespace unless configured: 65,536 request buckets (and as many engine
 #: buckets), which keeps buckets small (listpack-encoded) up to tens of millions of keys.
 DEFAULT_BUCKET_BITS = 16
@@ -42,7 +52,12 @@ MIN_BUCKET_BITS = 1
 MAX_BUCKET_BITS = 24
 #: The fields of ``<ns>:pi`` that are not entry ids: the copy of ``next_id`` and ``bucket_bits``
 #: from which a lost ``<ns>:meta`` heals. Entry ids are 4 bytes, so they never collide.
-PI_RECORD_FIELDS = (b"next_id", b"bucket_bits")
+PI_RECORD_FIELDS = (b"next_id", b"bucket_bits", b"next_run")
+#: Width of a run id, and of a ref to a run position (run id + u16 position).
+RUN_ID_WIDTH = 4
+REF_WIDTH = 6
+#: Most request keys of one run (lua/includes/runs.lua RUN_MAX).
+RUN_MAX = 1024
 
 
 def bucket_of(value: int, bits: int) -> int:
@@ -74,6 +89,7 @@ class Layout:
         "pi",
         "pp",
         "rprefix",
+        "sprefix",
         "suffix_bytes",
         "sx",
         "wm",
@@ -96,6 +112,7 @@ class Layout:
         self.sx = ns + b":sx"
         self.rprefix = ns + b":r:"
         self.eprefix = ns + b":e:"
+        self.sprefix = ns + b":s:"
 
     def request_bucket(self, value: int) -> bytes:
         """The request bucket key holding request key ``value``."""
@@ -113,6 +130,14 @@ class Layout:
         """SCAN MATCH pattern of the engine buckets (and nothing else)."""
         return escape_glob(self.eprefix) + b"?" * self.suffix_bytes
 
+    def run_pattern(self) -> bytes:
+        """SCAN MATCH pattern of the runs (and nothing else)."""
+        return escape_glob(self.sprefix) + b"?" * RUN_ID_WIDTH
+
+    def run_key(self, run_id: bytes) -> bytes:
+        """The key of the run ``run_id`` (4 bytes)."""
+        return self.sprefix + run_id
+
     def namespace_pattern(self) -> bytes:
         """SCAN MATCH pattern of every key of the namespace."""
         return escape_glob(text_bytes(self.namespace) + b":") + b"*"
@@ -122,12 +147,14 @@ class Layout:
 
         ``SCAN MATCH <ns>:*`` also returns the keys of every namespace whose name extends
         ``<ns>:`` (``kv`` and ``kv:prod``); this tells them apart. Bucket keys are
-        ``<ns>:r:`` or ``<ns>:e:`` and 1 to 3 suffix bytes, which no other accepted namespace
-        can produce (:func:`check_namespace`).
+        ``<ns>:r:`` or ``<ns>:e:`` and 1 to 3 suffix bytes, runs ``<ns>:s:`` and 4 bytes, which
+        no other accepted namespace can produce (:func:`check_namespace`).
         """
         if key in self.fixed_keys():
             return True
         suffix = len(key) - len(self.rprefix)
+        if suffix == RUN_ID_WIDTH and key.startswith(self.sprefix):
+            return True
         return 1 <= suffix <= 3 and key.startswith((self.rprefix, self.eprefix))
 
     def fixed_keys(self) -> tuple[bytes, ...]:
@@ -138,16 +165,19 @@ class Layout:
 def check_namespace(namespace: object) -> str:
     """Validate a namespace name: a non-empty str that cannot nest inside another namespace.
 
-    Bucket keys are ``<ns>:r:<bucket>`` and ``<ns>:e:<bucket>``, so a namespace containing
-    ``:r:`` or ``:e:``, or ending in ``:r`` or ``:e``, would share key names with a shorter one;
-    such names are refused. Any other text (including ``:``) is fine.
+    Bucket keys are ``<ns>:r:<bucket>`` and ``<ns>:e:<bucket>``, runs ``<ns>:s:<run id>``, so
+    a namespace containing ``:r:``, ``:e:`` or ``:s:``, or ending in ``:r``, ``:e`` or ``:s``,
+    would share key names with a shorter one; such names are refused. Any other text
+    (including ``:``) is fine.
     """
     if not isinstance(namespace, str) or not namespace:
         raise InvalidInputError(f"namespace must be a non-empty str, got {namespace!r}")
-    if any(part in namespace for part in (":r:", ":e:")) or namespace.endswith((":r", ":e")):
+    if any(part in namespace for part in (":r:", ":e:", ":s:")) or namespace.endswith(
+        (":r", ":e", ":s")
+    ):
         raise InvalidInputError(
-            f"namespace {namespace!r} may not contain ':r:' or ':e:' or end in ':r' or ':e' "
-            "(its keys would collide with those of a shorter namespace)"
+            f"namespace {namespace!r} may not contain ':r:', ':e:' or ':s:' or end in ':r', "
+            "':e' or ':s' (its keys would collide with those of a shorter namespace)"
         )
     return namespace
 

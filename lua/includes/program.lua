@@ -16,7 +16,7 @@
 
 -- The keys and bucket namers the ops write through.
 local function write_context(meta, pe, pi, pp, rprefix, eprefix, bits)
-  return {meta = meta, pe = pe, pi = pi, pp = pp, bits = bits,
+  return {meta = meta, pe = pe, pi = pi, pp = pp, bits = bits, sprefix = run_prefix(rprefix),
           rbucket = bucket_namer(rprefix, bits), ebucket = bucket_namer(eprefix, bits)}
 end
 
@@ -120,7 +120,7 @@ local function run_program(k, program, cap, ttl)
     for i = 1, #new do ids[new[i]] = new_ids[i] end
     pod_lists = read_pods(k.pp, new)
   end
-  local st = new_stage()
+  local st = new_stage(k.sprefix)
   local removed = 0
   local spec = {}
   local due, deadlines, undated = {}, {}, {}
@@ -153,6 +153,7 @@ local function run_program(k, program, cap, ttl)
         end
       end
       local value, req, pairs_ = table.concat(list), op.req, op.pairs
+      local prev = nil
       for i = 1, #req, HASH_WIDTH do
         local rfield = string.sub(req, i, i + HASH_WIDTH - 1)
         local without = set
@@ -168,7 +169,8 @@ local function run_program(k, program, cap, ttl)
             end
           end
         end
-        add_ids(st, k.rbucket(rfield), rfield, value, without)
+        add_ids(st, k.rbucket(rfield), rfield, value, without, prev)
+        prev = rfield
         for _, id in ipairs(own) do
           if ttl.ms > 0 then
             deadlines[#deadlines + 1] = tostring(ttl.now + ttl.ms)
@@ -196,8 +198,9 @@ local function run_program(k, program, cap, ttl)
       end
     end
   end
+  local plan = plan_stage(st, k)
   if #new > 0 then define_entries(k, new, new_ids, next_id, pod_lists) end
-  flush_stage(st)
+  flush_stage(st, k, plan)
   if #due > 0 then call_chunked('ZREM', ttl.sx, due) end
   if #undated > 0 then call_chunked('ZREM', ttl.sx, undated) end
   if #deadlines > 0 then call_chunked('ZADD', ttl.sx, deadlines) end

@@ -24,20 +24,37 @@ def read_namespace(client: redis.Redis, namespace: str) -> NamespaceState:
     """Decode every request and engine bucket of ``namespace`` and note layout violations.
 
     Violations: an empty or malformed value, a repeated id or request key within a value, an id
-    without definition, an engine mapping none of whose request keys holds an entry.
+    without definition, an engine mapping none of whose request keys holds an entry; for runs
+    (``<ns>:s:<id>``: keys ``k`` and ranges ``r`` of u16 last position, u16 count, ids): a
+    malformed run, a trailing hole or a run without held position, a ref (6-byte request value:
+    run id, u16 position) that does not point at its own key at a held position, a held
+    position without its key's ref, a key twice in a run.
     """
     ns = namespace.encode()
     state = NamespaceState()
     state.keys = sorted(client.scan_iter(match=escape_glob(ns + b":") + b"*", count=1000))
     # 4-byte ids; the other fields (next_id, bucket_bits) are the meta record's backup
     defs = {k: decode_entry(v) for k, v in client.hgetall(ns + b":pi").items() if len(k) == 4}
-    rprefix, eprefix = ns + b":r:", ns + b":e:"
+    rprefix, eprefix, sprefix = ns + b":r:", ns + b":e:", ns + b":s:"
+    runs: dict[bytes, list[tuple[bytes, bytes]]] = {}  # run id -> (key, ids) per position
+    for key in state.keys:
+        if key.startswith(sprefix) and client.type(key) == b"hash":
+            runs[key[len(sprefix) :]] = _read_run(client, key, state.problems)
+    ref_of: dict[bytes, tuple[bytes, int]] = {}
     for key in state.keys:
         if client.type(key) != b"hash":
             continue  # not written by kvredis (a squatter in the namespace)
         if key.startswith(rprefix):
             for fld, value in client.hgetall(key).items():
                 h = int.from_bytes(fld, "big")
+                if len(value) == 6:
+                    rid, pos = value[:4], int.from_bytes(value[4:], "big")
+                    ref_of[fld] = (rid, pos)
+                    run = runs.get(rid, [])
+                    if not 1 <= pos <= len(run) or run[pos - 1][0] != fld or not run[pos - 1][1]:
+                        state.problems.append(f"request key {h} has a bad ref {value!r}")
+                        continue
+                    value = run[pos - 1][1]
                 ids = [value[i : i + 4] for i in range(0, len(value), 4)]
                 if not value or len(value) % 4 or len(fld) != 8:
                     state.problems.append(f"malformed request field {key!r} {fld!r}={value!r}")
@@ -55,7 +72,38 @@ def read_namespace(client: redis.Redis, namespace: str) -> NamespaceState:
                 if len(set(refs)) != len(refs):
                     state.problems.append(f"engine key {fld!r} repeats a request key")
                 state.engines[int.from_bytes(fld, "big")] = refs
-    for engine_key, refs in state.engines.items():
-        if not any(state.requests.get(r) for r in refs):
-            state.problems.append(f"engine key {engine_key} maps only to empty request keys {refs}")
+    for rid, run in runs.items():
+        for pos, (fld, ids) in enumerate(run, 1):
+            if ids and ref_of.get(fld) != (rid, pos):
+                state.problems.append(f"run {rid!r} position {pos} has no ref from its key")
+    for engine_key, mapped in state.engines.items():
+        if not any(state.requests.get(r) for r in mapped):
+            state.problems.append(
+                f"engine key {engine_key} maps only to empty request keys {mapped}"
+            )
     return state
+
+
+def _read_run(client: redis.Redis, key: bytes, problems: list[str]) -> list[tuple[bytes, bytes]]:
+    keys, ranges = client.hmget(key, "k", "r")
+    if keys is None or ranges is None or len(keys) % 8:
+        problems.append(f"malformed run {key!r}")
+        return []
+    out: list[tuple[bytes, bytes]] = []
+    at = 0
+    while at < len(ranges):
+        last, count = int.from_bytes(ranges[at : at + 2], "big"), int.from_bytes(
+            ranges[at + 2 : at + 4], "big"
+        )
+        ids = ranges[at + 4 : at + 4 + 4 * count]
+        at += 4 + 4 * count
+        if last <= len(out) or last * 8 > len(keys):
+            problems.append(f"malformed ranges in run {key!r}")
+            return []
+        for pos in range(len(out), last):
+            out.append((keys[pos * 8 : pos * 8 + 8], ids))
+    if len(out) * 8 != len(keys) or not out or not out[-1][1]:
+        problems.append(f"run {key!r} ends in a hole or covers {len(out)} of {len(keys) // 8}")
+    if len({k for k, _ in out}) != len(out):
+        problems.append(f"run {key!r} holds a key twice")
+    return out
