@@ -49,9 +49,9 @@ import sys
 import tempfile
 import time
 import uuid
-from pathlib import Path
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -166,7 +166,13 @@ def pods_of(n: int) -> list[PodEntry]:
 
 
 def families(
-    name: str, n: int, prefix: int, tails: int, tail: int, npods: int, holders: tuple[int, int],
+    name: str,
+    n: int,
+    prefix: int,
+    tails: int,
+    tail: int,
+    npods: int,
+    holders: tuple[int, int],
     seed: int,
 ) -> Chains:
     """``n`` families of a shared prefix and ``tails`` tails; each chain on a random set of
@@ -267,8 +273,7 @@ def run(url: str, quick: bool, wanted: set[str], server: Server, seed: int) -> l
         sides.close()
     if section("20k"):
         sides = fresh()
-        data = families(f"20k chains/{scale}, 8 pods", 1000 // scale, 384, 20, 128, 8, (1, 3),
-                        seed)
+        data = families(f"20k chains/{scale}, 8 pods", 1000 // scale, 384, 20, 128, 8, (1, 3), seed)
         sides.load(data)
         rng = random.Random(seed)
         picks = [data.chains[rng.randrange(len(data.chains))] for _ in range(calls)]
@@ -277,8 +282,9 @@ def run(url: str, quick: bool, wanted: set[str], server: Server, seed: int) -> l
     if section("random"):
         for blocks in (50_000, 200_000) if quick else (1_000_000, 4_000_000):
             sides = fresh()
-            data = families(f"random {blocks:,} blocks, 4 pods", blocks // 512, 512, 0, 0, 4,
-                            (1, 4), seed)
+            data = families(
+                f"random {blocks:,} blocks, 4 pods", blocks // 512, 512, 0, 0, 4, (1, 4), seed
+            )
             sides.load(data)
             rng = random.Random(seed)
             picks = [data.chains[rng.randrange(len(data.chains))] for _ in range(calls)]
@@ -287,8 +293,7 @@ def run(url: str, quick: bool, wanted: set[str], server: Server, seed: int) -> l
     if section("pods"):
         for npods in (1, 8, 64):
             sides = fresh()
-            data = families(f"512 blocks, {npods} pods", 1, 512, 0, 0, npods, (npods, npods),
-                            seed)
+            data = families(f"512 blocks, {npods} pods", 1, 512, 0, 0, npods, (npods, npods), seed)
             sides.load(data)
             rows += read_rows(server, sides, data.name, data.chains, calls, "score")
             sides.close()
@@ -306,27 +311,64 @@ def write_rows(server: Server, sides: Sides, calls: int, seed: int) -> list[Row]
     # fresh keys: every call stores a new 64-block event of one pod
     events = [keys(rng, EVENT_BLOCKS) for _ in range(calls + 1)]
     adder = pods[0]
-    rows.append(Row(name, "add 64-block event, fresh keys", *server.measure(
-        lambda i: kv.add([engine_of(k) for k in events[i]], events[i], [adder]), calls + 1)))
+    rows.append(
+        Row(
+            name,
+            "add 64-block event, fresh keys",
+            *server.measure(
+                lambda i: kv.add([engine_of(k) for k in events[i]], events[i], [adder]), calls + 1
+            ),
+        )
+    )
     # a new pod onto chains other pods hold already (the entry sets change)
     held = [keys(rng, 512) for _ in range(calls + 1)]
     for chain in held:
         kv.add([engine_of(k) for k in chain], chain, [pods[1]])
-    rows.append(Row(name, "add 64-block event onto a held chain", *server.measure(
-        lambda i: kv.add([engine_of(k) for k in held[i][64:128]], held[i][64:128], [pods[2]]),
-        calls + 1)))
+    rows.append(
+        Row(
+            name,
+            "add 64-block event onto a held chain",
+            *server.measure(
+                lambda i: kv.add(
+                    [engine_of(k) for k in held[i][64:128]], held[i][64:128], [pods[2]]
+                ),
+                calls + 1,
+            ),
+        )
+    )
     # evict by engine key: the last block of each fresh event (a BlockRemoved of the tail)
-    rows.append(Row(name, "evict by engine key (tail block)", *server.measure(
-        lambda i: kv.evict(engine_of(events[i][-1]), KeyType.ENGINE, [adder]), calls + 1)))
-    rows.append(Row(name, "evict by engine key (middle of a chain)", *server.measure(
-        lambda i: kv.evict(engine_of(held[i][300]), KeyType.ENGINE, [pods[1]]), calls + 1)))
+    rows.append(
+        Row(
+            name,
+            "evict by engine key (tail block)",
+            *server.measure(
+                lambda i: kv.evict(engine_of(events[i][-1]), KeyType.ENGINE, [adder]), calls + 1
+            ),
+        )
+    )
+    rows.append(
+        Row(
+            name,
+            "evict by engine key (middle of a chain)",
+            *server.measure(
+                lambda i: kv.evict(engine_of(held[i][300]), KeyType.ENGINE, [pods[1]]), calls + 1
+            ),
+        )
+    )
     seq = iter(range(1, 10**9))
     batches = [
         [AddOp(None, (rng.getrandbits(64),), (pods[3],)) for _ in range(16)]
         for _ in range(calls + 1)
     ]
-    rows.append(Row(name, "apply_batch of 16 ops", *server.measure(
-        lambda i: kv.apply_batch(batches[i], "s", Watermark(1, next(seq))), calls + 1)))
+    rows.append(
+        Row(
+            name,
+            "apply_batch of 16 ops",
+            *server.measure(
+                lambda i: kv.apply_batch(batches[i], "s", Watermark(1, next(seq))), calls + 1
+            ),
+        )
+    )
     sides.close()
     return rows
 
@@ -336,13 +378,15 @@ def fmt(value: float | None) -> str:
 
 
 def print_table(rows: list[Row]) -> None:
-    print(f"{'dataset':<30} {'op':<40} {'kvredis cpu/cmd us':>20} {'reference cpu/cmd us':>22}"
-          f" {'ratio':>7}")
+    print(
+        f"{'dataset':<30} {'op':<40} {'kvredis cpu/cmd us':>20} {'reference cpu/cmd us':>22}"
+        f" {'ratio':>7}"
+    )
     for r in rows:
         ref = f"{fmt(r.reference_cpu_us)} / {fmt(r.reference_cmd_us)}" if r.reference_cpu_us else ""
         ratio = f"{r.ratio:.2f}x" if r.ratio else ""
-        print(f"{r.dataset:<30} {r.op:<40} {fmt(r.kvredis_cpu_us) + ' / ' + fmt(r.kvredis_cmd_us):>20}"
-              f" {ref:>22} {ratio:>7}")
+        kv = f"{fmt(r.kvredis_cpu_us)} / {fmt(r.kvredis_cmd_us)}"
+        print(f"{r.dataset:<30} {r.op:<40} {kv:>20} {ref:>22} {ratio:>7}")
 
 
 def measure_here(quick: bool, rows: str, seed: int, url: str | None) -> tuple[bool, list[Row]]:
@@ -369,11 +413,13 @@ def measure_here(quick: bool, rows: str, seed: int, url: str | None) -> tuple[bo
 def _child(script: Path, args: list[str]) -> list[Row]:
     done = subprocess.run(
         [sys.executable, str(script), *args, "--json", "-"],
-        capture_output=True, text=True, check=False,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     if done.returncode != 0:
         raise SystemExit(f"{script} failed:\n{done.stderr[-2000:]}")
-    text = done.stdout[done.stdout.index("["):]
+    text = done.stdout[done.stdout.index("[") :]
     return [Row(**{k: v for k, v in r.items() if k != "ratio"}) for r in json.loads(text)]
 
 
@@ -395,11 +441,16 @@ def compare(base: str, rounds: int, args: list[str]) -> list[dict[str, Any]]:
         before = statistics.median(rs[i].kvredis_cpu_us for rs in sides["before"])
         after = statistics.median(rs[i].kvredis_cpu_us for rs in sides["after"])
         ref = [rs[i].reference_cpu_us for rs in sides["after"] if rs[i].reference_cpu_us]
-        out.append({
-            "dataset": row.dataset, "op": row.op, "before_cpu_us": before,
-            "after_cpu_us": after, "after_vs_before": after / before if before else None,
-            "reference_cpu_us": statistics.median(ref) if ref else None,
-        })
+        out.append(
+            {
+                "dataset": row.dataset,
+                "op": row.op,
+                "before_cpu_us": before,
+                "after_cpu_us": after,
+                "after_vs_before": after / before if before else None,
+                "reference_cpu_us": statistics.median(ref) if ref else None,
+            }
+        )
     return out
 
 
@@ -412,14 +463,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="runs per side with --base")
     args = parser.parse_args(argv)
     if args.base:
-        child = ["--rows", args.rows, "--seed", str(args.seed)] + (["--quick"] if args.quick else [])
+        child = ["--rows", args.rows, "--seed", str(args.seed)] + (
+            ["--quick"] if args.quick else []
+        )
         table = compare(args.base, args.rounds, child)
-        print(f"{'dataset':<30} {'op':<40} {'before':>8} {'after':>8} {'after/before':>12}"
-              f" {'reference':>9}")
+        print(
+            f"{'dataset':<30} {'op':<40} {'before':>8} {'after':>8} {'after/before':>12}"
+            f" {'reference':>9}"
+        )
         for t in table:
             ratio = t["after_vs_before"]
-            print(f"{t['dataset']:<30} {t['op']:<40} {fmt(t['before_cpu_us']):>8}"
-                  f" {fmt(t['after_cpu_us']):>8} {ratio:>11.2f}x {fmt(t['reference_cpu_us']):>9}")
+            print(
+                f"{t['dataset']:<30} {t['op']:<40} {fmt(t['before_cpu_us']):>8}"
+                f" {fmt(t['after_cpu_us']):>8} {ratio:>11.2f}x {fmt(t['reference_cpu_us']):>9}"
+            )
         if args.json:
             write_json(args.json, table)
         return 0

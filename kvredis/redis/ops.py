@@ -743,7 +743,9 @@ def op_clear(
         layout.run_pattern(),
         fields_per_call,
         lambda keys: ScriptCall(
-            "clear_runs", (layout.meta, *keys), (layout.gen, ids, layout.rprefix, layout.bucket_bits)
+            "clear_runs",
+            (layout.meta, *keys),
+            (layout.gen, ids, layout.rprefix, layout.bucket_bits),
         ),
         on_request_page,
     )

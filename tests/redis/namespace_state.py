@@ -92,8 +92,9 @@ def _read_run(client: redis.Redis, key: bytes, problems: list[str]) -> list[tupl
     out: list[tuple[bytes, bytes]] = []
     at = 0
     while at < len(ranges):
-        last, count = int.from_bytes(ranges[at : at + 2], "big"), int.from_bytes(
-            ranges[at + 2 : at + 4], "big"
+        last, count = (
+            int.from_bytes(ranges[at : at + 2], "big"),
+            int.from_bytes(ranges[at + 2 : at + 4], "big"),
         )
         ids = ranges[at + 4 : at + 4 + 4 * count]
         at += 4 + 4 * count

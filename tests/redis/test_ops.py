@@ -292,7 +292,9 @@ def test_clear_pages_with_scan_and_sends_the_last_page_with_the_next_scan() -> N
     assert progress == [(1, 0), (2, 2), (3, 3), (4, 3)]
     hget, sscan, runs, scan, pipeline, last, escan, mappings, reclaim = exchange.requests
     assert sscan == rq.Command(("SCAN", 0, "MATCH", b"ns:s:????", "COUNT", 8))
-    assert runs == rq.ScriptCall("clear_runs", (b"ns:meta", s1), (GEN, _id(1) + _id(2), b"ns:r:", 8))
+    assert runs == rq.ScriptCall(
+        "clear_runs", (b"ns:meta", s1), (GEN, _id(1) + _id(2), b"ns:r:", 8)
+    )
     assert reclaim == rq.ScriptCall(
         "reclaim", (b"ns:meta", b"ns:pe", b"ns:pi", b"ns:pp"), (GEN, b"pod-a", _id(1) + _id(2))
     )
