@@ -299,6 +299,75 @@ def run(url: str, quick: bool, wanted: set[str], server: Server, seed: int) -> l
             sides.close()
     if section("writes"):
         rows += write_rows(server, fresh(), calls, seed)
+    if section("walk"):
+        server.raw.flushall()
+        rows += walk_rows(server, 50_000 if quick else 1_000_000, calls, seed)
+    return rows
+
+
+#: Lua walks over 512 keys of buckets named by the low bits of the key (the directions of the
+#: layout choice): ARGV[1] bucket prefix, ARGV[2] bucket bits, ARGV[3] the chain (hash blob).
+_WALK_PER_KEY = """
+local prefix, mask, chain, n = ARGV[1], 2 ^ tonumber(ARGV[2]), ARGV[3], 0
+for i = 1, #chain, 8 do
+  local h = string.sub(chain, i, i + 7)
+  local b = struct.unpack('>I4', h, 5) % mask
+  if not redis.call('HGET', prefix .. b, h) then break end
+  n = n + 1
+end
+return n
+"""
+_WALK_GROUPED = """
+local prefix, mask, chain, n = ARGV[1], 2 ^ tonumber(ARGV[2]), ARGV[3], 0
+local groups, order = {}, {}
+for i = 1, #chain, 8 do
+  local h = string.sub(chain, i, i + 7)
+  local b = struct.unpack('>I4', h, 5) % mask
+  local g = groups[b]
+  if not g then g = {}; groups[b] = g; order[#order + 1] = b end
+  g[#g + 1] = h
+end
+for _, b in ipairs(order) do
+  local got = redis.call('HMGET', prefix .. b, unpack(groups[b]))
+  for _, v in ipairs(got) do if v then n = n + 1 end end
+end
+return n
+"""
+_WALK_RUN = """
+local run, chain = redis.call('GET', KEYS[1]), ARGV[1]
+return run == string.sub(chain, 1, #run) and #run / 8 or 0
+"""
+
+
+def walk_rows(server: Server, blocks: int, calls: int, seed: int) -> list[Row]:
+    """The floor of each read design on ``blocks`` stored keys: one HGET per key (buckets of 16
+    and of 8 bits), one HMGET per bucket the chain touches, and one GET of a 512-key run."""
+    rng = random.Random(seed)
+    raw = server.raw
+    stored = keys(rng, blocks)
+    chain = stored[:512]
+    blob = b"".join(k.to_bytes(8, "big") for k in chain)
+    for bits in (16, 8):
+        pipe = raw.pipeline(transaction=False)
+        for k in stored:
+            pipe.hset(f"w{bits}:{k % (1 << bits)}", k.to_bytes(8, "big"), b"\0\0\0\1")
+            if len(pipe) >= 10_000:
+                pipe.execute()
+        pipe.execute()
+    raw.set("run", blob)
+    per_key, grouped, run = (raw.script_load(s) for s in (_WALK_PER_KEY, _WALK_GROUPED, _WALK_RUN))
+    name = f"bare walks, {blocks:,} keys"
+    rows = []
+    for bits in (16, 8):
+        for label, sha in (("one HGET per key", per_key), ("one HMGET per bucket", grouped)):
+            assert int(raw.evalsha(sha, 0, f"w{bits}:", bits, blob)) == 512
+            args = (sha, 0, f"w{bits}:", bits, blob)
+            cpu = server.measure(lambda _i, a=args: raw.evalsha(*a), calls)  # type: ignore[misc]
+            rows.append(Row(name, f"512 keys, {label}, {bits}-bit buckets", *cpu))
+    assert int(raw.evalsha(run, 1, "run", blob)) == 512
+    cpu = server.measure(lambda _i: raw.evalsha(run, 1, "run", blob), calls)
+    rows.append(Row(name, "512 keys as one run: GET + compare", *cpu))
+    raw.flushall()
     return rows
 
 
@@ -457,7 +526,9 @@ def compare(base: str, rounds: int, args: list[str]) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     parser = bench_parser(__doc__, "scaled-down datasets and fewer calls")
     parser.add_argument("--url", help="use this server instead of starting one")
-    parser.add_argument("--rows", default="", help="comma-separated: hot,20k,random,pods,writes")
+    parser.add_argument(
+        "--rows", default="", help="comma-separated: hot,20k,random,pods,writes,walk"
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--base", help="git revision to compare this checkout with")
     parser.add_argument("--rounds", type=int, default=3, help="runs per side with --base")
