@@ -29,10 +29,11 @@ Datasets (seeded, the same in every run):
   a 64-block event of a new pod onto an existing chain, evict by engine key, evict in the middle
   of a held chain, apply_batch of 16 single-key ops.
 
-With ``--base REV`` the rows run in child processes, alternately on the kvredis of git revision
-``REV`` and on this checkout, ``--rounds`` times each (a fresh server every time); the table
-shows the median of each side and after/before. That is how write costs are compared across a
-change on a shared machine, where one run alone moves by tens of percent.
+With ``--base REV`` the rows run in two child processes at the same time, one on the kvredis of
+git revision ``REV`` and one on this checkout, each with its own server (both pinned to the same
+core), ``--rounds`` times; the table shows the median of each side and after/before. That is
+how costs are compared across a change on a shared machine, where one run alone moves by tens
+of percent.
 
 Run:  .venv/bin/python scripts/bench_server_cpu.py [--quick] [--json PATH] [--rows a,b]
           [--base REV [--rounds N]]
@@ -231,9 +232,7 @@ class Sides:
         assert self.kv.score(chain, WEIGHTS) == self.ref_score(chain)
 
     def close(self) -> None:
-        self.kv.drop_namespace()
         self.kv.close()
-        self.ref_client.flushdb()
         self.ref_client.close()
 
 
@@ -262,7 +261,7 @@ def run(url: str, quick: bool, wanted: set[str], server: Server, seed: int) -> l
         return not wanted or name in wanted
 
     def fresh() -> Sides:
-        server.raw.flushall()
+        server.raw.flushall(asynchronous=True)
         return Sides(url)
 
     if section("hot"):
@@ -300,7 +299,7 @@ def run(url: str, quick: bool, wanted: set[str], server: Server, seed: int) -> l
     if section("writes"):
         rows += write_rows(server, fresh(), calls, seed)
     if section("walk"):
-        server.raw.flushall()
+        server.raw.flushall(asynchronous=True)
         rows += walk_rows(server, 50_000 if quick else 1_000_000, calls, seed)
     return rows
 
@@ -367,7 +366,7 @@ def walk_rows(server: Server, blocks: int, calls: int, seed: int) -> list[Row]:
     assert int(raw.evalsha(run, 1, "run", blob)) == 512
     cpu = server.measure(lambda _i: raw.evalsha(run, 1, "run", blob), calls)
     rows.append(Row(name, "512 keys as one run: GET + compare", *cpu))
-    raw.flushall()
+    raw.flushall(asynchronous=True)
     return rows
 
 
@@ -479,17 +478,26 @@ def measure_here(quick: bool, rows: str, seed: int, url: str | None) -> tuple[bo
     return pinned, out
 
 
-def _child(script: Path, args: list[str]) -> list[Row]:
-    done = subprocess.run(
-        [sys.executable, str(script), *args, "--json", "-"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if done.returncode != 0:
-        raise SystemExit(f"{script} failed:\n{done.stderr[-2000:]}")
-    text = done.stdout[done.stdout.index("[") :]
-    return [Row(**{k: v for k, v in r.items() if k != "ratio"}) for r in json.loads(text)]
+def _children(scripts: Sequence[Path], args: list[str]) -> list[list[Row]]:
+    """Run the rows on each side at the same time (each side has its own server), so both
+    see the same machine."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), *args, "--json", "-"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for script in scripts
+    ]
+    out = []
+    for script, proc in zip(scripts, procs, strict=True):
+        stdout, stderr = proc.communicate()
+        if proc.returncode != 0:
+            raise SystemExit(f"{script} failed:\n{stderr[-2000:]}")
+        text = stdout[stdout.index("[") :]
+        out.append([Row(**{k: v for k, v in r.items() if k != "ratio"}) for r in json.loads(text)])
+    return out
 
 
 def compare(base: str, rounds: int, args: list[str]) -> list[dict[str, Any]]:
@@ -503,8 +511,9 @@ def compare(base: str, rounds: int, args: list[str]) -> list[dict[str, Any]]:
         shutil.copy(__file__, base_script)
         sides: dict[str, list[list[Row]]] = {"before": [], "after": []}
         for _ in range(rounds):
-            sides["before"].append(_child(base_script, args))
-            sides["after"].append(_child(Path(__file__), args))
+            before, after = _children((base_script, Path(__file__)), args)
+            sides["before"].append(before)
+            sides["after"].append(after)
     out = []
     for i, row in enumerate(sides["after"][0]):
         before = statistics.median(rs[i].kvredis_cpu_us for rs in sides["before"])

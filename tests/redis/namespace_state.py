@@ -28,7 +28,7 @@ def read_namespace(client: redis.Redis, namespace: str) -> NamespaceState:
     (``<ns>:s:<id>``: keys ``k`` and ranges ``r`` of u16 last position, u16 count, ids): a
     malformed run, a trailing hole or a run without held position, a ref (6-byte request value:
     run id, u16 position) that does not point at its own key at a held position, a held
-    position without its key's ref, a key twice in a run.
+    position without its key's ref, a key held at two positions of a run.
     """
     ns = namespace.encode()
     state = NamespaceState()
@@ -105,6 +105,7 @@ def _read_run(client: redis.Redis, key: bytes, problems: list[str]) -> list[tupl
             out.append((keys[pos * 8 : pos * 8 + 8], ids))
     if len(out) * 8 != len(keys) or not out or not out[-1][1]:
         problems.append(f"run {key!r} ends in a hole or covers {len(out)} of {len(keys) // 8}")
-    if len({k for k, _ in out}) != len(out):
-        problems.append(f"run {key!r} holds a key twice")
+    held = [k for k, ids in out if ids]
+    if len(set(held)) != len(held):
+        problems.append(f"run {key!r} holds a key at two positions")
     return out

@@ -131,6 +131,17 @@ def test_evict_in_the_middle_of_a_run_ends_the_walk_there(pair: Pair) -> None:
     pair.consistent()
 
 
+def test_a_hole_key_stored_again_after_the_run_tail_joins_the_run_again(pair: Pair) -> None:
+    chain = list(range(1, 21))
+    pair.add(chain, [A])
+    pair.evict(5 + 10**12, KeyType.ENGINE, [A])  # key 5: a hole
+    pair.add([20, 5, 99, 98], [B])  # 5, 99 and 98 follow the run's last key: the run grows
+    assert len(pair.runs()) == 1
+    for probe in (chain, [*chain, 5, 99, 98], [4, 5, 6], [5, 99], [20, 5, 99, 98]):
+        pair.agree(probe)
+    pair.consistent()
+
+
 def test_evicting_the_tail_trims_the_run_and_the_last_key_deletes_it(pair: Pair) -> None:
     chain = list(range(1, 17))
     pair.add(chain, [A])
