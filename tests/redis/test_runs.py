@@ -1,0 +1,314 @@
+"""Chain runs (request keys stored together, ``<ns>:c:<id>``): exact walks whatever the key sets.
+
+Every case compares RedisIndex with the embedded index (the model of the Index contract) and
+reads the namespace straight from Redis afterwards (tests/redis/namespace_state.py checks the
+run invariants: refs and run positions agree, no trailing holes, no empty runs).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator, Sequence
+
+import pytest
+import redis
+
+from kvredis import (
+    InMemoryIndex,
+    KeyType,
+    NamespaceLayoutError,
+    PodEntry,
+    RedisIndex,
+    RedisIndexConfig,
+)
+from kvredis.redis.inspect import Inspector, Problem, op_check, op_dump, op_restore
+from kvredis.redis.layout import Layout
+from kvredis.scoring import LongestPrefixScorer
+from tests.redis.namespace_state import read_namespace
+
+pytestmark = pytest.mark.redis
+
+A, B, C = PodEntry("pod-a", "gpu"), PodEntry("pod-b", "cpu"), PodEntry("pod-c", "gpu")
+WEIGHTS = {"gpu": 1.0, "cpu": 0.8}
+
+
+class Pair:
+    """RedisIndex and the embedded model, written and read together."""
+
+    def __init__(self, url: str, namespace: str) -> None:
+        self.url, self.namespace = url, namespace
+        self.redis = RedisIndex(RedisIndexConfig(address=url, namespace=namespace))
+        self.model = InMemoryIndex()
+        self.raw = redis.Redis.from_url(url)
+
+    def add(self, keys: Sequence[int], entries: Sequence[PodEntry], engine: bool = True) -> None:
+        eng = [k + 10**12 for k in keys] if engine else None
+        self.redis.add(eng, keys, entries)
+        self.model.add(eng, keys, entries)
+
+    def evict(self, key: int, kind: KeyType, entries: Sequence[PodEntry]) -> None:
+        self.redis.evict(key, kind, entries)
+        self.model.evict(key, kind, entries)
+
+    def clear(self, pod: str) -> None:
+        self.redis.clear(pod)
+        self.model.clear(pod)
+
+    def agree(self, chain: Sequence[int]) -> dict[int, list[PodEntry]]:
+        got = self.redis.lookup(chain)
+        assert {k: set(v) for k, v in got.items()} == {
+            k: set(v) for k, v in self.model.lookup(chain).items()
+        }, chain
+        expected = LongestPrefixScorer(WEIGHTS).score(chain, self.model.lookup(chain))
+        assert self.redis.score(chain, WEIGHTS) == expected  # bit-identical
+        return got
+
+    def consistent(self) -> None:
+        state = read_namespace(self.raw, self.namespace)
+        assert state.problems == []
+
+    def runs(self) -> list[bytes]:
+        return list(self.raw.scan_iter(match=f"{self.namespace}:c:*"))
+
+    def close(self) -> None:
+        self.redis.close()
+        self.raw.close()
+
+
+@pytest.fixture
+def pair(redis_server_url: str, namespace: str) -> Iterator[Pair]:
+    p = Pair(redis_server_url, namespace)
+    yield p
+    p.close()
+
+
+def test_a_chain_is_stored_as_one_run_and_read_from_any_key(pair: Pair) -> None:
+    chain = list(range(1, 101))
+    pair.add(chain, [A])
+    assert len(pair.runs()) == 1
+    assert pair.agree(chain) == {k: [A] for k in chain}
+    assert pair.agree([2, 3]) == {2: [A], 3: [A]}  # a lookup starting inside the run
+    pair.agree([50, 51, 7, 8])  # jumps back inside the run
+    pair.agree([1, 2, 1, 2])  # keys repeated
+    pair.agree([100, 101])  # past the run's end
+    pair.agree([5, 7, 6])  # the run's keys out of order
+    pair.consistent()
+
+
+def test_short_key_sets_stay_inline(pair: Pair) -> None:
+    pair.add([1, 2, 3], [A])
+    pair.add([9], [B])
+    assert pair.runs() == []
+    pair.agree([1, 2, 3, 9])
+    pair.consistent()
+
+
+def test_divergent_tails_and_a_second_pod_split_the_ranges(pair: Pair) -> None:
+    prefix = list(range(1, 41))
+    t1, t2 = list(range(100, 120)), list(range(200, 230))
+    pair.add(prefix + t1, [A])
+    pair.add(prefix + t2, [B])  # the prefix gains pod-b, t2 is a new run
+    pair.add(t1[:5], [C])  # a middle part of a run gains pod-c
+    for chain in (prefix + t1, prefix + t2, prefix[:10] + t2, t1, t2, prefix + t1[:3] + t2):
+        pair.agree(chain)
+    pair.consistent()
+
+
+def test_evict_in_the_middle_of_a_run_ends_the_walk_there(pair: Pair) -> None:
+    chain = list(range(1, 65))
+    pair.add(chain, [A, B])
+    pair.evict(30 + 10**12, KeyType.ENGINE, [A])  # pod-a loses key 30
+    pair.evict(31 + 10**12, KeyType.ENGINE, [A, B])  # key 31 loses everything: a hole
+    got = pair.agree(chain)
+    assert len(got) == 30 and got[30] == [B]
+    pair.agree(chain[31:])  # the keys after the hole still walk
+    pair.agree([31])
+    pair.consistent()
+    # re-added: the hole's key is held again (on its own), and the chain walks through
+    pair.add([31], [C])
+    assert len(pair.agree(chain)) == 64
+    pair.consistent()
+
+
+def test_a_hole_key_stored_again_after_the_run_tail_joins_the_run_again(pair: Pair) -> None:
+    chain = list(range(1, 21))
+    pair.add(chain, [A])
+    pair.evict(5 + 10**12, KeyType.ENGINE, [A])  # key 5: a hole
+    pair.add([20, 5, 99, 98], [B])  # 5, 99 and 98 follow the run's last key: the run grows
+    assert len(pair.runs()) == 1
+    for probe in (chain, [*chain, 5, 99, 98], [4, 5, 6], [5, 99], [20, 5, 99, 98]):
+        pair.agree(probe)
+    pair.consistent()
+
+
+def test_evicting_the_tail_trims_the_run_and_the_last_key_deletes_it(pair: Pair) -> None:
+    chain = list(range(1, 17))
+    pair.add(chain, [A])
+    for key in reversed(chain[8:]):
+        pair.evict(key + 10**12, KeyType.ENGINE, [A])
+        pair.consistent()
+    pair.agree(chain)
+    for key in chain[:8]:
+        pair.evict(key + 10**12, KeyType.ENGINE, [A])
+    assert pair.runs() == []
+    assert pair.agree(chain) == {}
+    pair.consistent()
+    assert list(pair.raw.scan_iter(match=f"{pair.namespace}:[res]:*")) == []
+
+
+def test_clearing_one_pod_of_a_shared_run_keeps_the_other(pair: Pair) -> None:
+    chain = list(range(1, 51))
+    pair.add(chain, [A])
+    pair.add(chain[:30], [B])
+    pair.add(chain[10:], [C])
+    pair.clear("pod-a")
+    pair.agree(chain)
+    pair.agree(chain[10:])
+    pair.consistent()
+    pair.clear("pod-b")
+    pair.clear("pod-c")
+    assert pair.agree(chain) == {}
+    assert pair.runs() == []
+    pair.consistent()
+
+
+def test_a_long_add_fills_runs_of_at_most_the_run_size(pair: Pair) -> None:
+    chain = list(range(1, 2501))
+    pair.add(chain, [A], engine=False)
+    assert len(pair.runs()) >= 3
+    assert len(pair.agree(chain)) == 2500
+    pair.add(list(range(2501, 2600)), [A], engine=False)  # extends the last run
+    pair.agree(list(range(1, 2600)))
+    pair.consistent()
+
+
+def test_batches_of_adds_and_evicts_agree_with_the_model(pair: Pair) -> None:
+    from kvredis import AddOp, EvictOp
+
+    chain = list(range(1, 40))
+    ops = [
+        AddOp(None, tuple(chain), (A,)),
+        EvictOp(10, KeyType.REQUEST, (A,)),
+        AddOp(None, tuple(chain[5:20]), (B,)),
+        EvictOp(39, KeyType.REQUEST, (A,)),
+        AddOp(None, (10, 11, 12, *range(500, 520)), (C,)),
+    ]
+    pair.redis.apply_batch(ops)
+    pair.model.apply_batch(ops)
+    for probe in (chain, chain[9:], [10, 11, 12, *range(500, 520)], list(range(500, 520))):
+        pair.agree(probe)
+    pair.consistent()
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_random_key_sets_agree_with_the_model(pair: Pair, seed: int) -> None:
+    rng = random.Random(seed)
+    pods = [A, B, C]
+    universe = list(range(1, 120))
+    chains = [rng.sample(universe, rng.randint(1, 40)) for _ in range(12)]
+    for _ in range(60):
+        roll = rng.random()
+        chain = rng.choice(chains)
+        if roll < 0.45:
+            start = rng.randrange(len(chain))
+            pair.add(chain[start : start + rng.randint(1, 30)], rng.sample(pods, rng.randint(1, 2)))
+        elif roll < 0.8:
+            key = rng.choice(chain)
+            kind = rng.choice([KeyType.REQUEST, KeyType.ENGINE])
+            pair.evict(key + (10**12 if kind is KeyType.ENGINE else 0), kind, [rng.choice(pods)])
+        elif roll < 0.85:
+            pair.clear(rng.choice(pods).pod_identifier)
+        for probe in (chain, chain[rng.randrange(len(chain)) :], rng.sample(universe, 10)):
+            pair.agree(probe)
+    pair.consistent()
+
+
+def test_expired_speculative_entries_in_a_run_are_left_out(pair: Pair) -> None:
+    spec = PodEntry("pod-s", speculative=True)
+    chain = list(range(1, 33))
+    pair.redis.add(None, chain, [A])
+    pair.redis.add(None, chain[:16], [spec], ttl=0.1)
+    pair.redis.add(None, list(range(100, 120)), [spec], ttl=0.1)  # a run of its own
+    assert pair.redis.lookup(chain)[1] == [A, spec]
+    time.sleep(0.25)
+    assert pair.redis.lookup(chain) == {k: [A] for k in chain}
+    assert pair.redis.lookup(list(range(100, 120))) == {}
+    assert pair.redis.score(chain, WEIGHTS) == {"pod-a": 32.0}
+    while pair.raw.exists(Layout(pair.namespace, 1, b"").sx):
+        pair.redis.add(None, [5000], [A])  # writes reclaim what expired
+    assert pair.redis.lookup(list(range(100, 120))) == {}
+    pair.consistent()
+
+
+def test_a_namespace_of_the_previous_layout_is_refused(
+    redis_server_url: str, namespace: str
+) -> None:
+    raw = redis.Redis.from_url(redis_server_url)
+    raw.hset(
+        f"{namespace}:meta", mapping={"layout": "kvredis-kvblock/1", "bucket_bits": 16, "gen": "g"}
+    )
+    with pytest.raises(NamespaceLayoutError, match="kvredis-kvblock/1"):
+        RedisIndex(RedisIndexConfig(address=redis_server_url, namespace=namespace))
+    raw.close()
+
+
+def test_check_finds_and_repairs_broken_refs_and_runs(pair: Pair) -> None:
+    chain = list(range(1, 41))
+    pair.add(chain, [A])
+    pair.add(list(range(100, 130)), [B])
+    layout = Layout(pair.namespace, 16, b"")
+    runs = sorted(pair.runs())
+    raw = pair.raw
+    # a ref deleted (its run position unreferenced), a ref pointing elsewhere, a run deleted
+    raw.hdel(layout.request_bucket(5), (5).to_bytes(8, "big"))
+    raw.hset(layout.request_bucket(6), (6).to_bytes(8, "big"), runs[0][-4:] + b"\x00\x09")
+    raw.delete(runs[1])
+    config = RedisIndexConfig(address=pair.url, namespace=pair.namespace)
+    with Inspector(config) as inspector:
+        loaded = inspector.layout()
+        assert loaded is not None
+        report = inspector.run(op_check(loaded))
+        found = {f.problem for f in report.findings}
+        assert {Problem.UNREFERENCED_POSITION, Problem.DANGLING_REF} <= found
+        assert not report.ok
+        repaired = inspector.run(op_check(loaded, repair=True))
+        assert repaired.ok
+        # the refs repaired away leave their engine mappings dangling: the next pass drops them
+        again = inspector.run(op_check(loaded, repair=True))
+        assert {f.problem for f in again.findings} <= {Problem.DANGLING_MAPPING}
+        assert inspector.run(op_check(loaded)).findings == []
+    pair.consistent()
+    got = pair.redis.lookup(chain)
+    assert got[5] == [A]  # the unreferenced position got its ref back
+    assert 6 not in got
+    assert pair.redis.lookup(list(range(100, 130))) == {}  # its run was lost
+
+
+def test_check_passes_on_runs_with_holes_and_dump_restore_round_trips(
+    pair: Pair, redis_server_url: str
+) -> None:
+    chain = list(range(1, 80))
+    pair.add(chain, [A, B])
+    pair.add(chain[20:50], [C])
+    pair.evict(40 + 10**12, KeyType.ENGINE, [A, B, C])
+    pair.evict(41, KeyType.REQUEST, [C])
+    config = RedisIndexConfig(address=redis_server_url, namespace=pair.namespace)
+    records: list[dict[str, object]] = []
+    with Inspector(config) as inspector:
+        layout = inspector.layout()
+        assert layout is not None
+        assert inspector.run(op_check(layout)).findings == []
+        inspector.run(op_dump(layout, records.append))
+    before = {k: set(v) for k, v in pair.redis.lookup(chain).items()}
+    after_hole = {k: set(v) for k, v in pair.redis.lookup(chain[41:]).items()}
+    pair.redis.drop_namespace()
+    with Inspector(config) as inspector:
+        inspector.run(op_restore(f"{pair.namespace}:".encode(), records))
+    fresh = RedisIndex(config)
+    try:
+        assert {k: set(v) for k, v in fresh.lookup(chain).items()} == before
+        assert {k: set(v) for k, v in fresh.lookup(chain[41:]).items()} == after_hole
+    finally:
+        fresh.close()
+    pair.consistent()
