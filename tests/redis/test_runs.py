@@ -224,21 +224,147 @@ def test_random_key_sets_agree_with_the_model(pair: Pair, seed: int) -> None:
     pair.consistent()
 
 
-def test_expired_speculative_entries_in_a_run_are_left_out(pair: Pair) -> None:
-    spec = PodEntry("pod-s", speculative=True)
+# -- speculative entries with a ttl on keys of runs (the expiring buckets, includes/expiry) ----
+
+S = PodEntry("pod-s", speculative=True)
+S_CONFIRMED = PodEntry("pod-s", "gpu")
+S_OTHER = PodEntry("pod-b", speculative=True)
+#: Long enough for the checks made while the entries are live.
+TTL = 1.0
+
+
+def add_expiring(pair: Pair, keys: Sequence[int], entries: Sequence[PodEntry]) -> None:
+    """Add with the ttl, the model first (its deadline is then never later than the server's)."""
+    pair.model.add(None, keys, entries, ttl=TTL)
+    pair.redis.add(None, keys, entries, ttl=TTL)
+
+
+def expire(pair: Pair) -> None:
+    """Wait until the server deleted the gate of the expiring buckets (without writing)."""
+    gate = Layout(pair.namespace, 1, b"").sx
+    deadline = time.monotonic() + TTL + 5.0
+    while pair.raw.exists(gate):
+        assert time.monotonic() < deadline, "the gate did not expire"
+        time.sleep(0.05)
+
+
+def expiring_items(pair: Pair, key: int) -> bytes | None:
+    layout = pair.redis._session.state.layout
+    value: bytes | None = pair.raw.hget(layout.expiring_bucket(key), key.to_bytes(8, "big"))
+    return value
+
+
+def test_expiring_entries_on_keys_of_a_run_hit_while_live_and_the_chain_ends_after(
+    pair: Pair,
+) -> None:
     chain = list(range(1, 33))
-    pair.redis.add(None, chain, [A])
-    pair.redis.add(None, chain[:16], [spec], ttl=0.1)
-    pair.redis.add(None, list(range(100, 120)), [spec], ttl=0.1)  # a run of its own
-    assert pair.redis.lookup(chain)[1] == [A, spec]
-    time.sleep(0.25)
-    assert pair.redis.lookup(chain) == {k: [A] for k in chain}
-    assert pair.redis.lookup(list(range(100, 120))) == {}
-    assert pair.redis.score(chain, WEIGHTS) == {"pod-a": 32.0}
-    while pair.raw.exists(Layout(pair.namespace, 1, b"").sx):
-        pair.redis.add(None, [5000], [A])  # writes reclaim what expired
-    assert pair.redis.lookup(list(range(100, 120))) == {}
+    pair.add(chain, [A])
+    tail = list(range(40, 46))  # keys with no request record at all
+    add_expiring(pair, chain[8:16] + tail, [S])
+    assert len(pair.runs()) == 1  # an expiring add never writes into runs
+    layout = pair.redis._session.state.layout
+    assert all(pair.raw.hget(layout.request_bucket(k), k.to_bytes(8, "big")) is None for k in tail)
+    got = pair.agree(chain + tail)  # the walk goes on past the run into expiring-only keys
+    assert len(got) == 38 and got[9] == [A, S] and got[40] == [S] and got[1] == [A]
+    assert len(pair.agree(tail + chain)) == 38  # and into the run after expiring-only keys
+    pair.agree(chain[8:16] + tail)  # pod-s holds the whole of this chain
     pair.consistent()
+    expire(pair)
+    assert pair.agree(chain + tail) == {k: [A] for k in chain}
+    assert pair.agree(tail) == {}
+    assert pair.redis.score(chain + tail, WEIGHTS) == {"pod-a": 32.0}
+    pair.consistent()
+
+
+def test_an_expiring_entry_bridges_a_hole_of_a_run_until_it_expires(pair: Pair) -> None:
+    chain = list(range(1, 41))
+    pair.add(chain, [A])
+    pair.evict(20 + 10**12, KeyType.ENGINE, [A])  # key 20 becomes a hole of the run
+    assert len(pair.agree(chain)) == 19
+    add_expiring(pair, [20], [S])
+    assert len(pair.agree(chain)) == 40  # the chain continues through the hole while live
+    assert pair.agree(chain)[20] == [S]
+    pair.agree(chain[19:])  # a walk starting at the hole
+    pair.consistent()
+    expire(pair)
+    assert len(pair.agree(chain)) == 19
+    pair.consistent()
+
+
+def test_a_confirmation_inside_a_run_replaces_the_pods_expiring_entries_there(
+    pair: Pair,
+) -> None:
+    chain = list(range(1, 33))
+    pair.add(chain, [A])
+    add_expiring(pair, chain[:16], [S])
+    pair.add(chain[4:8], [S_CONFIRMED])  # keys 5..8, held through the run
+    for key in chain[4:8]:
+        assert expiring_items(pair, key) is None
+    for key in (1, 4, 9, 16):
+        assert expiring_items(pair, key) is not None
+    got = pair.agree(chain)
+    assert got[5] == [A, S_CONFIRMED] and got[1] == [A, S]
+    pair.consistent()
+    expire(pair)
+    got = pair.agree(chain)
+    assert got[5] == [A, S_CONFIRMED] and got[1] == [A] and len(got) == 32
+    pair.consistent()
+
+
+def test_a_speculative_entry_added_again_without_a_ttl_moves_back_into_runs(pair: Pair) -> None:
+    chain = list(range(1, 21))
+    add_expiring(pair, chain, [S])
+    assert pair.runs() == []
+    pair.add(chain, [S])  # the same entries without a ttl: they stop expiring
+    assert len(pair.runs()) == 1
+    assert all(expiring_items(pair, k) is None for k in chain)
+    pair.consistent()
+    expire(pair)
+    assert pair.agree(chain) == {k: [S] for k in chain}
+
+
+def test_evict_and_clear_remove_a_pods_entries_from_runs_and_expiring_buckets(
+    pair: Pair,
+) -> None:
+    chain = list(range(1, 33))
+    pair.add(chain, [A, S_CONFIRMED])
+    add_expiring(pair, [*chain[16:], 50, 51], [S])  # inside the run, and past it
+    add_expiring(pair, [60], [S_OTHER])  # another pod's expiring entry stays
+    pair.evict(20 + 10**12, KeyType.ENGINE, [S])  # engine key of a run position
+    assert expiring_items(pair, 20) is None
+    pair.evict(21, KeyType.REQUEST, [S, S_CONFIRMED])
+    assert expiring_items(pair, 21) is None
+    pair.agree([*chain, 50, 51])
+    pair.consistent()
+    pair.clear("pod-s")
+    layout = pair.redis._session.state.layout
+    assert all(expiring_items(pair, k) is None for k in [*chain, 50, 51])
+    assert expiring_items(pair, 60) is not None
+    assert pair.raw.hget(layout.pp, b"pod-s") is None
+    assert pair.agree([*chain, 50, 51]) == {k: [A] for k in chain}
+    assert pair.agree([60]) == {60: [S_OTHER]}
+    pair.consistent()
+
+
+def test_check_and_dump_restore_keep_runs_and_expiring_buckets_apart(
+    pair: Pair, namespace: str
+) -> None:
+    chain = list(range(1, 33))
+    pair.add(chain, [A])
+    add_expiring(pair, [*chain[:10], 70], [S])
+    config = RedisIndexConfig(address=pair.url, namespace=namespace)
+    with Inspector(config) as inspector:
+        layout = inspector.layout()
+        assert layout is not None
+        assert inspector.run(op_check(layout)).findings == []
+        records: list[dict[str, object]] = []
+        inspector.run(op_dump(layout, records.append))
+        copy = f"{namespace}-copy"
+        inspector.run(op_restore(copy.encode() + b":", records))
+    with RedisIndex(RedisIndexConfig(address=pair.url, namespace=copy)) as restored:
+        assert restored.lookup([*chain, 70]) == pair.redis.lookup([*chain, 70])
+    assert read_namespace(pair.raw, copy).problems == []
+    pair.raw.delete(*pair.raw.scan_iter(match=f"{copy}:*"))
 
 
 def test_a_namespace_of_the_previous_layout_is_refused(
