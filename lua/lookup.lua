@@ -13,9 +13,11 @@
               definition was reclaimed); [3..] pairs (n, id list): the next n hit keys of the
               chain hold these (filtered) ids, in chain order; the walk (includes/walk) stops at
               the first key with no (filtered) entry: keys after the miss are never read;
-              expired speculative entries (includes/expiry) are left out
+              expiring speculative entries (includes/expiry) count while live: a key held only
+              by them is a hit
   Complexity  O(hit keys / keys per run + distinct id lists x entries per list) calls and
-              list work, plus O(hit keys) bytes compared ]]
+              list work, plus O(hit keys) bytes compared; O(hit keys) calls while an expiring
+              entry may be live (one EXISTS of the gate key otherwise) ]]
 --@include entries
 --@include expiry
 --@include walk

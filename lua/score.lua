@@ -11,10 +11,11 @@
   ARGV[5+f]   w, the number of tier weights; then w x (tier, weight as a decimal float)
   ARGV[6+f+2w] weight of a tier without an entry in the map
   ARGV[7+f+2w] the request keys in chain order (hash blob)
-  Expired speculative entries (includes/expiry) are left out.
+  Expiring speculative entries (includes/expiry) count while live, as in lookup.
   Returns     flat array pod id, score ("%.17g"), ... in order of first appearance
-  Complexity  O(scored keys / keys per run) calls (the walk: includes/walk), O(scored keys x
-              pods) additions; each distinct id list is weighed once ]]
+  Complexity  O(scored keys / keys per run) calls (the walk: includes/walk; O(scored keys)
+              while an expiring entry may be live), O(scored keys x pods) additions; each
+              distinct id list is weighed once ]]
 --@include entries
 --@include expiry
 --@include walk

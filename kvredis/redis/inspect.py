@@ -310,7 +310,7 @@ class NamespaceStats:
     request_buckets: int = 0
     engine_buckets: int = 0
     runs: int = 0
-    """Runs (request keys stored together, ``<ns>:s:<id>``)."""
+    """Runs (request keys stored together, ``<ns>:c:<id>``)."""
     request_keys: int = 0
     """Request keys holding at least one entry."""
     pairs: int = 0

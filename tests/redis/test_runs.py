@@ -311,7 +311,7 @@ def test_a_confirmation_inside_a_run_replaces_the_pods_expiring_entries_there(
     pair.consistent()
 
 
-def test_a_speculative_entry_added_again_without_a_ttl_moves_back_into_runs(pair: Pair) -> None:
+def test_a_speculative_entry_moves_between_runs_and_expiring_buckets(pair: Pair) -> None:
     chain = list(range(1, 21))
     add_expiring(pair, chain, [S])
     assert pair.runs() == []
@@ -319,8 +319,12 @@ def test_a_speculative_entry_added_again_without_a_ttl_moves_back_into_runs(pair
     assert len(pair.runs()) == 1
     assert all(expiring_items(pair, k) is None for k in chain)
     pair.consistent()
-    expire(pair)
+    add_expiring(pair, chain, [S])  # with a ttl again: out of the run, which empties and goes
+    assert pair.runs() == []
     assert pair.agree(chain) == {k: [S] for k in chain}
+    pair.consistent()
+    expire(pair)
+    assert pair.agree(chain) == {}
 
 
 def test_evict_and_clear_remove_a_pods_entries_from_runs_and_expiring_buckets(
