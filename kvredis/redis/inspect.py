@@ -42,6 +42,9 @@ problem                    what it means                                    repa
                            or holds nothing
 ``unreferenced_position``  a held run position its key does not point to    point the key at it,
                                                                             or make it a hole
+``held_twice``             an id held under a request key both in its       remove the expiring
+                           request record (inline or run) and as an         item
+                           expiring entry
 =========================  ===============================================  =====================
 
 Repairs are plain commands, not one atomic step: run ``check --repair`` while no writer uses the
@@ -421,6 +424,7 @@ class Problem(enum.Enum):
     MALFORMED_RUN = "malformed_run"
     DANGLING_REF = "dangling_ref"
     UNREFERENCED_POSITION = "unreferenced_position"
+    HELD_TWICE = "held_twice"
 
 
 @dataclass(frozen=True, slots=True)
@@ -695,13 +699,19 @@ def op_check(layout: Layout, repair: bool = False, progress: Progress = _noop) -
     refs: dict[bytes, tuple[bytes, bytes]] = {}
     runs: dict[bytes, list[tuple[bytes, bytes]]] = {}
     inline: set[bytes] = set()
+    held: dict[bytes, bytes] = {}  # request key -> its inline ids
+    timed: dict[bytes, tuple[bytes, bytes]] = {}  # request key -> (expiring bucket, items)
 
     def visit(key: bytes, fields: dict[bytes, bytes]) -> None:
         if key.startswith(layout.rprefix):
             _check_request_bucket(c, key, fields, defined, refs)
             inline.update(f for f, v in fields.items() if len(v) != REF_WIDTH)
+            held.update((f, v) for f, v in fields.items() if len(v) != REF_WIDTH)
         elif key.startswith(layout.sprefix):
             expiring[key] = _check_expiring_bucket(c, key, fields, defined, now)
+            timed.update(
+                (f, (key, v)) for f, v in fields.items() if len(v) % EXPIRING_ITEM_WIDTH == 0
+            )
         elif key.startswith(layout.cprefix):
             try:
                 runs[key[len(layout.cprefix) :]] = decode_run(
@@ -716,8 +726,15 @@ def op_check(layout: Layout, repair: bool = False, progress: Progress = _noop) -
 
     yield from op_read_hashes(buckets, visit, progress)
     yield from _check_mappings(c, mappings, map_keys)
-    yield from _check_expiry(c, expiring, _type(gate_type) == "string")
     _check_runs(c, runs, refs, inline, defined)
+    for fld, (_key, ref) in refs.items():
+        rid, pos = decode_ref(ref)
+        run = runs.get(rid, [])
+        if 1 <= pos <= len(run) and run[pos - 1][0] == fld:
+            held[fld] = run[pos - 1][1]
+    # before the expiry probes: a rewritten field gets its expiry back after its HSET
+    yield from _check_held_twice(c, held, timed, defined, now)
+    yield from _check_expiry(c, expiring, _type(gate_type) == "string")
     if c.fixes:
         for fixes in _chunks(c.fixes, KEYS_PER_PIPELINE):
             yield Pipeline(tuple(fixes))
@@ -854,6 +871,44 @@ def _check_expiring_bucket(
         elif kept:
             latest[fld] = max(expiring_item_deadline(i) for i in kept)
     return latest
+
+
+def _check_held_twice(
+    c: _Checker,
+    held: Mapping[bytes, bytes],
+    timed: Mapping[bytes, tuple[bytes, bytes]],
+    defined: set[bytes],
+    now: int,
+) -> Op[None]:
+    """An entry id is held under a request key in its request record (inline or in a run) or as
+    an expiring entry, never both. The repair keeps the request record (it never expires) and
+    rewrites the expiring field without those ids (nor undefined or past-due items), with its
+    field expiry set again (HSET drops it)."""
+    fields_expire: bool | None = None
+    for fld, (key, value) in timed.items():
+        ids = set(_ids(held.get(fld, b"")))
+        items = [
+            value[i : i + EXPIRING_ITEM_WIDTH] for i in range(0, len(value), EXPIRING_ITEM_WIDTH)
+        ]
+        twice = [i for i in items if i[:ID_WIDTH] in ids]
+        if not twice:
+            continue
+        if fields_expire is None:
+            mode = yield Command(("HGET", c.layout.meta, "expiry"))
+            fields_expire = mode is not None and bytes(mode).decode() == EXPIRY_FIELD
+        kept = [
+            i
+            for i in items
+            if i not in twice and i[:ID_WIDTH] in defined and expiring_item_deadline(i) > now
+        ]
+        fix = [Command(("HDEL", key, fld))]
+        if kept:
+            fix = [Command(("HSET", key, fld, b"".join(kept)))]
+            if fields_expire:
+                at = str(max(expiring_item_deadline(i) for i in kept))
+                fix.append(Command(("HPEXPIREAT", key, at, "FIELDS", 1, fld)))
+        detail = f"{len(twice)} ids also held in its request record"
+        c.found(Problem.HELD_TWICE, key, fld, detail, *fix)
 
 
 def _check_expiry(

@@ -22,6 +22,7 @@ from kvredis import (
     RedisIndex,
     RedisIndexConfig,
 )
+from kvredis.redis.codec import encode_entry
 from kvredis.redis.inspect import Inspector, Problem, op_check, op_dump, op_restore
 from kvredis.redis.layout import Layout
 from kvredis.scoring import LongestPrefixScorer
@@ -369,6 +370,33 @@ def test_check_and_dump_restore_keep_runs_and_expiring_buckets_apart(
         assert restored.lookup([*chain, 70]) == pair.redis.lookup([*chain, 70])
     assert read_namespace(pair.raw, copy).problems == []
     pair.raw.delete(*pair.raw.scan_iter(match=f"{copy}:*"))
+
+
+def test_check_repairs_an_id_held_both_in_a_run_and_as_an_expiring_entry(
+    pair: Pair, namespace: str
+) -> None:
+    chain = list(range(1, 33))
+    pair.add(chain, [A])  # a run
+    pair.add([80], [A])  # inline
+    add_expiring(pair, [3, 80], [S])
+    layout = pair.redis._session.state.layout
+    a_id = pair.raw.hget(layout.pe, encode_entry(A))
+    assert a_id is not None
+    for key in (3, 80):  # a foreign write: pod-a's id also as an expiring item of the key
+        items = expiring_items(pair, key)
+        assert items is not None
+        pair.raw.hset(layout.expiring_bucket(key), key.to_bytes(8, "big"), items + a_id + items[4:])
+    assert any("both ways" in p for p in read_namespace(pair.raw, namespace).problems)
+    config = RedisIndexConfig(address=pair.url, namespace=namespace)
+    with Inspector(config) as inspector:
+        report = inspector.run(op_check(layout, repair=True))
+        # (on Valkey the foreign HSETs also dropped the fields' expiry: no_expiry)
+        assert sorted(f.field for f in report.findings if f.problem is Problem.HELD_TWICE) == [
+            k.to_bytes(8, "big") for k in (3, 80)
+        ]
+        assert inspector.run(op_check(layout)).findings == []
+    pair.consistent()
+    pair.agree([*chain, 80])
 
 
 def test_a_namespace_of_the_previous_layout_is_refused(
