@@ -23,7 +23,7 @@ from kvredis import (
     RedisIndexConfig,
 )
 from kvredis.redis.codec import encode_entry
-from kvredis.redis.inspect import Inspector, Problem, op_check, op_dump, op_restore
+from kvredis.redis.inspect import Inspector, Problem, op_check, op_dump, op_restore, op_stats
 from kvredis.redis.layout import Layout
 from kvredis.scoring import LongestPrefixScorer
 from tests.redis.namespace_state import read_namespace
@@ -362,6 +362,8 @@ def test_check_and_dump_restore_keep_runs_and_expiring_buckets_apart(
         layout = inspector.layout()
         assert layout is not None
         assert inspector.run(op_check(layout)).findings == []
+        stats = inspector.run(op_stats(layout, memory=False))
+        assert (stats.runs, stats.expiring_entries, stats.pairs) == (1, 11, 32)
         records: list[dict[str, object]] = []
         inspector.run(op_dump(layout, records.append))
         copy = f"{namespace}-copy"
