@@ -264,38 +264,31 @@ def run(url: str, quick: bool, wanted: set[str], server: Server, seed: int) -> l
         server.raw.flushall(asynchronous=True)
         return Sides(url)
 
+    def dataset(data: Chains, ops: str, picked: bool) -> None:
+        """Load ``data`` into both layouts and measure ``ops`` on its chains (random picks of
+        them with ``picked``)."""
+        sides = fresh()
+        sides.load(data)
+        chains = data.chains
+        if picked:
+            rng = random.Random(seed)
+            chains = [chains[rng.randrange(len(chains))] for _ in range(calls)]
+        rows.extend(read_rows(server, sides, data.name, chains, calls, ops))
+        sides.close()
+
     if section("hot"):
-        sides = fresh()
-        data = families("hot chain, 4 pods", 1, 512, 0, 0, 4, (4, 4), seed)
-        sides.load(data)
-        rows += read_rows(server, sides, data.name, data.chains, calls, "lookup score")
-        sides.close()
+        dataset(families("hot chain, 4 pods", 1, 512, 0, 0, 4, (4, 4), seed), "lookup score", False)
     if section("20k"):
-        sides = fresh()
-        data = families(f"20k chains/{scale}, 8 pods", 1000 // scale, 384, 20, 128, 8, (1, 3), seed)
-        sides.load(data)
-        rng = random.Random(seed)
-        picks = [data.chains[rng.randrange(len(data.chains))] for _ in range(calls)]
-        rows += read_rows(server, sides, data.name, picks, calls, "score")
-        sides.close()
+        name = f"20k chains/{scale}, 8 pods"
+        dataset(families(name, 1000 // scale, 384, 20, 128, 8, (1, 3), seed), "score", True)
     if section("random"):
         for blocks in (50_000, 200_000) if quick else (1_000_000, 4_000_000):
-            sides = fresh()
-            data = families(
-                f"random {blocks:,} blocks, 4 pods", blocks // 512, 512, 0, 0, 4, (1, 4), seed
-            )
-            sides.load(data)
-            rng = random.Random(seed)
-            picks = [data.chains[rng.randrange(len(data.chains))] for _ in range(calls)]
-            rows += read_rows(server, sides, data.name, picks, calls, "score")
-            sides.close()
+            name = f"random {blocks:,} blocks, 4 pods"
+            dataset(families(name, blocks // 512, 512, 0, 0, 4, (1, 4), seed), "score", True)
     if section("pods"):
         for npods in (1, 8, 64):
-            sides = fresh()
-            data = families(f"512 blocks, {npods} pods", 1, 512, 0, 0, npods, (npods, npods), seed)
-            sides.load(data)
-            rows += read_rows(server, sides, data.name, data.chains, calls, "score")
-            sides.close()
+            name = f"512 blocks, {npods} pods"
+            dataset(families(name, 1, 512, 0, 0, npods, (npods, npods), seed), "score", False)
     if section("writes"):
         rows += write_rows(server, fresh(), calls, seed)
     if section("walk"):
