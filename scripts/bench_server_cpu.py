@@ -42,6 +42,7 @@ Run:  .venv/bin/python scripts/bench_server_cpu.py [--quick] [--json PATH] [--ro
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import statistics
@@ -252,10 +253,12 @@ def read_rows(
         yield Row(dataset, "score", *kv, *ref, calls)
 
 
-def run(url: str, quick: bool, wanted: set[str], server: Server, seed: int) -> list[Row]:
+def run(
+    url: str, quick: bool, wanted: set[str], server: Server, seed: int, scale: int | None = None
+) -> list[Row]:
     rows: list[Row] = []
     calls = 100 if quick else 400
-    scale = 20 if quick else 1
+    scale = scale or (20 if quick else 1)
 
     def section(name: str) -> bool:
         return not wanted or name in wanted
@@ -450,7 +453,9 @@ def print_table(rows: list[Row]) -> None:
         print(f"{r.dataset:<30} {r.op:<40} {kv:>20} {ref:>22} {ratio:>7}")
 
 
-def measure_here(quick: bool, rows: str, seed: int, url: str | None) -> tuple[bool, list[Row]]:
+def measure_here(
+    quick: bool, rows: str, seed: int, url: str | None, scale: int | None = None
+) -> tuple[bool, list[Row]]:
     """Run the rows on the kvredis this process imports; (server pinned, rows)."""
     wanted = {w for w in rows.split(",") if w}
     own = None if url else RedisServer()
@@ -463,7 +468,7 @@ def measure_here(quick: bool, rows: str, seed: int, url: str | None) -> tuple[bo
         pinned = pid is not None and pin(pid)
         server = Server(address, pid)
         server.calibrate()
-        out = run(address, quick, wanted, server, seed)
+        out = run(address, quick, wanted, server, seed, scale)
         server.close()
     finally:
         if own is not None:
@@ -474,15 +479,20 @@ def measure_here(quick: bool, rows: str, seed: int, url: str | None) -> tuple[bo
 def _children(scripts: Sequence[Path], args: list[str]) -> list[list[Row]]:
     """Run the rows on each side at the same time (each side has its own server), so both
     see the same machine."""
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), *args, "--json", "-"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+    procs = []
+    for script in scripts:
+        # kvredis from the script's own tree: ahead of the editable install (PYTHONPATH comes
+        # before site-packages)
+        env = dict(os.environ, PYTHONPATH=str(script.parents[1]))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script), *args, "--json", "-"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
         )
-        for script in scripts
-    ]
     out = []
     for script, proc in zip(scripts, procs, strict=True):
         stdout, stderr = proc.communicate()
@@ -532,6 +542,9 @@ def main(argv: list[str] | None = None) -> int:
         "--rows", default="", help="comma-separated: hot,20k,random,pods,writes,walk"
     )
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--scale", type=int, help="1/N of the 20k-chain families (default 1, 20 with --quick)"
+    )
     parser.add_argument("--base", help="git revision to compare this checkout with")
     parser.add_argument("--rounds", type=int, default=3, help="runs per side with --base")
     args = parser.parse_args(argv)
@@ -553,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             write_json(args.json, table)
         return 0
-    pinned, rows = measure_here(args.quick, args.rows, args.seed, args.url)
+    pinned, rows = measure_here(args.quick, args.rows, args.seed, args.url, args.scale)
     if args.json == "-":
         write_json("-", [asdict(r) | {"ratio": r.ratio} for r in rows])
         return 0
