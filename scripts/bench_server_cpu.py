@@ -552,6 +552,7 @@ def main(argv: list[str] | None = None) -> int:
         child = ["--rows", args.rows, "--seed", str(args.seed)] + (
             ["--quick"] if args.quick else []
         )
+        child += ["--scale", str(args.scale)] if args.scale else []
         table = compare(args.base, args.rounds, child)
         print(
             f"{'dataset':<30} {'op':<40} {'before':>8} {'after':>8} {'after/before':>12}"
