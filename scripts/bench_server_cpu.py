@@ -42,6 +42,7 @@ Run:  .venv/bin/python scripts/bench_server_cpu.py [--quick] [--json PATH] [--ro
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import statistics
@@ -252,10 +253,12 @@ def read_rows(
         yield Row(dataset, "score", *kv, *ref, calls)
 
 
-def run(url: str, quick: bool, wanted: set[str], server: Server, seed: int) -> list[Row]:
+def run(
+    url: str, quick: bool, wanted: set[str], server: Server, seed: int, scale: int | None = None
+) -> list[Row]:
     rows: list[Row] = []
     calls = 100 if quick else 400
-    scale = 20 if quick else 1
+    scale = scale or (20 if quick else 1)
 
     def section(name: str) -> bool:
         return not wanted or name in wanted
@@ -264,38 +267,31 @@ def run(url: str, quick: bool, wanted: set[str], server: Server, seed: int) -> l
         server.raw.flushall(asynchronous=True)
         return Sides(url)
 
+    def dataset(data: Chains, ops: str, picked: bool) -> None:
+        """Load ``data`` into both layouts and measure ``ops`` on its chains (random picks of
+        them with ``picked``)."""
+        sides = fresh()
+        sides.load(data)
+        chains = data.chains
+        if picked:
+            rng = random.Random(seed)
+            chains = [chains[rng.randrange(len(chains))] for _ in range(calls)]
+        rows.extend(read_rows(server, sides, data.name, chains, calls, ops))
+        sides.close()
+
     if section("hot"):
-        sides = fresh()
-        data = families("hot chain, 4 pods", 1, 512, 0, 0, 4, (4, 4), seed)
-        sides.load(data)
-        rows += read_rows(server, sides, data.name, data.chains, calls, "lookup score")
-        sides.close()
+        dataset(families("hot chain, 4 pods", 1, 512, 0, 0, 4, (4, 4), seed), "lookup score", False)
     if section("20k"):
-        sides = fresh()
-        data = families(f"20k chains/{scale}, 8 pods", 1000 // scale, 384, 20, 128, 8, (1, 3), seed)
-        sides.load(data)
-        rng = random.Random(seed)
-        picks = [data.chains[rng.randrange(len(data.chains))] for _ in range(calls)]
-        rows += read_rows(server, sides, data.name, picks, calls, "score")
-        sides.close()
+        name = f"20k chains/{scale}, 8 pods"
+        dataset(families(name, 1000 // scale, 384, 20, 128, 8, (1, 3), seed), "score", True)
     if section("random"):
         for blocks in (50_000, 200_000) if quick else (1_000_000, 4_000_000):
-            sides = fresh()
-            data = families(
-                f"random {blocks:,} blocks, 4 pods", blocks // 512, 512, 0, 0, 4, (1, 4), seed
-            )
-            sides.load(data)
-            rng = random.Random(seed)
-            picks = [data.chains[rng.randrange(len(data.chains))] for _ in range(calls)]
-            rows += read_rows(server, sides, data.name, picks, calls, "score")
-            sides.close()
+            name = f"random {blocks:,} blocks, 4 pods"
+            dataset(families(name, blocks // 512, 512, 0, 0, 4, (1, 4), seed), "score", True)
     if section("pods"):
         for npods in (1, 8, 64):
-            sides = fresh()
-            data = families(f"512 blocks, {npods} pods", 1, 512, 0, 0, npods, (npods, npods), seed)
-            sides.load(data)
-            rows += read_rows(server, sides, data.name, data.chains, calls, "score")
-            sides.close()
+            name = f"512 blocks, {npods} pods"
+            dataset(families(name, 1, 512, 0, 0, npods, (npods, npods), seed), "score", False)
     if section("writes"):
         rows += write_rows(server, fresh(), calls, seed)
     if section("walk"):
@@ -457,7 +453,9 @@ def print_table(rows: list[Row]) -> None:
         print(f"{r.dataset:<30} {r.op:<40} {kv:>20} {ref:>22} {ratio:>7}")
 
 
-def measure_here(quick: bool, rows: str, seed: int, url: str | None) -> tuple[bool, list[Row]]:
+def measure_here(
+    quick: bool, rows: str, seed: int, url: str | None, scale: int | None = None
+) -> tuple[bool, list[Row]]:
     """Run the rows on the kvredis this process imports; (server pinned, rows)."""
     wanted = {w for w in rows.split(",") if w}
     own = None if url else RedisServer()
@@ -470,7 +468,7 @@ def measure_here(quick: bool, rows: str, seed: int, url: str | None) -> tuple[bo
         pinned = pid is not None and pin(pid)
         server = Server(address, pid)
         server.calibrate()
-        out = run(address, quick, wanted, server, seed)
+        out = run(address, quick, wanted, server, seed, scale)
         server.close()
     finally:
         if own is not None:
@@ -481,15 +479,20 @@ def measure_here(quick: bool, rows: str, seed: int, url: str | None) -> tuple[bo
 def _children(scripts: Sequence[Path], args: list[str]) -> list[list[Row]]:
     """Run the rows on each side at the same time (each side has its own server), so both
     see the same machine."""
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), *args, "--json", "-"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+    procs = []
+    for script in scripts:
+        # kvredis from the script's own tree: ahead of the editable install (PYTHONPATH comes
+        # before site-packages)
+        env = dict(os.environ, PYTHONPATH=str(script.parents[1]))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script), *args, "--json", "-"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
         )
-        for script in scripts
-    ]
     out = []
     for script, proc in zip(scripts, procs, strict=True):
         stdout, stderr = proc.communicate()
@@ -539,6 +542,9 @@ def main(argv: list[str] | None = None) -> int:
         "--rows", default="", help="comma-separated: hot,20k,random,pods,writes,walk"
     )
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--scale", type=int, help="1/N of the 20k-chain families (default 1, 20 with --quick)"
+    )
     parser.add_argument("--base", help="git revision to compare this checkout with")
     parser.add_argument("--rounds", type=int, default=3, help="runs per side with --base")
     args = parser.parse_args(argv)
@@ -546,6 +552,7 @@ def main(argv: list[str] | None = None) -> int:
         child = ["--rows", args.rows, "--seed", str(args.seed)] + (
             ["--quick"] if args.quick else []
         )
+        child += ["--scale", str(args.scale)] if args.scale else []
         table = compare(args.base, args.rounds, child)
         print(
             f"{'dataset':<30} {'op':<40} {'before':>8} {'after':>8} {'after/before':>12}"
@@ -560,7 +567,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             write_json(args.json, table)
         return 0
-    pinned, rows = measure_here(args.quick, args.rows, args.seed, args.url)
+    pinned, rows = measure_here(args.quick, args.rows, args.seed, args.url, args.scale)
     if args.json == "-":
         write_json("-", [asdict(r) | {"ratio": r.ratio} for r in rows])
         return 0
