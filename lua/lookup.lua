@@ -10,13 +10,17 @@
   Returns     array: [1] the id up to which the client now knows every definition (the
               client's one plus at most 256 of the ids allocated after it); [2] flat (id, encoded
               entry) definitions of those ids and of hit ids above them ("" for an id whose
-              definition was reclaimed); [3..] one id list per
-              hit key, in chain order (filtered); the walk stops at the first key with no
-              (filtered) entry: keys after the miss are never read; expired speculative
-              entries (includes/expiry) are left out
-  Complexity  O(hit keys x entries per key) ]]
+              definition was reclaimed); [3..] pairs (n, id list): the next n hit keys of the
+              chain hold these (filtered) ids, in chain order; the walk (includes/walk) stops at
+              the first key with no (filtered) entry: keys after the miss are never read;
+              expiring speculative entries (includes/expiry) count while live: a key held only
+              by them is a hit
+  Complexity  O(hit keys / keys per run + distinct id lists x entries per list) calls and
+              list work, plus O(hit keys) bytes compared; O(hit keys) calls while an expiring
+              entry may be live (one EXISTS of the gate key otherwise) ]]
 --@include entries
 --@include expiry
+--@include walk
 local meta = redis.call('HMGET', KEYS[1], 'gen', 'next_id')
 if meta[1] ~= ARGV[1] then fail('STALE', 'namespace layout changed or was removed; reload it') end
 local rbucket = bucket_namer(ARGV[2], ARGV[3])
@@ -40,16 +44,25 @@ for n = floor + 1, upto do
   seen[id] = true
   unknown[#unknown + 1] = id
 end
-for i = 1, #chain, HASH_WIDTH do
-  local h = string.sub(chain, i, i + HASH_WIDTH - 1)
-  local ids = redis.call('HGET', rbucket(h), h)
-  if expiring then ids = expiring(h, ids) end
-  if not ids then break end
+local filtered = {}
+local last = nil
+walk_chain(chain, rbucket, run_prefix(ARGV[2]), expiring, function(ids, n)
   if allowed then
-    ids = list_only(ids, allowed, ID_WIDTH)
-    if ids == '' then break end
+    local kept = filtered[ids]
+    if kept == nil then
+      kept = list_only(ids, allowed, ID_WIDTH)
+      filtered[ids] = kept
+    end
+    ids = kept
+    if ids == '' then return false end
   end
-  out[#out + 1] = ids
+  if last and out[#out] == ids then
+    out[#out - 1] = out[#out - 1] + n
+  else
+    out[#out + 1] = n
+    out[#out + 1] = ids
+  end
+  last = true
   if want_defs and not seen_lists[ids] then
     seen_lists[ids] = true
     for j = 1, #ids, ID_WIDTH do
@@ -60,7 +73,8 @@ for i = 1, #chain, HASH_WIDTH do
       end
     end
   end
-end
+  return true
+end)
 if #unknown > 0 then
   local defs = hmget(KEYS[2], unknown)
   local flat = out[2]

@@ -11,11 +11,14 @@
   ARGV[5+f]   w, the number of tier weights; then w x (tier, weight as a decimal float)
   ARGV[6+f+2w] weight of a tier without an entry in the map
   ARGV[7+f+2w] the request keys in chain order (hash blob)
-  Expired speculative entries (includes/expiry) are left out.
+  Expiring speculative entries (includes/expiry) count while live, as in lookup.
   Returns     flat array pod id, score ("%.17g"), ... in order of first appearance
-  Complexity  O(scored keys x entries per key); each distinct id list is weighed once ]]
+  Complexity  O(scored keys / keys per run) calls (the walk: includes/walk; O(scored keys)
+              while an expiring entry may be live), O(scored keys x pods) additions; each
+              distinct id list is weighed once ]]
 --@include entries
 --@include expiry
+--@include walk
 check_gen(KEYS[1], ARGV[1])
 local rbucket = bucket_namer(ARGV[2], ARGV[3])
 local nf = tonumber(ARGV[4])
@@ -75,40 +78,43 @@ end
 
 local order, scores, active = {}, {}, {}
 local first, previous = true, nil
-for i = 1, #chain, HASH_WIDTH do
-  local h = string.sub(chain, i, i + HASH_WIDTH - 1)
-  local ids = redis.call('HGET', rbucket(h), h)
-  if expiring then ids = expiring(h, ids) end
-  if not ids then break end
+walk_chain(chain, rbucket, run_prefix(ARGV[2]), expiring, function(ids, n)
   local w = weigh(ids)
-  local left = 0
+  local best = w.best
   if ids == previous then
-    -- the same holders as the previous key: every active pod holds this key too
-    for _, pod in ipairs(active) do scores[pod] = scores[pod] + w.best[pod] end
-    left = #active
-  elseif first then
+    -- the same holders as the previous keys: every active pod holds these keys too
+    for _, pod in ipairs(active) do
+      local s, b = scores[pod], best[pod]
+      for _ = 1, n do s = s + b end
+      scores[pod] = s
+    end
+    return true
+  end
+  local still = {}
+  if first then
     first = false
     for _, pod in ipairs(w.pods) do
       order[#order + 1] = pod
-      scores[pod] = w.best[pod]
-      active[#active + 1] = pod
+      local s, b = best[pod], best[pod]
+      for _ = 2, n do s = s + b end
+      scores[pod] = s
+      still[#still + 1] = pod
     end
-    left = #active
   else
-    local still = {}
     for _, pod in ipairs(active) do
-      local weight = w.best[pod]
-      if weight then
-        scores[pod] = scores[pod] + weight
+      local b = best[pod]
+      if b then
+        local s = scores[pod]
+        for _ = 1, n do s = s + b end
+        scores[pod] = s
         still[#still + 1] = pod
       end
     end
-    active = still
-    left = #still
   end
-  if left == 0 then break end
+  active = still
   previous = ids
-end
+  return #still > 0
+end)
 local out = {}
 for _, pod in ipairs(order) do
   out[#out + 1] = pod

@@ -101,3 +101,53 @@ def decode_entry(data: bytes) -> PodEntry:
 def escape_glob(data: bytes) -> bytes:
     """``data`` with the glob characters of SCAN MATCH escaped (``* ? [ ] \\``)."""
     return bytes(b for c in data for b in ((92, c) if c in _GLOB_SPECIAL else (c,)))
+
+
+#: Width of a ref to a run position: u32 run id, u16 position (1-based). Id lists are multiples
+#: of 4 bytes, so a request bucket value of this width is a ref.
+REF_WIDTH = 6
+_RANGE = struct.Struct(">HH")
+
+
+def decode_ref(value: bytes) -> tuple[bytes, int]:
+    """(run id, position) of a ref."""
+    return value[:4], int.from_bytes(value[4:6], "big")
+
+
+def encode_ref(run_id: bytes, position: int) -> bytes:
+    """The ref to position ``position`` of run ``run_id``."""
+    return run_id + position.to_bytes(2, "big")
+
+
+def decode_run(keys: bytes, ranges: bytes) -> list[tuple[bytes, bytes]]:
+    """(request key, id list) per position of a run (``b""`` for a hole), from its fields ``k``
+    (keys) and ``r`` (ranges: ``u16 last position | u16 count | ids``, see
+    ``lua/includes/runs.lua``); raises NamespaceLayoutError on a malformed run."""
+    out: list[tuple[bytes, bytes]] = []
+    at = 0
+    while at < len(ranges):
+        if at + 4 > len(ranges):
+            raise NamespaceLayoutError("run ranges cut short")
+        last, count = _RANGE.unpack_from(ranges, at)
+        ids = ranges[at + 4 : at + 4 + ID_WIDTH * count]
+        at += 4 + ID_WIDTH * count
+        if len(ids) != ID_WIDTH * count or last <= len(out) or last * HASH_WIDTH > len(keys):
+            raise NamespaceLayoutError("run ranges out of order or past the keys")
+        for pos in range(len(out), last):
+            out.append((keys[pos * HASH_WIDTH : (pos + 1) * HASH_WIDTH], ids))
+    if len(out) * HASH_WIDTH != len(keys) or not out or not out[-1][1]:
+        raise NamespaceLayoutError("run ranges do not cover its keys, or end in a hole")
+    return out
+
+
+def encode_run(positions: Sequence[tuple[bytes, bytes]]) -> tuple[bytes, bytes]:
+    """The fields ``k`` and ``r`` of a run holding ``positions`` (trailing holes cut off)."""
+    kept = list(positions)
+    while kept and not kept[-1][1]:
+        kept.pop()
+    ranges: list[bytes] = []
+    for pos, (_key, ids) in enumerate(kept, 1):
+        if pos < len(kept) and kept[pos][1] == ids:
+            continue
+        ranges.append(_RANGE.pack(pos, len(ids) // ID_WIDTH) + ids)
+    return b"".join(k for k, _ in kept), b"".join(ranges)

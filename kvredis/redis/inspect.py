@@ -23,7 +23,8 @@ problem                    what it means                                    repa
 ``duplicate_definition``   two ids define the same entry                    (reported only)
 ``empty_field``            a bucket field with nothing in it                delete the field
 ``malformed_field``        a field or value of the wrong shape              delete the field
-``unknown_id``             a request key holding an undefined id            remove the id
+``unknown_id``             a request key (or run range) holding an          remove the id
+                           undefined id
 ``duplicate_id``           an id listed twice under one request key         keep one
 ``misplaced_field``        a field in a bucket its hash does not select     move it
 ``dangling_mapping``       an engine key none of whose request keys exist   delete the mapping
@@ -36,6 +37,14 @@ problem                    what it means                                    repa
                            expiry) the server would never delete            deadline held
 ``expiry_gate``            the gate ``sx`` ends before an expiring entry    move it to the latest
                            (lookups would not see that entry)               deadline
+``malformed_run``          a run whose fields do not decode                 delete it and its refs
+``dangling_ref``           a ref to a run position that is not its key's,   delete the ref
+                           or holds nothing
+``unreferenced_position``  a held run position its key does not point to    point the key at it,
+                                                                            or make it a hole
+``held_twice``             an id held under a request key both in its       remove the expiring
+                           request record (inline or run) and as an         item
+                           expiring entry
 =========================  ===============================================  =====================
 
 Repairs are plain commands, not one atomic step: run ``check --repair`` while no writer uses the
@@ -51,7 +60,17 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from kvredis.errors import NamespaceLayoutError
-from kvredis.redis.codec import HASH_WIDTH, ID_WIDTH, bytes_text, decode_entry
+from kvredis.redis.codec import (
+    HASH_WIDTH,
+    ID_WIDTH,
+    REF_WIDTH,
+    bytes_text,
+    decode_entry,
+    decode_ref,
+    decode_run,
+    encode_ref,
+    encode_run,
+)
 from kvredis.redis.config import RedisIndexConfig
 from kvredis.redis.executor import SyncExecutor
 from kvredis.redis.layout import (
@@ -140,7 +159,7 @@ def _fixed_keys(layout: Layout) -> list[bytes]:
 
 def op_namespace_keys(layout: Layout) -> Op[list[bytes]]:
     """Every key of the namespace's layout: its records (and the gate ``sx``), then its
-    request, engine and expiring buckets.
+    request, engine and expiring buckets, then its runs.
 
     Only the layout's own names and bucket patterns are read, so the keys of another namespace
     are never included, whatever the two names.
@@ -151,6 +170,7 @@ def op_namespace_keys(layout: Layout) -> Op[list[bytes]]:
     keys += yield from op_scan(layout.request_pattern())
     keys += yield from op_scan(layout.engine_pattern())
     keys += yield from op_scan(layout.expiring_pattern())
+    keys += yield from op_scan(layout.run_pattern())
     return keys
 
 
@@ -299,6 +319,8 @@ class NamespaceStats:
     """Keys of the namespace (records and buckets)."""
     request_buckets: int = 0
     engine_buckets: int = 0
+    runs: int = 0
+    """Runs (request keys stored together, ``<ns>:c:<id>``)."""
     request_keys: int = 0
     """Request keys holding at least one entry."""
     pairs: int = 0
@@ -345,7 +367,16 @@ def op_stats(layout: Layout, progress: Progress = _noop, memory: bool = True) ->
             stats.request_buckets += 1
             stats.request_keys += len(fields)
             for value in fields.values():
-                per_id.update(_ids(value))
+                if len(value) != REF_WIDTH:  # refs: counted with their runs
+                    per_id.update(_ids(value))
+        elif key.startswith(layout.cprefix):
+            stats.runs += 1
+            try:
+                positions = decode_run(fields.get(b"k", b""), fields.get(b"r", b""))
+            except NamespaceLayoutError:
+                return
+            for _key, ids in positions:
+                per_id.update(_ids(ids))
         elif key.startswith(layout.eprefix):
             stats.engine_buckets += 1
             stats.engine_keys += len(fields)
@@ -358,7 +389,8 @@ def op_stats(layout: Layout, progress: Progress = _noop, memory: bool = True) ->
                     if expiring_item_deadline(item) > now:
                         live[item[:ID_WIDTH]] += 1
 
-    buckets = [k for k in keys if k.startswith((layout.rprefix, layout.eprefix, layout.sprefix))]
+    kinds = (layout.rprefix, layout.eprefix, layout.sprefix, layout.cprefix)
+    buckets = [k for k in keys if k.startswith(kinds)]
     yield from op_read_hashes(buckets, visit, progress)
     stats.pairs = sum(per_id.values())
     pods: dict[str, dict[str, int]] = {}
@@ -405,6 +437,10 @@ class Problem(enum.Enum):
     EXPIRED_SPECULATIVE = "expired_speculative"
     NO_EXPIRY = "no_expiry"
     EXPIRY_GATE = "expiry_gate"
+    MALFORMED_RUN = "malformed_run"
+    DANGLING_REF = "dangling_ref"
+    UNREFERENCED_POSITION = "unreferenced_position"
+    HELD_TWICE = "held_twice"
 
 
 @dataclass(frozen=True, slots=True)
@@ -460,6 +496,7 @@ class _Checker:
         self.fixes: list[Command] = []
         self.foreign: set[bytes] = set()
         """Keys of the layout holding another type: reported, never written to."""
+        self._fixing: set[Command] = set()
 
     def found(
         self, problem: Problem, key: bytes, fld: bytes | None, detail: str, *fix: Command
@@ -468,7 +505,10 @@ class _Checker:
         fixable = bool(fix) and self.repair and writable
         self.findings.append(Finding(problem, key, fld, detail, fixable))
         if fixable:
-            self.fixes.extend(fix)
+            for command in fix:  # a run rewrite repairs several findings: written once
+                if command not in self._fixing:
+                    self._fixing.add(command)
+                    self.fixes.append(command)
 
 
 def _check_dictionary(c: _Checker, d: Dictionary) -> set[bytes]:
@@ -588,10 +628,17 @@ def _well_formed(c: _Checker, key: bytes, fld: bytes, value: bytes, width: int, 
 
 
 def _check_request_bucket(
-    c: _Checker, key: bytes, fields: dict[bytes, bytes], defined: set[bytes]
+    c: _Checker,
+    key: bytes,
+    fields: dict[bytes, bytes],
+    defined: set[bytes],
+    refs: dict[bytes, tuple[bytes, bytes]],
 ) -> None:
     lay = c.layout
     for fld, value in fields.items():
+        if len(fld) == HASH_WIDTH and len(value) == REF_WIDTH:
+            refs[fld] = (key, value)  # checked against the runs (_check_runs)
+            continue
         if not _well_formed(c, key, fld, value, ID_WIDTH, "request"):
             continue
         ids = _ids(value)
@@ -670,11 +717,29 @@ def op_check(layout: Layout, repair: bool = False, progress: Progress = _noop) -
     now = int(sec) * 1000 + int(usec) // 1000
     expiring: dict[bytes, dict[bytes, int]] = {}
 
+    refs: dict[bytes, tuple[bytes, bytes]] = {}
+    runs: dict[bytes, list[tuple[bytes, bytes]]] = {}
+    inline: set[bytes] = set()
+    held: dict[bytes, bytes] = {}  # request key -> its inline ids
+    timed: dict[bytes, tuple[bytes, bytes]] = {}  # request key -> (expiring bucket, items)
+
     def visit(key: bytes, fields: dict[bytes, bytes]) -> None:
         if key.startswith(layout.rprefix):
-            _check_request_bucket(c, key, fields, defined)
+            _check_request_bucket(c, key, fields, defined, refs)
+            inline.update(f for f, v in fields.items() if len(v) != REF_WIDTH)
+            held.update((f, v) for f, v in fields.items() if len(v) != REF_WIDTH)
         elif key.startswith(layout.sprefix):
             expiring[key] = _check_expiring_bucket(c, key, fields, defined, now)
+            timed.update(
+                (f, (key, v)) for f, v in fields.items() if len(v) % EXPIRING_ITEM_WIDTH == 0
+            )
+        elif key.startswith(layout.cprefix):
+            try:
+                runs[key[len(layout.cprefix) :]] = decode_run(
+                    fields.get(b"k", b""), fields.get(b"r", b"")
+                )
+            except NamespaceLayoutError as exc:
+                c.found(Problem.MALFORMED_RUN, key, None, str(exc), Command(("DEL", key)))
         else:
             for m in _check_engine_bucket(c, key, fields):
                 mappings.append(m)
@@ -682,6 +747,14 @@ def op_check(layout: Layout, repair: bool = False, progress: Progress = _noop) -
 
     yield from op_read_hashes(buckets, visit, progress)
     yield from _check_mappings(c, mappings, map_keys)
+    _check_runs(c, runs, refs, inline, defined)
+    for fld, (_key, ref) in refs.items():
+        rid, pos = decode_ref(ref)
+        run = runs.get(rid, [])
+        if 1 <= pos <= len(run) and run[pos - 1][0] == fld:
+            held[fld] = run[pos - 1][1]
+    # before the expiry probes: a rewritten field gets its expiry back after its HSET
+    yield from _check_held_twice(c, held, timed, defined, now)
     yield from _check_expiry(c, expiring, _type(gate_type) == "string")
     if c.fixes:
         for fixes in _chunks(c.fixes, KEYS_PER_PIPELINE):
@@ -720,6 +793,72 @@ def _check_mappings(
             )
 
 
+def _check_runs(
+    c: _Checker,
+    runs: dict[bytes, list[tuple[bytes, bytes]]],
+    refs: dict[bytes, tuple[bytes, bytes]],
+    inline: set[bytes],
+    defined: set[bytes],
+) -> None:
+    """Check refs against runs and runs against refs, and the ids of runs (undefined ones).
+
+    Repairs rewrite a run once with all its changed positions (a position left without ids
+    becomes a hole and its key's ref goes). Runs never hold expiring entries (those live in the
+    expiring buckets).
+    """
+    lay = c.layout
+    edits: dict[bytes, dict[int, bytes]] = {}
+    notes: dict[bytes, list[tuple[Problem, bytes, str, list[Command]]]] = {}
+    valid: dict[bytes, tuple[bytes, int]] = {}
+    for fld, (key, value) in refs.items():
+        rid, pos = decode_ref(value)
+        run = runs.get(rid)
+        if run and 1 <= pos <= len(run) and run[pos - 1][0] == fld and run[pos - 1][1]:
+            valid[fld] = (rid, pos)
+        else:
+            c.found(
+                Problem.DANGLING_REF,
+                key,
+                fld,
+                f"points at {rid.hex()}:{pos}, which is not its",
+                Command(("HDEL", key, fld)),
+            )
+    for rid, run in runs.items():
+        run_key = lay.run_key(rid)
+        for pos, (fld, ids) in enumerate(run, 1):
+            if not ids:
+                continue
+            home = lay.request_bucket(int.from_bytes(fld, "big"))
+            if valid.get(fld) != (rid, pos):
+                if fld in refs or fld in inline:  # the key is held elsewhere
+                    edits.setdefault(rid, {})[pos] = b""
+                    fix = []
+                else:
+                    fix = [Command(("HSET", home, fld, encode_ref(rid, pos)))]
+                detail = f"position {pos} not pointed at by its key"
+                notes.setdefault(rid, []).append((Problem.UNREFERENCED_POSITION, fld, detail, fix))
+                continue
+            kept = [i for i in dict.fromkeys(_ids(ids)) if i in defined]
+            if len(kept) * ID_WIDTH != len(ids):
+                detail = f"{len(ids) // ID_WIDTH - len(kept)} undefined or repeated ids"
+                fix = [] if kept else [Command(("HDEL", home, fld))]
+                notes.setdefault(rid, []).append((Problem.UNKNOWN_ID, fld, detail, fix))
+                edits.setdefault(rid, {})[pos] = b"".join(kept)
+        for problem, fld, detail, fix in notes.get(rid, []):
+            c.found(problem, run_key, fld, detail, *fix, *_rewrite(run_key, run, edits.get(rid)))
+
+
+def _rewrite(
+    run_key: bytes, run: list[tuple[bytes, bytes]], edits: dict[int, bytes] | None
+) -> list[Command]:
+    if not edits:
+        return []
+    keys, ranges = encode_run([(k, edits.get(p, ids)) for p, (k, ids) in enumerate(run, 1)])
+    if not keys:
+        return [Command(("DEL", run_key))]
+    return [Command(("DEL", run_key)), Command(("HSET", run_key, b"k", keys, b"r", ranges))]
+
+
 def _check_expiring_bucket(
     c: _Checker, key: bytes, fields: dict[bytes, bytes], defined: set[bytes], now: int
 ) -> dict[bytes, int]:
@@ -753,6 +892,44 @@ def _check_expiring_bucket(
         elif kept:
             latest[fld] = max(expiring_item_deadline(i) for i in kept)
     return latest
+
+
+def _check_held_twice(
+    c: _Checker,
+    held: Mapping[bytes, bytes],
+    timed: Mapping[bytes, tuple[bytes, bytes]],
+    defined: set[bytes],
+    now: int,
+) -> Op[None]:
+    """An entry id is held under a request key in its request record (inline or in a run) or as
+    an expiring entry, never both. The repair keeps the request record (it never expires) and
+    rewrites the expiring field without those ids (nor undefined or past-due items), with its
+    field expiry set again (HSET drops it)."""
+    fields_expire: bool | None = None
+    for fld, (key, value) in timed.items():
+        ids = set(_ids(held.get(fld, b"")))
+        items = [
+            value[i : i + EXPIRING_ITEM_WIDTH] for i in range(0, len(value), EXPIRING_ITEM_WIDTH)
+        ]
+        twice = [i for i in items if i[:ID_WIDTH] in ids]
+        if not twice:
+            continue
+        if fields_expire is None:
+            mode = yield Command(("HGET", c.layout.meta, "expiry"))
+            fields_expire = mode is not None and bytes(mode).decode() == EXPIRY_FIELD
+        kept = [
+            i
+            for i in items
+            if i not in twice and i[:ID_WIDTH] in defined and expiring_item_deadline(i) > now
+        ]
+        fix = [Command(("HDEL", key, fld))]
+        if kept:
+            fix = [Command(("HSET", key, fld, b"".join(kept)))]
+            if fields_expire:
+                at = str(max(expiring_item_deadline(i) for i in kept))
+                fix.append(Command(("HPEXPIREAT", key, at, "FIELDS", 1, fld)))
+        detail = f"{len(twice)} ids also held in its request record"
+        c.found(Problem.HELD_TWICE, key, fld, detail, *fix)
 
 
 def _check_expiry(

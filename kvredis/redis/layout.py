@@ -4,19 +4,24 @@ Key layout of a namespace ``<ns>`` (all keys start with ``<ns>:``)::
 
     key              type  content
     <ns>:meta        HASH  layout (LAYOUT_VERSION), bucket_bits, gen (random token of this
-                           incarnation), next_id (last entry id allocated), expiry (how
-                           expiring entries expire: "field" or "key", see below)
+                           incarnation), next_id (last entry id allocated), next_run (last
+                           run id allocated), expiry (how expiring entries expire: "field"
+                           or "key", see below)
     <ns>:pe          HASH  encoded entry -> 4-byte entry id
     <ns>:pi          HASH  4-byte entry id -> encoded entry (ids are never reused); also the
-                           fields next_id, bucket_bits and expiry, from which a lost meta
-                           record heals
+                           fields next_id, bucket_bits, expiry and next_run, from which a
+                           lost meta record heals
     <ns>:pp          HASH  pod id -> the pod's entry ids (id list)
     <ns>:wm          HASH  stream -> "epoch:seq:token" (apply_batch watermarks; token: the call
                            that applied it)
     <ns>:sx          STR   the latest deadline (ms, server clock) of any expiring entry;
                            expires then (the gate of the expiring buckets)
     <ns>:wp          HASH  stream -> "epoch:seq:token:part", a batch being applied in parts
-    <ns>:r:<bucket>  HASH  8-byte request key -> entry ids (id list), oldest added first
+    <ns>:r:<bucket>  HASH  8-byte request key -> entry ids (id list), oldest added first, or
+                           the 6-byte ref (u32 run id, u16 position) of the run holding it
+    <ns>:c:<run id>  HASH  a chain run: request keys stored together (RUN_MAX at most),
+                           fields k (their keys in chain order) and r (ranges of positions
+                           holding the same ids): see lua/includes/runs.lua
     <ns>:e:<bucket>  HASH  8-byte engine key -> request keys (hash list), most recent last,
                            at most MAX_REQUEST_KEYS_PER_ENGINE_KEY
     <ns>:s:<bucket>  HASH  8-byte request key -> its expiring speculative entries: 12-byte
@@ -25,6 +30,12 @@ Key layout of a namespace ``<ns>`` (all keys start with ``<ns>:``)::
                            at its latest deadline (hash field expiry, meta expiry "field") or
                            the whole key at its latest deadline (expiry "key"; writes then
                            drop the bucket's past-due items). lua/includes/expiry.
+
+A run is what one add stored as consecutive new request keys (RUN_MIN of them or more, or
+any number following the last key of a run): a walk reads it with one call and compares its
+keys with the request's as bytes, instead of one call per key. ``<run id>`` is 4 big-endian
+bytes allocated from ``next_run`` in ``<ns>:meta`` (copied to ``<ns>:pi``, where a lost meta
+record heals from).
 
 ``<bucket>`` is the bucket of the hash (:func:`bucket_of`: its low ``bucket_bits`` bits) as
 ``ceil(bucket_bits / 8)`` big-endian bytes; the first client of a namespace fixes
@@ -42,21 +53,27 @@ from kvredis.errors import InvalidInputError
 from kvredis.redis.codec import escape_glob, text_bytes
 
 #: Layout version stored in ``<ns>:meta``; a client refuses a namespace of another version.
-LAYOUT_VERSION = "kvredis-kvblock/1"
+LAYOUT_VERSION = "kvredis-kvblock/2"
 #: Bucket bits of a new namespace unless configured: 65,536 request buckets (and as many engine
 #: buckets), which keeps buckets small (listpack-encoded) up to tens of millions of keys.
 DEFAULT_BUCKET_BITS = 16
 MIN_BUCKET_BITS = 1
 MAX_BUCKET_BITS = 24
-#: The fields of ``<ns>:pi`` that are not entry ids: the copy of ``next_id``, ``bucket_bits`` and
-#: ``expiry`` from which a lost ``<ns>:meta`` heals. Entry ids are 4 bytes, so they never collide.
-PI_RECORD_FIELDS = (b"next_id", b"bucket_bits", b"expiry")
+#: The fields of ``<ns>:pi`` that are not entry ids: the copies of ``next_id``, ``bucket_bits``,
+#: ``expiry`` and ``next_run`` from which a lost ``<ns>:meta`` heals. Entry ids are 4 bytes, so
+#: they never collide.
+PI_RECORD_FIELDS = (b"next_id", b"bucket_bits", b"expiry", b"next_run")
 #: Width of an item of an expiring bucket: entry id (4 bytes) + deadline (8 bytes, ms).
 EXPIRING_ITEM_WIDTH = 12
 #: ``expiry`` in ``<ns>:meta``: expiring entries use hash field expiry (HPEXPIREAT per field) ...
 EXPIRY_FIELD = "field"
 #: ... or expiring bucket keys (PEXPIREAT per bucket key; also what an absent field means).
 EXPIRY_KEY = "key"
+#: Width of a run id, and of a ref to a run position (run id + u16 position).
+RUN_ID_WIDTH = 4
+REF_WIDTH = 6
+#: Most request keys of one run (lua/includes/runs.lua RUN_MAX).
+RUN_MAX = 1024
 
 
 def expiring_item_deadline(item: bytes) -> int:
@@ -84,6 +101,7 @@ class Layout:
 
     __slots__ = (
         "bucket_bits",
+        "cprefix",
         "eprefix",
         "gen",
         "mask",
@@ -117,6 +135,7 @@ class Layout:
         self.rprefix = ns + b":r:"
         self.eprefix = ns + b":e:"
         self.sprefix = ns + b":s:"
+        self.cprefix = ns + b":c:"
 
     def request_bucket(self, value: int) -> bytes:
         """The request bucket key holding request key ``value``."""
@@ -142,6 +161,14 @@ class Layout:
         """SCAN MATCH pattern of the engine buckets (and nothing else)."""
         return escape_glob(self.eprefix) + b"?" * self.suffix_bytes
 
+    def run_pattern(self) -> bytes:
+        """SCAN MATCH pattern of the runs (and nothing else)."""
+        return escape_glob(self.cprefix) + b"?" * RUN_ID_WIDTH
+
+    def run_key(self, run_id: bytes) -> bytes:
+        """The key of the run ``run_id`` (4 bytes)."""
+        return self.cprefix + run_id
+
     def namespace_pattern(self) -> bytes:
         """SCAN MATCH pattern of every key of the namespace."""
         return escape_glob(text_bytes(self.namespace) + b":") + b"*"
@@ -151,12 +178,14 @@ class Layout:
 
         ``SCAN MATCH <ns>:*`` also returns the keys of every namespace whose name extends
         ``<ns>:`` (``kv`` and ``kv:prod``); this tells them apart. Bucket keys are
-        ``<ns>:r:``, ``<ns>:e:`` or ``<ns>:s:`` and 1 to 3 suffix bytes, which no other
-        accepted namespace can produce (:func:`check_namespace`).
+        ``<ns>:r:``, ``<ns>:e:`` or ``<ns>:s:`` and 1 to 3 suffix bytes, runs ``<ns>:c:`` and 4
+        bytes, which no other accepted namespace can produce (:func:`check_namespace`).
         """
         if key in self.fixed_keys():
             return True
         suffix = len(key) - len(self.rprefix)
+        if suffix == RUN_ID_WIDTH and key.startswith(self.cprefix):
+            return True
         return 1 <= suffix <= 3 and key.startswith((self.rprefix, self.eprefix, self.sprefix))
 
     def fixed_keys(self) -> tuple[bytes, ...]:
@@ -167,17 +196,17 @@ class Layout:
 def check_namespace(namespace: object) -> str:
     """Validate a namespace name: a non-empty str that cannot nest inside another namespace.
 
-    Bucket keys are ``<ns>:r:<bucket>``, ``<ns>:e:<bucket>`` and ``<ns>:s:<bucket>``, so a
-    namespace containing ``:r:``, ``:e:`` or ``:s:``, or ending in ``:r``, ``:e`` or ``:s``, would
-    share key names with a shorter one; such names are refused. Any other text (including ``:``)
-    is fine.
+    Bucket keys are ``<ns>:r:<bucket>``, ``<ns>:e:<bucket>`` and ``<ns>:s:<bucket>``, runs
+    ``<ns>:c:<run id>``, so a namespace containing ``:r:``, ``:e:``, ``:s:`` or ``:c:``, or ending
+    in ``:r``, ``:e``, ``:s`` or ``:c``, would share key names with a shorter one; such names are
+    refused. Any other text (including ``:``) is fine.
     """
     if not isinstance(namespace, str) or not namespace:
         raise InvalidInputError(f"namespace must be a non-empty str, got {namespace!r}")
-    if any(f":{k}:" in namespace or namespace.endswith(f":{k}") for k in "res"):
+    if any(f":{k}:" in namespace or namespace.endswith(f":{k}") for k in "resc"):
         raise InvalidInputError(
-            f"namespace {namespace!r} may not contain ':r:', ':e:' or ':s:' or end in ':r', "
-            "':e' or ':s' (its keys would collide with those of a shorter namespace)"
+            f"namespace {namespace!r} may not contain ':r:', ':e:', ':s:' or ':c:' or end in "
+            "':r', ':e', ':s' or ':c' (its keys would collide with those of a shorter namespace)"
         )
     return namespace
 

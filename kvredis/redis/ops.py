@@ -415,9 +415,13 @@ def op_lookup(
         )
         cache.learn(reply[1], int(reply[0]))
         entries = cache.entries
-        hits = reply[2:]
-        found.update(zip(keys[start : start + step], map(entries, hits), strict=False))
-        if len(hits) < len(piece) // 8:
+        at = start
+        for i in range(2, len(reply), 2):
+            n, held = int(reply[i]), entries(reply[i + 1])
+            for key in keys[at : at + n]:
+                found[key] = list(held)
+            at += n
+        if at - start < len(piece) // 8:
             break
     return found
 
@@ -771,12 +775,14 @@ def op_clear(
 ) -> Op[int]:
     """``Index.clear``: remove every entry of the pod, page by page; returns entries removed.
 
-    Three passes over the namespace with SCAN MATCH (never the whole keyspace): the request
-    buckets (``clear`` script: remove the pod's entry ids, delete emptied request keys), the
-    expiring buckets (the same script: the pod's expiring entries and their deadlines), then the
-    engine buckets (``clear_mappings`` script: drop mappings none of whose request keys holds an
-    entry). ``progress(done, removed)`` is called after every page with the bucket keys processed
-    so far (both passes; SCAN may report a key twice) and the (request key, entry) pairs removed
+    Four passes over the namespace with SCAN MATCH (never the whole keyspace): the runs
+    (``clear_runs`` script: remove the pod's entry ids from their ranges, drop the refs of
+    positions left empty, delete emptied runs), the request buckets (``clear`` script: remove the
+    pod's entry ids from keys stored inline, delete emptied request keys), the expiring buckets
+    (the same script: the pod's expiring entries and their deadlines), then the engine buckets
+    (``clear_mappings`` script: drop mappings none of whose request keys holds an entry).
+    ``progress(done, removed)`` is called after every page with the keys processed so far (all
+    passes; SCAN may report a key twice) and the (request key, entry) pairs removed
     so far. Last, the pod's entry definitions are reclaimed (``reclaim`` script). A pod the
     namespace never saw costs one HGET.
     """
@@ -802,6 +808,16 @@ def op_clear(
         if progress is not None:
             progress(done, removed)
 
+    yield from _paged(
+        layout.run_pattern(),
+        fields_per_call,
+        lambda keys: ScriptCall(
+            "clear_runs",
+            (layout.meta, *keys),
+            (layout.gen, ids, layout.rprefix, layout.bucket_bits),
+        ),
+        on_request_page,
+    )
     yield from _paged(
         layout.request_pattern(),
         fields_per_call,

@@ -130,7 +130,8 @@ class CoreState:
         if version.decode("utf-8", "replace") != LAYOUT_VERSION:
             raise NamespaceLayoutError(
                 f"namespace {self.namespace!r} holds layout {version!r}, this client writes "
-                f"{LAYOUT_VERSION!r}; use another namespace"
+                f"{LAYOUT_VERSION!r}; use another namespace, or drop this one (drop_namespace(), "
+                "`kvredis drop`) and ingest again"
             )
         try:
             bits = check_bucket_bits(int(bits_raw))

@@ -17,7 +17,7 @@
 -- The keys and bucket namers the ops write through; sx is the gate key of the expiring
 -- buckets (includes/expiry), read here, before any write.
 local function write_context(meta, pe, pi, pp, rprefix, eprefix, bits, sx)
-  return {meta = meta, pe = pe, pi = pi, pp = pp, bits = bits,
+  return {meta = meta, pe = pe, pi = pi, pp = pp, bits = bits, cprefix = run_prefix(rprefix),
           rbucket = bucket_namer(rprefix, bits), ebucket = bucket_namer(eprefix, bits),
           xs = expiring_stage(meta, sx, bits)}
 end
@@ -121,7 +121,7 @@ local function run_program(k, program, cap, ms)
     for i = 1, #new do ids[new[i]] = new_ids[i] end
     pod_lists = read_pods(k.pp, new)
   end
-  local st, xs = new_stage(), k.xs
+  local st, xs = new_stage(k.cprefix), k.xs
   local removed = 0
   local spec = {}
   for _, op in ipairs(ops) do
@@ -156,10 +156,14 @@ local function run_program(k, program, cap, ms)
       end
       local value, req, pairs_ = table.concat(list), op.req, op.pairs
       local deadline = xs.now + ms
+      local prev = nil
       for i = 1, #req, HASH_WIDTH do
         local rfield = string.sub(req, i, i + HASH_WIDTH - 1)
         local bucket = k.rbucket(rfield)
-        if value ~= '' then add_ids(st, bucket, rfield, value, set) end
+        if value ~= '' then
+          add_ids(st, bucket, rfield, value, set, prev)
+          prev = rfield
+        end
         if #timed > 0 then
           remove_ids(st, bucket, rfield, timed_set)
           expiring_add(xs, rfield, timed, deadline)
@@ -193,8 +197,9 @@ local function run_program(k, program, cap, ms)
       end
     end
   end
+  local plan = plan_stage(st, k)
   if #new > 0 then define_entries(k, new, new_ids, next_id, pod_lists) end
-  flush_stage(st)
+  flush_stage(st, k, plan)
   expiring_flush(xs)
   return removed
 end

@@ -2,13 +2,34 @@
   Every function reads and writes through a staging area `st` (new_stage): reads see the staged
   values, writes only stage. A script reads everything it needs first, so a foreign key of the
   wrong type fails the call (WRONGTYPE) before anything is written; flush_stage then writes. ]]
---@include layout
+--@include runs
 --@include id_lists
 
 -- A staging area: per bucket kind (r, e) the values read or staged by field (a field names its
--- bucket, so the field alone is the key), and the changed (bucket, field) pairs in order.
-local function new_stage()
-  return {r = {}, e = {}, order = {}, orig = {}}
+-- bucket, so the field alone is the key), and the changed (bucket, field) pairs in order. A
+-- request key held through a run reads as the ids of its run position (where: field -> {run
+-- id, position}); runs: run id -> {keys, ranges, n, changes = position -> ids} or false;
+-- prev: field -> the request key before it in the add op that first stored it (new keys only).
+local function new_stage(cprefix)
+  return {r = {}, e = {}, order = {}, orig = {}, where = {}, runs = {}, prev = {},
+          cprefix = cprefix}
+end
+
+-- The run rid as staged (read on first use), or false when absent or malformed.
+local function stage_run(st, rid)
+  local run = st.runs[rid]
+  if run == nil then
+    run = false
+    local rec = redis.call('HMGET', st.cprefix .. rid, 'k', 'r')
+    if rec[1] and rec[2] then
+      local ranges = ranges_parse(rec[2])
+      if ranges and #ranges > 0 and ranges[#ranges].e * HASH_WIDTH == #rec[1] then
+        run = {keys = rec[1], ranges = ranges, n = ranges[#ranges].e, changes = {}}
+      end
+    end
+    st.runs[rid] = run
+  end
+  return run
 end
 
 local function stage_get(st, kind, bucket, field)
@@ -16,6 +37,16 @@ local function stage_get(st, kind, bucket, field)
   local v = values[field]
   if v == nil then
     v = redis.call('HGET', bucket, field) or false
+    if kind == 'r' and v and is_ref(v) then
+      local rid, pos = ref_parse(v)
+      local run = stage_run(st, rid)
+      local r = run and pos >= 1 and range_at(run.ranges, pos)
+      v = false
+      if r and run.ranges[r].ids ~= '' then
+        v = run.ranges[r].ids
+        st.where[field] = {rid, pos}
+      end
+    end
     values[field] = v
     local order = st.order
     local n = #order
@@ -32,26 +63,181 @@ local function stage_put(st, kind, bucket, field, value)
   st[kind][field] = value
 end
 
--- Write every staged change.
-local function flush_stage(st)
-  local order, orig = st.order, st.orig
+-- The ranges of consecutive positions from first of the id lists values[1..n].
+local function ranges_of(values, first)
+  local out = {}
+  for j, ids in ipairs(values) do
+    local last = out[#out]
+    if last and last.ids == ids then last.e = first + j - 1
+    else out[#out + 1] = {e = first + j - 1, ids = ids} end
+  end
+  return out
+end
+
+-- Everything flush_stage writes, computed without writing: changed runs, new keys grouped into
+-- runs (a new key follows the key before it in its add op when that key ends a group or a
+-- run; groups of fewer than RUN_MIN keys not extending a run stay inline), run ids allocated
+-- from <ns>:meta next_run (KVREDIS_LAYOUT when exhausted). k holds meta and the bucket namer.
+local function plan_stage(st, k)
+  local order, orig, r, where = st.order, st.orig, st.r, st.where
+  local plan = {inline = {}, unref = {}, groups = {}, nruns = 0}
+  local group_of, fresh = {}, {}
   for i = 1, #order, 3 do
-    local field = order[i + 1]
-    local value = st[order[i + 2]][field]
-    if value ~= orig[(i + 2) / 3] then
-      if value then
-        redis.call('HSET', order[i], field, value)
+    if order[i + 2] == 'r' then
+      local field = order[i + 1]
+      local value = r[field]
+      if value ~= orig[(i + 2) / 3] then
+        local w = where[field]
+        if w then
+          st.runs[w[1]].changes[w[2]] = value or ''
+          if not value then plan.unref[#plan.unref + 1] = field end
+        elseif value and not orig[(i + 2) / 3] then
+          fresh[#fresh + 1] = field
+        else
+          plan.inline[#plan.inline + 1] = field
+        end
+      end
+    end
+  end
+  for _, run in pairs(st.runs) do
+    if run and next(run.changes) then
+      run.ranges, run.newn = ranges_trim(ranges_apply(run.ranges, run.changes))
+    end
+  end
+  for _, field in ipairs(fresh) do
+    local p = st.prev[field]
+    local g = p and group_of[p]
+    if g and g.keys[#g.keys] == p then
+      g.keys[#g.keys + 1] = field
+    else
+      g = {keys = {field}}
+      local w = p and where[p]
+      local run = w and st.runs[w[1]]
+      if run and w[2] == run.n and (run.newn or run.n) == run.n and not run.extended
+          and run.n < RUN_MAX then
+        run.extended = g
+        g.run = w[1]
+      end
+      plan.groups[#plan.groups + 1] = g
+    end
+    group_of[field] = g
+  end
+  local inline = plan.inline
+  for _, g in ipairs(plan.groups) do
+    if not g.run and #g.keys < RUN_MIN then
+      for _, field in ipairs(g.keys) do inline[#inline + 1] = field end
+      g.keys = {}
+    else
+      local room = g.run and RUN_MAX - st.runs[g.run].n or 0
+      plan.nruns = plan.nruns + math.ceil(math.max(0, #g.keys - room) / RUN_MAX)
+    end
+  end
+  if plan.nruns > 0 then
+    local n = tonumber(redis.call('HGET', k.meta, 'next_run') or '0')
+    plan.rids = {}
+    for j = 1, plan.nruns do
+      local rid
+      repeat
+        n = n + 1
+        if n > MAX_RUN_ID then fail('LAYOUT', 'run id space exhausted') end
+        rid = struct.pack('>I4', n)
+      until redis.call('EXISTS', st.cprefix .. rid) == 0
+      plan.rids[j] = rid
+    end
+    plan.next_run = n
+  end
+  return plan
+end
+
+-- Write every staged change, as planned by plan_stage.
+local function flush_stage(st, k, plan)
+  plan = plan or plan_stage(st, k)
+  local r = st.r
+  for _, field in ipairs(plan.inline) do
+    local value = r[field]
+    if value then
+      redis.call('HSET', k.rbucket(field), field, value)
+    else
+      redis.call('HDEL', k.rbucket(field), field)
+    end
+  end
+  for _, field in ipairs(plan.unref) do redis.call('HDEL', k.rbucket(field), field) end
+  -- new runs, and runs extended by new keys
+  local nextrid = 1
+  for _, g in ipairs(plan.groups) do
+    local j = 1
+    while j <= #g.keys do
+      local rid, run, first
+      if g.run and j == 1 then
+        rid, run = g.run, st.runs[g.run]
+        first = run.n + 1
       else
-        redis.call('HDEL', order[i], field)
+        rid = plan.rids[nextrid]
+        nextrid = nextrid + 1
+        first = 1
+      end
+      local upto = math.min(#g.keys, j + RUN_MAX - first)
+      local keys, values = {}, {}
+      for q = j, upto do
+        local field = g.keys[q]
+        keys[#keys + 1] = field
+        values[#values + 1] = r[field]
+        redis.call('HSET', k.rbucket(field), field, ref_make(rid, first + q - j))
+      end
+      local ranges = ranges_of(values, first)
+      if run then
+        for _, rg in ipairs(ranges) do run.ranges[#run.ranges + 1] = rg end
+        run.keys = run.keys .. table.concat(keys)
+        run.n = first + #keys - 1
+        run.newn = run.n
+        run.rewrite = true
+      else
+        redis.call('HSET', st.cprefix .. rid, 'k', table.concat(keys), 'r', ranges_encode(ranges))
+      end
+      j = upto + 1
+    end
+  end
+  for rid, run in pairs(st.runs) do
+    if run and run.newn then
+      if run.newn == 0 then
+        redis.call('DEL', st.cprefix .. rid)
+      elseif run.rewrite or run.newn < #run.keys / HASH_WIDTH then
+        redis.call('HSET', st.cprefix .. rid, 'k', string.sub(run.keys, 1, run.newn * HASH_WIDTH),
+          'r', ranges_encode(run.ranges))
+      else
+        redis.call('HSET', st.cprefix .. rid, 'r', ranges_encode(run.ranges))
+      end
+    end
+  end
+  if plan.next_run then
+    redis.call('HSET', k.meta, 'next_run', tostring(plan.next_run))
+    if k.pi then redis.call('HSET', k.pi, 'next_run', tostring(plan.next_run)) end
+  end
+  -- engine mappings
+  local order, orig, e = st.order, st.orig, st.e
+  for i = 1, #order, 3 do
+    if order[i + 2] == 'e' then
+      local field = order[i + 1]
+      local value = e[field]
+      if value ~= orig[(i + 2) / 3] then
+        if value then
+          redis.call('HSET', order[i], field, value)
+        else
+          redis.call('HDEL', order[i], field)
+        end
       end
     end
   end
 end
 
 -- Store the ids (list and set form) under one request key. Entries already held move to the
--- most recently added end, as in the embedded index.
-local function add_ids(st, bucket, field, ids, set)
+-- most recently added end, as in the embedded index. prev is the request key before it in its
+-- add op (nil for the first), which lets new consecutive keys be stored as one run.
+local function add_ids(st, bucket, field, ids, set, prev)
   local current = stage_get(st, 'r', bucket, field)
+  if prev and not current and st.prev[field] == nil and not st.where[field] then
+    st.prev[field] = prev
+  end
   local value = ids
   if current then
     if current == ids then return end

@@ -74,7 +74,8 @@ NESTED_NAMES = [
     ("kv", "kv:wm"),
     ("kv", "kv:rr"),
     ("kv:prod", "kv"),
-    ("a*b", "a*b:c"),
+    ("a*b", "a*b:x"),
+    ("kv", "kv:cc"),
     ("x", "x:"),
 ]
 

@@ -25,7 +25,7 @@ from kvredis import (
     RedisIndexConfig,
     Watermark,
 )
-from kvredis.redis.layout import LAYOUT_VERSION, Layout, bucket_of
+from kvredis.redis.layout import LAYOUT_VERSION, Layout, bucket_of, check_namespace
 from kvredis.redis.ops import op_clear, op_lookup, op_send
 from kvredis.redis.requests import Pipeline, Request, ScriptCall
 from kvredis.redis.state import CoreState
@@ -459,3 +459,19 @@ def test_lookups_teach_a_client_the_whole_dictionary_in_bounded_steps(make: Any)
     assert int(third[0]) == 300 and third[1] == []  # nothing left to learn
     assert reader.lookup([10_000 + i for i in range(3)], {"pod-1"}) == {}
     assert reader.lookup([10_001], {"pod-1"}) == {10_001: [pods[1]]}
+
+
+@pytest.mark.parametrize("name", ["kv:c:x", "kv:c", "kv:s:x", "kv:s", "kv:r:1", "kv:e", "a:c:b:c"])
+def test_names_whose_keys_would_collide_with_a_shorter_namespace_are_refused(name: str) -> None:
+    with pytest.raises(InvalidInputError, match="':c:'"):
+        check_namespace(name)
+
+
+def test_runs_expiring_and_request_buckets_have_disjoint_names() -> None:
+    layout = Layout("kv", 16, b"g")
+    run = layout.run_key(b"\x00\x00\x00\x01")
+    expiring, request = layout.expiring_bucket(1), layout.request_bucket(1)
+    assert run == b"kv:c:\x00\x00\x00\x01" and expiring == b"kv:s:\x00\x01"
+    assert len({run, expiring, request}) == 3
+    assert all(layout.owns(k) for k in (run, expiring, request))
+    assert not layout.owns(b"kv:c:\x00\x00\x00")

@@ -153,7 +153,7 @@ def test_lookup_sends_the_chain_as_one_blob_and_decodes_through_the_entry_cache(
     state = _state()
     defs = [_id(1), encode_entry(A), _id(2), encode_entry(B)]
     request, result = _one(
-        ops.op_lookup(state, [5, 2**64 - 1, 7], {"pod-a"}), [2, defs, _id(1) + _id(2), _id(2)]
+        ops.op_lookup(state, [5, 2**64 - 1, 7], {"pod-a"}), [2, defs, 1, _id(1) + _id(2), 1, _id(2)]
     )
     assert request == rq.ScriptCall(
         "lookup",
@@ -162,14 +162,14 @@ def test_lookup_sends_the_chain_as_one_blob_and_decodes_through_the_entry_cache(
     )
     assert result == {5: [A, B], 2**64 - 1: [B]}  # the walk stopped before key 7
     assert state.cache.floor == 2
-    request, result = _one(ops.op_lookup(state, [5], None), [2, [], _id(2)])
+    request, result = _one(ops.op_lookup(state, [5], None), [2, [], 1, _id(2)])
     assert isinstance(request, rq.ScriptCall) and request.args[3:5] == (2, 0)  # floor, no filter
     assert result == {5: [B]}
 
 
 def test_lookup_of_an_id_the_client_never_learned_is_stale() -> None:
     with pytest.raises(StaleNamespaceError):
-        _one(ops.op_lookup(_state(), [5], None), [0, [], _id(9)])
+        _one(ops.op_lookup(_state(), [5], None), [0, [], 1, _id(9)])
 
 
 def test_empty_chains_and_bad_input_send_nothing() -> None:
@@ -273,10 +273,13 @@ def test_watermarks_are_one_hash_command() -> None:
 def test_clear_pages_with_scan_and_sends_the_last_page_with_the_next_scan() -> None:
     state = _state(8)
     progress: list[tuple[int, int]] = []
-    r1, r2, e1, s1 = b"ns:r:\x01", b"ns:r:\x02", b"ns:e:\x01", b"ns:s:\x01"
+    r1, r2, e1 = b"ns:r:\x01", b"ns:r:\x02", b"ns:e:\x01"
+    c1, s1 = b"ns:c:\x00\x00\x00\x01", b"ns:s:\x01"
     exchange = Exchange(
         [
             _id(1) + _id(2),  # HGET ns:pp pod-a
+            [b"0", [c1]],  # SCAN of the runs
+            [0, 1],  # clear_runs(c1)
             [b"5", [r1]],  # first SCAN: one key, more to come
             [[2, 3], [b"0", [r2]]],  # clear(r1) pipelined with the next SCAN
             [1, 4],  # clear(r2)
@@ -289,8 +292,14 @@ def test_clear_pages_with_scan_and_sends_the_last_page_with_the_next_scan() -> N
     )
     removed = exchange.run(ops.op_clear(state, "pod-a", lambda *a: progress.append(a)))
     assert removed == 4
-    assert progress == [(1, 2), (2, 3), (3, 4), (4, 4)]
-    hget, scan, pipeline, last, sscan, sclear, escan, mappings, reclaim = exchange.requests
+    assert progress == [(1, 0), (2, 2), (3, 3), (4, 4), (5, 4)]
+    hget, cscan, runs, scan, pipeline, last, sscan, sclear, escan, mappings, reclaim = (
+        exchange.requests
+    )
+    assert cscan == rq.Command(("SCAN", 0, "MATCH", b"ns:c:????", "COUNT", 8))
+    assert runs == rq.ScriptCall(
+        "clear_runs", (b"ns:meta", c1), (GEN, _id(1) + _id(2), b"ns:r:", 8)
+    )
     assert sscan == rq.Command(("SCAN", 0, "MATCH", b"ns:s:?", "COUNT", 8))
     assert sclear == rq.ScriptCall("clear", (b"ns:meta", s1), (GEN, _id(1) + _id(2), "s"))
     assert reclaim == rq.ScriptCall(
@@ -514,9 +523,9 @@ def test_an_unknown_entry_id_reloads_too() -> None:
     session = _session()
     exchange = Exchange(
         [
-            [0, [], _id(1)],  # an id this client never learned
+            [0, [], 1, _id(1)],  # an id this client never learned
             _namespace_reply(GEN),  # same generation: the cache is kept
-            [1, [_id(1), encode_entry(A)], _id(1)],
+            [1, [_id(1), encode_entry(A)], 1, _id(1)],
         ]
     )
     lookup = ops.op_run(session, lambda: ops.op_lookup(session.state, [5], None))
@@ -646,7 +655,7 @@ def test_a_long_lookup_chain_goes_in_parts_and_stops_at_the_first_miss(
     monkeypatch.setattr(ops, "LOOKUP_KEYS_PER_CALL", 2)
     state = _state()
     state.cache.learn([_id(1), encode_entry(A)], 1)
-    exchange = Exchange([[1, [], _id(1), _id(1)], [1, [], _id(1)]])
+    exchange = Exchange([[1, [], 2, _id(1)], [1, [], 1, _id(1)]])
     assert exchange.run(ops.op_lookup(state, [1, 2, 3, 4, 5], None)) == {k: [A] for k in (1, 2, 3)}
     assert len(exchange.requests) == 2
 

@@ -29,6 +29,7 @@ COMMANDS = {
     "apply_batch",
     "clear",
     "clear_mappings",
+    "clear_runs",
     "drop",
     "reclaim",
     "evict",

@@ -1,0 +1,83 @@
+--[[ walk: the read path of lookup and score: a chain of request keys, in order, to the first key
+  no entry holds. A key stored inline costs one HGET; a key held through a run (includes/runs)
+  costs one HGET and one HMGET of the run, after which the run's following keys are compared
+  with the chain's following keys as bytes and their entry ids are read from the run's ranges,
+  without a call per key. The walk is exact: a key counts as held only where its own record
+  (inline ids, or the run position its ref names) holds ids, or where it holds live expiring
+  entries (includes/expiry; a key held only by those has no request-bucket record). While an
+  expiring entry may be live (the gate key exists), every key also costs one HGET of its
+  expiring bucket, run keys included; otherwise a run costs one call whatever its length. ]]
+--@include runs
+
+-- Walk the chain (hash blob). rbucket names request buckets, cprefix is the run key prefix.
+-- expiring is nil or the reader of the expiring entries (includes/expiry: expiring_reader),
+-- a function (h, ids or nil) -> ids or nil: with it, every key's ids are its request-bucket or
+-- run ids followed by its live expiring ids, and a key without any record of its own is still
+-- a hit when it holds live expiring ids; without it (no expiring entry can be live), keys of
+-- one run range are visited together.
+-- visit(ids, n) is called for each group of n consecutive chain keys holding the same
+-- (non-empty) ids, in order; it returns false to stop the walk.
+local function walk_chain(chain, rbucket, cprefix, expiring, visit)
+  local nkeys = #chain / HASH_WIDTH
+  local runs = {}
+  local i = 1
+  -- A key without ids of its own (no record, or a ref that does not resolve): a hit only
+  -- through its live expiring ids.
+  local function own_only(h)
+    local ids = expiring and expiring(h, nil)
+    return ids and ids ~= '' and visit(ids, 1)
+  end
+  while i <= nkeys do
+    local at = (i - 1) * HASH_WIDTH
+    local h = string.sub(chain, at + 1, at + HASH_WIDTH)
+    local v = redis.call('HGET', rbucket(h), h)
+    if not v or not is_ref(v) then
+      if expiring then v = expiring(h, v) end
+      if not v or v == '' or not visit(v, 1) then return end
+      i = i + 1
+    else
+      local rid, pos = ref_parse(v)
+      local run = runs[rid]
+      if run == nil then
+        local rec = redis.call('HMGET', cprefix .. rid, 'k', 'r')
+        run = false
+        if rec[1] and rec[2] then
+          local ranges = ranges_parse(rec[2])
+          if ranges then run = {keys = rec[1], ranges = ranges} end
+        end
+        runs[rid] = run
+      end
+      local n, r = 0, nil
+      if run then
+        local limit = math.min(#run.keys / HASH_WIDTH - pos + 1, nkeys - i + 1)
+        n = limit > 0 and run_match(run.keys, pos, chain, i, limit) or 0
+        r = n > 0 and range_at(run.ranges, pos)
+      end
+      local p, last = pos, pos + n - 1
+      while r and p <= last do
+        local rg = run.ranges[r]
+        local ids = rg.ids
+        -- a hole: the key is not held through this run (it may be held on its own)
+        if ids == '' then break end
+        local e = math.min(rg.e, last)
+        if expiring then
+          for q = p, e do
+            local kq = string.sub(run.keys, (q - 1) * HASH_WIDTH + 1, q * HASH_WIDTH)
+            if not visit(expiring(kq, ids), 1) then return end
+          end
+        elseif not visit(ids, e - p + 1) then
+          return
+        end
+        p = e + 1
+        r = r + 1
+      end
+      if p == pos then
+        -- the ref names no held position of a run matching the chain here
+        if not own_only(h) then return end
+        i = i + 1
+      else
+        i = i + (p - pos)
+      end
+    end
+  end
+end

@@ -1,0 +1,582 @@
+"""Redis CPU per operation: RedisIndex against the Go llm-d layout, side by side on one server.
+
+What decides how many routers one Redis serves is the server's CPU per routed request, not the
+client's latency. This benchmark starts its own redis-server (or uses ``--url``), pins it to one
+core with ``taskset`` when it can (clients run on the others), and measures every row two ways:
+
+- **CPU**: the growth of ``used_cpu_user + used_cpu_sys`` (``INFO cpu``, the server's own
+  rusage) over the calls, minus what the idle server burns in the same time, per call. This is
+  everything the server does for the call: reading and parsing the request, running the
+  script or the commands, writing the reply;
+- **cmd**: the ``usec`` of ``INFO commandstats`` per call (the commands' or the script's own
+  time, without the networking).
+
+kvredis runs in database 0 under its own namespace, the reference layout
+(``scripts/reference_layout.py``: one HASH per request key, read by one HKEYS pipeline per
+lookup) in database 1. Both hold the same entries; answers are compared before anything is
+measured. The reference's score is its lookup plus a client-side scorer, so its server CPU is
+that of its lookup.
+
+Datasets (seeded, the same in every run):
+
+- the hot chain: one 512-block chain held by 4 pods (2 on gpu, 2 on cpu);
+- 20k chains: 1,000 families of a 384-block shared prefix + 20 tails of 128 blocks, 8 pods,
+  each chain on 1-3 pods (a family's prefix on the union of its chains' pods): 2.9M request
+  keys; a row scores whole random chains;
+- random keys: unrelated 512-block chains on 4 pods (1-4 holders each), 1M and 4M blocks;
+- pods: one 512-block chain held by 1, 8 and 64 pods;
+- writes (kvredis only; compare across commits): add of a 64-block event of fresh keys, add of
+  a 64-block event of a new pod onto an existing chain, evict by engine key, evict in the middle
+  of a held chain, apply_batch of 16 single-key ops.
+
+With ``--base REV`` the rows run in two child processes at the same time, one on the kvredis of
+git revision ``REV`` and one on this checkout, each with its own server (both pinned to the same
+core), ``--rounds`` times; the table shows the median of each side and after/before. That is
+how costs are compared across a change on a shared machine, where one run alone moves by tens
+of percent.
+
+Run:  .venv/bin/python scripts/bench_server_cpu.py [--quick] [--json PATH] [--rows a,b]
+          [--base REV [--rounds N]]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from kvredis.batch import AddOp, Watermark
+from kvredis.redis import RedisIndex, RedisIndexConfig
+from kvredis.scoring import LongestPrefixScorer
+from kvredis.types import KeyType, PodEntry
+
+from _bench import REPO, RedisServer, bench_parser, write_json
+from reference_layout import ReferenceLayout, encode_field
+
+REFERENCE_DB = 1
+WEIGHTS = {"gpu": 1.0, "cpu": 0.8}
+EVENT_BLOCKS = 64
+
+
+@dataclass
+class Row:
+    """One measured operation: server µs per call on both sides."""
+
+    dataset: str
+    op: str
+    kvredis_cpu_us: float
+    kvredis_cmd_us: float
+    reference_cpu_us: float | None = None
+    reference_cmd_us: float | None = None
+    calls: int = 0
+
+    @property
+    def ratio(self) -> float | None:
+        """How many times less server CPU kvredis takes than the reference."""
+        if self.reference_cpu_us is None or self.kvredis_cpu_us <= 0:
+            return None
+        return self.reference_cpu_us / self.kvredis_cpu_us
+
+
+class Server:
+    """The measured server: INFO cpu and commandstats around a run of calls."""
+
+    def __init__(self, url: str, pid: int | None) -> None:
+        self.raw = redis.Redis.from_url(url)
+        self.pid = pid
+        self.idle_per_s = 0.0
+
+    def cpu(self) -> float:
+        info = self.raw.info("cpu")
+        return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+    def calibrate(self, seconds: float = 1.0) -> None:
+        """What the idle server burns per second (its cron, our INFO calls)."""
+        before = self.cpu()
+        start = time.perf_counter()
+        time.sleep(seconds)
+        self.idle_per_s = max(0.0, (self.cpu() - before) / (time.perf_counter() - start))
+
+    def measure(self, call: Callable[[int], object], calls: int) -> tuple[float, float]:
+        """(CPU µs, commandstats µs) per call of ``call(i)`` for i in range(calls)."""
+        call(0)
+        self.raw.config_resetstat()
+        before = self.cpu()
+        start = time.perf_counter()
+        for i in range(calls):
+            call(i)
+        elapsed = time.perf_counter() - start
+        used = self.cpu() - before - self.idle_per_s * elapsed
+        stats = self.raw.info("commandstats")
+        usec = sum(
+            v["usec"]
+            for k, v in stats.items()
+            if not k.startswith(("cmdstat_info", "cmdstat_config"))
+        )
+        return used * 1e6 / calls, usec / calls
+
+    def close(self) -> None:
+        self.raw.close()
+
+
+def pin(pid: int, core: int = 0) -> bool:
+    """Pin a process to one core with taskset; False when that is not possible."""
+    if shutil.which("taskset") is None:
+        return False
+    done = subprocess.run(
+        ["taskset", "-a", "-p", "-c", str(core), str(pid)], capture_output=True, check=False
+    )
+    return done.returncode == 0
+
+
+def keys(rng: random.Random, n: int) -> list[int]:
+    return [rng.getrandbits(64) for _ in range(n)]
+
+
+def engine_of(request_key: int) -> int:
+    """The engine key of a request key (a fixed bijection: engine keys map 1:1)."""
+    return (request_key * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) & ((1 << 64) - 1)
+
+
+@dataclass
+class Chains:
+    """Chains held by pods: ``holders[c]`` pods hold chain ``c`` (its whole key list)."""
+
+    name: str
+    pods: list[PodEntry]
+    chains: list[list[int]]
+    #: per chain: the events that store it, (pod index, keys) each
+    events: list[list[tuple[int, list[int]]]]
+
+
+def pods_of(n: int) -> list[PodEntry]:
+    gpus = (n + 1) // 2
+    return [PodEntry(f"pod-{i}", "gpu" if i < gpus else "cpu") for i in range(n)]
+
+
+def families(
+    name: str,
+    n: int,
+    prefix: int,
+    tails: int,
+    tail: int,
+    npods: int,
+    holders: tuple[int, int],
+    seed: int,
+) -> Chains:
+    """``n`` families of a shared prefix and ``tails`` tails; each chain on a random set of
+    ``holders`` pods; a pod's first chain of a family comes as one event (prefix + tail), its
+    next ones as tail events, as an engine reports them."""
+    rng = random.Random(seed)
+    out = Chains(name, pods_of(npods), [], [])
+    for _ in range(n):
+        head = keys(rng, prefix)
+        seen: set[int] = set()
+        for _t in range(max(1, tails)):
+            end = keys(rng, tail) if tails else []
+            who = sorted(rng.sample(range(npods), rng.randint(*holders)))
+            out.chains.append(head + end)
+            out.events.append([(p, end if p in seen else head + end) for p in who])
+            seen.update(who)
+    return out
+
+
+class Sides:
+    """The two layouts on one server."""
+
+    def __init__(self, url: str) -> None:
+        self.namespace = f"cpu-{uuid.uuid4().hex[:8]}"
+        self.kv = RedisIndex(RedisIndexConfig(address=f"{url}/0", namespace=self.namespace))
+        self.ref_client = redis.Redis.from_url(url, db=REFERENCE_DB)
+        self.ref = ReferenceLayout(self.ref_client)
+        self.scorer = LongestPrefixScorer(WEIGHTS)
+
+    def load(self, data: Chains, batch_blocks: int = 8192) -> None:
+        ops: list[AddOp] = []
+        size = 0
+        pipe = self.ref_client.pipeline(transaction=False)
+        fields = [encode_field(p) for p in data.pods]
+        for events in data.events:
+            for p, ks in events:
+                ops.append(AddOp(tuple(engine_of(k) for k in ks), tuple(ks), (data.pods[p],)))
+                size += len(ks)
+                for k in ks:
+                    pipe.hset(str(k), fields[p], "")
+                    pipe.zadd(f"engine:{engine_of(k)}", {str(k): 0})
+                if size >= batch_blocks:
+                    self.kv.apply_batch(ops)
+                    pipe.execute()
+                    ops, size = [], 0
+        if ops:
+            self.kv.apply_batch(ops)
+        pipe.execute()
+
+    def ref_score(self, chain: Sequence[int]) -> dict[str, float]:
+        return self.scorer.score(chain, self.ref.lookup(chain))
+
+    def agree(self, chain: Sequence[int]) -> None:
+        got, want = self.kv.lookup(chain), self.ref.lookup(chain)
+        assert {k: set(v) for k, v in got.items()} == {k: set(v) for k, v in want.items()}
+        assert self.kv.score(chain, WEIGHTS) == self.ref_score(chain)
+
+    def close(self) -> None:
+        self.kv.close()
+        self.ref_client.close()
+
+
+def read_rows(
+    server: Server, sides: Sides, dataset: str, chains: list[list[int]], calls: int, ops: str
+) -> Iterator[Row]:
+    for chain in chains[:3]:
+        sides.agree(chain)
+    n = len(chains)
+    if "lookup" in ops:
+        kv = server.measure(lambda i: sides.kv.lookup(chains[i % n]), calls)
+        ref = server.measure(lambda i: sides.ref.lookup(chains[i % n]), calls)
+        yield Row(dataset, "lookup", *kv, *ref, calls)
+    if "score" in ops:
+        kv = server.measure(lambda i: sides.kv.score(chains[i % n], WEIGHTS), calls)
+        ref = server.measure(lambda i: sides.ref_score(chains[i % n]), calls)
+        yield Row(dataset, "score", *kv, *ref, calls)
+
+
+def run(
+    url: str, quick: bool, wanted: set[str], server: Server, seed: int, scale: int | None = None
+) -> list[Row]:
+    rows: list[Row] = []
+    calls = 100 if quick else 400
+    scale = scale or (20 if quick else 1)
+
+    def section(name: str) -> bool:
+        return not wanted or name in wanted
+
+    def fresh() -> Sides:
+        server.raw.flushall(asynchronous=True)
+        return Sides(url)
+
+    def dataset(data: Chains, ops: str, picked: bool) -> None:
+        """Load ``data`` into both layouts and measure ``ops`` on its chains (random picks of
+        them with ``picked``)."""
+        sides = fresh()
+        sides.load(data)
+        chains = data.chains
+        if picked:
+            rng = random.Random(seed)
+            chains = [chains[rng.randrange(len(chains))] for _ in range(calls)]
+        rows.extend(read_rows(server, sides, data.name, chains, calls, ops))
+        sides.close()
+
+    if section("hot"):
+        dataset(families("hot chain, 4 pods", 1, 512, 0, 0, 4, (4, 4), seed), "lookup score", False)
+    if section("20k"):
+        name = f"20k chains/{scale}, 8 pods"
+        dataset(families(name, 1000 // scale, 384, 20, 128, 8, (1, 3), seed), "score", True)
+    if section("random"):
+        for blocks in (50_000, 200_000) if quick else (1_000_000, 4_000_000):
+            name = f"random {blocks:,} blocks, 4 pods"
+            dataset(families(name, blocks // 512, 512, 0, 0, 4, (1, 4), seed), "score", True)
+    if section("pods"):
+        for npods in (1, 8, 64):
+            name = f"512 blocks, {npods} pods"
+            dataset(families(name, 1, 512, 0, 0, npods, (npods, npods), seed), "score", False)
+    if section("writes"):
+        rows += write_rows(server, fresh(), calls, seed)
+    if section("walk"):
+        server.raw.flushall(asynchronous=True)
+        rows += walk_rows(server, 50_000 if quick else 1_000_000, calls, seed)
+    return rows
+
+
+#: Lua walks over 512 keys of buckets named by the low bits of the key (the directions of the
+#: layout choice): ARGV[1] bucket prefix, ARGV[2] bucket bits, ARGV[3] the chain (hash blob).
+_WALK_PER_KEY = """
+local prefix, mask, chain, n = ARGV[1], 2 ^ tonumber(ARGV[2]), ARGV[3], 0
+for i = 1, #chain, 8 do
+  local h = string.sub(chain, i, i + 7)
+  local b = struct.unpack('>I4', h, 5) % mask
+  if not redis.call('HGET', prefix .. b, h) then break end
+  n = n + 1
+end
+return n
+"""
+_WALK_GROUPED = """
+local prefix, mask, chain, n = ARGV[1], 2 ^ tonumber(ARGV[2]), ARGV[3], 0
+local groups, order = {}, {}
+for i = 1, #chain, 8 do
+  local h = string.sub(chain, i, i + 7)
+  local b = struct.unpack('>I4', h, 5) % mask
+  local g = groups[b]
+  if not g then g = {}; groups[b] = g; order[#order + 1] = b end
+  g[#g + 1] = h
+end
+for _, b in ipairs(order) do
+  local got = redis.call('HMGET', prefix .. b, unpack(groups[b]))
+  for _, v in ipairs(got) do if v then n = n + 1 end end
+end
+return n
+"""
+_WALK_RUN = """
+local run, chain = redis.call('GET', KEYS[1]), ARGV[1]
+return run == string.sub(chain, 1, #run) and #run / 8 or 0
+"""
+
+
+def walk_rows(server: Server, blocks: int, calls: int, seed: int) -> list[Row]:
+    """The floor of each read design on ``blocks`` stored keys: one HGET per key (buckets of 16
+    and of 8 bits), one HMGET per bucket the chain touches, and one GET of a 512-key run."""
+    rng = random.Random(seed)
+    raw = server.raw
+    stored = keys(rng, blocks)
+    chain = stored[:512]
+    blob = b"".join(k.to_bytes(8, "big") for k in chain)
+    for bits in (16, 8):
+        pipe = raw.pipeline(transaction=False)
+        for k in stored:
+            pipe.hset(f"w{bits}:{k % (1 << bits)}", k.to_bytes(8, "big"), b"\0\0\0\1")
+            if len(pipe) >= 10_000:
+                pipe.execute()
+        pipe.execute()
+    raw.set("run", blob)
+    per_key, grouped, run = (raw.script_load(s) for s in (_WALK_PER_KEY, _WALK_GROUPED, _WALK_RUN))
+    name = f"bare walks, {blocks:,} keys"
+    rows = []
+    for bits in (16, 8):
+        for label, sha in (("one HGET per key", per_key), ("one HMGET per bucket", grouped)):
+            assert int(raw.evalsha(sha, 0, f"w{bits}:", bits, blob)) == 512
+            args = (sha, 0, f"w{bits}:", bits, blob)
+            cpu = server.measure(lambda _i, a=args: raw.evalsha(*a), calls)  # type: ignore[misc]
+            rows.append(Row(name, f"512 keys, {label}, {bits}-bit buckets", *cpu))
+    assert int(raw.evalsha(run, 1, "run", blob)) == 512
+    cpu = server.measure(lambda _i: raw.evalsha(run, 1, "run", blob), calls)
+    rows.append(Row(name, "512 keys as one run: GET + compare", *cpu))
+    raw.flushall(asynchronous=True)
+    return rows
+
+
+def write_rows(server: Server, sides: Sides, calls: int, seed: int) -> list[Row]:
+    rng = random.Random(seed)
+    kv = sides.kv
+    pods = pods_of(8)
+    name = "writes"
+    rows: list[Row] = []
+    # fresh keys: every call stores a new 64-block event of one pod
+    events = [keys(rng, EVENT_BLOCKS) for _ in range(calls + 1)]
+    adder = pods[0]
+    rows.append(
+        Row(
+            name,
+            "add 64-block event, fresh keys",
+            *server.measure(
+                lambda i: kv.add([engine_of(k) for k in events[i]], events[i], [adder]), calls + 1
+            ),
+        )
+    )
+    # a new pod onto chains other pods hold already (the entry sets change)
+    held = [keys(rng, 512) for _ in range(calls + 1)]
+    for chain in held:
+        kv.add([engine_of(k) for k in chain], chain, [pods[1]])
+    rows.append(
+        Row(
+            name,
+            "add 64-block event onto a held chain",
+            *server.measure(
+                lambda i: kv.add(
+                    [engine_of(k) for k in held[i][64:128]], held[i][64:128], [pods[2]]
+                ),
+                calls + 1,
+            ),
+        )
+    )
+    # evict by engine key: the last block of each fresh event (a BlockRemoved of the tail)
+    rows.append(
+        Row(
+            name,
+            "evict by engine key (tail block)",
+            *server.measure(
+                lambda i: kv.evict(engine_of(events[i][-1]), KeyType.ENGINE, [adder]), calls + 1
+            ),
+        )
+    )
+    rows.append(
+        Row(
+            name,
+            "evict by engine key (middle of a chain)",
+            *server.measure(
+                lambda i: kv.evict(engine_of(held[i][300]), KeyType.ENGINE, [pods[1]]), calls + 1
+            ),
+        )
+    )
+    seq = iter(range(1, 10**9))
+    batches = [
+        [AddOp(None, (rng.getrandbits(64),), (pods[3],)) for _ in range(16)]
+        for _ in range(calls + 1)
+    ]
+    rows.append(
+        Row(
+            name,
+            "apply_batch of 16 ops",
+            *server.measure(
+                lambda i: kv.apply_batch(batches[i], "s", Watermark(1, next(seq))), calls + 1
+            ),
+        )
+    )
+    sides.close()
+    return rows
+
+
+def fmt(value: float | None) -> str:
+    return "" if value is None else f"{value:,.0f}"
+
+
+def print_table(rows: list[Row]) -> None:
+    print(
+        f"{'dataset':<30} {'op':<40} {'kvredis cpu/cmd us':>20} {'reference cpu/cmd us':>22}"
+        f" {'ratio':>7}"
+    )
+    for r in rows:
+        ref = f"{fmt(r.reference_cpu_us)} / {fmt(r.reference_cmd_us)}" if r.reference_cpu_us else ""
+        ratio = f"{r.ratio:.2f}x" if r.ratio else ""
+        kv = f"{fmt(r.kvredis_cpu_us)} / {fmt(r.kvredis_cmd_us)}"
+        print(f"{r.dataset:<30} {r.op:<40} {kv:>20} {ref:>22} {ratio:>7}")
+
+
+def measure_here(
+    quick: bool, rows: str, seed: int, url: str | None, scale: int | None = None
+) -> tuple[bool, list[Row]]:
+    """Run the rows on the kvredis this process imports; (server pinned, rows)."""
+    wanted = {w for w in rows.split(",") if w}
+    own = None if url else RedisServer()
+    if own is not None:
+        own.start()
+    address = url or (own.url if own else "")
+    pinned = False
+    try:
+        pid = own.proc.pid if own is not None and own.proc is not None else None
+        pinned = pid is not None and pin(pid)
+        server = Server(address, pid)
+        server.calibrate()
+        out = run(address, quick, wanted, server, seed, scale)
+        server.close()
+    finally:
+        if own is not None:
+            own.close()
+    return pinned, out
+
+
+def _children(scripts: Sequence[Path], args: list[str]) -> list[list[Row]]:
+    """Run the rows on each side at the same time (each side has its own server), so both
+    see the same machine."""
+    procs = []
+    for script in scripts:
+        # kvredis from the script's own tree: ahead of the editable install (PYTHONPATH comes
+        # before site-packages)
+        env = dict(os.environ, PYTHONPATH=str(script.parents[1]))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script), *args, "--json", "-"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+        )
+    out = []
+    for script, proc in zip(scripts, procs, strict=True):
+        stdout, stderr = proc.communicate()
+        if proc.returncode != 0:
+            raise SystemExit(f"{script} failed:\n{stderr[-2000:]}")
+        text = stdout[stdout.index("[") :]
+        out.append([Row(**{k: v for k, v in r.items() if k != "ratio"}) for r in json.loads(text)])
+    return out
+
+
+def compare(base: str, rounds: int, args: list[str]) -> list[dict[str, Any]]:
+    """Median server CPU per row of revision ``base`` and of this checkout, alternating."""
+    with tempfile.TemporaryDirectory(prefix="kvredis-base-") as tmp:
+        archive = subprocess.run(
+            ["git", "-C", str(REPO), "archive", base], capture_output=True, check=True
+        )
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
+        base_script = Path(tmp) / "scripts" / Path(__file__).name
+        shutil.copy(__file__, base_script)
+        sides: dict[str, list[list[Row]]] = {"before": [], "after": []}
+        for _ in range(rounds):
+            before, after = _children((base_script, Path(__file__)), args)
+            sides["before"].append(before)
+            sides["after"].append(after)
+    out = []
+    for i, row in enumerate(sides["after"][0]):
+        before = statistics.median(rs[i].kvredis_cpu_us for rs in sides["before"])
+        after = statistics.median(rs[i].kvredis_cpu_us for rs in sides["after"])
+        ref = [rs[i].reference_cpu_us for rs in sides["after"] if rs[i].reference_cpu_us]
+        out.append(
+            {
+                "dataset": row.dataset,
+                "op": row.op,
+                "before_cpu_us": before,
+                "after_cpu_us": after,
+                "after_vs_before": after / before if before else None,
+                "reference_cpu_us": statistics.median(ref) if ref else None,
+            }
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = bench_parser(__doc__, "scaled-down datasets and fewer calls")
+    parser.add_argument("--url", help="use this server instead of starting one")
+    parser.add_argument(
+        "--rows", default="", help="comma-separated: hot,20k,random,pods,writes,walk"
+    )
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--scale", type=int, help="1/N of the 20k-chain families (default 1, 20 with --quick)"
+    )
+    parser.add_argument("--base", help="git revision to compare this checkout with")
+    parser.add_argument("--rounds", type=int, default=3, help="runs per side with --base")
+    args = parser.parse_args(argv)
+    if args.base:
+        child = ["--rows", args.rows, "--seed", str(args.seed)] + (
+            ["--quick"] if args.quick else []
+        )
+        child += ["--scale", str(args.scale)] if args.scale else []
+        table = compare(args.base, args.rounds, child)
+        print(
+            f"{'dataset':<30} {'op':<40} {'before':>8} {'after':>8} {'after/before':>12}"
+            f" {'reference':>9}"
+        )
+        for t in table:
+            ratio = t["after_vs_before"]
+            print(
+                f"{t['dataset']:<30} {t['op']:<40} {fmt(t['before_cpu_us']):>8}"
+                f" {fmt(t['after_cpu_us']):>8} {ratio:>11.2f}x {fmt(t['reference_cpu_us']):>9}"
+            )
+        if args.json:
+            write_json(args.json, table)
+        return 0
+    pinned, rows = measure_here(args.quick, args.rows, args.seed, args.url, args.scale)
+    if args.json == "-":
+        write_json("-", [asdict(r) | {"ratio": r.ratio} for r in rows])
+        return 0
+    print(f"server pinned to core 0: {pinned}")
+    print_table(rows)
+    if args.json:
+        write_json(args.json, [asdict(r) | {"ratio": r.ratio} for r in rows])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,474 @@
+"""Chain runs (request keys stored together, ``<ns>:c:<id>``): exact walks whatever the key sets.
+
+Every case compares RedisIndex with the embedded index (the model of the Index contract) and
+reads the namespace straight from Redis afterwards (tests/redis/namespace_state.py checks the
+run invariants: refs and run positions agree, no trailing holes, no empty runs).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator, Sequence
+
+import pytest
+import redis
+
+from kvredis import (
+    InMemoryIndex,
+    KeyType,
+    NamespaceLayoutError,
+    PodEntry,
+    RedisIndex,
+    RedisIndexConfig,
+)
+from kvredis.redis.codec import encode_entry
+from kvredis.redis.inspect import Inspector, Problem, op_check, op_dump, op_restore, op_stats
+from kvredis.redis.layout import Layout
+from kvredis.scoring import LongestPrefixScorer
+from tests.redis.namespace_state import read_namespace
+
+pytestmark = pytest.mark.redis
+
+A, B, C = PodEntry("pod-a", "gpu"), PodEntry("pod-b", "cpu"), PodEntry("pod-c", "gpu")
+WEIGHTS = {"gpu": 1.0, "cpu": 0.8}
+
+
+class Pair:
+    """RedisIndex and the embedded model, written and read together."""
+
+    def __init__(self, url: str, namespace: str) -> None:
+        self.url, self.namespace = url, namespace
+        self.redis = RedisIndex(RedisIndexConfig(address=url, namespace=namespace))
+        self.model = InMemoryIndex()
+        self.raw = redis.Redis.from_url(url)
+
+    def add(self, keys: Sequence[int], entries: Sequence[PodEntry], engine: bool = True) -> None:
+        eng = [k + 10**12 for k in keys] if engine else None
+        self.redis.add(eng, keys, entries)
+        self.model.add(eng, keys, entries)
+
+    def evict(self, key: int, kind: KeyType, entries: Sequence[PodEntry]) -> None:
+        self.redis.evict(key, kind, entries)
+        self.model.evict(key, kind, entries)
+
+    def clear(self, pod: str) -> None:
+        self.redis.clear(pod)
+        self.model.clear(pod)
+
+    def agree(self, chain: Sequence[int]) -> dict[int, list[PodEntry]]:
+        got = self.redis.lookup(chain)
+        assert {k: set(v) for k, v in got.items()} == {
+            k: set(v) for k, v in self.model.lookup(chain).items()
+        }, chain
+        expected = LongestPrefixScorer(WEIGHTS).score(chain, self.model.lookup(chain))
+        assert self.redis.score(chain, WEIGHTS) == expected  # bit-identical
+        return got
+
+    def consistent(self) -> None:
+        state = read_namespace(self.raw, self.namespace)
+        assert state.problems == []
+
+    def runs(self) -> list[bytes]:
+        return list(self.raw.scan_iter(match=f"{self.namespace}:c:*"))
+
+    def close(self) -> None:
+        self.redis.close()
+        self.raw.close()
+
+
+@pytest.fixture
+def pair(redis_server_url: str, namespace: str) -> Iterator[Pair]:
+    p = Pair(redis_server_url, namespace)
+    yield p
+    p.close()
+
+
+def test_a_chain_is_stored_as_one_run_and_read_from_any_key(pair: Pair) -> None:
+    chain = list(range(1, 101))
+    pair.add(chain, [A])
+    assert len(pair.runs()) == 1
+    assert pair.agree(chain) == {k: [A] for k in chain}
+    assert pair.agree([2, 3]) == {2: [A], 3: [A]}  # a lookup starting inside the run
+    pair.agree([50, 51, 7, 8])  # jumps back inside the run
+    pair.agree([1, 2, 1, 2])  # keys repeated
+    pair.agree([100, 101])  # past the run's end
+    pair.agree([5, 7, 6])  # the run's keys out of order
+    pair.consistent()
+
+
+def test_short_key_sets_stay_inline(pair: Pair) -> None:
+    pair.add([1, 2, 3], [A])
+    pair.add([9], [B])
+    assert pair.runs() == []
+    pair.agree([1, 2, 3, 9])
+    pair.consistent()
+
+
+def test_divergent_tails_and_a_second_pod_split_the_ranges(pair: Pair) -> None:
+    prefix = list(range(1, 41))
+    t1, t2 = list(range(100, 120)), list(range(200, 230))
+    pair.add(prefix + t1, [A])
+    pair.add(prefix + t2, [B])  # the prefix gains pod-b, t2 is a new run
+    pair.add(t1[:5], [C])  # a middle part of a run gains pod-c
+    for chain in (prefix + t1, prefix + t2, prefix[:10] + t2, t1, t2, prefix + t1[:3] + t2):
+        pair.agree(chain)
+    pair.consistent()
+
+
+def test_evict_in_the_middle_of_a_run_ends_the_walk_there(pair: Pair) -> None:
+    chain = list(range(1, 65))
+    pair.add(chain, [A, B])
+    pair.evict(30 + 10**12, KeyType.ENGINE, [A])  # pod-a loses key 30
+    pair.evict(31 + 10**12, KeyType.ENGINE, [A, B])  # key 31 loses everything: a hole
+    got = pair.agree(chain)
+    assert len(got) == 30 and got[30] == [B]
+    pair.agree(chain[31:])  # the keys after the hole still walk
+    pair.agree([31])
+    pair.consistent()
+    # re-added: the hole's key is held again (on its own), and the chain walks through
+    pair.add([31], [C])
+    assert len(pair.agree(chain)) == 64
+    pair.consistent()
+
+
+def test_a_hole_key_stored_again_after_the_run_tail_joins_the_run_again(pair: Pair) -> None:
+    chain = list(range(1, 21))
+    pair.add(chain, [A])
+    pair.evict(5 + 10**12, KeyType.ENGINE, [A])  # key 5: a hole
+    pair.add([20, 5, 99, 98], [B])  # 5, 99 and 98 follow the run's last key: the run grows
+    assert len(pair.runs()) == 1
+    for probe in (chain, [*chain, 5, 99, 98], [4, 5, 6], [5, 99], [20, 5, 99, 98]):
+        pair.agree(probe)
+    pair.consistent()
+
+
+def test_evicting_the_tail_trims_the_run_and_the_last_key_deletes_it(pair: Pair) -> None:
+    chain = list(range(1, 17))
+    pair.add(chain, [A])
+    for key in reversed(chain[8:]):
+        pair.evict(key + 10**12, KeyType.ENGINE, [A])
+        pair.consistent()
+    pair.agree(chain)
+    for key in chain[:8]:
+        pair.evict(key + 10**12, KeyType.ENGINE, [A])
+    assert pair.runs() == []
+    assert pair.agree(chain) == {}
+    pair.consistent()
+    assert list(pair.raw.scan_iter(match=f"{pair.namespace}:[res]:*")) == []
+
+
+def test_clearing_one_pod_of_a_shared_run_keeps_the_other(pair: Pair) -> None:
+    chain = list(range(1, 51))
+    pair.add(chain, [A])
+    pair.add(chain[:30], [B])
+    pair.add(chain[10:], [C])
+    pair.clear("pod-a")
+    pair.agree(chain)
+    pair.agree(chain[10:])
+    pair.consistent()
+    pair.clear("pod-b")
+    pair.clear("pod-c")
+    assert pair.agree(chain) == {}
+    assert pair.runs() == []
+    pair.consistent()
+
+
+def test_a_long_add_fills_runs_of_at_most_the_run_size(pair: Pair) -> None:
+    chain = list(range(1, 2501))
+    pair.add(chain, [A], engine=False)
+    assert len(pair.runs()) >= 3
+    assert len(pair.agree(chain)) == 2500
+    pair.add(list(range(2501, 2600)), [A], engine=False)  # extends the last run
+    pair.agree(list(range(1, 2600)))
+    pair.consistent()
+
+
+def test_batches_of_adds_and_evicts_agree_with_the_model(pair: Pair) -> None:
+    from kvredis import AddOp, EvictOp
+
+    chain = list(range(1, 40))
+    ops = [
+        AddOp(None, tuple(chain), (A,)),
+        EvictOp(10, KeyType.REQUEST, (A,)),
+        AddOp(None, tuple(chain[5:20]), (B,)),
+        EvictOp(39, KeyType.REQUEST, (A,)),
+        AddOp(None, (10, 11, 12, *range(500, 520)), (C,)),
+    ]
+    pair.redis.apply_batch(ops)
+    pair.model.apply_batch(ops)
+    for probe in (chain, chain[9:], [10, 11, 12, *range(500, 520)], list(range(500, 520))):
+        pair.agree(probe)
+    pair.consistent()
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_random_key_sets_agree_with_the_model(pair: Pair, seed: int) -> None:
+    rng = random.Random(seed)
+    pods = [A, B, C]
+    universe = list(range(1, 120))
+    chains = [rng.sample(universe, rng.randint(1, 40)) for _ in range(12)]
+    for _ in range(60):
+        roll = rng.random()
+        chain = rng.choice(chains)
+        if roll < 0.45:
+            start = rng.randrange(len(chain))
+            pair.add(chain[start : start + rng.randint(1, 30)], rng.sample(pods, rng.randint(1, 2)))
+        elif roll < 0.8:
+            key = rng.choice(chain)
+            kind = rng.choice([KeyType.REQUEST, KeyType.ENGINE])
+            pair.evict(key + (10**12 if kind is KeyType.ENGINE else 0), kind, [rng.choice(pods)])
+        elif roll < 0.85:
+            pair.clear(rng.choice(pods).pod_identifier)
+        for probe in (chain, chain[rng.randrange(len(chain)) :], rng.sample(universe, 10)):
+            pair.agree(probe)
+    pair.consistent()
+
+
+# -- speculative entries with a ttl on keys of runs (the expiring buckets, includes/expiry) ----
+
+S = PodEntry("pod-s", speculative=True)
+S_CONFIRMED = PodEntry("pod-s", "gpu")
+S_OTHER = PodEntry("pod-b", speculative=True)
+#: Long enough for the checks made while the entries are live.
+TTL = 1.0
+
+
+def add_expiring(pair: Pair, keys: Sequence[int], entries: Sequence[PodEntry]) -> None:
+    """Add with the ttl, the model first (its deadline is then never later than the server's)."""
+    pair.model.add(None, keys, entries, ttl=TTL)
+    pair.redis.add(None, keys, entries, ttl=TTL)
+
+
+def expire(pair: Pair) -> None:
+    """Wait until the server deleted the gate of the expiring buckets (without writing)."""
+    gate = Layout(pair.namespace, 1, b"").sx
+    deadline = time.monotonic() + TTL + 5.0
+    while pair.raw.exists(gate):
+        assert time.monotonic() < deadline, "the gate did not expire"
+        time.sleep(0.05)
+
+
+def expiring_items(pair: Pair, key: int) -> bytes | None:
+    layout = pair.redis._session.state.layout
+    value: bytes | None = pair.raw.hget(layout.expiring_bucket(key), key.to_bytes(8, "big"))
+    return value
+
+
+def test_expiring_entries_on_keys_of_a_run_hit_while_live_and_the_chain_ends_after(
+    pair: Pair,
+) -> None:
+    chain = list(range(1, 33))
+    pair.add(chain, [A])
+    tail = list(range(40, 46))  # keys with no request record at all
+    add_expiring(pair, chain[8:16] + tail, [S])
+    assert len(pair.runs()) == 1  # an expiring add never writes into runs
+    layout = pair.redis._session.state.layout
+    assert all(pair.raw.hget(layout.request_bucket(k), k.to_bytes(8, "big")) is None for k in tail)
+    got = pair.agree(chain + tail)  # the walk goes on past the run into expiring-only keys
+    assert len(got) == 38 and got[9] == [A, S] and got[40] == [S] and got[1] == [A]
+    assert len(pair.agree(tail + chain)) == 38  # and into the run after expiring-only keys
+    pair.agree(chain[8:16] + tail)  # pod-s holds the whole of this chain
+    pair.consistent()
+    expire(pair)
+    assert pair.agree(chain + tail) == {k: [A] for k in chain}
+    assert pair.agree(tail) == {}
+    assert pair.redis.score(chain + tail, WEIGHTS) == {"pod-a": 32.0}
+    pair.consistent()
+
+
+def test_an_expiring_entry_bridges_a_hole_of_a_run_until_it_expires(pair: Pair) -> None:
+    chain = list(range(1, 41))
+    pair.add(chain, [A])
+    pair.evict(20 + 10**12, KeyType.ENGINE, [A])  # key 20 becomes a hole of the run
+    assert len(pair.agree(chain)) == 19
+    add_expiring(pair, [20], [S])
+    assert len(pair.agree(chain)) == 40  # the chain continues through the hole while live
+    assert pair.agree(chain)[20] == [S]
+    pair.agree(chain[19:])  # a walk starting at the hole
+    pair.consistent()
+    expire(pair)
+    assert len(pair.agree(chain)) == 19
+    pair.consistent()
+
+
+def test_a_confirmation_inside_a_run_replaces_the_pods_expiring_entries_there(
+    pair: Pair,
+) -> None:
+    chain = list(range(1, 33))
+    pair.add(chain, [A])
+    add_expiring(pair, chain[:16], [S])
+    pair.add(chain[4:8], [S_CONFIRMED])  # keys 5..8, held through the run
+    for key in chain[4:8]:
+        assert expiring_items(pair, key) is None
+    for key in (1, 4, 9, 16):
+        assert expiring_items(pair, key) is not None
+    got = pair.agree(chain)
+    assert got[5] == [A, S_CONFIRMED] and got[1] == [A, S]
+    pair.consistent()
+    expire(pair)
+    got = pair.agree(chain)
+    assert got[5] == [A, S_CONFIRMED] and got[1] == [A] and len(got) == 32
+    pair.consistent()
+
+
+def test_a_speculative_entry_moves_between_runs_and_expiring_buckets(pair: Pair) -> None:
+    chain = list(range(1, 21))
+    add_expiring(pair, chain, [S])
+    assert pair.runs() == []
+    pair.add(chain, [S])  # the same entries without a ttl: they stop expiring
+    assert len(pair.runs()) == 1
+    assert all(expiring_items(pair, k) is None for k in chain)
+    pair.consistent()
+    add_expiring(pair, chain, [S])  # with a ttl again: out of the run, which empties and goes
+    assert pair.runs() == []
+    assert pair.agree(chain) == {k: [S] for k in chain}
+    pair.consistent()
+    expire(pair)
+    assert pair.agree(chain) == {}
+
+
+def test_evict_and_clear_remove_a_pods_entries_from_runs_and_expiring_buckets(
+    pair: Pair,
+) -> None:
+    chain = list(range(1, 33))
+    pair.add(chain, [A, S_CONFIRMED])
+    add_expiring(pair, [*chain[16:], 50, 51], [S])  # inside the run, and past it
+    add_expiring(pair, [60], [S_OTHER])  # another pod's expiring entry stays
+    pair.evict(20 + 10**12, KeyType.ENGINE, [S])  # engine key of a run position
+    assert expiring_items(pair, 20) is None
+    pair.evict(21, KeyType.REQUEST, [S, S_CONFIRMED])
+    assert expiring_items(pair, 21) is None
+    pair.agree([*chain, 50, 51])
+    pair.consistent()
+    pair.clear("pod-s")
+    layout = pair.redis._session.state.layout
+    assert all(expiring_items(pair, k) is None for k in [*chain, 50, 51])
+    assert expiring_items(pair, 60) is not None
+    assert pair.raw.hget(layout.pp, b"pod-s") is None
+    assert pair.agree([*chain, 50, 51]) == {k: [A] for k in chain}
+    assert pair.agree([60]) == {60: [S_OTHER]}
+    pair.consistent()
+
+
+def test_check_and_dump_restore_keep_runs_and_expiring_buckets_apart(
+    pair: Pair, namespace: str
+) -> None:
+    chain = list(range(1, 33))
+    pair.add(chain, [A])
+    add_expiring(pair, [*chain[:10], 70], [S])
+    config = RedisIndexConfig(address=pair.url, namespace=namespace)
+    with Inspector(config) as inspector:
+        layout = inspector.layout()
+        assert layout is not None
+        assert inspector.run(op_check(layout)).findings == []
+        stats = inspector.run(op_stats(layout, memory=False))
+        assert (stats.runs, stats.expiring_entries, stats.pairs) == (1, 11, 32)
+        records: list[dict[str, object]] = []
+        inspector.run(op_dump(layout, records.append))
+        copy = f"{namespace}-copy"
+        inspector.run(op_restore(copy.encode() + b":", records))
+    with RedisIndex(RedisIndexConfig(address=pair.url, namespace=copy)) as restored:
+        assert restored.lookup([*chain, 70]) == pair.redis.lookup([*chain, 70])
+    assert read_namespace(pair.raw, copy).problems == []
+    pair.raw.delete(*pair.raw.scan_iter(match=f"{copy}:*"))
+
+
+def test_check_repairs_an_id_held_both_in_a_run_and_as_an_expiring_entry(
+    pair: Pair, namespace: str
+) -> None:
+    chain = list(range(1, 33))
+    pair.add(chain, [A])  # a run
+    pair.add([80], [A])  # inline
+    add_expiring(pair, [3, 80], [S])
+    layout = pair.redis._session.state.layout
+    a_id = pair.raw.hget(layout.pe, encode_entry(A))
+    assert a_id is not None
+    for key in (3, 80):  # a foreign write: pod-a's id also as an expiring item of the key
+        items = expiring_items(pair, key)
+        assert items is not None
+        pair.raw.hset(layout.expiring_bucket(key), key.to_bytes(8, "big"), items + a_id + items[4:])
+    assert any("both ways" in p for p in read_namespace(pair.raw, namespace).problems)
+    config = RedisIndexConfig(address=pair.url, namespace=namespace)
+    with Inspector(config) as inspector:
+        report = inspector.run(op_check(layout, repair=True))
+        # (on Valkey the foreign HSETs also dropped the fields' expiry: no_expiry)
+        assert sorted(f.field for f in report.findings if f.problem is Problem.HELD_TWICE) == [
+            k.to_bytes(8, "big") for k in (3, 80)
+        ]
+        assert inspector.run(op_check(layout)).findings == []
+    pair.consistent()
+    pair.agree([*chain, 80])
+
+
+def test_a_namespace_of_the_previous_layout_is_refused(
+    redis_server_url: str, namespace: str
+) -> None:
+    raw = redis.Redis.from_url(redis_server_url)
+    raw.hset(
+        f"{namespace}:meta", mapping={"layout": "kvredis-kvblock/1", "bucket_bits": 16, "gen": "g"}
+    )
+    with pytest.raises(NamespaceLayoutError, match="kvredis-kvblock/1"):
+        RedisIndex(RedisIndexConfig(address=redis_server_url, namespace=namespace))
+    raw.close()
+
+
+def test_check_finds_and_repairs_broken_refs_and_runs(pair: Pair) -> None:
+    chain = list(range(1, 41))
+    pair.add(chain, [A])
+    pair.add(list(range(100, 130)), [B])
+    layout = Layout(pair.namespace, 16, b"")
+    runs = sorted(pair.runs())
+    raw = pair.raw
+    # a ref deleted (its run position unreferenced), a ref pointing elsewhere, a run deleted
+    raw.hdel(layout.request_bucket(5), (5).to_bytes(8, "big"))
+    raw.hset(layout.request_bucket(6), (6).to_bytes(8, "big"), runs[0][-4:] + b"\x00\x09")
+    raw.delete(runs[1])
+    config = RedisIndexConfig(address=pair.url, namespace=pair.namespace)
+    with Inspector(config) as inspector:
+        loaded = inspector.layout()
+        assert loaded is not None
+        report = inspector.run(op_check(loaded))
+        found = {f.problem for f in report.findings}
+        assert {Problem.UNREFERENCED_POSITION, Problem.DANGLING_REF} <= found
+        assert not report.ok
+        repaired = inspector.run(op_check(loaded, repair=True))
+        assert repaired.ok
+        # the refs repaired away leave their engine mappings dangling: the next pass drops them
+        again = inspector.run(op_check(loaded, repair=True))
+        assert {f.problem for f in again.findings} <= {Problem.DANGLING_MAPPING}
+        assert inspector.run(op_check(loaded)).findings == []
+    pair.consistent()
+    got = pair.redis.lookup(chain)
+    assert got[5] == [A]  # the unreferenced position got its ref back
+    assert 6 not in got
+    assert pair.redis.lookup(list(range(100, 130))) == {}  # its run was lost
+
+
+def test_check_passes_on_runs_with_holes_and_dump_restore_round_trips(
+    pair: Pair, redis_server_url: str
+) -> None:
+    chain = list(range(1, 80))
+    pair.add(chain, [A, B])
+    pair.add(chain[20:50], [C])
+    pair.evict(40 + 10**12, KeyType.ENGINE, [A, B, C])
+    pair.evict(41, KeyType.REQUEST, [C])
+    config = RedisIndexConfig(address=redis_server_url, namespace=pair.namespace)
+    records: list[dict[str, object]] = []
+    with Inspector(config) as inspector:
+        layout = inspector.layout()
+        assert layout is not None
+        assert inspector.run(op_check(layout)).findings == []
+        inspector.run(op_dump(layout, records.append))
+    before = {k: set(v) for k, v in pair.redis.lookup(chain).items()}
+    after_hole = {k: set(v) for k, v in pair.redis.lookup(chain[41:]).items()}
+    pair.redis.drop_namespace()
+    with Inspector(config) as inspector:
+        inspector.run(op_restore(f"{pair.namespace}:".encode(), records))
+    fresh = RedisIndex(config)
+    try:
+        assert {k: set(v) for k, v in fresh.lookup(chain).items()} == before
+        assert {k: set(v) for k, v in fresh.lookup(chain[41:]).items()} == after_hole
+    finally:
+        fresh.close()
+    pair.consistent()
