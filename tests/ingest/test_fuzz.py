@@ -9,9 +9,11 @@ Chains here end on index-block boundaries (partial-block tails have their own te
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import msgpack
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -30,6 +32,19 @@ from kvredis.ingest.events import (
 from kvredis.memory import InMemoryIndex
 from kvredis.types import KeyType, PodEntry
 
+
+def _fuzz_settings(examples: int) -> settings:
+    """Derandomized in the suite (CI stays deterministic); ``KVREDIS_FUZZ_EXAMPLES=N`` runs N
+    random examples per test instead, for a long search."""
+    wanted = os.environ.get("KVREDIS_FUZZ_EXAMPLES")
+    return settings(
+        max_examples=int(wanted) if wanted else examples,
+        derandomize=not wanted,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+
+
 TP = ChunkedTokenDatabase()
 POD, MODEL = "pod-f", "model-f"
 TOPIC = f"kv@{POD}@{MODEL}"
@@ -39,21 +54,27 @@ CONFIG = IngesterConfig(peer_grace_s=0.0, poll_interval_s=0.001)
 
 
 def _features(
-    parsed: list[BlockExtraFeatures | None] | None, blocks: int, n_tokens: int, n_hashes: int
+    parsed: list[BlockExtraFeatures | None] | None,
+    blocks: int,
+    n_tokens: int,
+    n_hashes: int,
+    engine_block_size: int,
 ) -> list[BlockExtraFeatures | None] | None:
-    """Extra keys per index block. More engine blocks than index blocks: an index block takes
-    the items of every engine block whose tokens it shares when there is one list per engine
-    block and the tokens split evenly over them; otherwise the lists spread by index."""
+    """Extra keys per index block. More engine blocks than index blocks: with one list per
+    engine block, an index block takes the items of every engine block whose tokens it shares
+    (the tokens split evenly over the engine blocks when they can, else each engine block
+    covers ``engine_block_size`` tokens, cut at the end); otherwise the lists spread by index."""
     if not parsed:
         return None
     n = len(parsed)
     size = TP.block_size()
 
     def shares(j: int, i: int) -> bool:
-        if n != n_hashes or n_tokens % n:
+        if n != n_hashes:
             return j * blocks // n == i
-        per = n_tokens // n
-        return j * per < (i + 1) * size and (j + 1) * per > i * size
+        per = n_tokens // n if n_tokens % n == 0 else max(engine_block_size, 1)
+        lo, hi = min(j * per, n_tokens), min((j + 1) * per, n_tokens)
+        return lo < (i + 1) * size and hi > i * size
 
     out: list[BlockExtraFeatures | None] = []
     for i in range(blocks):
@@ -118,7 +139,9 @@ def reference_apply(index: InMemoryIndex, events: tuple[Event, ...], seen: set[i
             )
         except ValueError:
             continue
-        feats = _features(split.features, blocks, len(ev.token_ids), len(ev.block_hashes))
+        feats = _features(
+            split.features, blocks, len(ev.token_ids), len(ev.block_hashes), ev.block_size
+        )
         salt = split.cache_salt if not ev.parent_block_hash else None
         request = TP.tokens_to_kv_block_keys(
             parent, ev.token_ids, ev.lora_name or MODEL, feats, cache_salt=salt
@@ -275,13 +298,13 @@ def engine_streams(draw: st.DrawFn) -> list[bytes]:
     return batches
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@_fuzz_settings(150)
 @given(engine_streams())
 def test_engine_like_streams_match_the_reference(batch_payloads: list[bytes]) -> None:
     check_against_reference(batch_payloads)
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@_fuzz_settings(100)
 @given(st.lists(payloads(), min_size=1, max_size=8))
 def test_random_and_mutated_payloads_match_the_reference(batch_payloads: list[bytes]) -> None:
     check_against_reference(batch_payloads)
@@ -311,7 +334,7 @@ def check_against_reference(batch_payloads: list[bytes]) -> None:
     assert c["events"] == sum(decode_batch(p).total_events for p in batch_payloads)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@_fuzz_settings(60)
 @given(
     st.lists(
         st.tuples(
@@ -340,3 +363,18 @@ def test_arbitrary_messages_never_raise_and_keep_entries_well_formed(
         for entry in index.lookup([request]).get(request, []):
             assert entry.pod_identifier in {"p1", "p2"}
             assert entry.device_tier in {"gpu", "cpu"}
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        # 12 tokens per engine block: the image of block 2 spans index blocks 1 and 2
+        BlockStored((0, 0, 0, 0), None, (0,) * 48, 8, extra_keys=(None, None, ("img-1",), None)),
+        # more extra-key lists than engine blocks: spread by index
+        BlockStored((1, 2, 3), None, (0,) * 48, 16, extra_keys=(None, None, ("img-1",), None)),
+        # 16 tokens over 3 engine blocks of 8: the third covers no token, nor does its image
+        BlockStored((0, 0, 0), None, (0,) * 16, 8, extra_keys=(None, None, ("img-1",))),
+    ],
+)
+def test_extra_keys_of_engine_blocks_that_straddle_index_blocks(event: BlockStored) -> None:
+    check_against_reference([encode_batch([event])])
