@@ -519,16 +519,16 @@ def compare(base: str, rounds: int, args: list[str]) -> list[dict[str, Any]]:
             sides["after"].append(after)
     out = []
     for i, row in enumerate(sides["after"][0]):
-        before = statistics.median(rs[i].kvredis_cpu_us for rs in sides["before"])
-        after = statistics.median(rs[i].kvredis_cpu_us for rs in sides["after"])
-        ref = [rs[i].reference_cpu_us for rs in sides["after"] if rs[i].reference_cpu_us]
+        before_us = statistics.median(rs[i].kvredis_cpu_us for rs in sides["before"])
+        after_us = statistics.median(rs[i].kvredis_cpu_us for rs in sides["after"])
+        ref = [r for rs in sides["after"] if (r := rs[i].reference_cpu_us)]
         out.append(
             {
                 "dataset": row.dataset,
                 "op": row.op,
-                "before_cpu_us": before,
-                "after_cpu_us": after,
-                "after_vs_before": after / before if before else None,
+                "before_cpu_us": before_us,
+                "after_cpu_us": after_us,
+                "after_vs_before": after_us / before_us if before_us else None,
                 "reference_cpu_us": statistics.median(ref) if ref else None,
             }
         )
