@@ -35,7 +35,7 @@ T = TypeVar("T")
 REDIS_FIXTURES = frozenset({"redis_server_url", "own_redis_server", "server_pool"})
 #: Fixtures that start a local Redis Cluster; a test using one is marked ``cluster`` (and
 #: ``redis``: it needs the server binaries too).
-CLUSTER_FIXTURES = frozenset({"redis_cluster"})
+CLUSTER_FIXTURES = frozenset({"redis_cluster", "cluster_pool"})
 #: Test namespaces start with this; whatever is left under it after the session is deleted.
 TEST_PREFIX = "kvt-"
 REDIS_BACKENDS = [
@@ -43,7 +43,12 @@ REDIS_BACKENDS = [
     for name in ("redis", "async_redis")
     for kind in server_kinds()
 ]
-BACKENDS = ["memory", "cost_aware", *REDIS_BACKENDS]
+CLUSTER_BACKENDS = [
+    pytest.param(f"{name}@{kind}", marks=[pytest.mark.redis, pytest.mark.cluster])
+    for name in ("cluster", "async_cluster")
+    for kind in local_server_kinds()
+]
+BACKENDS = ["memory", "cost_aware", *REDIS_BACKENDS, *CLUSTER_BACKENDS]
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:
@@ -137,17 +142,46 @@ def own_redis_server(request: pytest.FixtureRequest) -> Iterator[RedisServer]:
         server.close()
 
 
+class ClusterPool:
+    """One local cluster per server kind for the whole session, started on first use."""
+
+    def __init__(self) -> None:
+        self._clusters: dict[str, LocalCluster] = {}
+
+    def get(self, kind: str) -> LocalCluster:
+        cluster = self._clusters.get(kind)
+        if cluster is None:
+            cluster = LocalCluster(kind)
+            try:
+                cluster.start()
+            except BaseException:
+                cluster.close()
+                raise
+            self._clusters[kind] = cluster
+        return cluster
+
+    def close(self) -> None:
+        for cluster in self._clusters.values():
+            cluster.close()
+        self._clusters.clear()
+
+
+@pytest.fixture(scope="session")
+def cluster_pool() -> Iterator[ClusterPool]:
+    """The session's local clusters, one per server kind (3 primaries, 3 replicas each)."""
+    pool = ClusterPool()
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
 @pytest.fixture(scope="session", params=local_server_kinds())
-def redis_cluster(request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
+def redis_cluster(request: pytest.FixtureRequest, cluster_pool: ClusterPool) -> LocalCluster:
     """A local cluster of each server kind in turn (3 primaries, 3 replicas), started once per
     session. A test that kills a node (:meth:`LocalCluster.kill_primary`) revives it before it
     ends, so the next test finds the cluster whole (with other primaries, maybe)."""
-    cluster = LocalCluster(str(request.param))
-    try:
-        cluster.start()
-        yield cluster
-    finally:
-        cluster.close()
+    return cluster_pool.get(str(request.param))
 
 
 @pytest.fixture
@@ -269,9 +303,18 @@ def make_backend(name: str, request: pytest.FixtureRequest) -> Any:
 
         return CostAwareMemoryIndex()
     client, _, kind = name.partition("@")
-    url = request.getfixturevalue("server_pool").url(kind)
     ns = f"{TEST_PREFIX}{uuid.uuid4().hex[:12]}"
     from kvredis import AsyncRedisIndex, RedisIndex, RedisIndexConfig
+
+    if client in ("cluster", "async_cluster"):
+        from kvredis.redis.cluster.index import AsyncRedisClusterIndex, RedisClusterIndex
+
+        cluster_url = request.getfixturevalue("cluster_pool").get(kind).url
+        cluster_config = RedisIndexConfig(address=cluster_url, namespace=ns)
+        if client == "cluster":
+            return RedisClusterIndex(cluster_config)
+        return SyncOverAsync(lambda: AsyncRedisClusterIndex(cluster_config))
+    url = request.getfixturevalue("server_pool").url(kind)
 
     config = RedisIndexConfig(address=url, namespace=ns)
     if client == "redis":

@@ -13,6 +13,7 @@ from typing import Any
 from kvredis.errors import ConfigError
 from kvredis.jsonconfig import check_number, take_fields
 from kvredis.redis.address import RedisAddress, mask_password, parse_address
+from kvredis.redis.cluster.shards import DEFAULT_SHARDS, check_cluster_namespace, check_shards
 from kvredis.redis.layout import DEFAULT_BUCKET_BITS, check_bucket_bits, check_namespace
 from kvredis.redis.ops import DEFAULT_CLEAR_FIELDS_PER_CALL
 
@@ -46,6 +47,7 @@ _CAMEL = {
     "strict": "strict",
     "cluster": "cluster",
     "readFromReplicas": "read_from_replicas",
+    "clusterShards": "cluster_shards",
 }
 
 
@@ -67,9 +69,11 @@ class RedisIndexConfig:
 
     ``cluster`` selects Redis Cluster mode: ``address`` then names seed nodes. A cluster address
     (``redis+cluster://``, ``valkey+cluster://``, ``rediss+cluster://``, ``valkeys+cluster://``)
-    sets it by itself. ``read_from_replicas`` spreads lookups and scores over replicas. This
-    version parses and checks both, but its index clients serve single servers only: building
-    one with either raises :class:`~kvredis.errors.ConfigError` (see :func:`check_supported`).
+    sets it by itself; :func:`kvredis.redis.index.new_redis_index` then returns the cluster
+    index (:mod:`kvredis.redis.cluster.index`). ``cluster_shards`` is the number of shards a
+    new cluster namespace is spread over (fixed by its first client, as ``bucket_bits``; see
+    :mod:`kvredis.redis.cluster.shards`); a cluster namespace may not contain ``{`` or ``}``.
+    ``read_from_replicas`` spreads lookups and scores over replicas.
     """
 
     address: str = "redis://127.0.0.1:6379"
@@ -95,6 +99,7 @@ class RedisIndexConfig:
     strict: bool = False
     cluster: bool = False
     read_from_replicas: bool = False
+    cluster_shards: int = DEFAULT_SHARDS
 
     def __repr__(self) -> str:
         shown = []
@@ -127,6 +132,9 @@ class RedisIndexConfig:
         try:
             check_namespace(self.namespace)
             check_bucket_bits(self.bucket_bits)
+            check_shards(self.cluster_shards)
+            if self.cluster:
+                check_cluster_namespace(self.namespace)
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
         for name in ("socket_timeout", "connect_timeout", "pool_timeout"):
@@ -183,16 +191,9 @@ class RedisIndexConfig:
 
 def check_supported(config: RedisIndexConfig) -> None:
     """Raise :class:`~kvredis.errors.ConfigError` for a config this version's index clients
-    cannot serve: Redis Cluster mode (a cluster address or ``cluster``) and
-    ``read_from_replicas``."""
-    if config.cluster:
+    cannot serve: ``read_from_replicas`` on a single server."""
+    if config.read_from_replicas and not config.cluster:
         raise ConfigError(
-            f"{config.server()} is a Redis Cluster address (cluster mode), but the cluster "
-            "backend is not available in this version of kvredis; point it at a single "
-            "Redis/Valkey server (redis://host:port)"
-        )
-    if config.read_from_replicas:
-        raise ConfigError(
-            "read_from_replicas is not available in this version of kvredis; leave it unset "
-            "(reads go to the server of the address)"
+            "read_from_replicas is not available for a single server in this version of "
+            "kvredis; leave it unset (reads go to the server of the address)"
         )

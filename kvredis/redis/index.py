@@ -29,6 +29,7 @@ import redis.asyncio
 from kvredis.batch import IndexOp, Watermark
 from kvredis.errors import ConfigError
 from kvredis.index import ClearProgress
+from kvredis.redis.cluster.index import AsyncRedisClusterIndex, RedisClusterIndex
 from kvredis.redis.config import DEFAULT_VALKEY_ADDRESS, RedisIndexConfig, check_supported
 from kvredis.redis.executor import AsyncExecutor, SyncExecutor
 from kvredis.redis.ops import (
@@ -72,11 +73,15 @@ class _Facade:
         if not isinstance(cfg, RedisIndexConfig):
             raise ConfigError(f"config must be a RedisIndexConfig, got {cfg!r}")
         check_supported(cfg)
+        if cfg.cluster:
+            raise ConfigError(
+                f"{cfg.server()} is a cluster address: use RedisClusterIndex "
+                "(kvredis.redis.cluster.index), or new_redis_index(), which picks it"
+            )
         self.config = cfg
         if cfg.enable_rdma:
             logger.warning(
-                "enable_rdma is set for %s, but the Python client does not support RDMA; "
-                "using TCP",
+                "enable_rdma is set for %s, but the Python client does not support RDMA; using TCP",
                 cfg.parsed_address().display,
             )
         self._session = Session(
@@ -320,15 +325,30 @@ class AsyncRedisIndex(_Facade):
         await self.aclose()
 
 
-def new_redis_index(config: RedisIndexConfig | None = None) -> RedisIndex:
-    """A :class:`RedisIndex` (default: ``redis://127.0.0.1:6379``, namespace ``kvblock``)."""
+def new_redis_index(config: RedisIndexConfig | None = None) -> RedisIndex | RedisClusterIndex:
+    """A :class:`RedisIndex` (default: ``redis://127.0.0.1:6379``, namespace ``kvblock``), or a
+    :class:`~kvredis.redis.cluster.index.RedisClusterIndex` for a cluster config."""
+    if config is not None and config.cluster:
+        return RedisClusterIndex(config)
     return RedisIndex(config)
 
 
-def new_valkey_index(config: RedisIndexConfig | None = None) -> RedisIndex:
-    """A :class:`RedisIndex` on Valkey (default: ``valkey://127.0.0.1:6379``, backend "valkey")."""
+def new_valkey_index(config: RedisIndexConfig | None = None) -> RedisIndex | RedisClusterIndex:
+    """:func:`new_redis_index` on Valkey (default: ``valkey://127.0.0.1:6379``, backend
+    "valkey")."""
     if config is None:
         config = RedisIndexConfig(address=DEFAULT_VALKEY_ADDRESS, backend_type="valkey")
     elif config.backend_type != "valkey":
         config = replace(config, backend_type="valkey")
-    return RedisIndex(config)
+    return new_redis_index(config)
+
+
+def new_async_redis_index(
+    config: RedisIndexConfig | None = None,
+) -> AsyncRedisIndex | AsyncRedisClusterIndex:
+    """The asyncio index for ``config`` (:class:`AsyncRedisIndex`, or
+    :class:`~kvredis.redis.cluster.index.AsyncRedisClusterIndex` for a cluster config), not
+    connected yet: ``await index.connect()``, ``async with``, or the first call connects."""
+    if config is not None and config.cluster:
+        return AsyncRedisClusterIndex(config)
+    return AsyncRedisIndex(config)

@@ -501,7 +501,7 @@ def _pack(values: Sequence[int]) -> bytes:
     return struct.pack(f">{len(values)}Q", *values)
 
 
-class _Program:
+class Program:
     """Builds the op program of add / evict / apply_batch (see ``lua/apply_batch.lua``)."""
 
     def __init__(self, layout: Layout) -> None:
@@ -551,7 +551,14 @@ def add_pieces(
     """
     pairs = infer_mappings(engine_keys, request_keys) if engine_keys else []
     pairs = compress_pairs(pairs, MAX_REQUEST_KEYS_PER_ENGINE_KEY)
-    room = max(1, (CALL_BUDGET if budget is None else budget) - 1 - len(entries))
+    return split_add(request_keys, pairs, len(entries), budget)
+
+
+def split_add(
+    request_keys: Keys, pairs: Sequence[tuple[int, int]], entries: int, budget: int | None = None
+) -> list[tuple[Sequence[int], Sequence[tuple[int, int]]]]:
+    """:func:`add_pieces` for explicit (engine, request) key pairs and ``entries`` entries."""
+    room = max(1, (CALL_BUDGET if budget is None else budget) - 1 - entries)
     if len(request_keys) + PAIR_COST * len(pairs) <= room:
         return [(request_keys, pairs)]
     pieces: list[tuple[Sequence[int], Sequence[tuple[int, int]]]] = [
@@ -573,10 +580,19 @@ def op_add(
     eng, req, ents = check_add(engine_keys, request_keys, entries)
     seconds = check_ttl(ttl, ents)
     ttl_ms = 0 if seconds is None else max(1, math.ceil(seconds * 1000))
+    yield from op_add_pieces(state, add_pieces(eng, req, ents), list(dict.fromkeys(ents)), ttl_ms)
+
+
+def op_add_pieces(
+    state: CoreState,
+    pieces: Sequence[tuple[Sequence[int], Sequence[tuple[int, int]]]],
+    unique: Entries,
+    ttl_ms: int,
+) -> Op[None]:
+    """One ``add`` script call per piece (see :func:`add_pieces`) of checked input."""
     layout = state.layout
-    unique = list(dict.fromkeys(ents))
-    for keys, pairs in add_pieces(eng, req, unique):
-        program = _Program(layout)
+    for keys, pairs in pieces:
+        program = Program(layout)
         program.add(keys, pairs, unique)
         yield ScriptCall(
             "add",
@@ -597,7 +613,7 @@ def op_evict(state: CoreState, key: int, key_type: KeyType, entries: Entries) ->
     kt = check_key_type(key_type)
     ents = check_entries(entries)
     layout = state.layout
-    program = _Program(layout)
+    program = Program(layout)
     program.evict(k, kt, ents)
     yield ScriptCall(
         "evict",
@@ -622,14 +638,14 @@ def op_get_request_key(state: CoreState, engine_key: int) -> Op[int]:
 
 def batch_programs(
     layout: Layout, plan: Sequence[IndexOp], budget: int | None = None
-) -> list[_Program]:
+) -> list[Program]:
     """The programs of a checked batch, each within ``budget`` units (at least one program)."""
     budget = CALL_BUDGET if budget is None else budget
-    programs = [_Program(layout)]
+    programs = [Program(layout)]
 
-    def room(cost: int) -> _Program:
+    def room(cost: int) -> Program:
         if programs[-1].count and programs[-1].cost + cost > budget:
-            programs.append(_Program(layout))
+            programs.append(Program(layout))
         return programs[-1]
 
     for op in plan:
@@ -658,31 +674,44 @@ def op_apply_batch(
         return True
     layout = state.layout
     programs = batch_programs(layout, plan)
-    fence: list[Arg] = [b"", 0, 0]
-    if stream is not None and watermark is not None:
-        fence = [text_bytes(stream), str(watermark.epoch), str(watermark.seq)]
+    fence = batch_fence(stream, watermark)
     token = secrets.token_hex(8)
     applied = True
     for part, program in enumerate(programs, 1):
-        reply = yield ScriptCall(
-            "apply_batch",
-            (layout.meta, layout.pe, layout.pi, layout.pp, layout.wm, layout.wp, layout.sx),
-            [
-                *program.bucket_args(),
-                MAX_REQUEST_KEYS_PER_ENGINE_KEY,
-                *fence,
-                token,
-                part,
-                len(programs),
-                *program.entry_args(),
-                program.count,
-                *program.ops,
-            ],
-        )
+        reply = yield batch_call(program, fence, token, part, len(programs))
         applied = bool(int(reply))
         if not applied:
             break
     return applied
+
+
+def batch_fence(stream: str | None, watermark: Watermark | None) -> list[Arg]:
+    """The stream, epoch and seq arguments of an ``apply_batch`` call (empty: unfenced)."""
+    if stream is not None and watermark is not None:
+        return [text_bytes(stream), str(watermark.epoch), str(watermark.seq)]
+    return [b"", 0, 0]
+
+
+def batch_call(
+    program: Program, fence: Sequence[Arg], token: str, part: int = 1, parts: int = 1
+) -> ScriptCall:
+    """The ``apply_batch`` call of part ``part`` of ``parts`` (see ``lua/apply_batch.lua``)."""
+    layout = program.layout
+    return ScriptCall(
+        "apply_batch",
+        (layout.meta, layout.pe, layout.pi, layout.pp, layout.wm, layout.wp, layout.sx),
+        [
+            *program.bucket_args(),
+            MAX_REQUEST_KEYS_PER_ENGINE_KEY,
+            *fence,
+            token,
+            part,
+            parts,
+            *program.entry_args(),
+            program.count,
+            *program.ops,
+        ],
+    )
 
 
 def op_get_watermark(state: CoreState, stream: str) -> Op[Watermark | None]:
@@ -772,6 +801,7 @@ def op_clear(
     pod_identifier: str,
     progress: ClearProgress | None = None,
     fields_per_call: int = DEFAULT_CLEAR_FIELDS_PER_CALL,
+    mappings: bool = True,
 ) -> Op[int]:
     """``Index.clear``: remove every entry of the pod, page by page; returns entries removed.
 
@@ -784,7 +814,8 @@ def op_clear(
     ``progress(done, removed)`` is called after every page with the keys processed so far (all
     passes; SCAN may report a key twice) and the (request key, entry) pairs removed
     so far. Last, the pod's entry definitions are reclaimed (``reclaim`` script). A pod the
-    namespace never saw costs one HGET.
+    namespace never saw costs one HGET. ``mappings=False`` skips the engine bucket pass (the
+    cluster index, whose mappings and request keys live in different shards, runs its own).
     """
     pod = check_pod_identifier(pod_identifier)
     if progress is not None and not callable(progress):
@@ -830,14 +861,17 @@ def op_clear(
         lambda keys: ScriptCall("clear", (layout.meta, *keys), (layout.gen, ids, "s")),
         on_request_page,
     )
-    yield from _paged(
-        layout.engine_pattern(),
-        fields_per_call,
-        lambda keys: ScriptCall(
-            "clear_mappings", (layout.meta, *keys), (layout.gen, layout.rprefix, layout.bucket_bits)
-        ),
-        on_engine_page,
-    )
+    if mappings:
+        yield from _paged(
+            layout.engine_pattern(),
+            fields_per_call,
+            lambda keys: ScriptCall(
+                "clear_mappings",
+                (layout.meta, *keys),
+                (layout.gen, layout.rprefix, layout.bucket_bits),
+            ),
+            on_engine_page,
+        )
     # The pod holds nothing now: reclaim its definitions (ids are never reused).
     blob = bytes(ids)
     for start in range(0, len(blob), RECLAIM_IDS_PER_CALL * 4):

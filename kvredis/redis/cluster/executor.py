@@ -10,6 +10,7 @@ without threads. :class:`AsyncClusterExecutor` does the same with asyncio connec
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -45,11 +46,13 @@ class _Cluster:
     def __init__(self, config: RedisIndexConfig, lib: ModuleType, retry: Any) -> None:
         self.config = config
         self.address = config.parsed_address()
-        seeds = [ClusterNode(host, port) for host, port in self.address.seeds]
+        hosts = self.address.seeds or ((self.address.host, self.address.port),)
+        seeds = [ClusterNode(host, port) for host, port in hosts]
         self.state = ClusterState(seeds, self.address.tls)
         self.policy = WavePolicy(config.retries, config.retry_backoff, server=config.server())
         self.pools: dict[ClusterNode, Any] = {}
         self.round_trips = 0
+        self.lock = threading.Lock()
         self._lib = lib
         self._retry = retry
 
@@ -60,17 +63,18 @@ class _Cluster:
             pool = self.pools.setdefault(node, _pool(self.config, address, self._lib, self._retry))
         return pool
 
-    def next_request(self, op: WaveOp[T], outcome: Any) -> Wave | Sleep | None:
-        """Resume ``op`` with ``outcome``: its next request, or None once it returned (its
-        result is then in :attr:`result`)."""
-        try:
-            request = op.send(outcome)
-        except StopIteration as stop:
-            self.result = stop.value
-            return None
-        if not isinstance(request, (Wave, Sleep)):
-            raise TypeError(f"a cluster executor sends waves and sleeps, not {request!r}")
-        return request
+
+def _resume(op: WaveOp[T], outcome: Any, result: list[T]) -> Wave | Sleep | None:
+    """Resume ``op`` with ``outcome``: its next request, or None once it returned (its result
+    then appended to ``result``; kept per call, so threads may share an executor)."""
+    try:
+        request = op.send(outcome)
+    except StopIteration as stop:
+        result.append(stop.value)
+        return None
+    if not isinstance(request, (Wave, Sleep)):
+        raise TypeError(f"a cluster executor sends waves and sleeps, not {request!r}")
+    return request
 
 
 def _connection(pool: Any) -> Any:
@@ -102,6 +106,16 @@ class SyncClusterExecutor:
         self._cluster = _Cluster(config, redis, redis.retry.Retry)
 
     @property
+    def cluster_state(self) -> ClusterState:
+        """The seeds and the slot map the operations route by."""
+        return self._cluster.state
+
+    @property
+    def wave_policy(self) -> WavePolicy:
+        """Retries and redirections of a wave."""
+        return self._cluster.policy
+
+    @property
     def slot_map(self) -> SlotMap:
         """The current slot map (fetched on first use)."""
         return self._cluster.state.slot_map or self.refresh()
@@ -115,9 +129,7 @@ class SyncClusterExecutor:
         """Fetch the slot map again."""
         return self.run(op_refresh(self._cluster.state, self._cluster.policy.server))
 
-    def wave(
-        self, commands: Sequence[SlotCommand], read: bool = False, pick: int = 0
-    ) -> list[Any]:
+    def wave(self, commands: Sequence[SlotCommand], read: bool = False, pick: int = 0) -> list[Any]:
         """Send ``commands`` in one parallel wave (more while redirections come back); the
         replies in order, a Failure for each command the cluster refused."""
         cluster = self._cluster
@@ -125,22 +137,22 @@ class SyncClusterExecutor:
 
     def run(self, op: WaveOp[T]) -> T:
         """Drive a cluster operation to its end and return its result."""
-        cluster = self._cluster
+        result: list[T] = []
         try:
-            request = cluster.next_request(op, None)
+            request = _resume(op, None, result)
             while request is not None:
                 if isinstance(request, Sleep):
                     time.sleep(request.seconds)
-                    request = cluster.next_request(op, None)
+                    request = _resume(op, None, result)
                 else:
-                    request = cluster.next_request(op, self._send(request))
-            result: T = cluster.result
-            return result
+                    request = _resume(op, self._send(request), result)
+            return result[0]
         finally:
             op.close()
 
     def _send(self, wave: Wave) -> list[list[Any]]:
-        self._cluster.round_trips += len(wave.batches)
+        with self._cluster.lock:
+            self._cluster.round_trips += len(wave.batches)
         out: list[list[Any]] = []
         held: list[tuple[Any, Any, list[Any], int]] = []
         try:
@@ -182,6 +194,16 @@ class AsyncClusterExecutor:
         self._cluster = _Cluster(config, redis.asyncio, redis.asyncio.retry.Retry)
 
     @property
+    def cluster_state(self) -> ClusterState:
+        """See :attr:`SyncClusterExecutor.cluster_state`."""
+        return self._cluster.state
+
+    @property
+    def wave_policy(self) -> WavePolicy:
+        """See :attr:`SyncClusterExecutor.wave_policy`."""
+        return self._cluster.policy
+
+    @property
     def round_trips(self) -> int:
         """See :attr:`SyncClusterExecutor.round_trips`."""
         return self._cluster.round_trips
@@ -199,17 +221,16 @@ class AsyncClusterExecutor:
 
     async def run(self, op: WaveOp[T]) -> T:
         """Drive a cluster operation to its end and return its result."""
-        cluster = self._cluster
+        result: list[T] = []
         try:
-            request = cluster.next_request(op, None)
+            request = _resume(op, None, result)
             while request is not None:
                 if isinstance(request, Sleep):
                     await asyncio.sleep(request.seconds)
-                    request = cluster.next_request(op, None)
+                    request = _resume(op, None, result)
                 else:
-                    request = cluster.next_request(op, await self._send(request))
-            result: T = cluster.result
-            return result
+                    request = _resume(op, await self._send(request), result)
+            return result[0]
         finally:
             op.close()
 

@@ -1,0 +1,305 @@
+"""The index on a Redis Cluster or Valkey cluster: :class:`RedisClusterIndex` (thread-safe) and
+:class:`AsyncRedisClusterIndex` (asyncio).
+
+Same methods and semantics as :class:`~kvredis.redis.index.RedisIndex`, except where a cluster
+cannot give single-step atomicity (see :mod:`kvredis.redis.cluster.ops` and the README, "Redis
+Cluster"). Both run the sans-IO cluster operations of :mod:`.ops` with the executors of
+:mod:`.executor`; nothing here knows about slots or redirections.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from kvredis.batch import IndexOp, Watermark
+from kvredis.errors import ConfigError
+from kvredis.index import ClearProgress
+from kvredis.redis.cluster.executor import AsyncClusterExecutor, SyncClusterExecutor
+from kvredis.redis.cluster.ops import (
+    ClusterCore,
+    op_cluster_add,
+    op_cluster_apply_batch,
+    op_cluster_clear,
+    op_cluster_connect,
+    op_cluster_drop,
+    op_cluster_evict,
+    op_cluster_get_request_key,
+    op_cluster_get_watermark,
+    op_cluster_lookup,
+    op_cluster_reset_watermark,
+    op_cluster_score,
+)
+from kvredis.redis.cluster.routing import WaveOp
+from kvredis.redis.config import RedisIndexConfig, check_supported
+from kvredis.redis.ops import RetryPolicy
+from kvredis.types import KeyType, PodEntry
+
+T = TypeVar("T")
+logger = logging.getLogger(__name__)
+
+Keys = Sequence[int]
+Pods = Any
+Lookup = dict[int, list[PodEntry]]
+Progress = ClearProgress | None
+
+
+class _ClusterFacade:
+    """The checked config and the cluster core both index classes run their operations on."""
+
+    def __init__(self, config: RedisIndexConfig | None) -> None:
+        if not isinstance(config, RedisIndexConfig):
+            raise ConfigError(f"config must be a RedisIndexConfig, got {config!r}")
+        if not config.cluster:
+            raise ConfigError(
+                f"{config.server()} is no cluster address: use redis+cluster://host:port"
+                "[,host:port...] or cluster=True (or RedisIndex for a single server)"
+            )
+        check_supported(config)
+        self.config = config
+
+    def _core(self, executor: SyncClusterExecutor | AsyncClusterExecutor) -> ClusterCore:
+        cfg = self.config
+        return ClusterCore(
+            cfg.namespace,
+            cfg.bucket_bits,
+            cfg.cluster_shards,
+            executor.cluster_state,
+            executor.wave_policy,
+            RetryPolicy(cfg.retries, cfg.retry_backoff, cfg.server()),
+            cfg.read_from_replicas,
+        )
+
+    @property
+    def namespace(self) -> str:
+        """The namespace all keys of this index live under."""
+        return self.config.namespace
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.config.server()}, namespace={self.namespace!r})"
+
+
+class RedisClusterIndex(_ClusterFacade):
+    """The Index (and BatchIndex, ScoringIndex, NamespaceIndex) on a cluster; thread-safe.
+
+    Connects when built: fetches the slot map, reads or creates the namespace's descriptor and
+    loads every shard. Close it with :meth:`close` (or use it as a context manager).
+    """
+
+    def __init__(self, config: RedisIndexConfig | None = None) -> None:
+        super().__init__(config)
+        self._exec = SyncClusterExecutor(self.config)
+        self.core = self._core(self._exec)
+        try:
+            self._run(op_cluster_connect)
+        except BaseException:
+            self._exec.close()
+            raise
+
+    def _run(self, op: Callable[[ClusterCore], WaveOp[T]]) -> T:
+        return self._exec.run(op(self.core))
+
+    @property
+    def shards(self) -> int:
+        """The number of shards of the namespace (fixed by its first client)."""
+        return self.core.count
+
+    @property
+    def bucket_bits(self) -> int:
+        """Bucket bits of the namespace's shards."""
+        return self.core.state(0).layout.bucket_bits
+
+    @property
+    def executor(self) -> SyncClusterExecutor:
+        """The cluster executor (slot map, raw waves; for inspection and benchmarks)."""
+        return self._exec
+
+    @property
+    def round_trips(self) -> int:
+        """Round trips so far: a wave counts one per node it involves."""
+        return self._exec.round_trips
+
+    def lookup(self, request_keys: Keys, pod_identifier_set: Pods = None) -> Lookup:
+        """Entries per key along the chain, stopping at the first key no (filtered) pod holds."""
+        return self._run(lambda c: op_cluster_lookup(c, request_keys, pod_identifier_set))
+
+    def score(
+        self, request_keys: Keys, medium_weights: Any = None, pod_identifier_set: Pods = None
+    ) -> dict[str, float]:
+        """Per-pod longest-prefix scores (the same floats as LongestPrefixScorer)."""
+        args = (request_keys, medium_weights, pod_identifier_set)
+        return self._run(lambda c: op_cluster_score(c, *args))
+
+    def add(
+        self,
+        engine_keys: Keys | None,
+        request_keys: Keys,
+        entries: Sequence[PodEntry],
+        *,
+        ttl: float | None = None,
+    ) -> None:
+        """Store every entry under every request key and record the engine→request mappings."""
+        self._run(lambda c: op_cluster_add(c, engine_keys, request_keys, entries, ttl))
+
+    def evict(self, key: int, key_type: KeyType, entries: Sequence[PodEntry]) -> None:
+        """Remove exactly these entries; an engine key resolves to all its request keys."""
+        self._run(lambda c: op_cluster_evict(c, key, key_type, entries))
+
+    def get_request_key(self, engine_key: int) -> int:
+        """The request key most recently mapped to ``engine_key``."""
+        return self._run(lambda c: op_cluster_get_request_key(c, engine_key))
+
+    def clear(self, pod_identifier: str, progress: Progress = None) -> None:
+        """Remove every entry of the pod (every shard in parallel, then the mappings)."""
+        self.clear_with_progress(pod_identifier, progress)
+
+    def clear_with_progress(self, pod_identifier: str, progress: Progress = None) -> int:
+        """:meth:`clear`, returning the number of (request key, entry) pairs removed."""
+        per_call = self.config.clear_fields_per_call
+        return self._run(lambda c: op_cluster_clear(c, pod_identifier, progress, per_call))
+
+    def apply_batch(
+        self, ops: Sequence[IndexOp], stream: str | None = None, watermark: Watermark | None = None
+    ) -> bool:
+        """Apply ``ops`` in order, fenced per shard by the stream's watermark."""
+        return self._run(lambda c: op_cluster_apply_batch(c, ops, stream, watermark))
+
+    def get_watermark(self, stream: str) -> Watermark | None:
+        """The stream's watermark (the lowest over the shards)."""
+        return self._run(lambda c: op_cluster_get_watermark(c, stream))
+
+    def reset_watermark(self, stream: str, watermark: Watermark | None) -> None:
+        """Overwrite, or with ``None`` delete, the stream's watermark on every shard."""
+        self._run(lambda c: op_cluster_reset_watermark(c, stream, watermark))
+
+    def drop_namespace(self) -> int:
+        """Delete every key of the namespace on every node; the number of keys deleted."""
+        return self._run(op_cluster_drop)
+
+    def close(self) -> None:
+        """Close every node's connections."""
+        self._exec.close()
+
+    def __enter__(self) -> RedisClusterIndex:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncRedisClusterIndex(_ClusterFacade):
+    """The asyncio form of :class:`RedisClusterIndex`: same methods, as coroutines.
+
+    The constructor does no I/O: :meth:`connect`, ``async with`` or :meth:`create` connect (or
+    else the first call does).
+    """
+
+    def __init__(self, config: RedisIndexConfig | None = None) -> None:
+        super().__init__(config)
+        self._exec = AsyncClusterExecutor(self.config)
+        self.core = self._core(self._exec)
+        self._connected = False
+
+    @classmethod
+    async def create(cls, config: RedisIndexConfig | None = None) -> AsyncRedisClusterIndex:
+        """Build the index and :meth:`connect` it."""
+        index = cls(config)
+        try:
+            await index.connect()
+        except BaseException:
+            await index.aclose()
+            raise
+        return index
+
+    async def connect(self) -> None:
+        """Fetch the slot map and load the namespace's shards."""
+        await self._exec.run(op_cluster_connect(self.core))
+        self._connected = True
+
+    async def _run(self, op: Callable[[ClusterCore], WaveOp[T]]) -> T:
+        if not self._connected:
+            await self.connect()
+        return await self._exec.run(op(self.core))
+
+    @property
+    def shards(self) -> int:
+        """See :attr:`RedisClusterIndex.shards`."""
+        return self.core.count
+
+    @property
+    def round_trips(self) -> int:
+        """See :attr:`RedisClusterIndex.round_trips`."""
+        return self._exec.round_trips
+
+    async def lookup(self, request_keys: Keys, pod_identifier_set: Pods = None) -> Lookup:
+        """See :meth:`RedisClusterIndex.lookup`."""
+        return await self._run(lambda c: op_cluster_lookup(c, request_keys, pod_identifier_set))
+
+    async def score(
+        self, request_keys: Keys, medium_weights: Any = None, pod_identifier_set: Pods = None
+    ) -> dict[str, float]:
+        """See :meth:`RedisClusterIndex.score`."""
+        args = (request_keys, medium_weights, pod_identifier_set)
+        return await self._run(lambda c: op_cluster_score(c, *args))
+
+    async def add(
+        self,
+        engine_keys: Keys | None,
+        request_keys: Keys,
+        entries: Sequence[PodEntry],
+        *,
+        ttl: float | None = None,
+    ) -> None:
+        """See :meth:`RedisClusterIndex.add`."""
+        await self._run(lambda c: op_cluster_add(c, engine_keys, request_keys, entries, ttl))
+
+    async def evict(self, key: int, key_type: KeyType, entries: Sequence[PodEntry]) -> None:
+        """See :meth:`RedisClusterIndex.evict`."""
+        await self._run(lambda c: op_cluster_evict(c, key, key_type, entries))
+
+    async def get_request_key(self, engine_key: int) -> int:
+        """See :meth:`RedisClusterIndex.get_request_key`."""
+        return await self._run(lambda c: op_cluster_get_request_key(c, engine_key))
+
+    async def clear(self, pod_identifier: str, progress: Progress = None) -> None:
+        """See :meth:`RedisClusterIndex.clear`."""
+        await self.clear_with_progress(pod_identifier, progress)
+
+    async def clear_with_progress(self, pod_identifier: str, progress: Progress = None) -> int:
+        """See :meth:`RedisClusterIndex.clear_with_progress`."""
+        per_call = self.config.clear_fields_per_call
+        return await self._run(lambda c: op_cluster_clear(c, pod_identifier, progress, per_call))
+
+    async def apply_batch(
+        self, ops: Sequence[IndexOp], stream: str | None = None, watermark: Watermark | None = None
+    ) -> bool:
+        """See :meth:`RedisClusterIndex.apply_batch`."""
+        return await self._run(lambda c: op_cluster_apply_batch(c, ops, stream, watermark))
+
+    async def get_watermark(self, stream: str) -> Watermark | None:
+        """See :meth:`RedisClusterIndex.get_watermark`."""
+        return await self._run(lambda c: op_cluster_get_watermark(c, stream))
+
+    async def reset_watermark(self, stream: str, watermark: Watermark | None) -> None:
+        """See :meth:`RedisClusterIndex.reset_watermark`."""
+        await self._run(lambda c: op_cluster_reset_watermark(c, stream, watermark))
+
+    async def drop_namespace(self) -> int:
+        """See :meth:`RedisClusterIndex.drop_namespace`."""
+        return await self._run(op_cluster_drop)
+
+    async def aclose(self) -> None:
+        """Close every node's connections."""
+        await self._exec.aclose()
+
+    async def close(self) -> None:
+        """Alias of :meth:`aclose`."""
+        await self.aclose()
+
+    async def __aenter__(self) -> AsyncRedisClusterIndex:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

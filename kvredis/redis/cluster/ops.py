@@ -1,0 +1,795 @@
+"""The index operations on a cluster, as sans-IO wave operations (see :mod:`.routing`).
+
+A cluster namespace is a set of shards (:mod:`.shards`), each a complete single-server
+namespace living in one slot. An operation splits its keys by shard, runs the single-server
+operation (:mod:`kvredis.redis.ops`, unchanged, with its NOSCRIPT reload, retries and stale
+reload) on every shard involved, and merges the results. :func:`op_parallel` runs the
+per-shard operations in lockstep: each step sends what all of them wait for as one
+:class:`~kvredis.redis.cluster.routing.Wave`, so a step costs one round trip per involved node.
+
+- lookup: every shard walks its part of the chain (in chain order) and stops at its first
+  miss; the merge walks the whole chain and stops at the first key no shard reported. Exact,
+  because a shard reports every hit before its own first miss.
+- score: the lookup, then :class:`~kvredis.scoring.LongestPrefixScorer` on the client (the same
+  floats as the server-side scorer).
+- add: request keys go to their shards, each engine -> request mapping to the engine key's
+  shard (so the most recent mapping of an engine key is decided in one place).
+- evict by engine key: read the mapping (engine key's shard), evict from each request key
+  (request keys' shards) and probe whether each still holds an entry, then drop the mapping
+  with a compare-and-delete (``unmap``) if none does. Three waves instead of one atomic step.
+- apply_batch: the batch is cut into steps (runs of adds and request-key evicts; runs of
+  engine-key evicts). With a watermark, every shard gets the first step as part 1 of a
+  fenced batch (``lua/apply_batch.lua``): a shard whose watermark is at or past the batch
+  skips it, and later steps run only on the shards that took it. A batch with more than one
+  step ends with an empty last part that advances each shard's watermark, so a batch cut short
+  (a crash) is taken again in full by the next sender (its operations are set operations).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import math
+import secrets
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
+
+from kvredis.batch import AddOp, EvictOp, IndexOp, Watermark, check_batch, check_stream
+from kvredis.checks import (
+    MAX_REQUEST_KEYS_PER_ENGINE_KEY,
+    check_add,
+    check_entries,
+    check_hash,
+    check_key_type,
+    check_pod_identifier,
+    check_ttl,
+    infer_mappings,
+    pod_filter,
+)
+from kvredis.errors import InvalidInputError, translate
+from kvredis.index import ClearProgress
+from kvredis.redis.cluster.routing import ClusterState, SlotCommand, WaveOp, WavePolicy, op_wave
+from kvredis.redis.cluster.shards import (
+    CLUSTER_LAYOUT,
+    check_cluster_namespace,
+    check_shards,
+    descriptor_key,
+    parse_descriptor,
+    shard_names,
+    shard_of,
+    shard_slot,
+)
+from kvredis.redis.codec import hash_field, pack_hashes
+from kvredis.redis.layout import check_bucket_bits, check_namespace
+from kvredis.redis.ops import (
+    CALL_BUDGET,
+    DEFAULT_CLEAR_FIELDS_PER_CALL,
+    PAIR_COST,
+    Program,
+    RetryPolicy,
+    Session,
+    batch_call,
+    batch_fence,
+    compress_pairs,
+    expiry_mode_of,
+    op_add_pieces,
+    op_clear,
+    op_drive,
+    op_drop_namespace,
+    op_evict,
+    op_get_request_key,
+    op_get_watermark,
+    op_load_namespace,
+    op_lookup,
+    op_reset_watermark,
+    op_run,
+    score_weights,
+    split_add,
+)
+from kvredis.redis.requests import Command, Failure, Op, Pipeline, ScriptCall, Sleep
+from kvredis.redis.scripts import ScriptRegistry
+from kvredis.redis.state import CoreState
+from kvredis.scoring import LongestPrefixScorer
+from kvredis.types import KeyType, PodEntry
+
+T = TypeVar("T")
+
+Keys = Sequence[int]
+Entries = Sequence[PodEntry]
+#: One write of a shard's program: ("A", request keys, pairs, entries) or ("R", key, entries).
+Unit = tuple[Any, ...]
+#: Engine keys whose mappings one ``unmap`` call drops at most.
+UNMAP_PER_CALL = 256
+#: Engine buckets one page of the clear's mapping pass reads.
+MAPPING_PAGE = 64
+
+
+class ClusterCore:
+    """What one cluster index client carries: the cluster's state and its namespace's shards.
+
+    Shared by the client's threads: the shards' states are thread-safe, the rest is set once
+    when connecting.
+    """
+
+    def __init__(
+        self,
+        namespace: str,
+        bucket_bits: int,
+        shards: int,
+        cluster: ClusterState,
+        wave_policy: WavePolicy,
+        policy: RetryPolicy,
+        read_from_replicas: bool = False,
+    ) -> None:
+        self.namespace = check_cluster_namespace(check_namespace(namespace))
+        self.bucket_bits = check_bucket_bits(bucket_bits)
+        self.configured_shards = check_shards(shards)
+        self.cluster = cluster
+        self.wave_policy = wave_policy
+        self.policy = policy
+        self.registry = ScriptRegistry()
+        self.read_from_replicas = read_from_replicas
+        self.expiry_mode = "key"
+        self.sessions: list[Session] = []
+        self.slots: list[int] = []
+        self._picks = itertools.count()
+
+    @property
+    def count(self) -> int:
+        """The number of shards (after connecting)."""
+        return len(self.sessions)
+
+    def adopt(self, count: int) -> None:
+        """Set up the ``count`` shards of the namespace."""
+        if self.sessions and len(self.sessions) == count:
+            return
+        sessions, slots = [], []
+        for name in shard_names(self.namespace, count):
+            state = CoreState(name, self.bucket_bits)
+            state.expiry_mode = self.expiry_mode
+            sessions.append(Session(state, self.registry, self.policy))
+            slots.append(shard_slot(name))
+        self.sessions, self.slots = sessions, slots
+
+    def shard(self, key: int) -> int:
+        """The shard of a request or engine key."""
+        return shard_of(key, len(self.sessions))
+
+    def state(self, shard: int) -> CoreState:
+        """The namespace state of one shard."""
+        return self.sessions[shard].state
+
+    def run(self, shard: int, factory: Callable[[CoreState], Op[T]]) -> Op[T]:
+        """``factory(state)`` on one shard, with namespace loading and stale reloads."""
+        session = self.sessions[shard]
+        return op_run(session, lambda: factory(session.state))
+
+    def by_shard(self, keys: Iterable[int]) -> dict[int, list[int]]:
+        """``keys`` grouped by shard, each group in the order given."""
+        groups: dict[int, list[int]] = {}
+        for key in keys:
+            groups.setdefault(self.shard(key), []).append(key)
+        return groups
+
+    def home(self, stream: str) -> int:
+        """The shard whose fence decides a stream's batches."""
+        digest = hashlib.blake2b(stream.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+        return self.shard(int.from_bytes(digest, "big"))
+
+    def pick(self) -> int:
+        """A different replica index for each read (spreads reads over replicas)."""
+        return next(self._picks)
+
+
+# -- running per-shard operations in waves -----------------------------------------------------
+
+
+def op_parallel(
+    core: ClusterCore, ops: Mapping[int, Op[T]], read: bool = False
+) -> WaveOp[dict[int, T]]:
+    """Run one driven operation per shard (each yields commands, pipelines and sleeps, as
+    :func:`kvredis.redis.ops.op_drive` does) in lockstep: the requests all of them wait for go
+    out as one wave; the results by shard.
+
+    ``read=True`` sends the wave to replicas when the client reads from replicas.
+    """
+    live = dict(ops)
+    pending: dict[int, Any] = {}
+    results: dict[int, T] = {}
+
+    def step(shard: int, outcome: Any, throw: bool) -> None:
+        op = live[shard]
+        try:
+            request = op.throw(outcome) if throw else op.send(outcome)
+        except StopIteration as stop:
+            results[shard] = stop.value
+            del live[shard]
+            pending.pop(shard, None)
+            return
+        pending[shard] = request
+
+    try:
+        for shard in list(live):
+            step(shard, None, False)
+        while pending:
+            sleeping = [s for s, r in pending.items() if isinstance(r, Sleep)]
+            if sleeping:
+                yield Sleep(max(pending[s].seconds for s in sleeping))
+                for shard in sleeping:
+                    step(shard, None, False)
+                continue
+            commands: list[SlotCommand] = []
+            spans: list[tuple[int, int, int | None]] = []
+            for shard, request in pending.items():
+                slot = core.slots[shard]
+                if isinstance(request, Command):
+                    spans.append((shard, len(commands), None))
+                    commands.append(SlotCommand(slot, request.args))
+                elif isinstance(request, Pipeline):
+                    spans.append((shard, len(commands), len(request.items)))
+                    for item in request.items:
+                        if not isinstance(item, Command):  # op_send sends scripts as EVALSHA
+                            raise TypeError(f"a wave sends commands, not {item!r}")
+                        commands.append(SlotCommand(slot, item.args))
+                else:
+                    raise TypeError(f"a wave sends commands, pipelines and sleeps, not {request!r}")
+            on_replicas = read and core.read_from_replicas
+            replies = yield from op_wave(
+                core.cluster, commands, core.wave_policy, read=on_replicas, pick=core.pick()
+            )
+            for shard, start, n in spans:
+                if n is None:
+                    reply = replies[start]
+                    step(shard, reply, isinstance(reply, Failure))
+                else:
+                    step(shard, list(replies[start : start + n]), False)
+    finally:
+        for op in live.values():
+            op.close()
+    return results
+
+
+def _on_shards(
+    core: ClusterCore,
+    factories: Mapping[int, Callable[[CoreState], Op[T]]],
+    read: bool = False,
+) -> WaveOp[dict[int, T]]:
+    ops = {shard: core.run(shard, factory) for shard, factory in factories.items()}
+    return (yield from op_parallel(core, ops, read))
+
+
+def _everywhere(
+    core: ClusterCore, factory: Callable[[CoreState], Op[T]], read: bool = False
+) -> WaveOp[dict[int, T]]:
+    return (yield from _on_shards(core, dict.fromkeys(range(core.count), factory), read))
+
+
+def _command(core: ClusterCore, slot: int, *args: Any) -> WaveOp[Any]:
+    (reply,) = yield from op_wave(core.cluster, [SlotCommand(slot, args)], core.wave_policy)
+    if isinstance(reply, Failure):  # op_wave retried what can be retried
+        raise translate(reply.message)
+    return reply
+
+
+# -- connecting --------------------------------------------------------------------------------
+
+
+def op_cluster_connect(core: ClusterCore) -> WaveOp[int]:
+    """Fetch the slot map, read (or create) the namespace's descriptor, learn how expiring
+    entries expire, and load every shard's namespace; the shard count."""
+    desc = descriptor_key(core.namespace)
+    slot = shard_slot(desc.decode())
+    replies = yield from op_wave(
+        core.cluster,
+        [
+            SlotCommand(slot, ("HSETNX", desc, "shards", core.configured_shards)),
+            SlotCommand(slot, ("HSETNX", desc, "layout", CLUSTER_LAYOUT)),
+            SlotCommand(slot, ("HMGET", desc, "layout", "shards")),
+            SlotCommand(slot, ("INFO", "server")),
+        ],
+        core.wave_policy,
+    )
+    for reply in replies[:3]:
+        if isinstance(reply, Failure):
+            raise translate(reply.message)
+    count = parse_descriptor(replies[2], core.namespace)
+    assert count is not None  # just written
+    if not isinstance(replies[3], Failure):
+        core.expiry_mode = expiry_mode_of(replies[3])
+    core.adopt(count)
+    for session in core.sessions:
+        session.state.expiry_mode = core.expiry_mode
+    ops = {
+        shard: op_drive(session, op_load_namespace(session.state, ping=False))
+        for shard, session in enumerate(core.sessions)
+    }
+    yield from op_parallel(core, ops)
+    return count
+
+
+# -- reads -------------------------------------------------------------------------------------
+
+
+def op_cluster_lookup(
+    core: ClusterCore, request_keys: Keys, pod_identifier_set: Any
+) -> WaveOp[dict[int, list[PodEntry]]]:
+    """``Index.lookup`` over the shards: one wave, one script call per involved shard."""
+    keys, _ = pack_hashes(request_keys, "request key")
+    pods = pod_filter(pod_identifier_set)
+    if not keys:
+        return {}
+    groups = core.by_shard(keys)
+    found = yield from _on_shards(
+        core,
+        {shard: _lookup_factory(part, pods) for shard, part in groups.items()},
+        read=True,
+    )
+    merged: dict[int, list[PodEntry]] = {}
+    for key in keys:
+        entries = found[core.shard(key)].get(key)
+        if entries is None:
+            break
+        merged[key] = entries
+    return merged
+
+
+def _lookup_factory(
+    keys: list[int], pods: frozenset[str] | None
+) -> Callable[[CoreState], Op[dict[int, list[PodEntry]]]]:
+    return lambda state: op_lookup(state, keys, pods)
+
+
+def op_cluster_score(
+    core: ClusterCore, request_keys: Keys, medium_weights: Any, pod_identifier_set: Any
+) -> WaveOp[dict[str, float]]:
+    """Per-pod longest-prefix scores: the cluster lookup, scored on the client."""
+    scorer = LongestPrefixScorer(score_weights(medium_weights))
+    keys, _ = pack_hashes(request_keys, "request key")
+    found = yield from op_cluster_lookup(core, keys, pod_identifier_set)
+    return scorer.score(keys, found)
+
+
+def op_cluster_get_request_key(core: ClusterCore, engine_key: int) -> WaveOp[int]:
+    """``Index.get_request_key``: one call on the engine key's shard."""
+    key = check_hash(engine_key, "engine key")
+    shard = core.shard(key)
+    found = yield from _on_shards(core, {shard: lambda s: op_get_request_key(s, key)})
+    return found[shard]
+
+
+# -- writes ------------------------------------------------------------------------------------
+
+
+def _add_units(
+    core: ClusterCore, engine_keys: Keys | None, request_keys: Keys, entries: Entries
+) -> dict[int, list[Unit]]:
+    """An add split into per-shard units: request keys to their shards, each mapping to the
+    engine key's shard, each piece within the call budget."""
+    ents = tuple(dict.fromkeys(entries))
+    pairs = infer_mappings(engine_keys, request_keys) if engine_keys else []
+    pairs = compress_pairs(pairs, MAX_REQUEST_KEYS_PER_ENGINE_KEY)
+    keys = core.by_shard(request_keys)
+    pairs_by: dict[int, list[tuple[int, int]]] = {}
+    for pair in pairs:
+        pairs_by.setdefault(core.shard(pair[0]), []).append(pair)
+    units: dict[int, list[Unit]] = {}
+    for shard in dict.fromkeys((*keys, *pairs_by)):
+        pieces = split_add(keys.get(shard, []), pairs_by.get(shard, []), len(ents))
+        units[shard] = [("A", part, part_pairs, ents) for part, part_pairs in pieces]
+    return units
+
+
+def _programs(state: CoreState, units: Sequence[Unit], budget: int = CALL_BUDGET) -> list[Program]:
+    """The units as programs of at most ``budget`` units of work (at least one program)."""
+    layout = state.layout
+    programs = [Program(layout)]
+    for unit in units:
+        if unit[0] == "A":
+            cost = 1 + len(unit[3]) + len(unit[1]) + PAIR_COST * len(unit[2])
+        else:
+            cost = 1 + len(unit[2])
+        if programs[-1].count and programs[-1].cost + cost > budget:
+            programs.append(Program(layout))
+        if unit[0] == "A":
+            programs[-1].add(unit[1], unit[2], unit[3])
+        else:
+            programs[-1].evict(unit[1], KeyType.REQUEST, unit[2])
+    return programs
+
+
+def op_cluster_add(
+    core: ClusterCore,
+    engine_keys: Keys | None,
+    request_keys: Keys,
+    entries: Entries,
+    ttl: float | None = None,
+) -> WaveOp[None]:
+    """``Index.add``: one wave, the shards' ``add`` calls in parallel."""
+    eng, req, ents = check_add(engine_keys, request_keys, entries)
+    seconds = check_ttl(ttl, ents)
+    ttl_ms = 0 if seconds is None else max(1, math.ceil(seconds * 1000))
+    units = _add_units(core, eng, req, ents)
+    unique = list(dict.fromkeys(ents))
+    factories = {
+        shard: _add_factory([(u[1], u[2]) for u in shard_units], unique, ttl_ms)
+        for shard, shard_units in units.items()
+    }
+    yield from _on_shards(core, factories)
+
+
+def _add_factory(
+    pieces: list[tuple[Any, Any]], unique: list[PodEntry], ttl_ms: int
+) -> Callable[[CoreState], Op[None]]:
+    return lambda state: op_add_pieces(state, pieces, unique, ttl_ms)
+
+
+def op_cluster_evict(
+    core: ClusterCore, key: int, key_type: KeyType, entries: Entries
+) -> WaveOp[None]:
+    """``Index.evict``: by request key one call on its shard; by engine key
+    :func:`op_engine_evicts`."""
+    k = check_hash(key, "evict key")
+    kt = check_key_type(key_type)
+    ents = check_entries(entries)
+    if kt is KeyType.REQUEST:
+        yield from _on_shards(core, {core.shard(k): lambda s: op_evict(s, k, kt, ents)})
+    else:
+        yield from op_engine_evicts(core, [EvictOp(k, kt, tuple(ents))], None)
+
+
+def _unfenced(
+    registry: ScriptRegistry, units: Sequence[Unit], probes: Sequence[int] = ()
+) -> Callable[[CoreState], Op[Any]]:
+    """A shard op: the units as unfenced ``apply_batch`` calls and, in the same round trip,
+    whether each of ``probes`` (request keys) still holds an entry; the held probes."""
+
+    def factory(state: CoreState) -> Op[set[int]]:
+        layout = state.layout
+        token = secrets.token_hex(8)
+        fence = batch_fence(None, None)
+        items: list[ScriptCall | Command] = [
+            batch_call(program, fence, token)
+            for program in _programs(state, units)
+            if program.count
+        ]
+        items += [
+            Command(("HEXISTS", layout.request_bucket(key), hash_field(key))) for key in probes
+        ]
+        if not items:
+            return set()
+        loads = registry.loads
+        replies = yield Pipeline(tuple(items))
+        held = replies[len(replies) - len(probes) :]
+        if probes and registry.loads != loads:  # a script was sent again: probe again
+            held = yield Pipeline(tuple(items[len(items) - len(probes) :]))
+        return {key for key, reply in zip(probes, held, strict=True) if int(reply)}
+
+    return factory
+
+
+def op_engine_evicts(
+    core: ClusterCore, evicts: Sequence[EvictOp], shards: set[int] | None
+) -> WaveOp[None]:
+    """Evictions by engine key, in order: read the mappings, evict from their request keys
+    while probing whether those still hold entries, drop the mappings none of whose request
+    keys does (compare-and-delete). Evicts of different engine keys whose request keys do not
+    overlap share their waves. ``shards``: only these shards are written (None: all)."""
+    todo = list(evicts)
+    while todo:
+        run: list[EvictOp] = []
+        for op in todo:
+            if any(op.key == other.key for other in run):
+                break
+            run.append(op)
+        todo = todo[len(run) :]
+        mappings = yield from _read_mappings(core, [op.key for op in run])
+        groups: list[list[EvictOp]] = [[]]
+        taken: set[int] = set()
+        for op in run:
+            targets = set(_split(mappings.get(op.key)))
+            if targets & taken:
+                groups.append([])
+                taken = set()
+            groups[-1].append(op)
+            taken |= targets
+        for group in groups:
+            yield from _evict_group(core, group, mappings, shards)
+
+
+def _split(mapping: bytes | None) -> list[int]:
+    if not mapping:
+        return []
+    return [int.from_bytes(mapping[i : i + 8], "big") for i in range(0, len(mapping), 8)]
+
+
+def _read_mappings(core: ClusterCore, engine_keys: Sequence[int]) -> WaveOp[dict[int, bytes]]:
+    """The stored mapping (request keys blob) of each engine key that has one."""
+
+    def reader(keys: list[int]) -> Callable[[CoreState], Op[dict[int, bytes]]]:
+        def factory(state: CoreState) -> Op[dict[int, bytes]]:
+            layout = state.layout
+            replies = yield Pipeline(
+                tuple(Command(("HGET", layout.engine_bucket(k), hash_field(k))) for k in keys)
+            )
+            return {k: bytes(r) for k, r in zip(keys, replies, strict=True) if r}
+
+        return factory
+
+    found = yield from _on_shards(
+        core, {s: reader(keys) for s, keys in core.by_shard(dict.fromkeys(engine_keys)).items()}
+    )
+    return {k: v for part in found.values() for k, v in part.items()}
+
+
+def _evict_group(
+    core: ClusterCore,
+    group: Sequence[EvictOp],
+    mappings: Mapping[int, bytes],
+    shards: set[int] | None,
+) -> WaveOp[None]:
+    units: dict[int, list[Unit]] = {}
+    probes: dict[int, list[int]] = {}
+    for op in group:
+        for key in _split(mappings.get(op.key)):
+            shard = core.shard(key)
+            if shards is not None and shard not in shards:
+                continue
+            units.setdefault(shard, []).append(("R", key, op.entries))
+            probes.setdefault(shard, []).append(key)
+    found = yield from _on_shards(
+        core, {s: _unfenced(core.registry, units[s], list(dict.fromkeys(probes[s]))) for s in units}
+    )
+    held = set().union(*found.values()) if found else set()
+    drops: dict[int, list[tuple[int, bytes]]] = {}
+    for op in group:
+        mapping = mappings.get(op.key)
+        if not mapping:
+            continue
+        keys = _split(mapping)
+        if any(k in held or (shards is not None and core.shard(k) not in shards) for k in keys):
+            continue
+        shard = core.shard(op.key)
+        if shards is None or shard in shards:
+            drops.setdefault(shard, []).append((op.key, mapping))
+    if drops:
+        yield from _unmap(core, drops)
+
+
+def _unmap(core: ClusterCore, drops: Mapping[int, Sequence[tuple[int, bytes]]]) -> WaveOp[int]:
+    """Drop mappings that still read as given (``unmap``); the number dropped."""
+
+    def factory(pairs: Sequence[tuple[int, bytes]]) -> Callable[[CoreState], Op[int]]:
+        def op(state: CoreState) -> Op[int]:
+            layout = state.layout
+            dropped = 0
+            for start in range(0, len(pairs), UNMAP_PER_CALL):
+                args: list[Any] = [layout.gen, layout.eprefix, layout.bucket_bits]
+                for key, mapping in pairs[start : start + UNMAP_PER_CALL]:
+                    args += (hash_field(key), mapping)
+                dropped += int((yield ScriptCall("unmap", (layout.meta,), args)))
+            return dropped
+
+        return op
+
+    done = yield from _on_shards(core, {s: factory(p) for s, p in drops.items()})
+    return sum(done.values())
+
+
+def _steps(plan: Sequence[IndexOp]) -> list[tuple[bool, list[IndexOp]]]:
+    """The batch cut into steps: (True, engine-key evicts) or (False, adds and request-key
+    evicts), in order."""
+    steps: list[tuple[bool, list[IndexOp]]] = []
+    for op in plan:
+        engine = isinstance(op, EvictOp) and op.key_type is KeyType.ENGINE
+        if not steps or steps[-1][0] != engine:
+            steps.append((engine, []))
+        steps[-1][1].append(op)
+    return steps
+
+
+def _step_units(core: ClusterCore, ops: Sequence[IndexOp]) -> dict[int, list[Unit]]:
+    units: dict[int, list[Unit]] = {}
+    for op in ops:
+        if isinstance(op, AddOp):
+            for shard, part in _add_units(
+                core, op.engine_keys, op.request_keys, op.entries
+            ).items():
+                units.setdefault(shard, []).extend(part)
+        else:
+            units.setdefault(core.shard(op.key), []).append(
+                ("R", op.key, tuple(dict.fromkeys(op.entries)))
+            )
+    return units
+
+
+def op_cluster_apply_batch(
+    core: ClusterCore,
+    ops: Sequence[IndexOp],
+    stream: str | None,
+    watermark: Watermark | None,
+) -> WaveOp[bool]:
+    """``BatchIndex.apply_batch`` over the shards (see the module's docstring for what stays
+    atomic). Returns False when every shard had taken this batch or a later one already."""
+    plan = check_batch(ops, stream, watermark)
+    fenced = stream is not None and watermark is not None
+    if not plan and not fenced:
+        return True
+    steps = _steps(plan)
+    first: list[IndexOp] = []
+    if steps and not steps[0][0]:
+        first = steps.pop(0)[1]
+    units = _step_units(core, first)
+    fence = batch_fence(stream, watermark)
+    token = secrets.token_hex(8)
+    closing = fenced and bool(steps)
+    targets = range(core.count) if fenced else list(units)
+
+    def opening(shard_units: list[Unit]) -> Callable[[CoreState], Op[bool]]:
+        def op(state: CoreState) -> Op[bool]:
+            programs = _programs(state, shard_units)
+            parts = len(programs) + (1 if closing else 0)
+            for part, program in enumerate(programs, 1):
+                if not int((yield batch_call(program, fence, token, part, parts))):
+                    return False
+            return True
+
+        return op
+
+    taken = yield from _on_shards(core, {s: opening(units.get(s, [])) for s in targets})
+    shards = {s for s, ok in taken.items() if ok} if fenced else None
+    # The stream's home shard decides what the caller is told: of senders racing with the same
+    # batch exactly one is told it applied it (each shard's part went to exactly one of them).
+    applied = not fenced or taken[core.home(stream or "")]
+    if shards is not None and not shards:
+        return applied
+    for engine, step in steps:
+        if engine:
+            yield from op_engine_evicts(
+                core, [op for op in step if isinstance(op, EvictOp)], shards
+            )
+        else:
+            step_units = _step_units(core, step)
+            yield from _on_shards(
+                core,
+                {
+                    s: _unfenced(core.registry, u)
+                    for s, u in step_units.items()
+                    if shards is None or s in shards
+                },
+            )
+    if closing and shards:
+
+        def closer(shard_units: list[Unit]) -> Callable[[CoreState], Op[bool]]:
+            def op(state: CoreState) -> Op[bool]:
+                parts = len(_programs(state, shard_units)) + 1
+                reply = yield batch_call(Program(state.layout), fence, token, parts, parts)
+                return bool(int(reply))
+
+            return op
+
+        yield from _on_shards(core, {s: closer(units.get(s, [])) for s in shards})
+    return applied
+
+
+def op_cluster_get_watermark(core: ClusterCore, stream: str) -> WaveOp[Watermark | None]:
+    """The stream's watermark: the lowest of the shards' (None if a shard has none), so a batch
+    counts as applied only once every shard took it."""
+    name = check_stream(stream)
+    found = yield from _everywhere(core, lambda s: op_get_watermark(s, name))
+    marks = list(found.values())
+    if not marks or any(m is None for m in marks):
+        return None
+    return min(m for m in marks if m is not None)
+
+
+def op_cluster_reset_watermark(
+    core: ClusterCore, stream: str, watermark: Watermark | None
+) -> WaveOp[None]:
+    """Overwrite (or delete) the stream's watermark on every shard."""
+    name = check_stream(stream)
+    yield from _everywhere(core, lambda s: op_reset_watermark(s, name, watermark))
+
+
+# -- clear and drop ----------------------------------------------------------------------------
+
+
+def op_cluster_clear(
+    core: ClusterCore,
+    pod_identifier: str,
+    progress: ClearProgress | None = None,
+    fields_per_call: int = DEFAULT_CLEAR_FIELDS_PER_CALL,
+) -> WaveOp[int]:
+    """``Index.clear`` on every shard in parallel (each pages its own keys on its node), then
+    one pass over the engine mappings: a mapping none of whose request keys holds an entry any
+    more is dropped. The pairs removed."""
+    done: dict[int, tuple[int, int]] = {}
+
+    def reporter(shard: int) -> ClearProgress:
+        def report(keys: int, removed: int) -> None:
+            done[shard] = (keys, removed)
+            if progress is not None:
+                progress(sum(d[0] for d in done.values()), sum(d[1] for d in done.values()))
+
+        return report
+
+    check_pod_identifier(pod_identifier)
+    if progress is not None and not callable(progress):
+        raise InvalidInputError(f"progress must be a callable(done, removed), got {progress!r}")
+    factories = {
+        shard: _clear_factory(pod_identifier, reporter(shard), fields_per_call)
+        for shard in range(core.count)
+    }
+    removed = yield from _on_shards(core, factories)
+    total = sum(removed.values())
+    if total:
+        yield from op_clear_mappings(core)
+    return total
+
+
+def _clear_factory(
+    pod: str, report: ClearProgress, per_call: int
+) -> Callable[[CoreState], Op[int]]:
+    return lambda state: op_clear(state, pod, report, per_call, mappings=False)
+
+
+def op_clear_mappings(core: ClusterCore) -> WaveOp[int]:
+    """Drop every engine mapping none of whose request keys holds an entry; the number
+    dropped. Each shard pages its engine buckets; a page's request keys are probed on their
+    shards in one wave, and the mappings left without holders are dropped (compare-and-delete)."""
+    dropped = 0
+    for shard in range(core.count):
+        cursor: int | None = None
+        while cursor != 0:
+            page = yield from _on_shards(core, {shard: _mapping_page(cursor or 0)})
+            cursor, mappings = page[shard]
+            if not mappings:
+                continue
+            wanted = {k for mapping in mappings.values() for k in _split(mapping)}
+            held = yield from _probe(core, wanted)
+            drops = [(e, m) for e, m in mappings.items() if not any(k in held for k in _split(m))]
+            if drops:
+                dropped += yield from _unmap(core, {shard: drops})
+    return dropped
+
+
+def _mapping_page(cursor: int) -> Callable[[CoreState], Op[tuple[int, dict[int, bytes]]]]:
+    def op(state: CoreState) -> Op[tuple[int, dict[int, bytes]]]:
+        layout = state.layout
+        next_cursor, keys = yield Command(
+            ("SCAN", cursor, "MATCH", layout.engine_pattern(), "COUNT", MAPPING_PAGE)
+        )
+        mappings: dict[int, bytes] = {}
+        if keys:
+            replies = yield Pipeline(tuple(Command(("HGETALL", k)) for k in keys))
+            for reply in replies:
+                for field, value in _hash_items(reply):
+                    if len(field) == 8 and value and len(value) % 8 == 0:
+                        mappings[int.from_bytes(field, "big")] = value
+        return int(next_cursor), mappings
+
+    return op
+
+
+def _hash_items(reply: Any) -> list[tuple[bytes, bytes]]:
+    """The (field, value) pairs of an HGETALL reply (a flat list, or a map in RESP3)."""
+    if isinstance(reply, dict):
+        return [(bytes(k), bytes(v)) for k, v in reply.items()]
+    if isinstance(reply, (list, tuple)):
+        return [(bytes(reply[i]), bytes(reply[i + 1])) for i in range(0, len(reply) - 1, 2)]
+    return []
+
+
+def _probe(core: ClusterCore, keys: Iterable[int]) -> WaveOp[set[int]]:
+    """Which of the request keys hold an entry (stored inline or in a run)."""
+    found = yield from _on_shards(
+        core, {s: _unfenced(core.registry, (), part) for s, part in core.by_shard(keys).items()}
+    )
+    return set().union(*found.values()) if found else set()
+
+
+def op_cluster_drop(core: ClusterCore) -> WaveOp[int]:
+    """Drop every shard (each scans its own node), then the descriptor; keys deleted."""
+    deleted = yield from _everywhere(core, op_drop_namespace)
+    desc = descriptor_key(core.namespace)
+    removed = yield from _command(core, shard_slot(desc.decode()), "DEL", desc)
+    return sum(deleted.values()) + int(removed)
