@@ -81,6 +81,9 @@ _EXPORTS: dict[str, str] = {
     "RedisIndexConfig": "kvredis.redis.config",
     "new_redis_index": "kvredis.redis.index",
     "new_valkey_index": "kvredis.redis.index",
+    "new_async_redis_index": "kvredis.redis.index",
+    "AsyncRedisClusterIndex": "kvredis.redis.cluster.index",
+    "RedisClusterIndex": "kvredis.redis.cluster.index",
     # event ingestion
     "AllBlocksCleared": "kvredis.ingest.events",
     "BlockRemoved": "kvredis.ingest.events",
@@ -121,6 +124,7 @@ __all__ = [
     "AsyncBatchIndex",
     "AsyncIndex",
     "AsyncInstrumentedIndex",
+    "AsyncRedisClusterIndex",
     "AsyncRedisIndex",
     "AsyncScoringIndex",
     "AsyncTracedIndex",
@@ -168,6 +172,7 @@ __all__ = [
     "PodEntry",
     "ProgressClearIndex",
     "RedisAddress",
+    "RedisClusterIndex",
     "RedisIndex",
     "RedisIndexConfig",
     "RejectReason",
@@ -189,6 +194,7 @@ __all__ = [
     "decode_batch",
     "encode_batch",
     "mask_password",
+    "new_async_redis_index",
     "new_index",
     "new_redis_index",
     "new_valkey_index",
@@ -289,10 +295,12 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
     )
     from kvredis.metrics import AsyncInstrumentedIndex, InstrumentedIndex
     from kvredis.redis.address import RedisAddress, mask_password, parse_address
+    from kvredis.redis.cluster.index import AsyncRedisClusterIndex, RedisClusterIndex
     from kvredis.redis.config import RedisIndexConfig
     from kvredis.redis.index import (
         AsyncRedisIndex,
         RedisIndex,
+        new_async_redis_index,
         new_redis_index,
         new_valkey_index,
     )

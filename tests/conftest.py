@@ -349,9 +349,10 @@ def index(request: pytest.FixtureRequest) -> Iterator[Any]:
         close_backend(idx)
 
 
-@pytest.fixture(params=REDIS_BACKENDS)
+@pytest.fixture(params=[*REDIS_BACKENDS, *CLUSTER_BACKENDS])
 def redis_backend_index(request: pytest.FixtureRequest) -> Iterator[Any]:
-    """A fresh Redis-backed index, sync and async (through SyncOverAsync)."""
+    """A fresh Redis-backed index, sync and async (through SyncOverAsync), on a single server
+    and on a cluster."""
     idx = make_backend(request.param, request)
     try:
         yield idx

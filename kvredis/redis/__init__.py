@@ -13,9 +13,11 @@ Modules, in dependency order (each imports only the ones before it):
   combinators
 - ``config``    RedisIndexConfig
 - ``executor``  sync and asyncio executors: send one request with redis-py, nothing else
-- ``index``     RedisIndex and AsyncRedisIndex
-- ``cluster/``  Redis Cluster groundwork: key slots, MOVED/ASK, the slot map, parallel waves
-  per node (its own ``executor`` loads redis-py; the rest is sans-IO)
+- ``cluster/``  the index on a Redis Cluster: shards, key slots, MOVED/ASK, the slot map,
+  parallel waves per node, the cluster operations, RedisClusterIndex (its ``executor`` and
+  ``index`` load redis-py; the rest is sans-IO)
+- ``index``     RedisIndex and AsyncRedisIndex, and the factories that pick the cluster index
+  for a cluster config
 
 Everything up to ``config`` is sans-IO: importing it loads no redis-py. The public names below
 are loaded lazily (PEP 562), so ``import kvredis.redis`` does not load redis-py either.
@@ -31,6 +33,9 @@ _EXPORTS: dict[str, str] = {
     "RedisIndex": "kvredis.redis.index",
     "new_redis_index": "kvredis.redis.index",
     "new_valkey_index": "kvredis.redis.index",
+    "new_async_redis_index": "kvredis.redis.index",
+    "AsyncRedisClusterIndex": "kvredis.redis.cluster.index",
+    "RedisClusterIndex": "kvredis.redis.cluster.index",
     "RedisIndexConfig": "kvredis.redis.config",
     "RedisAddress": "kvredis.redis.address",
     "mask_password": "kvredis.redis.address",
@@ -38,11 +43,14 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = [
+    "AsyncRedisClusterIndex",
     "AsyncRedisIndex",
     "RedisAddress",
+    "RedisClusterIndex",
     "RedisIndex",
     "RedisIndexConfig",
     "mask_password",
+    "new_async_redis_index",
     "new_redis_index",
     "new_valkey_index",
     "parse_address",
@@ -62,5 +70,12 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
     from kvredis.redis.address import RedisAddress, mask_password, parse_address
+    from kvredis.redis.cluster.index import AsyncRedisClusterIndex, RedisClusterIndex
     from kvredis.redis.config import RedisIndexConfig
-    from kvredis.redis.index import AsyncRedisIndex, RedisIndex, new_redis_index, new_valkey_index
+    from kvredis.redis.index import (
+        AsyncRedisIndex,
+        RedisIndex,
+        new_async_redis_index,
+        new_redis_index,
+        new_valkey_index,
+    )

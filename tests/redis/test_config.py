@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import tempfile
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -347,16 +348,21 @@ def test_cluster_options_are_checked(kwargs: dict[str, object], message: str) ->
         {"address": "redis://127.0.0.1:1", "cluster": True},
     ],
 )
-def test_the_cluster_backend_is_not_available_in_this_version(kwargs: dict[str, object]) -> None:
+def test_single_server_classes_refuse_a_cluster_config_and_factories_pick_the_cluster_index(
+    kwargs: dict[str, object],
+) -> None:
     cfg = RedisIndexConfig(**kwargs)  # type: ignore[arg-type]
-    for build in (RedisIndex, AsyncRedisIndex, new_redis_index, new_valkey_index):
-        with pytest.raises(ConfigError, match="cluster backend is not available in this version"):
+    for build in (RedisIndex, AsyncRedisIndex):
+        with pytest.raises(ConfigError, match=r"is a cluster address: use RedisClusterIndex"):
             build(cfg)
-    mapping = {"redisConfig": {"address": cfg.address, "cluster": cfg.cluster}}
-    with pytest.raises(ConfigError, match="not available in this version"):
+    # nothing listens on port 1: the cluster index is built and cannot reach its seeds
+    fast = replace(cfg, retries=0, connect_timeout=0.2)
+    for make in (new_redis_index, new_valkey_index):
+        with pytest.raises(BackendUnavailableError, match=r"127\.0\.0\.1:1"):
+            make(fast)
+    mapping = {"redisConfig": {"address": cfg.address, "cluster": cfg.cluster, "retries": 0}}
+    with pytest.raises(BackendUnavailableError):
         new_index(mapping)
-    with pytest.raises(ConfigError, match="not available in this version"):
-        new_index(IndexConfig(valkey_config=cfg))
 
 
 def test_read_from_replicas_is_not_available_in_this_version() -> None:

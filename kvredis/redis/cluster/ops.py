@@ -48,7 +48,15 @@ from kvredis.checks import (
 )
 from kvredis.errors import InvalidInputError, translate
 from kvredis.index import ClearProgress
-from kvredis.redis.cluster.routing import ClusterState, SlotCommand, WaveOp, WavePolicy, op_wave
+from kvredis.redis.cluster.routing import (
+    ClusterState,
+    NodeBatch,
+    SlotCommand,
+    Wave,
+    WaveOp,
+    WavePolicy,
+    op_wave,
+)
 from kvredis.redis.cluster.shards import (
     CLUSTER_LAYOUT,
     check_cluster_namespace,
@@ -299,12 +307,23 @@ def op_cluster_connect(core: ClusterCore) -> WaveOp[int]:
     core.adopt(count)
     for session in core.sessions:
         session.state.expiry_mode = core.expiry_mode
+    yield from op_load_scripts(core)
     ops = {
         shard: op_drive(session, op_load_namespace(session.state, ping=False))
         for shard, session in enumerate(core.sessions)
     }
     yield from op_parallel(core, ops)
     return count
+
+
+def op_load_scripts(core: ClusterCore) -> WaveOp[None]:
+    """Load every script on every node of the slot map, in one wave (best effort: a node that
+    fails now gets its scripts on its first ``NOSCRIPT``), so first calls cost one round trip."""
+    slot_map = core.cluster.slot_map
+    if slot_map is None:
+        return
+    loads = tuple(core.registry.load(name).args for name in core.registry.names())
+    yield Wave(tuple(NodeBatch(node, loads) for node in slot_map.nodes))
 
 
 # -- reads -------------------------------------------------------------------------------------

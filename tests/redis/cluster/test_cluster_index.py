@@ -1,0 +1,330 @@
+"""The cluster index on real local clusters (redis-server 7 and Valkey 9): where keys land, what a
+call costs in round trips, reads from replicas, the factories, and a differential run against
+the single-server index (the conformance suite runs on clusters too)."""
+
+from __future__ import annotations
+
+import random
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from kvredis import (
+    AddOp,
+    ConfigError,
+    EngineKeyNotFoundError,
+    EvictOp,
+    InvalidInputError,
+    KeyType,
+    NamespaceLayoutError,
+    PodEntry,
+    RedisIndex,
+    RedisIndexConfig,
+    Watermark,
+    new_index,
+)
+from kvredis.redis.cluster.index import AsyncRedisClusterIndex, RedisClusterIndex
+from kvredis.redis.cluster.shards import (
+    DEFAULT_SHARDS,
+    check_cluster_namespace,
+    parse_descriptor,
+    shard_names,
+    shard_of,
+    shard_slot,
+)
+from kvredis.redis.cluster.slots import SLOT_COUNT, key_slot
+from kvredis.redis.index import new_async_redis_index, new_redis_index, new_valkey_index
+from tests.servers import LocalCluster
+
+A = PodEntry("pod-a", "gpu")
+B = PodEntry("pod-b", "cpu")
+
+
+def chain(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.getrandbits(64) for _ in range(n)]
+
+
+@pytest.fixture
+def cfg(redis_cluster: LocalCluster) -> Iterator[RedisIndexConfig]:
+    ns = f"kvt-c{uuid.uuid4().hex[:10]}"
+    config = RedisIndexConfig(address=redis_cluster.url, namespace=ns)
+    yield config
+    with RedisClusterIndex(config) as index:
+        index.drop_namespace()
+
+
+# -- shards (no server) ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("count", [1, 3, 16, 64])
+def test_shards_get_one_slot_each_spread_evenly_over_the_slot_space(count: int) -> None:
+    names = shard_names("kvblock", count)
+    assert len(set(names)) == count
+    for i, name in enumerate(names):
+        slot = shard_slot(name)
+        assert int(i * SLOT_COUNT / count) <= slot < int((i + 1) * SLOT_COUNT / count)
+        # every key of the shard's layout hashes to the shard's slot
+        for suffix in (":meta", ":pi", ":r:\x00\x01", ":e:\xff\xff", ":c:abcd", ":wm"):
+            assert key_slot(name + suffix) == slot
+    assert shard_names("kvblock", count) == names  # deterministic
+    assert shard_names("other", count) != names
+
+
+def test_keys_spread_evenly_over_shards() -> None:
+    counts = [0] * 16
+    for key in chain(16000, 1):
+        counts[shard_of(key, 16)] += 1
+    assert min(counts) > 800 and max(counts) < 1200
+
+
+def test_cluster_namespaces_refuse_braces_and_bad_descriptors() -> None:
+    with pytest.raises(InvalidInputError):
+        check_cluster_namespace("a{b}")
+    with pytest.raises(ConfigError):
+        RedisIndexConfig(address="redis+cluster://127.0.0.1:7000", namespace="a{b}")
+    with pytest.raises(ConfigError):
+        RedisIndexConfig(address="redis+cluster://127.0.0.1:7000", cluster_shards=0)
+    assert parse_descriptor([None, None], "x") is None
+    assert parse_descriptor([b"kvredis-cluster/1", b"8"], "x") == 8
+    with pytest.raises(NamespaceLayoutError):
+        parse_descriptor([b"kvredis-cluster/9", b"8"], "x")
+    with pytest.raises(NamespaceLayoutError):
+        parse_descriptor([b"kvredis-cluster/1", b"zero"], "x")
+
+
+def test_config_json_shape_and_factories_refuse_mixing_kinds() -> None:
+    config = RedisIndexConfig.from_dict(
+        {"address": "redis://127.0.0.1:7000", "cluster": True, "clusterShards": 8}
+    )
+    assert config.cluster and config.cluster_shards == 8
+    with pytest.raises(ConfigError, match="cluster address"):
+        RedisIndex(config)
+    with pytest.raises(ConfigError, match="no cluster address"):
+        RedisClusterIndex(RedisIndexConfig(address="redis://127.0.0.1:7000"))
+
+
+# -- on a cluster ------------------------------------------------------------------------------
+
+
+def test_keys_land_on_every_primary_each_shard_in_its_own_slot(
+    cfg: RedisIndexConfig, redis_cluster: LocalCluster
+) -> None:
+    with RedisClusterIndex(cfg) as index:
+        assert index.shards == DEFAULT_SHARDS
+        keys = chain(512, 2)
+        index.add(chain(512, 3), keys, [A])
+        slots = {shard_slot(name) for name in shard_names(cfg.namespace, index.shards)}
+        per_node: dict[int, int] = {}
+        for port in redis_cluster.ports[:3]:
+            client = redis.Redis(port=port)
+            try:
+                if client.info("replication")["role"] != "master":
+                    continue
+                found = list(client.scan_iter(match=cfg.namespace + ":*", count=1000))
+            finally:
+                client.close()
+            per_node[port] = len(found)
+            for key in found:
+                assert key_slot(key) in slots | {key_slot(cfg.namespace + ":cluster")}
+        assert len(per_node) == 3 and all(n > 0 for n in per_node.values()), per_node
+
+
+def test_a_second_client_adopts_the_shard_count(cfg: RedisIndexConfig) -> None:
+    keys = chain(64, 4)
+    with RedisClusterIndex(cfg) as first:
+        first.add(None, keys, [A])
+    other = RedisIndexConfig(address=cfg.address, namespace=cfg.namespace, cluster_shards=4)
+    with RedisClusterIndex(other) as second:
+        assert second.shards == DEFAULT_SHARDS
+        assert list(second.lookup(keys)) == keys
+
+
+def test_the_chain_ends_at_the_first_key_missing_on_any_shard(cfg: RedisIndexConfig) -> None:
+    keys = chain(200, 5)
+    with RedisClusterIndex(cfg) as index:
+        index.add(None, keys[:120], [A])
+        index.add(None, keys[121:], [A])  # keys[120] missing, its shard holds later keys
+        assert list(index.lookup(keys)) == keys[:120]
+        assert index.score(keys) == {"pod-a": 120.0}
+        # a pod filter cuts at that pod's first miss, across shards
+        index.add(None, keys[:50], [B])
+        assert list(index.lookup(keys, {"pod-b"})) == keys[:50]
+
+
+def test_round_trips_are_one_per_involved_node(
+    cfg: RedisIndexConfig, redis_cluster: LocalCluster
+) -> None:
+    with RedisClusterIndex(cfg) as index:
+        keys, engine = chain(512, 6), chain(512, 7)
+        nodes = len(index.executor.slot_map.primaries)
+        before = index.round_trips
+        index.add(engine, keys, [A])
+        assert index.round_trips - before <= nodes
+        before = index.round_trips
+        assert len(index.lookup(keys)) == 512
+        assert index.round_trips - before <= nodes
+        before = index.round_trips
+        index.score(keys)
+        assert index.round_trips - before <= nodes
+        # a lookup of a short chain involves only the nodes of its keys' shards
+        before = index.round_trips
+        index.lookup(keys[:1])
+        assert index.round_trips - before == 1
+        # evict by engine key: read the mapping, evict and probe, drop the mapping
+        before = index.round_trips
+        index.evict(engine[10], KeyType.ENGINE, [A])
+        assert index.round_trips - before <= 3
+        with pytest.raises(EngineKeyNotFoundError):
+            index.get_request_key(engine[10])
+
+
+def _evalsha_calls(port: int) -> int:
+    client = redis.Redis(port=port)
+    try:
+        stats = client.info("commandstats")
+    finally:
+        client.close()
+    return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
+
+
+def test_reads_from_replicas_spread_lookups_and_scores_over_replicas(
+    cfg: RedisIndexConfig, redis_cluster: LocalCluster
+) -> None:
+    keys = chain(256, 8)
+    with RedisClusterIndex(cfg) as writer:
+        writer.add(None, keys, [A])
+        slot_map = writer.executor.slot_map
+        primaries = [n.port for n in slot_map.primaries]
+        replicas = [n.port for r in slot_map.ranges for n in r.replicas]
+        for port in primaries:  # the replicas have the writes before we read them
+            client = redis.Redis(port=port)
+            try:
+                client.execute_command("WAIT", 1, 5000)
+            finally:
+                client.close()
+    reading = RedisIndexConfig(
+        address=cfg.address, namespace=cfg.namespace, read_from_replicas=True
+    )
+    with RedisClusterIndex(reading) as reader:
+        on_primaries = sum(_evalsha_calls(p) for p in primaries)
+        on_replicas = sum(_evalsha_calls(p) for p in replicas)
+        for _ in range(5):
+            assert list(reader.lookup(keys)) == keys
+            assert reader.score(keys) == {"pod-a": 256.0}
+        assert sum(_evalsha_calls(p) for p in primaries) == on_primaries
+        assert sum(_evalsha_calls(p) for p in replicas) >= on_replicas + 10 * 3
+        # writes still go to the primaries
+        reader.evict(keys[0], KeyType.REQUEST, [A])
+        assert sum(_evalsha_calls(p) for p in primaries) > on_primaries
+
+
+def test_factories_return_the_cluster_index(cfg: RedisIndexConfig) -> None:
+    index = new_redis_index(cfg)
+    try:
+        assert isinstance(index, RedisClusterIndex)
+    finally:
+        index.close()
+    valkey = new_valkey_index(cfg)
+    try:
+        assert isinstance(valkey, RedisClusterIndex)
+        assert valkey.config.backend_type == "valkey"
+    finally:
+        valkey.close()
+    via_json = new_index(
+        {"redisConfig": {"address": cfg.address, "namespace": cfg.namespace, "clusterShards": 4}}
+    )
+    try:
+        assert isinstance(via_json, RedisClusterIndex)
+        via_json.add(None, [1, 2, 3], [A])
+        assert list(via_json.lookup([1, 2, 3])) == [1, 2, 3]
+    finally:
+        via_json.close()  # type: ignore[attr-defined]
+
+
+async def test_async_cluster_index(cfg: RedisIndexConfig) -> None:
+    index = new_async_redis_index(cfg)
+    assert isinstance(index, AsyncRedisClusterIndex)
+    async with index:
+        keys, engine = chain(100, 9), chain(100, 10)
+        await index.add(engine, keys, [A])
+        assert list(await index.lookup(keys)) == keys
+        await index.evict(engine[3], KeyType.ENGINE, [A])
+        assert list(await index.lookup(keys)) == keys[:3]
+        assert await index.apply_batch([AddOp(None, (keys[3],), (A,))], "s", Watermark(1, 0))
+        assert not await index.apply_batch([AddOp(None, (keys[3],), (A,))], "s", Watermark(1, 0))
+        assert await index.get_watermark("s") == Watermark(1, 0)
+        assert await index.clear_with_progress("pod-a") == 100
+
+
+# -- differential: the cluster index against the single-server index ----------------------------
+
+
+def _random_ops(rng: random.Random, chains: list[tuple[list[int], list[int]]]) -> list[Any]:
+    pods = [A, B, PodEntry("pod-c", "gpu", group_idx=1, has_group=True)]
+    ops: list[Any] = []
+    for _ in range(rng.randint(1, 6)):
+        engine, request = rng.choice(chains)
+        ents = tuple(rng.sample(pods, rng.randint(1, 2)))
+        start = rng.randrange(len(request))
+        end = rng.randint(start + 1, len(request))
+        kind = rng.random()
+        if kind < 0.4:
+            e_lo, e_hi = start * len(engine) // len(request), -(-end * len(engine) // len(request))
+            ops.append(AddOp(tuple(engine[e_lo:e_hi]), tuple(request[start:end]), ents))
+        elif kind < 0.55:
+            ops.append(AddOp(None, tuple(request[start:end]), ents))
+        elif kind < 0.85:
+            ops.append(EvictOp(rng.choice(engine), KeyType.ENGINE, ents))
+        else:
+            ops.append(EvictOp(request[start], KeyType.REQUEST, ents))
+    return ops
+
+
+def test_random_batches_give_the_single_server_index_s_answers(
+    cfg: RedisIndexConfig, redis_server_url: str
+) -> None:
+    rng = random.Random(20261203)
+    chains: list[tuple[list[int], list[int]]] = []
+    for c in range(6):
+        n = rng.choice([8, 24, 40])
+        ratio = rng.choice([1, 2, 4])
+        engine = chain(n // ratio if c % 2 else n * ratio // ratio, 100 + c)
+        if c % 3 == 2:
+            engine = chain(n * 2, 200 + c)  # many engine blocks per request key
+        chains.append((engine, chain(n, 300 + c)))
+    single_cfg = RedisIndexConfig(address=redis_server_url, namespace=cfg.namespace)
+    with RedisClusterIndex(cfg) as cluster, RedisIndex(single_cfg) as single:
+        try:
+            for step in range(120):
+                ops = _random_ops(rng, chains)
+                mark = Watermark(0, step) if step % 2 else None
+                stream = "diff" if mark else None
+                assert cluster.apply_batch(ops, stream, mark) == single.apply_batch(
+                    ops, stream, mark
+                )
+                if step % 25 == 24:
+                    pod = rng.choice(["pod-a", "pod-b"])
+                    cluster.clear(pod)
+                    single.clear(pod)
+                for engine, request in chains:
+                    assert _norm(cluster.lookup(request)) == _norm(single.lookup(request)), step
+                    for key in engine:
+                        assert _mapped(cluster, key) == _mapped(single, key), (step, key)
+            assert cluster.get_watermark("diff") == single.get_watermark("diff")
+        finally:
+            single.drop_namespace()
+
+
+def _norm(found: dict[int, list[PodEntry]]) -> dict[int, set[PodEntry]]:
+    return {k: set(v) for k, v in found.items()}
+
+
+def _mapped(index: Any, engine_key: int) -> int | None:
+    try:
+        return int(index.get_request_key(engine_key))
+    except EngineKeyNotFoundError:
+        return None
