@@ -67,9 +67,11 @@ class RedisIndexConfig:
 
     ``cluster`` selects Redis Cluster mode: ``address`` then names seed nodes. A cluster address
     (``redis+cluster://``, ``valkey+cluster://``, ``rediss+cluster://``, ``valkeys+cluster://``)
-    sets it by itself. ``read_from_replicas`` spreads lookups and scores over replicas. This
-    version parses and checks both, but its index clients serve single servers only: building
-    one with either raises :class:`~kvredis.errors.ConfigError` (see :func:`check_supported`).
+    sets it by itself. This version parses and checks it, but its index clients serve single
+    servers only: building one in cluster mode raises :class:`~kvredis.errors.ConfigError` (see
+    :func:`check_supported`). ``read_from_replicas`` spreads lookups and scores over the online
+    replicas of the server (the primary), found with ``INFO replication`` on it; writes,
+    watermarks and ``get_request_key`` stay on the primary (see :mod:`kvredis.redis.replicas`).
     """
 
     address: str = "redis://127.0.0.1:6379"
@@ -183,16 +185,10 @@ class RedisIndexConfig:
 
 def check_supported(config: RedisIndexConfig) -> None:
     """Raise :class:`~kvredis.errors.ConfigError` for a config this version's index clients
-    cannot serve: Redis Cluster mode (a cluster address or ``cluster``) and
-    ``read_from_replicas``."""
+    cannot serve: Redis Cluster mode (a cluster address or ``cluster``)."""
     if config.cluster:
         raise ConfigError(
             f"{config.server()} is a Redis Cluster address (cluster mode), but the cluster "
             "backend is not available in this version of kvredis; point it at a single "
             "Redis/Valkey server (redis://host:port)"
-        )
-    if config.read_from_replicas:
-        raise ConfigError(
-            "read_from_replicas is not available in this version of kvredis; leave it unset "
-            "(reads go to the server of the address)"
         )

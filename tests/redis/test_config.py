@@ -357,9 +357,3 @@ def test_the_cluster_backend_is_not_available_in_this_version(kwargs: dict[str, 
         new_index(mapping)
     with pytest.raises(ConfigError, match="not available in this version"):
         new_index(IndexConfig(valkey_config=cfg))
-
-
-def test_read_from_replicas_is_not_available_in_this_version() -> None:
-    cfg = RedisIndexConfig(address="redis://127.0.0.1:1", read_from_replicas=True)
-    with pytest.raises(ConfigError, match="read_from_replicas is not available"):
-        RedisIndex(cfg)
