@@ -332,12 +332,10 @@ def backend_name(index: Any, request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture(scope="module", params=local_server_kinds())
-def replicated_server(request: pytest.FixtureRequest) -> Iterator[LocalReplication]:
+def replicated_server(request: pytest.FixtureRequest) -> LocalReplication:
     """A primary with two replicas of each server kind in turn, shared by a test module. A test
     that kills a replica revives it before it ends."""
     servers = LocalReplication(str(request.param))
-    try:
-        servers.start()
-        yield servers
-    finally:
-        servers.close()
+    request.addfinalizer(servers.close)
+    servers.start()
+    return servers

@@ -22,7 +22,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import AbstractContextManager, closing, contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -586,13 +586,8 @@ class LocalReplication:
 
         return redis.Redis(port=port, socket_timeout=5)
 
-    @contextmanager
-    def _admin(self, port: int) -> Iterator[Any]:
-        admin = self.client(port)
-        try:
-            yield admin
-        finally:
-            admin.close()
+    def _admin(self, port: int) -> AbstractContextManager[Any]:
+        return closing(self.client(port))
 
     def start(self, timeout: float = 30.0) -> None:
         """Start the primary and the replicas, and wait until every replica is in sync."""

@@ -7,7 +7,8 @@ everything else (writes, namespace loading, watermarks, ``get_request_key``) goe
 primary. The logic lives here, without I/O, once for the sync and the asyncio executor:
 
 - :func:`parse_replicas`: the online replicas listed by the primary's ``INFO replication``
-  (``slave<N>:ip=...,port=...,state=online,...``), at the address each replica announces;
+  (``slave<N>:ip=...,port=...,state=online,...,lag=...``), at the address each replica
+  announces (``replica-announce-ip``/``-port`` where set, else the address the primary sees);
 - :class:`ReplicaSet`: the replicas known, when to ask the primary again (every
   :data:`REFRESH_SECONDS`, and soon after a replica fails), round-robin choice, and failed
   replicas set aside for :data:`DOWN_SECONDS`;
@@ -44,6 +45,9 @@ REFRESH_SECONDS = 5.0
 DOWN_SECONDS = 5.0
 #: After a replica fails, the primary is asked again at the next read, but at most this often.
 MIN_REFRESH_SECONDS = 1.0
+#: A replica whose last acknowledgement to the primary (``lag``, in seconds; a replica
+#: acknowledges every second) is older than this is left out: its link is stuck.
+MAX_LAG_SECONDS = 10
 #: Error replies of a replica that cannot serve now: it loads a dataset, lost its primary (with
 #: ``replica-serve-stale-data no``), runs a long script, or refuses the call.
 UNAVAILABLE_REPLIES = frozenset({"LOADING", "MASTERDOWN", "BUSY", "TRYAGAIN", "READONLY"})
@@ -82,7 +86,8 @@ def parse_replicas(info: Any) -> list[Replica]:
     """The online replicas an ``INFO replication`` reply lists, in the primary's order.
 
     ``info`` is the reply as redis-py parses it (a mapping, ``slave0`` -> a mapping of its
-    fields) or its text. Replicas whose ``state`` is not ``online`` (still syncing) are left out.
+    fields) or its text. Replicas whose ``state`` is not ``online`` (still syncing) or whose
+    ``lag`` exceeds :data:`MAX_LAG_SECONDS` are left out.
     """
     found: dict[int, Any] = {}
     if isinstance(info, Mapping):
@@ -103,9 +108,11 @@ def parse_replicas(info: Any) -> list[Replica]:
             continue
         try:
             port = int(fields.get("port", ""))
+            lag = int(fields.get("lag", "0"))
         except ValueError:
             continue
-        replicas.append(Replica(fields["ip"], port))
+        if lag <= MAX_LAG_SECONDS:
+            replicas.append(Replica(fields["ip"], port))
     return replicas
 
 

@@ -34,10 +34,11 @@ from tests.servers import LocalReplication
 A, B = PodEntry("pod-a", "gpu"), PodEntry("pod-b", "cpu")
 R1, R2 = Replica("10.0.0.1", 6380), Replica("10.0.0.2", 6381)
 INFO_TEXT = (
-    "# Replication\r\nrole:master\r\nconnected_slaves:3\r\n"
+    "# Replication\r\nrole:master\r\nconnected_slaves:4\r\n"
     "slave0:ip=10.0.0.1,port=6380,state=online,offset=42,lag=0\r\n"
     "slave1:ip=10.0.0.9,port=6390,state=wait_bgsave,offset=0,lag=0\r\n"
     "slave2:ip=10.0.0.2,port=6381,state=online,offset=42,lag=1,type=replica\r\n"
+    "slave3:ip=10.0.0.3,port=6382,state=online,offset=7,lag=60\r\n"
     "master_repl_offset:42\r\n"
 )
 READ = Command(("EVALSHA", "abc", 0), read=True)
