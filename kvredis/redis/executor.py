@@ -170,7 +170,7 @@ class SyncExecutor:
         self.pool = _pool(config, self._address, redis, redis.retry.Retry)
         self.client = redis.Redis(connection_pool=self.pool)
         self.round_trips = 0
-        self._trips_lock = threading.Lock()
+        self._lock = threading.Lock()
         #: The replicas reads go to (``read_from_replicas``), else None.
         self.replicas = ReplicaSet() if config.read_from_replicas else None
         self._replica_clients: dict[Replica, redis.Redis] = {}
@@ -200,7 +200,7 @@ class SyncExecutor:
     def _client_of(self, replica: Replica | None) -> redis.Redis:
         if replica is None:
             return self.client
-        with self._trips_lock:
+        with self._lock:
             client = self._replica_clients.get(replica)
             if client is None:
                 address = _replica_address(self._address, replica)
@@ -210,7 +210,7 @@ class SyncExecutor:
 
     def _outcome(self, request: rq.Request, client: redis.Redis) -> Any:
         if not isinstance(request, rq.Sleep):
-            with self._trips_lock:
+            with self._lock:
                 self.round_trips += 1
         try:
             if isinstance(request, rq.Command):
