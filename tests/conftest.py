@@ -26,13 +26,22 @@ from typing import Any, TypeVar
 import pytest
 
 from kvredis.types import KeyType, PodEntry
-from tests.servers import LocalCluster, RedisServer, local_server_kinds, redis_url, server_kinds
+from tests.servers import (
+    LocalCluster,
+    LocalReplication,
+    RedisServer,
+    local_server_kinds,
+    redis_url,
+    server_kinds,
+)
 
 T = TypeVar("T")
 
 #: Fixtures that start or reach a Redis server; a test using one (directly or through another
 #: fixture) is marked ``redis``.
-REDIS_FIXTURES = frozenset({"redis_server_url", "own_redis_server", "server_pool"})
+REDIS_FIXTURES = frozenset(
+    {"redis_server_url", "own_redis_server", "server_pool", "replicated_server"}
+)
 #: Fixtures that start a local Redis Cluster; a test using one is marked ``cluster`` (and
 #: ``redis``: it needs the server binaries too).
 CLUSTER_FIXTURES = frozenset({"redis_cluster", "cluster_pool"})
@@ -364,3 +373,13 @@ def redis_backend_index(request: pytest.FixtureRequest) -> Iterator[Any]:
 def backend_name(index: Any, request: pytest.FixtureRequest) -> str:
     """Name of the backend the ``index`` fixture built for this test."""
     return str(request.node.callspec.params["index"])
+
+
+@pytest.fixture(scope="module", params=local_server_kinds())
+def replicated_server(request: pytest.FixtureRequest) -> LocalReplication:
+    """A primary with two replicas of each server kind in turn, shared by a test module. A test
+    that kills a replica revives it before it ends."""
+    servers = LocalReplication(str(request.param))
+    request.addfinalizer(servers.close)
+    servers.start()
+    return servers

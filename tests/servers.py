@@ -22,7 +22,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import AbstractContextManager, closing, contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -553,3 +553,98 @@ def _fresh_port(taken: set[int]) -> int:
         port = free_port()
     taken.add(port)
     return port
+
+
+class LocalReplication:
+    """A primary and ``replicas`` replicas of it (``--replicaof``), real server processes of one
+    kind on loopback. Tests may kill a replica (:meth:`kill_replica`) and bring it back
+    (:meth:`revive_replica`); :meth:`calls` counts a command on one server (``INFO
+    commandstats``)."""
+
+    def __init__(self, kind: str = "redis", replicas: int = 2) -> None:
+        self.kind = kind
+        taken: set[int] = set()
+        self.primary = RedisServer(
+            kind, extra_args=["--repl-diskless-sync-delay", "0", "--repl-ping-replica-period", "1"]
+        )
+        self.primary.port = _fresh_port(taken)
+        self.replicas: list[RedisServer] = []
+        for _ in range(replicas):
+            replica = RedisServer(kind, extra_args=["--replicaof", "127.0.0.1", "0"])
+            replica.port = _fresh_port(taken)
+            replica.extra_args[-1] = str(self.primary.port)
+            self.replicas.append(replica)
+
+    @property
+    def url(self) -> str:
+        """The primary's address."""
+        return self.primary.url
+
+    def client(self, port: int) -> Any:
+        """A plain redis-py client of one server; close it after use."""
+        import redis
+
+        return redis.Redis(port=port, socket_timeout=5)
+
+    def _admin(self, port: int) -> AbstractContextManager[Any]:
+        return closing(self.client(port))
+
+    def start(self, timeout: float = 30.0) -> None:
+        """Start the primary and the replicas, and wait until every replica is in sync."""
+        self.primary.start()
+        for replica in self.replicas:
+            replica.launch()
+        for replica in self.replicas:
+            replica.wait_ready()
+        self.wait_synced(timeout)
+
+    def live_replicas(self) -> list[RedisServer]:
+        """The replicas whose process runs."""
+        return [r for r in self.replicas if r.proc is not None and r.proc.poll() is None]
+
+    def wait_synced(self, timeout: float = 30.0) -> None:
+        """Wait until the primary lists every live replica as online, each with its link up."""
+        ports = {r.port for r in self.live_replicas()}
+
+        def synced() -> bool:
+            with self._admin(self.primary.port) as admin:
+                info = admin.info("replication")
+            online = {
+                int(v["port"])
+                for k, v in info.items()
+                if k.startswith("slave") and isinstance(v, dict) and v.get("state") == "online"
+            }
+            if online != ports:
+                return False
+            for port in ports:
+                with self._admin(port) as admin:
+                    if admin.info("replication").get("master_link_status") != "up":
+                        return False
+            return True
+
+        LocalCluster._wait(synced, timeout, "the replicas to sync")
+
+    def wait_replicated(self, timeout_ms: int = 5000) -> None:
+        """``WAIT`` until the live replicas acknowledged every write so far."""
+        with self._admin(self.primary.port) as admin:
+            admin.execute_command("WAIT", len(self.live_replicas()), timeout_ms)
+
+    def kill_replica(self, index: int) -> None:
+        """Kill replica ``index`` (its process, at once)."""
+        self.replicas[index].stop()
+
+    def revive_replica(self, index: int, timeout: float = 30.0) -> None:
+        """Restart replica ``index`` and wait until it is in sync again."""
+        self.replicas[index].start()
+        self.wait_synced(timeout)
+
+    def calls(self, port: int, command: str) -> int:
+        """How many times the server on ``port`` ran ``command`` (``INFO commandstats``)."""
+        with self._admin(port) as admin:
+            stats = admin.info("commandstats")
+        return int(stats.get(f"cmdstat_{command.lower()}", {}).get("calls", 0))
+
+    def close(self) -> None:
+        """Stop every server and delete its files."""
+        for server in (*self.replicas, self.primary):
+            server.close()

@@ -12,6 +12,7 @@ Modules, in dependency order (each imports only the ones before it):
 - ``ops``       the index operations as generators, and the retry / NOSCRIPT / stale-namespace
   combinators
 - ``config``    RedisIndexConfig
+- ``replicas``  reads from replicas of a single server: discovery, choice, fallback (sans-IO)
 - ``executor``  sync and asyncio executors: send one request with redis-py, nothing else
 - ``cluster/``  the index on a Redis Cluster: shards, key slots, MOVED/ASK, the slot map,
   parallel waves per node, the cluster operations, RedisClusterIndex (its ``executor`` and

@@ -73,7 +73,10 @@ class RedisIndexConfig:
     index (:mod:`kvredis.redis.cluster.index`). ``cluster_shards`` is the number of shards a
     new cluster namespace is spread over (fixed by its first client, as ``bucket_bits``; see
     :mod:`kvredis.redis.cluster.shards`); a cluster namespace may not contain ``{`` or ``}``.
-    ``read_from_replicas`` spreads lookups and scores over replicas.
+    ``read_from_replicas`` spreads lookups and scores over replicas: on a cluster, the replicas
+    of each slot; on a single server, the online replicas of the server (the primary), found
+    with ``INFO replication`` on it (see :mod:`kvredis.redis.replicas`). Writes, watermarks
+    and ``get_request_key`` stay on the primaries.
     """
 
     address: str = "redis://127.0.0.1:6379"
@@ -187,13 +190,3 @@ class RedisIndexConfig:
     def server(self) -> str:
         """``"<backend type> at <address>"`` with any password masked, for messages."""
         return f"{self.backend_type} at {self.parsed_address().display}"
-
-
-def check_supported(config: RedisIndexConfig) -> None:
-    """Raise :class:`~kvredis.errors.ConfigError` for a config this version's index clients
-    cannot serve: ``read_from_replicas`` on a single server."""
-    if config.read_from_replicas and not config.cluster:
-        raise ConfigError(
-            "read_from_replicas is not available for a single server in this version of "
-            "kvredis; leave it unset (reads go to the server of the address)"
-        )

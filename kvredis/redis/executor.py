@@ -5,6 +5,10 @@ drive an operation (:data:`~kvredis.redis.requests.Op`): send each request it yi
 it with the reply, or throw into it the :class:`~kvredis.redis.requests.Failure` that stands for
 the redis-py exception (:func:`failure`). Retries, script reloads and error translation are the
 core's (:mod:`kvredis.redis.ops`): the operations driven here are wrapped in its combinators.
+
+With ``read_from_replicas`` an executor also keeps a pool per replica of its server and sends
+the commands marked ``read`` where :class:`~kvredis.redis.replicas.ReadRoute` says (a replica
+in turn, the primary when none serves); the route is the same for both executors.
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
+from dataclasses import replace
 from types import ModuleType
 from typing import Any, Generic, TypeVar
 
@@ -25,6 +30,7 @@ from redis.backoff import NoBackoff
 from kvredis.redis import requests as rq
 from kvredis.redis.address import RedisAddress
 from kvredis.redis.config import RedisIndexConfig
+from kvredis.redis.replicas import ReadRoute, Replica, ReplicaSet, Send
 
 T = TypeVar("T")
 
@@ -134,6 +140,19 @@ def _unsendable(request: object) -> TypeError:
     return TypeError(f"an executor sends commands, pipelines and sleeps, not {request!r}")
 
 
+def _replica_address(address: RedisAddress, replica: Replica) -> RedisAddress:
+    """The address of a replica: the primary's credentials, database and TLS, its host/port."""
+    return replace(
+        address,
+        transport="tcp",
+        host=replica.host,
+        port=replica.port,
+        path="",
+        display=f"replica {replica}",
+        seeds=((replica.host, replica.port),),
+    )
+
+
 def _queued(pipe: Any, request: rq.Pipeline) -> Any:
     for command in request.items:
         if not isinstance(command, rq.Command):
@@ -146,29 +165,59 @@ class SyncExecutor:
     """Sends requests over a pool of blocking connections; thread-safe."""
 
     def __init__(self, config: RedisIndexConfig) -> None:
-        self.pool = _pool(config, config.parsed_address(), redis, redis.retry.Retry)
+        self._config = config
+        self._address = config.parsed_address()
+        self.pool = _pool(config, self._address, redis, redis.retry.Retry)
         self.client = redis.Redis(connection_pool=self.pool)
-        self._send: Any = self.client.execute_command
         self.round_trips = 0
-        self._trips_lock = threading.Lock()
+        self._lock = threading.Lock()
+        #: The replicas reads go to (``read_from_replicas``), else None.
+        self.replicas = ReplicaSet() if config.read_from_replicas else None
+        self._replica_clients: dict[Replica, redis.Redis] = {}
 
     def run(self, op: rq.Op[T]) -> T:
         """Drive ``op`` to its end and return its result."""
+        reads = None if self.replicas is None else ReadRoute(self.replicas)
         with _Driven(op) as driven:
             request = driven.resume(None)
             while request is not None:
-                request = driven.resume(self._outcome(request))
+                if reads is not None and isinstance(request, rq.Command) and request.read:
+                    outcome = self._routed(reads.route(request))
+                else:
+                    outcome = self._outcome(request, self.client)
+                request = driven.resume(outcome)
             return driven.result
 
-    def _outcome(self, request: rq.Request) -> Any:
+    def _routed(self, route: Generator[Send, Any, Any]) -> Any:
+        outcome = None
+        try:
+            while True:
+                replica, command = route.send(outcome)
+                outcome = self._outcome(command, self._client_of(replica))
+        except StopIteration as stop:
+            return stop.value
+
+    def _client_of(self, replica: Replica | None) -> redis.Redis:
+        if replica is None:
+            return self.client
+        with self._lock:
+            client = self._replica_clients.get(replica)
+            if client is None:
+                address = _replica_address(self._address, replica)
+                pool = _pool(self._config, address, redis, redis.retry.Retry)
+                client = self._replica_clients[replica] = redis.Redis(connection_pool=pool)
+            return client
+
+    def _outcome(self, request: rq.Request, client: redis.Redis) -> Any:
         if not isinstance(request, rq.Sleep):
-            with self._trips_lock:
+            with self._lock:
                 self.round_trips += 1
         try:
             if isinstance(request, rq.Command):
-                return self._send(*request.args)
+                execute: Any = client.execute_command
+                return execute(*request.args)
             if isinstance(request, rq.Pipeline):
-                pipe = _queued(self.client.pipeline(transaction=False), request)
+                pipe = _queued(client.pipeline(transaction=False), request)
                 return _replies(pipe.execute(raise_on_error=False))
             if isinstance(request, rq.Sleep):
                 return time.sleep(request.seconds)
@@ -178,35 +227,65 @@ class SyncExecutor:
 
     def close(self) -> None:
         """Close the connections."""
-        self.client.close()
-        self.pool.disconnect()
+        for client in (self.client, *self._replica_clients.values()):
+            client.close()
+            client.connection_pool.disconnect()
 
 
 class AsyncExecutor:
     """Sends requests over a pool of asyncio connections (use it from one event loop)."""
 
     def __init__(self, config: RedisIndexConfig) -> None:
-        self.pool = _pool(config, config.parsed_address(), redis.asyncio, redis.asyncio.retry.Retry)
+        self._config = config
+        self._address = config.parsed_address()
+        self.pool = _pool(config, self._address, redis.asyncio, redis.asyncio.retry.Retry)
         self.client = redis.asyncio.Redis(connection_pool=self.pool)
-        self._send: Any = self.client.execute_command
         self.round_trips = 0
+        #: See :attr:`SyncExecutor.replicas`.
+        self.replicas = ReplicaSet() if config.read_from_replicas else None
+        self._replica_clients: dict[Replica, redis.asyncio.Redis] = {}
 
     async def run(self, op: rq.Op[T]) -> T:
         """Drive ``op`` to its end and return its result."""
+        reads = None if self.replicas is None else ReadRoute(self.replicas)
         with _Driven(op) as driven:
             request = driven.resume(None)
             while request is not None:
-                request = driven.resume(await self._outcome(request))
+                if reads is not None and isinstance(request, rq.Command) and request.read:
+                    outcome = await self._routed(reads.route(request))
+                else:
+                    outcome = await self._outcome(request, self.client)
+                request = driven.resume(outcome)
             return driven.result
 
-    async def _outcome(self, request: rq.Request) -> Any:
+    async def _routed(self, route: Generator[Send, Any, Any]) -> Any:
+        outcome = None
+        try:
+            while True:
+                replica, command = route.send(outcome)
+                outcome = await self._outcome(command, self._client_of(replica))
+        except StopIteration as stop:
+            return stop.value
+
+    def _client_of(self, replica: Replica | None) -> redis.asyncio.Redis:
+        if replica is None:
+            return self.client
+        client = self._replica_clients.get(replica)
+        if client is None:
+            address = _replica_address(self._address, replica)
+            pool = _pool(self._config, address, redis.asyncio, redis.asyncio.retry.Retry)
+            client = self._replica_clients[replica] = redis.asyncio.Redis(connection_pool=pool)
+        return client
+
+    async def _outcome(self, request: rq.Request, client: redis.asyncio.Redis) -> Any:
         if not isinstance(request, rq.Sleep):
             self.round_trips += 1
         try:
             if isinstance(request, rq.Command):
-                return await self._send(*request.args)
+                execute: Any = client.execute_command
+                return await execute(*request.args)
             if isinstance(request, rq.Pipeline):
-                pipe = _queued(self.client.pipeline(transaction=False), request)
+                pipe = _queued(client.pipeline(transaction=False), request)
                 return _replies(await pipe.execute(raise_on_error=False))
             if isinstance(request, rq.Sleep):
                 return await asyncio.sleep(request.seconds)
@@ -216,5 +295,6 @@ class AsyncExecutor:
 
     async def close(self) -> None:
         """Close the connections."""
-        await self.client.aclose()
-        await self.pool.disconnect()
+        for client in (self.client, *self._replica_clients.values()):
+            await client.aclose()
+            await client.connection_pool.disconnect()

@@ -135,9 +135,11 @@ class Session:
     policy: RetryPolicy
 
 
-def _load_scripts(registry: ScriptRegistry, names: Collection[str]) -> Op[None]:
+def _load_scripts(
+    registry: ScriptRegistry, names: Collection[str], read: bool = False
+) -> Op[None]:
     for name in sorted(names):
-        registry.check_loaded(name, (yield registry.load(name)))
+        registry.check_loaded(name, (yield registry.load(name, read)))
 
 
 def _script_call(registry: ScriptRegistry, call: ScriptCall) -> Op[Any]:
@@ -147,7 +149,7 @@ def _script_call(registry: ScriptRegistry, call: ScriptCall) -> Op[Any]:
         except ErrorReply as failure:
             if failure.code != "NOSCRIPT" or attempt == NOSCRIPT_ATTEMPTS:
                 raise
-        yield from _load_scripts(registry, (call.script,))
+        yield from _load_scripts(registry, (call.script,), call.read)
     raise AssertionError("unreachable")  # pragma: no cover
 
 
@@ -397,7 +399,8 @@ def op_lookup(
     state: CoreState, request_keys: Keys, pod_identifier_set: Pods
 ) -> Op[dict[int, list[PodEntry]]]:
     """``Index.lookup``: one ``lookup`` script call (one per :data:`LOOKUP_KEYS_PER_CALL` keys
-    of a longer chain, each sent only while the chain keeps hitting)."""
+    of a longer chain, each sent only while the chain keeps hitting); a read, which a replica
+    may answer."""
     keys, chain = pack_hashes(request_keys, "request key")
     pods = pod_filter(pod_identifier_set)
     if not keys:
@@ -412,6 +415,7 @@ def op_lookup(
             "lookup",
             (layout.meta, layout.pi, layout.pp, layout.sx),
             (layout.gen, layout.rprefix, layout.bucket_bits, cache.floor, *pod_args, piece),
+            read=True,
         )
         cache.learn(reply[1], int(reply[0]))
         entries = cache.entries
@@ -436,7 +440,8 @@ def score_weights(medium_weights: Weights) -> Mapping[str, float]:
 def op_score(
     state: CoreState, request_keys: Keys, medium_weights: Weights, pod_identifier_set: Pods
 ) -> Op[dict[str, float]]:
-    """Server-side LongestPrefixScorer over the chain: one ``score`` script call."""
+    """Server-side LongestPrefixScorer over the chain: one ``score`` script call (a read, which
+    a replica may answer)."""
     keys, chain = pack_hashes(request_keys, "request key")
     pods = pod_filter(pod_identifier_set)
     weights = score_weights(medium_weights)
@@ -458,6 +463,7 @@ def op_score(
             repr(float(UNKNOWN_TIER_WEIGHT)),
             chain,
         ),
+        read=True,
     )
     return {bytes_text(reply[i]): float(reply[i + 1]) for i in range(0, len(reply), 2)}
 

@@ -14,6 +14,10 @@ Requests an executor sends:
   replies, with a :class:`Failure` value in place of each command that failed;
 - :class:`Sleep`: wait, then resume the operation with ``None``.
 
+A command or script call marked ``read`` only reads (its script is flagged ``no-writes``), and
+no caller relies on it seeing the latest writes: with ``read_from_replicas`` an executor may send
+it to a replica of the server (:mod:`kvredis.redis.replicas`); others ignore the mark.
+
 A :class:`ScriptCall` names a Lua script (``lua/<name>.lua``) instead of its SHA1; the core turns
 it into an ``EVALSHA`` command (see :func:`kvredis.redis.ops.op_send`) before an executor sees it.
 This module imports no I/O library.
@@ -33,18 +37,21 @@ Arg = bytes | str | int | float
 
 @dataclass(frozen=True, slots=True)
 class ScriptCall:
-    """A call of the Lua script ``script`` with ``keys`` (KEYS) and ``args`` (ARGV)."""
+    """A call of the Lua script ``script`` with ``keys`` (KEYS) and ``args`` (ARGV); ``read``:
+    a replica may answer it (a ``no-writes`` script)."""
 
     script: str
     keys: Sequence[Arg]
     args: Sequence[Arg]
+    read: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class Command:
-    """A plain Redis command, as its arguments."""
+    """A plain Redis command, as its arguments; ``read``: a replica may answer it."""
 
     args: tuple[Arg, ...]
+    read: bool = False
 
 
 @dataclass(frozen=True, slots=True)

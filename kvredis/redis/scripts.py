@@ -42,6 +42,15 @@ class Script:
     source: bytes
     sha: str
 
+    @property
+    def no_writes(self) -> bool:
+        """Whether the script declares ``flags=no-writes`` (a read-only replica runs it)."""
+        first = self.source.split(b"\n", 1)[0]
+        if not first.startswith(b"#!lua"):
+            return False
+        flags = first.partition(b"flags=")[2].split()
+        return bool(flags) and b"no-writes" in flags[0].split(b",")
+
 
 def _read_lua(folder: Traversable | Path, prefix: str = "") -> dict[str, str]:
     files: dict[str, str] = {}
@@ -132,13 +141,16 @@ class ScriptRegistry:
         return sorted(self._scripts)
 
     def evalsha(self, call: ScriptCall) -> Command:
-        """The ``EVALSHA`` command of ``call``."""
-        keys = call.keys
-        return Command(("EVALSHA", self[call.script].sha, len(keys), *keys, *call.args))
+        """The ``EVALSHA`` command of ``call`` (a read only for a ``no-writes`` script)."""
+        keys, script = call.keys, self[call.script]
+        if call.read and not script.no_writes:
+            raise BackendError(f"script {call.script} may write: it cannot be sent as a read")
+        return Command(("EVALSHA", script.sha, len(keys), *keys, *call.args), call.read)
 
-    def load(self, name: str) -> Command:
-        """The ``SCRIPT LOAD`` command of script ``name``."""
-        return Command(("SCRIPT", "LOAD", self[name].source))
+    def load(self, name: str, read: bool = False) -> Command:
+        """The ``SCRIPT LOAD`` command of script ``name`` (``read``: for the server a read
+        call of it goes to, a replica maybe)."""
+        return Command(("SCRIPT", "LOAD", self[name].source), read)
 
     def check_loaded(self, name: str, reply: Any) -> None:
         """Check the reply of :meth:`load`: the server must hash the script as we did."""

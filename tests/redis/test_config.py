@@ -363,9 +363,3 @@ def test_single_server_classes_refuse_a_cluster_config_and_factories_pick_the_cl
     mapping = {"redisConfig": {"address": cfg.address, "cluster": cfg.cluster, "retries": 0}}
     with pytest.raises(BackendUnavailableError):
         new_index(mapping)
-
-
-def test_read_from_replicas_is_not_available_in_this_version() -> None:
-    cfg = RedisIndexConfig(address="redis://127.0.0.1:1", read_from_replicas=True)
-    with pytest.raises(ConfigError, match="read_from_replicas is not available"):
-        RedisIndex(cfg)

@@ -17,6 +17,7 @@ SANS_IO = [
     "kvredis.redis.scripts",
     "kvredis.redis.ops",
     "kvredis.redis.config",
+    "kvredis.redis.replicas",
     "kvredis.redis.cluster",
     "kvredis.redis.cluster.slots",
     "kvredis.redis.cluster.redirect",

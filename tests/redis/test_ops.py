@@ -159,6 +159,7 @@ def test_lookup_sends_the_chain_as_one_blob_and_decodes_through_the_entry_cache(
         "lookup",
         (b"ns:meta", b"ns:pi", b"ns:pp", b"ns:sx"),
         (GEN, b"ns:r:", 16, 0, 1, b"pod-a", _blob(5, 2**64 - 1, 7)),
+        read=True,
     )
     assert result == {5: [A, B], 2**64 - 1: [B]}  # the walk stopped before key 7
     assert state.cache.floor == 2
@@ -196,6 +197,7 @@ def test_score_sends_weights_and_decodes_scores() -> None:
         "score",
         (b"ns:meta", b"ns:pi", b"ns:pp", b"ns:sx"),
         (GEN, b"ns:r:", 16, 0, 2, b"gpu", "1.0", b"cpu", "0.5", "1.0", _blob(1, 2)),
+        read=True,
     )
     assert result == {"pod-a": 2.0, "pod-b": 0.5}
 

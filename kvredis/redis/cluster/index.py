@@ -32,7 +32,7 @@ from kvredis.redis.cluster.ops import (
     op_cluster_score,
 )
 from kvredis.redis.cluster.routing import WaveOp
-from kvredis.redis.config import RedisIndexConfig, check_supported
+from kvredis.redis.config import RedisIndexConfig
 from kvredis.redis.ops import RetryPolicy
 from kvredis.types import KeyType, PodEntry
 
@@ -56,7 +56,6 @@ class _ClusterFacade:
                 f"{config.server()} is no cluster address: use redis+cluster://host:port"
                 "[,host:port...] or cluster=True (or RedisIndex for a single server)"
             )
-        check_supported(config)
         self.config = config
 
     def _core(self, executor: SyncClusterExecutor | AsyncClusterExecutor) -> ClusterCore:
