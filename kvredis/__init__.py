@@ -31,6 +31,7 @@ _EXPORTS: dict[str, str] = {
     "InvalidInputError": "kvredis.errors",
     "KVRedisError": "kvredis.errors",
     "NamespaceLayoutError": "kvredis.errors",
+    "NamespaceMissingError": "kvredis.errors",
     "StaleNamespaceError": "kvredis.errors",
     "AddOp": "kvredis.batch",
     "EvictOp": "kvredis.batch",
@@ -168,6 +169,7 @@ __all__ = [
     "MessageSink",
     "NamespaceIndex",
     "NamespaceLayoutError",
+    "NamespaceMissingError",
     "PlaceholderRange",
     "PodEntry",
     "ProgressClearIndex",
@@ -234,6 +236,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
         InvalidInputError,
         KVRedisError,
         NamespaceLayoutError,
+        NamespaceMissingError,
         StaleNamespaceError,
         UnsafeServerConfigError,
     )

@@ -87,6 +87,10 @@ class NamespaceLayoutError(BackendError):
     """The namespace holds data in a layout this client does not understand."""
 
 
+class NamespaceMissingError(BackendError):
+    """An operation that never creates a namespace found none (e.g. ``create=False``)."""
+
+
 class StaleNamespaceError(BackendError):
     """The namespace was recreated (flush, restart without persistence) since the client loaded it.
 

@@ -49,7 +49,13 @@ def _inspector(target: RedisTarget | None) -> Iterator[Any]:
     from kvredis.redis.inspect import Inspector
 
     assert target is not None
-    inspector = Inspector(target.config())
+    config = target.config()
+    if config.cluster:
+        raise click.ClickException(
+            f"this command reads the namespace's layout directly and works on a single server; "
+            f"{target.shown} is a cluster (lookup, score and clear work on clusters)"
+        )
+    inspector = Inspector(config)
     try:
         yield inspector
     finally:
@@ -68,9 +74,26 @@ def _existing_layout(inspector: Any, target: RedisTarget) -> Any:
 
 @contextmanager
 def _index(target: RedisTarget) -> Iterator[Any]:
-    """A RedisIndex on an existing namespace (never creates one)."""
+    """A RedisIndex (or RedisClusterIndex) on an existing namespace (never creates one)."""
     from kvredis.redis.index import RedisIndex
 
+    config = target.config()
+    if config.cluster:
+        from kvredis.errors import NamespaceMissingError
+        from kvredis.redis.cluster.index import RedisClusterIndex
+
+        try:
+            cluster = RedisClusterIndex(config, create=False)
+        except NamespaceMissingError:
+            raise click.ClickException(
+                f"namespace {target.namespace!r} does not exist at {target.shown} "
+                "(check --namespace and --redis)"
+            ) from None
+        try:
+            yield cluster
+        finally:
+            cluster.close()
+        return
     with _inspector(target) as inspector:
         _existing_layout(inspector, target)
     index = RedisIndex(target.config())
@@ -284,14 +307,16 @@ def clear(
             abort=True,
             err=True,
         )
-    with _inspector(target) as inspector:
-        layout = _existing_layout(inspector, target)
-        total = len(inspector.run(op_scan(layout.request_pattern())))
-        total += len(inspector.run(op_scan(layout.engine_pattern())))
+    total = 0  # on a cluster the keys are not counted first: the bar shows keys done
+    if not target.config().cluster:
+        with _inspector(target) as inspector:
+            layout = _existing_layout(inspector, target)
+            total = len(inspector.run(op_scan(layout.request_pattern())))
+            total += len(inspector.run(op_scan(layout.engine_pattern())))
     bar = progress_bar(f"clearing {pod}", no_progress)
     try:
         with _index(target) as index:
-            removed = index.clear_with_progress(pod, lambda done, _n: bar(done, total))
+            removed = index.clear_with_progress(pod, lambda done, _n: bar(done, max(total, done)))
     finally:
         bar.close()
     if as_json:

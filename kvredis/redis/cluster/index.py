@@ -83,15 +83,17 @@ class RedisClusterIndex(_ClusterFacade):
     """The Index (and BatchIndex, ScoringIndex, NamespaceIndex) on a cluster; thread-safe.
 
     Connects when built: fetches the slot map, reads or creates the namespace's descriptor and
-    loads every shard. Close it with :meth:`close` (or use it as a context manager).
+    loads every shard (``create=False``: a missing namespace raises
+    :class:`~kvredis.errors.NamespaceMissingError` instead of being created). Close it with
+    :meth:`close` (or use it as a context manager).
     """
 
-    def __init__(self, config: RedisIndexConfig | None = None) -> None:
+    def __init__(self, config: RedisIndexConfig | None = None, *, create: bool = True) -> None:
         super().__init__(config)
         self._exec = SyncClusterExecutor(self.config)
         self.core = self._core(self._exec)
         try:
-            self._run(op_cluster_connect)
+            self._run(lambda core: op_cluster_connect(core, create))
         except BaseException:
             self._exec.close()
             raise

@@ -46,7 +46,7 @@ from kvredis.checks import (
     infer_mappings,
     pod_filter,
 )
-from kvredis.errors import InvalidInputError, translate
+from kvredis.errors import InvalidInputError, NamespaceMissingError, translate
 from kvredis.index import ClearProgress
 from kvredis.redis.cluster.routing import (
     ClusterState,
@@ -282,28 +282,33 @@ def _command(core: ClusterCore, slot: int, *args: Any) -> WaveOp[Any]:
 # -- connecting --------------------------------------------------------------------------------
 
 
-def op_cluster_connect(core: ClusterCore) -> WaveOp[int]:
+def op_cluster_connect(core: ClusterCore, create: bool = True) -> WaveOp[int]:
     """Fetch the slot map, read (or create) the namespace's descriptor, learn how expiring
-    entries expire, and load every shard's namespace; the shard count."""
+    entries expire, and load every shard's namespace; the shard count. With ``create=False``
+    a namespace without a descriptor raises :class:`~kvredis.errors.NamespaceMissingError`."""
     desc = descriptor_key(core.namespace)
     slot = shard_slot(desc.decode())
+    writes = [
+        SlotCommand(slot, ("HSETNX", desc, "shards", core.configured_shards)),
+        SlotCommand(slot, ("HSETNX", desc, "layout", CLUSTER_LAYOUT)),
+    ]
     replies = yield from op_wave(
         core.cluster,
         [
-            SlotCommand(slot, ("HSETNX", desc, "shards", core.configured_shards)),
-            SlotCommand(slot, ("HSETNX", desc, "layout", CLUSTER_LAYOUT)),
+            *(writes if create else ()),
             SlotCommand(slot, ("HMGET", desc, "layout", "shards")),
             SlotCommand(slot, ("INFO", "server")),
         ],
         core.wave_policy,
     )
-    for reply in replies[:3]:
+    for reply in replies[:-1]:
         if isinstance(reply, Failure):
             raise translate(reply.message)
-    count = parse_descriptor(replies[2], core.namespace)
-    assert count is not None  # just written
-    if not isinstance(replies[3], Failure):
-        core.expiry_mode = expiry_mode_of(replies[3])
+    count = parse_descriptor(replies[-2], core.namespace)
+    if count is None:
+        raise NamespaceMissingError(f"cluster namespace {core.namespace!r} does not exist")
+    if not isinstance(replies[-1], Failure):
+        core.expiry_mode = expiry_mode_of(replies[-1])
     core.adopt(count)
     for session in core.sessions:
         session.state.expiry_mode = core.expiry_mode

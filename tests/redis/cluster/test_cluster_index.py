@@ -4,6 +4,7 @@ the single-server index (the conformance suite runs on clusters too)."""
 
 from __future__ import annotations
 
+import json
 import random
 import uuid
 from collections.abc import Iterator
@@ -328,3 +329,23 @@ def _mapped(index: Any, engine_key: int) -> int | None:
         return int(index.get_request_key(engine_key))
     except EngineKeyNotFoundError:
         return None
+
+
+def test_the_operator_cli_on_a_cluster(cfg: RedisIndexConfig) -> None:
+    from click.testing import CliRunner
+
+    from kvredis.cli.app import cli
+
+    runner = CliRunner()
+    base = ["--redis", cfg.address, "--namespace", cfg.namespace]
+    missing = runner.invoke(cli, ["lookup", *base, "--model", "m", "--tokens", "1,2,3,4", "--block-size", "2"])
+    assert missing.exit_code == 1 and "does not exist" in missing.output, missing.output
+    with RedisClusterIndex(cfg) as index:
+        index.add(None, chain(8, 11), [A])
+    stats = runner.invoke(cli, ["stats", *base])
+    assert stats.exit_code == 1 and "is a cluster" in stats.output
+    cleared = runner.invoke(cli, ["clear", *base, "--pod", "pod-a", "--yes", "--json"])
+    assert cleared.exit_code == 0, cleared.output
+    assert json.loads(cleared.output) == {"pod": "pod-a", "removed": 8}
+    found = runner.invoke(cli, ["lookup", *base, "--model", "m", "--tokens", "1,2", "--block-size", "2", "--json"])
+    assert found.exit_code == 0, found.output
