@@ -338,7 +338,9 @@ def test_the_operator_cli_on_a_cluster(cfg: RedisIndexConfig) -> None:
 
     runner = CliRunner()
     base = ["--redis", cfg.address, "--namespace", cfg.namespace]
-    missing = runner.invoke(cli, ["lookup", *base, "--model", "m", "--tokens", "1,2,3,4", "--block-size", "2"])
+    missing = runner.invoke(
+        cli, ["lookup", *base, "--model", "m", "--tokens", "1,2,3,4", "--block-size", "2"]
+    )
     assert missing.exit_code == 1 and "does not exist" in missing.output, missing.output
     with RedisClusterIndex(cfg) as index:
         index.add(None, chain(8, 11), [A])
@@ -347,5 +349,7 @@ def test_the_operator_cli_on_a_cluster(cfg: RedisIndexConfig) -> None:
     cleared = runner.invoke(cli, ["clear", *base, "--pod", "pod-a", "--yes", "--json"])
     assert cleared.exit_code == 0, cleared.output
     assert json.loads(cleared.output) == {"pod": "pod-a", "removed": 8}
-    found = runner.invoke(cli, ["lookup", *base, "--model", "m", "--tokens", "1,2", "--block-size", "2", "--json"])
+    found = runner.invoke(
+        cli, ["lookup", *base, "--model", "m", "--tokens", "1,2", "--block-size", "2", "--json"]
+    )
     assert found.exit_code == 0, found.output
