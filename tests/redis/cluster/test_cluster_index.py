@@ -353,3 +353,42 @@ def test_the_operator_cli_on_a_cluster(cfg: RedisIndexConfig) -> None:
         cli, ["lookup", *base, "--model", "m", "--tokens", "1,2", "--block-size", "2", "--json"]
     )
     assert found.exit_code == 0, found.output
+
+
+def _first_waves(op: Any, waves: int) -> Any:
+    """Run only the first ``waves`` requests of a cluster operation (a sender that dies)."""
+    reply = None
+    for _ in range(waves):
+        reply = yield op.send(reply)
+    op.close()
+
+
+def test_a_batch_cut_short_leaves_the_watermark_behind_and_the_next_sender_finishes_it(
+    cfg: RedisIndexConfig,
+) -> None:
+    from kvredis.redis.cluster.ops import op_cluster_apply_batch
+
+    keys, engine = chain(64, 12), chain(64, 13)
+    batch = [
+        AddOp(tuple(engine), tuple(keys), (A,)),
+        EvictOp(engine[40], KeyType.ENGINE, (A,)),
+        AddOp(None, tuple(keys[:8]), (B,)),
+    ]
+    with RedisClusterIndex(cfg) as index, RedisClusterIndex(cfg) as other:
+        assert index.apply_batch([], "s", Watermark(1, 0))
+        # the sender dies after the opening wave and the mapping read
+        index.executor.run(
+            _first_waves(op_cluster_apply_batch(index.core, batch, "s", Watermark(1, 1)), 2)
+        )
+        assert index.get_watermark("s") == Watermark(1, 0)
+        assert len(index.lookup(keys)) == 64  # the first step is in, the evict is not
+        assert other.apply_batch(batch, "s", Watermark(1, 1)) is True
+        assert other.get_watermark("s") == Watermark(1, 1)
+        assert list(index.lookup(keys)) == keys[:40]
+        assert set(index.lookup(keys[:8], {"pod-b"})) == set(keys[:8])
+        with pytest.raises(EngineKeyNotFoundError):
+            index.get_request_key(engine[40])
+        # the stream is past it now: both senders are told so, nothing is applied again
+        assert index.apply_batch(batch, "s", Watermark(1, 1)) is False
+        assert index.apply_batch([AddOp(None, (keys[40],), (A,))], "s", Watermark(1, 0)) is False
+        assert list(index.lookup(keys)) == keys[:40]
