@@ -58,9 +58,7 @@ def test_a_real_moved_reply_names_the_owner(redis_cluster: LocalCluster) -> None
     owners = {p: slots for p, (role, _, slots) in topology.items() if role == "master"}
     asked = next(iter(owners))
     key = next(
-        f"k{i}".encode()
-        for i in range(10000)
-        if not _serves(owners[asked], key_slot(f"k{i}"))
+        f"k{i}".encode() for i in range(10000) if not _serves(owners[asked], key_slot(f"k{i}"))
     )
     client = redis.Redis(port=asked)
     try:
