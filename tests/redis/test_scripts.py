@@ -12,7 +12,14 @@ from pathlib import Path
 import pytest
 import redis
 
-from kvredis import AsyncRedisIndex, KeyType, PodEntry, RedisIndex, RedisIndexConfig
+from kvredis import (
+    AsyncRedisIndex,
+    EngineKeyNotFoundError,
+    KeyType,
+    PodEntry,
+    RedisIndex,
+    RedisIndexConfig,
+)
 from kvredis.errors import LUA_ERROR_CODES
 from kvredis.redis.executor import AsyncExecutor, SyncExecutor
 from kvredis.redis.ops import RetryPolicy, Session, op_send
@@ -32,6 +39,7 @@ COMMANDS = {
     "clear_runs",
     "drop",
     "reclaim",
+    "unmap",
     "evict",
     "lookup",
     "namespace",
@@ -241,3 +249,28 @@ async def test_async_client_works_after_a_server_restart(own_redis_server: Redis
         assert await idx.lookup([10]) == {}
         await idx.add(None, [20], [B])
         assert await idx.lookup([20]) == {20: [B]}
+
+
+def test_unmap_drops_a_mapping_only_while_it_reads_as_given(
+    redis_server_url: str, namespace: str
+) -> None:
+    engine, first, second = 0x1111, 0x2222, 0x3333
+    cfg = RedisIndexConfig(address=redis_server_url, namespace=namespace)
+    with RedisIndex(cfg) as index, redis.Redis.from_url(redis_server_url) as client:
+        index.add([engine], [first], [PodEntry("pod-a", "gpu")])
+        layout = index._session.state.layout
+        source = ScriptRegistry()["unmap"].source
+
+        def unmap(expected: bytes) -> int:
+            args = (layout.gen, layout.eprefix, layout.bucket_bits, engine.to_bytes(8, "big"))
+            return int(client.eval(source, 1, layout.meta, *args, expected))
+
+        assert unmap(second.to_bytes(8, "big")) == 0  # changed since it was read: kept
+        assert index.get_request_key(engine) == first
+        assert unmap(first.to_bytes(8, "big")) == 1
+        with pytest.raises(EngineKeyNotFoundError):
+            index.get_request_key(engine)
+        with pytest.raises(redis.ResponseError, match="KVREDIS_INVALID"):
+            unmap(b"short")
+        with pytest.raises(redis.ResponseError, match="KVREDIS_STALE"):
+            client.eval(source, 1, layout.meta, b"old-gen", layout.eprefix, 16)
