@@ -131,6 +131,11 @@ def backend_label(index: object) -> str:
         index, (redis_index.RedisIndex, redis_index.AsyncRedisIndex)
     ):
         return str(index.config.backend_type)
+    cluster_index = sys.modules.get("kvredis.redis.cluster.index")
+    if cluster_index is not None and isinstance(
+        index, (cluster_index.RedisClusterIndex, cluster_index.AsyncRedisClusterIndex)
+    ):
+        return str(index.config.backend_type)  # "redis" or "valkey", as on one server
     return "unknown"
 
 

@@ -392,3 +392,19 @@ def test_a_batch_cut_short_leaves_the_watermark_behind_and_the_next_sender_finis
         assert index.apply_batch(batch, "s", Watermark(1, 1)) is False
         assert index.apply_batch([AddOp(None, (keys[40],), (A,))], "s", Watermark(1, 0)) is False
         assert list(index.lookup(keys)) == keys[:40]
+
+
+def test_metrics_wrap_the_cluster_index(cfg: RedisIndexConfig) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from kvredis import InstrumentedIndex
+
+    registry = CollectorRegistry()
+    with RedisClusterIndex(cfg) as index:
+        wrapped = InstrumentedIndex(index, registry=registry)
+        wrapped.add(None, chain(32, 14), [A])
+        assert len(wrapped.lookup(chain(32, 14))) == 32
+        trips = registry.get_sample_value(
+            "kvredis_index_redis_round_trips_total", {"backend": "redis"}
+        )
+        assert trips is not None and trips >= 2
