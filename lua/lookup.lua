@@ -18,70 +18,14 @@
   Complexity  O(hit keys / keys per run + distinct id lists x entries per list) calls and
               list work, plus O(hit keys) bytes compared; O(hit keys) calls while an expiring
               entry may be live (one EXISTS of the gate key otherwise) ]]
---@include entries
---@include expiry
---@include walk
+--@include lookup_chain
 local meta = redis.call('HMGET', KEYS[1], 'gen', 'next_id')
 if meta[1] ~= ARGV[1] then fail('STALE', 'namespace layout changed or was removed; reload it') end
-local rbucket = bucket_namer(ARGV[2], ARGV[3])
-local floor = tonumber(ARGV[4])
-local want_defs = tonumber(meta[2] or '0') > floor
-local upto = math.min(tonumber(meta[2] or '0'), floor + 256)
-if upto < floor then upto = floor end
 local nf = tonumber(ARGV[5])
-local allowed = nil
+local pods = nil
 if nf > 0 then
-  local pods = {}
+  pods = {}
   for i = 1, nf do pods[i] = ARGV[5 + i] end
-  allowed = pods_ids(KEYS[3], pods)
 end
-local chain = ARGV[6 + nf]
-local expiring = expiring_reader(KEYS[4], ARGV[3])
-local out = {upto, {}}
-local seen_lists, seen, unknown = {}, {}, {}
-for n = floor + 1, upto do
-  local id = struct.pack('>I4', n)
-  seen[id] = true
-  unknown[#unknown + 1] = id
-end
-local filtered = {}
-local last = nil
-walk_chain(chain, rbucket, run_prefix(ARGV[2]), expiring, function(ids, n)
-  if allowed then
-    local kept = filtered[ids]
-    if kept == nil then
-      kept = list_only(ids, allowed, ID_WIDTH)
-      filtered[ids] = kept
-    end
-    ids = kept
-    if ids == '' then return false end
-  end
-  if last and out[#out] == ids then
-    out[#out - 1] = out[#out - 1] + n
-  else
-    out[#out + 1] = n
-    out[#out + 1] = ids
-  end
-  last = true
-  if want_defs and not seen_lists[ids] then
-    seen_lists[ids] = true
-    for j = 1, #ids, ID_WIDTH do
-      local id = string.sub(ids, j, j + ID_WIDTH - 1)
-      if not seen[id] then
-        seen[id] = true
-        if struct.unpack('>I4', id) > upto then unknown[#unknown + 1] = id end
-      end
-    end
-  end
-  return true
-end)
-if #unknown > 0 then
-  local defs = hmget(KEYS[2], unknown)
-  local flat = out[2]
-  for i = 1, #unknown do
-    flat[#flat + 1] = unknown[i]
-    -- "" for an id without definition (reclaimed: see reclaim.lua); the client skips it
-    flat[#flat + 1] = defs[i] or ''
-  end
-end
-return out
+return lookup_chain(meta, KEYS[2], KEYS[3], KEYS[4], ARGV[2], ARGV[3], tonumber(ARGV[4]), pods,
+  ARGV[6 + nf])

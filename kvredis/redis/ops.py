@@ -75,7 +75,7 @@ from kvredis.redis.requests import (
     Sleep,
 )
 from kvredis.redis.scripts import ScriptRegistry
-from kvredis.redis.state import CoreState
+from kvredis.redis.state import CoreState, EntryCache
 from kvredis.scoring import DEFAULT_MEDIUM_WEIGHTS, UNKNOWN_TIER_WEIGHT, LongestPrefixScorer
 from kvredis.types import KeyType, PodEntry
 
@@ -386,7 +386,7 @@ def expiry_mode_of(info: Any) -> str:
     return EXPIRY_KEY
 
 
-def _pod_args(pods: frozenset[str] | None) -> list[Arg]:
+def pod_args(pods: frozenset[str] | None) -> list[Arg]:
     if pods is None:
         return [0]
     # Only str ids can name a pod; a filter of nothing else matches nothing (the empty id,
@@ -406,7 +406,7 @@ def op_lookup(
     if not keys:
         return {}
     layout, cache = state.snapshot()
-    pod_args = _pod_args(pods)
+    filter_args = pod_args(pods)
     found: dict[int, list[PodEntry]] = {}
     step = LOOKUP_KEYS_PER_CALL
     for start in range(0, len(keys), step):
@@ -414,20 +414,34 @@ def op_lookup(
         reply = yield ScriptCall(
             "lookup",
             (layout.meta, layout.pi, layout.pp, layout.sx),
-            (layout.gen, layout.rprefix, layout.bucket_bits, cache.floor, *pod_args, piece),
+            (layout.gen, layout.rprefix, layout.bucket_bits, cache.floor, *filter_args, piece),
             read=True,
         )
-        cache.learn(reply[1], int(reply[0]))
-        entries = cache.entries
-        at = start
-        for i in range(2, len(reply), 2):
-            n, held = int(reply[i]), entries(reply[i + 1])
-            for key in keys[at : at + n]:
-                found[key] = list(held)
-            at += n
+        at = read_lookup_reply(cache, reply, keys, start, found)
         if at - start < len(piece) // 8:
             break
     return found
+
+
+def read_lookup_reply(
+    cache: EntryCache,
+    reply: Sequence[Any],
+    keys: Sequence[int],
+    start: int,
+    found: dict[int, list[PodEntry]],
+) -> int:
+    """Take in a ``lookup`` reply for the chain ``keys`` walked from ``start``: learn the
+    definitions it carries, record each hit key's entries in ``found``; the position after the
+    last hit."""
+    cache.learn(reply[1], int(reply[0]))
+    entries = cache.entries
+    at = start
+    for i in range(2, len(reply), 2):
+        n, held = int(reply[i]), entries(reply[i + 1])
+        for key in keys[at : at + n]:
+            found[key] = list(held)
+        at += n
+    return at
 
 
 def score_weights(medium_weights: Weights) -> Mapping[str, float]:
@@ -458,7 +472,7 @@ def op_score(
             layout.gen,
             layout.rprefix,
             layout.bucket_bits,
-            *_pod_args(pods),
+            *pod_args(pods),
             *weight_args,
             repr(float(UNKNOWN_TIER_WEIGHT)),
             chain,

@@ -40,6 +40,7 @@ COMMANDS = {
     "drop",
     "reclaim",
     "unmap",
+    "lookup_shards",
     "evict",
     "lookup",
     "namespace",

@@ -27,6 +27,7 @@ per-shard operations in lockstep: each step sends what all of them wait for as o
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import math
@@ -46,7 +47,12 @@ from kvredis.checks import (
     infer_mappings,
     pod_filter,
 )
-from kvredis.errors import InvalidInputError, NamespaceMissingError, translate
+from kvredis.errors import (
+    BackendUnavailableError,
+    InvalidInputError,
+    NamespaceMissingError,
+    translate,
+)
 from kvredis.index import ClearProgress
 from kvredis.redis.cluster.routing import (
     ClusterState,
@@ -55,6 +61,7 @@ from kvredis.redis.cluster.routing import (
     Wave,
     WaveOp,
     WavePolicy,
+    op_refresh,
     op_wave,
 )
 from kvredis.redis.cluster.shards import (
@@ -91,12 +98,14 @@ from kvredis.redis.ops import (
     op_lookup,
     op_reset_watermark,
     op_run,
+    pod_args,
+    read_lookup_reply,
     score_weights,
     split_add,
 )
-from kvredis.redis.requests import Command, Failure, Op, Pipeline, ScriptCall, Sleep
+from kvredis.redis.requests import Command, ErrorReply, Failure, Op, Pipeline, ScriptCall, Sleep
 from kvredis.redis.scripts import ScriptRegistry
-from kvredis.redis.state import CoreState
+from kvredis.redis.state import CoreState, EntryCache
 from kvredis.scoring import LongestPrefixScorer
 from kvredis.types import KeyType, PodEntry
 
@@ -134,6 +143,9 @@ class ClusterCore:
         self.configured_shards = check_shards(shards)
         self.cluster = cluster
         self.wave_policy = wave_policy
+        #: Waves of calls grouped by node with the current slot map: no retry, no redirection
+        #: (a failure sends the work down the per-shard path, which has both).
+        self.fast_policy = dataclasses.replace(wave_policy, retries=0, max_redirects=0)
         self.policy = policy
         self.registry = ScriptRegistry()
         self.read_from_replicas = read_from_replicas
@@ -337,24 +349,90 @@ def op_load_scripts(core: ClusterCore) -> WaveOp[None]:
 def op_cluster_lookup(
     core: ClusterCore, request_keys: Keys, pod_identifier_set: Any
 ) -> WaveOp[dict[int, list[PodEntry]]]:
-    """``Index.lookup`` over the shards: one wave, one script call per involved shard."""
+    """``Index.lookup`` over the shards: one wave, one ``lookup_shards`` call per involved node
+    (:func:`op_shard_lookups`)."""
     keys, _ = pack_hashes(request_keys, "request key")
     pods = pod_filter(pod_identifier_set)
     if not keys:
         return {}
-    groups = core.by_shard(keys)
-    found = yield from _on_shards(
-        core,
-        {shard: _lookup_factory(part, pods) for shard, part in groups.items()},
-        read=True,
-    )
+    shards = [core.shard(key) for key in keys]
+    groups: dict[int, list[int]] = {}
+    for key, shard in zip(keys, shards, strict=True):
+        groups.setdefault(shard, []).append(key)
+    found = yield from op_shard_lookups(core, groups, pods)
     merged: dict[int, list[PodEntry]] = {}
-    for key in keys:
-        entries = found[core.shard(key)].get(key)
+    for key, shard in zip(keys, shards, strict=True):
+        entries = found[shard].get(key)
         if entries is None:
             break
         merged[key] = entries
     return merged
+
+
+def op_shard_lookups(
+    core: ClusterCore, groups: Mapping[int, list[int]], pods: frozenset[str] | None
+) -> WaveOp[dict[int, dict[int, list[PodEntry]]]]:
+    """Each shard's part of a chain walked, as ``{shard: {key: entries}}`` (hits up to the
+    shard's first miss).
+
+    The shards a node holds are walked by one ``lookup_shards`` call, so a wave costs one script
+    call per node, not per shard. The slot map the calls are grouped by may be out of date
+    (a slot moved, a failover): a call that meets a redirection or a failure, and a shard
+    whose generation changed, are walked again by the per-shard path (:func:`op_parallel`,
+    which follows redirections, reloads scripts and namespaces and retries)."""
+    read = core.read_from_replicas
+    pick = core.pick()
+    slot_map = core.cluster.slot_map or (yield from op_refresh(core.cluster, core.policy.server))
+    by_node: dict[Any, list[int]] = {}
+    for shard in groups:
+        slot = core.slots[shard]
+        node = slot_map.reader(slot, pick) if read else slot_map.primary(slot)
+        by_node.setdefault(node, []).append(shard)
+    filter_args = pod_args(pods)
+    commands: list[SlotCommand] = []
+    plan: list[list[tuple[int, EntryCache]]] = []
+    for shards in by_node.values():
+        call_keys: list[Any] = []
+        call_args: list[Any] = [*filter_args]
+        caches = []
+        for shard in shards:
+            layout, cache = core.state(shard).snapshot()
+            names = (layout.meta, layout.pi, layout.pp, layout.sx)
+            call_keys = call_keys or list(names)
+            call_args += (*names, layout.gen, layout.rprefix, layout.bucket_bits, cache.floor)
+            call_args.append(pack_hashes(groups[shard], "request key")[1])
+            caches.append((shard, cache))
+        call = core.registry.evalsha(ScriptCall("lookup_shards", call_keys, call_args))
+        commands.append(SlotCommand(core.slots[shards[0]], call.args))
+        plan.append(caches)
+    try:
+        replies = yield from op_wave(core.cluster, commands, core.fast_policy, read=read, pick=pick)
+    except BackendUnavailableError:  # a redirection or a node in trouble: the careful path
+        replies = [None] * len(commands)
+    results: dict[int, dict[int, list[PodEntry]]] = {}
+    again: list[int] = []
+    reload: list[int] = []
+    for caches, reply in zip(plan, replies, strict=True):
+        if not isinstance(reply, list):
+            if isinstance(reply, ErrorReply) and reply.code == "NOSCRIPT":
+                reload.append(caches[0][0])
+            again += (shard for shard, _ in caches)
+            continue
+        for (shard, cache), part in zip(caches, reply, strict=True):
+            if not isinstance(part, list):  # "STALE": the shard is reloaded on the way
+                again.append(shard)
+                continue
+            found: dict[int, list[PodEntry]] = {}
+            read_lookup_reply(cache, part, groups[shard], 0, found)
+            results[shard] = found
+    if reload:
+        load = core.registry.load("lookup_shards").args
+        commands = [SlotCommand(core.slots[shard], load) for shard in reload]
+        yield from op_wave(core.cluster, commands, core.wave_policy, read=read, pick=pick)
+    if again:
+        factories = {shard: _lookup_factory(groups[shard], pods) for shard in again}
+        results.update((yield from _on_shards(core, factories, read=True)))
+    return results
 
 
 def _lookup_factory(

@@ -1,0 +1,67 @@
+--[[ lookup_chain: the lookup of one namespace's chain (lookup.lua, and lookup_shards.lua for the
+  shards of a cluster namespace that one node holds). Reply shape: see lookup.lua. ]]
+--@include entries
+--@include expiry
+--@include walk
+
+-- meta: the namespace's {gen, next_id} (already checked against the client's generation);
+-- pi_key, pp_key, sx_key: its keys; rprefix, bits: its request buckets; floor: the id up to
+-- which the client knows every definition; pods: nil or the pod names of the filter; chain: the
+-- request keys in chain order (hash blob).
+local function lookup_chain(meta, pi_key, pp_key, sx_key, rprefix, bits, floor, pods, chain)
+  local rbucket = bucket_namer(rprefix, bits)
+  local want_defs = tonumber(meta[2] or '0') > floor
+  local upto = math.min(tonumber(meta[2] or '0'), floor + 256)
+  if upto < floor then upto = floor end
+  local allowed = nil
+  if pods then allowed = pods_ids(pp_key, pods) end
+  local expiring = expiring_reader(sx_key, bits)
+  local out = {upto, {}}
+  local seen_lists, seen, unknown = {}, {}, {}
+  for n = floor + 1, upto do
+    local id = struct.pack('>I4', n)
+    seen[id] = true
+    unknown[#unknown + 1] = id
+  end
+  local filtered = {}
+  local last = nil
+  walk_chain(chain, rbucket, run_prefix(rprefix), expiring, function(ids, n)
+    if allowed then
+      local kept = filtered[ids]
+      if kept == nil then
+        kept = list_only(ids, allowed, ID_WIDTH)
+        filtered[ids] = kept
+      end
+      ids = kept
+      if ids == '' then return false end
+    end
+    if last and out[#out] == ids then
+      out[#out - 1] = out[#out - 1] + n
+    else
+      out[#out + 1] = n
+      out[#out + 1] = ids
+    end
+    last = true
+    if want_defs and not seen_lists[ids] then
+      seen_lists[ids] = true
+      for j = 1, #ids, ID_WIDTH do
+        local id = string.sub(ids, j, j + ID_WIDTH - 1)
+        if not seen[id] then
+          seen[id] = true
+          if struct.unpack('>I4', id) > upto then unknown[#unknown + 1] = id end
+        end
+      end
+    end
+    return true
+  end)
+  if #unknown > 0 then
+    local defs = hmget(pi_key, unknown)
+    local flat = out[2]
+    for i = 1, #unknown do
+      flat[#flat + 1] = unknown[i]
+      -- "" for an id without definition (reclaimed: see reclaim.lua); the client skips it
+      flat[#flat + 1] = defs[i] or ''
+    end
+  end
+  return out
+end

@@ -1,0 +1,36 @@
+#!lua flags=no-writes,allow-cross-slot-keys
+--[[ lookup_shards: lookup.lua for several shards of a cluster namespace that live on this node,
+  in one call (each shard is a namespace of its own in its own slot: kvredis.redis.cluster).
+  KEYS        the first shard's <shard>:meta, :pi, :pp, :sx (they route the call to this node;
+              a script may declare the keys of one slot only, so the shards' keys come as
+              arguments, and allow-cross-slot-keys lets it reach them: every shard given must
+              live on this node)
+  ARGV[1]     f, the number of pods in the filter (0 = all pods); ARGV[2..1+f] the pod ids
+  ARGV[2+f..] 9 per shard: <shard>:meta, :pi, :pp, :sx, namespace generation, request bucket
+              prefix, bucket bits, highest entry id the client knows every definition of, the
+              shard's request keys in chain order (hash blob)
+  Returns     one reply per shard, in order: lookup.lua's reply for the shard's keys, or the
+              string "STALE" for a shard whose generation is not the client's (the client
+              reloads that shard; the other shards' replies stand)
+  Complexity  the sum of lookup.lua's over the shards ]]
+--@include lookup_chain
+local nf = int_arg(ARGV[1], 'pod count', 0, #ARGV - 1)
+local pods = nil
+if nf > 0 then
+  pods = {}
+  for i = 1, nf do pods[i] = ARGV[1 + i] end
+end
+local base = 1 + nf
+if (#ARGV - base) % 9 ~= 0 then fail('INVALID', 'lookup_shards wants 9 arguments per shard') end
+local out = {}
+for s = 1, (#ARGV - base) / 9 do
+  local a = base + (s - 1) * 9
+  local meta = redis.call('HMGET', ARGV[a + 1], 'gen', 'next_id')
+  if meta[1] ~= ARGV[a + 5] then
+    out[s] = 'STALE'
+  else
+    out[s] = lookup_chain(meta, ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 6], ARGV[a + 7],
+      tonumber(ARGV[a + 8]), pods, ARGV[a + 9])
+  end
+end
+return out
