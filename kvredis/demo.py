@@ -164,7 +164,10 @@ Router = Callable[[Indexer, list[str], tuple[int, ...], dict[str, int], random.R
 
 
 def route_random(
-    indexer: Indexer, pods: list[str], prompt: tuple[int, ...], load: dict[str, int],
+    indexer: Indexer,
+    pods: list[str],
+    prompt: tuple[int, ...],
+    load: dict[str, int],
     rng: random.Random,
 ) -> str:
     """The baseline: any pod, uniformly."""
@@ -172,8 +175,12 @@ def route_random(
 
 
 def route_by_prefix(
-    indexer: Indexer, pods: list[str], prompt: tuple[int, ...], load: dict[str, int],
-    rng: random.Random, model: str,
+    indexer: Indexer,
+    pods: list[str],
+    prompt: tuple[int, ...],
+    load: dict[str, int],
+    rng: random.Random,
+    model: str,
 ) -> str:
     """Highest prefix score wins; ties (and cold prompts) go to the least-loaded pod."""
     scores = indexer.score_tokens(list(prompt), model)
@@ -222,7 +229,10 @@ def routers(cfg: WorkloadConfig) -> list[tuple[str, Router]]:
     """The routers the demo compares, baseline first."""
 
     def by_prefix(
-        indexer: Indexer, pods: list[str], prompt: tuple[int, ...], load: dict[str, int],
+        indexer: Indexer,
+        pods: list[str],
+        prompt: tuple[int, ...],
+        load: dict[str, int],
         rng: random.Random,
     ) -> str:
         return route_by_prefix(indexer, pods, prompt, load, rng, cfg.model)

@@ -135,9 +135,7 @@ class Session:
     policy: RetryPolicy
 
 
-def _load_scripts(
-    registry: ScriptRegistry, names: Collection[str], read: bool = False
-) -> Op[None]:
+def _load_scripts(registry: ScriptRegistry, names: Collection[str], read: bool = False) -> Op[None]:
     for name in sorted(names):
         registry.check_loaded(name, (yield registry.load(name, read)))
 
@@ -614,17 +612,23 @@ def op_add_pieces(
     for keys, pairs in pieces:
         program = Program(layout)
         program.add(keys, pairs, unique)
-        yield ScriptCall(
-            "add",
-            (layout.meta, layout.pe, layout.pi, layout.pp, layout.sx),
-            [
-                *program.bucket_args(),
-                MAX_REQUEST_KEYS_PER_ENGINE_KEY,
-                ttl_ms,
-                *program.entry_args(),
-                *program.ops,
-            ],
-        )
+        yield add_call(program, ttl_ms)
+
+
+def add_call(program: Program, ttl_ms: int) -> ScriptCall:
+    """The ``add`` call of a program of one add op (``lua/add.lua``)."""
+    layout = program.layout
+    return ScriptCall(
+        "add",
+        (layout.meta, layout.pe, layout.pi, layout.pp, layout.sx),
+        [
+            *program.bucket_args(),
+            MAX_REQUEST_KEYS_PER_ENGINE_KEY,
+            ttl_ms,
+            *program.entry_args(),
+            *program.ops,
+        ],
+    )
 
 
 def op_evict(state: CoreState, key: int, key_type: KeyType, entries: Entries) -> Op[None]:

@@ -123,9 +123,6 @@ class ScriptRegistry:
 
     def __init__(self, scripts: Mapping[str, Script] | None = None) -> None:
         self._scripts: dict[str, Script] = dict(_shipped_scripts() if scripts is None else scripts)
-        #: Scripts loaded after a ``NOSCRIPT`` so far (a caller whose pipeline mixes scripts with
-        #: reads of what they wrote compares it before and after, to tell a resent script).
-        self.loads = 0
 
     def __getitem__(self, name: str) -> Script:
         try:
@@ -158,4 +155,3 @@ class ScriptRegistry:
         got = reply.decode() if isinstance(reply, bytes) else str(reply)
         if got != script.sha:
             raise BackendError(f"server hashed script {name} to {got}, expected {script.sha}")
-        self.loads += 1

@@ -41,6 +41,7 @@ COMMANDS = {
     "reclaim",
     "unmap",
     "lookup_shards",
+    "apply_shards",
     "evict",
     "lookup",
     "namespace",

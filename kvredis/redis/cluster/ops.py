@@ -80,14 +80,15 @@ from kvredis.redis.ops import (
     CALL_BUDGET,
     DEFAULT_CLEAR_FIELDS_PER_CALL,
     PAIR_COST,
+    TRANSIENT_REPLIES,
     Program,
     RetryPolicy,
     Session,
+    add_call,
     batch_call,
     batch_fence,
     compress_pairs,
     expiry_mode_of,
-    op_add_pieces,
     op_clear,
     op_drive,
     op_drop_namespace,
@@ -511,18 +512,16 @@ def op_cluster_add(
     seconds = check_ttl(ttl, ents)
     ttl_ms = 0 if seconds is None else max(1, math.ceil(seconds * 1000))
     units = _add_units(core, eng, req, ents)
-    unique = list(dict.fromkeys(ents))
-    factories = {
-        shard: _add_factory([(u[1], u[2]) for u in shard_units], unique, ttl_ms)
-        for shard, shard_units in units.items()
-    }
-    yield from _on_shards(core, factories)
+    if ttl_ms:  # one add op per program: the per-shard path sends each as an ``add`` call
+        plans = {shard: _single_plan(u) for shard, u in units.items()}
+    else:
+        plans = {shard: _unfenced_plan(u) for shard, u in units.items()}
+    yield from op_node_writes(core, plans, batch_fence(None, None), secrets.token_hex(8), ttl_ms)
 
 
-def _add_factory(
-    pieces: list[tuple[Any, Any]], unique: list[PodEntry], ttl_ms: int
-) -> Callable[[CoreState], Op[None]]:
-    return lambda state: op_add_pieces(state, pieces, unique, ttl_ms)
+def _single_plan(units: Sequence[Unit]) -> PartsPlan:
+    """Each unit a program of its own (part 1 of 1)."""
+    return lambda state: [(_programs(state, [unit])[0], 1, 1) for unit in units]
 
 
 def op_cluster_evict(
@@ -539,32 +538,174 @@ def op_cluster_evict(
         yield from op_engine_evicts(core, [EvictOp(k, kt, tuple(ents))], None)
 
 
-def _unfenced(
-    registry: ScriptRegistry, units: Sequence[Unit], probes: Sequence[int] = ()
-) -> Callable[[CoreState], Op[Any]]:
-    """A shard op: the units as unfenced ``apply_batch`` calls and, in the same round trip,
-    whether each of ``probes`` (request keys) still holds an entry; the held probes."""
+#: A shard's parts of a write: (program, part, parts) built from the shard's current layout.
+PartsPlan = Callable[[CoreState], list[tuple[Program, int, int]]]
 
-    def factory(state: CoreState) -> Op[set[int]]:
+
+def _unfenced_plan(units: Sequence[Unit]) -> PartsPlan:
+    """Units as unfenced parts (each program its own part 1 of 1), empty programs left out."""
+    return lambda state: [(p, 1, 1) for p in _programs(state, units) if p.count]
+
+
+def _part_args(program: Program, part: int, parts: int, ms: int) -> list[Any]:
+    layout = program.layout
+    args: list[Any] = [
+        *(layout.meta, layout.pe, layout.pi, layout.pp, layout.wm, layout.wp, layout.sx),
+        *(layout.gen, layout.rprefix, layout.eprefix, layout.bucket_bits, ms, part, parts),
+        *program.entry_args(),
+        program.count,
+        *program.ops,
+    ]
+    return [len(args), *args]
+
+
+def op_node_writes(
+    core: ClusterCore,
+    plans: Mapping[int, PartsPlan],
+    fence: Sequence[Any],
+    token: str,
+    ms: int = 0,
+    probes: Mapping[int, Sequence[int]] | None = None,
+) -> WaveOp[tuple[dict[int, bool], set[int]]]:
+    """Write the shards' parts, one ``apply_shards`` call per node (more when a node's parts
+    outgrow the call budget), all nodes in one wave; then, in the same pipelines, probe whether
+    each of ``probes`` (request keys, by shard) still holds an entry. Returns whether each
+    shard took every part (False: its fence skipped the batch) and the held probes.
+
+    A node whose calls meet a redirection, a failure or a stale shard has its shards written
+    by the per-shard path instead (:func:`op_parallel`); parts sent again carry the same token,
+    so a part that did apply is recognised (fenced) or applies again as the set operation it
+    is (unfenced)."""
+    probes = probes or {}
+    slot_map = core.cluster.slot_map or (yield from op_refresh(core.cluster, core.policy.server))
+    by_node: dict[Any, list[int]] = {}
+    for shard in dict.fromkeys((*plans, *probes)):
+        by_node.setdefault(slot_map.primary(core.slots[shard]), []).append(shard)
+    head: list[Any] = [MAX_REQUEST_KEYS_PER_ENGINE_KEY, *fence, token]
+    commands: list[SlotCommand] = []
+    # per node: its shards, then per command: ("call", shards of its parts) or ("probe", key)
+    layout_of: list[tuple[list[int], list[tuple[str, Any]]]] = []
+    for shards in by_node.values():
+        slot = core.slots[shards[0]]
+        entries: list[tuple[str, Any]] = []
+        calls: list[tuple[list[Any], list[int], list[Any]]] = []
+        cost = 0
+        for shard in shards:
+            state = core.state(shard)
+            for program, part, parts in plans[shard](state) if shard in plans else ():
+                if not calls or (cost + program.cost > CALL_BUDGET and calls[-1][1]):
+                    layout = state.layout
+                    calls.append(
+                        (
+                            [
+                                layout.meta,
+                                layout.pe,
+                                layout.pi,
+                                layout.pp,
+                                layout.wm,
+                                layout.wp,
+                                layout.sx,
+                            ],
+                            [],
+                            [],
+                        )
+                    )
+                    cost = 0
+                calls[-1][1].append(shard)
+                calls[-1][2].extend(_part_args(program, part, parts, ms))
+                cost += program.cost
+        for keys, part_shards, args in calls:
+            call = core.registry.evalsha(ScriptCall("apply_shards", keys, [*head, *args]))
+            commands.append(SlotCommand(slot, call.args))
+            entries.append(("call", part_shards))
+        for shard in shards:
+            layout = core.state(shard).layout
+            for key in probes.get(shard, ()):
+                commands.append(
+                    SlotCommand(slot, ("HEXISTS", layout.request_bucket(key), hash_field(key)))
+                )
+                entries.append(("probe", key))
+        layout_of.append((shards, entries))
+    try:
+        replies = yield from op_wave(core.cluster, commands, core.fast_policy)
+    except BackendUnavailableError:  # a redirection or a node in trouble: the careful path
+        replies = [None] * len(commands)
+    taken: dict[int, bool] = {}
+    held: set[int] = set()
+    again: list[int] = []
+    reload = False
+    at = 0
+    for shards, entries in layout_of:
+        node_replies = replies[at : at + len(entries)]
+        at += len(entries)
+        node_ok = True
+        for (kind, _), reply in zip(entries, node_replies, strict=True):
+            if kind == "call" and not isinstance(reply, list):
+                node_ok = False
+                if isinstance(reply, ErrorReply):
+                    if reply.code == "NOSCRIPT":
+                        reload = True
+                    elif reply.code not in TRANSIENT_REPLIES and not reply.message.startswith(
+                        ("MOVED", "ASK")
+                    ):
+                        raise translate(reply.message)
+        if not node_ok:
+            again += shards
+            continue
+        for (kind, what), reply in zip(entries, node_replies, strict=True):
+            if kind == "call":
+                for shard, one in zip(what, reply, strict=True):
+                    taken[shard] = taken.get(shard, True) and bool(int(one))
+            elif int(reply):
+                held.add(what)
+        for shard in shards:
+            taken.setdefault(shard, True)
+    if reload:
+        load = core.registry.load("apply_shards").args
+        nodes = {slot_map.primary(core.slots[s]): core.slots[s] for s in again}
+        yield from op_wave(
+            core.cluster, [SlotCommand(slot, load) for slot in nodes.values()], core.wave_policy
+        )
+    if again:
+        factories = {
+            shard: _parts_factory(
+                core.registry, plans.get(shard), fence, token, ms, probes.get(shard, ())
+            )
+            for shard in again
+        }
+        for shard, (ok, shard_held) in (yield from _on_shards(core, factories)).items():
+            taken[shard] = ok
+            held |= shard_held
+    return taken, held
+
+
+def _parts_factory(
+    registry: ScriptRegistry,
+    plan: PartsPlan | None,
+    fence: Sequence[Any],
+    token: str,
+    ms: int,
+    probes: Sequence[int],
+) -> Callable[[CoreState], Op[tuple[bool, set[int]]]]:
+    """One shard's parts as single-shard ``apply_batch`` calls (``add`` calls when they carry
+    a ttl), in order, stopping at the first skipped part; then the probes."""
+
+    def factory(state: CoreState) -> Op[tuple[bool, set[int]]]:
+        ok = True
+        for program, part, parts in plan(state) if plan else ():
+            if ms:  # a ttl: each program is one add op (see op_cluster_add)
+                yield add_call(program, ms)
+                continue
+            if not int((yield batch_call(program, fence, token, part, parts))):
+                ok = False
+                break
+        if not probes:
+            return ok, set()
         layout = state.layout
-        token = secrets.token_hex(8)
-        fence = batch_fence(None, None)
-        items: list[ScriptCall | Command] = [
-            batch_call(program, fence, token)
-            for program in _programs(state, units)
-            if program.count
-        ]
-        items += [
-            Command(("HEXISTS", layout.request_bucket(key), hash_field(key))) for key in probes
-        ]
-        if not items:
-            return set()
-        loads = registry.loads
-        replies = yield Pipeline(tuple(items))
-        held = replies[len(replies) - len(probes) :]
-        if probes and registry.loads != loads:  # a script was sent again: probe again
-            held = yield Pipeline(tuple(items[len(items) - len(probes) :]))
-        return {key for key, reply in zip(probes, held, strict=True) if int(reply)}
+        replies = yield Pipeline(
+            tuple(Command(("HEXISTS", layout.request_bucket(k), hash_field(k))) for k in probes)
+        )
+        return ok, {key for key, reply in zip(probes, replies, strict=True) if int(reply)}
 
     return factory
 
@@ -638,10 +779,11 @@ def _evict_group(
                 continue
             units.setdefault(shard, []).append(("R", key, op.entries))
             probes.setdefault(shard, []).append(key)
-    found = yield from _on_shards(
-        core, {s: _unfenced(core.registry, units[s], list(dict.fromkeys(probes[s]))) for s in units}
+    plans = {s: _unfenced_plan(u) for s, u in units.items()}
+    shard_probes = {s: list(dict.fromkeys(keys)) for s, keys in probes.items()}
+    _, held = yield from op_node_writes(
+        core, plans, batch_fence(None, None), secrets.token_hex(8), probes=shard_probes
     )
-    held = set().union(*found.values()) if found else set()
     drops: dict[int, list[tuple[int, bytes]]] = {}
     for op in group:
         mapping = mappings.get(op.key)
@@ -726,18 +868,16 @@ def op_cluster_apply_batch(
     closing = fenced and bool(steps)
     targets = range(core.count) if fenced else list(units)
 
-    def opening(shard_units: list[Unit]) -> Callable[[CoreState], Op[bool]]:
-        def op(state: CoreState) -> Op[bool]:
+    def opening(shard_units: list[Unit]) -> PartsPlan:
+        def plan(state: CoreState) -> list[tuple[Program, int, int]]:
             programs = _programs(state, shard_units)
             parts = len(programs) + (1 if closing else 0)
-            for part, program in enumerate(programs, 1):
-                if not int((yield batch_call(program, fence, token, part, parts))):
-                    return False
-            return True
+            return [(program, part, parts) for part, program in enumerate(programs, 1)]
 
-        return op
+        return plan
 
-    taken = yield from _on_shards(core, {s: opening(units.get(s, [])) for s in targets})
+    opened = {s: opening(units.get(s, [])) for s in targets}
+    taken, _ = yield from op_node_writes(core, opened, fence, token)
     shards = {s for s, ok in taken.items() if ok} if fenced else None
     # The stream's home shard decides what the caller is told: of senders racing with the same
     # batch exactly one is told it applied it (each shard's part went to exactly one of them).
@@ -746,30 +886,25 @@ def op_cluster_apply_batch(
         return applied
     for engine, step in steps:
         if engine:
-            yield from op_engine_evicts(
-                core, [op for op in step if isinstance(op, EvictOp)], shards
-            )
+            evicts = [op for op in step if isinstance(op, EvictOp)]
+            yield from op_engine_evicts(core, evicts, shards)
         else:
-            step_units = _step_units(core, step)
-            yield from _on_shards(
-                core,
-                {
-                    s: _unfenced(core.registry, u)
-                    for s, u in step_units.items()
-                    if shards is None or s in shards
-                },
-            )
+            plans = {
+                s: _unfenced_plan(u)
+                for s, u in _step_units(core, step).items()
+                if shards is None or s in shards
+            }
+            yield from op_node_writes(core, plans, batch_fence(None, None), token)
     if closing and shards:
 
-        def closer(shard_units: list[Unit]) -> Callable[[CoreState], Op[bool]]:
-            def op(state: CoreState) -> Op[bool]:
+        def closer(shard_units: list[Unit]) -> PartsPlan:
+            def plan(state: CoreState) -> list[tuple[Program, int, int]]:
                 parts = len(_programs(state, shard_units)) + 1
-                reply = yield batch_call(Program(state.layout), fence, token, parts, parts)
-                return bool(int(reply))
+                return [(Program(state.layout), parts, parts)]
 
-            return op
+            return plan
 
-        yield from _on_shards(core, {s: closer(units.get(s, [])) for s in shards})
+        yield from op_node_writes(core, {s: closer(units.get(s, [])) for s in shards}, fence, token)
     return applied
 
 
@@ -883,10 +1018,10 @@ def _hash_items(reply: Any) -> list[tuple[bytes, bytes]]:
 
 def _probe(core: ClusterCore, keys: Iterable[int]) -> WaveOp[set[int]]:
     """Which of the request keys hold an entry (stored inline or in a run)."""
-    found = yield from _on_shards(
-        core, {s: _unfenced(core.registry, (), part) for s, part in core.by_shard(keys).items()}
+    _, held = yield from op_node_writes(
+        core, {}, batch_fence(None, None), secrets.token_hex(8), probes=core.by_shard(keys)
     )
-    return set().union(*found.values()) if found else set()
+    return held
 
 
 def op_cluster_drop(core: ClusterCore) -> WaveOp[int]:

@@ -1,0 +1,69 @@
+#!lua flags=allow-cross-slot-keys
+--[[ apply_shards: apply_batch.lua (and add.lua's ttl) for several shards of a cluster namespace
+  that live on this node, in one call: each shard's part is an op program of its own, fenced by
+  the shard's own watermark (each shard is a namespace of its own in its own slot:
+  kvredis.redis.cluster).
+  KEYS        the first shard's <shard>:meta, :pe, :pi, :pp, :wm, :wp, :sx (they route the call
+              to this node; a script may declare the keys of one slot only, so the shards' keys
+              come as arguments, and allow-cross-slot-keys lets it reach them: every shard given
+              must live on this node)
+  ARGV[1]     most request keys kept per engine key
+  ARGV[2]     stream name, "" for unfenced parts    ARGV[3] epoch, ARGV[4] seq, ARGV[5] token
+              (as in apply_batch.lua)
+  ARGV[6..]   the parts, each: m, then m arguments: <shard>:meta, :pe, :pi, :pp, :wm, :wp, :sx,
+              namespace generation, request bucket prefix, engine bucket prefix, bucket bits,
+              ttl in ms of its speculative entries (0: none), part, parts, then the program (n,
+              n entries, number of ops, the ops: see includes/program); parts of one shard come
+              in order
+  Errors      KVREDIS_INVALID for malformed arguments, KVREDIS_LAYOUT for a malformed stored
+              watermark or an exhausted id space, WRONGTYPE for a foreign key: before the first
+              write of the part that meets it (the parts before it stay applied: each part is its
+              own atomic step, as separate calls would be)
+  Returns     "STALE" and nothing written when a part's shard generation is not the client's;
+              else one reply per part: 1 applied (or already applied by this token), 0 skipped
+  Complexity  the sum of the parts' (see apply_batch.lua) ]]
+--@include program
+--@include fence
+local cap = int_arg(ARGV[1], 'request keys per engine key', 1, 2147483647)
+local stream, epoch, seq, token = ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+if stream ~= '' then fence_args(epoch, seq, token) end
+local parts_in = {}
+local pos = 6
+while pos <= #ARGV do
+  local m = int_arg(ARGV[pos], 'part length', 16, #ARGV - pos)
+  local sub = {}
+  for i = 1, m do sub[i] = ARGV[pos + i] end
+  parts_in[#parts_in + 1] = sub
+  pos = pos + m + 1
+end
+for _, a in ipairs(parts_in) do
+  if redis.call('HGET', a[1], 'gen') ~= a[8] then return 'STALE' end
+end
+local work = {}
+for i, a in ipairs(parts_in) do
+  local parts = int_arg(a[14], 'parts', 1, 2147483647)
+  bucket_namer(a[9], a[11])
+  bucket_namer(a[10], a[11])
+  work[i] = {
+    ms = int_arg(a[12], 'ttl ms', 0, 2592000000),
+    part = int_arg(a[13], 'part', 1, parts),
+    parts = parts,
+    program = read_program(a, 15, nil, {A = true, R = true, E = true}),
+  }
+end
+local out = {}
+for i, w in ipairs(work) do
+  local a = parts_in[i]
+  local verdict = 'apply'
+  if stream ~= '' then
+    verdict = fence_open(a[5], a[6], stream, epoch, seq, token, w.part, w.parts)
+  end
+  if verdict == 'apply' then
+    -- the context reads the expiry gate: after the parts before it wrote
+    local k = write_context(a[1], a[2], a[3], a[4], a[9], a[10], a[11], a[7])
+    run_program(k, w.program, cap, w.ms)
+    if stream ~= '' then fence_close(a[5], a[6], stream, epoch, seq, token, w.part, w.parts) end
+  end
+  out[i] = verdict == 'skip' and 0 or 1
+end
+return out

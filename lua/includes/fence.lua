@@ -1,0 +1,80 @@
+--[[ fence: the per-stream watermark of apply_batch.lua: whether a call applies a batch (or one
+  of its parts), and the watermark advancing with the batch's last part (see apply_batch.lua for
+  the protocol and what <ns>:wm and <ns>:wp hold). ]]
+--@include args
+
+-- A decimal integer string without leading zeros (the form Python's str(int) gives).
+local function dec_arg(value, what)
+  if type(value) ~= 'string' or not (value == '0' or string.find(value, '^%-?[1-9]%d*$')) then
+    fail('INVALID', what .. ' must be a decimal integer, got ' .. tostring(value))
+  end
+  return value
+end
+
+-- Compare two decimal integer strings (optional leading "-", no leading zeros).
+local function cmp_dec(a, b)
+  local na, nb = string.sub(a, 1, 1) == '-', string.sub(b, 1, 1) == '-'
+  if na ~= nb then return na and -1 or 1 end
+  local sign = 1
+  if na then
+    sign = -1
+    a, b = string.sub(a, 2), string.sub(b, 2)
+  end
+  if #a ~= #b then return (#a < #b and -1 or 1) * sign end
+  for i = 1, #a do
+    local x, y = string.byte(a, i), string.byte(b, i)
+    if x ~= y then return (x < y and -1 or 1) * sign end
+  end
+  return 0
+end
+
+-- Check the fence of a fenced call (stream ~= ''): epoch, seq and token.
+local function fence_args(epoch, seq, token)
+  dec_arg(epoch, 'epoch')
+  dec_arg(seq, 'seq')
+  if type(token) ~= 'string' or not string.find(token, '^%x+$') then
+    fail('INVALID', 'token must be hex digits, got ' .. tostring(token))
+  end
+end
+
+-- Whether part `part` of `parts` of the batch (epoch, seq, token) applies: 'apply', 'done' (this
+-- very call applied it already: a lost reply) or 'skip' (the stream is at or past the batch, or
+-- another sender took it over).
+local function fence_open(wm_key, wp_key, stream, epoch, seq, token, part, parts)
+  local stored = redis.call('HGET', wm_key, stream)
+  if stored then
+    local colon = string.find(stored, ':', 1, true)
+    if not colon then fail('LAYOUT', 'malformed watermark ' .. stored) end
+    local rest = string.sub(stored, colon + 1)
+    local colon2 = string.find(rest, ':', 1, true)
+    local stored_seq = colon2 and string.sub(rest, 1, colon2 - 1) or rest
+    local c = cmp_dec(epoch, string.sub(stored, 1, colon - 1))
+    if c == 0 then c = cmp_dec(seq, stored_seq) end
+    if c < 0 then return 'skip' end
+    -- The same watermark: applied already, by this very call (a lost reply) or by another.
+    if c == 0 then return (colon2 and string.sub(rest, colon2 + 1) == token) and 'done' or 'skip' end
+  end
+  if parts > 1 then
+    local pending = redis.call('HGET', wp_key, stream)
+    local done = 0
+    local prefix = epoch .. ':' .. seq .. ':' .. token .. ':'
+    if pending and string.sub(pending, 1, #prefix) == prefix then
+      done = tonumber(string.sub(pending, #prefix + 1)) or 0
+    end
+    if part <= done then return 'done' end
+    if part ~= done + 1 then return 'skip' end
+  end
+  return 'apply'
+end
+
+-- After part `part` applied: the watermark advances with the last part; until then <ns>:wp
+-- records how far the batch got.
+local function fence_close(wm_key, wp_key, stream, epoch, seq, token, part, parts)
+  local mark = epoch .. ':' .. seq
+  if part == parts then
+    redis.call('HSET', wm_key, stream, mark .. ':' .. token)
+    if parts > 1 then redis.call('HDEL', wp_key, stream) end
+  else
+    redis.call('HSET', wp_key, stream, mark .. ':' .. token .. ':' .. part)
+  end
+end
