@@ -266,7 +266,12 @@ def _everywhere(
 
 def _command(core: ClusterCore, slot: int, *args: Any) -> WaveOp[Any]:
     (reply,) = yield from op_wave(core.cluster, [SlotCommand(slot, args)], core.wave_policy)
-    if isinstance(reply, Failure):  # op_wave retried what can be retried
+    return _reply(reply)
+
+
+def _reply(reply: Any) -> Any:
+    """A reply of a wave, or its error raised (op_wave retried what can be retried)."""
+    if isinstance(reply, Failure):
         raise translate(reply.message)
     return reply
 
@@ -279,23 +284,26 @@ def op_cluster_connect(core: ClusterCore) -> WaveOp[int]:
     entries expire, and load every shard's namespace; the shard count."""
     desc = descriptor_key(core.namespace)
     slot = shard_slot(desc.decode())
+    read = [SlotCommand(slot, ("HMGET", desc, "layout", "shards"))]
     replies = yield from op_wave(
-        core.cluster,
-        [
-            SlotCommand(slot, ("HSETNX", desc, "shards", core.configured_shards)),
-            SlotCommand(slot, ("HSETNX", desc, "layout", CLUSTER_LAYOUT)),
-            SlotCommand(slot, ("HMGET", desc, "layout", "shards")),
-            SlotCommand(slot, ("INFO", "server")),
-        ],
-        core.wave_policy,
+        core.cluster, [*read, SlotCommand(slot, ("INFO", "server"))], core.wave_policy
     )
-    for reply in replies[:3]:
-        if isinstance(reply, Failure):
-            raise translate(reply.message)
-    count = parse_descriptor(replies[2], core.namespace)
-    assert count is not None  # just written
-    if not isinstance(replies[3], Failure):
-        core.expiry_mode = expiry_mode_of(replies[3])
+    info = replies[-1]
+    count = parse_descriptor(_reply(replies[0]), core.namespace)
+    if count is None:  # written only when missing: a reader starts on a full node
+        replies = yield from op_wave(
+            core.cluster,
+            [
+                SlotCommand(slot, ("HSETNX", desc, "shards", core.configured_shards)),
+                SlotCommand(slot, ("HSETNX", desc, "layout", CLUSTER_LAYOUT)),
+                *read,
+            ],
+            core.wave_policy,
+        )
+        count = parse_descriptor([_reply(r) for r in replies][-1], core.namespace)
+        assert count is not None  # just written
+    if not isinstance(info, Failure):
+        core.expiry_mode = expiry_mode_of(info)
     core.adopt(count)
     for session in core.sessions:
         session.state.expiry_mode = core.expiry_mode
@@ -438,20 +446,30 @@ def op_cluster_evict(
 
 
 def _unfenced(
-    registry: ScriptRegistry, units: Sequence[Unit], probes: Sequence[int] = ()
+    registry: ScriptRegistry,
+    units: Sequence[Unit],
+    probes: Sequence[int] = (),
+    evicts: bool = False,
 ) -> Callable[[CoreState], Op[Any]]:
     """A shard op: the units as unfenced ``apply_batch`` calls and, in the same round trip,
-    whether each of ``probes`` (request keys) still holds an entry; the held probes."""
+    whether each of ``probes`` (request keys) still holds an entry; the held probes.
+
+    ``evicts=True``: the units are request-key evicts, sent as ``evict`` calls (one per unit),
+    which a node out of memory still runs (``apply_batch`` is refused there)."""
 
     def factory(state: CoreState) -> Op[set[int]]:
         layout = state.layout
         token = secrets.token_hex(8)
         fence = batch_fence(None, None)
-        items: list[ScriptCall | Command] = [
-            batch_call(program, fence, token)
-            for program in _programs(state, units)
-            if program.count
-        ]
+        items: list[ScriptCall | Command]
+        if evicts:
+            items = [_evict_call(state, u[1], u[2]) for u in units]
+        else:
+            items = [
+                batch_call(program, fence, token)
+                for program in _programs(state, units)
+                if program.count
+            ]
         items += [
             Command(("HEXISTS", layout.request_bucket(key), hash_field(key))) for key in probes
         ]
@@ -465,6 +483,12 @@ def _unfenced(
         return {key for key, reply in zip(probes, held, strict=True) if int(reply)}
 
     return factory
+
+
+def _evict_call(state: CoreState, key: int, entries: Entries) -> ScriptCall:
+    call = next(op_evict(state, key, KeyType.REQUEST, entries))  # its one request
+    assert isinstance(call, ScriptCall)
+    return call
 
 
 def op_engine_evicts(
@@ -537,7 +561,11 @@ def _evict_group(
             units.setdefault(shard, []).append(("R", key, op.entries))
             probes.setdefault(shard, []).append(key)
     found = yield from _on_shards(
-        core, {s: _unfenced(core.registry, units[s], list(dict.fromkeys(probes[s]))) for s in units}
+        core,
+        {
+            s: _unfenced(core.registry, units[s], list(dict.fromkeys(probes[s])), evicts=True)
+            for s in units
+        },
     )
     held = set().union(*found.values()) if found else set()
     drops: dict[int, list[tuple[int, bytes]]] = {}
