@@ -92,7 +92,7 @@ class RedisClusterIndex(_ClusterFacade):
         self._exec = SyncClusterExecutor(self.config)
         self.core = self._core(self._exec)
         try:
-            self._run(op_cluster_connect)
+            self._run(lambda c: op_cluster_connect(c, self.config.strict))
         except BaseException:
             self._exec.close()
             raise
@@ -214,7 +214,7 @@ class AsyncRedisClusterIndex(_ClusterFacade):
 
     async def connect(self) -> None:
         """Fetch the slot map and load the namespace's shards."""
-        await self._exec.run(op_cluster_connect(self.core))
+        await self._exec.run(op_cluster_connect(self.core, self.config.strict))
         self._connected = True
 
     async def _run(self, op: Callable[[ClusterCore], WaveOp[T]]) -> T:

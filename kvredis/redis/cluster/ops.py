@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import logging
 import math
 import secrets
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -48,7 +49,15 @@ from kvredis.checks import (
 )
 from kvredis.errors import InvalidInputError, translate
 from kvredis.index import ClearProgress
-from kvredis.redis.cluster.routing import ClusterState, SlotCommand, WaveOp, WavePolicy, op_wave
+from kvredis.redis.cluster.routing import (
+    ClusterState,
+    NodeBatch,
+    SlotCommand,
+    Wave,
+    WaveOp,
+    WavePolicy,
+    op_wave,
+)
 from kvredis.redis.cluster.shards import (
     CLUSTER_LAYOUT,
     check_cluster_namespace,
@@ -70,6 +79,7 @@ from kvredis.redis.ops import (
     Session,
     batch_call,
     batch_fence,
+    check_eviction_policy,
     compress_pairs,
     expiry_mode_of,
     op_add_pieces,
@@ -93,6 +103,7 @@ from kvredis.scoring import LongestPrefixScorer
 from kvredis.types import KeyType, PodEntry
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 Keys = Sequence[int]
 Entries = Sequence[PodEntry]
@@ -279,9 +290,11 @@ def _reply(reply: Any) -> Any:
 # -- connecting --------------------------------------------------------------------------------
 
 
-def op_cluster_connect(core: ClusterCore) -> WaveOp[int]:
+def op_cluster_connect(core: ClusterCore, strict: bool = False) -> WaveOp[int]:
     """Fetch the slot map, read (or create) the namespace's descriptor, learn how expiring
-    entries expire, and load every shard's namespace; the shard count."""
+    entries expire, load every shard's namespace, and check every primary's eviction policy
+    (:func:`~kvredis.redis.ops.check_eviction_policy`: ``allkeys-*`` warns, or with ``strict``
+    raises); the shard count."""
     desc = descriptor_key(core.namespace)
     slot = shard_slot(desc.decode())
     read = [SlotCommand(slot, ("HMGET", desc, "layout", "shards"))]
@@ -312,6 +325,14 @@ def op_cluster_connect(core: ClusterCore) -> WaveOp[int]:
         for shard, session in enumerate(core.sessions)
     }
     yield from op_parallel(core, ops)
+    assert core.cluster.slot_map is not None  # fetched by the first wave
+    primaries = core.cluster.slot_map.primaries
+    infos = yield Wave(tuple(NodeBatch(node, (("INFO", "memory"),)) for node in primaries))
+    for node, (info,) in zip(primaries, infos, strict=True):
+        if isinstance(info, Failure):  # INFO not permitted, or the node is gone: no check
+            logger.debug("cannot read INFO memory from %s: %s", node, info.message)
+        else:
+            check_eviction_policy(info, f"primary {node} of {core.wave_policy.server}", strict)
     return count
 
 
