@@ -19,10 +19,10 @@ at once (one round trip per involved node, in parallel). Then, per command:
 
 Redirections count against ``max_redirects`` (afresh after each retry: a slot whose keys are
 half migrated answers ASK, then TRYAGAIN at the target, until the migration ends) and retries
-against the policy's ``retries``; past either the wave raises :class:`~kvredis.errors.BackendUnavailableError`. Read waves
-(``read=True``) go to replicas where the map has healthy ones (each of those pipelines starts
-with ``READONLY``). Every command must be safe to send twice (a command whose reply was lost is
-sent again).
+against the policy's ``retries``; past either the wave raises
+:class:`~kvredis.errors.BackendUnavailableError`. Read waves (``read=True``) go to replicas
+where the map has healthy ones (each of those pipelines starts with ``READONLY``). Every command
+must be safe to send twice (a command whose reply was lost is sent again).
 """
 
 from __future__ import annotations
