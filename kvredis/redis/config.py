@@ -48,6 +48,7 @@ _CAMEL = {
     "cluster": "cluster",
     "readFromReplicas": "read_from_replicas",
     "clusterShards": "cluster_shards",
+    "clusterWaitReplicas": "cluster_wait_replicas",
 }
 
 
@@ -73,7 +74,12 @@ class RedisIndexConfig:
     index (:mod:`kvredis.redis.cluster.index`). ``cluster_shards`` is the number of shards a
     new cluster namespace is spread over (fixed by its first client, as ``bucket_bits``; see
     :mod:`kvredis.redis.cluster.shards`); a cluster namespace may not contain ``{`` or ``}``.
-    ``read_from_replicas`` spreads lookups and scores over replicas.
+    ``read_from_replicas`` spreads lookups and scores over replicas. ``cluster_wait_replicas``
+    (default 0: off) makes every write wait until that many replicas of each primary it wrote to
+    hold it (``WAIT``, sent in the same pipeline, for at most half of ``socket_timeout``); a
+    write fewer replicas acknowledged in time raises
+    :class:`~kvredis.errors.BackendUnavailableError` (it was applied on the primary, and may be
+    lost in a failover; sending it again is safe).
     """
 
     address: str = "redis://127.0.0.1:6379"
@@ -100,6 +106,7 @@ class RedisIndexConfig:
     cluster: bool = False
     read_from_replicas: bool = False
     cluster_shards: int = DEFAULT_SHARDS
+    cluster_wait_replicas: int = 0
 
     def __repr__(self) -> str:
         shown = []
@@ -142,6 +149,7 @@ class RedisIndexConfig:
         check_number("retry_backoff", self.retry_backoff, zero=True)
         check_number("pool_size", self.pool_size, integer=True)
         check_number("retries", self.retries, integer=True, zero=True)
+        check_number("cluster_wait_replicas", self.cluster_wait_replicas, integer=True, zero=True)
         check_number("clear_fields_per_call", self.clear_fields_per_call, integer=True)
         for name in (
             "username",
@@ -196,4 +204,9 @@ def check_supported(config: RedisIndexConfig) -> None:
         raise ConfigError(
             "read_from_replicas is not available for a single server in this version of "
             "kvredis; leave it unset (reads go to the server of the address)"
+        )
+    if config.cluster_wait_replicas and not config.cluster:
+        raise ConfigError(
+            "cluster_wait_replicas is for cluster addresses only; leave it at 0 for a single "
+            "server"
         )

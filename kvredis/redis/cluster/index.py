@@ -61,7 +61,7 @@ class _ClusterFacade:
 
     def _core(self, executor: SyncClusterExecutor | AsyncClusterExecutor) -> ClusterCore:
         cfg = self.config
-        return ClusterCore(
+        core = ClusterCore(
             cfg.namespace,
             cfg.bucket_bits,
             cfg.cluster_shards,
@@ -70,6 +70,9 @@ class _ClusterFacade:
             RetryPolicy(cfg.retries, cfg.retry_backoff, cfg.server()),
             cfg.read_from_replicas,
         )
+        core.wait_replicas = cfg.cluster_wait_replicas
+        core.wait_timeout_ms = max(1, int(cfg.socket_timeout * 500))
+        return core
 
     @property
     def namespace(self) -> str:

@@ -47,7 +47,7 @@ from kvredis.checks import (
     infer_mappings,
     pod_filter,
 )
-from kvredis.errors import InvalidInputError, translate
+from kvredis.errors import BackendUnavailableError, InvalidInputError, translate
 from kvredis.index import ClearProgress
 from kvredis.redis.cluster.routing import (
     ClusterState,
@@ -140,6 +140,9 @@ class ClusterCore:
         self.policy = policy
         self.registry = ScriptRegistry()
         self.read_from_replicas = read_from_replicas
+        #: replicas every write waits for (``WAIT``; 0: none), and for how long at most
+        self.wait_replicas = 0
+        self.wait_timeout_ms = 1000
         self.expiry_mode = "key"
         self.sessions: list[Session] = []
         self.slots: list[int] = []
@@ -245,9 +248,11 @@ def op_parallel(
                 else:
                     raise TypeError(f"a wave sends commands, pipelines and sleeps, not {request!r}")
             on_replicas = read and core.read_from_replicas
-            replies = yield from op_wave(
-                core.cluster, commands, core.wave_policy, read=on_replicas, pick=core.pick()
+            waits = [] if read else _waits(core, commands)
+            wave = op_wave(
+                core.cluster, commands + waits, core.wave_policy, read=on_replicas, pick=core.pick()
             )
+            replies = yield from (_watch_waits(core, wave, len(waits)) if waits else wave)
             for shard, start, n in spans:
                 if n is None:
                     reply = replies[start]
@@ -258,6 +263,82 @@ def op_parallel(
         for op in live.values():
             op.close()
     return results
+
+
+#: Commands the cluster operations send that write nothing (no WAIT after them).
+_READS = frozenset(
+    {b"HGET", b"HMGET", b"HEXISTS", b"HGETALL", b"SCAN", b"INFO", b"PING", b"SCRIPT"}
+)
+
+
+def _waits(core: ClusterCore, commands: Sequence[SlotCommand]) -> list[SlotCommand]:
+    """With ``core.wait_replicas``: one ``WAIT`` per node a wave writes to, sent after its
+    commands in the same pipeline (routed by one of the node's slots). Calls of ``no-writes``
+    scripts and plain reads write nothing."""
+    if not core.wait_replicas:
+        return []
+    registry = core.registry
+    reads = {
+        registry[n].sha
+        for n in registry.names()
+        if b"no-writes" in registry[n].source.split(b"\n", 1)[0]
+    }
+    slots = [
+        c.slot
+        for c in commands
+        if _name(c.args[0]) not in _READS
+        and not (_name(c.args[0]) == b"EVALSHA" and c.args[1] in reads)
+    ]
+    slot_map = core.cluster.slot_map
+    by_node = {(slot_map.primary(s) if slot_map else s): s for s in slots}
+    wait = ("WAIT", core.wait_replicas, core.wait_timeout_ms)
+    return [SlotCommand(slot, wait) for slot in by_node.values()]
+
+
+def _name(arg: Any) -> bytes:
+    return (arg.encode() if isinstance(arg, str) else bytes(arg)).upper()
+
+
+def _watch_waits(core: ClusterCore, wave: WaveOp[list[Any]], waits: int) -> WaveOp[list[Any]]:
+    """Run a wave whose last ``waits`` commands are ``WAIT`` s (:func:`_waits`); the replies of
+    the others.
+
+    Raises BackendUnavailableError when a ``WAIT`` saw fewer replicas than asked, or when a
+    node answered the writes of its pipeline but not its ``WAIT`` (it failed in between): the
+    wave sends that ``WAIT`` again to the slot's next owner, which may never have held them.
+    """
+    unconfirmed = False
+    try:
+        request = next(wave)
+        while True:
+            reply = yield request
+            if isinstance(request, Wave):
+                for batch, replies in zip(request.batches, reply, strict=True):
+                    waited = [_name(c[0]) == b"WAIT" for c in batch.commands]
+                    failed = [isinstance(r, Failure) for r in replies]
+                    lost = any(w and f for w, f in zip(waited, failed, strict=True))
+                    if lost and not all(f for w, f in zip(waited, failed, strict=True) if not w):
+                        unconfirmed = True
+            request = wave.send(reply)
+    except StopIteration as stop:
+        replies = list(stop.value)
+    finally:
+        wave.close()
+    acked = min((int(_reply(r)) for r in replies[len(replies) - waits :]), default=0)
+    if unconfirmed or acked < core.wait_replicas:
+        seen = (
+            "a node failed before its replicas acknowledged"
+            if unconfirmed
+            else (
+                f"{acked} of the {core.wait_replicas} replicas it waits for acknowledged it within "
+                f"{core.wait_timeout_ms} ms"
+            )
+        )
+        raise BackendUnavailableError(
+            f"{core.wave_policy.server}: a write is applied on its primary, but {seen}: it may "
+            "be lost in a failover (sending it again is safe)"
+        )
+    return replies[: len(replies) - waits]
 
 
 def _on_shards(
