@@ -207,6 +207,5 @@ def check_supported(config: RedisIndexConfig) -> None:
         )
     if config.cluster_wait_replicas and not config.cluster:
         raise ConfigError(
-            "cluster_wait_replicas is for cluster addresses only; leave it at 0 for a single "
-            "server"
+            "cluster_wait_replicas is for cluster addresses only; leave it at 0 for a single server"
         )

@@ -41,6 +41,7 @@ from kvredis.redis.cluster.routing import Wave
 from kvredis.redis.layout import Layout
 from kvredis.redis.requests import ConnectionLost, ErrorReply
 from tests.conftest import TEST_PREFIX
+from tests.redis.test_hardening import _namespace_keys
 from tests.servers import LocalCluster
 
 A = PodEntry("pod-a", "gpu")
@@ -93,20 +94,8 @@ def _layout(index: RedisClusterIndex, shard: int) -> Layout:
 
 def _shard_keys(index: RedisClusterIndex, shard: int) -> dict[bytes, object]:
     """Every key of one shard but its meta record, with its value."""
-    layout = _layout(index, shard)
-    out: dict[bytes, object] = {}
     with _node(index, shard) as raw:
-        for key in raw.scan_iter(match=layout.namespace_pattern(), count=1000):
-            if layout.owns(key) and key != layout.meta:
-                kind = raw.type(key)
-                out[key] = (
-                    raw.hgetall(key)
-                    if kind == b"hash"
-                    else raw.lrange(key, 0, -1)
-                    if kind == b"list"
-                    else raw.get(key)
-                )
-    return out
+        return _namespace_keys(raw, _layout(index, shard).namespace)
 
 
 def _found(index: RedisClusterIndex, keys: Sequence[int]) -> dict[int, list[PodEntry]]:
