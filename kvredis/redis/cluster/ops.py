@@ -49,7 +49,9 @@ from kvredis.checks import (
 )
 from kvredis.errors import BackendUnavailableError, InvalidInputError, translate
 from kvredis.index import ClearProgress
+from kvredis.redis.cluster.redirect import parse_redirect
 from kvredis.redis.cluster.routing import (
+    TRANSIENT_CLUSTER_REPLIES,
     ClusterState,
     NodeBatch,
     SlotCommand,
@@ -96,7 +98,16 @@ from kvredis.redis.ops import (
     score_weights,
     split_add,
 )
-from kvredis.redis.requests import Command, Failure, Op, Pipeline, ScriptCall, Sleep
+from kvredis.redis.requests import (
+    Command,
+    ConnectionLost,
+    ErrorReply,
+    Failure,
+    Op,
+    Pipeline,
+    ScriptCall,
+    Sleep,
+)
 from kvredis.redis.scripts import ScriptRegistry
 from kvredis.redis.state import CoreState
 from kvredis.scoring import LongestPrefixScorer
@@ -290,7 +301,12 @@ def _waits(core: ClusterCore, commands: Sequence[SlotCommand]) -> list[SlotComma
         and not (_name(c.args[0]) == b"EVALSHA" and c.args[1] in reads)
     ]
     slot_map = core.cluster.slot_map
-    by_node = {(slot_map.primary(s) if slot_map else s): s for s in slots}
+    by_node: dict[object, int] = {}
+    for slot in slots:
+        try:
+            by_node[slot_map.primary(slot) if slot_map else slot] = slot
+        except BackendUnavailableError:  # no node serves it (yet): op_wave retries it
+            by_node[slot] = slot
     wait = ("WAIT", core.wait_replicas, core.wait_timeout_ms)
     return [SlotCommand(slot, wait) for slot in by_node.values()]
 
@@ -304,8 +320,8 @@ def _watch_waits(core: ClusterCore, wave: WaveOp[list[Any]], waits: int) -> Wave
     the others.
 
     Raises BackendUnavailableError when a ``WAIT`` saw fewer replicas than asked, or when a
-    node answered the writes of its pipeline but not its ``WAIT`` (it failed in between): the
-    wave sends that ``WAIT`` again to the slot's next owner, which may never have held them.
+    node's pipeline came back split (:func:`_split_by_wait`): the wave then sends the writes or
+    the ``WAIT`` again without the other, and nothing tells whether replicas hold the writes.
     """
     unconfirmed = False
     try:
@@ -313,12 +329,10 @@ def _watch_waits(core: ClusterCore, wave: WaveOp[list[Any]], waits: int) -> Wave
         while True:
             reply = yield request
             if isinstance(request, Wave):
-                for batch, replies in zip(request.batches, reply, strict=True):
-                    waited = [_name(c[0]) == b"WAIT" for c in batch.commands]
-                    failed = [isinstance(r, Failure) for r in replies]
-                    lost = any(w and f for w, f in zip(waited, failed, strict=True))
-                    if lost and not all(f for w, f in zip(waited, failed, strict=True) if not w):
-                        unconfirmed = True
+                unconfirmed = unconfirmed or any(
+                    _split_by_wait(batch.commands, replies)
+                    for batch, replies in zip(request.batches, reply, strict=True)
+                )
             request = wave.send(reply)
     except StopIteration as stop:
         replies = list(stop.value)
@@ -327,7 +341,7 @@ def _watch_waits(core: ClusterCore, wave: WaveOp[list[Any]], waits: int) -> Wave
     acked = min((int(_reply(r)) for r in replies[len(replies) - waits :]), default=0)
     if unconfirmed or acked < core.wait_replicas:
         seen = (
-            "a node failed before its replicas acknowledged"
+            "a node's pipeline came back split between the write and its WAIT"
             if unconfirmed
             else (
                 f"{acked} of the {core.wait_replicas} replicas it waits for acknowledged it within "
@@ -339,6 +353,32 @@ def _watch_waits(core: ClusterCore, wave: WaveOp[list[Any]], waits: int) -> Wave
             "be lost in a failover (sending it again is safe)"
         )
     return replies[: len(replies) - waits]
+
+
+def _split_by_wait(commands: Sequence[Sequence[Any]], replies: Sequence[Any]) -> bool:
+    """Whether a node's pipeline that ends with ``WAIT`` came back split: the ``WAIT`` is to
+    be sent again (the node failed after answering the writes) but not every write is, or
+    some write is (a redirection, a transient error, a lost connection) but the ``WAIT`` is
+    not."""
+    waited, written = False, []
+    for command, reply in zip(commands, replies, strict=True):
+        name = _name(command[0])
+        if name == b"WAIT":
+            waited = _resent(reply)
+        elif name not in (b"ASKING", b"READONLY"):
+            written.append(_resent(reply))
+    has_wait = any(_name(c[0]) == b"WAIT" for c in commands)
+    return has_wait and (not all(written) if waited else any(written))
+
+
+def _resent(reply: Any) -> bool:
+    """Whether :func:`~kvredis.redis.cluster.routing.op_wave` sends a command again after
+    this reply."""
+    if isinstance(reply, ConnectionLost):
+        return True
+    if not isinstance(reply, ErrorReply):
+        return False
+    return reply.code in TRANSIENT_CLUSTER_REPLIES or parse_redirect(reply.message) is not None
 
 
 def _on_shards(

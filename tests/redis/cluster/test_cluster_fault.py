@@ -104,21 +104,25 @@ def test_a_write_fewer_replicas_acknowledged_raises(redis_cluster: LocalCluster)
         creator.drop_namespace()
 
 
-def test_a_node_lost_between_its_writes_and_its_wait_raises(waiting: RedisClusterIndex) -> None:
-    """The node answered the script, then the connection broke before WAIT's reply: the wave
-    would resend WAIT to whichever node owns the slot by then, which proves nothing about the
-    write, so the call raises (and the write, sent again, is confirmed)."""
+@pytest.mark.parametrize("lose", [-1, 0])
+def test_a_pipeline_split_between_its_writes_and_its_wait_raises(
+    waiting: RedisClusterIndex, lose: int
+) -> None:
+    """-1: the node answered the script, then the connection broke before WAIT's reply: the
+    wave would resend WAIT to whichever node owns the slot by then, which proves nothing about
+    the write. 0: the script's reply was lost but WAIT's came: the wave would resend the
+    script alone. Either way the call raises (and the write, sent again, is confirmed)."""
     lost: list[int] = []
 
     def lose_wait(wave: Wave, replies: list[list[Any]]) -> list[list[Any]]:
         for batch, batch_replies in zip(wave.batches, replies, strict=True):
             if not lost and batch.commands[-1][0] == "WAIT" and len(batch.commands) > 1:
-                batch_replies[-1] = ConnectionLost("connection lost before WAIT's reply")
+                batch_replies[lose] = ConnectionLost("connection lost")
                 lost.append(1)
         return replies
 
     _watch(waiting, lose_wait)
-    with pytest.raises(BackendUnavailableError, match="failed before its replicas"):
+    with pytest.raises(BackendUnavailableError, match="came back split"):
         waiting.add(None, [1, 2, 3], [A])
     assert lost
     waiting.add(None, [1, 2, 3], [A])
