@@ -48,6 +48,7 @@ _CAMEL = {
     "cluster": "cluster",
     "readFromReplicas": "read_from_replicas",
     "clusterShards": "cluster_shards",
+    "clusterWaitReplicas": "cluster_wait_replicas",
 }
 
 
@@ -76,7 +77,12 @@ class RedisIndexConfig:
     ``read_from_replicas`` spreads lookups and scores over replicas: on a cluster, the replicas
     of each slot; on a single server, the online replicas of the server (the primary), found
     with ``INFO replication`` on it (see :mod:`kvredis.redis.replicas`). Writes, watermarks
-    and ``get_request_key`` stay on the primaries.
+    and ``get_request_key`` stay on the primaries. ``cluster_wait_replicas``
+    (default 0: off) makes every write wait until that many replicas of each primary it wrote to
+    hold it (``WAIT``, sent in the same pipeline, for at most half of ``socket_timeout``); a
+    write fewer replicas acknowledged in time raises
+    :class:`~kvredis.errors.BackendUnavailableError` (it was applied on the primary, and may be
+    lost in a failover; sending it again is safe).
     """
 
     address: str = "redis://127.0.0.1:6379"
@@ -103,6 +109,7 @@ class RedisIndexConfig:
     cluster: bool = False
     read_from_replicas: bool = False
     cluster_shards: int = DEFAULT_SHARDS
+    cluster_wait_replicas: int = 0
 
     def __repr__(self) -> str:
         shown = []
@@ -145,6 +152,7 @@ class RedisIndexConfig:
         check_number("retry_backoff", self.retry_backoff, zero=True)
         check_number("pool_size", self.pool_size, integer=True)
         check_number("retries", self.retries, integer=True, zero=True)
+        check_number("cluster_wait_replicas", self.cluster_wait_replicas, integer=True, zero=True)
         check_number("clear_fields_per_call", self.clear_fields_per_call, integer=True)
         for name in (
             "username",
@@ -190,3 +198,12 @@ class RedisIndexConfig:
     def server(self) -> str:
         """``"<backend type> at <address>"`` with any password masked, for messages."""
         return f"{self.backend_type} at {self.parsed_address().display}"
+
+
+def check_supported(config: RedisIndexConfig) -> None:
+    """Raise :class:`~kvredis.errors.ConfigError` for a config the single-server index cannot
+    serve: ``cluster_wait_replicas`` (a cluster option)."""
+    if config.cluster_wait_replicas and not config.cluster:
+        raise ConfigError(
+            "cluster_wait_replicas is for cluster addresses only; leave it at 0 for a single server"
+        )

@@ -30,7 +30,7 @@ from kvredis.batch import IndexOp, Watermark
 from kvredis.errors import ConfigError
 from kvredis.index import ClearProgress
 from kvredis.redis.cluster.index import AsyncRedisClusterIndex, RedisClusterIndex
-from kvredis.redis.config import DEFAULT_VALKEY_ADDRESS, RedisIndexConfig
+from kvredis.redis.config import DEFAULT_VALKEY_ADDRESS, RedisIndexConfig, check_supported
 from kvredis.redis.executor import AsyncExecutor, SyncExecutor
 from kvredis.redis.ops import (
     Entries,
@@ -72,6 +72,7 @@ class _Facade:
         cfg = RedisIndexConfig() if config is None else config
         if not isinstance(cfg, RedisIndexConfig):
             raise ConfigError(f"config must be a RedisIndexConfig, got {cfg!r}")
+        check_supported(cfg)
         if cfg.cluster:
             raise ConfigError(
                 f"{cfg.server()} is a cluster address: use RedisClusterIndex "

@@ -60,7 +60,7 @@ class _ClusterFacade:
 
     def _core(self, executor: SyncClusterExecutor | AsyncClusterExecutor) -> ClusterCore:
         cfg = self.config
-        return ClusterCore(
+        core = ClusterCore(
             cfg.namespace,
             cfg.bucket_bits,
             cfg.cluster_shards,
@@ -69,6 +69,9 @@ class _ClusterFacade:
             RetryPolicy(cfg.retries, cfg.retry_backoff, cfg.server()),
             cfg.read_from_replicas,
         )
+        core.wait_replicas = cfg.cluster_wait_replicas
+        core.wait_timeout_ms = max(1, int(cfg.socket_timeout * 500))
+        return core
 
     @property
     def namespace(self) -> str:
@@ -93,7 +96,7 @@ class RedisClusterIndex(_ClusterFacade):
         self._exec = SyncClusterExecutor(self.config)
         self.core = self._core(self._exec)
         try:
-            self._run(lambda core: op_cluster_connect(core, create))
+            self._run(lambda core: op_cluster_connect(core, self.config.strict, create))
         except BaseException:
             self._exec.close()
             raise
@@ -215,7 +218,7 @@ class AsyncRedisClusterIndex(_ClusterFacade):
 
     async def connect(self) -> None:
         """Fetch the slot map and load the namespace's shards."""
-        await self._exec.run(op_cluster_connect(self.core))
+        await self._exec.run(op_cluster_connect(self.core, self.config.strict))
         self._connected = True
 
     async def _run(self, op: Callable[[ClusterCore], WaveOp[T]]) -> T:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
+import logging
 import math
 import secrets
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -48,13 +49,16 @@ from kvredis.checks import (
     pod_filter,
 )
 from kvredis.errors import (
+    BackendOutOfMemoryError,
     BackendUnavailableError,
     InvalidInputError,
     NamespaceMissingError,
     translate,
 )
 from kvredis.index import ClearProgress
+from kvredis.redis.cluster.redirect import parse_redirect
 from kvredis.redis.cluster.routing import (
+    TRANSIENT_CLUSTER_REPLIES,
     ClusterState,
     NodeBatch,
     SlotCommand,
@@ -87,6 +91,7 @@ from kvredis.redis.ops import (
     add_call,
     batch_call,
     batch_fence,
+    check_eviction_policy,
     compress_pairs,
     expiry_mode_of,
     op_clear,
@@ -104,13 +109,23 @@ from kvredis.redis.ops import (
     score_weights,
     split_add,
 )
-from kvredis.redis.requests import Command, ErrorReply, Failure, Op, Pipeline, ScriptCall, Sleep
+from kvredis.redis.requests import (
+    Command,
+    ConnectionLost,
+    ErrorReply,
+    Failure,
+    Op,
+    Pipeline,
+    ScriptCall,
+    Sleep,
+)
 from kvredis.redis.scripts import ScriptRegistry
 from kvredis.redis.state import CoreState, EntryCache
 from kvredis.scoring import LongestPrefixScorer
 from kvredis.types import KeyType, PodEntry
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 Keys = Sequence[int]
 Entries = Sequence[PodEntry]
@@ -150,6 +165,9 @@ class ClusterCore:
         self.policy = policy
         self.registry = ScriptRegistry()
         self.read_from_replicas = read_from_replicas
+        #: replicas every write waits for (``WAIT``; 0: none), and for how long at most
+        self.wait_replicas = 0
+        self.wait_timeout_ms = 1000
         self.expiry_mode = "key"
         self.sessions: list[Session] = []
         self.slots: list[int] = []
@@ -255,9 +273,11 @@ def op_parallel(
                 else:
                     raise TypeError(f"a wave sends commands, pipelines and sleeps, not {request!r}")
             on_replicas = read and core.read_from_replicas
-            replies = yield from op_wave(
-                core.cluster, commands, core.wave_policy, read=on_replicas, pick=core.pick()
+            waits = [] if read else _waits(core, commands)
+            wave = op_wave(
+                core.cluster, commands + waits, core.wave_policy, read=on_replicas, pick=core.pick()
             )
+            replies = yield from (_watch_waits(core, wave, len(waits)) if waits else wave)
             for shard, start, n in spans:
                 if n is None:
                     reply = replies[start]
@@ -268,6 +288,111 @@ def op_parallel(
         for op in live.values():
             op.close()
     return results
+
+
+#: Commands the cluster operations send that write nothing (no WAIT after them).
+_READS = frozenset(
+    {b"HGET", b"HMGET", b"HEXISTS", b"HGETALL", b"SCAN", b"INFO", b"PING", b"SCRIPT"}
+)
+
+
+def _waits(core: ClusterCore, commands: Sequence[SlotCommand]) -> list[SlotCommand]:
+    """With ``core.wait_replicas``: one ``WAIT`` per node a wave writes to, sent after its
+    commands in the same pipeline (routed by one of the node's slots). Calls of ``no-writes``
+    scripts and plain reads write nothing."""
+    if not core.wait_replicas:
+        return []
+    registry = core.registry
+    reads = {
+        registry[n].sha
+        for n in registry.names()
+        if b"no-writes" in registry[n].source.split(b"\n", 1)[0]
+    }
+    slots = [
+        c.slot
+        for c in commands
+        if _name(c.args[0]) not in _READS
+        and not (_name(c.args[0]) == b"EVALSHA" and c.args[1] in reads)
+    ]
+    slot_map = core.cluster.slot_map
+    by_node: dict[object, int] = {}
+    for slot in slots:
+        try:
+            by_node[slot_map.primary(slot) if slot_map else slot] = slot
+        except BackendUnavailableError:  # no node serves it (yet): op_wave retries it
+            by_node[slot] = slot
+    wait = ("WAIT", core.wait_replicas, core.wait_timeout_ms)
+    return [SlotCommand(slot, wait) for slot in by_node.values()]
+
+
+def _name(arg: Any) -> bytes:
+    return (arg.encode() if isinstance(arg, str) else bytes(arg)).upper()
+
+
+def _watch_waits(core: ClusterCore, wave: WaveOp[list[Any]], waits: int) -> WaveOp[list[Any]]:
+    """Run a wave whose last ``waits`` commands are ``WAIT`` s (:func:`_waits`); the replies of
+    the others.
+
+    Raises BackendUnavailableError when a ``WAIT`` saw fewer replicas than asked, or when a
+    node's pipeline came back split (:func:`_split_by_wait`): the wave then sends the writes or
+    the ``WAIT`` again without the other, and nothing tells whether replicas hold the writes.
+    """
+    unconfirmed = False
+    try:
+        request = next(wave)
+        while True:
+            reply = yield request
+            if isinstance(request, Wave):
+                unconfirmed = unconfirmed or any(
+                    _split_by_wait(batch.commands, replies)
+                    for batch, replies in zip(request.batches, reply, strict=True)
+                )
+            request = wave.send(reply)
+    except StopIteration as stop:
+        replies = list(stop.value)
+    finally:
+        wave.close()
+    acked = min((int(_reply(r)) for r in replies[len(replies) - waits :]), default=0)
+    if unconfirmed or acked < core.wait_replicas:
+        seen = (
+            "a node's pipeline came back split between the write and its WAIT"
+            if unconfirmed
+            else (
+                f"{acked} of the {core.wait_replicas} replicas it waits for acknowledged it within "
+                f"{core.wait_timeout_ms} ms"
+            )
+        )
+        raise BackendUnavailableError(
+            f"{core.wave_policy.server}: a write is applied on its primary, but {seen}: it may "
+            "be lost in a failover (sending it again is safe)"
+        )
+    return replies[: len(replies) - waits]
+
+
+def _split_by_wait(commands: Sequence[Sequence[Any]], replies: Sequence[Any]) -> bool:
+    """Whether a node's pipeline that ends with ``WAIT`` came back split: the ``WAIT`` is to
+    be sent again (the node failed after answering the writes) but not every write is, or
+    some write is (a redirection, a transient error, a lost connection) but the ``WAIT`` is
+    not."""
+    waited, written = False, []
+    for command, reply in zip(commands, replies, strict=True):
+        name = _name(command[0])
+        if name == b"WAIT":
+            waited = _resent(reply)
+        elif name not in (b"ASKING", b"READONLY"):
+            written.append(_resent(reply))
+    has_wait = any(_name(c[0]) == b"WAIT" for c in commands)
+    return has_wait and (not all(written) if waited else any(written))
+
+
+def _resent(reply: Any) -> bool:
+    """Whether :func:`~kvredis.redis.cluster.routing.op_wave` sends a command again after
+    this reply."""
+    if isinstance(reply, ConnectionLost):
+        return True
+    if not isinstance(reply, ErrorReply):
+        return False
+    return reply.code in TRANSIENT_CLUSTER_REPLIES or parse_redirect(reply.message) is not None
 
 
 def _on_shards(
@@ -287,7 +412,12 @@ def _everywhere(
 
 def _command(core: ClusterCore, slot: int, *args: Any) -> WaveOp[Any]:
     (reply,) = yield from op_wave(core.cluster, [SlotCommand(slot, args)], core.wave_policy)
-    if isinstance(reply, Failure):  # op_wave retried what can be retried
+    return _reply(reply)
+
+
+def _reply(reply: Any) -> Any:
+    """A reply of a wave, or its error raised (op_wave retried what can be retried)."""
+    if isinstance(reply, Failure):
         raise translate(reply.message)
     return reply
 
@@ -295,33 +425,36 @@ def _command(core: ClusterCore, slot: int, *args: Any) -> WaveOp[Any]:
 # -- connecting --------------------------------------------------------------------------------
 
 
-def op_cluster_connect(core: ClusterCore, create: bool = True) -> WaveOp[int]:
+def op_cluster_connect(core: ClusterCore, strict: bool = False, create: bool = True) -> WaveOp[int]:
     """Fetch the slot map, read (or create) the namespace's descriptor, learn how expiring
-    entries expire, and load every shard's namespace; the shard count. With ``create=False``
-    a namespace without a descriptor raises :class:`~kvredis.errors.NamespaceMissingError`."""
+    entries expire, load every shard's namespace, and check every primary's eviction policy
+    (:func:`~kvredis.redis.ops.check_eviction_policy`: ``allkeys-*`` warns, or with ``strict``
+    raises); the shard count. With ``create=False`` a namespace without a descriptor raises
+    :class:`~kvredis.errors.NamespaceMissingError` instead of being created."""
     desc = descriptor_key(core.namespace)
     slot = shard_slot(desc.decode())
-    writes = [
-        SlotCommand(slot, ("HSETNX", desc, "shards", core.configured_shards)),
-        SlotCommand(slot, ("HSETNX", desc, "layout", CLUSTER_LAYOUT)),
-    ]
+    read = [SlotCommand(slot, ("HMGET", desc, "layout", "shards"))]
     replies = yield from op_wave(
-        core.cluster,
-        [
-            *(writes if create else ()),
-            SlotCommand(slot, ("HMGET", desc, "layout", "shards")),
-            SlotCommand(slot, ("INFO", "server")),
-        ],
-        core.wave_policy,
+        core.cluster, [*read, SlotCommand(slot, ("INFO", "server"))], core.wave_policy
     )
-    for reply in replies[:-1]:
-        if isinstance(reply, Failure):
-            raise translate(reply.message)
-    count = parse_descriptor(replies[-2], core.namespace)
-    if count is None:
+    info = replies[-1]
+    count = parse_descriptor(_reply(replies[0]), core.namespace)
+    if count is None and not create:
         raise NamespaceMissingError(f"cluster namespace {core.namespace!r} does not exist")
-    if not isinstance(replies[-1], Failure):
-        core.expiry_mode = expiry_mode_of(replies[-1])
+    if count is None:  # written only when missing: a reader starts on a full node
+        replies = yield from op_wave(
+            core.cluster,
+            [
+                SlotCommand(slot, ("HSETNX", desc, "shards", core.configured_shards)),
+                SlotCommand(slot, ("HSETNX", desc, "layout", CLUSTER_LAYOUT)),
+                *read,
+            ],
+            core.wave_policy,
+        )
+        count = parse_descriptor([_reply(r) for r in replies][-1], core.namespace)
+        assert count is not None  # just written
+    if not isinstance(info, Failure):
+        core.expiry_mode = expiry_mode_of(info)
     core.adopt(count)
     for session in core.sessions:
         session.state.expiry_mode = core.expiry_mode
@@ -331,6 +464,14 @@ def op_cluster_connect(core: ClusterCore, create: bool = True) -> WaveOp[int]:
         for shard, session in enumerate(core.sessions)
     }
     yield from op_parallel(core, ops)
+    assert core.cluster.slot_map is not None  # fetched by the first wave
+    primaries = core.cluster.slot_map.primaries
+    infos = yield Wave(tuple(NodeBatch(node, (("INFO", "memory"),)) for node in primaries))
+    for node, (info,) in zip(primaries, infos, strict=True):
+        if isinstance(info, Failure):  # INFO not permitted, or the node is gone: no check
+            logger.debug("cannot read INFO memory from %s: %s", node, info.message)
+        else:
+            check_eviction_policy(info, f"primary {node} of {core.wave_policy.server}", strict)
     return count
 
 
@@ -626,10 +767,12 @@ def op_node_writes(
                 )
                 entries.append(("probe", key))
         layout_of.append((shards, entries))
+    waits = _waits(core, commands)
     try:
-        replies = yield from op_wave(core.cluster, commands, core.fast_policy)
-    except BackendUnavailableError:  # a redirection or a node in trouble: the careful path
-        replies = [None] * len(commands)
+        wave = op_wave(core.cluster, commands + waits, core.fast_policy)
+        replies = yield from (_watch_waits(core, wave, len(waits)) if waits else wave)
+    except BackendUnavailableError:  # a redirection, a node in trouble, a WAIT short of
+        replies = [None] * len(commands)  # replicas: the careful path (which waits too)
     taken: dict[int, bool] = {}
     held: set[int] = set()
     again: list[int] = []
@@ -710,6 +853,27 @@ def _parts_factory(
     return factory
 
 
+def _evict_call(state: CoreState, key: int, entries: Entries) -> ScriptCall:
+    call = next(op_evict(state, key, KeyType.REQUEST, entries))  # its one request
+    assert isinstance(call, ScriptCall)
+    return call
+
+
+def _evicts_each(units: Sequence[Unit], probes: Sequence[int]) -> Callable[[CoreState], Op[Any]]:
+    """A shard op for a node out of memory: request-key evicts as ``evict`` calls (which such a
+    node still runs), then the probes; the held probes."""
+
+    def factory(state: CoreState) -> Op[set[int]]:
+        yield Pipeline(tuple(_evict_call(state, u[1], u[2]) for u in units))
+        layout = state.layout
+        replies = yield Pipeline(
+            tuple(Command(("HEXISTS", layout.request_bucket(k), hash_field(k))) for k in probes)
+        )
+        return {key for key, reply in zip(probes, replies, strict=True) if int(reply)}
+
+    return factory
+
+
 def op_engine_evicts(
     core: ClusterCore, evicts: Sequence[EvictOp], shards: set[int] | None
 ) -> WaveOp[None]:
@@ -781,9 +945,15 @@ def _evict_group(
             probes.setdefault(shard, []).append(key)
     plans = {s: _unfenced_plan(u) for s, u in units.items()}
     shard_probes = {s: list(dict.fromkeys(keys)) for s, keys in probes.items()}
-    _, held = yield from op_node_writes(
-        core, plans, batch_fence(None, None), secrets.token_hex(8), probes=shard_probes
-    )
+    try:
+        _, held = yield from op_node_writes(
+            core, plans, batch_fence(None, None), secrets.token_hex(8), probes=shard_probes
+        )
+    except BackendOutOfMemoryError:  # a full node refuses apply_shards, not evict calls
+        found = yield from _on_shards(
+            core, {s: _evicts_each(units[s], shard_probes[s]) for s in units}
+        )
+        held = set().union(*found.values())
     drops: dict[int, list[tuple[int, bytes]]] = {}
     for op in group:
         mapping = mappings.get(op.key)

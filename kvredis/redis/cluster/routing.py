@@ -17,11 +17,12 @@ at once (one round trip per involved node, in parallel). Then, per command:
   ``READONLY`` (a failover in progress): after a :class:`~kvredis.redis.requests.Sleep` with
   backoff the map is refreshed and the command sent to its slot's node again.
 
-Redirections count against ``max_redirects`` and retries against the policy's ``retries``;
-past either the wave raises :class:`~kvredis.errors.BackendUnavailableError`. Read waves
-(``read=True``) go to replicas where the map has healthy ones (each of those pipelines starts
-with ``READONLY``). Every command must be safe to send twice (a command whose reply was lost is
-sent again).
+Redirections count against ``max_redirects`` (afresh after each retry: a slot whose keys are
+half migrated answers ASK, then TRYAGAIN at the target, until the migration ends) and retries
+against the policy's ``retries``; past either the wave raises
+:class:`~kvredis.errors.BackendUnavailableError`. Read waves (``read=True``) go to replicas
+where the map has healthy ones (each of those pipelines starts with ``READONLY``). Every command
+must be safe to send twice (a command whose reply was lost is sent again).
 """
 
 from __future__ import annotations
@@ -182,6 +183,7 @@ def op_wave(
         if failed is not None:
             slot_map = yield from _backoff(state, policy, attempt, failed)
             attempt += 1
+            redirects = 0  # ASK then TRYAGAIN while a slot migrates: a retry, not a redirect loop
         elif moved:
             slot_map = yield from op_refresh(state, policy.server)
     return results

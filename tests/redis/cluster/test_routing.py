@@ -208,3 +208,17 @@ def test_no_node_telling_the_map_is_unavailable() -> None:
         op.send([[ConnectionLost("refused")]])
     with pytest.raises(ValueError, match="seed"):
         ClusterState([])
+
+
+def test_a_slot_being_migrated_spends_retries_not_redirections() -> None:
+    """A multi-key command on a slot whose keys are half moved: the source answers ASK, the
+    target TRYAGAIN (until the migration ends), again and again. Each round is a retry with
+    backoff; the redirections count again after each, so the wave rides out as many rounds as
+    it has retries, more than ``max_redirects``."""
+    policy = WavePolicy(retries=6, backoff=0.1, max_redirects=3, server="the test cluster")
+    rounds = [[[ErrorReply("ASK 1 c:3")], ["OK", ErrorReply("TRYAGAIN Multiple keys")]]] * 5
+    replies = iter([r for pair in rounds for r in pair] + [[ErrorReply("ASK 1 c:3")], ["OK", 7]])
+    steps = Steps([MAP] * 5)
+    op = op_wave(steps.state, [SlotCommand(1, ("EVALSHA", "x", 2, "k1", "k2"))], policy)
+    assert steps.run(op, lambda b: next(replies)) == [7]
+    assert sum(isinstance(r, Sleep) for r in steps.requests) == 5

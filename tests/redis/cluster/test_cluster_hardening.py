@@ -1,0 +1,636 @@
+"""The hardening cases of ``tests/redis/test_hardening.py`` that apply to a cluster, against
+RedisClusterIndex on real redis-server 7 and Valkey 9 clusters, and what only a cluster does to
+the index: scripts flushed on every node, a shard's slot resharded while in use, a slot no node
+serves.
+
+A cluster namespace is shards, each a complete single-server namespace in one slot (see
+:mod:`kvredis.redis.cluster.shards`): what the single-server suite says of "the namespace" holds
+here of each shard, and each shard's part of a call is its own atomic step.
+"""
+
+from __future__ import annotations
+
+import http.server
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import redis
+
+from kvredis import (
+    AddOp,
+    BackendOutOfMemoryError,
+    BackendUnavailableError,
+    EvictOp,
+    KeyType,
+    NamespaceLayoutError,
+    PodEntry,
+    RedisIndexConfig,
+    UnsafeServerConfigError,
+    Watermark,
+)
+from kvredis.redis.cluster import ops as cluster_ops
+from kvredis.redis.cluster.index import AsyncRedisClusterIndex, RedisClusterIndex
+from kvredis.redis.cluster.routing import Wave
+from kvredis.redis.layout import Layout
+from kvredis.redis.requests import ConnectionLost, ErrorReply
+from tests.conftest import TEST_PREFIX
+from tests.redis.test_hardening import _namespace_keys
+from tests.servers import LocalCluster
+
+A = PodEntry("pod-a", "gpu")
+B = PodEntry("pod-b", "cpu")
+
+
+@pytest.fixture
+def cfg(redis_cluster: LocalCluster) -> RedisIndexConfig:
+    return RedisIndexConfig(
+        address=redis_cluster.url,
+        namespace=f"{TEST_PREFIX}{uuid.uuid4().hex[:12]}",
+        cluster_shards=8,
+        retries=4,
+        retry_backoff=0.02,
+    )
+
+
+@pytest.fixture
+def index(cfg: RedisIndexConfig) -> Iterator[RedisClusterIndex]:
+    with RedisClusterIndex(cfg) as built:
+        yield built
+        built.drop_namespace()
+
+
+@contextmanager
+def _node(index: RedisClusterIndex, shard: int) -> Iterator[redis.Redis]:
+    """A plain client of the primary serving ``shard``."""
+    port = index.executor.slot_map.primary(index.core.slots[shard]).port
+    client = redis.Redis(port=port)
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+def _keys_of(index: RedisClusterIndex, shard: int, count: int, start: int = 1) -> list[int]:
+    """``count`` request keys (from ``start`` on) that live in ``shard``."""
+    found: list[int] = []
+    key = start
+    while len(found) < count:
+        if index.core.shard(key) == shard:
+            found.append(key)
+        key += 1
+    return found
+
+
+def _layout(index: RedisClusterIndex, shard: int) -> Layout:
+    return index.core.state(shard).layout
+
+
+def _shard_keys(index: RedisClusterIndex, shard: int) -> dict[bytes, object]:
+    """Every key of one shard but its meta record, with its value."""
+    with _node(index, shard) as raw:
+        return _namespace_keys(raw, _layout(index, shard).namespace)
+
+
+def _found(index: RedisClusterIndex, keys: Sequence[int]) -> dict[int, list[PodEntry]]:
+    """The entries of each key on its own (not cut at the chain's first miss)."""
+    return {k: v for key in keys for k, v in index.lookup([key]).items()}
+
+
+# -- the single-server cases, per shard --------------------------------------------------------
+
+
+def test_losing_a_shards_meta_record_alone_heals(
+    index: RedisClusterIndex, cfg: RedisIndexConfig
+) -> None:
+    index.add([1, 2], [10, 20], [A])
+    index.add(None, [30], [B])
+    shard = index.core.shard(10)
+    with _node(index, shard) as raw:
+        assert raw.delete(_layout(index, shard).meta) == 1
+    with RedisClusterIndex(cfg) as new:
+        assert new.lookup([10, 20, 30]) == {10: [A], 20: [A], 30: [B]}
+    assert index.lookup([10, 20]) == {10: [A], 20: [A]}
+    # new entries never reuse an id of the lost record
+    c = PodEntry("pod-c", "gpu")
+    (forty,) = _keys_of(index, shard, 1, start=40)
+    index.add(None, [forty], [c])
+    assert index.lookup([10]) == {10: [A]} and index.lookup([forty]) == {forty: [c]}
+    assert index.lookup([30]) == {30: [B]}
+
+
+@pytest.mark.parametrize("foreign", ["string", "list"])
+def test_a_foreign_key_of_the_wrong_type_fails_the_call_and_its_shard_writes_nothing(
+    index: RedisClusterIndex, foreign: str
+) -> None:
+    """The shard holding the foreign key writes nothing. The other shards' parts are their own
+    atomic steps, sent in the same wave: they are applied (and their watermarks advanced), so
+    the stream's watermark, the lowest over the shards, stays unset, and once the foreign key
+    is gone the same batch is taken by the failed shard only."""
+    bad_key = 77
+    shard = index.core.shard(bad_key)
+    others = [k for k in range(1, 40) if index.core.shard(k) != shard][:6]
+    (five,) = _keys_of(index, shard, 1, start=5)
+    index.add(None, [five], [A])
+    bad = _layout(index, shard).request_bucket(bad_key)
+    with _node(index, shard) as raw:
+        if foreign == "string":
+            raw.set(bad, "foreign")
+        else:
+            raw.rpush(bad, "foreign")
+    before = _shard_keys(index, shard)
+    new = PodEntry("pod-new", "gpu")
+    batch = [
+        AddOp(None, tuple(others), (A, new)),
+        EvictOp(five, KeyType.REQUEST, (A,)),
+        AddOp(None, (bad_key,), (B,)),
+    ]
+    with pytest.raises(NamespaceLayoutError):
+        index.apply_batch(batch, "s", Watermark(1, 1))
+    assert _shard_keys(index, shard) == before
+    assert index.get_watermark("s") is None
+    assert _found(index, others) == {k: [A, new] for k in others}  # the other shards' parts
+    with pytest.raises(NamespaceLayoutError):
+        index.add([9], [others[0], bad_key], [B])
+    assert _shard_keys(index, shard) == before
+    assert B in index.lookup([others[0]])[others[0]]  # the other shard's part of the add
+    with _node(index, shard) as raw:
+        raw.delete(bad)
+    index.apply_batch(batch, "s", Watermark(1, 1))
+    assert index.get_watermark("s") == Watermark(1, 1)
+    found = {k: set(v) for k, v in _found(index, [*others, five, bad_key]).items()}
+    assert found == {k: {A, new} for k in others[1:]} | {others[0]: {A, new, B}, bad_key: {B}}
+
+
+def test_an_exhausted_id_space_found_while_interning_writes_nothing_on_that_shard(
+    index: RedisClusterIndex,
+) -> None:
+    shard = index.core.shard(5)
+    index.add(None, [5], [A])
+    layout = _layout(index, shard)
+    top = 2**32 - 1
+    with _node(index, shard) as raw:
+        # room for two ids by next_id, but one of them is already defined (a recreated record)
+        raw.hset(layout.meta, "next_id", top - 2)
+        pi = layout.meta[: -len(b"meta")] + b"pi"
+        raw.hset(pi, (top - 1).to_bytes(4, "big"), raw.hget(pi, (1).to_bytes(4, "big")) or b"")
+    before = _shard_keys(index, shard)
+    one, two = _keys_of(index, shard, 2, start=100)
+    with pytest.raises(NamespaceLayoutError, match="id space"):
+        index.apply_batch(
+            [AddOp(None, (one,), (B,)), AddOp(None, (two,), (PodEntry("p", "t"),))],
+            "s",
+            Watermark(1, 1),
+        )
+    assert _shard_keys(index, shard) == before
+    with _node(index, shard) as raw:
+        assert raw.hget(layout.meta, "next_id") == str(top - 2).encode()
+
+
+def _mentions(arg: object, text: str) -> bool:
+    if isinstance(arg, str):
+        return text in arg
+    return isinstance(arg, (bytes, bytearray, memoryview)) and text.encode() in bytes(arg)
+
+
+def test_a_batch_whose_reply_was_lost_is_reported_applied(
+    index: RedisClusterIndex, cfg: RedisIndexConfig
+) -> None:
+    """The wave carrying the batch reaches the nodes, and every reply of the node holding the
+    stream's home shard is lost (what a cut connection does): the wave resends the same calls
+    with the same batch token, which the shards recognise as applied already."""
+    stream = "stream-lost"
+    home = index.core.home(stream)
+    home_node = index.executor.slot_map.primary(index.core.slots[home])
+    exec_ = index.executor
+    send = exec_._send
+    lost: list[int] = []
+
+    def lossy(wave: Wave) -> list[list[Any]]:
+        replies = send(wave)
+        marked = any(_mentions(arg, stream) for b in wave.batches for c in b.commands for arg in c)
+        if marked and not lost:
+            for i, batch in enumerate(wave.batches):
+                if batch.node == home_node:
+                    lost.append(len(replies[i]))
+                    replies[i] = [ConnectionLost("reply lost")] * len(replies[i])
+        return replies
+
+    exec_._send = lossy  # type: ignore[method-assign]
+    try:
+        assert index.apply_batch([AddOp(None, (1,), (A,))], stream, Watermark(1, 1))
+    finally:
+        del exec_._send
+    assert lost  # the reply was lost, and the batch still reported applied
+    assert index.get_watermark(stream) == Watermark(1, 1)
+    assert index.lookup([1]) == {1: [A]}
+    # another sender's resend of the same watermark is still skipped
+    with RedisClusterIndex(cfg) as other:
+        assert not other.apply_batch([AddOp(None, (2,), (A,))], stream, Watermark(1, 1))
+    assert index.lookup([2]) == {}
+
+
+@contextmanager
+def _out_of_memory(cluster: LocalCluster) -> Iterator[None]:
+    primaries = [p for p, (role, _, _) in cluster.topology().items() if role == "master"]
+    admins = [cluster.client(port) for port in primaries]
+    try:
+        for admin in admins:
+            admin.config_set("maxmemory-policy", "noeviction")
+            admin.config_set("maxmemory", 1)
+        yield
+    finally:
+        for admin in admins:
+            admin.config_set("maxmemory", 0)
+            admin.close()
+
+
+def test_out_of_memory_readers_start_evict_and_clear_work_adds_fail_clearly(
+    index: RedisClusterIndex, cfg: RedisIndexConfig, redis_cluster: LocalCluster
+) -> None:
+    index.add([1, 2], [10, 20], [A, B])
+    index.add(None, [30], [B])
+    with _out_of_memory(redis_cluster):
+        with RedisClusterIndex(replace(cfg, retries=1)) as reader:
+            assert reader.lookup([10, 20]) == {10: [A, B], 20: [A, B]}
+            assert reader.score([10, 20]) == pytest.approx({"pod-a": 2.0, "pod-b": 1.6})
+        with pytest.raises(BackendOutOfMemoryError, match="out of memory"):
+            index.add(None, [40], [A])
+        index.evict(1, KeyType.ENGINE, [A])
+        assert index.lookup([10]) == {10: [B]}
+        index.evict(20, KeyType.REQUEST, [A])
+        assert index.lookup([20]) == {20: [B]}
+        index.clear("pod-b")
+        assert index.lookup([10, 20, 30]) == {}
+
+
+def test_an_allkeys_eviction_policy_on_any_primary_warns_or_raises_with_strict(
+    cfg: RedisIndexConfig, redis_cluster: LocalCluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    view = redis_cluster.topology()
+    primaries = sorted(p for p, (role, _, _) in view.items() if role == "master")
+    admin = redis_cluster.client(primaries[-1])
+    try:
+        admin.config_set("maxmemory-policy", "allkeys-lru")
+        with caplog.at_level(logging.WARNING), RedisClusterIndex(cfg):
+            pass
+        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert any(
+            "allkeys-lru" in m and "noeviction" in m and str(primaries[-1]) in m for m in warned
+        ), warned
+        with pytest.raises(UnsafeServerConfigError, match="allkeys-lru"):
+            RedisClusterIndex(replace(cfg, strict=True))
+        caplog.clear()
+        admin.config_set("maxmemory-policy", "volatile-lru")
+        with caplog.at_level(logging.WARNING), RedisClusterIndex(replace(cfg, strict=True)) as ok:
+            ok.drop_namespace()
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    finally:
+        admin.config_set("maxmemory-policy", "noeviction")
+        admin.close()
+
+
+@contextmanager
+def _http_ports(count: int) -> Iterator[list[int]]:
+    servers = [
+        http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+        for _ in range(count)
+    ]
+    for server in servers:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield [int(server.server_address[1]) for server in servers]
+    finally:
+        for server in servers:
+            server.shutdown()
+            server.server_close()
+
+
+def _not_redis(ports: list[int], password: str = "") -> RedisIndexConfig:
+    hosts = ",".join(f"127.0.0.1:{p}" for p in ports)
+    user = f"user{password}@" if password else ""
+    return RedisIndexConfig(address=f"redis+cluster://{user}{hosts}", retries=1, socket_timeout=1.0)
+
+
+def test_seeds_that_are_not_redis_are_a_backend_unavailable_error_naming_them() -> None:
+    with _http_ports(2) as ports:
+        for password in ("", ":p@ss-word"):
+            with pytest.raises(BackendUnavailableError) as info:
+                RedisClusterIndex(_not_redis(ports, password))
+            for port in ports:
+                assert f"127.0.0.1:{port}" in str(info.value)
+            assert "p@ss" not in str(info.value) and "ss-word" not in str(info.value)
+
+
+async def test_async_seeds_that_are_not_redis_are_a_backend_unavailable_error() -> None:
+    with _http_ports(1) as ports, pytest.raises(BackendUnavailableError) as info:
+        await AsyncRedisClusterIndex.create(_not_redis(ports))
+    assert f"127.0.0.1:{ports[0]}" in str(info.value)
+
+
+def test_a_batch_in_parts_applies_at_most_once_per_shard_and_survives_a_crash_between_parts(
+    index: RedisClusterIndex, cfg: RedisIndexConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each shard's part of the batch goes in several calls (a small call budget), and the batch
+    has engine-key evicts in the middle, so it runs as several waves. A sender dies after the
+    first wave (every shard took the first call of its part); a new sender's batch is then
+    applied whole, once."""
+    monkeypatch.setattr(cluster_ops._programs, "__defaults__", (8,))
+    keys = list(range(1, 41))
+    batch: list[Any] = [AddOp([1000 + k], (k,), (A,)) for k in keys]
+    batch += [EvictOp(k, KeyType.REQUEST, (A,)) for k in keys[:10]]
+    batch += [EvictOp(1000 + k, KeyType.ENGINE, (A,)) for k in keys[10:15]]
+    batch += [AddOp(None, tuple(keys[:5]), (B,))]
+    index.apply_batch(batch[:1], "warm", Watermark(1, 1))  # scripts loaded: no NOSCRIPT wave
+    op = cluster_ops.op_cluster_apply_batch(index.core, batch, "s", Watermark(1, 1))
+    first = next(op)
+    assert isinstance(first, Wave) and len(first.batches) >= 2
+    index.executor._send(first)  # the first wave reaches the nodes, then the sender dies
+    op.close()
+    assert index.get_watermark("s") is None
+    expected = {k: [B] for k in keys[:5]} | {k: [A] for k in keys[15:]}
+    with RedisClusterIndex(cfg) as other:
+        assert other.apply_batch(batch, "s", Watermark(1, 1))
+    assert index.get_watermark("s") == Watermark(1, 1)
+    assert _found(index, keys) == expected
+    assert all(index.get_request_key(1000 + k) == k for k in keys[15:])
+    with pytest.raises(KeyError):
+        index.get_request_key(1011)
+    # and once only: a resend of the watermark is skipped on every shard
+    assert not index.apply_batch([AddOp(None, tuple(keys), (B,))], "s", Watermark(1, 1))
+    assert _found(index, keys) == expected
+
+
+def test_a_huge_add_under_one_engine_key_is_applied_whole(index: RedisClusterIndex) -> None:
+    keys = list(range(1, 20_001))
+    index.add([7], keys, [A])
+    found = index.lookup(keys)
+    assert len(found) == len(keys) and found[keys[-1]] == [A]
+    assert index.get_request_key(7) == keys[-1]
+    index.evict(7, KeyType.ENGINE, [A])
+    # the engine key maps to its most recent 1024 request keys only
+    assert index.lookup(keys[-1024:]) == {}
+    assert index.lookup(keys[:1]) == {1: [A]}
+    assert len(index.lookup(keys[:-1024])) == len(keys) - 1024
+
+
+def _definitions(index: RedisClusterIndex, shard: int) -> tuple[int, int, int]:
+    layout = _layout(index, shard)
+    base = layout.meta[: -len(b"meta")]
+    with _node(index, shard) as raw:
+        pi = [k for k in raw.hkeys(base + b"pi") if len(k) == 4]
+        return len(pi), raw.hlen(base + b"pe"), raw.hlen(base + b"pp")
+
+
+def test_cleared_pods_leave_the_entry_dictionaries_and_ids_are_never_reused(
+    index: RedisClusterIndex, cfg: RedisIndexConfig
+) -> None:
+    pods = [PodEntry(f"pod-{i}", "gpu") for i in range(60)]
+    with RedisClusterIndex(cfg) as other:
+        for i, pod in enumerate(pods):
+            index.add([i], [i], [pod, A])
+        assert other.lookup([0]) == {0: [pods[0], A]}  # other caches pod-0's id
+        shard = index.core.shard(5000)
+        with _node(index, shard) as raw:
+            before = int(raw.hget(_layout(index, shard).meta, "next_id") or 0)
+        for pod in pods:
+            index.clear(pod.pod_identifier)
+        holders = {index.core.shard(i) for i in range(len(pods))}
+        for s in range(index.shards):  # only pod-a's entry is left, where it was interned
+            assert _definitions(index, s) == ((1, 1, 1) if s in holders else (0, 0, 0))
+        assert index.lookup([0, 1]) == {0: [A], 1: [A]}
+        index.add(None, [5000], [pods[0]])  # interned again, under a new id
+        with _node(index, shard) as raw:
+            assert int(raw.hget(_layout(index, shard).meta, "next_id") or 0) == before + 1
+        for client in (index, other):
+            assert client.lookup([5000]) == {5000: [pods[0]]}
+            assert client.lookup([0]) == {0: [A]}
+        with RedisClusterIndex(cfg) as fresh:
+            assert fresh.lookup([5000]) == {5000: [pods[0]]}
+
+
+def test_an_id_re_added_while_its_pod_was_cleared_is_skipped_not_an_error(
+    index: RedisClusterIndex, cfg: RedisIndexConfig
+) -> None:
+    pod = PodEntry("pod-x", "gpu")
+    one, two = _keys_of(index, index.core.shard(1), 2)
+    index.add(None, [one, two], [pod, A])
+    bucket = _layout(index, index.core.shard(one)).request_bucket(one)
+    field = one.to_bytes(8, "big")
+    with _node(index, index.core.shard(one)) as raw:
+        held = raw.hget(bucket, field)
+        index.clear("pod-x")
+        raw.hset(bucket, field, held or b"")  # what a racing add stored after the clear passed
+    with RedisClusterIndex(cfg) as fresh:
+        for client in (index, fresh):
+            assert client.lookup([one, two]) == {one: [A], two: [A]}
+            assert client.score([one, two]) == {"pod-a": 2.0}
+
+
+# -- what only a cluster does ------------------------------------------------------------------
+
+
+def _flush_scripts(cluster: LocalCluster) -> None:
+    for port in cluster.live_ports():
+        client = cluster.client(port)
+        try:
+            client.script_flush()
+        finally:
+            client.close()
+
+
+def test_scripts_flushed_on_every_node_are_reloaded_transparently(
+    index: RedisClusterIndex, redis_cluster: LocalCluster
+) -> None:
+    keys = list(range(1, 33))
+    index.add([1], keys, [A])
+    _flush_scripts(redis_cluster)
+    assert index.lookup(keys) == {k: [A] for k in keys}
+    _flush_scripts(redis_cluster)
+    index.add([2], [100, 101], [B])
+    assert index.lookup([100, 101]) == {100: [B], 101: [B]}
+    _flush_scripts(redis_cluster)
+    index.evict(2, KeyType.ENGINE, [B])
+    assert index.lookup([100]) == {}
+    with pytest.raises(KeyError):
+        index.get_request_key(2)
+    _flush_scripts(redis_cluster)
+    batch = [AddOp([3], (200, 201), (A,)), EvictOp(1, KeyType.ENGINE, (A,))]
+    assert index.apply_batch(batch, "s", Watermark(1, 1))
+    assert index.lookup([200, 201]) == {200: [A], 201: [A]}
+    assert index.lookup(keys) == {}
+    _flush_scripts(redis_cluster)
+    assert index.score([200, 201]) == {"pod-a": 2.0}
+    assert not index.apply_batch(batch, "s", Watermark(1, 1))
+
+
+async def test_async_scripts_flushed_on_every_node_are_reloaded_transparently(
+    cfg: RedisIndexConfig, redis_cluster: LocalCluster
+) -> None:
+    async with AsyncRedisClusterIndex(cfg) as index:
+        await index.add([1], [10, 11], [A])
+        _flush_scripts(redis_cluster)
+        assert await index.lookup([10, 11]) == {10: [A], 11: [A]}
+        _flush_scripts(redis_cluster)
+        await index.evict(1, KeyType.ENGINE, [A])
+        assert await index.lookup([10]) == {}
+        _flush_scripts(redis_cluster)
+        assert await index.apply_batch([AddOp(None, (12,), (B,))], "s", Watermark(1, 1))
+        assert await index.lookup([12]) == {12: [B]}
+        await index.drop_namespace()
+
+
+def _ids(cluster: LocalCluster) -> dict[int, bytes]:
+    return {port: _on(cluster, port, "CLUSTER", "MYID") for port in cluster.live_ports()}
+
+
+def _on(cluster: LocalCluster, port: int, *args: Any) -> Any:
+    client = redis.Redis(port=port, socket_timeout=5)  # bytes replies: keys are binary
+    try:
+        return client.execute_command(*args)
+    finally:
+        client.close()
+
+
+def _move_keys(cluster: LocalCluster, slot: int, source: int, target: int) -> None:
+    """The first half of moving ``slot`` as ``redis-cli --cluster reshard`` does: IMPORTING on
+    the target, MIGRATING on the source, then the slot's keys, a few at a time."""
+    ids = _ids(cluster)
+    _on(cluster, target, "CLUSTER", "SETSLOT", slot, "IMPORTING", ids[source])
+    _on(cluster, source, "CLUSTER", "SETSLOT", slot, "MIGRATING", ids[target])
+    while True:
+        keys = _on(cluster, source, "CLUSTER", "GETKEYSINSLOT", slot, 5)
+        if not keys:
+            break
+        _on(cluster, source, "MIGRATE", "127.0.0.1", target, "", 0, 5000, "KEYS", *keys)
+        time.sleep(0.01)  # the index runs in between: some of its keys moved, some not
+
+
+def _hand_over(cluster: LocalCluster, slot: int, source: int, target: int) -> None:
+    """The second half: the slot belongs to the target (SETSLOT NODE on every primary)."""
+    ids = _ids(cluster)
+    primaries = [p for p, (role, _, _) in cluster.topology().items() if role == "master"]
+    for port in (target, source, *[p for p in primaries if p not in (source, target)]):
+        _on(cluster, port, "CLUSTER", "SETSLOT", slot, "NODE", ids[target])
+
+
+def _migrate_slot(cluster: LocalCluster, slot: int, source: int, target: int) -> None:
+    _move_keys(cluster, slot, source, target)
+    _hand_over(cluster, slot, source, target)
+
+
+def _count_redirections(index: RedisClusterIndex) -> dict[str, int]:
+    """Count the MOVED, ASK and TRYAGAIN replies the index's waves get from now on."""
+    seen = dict.fromkeys(("MOVED", "ASK", "TRYAGAIN"), 0)
+    exec_ = index.executor
+    send = exec_._send
+
+    def counting(wave: Wave) -> list[list[Any]]:
+        replies = send(wave)
+        for reply in (r for batch in replies for r in batch):
+            if isinstance(reply, ErrorReply) and reply.code in seen:
+                seen[reply.code] += 1
+        return replies
+
+    exec_._send = counting  # type: ignore[method-assign]
+    return seen
+
+
+def _exercise(index: RedisClusterIndex, keys: list[int], step: int) -> None:
+    """Add, evict, read and batch in the shard of ``keys``, checking every answer."""
+    k = keys[step % len(keys)]
+    c = PodEntry(f"pod-c{step}", "gpu")
+    index.add(None, [k], [c])
+    assert c in index.lookup([k])[k]
+    index.evict(k, KeyType.REQUEST, [c])
+    assert c not in index.lookup([k]).get(k, [])
+    assert len(index.lookup(keys)) == len(keys)
+    assert index.score(keys[:4], pod_identifier_set=["pod-a"]) == {"pod-a": 4.0}
+    assert index.apply_batch([AddOp(None, (k,), (B,))], "s", Watermark(1, step))
+
+
+def test_a_shard_resharded_while_in_use_keeps_every_operation_answering(
+    cfg: RedisIndexConfig, redis_cluster: LocalCluster
+) -> None:
+    """A shard's slot moves to another primary for real, three times.
+
+    1. Its keys have moved, the slot is not handed over yet: the source answers ASK, and the
+       target TRYAGAIN to the index's multi-key scripts (some of their keys do not exist, so
+       the target cannot tell them from keys still to come): the read is retried until the
+       slot is handed over, and answers right.
+    2. Moved while the index is idle: its stale map gets MOVED, and every operation follows.
+    3. Moved key batch by key batch while the index adds, evicts, reads and batches in that
+       shard: every call answers, and answers right.
+    """
+    with RedisClusterIndex(replace(cfg, retries=10, retry_backoff=0.02)) as index:
+        shard = index.core.shard(1)
+        slot = index.core.slots[shard]
+        keys = _keys_of(index, shard, 64)
+        index.add([1], keys, [A])
+        index.apply_batch([AddOp(None, tuple(keys), (B,))], "s", Watermark(1, 1))
+        source = index.executor.slot_map.primary(slot).port
+        target = next(n.port for n in index.executor.slot_map.primaries if n.port != source)
+        seen = _count_redirections(index)
+        _move_keys(redis_cluster, slot, source, target)
+        timer = threading.Timer(0.3, _hand_over, args=(redis_cluster, slot, source, target))
+        timer.start()
+        try:
+            assert index.lookup(keys) == {k: [A, B] for k in keys}
+        finally:
+            timer.join(30)
+        assert seen["ASK"] >= 1 and seen["TRYAGAIN"] >= 1
+        _migrate_slot(redis_cluster, slot, target, source)
+        assert index.executor.slot_map.primary(slot).port == target  # stale now
+        step = 2
+        _exercise(index, keys, step)
+        assert seen["MOVED"] >= 1
+        assert index.executor.slot_map.primary(slot).port == source  # refreshed
+        mover = threading.Thread(target=_migrate_slot, args=(redis_cluster, slot, source, target))
+        mover.start()
+        try:
+            while mover.is_alive():
+                step += 1
+                _exercise(index, keys, step)
+        finally:
+            mover.join(60)
+        step += 1
+        _exercise(index, keys, step)
+        assert index.executor.slot_map.primary(slot).port == target
+        with RedisClusterIndex(cfg) as fresh:
+            assert fresh.lookup(keys) == index.lookup(keys) == {k: [A, B] for k in keys}
+            assert fresh.get_watermark("s") == Watermark(1, step)
+        index.evict(1, KeyType.ENGINE, [A])
+        assert index.lookup(keys) == {k: [B] for k in keys}
+        index.drop_namespace()
+        _migrate_slot(redis_cluster, slot, target, source)  # as the cluster was
+    redis_cluster.wait_converged()
+
+
+def test_a_slot_without_an_owner_past_the_retries_is_backend_unavailable(
+    cfg: RedisIndexConfig, redis_cluster: LocalCluster
+) -> None:
+    with RedisClusterIndex(replace(cfg, retries=1, retry_backoff=0.01)) as index:
+        index.add(None, [1], [A])
+        slot = index.core.slots[index.core.shard(1)]
+        owner = index.executor.slot_map.primary(slot).port
+        ids = _ids(redis_cluster)
+        for port in redis_cluster.live_ports():
+            with suppress(redis.ResponseError):  # already unassigned in this node's view
+                _on(redis_cluster, port, "CLUSTER", "DELSLOTS", slot)
+        try:
+            with pytest.raises(BackendUnavailableError, match=r"CLUSTERDOWN|serves slot"):
+                index.lookup([1])
+            with pytest.raises(BackendUnavailableError, match=r"CLUSTERDOWN|serves slot"):
+                index.add(None, [1], [B])
+        finally:
+            _on(redis_cluster, owner, "CLUSTER", "ADDSLOTS", slot)
+            assert ids[owner]
+            redis_cluster.wait_converged()
+        assert index.lookup([1]) == {1: [A]}
+        index.drop_namespace()
