@@ -15,12 +15,13 @@
               ttl in ms of its speculative entries (0: none), part, parts, then the program (n,
               n entries, number of ops, the ops: see includes/program); parts of one shard come
               in order
-  Errors      KVREDIS_INVALID for malformed arguments, KVREDIS_LAYOUT for a malformed stored
-              watermark or an exhausted id space, WRONGTYPE for a foreign key: before the first
-              write of the part that meets it (the parts before it stay applied: each part is its
-              own atomic step, as separate calls would be)
+  Errors      KVREDIS_INVALID for malformed arguments, before the first write
   Returns     "STALE" and nothing written when a part's shard generation is not the client's;
-              else one reply per part: 1 applied (or already applied by this token), 0 skipped
+              else one reply per part: 1 applied (or already applied by this token), 0 skipped,
+              or the error that stopped the part before its first write (KVREDIS_LAYOUT for a
+              malformed stored watermark or an exhausted id space, WRONGTYPE for a foreign key):
+              the other shards' parts are applied, as separate calls would be, and the shard's
+              later parts are skipped
   Complexity  the sum of the parts' (see apply_batch.lua) ]]
 --@include program
 --@include fence
@@ -51,19 +52,30 @@ for i, a in ipairs(parts_in) do
     program = read_program(a, 15, nil, {A = true, R = true, E = true}),
   }
 end
-local out = {}
+local out, failed = {}, {}
 for i, w in ipairs(work) do
   local a = parts_in[i]
   local verdict = 'apply'
-  if stream ~= '' then
+  if failed[a[1]] then
+    verdict = 'skip'  -- a part after a failed part of its shard
+  elseif stream ~= '' then
     verdict = fence_open(a[5], a[6], stream, epoch, seq, token, w.part, w.parts)
   end
+  out[i] = verdict == 'skip' and 0 or 1
   if verdict == 'apply' then
     -- the context reads the expiry gate: after the parts before it wrote
-    local k = write_context(a[1], a[2], a[3], a[4], a[9], a[10], a[11], a[7])
-    run_program(k, w.program, cap, w.ms)
-    if stream ~= '' then fence_close(a[5], a[6], stream, epoch, seq, token, w.part, w.parts) end
+    local ok, err = pcall(function()
+      local k = write_context(a[1], a[2], a[3], a[4], a[9], a[10], a[11], a[7])
+      run_program(k, w.program, cap, w.ms)
+    end)
+    if ok then
+      if stream ~= '' then fence_close(a[5], a[6], stream, epoch, seq, token, w.part, w.parts) end
+    else
+      -- run_program reads and checks all it touches before its first write: the part wrote
+      -- nothing; the other shards' parts go on, as separate calls would
+      failed[a[1]] = true
+      out[i] = type(err) == 'table' and err.err or tostring(err)
+    end
   end
-  out[i] = verdict == 'skip' and 0 or 1
 end
 return out

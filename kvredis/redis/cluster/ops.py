@@ -511,6 +511,21 @@ def op_cluster_lookup(
     return merged
 
 
+def _group_by_node(
+    core: ClusterCore, shards: Iterable[int], node_of: Callable[[int], Any]
+) -> tuple[dict[Any, list[int]], list[int]]:
+    """The shards grouped by the node ``node_of(slot)`` names, and those whose slot the cached
+    slot map has no node for (they take the per-shard path, which refreshes the map)."""
+    by_node: dict[Any, list[int]] = {}
+    unmapped: list[int] = []
+    for shard in shards:
+        try:
+            by_node.setdefault(node_of(core.slots[shard]), []).append(shard)
+        except BackendUnavailableError:
+            unmapped.append(shard)
+    return by_node, unmapped
+
+
 def op_shard_lookups(
     core: ClusterCore, groups: Mapping[int, list[int]], pods: frozenset[str] | None
 ) -> WaveOp[dict[int, dict[int, list[PodEntry]]]]:
@@ -525,11 +540,9 @@ def op_shard_lookups(
     read = core.read_from_replicas
     pick = core.pick()
     slot_map = core.cluster.slot_map or (yield from op_refresh(core.cluster, core.policy.server))
-    by_node: dict[Any, list[int]] = {}
-    for shard in groups:
-        slot = core.slots[shard]
-        node = slot_map.reader(slot, pick) if read else slot_map.primary(slot)
-        by_node.setdefault(node, []).append(shard)
+    by_node, unmapped = _group_by_node(
+        core, groups, lambda slot: slot_map.reader(slot, pick) if read else slot_map.primary(slot)
+    )
     filter_args = pod_args(pods)
     commands: list[SlotCommand] = []
     plan: list[list[tuple[int, EntryCache]]] = []
@@ -552,7 +565,7 @@ def op_shard_lookups(
     except BackendUnavailableError:  # a redirection or a node in trouble: the careful path
         replies = [None] * len(commands)
     results: dict[int, dict[int, list[PodEntry]]] = {}
-    again: list[int] = []
+    again: list[int] = list(unmapped)
     reload: list[int] = []
     for caches, reply in zip(plan, replies, strict=True):
         if not isinstance(reply, list):
@@ -719,9 +732,7 @@ def op_node_writes(
     is (unfenced)."""
     probes = probes or {}
     slot_map = core.cluster.slot_map or (yield from op_refresh(core.cluster, core.policy.server))
-    by_node: dict[Any, list[int]] = {}
-    for shard in dict.fromkeys((*plans, *probes)):
-        by_node.setdefault(slot_map.primary(core.slots[shard]), []).append(shard)
+    by_node, unmapped = _group_by_node(core, dict.fromkeys((*plans, *probes)), slot_map.primary)
     head: list[Any] = [MAX_REQUEST_KEYS_PER_ENGINE_KEY, *fence, token]
     commands: list[SlotCommand] = []
     # per node: its shards, then per command: ("call", shards of its parts) or ("probe", key)
@@ -775,8 +786,9 @@ def op_node_writes(
         replies = [None] * len(commands)  # replicas: the careful path (which waits too)
     taken: dict[int, bool] = {}
     held: set[int] = set()
-    again: list[int] = []
-    reload = False
+    error: Exception | None = None
+    again: list[int] = list(unmapped)
+    reload: list[int] = []
     at = 0
     for shards, entries in layout_of:
         node_replies = replies[at : at + len(entries)]
@@ -787,7 +799,7 @@ def op_node_writes(
                 node_ok = False
                 if isinstance(reply, ErrorReply):
                     if reply.code == "NOSCRIPT":
-                        reload = True
+                        reload.append(core.slots[shards[0]])
                     elif reply.code not in TRANSIENT_REPLIES and not reply.message.startswith(
                         ("MOVED", "ASK")
                     ):
@@ -798,6 +810,9 @@ def op_node_writes(
         for (kind, what), reply in zip(entries, node_replies, strict=True):
             if kind == "call":
                 for shard, one in zip(what, reply, strict=True):
+                    if isinstance(one, bytes):  # the error that stopped this shard's part
+                        error = error or translate(one.decode("utf-8", "replace"))
+                        one = 0
                     taken[shard] = taken.get(shard, True) and bool(int(one))
             elif int(reply):
                 held.add(what)
@@ -805,9 +820,8 @@ def op_node_writes(
             taken.setdefault(shard, True)
     if reload:
         load = core.registry.load("apply_shards").args
-        nodes = {slot_map.primary(core.slots[s]): core.slots[s] for s in again}
         yield from op_wave(
-            core.cluster, [SlotCommand(slot, load) for slot in nodes.values()], core.wave_policy
+            core.cluster, [SlotCommand(slot, load) for slot in reload], core.wave_policy
         )
     if again:
         factories = {
@@ -819,6 +833,8 @@ def op_node_writes(
         for shard, (ok, shard_held) in (yield from _on_shards(core, factories)).items():
             taken[shard] = ok
             held |= shard_held
+    if error is not None:
+        raise error
     return taken, held
 
 
