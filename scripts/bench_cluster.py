@@ -101,6 +101,10 @@ class Setup:
     def primaries(self) -> int:
         return len(self.ports)
 
+    @property
+    def cluster(self) -> bool:
+        return self.config.cluster
+
     def index(self) -> Index:
         return new_redis_index(self.config)
 
@@ -326,6 +330,7 @@ class CallRow:
     """One operation on one setup: per call."""
 
     setup: str
+    primaries: int
     op: str
     calls: int
     redis_cpu_us: float
@@ -361,6 +366,8 @@ def _round_calls(
 ) -> Iterator[tuple[str, list[Callable[[], object]]]]:
     """The rows of one round on one index, in order (the evicts undo the adds before them)."""
     rng = random.Random(seed)
+    firsts = [c[:1] for c in data.random_chains(rng, calls)]
+    yield "lookup 1 (one script call)", [partial(index.lookup, c) for c in firsts]
     for blocks in SCORE_BLOCKS:
         chains = [c[:blocks] for c in data.random_chains(rng, calls)]
         yield f"lookup {blocks}", [partial(index.lookup, c) for c in chains]
@@ -422,7 +429,7 @@ def measure_calls(
         for s in setups:
             acc = accs[(s.name, op)]
             out.append(CallRow(
-                s.name, op, acc.calls,
+                s.name, s.primaries if s.cluster else 0, op, acc.calls,
                 acc.cpu * 1e6 / acc.calls, acc.client * 1e6 / acc.calls,
                 statistics.median(acc.latencies), percentile(acc.latencies, 0.99),
             ))  # fmt: skip
@@ -449,6 +456,8 @@ class MixedRun:
     redis_cpu_cores: float
     redis_cpu_us_per_op: float
     busiest_node_share: float
+    client_cpu_us_per_score: float
+    client_cpu_us_per_batch: float
 
 
 def _scorer(
@@ -463,6 +472,7 @@ def _scorer(
         for chain in chains[:8]:
             index.score(chain, WEIGHTS)  # warm up: connections, scripts, slot map
         start.wait()
+        cpu0 = time.process_time()
         clock = time.perf_counter_ns
         stop_at = clock() + int(seconds * 1e9)
         i = 0
@@ -471,7 +481,8 @@ def _scorer(
             index.score(chains[i % len(chains)], WEIGHTS)
             latencies.append((clock() - t) / 1000.0)
             i += 1
-    out.send(latencies)
+        cpu = time.process_time() - cpu0
+    out.send((latencies, cpu))
     out.close()
 
 
@@ -488,6 +499,7 @@ def _ingester(
     with new_redis_index(config) as index:
         stream.warm(index)
         start.wait()
+        cpu0 = time.process_time()
         clock = time.perf_counter_ns
         stop_at = clock() + int(seconds * 1e9)
         while clock() < stop_at:
@@ -495,7 +507,8 @@ def _ingester(
             t = clock()
             index.apply_batch(ops, stream.stream, mark)
             latencies.append((clock() - t) / 1000.0)
-    out.send(latencies)
+        cpu = time.process_time() - cpu0
+    out.send((latencies, cpu))
     out.close()
 
 
@@ -505,6 +518,8 @@ class _Window:
     batches: list[float]
     seconds: float
     busy: list[float]
+    score_cpu: float
+    batch_cpu: float
 
 
 def mixed_window(
@@ -535,8 +550,11 @@ def mixed_window(
         proc.join()
         if proc.exitcode != 0:
             raise RuntimeError(f"a {setup.name} worker exited with {proc.exitcode}")
-    scores = [x for r in results[:-1] for x in r]
-    return _Window(scores, results[-1], elapsed, meter.busy(before, after, elapsed))
+    scores = [x for lat, _ in results[:-1] for x in lat]
+    score_cpu = sum(cpu for _, cpu in results[:-1])
+    batches, batch_cpu = results[-1]
+    busy = meter.busy(before, after, elapsed)
+    return _Window(scores, batches, elapsed, busy, score_cpu, batch_cpu)
 
 
 def summarize(setup: Setup, clients: int, windows: list[_Window]) -> MixedRun:
@@ -551,11 +569,14 @@ def summarize(setup: Setup, clients: int, windows: list[_Window]) -> MixedRun:
         return percentile(xs, p) if xs else 0.0
 
     return MixedRun(
-        setup.name, setup.primaries, clients, round(seconds, 3), len(scores), len(batches),
+        setup.name, setup.primaries if setup.cluster else 0, clients, round(seconds, 3),
+        len(scores), len(batches),
         len(scores) / seconds, len(batches) / seconds,
         q(scores, 0.5), q(scores, 0.99), q(batches, 0.5), q(batches, 0.99),
         busy / seconds, busy * 1e6 / ops if ops else 0.0,
         max(per_node) / busy if busy > 0 else 0.0,
+        1e6 * sum(w.score_cpu for w in windows) / max(1, len(scores)),
+        1e6 * sum(w.batch_cpu for w in windows) / max(1, len(batches)),
     )  # fmt: skip
 
 
@@ -571,7 +592,7 @@ def measure_mixed(
     meters = {s.name: Meter(s.ports) for s in setups}
     for meter in meters.values():
         meter.calibrate(idle_s)
-    runs = []
+    runs: list[MixedRun] = []
     for clients in counts:
         windows: dict[str, list[_Window]] = {s.name: [] for s in setups}
         for r in range(rounds):
@@ -666,6 +687,20 @@ def print_calls(calls: list[CallRow]) -> None:
                 line += f" {cell:>24}"
             print(line)
         print("(ratio: Redis CPU per call against the first column)")
+        print(
+            "Predicted throughput on real hardware (each primary on its own core), against the "
+            "single server: primaries x single CPU/call / cluster CPU/call"
+        )
+        for s in setups[1:]:
+            parts = []
+            for op in dict.fromkeys(r.op for r in calls):
+                cluster, ref = cells2[(s, op)], cells2[(base, op)]
+                if op.startswith(("score", "apply_batch")) and cluster.redis_cpu_us > 0:
+                    primaries = 3  # the per-call setups are 3-primary clusters
+                    parts.append(
+                        f"{op}: {primaries * ref.redis_cpu_us / cluster.redis_cpu_us:.2f}x"
+                    )
+            print(f"  {s}: " + "; ".join(parts))
 
 
 def print_mixed(mixed: list[MixedRun]) -> None:
@@ -673,7 +708,8 @@ def print_mixed(mixed: list[MixedRun]) -> None:
         print("\nMixed router workload: K score clients + 1 ingester, back to back")
         header = (
             f"{'setup':<14} {'K':>2} {'scores/s':>9} {'p50/p99 ms':>12} {'batches/s':>9} "
-            f"{'p50/p99 ms':>12} {'Redis CPU':>9} {'µs/op':>7} {'busiest':>7} {'real hw':>8}"
+            f"{'p50/p99 ms':>12} {'Redis CPU':>9} {'µs/op':>7} {'busiest':>7} {'real hw':>9} "
+            f"{'client µs/score':>15}"
         )
         print(header)
         print("-" * len(header))
@@ -691,12 +727,14 @@ def print_mixed(mixed: list[MixedRun]) -> None:
                 f"{r.score_p50_us / 1000:>5.1f}/{r.score_p99_us / 1000:<6.1f} "
                 f"{r.batches_per_s:>9,.0f} {r.batch_p50_us / 1000:>5.1f}/"
                 f"{r.batch_p99_us / 1000:<6.1f} {r.redis_cpu_cores:>8.2f}c "
-                f"{r.redis_cpu_us_per_op:>7,.0f} {100 * r.busiest_node_share:>6.0f}% {hw:>8}"
+                f"{r.redis_cpu_us_per_op:>7,.0f} {100 * r.busiest_node_share:>6.0f}% {hw:>9} "
+                f"{r.client_cpu_us_per_score:>15,.0f}"
             )
         print(
             "Redis CPU: cores busy, summed over the primaries, minus idle; µs/op: per score or "
             "batch; busiest: the busiest primary's share; real hw: throughput predicted against "
-            "the single server with each primary on its own core (even spread / busiest primary)"
+            "the single server with each primary on its own core (even spread / busiest primary); "
+            "client µs/score: the score clients' own CPU per score"
         )
 
 
@@ -742,9 +780,6 @@ def run(args: Any) -> Result:
             mixed = measure_mixed(
                 mixed_setups, data, counts, args.seconds, args.rounds, args.seed, args.idle
             )
-    for r in mixed:
-        if r.setup == "single":
-            r.primaries = 0
     dataset: dict[str, object] = {
         "name": data.spec.name,
         "scale": args.scale,
