@@ -58,6 +58,7 @@ from kvredis.redis.cluster.shards import (
     shard_names,
     shard_of,
     shard_slot,
+    shards_of,
 )
 from kvredis.redis.codec import hash_field, pack_hashes
 from kvredis.redis.layout import check_bucket_bits, check_namespace
@@ -166,9 +167,10 @@ class ClusterCore:
 
     def by_shard(self, keys: Iterable[int]) -> dict[int, list[int]]:
         """``keys`` grouped by shard, each group in the order given."""
+        ordered = list(keys)
         groups: dict[int, list[int]] = {}
-        for key in keys:
-            groups.setdefault(self.shard(key), []).append(key)
+        for key, shard in zip(ordered, shards_of(ordered, len(self.sessions)), strict=True):
+            groups.setdefault(shard, []).append(key)
         return groups
 
     def home(self, stream: str) -> int:
@@ -324,9 +326,12 @@ def op_cluster_lookup(
         {shard: _lookup_factory(part, pods) for shard, part in groups.items()},
         read=True,
     )
+    hits: dict[int, list[PodEntry]] = {}
+    for part in found.values():  # a key is found only by its own shard
+        hits.update(part)
     merged: dict[int, list[PodEntry]] = {}
     for key in keys:
-        entries = found[core.shard(key)].get(key)
+        entries = hits.get(key)
         if entries is None:
             break
         merged[key] = entries
