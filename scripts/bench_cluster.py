@@ -803,21 +803,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="trips,calls,mixed", help="sections to run")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)
-    quick = args.quick
-    if args.scale is None:
-        args.scale = 0.005 if quick else 0.05
-    if args.seconds is None:
-        args.seconds = 1.0 if quick else 9.0
-    if args.calls is None:
-        args.calls = 20 if quick else 150
-    if args.rounds is None:
-        args.rounds = 1 if quick else 3
-    args.trip_repeats = 2 if quick else 5
-    args.idle = 0.3 if quick else 1.0
+    defaults = {"scale": (0.005, 0.05), "seconds": (1.0, 9.0), "calls": (20, 150), "rounds": (1, 3)}
+    for name, (quick, full) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
+    args.trip_repeats = 2 if args.quick else 5
+    args.idle = 0.3 if args.quick else 1.0
     result = run(args)
-    print_result(result)
     if args.json:
         write_json(args.json, asdict(result))
+    print_result(result)
     return 0
 
 
