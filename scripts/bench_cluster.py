@@ -299,7 +299,8 @@ def measure_trips(setups: Sequence[Setup], data: Dataset, seed: int, repeats: in
             rng = random.Random(seed)
             for blocks in TRIP_BLOCKS:
                 chains = [c[:blocks] for c in data.random_chains(rng, TRIP_WARMUP + repeats)]
-                stream = IngestStream(seed, data.pods, f"trips-{uuid.uuid4().hex[:6]}", blocks)
+                name = f"trips-{uuid.uuid4().hex[:6]}"
+                stream = IngestStream(seed * 1000 + blocks, data.pods, name, blocks)  # fresh keys
                 stream.warm(index)
                 samples: dict[str, list[Trips]] = {}
                 for i, chain in enumerate(chains):
