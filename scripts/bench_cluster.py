@@ -331,6 +331,7 @@ class CallRow:
     """One operation on one setup: per call."""
 
     setup: str
+    #: the primaries holding the namespace's shards (0: a single server)
     primaries: int
     op: str
     calls: int
@@ -393,6 +394,14 @@ def _round_calls(
     yield f"{name}, unfenced", [partial(index.apply_batch, ops) for ops in plain]
 
 
+def primaries_used(index: Index) -> int:
+    """The primaries holding a cluster namespace's shards (0 for a single server)."""
+    if not isinstance(index, RedisClusterIndex):
+        return 0
+    slot_map = index.executor.slot_map
+    return len({slot_map.primary(slot) for slot in index.core.slots})
+
+
 def measure_calls(
     setups: Sequence[Setup], data: Dataset, seed: int, calls: int, rounds: int, idle_s: float
 ) -> list[CallRow]:
@@ -404,9 +413,11 @@ def measure_calls(
     with ExitStack() as stack:
         indexes: dict[str, Index] = {}
         streams: dict[str, IngestStream] = {}
+        used: dict[str, int] = {}
         for s in setups:
             indexes[s.name] = s.index()
             stack.callback(indexes[s.name].close)
+            used[s.name] = primaries_used(indexes[s.name])
             streams[s.name] = IngestStream(seed, data.pods, f"calls-{uuid.uuid4().hex[:6]}")
             streams[s.name].warm(indexes[s.name])
         for r in range(rounds):
@@ -430,7 +441,7 @@ def measure_calls(
         for s in setups:
             acc = accs[(s.name, op)]
             out.append(CallRow(
-                s.name, s.primaries if s.cluster else 0, op, acc.calls,
+                s.name, used[s.name], op, acc.calls,
                 acc.cpu * 1e6 / acc.calls, acc.client * 1e6 / acc.calls,
                 statistics.median(acc.latencies), percentile(acc.latencies, 0.99),
             ))  # fmt: skip
@@ -690,7 +701,8 @@ def print_calls(calls: list[CallRow]) -> None:
         print("(ratio: Redis CPU per call against the first column)")
         print(
             "Predicted throughput on real hardware (each primary on its own core), against the "
-            "single server: primaries x single CPU/call / cluster CPU/call"
+            "single server: primaries x single CPU/call / cluster CPU/call (the primaries holding "
+            "the namespace's shards)"
         )
         for s in setups[1:]:
             parts = []
@@ -701,7 +713,8 @@ def print_calls(calls: list[CallRow]) -> None:
                     parts.append(
                         f"{op}: {primaries * ref.redis_cpu_us / cluster.redis_cpu_us:.2f}x"
                     )
-            print(f"  {s}: " + "; ".join(parts))
+            held = cells2[(s, next(iter(dict.fromkeys(r.op for r in calls))))].primaries
+            print(f"  {s} ({held} primaries hold its shards): " + "; ".join(parts))
 
 
 def print_mixed(mixed: list[MixedRun]) -> None:
