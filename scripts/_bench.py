@@ -23,9 +23,17 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(1, str(REPO))  # after this folder, before site-packages
 
-from tests.servers import RedisServer  # noqa: E402
+from tests.servers import LocalCluster, RedisServer  # noqa: E402
 
-__all__ = ["REPO", "RedisServer", "bench_parser", "percentile", "redis_server", "write_json"]
+__all__ = [
+    "REPO",
+    "LocalCluster",
+    "RedisServer",
+    "bench_parser",
+    "percentile",
+    "redis_server",
+    "write_json",
+]
 
 
 @contextmanager

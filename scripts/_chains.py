@@ -26,8 +26,9 @@ holding it, and :meth:`Dataset.events`, the writes as engines report them, one e
 chain) the pod holds (the whole chain for the first chain of a family on that pod, the tail for
 the next ones). Both end in the same (request key, pod) entries. The loaders:
 
-- :func:`load_kvredis`: through the public API, ``AddOp`` batches in ``RedisIndex.apply_batch``
-  (one op per run, or with ``per_event`` one per event), spread over worker processes.
+- :func:`load_kvredis`: through the public API, ``AddOp`` batches in ``apply_batch`` (one op
+  per run, or with ``per_event`` one per event; a single server or a cluster), spread over
+  worker processes.
 - :func:`load_reference`: the Go layout of ``reference_layout.py``, pipelined over raw sockets:
   one HSET per request key with a field per holding pod, one ZADD per engine key.
 
@@ -45,7 +46,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 from kvredis.batch import AddOp
-from kvredis.redis import RedisIndex, RedisIndexConfig
+from kvredis.redis import RedisIndexConfig, new_redis_index
 from kvredis.types import PodEntry
 
 from reference_layout import ENGINE_PREFIX, RespConnection, encode_field
@@ -302,7 +303,7 @@ def _load_kvredis_part(
 ) -> int:
     data = Dataset(spec)
     written = 0
-    with RedisIndex(config) as index:
+    with new_redis_index(config) as index:
         ops: list[AddOp] = []
         size = 0
         for op in _kvredis_ops(data, part, parts, options.per_event, options.with_engine_keys):
@@ -342,7 +343,8 @@ def load_kvredis(
     per_event: bool = False,
     with_engine_keys: bool = True,
 ) -> LoadStats:
-    """Write ``data`` into the kvredis index of ``config`` through ``RedisIndex.apply_batch``
+    """Write ``data`` into the kvredis index of ``config`` (a single server or a cluster)
+    through ``apply_batch``
     (about ``batch_entries`` (request key, entry) pairs per batch), families spread over
     ``processes`` forked worker processes, each rebuilding the dataset from its spec.
 

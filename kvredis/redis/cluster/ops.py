@@ -77,6 +77,7 @@ from kvredis.redis.cluster.shards import (
     shard_names,
     shard_of,
     shard_slot,
+    shards_of,
 )
 from kvredis.redis.codec import hash_field, pack_hashes
 from kvredis.redis.layout import check_bucket_bits, check_namespace
@@ -205,9 +206,10 @@ class ClusterCore:
 
     def by_shard(self, keys: Iterable[int]) -> dict[int, list[int]]:
         """``keys`` grouped by shard, each group in the order given."""
+        ordered = list(keys)
         groups: dict[int, list[int]] = {}
-        for key in keys:
-            groups.setdefault(self.shard(key), []).append(key)
+        for key, shard in zip(ordered, shards_of(ordered, len(self.sessions)), strict=True):
+            groups.setdefault(shard, []).append(key)
         return groups
 
     def home(self, stream: str) -> int:
@@ -497,14 +499,17 @@ def op_cluster_lookup(
     pods = pod_filter(pod_identifier_set)
     if not keys:
         return {}
-    shards = [core.shard(key) for key in keys]
+    shards = shards_of(keys, core.count)
     groups: dict[int, list[int]] = {}
     for key, shard in zip(keys, shards, strict=True):
         groups.setdefault(shard, []).append(key)
     found = yield from op_shard_lookups(core, groups, pods)
+    hits: dict[int, list[PodEntry]] = {}
+    for part in found.values():  # a key is found only by its own shard
+        hits.update(part)
     merged: dict[int, list[PodEntry]] = {}
-    for key, shard in zip(keys, shards, strict=True):
-        entries = found[shard].get(key)
+    for key in keys:
+        entries = hits.get(key)
         if entries is None:
             break
         merged[key] = entries

@@ -22,6 +22,7 @@ every client: the first client writes it (HSETNX), later clients adopt it.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 from kvredis.errors import InvalidInputError, NamespaceLayoutError
 from kvredis.redis.cluster.slots import SLOT_COUNT, key_slot
@@ -85,6 +86,11 @@ def shard_slot(name: str) -> int:
 def shard_of(key: int, count: int) -> int:
     """The shard of a 64-bit request or engine key."""
     return (((key * _MIX) & _MASK) >> 32) % count
+
+
+def shards_of(keys: Sequence[int], count: int) -> list[int]:
+    """:func:`shard_of` of every key, in order (one pass, no call per key)."""
+    return [(((key * _MIX) & _MASK) >> 32) % count for key in keys]
 
 
 def parse_descriptor(reply: object, namespace: str) -> int | None:
