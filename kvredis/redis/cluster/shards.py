@@ -4,10 +4,10 @@ A cluster namespace ``<ns>`` is ``count`` shards. Shard ``i`` is a complete name
 single-server layout (:mod:`kvredis.redis.layout`) whose name carries a hash tag,
 ``<ns>:{<ns>/<i>.<j>}``, so every key of the shard (its dictionary, buckets, runs, watermarks)
 lives in one slot and one script call on one node can run the unchanged Lua commands on it.
-The suffix ``j`` is the smallest that puts the tag's slot in the ``i``-th of ``count`` equal
-slices of the slot space, so the shards are spread evenly over the nodes of any cluster whose
-primaries own contiguous slot ranges (what ``redis-cli --cluster create`` and resharding by
-ranges give).
+The suffix ``j`` is the smallest that puts the tag's slot in the middle half of the ``i``-th of
+``count`` equal slices of the slot space, so the shards are spread evenly over the nodes of any
+cluster whose primaries own contiguous slot ranges (what ``redis-cli --cluster create`` and
+resharding by ranges give).
 
 A request key, and an engine key, belong to shard ``shard_of(key)``: a multiplicative hash of
 the 64-bit key (independent of the bucket bits, which use the key's low bits). A chain's keys
@@ -67,7 +67,10 @@ def shard_names(namespace: str, count: int) -> tuple[str, ...]:
     names: list[str] = []
     width = SLOT_COUNT / count
     for i in range(count):
-        low, high = int(i * width), int((i + 1) * width)
+        # the middle half of the i-th slice: a node boundary near a slice's edge leaves the
+        # shard with the node that owns most of the slice
+        low = int(i * width + width / 4)
+        high = max(low + 1, int(i * width + 3 * width / 4))
         j = 0
         while True:
             tag = f"{namespace}/{i}.{j}"
