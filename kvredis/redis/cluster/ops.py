@@ -1,11 +1,15 @@
 """The index operations on a cluster, as sans-IO wave operations (see :mod:`.routing`).
 
 A cluster namespace is a set of shards (:mod:`.shards`), each a complete single-server
-namespace living in one slot. An operation splits its keys by shard, runs the single-server
+namespace living in one slot. An operation splits its keys by shard and groups the shards by
+node: lookups and writes send one script call per node (``lua/lookup_shards.lua``,
+``lua/apply_shards.lua``: the single-server Lua code run per shard), all nodes in one
+:class:`~kvredis.redis.cluster.routing.Wave`, so a wave costs one round trip and one script
+call per involved node (:func:`op_shard_lookups`, :func:`op_node_writes`). Where the cached slot
+map is out of date, or a shard stale, those shards take the per-shard path: the single-server
 operation (:mod:`kvredis.redis.ops`, unchanged, with its NOSCRIPT reload, retries and stale
-reload) on every shard involved, and merges the results. :func:`op_parallel` runs the
-per-shard operations in lockstep: each step sends what all of them wait for as one
-:class:`~kvredis.redis.cluster.routing.Wave`, so a step costs one round trip per involved node.
+reload) on each shard, run in lockstep by :func:`op_parallel`. The other operations (clear,
+drop, watermarks, request keys) always take it.
 
 - lookup: every shard walks its part of the chain (in chain order) and stops at its first
   miss; the merge walks the whole chain and stops at the first key no shard reported. Exact,
