@@ -8,20 +8,21 @@ run:
 
 1. **Round trips** per call (``index.round_trips``: a wave counts one per node it involves) of
    lookup, score, add, evict by engine key and ``apply_batch`` for chains of 16, 64 and 512
-   blocks on the 3-primary cluster (``cluster_shards`` 4, 16, 64) and the single server, with
-   the nodes each call involves and the waves it sends. The target: one round trip per involved
-   node and wave, and lookup and score in one wave.
+   blocks on the 3-primary cluster (``cluster_shards`` 3, 6 (the default) and 16) and the
+   single server, with the nodes each call involves and the waves it sends. The target: one
+   round trip per involved node and wave, and lookup and score in one wave.
 2. **Per call**: Redis CPU (``INFO cpu`` deltas, user + sys, summed over the setup's nodes,
    minus their idle rate), client CPU and client latency per call of each operation, the single
-   server against the 3-primary cluster with 4, 16 and 64 shards; the setups alternate within
+   server against the 3-primary cluster with 3, 6 and 16 shards; the setups alternate within
    each round, so they see the same machine state.
 3. **Mixed router workload**: K = 1, 2, 4 client processes scoring random 64-512-block prefixes
    of the dataset's chains back to back, and one ingestion process sending event batches back
    to back, as the ingester does (``apply_batch`` with a stream and a watermark: two 16-block
    adds of fresh keys with their engine keys, and the evicts by engine key of the blocks the
    batch :data:`LAG` batches earlier added), on the single server, the 1-primary and the
-   3-primary cluster (16 shards). Reported: scores/s, batches/s, p50/p99 of both, Redis CPU
-   (summed over the primaries, minus idle) in cores and per operation (score or batch).
+   3-primary cluster (the default 6 shards). Reported: scores/s, batches/s, p50/p99 of both,
+   Redis CPU (summed over the primaries, minus idle) in cores and per operation (score or
+   batch).
 
 Nothing is pinned: on a 2-core machine every server, client and the ingester share both cores,
 so a cluster's throughput here is bounded by the machine, not by its primaries. The honest
@@ -64,6 +65,7 @@ from kvredis.redis.cluster.ops import (
     op_cluster_score,
 )
 from kvredis.redis.cluster.routing import Wave, WaveOp
+from kvredis.redis.cluster.shards import DEFAULT_SHARDS
 from kvredis.redis.index import RedisIndex
 from kvredis.types import KeyType, PodEntry
 
@@ -767,7 +769,7 @@ def run(args: Any) -> Result:
         one = start_cluster(stack, args.server, 1) if "mixed" in sections else None
         ns = f"bench-{uuid.uuid4().hex[:8]}"
 
-        def setup(name: str, address: str, ports: list[int], shards: int = 16) -> Setup:
+        def setup(name: str, address: str, ports: list[int], shards: int = DEFAULT_SHARDS) -> Setup:
             cfg = RedisIndexConfig(
                 address=address, namespace=f"{ns}-{name.replace(' ', '')}", cluster_shards=shards
             )
@@ -788,8 +790,9 @@ def run(args: Any) -> Result:
         if one is not None:
             mixed_setups = [
                 base,
-                setup("1p/16 shards", one.url, one.ports[:1]),
-                by_shards.get(16) or setup("3p/16 shards", three.url, three_ports),
+                setup(f"1p/{DEFAULT_SHARDS} shards", one.url, one.ports[:1]),
+                by_shards.get(DEFAULT_SHARDS)
+                or setup(f"3p/{DEFAULT_SHARDS} shards", three.url, three_ports),
             ]
             mixed = measure_mixed(
                 mixed_setups, data, counts, args.seconds, args.rounds, args.seed, args.idle
@@ -813,7 +816,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", default="1,2,4", help="score client processes, e.g. 1,2,4")
     parser.add_argument("--calls", type=int, default=None, help="calls per row, setup and round")
     parser.add_argument("--rounds", type=int, default=None, help="alternations of the setups")
-    parser.add_argument("--shards", default="4,16,64", help="cluster_shards of the per-call rows")
+    parser.add_argument("--shards", default="3,6,16", help="cluster_shards of the per-call rows")
     parser.add_argument("--only", default="trips,calls,mixed", help="sections to run")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)

@@ -20,7 +20,7 @@ def test_quick_run_reports_every_section(tmp_path: Path) -> None:
     out = tmp_path / "cluster.json"
     args = [
         "--quick", "--scale", "0.002", "--seconds", "0.3", "--clients", "1",
-        "--calls", "3", "--shards", "16", "--json", str(out),
+        "--calls", "3", "--shards", "6", "--json", str(out),
     ]  # fmt: skip
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120
@@ -29,7 +29,7 @@ def test_quick_run_reports_every_section(tmp_path: Path) -> None:
     assert "Round trips per call" in proc.stdout and "real hw" in proc.stdout
     result = json.loads(out.read_text())
     trips = result["trips"]
-    assert {t["setup"] for t in trips} == {"single", "3p/16 shards"}
+    assert {t["setup"] for t in trips} == {"single", "3p/6 shards"}
     for row in trips:
         assert 0 < row["nodes"] <= 3
         # one round trip per involved node and wave, never more
@@ -37,12 +37,12 @@ def test_quick_run_reports_every_section(tmp_path: Path) -> None:
         if row["op"] in ("lookup", "score"):
             assert row["waves"] == 1 and row["trips"] == row["nodes"]
     calls = {(c["setup"], c["op"]) for c in result["calls"]}
-    assert ("3p/16 shards", "score 512") in calls and ("single", "score 512") in calls
+    assert ("3p/6 shards", "score 512") in calls and ("single", "score 512") in calls
     for row in result["calls"]:
         assert row["calls"] == 3 and row["p99_us"] >= row["p50_us"] > 0
         assert row["redis_cpu_us"] >= 0
     mixed = {(m["setup"], m["clients"]): m for m in result["mixed"]}
-    assert set(mixed) == {("single", 1), ("1p/16 shards", 1), ("3p/16 shards", 1)}
+    assert set(mixed) == {("single", 1), ("1p/6 shards", 1), ("3p/6 shards", 1)}
     for run in mixed.values():
         assert run["scores"] > 0 and run["batches"] > 0
         assert run["score_p99_us"] >= run["score_p50_us"] > 0

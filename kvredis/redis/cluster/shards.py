@@ -30,7 +30,7 @@ from kvredis.redis.cluster.slots import SLOT_COUNT, key_slot
 #: The layout of the cluster descriptor this client writes and reads.
 CLUSTER_LAYOUT = "kvredis-cluster/1"
 #: Shards of a new cluster namespace unless configured otherwise.
-DEFAULT_SHARDS = 16
+DEFAULT_SHARDS = 6
 #: The largest shard count (each shard costs one script call per operation that touches it).
 MAX_SHARDS = 256
 _MIX = 0x9E3779B97F4A7C15
