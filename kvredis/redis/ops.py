@@ -426,18 +426,23 @@ def read_lookup_reply(
     reply: Sequence[Any],
     keys: Sequence[int],
     start: int,
-    found: dict[int, list[PodEntry]],
+    found: dict[int, Any],
+    shared: bool = False,
 ) -> int:
     """Take in a ``lookup`` reply for the chain ``keys`` walked from ``start``: learn the
-    definitions it carries, record each hit key's entries in ``found``; the position after the
-    last hit."""
+    definitions it carries, record each hit key's entries in ``found`` (a list of its own per
+    key, or with ``shared`` one tuple shared by the keys holding the same entries); the position
+    after the last hit."""
     cache.learn(reply[1], int(reply[0]))
-    entries = cache.entries
+    entries = cache.holders
     at = start
     for i in range(2, len(reply), 2):
         n, held = int(reply[i]), entries(reply[i + 1])
-        for key in keys[at : at + n]:
-            found[key] = list(held)
+        if shared:
+            found.update(dict.fromkeys(keys[at : at + n], held))
+        else:
+            for key in keys[at : at + n]:
+                found[key] = list(held)
         at += n
     return at
 

@@ -70,6 +70,11 @@ class EntryCache:
 
     def entries(self, ids: bytes) -> list[PodEntry]:
         """The entries of an id list (raises StaleNamespaceError on an unknown id)."""
+        return list(self.holders(ids))
+
+    def holders(self, ids: bytes) -> tuple[PodEntry, ...]:
+        """:meth:`entries` as the tuple this cache keeps for the id list (one object per list:
+        do not change it)."""
         known = self._lists.get(ids)
         if known is None:
             defs = self._defs
@@ -82,7 +87,7 @@ class EntryCache:
                 if len(self._lists) >= self._MAX_LISTS:
                     self._lists = {}
                 self._lists[ids] = known
-        return list(known)
+        return known
 
 
 class CoreState:

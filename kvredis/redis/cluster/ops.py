@@ -37,6 +37,7 @@ import itertools
 import logging
 import math
 import secrets
+import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -495,10 +496,11 @@ def op_load_scripts(core: ClusterCore) -> WaveOp[None]:
 
 
 def op_cluster_lookup(
-    core: ClusterCore, request_keys: Keys, pod_identifier_set: Any
-) -> WaveOp[dict[int, list[PodEntry]]]:
+    core: ClusterCore, request_keys: Keys, pod_identifier_set: Any, shared: bool = False
+) -> WaveOp[dict[int, Any]]:
     """``Index.lookup`` over the shards: one wave, one ``lookup_shards`` call per involved node
-    (:func:`op_shard_lookups`)."""
+    (:func:`op_shard_lookups`). ``shared``: keys holding the same entries share one tuple (for
+    the scorer) instead of a list each."""
     keys, _ = pack_hashes(request_keys, "request key")
     pods = pod_filter(pod_identifier_set)
     if not keys:
@@ -507,11 +509,11 @@ def op_cluster_lookup(
     groups: dict[int, list[int]] = {}
     for key, shard in zip(keys, shards, strict=True):
         groups.setdefault(shard, []).append(key)
-    found = yield from op_shard_lookups(core, groups, pods)
-    hits: dict[int, list[PodEntry]] = {}
+    found = yield from op_shard_lookups(core, groups, pods, shared)
+    hits: dict[int, Any] = {}
     for part in found.values():  # a key is found only by its own shard
         hits.update(part)
-    merged: dict[int, list[PodEntry]] = {}
+    merged: dict[int, Any] = {}
     for key in keys:
         entries = hits.get(key)
         if entries is None:
@@ -536,8 +538,11 @@ def _group_by_node(
 
 
 def op_shard_lookups(
-    core: ClusterCore, groups: Mapping[int, list[int]], pods: frozenset[str] | None
-) -> WaveOp[dict[int, dict[int, list[PodEntry]]]]:
+    core: ClusterCore,
+    groups: Mapping[int, list[int]],
+    pods: frozenset[str] | None,
+    shared: bool = False,
+) -> WaveOp[dict[int, dict[int, Any]]]:
     """Each shard's part of a chain walked, as ``{shard: {key: entries}}`` (hits up to the
     shard's first miss).
 
@@ -564,7 +569,8 @@ def op_shard_lookups(
             names = (layout.meta, layout.pi, layout.pp, layout.sx)
             call_keys = call_keys or list(names)
             call_args += (*names, layout.gen, layout.rprefix, layout.bucket_bits, cache.floor)
-            call_args.append(pack_hashes(groups[shard], "request key")[1])
+            part = groups[shard]  # checked by the caller
+            call_args.append(struct.pack(f">{len(part)}Q", *part))
             caches.append((shard, cache))
         call = core.registry.evalsha(ScriptCall("lookup_shards", call_keys, call_args))
         commands.append(SlotCommand(core.slots[shards[0]], call.args))
@@ -573,7 +579,7 @@ def op_shard_lookups(
         replies = yield from op_wave(core.cluster, commands, core.fast_policy, read=read, pick=pick)
     except BackendUnavailableError:  # a redirection or a node in trouble: the careful path
         replies = [None] * len(commands)
-    results: dict[int, dict[int, list[PodEntry]]] = {}
+    results: dict[int, dict[int, Any]] = {}
     again: list[int] = list(unmapped)
     reload: list[int] = []
     for caches, reply in zip(plan, replies, strict=True):
@@ -586,8 +592,8 @@ def op_shard_lookups(
             if not isinstance(part, list):  # "STALE": the shard is reloaded on the way
                 again.append(shard)
                 continue
-            found: dict[int, list[PodEntry]] = {}
-            read_lookup_reply(cache, part, groups[shard], 0, found)
+            found: dict[int, Any] = {}
+            read_lookup_reply(cache, part, groups[shard], 0, found, shared)
             results[shard] = found
     if reload:
         load = core.registry.load("lookup_shards").args
@@ -611,7 +617,7 @@ def op_cluster_score(
     """Per-pod longest-prefix scores: the cluster lookup, scored on the client."""
     scorer = LongestPrefixScorer(score_weights(medium_weights))
     keys, _ = pack_hashes(request_keys, "request key")
-    found = yield from op_cluster_lookup(core, keys, pod_identifier_set)
+    found = yield from op_cluster_lookup(core, keys, pod_identifier_set, shared=True)
     return scorer.score(keys, found)
 
 
