@@ -80,13 +80,25 @@ end
 -- in expiring_flush). meta is <ns>:meta (its field "expiry" picks the mode), sx the gate key.
 -- .live tells whether any expiring entry may be live (the gate key exists). A gate that is not
 -- a number (a foreign key: kvredis check reports it) counts as absent; the next ttl replaces it.
+-- Only the gate is read here: a call that stores no ttl while no expiring entry is live never
+-- needs the rest, which expiring_open reads (the clock and the mode) before the stage is used.
 local function expiring_stage(meta, sx, bits)
   local gate = redis.pcall('GET', sx)
   if type(gate) == 'table' then gate = false end
-  return {sx = sx, sbucket = expiring_namer(sx, bits), now = now_ms(),
-          fields = redis.call('HGET', meta, 'expiry') == 'field',
-          live = gate ~= false, gate = tonumber(gate or '0') or 0,
-          values = {}, orig = {}, order = {}, loaded = {}, latest = 0}
+  return {meta = meta, sx = sx, bits = bits, live = gate ~= false,
+          gate = tonumber(gate or '0') or 0, latest = 0}
+end
+
+-- Make the stage xs ready for use (once): the server clock, the expiry mode ("fields": hash
+-- field expiry) and the staging tables. Returns xs.
+local function expiring_open(xs)
+  if xs.now == nil then
+    xs.now = now_ms()
+    xs.fields = redis.call('HGET', xs.meta, 'expiry') == 'field'
+    xs.sbucket = expiring_namer(xs.sx, xs.bits)
+    xs.values, xs.orig, xs.order, xs.loaded = {}, {}, {}, {}
+  end
+  return xs
 end
 
 local function stage_field(xs, bucket, h, value)
@@ -139,6 +151,7 @@ end
 
 -- Write the staged changes with their expiry, then move the gate key's deadline forward.
 local function expiring_flush(xs)
+  if xs.now == nil then return end
   local order, values, orig = xs.order, xs.values, xs.orig
   local bucket_latest, changed = {}, {}
   for i = 1, #order, 2 do

@@ -121,7 +121,10 @@ local function run_program(k, program, cap, ms)
     for i = 1, #new do ids[new[i]] = new_ids[i] end
     pod_lists = read_pods(k.pp, new)
   end
+  -- The expiring buckets are only read (and the clock only asked) when a ttl is stored, an
+  -- expiring entry may be live, or new entries record the expiry mode.
   local st, xs = new_stage(k.cprefix), k.xs
+  if ms > 0 or xs.live or #new > 0 then expiring_open(xs) end
   local removed = 0
   local spec = {}
   for _, op in ipairs(ops) do
@@ -155,7 +158,7 @@ local function run_program(k, program, cap, ms)
         end
       end
       local value, req, pairs_ = table.concat(list), op.req, op.pairs
-      local deadline = xs.now + ms
+      local deadline = ms > 0 and xs.now + ms
       local prev = nil
       for i = 1, #req, HASH_WIDTH do
         local rfield = string.sub(req, i, i + HASH_WIDTH - 1)

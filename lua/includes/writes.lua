@@ -7,29 +7,40 @@
 
 -- A staging area: per bucket kind (r, e) the values read or staged by field (a field names its
 -- bucket, so the field alone is the key), and the changed (bucket, field) pairs in order. A
--- request key held through a run reads as the ids of its run position (where: field -> {run
--- id, position}); runs: run id -> {keys, ranges, n, changes = position -> ids} or false;
+-- request key held through a run reads as the ids of its run position (where: field -> its
+-- ref); runs: run id -> {ranges, n, changes = position -> ids, keys once read} or false;
 -- prev: field -> the request key before it in the add op that first stored it (new keys only).
 local function new_stage(cprefix)
   return {r = {}, e = {}, order = {}, orig = {}, where = {}, runs = {}, prev = {},
           cprefix = cprefix}
 end
 
--- The run rid as staged (read on first use), or false when absent or malformed.
+-- The run rid as staged (read on first use), or false when absent or malformed. Only the
+-- ranges are read: the keys (a long string) are read by run_keys when a write needs them.
 local function stage_run(st, rid)
   local run = st.runs[rid]
   if run == nil then
     run = false
-    local rec = redis.call('HMGET', st.cprefix .. rid, 'k', 'r')
-    if rec[1] and rec[2] then
-      local ranges = ranges_parse(rec[2])
-      if ranges and #ranges > 0 and ranges[#ranges].e * HASH_WIDTH == #rec[1] then
-        run = {keys = rec[1], ranges = ranges, n = ranges[#ranges].e, changes = {}}
-      end
+    local key = st.cprefix .. rid
+    local r = redis.call('HGET', key, 'r')
+    local ranges = r and ranges_parse(r)
+    local n = ranges and #ranges > 0 and ranges[#ranges].e or 0
+    if n > 0 and redis.call('HSTRLEN', key, 'k') == n * HASH_WIDTH then
+      run = {ranges = ranges, n = n, changes = {}}
     end
     st.runs[rid] = run
   end
   return run
+end
+
+-- The request keys of a staged run (hash blob), read on first use.
+local function run_keys(st, rid, run)
+  local keys = run.keys
+  if keys == nil then
+    keys = redis.call('HGET', st.cprefix .. rid, 'k')
+    run.keys = keys
+  end
+  return keys
 end
 
 local function stage_get(st, kind, bucket, field)
@@ -38,13 +49,14 @@ local function stage_get(st, kind, bucket, field)
   if v == nil then
     v = redis.call('HGET', bucket, field) or false
     if kind == 'r' and v and is_ref(v) then
-      local rid, pos = ref_parse(v)
+      local ref = v
+      local rid, pos = ref_parse(ref)
       local run = stage_run(st, rid)
       local r = run and pos >= 1 and range_at(run.ranges, pos)
       v = false
       if r and run.ranges[r].ids ~= '' then
         v = run.ranges[r].ids
-        st.where[field] = {rid, pos}
+        st.where[field] = ref
       end
     end
     values[field] = v
@@ -89,7 +101,8 @@ local function plan_stage(st, k)
       if value ~= orig[(i + 2) / 3] then
         local w = where[field]
         if w then
-          st.runs[w[1]].changes[w[2]] = value or ''
+          local rid, pos = ref_parse(w)
+          st.runs[rid].changes[pos] = value or ''
           if not value then plan.unref[#plan.unref + 1] = field end
         elseif value and not orig[(i + 2) / 3] then
           fresh[#fresh + 1] = field
@@ -112,11 +125,14 @@ local function plan_stage(st, k)
     else
       g = {keys = {field}}
       local w = p and where[p]
-      local run = w and st.runs[w[1]]
-      if run and w[2] == run.n and (run.newn or run.n) == run.n and not run.extended
-          and run.n < RUN_MAX then
-        run.extended = g
-        g.run = w[1]
+      if w then
+        local rid, pos = ref_parse(w)
+        local run = st.runs[rid]
+        if pos == run.n and (run.newn or run.n) == run.n and not run.extended
+            and run.n < RUN_MAX then
+          run.extended = g
+          g.run = rid
+        end
       end
       plan.groups[#plan.groups + 1] = g
     end
@@ -187,7 +203,7 @@ local function flush_stage(st, k, plan)
       local ranges = ranges_of(values, first)
       if run then
         for _, rg in ipairs(ranges) do run.ranges[#run.ranges + 1] = rg end
-        run.keys = run.keys .. table.concat(keys)
+        run.keys = run_keys(st, rid, run) .. table.concat(keys)
         run.n = first + #keys - 1
         run.newn = run.n
         run.rewrite = true
@@ -201,8 +217,9 @@ local function flush_stage(st, k, plan)
     if run and run.newn then
       if run.newn == 0 then
         redis.call('DEL', st.cprefix .. rid)
-      elseif run.rewrite or run.newn < #run.keys / HASH_WIDTH then
-        redis.call('HSET', st.cprefix .. rid, 'k', string.sub(run.keys, 1, run.newn * HASH_WIDTH),
+      elseif run.rewrite or run.newn < run.n then
+        redis.call('HSET', st.cprefix .. rid, 'k',
+          string.sub(run_keys(st, rid, run), 1, run.newn * HASH_WIDTH),
           'r', ranges_encode(run.ranges))
       else
         redis.call('HSET', st.cprefix .. rid, 'r', ranges_encode(run.ranges))
