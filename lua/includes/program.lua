@@ -126,16 +126,18 @@ local function run_program(k, program, cap, ms)
   local st, xs = new_stage(k.cprefix), k.xs
   if ms > 0 or xs.live or #new > 0 then expiring_open(xs) end
   local removed = 0
-  local spec = {}
+  local spec = nil
+  local rbucket = k.rbucket
   for _, op in ipairs(ops) do
     local set = {}
     if op.tag == 'A' then
       -- With a ttl the speculative entries get a deadline (and leave the request bucket);
       -- the others are stored without one.
-      local list, timed, timed_set = {}, {}, {}
+      local list, timed, timed_set = {}, nil, nil
       for _, j in ipairs(op.ents) do
         local id = ids[ents[j]]
         if ms > 0 and entry_speculative(ents[j]) then
+          timed, timed_set = timed or {}, timed_set or {}
           if not timed_set[id] then
             timed_set[id] = true
             timed[#timed + 1] = id
@@ -149,6 +151,7 @@ local function run_program(k, program, cap, ms)
       -- speculative entries, and speculative entries added again without a ttl stop expiring.
       local untimed = nil
       if xs.live and ms == 0 then
+        spec = spec or {}
         untimed = confirmed_pods_speculative(k, ents, op, spec)
         for _, j in ipairs(op.ents) do
           if entry_speculative(ents[j]) then
@@ -162,12 +165,12 @@ local function run_program(k, program, cap, ms)
       local prev = nil
       for i = 1, #req, HASH_WIDTH do
         local rfield = string.sub(req, i, i + HASH_WIDTH - 1)
-        local bucket = k.rbucket(rfield)
+        local bucket = rbucket(rfield)
         if value ~= '' then
           add_ids(st, bucket, rfield, value, set, prev)
           prev = rfield
         end
-        if #timed > 0 then
+        if timed then
           remove_ids(st, bucket, rfield, timed_set)
           expiring_add(xs, rfield, timed, deadline)
         elseif untimed then

@@ -117,28 +117,43 @@ local function plan_stage(st, k)
       run.ranges, run.newn = ranges_trim(ranges_apply(run.ranges, run.changes))
     end
   end
+  -- A key alone so far is its own group_of marker (no table): most fresh keys of small ops
+  -- start no run.
+  local alone = {}
   for _, field in ipairs(fresh) do
     local p = st.prev[field]
     local g = p and group_of[p]
+    if p and g == p then
+      g = {keys = {p}}
+      plan.groups[#plan.groups + 1] = g
+      group_of[p] = g
+    end
     if g and g.keys[#g.keys] == p then
       g.keys[#g.keys + 1] = field
+      group_of[field] = g
     else
-      g = {keys = {field}}
       local w = p and where[p]
+      local rid, pos, run = nil, nil, nil
       if w then
-        local rid, pos = ref_parse(w)
-        local run = st.runs[rid]
-        if pos == run.n and (run.newn or run.n) == run.n and not run.extended
-            and run.n < RUN_MAX then
-          run.extended = g
-          g.run = rid
-        end
+        rid, pos = ref_parse(w)
+        run = st.runs[rid]
       end
-      plan.groups[#plan.groups + 1] = g
+      if run and pos == run.n and (run.newn or run.n) == run.n and not run.extended
+          and run.n < RUN_MAX then
+        g = {keys = {field}, run = rid}
+        run.extended = g
+        plan.groups[#plan.groups + 1] = g
+        group_of[field] = g
+      else
+        group_of[field] = field
+        alone[#alone + 1] = field
+      end
     end
-    group_of[field] = g
   end
   local inline = plan.inline
+  for _, field in ipairs(alone) do
+    if group_of[field] == field then inline[#inline + 1] = field end
+  end
   for _, g in ipairs(plan.groups) do
     if not g.run and #g.keys < RUN_MIN then
       for _, field in ipairs(g.keys) do inline[#inline + 1] = field end
