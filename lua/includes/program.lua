@@ -115,11 +115,12 @@ local function run_program(k, program, cap, ms)
       end
     end
   end
-  local new_ids, next_id, pod_lists = {}, nil, nil
+  local defs, new_ids, next_id, pod_lists = nil, {}, nil, nil
   if #new > 0 then
-    new_ids, next_id = allocate_ids(k, new)
+    defs = entry_definitions()
+    new_ids, next_id = defs.allocate_ids(k, new)
     for i = 1, #new do ids[new[i]] = new_ids[i] end
-    pod_lists = read_pods(k.pp, new)
+    pod_lists = defs.read_pods(k.pp, new)
   end
   -- The expiring buckets are only read (and the clock only asked) when a ttl is stored, an
   -- expiring entry may be live, or new entries record the expiry mode.
@@ -172,9 +173,9 @@ local function run_program(k, program, cap, ms)
         end
         if timed then
           remove_ids(st, bucket, rfield, timed_set)
-          expiring_add(xs, rfield, timed, deadline)
+          xs.add(rfield, timed, deadline)
         elseif untimed then
-          expiring_remove(xs, rfield, untimed)
+          xs.remove(rfield, untimed)
         end
       end
       for i = 1, #pairs_, 2 * HASH_WIDTH do
@@ -190,13 +191,13 @@ local function run_program(k, program, cap, ms)
       if op.tag == 'R' then
         local _, n = remove_ids(st, k.rbucket(op.field), op.field, set)
         removed = removed + n
-        if xs.live then removed = removed + expiring_remove(xs, op.field, set) end
+        if xs.live then removed = removed + xs.remove(op.field, set) end
       else
         local ebucket = k.ebucket(op.field)
         if xs.live then
           local refs = stage_get(st, 'e', ebucket, op.field) or ''
           for i = 1, #refs, HASH_WIDTH do
-            removed = removed + expiring_remove(xs, string.sub(refs, i, i + HASH_WIDTH - 1), set)
+            removed = removed + xs.remove(string.sub(refs, i, i + HASH_WIDTH - 1), set)
           end
         end
         removed = removed + evict_engine(st, k.rbucket, ebucket, op.field, set)
@@ -204,7 +205,7 @@ local function run_program(k, program, cap, ms)
     end
   end
   local plan = plan_stage(st, k)
-  if #new > 0 then define_entries(k, new, new_ids, next_id, pod_lists) end
+  if #new > 0 then defs.define_entries(k, new, new_ids, next_id, pod_lists) end
   flush_stage(st, k, plan)
   expiring_flush(xs)
   return removed

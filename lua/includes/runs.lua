@@ -102,25 +102,3 @@ local function ranges_trim(ranges)
   local n = #ranges > 0 and ranges[#ranges].e or 0
   return ranges, n
 end
-
--- How many keys of the run (keys blob) from position pos equal the chain's keys from index i
--- (both 1-based), at most limit: one byte comparison when the whole span matches, else a
--- binary search for the first differing key.
-local function run_match(keys, pos, chain, i, limit)
-  local a, b = (pos - 1) * HASH_WIDTH, (i - 1) * HASH_WIDTH
-  if string.sub(keys, a + 1, a + limit * HASH_WIDTH) ==
-      string.sub(chain, b + 1, b + limit * HASH_WIDTH) then
-    return limit
-  end
-  local lo, hi = 0, limit - 1   -- lo keys match for sure, hi at most
-  while lo < hi do
-    local mid = math.floor((lo + hi + 1) / 2)
-    if string.sub(keys, a + 1, a + mid * HASH_WIDTH) ==
-        string.sub(chain, b + 1, b + mid * HASH_WIDTH) then
-      lo = mid
-    else
-      hi = mid - 1
-    end
-  end
-  return lo
-end
