@@ -21,6 +21,18 @@
 --@include entries
 --@include expiry
 --@include walk
+
+-- The list with only the items in set.
+local function list_only(list, set, width)
+  local kept, dropped = {}, false
+  for i = 1, #list, width do
+    local item = string.sub(list, i, i + width - 1)
+    if set[item] then kept[#kept + 1] = item else dropped = true end
+  end
+  if not dropped then return list end
+  return table.concat(kept)
+end
+
 local meta = redis.call('HMGET', KEYS[1], 'gen', 'next_id')
 if meta[1] ~= ARGV[1] then fail('STALE', 'namespace layout changed or was removed; reload it') end
 local rbucket = bucket_namer(ARGV[2], ARGV[3])

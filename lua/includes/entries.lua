@@ -28,12 +28,6 @@ local function entry_speculative(enc)
   return bit.band(string.byte(enc, 9 + n + m), 1) == 1
 end
 
-local function entry_tier(enc)
-  local n = struct.unpack('>I4', enc)
-  local m = struct.unpack('>I4', enc, 5 + n)
-  return string.sub(enc, 9 + n, 8 + n + m)
-end
-
 -- Defining entries new to the namespace (only calls that store such entries need it, so the
 -- functions are created on use). Returns {allocate_ids = ..., define_entries = ...,
 -- read_pods = ...}.

@@ -58,29 +58,6 @@ local function expiring_namer(sx, bits)
   return bucket_namer(string.sub(sx, 1, -2) .. ':', bits)
 end
 
--- Read path: nil while no expiring entry can be live (the gate key sx is absent: one EXISTS per
--- call), else a function (h, ids) -> the ids of request key h: ids (its request-bucket list, or
--- nil) followed by its expiring ids that are not past due; nil when it holds none.
-local function expiring_reader(sx, bits)
-  if redis.call('EXISTS', sx) == 0 then return nil end
-  local x = expiry_items()
-  local item_deadline = x.item_deadline
-  local now = x.now_ms()
-  local sbucket = expiring_namer(sx, bits)
-  return function(h, ids)
-    local items = redis.call('HGET', sbucket(h), h)
-    if not items then return ids end
-    local live = {}
-    for j = 1, #items, ITEM_WIDTH do
-      if item_deadline(items, j) > now then
-        live[#live + 1] = string.sub(items, j, j + ID_WIDTH - 1)
-      end
-    end
-    if #live == 0 then return ids end
-    return (ids or '') .. table.concat(live)
-  end
-end
-
 -- Write path: a staging area for the expiring buckets of one script call (reads first, writes
 -- in expiring_flush). meta is <ns>:meta (its field "expiry" picks the mode), sx the gate key.
 -- .live tells whether any expiring entry may be live (the gate key exists). A gate that is not
@@ -193,44 +170,4 @@ local function expiring_flush(xs)
     redis.call('SET', xs.sx, string.format('%.0f', xs.latest), 'PXAT',
       string.format('%.0f', xs.latest))
   end
-end
-
--- One page of a pod clear over expiring buckets: remove the ids in set (and the past-due items)
--- from every field of the keys; returns the ids removed and the fields examined.
-local function clear_expiring(meta, keys, set)
-  local fields = redis.call('HGET', meta, 'expiry') == 'field'
-  local x = expiry_items()
-  local items_without = x.items_without
-  local now = x.now_ms()
-  local removed, examined = 0, 0
-  for _, key in ipairs(keys) do
-    local all = {}
-    if redis.call('TYPE', key)['ok'] == 'hash' then all = redis.call('HGETALL', key) end
-    examined = examined + #all / 2
-    local latest_all = 0
-    local rewrote = false
-    for j = 1, #all, 2 do
-      local h, value = all[j], all[j + 1]
-      if #h == HASH_WIDTH and #value % ITEM_WIDTH == 0 then
-        local left, n, latest = items_without(value, now, set)
-        removed = removed + n
-        if latest > latest_all then latest_all = latest end
-        if left ~= value then
-          rewrote = true
-          if left == '' then
-            redis.call('HDEL', key, h)
-          else
-            redis.call('HSET', key, h, left)
-            if fields then
-              redis.call('HPEXPIREAT', key, string.format('%.0f', latest), 'FIELDS', 1, h)
-            end
-          end
-        end
-      end
-    end
-    if rewrote and not fields and latest_all > 0 then
-      redis.call('PEXPIREAT', key, string.format('%.0f', latest_all))
-    end
-  end
-  return removed, examined
 end

@@ -69,6 +69,13 @@ local function range_at(ranges, pos)
   return nil
 end
 
+-- Append positions up to e holding ids to the ranges out (merged with the last range when it
+-- holds the same ids).
+local function ranges_push(out, e, ids)
+  local last = out[#out]
+  if last and last.ids == ids then last.e = e else out[#out + 1] = {e = e, ids = ids} end
+end
+
 -- The ranges with positions set to new id lists (changes: position -> ids, '' for a hole);
 -- adjacent ranges of equal ids merge. O(ranges + changes log changes).
 local function ranges_apply(ranges, changes)
@@ -76,21 +83,17 @@ local function ranges_apply(ranges, changes)
   for p in pairs(changes) do ps[#ps + 1] = p end
   table.sort(ps)
   local out = {}
-  local function emit(e, ids)
-    local last = out[#out]
-    if last and last.ids == ids then last.e = e else out[#out + 1] = {e = e, ids = ids} end
-  end
   local start, ci = 1, 1
   for _, rg in ipairs(ranges) do
     local s = start
     while ci <= #ps and ps[ci] <= rg.e do
       local p = ps[ci]
-      if p > s then emit(p - 1, rg.ids) end
-      emit(p, changes[p])
+      if p > s then ranges_push(out, p - 1, rg.ids) end
+      ranges_push(out, p, changes[p])
       s = p + 1
       ci = ci + 1
     end
-    if s <= rg.e then emit(rg.e, rg.ids) end
+    if s <= rg.e then ranges_push(out, rg.e, rg.ids) end
     start = rg.e + 1
   end
   return out

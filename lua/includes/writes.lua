@@ -78,11 +78,7 @@ end
 -- The ranges of consecutive positions from first of the id lists values[1..n].
 local function ranges_of(values, first)
   local out = {}
-  for j, ids in ipairs(values) do
-    local last = out[#out]
-    if last and last.ids == ids then last.e = first + j - 1
-    else out[#out + 1] = {e = first + j - 1, ids = ids} end
-  end
+  for j, ids in ipairs(values) do ranges_push(out, first + j - 1, ids) end
   return out
 end
 
@@ -93,7 +89,7 @@ end
 local function plan_stage(st, k)
   local order, orig, r, where = st.order, st.orig, st.r, st.where
   local plan = {inline = {}, unref = {}, groups = {}, nruns = 0}
-  local group_of, fresh = {}, {}
+  local fresh = nil
   for i = 1, #order, 3 do
     if order[i + 2] == 'r' then
       local field = order[i + 1]
@@ -105,6 +101,7 @@ local function plan_stage(st, k)
           st.runs[rid].changes[pos] = value or ''
           if not value then plan.unref[#plan.unref + 1] = field end
         elseif value and not orig[(i + 2) / 3] then
+          fresh = fresh or {}
           fresh[#fresh + 1] = field
         else
           plan.inline[#plan.inline + 1] = field
@@ -119,40 +116,42 @@ local function plan_stage(st, k)
   end
   -- A key alone so far is its own group_of marker (no table): most fresh keys of small ops
   -- start no run.
-  local alone = {}
-  for _, field in ipairs(fresh) do
-    local p = st.prev[field]
-    local g = p and group_of[p]
-    if p and g == p then
-      g = {keys = {p}}
-      plan.groups[#plan.groups + 1] = g
-      group_of[p] = g
-    end
-    if g and g.keys[#g.keys] == p then
-      g.keys[#g.keys + 1] = field
-      group_of[field] = g
-    else
-      local w = p and where[p]
-      local rid, pos, run = nil, nil, nil
-      if w then
-        rid, pos = ref_parse(w)
-        run = st.runs[rid]
-      end
-      if run and pos == run.n and (run.newn or run.n) == run.n and not run.extended
-          and run.n < RUN_MAX then
-        g = {keys = {field}, run = rid}
-        run.extended = g
+  local inline = plan.inline
+  if fresh then
+    local group_of, alone = {}, {}
+    for _, field in ipairs(fresh) do
+      local p = st.prev[field]
+      local g = p and group_of[p]
+      if p and g == p then
+        g = {keys = {p}}
         plan.groups[#plan.groups + 1] = g
+        group_of[p] = g
+      end
+      if g and g.keys[#g.keys] == p then
+        g.keys[#g.keys + 1] = field
         group_of[field] = g
       else
-        group_of[field] = field
-        alone[#alone + 1] = field
+        local w = p and where[p]
+        local rid, pos, run = nil, nil, nil
+        if w then
+          rid, pos = ref_parse(w)
+          run = st.runs[rid]
+        end
+        if run and pos == run.n and (run.newn or run.n) == run.n and not run.extended
+            and run.n < RUN_MAX then
+          g = {keys = {field}, run = rid}
+          run.extended = g
+          plan.groups[#plan.groups + 1] = g
+          group_of[field] = g
+        else
+          group_of[field] = field
+          alone[#alone + 1] = field
+        end
       end
     end
-  end
-  local inline = plan.inline
-  for _, field in ipairs(alone) do
-    if group_of[field] == field then inline[#inline + 1] = field end
+    for _, field in ipairs(alone) do
+      if group_of[field] == field then inline[#inline + 1] = field end
+    end
   end
   for _, g in ipairs(plan.groups) do
     if not g.run and #g.keys < RUN_MIN then
