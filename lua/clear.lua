@@ -15,6 +15,47 @@
 --@include id_lists
 --@include hash_chunks
 --@include expiry
+
+-- One page of a pod clear over expiring buckets: remove the ids in set (and the past-due items)
+-- from every field of the keys; returns the ids removed and the fields examined.
+local function clear_expiring(meta, keys, set)
+  local fields = redis.call('HGET', meta, 'expiry') == 'field'
+  local x = expiry_items()
+  local items_without = x.items_without
+  local now = x.now_ms()
+  local removed, examined = 0, 0
+  for _, key in ipairs(keys) do
+    local all = {}
+    if redis.call('TYPE', key)['ok'] == 'hash' then all = redis.call('HGETALL', key) end
+    examined = examined + #all / 2
+    local latest_all = 0
+    local rewrote = false
+    for j = 1, #all, 2 do
+      local h, value = all[j], all[j + 1]
+      if #h == HASH_WIDTH and #value % ITEM_WIDTH == 0 then
+        local left, n, latest = items_without(value, now, set)
+        removed = removed + n
+        if latest > latest_all then latest_all = latest end
+        if left ~= value then
+          rewrote = true
+          if left == '' then
+            redis.call('HDEL', key, h)
+          else
+            redis.call('HSET', key, h, left)
+            if fields then
+              redis.call('HPEXPIREAT', key, string.format('%.0f', latest), 'FIELDS', 1, h)
+            end
+          end
+        end
+      end
+    end
+    if rewrote and not fields and latest_all > 0 then
+      redis.call('PEXPIREAT', key, string.format('%.0f', latest_all))
+    end
+  end
+  return removed, examined
+end
+
 check_gen(KEYS[1], ARGV[1])
 local set = list_set(blob_arg(ARGV[2], ID_WIDTH, 'entry ids'), ID_WIDTH)
 if ARGV[3] == 's' then return {clear_expiring(KEYS[1], {unpack(KEYS, 2)}, set)} end

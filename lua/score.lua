@@ -19,6 +19,14 @@
 --@include entries
 --@include expiry
 --@include walk
+
+-- The tier of an entry encoding (includes/entries).
+local function entry_tier(enc)
+  local n = struct.unpack('>I4', enc)
+  local m = struct.unpack('>I4', enc, 5 + n)
+  return string.sub(enc, 9 + n, 8 + n + m)
+end
+
 check_gen(KEYS[1], ARGV[1])
 local rbucket = bucket_namer(ARGV[2], ARGV[3])
 local nf = tonumber(ARGV[4])

@@ -28,60 +28,61 @@ local function entry_speculative(enc)
   return bit.band(string.byte(enc, 9 + n + m), 1) == 1
 end
 
-local function entry_tier(enc)
-  local n = struct.unpack('>I4', enc)
-  local m = struct.unpack('>I4', enc, 5 + n)
-  return string.sub(enc, 9 + n, 8 + n + m)
-end
+-- Defining entries new to the namespace (only calls that store such entries need it, so the
+-- functions are created on use). Returns {allocate_ids = ..., define_entries = ...,
+-- read_pods = ...}.
+local function entry_definitions()
+  -- Ids for the new entries encs (none of them in <ns>:pe), read-only: the next free ids
+  -- after <ns>:meta next_id, skipping ids already defined (a meta record recreated under
+  -- existing ids). Fails KVREDIS_LAYOUT when the id space cannot hold them. Returns the ids
+  -- and the new next_id.
+  local function allocate_ids(k, encs)
+    local n = tonumber(redis.call('HGET', k.meta, 'next_id') or '0')
+    local ids = {}
+    for i = 1, #encs do
+      local id
+      repeat
+        n = n + 1
+        if n > MAX_ENTRY_ID then fail('LAYOUT', 'entry id space exhausted') end
+        id = struct.pack('>I4', n)
+      until redis.call('HEXISTS', k.pi, id) == 0
+      ids[i] = id
+    end
+    return ids, n
+  end
 
--- Ids for the new entries encs (none of them in <ns>:pe), read-only: the next free ids after
--- <ns>:meta next_id, skipping ids already defined (a meta record recreated under existing ids).
--- Fails KVREDIS_LAYOUT when the id space cannot hold them. Returns the ids and the new next_id.
-local function allocate_ids(k, encs)
-  local n = tonumber(redis.call('HGET', k.meta, 'next_id') or '0')
-  local ids = {}
-  for i = 1, #encs do
-    local id
-    repeat
-      n = n + 1
-      if n > MAX_ENTRY_ID then fail('LAYOUT', 'entry id space exhausted') end
-      id = struct.pack('>I4', n)
-    until redis.call('HEXISTS', k.pi, id) == 0
-    ids[i] = id
+  -- Define the new entries encs with the ids allocate_ids gave (next_id its second result)
+  -- and record them under their pods. pods_lists holds the pods' current id lists (read
+  -- before the first write: read_pods). k holds the keys meta, pe, pi, pp and the bucket bits.
+  local function define_entries(k, encs, ids, next_id, pod_lists)
+    if #encs == 0 then return end
+    local added = {}
+    for i = 1, #encs do
+      redis.call('HSET', k.pi, ids[i], encs[i])
+      redis.call('HSET', k.pe, encs[i], ids[i])
+      local pod = entry_pod(encs[i])
+      if not added[pod] then added[pod] = {} end
+      table.insert(added[pod], ids[i])
+    end
+    for pod, list in pairs(added) do
+      redis.call('HSET', k.pp, pod, (pod_lists[pod] or '') .. table.concat(list))
+    end
+    redis.call('HSET', k.meta, 'next_id', tostring(next_id))
+    -- The high-water mark, bucket bits and expiry mode, from which a lost <ns>:meta heals.
+    redis.call('HSET', k.pi, 'next_id', tostring(next_id), 'bucket_bits', k.bits,
+      'expiry', k.xs.fields and 'field' or 'key')
   end
-  return ids, n
-end
 
--- Define the new entries encs with the ids allocate_ids gave (next_id its second result) and
--- record them under their pods. pods_lists holds the pods' current id lists (read before the
--- first write: read_pods). k holds the keys meta, pe, pi, pp and the bucket bits.
-local function define_entries(k, encs, ids, next_id, pod_lists)
-  if #encs == 0 then return end
-  local added = {}
-  for i = 1, #encs do
-    redis.call('HSET', k.pi, ids[i], encs[i])
-    redis.call('HSET', k.pe, encs[i], ids[i])
-    local pod = entry_pod(encs[i])
-    if not added[pod] then added[pod] = {} end
-    table.insert(added[pod], ids[i])
+  -- The current id lists of the pods of encs (pod -> list or false), read before any write.
+  local function read_pods(pp_key, encs)
+    local out = {}
+    for i = 1, #encs do
+      local pod = entry_pod(encs[i])
+      if out[pod] == nil then out[pod] = redis.call('HGET', pp_key, pod) or false end
+    end
+    return out
   end
-  for pod, list in pairs(added) do
-    redis.call('HSET', k.pp, pod, (pod_lists[pod] or '') .. table.concat(list))
-  end
-  redis.call('HSET', k.meta, 'next_id', tostring(next_id))
-  -- The high-water mark, bucket bits and expiry mode, from which a lost <ns>:meta heals.
-  redis.call('HSET', k.pi, 'next_id', tostring(next_id), 'bucket_bits', k.bits,
-    'expiry', k.xs.fields and 'field' or 'key')
-end
-
--- The current id lists of the pods of encs (pod -> list or false), read before any write.
-local function read_pods(pp_key, encs)
-  local out = {}
-  for i = 1, #encs do
-    local pod = entry_pod(encs[i])
-    if out[pod] == nil then out[pod] = redis.call('HGET', pp_key, pod) or false end
-  end
-  return out
+  return {allocate_ids = allocate_ids, define_entries = define_entries, read_pods = read_pods}
 end
 
 -- The set of ids of the pods named in pods (array of pod ids), read from the pod records.

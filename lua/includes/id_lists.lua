@@ -27,17 +27,6 @@ local function list_without(list, set, width)
   return table.concat(kept), removed
 end
 
--- The list with only the items in set.
-local function list_only(list, set, width)
-  local kept, dropped = {}, false
-  for i = 1, #list, width do
-    local item = string.sub(list, i, i + width - 1)
-    if set[item] then kept[#kept + 1] = item else dropped = true end
-  end
-  if not dropped then return list end
-  return table.concat(kept)
-end
-
 -- The items of a list as a set (added to set when given).
 local function list_set(list, width, set)
   set = set or {}

@@ -4,6 +4,17 @@
 --@include expiry
 --@include walk
 
+-- The list with only the items in set.
+local function list_only(list, set, width)
+  local kept, dropped = {}, false
+  for i = 1, #list, width do
+    local item = string.sub(list, i, i + width - 1)
+    if set[item] then kept[#kept + 1] = item else dropped = true end
+  end
+  if not dropped then return list end
+  return table.concat(kept)
+end
+
 -- meta: the namespace's {gen, next_id} (already checked against the client's generation);
 -- pi_key, pp_key, sx_key: its keys; rprefix, bits: its request buckets; floor: the id up to
 -- which the client knows every definition; pods: nil or the pod names of the filter; chain: the

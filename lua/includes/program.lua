@@ -115,24 +115,30 @@ local function run_program(k, program, cap, ms)
       end
     end
   end
-  local new_ids, next_id, pod_lists = {}, nil, nil
+  local defs, new_ids, next_id, pod_lists = nil, {}, nil, nil
   if #new > 0 then
-    new_ids, next_id = allocate_ids(k, new)
+    defs = entry_definitions()
+    new_ids, next_id = defs.allocate_ids(k, new)
     for i = 1, #new do ids[new[i]] = new_ids[i] end
-    pod_lists = read_pods(k.pp, new)
+    pod_lists = defs.read_pods(k.pp, new)
   end
+  -- The expiring buckets are only read (and the clock only asked) when a ttl is stored, an
+  -- expiring entry may be live, or new entries record the expiry mode.
   local st, xs = new_stage(k.cprefix), k.xs
+  if ms > 0 or xs.live or #new > 0 then expiring_open(xs) end
   local removed = 0
-  local spec = {}
+  local spec = nil
+  local rbucket = k.rbucket
   for _, op in ipairs(ops) do
     local set = {}
     if op.tag == 'A' then
       -- With a ttl the speculative entries get a deadline (and leave the request bucket);
       -- the others are stored without one.
-      local list, timed, timed_set = {}, {}, {}
+      local list, timed, timed_set = {}, nil, nil
       for _, j in ipairs(op.ents) do
         local id = ids[ents[j]]
         if ms > 0 and entry_speculative(ents[j]) then
+          timed, timed_set = timed or {}, timed_set or {}
           if not timed_set[id] then
             timed_set[id] = true
             timed[#timed + 1] = id
@@ -146,6 +152,7 @@ local function run_program(k, program, cap, ms)
       -- speculative entries, and speculative entries added again without a ttl stop expiring.
       local untimed = nil
       if xs.live and ms == 0 then
+        spec = spec or {}
         untimed = confirmed_pods_speculative(k, ents, op, spec)
         for _, j in ipairs(op.ents) do
           if entry_speculative(ents[j]) then
@@ -155,20 +162,20 @@ local function run_program(k, program, cap, ms)
         end
       end
       local value, req, pairs_ = table.concat(list), op.req, op.pairs
-      local deadline = xs.now + ms
+      local deadline = ms > 0 and xs.now + ms
       local prev = nil
       for i = 1, #req, HASH_WIDTH do
         local rfield = string.sub(req, i, i + HASH_WIDTH - 1)
-        local bucket = k.rbucket(rfield)
+        local bucket = rbucket(rfield)
         if value ~= '' then
           add_ids(st, bucket, rfield, value, set, prev)
           prev = rfield
         end
-        if #timed > 0 then
+        if timed then
           remove_ids(st, bucket, rfield, timed_set)
-          expiring_add(xs, rfield, timed, deadline)
+          xs.add(rfield, timed, deadline)
         elseif untimed then
-          expiring_remove(xs, rfield, untimed)
+          xs.remove(rfield, untimed)
         end
       end
       for i = 1, #pairs_, 2 * HASH_WIDTH do
@@ -184,13 +191,13 @@ local function run_program(k, program, cap, ms)
       if op.tag == 'R' then
         local _, n = remove_ids(st, k.rbucket(op.field), op.field, set)
         removed = removed + n
-        if xs.live then removed = removed + expiring_remove(xs, op.field, set) end
+        if xs.live then removed = removed + xs.remove(op.field, set) end
       else
         local ebucket = k.ebucket(op.field)
         if xs.live then
           local refs = stage_get(st, 'e', ebucket, op.field) or ''
           for i = 1, #refs, HASH_WIDTH do
-            removed = removed + expiring_remove(xs, string.sub(refs, i, i + HASH_WIDTH - 1), set)
+            removed = removed + xs.remove(string.sub(refs, i, i + HASH_WIDTH - 1), set)
           end
         end
         removed = removed + evict_engine(st, k.rbucket, ebucket, op.field, set)
@@ -198,7 +205,7 @@ local function run_program(k, program, cap, ms)
     end
   end
   local plan = plan_stage(st, k)
-  if #new > 0 then define_entries(k, new, new_ids, next_id, pod_lists) end
+  if #new > 0 then defs.define_entries(k, new, new_ids, next_id, pod_lists) end
   flush_stage(st, k, plan)
   expiring_flush(xs)
   return removed

@@ -69,6 +69,13 @@ local function range_at(ranges, pos)
   return nil
 end
 
+-- Append positions up to e holding ids to the ranges out (merged with the last range when it
+-- holds the same ids).
+local function ranges_push(out, e, ids)
+  local last = out[#out]
+  if last and last.ids == ids then last.e = e else out[#out + 1] = {e = e, ids = ids} end
+end
+
 -- The ranges with positions set to new id lists (changes: position -> ids, '' for a hole);
 -- adjacent ranges of equal ids merge. O(ranges + changes log changes).
 local function ranges_apply(ranges, changes)
@@ -76,21 +83,17 @@ local function ranges_apply(ranges, changes)
   for p in pairs(changes) do ps[#ps + 1] = p end
   table.sort(ps)
   local out = {}
-  local function emit(e, ids)
-    local last = out[#out]
-    if last and last.ids == ids then last.e = e else out[#out + 1] = {e = e, ids = ids} end
-  end
   local start, ci = 1, 1
   for _, rg in ipairs(ranges) do
     local s = start
     while ci <= #ps and ps[ci] <= rg.e do
       local p = ps[ci]
-      if p > s then emit(p - 1, rg.ids) end
-      emit(p, changes[p])
+      if p > s then ranges_push(out, p - 1, rg.ids) end
+      ranges_push(out, p, changes[p])
       s = p + 1
       ci = ci + 1
     end
-    if s <= rg.e then emit(rg.e, rg.ids) end
+    if s <= rg.e then ranges_push(out, rg.e, rg.ids) end
     start = rg.e + 1
   end
   return out
@@ -101,26 +104,4 @@ local function ranges_trim(ranges)
   while #ranges > 0 and ranges[#ranges].ids == '' do ranges[#ranges] = nil end
   local n = #ranges > 0 and ranges[#ranges].e or 0
   return ranges, n
-end
-
--- How many keys of the run (keys blob) from position pos equal the chain's keys from index i
--- (both 1-based), at most limit: one byte comparison when the whole span matches, else a
--- binary search for the first differing key.
-local function run_match(keys, pos, chain, i, limit)
-  local a, b = (pos - 1) * HASH_WIDTH, (i - 1) * HASH_WIDTH
-  if string.sub(keys, a + 1, a + limit * HASH_WIDTH) ==
-      string.sub(chain, b + 1, b + limit * HASH_WIDTH) then
-    return limit
-  end
-  local lo, hi = 0, limit - 1   -- lo keys match for sure, hi at most
-  while lo < hi do
-    local mid = math.floor((lo + hi + 1) / 2)
-    if string.sub(keys, a + 1, a + mid * HASH_WIDTH) ==
-        string.sub(chain, b + 1, b + mid * HASH_WIDTH) then
-      lo = mid
-    else
-      hi = mid - 1
-    end
-  end
-  return lo
 end

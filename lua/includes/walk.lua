@@ -8,9 +8,55 @@
   expiring entry may be live (the gate key exists), every key also costs one HGET of its
   expiring bucket, run keys included; otherwise a run costs one call whatever its length. ]]
 --@include runs
+--@include expiry
+
+-- Read path: nil while no expiring entry can be live (the gate key sx is absent: one EXISTS per
+-- call), else a function (h, ids) -> the ids of request key h: ids (its request-bucket list, or
+-- nil) followed by its expiring ids that are not past due; nil when it holds none.
+local function expiring_reader(sx, bits)
+  if redis.call('EXISTS', sx) == 0 then return nil end
+  local x = expiry_items()
+  local item_deadline = x.item_deadline
+  local now = x.now_ms()
+  local sbucket = expiring_namer(sx, bits)
+  return function(h, ids)
+    local items = redis.call('HGET', sbucket(h), h)
+    if not items then return ids end
+    local live = {}
+    for j = 1, #items, ITEM_WIDTH do
+      if item_deadline(items, j) > now then
+        live[#live + 1] = string.sub(items, j, j + ID_WIDTH - 1)
+      end
+    end
+    if #live == 0 then return ids end
+    return (ids or '') .. table.concat(live)
+  end
+end
+
+-- How many keys of the run (keys blob) from position pos equal the chain's keys from index i
+-- (both 1-based), at most limit: one byte comparison when the whole span matches, else a
+-- binary search for the first differing key.
+local function run_match(keys, pos, chain, i, limit)
+  local a, b = (pos - 1) * HASH_WIDTH, (i - 1) * HASH_WIDTH
+  if string.sub(keys, a + 1, a + limit * HASH_WIDTH) ==
+      string.sub(chain, b + 1, b + limit * HASH_WIDTH) then
+    return limit
+  end
+  local lo, hi = 0, limit - 1   -- lo keys match for sure, hi at most
+  while lo < hi do
+    local mid = math.floor((lo + hi + 1) / 2)
+    if string.sub(keys, a + 1, a + mid * HASH_WIDTH) ==
+        string.sub(chain, b + 1, b + mid * HASH_WIDTH) then
+      lo = mid
+    else
+      hi = mid - 1
+    end
+  end
+  return lo
+end
 
 -- Walk the chain (hash blob). rbucket names request buckets, cprefix is the run key prefix.
--- expiring is nil or the reader of the expiring entries (includes/expiry: expiring_reader),
+-- expiring is nil or the reader of the expiring entries (expiring_reader above),
 -- a function (h, ids or nil) -> ids or nil: with it, every key's ids are its request-bucket or
 -- run ids followed by its live expiring ids, and a key without any record of its own is still
 -- a hit when it holds live expiring ids; without it (no expiring entry can be live), keys of

@@ -7,29 +7,40 @@
 
 -- A staging area: per bucket kind (r, e) the values read or staged by field (a field names its
 -- bucket, so the field alone is the key), and the changed (bucket, field) pairs in order. A
--- request key held through a run reads as the ids of its run position (where: field -> {run
--- id, position}); runs: run id -> {keys, ranges, n, changes = position -> ids} or false;
+-- request key held through a run reads as the ids of its run position (where: field -> its
+-- ref); runs: run id -> {ranges, n, changes = position -> ids, keys once read} or false;
 -- prev: field -> the request key before it in the add op that first stored it (new keys only).
 local function new_stage(cprefix)
   return {r = {}, e = {}, order = {}, orig = {}, where = {}, runs = {}, prev = {},
           cprefix = cprefix}
 end
 
--- The run rid as staged (read on first use), or false when absent or malformed.
+-- The run rid as staged (read on first use), or false when absent or malformed. Only the
+-- ranges are read: the keys (a long string) are read by run_keys when a write needs them.
 local function stage_run(st, rid)
   local run = st.runs[rid]
   if run == nil then
     run = false
-    local rec = redis.call('HMGET', st.cprefix .. rid, 'k', 'r')
-    if rec[1] and rec[2] then
-      local ranges = ranges_parse(rec[2])
-      if ranges and #ranges > 0 and ranges[#ranges].e * HASH_WIDTH == #rec[1] then
-        run = {keys = rec[1], ranges = ranges, n = ranges[#ranges].e, changes = {}}
-      end
+    local key = st.cprefix .. rid
+    local r = redis.call('HGET', key, 'r')
+    local ranges = r and ranges_parse(r)
+    local n = ranges and #ranges > 0 and ranges[#ranges].e or 0
+    if n > 0 and redis.call('HSTRLEN', key, 'k') == n * HASH_WIDTH then
+      run = {ranges = ranges, n = n, changes = {}}
     end
     st.runs[rid] = run
   end
   return run
+end
+
+-- The request keys of a staged run (hash blob), read on first use.
+local function run_keys(st, rid, run)
+  local keys = run.keys
+  if keys == nil then
+    keys = redis.call('HGET', st.cprefix .. rid, 'k')
+    run.keys = keys
+  end
+  return keys
 end
 
 local function stage_get(st, kind, bucket, field)
@@ -38,13 +49,14 @@ local function stage_get(st, kind, bucket, field)
   if v == nil then
     v = redis.call('HGET', bucket, field) or false
     if kind == 'r' and v and is_ref(v) then
-      local rid, pos = ref_parse(v)
+      local ref = v
+      local rid, pos = ref_parse(ref)
       local run = stage_run(st, rid)
       local r = run and pos >= 1 and range_at(run.ranges, pos)
       v = false
       if r and run.ranges[r].ids ~= '' then
         v = run.ranges[r].ids
-        st.where[field] = {rid, pos}
+        st.where[field] = ref
       end
     end
     values[field] = v
@@ -66,11 +78,7 @@ end
 -- The ranges of consecutive positions from first of the id lists values[1..n].
 local function ranges_of(values, first)
   local out = {}
-  for j, ids in ipairs(values) do
-    local last = out[#out]
-    if last and last.ids == ids then last.e = first + j - 1
-    else out[#out + 1] = {e = first + j - 1, ids = ids} end
-  end
+  for j, ids in ipairs(values) do ranges_push(out, first + j - 1, ids) end
   return out
 end
 
@@ -81,7 +89,7 @@ end
 local function plan_stage(st, k)
   local order, orig, r, where = st.order, st.orig, st.r, st.where
   local plan = {inline = {}, unref = {}, groups = {}, nruns = 0}
-  local group_of, fresh = {}, {}
+  local fresh = nil
   for i = 1, #order, 3 do
     if order[i + 2] == 'r' then
       local field = order[i + 1]
@@ -89,9 +97,11 @@ local function plan_stage(st, k)
       if value ~= orig[(i + 2) / 3] then
         local w = where[field]
         if w then
-          st.runs[w[1]].changes[w[2]] = value or ''
+          local rid, pos = ref_parse(w)
+          st.runs[rid].changes[pos] = value or ''
           if not value then plan.unref[#plan.unref + 1] = field end
         elseif value and not orig[(i + 2) / 3] then
+          fresh = fresh or {}
           fresh[#fresh + 1] = field
         else
           plan.inline[#plan.inline + 1] = field
@@ -104,25 +114,45 @@ local function plan_stage(st, k)
       run.ranges, run.newn = ranges_trim(ranges_apply(run.ranges, run.changes))
     end
   end
-  for _, field in ipairs(fresh) do
-    local p = st.prev[field]
-    local g = p and group_of[p]
-    if g and g.keys[#g.keys] == p then
-      g.keys[#g.keys + 1] = field
-    else
-      g = {keys = {field}}
-      local w = p and where[p]
-      local run = w and st.runs[w[1]]
-      if run and w[2] == run.n and (run.newn or run.n) == run.n and not run.extended
-          and run.n < RUN_MAX then
-        run.extended = g
-        g.run = w[1]
-      end
-      plan.groups[#plan.groups + 1] = g
-    end
-    group_of[field] = g
-  end
+  -- A key alone so far is its own group_of marker (no table): most fresh keys of small ops
+  -- start no run.
   local inline = plan.inline
+  if fresh then
+    local group_of, alone = {}, {}
+    for _, field in ipairs(fresh) do
+      local p = st.prev[field]
+      local g = p and group_of[p]
+      if p and g == p then
+        g = {keys = {p}}
+        plan.groups[#plan.groups + 1] = g
+        group_of[p] = g
+      end
+      if g and g.keys[#g.keys] == p then
+        g.keys[#g.keys + 1] = field
+        group_of[field] = g
+      else
+        local w = p and where[p]
+        local rid, pos, run = nil, nil, nil
+        if w then
+          rid, pos = ref_parse(w)
+          run = st.runs[rid]
+        end
+        if run and pos == run.n and (run.newn or run.n) == run.n and not run.extended
+            and run.n < RUN_MAX then
+          g = {keys = {field}, run = rid}
+          run.extended = g
+          plan.groups[#plan.groups + 1] = g
+          group_of[field] = g
+        else
+          group_of[field] = field
+          alone[#alone + 1] = field
+        end
+      end
+    end
+    for _, field in ipairs(alone) do
+      if group_of[field] == field then inline[#inline + 1] = field end
+    end
+  end
   for _, g in ipairs(plan.groups) do
     if not g.run and #g.keys < RUN_MIN then
       for _, field in ipairs(g.keys) do inline[#inline + 1] = field end
@@ -187,7 +217,7 @@ local function flush_stage(st, k, plan)
       local ranges = ranges_of(values, first)
       if run then
         for _, rg in ipairs(ranges) do run.ranges[#run.ranges + 1] = rg end
-        run.keys = run.keys .. table.concat(keys)
+        run.keys = run_keys(st, rid, run) .. table.concat(keys)
         run.n = first + #keys - 1
         run.newn = run.n
         run.rewrite = true
@@ -201,8 +231,9 @@ local function flush_stage(st, k, plan)
     if run and run.newn then
       if run.newn == 0 then
         redis.call('DEL', st.cprefix .. rid)
-      elseif run.rewrite or run.newn < #run.keys / HASH_WIDTH then
-        redis.call('HSET', st.cprefix .. rid, 'k', string.sub(run.keys, 1, run.newn * HASH_WIDTH),
+      elseif run.rewrite or run.newn < run.n then
+        redis.call('HSET', st.cprefix .. rid, 'k',
+          string.sub(run_keys(st, rid, run), 1, run.newn * HASH_WIDTH),
           'r', ranges_encode(run.ranges))
       else
         redis.call('HSET', st.cprefix .. rid, 'r', ranges_encode(run.ranges))
