@@ -163,6 +163,7 @@ def test_only_no_writes_scripts_can_be_sent_as_reads() -> None:
     registry = ScriptRegistry()
     assert {n for n in registry.names() if registry[n].no_writes} == {
         "lookup",
+        "lookup_shards",
         "ping",
         "request_key",
         "score",
