@@ -5,7 +5,8 @@ Each side runs in its own process against its own fresh redis-server (or valkey-
 ``--server valkey``): the base commit's ``kvredis`` is unpacked from git (``git archive``) into a
 temporary folder and put first on ``PYTHONPATH``; the figures are printed side by side.
 
-Run:  .venv/bin/python scripts/bench_hardening.py [--base main] [--quick] [--json PATH]
+Run:  .venv/bin/python scripts/bench_hardening.py [--base main] [--quick] [--steps 8,8b]
+          [--json PATH]
 """
 
 from __future__ import annotations
@@ -316,8 +317,9 @@ def hot_paths(url: str, calls: int) -> dict[str, Any]:
     return out
 
 
-def measure(kind: str, quick: bool) -> dict[str, Any]:
-    """Every figure, on one side (the ``kvredis`` this process imports)."""
+def measure(kind: str, quick: bool, only: set[str] | None = None) -> dict[str, Any]:
+    """Every figure (those whose number is in ``only``, when given), on one side (the
+    ``kvredis`` this process imports)."""
     server = RedisServer(kind)
     server.start()
     url = server.url
@@ -340,6 +342,8 @@ def measure(kind: str, quick: bool) -> dict[str, Any]:
     out: dict[str, Any] = {}
     try:
         for name, step in steps.items():
+            if only and name.split()[0] not in only:
+                continue
             try:
                 out[name] = step()
             except Exception:
@@ -349,12 +353,13 @@ def measure(kind: str, quick: bool) -> dict[str, Any]:
     return out
 
 
-def _side(pythonpath: str | None, kind: str, quick: bool) -> dict[str, Any]:
+def _side(pythonpath: str | None, kind: str, quick: bool, only: str) -> dict[str, Any]:
     env = dict(os.environ)
     env.pop(BASE_VARIABLE, None)
     if pythonpath:
         env[BASE_VARIABLE] = pythonpath
-    args = [sys.executable, __file__, "--child", "--server", kind] + (["--quick"] if quick else [])
+    args = [sys.executable, __file__, "--child", "--server", kind, "--steps", only]
+    args += ["--quick"] if quick else []
     done = subprocess.run(args, env=env, capture_output=True, text=True, check=False, cwd=REPO)
     if done.returncode != 0:
         return {"failed": done.stderr[-500:]}
@@ -366,21 +371,25 @@ def main(argv: list[str] | None = None) -> int:
     parser = bench_parser(__doc__, "smaller inputs and fewer trials (about a minute)")
     parser.add_argument("--base", default="main", help="git revision of the 'before' side")
     parser.add_argument("--server", default="redis", choices=("redis", "valkey"))
+    parser.add_argument(
+        "--steps", default="", help='comma-separated step numbers (e.g. "8,8b"; default: all)'
+    )
     parser.add_argument("--child", action="store_true", help=argparse_hidden())
     args = parser.parse_args(argv)
     if args.child:
         base = os.environ.get(BASE_VARIABLE)
         if base:  # the base commit's kvredis, ahead of this checkout's
             sys.path.insert(0, base)
-        print(json.dumps(measure(args.server, args.quick)))
+        only = {s for s in args.steps.split(",") if s}
+        print(json.dumps(measure(args.server, args.quick, only)))
         return 0
     with tempfile.TemporaryDirectory(prefix="kvredis-base-") as base:
         archive = subprocess.run(
             ["git", "-C", str(REPO), "archive", args.base], capture_output=True, check=True
         )
         subprocess.run(["tar", "-x", "-C", base], input=archive.stdout, check=True)
-        before = _side(base, args.server, args.quick)
-    after = _side(None, args.server, args.quick)
+        before = _side(base, args.server, args.quick, args.steps)
+    after = _side(None, args.server, args.quick, args.steps)
     print(f"{args.server}: before = {args.base}, after = this checkout")
     for name in after:
         print(f"{name}\n  before: {before.get(name)}\n  after:  {after.get(name)}")
