@@ -5,7 +5,8 @@ Each side runs in its own process against its own fresh redis-server (or valkey-
 ``--server valkey``): the base commit's ``kvredis`` is unpacked from git (``git archive``) into a
 temporary folder and put first on ``PYTHONPATH``; the figures are printed side by side.
 
-Run:  .venv/bin/python scripts/bench_hardening.py [--base main] [--quick] [--json PATH]
+Run:  .venv/bin/python scripts/bench_hardening.py [--base main] [--quick] [--steps 8,8b]
+          [--json PATH]
 """
 
 from __future__ import annotations
@@ -140,21 +141,22 @@ def failover(kind: str) -> dict[str, Any]:
         server.close()
 
 
+#: An index operation of a longest-call case (``index`` -> anything).
+Step = Callable[[Any], object]
+
+
 def slowlog(url: str, scale: float) -> dict[str, Any]:
     """8: the longest script call (SLOWLOG, microseconds) of each oversized operation."""
-    from kvredis import AddOp, PodEntry, RedisIndex, Watermark
+    from kvredis import AddOp, PodEntry, Watermark
 
-    raw = redis.Redis.from_url(url)
-    raw.config_set("slowlog-log-slower-than", 0)
-    raw.config_set("slowlog-max-len", 100000)
     entry = PodEntry("pod-a", "gpu")
     n = int(100_000 * scale)
-    cases: dict[str, Callable[[Any], object]] = {
+    cases: dict[str, Step] = {
         f"add {n} request keys under one engine key": lambda i: i.add(
             [7], list(range(1, n + 1)), [entry]
         ),
         f"apply_batch of {int(60_000 * scale)} ops": lambda i: i.apply_batch(
-            [AddOp([k + 1_000_000], (k,), (entry,)) for k in range(1, int(60_000 * scale) + 1)],
+            [AddOp((k + 1_000_000,), (k,), (entry,)) for k in range(1, int(60_000 * scale) + 1)],
             "s",
             Watermark(1, 1),
         ),
@@ -162,10 +164,63 @@ def slowlog(url: str, scale: float) -> dict[str, Any]:
             list(range(10**9, 10**9 + n)), list(range(1, n + 1)), [entry]
         ),
     }
+    return longest_calls(url, {name: (None, run) for name, run in cases.items()})
+
+
+def fragmented_runs(url: str, scale: float) -> dict[str, Any]:
+    """8b: the longest script call of writes into fragmented chain runs. Each chain is 1024 new
+    request keys added by one event (one full run on the runs layout); then every other key of
+    it is evicted (512 holes, 1024 ranges). A write that reaches a key in a run rewrites that
+    run whole, so the worst call touches one key in each of as many such runs as one call
+    takes."""
+    from kvredis import EvictOp, KeyType, PodEntry
+
+    pod_a, pod_b, pod_c = (PodEntry(f"pod-{x}", "gpu") for x in "abc")
+    n = max(2, int(1000 * scale))
+    chains = [[(c << 20) + k for k in range(1, 1025)] for c in range(1, n + 1)]
+
+    def fragmented(count: int) -> Step:
+        def setup(index: Any) -> None:
+            for chain in chains[:count]:
+                index.add(None, chain, [pod_a])
+            evicts = [k for chain in chains[:count] for k in chain[1::2]]
+            index.apply_batch([EvictOp(k, KeyType.REQUEST, (pod_a,)) for k in evicts])
+
+        return setup
+
+    cases: dict[str, tuple[Step | None, Step]] = {
+        "add a pod to every 3rd key of a fragmented 1024-key chain": (
+            fragmented(1),
+            lambda i: i.add(None, chains[0][::3], [pod_b]),
+        ),
+        f"add a pod to one held key in each of {n} fragmented chains": (
+            fragmented(n),
+            lambda i: i.add(None, [chain[4] for chain in chains], [pod_c]),
+        ),
+        f"evict one key in each of {n} fragmented chains (apply_batch)": (
+            fragmented(n),
+            lambda i: i.apply_batch(
+                [EvictOp(chain[8], KeyType.REQUEST, (pod_a,)) for chain in chains]
+            ),
+        ),
+    }
+    return longest_calls(url, cases)
+
+
+def longest_calls(url: str, cases: dict[str, tuple[Step | None, Step]]) -> dict[str, Any]:
+    """Per case, on a fresh namespace: ``setup(index)``, then ``run(index)``; the longest
+    EVALSHA of ``run`` (SLOWLOG, µs) and its wall time."""
+    from kvredis import RedisIndex
+
+    raw = redis.Redis.from_url(url)
+    raw.config_set("slowlog-max-len", 100000)
     out: dict[str, Any] = {}
-    for name, run in cases.items():
+    for name, (setup, run) in cases.items():
         cfg = _cfg(url, socket_timeout=60.0, retries=0)
         with RedisIndex(cfg) as index:
+            if setup is not None:
+                setup(index)
+            raw.config_set("slowlog-log-slower-than", 0)
             raw.slowlog_reset()
             start = time.perf_counter()
             error = None
@@ -178,11 +233,11 @@ def slowlog(url: str, scale: float) -> dict[str, Any]:
                 (e["duration"] for e in raw.slowlog_get(100000) if b"EVALSHA" in _command(e)),
                 default=0,
             )
+            raw.config_set("slowlog-log-slower-than", 10000)
             out[name] = {"longest_call_us": longest, "wall_s": round(wall, 3)}
             if error:
                 out[name]["error"] = error
             index.drop_namespace()
-    raw.config_set("slowlog-log-slower-than", 10000)
     raw.close()
     return out
 
@@ -233,7 +288,7 @@ def hot_paths(url: str, calls: int) -> dict[str, Any]:
                 pods[:1],
             ),
             "apply_batch of 16 ops": lambda: index.apply_batch(
-                [AddOp(None, (rng.getrandbits(64),), pods[:1]) for _ in range(16)],
+                [AddOp(None, (rng.getrandbits(64),), tuple(pods[:1])) for _ in range(16)],
                 "s",
                 Watermark(1, next(seq)),
             ),
@@ -262,8 +317,9 @@ def hot_paths(url: str, calls: int) -> dict[str, Any]:
     return out
 
 
-def measure(kind: str, quick: bool) -> dict[str, Any]:
-    """Every figure, on one side (the ``kvredis`` this process imports)."""
+def measure(kind: str, quick: bool, only: set[str] | None = None) -> dict[str, Any]:
+    """Every figure (those whose number is in ``only``, when given), on one side (the
+    ``kvredis`` this process imports)."""
     server = RedisServer(kind)
     server.start()
     url = server.url
@@ -275,6 +331,9 @@ def measure(kind: str, quick: bool) -> dict[str, Any]:
         "5 apply_batch result after a lost reply": lambda: lost_reply(url),
         "7 failover ride-out": lambda: failover(kind),
         "8 longest script call": lambda: slowlog(url, 0.2 if quick else 1.0),
+        "8b longest script call, fragmented runs": lambda: fragmented_runs(
+            url, 0.2 if quick else 1.0
+        ),
         "11 definitions left after N pods cleared": lambda: leftover_definitions(
             url, 200 if quick else 2000
         ),
@@ -283,6 +342,8 @@ def measure(kind: str, quick: bool) -> dict[str, Any]:
     out: dict[str, Any] = {}
     try:
         for name, step in steps.items():
+            if only and name.split()[0] not in only:
+                continue
             try:
                 out[name] = step()
             except Exception:
@@ -292,12 +353,13 @@ def measure(kind: str, quick: bool) -> dict[str, Any]:
     return out
 
 
-def _side(pythonpath: str | None, kind: str, quick: bool) -> dict[str, Any]:
+def _side(pythonpath: str | None, kind: str, quick: bool, only: str) -> dict[str, Any]:
     env = dict(os.environ)
     env.pop(BASE_VARIABLE, None)
     if pythonpath:
         env[BASE_VARIABLE] = pythonpath
-    args = [sys.executable, __file__, "--child", "--server", kind] + (["--quick"] if quick else [])
+    args = [sys.executable, __file__, "--child", "--server", kind, "--steps", only]
+    args += ["--quick"] if quick else []
     done = subprocess.run(args, env=env, capture_output=True, text=True, check=False, cwd=REPO)
     if done.returncode != 0:
         return {"failed": done.stderr[-500:]}
@@ -309,21 +371,25 @@ def main(argv: list[str] | None = None) -> int:
     parser = bench_parser(__doc__, "smaller inputs and fewer trials (about a minute)")
     parser.add_argument("--base", default="main", help="git revision of the 'before' side")
     parser.add_argument("--server", default="redis", choices=("redis", "valkey"))
+    parser.add_argument(
+        "--steps", default="", help='comma-separated step numbers (e.g. "8,8b"; default: all)'
+    )
     parser.add_argument("--child", action="store_true", help=argparse_hidden())
     args = parser.parse_args(argv)
     if args.child:
         base = os.environ.get(BASE_VARIABLE)
         if base:  # the base commit's kvredis, ahead of this checkout's
             sys.path.insert(0, base)
-        print(json.dumps(measure(args.server, args.quick)))
+        only = {s for s in args.steps.split(",") if s}
+        print(json.dumps(measure(args.server, args.quick, only)))
         return 0
     with tempfile.TemporaryDirectory(prefix="kvredis-base-") as base:
         archive = subprocess.run(
             ["git", "-C", str(REPO), "archive", args.base], capture_output=True, check=True
         )
         subprocess.run(["tar", "-x", "-C", base], input=archive.stdout, check=True)
-        before = _side(base, args.server, args.quick)
-    after = _side(None, args.server, args.quick)
+        before = _side(base, args.server, args.quick, args.steps)
+    after = _side(None, args.server, args.quick, args.steps)
     print(f"{args.server}: before = {args.base}, after = this checkout")
     for name in after:
         print(f"{name}\n  before: {before.get(name)}\n  after:  {after.get(name)}")

@@ -15,7 +15,10 @@ into ``--rounds`` windows per side, the sides alternating, so both see the same 
 The server is pinned to CPU 0 and the clients to CPU 1 (``sched_setaffinity``, as ``taskset``
 does) when the machine has two CPUs or more. Reported per run: ops/s, p50/p99 latency, the
 server's CPU (``INFO cpu`` deltas of used_cpu_sys + used_cpu_user over the timed window, minus
-the idle rate measured before) and ops per server-core-second (ops/s divided by that fraction).
+the idle rate measured before), ops per server-core-second (ops/s divided by that fraction) and
+the clients' own CPU (``time.process_time`` of each client over its timed loop, summed), in % of
+one core and per op: with the clients on one core, a server below 100% while the clients are
+near 100% means the clients, not the server, set the rate.
 
 Run:  .venv/bin/python scripts/bench_saturation.py [--quick] [--json PATH] [--server redis|valkey]
 """
@@ -62,6 +65,10 @@ class Run:
     p99_us: float
     server_cpu_pct: float
     ops_per_server_core_s: float | None
+    #: CPU the client processes used over their timed loops (``time.process_time``), in % of
+    #: one core, and per op
+    client_cpu_pct: float = 0.0
+    client_cpu_us_per_op: float = 0.0
 
 
 @dataclass
@@ -109,7 +116,7 @@ def _client(
     out: multiprocessing.connection.Connection,
 ) -> None:
     """One client process: warm up, wait at ``start`` for the others, then score random chains
-    for ``seconds`` and send back the latencies (µs) of its calls."""
+    for ``seconds`` and send back the latencies (µs) of its calls and the CPU seconds it used."""
     pin(0, CLIENT_CPU)
     rng = random.Random(seed)
     chains = data.random_chains(rng, CHAINS_PER_CLIENT)
@@ -140,13 +147,14 @@ def _client(
         i = 0
         n = len(chains)
         clock = time.perf_counter_ns
+        cpu = time.process_time()
         stop_at = clock() + int(seconds * 1e9)
         while clock() < stop_at:
             t = clock()
             call(i % n)
             latencies.append((clock() - t) / 1000.0)
             i += 1
-        out.send(latencies)
+        out.send((latencies, time.process_time() - cpu))
     finally:
         close()
         out.close()
@@ -166,6 +174,7 @@ class Window:
     latencies: list[float]
     seconds: float
     server_cpu_s: float
+    client_cpu_s: float
 
 
 def timed_window(
@@ -191,12 +200,15 @@ def timed_window(
     time.sleep(seconds)
     cpu1, t1 = server_cpu(probe), time.perf_counter()
     latencies: list[float] = []
+    client_cpu = 0.0
     for recv, proc in zip(pipes, procs, strict=True):
-        latencies.extend(recv.recv())
+        got, used = recv.recv()
+        latencies.extend(got)
+        client_cpu += used
         proc.join()
         if proc.exitcode != 0:
             raise RuntimeError(f"{side} client exited with {proc.exitcode}")
-    return Window(latencies, t1 - t0, cpu1 - cpu0)
+    return Window(latencies, t1 - t0, cpu1 - cpu0, client_cpu)
 
 
 def summarize(side: str, clients: int, windows: list[Window], idle: float) -> Run:
@@ -205,6 +217,7 @@ def summarize(side: str, clients: int, windows: list[Window], idle: float) -> Ru
     window = sum(w.seconds for w in windows)
     busy = max(0.0, sum(w.server_cpu_s for w in windows) / window - idle)
     ops_per_s = len(latencies) / window
+    client_cpu = sum(w.client_cpu_s for w in windows)
     return Run(
         side=side,
         clients=clients,
@@ -215,6 +228,8 @@ def summarize(side: str, clients: int, windows: list[Window], idle: float) -> Ru
         p99_us=percentile(latencies, 0.99) if latencies else 0.0,
         server_cpu_pct=100.0 * busy,
         ops_per_server_core_s=ops_per_s / busy if busy > 0 else None,
+        client_cpu_pct=100.0 * client_cpu / window,
+        client_cpu_us_per_op=1e6 * client_cpu / len(latencies) if latencies else 0.0,
     )
 
 
@@ -306,7 +321,7 @@ def print_table(result: Result) -> None:
     )
     header = (
         f"{'side':<10} {'K':>2} {'ops/s':>8} {'p50 µs':>8} {'p99 µs':>8} {'server CPU':>10} "
-        f"{'ops/core-s':>10} {'vs ref':>7}"
+        f"{'ops/core-s':>10} {'vs ref':>7} {'client CPU':>10} {'µs/op':>6}"
     )
     print(header)
     print("-" * len(header))
@@ -319,12 +334,14 @@ def print_table(result: Result) -> None:
         print(
             f"{r.side:<10} {r.clients:>2} {fmt(r.ops_per_s):>8} {fmt(r.p50_us):>8} "
             f"{fmt(r.p99_us):>8} {fmt(r.server_cpu_pct, '.0f') + '%':>10} "
-            f"{fmt(r.ops_per_server_core_s):>10} {ratio:>7}"
+            f"{fmt(r.ops_per_server_core_s):>10} {ratio:>7} "
+            f"{fmt(r.client_cpu_pct, '.0f') + '%':>10} {fmt(r.client_cpu_us_per_op):>6}"
         )
     print(
         "ops = whole-chain scores; server CPU = INFO cpu delta over the window minus idle "
         f"({result.idle_server_cpu_pct:.1f}%); ops/core-s = ops/s / server CPU fraction; "
-        "clients share one CPU"
+        "client CPU = the client processes' CPU (they share one core) in % of one core, and "
+        "per op"
     )
 
 

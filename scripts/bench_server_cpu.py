@@ -33,7 +33,12 @@ With ``--base REV`` the rows run in two child processes at the same time, one on
 git revision ``REV`` and one on this checkout, each with its own server (both pinned to the same
 core), ``--rounds`` times; the table shows the median of each side and after/before. That is
 how costs are compared across a change on a shared machine, where one run alone moves by tens
-of percent.
+of percent. Both children run this checkout's script and bench helpers (``_bench.py``,
+``_chains.py``, ``reference_layout.py``: the same datasets and loaders on both sides); only the
+``kvredis`` package (and its ``lua/``) of ``REV`` is unpacked (``git archive``) and put first on
+the base child's ``PYTHONPATH``. Each child reports the ``kvredis`` it imported and the layout
+version its namespace was created with, and the parent checks that the base side measured the
+unpacked tree.
 
 Run:  .venv/bin/python scripts/bench_server_cpu.py [--quick] [--json PATH] [--rows a,b]
           [--base REV [--rounds N]]
@@ -52,22 +57,36 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import redis
 
+import kvredis
 from kvredis.batch import AddOp, Watermark
 from kvredis.redis import RedisIndex, RedisIndexConfig
 from kvredis.scoring import LongestPrefixScorer
-from kvredis.types import KeyType, PodEntry
+from kvredis.types import KeyType
 
 from _bench import REPO, RedisServer, bench_parser, write_json
-from reference_layout import ReferenceLayout, encode_field
+from _chains import (
+    HOT_CHAIN,
+    TWENTY_K_CHAINS,
+    WEIGHTS,
+    ChainSpec,
+    Dataset,
+    build,
+    engine_key,
+    load_kvredis,
+    load_reference,
+    pod_entries,
+    random_keys,
+)
+from reference_layout import ReferenceLayout
 
 REFERENCE_DB = 1
-WEIGHTS = {"gpu": 1.0, "cpu": 0.8}
 EVENT_BLOCKS = 64
 
 
@@ -89,6 +108,27 @@ class Row:
         if self.reference_cpu_us is None or self.kvredis_cpu_us <= 0:
             return None
         return self.reference_cpu_us / self.kvredis_cpu_us
+
+
+@dataclass
+class Measured:
+    """One run of the rows, and which kvredis made it: the package folder this process imported
+    and the layout version the namespaces were created with (``layout`` of ``<ns>:meta``)."""
+
+    kvredis: str
+    layouts: list[str]
+    pinned: bool
+    rows: list[Row]
+
+    def as_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["rows"] = [asdict(r) | {"ratio": r.ratio} for r in self.rows]
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Measured:
+        rows = [Row(**{k: v for k, v in r.items() if k != "ratio"}) for r in data["rows"]]
+        return cls(data["kvredis"], data["layouts"], data["pinned"], rows)
 
 
 class Server:
@@ -146,83 +186,29 @@ def keys(rng: random.Random, n: int) -> list[int]:
     return [rng.getrandbits(64) for _ in range(n)]
 
 
-def engine_of(request_key: int) -> int:
-    """The engine key of a request key (a fixed bijection: engine keys map 1:1)."""
-    return (request_key * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) & ((1 << 64) - 1)
-
-
-@dataclass
-class Chains:
-    """Chains held by pods: ``holders[c]`` pods hold chain ``c`` (its whole key list)."""
-
-    name: str
-    pods: list[PodEntry]
-    chains: list[list[int]]
-    #: per chain: the events that store it, (pod index, keys) each
-    events: list[list[tuple[int, list[int]]]]
-
-
-def pods_of(n: int) -> list[PodEntry]:
-    gpus = (n + 1) // 2
-    return [PodEntry(f"pod-{i}", "gpu" if i < gpus else "cpu") for i in range(n)]
-
-
-def families(
-    name: str,
-    n: int,
-    prefix: int,
-    tails: int,
-    tail: int,
-    npods: int,
-    holders: tuple[int, int],
-    seed: int,
-) -> Chains:
-    """``n`` families of a shared prefix and ``tails`` tails; each chain on a random set of
-    ``holders`` pods; a pod's first chain of a family comes as one event (prefix + tail), its
-    next ones as tail events, as an engine reports them."""
-    rng = random.Random(seed)
-    out = Chains(name, pods_of(npods), [], [])
-    for _ in range(n):
-        head = keys(rng, prefix)
-        seen: set[int] = set()
-        for _t in range(max(1, tails)):
-            end = keys(rng, tail) if tails else []
-            who = sorted(rng.sample(range(npods), rng.randint(*holders)))
-            out.chains.append(head + end)
-            out.events.append([(p, end if p in seen else head + end) for p in who])
-            seen.update(who)
-    return out
-
-
 class Sides:
     """The two layouts on one server."""
 
     def __init__(self, url: str) -> None:
+        self.url = url
         self.namespace = f"cpu-{uuid.uuid4().hex[:8]}"
-        self.kv = RedisIndex(RedisIndexConfig(address=f"{url}/0", namespace=self.namespace))
+        self.config = RedisIndexConfig(address=f"{url}/0", namespace=self.namespace)
+        self.kv = RedisIndex(self.config)
         self.ref_client = redis.Redis.from_url(url, db=REFERENCE_DB)
         self.ref = ReferenceLayout(self.ref_client)
         self.scorer = LongestPrefixScorer(WEIGHTS)
 
-    def load(self, data: Chains, batch_blocks: int = 8192) -> None:
-        ops: list[AddOp] = []
-        size = 0
-        pipe = self.ref_client.pipeline(transaction=False)
-        fields = [encode_field(p) for p in data.pods]
-        for events in data.events:
-            for p, ks in events:
-                ops.append(AddOp(tuple(engine_of(k) for k in ks), tuple(ks), (data.pods[p],)))
-                size += len(ks)
-                for k in ks:
-                    pipe.hset(str(k), fields[p], "")
-                    pipe.zadd(f"engine:{engine_of(k)}", {str(k): 0})
-                if size >= batch_blocks:
-                    self.kv.apply_batch(ops)
-                    pipe.execute()
-                    ops, size = [], 0
-        if ops:
-            self.kv.apply_batch(ops)
-        pipe.execute()
+    def load(self, data: Dataset) -> None:
+        """Both layouts hold ``data``: kvredis written event by event, as engines report it
+        (``apply_batch`` of one op per event), the reference pipelined."""
+        load_kvredis(self.config, data, per_event=True)
+        where = urlsplit(self.url)
+        load_reference(where.hostname or "127.0.0.1", where.port or 6379, REFERENCE_DB, data)
+
+    def layout(self) -> str:
+        """The layout version of this side's kvredis namespace, as stored in ``<ns>:meta``."""
+        version = redis.Redis.from_url(self.url).hget(f"{self.namespace}:meta", "layout")
+        return version.decode() if isinstance(version, bytes) else "?"
 
     def ref_score(self, chain: Sequence[int]) -> dict[str, float]:
         return self.scorer.score(chain, self.ref.lookup(chain))
@@ -254,11 +240,20 @@ def read_rows(
 
 
 def run(
-    url: str, quick: bool, wanted: set[str], server: Server, seed: int, scale: int | None = None
+    url: str,
+    quick: bool,
+    wanted: set[str],
+    server: Server,
+    seed: int,
+    scale: int | None = None,
+    layouts: set[str] | None = None,
 ) -> list[Row]:
+    """The ``wanted`` rows (all when empty); adds the layout version of every kvredis namespace
+    it loaded to ``layouts``."""
     rows: list[Row] = []
     calls = 100 if quick else 400
     scale = scale or (20 if quick else 1)
+    seen = layouts if layouts is not None else set()
 
     def section(name: str) -> bool:
         return not wanted or name in wanted
@@ -267,33 +262,38 @@ def run(
         server.raw.flushall(asynchronous=True)
         return Sides(url)
 
-    def dataset(data: Chains, ops: str, picked: bool) -> None:
-        """Load ``data`` into both layouts and measure ``ops`` on its chains (random picks of
-        them with ``picked``)."""
+    def dataset(spec: ChainSpec, ops: str, picked: bool) -> None:
+        """Load ``spec``'s dataset into both layouts and measure ``ops`` on its chains (random
+        picks of them with ``picked``)."""
+        data = build(replace(spec, seed=seed))
         sides = fresh()
         sides.load(data)
-        chains = data.chains
-        if picked:
-            rng = random.Random(seed)
-            chains = [chains[rng.randrange(len(chains))] for _ in range(calls)]
-        rows.extend(read_rows(server, sides, data.name, chains, calls, ops))
+        seen.add(sides.layout())
+        chains = (
+            data.random_chains(random.Random(seed), calls)
+            if picked
+            else [data.chain(c) for c in range(data.chains)]
+        )
+        rows.extend(read_rows(server, sides, spec.name, chains, calls, ops))
         sides.close()
 
     if section("hot"):
-        dataset(families("hot chain, 4 pods", 1, 512, 0, 0, 4, (4, 4), seed), "lookup score", False)
+        dataset(replace(HOT_CHAIN, name="hot chain, 4 pods"), "lookup score", False)
     if section("20k"):
         name = f"20k chains/{scale}, 8 pods"
-        dataset(families(name, 1000 // scale, 384, 20, 128, 8, (1, 3), seed), "score", True)
+        dataset(replace(TWENTY_K_CHAINS.scaled(1 / scale), name=name), "score", True)
     if section("random"):
         for blocks in (50_000, 200_000) if quick else (1_000_000, 4_000_000):
-            name = f"random {blocks:,} blocks, 4 pods"
-            dataset(families(name, blocks // 512, 512, 0, 0, 4, (1, 4), seed), "score", True)
+            dataset(random_keys(blocks, 4, (1, 4)), "score", True)
     if section("pods"):
         for npods in (1, 8, 64):
-            name = f"512 blocks, {npods} pods"
-            dataset(families(name, 1, 512, 0, 0, npods, (npods, npods), seed), "score", False)
+            spec = random_keys(512, npods)
+            dataset(replace(spec, name=f"512 blocks, {npods} pods"), "score", False)
     if section("writes"):
-        rows += write_rows(server, fresh(), calls, seed)
+        sides = fresh()
+        rows += write_rows(server, sides, calls, seed)
+        seen.add(sides.layout())
+        sides.close()
     if section("walk"):
         server.raw.flushall(asynchronous=True)
         rows += walk_rows(server, 50_000 if quick else 1_000_000, calls, seed)
@@ -369,7 +369,7 @@ def walk_rows(server: Server, blocks: int, calls: int, seed: int) -> list[Row]:
 def write_rows(server: Server, sides: Sides, calls: int, seed: int) -> list[Row]:
     rng = random.Random(seed)
     kv = sides.kv
-    pods = pods_of(8)
+    pods = pod_entries(8)
     name = "writes"
     rows: list[Row] = []
     # fresh keys: every call stores a new 64-block event of one pod
@@ -380,21 +380,21 @@ def write_rows(server: Server, sides: Sides, calls: int, seed: int) -> list[Row]
             name,
             "add 64-block event, fresh keys",
             *server.measure(
-                lambda i: kv.add([engine_of(k) for k in events[i]], events[i], [adder]), calls + 1
+                lambda i: kv.add([engine_key(k) for k in events[i]], events[i], [adder]), calls + 1
             ),
         )
     )
     # a new pod onto chains other pods hold already (the entry sets change)
     held = [keys(rng, 512) for _ in range(calls + 1)]
     for chain in held:
-        kv.add([engine_of(k) for k in chain], chain, [pods[1]])
+        kv.add([engine_key(k) for k in chain], chain, [pods[1]])
     rows.append(
         Row(
             name,
             "add 64-block event onto a held chain",
             *server.measure(
                 lambda i: kv.add(
-                    [engine_of(k) for k in held[i][64:128]], held[i][64:128], [pods[2]]
+                    [engine_key(k) for k in held[i][64:128]], held[i][64:128], [pods[2]]
                 ),
                 calls + 1,
             ),
@@ -406,7 +406,7 @@ def write_rows(server: Server, sides: Sides, calls: int, seed: int) -> list[Row]
             name,
             "evict by engine key (tail block)",
             *server.measure(
-                lambda i: kv.evict(engine_of(events[i][-1]), KeyType.ENGINE, [adder]), calls + 1
+                lambda i: kv.evict(engine_key(events[i][-1]), KeyType.ENGINE, [adder]), calls + 1
             ),
         )
     )
@@ -415,7 +415,7 @@ def write_rows(server: Server, sides: Sides, calls: int, seed: int) -> list[Row]
             name,
             "evict by engine key (middle of a chain)",
             *server.measure(
-                lambda i: kv.evict(engine_of(held[i][300]), KeyType.ENGINE, [pods[1]]), calls + 1
+                lambda i: kv.evict(engine_key(held[i][300]), KeyType.ENGINE, [pods[1]]), calls + 1
             ),
         )
     )
@@ -433,7 +433,6 @@ def write_rows(server: Server, sides: Sides, calls: int, seed: int) -> list[Row]
             ),
         )
     )
-    sides.close()
     return rows
 
 
@@ -455,35 +454,38 @@ def print_table(rows: list[Row]) -> None:
 
 def measure_here(
     quick: bool, rows: str, seed: int, url: str | None, scale: int | None = None
-) -> tuple[bool, list[Row]]:
-    """Run the rows on the kvredis this process imports; (server pinned, rows)."""
+) -> Measured:
+    """Run the rows on the kvredis this process imports."""
     wanted = {w for w in rows.split(",") if w}
     own = None if url else RedisServer()
     if own is not None:
         own.start()
     address = url or (own.url if own else "")
-    pinned = False
+    layouts: set[str] = set()
     try:
         pid = own.proc.pid if own is not None and own.proc is not None else None
         pinned = pid is not None and pin(pid)
         server = Server(address, pid)
         server.calibrate()
-        out = run(address, quick, wanted, server, seed, scale)
+        out = run(address, quick, wanted, server, seed, scale, layouts)
         server.close()
     finally:
         if own is not None:
             own.close()
-    return pinned, out
+    return Measured(str(Path(kvredis.__file__).parent), sorted(layouts), pinned, out)
 
 
-def _children(scripts: Sequence[Path], args: list[str]) -> list[list[Row]]:
-    """Run the rows on each side at the same time (each side has its own server), so both
-    see the same machine."""
+def _children(script: Path, trees: Sequence[Path | None], args: list[str]) -> list[Measured]:
+    """Run this checkout's ``script`` once per tree at the same time (each with its own server,
+    so both see the same machine): with a tree, on that tree's ``kvredis`` (first on
+    ``PYTHONPATH``, ahead of the editable install and of this checkout)."""
     procs = []
-    for script in scripts:
-        # kvredis from the script's own tree: ahead of the editable install (PYTHONPATH comes
-        # before site-packages)
-        env = dict(os.environ, PYTHONPATH=str(script.parents[1]))
+    for tree in trees:
+        env = dict(os.environ)
+        env.pop("PYTHONPATH", None)
+        if tree is not None:
+            # this checkout follows, so that tests.servers (RedisServer) is still found
+            env["PYTHONPATH"] = os.pathsep.join((str(tree), str(REPO)))
         procs.append(
             subprocess.Popen(
                 [sys.executable, str(script), *args, "--json", "-"],
@@ -494,34 +496,40 @@ def _children(scripts: Sequence[Path], args: list[str]) -> list[list[Row]]:
             )
         )
     out = []
-    for script, proc in zip(scripts, procs, strict=True):
+    for tree, proc in zip(trees, procs, strict=True):
         stdout, stderr = proc.communicate()
         if proc.returncode != 0:
-            raise SystemExit(f"{script} failed:\n{stderr[-2000:]}")
-        text = stdout[stdout.index("[") :]
-        out.append([Row(**{k: v for k, v in r.items() if k != "ratio"}) for r in json.loads(text)])
+            raise SystemExit(f"the run on {tree or REPO} failed:\n{stderr[-2000:]}")
+        out.append(Measured.from_json(json.loads(stdout[stdout.index("{") :])))
     return out
 
 
-def compare(base: str, rounds: int, args: list[str]) -> list[dict[str, Any]]:
-    """Median server CPU per row of revision ``base`` and of this checkout, alternating."""
+def unpack_kvredis(base: str, into: Path) -> Path:
+    """The ``kvredis`` package and ``lua/`` of git revision ``base`` unpacked under ``into``."""
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", base, "kvredis", "lua"], capture_output=True, check=True
+    )
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
+    return into
+
+
+def compare(base: str, rounds: int, args: list[str]) -> tuple[list[Measured], list[dict[str, Any]]]:
+    """Median server CPU per row of revision ``base`` and of this checkout, run side by side
+    ``rounds`` times; (the last run of each side, the table)."""
+    sides: dict[str, list[Measured]] = {"before": [], "after": []}
     with tempfile.TemporaryDirectory(prefix="kvredis-base-") as tmp:
-        archive = subprocess.run(
-            ["git", "-C", str(REPO), "archive", base], capture_output=True, check=True
-        )
-        subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
-        base_script = Path(tmp) / "scripts" / Path(__file__).name
-        shutil.copy(__file__, base_script)
-        sides: dict[str, list[list[Row]]] = {"before": [], "after": []}
+        tree = unpack_kvredis(base, Path(tmp))
         for _ in range(rounds):
-            before, after = _children((base_script, Path(__file__)), args)
+            before, after = _children(Path(__file__), (tree, None), args)
+            if not Path(before.kvredis).is_relative_to(tree):
+                raise SystemExit(f"the base side measured {before.kvredis}, not {tree}/kvredis")
             sides["before"].append(before)
             sides["after"].append(after)
     out = []
-    for i, row in enumerate(sides["after"][0]):
-        before_us = statistics.median(rs[i].kvredis_cpu_us for rs in sides["before"])
-        after_us = statistics.median(rs[i].kvredis_cpu_us for rs in sides["after"])
-        ref = [r for rs in sides["after"] if (r := rs[i].reference_cpu_us)]
+    for i, row in enumerate(sides["after"][0].rows):
+        before_us = statistics.median(m.rows[i].kvredis_cpu_us for m in sides["before"])
+        after_us = statistics.median(m.rows[i].kvredis_cpu_us for m in sides["after"])
+        ref = [r for m in sides["after"] if (r := m.rows[i].reference_cpu_us)]
         out.append(
             {
                 "dataset": row.dataset,
@@ -532,7 +540,12 @@ def compare(base: str, rounds: int, args: list[str]) -> list[dict[str, Any]]:
                 "reference_cpu_us": statistics.median(ref) if ref else None,
             }
         )
-    return out
+    return [sides["before"][-1], sides["after"][-1]], out
+
+
+def provenance(label: str, measured: Measured) -> str:
+    layouts = ", ".join(measured.layouts) or "no namespace"
+    return f"{label}: kvredis from {measured.kvredis} (layout {layouts})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -553,7 +566,9 @@ def main(argv: list[str] | None = None) -> int:
             ["--quick"] if args.quick else []
         )
         child += ["--scale", str(args.scale)] if args.scale else []
-        table = compare(args.base, args.rounds, child)
+        (before, after), table = compare(args.base, args.rounds, child)
+        print(provenance(f"before ({args.base})", before))
+        print(provenance("after (this checkout)", after))
         print(
             f"{'dataset':<30} {'op':<40} {'before':>8} {'after':>8} {'after/before':>12}"
             f" {'reference':>9}"
@@ -565,16 +580,18 @@ def main(argv: list[str] | None = None) -> int:
                 f" {fmt(t['after_cpu_us']):>8} {ratio:>11.2f}x {fmt(t['reference_cpu_us']):>9}"
             )
         if args.json:
-            write_json(args.json, table)
+            sides = {"before": before.as_json(), "after": after.as_json()}
+            write_json(args.json, {"base": args.base, "sides": sides, "rows": table})
         return 0
-    pinned, rows = measure_here(args.quick, args.rows, args.seed, args.url, args.scale)
+    measured = measure_here(args.quick, args.rows, args.seed, args.url, args.scale)
     if args.json == "-":
-        write_json("-", [asdict(r) | {"ratio": r.ratio} for r in rows])
+        write_json("-", measured.as_json())
         return 0
-    print(f"server pinned to core 0: {pinned}")
-    print_table(rows)
+    print(f"server pinned to core 0: {measured.pinned}")
+    print(provenance("this run", measured))
+    print_table(measured.rows)
     if args.json:
-        write_json(args.json, [asdict(r) | {"ratio": r.ratio} for r in rows])
+        write_json(args.json, measured.as_json())
     return 0
 
 

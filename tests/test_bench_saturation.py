@@ -29,7 +29,7 @@ def test_quick_run_reports_both_sides(kind: str, tmp_path: Path) -> None:
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
-    assert "ops/core-s" in proc.stdout
+    assert "ops/core-s" in proc.stdout and "client CPU" in proc.stdout
     result = json.loads(out.read_text())
     assert result["server"] == kind
     assert result["dataset"]["chains"] == 40 and result["dataset"]["chain_blocks"] == 512
@@ -38,3 +38,4 @@ def test_quick_run_reports_both_sides(kind: str, tmp_path: Path) -> None:
     for run in runs.values():
         assert run["ops"] > 0 and run["p99_us"] >= run["p50_us"] > 0
         assert run["server_cpu_pct"] >= 0
+        assert run["client_cpu_pct"] > 0 and run["client_cpu_us_per_op"] > 0
