@@ -23,8 +23,9 @@ drop, watermarks, request keys) always take it.
   with a compare-and-delete (``unmap``) if none does. Three waves instead of one atomic step.
 - apply_batch: the batch is cut into steps (runs of adds and request-key evicts; runs of
   engine-key evicts). With a watermark, every shard gets the first step as part 1 of a
-  fenced batch (``lua/apply_batch.lua``): a shard whose watermark is at or past the batch
-  skips it, and later steps run only on the shards that took it. A batch with more than one
+  fenced batch (the fence of ``lua/apply_batch.lua``, in ``lua/includes/fence.lua``): a shard
+  whose watermark is at or past the batch skips it, and later steps run only on the shards
+  that took it. A batch with more than one
   step ends with an empty last part that advances each shard's watermark, so a batch cut short
   (a crash) is taken again in full by the next sender (its operations are set operations).
 """
@@ -840,9 +841,7 @@ def op_node_writes(
         )
     if again:
         factories = {
-            shard: _parts_factory(
-                core.registry, plans.get(shard), fence, token, ms, probes.get(shard, ())
-            )
+            shard: _parts_factory(plans.get(shard), fence, token, ms, probes.get(shard, ()))
             for shard in again
         }
         for shard, (ok, shard_held) in (yield from _on_shards(core, factories)).items():
@@ -854,7 +853,6 @@ def op_node_writes(
 
 
 def _parts_factory(
-    registry: ScriptRegistry,
     plan: PartsPlan | None,
     fence: Sequence[Any],
     token: str,
