@@ -547,14 +547,14 @@ class Program:
         self.ops.append(_pack(request_keys))
         self.ops.append(_pack([k for pair in pairs for k in pair]))
         self.count += 1
-        self.cost += 1 + len(entries) + len(request_keys) + PAIR_COST * len(pairs)
+        self.cost += add_cost(len(request_keys), len(pairs), len(entries))
 
     def evict(self, key: int, key_type: KeyType, entries: Entries) -> None:
         ents = list(dict.fromkeys(entries))
         tag = "R" if key_type is KeyType.REQUEST else "E"
         self.ops += (tag, hash_field(key), len(ents), *(self.entry(e) for e in ents))
         self.count += 1
-        self.cost += len(ents) + (ENGINE_EVICT_COST if tag == "E" else 1)
+        self.cost += evict_cost(len(ents), key_type)
 
     def bucket_args(self) -> list[Arg]:
         layout = self.layout
@@ -562,6 +562,43 @@ class Program:
 
     def entry_args(self) -> list[Arg]:
         return [len(self.entries), *self.entries]
+
+
+def add_cost(keys: int, pairs: int, entries: int) -> int:
+    """Units of work of an add op (see :data:`CALL_BUDGET`)."""
+    return 1 + entries + keys + PAIR_COST * pairs
+
+
+def evict_cost(entries: int, key_type: KeyType) -> int:
+    """Units of work of an evict op (by engine key it rewrites every key it maps to)."""
+    return entries + (ENGINE_EVICT_COST if key_type is KeyType.ENGINE else 1)
+
+
+class Programs:
+    """Ops filled into programs of at most ``budget`` units each, in order (at least one
+    program, an op larger than the budget alone in its own)."""
+
+    def __init__(self, layout: Layout, budget: int | None = None) -> None:
+        self.layout = layout
+        self.budget = CALL_BUDGET if budget is None else budget
+        self.items = [Program(layout)]
+
+    def _room(self, cost: int) -> Program:
+        last = self.items[-1]
+        if last.count and last.cost + cost > self.budget:
+            last = Program(self.layout)
+            self.items.append(last)
+        return last
+
+    def add(self, request_keys: Keys, pairs: Sequence[tuple[int, int]], entries: Entries) -> None:
+        """Add an add op (entries already without duplicates)."""
+        cost = add_cost(len(request_keys), len(pairs), len(entries))
+        self._room(cost).add(request_keys, pairs, entries)
+
+    def evict(self, key: int, key_type: KeyType, entries: Entries) -> None:
+        """Add an evict op."""
+        ents = list(dict.fromkeys(entries))
+        self._room(evict_cost(len(ents), key_type)).evict(key, key_type, ents)
 
 
 def add_pieces(
@@ -669,23 +706,15 @@ def batch_programs(
     layout: Layout, plan: Sequence[IndexOp], budget: int | None = None
 ) -> list[Program]:
     """The programs of a checked batch, each within ``budget`` units (at least one program)."""
-    budget = CALL_BUDGET if budget is None else budget
-    programs = [Program(layout)]
-
-    def room(cost: int) -> Program:
-        if programs[-1].count and programs[-1].cost + cost > budget:
-            programs.append(Program(layout))
-        return programs[-1]
-
+    programs = Programs(layout, budget)
     for op in plan:
         if isinstance(op, AddOp):
             ents = list(dict.fromkeys(op.entries))
-            for keys, pairs in add_pieces(op.engine_keys, op.request_keys, ents, budget):
-                room(1 + len(ents) + len(keys) + PAIR_COST * len(pairs)).add(keys, pairs, ents)
+            for keys, pairs in add_pieces(op.engine_keys, op.request_keys, ents, programs.budget):
+                programs.add(keys, pairs, ents)
         elif isinstance(op, EvictOp):
-            cost = len(op.entries) + (ENGINE_EVICT_COST if op.key_type is KeyType.ENGINE else 1)
-            room(cost).evict(op.key, op.key_type, op.entries)
-    return programs
+            programs.evict(op.key, op.key_type, op.entries)
+    return programs.items
 
 
 def op_apply_batch(

@@ -99,11 +99,10 @@ def _read_all(connection: Any, count: int) -> list[Any]:
     return replies
 
 
-class SyncClusterExecutor:
-    """Sends waves to the nodes of a cluster over blocking connections."""
+class _Executor:
+    """What both executors show of their cluster."""
 
-    def __init__(self, config: RedisIndexConfig) -> None:
-        self._cluster = _Cluster(config, redis, redis.retry.Retry)
+    _cluster: _Cluster
 
     @property
     def cluster_state(self) -> ClusterState:
@@ -116,14 +115,21 @@ class SyncClusterExecutor:
         return self._cluster.policy
 
     @property
-    def slot_map(self) -> SlotMap:
-        """The current slot map (fetched on first use)."""
-        return self._cluster.state.slot_map or self.refresh()
-
-    @property
     def round_trips(self) -> int:
         """Round trips so far (a wave counts one per node it involves)."""
         return self._cluster.round_trips
+
+
+class SyncClusterExecutor(_Executor):
+    """Sends waves to the nodes of a cluster over blocking connections."""
+
+    def __init__(self, config: RedisIndexConfig) -> None:
+        self._cluster = _Cluster(config, redis, redis.retry.Retry)
+
+    @property
+    def slot_map(self) -> SlotMap:
+        """The current slot map (fetched on first use)."""
+        return self._cluster.state.slot_map or self.refresh()
 
     def refresh(self) -> SlotMap:
         """Fetch the slot map again."""
@@ -187,26 +193,11 @@ class SyncClusterExecutor:
         self._cluster.pools.clear()
 
 
-class AsyncClusterExecutor:
+class AsyncClusterExecutor(_Executor):
     """Sends waves to the nodes of a cluster over asyncio connections (one event loop)."""
 
     def __init__(self, config: RedisIndexConfig) -> None:
         self._cluster = _Cluster(config, redis.asyncio, redis.asyncio.retry.Retry)
-
-    @property
-    def cluster_state(self) -> ClusterState:
-        """See :attr:`SyncClusterExecutor.cluster_state`."""
-        return self._cluster.state
-
-    @property
-    def wave_policy(self) -> WavePolicy:
-        """See :attr:`SyncClusterExecutor.wave_policy`."""
-        return self._cluster.policy
-
-    @property
-    def round_trips(self) -> int:
-        """See :attr:`SyncClusterExecutor.round_trips`."""
-        return self._cluster.round_trips
 
     async def refresh(self) -> SlotMap:
         """Fetch the slot map again."""

@@ -90,9 +90,9 @@ from kvredis.redis.layout import check_bucket_bits, check_namespace
 from kvredis.redis.ops import (
     CALL_BUDGET,
     DEFAULT_CLEAR_FIELDS_PER_CALL,
-    PAIR_COST,
     TRANSIENT_REPLIES,
     Program,
+    Programs,
     RetryPolicy,
     Session,
     add_call,
@@ -280,12 +280,7 @@ def op_parallel(
                         commands.append(SlotCommand(slot, item.args))
                 else:
                     raise TypeError(f"a wave sends commands, pipelines and sleeps, not {request!r}")
-            on_replicas = read and core.read_from_replicas
-            waits = [] if read else _waits(core, commands)
-            wave = op_wave(
-                core.cluster, commands + waits, core.wave_policy, read=on_replicas, pick=core.pick()
-            )
-            replies = yield from (_watch_waits(core, wave, len(waits)) if waits else wave)
+            replies = yield from _write_wave(core, commands, core.wave_policy, read)
             for shard, start, n in spans:
                 if n is None:
                     reply = replies[start]
@@ -302,6 +297,18 @@ def op_parallel(
 _READS = frozenset(
     {b"HGET", b"HMGET", b"HEXISTS", b"HGETALL", b"SCAN", b"INFO", b"PING", b"SCRIPT"}
 )
+
+
+def _write_wave(
+    core: ClusterCore, commands: Sequence[SlotCommand], policy: WavePolicy, read: bool = False
+) -> WaveOp[list[Any]]:
+    """One wave of ``commands``; the replies. A read wave goes to replicas when the client
+    reads from replicas; any other ends each written primary's pipeline with ``WAIT`` when the
+    client waits for replicas (:func:`_waits`, :func:`_watch_waits`)."""
+    waits = [] if read else _waits(core, commands)
+    on_replicas = read and core.read_from_replicas
+    wave = op_wave(core.cluster, [*commands, *waits], policy, read=on_replicas, pick=core.pick())
+    return (yield from (_watch_waits(core, wave, len(waits)) if waits else wave))
 
 
 def _waits(core: ClusterCore, commands: Sequence[SlotCommand]) -> list[SlotCommand]:
@@ -654,20 +661,13 @@ def _add_units(
 
 def _programs(state: CoreState, units: Sequence[Unit], budget: int = CALL_BUDGET) -> list[Program]:
     """The units as programs of at most ``budget`` units of work (at least one program)."""
-    layout = state.layout
-    programs = [Program(layout)]
+    programs = Programs(state.layout, budget)
     for unit in units:
         if unit[0] == "A":
-            cost = 1 + len(unit[3]) + len(unit[1]) + PAIR_COST * len(unit[2])
+            programs.add(unit[1], unit[2], unit[3])
         else:
-            cost = 1 + len(unit[2])
-        if programs[-1].count and programs[-1].cost + cost > budget:
-            programs.append(Program(layout))
-        if unit[0] == "A":
-            programs[-1].add(unit[1], unit[2], unit[3])
-        else:
-            programs[-1].evict(unit[1], KeyType.REQUEST, unit[2])
-    return programs
+            programs.evict(unit[1], KeyType.REQUEST, unit[2])
+    return programs.items
 
 
 def op_cluster_add(
@@ -794,10 +794,8 @@ def op_node_writes(
                 )
                 entries.append(("probe", key))
         layout_of.append((shards, entries))
-    waits = _waits(core, commands)
     try:
-        wave = op_wave(core.cluster, commands + waits, core.fast_policy)
-        replies = yield from (_watch_waits(core, wave, len(waits)) if waits else wave)
+        replies = yield from _write_wave(core, commands, core.fast_policy)
     except BackendUnavailableError:  # a redirection, a node in trouble, a WAIT short of
         replies = [None] * len(commands)  # replicas: the careful path (which waits too)
     taken: dict[int, bool] = {}
