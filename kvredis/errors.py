@@ -99,12 +99,22 @@ class StaleNamespaceError(BackendError):
     """
 
 
+class CallBudgetError(BackendError):
+    """A script call would do more work than one call may (its keys reach too many fragmented
+    chain runs); it wrote nothing.
+
+    The Redis clients split such a call into smaller ones and send those; it reaches callers
+    only from a call that cannot be split further, which the server never refuses.
+    """
+
+
 #: Every ``KVREDIS_<CODE>`` a Lua script can raise (the part after ``KVREDIS_``) -> exception.
 LUA_ERROR_CODES: Mapping[str, type[KVRedisError]] = MappingProxyType(
     {
         "INVALID": InvalidInputError,
         "LAYOUT": NamespaceLayoutError,
         "STALE": StaleNamespaceError,
+        "BUDGET": CallBudgetError,
     }
 )
 

@@ -10,7 +10,8 @@
   ARGV[8+n..] one op: "A", nent, nent x entry index, request keys (hash blob),
               engine/request key pairs (hash blob: engine key, request key, ...)
   Errors      KVREDIS_INVALID for malformed arguments, KVREDIS_LAYOUT when the entry id space
-              cannot hold the new entries; both before the first write
+              cannot hold the new entries, KVREDIS_BUDGET when the request keys (more than one)
+              reach too many chain-run ranges (includes/writes); all before the first write
   Also        with a ttl the entries go to the expiring buckets (includes/expiry); a confirmed
               entry replaces its pod's expiring speculative entries under the keys it is added to
   Returns     0

@@ -19,7 +19,8 @@
   Returns     "STALE" and nothing written when a part's shard generation is not the client's;
               else one reply per part: 1 applied (or already applied by this token), 0 skipped,
               or the error that stopped the part before its first write (KVREDIS_LAYOUT for a
-              malformed stored watermark or an exhausted id space, WRONGTYPE for a foreign key):
+              malformed stored watermark or an exhausted id space, KVREDIS_BUDGET for a part
+              reaching too many chain-run ranges, WRONGTYPE for a foreign key):
               the other shards' parts are applied, as separate calls would be, and the shard's
               later parts are skipped
   Complexity  the sum of the parts' (see apply_batch.lua) ]]

@@ -49,8 +49,10 @@ from kvredis.checks import (
 from kvredis.errors import (
     BackendError,
     BackendUnavailableError,
+    CallBudgetError,
     EngineKeyNotFoundError,
     InvalidInputError,
+    KVRedisError,
     NamespaceLayoutError,
     StaleNamespaceError,
     UnsafeServerConfigError,
@@ -206,12 +208,18 @@ def op_send(session: Session, request: Request) -> Op[Any]:
 
 
 def op_drive(session: Session, op: Op[T]) -> Op[T]:
-    """Run ``op``, sending each of its requests with :func:`op_send`."""
+    """Run ``op``, sending each of its requests with :func:`op_send`; the error a request
+    raises is thrown into ``op`` (which may handle it, e.g. split a call the server refused as
+    over budget) and propagates when it does not."""
     try:
         request = next(op)
         while True:
-            reply = yield from op_send(session, request)
-            request = op.send(reply)
+            try:
+                reply = yield from op_send(session, request)
+            except KVRedisError as exc:
+                request = op.throw(exc)
+            else:
+                request = op.send(reply)
     except StopIteration as stop:
         result: T = stop.value
         return result
@@ -534,6 +542,8 @@ class Program:
         self.ops: list[Arg] = []
         self.count = 0
         self.cost = 0
+        #: the ops as given, to rebuild halves of the program (:meth:`halves`)
+        self.units: list[Unit] = []
 
     def entry(self, entry: PodEntry) -> int:
         index = self._entry_index.get(entry)
@@ -548,6 +558,7 @@ class Program:
         self.ops.append(_pack([k for pair in pairs for k in pair]))
         self.count += 1
         self.cost += add_cost(len(request_keys), len(pairs), len(entries))
+        self.units.append(("A", request_keys, pairs, entries))
 
     def evict(self, key: int, key_type: KeyType, entries: Entries) -> None:
         ents = list(dict.fromkeys(entries))
@@ -555,6 +566,7 @@ class Program:
         self.ops += (tag, hash_field(key), len(ents), *(self.entry(e) for e in ents))
         self.count += 1
         self.cost += evict_cost(len(ents), key_type)
+        self.units.append((tag, key, ents))
 
     def bucket_args(self) -> list[Arg]:
         layout = self.layout
@@ -562,6 +574,49 @@ class Program:
 
     def entry_args(self) -> list[Arg]:
         return [len(self.entries), *self.entries]
+
+    def halves(self) -> list[Program]:
+        """The program as two smaller ones that applied in order do the same: its ops cut in
+        two, or its one add op's request keys (the mappings go with the second half). Empty
+        for a program the server never refuses as over budget (one evict, or one add of at
+        most one request key)."""
+        units = self.units
+        if len(units) == 1 and units[0][0] == "A" and len(units[0][1]) > 1:
+            _, keys, pairs, entries = units[0]
+            cut = len(keys) // 2
+            units = [("A", keys[:cut], [], entries), ("A", keys[cut:], pairs, entries)]
+        if len(units) < 2:
+            return []
+        cut = len(units) // 2
+        return [program_of(self.layout, units[:cut]), program_of(self.layout, units[cut:])]
+
+
+#: One op of a :class:`Program`: ``("A", request keys, engine/request key pairs, entries)``, or
+#: ``("R" | "E", key, entries)`` for an evict by request or engine key.
+Unit = tuple[Any, ...]
+
+
+def program_of(layout: Layout, units: Sequence[Unit]) -> Program:
+    """A program of ``units`` (:attr:`Program.units`), in order."""
+    return _fill(Program(layout), units)
+
+
+def programs_of(layout: Layout, units: Sequence[Unit], budget: int | None = None) -> list[Program]:
+    """``units`` as programs of at most ``budget`` units of work each, in order (at least one
+    program; see :class:`Programs`)."""
+    return _fill(Programs(layout, budget), units).items
+
+
+_Filled = TypeVar("_Filled", "Program", "Programs")
+
+
+def _fill(target: _Filled, units: Sequence[Unit]) -> _Filled:
+    for unit in units:
+        if unit[0] == "A":
+            target.add(unit[1], unit[2], unit[3])
+        else:
+            target.evict(unit[1], KeyType.REQUEST if unit[0] == "R" else KeyType.ENGINE, unit[2])
+    return target
 
 
 def add_cost(keys: int, pairs: int, entries: int) -> int:
@@ -649,12 +704,48 @@ def op_add_pieces(
     unique: Entries,
     ttl_ms: int,
 ) -> Op[None]:
-    """One ``add`` script call per piece (see :func:`add_pieces`) of checked input."""
+    """One ``add`` script call per piece (see :func:`add_pieces`) of checked input (more when
+    the server refuses a piece as over budget: :func:`op_parts`)."""
     layout = state.layout
-    for keys, pairs in pieces:
-        program = Program(layout)
-        program.add(keys, pairs, unique)
-        yield add_call(program, ttl_ms)
+    programs = [program_of(layout, [("A", keys, pairs, unique)]) for keys, pairs in pieces]
+    yield from op_parts(programs, lambda program, part, parts: add_call(program, ttl_ms))
+
+
+def op_parts(
+    programs: Sequence[Program],
+    call: Callable[[Program, int, int], ScriptCall],
+    first: int = 1,
+    after: int = 0,
+    fenced: bool = False,
+) -> Op[tuple[bool, int]]:
+    """Send ``programs`` in order as parts ``first, first + 1, ...`` of a batch of
+    ``after`` parts more than these, each as ``call(program, part, parts)``.
+
+    A program the server refuses as over budget (:class:`~kvredis.errors.CallBudgetError`:
+    its keys reach too many fragmented chain runs; it wrote nothing) is sent as its
+    :meth:`Program.halves` instead, and the parts after it are numbered anew (a fenced batch
+    keeps its token: the server counts the parts done, not how many there are). With
+    ``fenced``, stops at the first part the server skipped (reply 0). Returns whether every
+    part applied, and how many parts were added by splitting.
+    """
+    queue = list(programs)
+    queue.reverse()
+    part, added = first, 0
+    while queue:
+        program = queue.pop()
+        try:
+            reply = yield call(program, part, part + len(queue) + after)
+        except CallBudgetError:
+            halves = program.halves()
+            if not halves:
+                raise
+            queue += reversed(halves)
+            added += 1
+            continue
+        if fenced and not int(reply):
+            return False, added
+        part += 1
+    return True, added
 
 
 def add_call(program: Program, ttl_ms: int) -> ScriptCall:
@@ -723,23 +814,21 @@ def op_apply_batch(
     """``BatchIndex.apply_batch``: one ``apply_batch`` script call for the whole batch.
 
     A batch beyond one call's work budget goes in parts (``lua/apply_batch.lua``): each part is
-    its own atomic call, and the watermark advances with the last one. A random token names this
-    call, so a part sent again after its reply was lost is recognised by the server (reported
-    as applied, never applied twice).
+    its own atomic call, and the watermark advances with the last one (a part the server
+    refuses as over budget is split: :func:`op_parts`). A random token names this call, so a
+    part sent again after its reply was lost is recognised by the server (reported as
+    applied, never applied twice).
     """
     plan = check_batch(ops, stream, watermark)
     if not plan and stream is None:
         return True
-    layout = state.layout
-    programs = batch_programs(layout, plan)
     fence = batch_fence(stream, watermark)
     token = secrets.token_hex(8)
-    applied = True
-    for part, program in enumerate(programs, 1):
-        reply = yield batch_call(program, fence, token, part, len(programs))
-        applied = bool(int(reply))
-        if not applied:
-            break
+    applied, _ = yield from op_parts(
+        batch_programs(state.layout, plan),
+        lambda program, part, parts: batch_call(program, fence, token, part, parts),
+        fenced=True,
+    )
     return applied
 
 

@@ -2,7 +2,9 @@
   Codes and their Python exceptions: kvredis.errors.LUA_ERROR_CODES (a test keeps them in step).
     INVALID  malformed arguments (checked before the first write, so a refused call writes nothing)
     LAYOUT   the namespace holds data this script cannot work with
-    STALE    the namespace was recreated since the client loaded it ]]
+    STALE    the namespace was recreated since the client loaded it
+    BUDGET   the call would do more work than one call may (before the first write); the client
+             sends its ops in smaller calls ]]
 
 local function fail(code, message)
   error({err = 'KVREDIS_' .. code .. ' ' .. message})

@@ -91,7 +91,8 @@ end
 -- request keys kept per engine key (add ops); ms the ttl in ms of the speculative entries the
 -- add ops store (0 for none: then they are stored without deadline). Everything is read (and
 -- staged) before the first write, so a call that fails (a foreign key of the wrong type, the id
--- space exhausted) writes nothing. Returns the (request key, entry) pairs removed.
+-- space exhausted, the run work limit of includes/writes exceeded) writes nothing. Returns the
+-- (request key, entry) pairs removed.
 local function run_program(k, program, cap, ms)
   local ents, ops = program.ents, program.ops
   -- Entry ids: from <ns>:pe, or allocated (read-only) for entries an add op stores.
@@ -124,7 +125,10 @@ local function run_program(k, program, cap, ms)
   end
   -- The expiring buckets are only read (and the clock only asked) when a ttl is stored, an
   -- expiring entry may be live, or new entries record the expiry mode.
-  local st, xs = new_stage(k.cprefix), k.xs
+  -- A call of several ops, or of one add op of several request keys, can be split by the
+  -- client: its run work is limited (KVREDIS_BUDGET before any write); one key's is bounded.
+  local splittable = #ops > 1 or (#ops == 1 and ops[1].tag == 'A' and #ops[1].req > HASH_WIDTH)
+  local st, xs = new_stage(k.cprefix, splittable and RUN_WORK_LIMIT or nil), k.xs
   if ms > 0 or xs.live or #new > 0 then expiring_open(xs) end
   local removed = 0
   local spec = nil

@@ -14,6 +14,7 @@ from kvredis import (
     AddOp,
     BackendError,
     BackendUnavailableError,
+    CallBudgetError,
     EngineKeyNotFoundError,
     EvictOp,
     InvalidInputError,
@@ -668,3 +669,103 @@ def test_add_with_a_ttl_sends_it_in_milliseconds() -> None:
     assert isinstance(request, rq.ScriptCall) and request.args[5] == 251
     with pytest.raises(InvalidInputError):
         _one(ops.op_add(_state(), None, [1], [A], 1.0))
+
+
+# -- calls the server refuses as over budget ----------------------------------------------------
+
+
+class BudgetServer:
+    """Answers the write calls of an operation like a server whose work limit admits programs of
+    at most ``most`` ops, and one add op of at most ``most`` request keys (it throws
+    :class:`CallBudgetError` into the operation, as :func:`ops.op_drive` does); records every
+    call and the ones applied."""
+
+    def __init__(self, most: int) -> None:
+        self.most = most
+        self.calls: list[rq.ScriptCall] = []
+        self.applied: list[rq.ScriptCall] = []
+
+    @staticmethod
+    def ops_of(call: rq.ScriptCall) -> tuple[int, int]:
+        """(ops, request keys of a lone add op) of an add or apply_batch call."""
+        args = list(call.args)
+        at = 11 if call.script == "apply_batch" else 6  # the entry count, after the fixed args
+        n = int(args[at])
+        at += n + 1
+        count = int(args[at]) if call.script == "apply_batch" else 1
+        if call.script == "apply_batch":
+            at += 1
+        keys = len(args[at + 2 + int(args[at + 1])]) // 8 if args[at] == "A" else 0
+        return count, keys
+
+    def run(self, op: rq.Op[Any], reply: int = 1) -> Any:
+        outcome: Any = None
+        refused = False
+        while True:
+            try:
+                request = op.throw(outcome) if refused else op.send(outcome)
+            except StopIteration as stop:
+                return stop.value
+            assert isinstance(request, rq.ScriptCall)
+            self.calls.append(request)
+            count, keys = self.ops_of(request)
+            refused = count > self.most or (count == 1 and keys > self.most)
+            if refused:
+                outcome = CallBudgetError("the keys reach chain runs of more than 4096 ranges")
+            else:
+                self.applied.append(request)
+                outcome = reply
+
+
+def _part(call: rq.ScriptCall) -> tuple[int, int]:
+    return int(call.args[9]), int(call.args[10])
+
+
+def test_a_batch_part_refused_as_over_budget_goes_as_halves_numbered_anew() -> None:
+    batch = [EvictOp(k, KeyType.REQUEST, (A,)) for k in range(1, 6)]
+    server = BudgetServer(most=2)
+    assert server.run(ops.op_apply_batch(_state(), batch, "s", Watermark(1, 2))) is True
+    # 5 ops refused; halves 2 + 3; the 3 refused again: 1 + 2. Parts are numbered anew.
+    assert [(_part(c), server.ops_of(c)[0]) for c in server.calls] == [
+        ((1, 1), 5), ((1, 2), 2), ((2, 2), 3), ((2, 3), 1), ((3, 3), 2),
+    ]  # fmt: skip
+    assert len({c.args[8] for c in server.calls}) == 1  # one token: the parts done still count
+    order = [c.args[i + 1] for c in server.applied for i, a in enumerate(c.args) if a == "R"]
+    assert order == [hash_field(k) for k in range(1, 6)]  # the ops in their order, once each
+
+
+def test_a_fenced_batch_stops_at_a_skipped_part_after_a_split() -> None:
+    batch = [EvictOp(k, KeyType.REQUEST, (A,)) for k in range(1, 5)]
+    server = BudgetServer(most=2)
+    assert server.run(ops.op_apply_batch(_state(), batch, "s", Watermark(1, 2)), reply=0) is False
+    assert [_part(c) for c in server.calls] == [(1, 1), (1, 2)]
+
+
+def test_an_add_refused_as_over_budget_goes_as_halves_of_its_request_keys() -> None:
+    server = BudgetServer(most=2)
+    server.run(ops.op_add(_state(), [100], [1, 2, 3, 4, 5], [A]))
+    added = [c.args[-2] for c in server.applied]
+    assert added == [_blob(1, 2), _blob(3), _blob(4, 5)]  # chain order, every key once
+    pairs = [c.args[-1] for c in server.applied]
+    mappings = _blob(*(h for k in range(1, 6) for h in (100, k)))  # one engine key, 5 blocks
+    assert pairs == [b"", b"", mappings]  # the mappings go with the last piece
+
+
+def test_a_program_that_cannot_be_split_raises_the_budget_error() -> None:
+    program = ops.program_of(_state().layout, [("R", 1, [A])])
+    assert program.halves() == []
+    server = BudgetServer(most=0)
+    with pytest.raises(CallBudgetError):
+        server.run(ops.op_parts([program], lambda p, part, parts: ops.add_call(p, 0)))
+
+
+def test_op_drive_throws_a_request_error_into_the_operation() -> None:
+    def op() -> rq.Op[str]:
+        try:
+            yield rq.Command(("GET", "k"))
+        except NamespaceLayoutError as exc:
+            return f"handled: {exc}"
+        return "not raised"
+
+    result = Exchange([rq.ErrorReply("KVREDIS_LAYOUT broken")]).run(ops.op_drive(_session(), op()))
+    assert result == "handled: broken"

@@ -57,6 +57,7 @@ from kvredis.checks import (
 from kvredis.errors import (
     BackendOutOfMemoryError,
     BackendUnavailableError,
+    CallBudgetError,
     InvalidInputError,
     NamespaceMissingError,
     translate,
@@ -92,9 +93,9 @@ from kvredis.redis.ops import (
     DEFAULT_CLEAR_FIELDS_PER_CALL,
     TRANSIENT_REPLIES,
     Program,
-    Programs,
     RetryPolicy,
     Session,
+    Unit,
     add_call,
     batch_call,
     batch_fence,
@@ -109,9 +110,12 @@ from kvredis.redis.ops import (
     op_get_watermark,
     op_load_namespace,
     op_lookup,
+    op_parts,
     op_reset_watermark,
     op_run,
     pod_args,
+    program_of,
+    programs_of,
     read_lookup_reply,
     score_weights,
     split_add,
@@ -136,8 +140,6 @@ logger = logging.getLogger(__name__)
 
 Keys = Sequence[int]
 Entries = Sequence[PodEntry]
-#: One write of a shard's program: ("A", request keys, pairs, entries) or ("R", key, entries).
-Unit = tuple[Any, ...]
 #: Engine keys whose mappings one ``unmap`` call drops at most.
 UNMAP_PER_CALL = 256
 #: Engine buckets one page of the clear's mapping pass reads.
@@ -659,17 +661,6 @@ def _add_units(
     return units
 
 
-def _programs(state: CoreState, units: Sequence[Unit], budget: int = CALL_BUDGET) -> list[Program]:
-    """The units as programs of at most ``budget`` units of work (at least one program)."""
-    programs = Programs(state.layout, budget)
-    for unit in units:
-        if unit[0] == "A":
-            programs.add(unit[1], unit[2], unit[3])
-        else:
-            programs.evict(unit[1], KeyType.REQUEST, unit[2])
-    return programs.items
-
-
 def op_cluster_add(
     core: ClusterCore,
     engine_keys: Keys | None,
@@ -690,8 +681,8 @@ def op_cluster_add(
 
 
 def _single_plan(units: Sequence[Unit]) -> PartsPlan:
-    """Each unit a program of its own (part 1 of 1)."""
-    return lambda state: [(_programs(state, [unit])[0], 1, 1) for unit in units]
+    """Each unit a program of its own."""
+    return lambda state: ([program_of(state.layout, [unit]) for unit in units], 1, 0)
 
 
 def op_cluster_evict(
@@ -708,13 +699,15 @@ def op_cluster_evict(
         yield from op_engine_evicts(core, [EvictOp(k, kt, tuple(ents))], None)
 
 
-#: A shard's parts of a write: (program, part, parts) built from the shard's current layout.
-PartsPlan = Callable[[CoreState], list[tuple[Program, int, int]]]
+#: A shard's parts of a write, built from the shard's current layout: (programs, first,
+#: after): the programs are parts ``first, first + 1, ...`` of a batch of ``after`` parts more
+#: (unfenced writes ignore the numbering).
+PartsPlan = Callable[[CoreState], tuple[list[Program], int, int]]
 
 
 def _unfenced_plan(units: Sequence[Unit]) -> PartsPlan:
-    """Units as unfenced parts (each program its own part 1 of 1), empty programs left out."""
-    return lambda state: [(p, 1, 1) for p in _programs(state, units) if p.count]
+    """Units as unfenced parts, empty programs left out."""
+    return lambda state: ([p for p in programs_of(state.layout, units) if p.count], 1, 0)
 
 
 def _part_args(program: Program, part: int, parts: int, ms: int) -> list[Any]:
@@ -736,6 +729,7 @@ def op_node_writes(
     token: str,
     ms: int = 0,
     probes: Mapping[int, Sequence[int]] | None = None,
+    grown: dict[int, int] | None = None,
 ) -> WaveOp[tuple[dict[int, bool], set[int]]]:
     """Write the shards' parts, one ``apply_shards`` call per node (more when a node's parts
     outgrow the call budget), all nodes in one wave; then, in the same pipelines, probe whether
@@ -745,7 +739,9 @@ def op_node_writes(
     A node whose calls meet a redirection, a failure or a stale shard has its shards written
     by the per-shard path instead (:func:`op_parallel`); parts sent again carry the same token,
     so a part that did apply is recognised (fenced) or applies again as the set operation it
-    is (unfenced)."""
+    is (unfenced). So has a shard whose part the server refused as over budget, from that
+    part on: the per-shard path splits it (:func:`~kvredis.redis.ops.op_parts`) and adds to
+    ``grown`` the parts the shard's batch gained."""
     probes = probes or {}
     slot_map = core.cluster.slot_map or (yield from op_refresh(core.cluster, core.policy.server))
     by_node, unmapped = _group_by_node(core, dict.fromkeys((*plans, *probes)), slot_map.primary)
@@ -760,7 +756,9 @@ def op_node_writes(
         cost = 0
         for shard in shards:
             state = core.state(shard)
-            for program, part, parts in plans[shard](state) if shard in plans else ():
+            programs, first, after = plans[shard](state) if shard in plans else ([], 1, 0)
+            last = first + len(programs) - 1 + after
+            for part, program in enumerate(programs, first):
                 if not calls or (cost + program.cost > CALL_BUDGET and calls[-1][1]):
                     layout = state.layout
                     calls.append(
@@ -780,7 +778,7 @@ def op_node_writes(
                     )
                     cost = 0
                 calls[-1][1].append(shard)
-                calls[-1][2].extend(_part_args(program, part, parts, ms))
+                calls[-1][2].extend(_part_args(program, part, last, ms))
                 cost += program.cost
         for keys, part_shards, args in calls:
             call = core.registry.evalsha(ScriptCall("apply_shards", keys, [*head, *args]))
@@ -802,6 +800,7 @@ def op_node_writes(
     held: set[int] = set()
     error: Exception | None = None
     again: list[int] = list(unmapped)
+    skip: dict[int, int] = {}  # shard -> its parts applied before one refused as over budget
     reload: list[int] = []
     at = 0
     for shards, entries in layout_of:
@@ -821,14 +820,21 @@ def op_node_writes(
         if not node_ok:
             again += shards
             continue
+        sent: dict[int, int] = {}
         for (kind, what), reply in zip(entries, node_replies, strict=True):
             if kind == "call":
                 for shard, one in zip(what, reply, strict=True):
+                    sent[shard] = sent.get(shard, 0) + 1
                     if isinstance(one, bytes):  # the error that stopped this shard's part
-                        error = error or translate(one.decode("utf-8", "replace"))
+                        exc = translate(one.decode("utf-8", "replace"))
+                        if not isinstance(exc, CallBudgetError):
+                            error = error or exc
+                        elif shard not in skip:
+                            skip[shard] = sent[shard] - 1
+                            again.append(shard)
                         one = 0
                     taken[shard] = taken.get(shard, True) and bool(int(one))
-            elif int(reply):
+            elif int(reply) and core.shard(what) not in skip:  # else probed after the split
                 held.add(what)
         for shard in shards:
             taken.setdefault(shard, True)
@@ -839,12 +845,16 @@ def op_node_writes(
         )
     if again:
         factories = {
-            shard: _parts_factory(plans.get(shard), fence, token, ms, probes.get(shard, ()))
+            shard: _parts_factory(
+                plans.get(shard), fence, token, ms, probes.get(shard, ()), skip.get(shard, 0)
+            )
             for shard in again
         }
-        for shard, (ok, shard_held) in (yield from _on_shards(core, factories)).items():
+        for shard, (ok, shard_held, added) in (yield from _on_shards(core, factories)).items():
             taken[shard] = ok
             held |= shard_held
+            if grown is not None and added:
+                grown[shard] = grown.get(shard, 0) + added
     if error is not None:
         raise error
     return taken, held
@@ -856,26 +866,31 @@ def _parts_factory(
     token: str,
     ms: int,
     probes: Sequence[int],
-) -> Callable[[CoreState], Op[tuple[bool, set[int]]]]:
-    """One shard's parts as single-shard ``apply_batch`` calls (``add`` calls when they carry
-    a ttl), in order, stopping at the first skipped part; then the probes."""
+    skip: int = 0,
+) -> Callable[[CoreState], Op[tuple[bool, set[int], int]]]:
+    """One shard's parts but the first ``skip`` as single-shard ``apply_batch`` calls (``add``
+    calls when they carry a ttl), in order, stopping at the first skipped part (a part the
+    server refuses as over budget is split: :func:`~kvredis.redis.ops.op_parts`); then the
+    probes. Returns whether every part applied, the held probes and the parts splitting
+    added."""
 
-    def factory(state: CoreState) -> Op[tuple[bool, set[int]]]:
-        ok = True
-        for program, part, parts in plan(state) if plan else ():
-            if ms:  # a ttl: each program is one add op (see op_cluster_add)
-                yield add_call(program, ms)
-                continue
-            if not int((yield batch_call(program, fence, token, part, parts))):
-                ok = False
-                break
+    def call(program: Program, part: int, parts: int) -> ScriptCall:
+        if ms:  # a ttl: each program is one add op (see op_cluster_add)
+            return add_call(program, ms)
+        return batch_call(program, fence, token, part, parts)
+
+    def factory(state: CoreState) -> Op[tuple[bool, set[int], int]]:
+        ok, added = True, 0
+        if plan is not None:
+            programs, first, after = plan(state)
+            ok, added = yield from op_parts(programs[skip:], call, first + skip, after, not ms)
         if not probes:
-            return ok, set()
+            return ok, set(), added
         layout = state.layout
         replies = yield Pipeline(
             tuple(Command(("HEXISTS", layout.request_bucket(k), hash_field(k))) for k in probes)
         )
-        return ok, {key for key, reply in zip(probes, replies, strict=True) if int(reply)}
+        return ok, {key for key, reply in zip(probes, replies, strict=True) if int(reply)}, added
 
     return factory
 
@@ -1066,15 +1081,11 @@ def op_cluster_apply_batch(
     targets = range(core.count) if fenced else list(units)
 
     def opening(shard_units: list[Unit]) -> PartsPlan:
-        def plan(state: CoreState) -> list[tuple[Program, int, int]]:
-            programs = _programs(state, shard_units)
-            parts = len(programs) + (1 if closing else 0)
-            return [(program, part, parts) for part, program in enumerate(programs, 1)]
-
-        return plan
+        return lambda state: (programs_of(state.layout, shard_units), 1, 1 if closing else 0)
 
     opened = {s: opening(units.get(s, [])) for s in targets}
-    taken, _ = yield from op_node_writes(core, opened, fence, token)
+    grown: dict[int, int] = {}  # parts a shard's opening gained by splitting
+    taken, _ = yield from op_node_writes(core, opened, fence, token, grown=grown)
     shards = {s for s, ok in taken.items() if ok} if fenced else None
     # The stream's home shard decides what the caller is told: of senders racing with the same
     # batch exactly one is told it applied it (each shard's part went to exactly one of them).
@@ -1094,14 +1105,14 @@ def op_cluster_apply_batch(
             yield from op_node_writes(core, plans, batch_fence(None, None), token)
     if closing and shards:
 
-        def closer(shard_units: list[Unit]) -> PartsPlan:
-            def plan(state: CoreState) -> list[tuple[Program, int, int]]:
-                parts = len(_programs(state, shard_units)) + 1
-                return [(Program(state.layout), parts, parts)]
+        def closer(shard: int) -> PartsPlan:
+            def plan(state: CoreState) -> tuple[list[Program], int, int]:
+                opening_parts = len(programs_of(state.layout, units.get(shard, [])))
+                return [Program(state.layout)], opening_parts + grown.get(shard, 0) + 1, 0
 
             return plan
 
-        yield from op_node_writes(core, {s: closer(units.get(s, [])) for s in shards}, fence, token)
+        yield from op_node_writes(core, {s: closer(s) for s in shards}, fence, token)
     return applied
 
 

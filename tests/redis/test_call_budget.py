@@ -1,0 +1,191 @@
+"""Bounded work with fragmented chain runs: a write whose keys reach more chain-run ranges than
+one call may rewrite is refused by the server before its first write (``KVREDIS_BUDGET``), and
+the client sends it in smaller calls, keeping the order of its ops, the batch's at-most-once
+fence and its watermark. Every backend on real servers: single server and cluster, sync and
+async; the embedded index is the model of the results."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+import redis
+
+from kvredis import (
+    AddOp,
+    CallBudgetError,
+    EvictOp,
+    InMemoryIndex,
+    KeyType,
+    PodEntry,
+    RedisIndex,
+    RedisIndexConfig,
+    Watermark,
+)
+from kvredis.redis import ops
+from kvredis.redis.cluster.shards import shard_of
+from kvredis.redis.requests import ScriptCall
+from tests.conftest import (
+    CLUSTER_BACKENDS,
+    REDIS_BACKENDS,
+    TEST_PREFIX,
+    close_backend,
+    make_backend,
+)
+
+pytestmark = pytest.mark.redis
+
+A, B, C = PodEntry("pod-a", "gpu"), PodEntry("pod-b", "gpu"), PodEntry("pod-c", "cpu")
+#: Runs a call may reach before the server refuses it: each fragmented run below has 1024
+#: ranges, the server's limit is 4096 ranges (lua/includes/writes.lua).
+CHAINS = 6
+RUN = 1024
+ENGINE = 10**12
+
+
+class Fleet:
+    """A backend and the embedded model, written and read together, with the servers behind
+    the backend (to count refused script calls)."""
+
+    def __init__(self, index: Any, servers: Sequence[redis.Redis]) -> None:
+        self.index, self.model, self.servers = index, InMemoryIndex(), servers
+        index.lookup([1])  # connected: a cluster client knows its shards
+        target = getattr(index, "inner", index)
+        shards = getattr(target, "shards", None)
+        # On a cluster, every key in one shard: one shard's call reaches every run.
+        self.chains = chains_in(shards if isinstance(shards, int) else None)
+
+    def both(self, method: str, *args: Any) -> Any:
+        got = getattr(self.index, method)(*args)
+        expected = getattr(self.model, method)(*args)
+        return got, expected
+
+    def fragment(self) -> None:
+        """Each chain stored by one add (one run), then every other key evicted: 1024 ranges."""
+        for chain in self.chains:
+            self.both("add", [k + ENGINE for k in chain], chain, [A])
+        evicts = [EvictOp(k, KeyType.REQUEST, (A,)) for c in self.chains for k in c[1::2]]
+        self.both("apply_batch", evicts)
+
+    def refused(self) -> int:
+        """Script calls the servers failed so far (INFO commandstats)."""
+        total = 0
+        for server in self.servers:
+            stats = server.info("commandstats")
+            for name in ("cmdstat_evalsha", "cmdstat_eval"):
+                total += int(stats.get(name, {}).get("failed_calls", 0))
+        return total
+
+    def agree(self, keys: Sequence[int]) -> None:
+        for key in keys:  # key by key: the chains are fragmented
+            got, expected = self.both("lookup", [key])
+            assert {k: set(v) for k, v in got.items()} == {
+                k: set(v) for k, v in expected.items()
+            }, key
+
+
+def chains_in(shards: int | None) -> list[list[int]]:
+    """CHAINS chains of RUN request keys, on a cluster of ``shards`` all in shard 0."""
+    keys = (k for k in range(1, 10**9) if shards is None or shard_of(k, shards) == 0)
+    return [[next(keys) for _ in range(RUN)] for _ in range(CHAINS)]
+
+
+@pytest.fixture(params=[*REDIS_BACKENDS, *CLUSTER_BACKENDS])
+def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
+    index = make_backend(request.param, request)
+    client, _, kind = request.param.partition("@")
+    if "cluster" in client:
+        cluster = request.getfixturevalue("cluster_pool").get(kind)
+        servers = [cluster.client(port) for port in cluster.ports]
+    else:
+        servers = [redis.Redis.from_url(request.getfixturevalue("server_pool").url(kind))]
+    f = Fleet(index, servers)
+    try:
+        f.fragment()
+        yield f
+    finally:
+        close_backend(index)
+        for server in servers:
+            server.close()
+
+
+def test_an_add_reaching_many_fragmented_runs_is_split_and_applied_whole(fleet: Fleet) -> None:
+    keys = [chain[4] for chain in fleet.chains]  # held keys, one in each fragmented run
+    before = fleet.refused()
+    fleet.both("add", None, keys, [C])
+    assert fleet.refused() > before  # the whole call was refused, then sent in halves
+    fleet.agree(keys)
+    fleet.agree([chain[6] for chain in fleet.chains])  # their neighbours kept what they held
+    got, expected = fleet.both("lookup", [k + 1 for k in keys])  # holes stay holes
+    assert got == expected == {}
+
+
+def test_a_split_batch_keeps_its_order_fence_and_watermark(fleet: Fleet) -> None:
+    at = [chain[8] for chain in fleet.chains]
+    batch: list[Any] = [AddOp(None, (k,), (B,)) for k in at]  # add pod-b, then evict it again:
+    batch += [EvictOp(k, KeyType.REQUEST, (B,)) for k in at]  # applied out of order it stays
+    batch += [AddOp(None, (k,), (C,)) for k in at]
+    batch += [EvictOp(chain[10] + ENGINE, KeyType.ENGINE, (A,)) for chain in fleet.chains]
+    before = fleet.refused()
+    applied, _ = fleet.both("apply_batch", batch, "stream", Watermark(2, 7))
+    assert applied is True
+    assert fleet.refused() > before
+    assert fleet.index.get_watermark("stream") == Watermark(2, 7)
+    fleet.agree(at + [chain[10] for chain in fleet.chains])
+    # at most once: the same batch again is skipped, and changes nothing
+    fleet.both("add", None, at, [B])
+    assert fleet.index.apply_batch(batch, "stream", Watermark(2, 7)) is False
+    fleet.agree(at)
+    assert all(B in fleet.index.lookup([k])[k] for k in at)
+
+
+def test_an_unfenced_batch_reaching_many_runs_is_applied_in_order(fleet: Fleet) -> None:
+    at = [chain[12] for chain in fleet.chains]
+    batch: list[Any] = [AddOp(None, (k,), (B,)) for k in at]
+    batch += [EvictOp(k, KeyType.REQUEST, (A, B)) for k in at]
+    fleet.both("apply_batch", batch)
+    fleet.agree(at + [chain[14] for chain in fleet.chains])
+    assert fleet.index.lookup(at[:1]) == {}
+
+
+@pytest.fixture
+def single(redis_server_url: str) -> Iterator[tuple[RedisIndex, redis.Redis]]:
+    ns = f"{TEST_PREFIX}{uuid.uuid4().hex[:12]}"
+    index = RedisIndex(RedisIndexConfig(address=redis_server_url, namespace=ns))
+    raw = redis.Redis.from_url(redis_server_url)
+    yield index, raw
+    index.drop_namespace()
+    index.close()
+    raw.close()
+
+
+def test_the_server_refuses_an_over_budget_call_before_its_first_write(
+    single: tuple[RedisIndex, redis.Redis],
+) -> None:
+    index, raw = single
+    fleet = Fleet(index, [raw])
+    fleet.fragment()
+    ns = index.config.namespace
+    before = raw_state(raw, ns)
+    keys = [chain[4] for chain in fleet.chains]
+    program = ops.program_of(index._session.state.layout, [("A", keys, [], [C])])
+    call = ops.add_call(program, 0)
+    with pytest.raises(CallBudgetError, match="chain runs"):
+        send(index, call)
+    assert raw_state(raw, ns) == before  # nothing written, not even the new entry's definition
+    # one key fewer than the limit's worth of runs goes through in one call
+    fits = ops.add_call(ops.program_of(program.layout, [("A", keys[:3], [], [C])]), 0)
+    send(index, fits)
+    assert all(C in index.lookup([k])[k] for k in keys[:3])
+
+
+def raw_state(raw: redis.Redis, namespace: str) -> dict[bytes, Any]:
+    """Every key of the namespace and its whole value."""
+    return {key: raw.dump(key) for key in raw.scan_iter(match=f"{namespace}:*", count=1000)}
+
+
+def send(index: RedisIndex, call: ScriptCall) -> Any:
+    """Send one script call through the index's own executor (EVALSHA, error translation)."""
+    return index._exec.run(ops.op_send(index._session, call))
