@@ -103,9 +103,18 @@ class CallBudgetError(BackendError):
     """A script call would do more work than one call may (its keys reach too many fragmented
     chain runs); it wrote nothing.
 
-    The Redis clients split such a call into smaller ones and send those; it reaches callers
-    only from a call that cannot be split further, which the server never refuses.
+    ``ops`` and ``keys`` say how much of the call fits one call: its first ``ops`` ops, or (with
+    ``ops`` 0) the first ``keys`` request keys of its one add op. The Redis clients send the
+    call in pieces of that size; the error reaches callers only from a call that cannot be
+    split, which the server never refuses.
     """
+
+    def __init__(self, message: str = "", ops: int = 0, keys: int = 0) -> None:
+        head = message.split(" ", 2)
+        if len(head) == 3 and head[0].isdigit() and head[1].isdigit():  # a server's reply
+            ops, keys, message = int(head[0]), int(head[1]), head[2]
+        super().__init__(message)
+        self.ops, self.keys = ops, keys
 
 
 #: Every ``KVREDIS_<CODE>`` a Lua script can raise (the part after ``KVREDIS_``) -> exception.

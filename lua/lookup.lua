@@ -14,7 +14,9 @@
               chain hold these (filtered) ids, in chain order; the walk (includes/walk) stops at
               the first key with no (filtered) entry: keys after the miss are never read;
               expiring speculative entries (includes/expiry) count while live: a key held only
-              by them is a hit
+              by them is a hit; a walk stopped by its work limit (includes/walk: the chain's
+              keys reach many fragmented runs) ends the array with one more element, the
+              position of the first key not walked: the client walks on from there
   Complexity  O(hit keys / keys per run + distinct id lists x entries per list) calls and
               list work, plus O(hit keys) bytes compared; O(hit keys) calls while an expiring
               entry may be live (one EXISTS of the gate key otherwise) ]]

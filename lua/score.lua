@@ -12,7 +12,9 @@
   ARGV[6+f+2w] weight of a tier without an entry in the map
   ARGV[7+f+2w] the request keys in chain order (hash blob)
   Expiring speculative entries (includes/expiry) count while live, as in lookup.
-  Returns     flat array pod id, score ("%.17g"), ... in order of first appearance
+  Returns     flat array pod id, score ("%.17g"), ... in order of first appearance; or, when
+              the walk stopped at its work limit (includes/walk), an array of one element (the
+              position of the first key not walked): the client scores a lookup instead
   Complexity  O(scored keys / keys per run) calls (the walk: includes/walk; O(scored keys)
               while an expiring entry may be live), O(scored keys x pods) additions; each
               distinct id list is weighed once ]]
@@ -86,7 +88,7 @@ end
 
 local order, scores, active = {}, {}, {}
 local first, previous = true, nil
-walk_chain(chain, rbucket, run_prefix(ARGV[2]), expiring, function(ids, n)
+local cut = walk_chain(chain, rbucket, run_prefix(ARGV[2]), expiring, function(ids, n)
   local w = weigh(ids)
   local best = w.best
   if ids == previous then
@@ -123,6 +125,8 @@ walk_chain(chain, rbucket, run_prefix(ARGV[2]), expiring, function(ids, n)
   previous = ids
   return #still > 0
 end)
+-- stopped by the walk's work limit: the client scores a lookup of the chain instead
+if cut then return {cut} end
 local out = {}
 for _, pod in ipairs(order) do
   out[#out + 1] = pod

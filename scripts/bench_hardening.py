@@ -168,11 +168,11 @@ def slowlog(url: str, scale: float) -> dict[str, Any]:
 
 
 def fragmented_runs(url: str, scale: float) -> dict[str, Any]:
-    """8b: the longest script call of writes into fragmented chain runs. Each chain is 1024 new
-    request keys added by one event (one full run on the runs layout); then every other key of
-    it is evicted (512 holes, 1024 ranges). A write that reaches a key in a run rewrites that
-    run whole, so the worst call touches one key in each of as many such runs as one call
-    takes."""
+    """8b: the longest script call of writes and walks into fragmented chain runs. Each chain
+    is 1024 new request keys added by one event (one full run on the runs layout); then every
+    other key of it is evicted (512 holes, 1024 ranges). A write that reaches a key in a run
+    rewrites that run whole, and a walk parses it whole, so the worst call touches one key in
+    each of as many such runs as one call takes."""
     from kvredis import EvictOp, KeyType, PodEntry
 
     pod_a, pod_b, pod_c = (PodEntry(f"pod-{x}", "gpu") for x in "abc")
@@ -202,6 +202,14 @@ def fragmented_runs(url: str, scale: float) -> dict[str, Any]:
             lambda i: i.apply_batch(
                 [EvictOp(chain[8], KeyType.REQUEST, (pod_a,)) for chain in chains]
             ),
+        ),
+        f"lookup of one held key in each of {n} fragmented chains": (
+            fragmented(n),
+            lambda i: i.lookup([chain[4] for chain in chains]),
+        ),
+        f"score of one held key in each of {n} fragmented chains": (
+            fragmented(n),
+            lambda i: i.score([chain[4] for chain in chains]),
         ),
     }
     return longest_calls(url, cases)

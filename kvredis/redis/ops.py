@@ -405,8 +405,8 @@ def op_lookup(
     state: CoreState, request_keys: Keys, pod_identifier_set: Pods
 ) -> Op[dict[int, list[PodEntry]]]:
     """``Index.lookup``: one ``lookup`` script call (one per :data:`LOOKUP_KEYS_PER_CALL` keys
-    of a longer chain, each sent only while the chain keeps hitting); a read, which a replica
-    may answer."""
+    of a longer chain, and one more where a walk stops at its work limit, each sent only while
+    the chain keeps hitting); a read, which a replica may answer."""
     keys, chain = pack_hashes(request_keys, "request key")
     pods = pod_filter(pod_identifier_set)
     if not keys:
@@ -414,9 +414,9 @@ def op_lookup(
     layout, cache = state.snapshot()
     filter_args = pod_args(pods)
     found: dict[int, list[PodEntry]] = {}
-    step = LOOKUP_KEYS_PER_CALL
-    for start in range(0, len(keys), step):
-        piece = chain if len(keys) <= step else chain[start * 8 : (start + step) * 8]
+    step, start = LOOKUP_KEYS_PER_CALL, 0
+    while start < len(keys):
+        piece = chain if start == 0 and len(keys) <= step else chain[start * 8 : (start + step) * 8]
         reply = yield ScriptCall(
             "lookup",
             (layout.meta, layout.pi, layout.pp, layout.sx),
@@ -424,9 +424,19 @@ def op_lookup(
             read=True,
         )
         at = read_lookup_reply(cache, reply, keys, start, found)
-        if at - start < len(piece) // 8:
+        if walk_cut(reply):  # stopped at the walk's work limit: walk on from there
+            start = at
+        elif at - start < len(piece) // 8:
             break
+        else:
+            start += step
     return found
+
+
+def walk_cut(reply: Sequence[Any]) -> bool:
+    """Whether a ``lookup`` or ``score`` reply says the walk stopped at its work limit (an
+    odd element at the end) rather than at a miss or the chain's end."""
+    return len(reply) % 2 == 1
 
 
 def read_lookup_reply(
@@ -444,7 +454,7 @@ def read_lookup_reply(
     cache.learn(reply[1], int(reply[0]))
     entries = cache.holders
     at = start
-    for i in range(2, len(reply), 2):
+    for i in range(2, len(reply) - 1, 2):  # a last odd element: the walk was cut
         n, held = int(reply[i]), entries(reply[i + 1])
         if shared:
             found.update(dict.fromkeys(keys[at : at + n], held))
@@ -466,7 +476,8 @@ def op_score(
     state: CoreState, request_keys: Keys, medium_weights: Weights, pod_identifier_set: Pods
 ) -> Op[dict[str, float]]:
     """Server-side LongestPrefixScorer over the chain: one ``score`` script call (a read, which
-    a replica may answer)."""
+    a replica may answer); when its walk stops at the work limit (the chain's keys reach many
+    fragmented runs), the scorer on a lookup of the chain, which walks in parts."""
     keys, chain = pack_hashes(request_keys, "request key")
     pods = pod_filter(pod_identifier_set)
     weights = score_weights(medium_weights)
@@ -490,6 +501,9 @@ def op_score(
         ),
         read=True,
     )
+    if walk_cut(reply):  # the walk stopped at its work limit: score a lookup (walked in parts)
+        found = yield from op_lookup(state, keys, pods)
+        return LongestPrefixScorer(weights).score(keys, found)
     return {bytes_text(reply[i]): float(reply[i + 1]) for i in range(0, len(reply), 2)}
 
 
@@ -575,20 +589,28 @@ class Program:
     def entry_args(self) -> list[Arg]:
         return [len(self.entries), *self.entries]
 
-    def halves(self) -> list[Program]:
-        """The program as two smaller ones that applied in order do the same: its ops cut in
-        two, or its one add op's request keys (the mappings go with the second half). Empty
-        for a program the server never refuses as over budget (one evict, or one add of at
-        most one request key)."""
-        units = self.units
-        if len(units) == 1 and units[0][0] == "A" and len(units[0][1]) > 1:
-            _, keys, pairs, entries = units[0]
-            cut = len(keys) // 2
-            units = [("A", keys[:cut], [], entries), ("A", keys[cut:], pairs, entries)]
+    def pieces(self, ops: int = 0, keys: int = 0) -> list[Program]:
+        """The program as smaller ones that, applied in order, do the same: of ``ops`` ops
+        each; else (``ops`` 0) its first op's request keys in pieces of ``keys`` (its mappings
+        with the last), then the other ops; else cut in two. Empty for a program the server
+        never refuses as over budget (one evict, or one add of at most one request key)."""
+        units, layout = self.units, self.layout
+        if 0 < ops < len(units):
+            return [program_of(layout, units[i : i + ops]) for i in range(0, len(units), ops)]
+        first = units[0] if units else None
+        if first is not None and first[0] == "A" and len(first[1]) > 1:
+            _, request_keys, pairs, entries = first
+            step = keys if 0 < keys < len(request_keys) else (len(request_keys) + 1) // 2
+            cuts = range(0, len(request_keys), step)
+            out = [
+                program_of(layout, [("A", request_keys[i : i + step], [], entries)]) for i in cuts
+            ]
+            out[-1] = program_of(layout, [("A", request_keys[cuts[-1] :], pairs, entries)])
+            return out + ([program_of(layout, units[1:])] if len(units) > 1 else [])
         if len(units) < 2:
             return []
         cut = len(units) // 2
-        return [program_of(self.layout, units[:cut]), program_of(self.layout, units[cut:])]
+        return [program_of(layout, units[:cut]), program_of(layout, units[cut:])]
 
 
 #: One op of a :class:`Program`: ``("A", request keys, engine/request key pairs, entries)``, or
@@ -723,8 +745,9 @@ def op_parts(
 
     A program the server refuses as over budget (:class:`~kvredis.errors.CallBudgetError`:
     its keys reach too many fragmented chain runs; it wrote nothing) is sent as its
-    :meth:`Program.halves` instead, and the parts after it are numbered anew (a fenced batch
-    keeps its token: the server counts the parts done, not how many there are). With
+    :meth:`Program.pieces` of the size the server found to fit instead, and the parts after it
+    are numbered anew (a fenced batch keeps its token: the server counts the parts done, not
+    how many there are). With
     ``fenced``, stops at the first part the server skipped (reply 0). Returns whether every
     part applied, and how many parts were added by splitting.
     """
@@ -735,12 +758,12 @@ def op_parts(
         program = queue.pop()
         try:
             reply = yield call(program, part, part + len(queue) + after)
-        except CallBudgetError:
-            halves = program.halves()
-            if not halves:
+        except CallBudgetError as exc:
+            pieces = program.pieces(exc.ops, exc.keys)
+            if not pieces:
                 raise
-            queue += reversed(halves)
-            added += 1
+            queue += reversed(pieces)
+            added += len(pieces) - 1
             continue
         if fenced and not int(reply):
             return False, added

@@ -3,8 +3,9 @@
     INVALID  malformed arguments (checked before the first write, so a refused call writes nothing)
     LAYOUT   the namespace holds data this script cannot work with
     STALE    the namespace was recreated since the client loaded it
-    BUDGET   the call would do more work than one call may (before the first write); the client
-             sends its ops in smaller calls ]]
+    BUDGET   the call would do more work than one call may (before the first write); the text
+             starts with how many ops, and keys of the op after them, fit; the client sends the
+             ops in calls of that size ]]
 
 local function fail(code, message)
   error({err = 'KVREDIS_' .. code .. ' ' .. message})

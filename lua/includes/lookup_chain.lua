@@ -36,7 +36,7 @@ local function lookup_chain(meta, pi_key, pp_key, sx_key, rprefix, bits, floor, 
   end
   local filtered = {}
   local last = nil
-  walk_chain(chain, rbucket, run_prefix(rprefix), expiring, function(ids, n)
+  local cut = walk_chain(chain, rbucket, run_prefix(rprefix), expiring, function(ids, n)
     if allowed then
       local kept = filtered[ids]
       if kept == nil then
@@ -74,5 +74,6 @@ local function lookup_chain(meta, pi_key, pp_key, sx_key, rprefix, bits, floor, 
       flat[#flat + 1] = defs[i] or ''
     end
   end
+  if cut then out[#out + 1] = cut end
   return out
 end

@@ -133,7 +133,8 @@ local function run_program(k, program, cap, ms)
   local removed = 0
   local spec = nil
   local rbucket = k.rbucket
-  for _, op in ipairs(ops) do
+  for o, op in ipairs(ops) do
+    st.op, st.key = o - 1, 0
     local set = {}
     if op.tag == 'A' then
       -- With a ttl the speculative entries get a deadline (and leave the request bucket);
@@ -171,6 +172,7 @@ local function run_program(k, program, cap, ms)
       for i = 1, #req, HASH_WIDTH do
         local rfield = string.sub(req, i, i + HASH_WIDTH - 1)
         local bucket = rbucket(rfield)
+        st.key = (i - 1) / HASH_WIDTH
         if value ~= '' then
           add_ids(st, bucket, rfield, value, set, prev)
           prev = rfield

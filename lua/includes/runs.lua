@@ -16,6 +16,9 @@ local RUN_ID_WIDTH = 4
 local RUN_MAX = 1024
 local RUN_MIN = 8
 local MAX_RUN_ID = 4294967295
+-- The work limits of a call (includes/writes, includes/walk) count a run read as its ranges
+-- plus this (the commands reading it, and its rewrite when written).
+local RUN_READ_COST = 4
 
 -- The run key prefix "<ns>:c:" (chain runs) from the request bucket prefix "<ns>:r:".
 local function run_prefix(rprefix)

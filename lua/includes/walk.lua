@@ -10,6 +10,11 @@
 --@include runs
 --@include expiry
 
+-- The most run work (ranges parsed, RUN_READ_COST more per run) one walk does: past it the walk
+-- stops before the key whose run would exceed it, once at least one key was walked, and says
+-- so (the client walks on from there in its next call). One run always fits.
+local WALK_WORK_LIMIT = 16384
+
 -- Read path: nil while no expiring entry can be live (the gate key sx is absent: one EXISTS per
 -- call), else a function (h, ids) -> the ids of request key h: ids (its request-bucket list, or
 -- nil) followed by its expiring ids that are not past due; nil when it holds none.
@@ -62,10 +67,12 @@ end
 -- a hit when it holds live expiring ids; without it (no expiring entry can be live), keys of
 -- one run range are visited together.
 -- visit(ids, n) is called for each group of n consecutive chain keys holding the same
--- (non-empty) ids, in order; it returns false to stop the walk.
+-- (non-empty) ids, in order; it returns false to stop the walk. Returns the position of the
+-- first key not walked when the walk stopped at WALK_WORK_LIMIT, else nil.
 local function walk_chain(chain, rbucket, cprefix, expiring, visit)
   local nkeys = #chain / HASH_WIDTH
   local runs = {}
+  local work = 0
   local i = 1
   -- A key without ids of its own (no record, or a ref that does not resolve): a hit only
   -- through its live expiring ids.
@@ -90,6 +97,8 @@ local function walk_chain(chain, rbucket, cprefix, expiring, visit)
         if rec[1] and rec[2] then
           local ranges = ranges_parse(rec[2])
           if ranges then run = {keys = rec[1], ranges = ranges} end
+          work = work + RUN_READ_COST + (ranges and #ranges or 0)
+          if work > WALK_WORK_LIMIT and i > 1 then return i end
         end
         runs[rid] = run
       end

@@ -11,14 +11,13 @@
 -- ref); runs: run id -> {ranges, n, changes = position -> ids, keys once read} or false;
 -- prev: field -> the request key before it in the add op that first stored it (new keys only);
 -- work: the run ranges read so far, each run counting RUN_READ_COST more; limit: the most
--- work allowed (nil: no limit).
+-- work allowed (nil: no limit); op, key: how many ops, and keys of the op after them, the
+-- caller (includes/program) has staged whole.
 local function new_stage(cprefix, limit)
   return {r = {}, e = {}, order = {}, orig = {}, where = {}, runs = {}, prev = {},
-          cprefix = cprefix, work = 0, limit = limit}
+          cprefix = cprefix, work = 0, limit = limit, op = 0, key = 0}
 end
 
--- Work of reading a run beyond its ranges (two commands, and its rewrite if written).
-local RUN_READ_COST = 4
 -- The most run work (ranges read, see new_stage) of a call the client can split: a run is
 -- read, parsed and rewritten whole, so this bounds what the runs a call reaches cost (about
 -- 1.4 us per range on a small machine). One run (at most RUN_MAX ranges) always fits.
@@ -26,7 +25,8 @@ local RUN_WORK_LIMIT = 4096
 
 -- The run rid as staged (read on first use), or false when absent or malformed. Only the
 -- ranges are read: the keys (a long string) are read by run_keys when a write needs them.
--- Fails KVREDIS_BUDGET, before any write, once the runs read exceed the stage's work limit.
+-- Fails KVREDIS_BUDGET, before any write, once the runs read exceed the stage's work limit;
+-- the message starts with the ops and keys staged whole (st.op, st.key), which fit a call.
 local function stage_run(st, rid)
   local run = st.runs[rid]
   if run == nil then
@@ -36,8 +36,8 @@ local function stage_run(st, rid)
     local ranges = r and ranges_parse(r)
     st.work = st.work + RUN_READ_COST + (ranges and #ranges or 0)
     if st.limit and st.work > st.limit then
-      fail('BUDGET', 'the keys reach chain runs of more than ' .. st.limit ..
-        ' ranges in all; send fewer ops or keys per call')
+      fail('BUDGET', st.op .. ' ' .. st.key .. ' the keys reach chain runs of more than ' ..
+        st.limit .. ' ranges in all; send fewer ops or keys per call')
     end
     local n = ranges and #ranges > 0 and ranges[#ranges].e or 0
     if n > 0 and redis.call('HSTRLEN', key, 'k') == n * HASH_WIDTH then

@@ -27,6 +27,7 @@ from kvredis import (
 from kvredis.redis import ops
 from kvredis.redis.cluster.shards import shard_of
 from kvredis.redis.requests import ScriptCall
+from kvredis.scoring import LongestPrefixScorer
 from tests.conftest import (
     CLUSTER_BACKENDS,
     REDIS_BACKENDS,
@@ -38,9 +39,10 @@ from tests.conftest import (
 pytestmark = pytest.mark.redis
 
 A, B, C = PodEntry("pod-a", "gpu"), PodEntry("pod-b", "gpu"), PodEntry("pod-c", "cpu")
-#: Runs a call may reach before the server refuses it: each fragmented run below has 1024
-#: ranges, the server's limit is 4096 ranges (lua/includes/writes.lua).
+#: Each fragmented run below has 1024 ranges: a write may reach 4 of them
+#: (lua/includes/writes.lua), a walk 16 (lua/includes/walk.lua).
 CHAINS = 6
+WALK_CHAINS = 20
 RUN = 1024
 ENGINE = 10**12
 
@@ -49,13 +51,13 @@ class Fleet:
     """A backend and the embedded model, written and read together, with the servers behind
     the backend (to count refused script calls)."""
 
-    def __init__(self, index: Any, servers: Sequence[redis.Redis]) -> None:
+    def __init__(self, index: Any, servers: Sequence[redis.Redis], chains: int = CHAINS) -> None:
         self.index, self.model, self.servers = index, InMemoryIndex(), servers
         index.lookup([1])  # connected: a cluster client knows its shards
         target = getattr(index, "inner", index)
         shards = getattr(target, "shards", None)
         # On a cluster, every key in one shard: one shard's call reaches every run.
-        self.chains = chains_in(shards if isinstance(shards, int) else None)
+        self.chains = chains_in(chains, shards if isinstance(shards, int) else None)
 
     def both(self, method: str, *args: Any) -> Any:
         got = getattr(self.index, method)(*args)
@@ -71,11 +73,14 @@ class Fleet:
 
     def refused(self) -> int:
         """Script calls the servers failed so far (INFO commandstats)."""
+        return self.script_calls("failed_calls")
+
+    def script_calls(self, what: str = "calls") -> int:
         total = 0
         for server in self.servers:
             stats = server.info("commandstats")
             for name in ("cmdstat_evalsha", "cmdstat_eval"):
-                total += int(stats.get(name, {}).get("failed_calls", 0))
+                total += int(stats.get(name, {}).get(what, 0))
         return total
 
     def agree(self, keys: Sequence[int]) -> None:
@@ -86,14 +91,14 @@ class Fleet:
             }, key
 
 
-def chains_in(shards: int | None) -> list[list[int]]:
-    """CHAINS chains of RUN request keys, on a cluster of ``shards`` all in shard 0."""
+def chains_in(count: int, shards: int | None) -> list[list[int]]:
+    """``count`` chains of RUN request keys, on a cluster of ``shards`` all in shard 0."""
     keys = (k for k in range(1, 10**9) if shards is None or shard_of(k, shards) == 0)
-    return [[next(keys) for _ in range(RUN)] for _ in range(CHAINS)]
+    return [[next(keys) for _ in range(RUN)] for _ in range(count)]
 
 
-@pytest.fixture(params=[*REDIS_BACKENDS, *CLUSTER_BACKENDS])
-def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
+def fragmented(request: pytest.FixtureRequest, chains: int) -> Iterator[Fleet]:
+    """A fleet of the backend ``request.param`` with ``chains`` fragmented chains."""
     index = make_backend(request.param, request)
     client, _, kind = request.param.partition("@")
     if "cluster" in client:
@@ -101,14 +106,41 @@ def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
         servers = [cluster.client(port) for port in cluster.ports]
     else:
         servers = [redis.Redis.from_url(request.getfixturevalue("server_pool").url(kind))]
-    f = Fleet(index, servers)
     try:
+        f = Fleet(index, servers, chains)
         f.fragment()
         yield f
     finally:
         close_backend(index)
         for server in servers:
             server.close()
+
+
+@pytest.fixture(params=[*REDIS_BACKENDS, *CLUSTER_BACKENDS])
+def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
+    yield from fragmented(request, CHAINS)
+
+
+@pytest.fixture(params=[*REDIS_BACKENDS, *CLUSTER_BACKENDS])
+def walk_fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
+    yield from fragmented(request, WALK_CHAINS)
+
+
+def test_a_walk_reaching_many_fragmented_runs_goes_on_in_parts(walk_fleet: Fleet) -> None:
+    fleet = walk_fleet
+    keys = [chain[4] for chain in fleet.chains]  # one held key in each fragmented run
+    calls = fleet.script_calls()
+    got, expected = fleet.both("lookup", keys)
+    assert len(got) == len(keys)
+    assert {k: set(v) for k, v in got.items()} == {k: set(v) for k, v in expected.items()}
+    assert fleet.script_calls() - calls >= 2  # the walk stopped at its limit and went on
+    weights = {"gpu": 1.0, "cpu": 0.5}
+    fleet.both("add", None, keys[: len(keys) // 2], [C])  # pod-c drops out half way
+    scores = fleet.index.score(keys, weights)
+    assert scores == LongestPrefixScorer(weights).score(keys, fleet.model.lookup(keys))
+    assert scores["pod-c"] == 0.5 * (len(keys) // 2) and scores["pod-a"] == len(keys)
+    with_filter, _ = fleet.both("lookup", keys, {"pod-c"})
+    assert list(with_filter) == keys[: len(keys) // 2]
 
 
 def test_an_add_reaching_many_fragmented_runs_is_split_and_applied_whole(fleet: Fleet) -> None:
@@ -172,8 +204,9 @@ def test_the_server_refuses_an_over_budget_call_before_its_first_write(
     keys = [chain[4] for chain in fleet.chains]
     program = ops.program_of(index._session.state.layout, [("A", keys, [], [C])])
     call = ops.add_call(program, 0)
-    with pytest.raises(CallBudgetError, match="chain runs"):
+    with pytest.raises(CallBudgetError, match="chain runs") as refused:
         send(index, call)
+    assert (refused.value.ops, refused.value.keys) == (0, 3)  # what fits: 3 runs' worth
     assert raw_state(raw, ns) == before  # nothing written, not even the new entry's definition
     # one key fewer than the limit's worth of runs goes through in one call
     fits = ops.add_call(ops.program_of(program.layout, [("A", keys[:3], [], [C])]), 0)

@@ -26,6 +26,7 @@ from kvredis import (
     Watermark,
 )
 from kvredis.checks import MAX_REQUEST_KEYS_PER_ENGINE_KEY
+from kvredis.errors import translate
 from kvredis.redis import ops
 from kvredis.redis import requests as rq
 from kvredis.redis.codec import encode_entry, hash_field
@@ -676,12 +677,12 @@ def test_add_with_a_ttl_sends_it_in_milliseconds() -> None:
 
 class BudgetServer:
     """Answers the write calls of an operation like a server whose work limit admits programs of
-    at most ``most`` ops, and one add op of at most ``most`` request keys (it throws
-    :class:`CallBudgetError` into the operation, as :func:`ops.op_drive` does); records every
-    call and the ones applied."""
+    at most ``most`` ops, and one add op of at most ``most`` request keys (it throws the error
+    of its ``KVREDIS_BUDGET`` reply into the operation, as :func:`ops.op_drive` does, saying
+    how much fits unless ``silent``); records every call and the ones applied."""
 
-    def __init__(self, most: int) -> None:
-        self.most = most
+    def __init__(self, most: int, silent: bool = False) -> None:
+        self.most, self.silent = most, silent
         self.calls: list[rq.ScriptCall] = []
         self.applied: list[rq.ScriptCall] = []
 
@@ -711,7 +712,8 @@ class BudgetServer:
             count, keys = self.ops_of(request)
             refused = count > self.most or (count == 1 and keys > self.most)
             if refused:
-                outcome = CallBudgetError("the keys reach chain runs of more than 4096 ranges")
+                fits = "" if self.silent else f"{self.most if count > 1 else 0} {self.most} "
+                outcome = translate(f"KVREDIS_BUDGET {fits}the keys reach chain runs of more")
             else:
                 self.applied.append(request)
                 outcome = reply
@@ -721,9 +723,21 @@ def _part(call: rq.ScriptCall) -> tuple[int, int]:
     return int(call.args[9]), int(call.args[10])
 
 
-def test_a_batch_part_refused_as_over_budget_goes_as_halves_numbered_anew() -> None:
+def test_a_batch_part_refused_as_over_budget_goes_in_pieces_numbered_anew() -> None:
     batch = [EvictOp(k, KeyType.REQUEST, (A,)) for k in range(1, 6)]
     server = BudgetServer(most=2)
+    assert server.run(ops.op_apply_batch(_state(), batch, "s", Watermark(1, 2))) is True
+    # 5 ops refused, 2 fit: pieces 2 + 2 + 1, the parts numbered anew
+    assert [(_part(c), server.ops_of(c)[0]) for c in server.calls] == [
+        ((1, 1), 5), ((1, 3), 2), ((2, 3), 2), ((3, 3), 1),
+    ]  # fmt: skip
+    order = [c.args[i + 1] for c in server.applied for i, a in enumerate(c.args) if a == "R"]
+    assert order == [hash_field(k) for k in range(1, 6)]
+
+
+def test_a_refusal_that_does_not_say_what_fits_cuts_the_part_in_two() -> None:
+    batch = [EvictOp(k, KeyType.REQUEST, (A,)) for k in range(1, 6)]
+    server = BudgetServer(most=2, silent=True)
     assert server.run(ops.op_apply_batch(_state(), batch, "s", Watermark(1, 2))) is True
     # 5 ops refused; halves 2 + 3; the 3 refused again: 1 + 2. Parts are numbered anew.
     assert [(_part(c), server.ops_of(c)[0]) for c in server.calls] == [
@@ -739,13 +753,15 @@ def test_a_fenced_batch_stops_at_a_skipped_part_after_a_split() -> None:
     server = BudgetServer(most=2)
     assert server.run(ops.op_apply_batch(_state(), batch, "s", Watermark(1, 2)), reply=0) is False
     assert [_part(c) for c in server.calls] == [(1, 1), (1, 2)]
+    assert server.ops_of(server.calls[-1])[0] == 2
 
 
-def test_an_add_refused_as_over_budget_goes_as_halves_of_its_request_keys() -> None:
+def test_an_add_refused_as_over_budget_goes_in_pieces_of_its_request_keys() -> None:
     server = BudgetServer(most=2)
     server.run(ops.op_add(_state(), [100], [1, 2, 3, 4, 5], [A]))
     added = [c.args[-2] for c in server.applied]
-    assert added == [_blob(1, 2), _blob(3), _blob(4, 5)]  # chain order, every key once
+    assert added == [_blob(1, 2), _blob(3, 4), _blob(5)]  # chain order, every key once
+    assert len(server.calls) == 4  # one refusal
     pairs = [c.args[-1] for c in server.applied]
     mappings = _blob(*(h for k in range(1, 6) for h in (100, k)))  # one engine key, 5 blocks
     assert pairs == [b"", b"", mappings]  # the mappings go with the last piece
@@ -753,7 +769,7 @@ def test_an_add_refused_as_over_budget_goes_as_halves_of_its_request_keys() -> N
 
 def test_a_program_that_cannot_be_split_raises_the_budget_error() -> None:
     program = ops.program_of(_state().layout, [("R", 1, [A])])
-    assert program.halves() == []
+    assert program.pieces() == [] and program.pieces(1, 1) == []
     server = BudgetServer(most=0)
     with pytest.raises(CallBudgetError):
         server.run(ops.op_parts([program], lambda p, part, parts: ops.add_call(p, 0)))

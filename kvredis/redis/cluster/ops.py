@@ -119,6 +119,7 @@ from kvredis.redis.ops import (
     read_lookup_reply,
     score_weights,
     split_add,
+    walk_cut,
 )
 from kvredis.redis.requests import (
     Command,
@@ -599,7 +600,9 @@ def op_shard_lookups(
             again += (shard for shard, _ in caches)
             continue
         for (shard, cache), part in zip(caches, reply, strict=True):
-            if not isinstance(part, list):  # "STALE": the shard is reloaded on the way
+            if not isinstance(part, list) or walk_cut(part):
+                # "STALE": the shard is reloaded on the way; a walk stopped at its work
+                # limit: the per-shard lookup walks on in parts
                 again.append(shard)
                 continue
             found: dict[int, Any] = {}

@@ -341,7 +341,7 @@ def test_a_batch_in_parts_applies_at_most_once_per_shard_and_survives_a_crash_be
     has engine-key evicts in the middle, so it runs as several waves. A sender dies after the
     first wave (every shard took the first call of its part); a new sender's batch is then
     applied whole, once."""
-    monkeypatch.setattr(cluster_ops._programs, "__defaults__", (8,))
+    monkeypatch.setattr(cluster_ops.programs_of, "__defaults__", (8,))
     keys = list(range(1, 41))
     batch: list[Any] = [AddOp([1000 + k], (k,), (A,)) for k in keys]
     batch += [EvictOp(k, KeyType.REQUEST, (A,)) for k in keys[:10]]
