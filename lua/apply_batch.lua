@@ -21,7 +21,7 @@
                 "A", nent, nent x entry index, request keys (hash blob),
                      engine/request key pairs (hash blob: engine key, request key, ...)
                 "R", 8-byte request key, nent, nent x entry index
-                "E", 8-byte engine key, nent, nent x entry index
+                "E", 8-byte engine key, first, count, nent, nent x entry index
               (entry indexes are 1-based into the entries above)
   Stored      <ns>:wm field stream = "epoch:seq:token"; <ns>:wp field stream =
               "epoch:seq:token:part" while a batch in parts is under way

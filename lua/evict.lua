@@ -9,9 +9,11 @@
   ARGV[2]     request bucket prefix "<ns>:r:"    ARGV[3] engine bucket prefix "<ns>:e:"
   ARGV[4]     bucket bits
   ARGV[5]     n, the number of encoded entries; ARGV[6..5+n] the entries (see includes/entries)
-  ARGV[6+n..] one op: "R" (request key) or "E" (engine key), the 8-byte key, nent,
-              nent x entry index
-  Errors      KVREDIS_INVALID for malformed arguments, before the first write
+  ARGV[6+n..] one op: "R", the 8-byte request key, nent, nent x entry index; or "E", the 8-byte
+              engine key, first, count, nent, nent x entry index (includes/program)
+  Errors      KVREDIS_INVALID for malformed arguments, KVREDIS_BUDGET when an evict by engine
+              key's request keys reach too many chain-run ranges (includes/writes: the client
+              sends ranges of them); both before the first write
   Returns     number of (request key, entry) pairs removed
   Complexity  O(request keys mapped x entries per key); entries never added are ignored ]]
 --@include program

@@ -188,6 +188,13 @@ def fragmented_runs(url: str, scale: float) -> dict[str, Any]:
 
         return setup
 
+    def mapped(count: int) -> Step:
+        def setup(index: Any) -> None:
+            fragmented(count)(index)
+            index.add([7 << 60], [chain[4] for chain in chains[:count]], [pod_b])
+
+        return setup
+
     cases: dict[str, tuple[Step | None, Step]] = {
         "add a pod to every 3rd key of a fragmented 1024-key chain": (
             fragmented(1),
@@ -202,6 +209,10 @@ def fragmented_runs(url: str, scale: float) -> dict[str, Any]:
             lambda i: i.apply_batch(
                 [EvictOp(chain[8], KeyType.REQUEST, (pod_a,)) for chain in chains]
             ),
+        ),
+        f"evict by one engine key mapped to a held key in each of {n} fragmented chains": (
+            mapped(n),
+            lambda i: i.evict(7 << 60, KeyType.ENGINE, [pod_a]),
         ),
         f"lookup of one held key in each of {n} fragmented chains": (
             fragmented(n),

@@ -574,13 +574,21 @@ class Program:
         self.cost += add_cost(len(request_keys), len(pairs), len(entries))
         self.units.append(("A", request_keys, pairs, entries))
 
-    def evict(self, key: int, key_type: KeyType, entries: Entries) -> None:
+    def evict(
+        self, key: int, key_type: KeyType, entries: Entries, first: int = 0, count: int = 0
+    ) -> None:
+        """An evict op; by engine key of its request keys ``first + 1 .. first + count`` (0: to
+        the last; see ``lua/includes/program.lua``)."""
         ents = list(dict.fromkeys(entries))
-        tag = "R" if key_type is KeyType.REQUEST else "E"
-        self.ops += (tag, hash_field(key), len(ents), *(self.entry(e) for e in ents))
+        indexes = (len(ents), *(self.entry(e) for e in ents))
+        if key_type is KeyType.REQUEST:
+            self.ops += ("R", hash_field(key), *indexes)
+            self.units.append(("R", key, ents))
+        else:
+            self.ops += ("E", hash_field(key), first, count, *indexes)
+            self.units.append(("E", key, ents, first, count))
         self.count += 1
         self.cost += evict_cost(len(ents), key_type)
-        self.units.append((tag, key, ents))
 
     def bucket_args(self) -> list[Arg]:
         layout = self.layout
@@ -597,25 +605,43 @@ class Program:
         units, layout = self.units, self.layout
         if 0 < ops < len(units):
             return [program_of(layout, units[i : i + ops]) for i in range(0, len(units), ops)]
-        first = units[0] if units else None
-        if first is not None and first[0] == "A" and len(first[1]) > 1:
-            _, request_keys, pairs, entries = first
-            step = keys if 0 < keys < len(request_keys) else (len(request_keys) + 1) // 2
-            cuts = range(0, len(request_keys), step)
-            out = [
-                program_of(layout, [("A", request_keys[i : i + step], [], entries)]) for i in cuts
-            ]
-            out[-1] = program_of(layout, [("A", request_keys[cuts[-1] :], pairs, entries)])
-            return out + ([program_of(layout, units[1:])] if len(units) > 1 else [])
+        head = _unit_pieces(units[0], keys) if units else []
+        if head:
+            rest = [program_of(layout, units[1:])] if len(units) > 1 else []
+            return [program_of(layout, [unit]) for unit in head] + rest
         if len(units) < 2:
             return []
         cut = len(units) // 2
         return [program_of(layout, units[:cut]), program_of(layout, units[cut:])]
 
 
-#: One op of a :class:`Program`: ``("A", request keys, engine/request key pairs, entries)``, or
-#: ``("R" | "E", key, entries)`` for an evict by request or engine key.
+#: One op of a :class:`Program`: ``("A", request keys, engine/request key pairs, entries)``,
+#: ``("R", key, entries)`` or ``("E", key, entries[, first, count])`` for an evict by request or
+#: engine key.
 Unit = tuple[Any, ...]
+
+
+def _unit_pieces(unit: Unit, keys: int) -> list[Unit]:
+    """One op as ops of ``keys`` request keys each (in two when ``keys`` is 0), in order, or
+    empty when it cannot be split: an add's request keys (its mappings with the last piece), an
+    evict by engine key's range of request keys (the last piece drops the mapping)."""
+    if unit[0] == "A" and len(unit[1]) > 1:
+        _, request_keys, pairs, entries = unit
+        step = keys if 0 < keys < len(request_keys) else (len(request_keys) + 1) // 2
+        cuts = range(0, len(request_keys), step)
+        out: list[Unit] = [("A", request_keys[i : i + step], [], entries) for i in cuts]
+        out[-1] = ("A", request_keys[cuts[-1] :], pairs, entries)
+        return out
+    if unit[0] == "E":
+        _, key, entries, first, count = unit
+        if count == 1:
+            return []
+        step = keys if keys > 0 and (count == 0 or keys < count) else max(1, count // 2)
+        return [
+            ("E", key, entries, first, step),
+            ("E", key, entries, first + step, count - step if count else 0),
+        ]
+    return []
 
 
 def program_of(layout: Layout, units: Sequence[Unit]) -> Program:
@@ -636,8 +662,10 @@ def _fill(target: _Filled, units: Sequence[Unit]) -> _Filled:
     for unit in units:
         if unit[0] == "A":
             target.add(unit[1], unit[2], unit[3])
+        elif unit[0] == "R":
+            target.evict(unit[1], KeyType.REQUEST, unit[2])
         else:
-            target.evict(unit[1], KeyType.REQUEST if unit[0] == "R" else KeyType.ENGINE, unit[2])
+            target.evict(unit[1], KeyType.ENGINE, *unit[2:])
     return target
 
 
@@ -672,10 +700,12 @@ class Programs:
         cost = add_cost(len(request_keys), len(pairs), len(entries))
         self._room(cost).add(request_keys, pairs, entries)
 
-    def evict(self, key: int, key_type: KeyType, entries: Entries) -> None:
-        """Add an evict op."""
+    def evict(
+        self, key: int, key_type: KeyType, entries: Entries, first: int = 0, count: int = 0
+    ) -> None:
+        """Add an evict op (see :meth:`Program.evict`)."""
         ents = list(dict.fromkeys(entries))
-        self._room(evict_cost(len(ents), key_type)).evict(key, key_type, ents)
+        self._room(evict_cost(len(ents), key_type)).evict(key, key_type, ents, first, count)
 
 
 def add_pieces(
@@ -788,14 +818,20 @@ def add_call(program: Program, ttl_ms: int) -> ScriptCall:
 
 
 def op_evict(state: CoreState, key: int, key_type: KeyType, entries: Entries) -> Op[None]:
-    """``Index.evict``: one ``evict`` script call."""
+    """``Index.evict``: one ``evict`` script call (more when an evict by engine key reaches
+    too many fragmented runs: :func:`op_parts`)."""
     k = check_hash(key, "evict key")
     kt = check_key_type(key_type)
     ents = check_entries(entries)
-    layout = state.layout
-    program = Program(layout)
+    program = Program(state.layout)
     program.evict(k, kt, ents)
-    yield ScriptCall(
+    yield from op_parts([program], evict_call)
+
+
+def evict_call(program: Program, part: int = 1, parts: int = 1) -> ScriptCall:
+    """The ``evict`` call of a program of one evict op (``lua/evict.lua``)."""
+    layout = program.layout
+    return ScriptCall(
         "evict",
         (layout.meta, layout.pe, layout.sx),
         [*program.bucket_args(), *program.entry_args(), *program.ops],

@@ -6,7 +6,10 @@
       "A", nent, nent x entry index, request keys (hash blob),
            engine/request key pairs (hash blob: engine key, request key, ...)
       "R", 8-byte request key, nent, nent x entry index
-      "E", 8-byte engine key, nent, nent x entry index
+      "E", 8-byte engine key, first, count, nent, nent x entry index: the engine key's
+           request keys first + 1 .. first + count (count 0: to the last) lose the entries;
+           the mapping is dropped, by the op reaching its last request key, once none of them
+           holds an entry (first 0, count 0: the whole evict by engine key)
     (entry indexes are 1-based into the entries; nothing may follow the last op)
   read_program checks all of it without writing; run_program checks that the entry id space can
   hold the new entries, then runs the ops in order. ]]
@@ -55,6 +58,11 @@ local function read_program(args, pos, nops, tags)
       pos = pos + 4 + nent
     else
       op.field = blob_arg(args[pos + 1], HASH_WIDTH, 'evict key', 1)
+      if tag == 'E' then
+        op.first = int_arg(args[pos + 2], 'first request key', 0, 2147483647)
+        op.count = int_arg(args[pos + 3], 'request key count', 0, 2147483647)
+        pos = pos + 2
+      end
       local nent = int_arg(args[pos + 2], 'op entry count', 0, #args - pos)
       op.ents = entry_indexes(args, pos + 3, nent, nents)
       pos = pos + 3 + nent
@@ -125,9 +133,12 @@ local function run_program(k, program, cap, ms)
   end
   -- The expiring buckets are only read (and the clock only asked) when a ttl is stored, an
   -- expiring entry may be live, or new entries record the expiry mode.
-  -- A call of several ops, or of one add op of several request keys, can be split by the
-  -- client: its run work is limited (KVREDIS_BUDGET before any write); one key's is bounded.
-  local splittable = #ops > 1 or (#ops == 1 and ops[1].tag == 'A' and #ops[1].req > HASH_WIDTH)
+  -- A call of several ops, of one add op of several request keys or of one evict by engine
+  -- key (by ranges of its request keys) can be split by the client: its run work is limited
+  -- (KVREDIS_BUDGET before any write); one key's is bounded.
+  local one = ops[1]
+  local splittable = #ops > 1 or (one and (one.tag == 'A' and #one.req > HASH_WIDTH or
+    one.tag == 'E' and one.count ~= 1))
   local st, xs = new_stage(k.cprefix, splittable and RUN_WORK_LIMIT or nil), k.xs
   if ms > 0 or xs.live or #new > 0 then expiring_open(xs) end
   local removed = 0
@@ -202,11 +213,12 @@ local function run_program(k, program, cap, ms)
         local ebucket = k.ebucket(op.field)
         if xs.live then
           local refs = stage_get(st, 'e', ebucket, op.field) or ''
-          for i = 1, #refs, HASH_WIDTH do
+          local last = op.count > 0 and (op.first + op.count) * HASH_WIDTH or #refs
+          for i = op.first * HASH_WIDTH + 1, math.min(#refs, last), HASH_WIDTH do
             removed = removed + xs.remove(string.sub(refs, i, i + HASH_WIDTH - 1), set)
           end
         end
-        removed = removed + evict_engine(st, k.rbucket, ebucket, op.field, set)
+        removed = removed + evict_engine(st, k.rbucket, ebucket, op.field, set, op.first, op.count)
       end
     end
   end

@@ -319,20 +319,34 @@ local function remove_ids(st, bucket, field, set)
   return left, removed
 end
 
--- Evict by engine key: remove the ids from every request key it maps to; drop the mapping once
--- none of those request keys holds any entry. Request bucket names are built here (rbucket, a
--- bucket_namer) because the request keys are only known once the mapping is read inside this
--- atomic step.
-local function evict_engine(st, rbucket, bucket, efield, set)
+-- Evict by engine key: remove the ids from the request keys first + 1 .. first + count it maps
+-- to (count 0: to the last); when that reaches its last request key, drop the mapping once none
+-- of its request keys holds any entry (those before first + 1, done by earlier calls, are
+-- checked for a record without reading their runs). Request bucket names are built here
+-- (rbucket, a bucket_namer) because the request keys are only known once the mapping is read
+-- inside this atomic step. st.key counts the request keys done whole (see stage_run).
+local function evict_engine(st, rbucket, bucket, efield, set, first, count)
   local refs = stage_get(st, 'e', bucket, efield)
   if not refs then return 0 end
+  local n = #refs / HASH_WIDTH
+  local last = count > 0 and math.min(n, first + count) or n
   local held, removed = false, 0
-  for i = 1, #refs, HASH_WIDTH do
-    local rfield = string.sub(refs, i, i + HASH_WIDTH - 1)
-    local left, n = remove_ids(st, rbucket(rfield), rfield, set)
-    removed = removed + n
-    if left and left ~= '' then held = true end
+  for j = 1, last do
+    local rfield = string.sub(refs, (j - 1) * HASH_WIDTH + 1, j * HASH_WIDTH)
+    if j > first then
+      st.key = j - first - 1
+      local left, m = remove_ids(st, rbucket(rfield), rfield, set)
+      removed = removed + m
+      if left and left ~= '' then held = true end
+    elseif last == n and not held then
+      local staged = st.r[rfield]
+      if staged == nil then
+        held = redis.call('HEXISTS', rbucket(rfield), rfield) == 1
+      else
+        held = staged and true or false
+      end
+    end
   end
-  if not held then stage_put(st, 'e', bucket, efield, false) end
+  if last == n and not held then stage_put(st, 'e', bucket, efield, false) end
   return removed
 end

@@ -72,15 +72,17 @@ class Fleet:
         self.both("apply_batch", evicts)
 
     def refused(self) -> int:
-        """Script calls the servers failed so far (INFO commandstats)."""
-        return self.script_calls("failed_calls")
+        """Calls the servers refused as over budget so far (INFO errorstats)."""
+        stats = (server.info("errorstats") for server in self.servers)
+        return sum(int(s.get("errorstat_KVREDIS_BUDGET", {}).get("count", 0)) for s in stats)
 
-    def script_calls(self, what: str = "calls") -> int:
+    def script_calls(self) -> int:
+        """Script calls the servers took so far (INFO commandstats)."""
         total = 0
         for server in self.servers:
             stats = server.info("commandstats")
             for name in ("cmdstat_evalsha", "cmdstat_eval"):
-                total += int(stats.get(name, {}).get(what, 0))
+                total += int(stats.get(name, {}).get("calls", 0))
         return total
 
     def agree(self, keys: Sequence[int]) -> None:
@@ -180,6 +182,24 @@ def test_an_unfenced_batch_reaching_many_runs_is_applied_in_order(fleet: Fleet) 
     fleet.both("apply_batch", batch)
     fleet.agree(at + [chain[14] for chain in fleet.chains])
     assert fleet.index.lookup(at[:1]) == {}
+
+
+def test_an_evict_by_engine_key_reaching_many_fragmented_runs_goes_in_ranges(
+    fleet: Fleet,
+) -> None:
+    keys = [chain[4] for chain in fleet.chains]
+    engine = 7 * ENGINE  # one engine key for a held key in each fragmented run
+    fleet.both("add", [engine], keys, [C])
+    before = fleet.refused()
+    fleet.both("evict", engine, KeyType.ENGINE, [A])
+    assert fleet.refused() > before
+    fleet.agree(keys)  # pod-c still holds them: the mapping stays
+    assert fleet.index.get_request_key(engine) == keys[-1]
+    fleet.both("evict", engine, KeyType.ENGINE, [C])
+    got, expected = fleet.both("lookup", keys[:1])
+    assert got == expected == {}
+    with pytest.raises(KeyError):  # nothing held any more: the mapping is gone
+        fleet.index.get_request_key(engine)
 
 
 @pytest.fixture
