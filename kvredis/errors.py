@@ -104,9 +104,9 @@ class CallBudgetError(BackendError):
     chain runs); it wrote nothing.
 
     ``ops`` and ``keys`` say how much of the call fits one call: its first ``ops`` ops, or (with
-    ``ops`` 0) the first ``keys`` request keys of its one add op. The Redis clients send the
-    call in pieces of that size; the error reaches callers only from a call that cannot be
-    split, which the server never refuses.
+    ``ops`` 0) the first ``keys`` request keys of its first op (an add, or an evict by engine
+    key). The Redis clients send the call in pieces of that size; the error reaches callers
+    only from a call that cannot be split, which the server never refuses.
     """
 
     def __init__(self, message: str = "", ops: int = 0, keys: int = 0) -> None:

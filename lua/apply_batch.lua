@@ -21,16 +21,16 @@
                 "A", nent, nent x entry index, request keys (hash blob),
                      engine/request key pairs (hash blob: engine key, request key, ...)
                 "R", 8-byte request key, nent, nent x entry index
-                "E", 8-byte engine key, first, count, nent, nent x entry index
+                "E", 8-byte engine key, first, nent, nent x entry index
               (entry indexes are 1-based into the entries above)
   Stored      <ns>:wm field stream = "epoch:seq:token"; <ns>:wp field stream =
               "epoch:seq:token:part" while a batch in parts is under way
   Errors      KVREDIS_INVALID for malformed arguments, KVREDIS_LAYOUT for a malformed stored
               watermark or when the entry id space cannot hold the new entries, KVREDIS_BUDGET
-              when the ops (more than one, or one add op of several request keys) reach too many
-              chain-run ranges (includes/writes: the client splits the part and numbers the
-              batch's parts anew under the same token), WRONGTYPE for a foreign key in the
-              namespace; all before the first write
+              when the ops (more than one, one add op of several request keys, or one evict by
+              engine key) reach too many chain-run ranges (includes/writes: the client splits
+              the part and numbers the batch's parts anew under the same token), WRONGTYPE for
+              a foreign key in the namespace; all before the first write
   Returns     1 if applied (also when this token already applied it), 0 if skipped (the stream
               already reached this watermark, or another sender took the batch over)
   Complexity  sum of the ops' costs (see add.lua and evict.lua); the client keeps every call

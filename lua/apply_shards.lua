@@ -20,10 +20,11 @@
               else one reply per part: 1 applied (or already applied by this token), 0 skipped,
               or the error that stopped the part before its first write (KVREDIS_LAYOUT for a
               malformed stored watermark or an exhausted id space, KVREDIS_BUDGET for a part
-              reaching too many chain-run ranges, WRONGTYPE for a foreign key):
+              whose chain-run ranges, added to those of the parts before it, are too many,
+              WRONGTYPE for a foreign key):
               the other shards' parts are applied, as separate calls would be, and the shard's
               later parts are skipped
-  Complexity  the sum of the parts' (see apply_batch.lua) ]]
+  Complexity  the sum of the parts' (see apply_batch.lua), their run work bounded together ]]
 --@include program
 --@include fence
 local cap = int_arg(ARGV[1], 'request keys per engine key', 1, 2147483647)
@@ -54,6 +55,7 @@ for i, a in ipairs(parts_in) do
   }
 end
 local out, failed = {}, {}
+local spent = {work = 0}  -- the run work of every part of this call (includes/writes)
 for i, w in ipairs(work) do
   local a = parts_in[i]
   local verdict = 'apply'
@@ -67,6 +69,7 @@ for i, w in ipairs(work) do
     -- the context reads the expiry gate: after the parts before it wrote
     local ok, err = pcall(function()
       local k = write_context(a[1], a[2], a[3], a[4], a[9], a[10], a[11], a[7])
+      k.spent = spent
       run_program(k, w.program, cap, w.ms)
     end)
     if ok then

@@ -9,10 +9,12 @@
   ARGV[2+f..] 9 per shard: <shard>:meta, :pi, :pp, :sx, namespace generation, request bucket
               prefix, bucket bits, highest entry id the client knows every definition of, the
               shard's request keys in chain order (hash blob)
-  Returns     one reply per shard, in order: lookup.lua's reply for the shard's keys, or the
+  Returns     one reply per shard, in order: lookup.lua's reply for the shard's keys (ending
+              with the position of the first key not walked when the walk stopped at the work
+              limit, which the shards' walks share: the client walks that shard on), or the
               string "STALE" for a shard whose generation is not the client's (the client
               reloads that shard; the other shards' replies stand)
-  Complexity  the sum of lookup.lua's over the shards ]]
+  Complexity  the sum of lookup.lua's over the shards, their run work bounded together ]]
 --@include lookup_chain
 local nf = int_arg(ARGV[1], 'pod count', 0, #ARGV - 1)
 local pods = nil
@@ -23,6 +25,7 @@ end
 local base = 1 + nf
 if (#ARGV - base) % 9 ~= 0 then fail('INVALID', 'lookup_shards wants 9 arguments per shard') end
 local out = {}
+local spent = {work = 0}  -- the walks of every shard share one work limit (includes/walk)
 for s = 1, (#ARGV - base) / 9 do
   local a = base + (s - 1) * 9
   local meta = redis.call('HMGET', ARGV[a + 1], 'gen', 'next_id')
@@ -30,7 +33,7 @@ for s = 1, (#ARGV - base) / 9 do
     out[s] = 'STALE'
   else
     out[s] = lookup_chain(meta, ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 6], ARGV[a + 7],
-      tonumber(ARGV[a + 8]), pods, ARGV[a + 9])
+      tonumber(ARGV[a + 8]), pods, ARGV[a + 9], spent)
   end
 end
 return out

@@ -556,7 +556,7 @@ class Program:
         self.ops: list[Arg] = []
         self.count = 0
         self.cost = 0
-        #: the ops as given, to rebuild halves of the program (:meth:`halves`)
+        #: the ops as given, to rebuild the program in pieces (:meth:`pieces`)
         self.units: list[Unit] = []
 
     def entry(self, entry: PodEntry) -> int:
@@ -574,19 +574,17 @@ class Program:
         self.cost += add_cost(len(request_keys), len(pairs), len(entries))
         self.units.append(("A", request_keys, pairs, entries))
 
-    def evict(
-        self, key: int, key_type: KeyType, entries: Entries, first: int = 0, count: int = 0
-    ) -> None:
-        """An evict op; by engine key of its request keys ``first + 1 .. first + count`` (0: to
-        the last; see ``lua/includes/program.lua``)."""
+    def evict(self, key: int, key_type: KeyType, entries: Entries, first: int = 0) -> None:
+        """An evict op; by engine key, of its request keys after the first ``first`` (see
+        ``lua/includes/program.lua``)."""
         ents = list(dict.fromkeys(entries))
         indexes = (len(ents), *(self.entry(e) for e in ents))
         if key_type is KeyType.REQUEST:
             self.ops += ("R", hash_field(key), *indexes)
             self.units.append(("R", key, ents))
         else:
-            self.ops += ("E", hash_field(key), first, count, *indexes)
-            self.units.append(("E", key, ents, first, count))
+            self.ops += ("E", hash_field(key), first, *indexes)
+            self.units.append(("E", key, ents, first))
         self.count += 1
         self.cost += evict_cost(len(ents), key_type)
 
@@ -600,8 +598,9 @@ class Program:
     def pieces(self, ops: int = 0, keys: int = 0) -> list[Program]:
         """The program as smaller ones that, applied in order, do the same: of ``ops`` ops
         each; else (``ops`` 0) its first op's request keys in pieces of ``keys`` (its mappings
-        with the last), then the other ops; else cut in two. Empty for a program the server
-        never refuses as over budget (one evict, or one add of at most one request key)."""
+        with the last), then the other ops; else cut in two. Empty for one op that cannot be
+        split (an evict; :func:`op_parts` turns a refused evict by engine key into evicts by
+        request key)."""
         units, layout = self.units, self.layout
         if 0 < ops < len(units):
             return [program_of(layout, units[i : i + ops]) for i in range(0, len(units), ops)]
@@ -616,32 +615,34 @@ class Program:
 
 
 #: One op of a :class:`Program`: ``("A", request keys, engine/request key pairs, entries)``,
-#: ``("R", key, entries)`` or ``("E", key, entries[, first, count])`` for an evict by request or
-#: engine key.
+#: ``("R", key, entries)`` or ``("E", key, entries[, first])`` for an evict by request or engine
+#: key.
 Unit = tuple[Any, ...]
 
 
 def _unit_pieces(unit: Unit, keys: int) -> list[Unit]:
-    """One op as ops of ``keys`` request keys each (in two when ``keys`` is 0), in order, or
-    empty when it cannot be split: an add's request keys (its mappings with the last piece), an
-    evict by engine key's range of request keys (the last piece drops the mapping)."""
-    if unit[0] == "A" and len(unit[1]) > 1:
-        _, request_keys, pairs, entries = unit
-        step = keys if 0 < keys < len(request_keys) else (len(request_keys) + 1) // 2
-        cuts = range(0, len(request_keys), step)
-        out: list[Unit] = [("A", request_keys[i : i + step], [], entries) for i in cuts]
-        out[-1] = ("A", request_keys[cuts[-1] :], pairs, entries)
-        return out
-    if unit[0] == "E":
-        _, key, entries, first, count = unit
-        if count == 1:
-            return []
-        step = keys if keys > 0 and (count == 0 or keys < count) else max(1, count // 2)
-        return [
-            ("E", key, entries, first, step),
-            ("E", key, entries, first + step, count - step if count else 0),
-        ]
-    return []
+    """An add op as adds of ``keys`` request keys each (in two when ``keys`` is 0), in order,
+    its mappings with the last; empty for any other op."""
+    if unit[0] != "A" or len(unit[1]) < 2:
+        return []
+    _, request_keys, pairs, entries = unit
+    step = keys if 0 < keys < len(request_keys) else (len(request_keys) + 1) // 2
+    cuts = range(0, len(request_keys), step)
+    out: list[Unit] = [("A", request_keys[i : i + step], [], entries) for i in cuts]
+    out[-1] = ("A", request_keys[cuts[-1] :], pairs, entries)
+    return out
+
+
+def engine_evict_units(unit: Unit, mapping: bytes | None) -> list[Unit]:
+    """An evict by engine key (``("E", key, entries, first)``) whose engine key maps to
+    ``mapping`` (as read) as evicts by request key of its request keys after the first
+    ``first``, then the evict by engine key of what follows them (keys mapped since), which
+    drops the mapping once none of its request keys holds an entry."""
+    _, key, entries, first = unit
+    mapped = mapping or b""
+    request_keys = [int.from_bytes(mapped[i : i + 8], "big") for i in range(0, len(mapped), 8)]
+    out: list[Unit] = [("R", k, entries) for k in request_keys[first:]]
+    return [*out, ("E", key, entries, max(first, len(request_keys)))]
 
 
 def program_of(layout: Layout, units: Sequence[Unit]) -> Program:
@@ -700,12 +701,10 @@ class Programs:
         cost = add_cost(len(request_keys), len(pairs), len(entries))
         self._room(cost).add(request_keys, pairs, entries)
 
-    def evict(
-        self, key: int, key_type: KeyType, entries: Entries, first: int = 0, count: int = 0
-    ) -> None:
+    def evict(self, key: int, key_type: KeyType, entries: Entries, first: int = 0) -> None:
         """Add an evict op (see :meth:`Program.evict`)."""
         ents = list(dict.fromkeys(entries))
-        self._room(evict_cost(len(ents), key_type)).evict(key, key_type, ents, first, count)
+        self._room(evict_cost(len(ents), key_type)).evict(key, key_type, ents, first)
 
 
 def add_pieces(
@@ -775,9 +774,10 @@ def op_parts(
 
     A program the server refuses as over budget (:class:`~kvredis.errors.CallBudgetError`:
     its keys reach too many fragmented chain runs; it wrote nothing) is sent as its
-    :meth:`Program.pieces` of the size the server found to fit instead, and the parts after it
-    are numbered anew (a fenced batch keeps its token: the server counts the parts done, not
-    how many there are). With
+    :meth:`Program.pieces` of the size the server found to fit instead (an evict by engine key
+    as evicts by request key of the request keys its mapping lists, read first, then the evict
+    by engine key that drops the mapping), and the parts after it are numbered anew (a fenced
+    batch keeps its token: the server counts the parts done, not how many there are). With
     ``fenced``, stops at the first part the server skipped (reply 0). Returns whether every
     part applied, and how many parts were added by splitting.
     """
@@ -789,7 +789,18 @@ def op_parts(
         try:
             reply = yield call(program, part, part + len(queue) + after)
         except CallBudgetError as exc:
-            pieces = program.pieces(exc.ops, exc.keys)
+            units = program.units
+            if exc.ops == 0 and units and units[0][0] == "E":
+                # its request keys reach too many runs: evict them by request key, in pieces
+                # of the size that fits, then the evict by engine key of the rest
+                key = units[0][1]
+                layout = program.layout
+                mapping = yield Command(("HGET", layout.engine_bucket(key), hash_field(key)))
+                expanded = [*engine_evict_units(units[0], mapping), *units[1:]]
+                program = program_of(layout, expanded)
+                pieces = program.pieces(max(1, exc.keys)) or [program]  # nothing mapped now
+            else:
+                pieces = program.pieces(exc.ops, exc.keys)
             if not pieces:
                 raise
             queue += reversed(pieces)
@@ -834,7 +845,7 @@ def evict_call(program: Program, part: int = 1, parts: int = 1) -> ScriptCall:
     return ScriptCall(
         "evict",
         (layout.meta, layout.pe, layout.sx),
-        [*program.bucket_args(), *program.entry_args(), *program.ops],
+        [*program.bucket_args(), *program.entry_args(), program.count, *program.ops],
     )
 
 

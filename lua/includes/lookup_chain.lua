@@ -18,8 +18,10 @@ end
 -- meta: the namespace's {gen, next_id} (already checked against the client's generation);
 -- pi_key, pp_key, sx_key: its keys; rprefix, bits: its request buckets; floor: the id up to
 -- which the client knows every definition; pods: nil or the pod names of the filter; chain: the
--- request keys in chain order (hash blob).
-local function lookup_chain(meta, pi_key, pp_key, sx_key, rprefix, bits, floor, pods, chain)
+-- request keys in chain order (hash blob); spent: nil, or the walk work shared by the walks of
+-- one call (includes/walk).
+local function lookup_chain(meta, pi_key, pp_key, sx_key, rprefix, bits, floor, pods, chain,
+                            spent)
   local rbucket = bucket_namer(rprefix, bits)
   local want_defs = tonumber(meta[2] or '0') > floor
   local upto = math.min(tonumber(meta[2] or '0'), floor + 256)
@@ -64,7 +66,7 @@ local function lookup_chain(meta, pi_key, pp_key, sx_key, rprefix, bits, floor, 
       end
     end
     return true
-  end)
+  end, spent)
   if #unknown > 0 then
     local defs = hmget(pi_key, unknown)
     local flat = out[2]

@@ -6,10 +6,10 @@
       "A", nent, nent x entry index, request keys (hash blob),
            engine/request key pairs (hash blob: engine key, request key, ...)
       "R", 8-byte request key, nent, nent x entry index
-      "E", 8-byte engine key, first, count, nent, nent x entry index: the engine key's
-           request keys first + 1 .. first + count (count 0: to the last) lose the entries;
-           the mapping is dropped, by the op reaching its last request key, once none of them
-           holds an entry (first 0, count 0: the whole evict by engine key)
+      "E", 8-byte engine key, first, nent, nent x entry index: the engine key's request keys
+           after its first `first` lose the entries, and the mapping is dropped once none of
+           its request keys holds an entry (first 0: the whole evict by engine key; the client
+           evicts the first ones by request key when one call cannot take them all)
     (entry indexes are 1-based into the entries; nothing may follow the last op)
   read_program checks all of it without writing; run_program checks that the entry id space can
   hold the new entries, then runs the ops in order. ]]
@@ -18,7 +18,9 @@
 --@include expiry
 
 -- The keys and bucket namers the ops write through; sx is the gate key of the expiring
--- buckets (includes/expiry), read here, before any write.
+-- buckets (includes/expiry), read here, before any write. A caller running several programs
+-- in one call sets k.spent to one table for all of them: their run work adds up
+-- (includes/writes).
 local function write_context(meta, pe, pi, pp, rprefix, eprefix, bits, sx)
   return {meta = meta, pe = pe, pi = pi, pp = pp, bits = bits, cprefix = run_prefix(rprefix),
           rbucket = bucket_namer(rprefix, bits), ebucket = bucket_namer(eprefix, bits),
@@ -60,8 +62,7 @@ local function read_program(args, pos, nops, tags)
       op.field = blob_arg(args[pos + 1], HASH_WIDTH, 'evict key', 1)
       if tag == 'E' then
         op.first = int_arg(args[pos + 2], 'first request key', 0, 2147483647)
-        op.count = int_arg(args[pos + 3], 'request key count', 0, 2147483647)
-        pos = pos + 2
+        pos = pos + 1
       end
       local nent = int_arg(args[pos + 2], 'op entry count', 0, #args - pos)
       op.ents = entry_indexes(args, pos + 3, nent, nents)
@@ -134,12 +135,13 @@ local function run_program(k, program, cap, ms)
   -- The expiring buckets are only read (and the clock only asked) when a ttl is stored, an
   -- expiring entry may be live, or new entries record the expiry mode.
   -- A call of several ops, of one add op of several request keys or of one evict by engine
-  -- key (by ranges of its request keys) can be split by the client: its run work is limited
-  -- (KVREDIS_BUDGET before any write); one key's is bounded.
+  -- key (the client evicts its request keys one by one) can be split by the client: its run
+  -- work is limited (KVREDIS_BUDGET before any write, or past the call's shared work); one
+  -- key's is bounded.
   local one = ops[1]
-  local splittable = #ops > 1 or (one and (one.tag == 'A' and #one.req > HASH_WIDTH or
-    one.tag == 'E' and one.count ~= 1))
-  local st, xs = new_stage(k.cprefix, splittable and RUN_WORK_LIMIT or nil), k.xs
+  local splittable = #ops > 1 or (one and (one.tag == 'E' or
+    one.tag == 'A' and #one.req > HASH_WIDTH))
+  local st, xs = new_stage(k.cprefix, splittable and RUN_WORK_LIMIT or nil, k.spent), k.xs
   if ms > 0 or xs.live or #new > 0 then expiring_open(xs) end
   local removed = 0
   local spec = nil
@@ -213,12 +215,11 @@ local function run_program(k, program, cap, ms)
         local ebucket = k.ebucket(op.field)
         if xs.live then
           local refs = stage_get(st, 'e', ebucket, op.field) or ''
-          local last = op.count > 0 and (op.first + op.count) * HASH_WIDTH or #refs
-          for i = op.first * HASH_WIDTH + 1, math.min(#refs, last), HASH_WIDTH do
+          for i = op.first * HASH_WIDTH + 1, #refs, HASH_WIDTH do
             removed = removed + xs.remove(string.sub(refs, i, i + HASH_WIDTH - 1), set)
           end
         end
-        removed = removed + evict_engine(st, k.rbucket, ebucket, op.field, set, op.first, op.count)
+        removed = removed + evict_engine(st, k.rbucket, ebucket, op.field, set, op.first)
       end
     end
   end

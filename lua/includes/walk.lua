@@ -68,11 +68,12 @@ end
 -- one run range are visited together.
 -- visit(ids, n) is called for each group of n consecutive chain keys holding the same
 -- (non-empty) ids, in order; it returns false to stop the walk. Returns the position of the
--- first key not walked when the walk stopped at WALK_WORK_LIMIT, else nil.
-local function walk_chain(chain, rbucket, cprefix, expiring, visit)
+-- first key not walked when the walk stopped at WALK_WORK_LIMIT, else nil. spent (optional)
+-- is {work = n}, shared by the walks of one call so that their work adds up.
+local function walk_chain(chain, rbucket, cprefix, expiring, visit, spent)
   local nkeys = #chain / HASH_WIDTH
   local runs = {}
-  local work = 0
+  spent = spent or {work = 0}
   local i = 1
   -- A key without ids of its own (no record, or a ref that does not resolve): a hit only
   -- through its live expiring ids.
@@ -97,8 +98,8 @@ local function walk_chain(chain, rbucket, cprefix, expiring, visit)
         if rec[1] and rec[2] then
           local ranges = ranges_parse(rec[2])
           if ranges then run = {keys = rec[1], ranges = ranges} end
-          work = work + RUN_READ_COST + (ranges and #ranges or 0)
-          if work > WALK_WORK_LIMIT and i > 1 then return i end
+          spent.work = spent.work + RUN_READ_COST + (ranges and #ranges or 0)
+          if spent.work > WALK_WORK_LIMIT and i > 1 then return i end
         end
         runs[rid] = run
       end

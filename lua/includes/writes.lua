@@ -10,12 +10,13 @@
 -- request key held through a run reads as the ids of its run position (where: field -> its
 -- ref); runs: run id -> {ranges, n, changes = position -> ids, keys once read} or false;
 -- prev: field -> the request key before it in the add op that first stored it (new keys only);
--- work: the run ranges read so far, each run counting RUN_READ_COST more; limit: the most
--- work allowed (nil: no limit); op, key: how many ops, and keys of the op after them, the
--- caller (includes/program) has staged whole.
-local function new_stage(cprefix, limit)
+-- spent.work: the run ranges read so far by the call (spent may be shared by the stages of
+-- one call), each run counting RUN_READ_COST more; limit: the most work allowed (nil: no
+-- limit); op, key: how many ops, and keys of the op after them, the caller (includes/program)
+-- has staged whole.
+local function new_stage(cprefix, limit, spent)
   return {r = {}, e = {}, order = {}, orig = {}, where = {}, runs = {}, prev = {},
-          cprefix = cprefix, work = 0, limit = limit, op = 0, key = 0}
+          cprefix = cprefix, spent = spent or {work = 0}, limit = limit, op = 0, key = 0}
 end
 
 -- The most run work (ranges read, see new_stage) of a call the client can split: a run is
@@ -34,8 +35,9 @@ local function stage_run(st, rid)
     local key = st.cprefix .. rid
     local r = redis.call('HGET', key, 'r')
     local ranges = r and ranges_parse(r)
-    st.work = st.work + RUN_READ_COST + (ranges and #ranges or 0)
-    if st.limit and st.work > st.limit then
+    local spent = st.spent
+    spent.work = spent.work + RUN_READ_COST + (ranges and #ranges or 0)
+    if st.limit and spent.work > st.limit then
       fail('BUDGET', st.op .. ' ' .. st.key .. ' the keys reach chain runs of more than ' ..
         st.limit .. ' ranges in all; send fewer ops or keys per call')
     end
@@ -319,26 +321,23 @@ local function remove_ids(st, bucket, field, set)
   return left, removed
 end
 
--- Evict by engine key: remove the ids from the request keys first + 1 .. first + count it maps
--- to (count 0: to the last); when that reaches its last request key, drop the mapping once none
--- of its request keys holds any entry (those before first + 1, done by earlier calls, are
--- checked for a record without reading their runs). Request bucket names are built here
--- (rbucket, a bucket_namer) because the request keys are only known once the mapping is read
--- inside this atomic step. st.key counts the request keys done whole (see stage_run).
-local function evict_engine(st, rbucket, bucket, efield, set, first, count)
+-- Evict by engine key: remove the ids from the request keys it maps to after the first
+-- `first` (the client evicted those by request key); drop the mapping once none of its request
+-- keys holds any entry (the first `first` are checked for a record, without reading their
+-- runs). Request bucket names are built here (rbucket, a bucket_namer) because the request
+-- keys are only known once the mapping is read inside this atomic step.
+local function evict_engine(st, rbucket, bucket, efield, set, first)
   local refs = stage_get(st, 'e', bucket, efield)
   if not refs then return 0 end
-  local n = #refs / HASH_WIDTH
-  local last = count > 0 and math.min(n, first + count) or n
   local held, removed = false, 0
-  for j = 1, last do
+  for j = 1, #refs / HASH_WIDTH do
     local rfield = string.sub(refs, (j - 1) * HASH_WIDTH + 1, j * HASH_WIDTH)
     if j > first then
       st.key = j - first - 1
       local left, m = remove_ids(st, rbucket(rfield), rfield, set)
       removed = removed + m
       if left and left ~= '' then held = true end
-    elseif last == n and not held then
+    elseif not held then
       local staged = st.r[rfield]
       if staged == nil then
         held = redis.call('HEXISTS', rbucket(rfield), rfield) == 1
@@ -347,6 +346,6 @@ local function evict_engine(st, rbucket, bucket, efield, set, first, count)
       end
     end
   end
-  if last == n and not held then stage_put(st, 'e', bucket, efield, false) end
+  if not held then stage_put(st, 'e', bucket, efield, false) end
   return removed
 end

@@ -6,6 +6,7 @@ async; the embedded index is the model of the results."""
 
 from __future__ import annotations
 
+import struct
 import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -25,7 +26,9 @@ from kvredis import (
     Watermark,
 )
 from kvredis.redis import ops
+from kvredis.redis.cluster.ops import _part_args
 from kvredis.redis.cluster.shards import shard_of
+from kvredis.redis.ops import walk_cut
 from kvredis.redis.requests import ScriptCall
 from kvredis.scoring import LongestPrefixScorer
 from tests.conftest import (
@@ -184,7 +187,7 @@ def test_an_unfenced_batch_reaching_many_runs_is_applied_in_order(fleet: Fleet) 
     assert fleet.index.lookup(at[:1]) == {}
 
 
-def test_an_evict_by_engine_key_reaching_many_fragmented_runs_goes_in_ranges(
+def test_an_evict_by_engine_key_reaching_many_fragmented_runs_goes_by_request_key(
     fleet: Fleet,
 ) -> None:
     keys = [chain[4] for chain in fleet.chains]
@@ -242,3 +245,59 @@ def raw_state(raw: redis.Redis, namespace: str) -> dict[bytes, Any]:
 def send(index: RedisIndex, call: ScriptCall) -> Any:
     """Send one script call through the index's own executor (EVALSHA, error translation)."""
     return index._exec.run(ops.op_send(index._session, call))
+
+
+@pytest.fixture
+def two(redis_server_url: str) -> Iterator[tuple[Fleet, Fleet]]:
+    """Two namespaces on one server, as two shards of a cluster namespace on one node are."""
+    raw = redis.Redis.from_url(redis_server_url)
+    pair = []
+    for _ in range(2):
+        ns = f"{TEST_PREFIX}{uuid.uuid4().hex[:12]}"
+        pair.append(
+            Fleet(RedisIndex(RedisIndexConfig(address=redis_server_url, namespace=ns)), [raw])
+        )
+    yield pair[0], pair[1]
+    for fleet in pair:
+        fleet.index.drop_namespace()
+        fleet.index.close()
+    raw.close()
+
+
+def test_the_parts_of_one_node_call_share_the_write_limit(two: tuple[Fleet, Fleet]) -> None:
+    """``apply_shards`` runs one part per shard; the parts' run work adds up, so a call of many
+    parts is bounded like one of many ops."""
+    for fleet in two:
+        fleet.chains = fleet.chains[:3]  # 3 runs each: one part fits, two do not
+        fleet.fragment()
+    parts: list[Any] = []
+    for fleet in two:
+        layout = fleet.index._session.state.layout
+        evicts = [("R", chain[8], [A]) for chain in fleet.chains]
+        parts += _part_args(ops.program_of(layout, evicts), 1, 1, 0)
+    first = two[0].index._session.state.layout
+    keys = (first.meta, first.pe, first.pi, first.pp, first.wm, first.wp, first.sx)
+    call = ScriptCall("apply_shards", keys, [1024, b"", 0, 0, "ab", *parts])
+    reply = send(two[0].index, call)
+    # the second part's first run is past the call's limit: refused before it wrote (alone,
+    # on the per-shard path, it fits)
+    assert reply[0] == 1 and bytes(reply[1]).startswith(b"KVREDIS_BUDGET 0 0")
+    assert all(two[0].index.lookup([c[8]]) == {} for c in two[0].chains)  # applied
+    assert all(two[1].index.lookup([c[8]]) == {c[8]: [A]} for c in two[1].chains)  # untouched
+
+
+def test_the_walks_of_one_node_call_share_the_walk_limit(two: tuple[Fleet, Fleet]) -> None:
+    for fleet in two:
+        fleet.chains = chains_in(9, None)  # 9 runs each: one walk fits, two do not
+        fleet.fragment()
+    args: list[Any] = [0]
+    for fleet in two:
+        layout, cache = fleet.index._session.state.snapshot()
+        chain = [c[4] for c in fleet.chains]
+        args += (layout.meta, layout.pi, layout.pp, layout.sx, layout.gen, layout.rprefix)
+        args += (layout.bucket_bits, cache.floor, struct.pack(f">{len(chain)}Q", *chain))
+    first = two[0].index._session.state.layout
+    call = ScriptCall("lookup_shards", (first.meta, first.pi, first.pp, first.sx), args)
+    whole, cut = send(two[0].index, call)
+    assert not walk_cut(whole) and len(whole) == 4  # 9 keys holding the same ids
+    assert walk_cut(cut)  # stopped: the per-shard path walks that shard on

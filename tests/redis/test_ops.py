@@ -223,7 +223,7 @@ def test_evict_sends_no_mapping_cap() -> None:
     assert request == rq.ScriptCall(
         "evict",
         (b"ns:meta", b"ns:pe", b"ns:sx"),
-        [GEN, b"ns:r:", b"ns:e:", 16, 1, encode_entry(B), "E", hash_field(9), 0, 0, 1, 1],
+        [GEN, b"ns:r:", b"ns:e:", 16, 1, encode_entry(B), 1, "E", hash_field(9), 0, 1, 1],
     )
     request, _ = _one(ops.op_evict(_state(), 9, KeyType.REQUEST, [A, B]))
     assert isinstance(request, rq.ScriptCall) and request.args[-5:] == ["R", hash_field(9), 2, 1, 2]
@@ -767,28 +767,20 @@ def test_an_add_refused_as_over_budget_goes_in_pieces_of_its_request_keys() -> N
     assert pairs == [b"", b"", mappings]  # the mappings go with the last piece
 
 
-def test_an_evict_by_engine_key_refused_as_over_budget_goes_in_ranges_of_its_keys() -> None:
-    mapped = 5  # request keys the engine key maps to; the server takes 2 per call
-
-    def span(call: rq.ScriptCall) -> tuple[int, int]:
-        at = call.args.index("E")
-        return int(call.args[at + 2]), int(call.args[at + 3])
-
-    calls: list[tuple[int, int]] = []
-    op = ops.op_evict(_state(), 9, KeyType.ENGINE, [A])
-    outcome: Any = None
-    while True:
-        try:
-            request = op.throw(outcome) if isinstance(outcome, Exception) else op.send(outcome)
-        except StopIteration:
-            break
-        first, count = span(request)
-        calls.append((first, count))
-        reach = (count or mapped - first) if first < mapped else 0
-        outcome = CallBudgetError("2 keys fit", keys=2) if reach > 2 else 0
-    # the whole evict refused; 2 keys, then the rest refused again: 2 keys, then the last one
-    # (count 0: it reaches the last request key, and may drop the mapping)
-    assert calls == [(0, 0), (0, 2), (2, 0), (2, 2), (4, 0)]
+def test_an_evict_by_engine_key_refused_as_over_budget_goes_as_evicts_by_request_key() -> None:
+    mapped = _blob(11, 12, 13, 14, 15)  # the engine key's request keys, as the server holds them
+    refusal = rq.ErrorReply("KVREDIS_BUDGET 0 2 the keys reach chain runs of more than 4096")
+    exchange = Exchange([refusal, mapped, 0, 0, 0])
+    exchange.run(ops.op_drive(_session(), ops.op_evict(_state(), 9, KeyType.ENGINE, [A])))
+    refused, read, *sent = exchange.requests
+    assert read == rq.Command(("HGET", _state().layout.engine_bucket(9), hash_field(9)))
+    programs = [c.args[12:] for c in (refused, *sent) if isinstance(c, rq.Command)]
+    assert programs == [
+        (1, "E", hash_field(9), 0, 1, 1),  # the whole evict: refused, 2 request keys fit
+        (2, "R", hash_field(11), 1, 1, "R", hash_field(12), 1, 1),
+        (2, "R", hash_field(13), 1, 1, "R", hash_field(14), 1, 1),
+        (2, "R", hash_field(15), 1, 1, "E", hash_field(9), 5, 1, 1),  # drops the mapping
+    ]
 
 
 def test_a_program_that_cannot_be_split_raises_the_budget_error() -> None:

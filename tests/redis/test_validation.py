@@ -108,11 +108,13 @@ def test_a_malformed_add_writes_nothing(
 
 def test_a_malformed_evict_writes_nothing(index: RedisIndex) -> None:
     call = _call(index, lambda s: op_evict(s, 1, ENGINE, [A]))
-    assert call.args[6] == "E"
-    _refused(index, _with_args(call, lambda a: _set(a, 6, "A")), InvalidInputError, "unknown op A")
-    short_key = _with_args(call, lambda a: _set(a, 7, a[7][:-1]))
+    assert call.args[7] == "E"
+    _refused(index, _with_args(call, lambda a: _set(a, 7, "A")), InvalidInputError, "unknown op A")
+    short_key = _with_args(call, lambda a: _set(a, 8, a[8][:-1]))
     _refused(index, short_key, InvalidInputError, "evict key")
-    _refused(index, _with_args(call, lambda a: _set(a, 9, 2)), InvalidInputError, "entry index")
+    _refused(index, _with_args(call, lambda a: _set(a, 9, -1)), InvalidInputError, "first")
+    _refused(index, _with_args(call, lambda a: _set(a, 11, 2)), InvalidInputError, "entry index")
+    _refused(index, _with_args(call, lambda a: _set(a, 6, 2)), InvalidInputError, "op")
     assert index.lookup([10, 20]) == {10: [A, B], 20: [A, B]}
 
 
@@ -128,8 +130,8 @@ def _batch(index: RedisIndex, stream: str = "other") -> ScriptCall:
 
 def test_a_batch_refused_by_its_last_op_applies_none_of_the_earlier_ones(index: RedisIndex) -> None:
     call = _batch(index)
-    assert call.args[-4] == "E"
-    last_op = len(call.args) - 4
+    assert call.args[-5] == "E"
+    last_op = len(call.args) - 5
     _refused(index, _with_args(call, lambda a: _set(a, last_op, "Z")), InvalidInputError, "op 3")
     count = 12 + call.args[11]
     assert call.args[count] == 3

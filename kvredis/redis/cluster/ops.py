@@ -882,11 +882,17 @@ def _parts_factory(
             return add_call(program, ms)
         return batch_call(program, fence, token, part, parts)
 
+    runs: list[bool] = []
+
     def factory(state: CoreState) -> Op[tuple[bool, set[int], int]]:
+        # Run again after the shard was recreated (stale), the batch starts over from its first
+        # part: the parts counted done, and any renumbering, went with the old namespace.
+        start = 0 if runs else skip
+        runs.append(True)
         ok, added = True, 0
         if plan is not None:
             programs, first, after = plan(state)
-            ok, added = yield from op_parts(programs[skip:], call, first + skip, after, not ms)
+            ok, added = yield from op_parts(programs[start:], call, first + start, after, not ms)
         if not probes:
             return ok, set(), added
         layout = state.layout
