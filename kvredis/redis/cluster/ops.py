@@ -833,6 +833,10 @@ def op_node_writes(
                         if not isinstance(exc, CallBudgetError):
                             error = error or exc
                         elif shard not in skip:
+                            # the per-shard path splits it; the shard's parts after it in
+                            # later calls of this pipeline were skipped (fenced) or applied
+                            # early (unfenced): they are sent again after it, set operations
+                            # ending as in order
                             skip[shard] = sent[shard] - 1
                             again.append(shard)
                         one = 0
