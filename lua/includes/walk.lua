@@ -13,7 +13,7 @@
 -- The most run work (ranges parsed, RUN_READ_COST more per run) one walk does: past it the walk
 -- stops before the key whose run would exceed it, once at least one key was walked, and says
 -- so (the client walks on from there in its next call). One run always fits.
-local WALK_WORK_LIMIT = 16384
+local WALK_WORK_LIMIT = 8192
 
 -- Read path: nil while no expiring entry can be live (the gate key sx is absent: one EXISTS per
 -- call), else a function (h, ids) -> the ids of request key h: ids (its request-bucket list, or

@@ -42,10 +42,10 @@ from tests.conftest import (
 pytestmark = pytest.mark.redis
 
 A, B, C = PodEntry("pod-a", "gpu"), PodEntry("pod-b", "gpu"), PodEntry("pod-c", "cpu")
-#: Each fragmented run below has 1024 ranges: a write may reach 4 of them
-#: (lua/includes/writes.lua), a walk 16 (lua/includes/walk.lua).
+#: Each fragmented run below has 1024 ranges: a write may reach 3 of them
+#: (lua/includes/writes.lua), a walk 7 (lua/includes/walk.lua).
 CHAINS = 6
-WALK_CHAINS = 20
+WALK_CHAINS = 12
 RUN = 1024
 ENGINE = 10**12
 
@@ -288,7 +288,7 @@ def test_the_parts_of_one_node_call_share_the_write_limit(two: tuple[Fleet, Flee
 
 def test_the_walks_of_one_node_call_share_the_walk_limit(two: tuple[Fleet, Fleet]) -> None:
     for fleet in two:
-        fleet.chains = chains_in(9, None)  # 9 runs each: one walk fits, two do not
+        fleet.chains = chains_in(5, None)  # 5 runs each: one walk fits, two do not
         fleet.fragment()
     args: list[Any] = [0]
     for fleet in two:
@@ -299,5 +299,5 @@ def test_the_walks_of_one_node_call_share_the_walk_limit(two: tuple[Fleet, Fleet
     first = two[0].index._session.state.layout
     call = ScriptCall("lookup_shards", (first.meta, first.pi, first.pp, first.sx), args)
     whole, cut = send(two[0].index, call)
-    assert not walk_cut(whole) and len(whole) == 4  # 9 keys holding the same ids
+    assert not walk_cut(whole) and len(whole) == 4  # 5 keys holding the same ids
     assert walk_cut(cut)  # stopped: the per-shard path walks that shard on
