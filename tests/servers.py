@@ -128,20 +128,13 @@ class RedisServer:
             return
         args = [
             self.binary,
-            "--port",
-            str(self.port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(self.dir),
-            "--daemonize",
-            "no",
-            "--loglevel",
-            "warning",
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", str(self.dir),
+            "--daemonize", "no",
+            "--loglevel", "warning",
             *self.extra_args,
         ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

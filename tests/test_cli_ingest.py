@@ -111,7 +111,7 @@ def test_unresolvable_endpoint_host_is_an_error() -> None:
 
 
 @pytest.mark.parametrize(
-    "spec", ["[1]", '{"mediums": {"GPU": ""}}', '{"tiers": {}}', "@/no/such/file.json", "{"]
+    "spec", ['[1]', '{"mediums": {"GPU": ""}}', '{"tiers": {}}', "@/no/such/file.json", "{"]
 )
 def test_bad_tier_map_is_an_error(spec: str) -> None:
     result = CliRunner().invoke(
