@@ -840,7 +840,8 @@ def op_evict(state: CoreState, key: int, key_type: KeyType, entries: Entries) ->
 
 
 def evict_call(program: Program, part: int = 1, parts: int = 1) -> ScriptCall:
-    """The ``evict`` call of a program of one evict op (``lua/evict.lua``)."""
+    """The ``evict`` call of a program of evict ops (``lua/evict.lua``): one, or the evicts by
+    request key a refused evict by engine key became."""
     layout = program.layout
     return ScriptCall(
         "evict",
