@@ -6,6 +6,7 @@ async; the embedded index is the model of the results."""
 
 from __future__ import annotations
 
+import random
 import struct
 import uuid
 from collections.abc import Iterator, Sequence
@@ -301,3 +302,50 @@ def test_the_walks_of_one_node_call_share_the_walk_limit(two: tuple[Fleet, Fleet
     whole, cut = send(two[0].index, call)
     assert not walk_cut(whole) and len(whole) == 4  # 5 keys holding the same ids
     assert walk_cut(cut)  # stopped: the per-shard path walks that shard on
+
+
+def test_random_batches_over_fragmented_runs_match_the_model(fleet: Fleet) -> None:
+    """Seeded random batches of adds (with engine keys), evicts by request and engine key,
+    fenced and not, each reaching many fragmented runs: split however the server refuses them,
+    they leave what the model holds."""
+    rng = random.Random(11)
+    keys = [k for chain in fleet.chains for k in chain[2::2]]  # held keys, in every run
+    pods = [A, B, C]
+    engine_of: dict[int, int] = {}
+    watermark = 0
+    refused = fleet.refused()
+    for round_ in range(12):
+        batch: list[Any] = []
+        for _ in range(rng.randint(4, 14)):
+            kind = rng.random()
+            picked = rng.sample(keys, rng.randint(1, 8))
+            entries = tuple(rng.sample(pods, rng.randint(1, 2)))
+            if kind < 0.45:
+                engine = 10**13 + rng.randint(1, 5)  # a few engine keys mapping many:1/1:many
+                engine_of.update(dict.fromkeys(picked, engine))
+                batch.append(AddOp((engine,), tuple(picked), entries))
+            elif kind < 0.8:
+                batch.append(EvictOp(picked[0], KeyType.REQUEST, entries))
+            else:
+                engine = rng.choice([e for e in set(engine_of.values())] or [10**13])
+                batch.append(EvictOp(engine, KeyType.ENGINE, entries))
+        if rng.random() < 0.5:
+            watermark += 1
+            got, expected = fleet.both("apply_batch", batch, "s", Watermark(1, watermark))
+            assert got is expected is True
+        else:
+            fleet.both("apply_batch", batch)
+        probe = rng.sample(keys, 40)
+        fleet.agree(probe)
+        for engine in set(engine_of.values()):
+            try:
+                expected_key: int | None = fleet.model.get_request_key(engine)
+            except KeyError:
+                expected_key = None
+            try:
+                got_key: int | None = fleet.index.get_request_key(engine)
+            except KeyError:
+                got_key = None
+            assert got_key == expected_key, (round_, engine)
+    assert fleet.refused() > refused  # the batches did reach the limit
+    assert fleet.index.get_watermark("s") == (Watermark(1, watermark) if watermark else None)
