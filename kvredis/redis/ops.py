@@ -424,7 +424,7 @@ def op_lookup(
             read=True,
         )
         at = read_lookup_reply(cache, reply, keys, start, found)
-        if walk_cut(reply):  # stopped at the walk's work limit: walk on from there
+        if walk_cut(reply) and at > start:  # stopped at the walk's work limit: walk on
             start = at
         elif at - start < len(piece) // 8:
             break
