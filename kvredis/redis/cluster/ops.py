@@ -823,26 +823,11 @@ def op_node_writes(
         if not node_ok:
             again += shards
             continue
-        sent: dict[int, int] = {}
-        for (kind, what), reply in zip(entries, node_replies, strict=True):
-            if kind == "call":
-                for shard, one in zip(what, reply, strict=True):
-                    sent[shard] = sent.get(shard, 0) + 1
-                    if isinstance(one, bytes):  # the error that stopped this shard's part
-                        exc = translate(one.decode("utf-8", "replace"))
-                        if not isinstance(exc, CallBudgetError):
-                            error = error or exc
-                        elif shard not in skip:
-                            # the per-shard path splits it; the shard's parts after it in
-                            # later calls of this pipeline were skipped (fenced) or applied
-                            # early (unfenced): they are sent again after it, set operations
-                            # ending as in order
-                            skip[shard] = sent[shard] - 1
-                            again.append(shard)
-                        one = 0
-                    taken[shard] = taken.get(shard, True) and bool(int(one))
-            elif int(reply) and core.shard(what) not in skip:  # else probed after the split
-                held.add(what)
+        refused, failed = _take_node_replies(core, entries, node_replies, taken, held)
+        error = error or failed
+        for shard, applied in refused.items():
+            skip[shard] = applied
+            again.append(shard)
         for shard in shards:
             taken.setdefault(shard, True)
     if reload:
@@ -865,6 +850,42 @@ def op_node_writes(
     if error is not None:
         raise error
     return taken, held
+
+
+def _take_node_replies(
+    core: ClusterCore,
+    entries: Sequence[tuple[str, Any]],
+    replies: Sequence[Any],
+    taken: dict[int, bool],
+    held: set[int],
+) -> tuple[dict[int, int], Exception | None]:
+    """Take in one node's ``apply_shards`` and probe replies (``entries`` say what each was):
+    whether each shard took its parts (into ``taken``), the held probes (into ``held``).
+    Returns, by shard, how many of its parts applied before one the server refused as over
+    budget (those shards go on by the per-shard path, and their probes are read there), and
+    the first other error a part met."""
+    sent: dict[int, int] = {}
+    refused: dict[int, int] = {}
+    error: Exception | None = None
+    for (kind, what), reply in zip(entries, replies, strict=True):
+        if kind == "probe":
+            if int(reply) and core.shard(what) not in refused:
+                held.add(what)
+            continue
+        for shard, one in zip(what, reply, strict=True):
+            sent[shard] = sent.get(shard, 0) + 1
+            if isinstance(one, bytes):  # the error that stopped this shard's part
+                exc = translate(one.decode("utf-8", "replace"))
+                if not isinstance(exc, CallBudgetError):
+                    error = error or exc
+                elif shard not in refused:
+                    # the per-shard path splits it; the shard's parts after it in later calls
+                    # of this pipeline were skipped (fenced) or applied early (unfenced): they
+                    # are sent again after it, set operations ending as in order
+                    refused[shard] = sent[shard] - 1
+                one = 0
+            taken[shard] = taken.get(shard, True) and bool(int(one))
+    return refused, error
 
 
 def _parts_factory(
