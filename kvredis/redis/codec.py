@@ -42,6 +42,20 @@ def hash_field(value: int) -> bytes:
     return value.to_bytes(HASH_WIDTH, "big")
 
 
+def hash_blob(values: Sequence[int]) -> bytes:
+    """Checked 64-bit hashes as one blob of 8-byte big-endian values (the form the scripts take
+    key lists in)."""
+    return struct.pack(f">{len(values)}Q", *values)
+
+
+def blob_hashes(blob: bytes | None) -> list[int]:
+    """The hashes of a blob of 8-byte big-endian values (``None``: none), in order."""
+    data = blob or b""
+    return [
+        int.from_bytes(data[i : i + HASH_WIDTH], "big") for i in range(0, len(data), HASH_WIDTH)
+    ]
+
+
 def pack_hashes(values: Sequence[int], what: str = "block hash") -> tuple[list[int], bytes]:
     """Validate 64-bit hashes and pack them as one blob of 8-byte big-endian values.
 
@@ -55,7 +69,7 @@ def pack_hashes(values: Sequence[int], what: str = "block hash") -> tuple[list[i
     else:
         keys = check_hashes(values, what)
     try:
-        return keys, struct.pack(f">{len(keys)}Q", *keys)
+        return keys, hash_blob(keys)
     except struct.error:
         check_hashes(keys, what)
         raise

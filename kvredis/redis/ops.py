@@ -29,7 +29,6 @@ from __future__ import annotations
 import logging
 import math
 import secrets
-import struct
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -60,7 +59,15 @@ from kvredis.errors import (
     translate,
 )
 from kvredis.index import ClearProgress
-from kvredis.redis.codec import bytes_text, encode_entry, hash_field, pack_hashes, text_bytes
+from kvredis.redis.codec import (
+    blob_hashes,
+    bytes_text,
+    encode_entry,
+    hash_blob,
+    hash_field,
+    pack_hashes,
+    text_bytes,
+)
 from kvredis.redis.layout import EXPIRY_FIELD, EXPIRY_KEY, LAYOUT_VERSION, Layout
 from kvredis.redis.requests import (
     Arg,
@@ -542,10 +549,6 @@ def compress_pairs(pairs: Sequence[tuple[int, int]], cap: int) -> list[tuple[int
     return kept
 
 
-def _pack(values: Sequence[int]) -> bytes:
-    return struct.pack(f">{len(values)}Q", *values)
-
-
 class Program:
     """Builds the op program of add / evict / apply_batch (see ``lua/apply_batch.lua``)."""
 
@@ -568,8 +571,8 @@ class Program:
 
     def add(self, request_keys: Keys, pairs: Sequence[tuple[int, int]], entries: Entries) -> None:
         self.ops += ("A", len(entries), *(self.entry(e) for e in entries))
-        self.ops.append(_pack(request_keys))
-        self.ops.append(_pack([k for pair in pairs for k in pair]))
+        self.ops.append(hash_blob(request_keys))
+        self.ops.append(hash_blob([k for pair in pairs for k in pair]))
         self.count += 1
         self.cost += add_cost(len(request_keys), len(pairs), len(entries))
         self.units.append(("A", request_keys, pairs, entries))
@@ -639,8 +642,7 @@ def engine_evict_units(unit: Unit, mapping: bytes | None) -> list[Unit]:
     ``first``, then the evict by engine key of what follows them (keys mapped since), which
     drops the mapping once none of its request keys holds an entry."""
     _, key, entries, first = unit
-    mapped = mapping or b""
-    request_keys = [int.from_bytes(mapped[i : i + 8], "big") for i in range(0, len(mapped), 8)]
+    request_keys = blob_hashes(mapping)
     out: list[Unit] = [("R", k, entries) for k in request_keys[first:]]
     return [*out, ("E", key, entries, max(first, len(request_keys)))]
 

@@ -329,17 +329,24 @@ def test_a_batch_in_parts_applies_at_most_once_and_survives_a_crash_between_part
         assert index.get_watermark("s") == Watermark(1, 2)
 
 
-def test_a_huge_add_under_one_engine_key_is_applied_whole(cfg: RedisIndexConfig) -> None:
+def check_huge_add_applied_whole(index: Any) -> None:
+    """20,000 request keys under one engine key (far beyond one call's budget) are all added;
+    the evict by that engine key reaches its most recent 1024 only."""
     keys = list(range(1, 20_001))
+    index.add([7], keys, [A])
+    found = index.lookup(keys)
+    assert len(found) == len(keys) and found[keys[-1]] == [A]
+    assert index.get_request_key(7) == keys[-1]
+    index.evict(7, KeyType.ENGINE, [A])
+    # the engine key maps to its most recent 1024 request keys only
+    assert index.lookup(keys[-1024:]) == {}
+    assert index.lookup(keys[:1]) == {1: [A]}
+    assert len(index.lookup(keys[:-1024])) == len(keys) - 1024
+
+
+def test_a_huge_add_under_one_engine_key_is_applied_whole(cfg: RedisIndexConfig) -> None:
     with RedisIndex(cfg) as index:
-        index.add([7], keys, [A])
-        found = index.lookup(keys)
-        assert len(found) == len(keys) and found[keys[-1]] == [A]
-        assert index.get_request_key(7) == keys[-1]
-        index.evict(7, KeyType.ENGINE, [A])
-        # the engine key maps to its most recent 1024 request keys only
-        assert index.lookup(keys[-1024:]) == {}
-        assert index.lookup(keys[:1]) == {1: [A]}
+        check_huge_add_applied_whole(index)
 
 
 # 11. Cleared pods leave the entry dictionary; ids are never reused.

@@ -38,7 +38,6 @@ import itertools
 import logging
 import math
 import secrets
-import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -86,7 +85,7 @@ from kvredis.redis.cluster.shards import (
     shard_slot,
     shards_of,
 )
-from kvredis.redis.codec import hash_field, pack_hashes
+from kvredis.redis.codec import blob_hashes, hash_blob, hash_field, pack_hashes
 from kvredis.redis.layout import check_bucket_bits, check_namespace
 from kvredis.redis.ops import (
     CALL_BUDGET,
@@ -581,7 +580,7 @@ def op_shard_lookups(
             call_keys = call_keys or list(names)
             call_args += (*names, layout.gen, layout.rprefix, layout.bucket_bits, cache.floor)
             part = groups[shard]  # checked by the caller
-            call_args.append(struct.pack(f">{len(part)}Q", *part))
+            call_args.append(hash_blob(part))
             caches.append((shard, cache))
         call = core.registry.evalsha(ScriptCall("lookup_shards", call_keys, call_args))
         commands.append(SlotCommand(core.slots[shards[0]], call.args))
@@ -969,7 +968,7 @@ def op_engine_evicts(
         groups: list[list[EvictOp]] = [[]]
         taken: set[int] = set()
         for op in run:
-            targets = set(_split(mappings.get(op.key)))
+            targets = set(blob_hashes(mappings.get(op.key)))
             if targets & taken:
                 groups.append([])
                 taken = set()
@@ -977,12 +976,6 @@ def op_engine_evicts(
             taken |= targets
         for group in groups:
             yield from _evict_group(core, group, mappings, shards)
-
-
-def _split(mapping: bytes | None) -> list[int]:
-    if not mapping:
-        return []
-    return [int.from_bytes(mapping[i : i + 8], "big") for i in range(0, len(mapping), 8)]
 
 
 def _read_mappings(core: ClusterCore, engine_keys: Sequence[int]) -> WaveOp[dict[int, bytes]]:
@@ -1013,7 +1006,7 @@ def _evict_group(
     units: dict[int, list[Unit]] = {}
     probes: dict[int, list[int]] = {}
     for op in group:
-        for key in _split(mappings.get(op.key)):
+        for key in blob_hashes(mappings.get(op.key)):
             shard = core.shard(key)
             if shards is not None and shard not in shards:
                 continue
@@ -1035,7 +1028,7 @@ def _evict_group(
         mapping = mappings.get(op.key)
         if not mapping:
             continue
-        keys = _split(mapping)
+        keys = blob_hashes(mapping)
         if any(k in held or (shards is not None and core.shard(k) not in shards) for k in keys):
             continue
         shard = core.shard(op.key)
@@ -1223,9 +1216,11 @@ def op_clear_mappings(core: ClusterCore) -> WaveOp[int]:
             cursor, mappings = page[shard]
             if not mappings:
                 continue
-            wanted = {k for mapping in mappings.values() for k in _split(mapping)}
+            wanted = {k for mapping in mappings.values() for k in blob_hashes(mapping)}
             held = yield from _probe(core, wanted)
-            drops = [(e, m) for e, m in mappings.items() if not any(k in held for k in _split(m))]
+            drops = [
+                (e, m) for e, m in mappings.items() if not any(k in held for k in blob_hashes(m))
+            ]
             if drops:
                 dropped += yield from _unmap(core, {shard: drops})
     return dropped

@@ -41,7 +41,7 @@ from kvredis.redis.cluster.routing import Wave
 from kvredis.redis.layout import Layout
 from kvredis.redis.requests import ConnectionLost, ErrorReply
 from tests.conftest import TEST_PREFIX
-from tests.redis.test_hardening import _namespace_keys
+from tests.redis.test_hardening import _namespace_keys, check_huge_add_applied_whole
 from tests.servers import LocalCluster
 
 A = PodEntry("pod-a", "gpu")
@@ -368,16 +368,7 @@ def test_a_batch_in_parts_applies_at_most_once_per_shard_and_survives_a_crash_be
 
 
 def test_a_huge_add_under_one_engine_key_is_applied_whole(index: RedisClusterIndex) -> None:
-    keys = list(range(1, 20_001))
-    index.add([7], keys, [A])
-    found = index.lookup(keys)
-    assert len(found) == len(keys) and found[keys[-1]] == [A]
-    assert index.get_request_key(7) == keys[-1]
-    index.evict(7, KeyType.ENGINE, [A])
-    # the engine key maps to its most recent 1024 request keys only
-    assert index.lookup(keys[-1024:]) == {}
-    assert index.lookup(keys[:1]) == {1: [A]}
-    assert len(index.lookup(keys[:-1024])) == len(keys) - 1024
+    check_huge_add_applied_whole(index)
 
 
 def _definitions(index: RedisClusterIndex, shard: int) -> tuple[int, int, int]:
