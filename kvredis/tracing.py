@@ -167,7 +167,7 @@ class _TracingObserver:
         self.backend = backend
         self.tracer: Any = None
         if trace is not None:
-            from kvredis import __version__
+            from kvredis._version import __version__
 
             self.tracer = trace.get_tracer(TRACER_NAME, __version__, tracer_provider)
 

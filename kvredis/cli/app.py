@@ -12,7 +12,8 @@ from collections.abc import Callable
 
 import click
 
-from kvredis import __version__
+from kvredis._version import __version__
+from kvredis.cli.cluster import COMMANDS as CLUSTER_COMMANDS
 from kvredis.cli.operate import COMMANDS
 from kvredis.cli.options import (
     Prompt,
@@ -187,7 +188,7 @@ def keys(prompt: Prompt, parent: int) -> None:
 
 ingest.params.extend(logging_params())
 cli.add_command(ingest)
-for _command in COMMANDS:
+for _command in (*COMMANDS, *CLUSTER_COMMANDS):
     cli.add_command(_command)
 
 
