@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 import pytest
 
 from kvredis.types import KeyType, PodEntry
+from tests import network_guard
 from tests.servers import (
     LocalCluster,
     LocalReplication,
@@ -58,6 +59,23 @@ CLUSTER_BACKENDS = [
     for kind in local_server_kinds()
 ]
 BACKENDS = ["memory", "cost_aware", *REDIS_BACKENDS, *CLUSTER_BACKENDS]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Install the network guard: no test connects beyond loopback (tests/network_guard.py)."""
+    network_guard.install()
+
+
+@pytest.fixture(autouse=True)
+def _no_traffic_beyond_loopback() -> Iterator[None]:
+    """Fail a test that tried to connect beyond loopback, even if its code caught the error."""
+    earlier = network_guard.take_violations()
+    if earlier:  # a background thread of an earlier test, after that test ended
+        pytest.fail("; ".join(sorted(set(earlier))) + " (after an earlier test)", pytrace=False)
+    yield
+    violations = network_guard.take_violations()
+    if violations:
+        pytest.fail("; ".join(sorted(set(violations))), pytrace=False)
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:
