@@ -36,6 +36,9 @@ from tests.servers import (
     server_kinds,
 )
 
+#: pytester runs users' suites (kvredis.testing, test files in the docs) in projects of their own
+pytest_plugins = ["pytester"]
+
 T = TypeVar("T")
 
 #: Fixtures that start or reach a Redis server; a test using one (directly or through another
