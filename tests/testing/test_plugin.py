@@ -9,7 +9,6 @@ import pytest
 
 from kvredis.testing.servers import server_binary
 
-
 ROUTER = '''
 """A tiny router: send a prompt to the pod holding the longest prefix of its blocks."""
 from kvredis import ChunkedTokenDatabase
