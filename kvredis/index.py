@@ -225,6 +225,17 @@ class AsyncNamespaceIndex(Protocol):
 
 
 @runtime_checkable
+class LabelledIndex(Protocol):
+    """An index that names its backend for metrics and traces (``in_memory``,
+    ``cost_aware_memory``, ``redis``, ``valkey``: the labels the upstream metrics use)."""
+
+    @property
+    def backend_label(self) -> str:
+        """The ``backend`` label of this index."""
+        ...
+
+
+@runtime_checkable
 class Closeable(Protocol):
     """Something holding resources (connections) that ``close()`` releases."""
 

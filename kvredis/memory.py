@@ -742,6 +742,9 @@ class _MemoryIndex:
 class InMemoryIndex(_MemoryIndex):
     """An embedded index bounded by key counts (see the module docstring)."""
 
+    #: the ``backend`` label of metrics and traces
+    backend_label = "in_memory"
+
     def __init__(self, config: InMemoryIndexConfig | None = None) -> None:
         cfg = InMemoryIndexConfig() if config is None else config
         if not isinstance(cfg, InMemoryIndexConfig):
@@ -765,6 +768,9 @@ class CostAwareMemoryIndex(_MemoryIndex):
     under a key, :data:`MAPPING_COST` per engine key and :data:`MAPPING_REF_COST` per request key
     an engine key remembers. The number of entries per request key is not capped separately.
     """
+
+    #: the ``backend`` label of metrics and traces
+    backend_label = "cost_aware_memory"
 
     def __init__(self, config: CostAwareMemoryIndexConfig | None = None) -> None:
         cfg = CostAwareMemoryIndexConfig() if config is None else config

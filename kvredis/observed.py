@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import enum
 import functools
-import sys
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ from kvredis.index import (
     BatchIndex,
     Closeable,
     Index,
+    LabelledIndex,
     NamespaceIndex,
     ProgressClearIndex,
     ScoringIndex,
@@ -113,29 +113,14 @@ class Observer(Protocol):
 def backend_label(index: object) -> str:
     """The ``backend`` label of an index, as the upstream metrics name it.
 
-    ``in_memory``, ``cost_aware_memory``, ``redis``, ``valkey`` (the Redis backend's
-    ``backend_type``), the label of the index inside a wrapper, else ``unknown``.
+    ``in_memory``, ``cost_aware_memory``, ``redis``, ``valkey``: what the index says it is
+    (:class:`~kvredis.index.LabelledIndex`), the label of the index inside a wrapper, else
+    ``unknown``.
     """
-    from kvredis.memory import CostAwareMemoryIndex, InMemoryIndex
-
     if isinstance(index, (ObservedIndex, AsyncObservedIndex)):
         return index.backend
-    if isinstance(index, CostAwareMemoryIndex):
-        return "cost_aware_memory"
-    if isinstance(index, InMemoryIndex):
-        return "in_memory"
-    # Only look for the Redis classes when redis-py is already loaded: an index of a module
-    # nobody imported cannot be one of them, and this keeps the wrappers free of redis-py.
-    redis_index = sys.modules.get("kvredis.redis.index")
-    if redis_index is not None and isinstance(
-        index, (redis_index.RedisIndex, redis_index.AsyncRedisIndex)
-    ):
-        return str(index.config.backend_type)
-    cluster_index = sys.modules.get("kvredis.redis.cluster.index")
-    if cluster_index is not None and isinstance(
-        index, (cluster_index.RedisClusterIndex, cluster_index.AsyncRedisClusterIndex)
-    ):
-        return str(index.config.backend_type)  # "redis" or "valkey", as on one server
+    if isinstance(index, LabelledIndex):
+        return str(index.backend_label)
     return "unknown"
 
 

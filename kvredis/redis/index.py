@@ -101,6 +101,11 @@ class _Facade:
         return self.config.namespace
 
     @property
+    def backend_label(self) -> str:
+        """``redis`` or ``valkey`` (the config's ``backend_type``), for metrics and traces."""
+        return str(self.config.backend_type)
+
+    @property
     def registry(self) -> ScriptRegistry:
         """The Lua script registry of this client."""
         return self._session.registry

@@ -78,6 +78,11 @@ class _ClusterFacade:
         """The namespace all keys of this index live under."""
         return self.config.namespace
 
+    @property
+    def backend_label(self) -> str:
+        """``redis`` or ``valkey`` (the config's ``backend_type``), as on one server."""
+        return str(self.config.backend_type)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.config.server()}, namespace={self.namespace!r})"
 
