@@ -277,3 +277,29 @@ def test_observability_modules_load_neither_redis_nor_zmq() -> None:
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.split() == []
+
+
+def test_every_metric_the_operations_guide_names_is_exported() -> None:
+    """docs/operations.md (metric table and alerts) names only metrics kvredis exports."""
+    import re
+    from pathlib import Path
+
+    from kvredis.hashing import ChunkedTokenDatabase
+    from kvredis.ingest import EventIngester
+    from kvredis.ingest.metrics import IngestMetrics
+
+    reg = CollectorRegistry()
+    index = InstrumentedIndex(InMemoryIndex(), registry=reg)
+    IngestMetrics(EventIngester(index, ChunkedTokenDatabase()), reg)
+    index.lookup([1])
+    exported: set[str] = set()
+    for family in reg.collect():
+        exported |= {sample.name for sample in family.samples} | {family.name}
+    text = (Path(__file__).resolve().parent.parent / "docs" / "operations.md").read_text()
+    named = set(re.findall(r"\b(kv(?:redis|cache)_[a-z_]+?)(?:_bucket)?\b(?![<a-z_])", text))
+    named = {n for n in named if not n.endswith("_")}  # kvredis_ingest_<counter>_total patterns
+    assert named, "the guide names metrics"
+    missing = sorted(
+        n for n in named if not {n, f"{n}_total", n.removesuffix("_total")} & exported
+    )
+    assert missing == []
