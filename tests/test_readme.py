@@ -100,3 +100,13 @@ def _run_as_test_file(source: str, request: pytest.FixtureRequest, url: str) -> 
     pytester.makepyfile(test_block=source)
     tests = len(_TEST_FUNCTION.findall(source))
     pytester.runpytest_subprocess("-p", "no:cacheprovider").assert_outcomes(passed=tests)
+
+
+def test_the_benchmarks_page_lists_every_script() -> None:
+    text = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    scripts = sorted(
+        p.name
+        for p in (ROOT / "scripts").iterdir()
+        if p.suffix == ".py" and not p.name.startswith("_")
+    )
+    assert [name for name in scripts if f"`{name}`" not in text] == []
