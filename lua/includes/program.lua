@@ -219,7 +219,8 @@ local function run_program(k, program, cap, ms)
             removed = removed + xs.remove(string.sub(refs, i, i + HASH_WIDTH - 1), set)
           end
         end
-        removed = removed + evict_engine(st, k.rbucket, ebucket, op.field, set, op.first)
+        removed = removed + evict_engine(st, k.rbucket, ebucket, op.field, set, op.first,
+          xs.live and xs.holds or nil)
       end
     end
   end
