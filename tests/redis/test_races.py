@@ -26,8 +26,8 @@ from kvredis import (
     RedisIndexConfig,
 )
 from kvredis.redis.cluster.index import RedisClusterIndex
-from kvredis.redis.inspect import Inspector, Problem, op_check
 from tests.conftest import TEST_PREFIX
+from tests.redis.namespace_state import check_findings, cluster_check_findings
 from tests.servers import local_server_kinds, server_kinds
 
 pytestmark = pytest.mark.redis
@@ -63,30 +63,11 @@ class Topology:
         return made
 
     def findings(self) -> list[str]:
-        """What ``kvredis check`` reports (every shard of a cluster namespace)."""
+        """What ``kvredis check`` reports (on every shard of a cluster namespace)."""
         first = self.clients[0] if self.clients else self.client()
         if self.kind == "cluster":
-            places = []
-            for shard in range(first.core.count):
-                node = first.executor.slot_map.primary(first.core.slots[shard])
-                namespace = first.core.state(shard).namespace
-                places.append((f"redis://127.0.0.1:{node.port}", namespace))
-        else:
-            places = [(self.config.address, self.config.namespace)]
-        found: list[str] = []
-        for address, namespace in places:
-            with Inspector(RedisIndexConfig(address=address, namespace=namespace)) as inspector:
-                layout = inspector.layout()
-                if layout is not None:
-                    report = inspector.run(op_check(layout))
-                    found += [
-                        f"{f.problem.value} {f.detail}"
-                        for f in report.findings
-                        # a shard's mappings name request keys of other shards (the tests
-                        # compare the mappings with the model's instead)
-                        if not (self.kind == "cluster" and f.problem is Problem.DANGLING_MAPPING)
-                    ]
-        return found
+            return cluster_check_findings(first)
+        return check_findings(self.config.address, self.config.namespace)
 
     def close(self) -> None:
         if self.clients:

@@ -26,7 +26,7 @@ from kvredis.redis.codec import encode_entry
 from kvredis.redis.inspect import Inspector, Problem, op_check, op_dump, op_restore, op_stats
 from kvredis.redis.layout import Layout
 from kvredis.scoring import LongestPrefixScorer
-from tests.redis.namespace_state import read_namespace
+from tests.redis.namespace_state import check_findings, read_namespace
 
 pytestmark = pytest.mark.redis
 
@@ -222,6 +222,7 @@ def test_random_key_sets_agree_with_the_model(pair: Pair, seed: int) -> None:
             pair.clear(rng.choice(pods).pod_identifier)
         for probe in (chain, chain[rng.randrange(len(chain)) :], rng.sample(universe, 10)):
             pair.agree(probe)
+        assert check_findings(pair.url, pair.namespace) == []
     pair.consistent()
 
 
