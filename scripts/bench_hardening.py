@@ -297,7 +297,7 @@ def clear_race(url: str, seconds: float) -> dict[str, int]:
     p, q = PodEntry("pod-p", "gpu"), PodEntry("pod-q", "gpu")
     keys = list(range(1, 51))
     stop = threading.Event()
-    counts = {"clears": 0, "adds": 0, "empty reads": 0}
+    counts = {"clears": 0, "adds": 0, "reads": 0, "empty reads": 0}
     with RedisIndex(cfg) as index, RedisIndex(cfg) as other, RedisIndex(cfg) as reader:
         index.add(None, [10**6], [q])
 
@@ -315,9 +315,12 @@ def clear_race(url: str, seconds: float) -> dict[str, int]:
                 i += 1
 
         def reads() -> None:
+            i = 0
             while not stop.is_set():
-                found = reader.lookup([keys[counts["adds"] % len(keys)], 10**6])
+                found = reader.lookup([keys[i % len(keys)], 10**6])
+                counts["reads"] += 1
                 counts["empty reads"] += sum(1 for v in found.values() if not v)
+                i += 1
 
         threads = [threading.Thread(target=f) for f in (clears, adds, reads)]
         for t in threads:
