@@ -135,8 +135,9 @@ def _read_run(client: redis.Redis, key: bytes, problems: list[str]) -> list[tupl
 def check_findings(address: str, namespace: str, cross_shard: bool = False) -> list[str]:
     """What ``kvredis check`` (:func:`kvredis.redis.inspect.op_check`) reports on a namespace,
     as ``"<problem> <detail>"`` lines. ``cross_shard``: the namespace is a shard of a cluster
-    namespace, whose mappings name request keys of other shards (``dangling_mapping`` is then
-    not a finding of the shard)."""
+    namespace, whose mappings name request keys of other shards, or a namespace whose mappings
+    the caller compares with the model itself (an evict by request key leaves the engine
+    mapping, as InMemoryIndex does): ``dangling_mapping`` is then not a finding."""
     from kvredis import RedisIndexConfig
     from kvredis.redis.inspect import Inspector, Problem, op_check
 
