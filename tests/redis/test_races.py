@@ -26,6 +26,8 @@ from kvredis import (
     RedisIndexConfig,
 )
 from kvredis.redis.cluster.index import RedisClusterIndex
+from kvredis.redis.ops import op_clear, op_send
+from kvredis.redis.requests import ScriptCall
 from tests.conftest import TEST_PREFIX
 from tests.redis.namespace_state import check_findings, cluster_check_findings
 from tests.servers import local_server_kinds, server_kinds
@@ -144,6 +146,34 @@ def test_an_add_of_the_pod_after_every_page_of_its_clear_survives_it_and_reads_e
     assert index.lookup([2]) == {2: [Q]}
     assert _request_key(index, 101) is None is _request_key(model, 101)
     assert topology.findings() == []
+
+
+@pytest.mark.parametrize("server", server_kinds())
+def test_an_entry_held_under_its_retired_and_its_new_id_reads_once(
+    server: str, request: pytest.FixtureRequest
+) -> None:
+    """Between a clear's first step (its ids retired) and its pass over a key, an add of the
+    same entry there holds it under two ids for a moment: a read returns it once."""
+    topology = Topology("server", server, request)
+    try:
+        index, other = topology.client(), topology.client()
+        index.add(None, [1, 2], [P, Q])
+        op = op_clear(index._session.state, "pod-p")
+        retire = next(op)
+        assert isinstance(retire, ScriptCall) and retire.script == "retire"
+        reply = index._exec.run(op_send(index._session, retire))
+        other.add(None, [1], [P])  # a new id: the old one is retired
+        assert index.lookup([1, 2]) == {1: [Q, P], 2: [P, Q]}
+        try:
+            request = op.send(reply)
+            while True:
+                request = op.send(index._exec.run(op_send(index._session, request)))
+        except StopIteration:
+            pass
+        assert index.lookup([1, 2]) == {1: [Q, P], 2: [Q]}
+        assert topology.findings() == []
+    finally:
+        topology.close()
 
 
 def test_an_interrupted_clear_is_finished_by_clearing_again(topology: Topology) -> None:
