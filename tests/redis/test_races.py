@@ -26,7 +26,7 @@ from kvredis import (
     RedisIndexConfig,
 )
 from kvredis.redis.cluster.index import RedisClusterIndex
-from kvredis.redis.ops import op_clear, op_send
+from kvredis.redis.ops import evict_call, op_clear, op_send, program_of
 from kvredis.redis.requests import ScriptCall
 from tests.conftest import TEST_PREFIX
 from tests.redis.namespace_state import check_findings, cluster_check_findings
@@ -296,6 +296,31 @@ def test_a_mapping_stays_while_an_expiring_entry_holds_its_request_key(
     assert index.lookup([1]) == model.lookup([1]) == {}
     assert _request_key(index, 111) is None is _request_key(model, 111)
     assert topology.findings() == []
+
+
+@pytest.mark.parametrize("server", server_kinds())
+def test_an_evict_by_engine_key_split_by_request_key_keeps_a_mapping_held_by_expiring_entries(
+    server: str, request: pytest.FixtureRequest
+) -> None:
+    """The form an evict by engine key over budget takes (its first request keys evicted by
+    request key, then the rest with ``first``): the first keys count as holders through their
+    live expiring entries too."""
+    topology = Topology("server", server, request)
+    try:
+        index = topology.client()
+        model = InMemoryIndex()
+        for idx in (index, model):
+            idx.add([111], [1, 2], [A])
+            idx.add(None, [1], [B_SPEC], ttl=TTL)
+        program = program_of(index._session.state.layout, [("R", 1, [A]), ("E", 111, [A], 1)])
+        index._exec.run(op_send(index._session, evict_call(program)))
+        model.evict(111, KeyType.ENGINE, [A])
+        assert index.lookup([1]) == model.lookup([1]) == {1: [B_SPEC]}
+        assert index.lookup([2]) == model.lookup([2]) == {}
+        assert _request_key(index, 111) == _request_key(model, 111) == 2
+        assert topology.findings() == []
+    finally:
+        topology.close()
 
 
 # -- differential: random steps against the model, checked after every step ---------------------
