@@ -303,7 +303,7 @@ def op_parallel(
 
 #: Commands the cluster operations send that write nothing (no WAIT after them).
 _READS = frozenset(
-    {b"HGET", b"HMGET", b"HEXISTS", b"HGETALL", b"SCAN", b"INFO", b"PING", b"SCRIPT"}
+    {b"HGET", b"HMGET", b"HEXISTS", b"HGETALL", b"SCAN", b"INFO", b"PING", b"SCRIPT", b"TIME"}
 )
 
 
