@@ -1,7 +1,8 @@
 #!lua flags=allow-oom,allow-cross-slot-keys
 --[[ evict: remove exact pod entries from one request key, or from every request key an engine
   key maps to; empty request keys are deleted, and the engine mapping is dropped once none of
-  its request keys holds any entry, all in this one atomic step.
+  its request keys holds any entry (live expiring entries included), all in this one atomic
+  step.
   KEYS[1]     <ns>:meta    KEYS[2] <ns>:pe
   KEYS[3]     <ns>:sx, the gate key of the expiring buckets (includes/expiry): evicted entries
               leave them too

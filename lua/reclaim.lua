@@ -1,15 +1,15 @@
 #!lua flags=allow-oom,allow-cross-slot-keys
---[[ reclaim: delete the definitions of a cleared pod's entries from the entry dictionary (the
-  last step of clear, once no bucket holds them). Entry ids are never reused (<ns>:meta next_id
-  only grows), so an id a client has cached keeps meaning the entry it was defined as; adding
-  the entry again interns it under a new id. An id that a racing add stored again after the
-  clear passed its bucket is left without definition: lookups skip it (see lookup.lua).
-  KEYS[1]     <ns>:meta    KEYS[2] <ns>:pe    KEYS[3] <ns>:pi    KEYS[4] <ns>:pp
+--[[ reclaim: delete the definitions of a cleared pod's retired entries from the entry dictionary
+  (the last step of clear, once no bucket, run or expiring bucket holds them: retire.lua took
+  them out of <ns>:pe and <ns>:pp before the clear's passes, so no write stored them since).
+  Entry ids are never reused (<ns>:meta next_id only grows), so an id a client has cached keeps
+  meaning the entry it was defined as; adding the entry again interns it under a new id.
+  KEYS[1]     <ns>:meta    KEYS[2] <ns>:pe    KEYS[3] <ns>:pi    KEYS[4] <ns>:pr
   ARGV[1]     namespace generation    ARGV[2] the pod id
-  ARGV[3]     the pod's entry ids to reclaim (id list, as read from <ns>:pp when the clear began)
+  ARGV[3]     the pod's entry ids to reclaim (id list, as retire.lua returned them)
   Errors      KVREDIS_INVALID for a malformed id list, before the first write
-  Returns     number of definitions deleted
-  Complexity  O(ids + the pod's id list) ]]
+  Returns     number of definitions deleted; the ids leave the pod's retired list in <ns>:pr
+  Complexity  O(ids + the pod's retired list) ]]
 --@include entries
 check_gen(KEYS[1], ARGV[1])
 local ids = blob_arg(ARGV[3], ID_WIDTH, 'entry ids')
@@ -21,7 +21,7 @@ local owners = hmget(KEYS[2], (function()
   for i = 1, #list do out[i] = encs[i] or '' end
   return out
 end)())
-local current = redis.call('HGET', KEYS[4], ARGV[2])
+local retired = redis.call('HGET', KEYS[4], ARGV[2])
 local deleted = 0
 for i = 1, #list do
   if encs[i] then
@@ -30,11 +30,11 @@ for i = 1, #list do
     deleted = deleted + 1
   end
 end
-if current then
-  local left = list_without(current, list_set(ids, ID_WIDTH), ID_WIDTH)
+if retired then
+  local left = list_without(retired, list_set(ids, ID_WIDTH), ID_WIDTH)
   if left == '' then
     redis.call('HDEL', KEYS[4], ARGV[2])
-  elseif left ~= current then
+  elseif left ~= retired then
     redis.call('HSET', KEYS[4], ARGV[2], left)
   end
 end

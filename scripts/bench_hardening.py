@@ -283,6 +283,96 @@ def leftover_definitions(url: str, pods: int) -> int:
     return left
 
 
+def clear_race(url: str, seconds: float) -> dict[str, int]:
+    """12: a clear of pod P racing adds of P (issue #21, 1): one client clears P over and over
+    while another adds P (with an engine key) at keys 1..50 in turn, for ``seconds``; then one
+    more clear. Counted afterwards: keys whose lookup is a hit without entries (unreadable) or
+    any hit at all (P is cleared, nothing else was there), mappings left, lookups during the run
+    that returned a hit without entries."""
+    import threading
+
+    from kvredis import EngineKeyNotFoundError, PodEntry, RedisIndex
+
+    cfg = _cfg(url)
+    p, q = PodEntry("pod-p", "gpu"), PodEntry("pod-q", "gpu")
+    keys = list(range(1, 51))
+    stop = threading.Event()
+    counts = {"clears": 0, "adds": 0, "reads": 0, "empty reads": 0}
+    with RedisIndex(cfg) as index, RedisIndex(cfg) as other, RedisIndex(cfg) as reader:
+        index.add(None, [10**6], [q])
+
+        def clears() -> None:
+            while not stop.is_set():
+                index.clear("pod-p")
+                counts["clears"] += 1
+
+        def adds() -> None:
+            i = 0
+            while not stop.is_set():
+                key = keys[i % len(keys)]
+                other.add([key + 10**9], [key], [p])
+                counts["adds"] += 1
+                i += 1
+
+        def reads() -> None:
+            i = 0
+            while not stop.is_set():
+                found = reader.lookup([keys[i % len(keys)], 10**6])
+                counts["reads"] += 1
+                counts["empty reads"] += sum(1 for v in found.values() if not v)
+                i += 1
+
+        threads = [threading.Thread(target=f) for f in (clears, adds, reads)]
+        for t in threads:
+            t.start()
+        time.sleep(seconds)
+        stop.set()
+        for t in threads:
+            t.join()
+        index.clear("pod-p")
+        found = {k: v for key in keys for k, v in index.lookup([key]).items()}
+        mapped = 0
+        for key in keys:
+            try:
+                index.get_request_key(key + 10**9)
+                mapped += 1
+            except EngineKeyNotFoundError:
+                pass
+        index.drop_namespace()
+    return {
+        **counts,
+        "unreadable keys": sum(1 for v in found.values() if not v),
+        "keys hit after the last clear": len(found),
+        "mappings left": mapped,
+    }
+
+
+def expiring_holders(url: str, keys: int) -> dict[str, int]:
+    """13: engine mappings dropped while a live expiring entry holds their request key (issue
+    #21, 2), of ``keys`` by ``clear("a")`` and as many by evict by engine key; InMemoryIndex
+    keeps them all. Each key: ``add([e], [k], [a@gpu or c@gpu])``, then ``add(None, [k],
+    [b speculative], ttl=600)``."""
+    from kvredis import EngineKeyNotFoundError, KeyType, PodEntry, RedisIndex
+
+    a, c = PodEntry("a", "gpu"), PodEntry("c", "gpu")
+    b = PodEntry("b", "gpu", speculative=True)
+    out = {"dropped by clear": 0, "dropped by evict": 0}
+    with RedisIndex(_cfg(url)) as index:
+        for k in range(1, 2 * keys + 1):
+            index.add([k + 10**9], [k], [a if k <= keys else c])
+            index.add(None, [k], [b], ttl=600)
+        index.clear("a")
+        for k in range(keys + 1, 2 * keys + 1):
+            index.evict(k + 10**9, KeyType.ENGINE, [c])
+        for k in range(1, 2 * keys + 1):
+            try:
+                index.get_request_key(k + 10**9)
+            except EngineKeyNotFoundError:
+                out["dropped by clear" if k <= keys else "dropped by evict"] += 1
+        index.drop_namespace()
+    return out
+
+
 def hot_paths(url: str, calls: int) -> dict[str, Any]:
     """Redis CPU (µs per call, from INFO commandstats) and commands per call of the hot paths."""
     import random
@@ -355,6 +445,10 @@ def measure(kind: str, quick: bool, only: set[str] | None = None) -> dict[str, A
         ),
         "11 definitions left after N pods cleared": lambda: leftover_definitions(
             url, 200 if quick else 2000
+        ),
+        "12 clear racing adds of its pod": lambda: clear_race(url, 3.0 if quick else 10.0),
+        "13 mappings dropped while an expiring entry holds the key": lambda: expiring_holders(
+            url, 50 if quick else 200
         ),
         "hot paths": lambda: hot_paths(url, 200 if quick else 1000),
     }

@@ -19,7 +19,8 @@ problem                    what it means                                    repa
 ``missing_pi``             ``pe`` names an id ``pi`` does not define        define it from ``pe``
 ``undecodable_entry``      a ``pi`` definition that does not decode         drop the id
 ``pod_record_missing``     an id missing from its pod's ``pp`` list         append it
-``pod_record_stray``       a ``pp`` id undefined or of another pod          remove it
+``pod_record_stray``       a ``pp`` (or ``pr``: retired) id undefined or    remove it
+                           of another pod
 ``duplicate_definition``   two ids define the same entry                    (reported only)
 ``empty_field``            a bucket field with nothing in it                delete the field
 ``malformed_field``        a field or value of the wrong shape              delete the field
@@ -154,7 +155,7 @@ def op_scan(pattern: bytes, count: int = KEYS_PER_PIPELINE) -> Op[list[bytes]]:
 
 
 def _fixed_keys(layout: Layout) -> list[bytes]:
-    return [layout.meta, layout.pe, layout.pi, layout.pp, layout.wm, layout.wp]
+    return [layout.meta, layout.pe, layout.pi, layout.pp, layout.pr, layout.wm, layout.wp]
 
 
 def op_namespace_keys(layout: Layout) -> Op[list[bytes]]:
@@ -233,11 +234,13 @@ def _hashes(value: bytes) -> list[bytes]:
 
 @dataclass
 class Dictionary:
-    """The entry dictionary as stored (``pe``, ``pi``, ``pp``) and what of it decodes."""
+    """The entry dictionary as stored (``pe``, ``pi``, ``pp``, ``pr``) and what of it decodes."""
 
     pe: dict[bytes, bytes]
     pi: dict[bytes, bytes]
     pp: dict[bytes, bytes]
+    pr: dict[bytes, bytes] = field(default_factory=dict)
+    """pod -> its retired ids (a clear under way: ``lua/retire.lua``)."""
     entries: dict[bytes, PodEntry] = field(default_factory=dict)
     """id -> entry, for every ``pi`` definition that decodes."""
     undecodable: dict[bytes, str] = field(default_factory=dict)
@@ -252,10 +255,14 @@ class Dictionary:
             except NamespaceLayoutError as exc:
                 self.undecodable[entry_id] = str(exc)
 
+    def retired(self) -> set[bytes]:
+        """The ids a clear under way retired: defined, but out of ``pe`` and ``pp``."""
+        return {i for ids in self.pr.values() for i in _ids(ids) if len(ids) % ID_WIDTH == 0}
+
 
 def op_dictionary(layout: Layout, unreadable: Collection[bytes] = ()) -> Op[Dictionary]:
-    """Read the entry dictionary (``pe``, ``pi``, ``pp``) with HSCAN; a key in ``unreadable``
-    (one that is not a hash) reads as empty."""
+    """Read the entry dictionary (``pe``, ``pi``, ``pp``, ``pr``) with HSCAN; a key in
+    ``unreadable`` (one that is not a hash) reads as empty."""
 
     def read(key: bytes) -> Op[dict[bytes, bytes]]:
         if key in unreadable:
@@ -267,7 +274,8 @@ def op_dictionary(layout: Layout, unreadable: Collection[bytes] = ()) -> Op[Dict
     for name in PI_RECORD_FIELDS:
         pi.pop(name, None)
     pp = yield from read(layout.pp)
-    return Dictionary(pe, pi, pp)
+    pr = yield from read(layout.pr)
+    return Dictionary(pe, pi, pp, pr)
 
 
 # -- statistics ---------------------------------------------------------------------------------
@@ -521,8 +529,11 @@ def _check_dictionary(c: _Checker, d: Dictionary) -> set[bytes]:
             fixes.append(Command(("HDEL", lay.pe, enc)))
         c.found(Problem.UNDECODABLE_ENTRY, lay.pi, entry_id, why, *fixes)
     seen: dict[bytes, bytes] = {}
+    retired = d.retired()
     for entry_id, enc in sorted(d.pi.items()):
         if entry_id in d.undecodable:
+            continue
+        if entry_id in retired:  # out of pe, and maybe defined again under a new id
             continue
         if enc in seen:
             c.found(
@@ -566,14 +577,35 @@ def _check_dictionary(c: _Checker, d: Dictionary) -> set[bytes]:
                     "pe maps an undecodable entry to an undefined id",
                     Command(("HDEL", lay.pe, enc)),
                 )
-    _check_pod_records(c, d, defined)
+    _check_pod_records(c, d, defined, retired)
     return defined if c.repair else set(d.entries)
 
 
-def _check_pod_records(c: _Checker, d: Dictionary, defined: set[bytes]) -> None:
+def _check_pod_records(
+    c: _Checker, d: Dictionary, defined: set[bytes], retired: set[bytes]
+) -> None:
     lay = c.layout
+    for pod, stored in sorted(d.pr.items()):
+        ids = _ids(stored) if len(stored) % ID_WIDTH == 0 else []
+        stray = [
+            i
+            for i in ids
+            if i not in defined
+            or d.entries[i].pod_identifier.encode("utf-8", "surrogatepass") != pod
+        ]
+        if stray or len(stored) % ID_WIDTH:
+            kept = [i for i in dict.fromkeys(ids) if i not in stray]
+            c.found(
+                Problem.POD_RECORD_STRAY,
+                lay.pr,
+                pod,
+                f"pod {_show(pod)!r} has {len(stray)} retired ids it does not own",
+                Command(("HSET", lay.pr, pod, b"".join(kept)))
+                if kept
+                else Command(("HDEL", lay.pr, pod)),
+            )
     expected: dict[bytes, list[bytes]] = {}
-    for entry_id in sorted(defined):
+    for entry_id in sorted(defined - retired):
         pod = d.entries[entry_id].pod_identifier.encode("utf-8", "surrogatepass")
         expected.setdefault(pod, []).append(entry_id)
     for pod in sorted(set(expected) | set(d.pp)):

@@ -12,6 +12,9 @@ Key layout of a namespace ``<ns>`` (all keys start with ``<ns>:``)::
                            fields next_id, bucket_bits, expiry and next_run, from which a
                            lost meta record heals
     <ns>:pp          HASH  pod id -> the pod's entry ids (id list)
+    <ns>:pr          HASH  pod id -> the pod's retired entry ids (id list): a clear under way
+                           retired them (out of pe and pp, still defined in pi) and deletes
+                           their definitions once no bucket holds them (lua/retire.lua)
     <ns>:wm          HASH  stream -> "epoch:seq:token" (apply_batch watermarks; token: the call
                            that applied it)
     <ns>:sx          STR   the latest deadline (ms, server clock) of any expiring entry;
@@ -110,6 +113,7 @@ class Layout:
         "pe",
         "pi",
         "pp",
+        "pr",
         "rprefix",
         "sprefix",
         "suffix_bytes",
@@ -129,6 +133,7 @@ class Layout:
         self.pe = ns + b":pe"
         self.pi = ns + b":pi"
         self.pp = ns + b":pp"
+        self.pr = ns + b":pr"
         self.wm = ns + b":wm"
         self.wp = ns + b":wp"
         self.sx = ns + b":sx"
@@ -190,7 +195,7 @@ class Layout:
 
     def fixed_keys(self) -> tuple[bytes, ...]:
         """The keys of the namespace that are not buckets, ``<ns>:meta`` last."""
-        return (self.wm, self.wp, self.sx, self.pp, self.pe, self.pi, self.meta)
+        return (self.wm, self.wp, self.sx, self.pr, self.pp, self.pe, self.pi, self.meta)
 
 
 def check_namespace(namespace: object) -> str:

@@ -457,12 +457,15 @@ def read_lookup_reply(
     """Take in a ``lookup`` reply for the chain ``keys`` walked from ``start``: learn the
     definitions it carries, record each hit key's entries in ``found`` (a list of its own per
     key, or with ``shared`` one tuple shared by the keys holding the same entries); the position
-    after the last hit."""
+    after the last hit. A key whose ids all lack a definition holds no entry: the chain ends
+    before it (never a hit with an empty entry list)."""
     cache.learn(reply[1], int(reply[0]))
     entries = cache.holders
     at = start
     for i in range(2, len(reply) - 1, 2):  # a last odd element: the walk was cut
         n, held = int(reply[i]), entries(reply[i + 1])
+        if not held:
+            break
         if shared:
             found.update(dict.fromkeys(keys[at : at + n], held))
         else:
@@ -1030,18 +1033,28 @@ def op_clear(
     positions left empty, delete emptied runs), the request buckets (``clear`` script: remove the
     pod's entry ids from keys stored inline, delete emptied request keys), the expiring buckets
     (the same script: the pod's expiring entries and their deadlines), then the engine buckets
-    (``clear_mappings`` script: drop mappings none of whose request keys holds an entry).
+    (``clear_mappings`` script: drop mappings none of whose request keys holds an entry, live
+    expiring entries included).
     ``progress(done, removed)`` is called after every page with the keys processed so far (all
     passes; SCAN may report a key twice) and the (request key, entry) pairs removed
-    so far. Last, the pod's entry definitions are reclaimed (``reclaim`` script). A pod the
-    namespace never saw costs one HGET. ``mappings=False`` skips the engine bucket pass (the
-    cluster index, whose mappings and request keys live in different shards, runs its own).
+    so far. First the pod's entry ids are retired (``retire`` script: adds racing the clear
+    store the pod's entries under new ids, untouched by this clear; ids an interrupted clear
+    left retired are taken up again); last, the retired ids' definitions are reclaimed
+    (``reclaim`` script). A pod the namespace never saw costs one call. ``mappings=False``
+    skips the engine bucket pass (the cluster index, whose mappings and request keys live in
+    different shards, runs its own).
     """
     pod = check_pod_identifier(pod_identifier)
     if progress is not None and not callable(progress):
         raise InvalidInputError(f"progress must be a callable(done, removed), got {progress!r}")
     layout = state.layout
-    ids = yield Command(("HGET", layout.pp, text_bytes(pod)))
+    # The pod's ids are retired first (atomically): adds racing the clear intern the pod's
+    # entries under new ids, which this clear neither removes nor reclaims.
+    ids = yield ScriptCall(
+        "retire",
+        (layout.meta, layout.pe, layout.pi, layout.pp, layout.pr),
+        (layout.gen, text_bytes(pod)),
+    )
     if not ids:
         return 0
     done = removed = 0
@@ -1087,17 +1100,17 @@ def op_clear(
             fields_per_call,
             lambda keys: ScriptCall(
                 "clear_mappings",
-                (layout.meta, *keys),
+                (layout.meta, layout.sx, *keys),
                 (layout.gen, layout.rprefix, layout.bucket_bits),
             ),
             on_engine_page,
         )
-    # The pod holds nothing now: reclaim its definitions (ids are never reused).
+    # Nothing holds the retired ids now: reclaim their definitions (ids are never reused).
     blob = bytes(ids)
     for start in range(0, len(blob), RECLAIM_IDS_PER_CALL * 4):
         yield ScriptCall(
             "reclaim",
-            (layout.meta, layout.pe, layout.pi, layout.pp),
+            (layout.meta, layout.pe, layout.pi, layout.pr),
             (layout.gen, text_bytes(pod), blob[start : start + RECLAIM_IDS_PER_CALL * 4]),
         )
     return removed

@@ -40,9 +40,9 @@ class EntryCache:
     so cached definitions stay valid as long as the generation (a new generation gets a new
     cache).
     An id whose definition was reclaimed (its pod was cleared: ``lua/reclaim.lua``) is known
-    as such and left out of the entries. ``floor`` is the highest id up to which every
-    definition is known; lookups send it, and the
-    server returns the definitions of the next ids (a bounded number per call) and of any hit id
+    as such and left out of the entries (a key holding nothing else is no hit). ``floor`` is
+    the highest id up to which every definition is known; lookups send it, and the server
+    returns the definitions of the next ids (a bounded number per call) and of any hit id
     above them, so a client soon knows the whole dictionary and replies carry no definitions.
     """
 
@@ -82,7 +82,10 @@ class EntryCache:
                 found = tuple(defs[ids[i : i + ID_WIDTH]] for i in range(0, len(ids), ID_WIDTH))
             except KeyError:
                 raise StaleNamespaceError("entry id unknown to this client") from None
-            known = tuple(e for e in found if e is not None)
+            # An entry is held once per key: where a clear racing an add left it under two
+            # ids for a moment (the retired one and the new one), it counts once, at its
+            # most recently added place.
+            known = tuple(reversed(dict.fromkeys(e for e in reversed(found) if e is not None)))
             with self._lock:
                 if len(self._lists) >= self._MAX_LISTS:
                     self._lists = {}

@@ -58,6 +58,25 @@ local function expiring_namer(sx, bits)
   return bucket_namer(string.sub(sx, 1, -2) .. ':', bits)
 end
 
+-- Whether request keys hold live expiring entries: nil while none can be live (the gate key sx
+-- is absent), else a function h -> true when request key h holds an expiring entry whose
+-- deadline is not past (server clock; bits: the bucket bits). One HGET per key asked.
+local function expiring_holder(sx, bits)
+  if redis.call('EXISTS', sx) == 0 then return nil end
+  local x = expiry_items()
+  local item_deadline = x.item_deadline
+  local now = x.now_ms()
+  local sbucket = expiring_namer(sx, bits)
+  return function(h)
+    local items = redis.call('HGET', sbucket(h), h)
+    if not items or #items % ITEM_WIDTH ~= 0 then return false end
+    for j = 1, #items, ITEM_WIDTH do
+      if item_deadline(items, j) > now then return true end
+    end
+    return false
+  end
+end
+
 -- Write path: a staging area for the expiring buckets of one script call (reads first, writes
 -- in expiring_flush). meta is <ns>:meta (its field "expiry" picks the mode), sx the gate key.
 -- .live tells whether any expiring entry may be live (the gate key exists). A gate that is not
@@ -77,6 +96,7 @@ end
 --                              returns how many were removed
 --   xs.add(h, ids, deadline)   give the ids (array) a deadline under request key h (replacing
 --                              an earlier one)
+--   xs.holds(h)                whether request key h holds a live expiring entry (as staged)
 -- Returns xs.
 local function expiring_open(xs)
   if xs.now ~= nil then return xs end
@@ -133,6 +153,10 @@ local function expiring_open(xs)
     for _, id in ipairs(ids) do out[#out + 1] = item(id, deadline) end
     values[h] = table.concat(out)
     if deadline > xs.latest then xs.latest = deadline end
+  end
+
+  function xs.holds(h)
+    return get(h) ~= ''
   end
   return xs
 end

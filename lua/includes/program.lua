@@ -8,8 +8,9 @@
       "R", 8-byte request key, nent, nent x entry index
       "E", 8-byte engine key, first, nent, nent x entry index: the engine key's request keys
            after its first `first` lose the entries, and the mapping is dropped once none of
-           its request keys holds an entry (first 0: the whole evict by engine key; the client
-           evicts the first ones by request key when one call cannot take them all)
+           its request keys holds an entry, live expiring entries included (first 0: the
+           whole evict by engine key; the client evicts the first ones by request key when
+           one call cannot take them all)
     (entry indexes are 1-based into the entries; nothing may follow the last op)
   read_program checks all of it without writing; run_program checks that the entry id space can
   hold the new entries, then runs the ops in order. ]]
@@ -219,7 +220,8 @@ local function run_program(k, program, cap, ms)
             removed = removed + xs.remove(string.sub(refs, i, i + HASH_WIDTH - 1), set)
           end
         end
-        removed = removed + evict_engine(st, k.rbucket, ebucket, op.field, set, op.first)
+        removed = removed + evict_engine(st, k.rbucket, ebucket, op.field, set, op.first,
+          xs.live and xs.holds or nil)
       end
     end
   end

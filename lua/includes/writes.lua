@@ -324,9 +324,11 @@ end
 -- Evict by engine key: remove the ids from the request keys it maps to after the first
 -- `first` (the client evicted those by request key); drop the mapping once none of its request
 -- keys holds any entry (the first `first` are checked for a record, without reading their
--- runs). Request bucket names are built here (rbucket, a bucket_namer) because the request
--- keys are only known once the mapping is read inside this atomic step.
-local function evict_engine(st, rbucket, bucket, efield, set, first)
+-- runs), live expiring entries included: timed is nil while none can be live, else a function
+-- h -> whether request key h still holds one (the caller removed the evicted ones first).
+-- Request bucket names are built here (rbucket, a bucket_namer) because the request keys are
+-- only known once the mapping is read inside this atomic step.
+local function evict_engine(st, rbucket, bucket, efield, set, first, timed)
   local refs = stage_get(st, 'e', bucket, efield)
   if not refs then return 0 end
   local held, removed = false, 0
@@ -345,6 +347,7 @@ local function evict_engine(st, rbucket, bucket, efield, set, first)
         held = staged and true or false
       end
     end
+    if not held and timed and timed(rfield) then held = true end
   end
   if not held then stage_put(st, 'e', bucket, efield, false) end
   return removed

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis
 
@@ -129,3 +130,34 @@ def _read_run(client: redis.Redis, key: bytes, problems: list[str]) -> list[tupl
     if len(set(held)) != len(held):
         problems.append(f"run {key!r} holds a key at two positions")
     return out
+
+
+def check_findings(address: str, namespace: str, cross_shard: bool = False) -> list[str]:
+    """What ``kvredis check`` (:func:`kvredis.redis.inspect.op_check`) reports on a namespace,
+    as ``"<problem> <detail>"`` lines. ``cross_shard``: the namespace is a shard of a cluster
+    namespace, whose mappings name request keys of other shards, or a namespace whose mappings
+    the caller compares with the model itself (an evict by request key leaves the engine
+    mapping, as InMemoryIndex does): ``dangling_mapping`` is then not a finding."""
+    from kvredis import RedisIndexConfig
+    from kvredis.redis.inspect import Inspector, Problem, op_check
+
+    with Inspector(RedisIndexConfig(address=address, namespace=namespace)) as inspector:
+        layout = inspector.layout()
+        if layout is None:
+            return []
+        report = inspector.run(op_check(layout))
+    return [
+        f"{f.problem.value} {f.detail}"
+        for f in report.findings
+        if not (cross_shard and f.problem is Problem.DANGLING_MAPPING)
+    ]
+
+
+def cluster_check_findings(index: Any) -> list[str]:
+    """:func:`check_findings` on every shard of a RedisClusterIndex's namespace."""
+    found: list[str] = []
+    for shard in range(index.core.count):
+        node = index.executor.slot_map.primary(index.core.slots[shard])
+        namespace = index.core.state(shard).namespace
+        found += check_findings(f"redis://127.0.0.1:{node.port}", namespace, cross_shard=True)
+    return found

@@ -281,7 +281,7 @@ def test_clear_pages_with_scan_and_sends_the_last_page_with_the_next_scan() -> N
     c1, s1 = b"ns:c:\x00\x00\x00\x01", b"ns:s:\x01"
     exchange = Exchange(
         [
-            _id(1) + _id(2),  # HGET ns:pp pod-a
+            _id(1) + _id(2),  # retire pod-a
             [b"0", [c1]],  # SCAN of the runs
             [0, 1],  # clear_runs(c1)
             [b"5", [r1]],  # first SCAN: one key, more to come
@@ -297,7 +297,7 @@ def test_clear_pages_with_scan_and_sends_the_last_page_with_the_next_scan() -> N
     removed = exchange.run(ops.op_clear(state, "pod-a", lambda *a: progress.append(a)))
     assert removed == 4
     assert progress == [(1, 0), (2, 2), (3, 3), (4, 4), (5, 4)]
-    hget, cscan, runs, scan, pipeline, last, sscan, sclear, escan, mappings, reclaim = (
+    retire, cscan, runs, scan, pipeline, last, sscan, sclear, escan, mappings, reclaim = (
         exchange.requests
     )
     assert cscan == rq.Command(("SCAN", 0, "MATCH", b"ns:c:????", "COUNT", 8))
@@ -307,17 +307,21 @@ def test_clear_pages_with_scan_and_sends_the_last_page_with_the_next_scan() -> N
     assert sscan == rq.Command(("SCAN", 0, "MATCH", b"ns:s:?", "COUNT", 8))
     assert sclear == rq.ScriptCall("clear", (b"ns:meta", s1), (GEN, _id(1) + _id(2), "s"))
     assert reclaim == rq.ScriptCall(
-        "reclaim", (b"ns:meta", b"ns:pe", b"ns:pi", b"ns:pp"), (GEN, b"pod-a", _id(1) + _id(2))
+        "reclaim", (b"ns:meta", b"ns:pe", b"ns:pi", b"ns:pr"), (GEN, b"pod-a", _id(1) + _id(2))
     )
-    assert hget == rq.Command(("HGET", b"ns:pp", b"pod-a"))
+    assert retire == rq.ScriptCall(
+        "retire", (b"ns:meta", b"ns:pe", b"ns:pi", b"ns:pp", b"ns:pr"), (GEN, b"pod-a")
+    )
     assert scan == rq.Command(("SCAN", 0, "MATCH", b"ns:r:?", "COUNT", 8))
     clear_r1 = rq.ScriptCall("clear", (b"ns:meta", r1), (GEN, _id(1) + _id(2)))
     assert isinstance(pipeline, rq.Pipeline) and pipeline.items[0] == clear_r1
     assert pipeline.items[1] == rq.Command(("SCAN", 5, "MATCH", b"ns:r:?", "COUNT", 8))
     assert last == rq.ScriptCall("clear", (b"ns:meta", r2), (GEN, _id(1) + _id(2)))
     assert escan == rq.Command(("SCAN", 0, "MATCH", b"ns:e:?", "COUNT", 8))
-    assert mappings == rq.ScriptCall("clear_mappings", (b"ns:meta", e1), (GEN, b"ns:r:", 8))
-    assert Exchange([None]).run(ops.op_clear(state, "never-seen")) == 0  # one HGET only
+    assert mappings == rq.ScriptCall(
+        "clear_mappings", (b"ns:meta", b"ns:sx", e1), (GEN, b"ns:r:", 8)
+    )
+    assert Exchange([b""]).run(ops.op_clear(state, "never-seen")) == 0  # one call only
 
 
 def test_drop_namespace_tombstones_then_deletes_its_own_keys_and_the_meta_record_last() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import pytest
 import redis
@@ -26,7 +27,7 @@ from kvredis.redis.codec import encode_entry
 from kvredis.redis.inspect import Inspector, Problem, op_check, op_dump, op_restore, op_stats
 from kvredis.redis.layout import Layout
 from kvredis.scoring import LongestPrefixScorer
-from tests.redis.namespace_state import read_namespace
+from tests.redis.namespace_state import check_findings, read_namespace
 
 pytestmark = pytest.mark.redis
 
@@ -222,7 +223,18 @@ def test_random_key_sets_agree_with_the_model(pair: Pair, seed: int) -> None:
             pair.clear(rng.choice(pods).pod_identifier)
         for probe in (chain, chain[rng.randrange(len(chain)) :], rng.sample(universe, 10)):
             pair.agree(probe)
+        for key in chain:
+            assert _mapped(pair.redis, key + 10**12) == _mapped(pair.model, key + 10**12)
+        # the mappings are the model's (an evict by request key leaves them: not "dangling")
+        assert check_findings(pair.url, pair.namespace, cross_shard=True) == []
     pair.consistent()
+
+
+def _mapped(index: Any, engine_key: int) -> int | None:
+    try:
+        return int(index.get_request_key(engine_key))
+    except KeyError:
+        return None
 
 
 # -- speculative entries with a ttl on keys of runs (the expiring buckets, includes/expiry) ----

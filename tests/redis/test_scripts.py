@@ -39,6 +39,7 @@ COMMANDS = {
     "clear_runs",
     "drop",
     "reclaim",
+    "retire",
     "unmap",
     "lookup_shards",
     "apply_shards",

@@ -183,7 +183,7 @@ def test_malformed_page_and_namespace_calls_write_nothing(
     valid = {
         "clear": ScriptCall("clear", (layout.meta, rbucket), (layout.gen, b"\x00\x00\x00\x01")),
         "clear_mappings": ScriptCall(
-            "clear_mappings", (layout.meta, ebucket), (layout.gen, layout.rprefix, 16)
+            "clear_mappings", (layout.meta, layout.sx, ebucket), (layout.gen, layout.rprefix, 16)
         ),
         "namespace": ScriptCall(
             "namespace", (f"{index.namespace}:new",), ("kvredis-kvblock/1", 16, "g")

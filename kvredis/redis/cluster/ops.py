@@ -86,7 +86,13 @@ from kvredis.redis.cluster.shards import (
     shards_of,
 )
 from kvredis.redis.codec import blob_hashes, hash_blob, hash_field, pack_hashes
-from kvredis.redis.layout import check_bucket_bits, check_namespace
+from kvredis.redis.layout import (
+    EXPIRING_ITEM_WIDTH,
+    Layout,
+    check_bucket_bits,
+    check_namespace,
+    expiring_item_deadline,
+)
 from kvredis.redis.ops import (
     CALL_BUDGET,
     DEFAULT_CLEAR_FIELDS_PER_CALL,
@@ -297,7 +303,7 @@ def op_parallel(
 
 #: Commands the cluster operations send that write nothing (no WAIT after them).
 _READS = frozenset(
-    {b"HGET", b"HMGET", b"HEXISTS", b"HGETALL", b"SCAN", b"INFO", b"PING", b"SCRIPT"}
+    {b"HGET", b"HMGET", b"HEXISTS", b"HGETALL", b"SCAN", b"INFO", b"PING", b"SCRIPT", b"TIME"}
 )
 
 
@@ -787,12 +793,15 @@ def op_node_writes(
             commands.append(SlotCommand(slot, call.args))
             entries.append(("call", part_shards))
         for shard in shards:
+            asked = probes.get(shard, ())
+            if not asked:
+                continue
             layout = core.state(shard).layout
-            for key in probes.get(shard, ()):
-                commands.append(
-                    SlotCommand(slot, ("HEXISTS", layout.request_bucket(key), hash_field(key)))
-                )
-                entries.append(("probe", key))
+            for command in _probe_commands(layout, asked):
+                commands.append(SlotCommand(slot, command.args))
+            entries.append(("clock", None))
+            for key in asked:
+                entries += (("probe", key), ("timed", key))
         layout_of.append((shards, entries))
     try:
         replies = yield from _write_wave(core, commands, core.fast_policy)
@@ -866,9 +875,14 @@ def _take_node_replies(
     sent: dict[int, int] = {}
     refused: dict[int, int] = {}
     error: Exception | None = None
+    now = 0
     for (kind, what), reply in zip(entries, replies, strict=True):
-        if kind == "probe":
-            if int(reply) and core.shard(what) not in refused:
+        if kind == "clock":
+            now = _clock_ms(reply)
+            continue
+        if kind in ("probe", "timed"):
+            holds = _live_items(reply, now) if kind == "timed" else bool(int(reply))
+            if holds and core.shard(what) not in refused:
                 held.add(what)
             continue
         for shard, one in zip(what, reply, strict=True):
@@ -919,13 +933,50 @@ def _parts_factory(
             ok, added = yield from op_parts(programs[start:], call, first + start, after, not ms)
         if not probes:
             return ok, set(), added
-        layout = state.layout
-        replies = yield Pipeline(
-            tuple(Command(("HEXISTS", layout.request_bucket(k), hash_field(k))) for k in probes)
-        )
-        return ok, {key for key, reply in zip(probes, replies, strict=True) if int(reply)}, added
+        replies = yield Pipeline(tuple(_probe_commands(state.layout, probes)))
+        return ok, _probe_held(probes, replies), added
 
     return factory
+
+
+def _probe_commands(layout: Layout, keys: Sequence[int]) -> list[Command]:
+    """The probes of whether request keys of one shard hold an entry: the server clock (TIME),
+    then per key HEXISTS of its request bucket field and HGET of its expiring bucket field (an
+    entry counts while its deadline is after the clock, as everywhere in the index)."""
+    commands = [Command(("TIME",))]
+    for key in keys:
+        field = hash_field(key)
+        commands.append(Command(("HEXISTS", layout.request_bucket(key), field)))
+        commands.append(Command(("HGET", layout.expiring_bucket(key), field)))
+    return commands
+
+
+def _probe_held(keys: Sequence[int], replies: Sequence[Any]) -> set[int]:
+    """The keys that :func:`_probe_commands` found holding an entry."""
+    now = _clock_ms(replies[0])
+    return {
+        key
+        for i, key in enumerate(keys)
+        if int(replies[1 + 2 * i]) or _live_items(replies[2 + 2 * i], now)
+    }
+
+
+def _clock_ms(reply: Any) -> int:
+    """A TIME reply in ms."""
+    return int(reply[0]) * 1000 + int(reply[1]) // 1000
+
+
+def _live_items(reply: Any, now: int) -> bool:
+    """Whether an expiring bucket field (or None) holds an item whose deadline is after now."""
+    if not reply:
+        return False
+    items = bytes(reply)
+    if len(items) % EXPIRING_ITEM_WIDTH:
+        return False
+    return any(
+        expiring_item_deadline(items[i : i + EXPIRING_ITEM_WIDTH]) > now
+        for i in range(0, len(items), EXPIRING_ITEM_WIDTH)
+    )
 
 
 def _evict_call(state: CoreState, key: int, entries: Entries) -> ScriptCall:
@@ -940,11 +991,10 @@ def _evicts_each(units: Sequence[Unit], probes: Sequence[int]) -> Callable[[Core
 
     def factory(state: CoreState) -> Op[set[int]]:
         yield Pipeline(tuple(_evict_call(state, u[1], u[2]) for u in units))
-        layout = state.layout
-        replies = yield Pipeline(
-            tuple(Command(("HEXISTS", layout.request_bucket(k), hash_field(k))) for k in probes)
-        )
-        return {key for key, reply in zip(probes, replies, strict=True) if int(reply)}
+        if not probes:
+            return set()
+        replies = yield Pipeline(tuple(_probe_commands(state.layout, probes)))
+        return _probe_held(probes, replies)
 
     return factory
 
