@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import shutil
 import sys
 import tempfile
@@ -245,6 +246,29 @@ def lookup(
         click.echo(table(("pod", "blocks", "tokens", "tiers"), rows))
 
 
+def _weights(items: tuple[str, ...]) -> dict[str, float]:
+    """``--weight TIER=W`` values: a tier name and a finite weight >= 0, each tier once."""
+    medium: dict[str, float] = {}
+    for item in items:
+        tier, sep, text = item.partition("=")
+        try:
+            if not sep or not tier.strip() or not text.isascii():
+                raise ValueError
+            value = float(text)
+        except ValueError:
+            raise click.BadParameter(
+                f"expected TIER=WEIGHT (e.g. cpu=0.8), got {item!r}", param_hint="--weight"
+            ) from None
+        if not math.isfinite(value) or value < 0:
+            raise click.BadParameter(
+                f"{item!r}: a weight is a finite number >= 0 (e.g. cpu=0.8)", param_hint="--weight"
+            )
+        if tier in medium:
+            raise click.BadParameter(f"tier {tier!r} is given twice", param_hint="--weight")
+        medium[tier] = value
+    return medium
+
+
 @_command("kvredis score --model m --tokens 1,2,3,4 --block-size 2 --weight gpu=1 --weight cpu=0.8")
 @prompt_options
 @_POD_FILTER
@@ -261,17 +285,7 @@ def score(
     as_json: bool,
 ) -> None:
     """Per-pod longest-prefix scores of a prompt, as a router computes them."""
-    medium = {}
-    for item in weights:
-        tier, sep, value = item.partition("=")
-        try:
-            if not sep or not tier:
-                raise ValueError
-            medium[tier] = float(value)
-        except ValueError:
-            raise click.BadParameter(
-                f"expected TIER=WEIGHT, got {item!r}", param_hint="--weight"
-            ) from None
+    medium = _weights(weights)
     keys = _block_keys(prompt)
     with _index(target) as index:
         scores = index.score(keys, medium or None, set(pods_filter) if pods_filter else None)

@@ -253,35 +253,55 @@ def redis_options(
 
 # -- token input --------------------------------------------------------------------------------
 
-_TOKEN_SPLIT = re.compile(r"[\s,]+")
+# Elements are separated by one comma (with any whitespace around it) or by whitespace alone.
+_TOKEN_SPLIT = re.compile(r"\s*,\s*|\s+")
+_TOKEN_ID = re.compile(r"-?[0-9]+")
+_NOT_A_TOKEN = "is not a token id (expected integers separated by commas or spaces)"
+#: Token ids are uint32, as the engines send them.
+MAX_TOKEN_ID = 2**32 - 1
 
 
 def parse_tokens(text: str, where: str = "--tokens") -> list[int]:
-    """Token ids from text: separated by commas and/or whitespace, or a JSON array."""
+    """Token ids from text: separated by commas and/or whitespace, or a JSON array of integers.
+
+    Every malformed element is an error saying it ``is not a token id``: an empty element
+    (``1,,2`` or a trailing comma), anything but ASCII digits (full-width digits, ``1.0``,
+    ``0x10``), a JSON element that is not an integer (``"3"``, ``true``, ``1.5``); so is an id
+    outside ``0..2**32-1``.
+    """
     stripped = text.strip()
     if stripped.startswith("["):
         try:
             values = json.loads(stripped)
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, RecursionError) as exc:
             raise click.BadParameter(f"not a JSON array: {exc}", param_hint=where) from None
         if not isinstance(values, list):
             raise click.BadParameter("expected a JSON array of token ids", param_hint=where)
-        parts: Iterable[object] = values
+        for n, value in enumerate(values):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise click.BadParameter(
+                    f"element {n} ({json.dumps(value)}) {_NOT_A_TOKEN}", param_hint=where
+                )
+        parts: list[str] = [str(v) for v in values]
     else:
-        parts = [p for p in _TOKEN_SPLIT.split(stripped) if p]
+        parts = _TOKEN_SPLIT.split(stripped) if stripped else []
     tokens = []
-    for part in parts:
-        if isinstance(part, bool) or not isinstance(part, (int, str)):
-            raise click.BadParameter(f"{part!r} is not a token id", param_hint=where)
-        try:
-            value = int(part)
-        except ValueError:
+    for n, part in enumerate(parts):
+        if not part:
             raise click.BadParameter(
-                f"{part!r} is not a token id (expected integers separated by commas or spaces)",
+                f"element {n} is empty (two commas in a row, or a comma at an end): "
+                f"'' {_NOT_A_TOKEN}",
                 param_hint=where,
-            ) from None
+            )
+        if not part.isascii() or _TOKEN_ID.fullmatch(part) is None:
+            raise click.BadParameter(f"{part!r} {_NOT_A_TOKEN}", param_hint=where)
+        value = int(part)
         if value < 0:
             raise click.BadParameter(f"token id {value} is negative", param_hint=where)
+        if value > MAX_TOKEN_ID:
+            raise click.BadParameter(
+                f"token id {value} is out of range (0..{MAX_TOKEN_ID})", param_hint=where
+            )
         tokens.append(value)
     if not tokens:
         raise click.BadParameter("no token ids given", param_hint=where)
