@@ -464,3 +464,12 @@ def test_dump_restore_keeps_speculative_deadlines(
                 assert copy.lookup(keys) == index.lookup(keys) == {k: [spec] for k in keys[:2]}
             finally:
                 copy.drop_namespace()
+
+
+@pytest.mark.parametrize("command", [["stats"], ["ingest", "--endpoint", "tcp://127.0.0.1:1"]])
+def test_a_password_with_a_raw_slash_is_masked_in_usage_errors(command: list[str]) -> None:
+    for url in ("redis://:S3cretPW/x@127.0.0.1:1", "redis://u:S3cretPW?x#y@127.0.0.1:1"):
+        result = CliRunner().invoke(cli, [*command, "--redis", url])
+        assert result.exit_code == 2, result.output
+        assert "S3cretPW" not in result.output and "--redis" in result.output
+        assert "percent-encode" in result.output
