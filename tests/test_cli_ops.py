@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import subprocess
@@ -473,3 +474,50 @@ def test_a_password_with_a_raw_slash_is_masked_in_usage_errors(command: list[str
         assert result.exit_code == 2, result.output
         assert "S3cretPW" not in result.output and "--redis" in result.output
         assert "percent-encode" in result.output
+
+
+def test_stats_pairs_match_the_pod_table_with_expiring_entries(
+    populated: RedisIndex, redis_server_url: str, namespace: str
+) -> None:
+    populated.add(None, block_keys(), [PodEntry("pod-s", speculative=True)], ttl=600)
+    populated.add(None, block_keys()[:1], [PodEntry("pod-t", speculative=True)], ttl=600)
+    stats = run_json(redis_server_url, namespace, "stats")
+    assert isinstance(stats, dict)
+    table_total = sum(sum(per.values()) for per in stats["pods"].values())
+    assert stats["pairs"] == 6 and stats["expiring_live"] == 4
+    assert stats["pairs_total"] == table_total == 10
+    code, out = run(redis_server_url, namespace, "stats", "--no-memory")
+    assert code == 0, out
+    row = next(line for line in out.splitlines() if line.startswith("(key, entry) pairs"))
+    assert row.split()[3:6] == ["10", "(6", "stored"] and "4 expiring" in row
+    assert sum(int(line.split()[-1]) for line in out.split("total\n", 1)[1].splitlines()[1:]) == 10
+
+
+@pytest.mark.parametrize("name", ["x.jsonl", "x.jsonl.gz"])
+def test_dump_to_a_missing_directory_blames_the_file_not_the_server(
+    populated: RedisIndex, redis_server_url: str, namespace: str, tmp_path: Path, name: str
+) -> None:
+    path = tmp_path / "no-such-dir" / name
+    code, out = run(redis_server_url, namespace, "dump", str(path))
+    assert code == 2, out
+    assert "server" not in out and "Redis or Valkey" not in out
+    assert f"cannot write {path}" in out and "does not exist" in out and "FILE" in out
+    assert not path.parent.exists()
+
+
+def test_dump_json_prints_a_summary(
+    populated: RedisIndex, redis_server_url: str, namespace: str, tmp_path: Path
+) -> None:
+    path = tmp_path / "dump.jsonl.gz"
+    code, out = run(redis_server_url, namespace, "dump", str(path), "--json")
+    assert code == 0, out
+    summary = json.loads(out)
+    lines = gzip.open(path, "rt").read().splitlines()
+    end = json.loads(lines[-1])
+    assert summary["file"] == str(path) and summary["namespace"] == namespace
+    assert summary["layout"] == {"format": "kvredis-dump/1", "bucket_bits": 16}
+    assert summary["records"] == len(lines) and summary["keys"] == end["keys"] > 0
+    assert summary["bytes"] == sum(len(line) + 1 for line in lines)
+    assert summary["file_bytes"] == path.stat().st_size
+    code, out = run(redis_server_url, namespace, "dump", "-", "--json")
+    assert code == 2 and "--json" in out

@@ -6,11 +6,12 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import os
 import shutil
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from typing import IO, Any
 
 import click
@@ -142,10 +143,18 @@ def stats(
         ("bucket bits", result.bucket_bits),
         ("keys", result.keys),
         ("request keys", result.request_keys),
-        ("(key, entry) pairs", result.pairs),
+        (
+            "(key, entry) pairs",
+            f"{result.pairs_total} ({result.pairs} stored + {result.expiring_live} expiring; "
+            "the pods' total)",
+        ),
         ("engine keys", result.engine_keys),
         ("engine mappings", result.engine_mappings),
-        ("expiring entries", result.expiring_entries),
+        (
+            "expiring entries",
+            f"{result.expiring_entries} ({result.expiring_live} live, "
+            f"{result.expiring_entries - result.expiring_live} past due)",
+        ),
         ("dictionary entries", result.dictionary_entries),
         ("watermarks", result.watermarks),
         ("pods", len(result.pods)),
@@ -470,27 +479,60 @@ def _open(path: str, mode: str) -> IO[str]:
     return open(path, mode, encoding="utf-8")
 
 
+def _open_output(path: str) -> IO[str]:
+    """``path`` opened for writing (BadParameter naming it when the file cannot be created)."""
+    try:
+        return _open(path, "w")
+    except OSError as exc:
+        parent = os.path.dirname(os.path.abspath(path))
+        hint = "" if os.path.isdir(parent) else f" (the directory {parent} does not exist)"
+        raise click.BadParameter(
+            f"cannot write {path}: {exc.strerror or exc}{hint}", param_hint="FILE"
+        ) from None
+
+
+class _CountingWriter:
+    """Writes JSON records, one per line, counting records and (uncompressed) bytes."""
+
+    def __init__(self, out: IO[str]) -> None:
+        self.out = out
+        self.records = 0
+        self.bytes = 0
+
+    def __call__(self, record: Any) -> None:
+        line = json.dumps(record, separators=(",", ":")) + "\n"
+        self.out.write(line)
+        self.records += 1
+        self.bytes += len(line.encode("utf-8"))
+
+
 @_command("kvredis dump kvblock-$(date +%F).jsonl.gz --namespace kvblock")
 @click.argument("file", metavar="FILE")
 @_NO_PROGRESS
-def dump(target: RedisTarget, namespace: str, file: str, no_progress: bool) -> None:
+@json_option
+def dump(target: RedisTarget, namespace: str, file: str, no_progress: bool, as_json: bool) -> None:
     """Export a namespace to FILE (JSON lines; gzip if it ends in .gz; '-': stdout).
 
-    `kvredis restore` loads it back, on this server or another, byte for byte.
+    `kvredis restore` loads it back, on this server or another, byte for byte. With --json, a
+    summary (records, keys, bytes, namespace, layout) is printed on stdout.
     """
     from kvredis.redis.inspect import DUMP_FORMAT, op_dump
 
+    if as_json and file == "-":
+        raise click.UsageError(
+            "--json prints the summary on stdout, which FILE '-' takes: name a file"
+        )
+    parent = os.path.dirname(os.path.abspath(file))
+    if file != "-" and not os.path.isdir(parent):
+        raise click.BadParameter(
+            f"cannot write {file}: the directory {parent} does not exist", param_hint="FILE"
+        )
     with _inspector(target) as inspector:
         layout = _existing_layout(inspector, target)
-        out = _open(file, "w")
-        records = 0
-
-        def write(record: Any) -> None:
-            nonlocal records
-            records += 1
-            out.write(json.dumps(record, separators=(",", ":")) + "\n")
-
+        out = _open_output(file)
+        write = _CountingWriter(out)
         bar = progress_bar("dumping", no_progress)
+        complete = False
         try:
             write(
                 {
@@ -500,13 +542,37 @@ def dump(target: RedisTarget, namespace: str, file: str, no_progress: bool) -> N
                 }
             )
             keys = inspector.run(op_dump(layout, write, bar))
-            write({"end": True, "keys": keys, "records": records - 1})
-        finally:
-            bar.close()
+            write({"end": True, "keys": keys, "records": write.records - 1})
             if file != "-":
                 out.close()
-            else:
+            complete = True
+        except OSError as exc:
+            if isinstance(exc, ConnectionError):
+                raise
+            raise click.ClickException(
+                f"cannot write {file}: {exc.strerror or exc}; the dump is incomplete (restore "
+                "refuses it): free space or pick another FILE, then run the dump again"
+            ) from None
+        finally:
+            bar.close()
+            if file == "-":
                 out.flush()
+            elif not complete:
+                with suppress(OSError):
+                    out.close()
+    if as_json:
+        echo_json(
+            {
+                "file": file,
+                "namespace": layout.namespace,
+                "layout": {"format": DUMP_FORMAT, "bucket_bits": layout.bucket_bits},
+                "keys": keys,
+                "records": write.records,
+                "bytes": write.bytes,
+                "file_bytes": os.path.getsize(file),
+            }
+        )
+        return
     click.echo(f"dumped {keys} keys of namespace {layout.namespace!r} to {file}", err=True)
 
 

@@ -538,6 +538,10 @@ def handle_errors(f: F) -> F:
         except KVRedisError as exc:
             raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
         except Exception as exc:
+            if isinstance(exc, OSError) and not isinstance(exc, ConnectionError) and exc.filename:
+                raise click.ClickException(  # a local file, not the server
+                    f"cannot access {exc.filename}: {exc.strerror or exc}"
+                ) from None
             if _is_redis_error(exc) or isinstance(exc, OSError):
                 target = kwargs.get("target")
                 where = f" at {target.shown}" if isinstance(target, RedisTarget) else ""

@@ -332,6 +332,10 @@ class NamespaceStats:
     expiring_entries: int = 0
     """(request key, entry) pairs of speculative entries added with a ttl, past due or not (not
     in ``pairs``; the live ones count in ``pods``)."""
+    expiring_live: int = 0
+    """Those of ``expiring_entries`` before their deadline."""
+    pairs_total: int = 0
+    """``pairs`` + ``expiring_live``: the total of ``pods``."""
     dictionary_entries: int = 0
     watermarks: int = 0
     bytes_used: int = 0
@@ -393,6 +397,8 @@ def op_stats(layout: Layout, progress: Progress = _noop, memory: bool = True) ->
     buckets = [k for k in keys if k.startswith(kinds)]
     yield from op_read_hashes(buckets, visit, progress)
     stats.pairs = sum(per_id.values())
+    stats.expiring_live = sum(live.values())
+    stats.pairs_total = stats.pairs + stats.expiring_live
     pods: dict[str, dict[str, int]] = {}
     for entry_id, count in (per_id + live).items():
         entry = dictionary.entries.get(entry_id)
