@@ -512,7 +512,8 @@ def test_dump_json_prints_a_summary(
     code, out = run(redis_server_url, namespace, "dump", str(path), "--json")
     assert code == 0, out
     summary = json.loads(out)
-    lines = gzip.open(path, "rt").read().splitlines()
+    with gzip.open(path, "rt") as fh:
+        lines = fh.read().splitlines()
     end = json.loads(lines[-1])
     assert summary["file"] == str(path) and summary["namespace"] == namespace
     assert summary["layout"] == {"format": "kvredis-dump/1", "bucket_bits": 16}
