@@ -522,3 +522,65 @@ def test_dump_json_prints_a_summary(
     assert summary["file_bytes"] == path.stat().st_size
     code, out = run(redis_server_url, namespace, "dump", "-", "--json")
     assert code == 2 and "--json" in out
+
+
+#: Runs ``kvredis`` with a real SIGINT sent to itself at the clear's first progress report.
+_CLEAR_INTERRUPTED = """
+import os, signal, sys
+from kvredis.redis.index import RedisIndex
+
+clear = RedisIndex.clear_with_progress
+
+def interrupted(self, pod, progress=None):
+    def report(done, removed):
+        os.kill(os.getpid(), signal.SIGINT)
+        if progress is not None:
+            progress(done, removed)
+    return clear(self, pod, report)
+
+RedisIndex.clear_with_progress = interrupted
+from kvredis.cli import main
+sys.argv[0] = "kvredis"
+main()
+"""
+
+
+def test_an_interrupted_clear_says_it_is_incomplete_and_check_says_what_to_do(
+    redis_server_url: str, namespace: str
+) -> None:
+    config = RedisIndexConfig(address=redis_server_url, namespace=namespace)
+    with RedisIndex(config) as index:
+        keys = list(range(1, 4001))
+        index.add([k + 10_000 for k in keys], keys, [A])
+        proc = subprocess.run(
+            [sys.executable, "-c", _CLEAR_INTERRUPTED, "clear", "--pod", "pod-a", "--yes",
+             "--redis", redis_server_url, "--namespace", namespace],
+            cwd=ROOT, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert proc.returncode == 130, proc.stderr
+        assert "Aborted!" not in proc.stderr
+        assert "the clear of pod 'pod-a' is incomplete" in proc.stderr
+        assert f"kvredis clear --pod pod-a --namespace {namespace} --redis" in proc.stderr
+        left = index.lookup(keys)
+        assert 0 < len(left) < len(keys)  # stopped part of the way
+        code, out = run(redis_server_url, namespace, "check", "--limit", "3")
+        assert code == 1 and "dangling_mapping" in out
+        assert "interrupted `kvredis clear`" in out and "kvredis clear --pod" in out
+        assert all(c.isprintable() for line in out.splitlines() for c in line), out
+        code, out = run(redis_server_url, namespace, "clear", "--pod", "pod-a", "--yes")
+        assert code == 0, out
+        assert run_json(redis_server_url, namespace, "check")["ok"]  # type: ignore[index]
+        assert index.lookup(keys) == {}
+
+
+def test_check_prints_binary_bucket_names_escaped(
+    populated: RedisIndex, redis_server_url: str, namespace: str
+) -> None:
+    layout = populated._session.state.layout
+    bucket = layout.rprefix + b"\x00\x07"
+    populated.client.hset(bucket, b"\x01" * 8, b"")  # an empty field in a binary-named bucket
+    code, out = run(redis_server_url, namespace, "check")
+    assert code == 1 and "empty_field" in out
+    assert all(c.isprintable() for line in out.splitlines() for c in line), out
+    assert "\\x00\\x07" in out
+    assert "`kvredis check --repair` fixes what it can" in out

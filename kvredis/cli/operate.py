@@ -7,6 +7,7 @@ import gzip
 import json
 import math
 import os
+import shlex
 import shutil
 import sys
 import tempfile
@@ -28,6 +29,7 @@ from kvredis.cli.options import (
     redis_options,
     table,
 )
+from kvredis.errors import BackendError, BackendUnavailableError
 
 __all__ = ["COMMANDS"]
 
@@ -337,15 +339,40 @@ def clear(
             total = len(inspector.run(op_scan(layout.request_pattern())))
             total += len(inspector.run(op_scan(layout.engine_pattern())))
     bar = progress_bar(f"clearing {pod}", no_progress)
+    again = _clear_again(target, pod)
     try:
         with _index(target) as index:
             removed = index.clear_with_progress(pod, lambda done, _n: bar(done, max(total, done)))
+    except KeyboardInterrupt:
+        bar.close()
+        click.echo(
+            f"Interrupted: the clear of pod {pod!r} is incomplete (some of its entries and the "
+            f"engine mappings leading to them are left; `kvredis check` reports those as "
+            f"dangling_mapping). Run it again to finish:\n  {again}",
+            err=True,
+        )
+        sys.exit(130)
+    except (BackendUnavailableError, BackendError) as exc:
+        raise click.ClickException(
+            f"{exc}\nThe clear of pod {pod!r} is incomplete; once the server answers, run it "
+            f"again to finish:\n  {again}"
+        ) from None
     finally:
         bar.close()
     if as_json:
         echo_json({"pod": pod, "removed": removed})
     else:
         click.echo(f"removed {removed} (key, entry) pairs of pod {pod!r}")
+
+
+def _clear_again(target: RedisTarget, pod: str) -> str:
+    """The command that finishes an interrupted clear of ``pod``."""
+    shown = target.shown
+    command = (
+        f"kvredis clear --pod {shlex.quote(pod)} --namespace {shlex.quote(target.namespace)} "
+        f"--redis {shlex.quote(shown)} --yes"
+    )
+    return command + ("  (with your password in place of ***)" if "***" in shown else "")
 
 
 # -- check --------------------------------------------------------------------------------------
@@ -386,6 +413,7 @@ def check(
                 "ok": report.ok,
                 "counts": report.counts(),
                 "findings": [f.as_json() for f in report.findings],
+                "hints": _check_hints(report, target, repair),
             }
         )
     else:
@@ -403,8 +431,33 @@ def check(
                 click.echo(f"  {mark}: {f.problem.value} in {f.as_json()['key']}{fld}: {f.detail}")
             if len(shown) < len(report.findings):
                 click.echo(f"  ... {len(report.findings) - len(shown)} more (--limit 0 lists all)")
+        for hint in _check_hints(report, target, repair):
+            click.echo(hint)
     if not report.ok:
         sys.exit(1)
+
+
+def _check_hints(report: Any, target: RedisTarget, repair: bool) -> list[str]:
+    """What to do about what is left broken."""
+    from kvredis.redis.inspect import Problem
+
+    left = [f for f in report.findings if not f.repaired]
+    hints = []
+    dangling = sum(f.problem is Problem.DANGLING_MAPPING for f in left)
+    if dangling:
+        hints.append(
+            f"{dangling} dangling_mapping: engine keys whose request keys hold no entry any "
+            "more, what an interrupted `kvredis clear` leaves behind. Run the clear of that "
+            f"pod again to finish it: {_clear_again(target, 'POD')}"
+            + (
+                ""
+                if repair
+                else "; or remove them with `kvredis check --repair` (stop the writers first)"
+            )
+        )
+    if left and not repair and len(left) > dangling:
+        hints.append("`kvredis check --repair` fixes what it can (stop the writers first)")
+    return hints
 
 
 # -- watermarks ---------------------------------------------------------------------------------

@@ -471,7 +471,12 @@ class Finding:
 
 
 def _show(data: bytes) -> str:
-    return data.decode("utf-8", "backslashreplace")
+    """Key bytes as printable text: UTF-8 where it decodes, Python escapes (``\\x00``) for the
+    rest and for control characters (bucket suffixes are binary)."""
+    text = data.decode("utf-8", "backslashreplace")
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
 
 
 @dataclass
