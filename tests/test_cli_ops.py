@@ -23,6 +23,7 @@ from kvredis.hashing import ChunkedTokenDatabase, TokenProcessorConfig
 from kvredis.ingest.stream import stream_position
 from kvredis.redis.layout import Layout
 from kvredis.types import PodEntry
+from tests.servers import RedisServer
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENS = list(range(1, 13))
@@ -584,3 +585,40 @@ def test_check_prints_binary_bucket_names_escaped(
     assert all(c.isprintable() for line in out.splitlines() for c in line), out
     assert "\\x00\\x07" in out
     assert "`kvredis check --repair` fixes what it can" in out
+
+
+def test_a_missing_or_wrong_password_says_how_to_give_one(
+    own_redis_server: RedisServer, tmp_path: Path
+) -> None:
+    port = own_redis_server.port
+    redis.Redis(port=port).config_set("requirepass", "s3cret-pw")
+    plain = f"redis://127.0.0.1:{port}"
+    code, out = run(plain, "kvblock", "stats")
+    assert code == 1, out
+    line = out.strip()
+    assert "requires a password and none was given" in line
+    assert "KVREDIS_REDIS_PASSWORD" in line and "--password-file" in line
+    assert "--redis redis://USER:PASSWORD@HOST:PORT" in line
+    assert line.count(" at ") == 1 and "HELLO" not in line and "NOAUTH" not in line
+    code, out = run(f"redis://:wrong-pw@127.0.0.1:{port}", "kvblock", "stats")
+    assert code == 1 and "refused the user name and password" in out, out
+    assert "wrong-pw" not in out and "KVREDIS_REDIS_PASSWORD" in out
+    secret = tmp_path / "pw"
+    secret.write_text("s3cret-pw\n")
+    code, out = run(plain, "kvblock", "stats", "--password-file", str(secret))
+    assert code == 1 and "does not exist" in out, out  # authenticated: no namespace there
+
+
+def test_tls_against_a_plain_server_says_so_after_one_handshake(
+    own_redis_server: RedisServer,
+) -> None:
+    client = redis.Redis(port=own_redis_server.port)
+
+    def connections() -> int:
+        return int(client.info("stats")["total_connections_received"])
+
+    before = connections()
+    code, out = run(f"rediss://127.0.0.1:{own_redis_server.port}", "kvblock", "stats")
+    assert code == 1, out
+    assert "the server did not answer TLS" in out and "use redis:// if it does not serve TLS" in out
+    assert connections() - before == 1  # not retried: one handshake, bounded by connect_timeout

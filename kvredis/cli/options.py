@@ -22,7 +22,12 @@ from typing import Any, TypeVar
 
 import click
 
-from kvredis.errors import BackendUnavailableError, ConfigError, KVRedisError
+from kvredis.errors import (
+    BackendAuthenticationError,
+    BackendUnavailableError,
+    ConfigError,
+    KVRedisError,
+)
 
 __all__ = [
     "LOG_LEVELS",
@@ -44,6 +49,7 @@ __all__ = [
     "redis_options",
     "table",
     "token_options",
+    "unavailable_message",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -534,7 +540,7 @@ def handle_errors(f: F) -> F:
         except click.ClickException:
             raise
         except BackendUnavailableError as exc:
-            raise click.ClickException(str(exc)) from None
+            raise click.ClickException(unavailable_message(exc)) from None
         except KVRedisError as exc:
             raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
         except Exception as exc:
@@ -551,6 +557,21 @@ def handle_errors(f: F) -> F:
             raise
 
     return wrapper  # type: ignore[return-value]
+
+
+#: How the command line takes a password (said when the server asks for one).
+PASSWORD_HINT = (
+    "give the password with KVREDIS_REDIS_PASSWORD, --password-file FILE (env "
+    "KVREDIS_REDIS_PASSWORD_FILE) or in the address: --redis redis://USER:PASSWORD@HOST:PORT "
+    "(USER may be empty)"
+)
+
+
+def unavailable_message(exc: BackendUnavailableError) -> str:
+    """The one line for a server that cannot be used; a refused password says how to give one."""
+    if isinstance(exc, BackendAuthenticationError):
+        return f"{exc}; {PASSWORD_HINT}"
+    return str(exc)
 
 
 def _is_redis_error(exc: BaseException) -> bool:
