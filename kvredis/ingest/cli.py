@@ -541,11 +541,11 @@ class _Shutdown:
         name = signal.Signals(signum).name
         if self.signals == 1:
             pending = _pending(self.ingester)
-            count = "the" if pending is None else f"{sum(pending.values())}"
+            count = "the" if pending is None else f"the {sum(pending.values())}"
             _say(
-                f"received {name}: stopping; applying {count} received batches not applied yet "
-                f"(waiting at most {DRAIN_TIMEOUT_S:g} s); press Ctrl-C again to abandon them "
-                "and exit now"
+                f"received {name}: stopping; applying {count} batches received but not applied "
+                f"yet (waiting at most {DRAIN_TIMEOUT_S:g} s); press Ctrl-C again to abandon "
+                "them and exit now"
             )
             self.stop.set()
             return
