@@ -197,10 +197,8 @@ def test_ctrl_c_with_redis_down_says_how_long_it_drains_and_a_second_one_exits_a
             assert "waiting at most 30 s" in first and "abandon them and exit now" in first
             time.sleep(0.3)
             assert proc.poll() is None  # still draining: Redis is down
-            started = time.monotonic()
             proc.send_signal(signal.SIGINT)
-            code = proc.wait(timeout=10)
-            waited = time.monotonic() - started
+            code = proc.wait(timeout=10)  # the drain alone would go on for 30 s
         finally:
             if proc.poll() is None:
                 proc.kill()
@@ -208,6 +206,5 @@ def test_ctrl_c_with_redis_down_says_how_long_it_drains_and_a_second_one_exits_a
             err.close()
             proc.stderr.close()  # type: ignore[union-attr]
     assert code == 130, err.text
-    assert waited < 5, err.text
     last = err.text.splitlines()[-1]
     assert "exiting now" in last and "were not applied" in last and "pod-a:" in last, err.text
