@@ -192,7 +192,7 @@ def _open_index(redis_url: str | None, namespace: str, password: str | None) -> 
         raise
     except Exception as exc:  # e.g. a port that is not Redis: redis-py's protocol error
         raise click.ClickException(
-            f"cannot reach Redis: {config.server()} did not answer as Redis or Valkey ({exc})"
+            f"{config.server()} did not answer as Redis or Valkey ({exc})"
         ) from None
 
 
