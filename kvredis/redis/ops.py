@@ -150,10 +150,10 @@ _PASSWORD_MISSING = ("NOAUTH", "Authentication required", "HELLO must be called"
 def _refusal(server: str, reply: str) -> str:
     """What an authentication failure means, in words (the server's reply quoted last)."""
     if any(word in reply for word in _PASSWORD_MISSING):
-        return f"{server} requires a password and none was given"
+        return f"{server} requires a password and none was given (authentication failed)"
     return (
-        f"{server} refused the user name and password (wrong password, or the user is "
-        f"disabled): {reply.split(chr(10), 1)[0][:120]}"
+        f"{server} refused the user name and password (authentication failed: wrong password, "
+        f"or the user is disabled): {reply.split(chr(10), 1)[0][:120]}"
     )
 
 
