@@ -21,6 +21,7 @@ _EXPORTS: dict[str, str] = {
     "KeyType": "kvredis.types",
     "PodEntry": "kvredis.types",
     "GroupCatalog": "kvredis.groups",
+    "BackendAuthenticationError": "kvredis.errors",
     "BackendError": "kvredis.errors",
     "BackendOutOfMemoryError": "kvredis.errors",
     "UnsafeServerConfigError": "kvredis.errors",
@@ -131,6 +132,7 @@ __all__ = [
     "AsyncRedisIndex",
     "AsyncScoringIndex",
     "AsyncTracedIndex",
+    "BackendAuthenticationError",
     "BackendError",
     "BackendOutOfMemoryError",
     "BackendUnavailableError",
@@ -231,6 +233,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
     from kvredis.batch import AddOp, EvictOp, IndexOp, Watermark
     from kvredis.config import IndexConfig, new_index
     from kvredis.errors import (
+        BackendAuthenticationError,
         BackendError,
         BackendOutOfMemoryError,
         BackendUnavailableError,

@@ -44,6 +44,11 @@ class BackendUnavailableError(KVRedisError, ConnectionError):
     """The index backend (Redis/Valkey) cannot be reached or stopped answering in time."""
 
 
+class BackendAuthenticationError(BackendUnavailableError):
+    """The server asked for a password that was not given, or refused the one given (retrying
+    cannot help): pass the right user name and password."""
+
+
 class BackendError(KVRedisError, RuntimeError):
     """The backend answered with an error kvredis did not expect (server bug, wrong server)."""
 

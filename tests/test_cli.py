@@ -264,3 +264,46 @@ def test_demo_namespace_is_cleaned_up_and_password_masked(redis_server_url: str)
     shown = redis_server_url.replace("redis://", "redis://:pw-hidden@")
     masked = CliRunner().invoke(cli, ["demo", "--redis", shown, *SMALL])
     assert "pw-hidden" not in masked.output
+
+
+@pytest.mark.parametrize(
+    "spelling",
+    [
+        "1,,2",
+        "1,2,",
+        ",1,2",
+        "1, ,2",
+        '[1, 2, "3"]',
+        "[1, true]",
+        "[1, 2.0]",
+        "[1, null]",
+        "[[1]]",
+        "\uff11\uff12",  # full-width digits
+        "1 \u0662",  # an Arabic-Indic digit
+        "+1",
+        "0x10",
+        "1_000",
+    ],
+)
+def test_every_malformed_token_list_is_the_promised_error(spelling: str) -> None:
+    code, out = _keys("--tokens", spelling)
+    assert code == 2, out
+    assert "is not a token id" in out and "--tokens" in out
+
+
+def test_token_ids_beyond_uint32_are_refused_as_such() -> None:
+    code, out = _keys("--tokens", f"1 {2**32}")
+    assert code == 2 and "out of range" in out and "--tokens" in out
+    code, out = _keys("--tokens", f"1 {2**32 - 1}")
+    assert code == 0, out
+
+
+@pytest.mark.parametrize("weight", ["cpu=-1", "cpu=nan", "cpu=inf", "cpu=-inf", "cpu=\uff11"])
+def test_score_refuses_negative_non_finite_or_non_ascii_weights(weight: str) -> None:
+    result = CliRunner().invoke(
+        cli,
+        ["score", "--model", "m", "--tokens", "1,2", "--redis", "redis://127.0.0.1:1",
+         "--weight", weight],
+    )  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert "--weight" in result.output and "127.0.0.1:1" not in result.output

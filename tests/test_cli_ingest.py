@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import logging
+import signal
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
+from typing import IO
 
 import pytest
+import redis
 from click.testing import CliRunner
 
 from kvredis.cli import cli
 from kvredis.ingest.events import BlockStored
 from tests.ingest.engine import FakeEngine, wait_until
-from tests.servers import free_port
+from tests.servers import RedisServer, free_port
 from tests.test_metrics import get as _get
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -140,3 +144,67 @@ def test_password_is_masked_in_ingest_output(redis_server_url: str) -> None:
     )  # fmt: skip
     assert "topsecret9" not in proc.stdout + proc.stderr
     assert "***" in proc.stderr
+
+
+class _Lines:
+    """The lines a child process writes to a pipe, collected by a thread."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.lines: list[str] = []
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream: IO[str]) -> None:
+        for line in stream:
+            self.lines.append(line)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    def close(self) -> None:
+        self._thread.join(10)
+
+
+def test_ctrl_c_with_redis_down_says_how_long_it_drains_and_a_second_one_exits_at_once(
+    own_redis_server: RedisServer,
+) -> None:
+    namespace = f"kvt-{uuid.uuid4().hex[:12]}"
+    with FakeEngine(topic="") as engine:
+        proc = subprocess.Popen(
+            [
+                sys.executable, "-m", "kvredis", "ingest",
+                "--endpoint", engine.endpoint, "--pod", "pod-a", "--model", "m",
+                "--redis", own_redis_server.url, "--namespace", namespace,
+                "--status-interval", "60",
+            ],
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        err = _Lines(proc.stderr)  # type: ignore[arg-type]
+        try:
+            engine.wait_subscribed(30)
+            client = redis.Redis(port=own_redis_server.port)
+            engine.publish([BlockStored((1,), None, tuple(range(16)), 16)])
+            wait_until(lambda: bool(client.keys(f"{namespace}:*")), timeout=30)
+            client.close()
+            own_redis_server.stop()  # Redis goes down; the engine keeps publishing
+            for n in range(300):
+                engine.publish([BlockStored((n + 2,), None, tuple(range(16)), 16)])
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGINT)
+            wait_until(lambda: "press Ctrl-C again" in err.text, timeout=20)
+            first = err.text
+            assert "waiting at most 30 s" in first and "abandon them and exit now" in first
+            time.sleep(0.3)
+            assert proc.poll() is None  # still draining: Redis is down
+            proc.send_signal(signal.SIGINT)
+            code = proc.wait(timeout=10)  # the drain alone would go on for 30 s
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+            err.close()
+            proc.stderr.close()  # type: ignore[union-attr]
+    assert code == 130, err.text
+    last = err.text.splitlines()[-1]
+    assert "exiting now" in last and "were not applied" in last and "pod-a:" in last, err.text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import subprocess
@@ -22,6 +23,7 @@ from kvredis.hashing import ChunkedTokenDatabase, TokenProcessorConfig
 from kvredis.ingest.stream import stream_position
 from kvredis.redis.layout import Layout
 from kvredis.types import PodEntry
+from tests.servers import RedisServer
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENS = list(range(1, 13))
@@ -464,3 +466,159 @@ def test_dump_restore_keeps_speculative_deadlines(
                 assert copy.lookup(keys) == index.lookup(keys) == {k: [spec] for k in keys[:2]}
             finally:
                 copy.drop_namespace()
+
+
+@pytest.mark.parametrize("command", [["stats"], ["ingest", "--endpoint", "tcp://127.0.0.1:1"]])
+def test_a_password_with_a_raw_slash_is_masked_in_usage_errors(command: list[str]) -> None:
+    for url in ("redis://:S3cretPW/x@127.0.0.1:1", "redis://u:S3cretPW?x#y@127.0.0.1:1"):
+        result = CliRunner().invoke(cli, [*command, "--redis", url])
+        assert result.exit_code == 2, result.output
+        assert "S3cretPW" not in result.output and "--redis" in result.output
+        assert "percent-encode" in result.output
+
+
+def test_stats_pairs_match_the_pod_table_with_expiring_entries(
+    populated: RedisIndex, redis_server_url: str, namespace: str
+) -> None:
+    populated.add(None, block_keys(), [PodEntry("pod-s", speculative=True)], ttl=600)
+    populated.add(None, block_keys()[:1], [PodEntry("pod-t", speculative=True)], ttl=600)
+    stats = run_json(redis_server_url, namespace, "stats")
+    assert isinstance(stats, dict)
+    table_total = sum(sum(per.values()) for per in stats["pods"].values())
+    assert stats["pairs"] == 6 and stats["expiring_live"] == 4
+    assert stats["pairs_total"] == table_total == 10
+    code, out = run(redis_server_url, namespace, "stats", "--no-memory")
+    assert code == 0, out
+    row = next(line for line in out.splitlines() if line.startswith("(key, entry) pairs"))
+    assert row.split()[3:6] == ["10", "(6", "stored"] and "4 expiring" in row
+    assert sum(int(line.split()[-1]) for line in out.split("total\n", 1)[1].splitlines()[1:]) == 10
+
+
+@pytest.mark.parametrize("name", ["x.jsonl", "x.jsonl.gz"])
+def test_dump_to_a_missing_directory_blames_the_file_not_the_server(
+    populated: RedisIndex, redis_server_url: str, namespace: str, tmp_path: Path, name: str
+) -> None:
+    path = tmp_path / "no-such-dir" / name
+    code, out = run(redis_server_url, namespace, "dump", str(path))
+    assert code == 2, out
+    assert "server" not in out and "Redis or Valkey" not in out
+    assert f"cannot write {path}" in out and "does not exist" in out and "FILE" in out
+    assert not path.parent.exists()
+
+
+def test_dump_json_prints_a_summary(
+    populated: RedisIndex, redis_server_url: str, namespace: str, tmp_path: Path
+) -> None:
+    path = tmp_path / "dump.jsonl.gz"
+    code, out = run(redis_server_url, namespace, "dump", str(path), "--json")
+    assert code == 0, out
+    summary = json.loads(out)
+    with gzip.open(path, "rt") as fh:
+        lines = fh.read().splitlines()
+    end = json.loads(lines[-1])
+    assert summary["file"] == str(path) and summary["namespace"] == namespace
+    assert summary["layout"] == {"format": "kvredis-dump/1", "bucket_bits": 16}
+    assert summary["records"] == len(lines) and summary["keys"] == end["keys"] > 0
+    assert summary["bytes"] == sum(len(line) + 1 for line in lines)
+    assert summary["file_bytes"] == path.stat().st_size
+    code, out = run(redis_server_url, namespace, "dump", "-", "--json")
+    assert code == 2 and "--json" in out
+
+
+#: Runs ``kvredis`` with a real SIGINT sent to itself at the clear's first progress report.
+_CLEAR_INTERRUPTED = """
+import os, signal, sys
+from kvredis.redis.index import RedisIndex
+
+clear = RedisIndex.clear_with_progress
+
+def interrupted(self, pod, progress=None):
+    def report(done, removed):
+        os.kill(os.getpid(), signal.SIGINT)
+        if progress is not None:
+            progress(done, removed)
+    return clear(self, pod, report)
+
+RedisIndex.clear_with_progress = interrupted
+from kvredis.cli import main
+sys.argv[0] = "kvredis"
+main()
+"""
+
+
+def test_an_interrupted_clear_says_it_is_incomplete_and_check_says_what_to_do(
+    redis_server_url: str, namespace: str
+) -> None:
+    config = RedisIndexConfig(address=redis_server_url, namespace=namespace)
+    with RedisIndex(config) as index:
+        keys = list(range(1, 4001))
+        index.add([k + 10_000 for k in keys], keys, [A])
+        proc = subprocess.run(
+            [sys.executable, "-c", _CLEAR_INTERRUPTED, "clear", "--pod", "pod-a", "--yes",
+             "--redis", redis_server_url, "--namespace", namespace],
+            cwd=ROOT, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert proc.returncode == 130, proc.stderr
+        assert "Aborted!" not in proc.stderr
+        assert "the clear of pod 'pod-a' is incomplete" in proc.stderr
+        assert f"kvredis clear --pod pod-a --namespace {namespace} --redis" in proc.stderr
+        left = index.lookup(keys)
+        assert 0 < len(left) < len(keys)  # stopped part of the way
+        code, out = run(redis_server_url, namespace, "check", "--limit", "3")
+        assert code == 1 and "dangling_mapping" in out
+        assert "interrupted `kvredis clear`" in out and "kvredis clear --pod" in out
+        assert all(c.isprintable() for line in out.splitlines() for c in line), out
+        code, out = run(redis_server_url, namespace, "clear", "--pod", "pod-a", "--yes")
+        assert code == 0, out
+        assert run_json(redis_server_url, namespace, "check")["ok"]  # type: ignore[index]
+        assert index.lookup(keys) == {}
+
+
+def test_check_prints_binary_bucket_names_escaped(
+    populated: RedisIndex, redis_server_url: str, namespace: str
+) -> None:
+    layout = populated._session.state.layout
+    bucket = layout.rprefix + b"\x00\x07"
+    populated.client.hset(bucket, b"\x01" * 8, b"")  # an empty field in a binary-named bucket
+    code, out = run(redis_server_url, namespace, "check")
+    assert code == 1 and "empty_field" in out
+    assert all(c.isprintable() for line in out.splitlines() for c in line), out
+    assert "\\x00\\x07" in out
+    assert "`kvredis check --repair` fixes what it can" in out
+
+
+def test_a_missing_or_wrong_password_says_how_to_give_one(
+    own_redis_server: RedisServer, tmp_path: Path
+) -> None:
+    port = own_redis_server.port
+    redis.Redis(port=port).config_set("requirepass", "s3cret-pw")
+    plain = f"redis://127.0.0.1:{port}"
+    code, out = run(plain, "kvblock", "stats")
+    assert code == 1, out
+    line = out.strip()
+    assert "requires a password and none was given" in line
+    assert "KVREDIS_REDIS_PASSWORD" in line and "--password-file" in line
+    assert "--redis redis://USER:PASSWORD@HOST:PORT" in line
+    assert line.count(" at ") == 1 and "HELLO" not in line and "NOAUTH" not in line
+    code, out = run(f"redis://:wrong-pw@127.0.0.1:{port}", "kvblock", "stats")
+    assert code == 1 and "refused the user name and password" in out, out
+    assert "wrong-pw" not in out and "KVREDIS_REDIS_PASSWORD" in out
+    secret = tmp_path / "pw"
+    secret.write_text("s3cret-pw\n")
+    code, out = run(plain, "kvblock", "stats", "--password-file", str(secret))
+    assert code == 1 and "does not exist" in out, out  # authenticated: no namespace there
+
+
+def test_tls_against_a_plain_server_says_so_after_one_handshake(
+    own_redis_server: RedisServer,
+) -> None:
+    client = redis.Redis(port=own_redis_server.port)
+
+    def connections() -> int:
+        return int(client.info("stats")["total_connections_received"])
+
+    before = connections()
+    code, out = run(f"rediss://127.0.0.1:{own_redis_server.port}", "kvblock", "stats")
+    assert code == 1, out
+    assert "the server did not answer TLS" in out and "use redis:// if it does not serve TLS" in out
+    assert connections() - before == 1  # not retried: one handshake, bounded by connect_timeout

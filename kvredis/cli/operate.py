@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
+import os
+import shlex
 import shutil
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from typing import IO, Any
 
 import click
@@ -26,6 +29,7 @@ from kvredis.cli.options import (
     redis_options,
     table,
 )
+from kvredis.errors import BackendError, BackendUnavailableError
 
 __all__ = ["COMMANDS"]
 
@@ -141,10 +145,18 @@ def stats(
         ("bucket bits", result.bucket_bits),
         ("keys", result.keys),
         ("request keys", result.request_keys),
-        ("(key, entry) pairs", result.pairs),
+        (
+            "(key, entry) pairs",
+            f"{result.pairs_total} ({result.pairs} stored + {result.expiring_live} expiring; "
+            "the pods' total)",
+        ),
         ("engine keys", result.engine_keys),
         ("engine mappings", result.engine_mappings),
-        ("expiring entries", result.expiring_entries),
+        (
+            "expiring entries",
+            f"{result.expiring_entries} ({result.expiring_live} live, "
+            f"{result.expiring_entries - result.expiring_live} past due)",
+        ),
         ("dictionary entries", result.dictionary_entries),
         ("watermarks", result.watermarks),
         ("pods", len(result.pods)),
@@ -245,6 +257,29 @@ def lookup(
         click.echo(table(("pod", "blocks", "tokens", "tiers"), rows))
 
 
+def _weights(items: tuple[str, ...]) -> dict[str, float]:
+    """``--weight TIER=W`` values: a tier name and a finite weight >= 0, each tier once."""
+    medium: dict[str, float] = {}
+    for item in items:
+        tier, sep, text = item.partition("=")
+        try:
+            if not sep or not tier.strip() or not text.isascii():
+                raise ValueError
+            value = float(text)
+        except ValueError:
+            raise click.BadParameter(
+                f"expected TIER=WEIGHT (e.g. cpu=0.8), got {item!r}", param_hint="--weight"
+            ) from None
+        if not math.isfinite(value) or value < 0:
+            raise click.BadParameter(
+                f"{item!r}: a weight is a finite number >= 0 (e.g. cpu=0.8)", param_hint="--weight"
+            )
+        if tier in medium:
+            raise click.BadParameter(f"tier {tier!r} is given twice", param_hint="--weight")
+        medium[tier] = value
+    return medium
+
+
 @_command("kvredis score --model m --tokens 1,2,3,4 --block-size 2 --weight gpu=1 --weight cpu=0.8")
 @prompt_options
 @_POD_FILTER
@@ -261,17 +296,7 @@ def score(
     as_json: bool,
 ) -> None:
     """Per-pod longest-prefix scores of a prompt, as a router computes them."""
-    medium = {}
-    for item in weights:
-        tier, sep, value = item.partition("=")
-        try:
-            if not sep or not tier:
-                raise ValueError
-            medium[tier] = float(value)
-        except ValueError:
-            raise click.BadParameter(
-                f"expected TIER=WEIGHT, got {item!r}", param_hint="--weight"
-            ) from None
+    medium = _weights(weights)
     keys = _block_keys(prompt)
     with _index(target) as index:
         scores = index.score(keys, medium or None, set(pods_filter) if pods_filter else None)
@@ -314,15 +339,40 @@ def clear(
             total = len(inspector.run(op_scan(layout.request_pattern())))
             total += len(inspector.run(op_scan(layout.engine_pattern())))
     bar = progress_bar(f"clearing {pod}", no_progress)
+    again = _clear_again(target, pod)
     try:
         with _index(target) as index:
             removed = index.clear_with_progress(pod, lambda done, _n: bar(done, max(total, done)))
+    except KeyboardInterrupt:
+        bar.close()
+        click.echo(
+            f"Interrupted: the clear of pod {pod!r} is incomplete (some of its entries and the "
+            f"engine mappings leading to them are left; `kvredis check` reports those as "
+            f"dangling_mapping). Run it again to finish:\n  {again}",
+            err=True,
+        )
+        sys.exit(130)
+    except (BackendUnavailableError, BackendError) as exc:
+        raise click.ClickException(
+            f"{exc}\nThe clear of pod {pod!r} is incomplete; once the server answers, run it "
+            f"again to finish:\n  {again}"
+        ) from None
     finally:
         bar.close()
     if as_json:
         echo_json({"pod": pod, "removed": removed})
     else:
         click.echo(f"removed {removed} (key, entry) pairs of pod {pod!r}")
+
+
+def _clear_again(target: RedisTarget, pod: str) -> str:
+    """The command that finishes an interrupted clear of ``pod``."""
+    shown = target.shown
+    command = (
+        f"kvredis clear --pod {shlex.quote(pod)} --namespace {shlex.quote(target.namespace)} "
+        f"--redis {shlex.quote(shown)} --yes"
+    )
+    return command + ("  (with your password in place of ***)" if "***" in shown else "")
 
 
 # -- check --------------------------------------------------------------------------------------
@@ -363,6 +413,7 @@ def check(
                 "ok": report.ok,
                 "counts": report.counts(),
                 "findings": [f.as_json() for f in report.findings],
+                "hints": _check_hints(report, target, repair),
             }
         )
     else:
@@ -380,8 +431,33 @@ def check(
                 click.echo(f"  {mark}: {f.problem.value} in {f.as_json()['key']}{fld}: {f.detail}")
             if len(shown) < len(report.findings):
                 click.echo(f"  ... {len(report.findings) - len(shown)} more (--limit 0 lists all)")
+        for hint in _check_hints(report, target, repair):
+            click.echo(hint)
     if not report.ok:
         sys.exit(1)
+
+
+def _check_hints(report: Any, target: RedisTarget, repair: bool) -> list[str]:
+    """What to do about what is left broken."""
+    from kvredis.redis.inspect import Problem
+
+    left = [f for f in report.findings if not f.repaired]
+    hints = []
+    dangling = sum(f.problem is Problem.DANGLING_MAPPING for f in left)
+    if dangling:
+        hints.append(
+            f"{dangling} dangling_mapping: engine keys whose request keys hold no entry any "
+            "more, what an interrupted `kvredis clear` leaves behind. Run the clear of that "
+            f"pod again to finish it: {_clear_again(target, 'POD')}"
+            + (
+                ""
+                if repair
+                else "; or remove them with `kvredis check --repair` (stop the writers first)"
+            )
+        )
+    if left and not repair and len(left) > dangling:
+        hints.append("`kvredis check --repair` fixes what it can (stop the writers first)")
+    return hints
 
 
 # -- watermarks ---------------------------------------------------------------------------------
@@ -456,27 +532,60 @@ def _open(path: str, mode: str) -> IO[str]:
     return open(path, mode, encoding="utf-8")
 
 
+def _open_output(path: str) -> IO[str]:
+    """``path`` opened for writing (BadParameter naming it when the file cannot be created)."""
+    try:
+        return _open(path, "w")
+    except OSError as exc:
+        parent = os.path.dirname(os.path.abspath(path))
+        hint = "" if os.path.isdir(parent) else f" (the directory {parent} does not exist)"
+        raise click.BadParameter(
+            f"cannot write {path}: {exc.strerror or exc}{hint}", param_hint="FILE"
+        ) from None
+
+
+class _CountingWriter:
+    """Writes JSON records, one per line, counting records and (uncompressed) bytes."""
+
+    def __init__(self, out: IO[str]) -> None:
+        self.out = out
+        self.records = 0
+        self.bytes = 0
+
+    def __call__(self, record: Any) -> None:
+        line = json.dumps(record, separators=(",", ":")) + "\n"
+        self.out.write(line)
+        self.records += 1
+        self.bytes += len(line.encode("utf-8"))
+
+
 @_command("kvredis dump kvblock-$(date +%F).jsonl.gz --namespace kvblock")
 @click.argument("file", metavar="FILE")
 @_NO_PROGRESS
-def dump(target: RedisTarget, namespace: str, file: str, no_progress: bool) -> None:
+@json_option
+def dump(target: RedisTarget, namespace: str, file: str, no_progress: bool, as_json: bool) -> None:
     """Export a namespace to FILE (JSON lines; gzip if it ends in .gz; '-': stdout).
 
-    `kvredis restore` loads it back, on this server or another, byte for byte.
+    `kvredis restore` loads it back, on this server or another, byte for byte. With --json, a
+    summary (records, keys, bytes, namespace, layout) is printed on stdout.
     """
     from kvredis.redis.inspect import DUMP_FORMAT, op_dump
 
+    if as_json and file == "-":
+        raise click.UsageError(
+            "--json prints the summary on stdout, which FILE '-' takes: name a file"
+        )
+    parent = os.path.dirname(os.path.abspath(file))
+    if file != "-" and not os.path.isdir(parent):
+        raise click.BadParameter(
+            f"cannot write {file}: the directory {parent} does not exist", param_hint="FILE"
+        )
     with _inspector(target) as inspector:
         layout = _existing_layout(inspector, target)
-        out = _open(file, "w")
-        records = 0
-
-        def write(record: Any) -> None:
-            nonlocal records
-            records += 1
-            out.write(json.dumps(record, separators=(",", ":")) + "\n")
-
+        out = _open_output(file)
+        write = _CountingWriter(out)
         bar = progress_bar("dumping", no_progress)
+        complete = False
         try:
             write(
                 {
@@ -486,13 +595,37 @@ def dump(target: RedisTarget, namespace: str, file: str, no_progress: bool) -> N
                 }
             )
             keys = inspector.run(op_dump(layout, write, bar))
-            write({"end": True, "keys": keys, "records": records - 1})
-        finally:
-            bar.close()
+            write({"end": True, "keys": keys, "records": write.records - 1})
             if file != "-":
                 out.close()
-            else:
+            complete = True
+        except OSError as exc:
+            if isinstance(exc, ConnectionError):
+                raise
+            raise click.ClickException(
+                f"cannot write {file}: {exc.strerror or exc}; the dump is incomplete (restore "
+                "refuses it): free space or pick another FILE, then run the dump again"
+            ) from None
+        finally:
+            bar.close()
+            if file == "-":
                 out.flush()
+            elif not complete:
+                with suppress(OSError):
+                    out.close()
+    if as_json:
+        echo_json(
+            {
+                "file": file,
+                "namespace": layout.namespace,
+                "layout": {"format": DUMP_FORMAT, "bucket_bits": layout.bucket_bits},
+                "keys": keys,
+                "records": write.records,
+                "bytes": write.bytes,
+                "file_bytes": os.path.getsize(file),
+            }
+        )
+        return
     click.echo(f"dumped {keys} keys of namespace {layout.namespace!r} to {file}", err=True)
 
 

@@ -22,7 +22,12 @@ from typing import Any, TypeVar
 
 import click
 
-from kvredis.errors import BackendUnavailableError, ConfigError, KVRedisError
+from kvredis.errors import (
+    BackendAuthenticationError,
+    BackendUnavailableError,
+    ConfigError,
+    KVRedisError,
+)
 
 __all__ = [
     "LOG_LEVELS",
@@ -44,6 +49,7 @@ __all__ = [
     "redis_options",
     "table",
     "token_options",
+    "unavailable_message",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -253,35 +259,55 @@ def redis_options(
 
 # -- token input --------------------------------------------------------------------------------
 
-_TOKEN_SPLIT = re.compile(r"[\s,]+")
+# Elements are separated by one comma (with any whitespace around it) or by whitespace alone.
+_TOKEN_SPLIT = re.compile(r"\s*,\s*|\s+")
+_TOKEN_ID = re.compile(r"-?[0-9]+")
+_NOT_A_TOKEN = "is not a token id (expected integers separated by commas or spaces)"
+#: Token ids are uint32, as the engines send them.
+MAX_TOKEN_ID = 2**32 - 1
 
 
 def parse_tokens(text: str, where: str = "--tokens") -> list[int]:
-    """Token ids from text: separated by commas and/or whitespace, or a JSON array."""
+    """Token ids from text: separated by commas and/or whitespace, or a JSON array of integers.
+
+    Every malformed element is an error saying it ``is not a token id``: an empty element
+    (``1,,2`` or a trailing comma), anything but ASCII digits (full-width digits, ``1.0``,
+    ``0x10``), a JSON element that is not an integer (``"3"``, ``true``, ``1.5``); so is an id
+    outside ``0..2**32-1``.
+    """
     stripped = text.strip()
     if stripped.startswith("["):
         try:
             values = json.loads(stripped)
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, RecursionError) as exc:
             raise click.BadParameter(f"not a JSON array: {exc}", param_hint=where) from None
         if not isinstance(values, list):
             raise click.BadParameter("expected a JSON array of token ids", param_hint=where)
-        parts: Iterable[object] = values
+        for n, value in enumerate(values):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise click.BadParameter(
+                    f"element {n} ({json.dumps(value)}) {_NOT_A_TOKEN}", param_hint=where
+                )
+        parts: list[str] = [str(v) for v in values]
     else:
-        parts = [p for p in _TOKEN_SPLIT.split(stripped) if p]
+        parts = _TOKEN_SPLIT.split(stripped) if stripped else []
     tokens = []
-    for part in parts:
-        if isinstance(part, bool) or not isinstance(part, (int, str)):
-            raise click.BadParameter(f"{part!r} is not a token id", param_hint=where)
-        try:
-            value = int(part)
-        except ValueError:
+    for n, part in enumerate(parts):
+        if not part:
             raise click.BadParameter(
-                f"{part!r} is not a token id (expected integers separated by commas or spaces)",
+                f"element {n} is empty (two commas in a row, or a comma at an end): "
+                f"'' {_NOT_A_TOKEN}",
                 param_hint=where,
-            ) from None
+            )
+        if not part.isascii() or _TOKEN_ID.fullmatch(part) is None:
+            raise click.BadParameter(f"{part!r} {_NOT_A_TOKEN}", param_hint=where)
+        value = int(part)
         if value < 0:
             raise click.BadParameter(f"token id {value} is negative", param_hint=where)
+        if value > MAX_TOKEN_ID:
+            raise click.BadParameter(
+                f"token id {value} is out of range (0..{MAX_TOKEN_ID})", param_hint=where
+            )
         tokens.append(value)
     if not tokens:
         raise click.BadParameter("no token ids given", param_hint=where)
@@ -514,10 +540,14 @@ def handle_errors(f: F) -> F:
         except click.ClickException:
             raise
         except BackendUnavailableError as exc:
-            raise click.ClickException(str(exc)) from None
+            raise click.ClickException(unavailable_message(exc)) from None
         except KVRedisError as exc:
             raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
         except Exception as exc:
+            if isinstance(exc, OSError) and not isinstance(exc, ConnectionError) and exc.filename:
+                raise click.ClickException(  # a local file, not the server
+                    f"cannot access {exc.filename}: {exc.strerror or exc}"
+                ) from None
             if _is_redis_error(exc) or isinstance(exc, OSError):
                 target = kwargs.get("target")
                 where = f" at {target.shown}" if isinstance(target, RedisTarget) else ""
@@ -527,6 +557,21 @@ def handle_errors(f: F) -> F:
             raise
 
     return wrapper  # type: ignore[return-value]
+
+
+#: How the command line takes a password (said when the server asks for one).
+PASSWORD_HINT = (
+    "give the password with KVREDIS_REDIS_PASSWORD, --password-file FILE (env "
+    "KVREDIS_REDIS_PASSWORD_FILE) or in the address: --redis redis://USER:PASSWORD@HOST:PORT "
+    "(USER may be empty)"
+)
+
+
+def unavailable_message(exc: BackendUnavailableError) -> str:
+    """The one line for a server that cannot be used; a refused password says how to give one."""
+    if isinstance(exc, BackendAuthenticationError):
+        return f"{exc}; {PASSWORD_HINT}"
+    return str(exc)
 
 
 def _is_redis_error(exc: BaseException) -> bool:

@@ -11,8 +11,10 @@ describe that publisher::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import re
 import signal
 import socket
@@ -31,6 +33,7 @@ from kvredis.cli.options import (
     handle_errors,
     password_file_option,
     read_password,
+    unavailable_message,
 )
 from kvredis.errors import BackendUnavailableError, ConfigError, KVRedisError
 from kvredis.hashing import HASH_ALGOS, ChunkedTokenDatabase, TokenProcessorConfig
@@ -55,6 +58,8 @@ _GROUP_OPTIONS = {
     "--topic-filter": "topic_filter",
     "--stream": "stream",
 }
+#: Seconds a stop waits for the received batches to be applied (a second Ctrl-C abandons them).
+DRAIN_TIMEOUT_S = 30.0
 _ZMQ_ENDPOINT = re.compile(r"^(tcp://[^\s/]+:(\d+|\*)|ipc://\S+|inproc://\S+)$")
 _META_KEY = "kvredis.ingest.args"
 
@@ -182,12 +187,12 @@ def _open_index(redis_url: str | None, namespace: str, password: str | None) -> 
     try:
         return new_redis_index(config)
     except BackendUnavailableError as exc:
-        raise click.ClickException(f"cannot reach Redis: {exc}") from None
+        raise click.ClickException(unavailable_message(exc)) from None
     except KVRedisError:
         raise
     except Exception as exc:  # e.g. a port that is not Redis: redis-py's protocol error
         raise click.ClickException(
-            f"cannot reach Redis: {config.server()} did not answer as Redis or Valkey ({exc})"
+            f"{config.server()} did not answer as Redis or Valkey ({exc})"
         ) from None
 
 
@@ -437,7 +442,7 @@ def ingest(
             ) from None
         logger.info("serving /metrics, /healthz and /readyz on port %d", probes.port)
     stop = threading.Event()
-    previous = _install_signal_handlers(stop)
+    previous = _install_signal_handlers(_Shutdown(stop, ingester))
     try:
         ingester.start()
         logger.info(
@@ -461,7 +466,8 @@ def ingest(
     except KVRedisError as exc:
         raise click.ClickException(str(exc)) from None
     finally:
-        drained = ingester.stop(drain=True)
+        drained = ingester.stop(drain=True, timeout=DRAIN_TIMEOUT_S)
+        left = {} if drained else _pending(ingester)
         logger.info("stopped: %s", ingester.status_line())
         _restore_signal_handlers(previous)
         if probes is not None:
@@ -469,7 +475,9 @@ def ingest(
         if isinstance(index, Closeable):
             index.close()
     if not drained:
-        raise click.ClickException("shutdown timed out before every received batch was applied")
+        raise click.ClickException(
+            f"shutdown waited {DRAIN_TIMEOUT_S:g} s for the received batches; {_not_applied(left)}"
+        )
     hint = _unidentified(ingester)
     if hint is not None:
         raise click.ClickException(hint)
@@ -493,14 +501,68 @@ def _setup_logging(ctx: click.Context) -> None:
         log.setLevel(logging.INFO)
 
 
-def _install_signal_handlers(stop: threading.Event) -> dict[int, Any]:
+def _pending(ingester: EventIngester, timeout: float = 1.0) -> dict[str, int] | None:
+    """Batches received and not yet applied, per stream; ``None`` if that cannot be told
+    within ``timeout`` (asked from another thread: a signal handler must never block)."""
+    found: list[dict[str, int]] = []
+    thread = threading.Thread(
+        target=lambda: found.append(ingester.stream_lags()), name="kvredis-pending", daemon=True
+    )
+    thread.start()
+    thread.join(timeout)
+    return {name: n for name, n in found[0].items() if n} if found else None
+
+
+def _not_applied(pending: dict[str, int] | None) -> str:
+    """``what was not applied``, in words."""
+    if pending is None:
+        return "the batches still queued were not applied"
+    if not pending:
+        return "every received batch was applied or abandoned"
+    streams = ", ".join(f"{name}: {n}" for name, n in sorted(pending.items()))
+    return (
+        f"{sum(pending.values())} received batches were not applied ({streams}); their "
+        "events are missing from the index until the engines send them again (a stream with "
+        "--replay fetches them when ingest starts)"
+    )
+
+
+class _Shutdown:
+    """The SIGINT/SIGTERM handler: the first signal stops and drains (saying how long it may
+    wait), a second one exits at once (status 128 + signal), saying what was not applied."""
+
+    def __init__(self, stop: threading.Event, ingester: EventIngester) -> None:
+        self.stop = stop
+        self.ingester = ingester
+        self.signals = 0
+
+    def __call__(self, signum: int, _frame: FrameType | None) -> None:
+        self.signals += 1
+        name = signal.Signals(signum).name
+        if self.signals == 1:
+            pending = _pending(self.ingester)
+            count = "the" if pending is None else f"the {sum(pending.values())}"
+            _say(
+                f"received {name}: stopping; applying {count} batches received but not applied "
+                f"yet (waiting at most {DRAIN_TIMEOUT_S:g} s); press Ctrl-C again to abandon "
+                "them and exit now"
+            )
+            self.stop.set()
+            return
+        _say(f"received {name} again: exiting now; {_not_applied(_pending(self.ingester))}")
+        os._exit(128 + signum)
+
+
+def _say(line: str) -> None:
+    """Write one line to stderr from a signal handler (never through a buffered stream that
+    the interrupted code may be writing to)."""
+    with contextlib.suppress(OSError):
+        os.write(2, f"kvredis ingest: {line}\n".encode("utf-8", "replace"))
+
+
+def _install_signal_handlers(handler: _Shutdown) -> dict[int, Any]:
     if threading.current_thread() is not threading.main_thread():
         return {}
-
-    def handler(signum: int, _frame: FrameType | None) -> None:
-        logger.info("received %s, draining and stopping", signal.Signals(signum).name)
-        stop.set()
-
     previous: dict[int, Any] = {}
     for sig in (signal.SIGINT, signal.SIGTERM):
         previous[sig] = signal.signal(sig, handler)

@@ -120,6 +120,10 @@ class Rejection:
     detail: str
     position: int | None = None
 
+    def __post_init__(self) -> None:
+        if not self.detail.strip():  # a log line must say why, even for a silent exception
+            object.__setattr__(self, "detail", f"{self.reason.value} (no further detail)")
+
 
 @dataclass(frozen=True, slots=True)
 class BlockStored:
@@ -504,8 +508,23 @@ def decode_batch(payload: bytes) -> DecodedBatch:
             payload, raw=False, strict_map_key=False, unicode_errors="surrogateescape"
         )
     except Exception as exc:
-        return _reject_batch(RejectReason.MALFORMED_PAYLOAD, f"{type(exc).__name__}: {exc}"[:200])
+        return _reject_batch(RejectReason.MALFORMED_PAYLOAD, _undecodable(exc, bytes(payload)))
     return decode_batch_object(obj)
+
+
+def _undecodable(exc: Exception, payload: bytes) -> str:
+    """Why msgpack could not decode ``payload``: its error, never an empty reason (msgpack's
+    ``FormatError`` for a reserved type byte such as ``0xc1`` has no message), and the first
+    bytes of the payload."""
+    reason = str(exc).strip() or (
+        "not msgpack (a reserved type byte)"
+        if type(exc).__name__ == "FormatError"
+        else "msgpack could not decode it"
+    )
+    if not payload:
+        return f"{type(exc).__name__}: {reason} (an empty payload)"
+    head = payload[:16].hex(" ") + (" ..." if len(payload) > 16 else "")
+    return f"{type(exc).__name__}: {reason} (payload of {len(payload)} bytes: {head})"[:200]
 
 
 def parse_topic(topic: str) -> tuple[str | None, str | None]:

@@ -45,8 +45,6 @@ _SCHEMES: dict[str, tuple[str, bool]] = {
 CLUSTER_SUFFIX = "+cluster"
 
 _SCHEME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
-# The password runs to the last "@" of the authority (a password may contain "@").
-_PASSWORD_RE = re.compile(r"^((?:[A-Za-z][A-Za-z0-9+.-]*://)?[^:@/]*:)([^/?#]*)(@)")
 _QUERY_PASSWORD_RE = re.compile(r"([?&]password=)([^&#]*)")
 
 
@@ -75,8 +73,39 @@ class RedisAddress:
 
 
 def mask_password(address: str) -> str:
-    """``address`` with its password (``scheme://user:password@`` or ``?password=``) as ``***``."""
-    return _QUERY_PASSWORD_RE.sub(r"\1***", _PASSWORD_RE.sub(r"\1***\3", address))
+    """``address`` with its password (``scheme://user:password@`` or ``?password=``) as ``***``.
+
+    The user part runs from ``//`` to the LAST ``@`` of the address, whatever it holds: a
+    password with a raw ``@``, ``/``, ``?`` or ``#`` is masked whole even though such an
+    address does not parse. The user name before the first ``:`` stays; without a ``:``, the
+    part is kept as a user name unless it holds ``/``, ``?`` or ``#`` (then it is masked).
+    """
+    text = _QUERY_PASSWORD_RE.sub(r"\1***", address)
+    match = _SCHEME_RE.match(text)
+    start = match.end() if match else 0
+    at = text.rfind("@", start)
+    if at < 0:
+        return text
+    user, colon, _password = text[start:at].partition(":")
+    if colon:
+        return f"{text[:start]}{user}:***{text[at:]}"
+    if any(c in user for c in "/?#"):
+        return f"{text[:start]}***{text[at:]}"
+    return text
+
+
+def _check_userinfo(text: str, start: int, shown: str) -> None:
+    """Refuse a user part holding a raw ``/``, ``?`` or ``#`` (it would be read as the path,
+    query or fragment, and the password as the host)."""
+    text = _QUERY_PASSWORD_RE.sub(r"\1", text)  # a query password may hold "@"
+    at = text.rfind("@", start)
+    if at >= 0 and any(c in text[start:at] for c in "/?#"):
+        raise ConfigError(
+            f"address {shown!r}: the user name or password holds a raw '/', '?' or '#': "
+            "percent-encode it (%2F, %3F, %23) or pass the password apart from the address "
+            "(the password setting; KVREDIS_REDIS_PASSWORD or --password-file FILE for the "
+            "kvredis command line)"
+        )
 
 
 def _parse_db(text: str, shown: str) -> int:
@@ -110,6 +139,7 @@ def parse_address(address: str) -> RedisAddress:
     transport, tls = _SCHEMES[scheme]
     cluster = scheme.endswith(CLUSTER_SUFFIX)
     start = text.index("://") + 3
+    _check_userinfo(text, start, shown)
     end = min((i for i in map(text.find, "/?#", (start,) * 3) if i >= 0), default=len(text))
     userinfo, at, hosts = text[start:end].rpartition("@")
     if "," in hosts and not cluster:

@@ -14,6 +14,8 @@ in turn, the primary when none serves); the route is the same for both executors
 from __future__ import annotations
 
 import asyncio
+import socket
+import ssl
 import threading
 import time
 from collections.abc import Generator, Sequence
@@ -61,8 +63,43 @@ _CODES: dict[type[BaseException], str] = {
 }
 
 
+class TlsHandshakeError(redis.ConnectionError):
+    """The TLS handshake got no TLS answer: it timed out, or the peer answered in plain text."""
+
+
+def _not_tls(exc: BaseException) -> bool:
+    """Whether a handshake error means the peer does not speak TLS (not: a certificate it
+    presented was refused, or it sent a TLS alert)."""
+    if isinstance(exc, (socket.timeout, ssl.SSLEOFError, ssl.SSLZeroReturnError)):
+        return True
+    if isinstance(exc, ssl.SSLCertVerificationError) or not isinstance(exc, ssl.SSLError):
+        return False
+    return "ALERT" not in str(exc.reason or "").upper()
+
+
+class _TlsConnection(redis.SSLConnection):
+    """redis-py's TLS connection, telling a peer that does not answer TLS apart (the handshake
+    is bounded by ``socket_connect_timeout``, as redis-py does)."""
+
+    def _wrap_socket_with_ssl(self, sock: Any) -> Any:
+        try:
+            return super()._wrap_socket_with_ssl(sock)  # type: ignore[no-untyped-call]
+        except OSError as exc:
+            if not _not_tls(exc):
+                raise
+            if isinstance(exc, socket.timeout):
+                detail = f"no TLS handshake within {self.socket_connect_timeout:g} s"
+            else:
+                detail = f"the TLS handshake failed: {exc}"
+            raise TlsHandshakeError(detail) from exc
+
+
 def failure(exc: BaseException) -> rq.Failure:
     """The failure value of a redis-py exception (an error reply keeps its code in front)."""
+    if isinstance(exc, TlsHandshakeError):
+        return rq.TlsFailed(str(exc))
+    if isinstance(exc, redis.ConnectionError) and _not_tls_cause(exc):
+        return rq.TlsFailed(f"the TLS handshake failed: {exc}")
     if isinstance(exc, redis.AuthenticationError):
         return rq.AuthenticationFailed(str(exc))
     if isinstance(exc, redis.exceptions.InvalidResponse):
@@ -71,6 +108,13 @@ def failure(exc: BaseException) -> rq.Failure:
         code = getattr(exc, "status_code", None) or _CODES.get(type(exc))
         return rq.ErrorReply(f"{code} {exc}" if code else str(exc))
     return rq.ConnectionLost(str(exc))
+
+
+def _not_tls_cause(exc: BaseException) -> bool:
+    """Whether ``exc`` was caused by an SSL error meaning the peer does not speak TLS (the
+    asyncio client's handshake)."""
+    cause = exc.__cause__
+    return isinstance(cause, ssl.SSLError) and _not_tls(cause)
 
 
 def _replies(replies: Sequence[Any]) -> list[Any]:
@@ -93,7 +137,10 @@ def _pool(config: RedisIndexConfig, address: RedisAddress, lib: ModuleType, retr
     else:
         kwargs["host"] = address.host
         kwargs["port"] = address.port
-        connection_class = lib.SSLConnection if address.tls else lib.Connection
+        if address.tls:
+            connection_class = _TlsConnection if lib is redis else lib.SSLConnection
+        else:
+            connection_class = lib.Connection
     if address.tls:
         kwargs.update(
             ssl_ca_certs=config.tls_ca_file,

@@ -340,6 +340,10 @@ class NamespaceStats:
     expiring_entries: int = 0
     """(request key, entry) pairs of speculative entries added with a ttl, past due or not (not
     in ``pairs``; the live ones count in ``pods``)."""
+    expiring_live: int = 0
+    """Those of ``expiring_entries`` before their deadline."""
+    pairs_total: int = 0
+    """``pairs`` + ``expiring_live``: the total of ``pods``."""
     dictionary_entries: int = 0
     watermarks: int = 0
     bytes_used: int = 0
@@ -401,6 +405,8 @@ def op_stats(layout: Layout, progress: Progress = _noop, memory: bool = True) ->
     buckets = [k for k in keys if k.startswith(kinds)]
     yield from op_read_hashes(buckets, visit, progress)
     stats.pairs = sum(per_id.values())
+    stats.expiring_live = sum(live.values())
+    stats.pairs_total = stats.pairs + stats.expiring_live
     pods: dict[str, dict[str, int]] = {}
     for entry_id, count in (per_id + live).items():
         entry = dictionary.entries.get(entry_id)
@@ -473,7 +479,12 @@ class Finding:
 
 
 def _show(data: bytes) -> str:
-    return data.decode("utf-8", "backslashreplace")
+    """Key bytes as printable text: UTF-8 where it decodes, Python escapes (``\\x00``) for the
+    rest and for control characters (bucket suffixes are binary)."""
+    text = data.decode("utf-8", "backslashreplace")
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
 
 
 @dataclass

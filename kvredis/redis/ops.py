@@ -46,6 +46,7 @@ from kvredis.checks import (
     pod_filter,
 )
 from kvredis.errors import (
+    BackendAuthenticationError,
     BackendError,
     BackendUnavailableError,
     CallBudgetError,
@@ -82,6 +83,7 @@ from kvredis.redis.requests import (
     Request,
     ScriptCall,
     Sleep,
+    TlsFailed,
 )
 from kvredis.redis.scripts import ScriptRegistry
 from kvredis.redis.state import CoreState, EntryCache
@@ -127,12 +129,32 @@ class RetryPolicy:
     def unavailable(self, failure: Failure) -> BackendUnavailableError:
         """The error a request raises when it gives up."""
         if isinstance(failure, AuthenticationFailed):
-            what = "authentication failed at"
-        elif isinstance(failure, NotRedis):
+            return BackendAuthenticationError(_refusal(self.server, failure.message))
+        if isinstance(failure, TlsFailed):
+            return BackendUnavailableError(
+                f"{self.server}: the server did not answer TLS ({failure.message}); use "
+                "redis:// if it does not serve TLS"
+            )
+        if isinstance(failure, NotRedis):
             what = "no Redis/Valkey server answers (wrong port?) at"
         else:
             what = "cannot reach"
         return BackendUnavailableError(f"{what} {self.server}: {failure.message}")
+
+
+#: Words of a server's reply when a client sent no password (Redis, Valkey: NOAUTH, and the
+#: HELLO refusal redis-py reports without its code).
+_PASSWORD_MISSING = ("NOAUTH", "Authentication required", "HELLO must be called")
+
+
+def _refusal(server: str, reply: str) -> str:
+    """What an authentication failure means, in words (the server's reply quoted last)."""
+    if any(word in reply for word in _PASSWORD_MISSING):
+        return f"{server} requires a password and none was given (authentication failed)"
+    return (
+        f"{server} refused the user name and password (authentication failed: wrong password, "
+        f"or the user is disabled): {reply.split(chr(10), 1)[0][:120]}"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,7 +225,7 @@ def op_send(session: Session, request: Request) -> Op[Any]:
             if isinstance(request, Pipeline):
                 return (yield from _pipeline(registry, request.items))
             return (yield request)
-        except (AuthenticationFailed, NotRedis) as failure:
+        except (AuthenticationFailed, NotRedis, TlsFailed) as failure:
             raise policy.unavailable(failure) from failure
         except (ConnectionLost, ErrorReply) as failure:
             if isinstance(failure, ErrorReply) and failure.code not in TRANSIENT_REPLIES:

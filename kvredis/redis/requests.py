@@ -102,6 +102,11 @@ class AuthenticationFailed(Failure):
     """The server refused the credentials (retrying cannot help)."""
 
 
+class TlsFailed(Failure):
+    """The TLS handshake got no TLS answer (it timed out, or the peer answered in plain text):
+    the server does not serve TLS on that port (retrying cannot help)."""
+
+
 class NotRedis(Failure):
     """The peer does not speak the Redis protocol (an HTTP server on that port; retrying cannot
     help)."""

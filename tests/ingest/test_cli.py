@@ -67,7 +67,8 @@ def test_unreachable_redis_exits_non_zero() -> None:
         ingest, ["--endpoint", "tcp://127.0.0.1:1", "--redis", "redis://127.0.0.1:1"]
     )
     assert result.exit_code == 1
-    assert "cannot reach Redis" in result.output
+    assert "cannot reach redis at redis://127.0.0.1:1" in result.output
+    assert result.output.lower().count("cannot reach") == 1
 
 
 def test_endpoint_groups_in_any_spelling(caplog: pytest.LogCaptureFixture) -> None:

@@ -15,6 +15,7 @@ from kvredis.ingest.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    Rejection,
     RejectReason,
     WireError,
     decode_batch,
@@ -435,3 +436,17 @@ def test_the_ingester_counts_a_none_payload_as_a_reject() -> None:
     ingester = EventIngester(InMemoryIndex(), ChunkedTokenDatabase())
     ingester.process("kv@pod-a@m", 0, None)  # type: ignore[arg-type]
     assert ingester.counters.snapshot()["rejected"] == 1
+
+
+@pytest.mark.parametrize("payload", [b"\xc1", b"\xc1garbage", b"", b"\x92\x01", b"\x01\x02"])
+def test_a_malformed_payload_reject_always_says_why(payload: bytes) -> None:
+    (reject,) = decode_batch(payload).rejects
+    assert reject.reason is RejectReason.MALFORMED_PAYLOAD
+    name, _, reason = reject.detail.partition(": ")
+    assert name and reason.strip() and not reason.startswith("(")
+    if payload:
+        assert payload[:2].hex(" ") in reject.detail
+
+
+def test_a_rejection_never_has_an_empty_detail() -> None:
+    assert Rejection(RejectReason.BAD_FIELD_VALUE, "").detail.startswith("bad_field_value")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvredis import ConfigError, mask_password, parse_address
+from kvredis import ConfigError, RedisIndexConfig, mask_password, parse_address
 
 
 @pytest.mark.parametrize(
@@ -174,3 +174,33 @@ def test_cluster_credentials_apply_to_every_seed_and_stay_masked() -> None:
 def test_malformed_cluster_addresses_raise_config_error(address: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         parse_address(address)
+
+
+@pytest.mark.parametrize(
+    "address",
+    [
+        "redis://:S3cretPW/x@127.0.0.1:6379/0",
+        "redis://u:S3cretPW?x@h:1",
+        "rediss://u:S3cretPW#x@h",
+        "u:S3cretPW/x?y#z@h:1",
+        "redis+cluster://:S3cretPW/x@a:1,b:2",
+        "redis://:S3cretPW/x@y@h:1/0",
+    ],
+)
+def test_a_password_with_a_raw_slash_question_mark_or_hash_is_never_shown(address: str) -> None:
+    shown = mask_password(address)
+    assert "S3cretPW" not in shown and "x@" not in shown and "***@" in shown
+    with pytest.raises(ConfigError) as info:
+        parse_address(address)
+    message = str(info.value)
+    assert "S3cretPW" not in message and "percent-encode" in message
+    with pytest.raises(ConfigError) as info:
+        RedisIndexConfig(address=address)
+    assert "S3cretPW" not in str(info.value)
+
+
+def test_masking_keeps_the_user_name_and_a_query_password_may_hold_an_at_sign() -> None:
+    assert mask_password("redis://user@h:1") == "redis://user@h:1"
+    assert mask_password("redis://a/b@h:1") == "redis://***@h:1"
+    parsed = parse_address("redis://h:1/0?password=p@ss")
+    assert parsed.password == "p@ss" and parsed.display == "redis://h:1/0?password=***"

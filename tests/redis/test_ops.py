@@ -12,6 +12,7 @@ import pytest
 
 from kvredis import (
     AddOp,
+    BackendAuthenticationError,
     BackendError,
     BackendUnavailableError,
     CallBudgetError,
@@ -459,7 +460,7 @@ def test_no_retries_gives_up_at_once_and_a_refused_password_never_retries() -> N
     with pytest.raises(BackendUnavailableError, match="cannot reach redis at h:6379: down"):
         ping = ops.op_send(_session(retries=0), rq.Command(("PING",)))
         Exchange([rq.ConnectionLost("down")]).run(ping)
-    with pytest.raises(BackendUnavailableError, match="authentication failed at redis at h:6379"):
+    with pytest.raises(BackendAuthenticationError, match="redis at h:6379 refused the user name"):
         Exchange([rq.AuthenticationFailed("WRONGPASS invalid username-password pair")]).run(
             ops.op_send(_session(retries=5), rq.Command(("PING",)))
         )
@@ -805,3 +806,29 @@ def test_op_drive_throws_a_request_error_into_the_operation() -> None:
 
     result = Exchange([rq.ErrorReply("KVREDIS_LAYOUT broken")]).run(ops.op_drive(_session(), op()))
     assert result == "handled: broken"
+
+
+@pytest.mark.parametrize(
+    ("reply", "said"),
+    [
+        ("NOAUTH Authentication required.", "requires a password and none was given"),
+        ("HELLO must be called with the client already authenticated", "requires a password"),
+        ("WRONGPASS invalid username-password pair", "refused the user name and password"),
+    ],
+)
+def test_an_authentication_failure_says_what_is_wrong_once(reply: str, said: str) -> None:
+    with pytest.raises(BackendAuthenticationError) as info:
+        Exchange([rq.AuthenticationFailed(reply)]).run(
+            ops.op_send(_session(retries=5), rq.Command(("PING",)))
+        )
+    message = str(info.value)
+    assert message.startswith(f"{SERVER} ") and said in message
+    assert message.count(" at ") == 1
+
+
+def test_a_peer_that_does_not_answer_tls_is_said_so_without_retrying() -> None:
+    with pytest.raises(BackendUnavailableError) as info:
+        Exchange([rq.TlsFailed("no TLS handshake within 2 s")]).run(
+            ops.op_send(_session(retries=5), rq.Command(("PING",)))
+        )
+    assert "did not answer TLS" in str(info.value) and "use redis://" in str(info.value)
