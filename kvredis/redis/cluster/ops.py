@@ -71,6 +71,8 @@ from kvredis.redis.cluster.routing import (
     Wave,
     WaveOp,
     WavePolicy,
+    migrating,
+    non_local_key,
     op_refresh,
     op_wave,
 )
@@ -168,9 +170,12 @@ class ClusterCore:
         self.configured_shards = check_shards(shards)
         self.cluster = cluster
         self.wave_policy = wave_policy
-        #: Waves of calls grouped by node with the current slot map: no retry, no redirection
-        #: (a failure sends the work down the per-shard path, which has both).
-        self.fast_policy = dataclasses.replace(wave_policy, retries=0, max_redirects=0)
+        #: Waves of calls grouped by node with the current slot map: no retry, no redirection,
+        #: no wait for a migrating slot (a failure sends the work down the per-shard path, which
+        #: has all three).
+        self.fast_policy = dataclasses.replace(
+            wave_policy, retries=0, max_redirects=0, migration_wait=0.0
+        )
         self.policy = policy
         self.registry = ScriptRegistry()
         self.read_from_replicas = read_from_replicas
@@ -397,7 +402,7 @@ def _split_by_wait(commands: Sequence[Sequence[Any]], replies: Sequence[Any]) ->
         if name == b"WAIT":
             waited = _resent(reply)
         elif name not in (b"ASKING", b"READONLY"):
-            written.append(_resent(reply))
+            written.append(_resent(reply) or migrating(command, reply))
     has_wait = any(_name(c[0]) == b"WAIT" for c in commands)
     return has_wait and (not all(written) if waited else any(written))
 
@@ -815,8 +820,10 @@ def op_node_writes(
                 if isinstance(reply, ErrorReply):
                     if reply.code == "NOSCRIPT":
                         reload.append(core.slots[shards[0]])
-                    elif reply.code not in TRANSIENT_REPLIES and not reply.message.startswith(
-                        ("MOVED", "ASK")
+                    elif (
+                        reply.code not in TRANSIENT_REPLIES
+                        and not reply.message.startswith(("MOVED", "ASK"))
+                        and not non_local_key(reply)
                     ):
                         raise translate(reply.message)
         if not node_ok:
