@@ -64,6 +64,7 @@ from kvredis.errors import (
 from kvredis.index import ClearProgress
 from kvredis.redis.cluster.redirect import parse_redirect
 from kvredis.redis.cluster.routing import (
+    NON_LOCAL_KEY,
     TRANSIENT_CLUSTER_REPLIES,
     ClusterState,
     NodeBatch,
@@ -746,9 +747,11 @@ def op_node_writes(
     A node whose calls meet a redirection, a failure or a stale shard has its shards written
     by the per-shard path instead (:func:`op_parallel`); parts sent again carry the same token,
     so a part that did apply is recognised (fenced) or applies again as the set operation it
-    is (unfenced). So has a shard whose part the server refused as over budget, from that
-    part on: the per-shard path splits it (:func:`~kvredis.redis.ops.op_parts`) and adds to
-    ``grown`` the parts the shard's batch gained."""
+    is (unfenced). So has, from that part on, a shard whose part met a key its node does not
+    serve now (the slot moved or is being migrated: the per-shard path follows it), and a
+    shard whose part the server refused as over budget: the per-shard path splits it
+    (:func:`~kvredis.redis.ops.op_parts`) and adds to ``grown`` the parts the shard's batch
+    gained."""
     probes = probes or {}
     slot_map = core.cluster.slot_map or (yield from op_refresh(core.cluster, core.policy.server))
     by_node, unmapped = _group_by_node(core, dict.fromkeys((*plans, *probes)), slot_map.primary)
@@ -868,8 +871,8 @@ def _take_node_replies(
     """Take in one node's ``apply_shards`` and probe replies (``entries`` say what each was):
     whether each shard took its parts (into ``taken``), the held probes (into ``held``).
     Returns, by shard, how many of its parts applied before one the server refused as over
-    budget (those shards go on by the per-shard path, and their probes are read there), and
-    the first other error a part met."""
+    budget or for a key of a slot it does not serve now (those shards go on by the per-shard
+    path, and their probes are read there), and the first other error a part met."""
     sent: dict[int, int] = {}
     refused: dict[int, int] = {}
     error: Exception | None = None
@@ -881,13 +884,16 @@ def _take_node_replies(
         for shard, one in zip(what, reply, strict=True):
             sent[shard] = sent.get(shard, 0) + 1
             if isinstance(one, bytes):  # the error that stopped this shard's part
-                exc = translate(one.decode("utf-8", "replace"))
-                if not isinstance(exc, CallBudgetError):
+                message = one.decode("utf-8", "replace")
+                exc = translate(message)
+                # over budget: the per-shard path splits it; a key of the shard this node
+                # does not serve now (its slot moved or is migrating): the per-shard path
+                # follows the slot. The shard's parts after it in later calls of this
+                # pipeline were skipped (fenced) or applied early (unfenced): they are sent
+                # again after it, set operations ending as in order
+                if not isinstance(exc, CallBudgetError) and NON_LOCAL_KEY not in message:
                     error = error or exc
                 elif shard not in refused:
-                    # the per-shard path splits it; the shard's parts after it in later calls
-                    # of this pipeline were skipped (fenced) or applied early (unfenced): they
-                    # are sent again after it, set operations ending as in order
                     refused[shard] = sent[shard] - 1
                 one = 0
             taken[shard] = taken.get(shard, True) and bool(int(one))

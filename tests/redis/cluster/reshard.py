@@ -109,18 +109,29 @@ class Outcome:
 class Workload:
     """Adds, evicts, batches, lookups and scores on ``index``, each write also applied to an
     InMemoryIndex and each read compared with it (entries per key as sets: their order is no
-    part of the contract). ``keys``: the request keys it uses (chains are runs of them)."""
+    part of the contract). ``keys``: the request keys it uses (chains are runs of them);
+    ``reads=False``: writes only (as an event ingester), checked by :meth:`check_all`.
+    Workloads sharing an index need their own keys and ``stream``."""
 
-    def __init__(self, index: Any, keys: Sequence[int], seed: int = 7) -> None:
+    def __init__(
+        self,
+        index: Any,
+        keys: Sequence[int],
+        seed: int = 7,
+        stream: str = "reshard",
+        reads: bool = True,
+    ) -> None:
         self.index = index
         self.model = InMemoryIndex()
         self.keys = list(keys)
         self.rng = random.Random(seed)
         self.scorer = LongestPrefixScorer()
         self.outcome = Outcome()
+        self.stream = stream
+        self.reads = reads
         self.seq = 0
         self.engines: list[tuple[int, tuple[int, ...]]] = []
-        self.next_engine = 1 << 40
+        self.next_engine = (1 << 40) + (self.keys[0] << 20)
 
     def _call(self, kind: str, call: Callable[[Any], Any]) -> Any:
         began = time.monotonic()
@@ -168,8 +179,9 @@ class Workload:
         self.next_engine += len(chain)
         self.engines.append((engines[0], tuple(chain)))
         self._write("add", lambda ix: ix.add(list(engines), chain, [entry]))
-        self._check_lookup(chain)
-        self._check_score(chain)
+        if self.reads:
+            self._check_lookup(chain)
+            self._check_score(chain)
         self.seq += 1
         seq = self.seq
         batch = [
@@ -177,14 +189,15 @@ class Workload:
             EvictOp(rng.choice(self.keys), KeyType.REQUEST, (rng.choice(PODS),)),
             AddOp(None, tuple(self._chain(2)), (rng.choice(PODS),)),
         ]
-        self._write("apply_batch", lambda ix: ix.apply_batch(batch, "reshard", Watermark(1, seq)))
+        self._write("apply_batch", lambda ix: ix.apply_batch(batch, self.stream, Watermark(1, seq)))
         victim = rng.choice(self.keys)
         gone = rng.choice(PODS)
         self._write("evict", lambda ix: ix.evict(victim, KeyType.REQUEST, [gone]))
         if len(self.engines) > 4 and rng.random() < 0.5:
             engine, _ = self.engines.pop(rng.randrange(len(self.engines)))
             self._write("evict", lambda ix: ix.evict(engine, KeyType.ENGINE, [entry]))
-        self._check_lookup(self._chain(rng.randrange(1, 8)), [entry.pod_identifier])
+        if self.reads:
+            self._check_lookup(self._chain(rng.randrange(1, 8)), [entry.pod_identifier])
 
     def check_all(self) -> None:
         """Compare every key on its own with the model (each a one-key lookup)."""
@@ -196,26 +209,33 @@ def _sets(found: dict[int, list[PodEntry]]) -> dict[int, frozenset[PodEntry]]:
     return {key: frozenset(entries) for key, entries in found.items()}
 
 
-def run_during(workload: Workload, mover: Callable[[], object], least_steps: int = 3) -> int:
-    """Run ``workload`` steps while ``mover`` runs in a thread (and at least ``least_steps``);
-    the steps run. The mover's exception, if any, is raised."""
-    failure: list[BaseException] = []
+def run_during(
+    workloads: Sequence[Workload], mover: Callable[[], object], least_steps: int = 3
+) -> list[int]:
+    """Run each workload in a thread of its own, step after step, while ``mover`` runs (and for
+    at least ``least_steps`` steps each); the steps each ran."""
+    moving = threading.Event()
+    moving.set()
+    steps = [0] * len(workloads)
+    failures: list[BaseException] = []
 
-    def move() -> None:
+    def loop(at: int) -> None:
         try:
-            mover()
+            while moving.is_set() or steps[at] < least_steps:
+                workloads[at].step()
+                steps[at] += 1
         except BaseException as exc:
-            failure.append(exc)
+            failures.append(exc)
 
-    thread = threading.Thread(target=move, daemon=True)
-    thread.start()
-    steps = 0
+    threads = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(len(workloads))]
+    for thread in threads:
+        thread.start()
     try:
-        while thread.is_alive() or steps < least_steps:
-            workload.step()
-            steps += 1
+        mover()
     finally:
-        thread.join(60)
-    if failure:
-        raise failure[0]
+        moving.clear()
+        for thread in threads:
+            thread.join(60)
+    if failures:
+        raise failures[0]
     return steps

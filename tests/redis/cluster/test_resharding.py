@@ -144,14 +144,16 @@ def test_a_shard_migrating_under_a_mixed_workload_fails_no_call_and_answers_righ
     cfg: RedisIndexConfig, redis_cluster: LocalCluster, importing_first: bool
 ) -> None:
     """A shard's slot migrates key batch by key batch (GETKEYSINSLOT + MIGRATE, SETSLOT in
-    both orders), there and back, while one client adds, evicts, batches, looks up and scores
-    across every shard: no call fails and every answer is the model's."""
-    with RedisClusterIndex(cfg) as index:
-        keys = list(range(1, 401))
-        workload = Workload(index, keys)
+    both orders), there and back, while two clients work across every shard: one adds,
+    evicts, batches, looks up and scores, one only writes. No call fails, every answer is the
+    model's, and so is every key afterwards."""
+    with RedisClusterIndex(cfg) as index, RedisClusterIndex(cfg) as writer:
+        mixed = Workload(index, range(1, 401))
+        writes = Workload(writer, range(401, 801), seed=8, stream="ingest", reads=False)
         for _ in range(10):
-            workload.step()
-        slot = index.core.slots[index.core.shard(keys[0])]
+            mixed.step()
+            writes.step()
+        slot = index.core.slots[index.core.shard(1)]
         source = owner(redis_cluster, slot)
         target = next(p for p in primaries(redis_cluster) if p != source)
         moved: list[int] = []
@@ -160,10 +162,12 @@ def test_a_shard_migrating_under_a_mixed_workload_fails_no_call_and_answers_righ
             def move(there: int = there, back: int = back) -> None:
                 moved.append(reshard(redis_cluster, slot, there, back, importing_first))
 
-            steps = run_during(workload, move)
-            assert steps >= 3 and index.executor.slot_map.primary(slot).port == back
-        workload.check_all()
-    outcome = workload.outcome
-    assert outcome.errors == [], outcome.summary()
-    assert outcome.failed == 0 and outcome.mismatches == 0
+            steps = run_during([mixed, writes], move)
+            assert min(steps) >= 3
+            assert index.executor.slot_map.primary(slot).port == back
+        mixed.check_all()
+        writes.check_all()
+    for outcome in (mixed.outcome, writes.outcome):
+        assert outcome.errors == [], outcome.summary()
+        assert outcome.failed == 0 and outcome.mismatches == 0
     assert all(moved)
