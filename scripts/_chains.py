@@ -124,10 +124,7 @@ HOT_CHAIN = ChainSpec("hot chain", 1, 512, 0, 0, pods=4, holders=(4, 4))
 
 
 def random_keys(
-    blocks: int,
-    pods: int,
-    holders: tuple[int, int] | None = None,
-    chain_blocks: int = 512,
+    blocks: int, pods: int, holders: tuple[int, int] | None = None, chain_blocks: int = 512,
     seed: int = 1,
 ) -> ChainSpec:
     """``blocks`` random request keys as unrelated chains of ``chain_blocks`` keys over ``pods``
@@ -135,13 +132,7 @@ def random_keys(
     lo_hi = holders if holders is not None else (pods, pods)
     return ChainSpec(
         f"random {blocks:,} blocks, {pods} pods",
-        max(1, blocks // chain_blocks),
-        chain_blocks,
-        0,
-        0,
-        pods,
-        lo_hi,
-        seed,
+        max(1, blocks // chain_blocks), chain_blocks, 0, 0, pods, lo_hi, seed,
     )
 
 
@@ -389,22 +380,13 @@ def reference_commands(
             if with_engine_keys:
                 zset = b"%b%d" % (ENGINE_PREFIX.encode(), engine_key(k))
                 yield b"*4\r\n$4\r\nZADD\r\n$%d\r\n%b\r\n$1\r\n0\r\n$%d\r\n%b\r\n" % (
-                    len(zset),
-                    zset,
-                    len(name),
-                    name,
+                    len(zset), zset, len(name), name,
                 )
 
 
 def _reference_worker(
-    spec: ChainSpec,
-    host: str,
-    port: int,
-    db: int,
-    with_engine_keys: bool,
-    pipeline: int,
-    part: int,
-    parts: int,
+    spec: ChainSpec, host: str, port: int, db: int, with_engine_keys: bool, pipeline: int,
+    part: int, parts: int,
 ) -> int:
     data = Dataset(spec)
     conn = RespConnection(host, port, db)

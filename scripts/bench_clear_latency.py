@@ -270,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"server: commands of >= {SLOW_US / 1000:g} ms during the clear "
-        f"(clear_fields_per_call {r.fields_per_call}):" + ("" if r.server else " none")
+        f"(clear_fields_per_call {r.fields_per_call}):"
+        + ("" if r.server else " none")
     )
     for t in r.server:
         print(

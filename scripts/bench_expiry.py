@@ -74,7 +74,6 @@ def run_kind(
         for chain in keys:
             index.add(None, chain, pods)
         state = index._session.state
-
         def raw_lookup(sha: str) -> Callable[[list[int]], object]:
             def call_with(chain: list[int]) -> object:
                 call = next(op_lookup(state, chain, None))

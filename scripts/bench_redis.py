@@ -183,12 +183,8 @@ def _bench(
 
     # The floor: one EVALSHA of a script that does nothing.
     ping_sha = raw_client.script_load((REPO / "lua" / "ping.lua").read_text())
-    measure(
-        "no-op EVALSHA round trip (floor)",
-        lambda _i: raw_client.evalsha(ping_sha, 0),
-        None,
-        max(calls, 200),
-    )
+    measure("no-op EVALSHA round trip (floor)", lambda _i: raw_client.evalsha(ping_sha, 0), None,
+            max(calls, 200))
 
     # A 512-block chain held by 4 pods (2 on gpu, 2 on cpu).
     chain = fresh_keys(rng, CHAIN)
@@ -198,32 +194,20 @@ def _bench(
         ref.add(engine, chain, [pod])
     hit = kv.lookup(chain)
     assert len(hit) == CHAIN and same(hit, ref.lookup(chain)), "setup: sides disagree"
-    measure(
-        f"lookup {CHAIN} blocks x {len(PODS)} pods",
-        lambda _i: kv.lookup(chain),
-        lambda _i: ref.lookup(chain),
-        target=5.0,
-    )
+    measure(f"lookup {CHAIN} blocks x {len(PODS)} pods",
+            lambda _i: kv.lookup(chain), lambda _i: ref.lookup(chain), target=5.0)
 
     # A request that shares the first 16 blocks and then diverges (its later keys are new).
     diverged = chain[:MISS_AT] + fresh_keys(rng, CHAIN - MISS_AT)
     miss = kv.lookup(diverged)
     assert len(miss) == MISS_AT and same(miss, ref.lookup(diverged)), "setup: sides disagree"
-    measure(
-        f"lookup, miss at block {MISS_AT} (tail absent)",
-        lambda _i: kv.lookup(diverged),
-        lambda _i: ref.lookup(diverged),
-        target=10.0,
-    )
+    measure(f"lookup, miss at block {MISS_AT} (tail absent)",
+            lambda _i: kv.lookup(diverged), lambda _i: ref.lookup(diverged), target=10.0)
     # Only block 16 is missing; the blocks after it exist (the reference still reads them all).
     holed = [*chain[:MISS_AT], rng.getrandbits(64), *chain[MISS_AT + 1 :]]
     assert same(kv.lookup(holed), ref.lookup(holed)), "setup: sides disagree"
-    measure(
-        f"lookup, miss at block {MISS_AT} (tail present)",
-        lambda _i: kv.lookup(holed),
-        lambda _i: ref.lookup(holed),
-        target=10.0,
-    )
+    measure(f"lookup, miss at block {MISS_AT} (tail present)",
+            lambda _i: kv.lookup(holed), lambda _i: ref.lookup(holed), target=10.0)
 
     scorer = LongestPrefixScorer(WEIGHTS)
 
@@ -233,12 +217,8 @@ def _bench(
     expected = ref_score()
     got = kv.score(chain, WEIGHTS)
     assert got == expected, (got, expected)
-    measure(
-        f"score {CHAIN} blocks (reference: lookup + LongestPrefixScorer)",
-        lambda _i: kv.score(chain, WEIGHTS),
-        lambda _i: ref_score(),
-        target=10.0,
-    )
+    measure(f"score {CHAIN} blocks (reference: lookup + LongestPrefixScorer)",
+            lambda _i: kv.score(chain, WEIGHTS), lambda _i: ref_score(), target=10.0)
 
     # How much of the reference lookup is the client decoding JSON fields (information only).
     def raw_pipeline() -> None:
@@ -250,28 +230,24 @@ def _bench(
     measure("  (reference HKEYS pipeline alone, no decode)", lambda _i: raw_pipeline(), None)
 
     # Add: a 64-block event of one pod, fresh keys per call, engine keys mapped 1:1.
-    events = [(fresh_keys(rng, EVENT_BLOCKS), fresh_keys(rng, EVENT_BLOCKS)) for _ in range(calls)]
+    events = [
+        (fresh_keys(rng, EVENT_BLOCKS), fresh_keys(rng, EVENT_BLOCKS)) for _ in range(calls)
+    ]
     adder = PodEntry("pod-add", "gpu")
-    measure(
-        f"add {EVENT_BLOCKS}-block event",
-        lambda i: kv.add(events[i][0], events[i][1], [adder]),
-        lambda i: ref.add(events[i][0], events[i][1], [adder]),
-        target=1.0,
-    )
+    measure(f"add {EVENT_BLOCKS}-block event",
+            lambda i: kv.add(events[i][0], events[i][1], [adder]),
+            lambda i: ref.add(events[i][0], events[i][1], [adder]),
+            target=1.0)
     probe = events[0][1]
     assert same(kv.lookup(probe), ref.lookup(probe)), "add: sides disagree"
 
     # Evict by engine key: the engine keys just added, one call per key (a BlockRemoved hash);
     # each call removes the key's last entry, so both sides also prune the key and the mapping.
     to_evict = [ek for eng, _ in events for ek in eng][:calls]
-    measure(
-        "evict by engine key",
-        lambda i: kv.evict(to_evict[i], KeyType.ENGINE, [adder]),
-        lambda i: ref.evict(to_evict[i], KeyType.ENGINE, [adder]),
-        len(to_evict),
-        target=1.0,
-        strict=True,
-    )
+    measure("evict by engine key",
+            lambda i: kv.evict(to_evict[i], KeyType.ENGINE, [adder]),
+            lambda i: ref.evict(to_evict[i], KeyType.ENGINE, [adder]),
+            len(to_evict), target=1.0, strict=True)
     gone = events[0][1][:1]
     assert kv.lookup(gone) == {} == ref.lookup(gone), "evict: sides disagree"
     return rows

@@ -150,12 +150,13 @@ def breakdown(client: redis.Redis, seed: int) -> tuple[int, list[KeyGroup]]:
             pipe.object("ENCODING", name)
         replies = pipe.execute()
         sizes = [int(s) for s in replies[0::2] if s is not None]
-        encodings = Counter(e.decode() if isinstance(e, bytes) else str(e) for e in replies[1::2])
+        encodings = Counter(
+            e.decode() if isinstance(e, bytes) else str(e) for e in replies[1::2]
+        )
         avg = statistics.fmean(sizes) if sizes else 0.0
         out.append(
-            KeyGroup(
-                kind, pattern, len(members), len(sample), avg, avg * len(members), dict(encodings)
-            )
+            KeyGroup(kind, pattern, len(members), len(sample), avg, avg * len(members),
+                     dict(encodings))
         )
     return len(names), out
 
@@ -198,7 +199,9 @@ def _other_db_keys(client: redis.Redis) -> int:
     return sum(int(v["keys"]) for k, v in info.items() if k != "db0")
 
 
-def _breakdown_all_dbs(client: redis.Redis, port: int, seed: int) -> tuple[int, list[KeyGroup]]:
+def _breakdown_all_dbs(
+    client: redis.Redis, port: int, seed: int
+) -> tuple[int, list[KeyGroup]]:
     total = 0
     groups: list[KeyGroup] = []
     for db_name in client.info("keyspace"):
@@ -255,10 +258,8 @@ def print_layout(layout: Layout) -> None:
     )
     if not layout.groups:
         return
-    print(
-        f"  {'type':<6} {'key pattern':<34} {'keys':>9} {'avg B/key':>10} "
-        f"{'est. total':>12} {'B/entry':>8}  encoding (sample)"
-    )
+    print(f"  {'type':<6} {'key pattern':<34} {'keys':>9} {'avg B/key':>10} "
+          f"{'est. total':>12} {'B/entry':>8}  encoding (sample)")
     for g in layout.groups:
         enc = ", ".join(f"{k} {v}" for k, v in sorted(g.encodings.items(), key=lambda e: -e[1]))
         print(
@@ -294,12 +295,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{EVENT_BLOCKS}-block events"
     )
     breakdown_on = not args.no_breakdown
-    kv = measure(
-        "kvredis", load_kvredis(workload, args.ops_per_call), workload, breakdown_on, args.seed
-    )
-    ref = measure(
-        "reference (Go layout)", load_reference(workload), workload, breakdown_on, args.seed
-    )
+    kv = measure("kvredis", load_kvredis(workload, args.ops_per_call), workload, breakdown_on,
+                 args.seed)
+    ref = measure("reference (Go layout)", load_reference(workload), workload, breakdown_on,
+                  args.seed)
     print_layout(kv)
     print_layout(ref)
     ratio = kv.bytes_per_entry / ref.bytes_per_entry
@@ -311,7 +310,9 @@ def main(argv: list[str] | None = None) -> int:
             {
                 "blocks": blocks,
                 "pods": args.pods,
-                "layouts": [{**asdict(x), "bytes_per_entry": x.bytes_per_entry} for x in (kv, ref)],
+                "layouts": [
+                    {**asdict(x), "bytes_per_entry": x.bytes_per_entry} for x in (kv, ref)
+                ],
                 "ratio": ratio,
                 "verdict": verdict,
             },

@@ -178,12 +178,7 @@ class Window:
 
 
 def timed_window(
-    side: str,
-    clients: int,
-    seconds: float,
-    target: Target,
-    data: Dataset,
-    probe: redis.Redis,
+    side: str, clients: int, seconds: float, target: Target, data: Dataset, probe: redis.Redis,
     seed: int,
 ) -> Window:
     """Start ``clients`` processes of ``side``, time ``seconds`` of their calls."""
@@ -286,7 +281,9 @@ def run(
             for r in range(rounds):
                 for side in SIDES:
                     windows[side].append(
-                        timed_window(side, clients, seconds / rounds, target, data, probe, seed + r)
+                        timed_window(
+                            side, clients, seconds / rounds, target, data, probe, seed + r
+                        )
                     )
             runs += [summarize(side, clients, windows[side], idle) for side in SIDES]
         probe.close()
@@ -303,7 +300,9 @@ def run(
         "engine_keys": engine_keys,
     }
     loads = {"kvredis": kv_load.seconds, "reference": ref_load.seconds}
-    return Result(server_kind, dataset, loads, 100.0 * idle, seconds, rounds, os.cpu_count(), runs)
+    return Result(
+        server_kind, dataset, loads, 100.0 * idle, seconds, rounds, os.cpu_count(), runs
+    )
 
 
 def fmt(value: float | None, spec: str = ",.0f") -> str:
