@@ -47,7 +47,7 @@ def reshard(
     source: int,
     target: int,
     importing_first: bool = True,
-    per_migrate: int = 2,
+    per_migrate: int = 5,
     pause: float = 0.01,
 ) -> int:
     """Move ``slot`` from primary ``source`` to primary ``target``: SETSLOT IMPORTING on the
