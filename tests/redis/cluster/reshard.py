@@ -50,29 +50,51 @@ def reshard(
     per_migrate: int = 5,
     pause: float = 0.01,
 ) -> int:
-    """Move ``slot`` from primary ``source`` to primary ``target``: SETSLOT IMPORTING on the
-    target and MIGRATING on the source (``importing_first``: in this order, as redis-cli does;
-    else the other way round), then the slot's keys ``per_migrate`` at a time with a ``pause``
-    in between, then SETSLOT NODE on the target, the source and the other primaries. Returns
-    the number of keys moved."""
+    """Move ``slot`` from primary ``source`` to primary ``target``: :func:`begin_migration`,
+    :func:`move_keys`, :func:`hand_over`. Returns the number of keys moved."""
+    begin_migration(cluster, slot, source, target, importing_first, pause)
+    moved = move_keys(slot, source, target, per_migrate, pause)
+    hand_over(cluster, slot, source, target)
+    return moved
+
+
+def begin_migration(
+    cluster: LocalCluster,
+    slot: int,
+    source: int,
+    target: int,
+    importing_first: bool = True,
+    pause: float = 0.0,
+) -> None:
+    """SETSLOT IMPORTING on the target and MIGRATING on the source (``importing_first``: in
+    this order, as redis-cli does; else the other way round), ``pause`` after each."""
     ids = {p: on(p, "CLUSTER", "MYID") for p in cluster.live_ports()}
     importing = (target, "CLUSTER", "SETSLOT", slot, "IMPORTING", ids[source])
     migrating = (source, "CLUSTER", "SETSLOT", slot, "MIGRATING", ids[target])
     for port, *args in (importing, migrating) if importing_first else (migrating, importing):
         on(port, *args)
         time.sleep(pause)  # the index runs with one side set only
+
+
+def move_keys(slot: int, source: int, target: int, per_migrate: int = 5, pause: float = 0.0) -> int:
+    """The slot's keys from source to target, ``per_migrate`` at a time (GETKEYSINSLOT +
+    MIGRATE) with a ``pause`` in between; the number of keys moved."""
     moved = 0
     while True:
         keys = on(source, "CLUSTER", "GETKEYSINSLOT", slot, per_migrate)
         if not keys:
-            break
+            return moved
         on(source, "MIGRATE", "127.0.0.1", target, "", 0, 5000, "KEYS", *keys)
         moved += len(keys)
         time.sleep(pause)  # the index runs in between: some of the shard's keys moved, some not
+
+
+def hand_over(cluster: LocalCluster, slot: int, source: int, target: int) -> None:
+    """SETSLOT NODE target on the target, the source, then the other primaries."""
+    target_id = on(target, "CLUSTER", "MYID")
     others = [p for p in primaries(cluster) if p not in (source, target)]
     for port in (target, source, *others):
-        on(port, "CLUSTER", "SETSLOT", slot, "NODE", ids[target])
-    return moved
+        on(port, "CLUSTER", "SETSLOT", slot, "NODE", target_id)
 
 
 def owner(cluster: LocalCluster, slot: int) -> int:

@@ -8,6 +8,8 @@ Every test moves a slot there and back (the session's cluster is left as it was)
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -16,7 +18,17 @@ import pytest
 from kvredis import AddOp, EvictOp, InMemoryIndex, KeyType, PodEntry, RedisIndexConfig, Watermark
 from kvredis.redis.cluster.index import AsyncRedisClusterIndex, RedisClusterIndex
 from tests.conftest import TEST_PREFIX
-from tests.redis.cluster.reshard import Workload, owner, primaries, reshard, run_during
+from tests.redis.cluster.reshard import (
+    Workload,
+    begin_migration,
+    hand_over,
+    move_keys,
+    on,
+    owner,
+    primaries,
+    reshard,
+    run_during,
+)
 from tests.servers import LocalCluster
 
 A = PodEntry("pod-a", "gpu")
@@ -171,3 +183,44 @@ def test_a_shard_migrating_under_a_mixed_workload_fails_no_call_and_answers_righ
         assert outcome.errors == [], outcome.summary()
         assert outcome.failed == 0 and outcome.mismatches == 0
     assert all(moved)
+
+
+def test_a_write_meeting_a_moved_expiry_gate_waits_for_the_migration(
+    cfg: RedisIndexConfig, redis_cluster: LocalCluster
+) -> None:
+    """A shard whose expiry gate key (``<shard>:sx``) has moved to the target while its other
+    keys are still on the source. A batch whose node-grouped call reaches the shard through
+    another shard's keys cannot read the gate there: it must not take the gate for absent
+    (its evict of a speculative entry would skip the expiring entries and leave the entry in
+    place) but wait for the migration, then apply in full."""
+    spec = PodEntry("pod-s", "gpu", speculative=True)
+    with RedisClusterIndex(cfg) as index:
+        first, second = _second_shard_of_a_node(index, redis_cluster)
+        kept, key = _keys_of(index, first, 1)[0], _keys_of(index, second, 1)[0]
+        slot = index.core.slots[second]
+        source = owner(redis_cluster, slot)
+        target = next(p for p in primaries(redis_cluster) if p != source)
+        index.add(None, [key], [A])
+        index.add(None, [key], [spec], ttl=600)
+        gate = index.core.state(second).layout.sx
+        assert on(source, "EXISTS", gate) == 1
+        begin_migration(redis_cluster, slot, source, target)
+        on(source, "MIGRATE", "127.0.0.1", target, "", 0, 5000, "KEYS", gate)
+
+        def finish() -> None:
+            time.sleep(0.3)
+            move_keys(slot, source, target)
+            hand_over(redis_cluster, slot, source, target)
+
+        mover = threading.Thread(target=finish)
+        mover.start()
+        try:
+            batch = [AddOp(None, (kept,), (B,)), EvictOp(key, KeyType.REQUEST, (spec,))]
+            assert index.apply_batch(batch)
+        finally:
+            mover.join(30)
+        try:
+            assert index.lookup([key]) == {key: [A]}
+            assert index.lookup([kept]) == {kept: [B]}
+        finally:
+            reshard(redis_cluster, slot, target, source, pause=0)
