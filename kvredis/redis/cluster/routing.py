@@ -20,10 +20,10 @@ at once (one round trip per involved node, in parallel). Then, per command:
   script refused for touching a key of a slot this node does not serve or is migrating away
   (:func:`non_local_key`), and ``ASK`` on a script call: the slot is being migrated; the
   command is sent to its slot's node again after a short :class:`~kvredis.redis.requests.Sleep`
-  (polling, :func:`migration_delays`), for at most the policy's ``migration_wait`` seconds in
-  all (the client's ``socket_timeout``; a slot of a few thousand keys migrates in well under a
-  second). The migration ends with the slot handed over, which the old node answers with
-  ``MOVED``;
+  (polling: :meth:`WavePolicy.migration_delay`), for at most the policy's ``migration_wait``
+  seconds in all (the client's ``socket_timeout``; a slot of a few thousand keys migrates in
+  well under a second). The migration ends with the slot handed over, which the old node
+  answers with ``MOVED``;
 - a lost connection, or ``CLUSTERDOWN``/``LOADING``/``BUSY``/``MASTERDOWN``/``READONLY`` (a
   failover in progress): after a :class:`~kvredis.redis.requests.Sleep` with backoff the map
   is refreshed and the command sent to its slot's node again.
