@@ -21,7 +21,8 @@
               or the error that stopped the part before its first write (KVREDIS_LAYOUT for a
               malformed stored watermark or an exhausted id space, KVREDIS_BUDGET for a part
               whose chain-run ranges, added to those of the parts before it, are too many,
-              WRONGTYPE for a foreign key):
+              WRONGTYPE for a foreign key, "... non local key ..." for a shard whose slot
+              this node does not serve now: moved or being migrated):
               the other shards' parts are applied, as separate calls would be, and the shard's
               later parts are skipped
   Complexity  the sum of the parts' (see apply_batch.lua), their run work bounded together ]]

@@ -81,11 +81,16 @@ end
 -- in expiring_flush). meta is <ns>:meta (its field "expiry" picks the mode), sx the gate key.
 -- .live tells whether any expiring entry may be live (the gate key exists). A gate that is not
 -- a number (a foreign key: kvredis check reports it) counts as absent; the next ttl replaces it.
+-- Any other error is raised: in a cluster a gate this node cannot read now (its slot is being
+-- migrated: "non local key") is not an absent one.
 -- Only the gate is read here: a call that stores no ttl while no expiring entry is live never
 -- needs the rest, which expiring_open reads (the clock and the mode) before the stage is used.
 local function expiring_stage(meta, sx, bits)
   local gate = redis.pcall('GET', sx)
-  if type(gate) == 'table' then gate = false end
+  if type(gate) == 'table' then
+    if not string.find(tostring(gate.err), 'WRONGTYPE', 1, true) then error(gate) end
+    gate = false
+  end
   return {meta = meta, sx = sx, bits = bits, live = gate ~= false,
           gate = tonumber(gate or '0') or 0, latest = 0}
 end

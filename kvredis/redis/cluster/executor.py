@@ -49,7 +49,12 @@ class _Cluster:
         hosts = self.address.seeds or ((self.address.host, self.address.port),)
         seeds = [ClusterNode(host, port) for host, port in hosts]
         self.state = ClusterState(seeds, self.address.tls)
-        self.policy = WavePolicy(config.retries, config.retry_backoff, server=config.server())
+        self.policy = WavePolicy(
+            config.retries,
+            config.retry_backoff,
+            server=config.server(),
+            migration_wait=config.socket_timeout,
+        )
         self.pools: dict[ClusterNode, Any] = {}
         self.round_trips = 0
         self.lock = threading.Lock()

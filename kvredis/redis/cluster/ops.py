@@ -64,6 +64,7 @@ from kvredis.errors import (
 from kvredis.index import ClearProgress
 from kvredis.redis.cluster.redirect import parse_redirect
 from kvredis.redis.cluster.routing import (
+    NON_LOCAL_KEY,
     TRANSIENT_CLUSTER_REPLIES,
     ClusterState,
     NodeBatch,
@@ -71,6 +72,8 @@ from kvredis.redis.cluster.routing import (
     Wave,
     WaveOp,
     WavePolicy,
+    migrating,
+    non_local_key,
     op_refresh,
     op_wave,
 )
@@ -174,9 +177,12 @@ class ClusterCore:
         self.configured_shards = check_shards(shards)
         self.cluster = cluster
         self.wave_policy = wave_policy
-        #: Waves of calls grouped by node with the current slot map: no retry, no redirection
-        #: (a failure sends the work down the per-shard path, which has both).
-        self.fast_policy = dataclasses.replace(wave_policy, retries=0, max_redirects=0)
+        #: Waves of calls grouped by node with the current slot map: no retry, no redirection,
+        #: no wait for a migrating slot (a failure sends the work down the per-shard path, which
+        #: has all three).
+        self.fast_policy = dataclasses.replace(
+            wave_policy, retries=0, max_redirects=0, migration_wait=0.0
+        )
         self.policy = policy
         self.registry = ScriptRegistry()
         self.read_from_replicas = read_from_replicas
@@ -403,7 +409,7 @@ def _split_by_wait(commands: Sequence[Sequence[Any]], replies: Sequence[Any]) ->
         if name == b"WAIT":
             waited = _resent(reply)
         elif name not in (b"ASKING", b"READONLY"):
-            written.append(_resent(reply))
+            written.append(_resent(reply) or migrating(command, reply))
     has_wait = any(_name(c[0]) == b"WAIT" for c in commands)
     return has_wait and (not all(written) if waited else any(written))
 
@@ -747,9 +753,11 @@ def op_node_writes(
     A node whose calls meet a redirection, a failure or a stale shard has its shards written
     by the per-shard path instead (:func:`op_parallel`); parts sent again carry the same token,
     so a part that did apply is recognised (fenced) or applies again as the set operation it
-    is (unfenced). So has a shard whose part the server refused as over budget, from that
-    part on: the per-shard path splits it (:func:`~kvredis.redis.ops.op_parts`) and adds to
-    ``grown`` the parts the shard's batch gained."""
+    is (unfenced). So has, from that part on, a shard whose part met a key its node does not
+    serve now (the slot moved or is being migrated: the per-shard path follows it), and a
+    shard whose part the server refused as over budget: the per-shard path splits it
+    (:func:`~kvredis.redis.ops.op_parts`) and adds to ``grown`` the parts the shard's batch
+    gained."""
     probes = probes or {}
     slot_map = core.cluster.slot_map or (yield from op_refresh(core.cluster, core.policy.server))
     by_node, unmapped = _group_by_node(core, dict.fromkeys((*plans, *probes)), slot_map.primary)
@@ -824,8 +832,10 @@ def op_node_writes(
                 if isinstance(reply, ErrorReply):
                     if reply.code == "NOSCRIPT":
                         reload.append(core.slots[shards[0]])
-                    elif reply.code not in TRANSIENT_REPLIES and not reply.message.startswith(
-                        ("MOVED", "ASK")
+                    elif (
+                        reply.code not in TRANSIENT_REPLIES
+                        and not reply.message.startswith(("MOVED", "ASK"))
+                        and not non_local_key(reply)
                     ):
                         raise translate(reply.message)
         if not node_ok:
@@ -870,8 +880,8 @@ def _take_node_replies(
     """Take in one node's ``apply_shards`` and probe replies (``entries`` say what each was):
     whether each shard took its parts (into ``taken``), the held probes (into ``held``).
     Returns, by shard, how many of its parts applied before one the server refused as over
-    budget (those shards go on by the per-shard path, and their probes are read there), and
-    the first other error a part met."""
+    budget or for a key of a slot it does not serve now (those shards go on by the per-shard
+    path, and their probes are read there), and the first other error a part met."""
     sent: dict[int, int] = {}
     refused: dict[int, int] = {}
     error: Exception | None = None
@@ -888,13 +898,16 @@ def _take_node_replies(
         for shard, one in zip(what, reply, strict=True):
             sent[shard] = sent.get(shard, 0) + 1
             if isinstance(one, bytes):  # the error that stopped this shard's part
-                exc = translate(one.decode("utf-8", "replace"))
-                if not isinstance(exc, CallBudgetError):
+                message = one.decode("utf-8", "replace")
+                exc = translate(message)
+                # over budget: the per-shard path splits it; a key of the shard this node
+                # does not serve now (its slot moved or is migrating): the per-shard path
+                # follows the slot. The shard's parts after it in later calls of this
+                # pipeline were skipped (fenced) or applied early (unfenced): they are sent
+                # again after it, set operations ending as in order
+                if not isinstance(exc, CallBudgetError) and NON_LOCAL_KEY not in message:
                     error = error or exc
                 elif shard not in refused:
-                    # the per-shard path splits it; the shard's parts after it in later calls
-                    # of this pipeline were skipped (fenced) or applied early (unfenced): they
-                    # are sent again after it, set operations ending as in order
                     refused[shard] = sent[shard] - 1
                 one = 0
             taken[shard] = taken.get(shard, True) and bool(int(one))

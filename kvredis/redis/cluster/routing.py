@@ -11,18 +11,29 @@ at once (one round trip per involved node, in parallel). Then, per command:
 - ``MOVED``: the slot lives elsewhere now: the command goes to the named node in the next wave,
   and the slot map is refreshed (:func:`op_refresh`: ``CLUSTER SHARDS`` asked of the nodes
   of the current map, then of the seeds, until one answers);
-- ``ASK``: the slot is migrating and the key is already at the named node: the command goes
-  there in the next wave, preceded by ``ASKING`` (the map stays);
-- a lost connection, or ``TRYAGAIN``/``CLUSTERDOWN``/``LOADING``/``BUSY``/``MASTERDOWN``/
-  ``READONLY`` (a failover in progress): after a :class:`~kvredis.redis.requests.Sleep` with
-  backoff the map is refreshed and the command sent to its slot's node again.
+- ``ASK``: the slot is migrating and the key is already at the named node: a plain command
+  goes there in the next wave, preceded by ``ASKING`` (the map stays). A script call does not:
+  it may touch keys it does not declare, and at the target those not moved yet would read as
+  missing (a wrong answer) or be created there (and the migration's ``MIGRATE`` of the
+  source's copy then fails with ``BUSYKEY``). It waits for the migration instead (below);
+- ``TRYAGAIN`` (a multi-key command on a slot whose keys are split between two nodes), a
+  script refused for touching a key of a slot this node does not serve or is migrating away
+  (:func:`non_local_key`), and ``ASK`` on a script call: the slot is being migrated; the
+  command is sent to its slot's node again after a short :class:`~kvredis.redis.requests.Sleep`
+  (polling: :meth:`WavePolicy.migration_delay`), for at most the policy's ``migration_wait``
+  seconds in all (the client's ``socket_timeout``; a slot of a few thousand keys migrates in
+  well under a second). The migration ends with the slot handed over, which the old node
+  answers with ``MOVED``;
+- a lost connection, or ``CLUSTERDOWN``/``LOADING``/``BUSY``/``MASTERDOWN``/``READONLY`` (a
+  failover in progress): after a :class:`~kvredis.redis.requests.Sleep` with backoff the map
+  is refreshed and the command sent to its slot's node again.
 
-Redirections count against ``max_redirects`` (afresh after each retry: a slot whose keys are
-half migrated answers ASK, then TRYAGAIN at the target, until the migration ends) and retries
-against the policy's ``retries``; past either the wave raises
+Redirections count against ``max_redirects`` (afresh after each wait or retry) and retries
+against the policy's ``retries``; past either, or past ``migration_wait``, the wave raises
 :class:`~kvredis.errors.BackendUnavailableError`. Read waves (``read=True``) go to replicas
 where the map has healthy ones (each of those pipelines starts with ``READONLY``). Every command
-must be safe to send twice (a command whose reply was lost is sent again).
+must be safe to send twice (a command whose reply was lost, or a script that stopped at a
+non-local key after writing some keys, is sent again).
 """
 
 from __future__ import annotations
@@ -42,6 +53,16 @@ T = TypeVar("T")
 TRANSIENT_CLUSTER_REPLIES = frozenset(
     {"TRYAGAIN", "CLUSTERDOWN", "LOADING", "BUSY", "MASTERDOWN", "READONLY"}
 )
+#: What a node says when a script touched a key of a slot it does not serve, or of a slot it is
+#: migrating away whose key is gone (Redis 7: "Script attempted to access a non local key in a
+#: cluster node ...", Valkey 9: "Attempted to access a non local key in a cluster node ...").
+NON_LOCAL_KEY = "access a non local key"
+#: Commands that run a script (which may touch keys it does not declare).
+SCRIPT_COMMANDS = frozenset({b"EVALSHA", b"EVAL", b"EVALSHA_RO", b"EVAL_RO", b"FCALL", b"FCALL_RO"})
+#: Longest pause between two attempts of a command on a migrating slot (seconds).
+MIGRATION_POLL = 0.1
+#: Shortest such pause (also with ``retry_backoff=0``).
+MIGRATION_POLL_MIN = 0.005
 #: Redirections one wave follows at most (a slot moving twice while the wave runs is rare).
 DEFAULT_MAX_REDIRECTS = 5
 
@@ -123,10 +144,38 @@ class WavePolicy:
     max_redirects: int = DEFAULT_MAX_REDIRECTS
     #: the cluster as named in errors, e.g. ``"redis cluster at redis+cluster://a:1,b:2"``
     server: str = "the cluster"
+    #: seconds a command waits in all for a slot being migrated (0: it does not wait)
+    migration_wait: float = 2.0
 
     def delay(self, attempt: int) -> float:
         """Seconds to wait before retry ``attempt + 1``: exponential, at most one second."""
         return float(min(1.0, self.backoff * (2**attempt)))
+
+    def migration_delay(self, attempt: int) -> float:
+        """Seconds to wait before attempt ``attempt + 1`` on a migrating slot: exponential from
+        ``backoff``, between :data:`MIGRATION_POLL_MIN` and :data:`MIGRATION_POLL`."""
+        return float(min(MIGRATION_POLL, max(MIGRATION_POLL_MIN, self.backoff * (2**attempt))))
+
+
+def non_local_key(reply: object) -> bool:
+    """Whether ``reply`` is a script refused for touching a key its node does not serve (now)."""
+    return isinstance(reply, ErrorReply) and NON_LOCAL_KEY in reply.message
+
+
+def migrating(command: Sequence[Arg], reply: object) -> bool:
+    """Whether ``reply`` to ``command`` says the command's slot is being migrated (it is sent
+    again once the migration is over): ``TRYAGAIN``, a non-local key, ``ASK`` to a script."""
+    if not isinstance(reply, ErrorReply):
+        return False
+    if reply.code == "TRYAGAIN" or NON_LOCAL_KEY in reply.message:
+        return True
+    return reply.code == "ASK" and _is_script(command)
+
+
+def _is_script(command: Sequence[Arg]) -> bool:
+    name = command[0] if command else b""
+    raw = name.encode() if isinstance(name, str) else name
+    return isinstance(raw, bytes) and raw.upper() in SCRIPT_COMMANDS
 
 
 def _retryable(reply: Failure) -> bool:
@@ -147,7 +196,8 @@ def op_wave(
     results: list[Any] = [None] * len(commands)
     # position -> (node, asking); None: the slot map decides
     targets: dict[int, tuple[ClusterNode, bool] | None] = dict.fromkeys(range(len(commands)))
-    attempt = redirects = 0
+    attempt = redirects = waits = 0
+    waited = 0.0
     while targets:
         try:
             batches, positions = _plan(commands, targets, slot_map, read, pick)
@@ -159,12 +209,16 @@ def op_wave(
         replies = yield Wave(batches)
         moved = False
         failed: Failure | None = None
+        migration: tuple[int, ErrorReply] | None = None
         for batch, batch_positions, batch_replies in zip(batches, positions, replies, strict=True):
             for position, reply in zip(batch_positions, batch_replies, strict=True):
                 if position is None:  # ASKING / READONLY
                     continue
                 redirect = parse_redirect(reply.message) if isinstance(reply, ErrorReply) else None
-                if redirect is not None:
+                if migrating(commands[position].args, reply):
+                    targets[position] = None
+                    migration = (commands[position].slot, reply)
+                elif redirect is not None:
                     node = _node_of(redirect.address(batch.node.host))
                     targets[position] = (node, redirect.kind is RedirectKind.ASK)
                     moved = moved or redirect.kind is RedirectKind.MOVED
@@ -183,9 +237,21 @@ def op_wave(
         if failed is not None:
             slot_map = yield from _backoff(state, policy, attempt, failed)
             attempt += 1
-            redirects = 0  # ASK then TRYAGAIN while a slot migrates: a retry, not a redirect loop
+            redirects = 0
         elif moved:
             slot_map = yield from op_refresh(state, policy.server)
+        elif migration is not None:
+            delay = policy.migration_delay(waits)
+            if waited + delay > policy.migration_wait:
+                slot, reply = migration
+                raise BackendUnavailableError(
+                    f"{policy.server}: slot {slot} is being migrated between nodes and did not "
+                    f"settle within {policy.migration_wait:g} s (socket_timeout): {reply.message}"
+                )
+            yield Sleep(delay)
+            waited += delay
+            waits += 1
+            redirects = 0
     return results
 
 

@@ -8,11 +8,14 @@ import pytest
 
 from kvredis.errors import BackendUnavailableError
 from kvredis.redis.cluster.routing import (
+    MIGRATION_POLL,
     ClusterState,
     NodeBatch,
     SlotCommand,
     Wave,
     WavePolicy,
+    migrating,
+    non_local_key,
     op_refresh,
     op_wave,
 )
@@ -210,15 +213,79 @@ def test_no_node_telling_the_map_is_unavailable() -> None:
         ClusterState([])
 
 
-def test_a_slot_being_migrated_spends_retries_not_redirections() -> None:
-    """A multi-key command on a slot whose keys are half moved: the source answers ASK, the
-    target TRYAGAIN (until the migration ends), again and again. Each round is a retry with
-    backoff; the redirections count again after each, so the wave rides out as many rounds as
-    it has retries, more than ``max_redirects``."""
-    policy = WavePolicy(retries=6, backoff=0.1, max_redirects=3, server="the test cluster")
-    rounds = [[[ErrorReply("ASK 1 c:3")], ["OK", ErrorReply("TRYAGAIN Multiple keys")]]] * 5
-    replies = iter([r for pair in rounds for r in pair] + [[ErrorReply("ASK 1 c:3")], ["OK", 7]])
-    steps = Steps([MAP] * 5)
-    op = op_wave(steps.state, [SlotCommand(1, ("EVALSHA", "x", 2, "k1", "k2"))], policy)
-    assert steps.run(op, lambda b: next(replies)) == [7]
-    assert sum(isinstance(r, Sleep) for r in steps.requests) == 5
+def test_a_plain_command_follows_ask_but_a_script_waits_at_its_slots_node() -> None:
+    """A script may touch keys it does not declare: at the target of a migration those not
+    moved yet would read as missing, so ASK to a script is a wait (no ASKING), and the script
+    goes to its slot's node again until the slot is handed over (MOVED)."""
+    script = SlotCommand(1, ("EVALSHA", "x", 2, "k1", "k2"))
+    plain = SlotCommand(2, ("HGET", "h", "f"))
+    replies = iter(  # one per batch
+        [
+            [ErrorReply("ASK 1 c:3"), ErrorReply("ASK 2 c:3")],
+            [ErrorReply("ASK 1 c:3")],  # the script at a again
+            ["OK", "value"],  # the HGET at c, after ASKING
+            [ErrorReply("MOVED 1 c:3")],  # handed over
+            [7],
+        ]
+    )
+    steps = Steps([MOVED_MAP])
+    assert steps.wave([script, plain], lambda b: next(replies)) == [7, "value"]
+    waves = steps.waves
+    assert waves[1].batches == (
+        NodeBatch(A, (script.args,)),
+        NodeBatch(C, (("ASKING",), plain.args)),
+    )
+    assert waves[2].batches == (NodeBatch(A, (script.args,)),)
+    assert waves[3].batches == (NodeBatch(C, (script.args,)),)
+    assert [r for r in steps.requests if isinstance(r, Sleep)] == [Sleep(0.1), Sleep(0.1)]
+    assert steps.refreshes == 1
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        "TRYAGAIN Multiple keys request during rehashing of slot",
+        "ERR Script attempted to access a non local key in a cluster node script: 1f, on @user_"
+        "script:2.",  # Redis 7
+        "ERR Attempted to access a non local key in a cluster node script: on @user_script:2.",
+    ],
+)
+def test_a_migrating_slot_is_polled_within_migration_wait_not_retries(reply: str) -> None:
+    """TRYAGAIN and a script's non-local key: the slot is being migrated. The command is sent
+    again after short pauses (doubling from the backoff, at most MIGRATION_POLL), as long as
+    the waits stay within ``migration_wait``, however many ``retries`` the policy has; with
+    nothing but ASKs on the way it needs no redirection budget either."""
+    policy = WavePolicy(retries=1, backoff=0.02, max_redirects=1, migration_wait=1.0)
+    steps = Steps([])
+    rounds = iter([[ErrorReply(reply)]] * 8 + [[ErrorReply("ASK 1 c:3")]] * 3 + [["done"]])
+    op = op_wave(steps.state, [SlotCommand(1, ("EVALSHA", "x", 1, "k"))], policy)
+    assert steps.run(op, lambda b: next(rounds)) == ["done"]
+    sleeps = [r.seconds for r in steps.requests if isinstance(r, Sleep)]
+    assert sleeps == [0.02, 0.04, 0.08] + [MIGRATION_POLL] * 8
+    assert steps.refreshes == 0 and all(b.node == A for w in steps.waves for b in w.batches)
+
+
+def test_a_migration_that_does_not_settle_is_unavailable_after_migration_wait() -> None:
+    policy = WavePolicy(backoff=0.05, migration_wait=0.3, server="the test cluster")
+    steps = Steps([])
+    op = op_wave(steps.state, [SlotCommand(7, ("GET", "k"))], policy)
+    with pytest.raises(BackendUnavailableError, match=r"slot 7 is being migrated.*0\.3 s"):
+        steps.run(op, lambda b: [ErrorReply("TRYAGAIN Multiple keys request")])
+    assert sum(r.seconds for r in steps.requests if isinstance(r, Sleep)) <= 0.3
+    fast = WavePolicy(migration_wait=0.0)
+    op = op_wave(steps.state, [SlotCommand(7, ("GET", "k"))], fast)
+    with pytest.raises(BackendUnavailableError, match="being migrated"):
+        steps.run(op, lambda b: [ErrorReply("TRYAGAIN Multiple keys request")])
+
+
+def test_which_replies_say_a_slot_is_migrating() -> None:
+    script, plain = ("EVALSHA", "x", 1, "k"), ("GET", "k")
+    non_local = ErrorReply("ERR Script attempted to access a non local key in a cluster node")
+    assert non_local_key(non_local) and not non_local_key(ErrorReply("ERR other"))
+    assert migrating(plain, non_local) and migrating(plain, ErrorReply("TRYAGAIN x"))
+    assert migrating(script, ErrorReply("ASK 1 c:3")) and migrating(
+        (b"fcall", "f"), ErrorReply("ASK 1 c:3")
+    )
+    assert not migrating(plain, ErrorReply("ASK 1 c:3"))
+    assert not migrating(script, ErrorReply("MOVED 1 c:3")) and not migrating(script, "OK")
+    assert not migrating(script, ConnectionLost("refused"))
