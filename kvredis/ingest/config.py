@@ -8,7 +8,13 @@ from kvredis.errors import ConfigError
 from kvredis.jsonconfig import check_number
 from kvredis.tiers import DEFAULT_TIERS, TierMap
 
-__all__ = ["EndpointConfig", "IngesterConfig"]
+__all__ = ["DEFAULT_RESET_MEDIUMS", "EndpointConfig", "IngesterConfig"]
+
+DEFAULT_RESET_MEDIUMS: tuple[str, ...] = ("GPU",)
+"""The mediums a prefix-cache reset (``AllBlocksCleared``) covers by default: vLLM 0.34's
+``reset_prefix_cache`` resets its block pools (the GPU prefix cache) and keeps the offloading
+connector's CPU and storage copies unless asked to reset the connector too (which publishes
+nothing)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +100,10 @@ class IngesterConfig:
     """Rejections of one reason are logged at most once per interval (all are counted)."""
     tiers: TierMap = field(default=DEFAULT_TIERS)
     """How an event's medium, locality and ownership become an entry's device tier."""
+    reset_mediums: tuple[str, ...] = DEFAULT_RESET_MEDIUMS
+    """The engine mediums whose local copies ``AllBlocksCleared`` removes (of the batch's
+    data-parallel rank); copies on other tiers stay. SGLang's radix cache reset also drops its
+    host copies: add ``"CPU_PINNED"`` for SGLang with HiCache."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -116,5 +126,14 @@ class IngesterConfig:
             "reject_log_interval_s",
         ):
             check_number(name, getattr(self, name), zero=True)
+        if (
+            not isinstance(self.reset_mediums, tuple)
+            or not self.reset_mediums
+            or not all(isinstance(m, str) and m for m in self.reset_mediums)
+        ):
+            raise ConfigError(
+                "reset_mediums must be a non-empty tuple of medium names, got "
+                f"{self.reset_mediums!r}"
+            )
         if self.max_message_bytes != -1:
             check_number("max_message_bytes", self.max_message_bytes, integer=True)

@@ -8,8 +8,9 @@ generator that asks its driver (the sequencer):
 * :class:`Lookup` ``(engine_key)``: send back ``Index.get_request_key``'s answer, or ``None``;
 * :attr:`Barrier.FLUSH`: apply the operations planned so far before going on (a parent whose
   mapping an eviction earlier in the batch may have removed must be read after that eviction);
-* :attr:`Barrier.CLEAR`: apply the operations planned so far, then clear the pod
-  (``AllBlocksCleared``); the driver then calls :meth:`BatchPlan.after_clear`.
+* :class:`Reset` ``(dp_rank, device_tiers)``: apply the operations planned so far, then clear
+  the pod's entries of that rank on those tiers (``AllBlocksCleared``); the driver then calls
+  :meth:`BatchPlan.after_clear`.
 
 Semantics, per event in batch order:
 
@@ -23,7 +24,16 @@ Semantics, per event in batch order:
   hashes is a tier update: each engine key resolves to its request key and the new tier's entry
   is added to those keys, with no mapping.
 * ``BlockRemoved`` → ``EvictOp(hash, ENGINE, [PodEntry(pod, tier[, group])])`` per hash.
-* ``AllBlocksCleared`` → a clear of the pod.
+* ``AllBlocksCleared`` → a clear of the pod's entries of the batch's rank on the tiers a prefix
+  cache reset covers (:attr:`Planner.reset_tiers`).
+
+Data parallelism. Every entry carries the batch's ``data_parallel_rank`` (``dp_rank``, 0 when
+unset): ranks of one pod hold their copies on their own, so one rank's removal or reset leaves
+the others' entries (same pod, so scores and filters fold them into the pod).
+
+KV-cache groups. The engine keys of group ``g >= 1`` are mapped under
+:func:`group_engine_key` (hybrid models' groups publish the same hashes for blocks of different
+sizes): a group's removal resolves to exactly the request keys that group's block covered.
 
 Chains. An event without a parent starts a chain at the model's root, salted by its cache salt
 (SGLang's ``cache_salt`` field, or the salt in vLLM's first-block extra keys). An event with a
@@ -54,6 +64,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Generator, Sequence
@@ -71,12 +82,14 @@ from kvredis.features import (
     split_extra_keys,
 )
 from kvredis.groups import GroupCatalog
+from kvredis.ingest.config import DEFAULT_RESET_MEDIUMS
 from kvredis.ingest.counters import Counter
 from kvredis.ingest.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     DecodedBatch,
+    Event,
     Rejection,
     RejectReason,
 )
@@ -95,13 +108,50 @@ __all__ = [
     "PlanSteps",
     "Planner",
     "PodCaches",
+    "Reset",
     "Tail",
+    "group_engine_key",
 ]
 
 
 MAX_TAILS_PER_POD = 32_768
 """Chain ends remembered per pod (fewer when the engine-key cache is smaller): each holds less
 than one index block of tokens, a few hundred bytes."""
+
+
+def group_engine_key(engine_key: int, group_idx: int | None) -> int:
+    """The key under which the index maps an engine key of KV-cache group ``group_idx``.
+
+    Groups of a hybrid model publish the same engine hashes for different spans of tokens
+    (vLLM's 32-token group reuses the hash of every second 16-token block), so a mapping shared
+    by all groups would let one group's removal take away what another group's block covered.
+    Group 0 and ungrouped events keep the engine key itself; group ``g >= 1`` maps it under a
+    64-bit BLAKE2b digest of ``(engine_key, g)``, a key space of its own.
+    """
+    if not group_idx:
+        return engine_key
+    digest = hashlib.blake2b(
+        engine_key.to_bytes(8, "big") + group_idx.to_bytes(4, "big"),
+        digest_size=8,
+        person=b"kvredis-group",
+    ).digest()
+    return int.from_bytes(digest, "big")
+
+
+def _group_keyed(event: Event) -> Event:
+    """``event`` with its engine keys (and parent) in its group's key space."""
+    if isinstance(event, AllBlocksCleared) or not event.group_idx:
+        return event
+    group = event.group_idx
+    hashes = tuple(group_engine_key(h, group) for h in event.block_hashes)
+    if isinstance(event, BlockRemoved):
+        return dataclasses.replace(event, block_hashes=hashes)
+    parent = event.parent_block_hash
+    return dataclasses.replace(
+        event,
+        block_hashes=hashes,
+        parent_block_hash=group_engine_key(parent, group) if parent else parent,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,7 +260,7 @@ class PodCaches:
         the tails of the chains it extended (their bases are read from the index when used), so
         that this replica continues them exactly as the peer would."""
         cache = self.get(pod)
-        for event in decoded.events:
+        for event in map(_group_keyed, decoded.events):
             if isinstance(event, AllBlocksCleared):
                 self.drop(pod)
                 cache = self.get(pod)
@@ -232,13 +282,21 @@ class Lookup:
 
 
 class Barrier(enum.Enum):
-    """Planner request: apply what was planned so far (and for ``CLEAR``, clear the pod)."""
+    """Planner request: apply what was planned so far."""
 
     FLUSH = "flush"
-    CLEAR = "clear"
 
 
-PlanSteps = Generator[Lookup | Barrier, int | None, None]
+@dataclass(frozen=True, slots=True)
+class Reset:
+    """Planner request: apply what was planned so far, then clear the pod's entries of rank
+    ``dp_rank`` on ``device_tiers`` (the engine reset its prefix cache)."""
+
+    dp_rank: int
+    device_tiers: frozenset[str]
+
+
+PlanSteps = Generator[Lookup | Barrier | Reset, int | None, None]
 """What :meth:`Planner.plan` returns: requests out, lookup answers in."""
 
 
@@ -332,7 +390,9 @@ class BatchPlan:
             self.batch_tails.pop(key, None)
         self.stale_tails.update(engine_keys)
 
-    def resolve(self, engine_key: int) -> Generator[Lookup | Barrier, int | None, int | None]:
+    def resolve(
+        self, engine_key: int
+    ) -> Generator[Lookup | Barrier | Reset, int | None, int | None]:
         """The request key ``engine_key`` maps to, as if the batch so far were applied."""
         hit = self.batch_map.get(engine_key)
         if hit is not None:
@@ -349,7 +409,7 @@ class BatchPlan:
 
     def _lookup(
         self, engine_key: int, cache: EngineKeyCache | None
-    ) -> Generator[Lookup | Barrier, int | None, int | None]:
+    ) -> Generator[Lookup | Barrier | Reset, int | None, int | None]:
         self.count(Counter.INDEX_LOOKUPS)
         found = yield Lookup(engine_key)
         if found is not None and cache is not None:
@@ -561,43 +621,47 @@ class Planner:
         caches: PodCaches,
         *,
         tiers: TierMap = DEFAULT_TIERS,
+        reset_mediums: Sequence[str] = DEFAULT_RESET_MEDIUMS,
     ) -> None:
         self.token_processor = token_processor
         self.catalog = catalog
         self.caches = caches
         self.tiers = tiers
         """How an event's medium, locality and ownership name the entry's device tier."""
+        self.reset_tiers = frozenset(tiers.tier(m, None, None) for m in reset_mediums)
+        """The tiers ``AllBlocksCleared`` clears: those of ``reset_mediums`` (local copies)."""
         self.block_size = int(token_processor.block_size())
         if self.block_size <= 0:
             raise ConfigError(f"token processor block size must be > 0, got {self.block_size}")
         caches.block_size = self.block_size
-        self._entries: dict[tuple[str, str, int | None], PodEntry] = {}
+        self._entries: dict[tuple[str, str, int | None, int], PodEntry] = {}
 
     def plan(
         self, plan: BatchPlan, decoded: DecodedBatch, pod: str, model: str | None
     ) -> PlanSteps:
         """Plan every event of ``decoded`` for ``pod`` into ``plan``; see the module docstring."""
-        for position, event in enumerate(decoded.events):
+        rank = decoded.data_parallel_rank or 0
+        for position, event in enumerate(map(_group_keyed, decoded.events)):
             if isinstance(event, BlockStored):
-                yield from self._stored(plan, event, pod, model, position)
+                yield from self._stored(plan, event, pod, model, position, rank)
             elif isinstance(event, BlockRemoved):
-                self._removed(plan, event, pod, position)
+                self._removed(plan, event, pod, position, rank)
             elif isinstance(event, AllBlocksCleared):
-                yield Barrier.CLEAR
+                yield Reset(rank, self.reset_tiers)
                 plan.count(Counter.EVENTS_APPLIED)
 
     def _entry(
-        self, plan: BatchPlan, pod: str, tier: str, group: int | None, position: int
+        self, plan: BatchPlan, pod: str, tier: str, group: int | None, position: int, rank: int
     ) -> PodEntry | None:
-        key = (pod, tier, group)
+        key = (pod, tier, group, rank)
         entry = self._entries.get(key)
         if entry is not None:
             return entry
         try:
             if group is None:
-                entry = PodEntry(pod, tier)
+                entry = PodEntry(pod, tier, dp_rank=rank)
             else:
-                entry = PodEntry(pod, tier, has_group=True, group_idx=group)
+                entry = PodEntry(pod, tier, has_group=True, group_idx=group, dp_rank=rank)
         except InvalidInputError as exc:
             plan.rejects.append(Rejection(RejectReason.BAD_FIELD_VALUE, str(exc), position))
             return None
@@ -607,10 +671,16 @@ class Planner:
         return entry
 
     def _stored(
-        self, plan: BatchPlan, ev: BlockStored, pod: str, model: str | None, position: int
+        self,
+        plan: BatchPlan,
+        ev: BlockStored,
+        pod: str,
+        model: str | None,
+        position: int,
+        rank: int,
     ) -> PlanSteps:
         tier = self.tiers.tier(ev.medium, ev.locality, ev.ownership)
-        entry = self._entry(plan, pod, tier, ev.group_idx, position)
+        entry = self._entry(plan, pod, tier, ev.group_idx, position, rank)
         if entry is None:
             return
         if ev.group_idx is not None:
@@ -735,9 +805,11 @@ class Planner:
         plan.count(Counter.TIER_UPDATES)
         plan.count(Counter.EVENTS_APPLIED)
 
-    def _removed(self, plan: BatchPlan, ev: BlockRemoved, pod: str, position: int) -> None:
+    def _removed(
+        self, plan: BatchPlan, ev: BlockRemoved, pod: str, position: int, rank: int
+    ) -> None:
         tier = self.tiers.tier(ev.medium, ev.locality, ev.ownership)
-        entry = self._entry(plan, pod, tier, ev.group_idx, position)
+        entry = self._entry(plan, pod, tier, ev.group_idx, position, rank)
         if entry is None:
             return
         plan.evict(ev.block_hashes, (entry,))

@@ -38,7 +38,7 @@ from kvredis.batch import IndexOp, Watermark
 from kvredis.ingest.config import EndpointConfig, IngesterConfig
 from kvredis.ingest.counters import Counter, IngestCounters
 from kvredis.ingest.events import DecodedBatch, Rejection, RejectReason, decode_batch
-from kvredis.ingest.planner import Barrier, BatchPlan, Lookup, Planner, PlanSteps
+from kvredis.ingest.planner import Barrier, BatchPlan, Lookup, Planner, PlanSteps, Reset
 from kvredis.ingest.stream import (
     CLEAR_PHASE,
     MAX_ENGINE_SEQ,
@@ -125,7 +125,8 @@ class LookupRequestKey:
 
 @dataclass(frozen=True, slots=True)
 class ClearPod:
-    """Clear every entry of ``pod``.
+    """Clear every entry of ``pod`` (only those on ``device_tiers`` and of rank ``dp_rank`` when
+    set: an engine's prefix-cache reset).
 
     While the clear runs, the port drives ``heartbeat()`` (with :func:`drive`) after every page
     of progress; its steps keep the claim alive, and a refused one raises :class:`LostOwnership`,
@@ -134,6 +135,8 @@ class ClearPod:
 
     pod: str
     heartbeat: Callable[[], Steps[None]]
+    device_tiers: frozenset[str] | None = None
+    dp_rank: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -337,8 +340,9 @@ class BatchRun:
         yield from self._step([], stream_position(self.claim_seq, self.phase))
         self.phase += 1
 
-    def clear(self, pods: Iterable[str], cause: Counter) -> Steps[None]:
-        """Clear pods as a step of this batch (after applying what precedes it)."""
+    def clear(self, pods: Iterable[str], cause: Counter, scope: Reset | None = None) -> Steps[None]:
+        """Clear pods as a step of this batch (after applying what precedes it); with ``scope``
+        only the entries of its rank on its tiers."""
         yield from self.flush()
         if cause is Counter.CLEARS_GAP and self.claim_seq < 0:
             # the batch took over a stalled epoch opening: its clear is the opening clear
@@ -346,7 +350,10 @@ class BatchRun:
         seqr = self._seqr
         caches = seqr.planner.caches
         for pod in sorted(set(pods)):
-            yield ClearPod(pod, self.heartbeat)
+            if scope is None:
+                yield ClearPod(pod, self.heartbeat)
+            else:
+                yield ClearPod(pod, self.heartbeat, scope.device_tiers, scope.dp_rank)
             caches.drop(pod)
             self.plan.count(Counter.CLEARS)
             self.plan.count(cause)
@@ -367,8 +374,8 @@ class BatchRun:
             elif need is Barrier.FLUSH:
                 yield from self.flush()
             else:
-                assert self.pod is not None
-                yield from self.clear([self.pod], Counter.CLEARS_ALL_BLOCKS_CLEARED)
+                assert self.pod is not None and isinstance(need, Reset)
+                yield from self.clear([self.pod], Counter.CLEARS_ALL_BLOCKS_CLEARED, need)
 
 
 PlanFn = Callable[[BatchRun], Steps[None]]

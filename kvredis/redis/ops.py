@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 from kvredis.batch import AddOp, EvictOp, IndexOp, Watermark, check_batch, check_stream
 from kvredis.checks import (
     MAX_REQUEST_KEYS_PER_ENGINE_KEY,
+    EntrySelection,
     check_add,
     check_entries,
     check_hash,
@@ -60,8 +61,10 @@ from kvredis.errors import (
 )
 from kvredis.index import ClearProgress
 from kvredis.redis.codec import (
+    ID_WIDTH,
     blob_hashes,
     bytes_text,
+    decode_entry,
     encode_entry,
     hash_blob,
     hash_field,
@@ -1022,6 +1025,7 @@ def op_clear(
     progress: ClearProgress | None = None,
     fields_per_call: int = DEFAULT_CLEAR_FIELDS_PER_CALL,
     mappings: bool = True,
+    selection: EntrySelection | None = None,
 ) -> Op[int]:
     """``Index.clear``: remove every entry of the pod, page by page; returns entries removed.
 
@@ -1036,12 +1040,17 @@ def op_clear(
     so far. Last, the pod's entry definitions are reclaimed (``reclaim`` script). A pod the
     namespace never saw costs one HGET. ``mappings=False`` skips the engine bucket pass (the
     cluster index, whose mappings and request keys live in different shards, runs its own).
+    With ``selection`` (``clear_entries``) only the pod's entries it matches are removed: their
+    ids are picked from the pod's definitions (one HMGET) before the passes, and only those are
+    reclaimed.
     """
     pod = check_pod_identifier(pod_identifier)
     if progress is not None and not callable(progress):
         raise InvalidInputError(f"progress must be a callable(done, removed), got {progress!r}")
     layout = state.layout
     ids = yield Command(("HGET", layout.pp, text_bytes(pod)))
+    if ids and selection is not None:
+        ids = yield from _selected_ids(layout, bytes(ids), selection)
     if not ids:
         return 0
     done = removed = 0
@@ -1101,6 +1110,18 @@ def op_clear(
             (layout.gen, text_bytes(pod), blob[start : start + RECLAIM_IDS_PER_CALL * 4]),
         )
     return removed
+
+
+def _selected_ids(layout: Layout, ids: bytes, selection: EntrySelection) -> Op[bytes]:
+    """The ids of the id list ``ids`` whose definitions ``selection`` matches (an id without a
+    definition is left out: no bucket can hold it for a lookup to return)."""
+    listed = [ids[i : i + ID_WIDTH] for i in range(0, len(ids), ID_WIDTH)]
+    defs = yield Command(("HMGET", layout.pi, *listed))
+    return b"".join(
+        entry_id
+        for entry_id, enc in zip(listed, defs, strict=True)
+        if enc and selection.matches(decode_entry(bytes(enc)))
+    )
 
 
 def _finish_drop(layout: Layout, tombstone: bytes, keys_per_call: int = 1000) -> Op[int]:

@@ -12,7 +12,15 @@ from kvredis.ingest.events import (
     decode_batch,
     encode_batch,
 )
-from kvredis.ingest.planner import Barrier, BatchPlan, Lookup, Planner, PlanSteps, PodCaches
+from kvredis.ingest.planner import (
+    Barrier,
+    BatchPlan,
+    Lookup,
+    Planner,
+    PlanSteps,
+    PodCaches,
+    Reset,
+)
 from kvredis.types import KeyType, PodEntry
 from tests.ingest.harness import MODEL, POD, TP, block_tokens
 
@@ -23,9 +31,9 @@ def planner() -> Planner:
     return Planner(TP, GroupCatalog(), PodCaches(64))
 
 
-def run(steps: PlanSteps, answers: dict[int, int | None]) -> list[Lookup | Barrier]:
+def run(steps: PlanSteps, answers: dict[int, int | None]) -> list[Lookup | Barrier | Reset]:
     """Drive a plan, answering lookups from ``answers``; the requests it made."""
-    requests: list[Lookup | Barrier] = []
+    requests: list[Lookup | Barrier | Reset] = []
     reply: int | None = None
     while True:
         try:
@@ -84,7 +92,7 @@ def test_all_blocks_cleared_is_a_clear_barrier() -> None:
     plan = BatchPlan(p.caches.get(POD))
     decoded = decode_batch(encode_batch([BlockRemoved((5,)), AllBlocksCleared()]))
     steps = p.plan(plan, decoded, POD, MODEL)
-    assert next(steps) is Barrier.CLEAR
+    assert next(steps) == Reset(0, frozenset({"gpu"}))
     assert plan.take() == [EvictOp(5, KeyType.ENGINE, (GPU,))]
 
 
