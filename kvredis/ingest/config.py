@@ -100,6 +100,12 @@ class IngesterConfig:
     """Rejections of one reason are logged at most once per interval (all are counted)."""
     tiers: TierMap = field(default=DEFAULT_TIERS)
     """How an event's medium, locality and ownership become an entry's device tier."""
+    offload_blocks_per_chunk: int = 1
+    """Engine blocks per chunk of vLLM's offloading connector (its ``kv_connector_extra_config``
+    ``blocks_per_chunk``, or its ``block_size`` over the GPU block size). Without
+    self-describing events a stored or removed chunk names only its last block's hash; the
+    ingester credits (and removes) the chunk's blocks before it too, through the parents its
+    GPU events named."""
     reset_mediums: tuple[str, ...] = DEFAULT_RESET_MEDIUMS
     """The engine mediums whose local copies ``AllBlocksCleared`` removes (of the batch's
     data-parallel rank); copies on other tiers stay. SGLang's radix cache reset also drops its
@@ -113,6 +119,7 @@ class IngesterConfig:
             "parent_cache_size",
             "max_replay_batches",
             "restart_window",
+            "offload_blocks_per_chunk",
         ):
             check_number(name, getattr(self, name), integer=True)
         for name in (

@@ -178,16 +178,60 @@ class Tail:
 
 class EngineKeyCache:
     """What one ingester knows of a pod's engine keys, bounded and thread-safe (least recently
-    used dropped): engine→request mappings, and the :class:`Tail` of chains that end mid-block.
+    used dropped): engine→request mappings, the :class:`Tail` of chains that end mid-block, each
+    stored engine block's parent (hashes chain, so a parent never changes) and the engine blocks
+    an offloaded chunk was credited on (kept across clears: they stay true).
     """
 
-    __slots__ = ("_data", "_limit", "_lock", "_tails")
+    __slots__ = ("_chunks", "_data", "_limit", "_lock", "_parents", "_tails")
 
     def __init__(self, limit: int) -> None:
         self._data: OrderedDict[int, int] = OrderedDict()
         self._tails: OrderedDict[int, Tail] = OrderedDict()
+        self._parents: OrderedDict[int, int] = OrderedDict()
+        self._chunks: OrderedDict[tuple[str, int], tuple[int, ...]] = OrderedDict()
         self._limit = limit
         self._lock = threading.Lock()
+
+    def put_parents(self, keys: Sequence[int], parent: int | None) -> None:
+        """Record the chain ``parent → keys[0] → keys[1] → ...``."""
+        with self._lock:
+            parents = self._parents
+            for key in keys:
+                if parent:
+                    parents[key] = parent
+                    parents.move_to_end(key)
+                parent = key
+            while len(parents) > self._limit:
+                parents.popitem(last=False)
+
+    def chain_back(self, key: int, length: int) -> list[int]:
+        """``key`` and up to ``length - 1`` of its known ancestors, oldest first."""
+        with self._lock:
+            out = [key]
+            while len(out) < length:
+                parent = self._parents.get(out[-1])
+                if parent is None:
+                    break
+                out.append(parent)
+            return out[::-1]
+
+    def put_chunk(self, tier: str, key: int, keys: tuple[int, ...]) -> None:
+        with self._lock:
+            self._chunks[(tier, key)] = keys
+            self._chunks.move_to_end((tier, key))
+            if len(self._chunks) > self._limit:
+                self._chunks.popitem(last=False)
+
+    def get_chunk(self, tier: str, key: int) -> tuple[int, ...] | None:
+        with self._lock:
+            return self._chunks.get((tier, key))
+
+    def forget_mappings(self) -> None:
+        """Drop the mappings and tails (the pod's entries were cleared)."""
+        with self._lock:
+            self._data.clear()
+            self._tails.clear()
 
     def get_tail(self, key: int) -> Tail | None:
         with self._lock:
@@ -251,9 +295,11 @@ class PodCaches:
             return cache
 
     def drop(self, pod: str) -> None:
-        """Forget everything cached for ``pod`` (its entries were cleared)."""
+        """Forget the mappings and tails cached for ``pod`` (its entries were cleared)."""
         with self._lock:
-            self._caches.pop(pod, None)
+            cache = self._caches.get(pod)
+        if cache is not None:
+            cache.forget_mappings()
 
     def forget_batch(self, pod: str, decoded: DecodedBatch) -> None:
         """A batch a peer applied may have changed mappings cached here: drop those, and learn
@@ -270,6 +316,8 @@ class PodCaches:
                 prior = cache.get_tail(event.parent_block_hash)
             for engine_key in event.block_hashes:
                 cache.pop(engine_key)
+            if isinstance(event, BlockStored) and event.token_ids:
+                cache.put_parents(event.block_hashes, event.parent_block_hash)
             if isinstance(event, BlockStored) and self.block_size is not None:
                 _learn_tail(cache, event, prior, self.block_size)
 
@@ -622,6 +670,7 @@ class Planner:
         *,
         tiers: TierMap = DEFAULT_TIERS,
         reset_mediums: Sequence[str] = DEFAULT_RESET_MEDIUMS,
+        offload_blocks_per_chunk: int = 1,
     ) -> None:
         self.token_processor = token_processor
         self.catalog = catalog
@@ -630,6 +679,9 @@ class Planner:
         """How an event's medium, locality and ownership name the entry's device tier."""
         self.reset_tiers = frozenset(tiers.tier(m, None, None) for m in reset_mediums)
         """The tiers ``AllBlocksCleared`` clears: those of ``reset_mediums`` (local copies)."""
+        self.offload_blocks_per_chunk = offload_blocks_per_chunk
+        """Engine blocks per offloaded chunk: a chunk's placeholder event (one hash, no tokens,
+        ``block_size`` 0) names only its last block, and credits (or removes) them all."""
         self.block_size = int(token_processor.block_size())
         if self.block_size <= 0:
             raise ConfigError(f"token processor block size must be > 0, got {self.block_size}")
@@ -693,7 +745,7 @@ class Planner:
             )
         if not ev.token_ids:
             if ev.block_hashes:
-                yield from self._tier_update(plan, ev, entry)
+                yield from self._tier_update(plan, ev, entry, self._chunk_keys(plan, ev, entry))
             return
         model_name = ev.lora_name or model
         if not model_name:
@@ -725,7 +777,7 @@ class Planner:
                 found = yield from plan.resolve(parent)
                 if found is None:
                     if len(ev.token_ids) < self.block_size and ev.block_hashes:
-                        yield from self._tier_update(plan, ev, entry)
+                        yield from self._tier_update(plan, ev, entry, ev.block_hashes)
                     else:
                         plan.count(Counter.PARENT_MISSES)
                     return
@@ -738,6 +790,8 @@ class Planner:
         plan.count(Counter.EVENTS_APPLIED)
         plan.count(Counter.BLOCKS_STORED, len(ev.block_hashes))
         self._add(plan, ev, entry, request, groups)
+        if ev.block_hashes and plan.cache is not None:
+            plan.cache.put_parents(ev.block_hashes, ev.parent_block_hash)
         if ev.block_hashes:
             plan.drop_tails(ev.block_hashes[:-1])
             plan.put_tail(ev.block_hashes[-1], after)
@@ -790,10 +844,26 @@ class Planner:
             return request, None, after
         return request, [(g, r) for g, r in zip(step.groups, request, strict=True)], after
 
-    def _tier_update(self, plan: BatchPlan, ev: BlockStored, entry: PodEntry) -> PlanSteps:
+    def _chunk_keys(self, plan: BatchPlan, ev: BlockStored, entry: PodEntry) -> Sequence[int]:
+        """The engine keys a tier update credits: each named key, and for an offloaded chunk's
+        placeholder (``block_size`` 0) the chunk's earlier blocks too (known parents), recorded
+        so that the chunk's removal takes them all away."""
+        chunk, cache = self.offload_blocks_per_chunk, plan.cache
+        if chunk <= 1 or ev.block_size or cache is None:
+            return ev.block_hashes
+        out: list[int] = []
+        for key in ev.block_hashes:
+            keys = cache.chain_back(key, chunk)
+            cache.put_chunk(entry.device_tier, key, tuple(keys))
+            out.extend(keys)
+        return out
+
+    def _tier_update(
+        self, plan: BatchPlan, ev: BlockStored, entry: PodEntry, engine_keys: Sequence[int]
+    ) -> PlanSteps:
         resolved: list[int] = []
         seen: set[int] = set()
-        for engine_key in ev.block_hashes:
+        for engine_key in engine_keys:
             request_key = yield from plan.resolve(engine_key)
             if request_key is not None and request_key not in seen:
                 seen.add(request_key)
@@ -812,6 +882,12 @@ class Planner:
         entry = self._entry(plan, pod, tier, ev.group_idx, position, rank)
         if entry is None:
             return
-        plan.evict(ev.block_hashes, (entry,))
+        keys: Sequence[int] = ev.block_hashes
+        if self.offload_blocks_per_chunk > 1 and plan.cache is not None:
+            keys = []
+            for key in ev.block_hashes:
+                chunk = plan.cache.get_chunk(tier, key)
+                keys.extend(chunk if chunk else (key,))
+        plan.evict(keys, (entry,))
         plan.count(Counter.EVENTS_APPLIED)
         plan.count(Counter.BLOCKS_REMOVED, len(ev.block_hashes))

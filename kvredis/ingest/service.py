@@ -128,6 +128,7 @@ class EventIngester:
             caches,
             tiers=self.config.tiers,
             reset_mediums=self.config.reset_mediums,
+            offload_blocks_per_chunk=self.config.offload_blocks_per_chunk,
         )
         self._replay_factory = replay_factory
         self._log = RateLimitedLog(logger, self.config.reject_log_interval_s)

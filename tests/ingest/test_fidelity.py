@@ -446,6 +446,22 @@ def test_prefix_cache_reset_keeps_offloaded_copies(index: Any) -> None:
     assert all(index.lookup(keys)[k] == [cpu] for k in keys)
 
 
+def test_offloaded_chunk_credits_every_block(index: Any) -> None:
+    # blocks_per_chunk 4, self-describing events off: each CPU event names the chunk's last hash.
+    ing = EventIngester(index, TP16, config=IngesterConfig(offload_blocks_per_chunk=4))
+    hashes = list(range(1, 9))
+    gpu_store = vllm_stored(hashes, None, PROMPT, 16, group_idx=0)
+    chunks = [vllm_offload_placeholder(4, 0), vllm_offload_placeholder(8, 0)]
+    ingest(index, [vllm_batch([gpu_store]), vllm_batch(chunks)], ing=ing)
+    ingest(index, [vllm_batch([vllm_removed(hashes, group_idx=0)])], ing=ing)
+    assert score(index, PROMPT) == {"pod-a": pytest.approx(8 * 0.8)}  # every block on CPU
+    removed = vllm_removed([8], medium="CPU", group_idx=0)  # the second chunk leaves the CPU
+    ingest(index, [vllm_batch([removed])], ing=ing)
+    assert score(index, PROMPT) == {"pod-a": pytest.approx(4 * 0.8)}
+    keys = TP16.tokens_to_kv_block_keys(0, PROMPT, MODEL)
+    assert len(index.lookup(keys)) == 4
+
+
 @pytest.mark.zmq
 def test_over_zmq_into_redis(redis_backend_index: Any) -> None:
     # The transport `kvredis ingest` runs: the engine's 3-frame messages on a real socket.
