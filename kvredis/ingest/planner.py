@@ -338,10 +338,11 @@ class Barrier(enum.Enum):
 @dataclass(frozen=True, slots=True)
 class Reset:
     """Planner request: apply what was planned so far, then clear the pod's entries of rank
-    ``dp_rank`` on ``device_tiers`` (the engine reset its prefix cache)."""
+    ``dp_rank`` on ``device_tiers`` (the engine reset its prefix cache). ``None``: every rank,
+    every tier (the sequencer's clears of a stream's pods take the same form)."""
 
-    dp_rank: int
-    device_tiers: frozenset[str]
+    dp_rank: int | None
+    device_tiers: frozenset[str] | None
 
 
 PlanSteps = Generator[Lookup | Barrier | Reset, int | None, None]

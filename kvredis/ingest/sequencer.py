@@ -270,6 +270,17 @@ class _Message:
     counted: bool = False
 
 
+def _stream_scope(st: StreamState, msg: _Message) -> Reset | None:
+    """What a clear of ``st``'s pods (a restart, a lost batch) covers: the entries of the one
+    data-parallel rank every batch of the stream carried (``msg``'s included; each rank of a
+    vLLM pod publishes on its own endpoint, and the other ranks' copies are not in doubt), or
+    every entry when the stream carried several ranks."""
+    ranks = st.ranks | {decode_batch(msg.payload).data_parallel_rank or 0}
+    if len(ranks) != 1:
+        return None
+    return Reset(ranks.pop(), None)
+
+
 class BatchRun:
     """One attempt at applying one batch: its steps, phases and claim (see the protocol doc)."""
 
@@ -606,7 +617,9 @@ class Sequencer:
         self.counters.inc(Counter.BATCHES_DUPLICATE)
         pod, _ = st.identity(msg.topic)
         if pod is not None:
-            self.planner.caches.forget_batch(pod, decode_batch(msg.payload))
+            decoded = decode_batch(msg.payload)
+            st.ranks.add(decoded.data_parallel_rank or 0)
+            self.planner.caches.forget_batch(pod, decoded)
         return BatchOutcome.DUPLICATE
 
     def _fresh_verdict(self, st: StreamState, msg: _Message) -> Steps[FreshVerdict]:
@@ -707,10 +720,11 @@ class Sequencer:
         not ``supersede``: ``msg`` belongs to the later epoch).
         """
         pods = st.pods_for(msg.topic)
+        scope = _stream_scope(st, msg)
 
         def plan(run: BatchRun) -> Steps[None]:
             if pods:
-                yield from run.clear(pods, Counter.CLEARS_RESTART)
+                yield from run.clear(pods, Counter.CLEARS_RESTART, scope)
             else:
                 yield from run.flush()
 
@@ -866,7 +880,9 @@ class Sequencer:
             decoded = DecodedBatch(ts=decoded.ts, events=())
         else:
             st.pods.add(pod)
+            st.ranks.add(decoded.data_parallel_rank or 0)
         clear_pods = st.pods_for(msg.topic) if pre_clear else set()
+        clear_scope = _stream_scope(st, msg) if pre_clear else None
         planner = self.planner
         before: list[tuple[DecodedBatch, str, str | None]] = []
         for earlier in tail:
@@ -881,7 +897,7 @@ class Sequencer:
 
         def plan(run: BatchRun) -> Steps[None]:
             if pre_clear:
-                yield from run.clear(clear_pods, Counter.CLEARS_GAP)
+                yield from run.clear(clear_pods, Counter.CLEARS_GAP, clear_scope)
             for tail_decoded, tail_pod, tail_model in before:
                 yield from run.run_plan(planner.plan(run.plan, tail_decoded, tail_pod, tail_model))
             if pod is not None:
@@ -945,7 +961,7 @@ class Sequencer:
                     raise _NotOwner
                 if takeover_clear:
                     cause = Counter.CLEARS_RESTART if claim_seq < 0 else Counter.CLEARS_GAP
-                    yield from run.clear(st.pods_for(msg.topic), cause)
+                    yield from run.clear(st.pods_for(msg.topic), cause, _stream_scope(st, msg))
                 yield from plan(run)
                 yield from run.finish()
             except (_NotOwner, LostOwnership) as refused:

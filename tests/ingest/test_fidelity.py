@@ -365,6 +365,24 @@ def test_dp_ranks_hold_a_shared_prefix_on_their_own(index: Any) -> None:
     assert index.lookup(keys) == {}
 
 
+@pytest.mark.parametrize("cause", ["restart", "gap"])
+def test_a_rank_stream_clear_leaves_the_other_ranks(index: Any, cause: str) -> None:
+    # Rank 0's publisher restarts (seq goes back to 0) or loses a batch: what rank 0 held is in
+    # doubt and is cleared; rank 1's copies are not.
+    tokens = PROMPT[:64]
+    pod = DPPod(index)
+    pod.ing = EventIngester(index, TP16, config=IngesterConfig(peer_grace_s=0.01))
+    for rank in (0, 1):
+        pod.send(rank, vllm_stored([1, 2, 3, 4], None, tokens, 16, group_idx=0))
+    pod.seq[0] = 0 if cause == "restart" else 5
+    pod.send(0, vllm_stored([1, 2], None, tokens[:32], 16, group_idx=0))
+    assert pod.ing.counters.get("clears") == 1
+    keys = TP16.tokens_to_kv_block_keys(0, tokens, MODEL)
+    found = index.lookup(keys)
+    assert [set(found[k]) for k in keys] == [{gpu(0, 0), gpu(0, 1)}] * 2 + [{gpu(0, 1)}] * 2
+    assert score(index, tokens) == {"pod-a": 4.0}
+
+
 # Index block size 16 (TP16) or 64 (TP64); group 0's and group 1's engine block sizes. vLLM
 # hashes at the smallest size and a group of k times that size publishes every k-th hash.
 GROUP_SHAPES = [(TP16, 16, 32), (TP16, 32, 64), (TP16, 16, 64), (TP64, 16, 32)]
