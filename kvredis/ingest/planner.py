@@ -31,6 +31,11 @@ Data parallelism. Every entry carries the batch's ``data_parallel_rank`` (``dp_r
 unset): ranks of one pod hold their copies on their own, so one rank's removal or reset leaves
 the others' entries (same pod, so scores and filters fold them into the pod).
 
+Offloaded chunks. With :attr:`Planner.offload_blocks_per_chunk` above 1, a tier update of
+vLLM's offloading placeholder shape (``block_size`` 0, each hash the last block of a chunk)
+credits the chunk's blocks back through the parents the engine's events named, and maps the
+chunk's :func:`chunk_engine_key` to them; a removal on any tier also evicts through that key.
+
 KV-cache groups. The engine keys of group ``g >= 1`` are mapped under
 :func:`group_engine_key` (hybrid models' groups publish the same hashes for blocks of different
 sizes): a group's removal resolves to exactly the request keys that group's block covered.
@@ -110,6 +115,7 @@ __all__ = [
     "PodCaches",
     "Reset",
     "Tail",
+    "chunk_engine_key",
     "group_engine_key",
 ]
 
@@ -134,6 +140,17 @@ def group_engine_key(engine_key: int, group_idx: int | None) -> int:
         engine_key.to_bytes(8, "big") + group_idx.to_bytes(4, "big"),
         digest_size=8,
         person=b"kvredis-group",
+    ).digest()
+    return int.from_bytes(digest, "big")
+
+
+def chunk_engine_key(offload_key: int) -> int:
+    """The engine key under which the index maps an offloaded chunk, named by ``offload_key``
+    (its last block's engine key), to the request keys of all its blocks: a 64-bit BLAKE2b
+    digest of the offload key, a key space of its own. The chunk's removal evicts through it,
+    so it takes away exactly what its store credited, whichever ingester stored it."""
+    digest = hashlib.blake2b(
+        offload_key.to_bytes(8, "big"), digest_size=8, person=b"kvredis-chunk"
     ).digest()
     return int.from_bytes(digest, "big")
 
@@ -178,18 +195,17 @@ class Tail:
 
 class EngineKeyCache:
     """What one ingester knows of a pod's engine keys, bounded and thread-safe (least recently
-    used dropped): engine→request mappings, the :class:`Tail` of chains that end mid-block, each
-    stored engine block's parent (hashes chain, so a parent never changes) and the engine blocks
-    an offloaded chunk was credited on (kept across clears: they stay true).
+    used dropped): engine→request mappings, the :class:`Tail` of chains that end mid-block, and
+    each stored engine block's parent (hashes chain, so a parent never changes: kept across
+    clears).
     """
 
-    __slots__ = ("_chunks", "_data", "_limit", "_lock", "_parents", "_tails")
+    __slots__ = ("_data", "_limit", "_lock", "_parents", "_tails")
 
     def __init__(self, limit: int) -> None:
         self._data: OrderedDict[int, int] = OrderedDict()
         self._tails: OrderedDict[int, Tail] = OrderedDict()
         self._parents: OrderedDict[int, int] = OrderedDict()
-        self._chunks: OrderedDict[tuple[str, int], tuple[int, ...]] = OrderedDict()
         self._limit = limit
         self._lock = threading.Lock()
 
@@ -215,17 +231,6 @@ class EngineKeyCache:
                     break
                 out.append(parent)
             return out[::-1]
-
-    def put_chunk(self, tier: str, key: int, keys: tuple[int, ...]) -> None:
-        with self._lock:
-            self._chunks[(tier, key)] = keys
-            self._chunks.move_to_end((tier, key))
-            if len(self._chunks) > self._limit:
-                self._chunks.popitem(last=False)
-
-    def get_chunk(self, tier: str, key: int) -> tuple[int, ...] | None:
-        with self._lock:
-            return self._chunks.get((tier, key))
 
     def forget_mappings(self) -> None:
         """Drop the mappings and tails (the pod's entries were cleared)."""
@@ -745,8 +750,10 @@ class Planner:
                 ),
             )
         if not ev.token_ids:
-            if ev.block_hashes:
-                yield from self._tier_update(plan, ev, entry, self._chunk_keys(plan, ev, entry))
+            if ev.block_hashes and self.offload_blocks_per_chunk > 1 and not ev.block_size:
+                yield from self._chunks_stored(plan, ev, entry)
+            elif ev.block_hashes:
+                yield from self._tier_update(plan, ev, entry, ev.block_hashes)
             return
         model_name = ev.lora_name or model
         if not model_name:
@@ -845,19 +852,32 @@ class Planner:
             return request, None, after
         return request, [(g, r) for g, r in zip(step.groups, request, strict=True)], after
 
-    def _chunk_keys(self, plan: BatchPlan, ev: BlockStored, entry: PodEntry) -> Sequence[int]:
-        """The engine keys a tier update credits: each named key, and for an offloaded chunk's
-        placeholder (``block_size`` 0) the chunk's earlier blocks too (known parents), recorded
-        so that the chunk's removal takes them all away."""
-        chunk, cache = self.offload_blocks_per_chunk, plan.cache
-        if chunk <= 1 or ev.block_size or cache is None:
-            return ev.block_hashes
-        out: list[int] = []
+    def _chunks_stored(self, plan: BatchPlan, ev: BlockStored, entry: PodEntry) -> PlanSteps:
+        """Offloaded chunks' placeholders (``block_size`` 0, each hash a chunk's last block):
+        each credits the chunk's blocks back as far as their parents are known, and maps its
+        :func:`chunk_engine_key` to them for the chunk's removal."""
+        applied = False
         for key in ev.block_hashes:
-            keys = cache.chain_back(key, chunk)
-            cache.put_chunk(entry.device_tier, key, tuple(keys))
-            out.extend(keys)
-        return out
+            chain = (
+                plan.cache.chain_back(key, self.offload_blocks_per_chunk) if plan.cache else [key]
+            )
+            resolved: list[int] = []
+            for engine_key in chain:
+                request_key = yield from plan.resolve(engine_key)
+                if request_key is not None and request_key not in resolved:
+                    resolved.append(request_key)
+            if not resolved:
+                plan.count(Counter.TIER_UPDATE_MISSES)
+                continue
+            chunk_key = chunk_engine_key(key)
+            plan.add(
+                AddOp((chunk_key,), tuple(resolved), (entry,)),
+                [(chunk_key, r) for r in resolved],
+            )
+            plan.count(Counter.TIER_UPDATES)
+            applied = True
+        if applied:
+            plan.count(Counter.EVENTS_APPLIED)
 
     def _tier_update(
         self, plan: BatchPlan, ev: BlockStored, entry: PodEntry, engine_keys: Sequence[int]
@@ -884,11 +904,8 @@ class Planner:
         if entry is None:
             return
         keys: Sequence[int] = ev.block_hashes
-        if self.offload_blocks_per_chunk > 1 and plan.cache is not None:
-            keys = []
-            for key in ev.block_hashes:
-                chunk = plan.cache.get_chunk(tier, key)
-                keys.extend(chunk if chunk else (key,))
+        if self.offload_blocks_per_chunk > 1:  # a chunk's removal names its last block
+            keys = [k for key in keys for k in (key, chunk_engine_key(key))]
         plan.evict(keys, (entry,))
         plan.count(Counter.EVENTS_APPLIED)
         plan.count(Counter.BLOCKS_REMOVED, len(ev.block_hashes))

@@ -473,8 +473,12 @@ def test_offloaded_chunk_credits_every_block(index: Any) -> None:
     ingest(index, [vllm_batch([gpu_store]), vllm_batch(chunks)], ing=ing)
     ingest(index, [vllm_batch([vllm_removed(hashes, group_idx=0)])], ing=ing)
     assert score(index, PROMPT) == {"pod-a": pytest.approx(8 * 0.8)}  # every block on CPU
-    removed = vllm_removed([8], medium="CPU", group_idx=0)  # the second chunk leaves the CPU
-    ingest(index, [vllm_batch([removed])], ing=ing)
+    # The second chunk leaves the CPU; an ingester that did not see it stored (a restart, an
+    # HA peer) removes the whole chunk too: the index maps the chunk to its blocks.
+    removed = vllm_removed([8], medium="CPU", group_idx=0)
+    fresh = EventIngester(index, TP16, config=IngesterConfig(offload_blocks_per_chunk=4))
+    fresh.process(f"kv@pod-a@{MODEL}", 3, vllm_batch([removed]), endpoint="pod-a")
+    assert fresh.counters.get("batches_applied") == 1
     assert score(index, PROMPT) == {"pod-a": pytest.approx(4 * 0.8)}
     keys = TP16.tokens_to_kv_block_keys(0, PROMPT, MODEL)
     assert len(index.lookup(keys)) == 4
