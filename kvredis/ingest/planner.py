@@ -753,7 +753,7 @@ class Planner:
             if ev.block_hashes and self.offload_blocks_per_chunk > 1 and not ev.block_size:
                 yield from self._chunks_stored(plan, ev, entry)
             elif ev.block_hashes:
-                yield from self._tier_update(plan, ev, entry, ev.block_hashes)
+                yield from self._tier_update(plan, ev, entry)
             return
         model_name = ev.lora_name or model
         if not model_name:
@@ -785,7 +785,7 @@ class Planner:
                 found = yield from plan.resolve(parent)
                 if found is None:
                     if len(ev.token_ids) < self.block_size and ev.block_hashes:
-                        yield from self._tier_update(plan, ev, entry, ev.block_hashes)
+                        yield from self._tier_update(plan, ev, entry)
                     else:
                         plan.count(Counter.PARENT_MISSES)
                     return
@@ -879,12 +879,10 @@ class Planner:
         if applied:
             plan.count(Counter.EVENTS_APPLIED)
 
-    def _tier_update(
-        self, plan: BatchPlan, ev: BlockStored, entry: PodEntry, engine_keys: Sequence[int]
-    ) -> PlanSteps:
+    def _tier_update(self, plan: BatchPlan, ev: BlockStored, entry: PodEntry) -> PlanSteps:
         resolved: list[int] = []
         seen: set[int] = set()
-        for engine_key in engine_keys:
+        for engine_key in ev.block_hashes:
             request_key = yield from plan.resolve(engine_key)
             if request_key is not None and request_key not in seen:
                 seen.add(request_key)
