@@ -144,13 +144,16 @@ def group_engine_key(engine_key: int, group_idx: int | None) -> int:
     return int.from_bytes(digest, "big")
 
 
-def chunk_engine_key(offload_key: int) -> int:
-    """The engine key under which the index maps an offloaded chunk, named by ``offload_key``
-    (its last block's engine key), to the request keys of all its blocks: a 64-bit BLAKE2b
-    digest of the offload key, a key space of its own. The chunk's removal evicts through it,
-    so it takes away exactly what its store credited, whichever ingester stored it."""
+def chunk_engine_key(offload_key: int, tier: str) -> int:
+    """The engine key under which the index maps an offloaded chunk on ``tier``, named by
+    ``offload_key`` (its last block's engine key), to the request keys of all its blocks: a
+    64-bit BLAKE2b digest of both, a key space of its own. The chunk's removal from that tier
+    evicts through it, so it takes away exactly what its store credited, whichever ingester
+    stored it (and a removal on another tier, the GPU's, is not widened)."""
     digest = hashlib.blake2b(
-        offload_key.to_bytes(8, "big"), digest_size=8, person=b"kvredis-chunk"
+        offload_key.to_bytes(8, "big") + tier.encode("utf-8", "surrogatepass"),
+        digest_size=8,
+        person=b"kvredis-chunk",
     ).digest()
     return int.from_bytes(digest, "big")
 
@@ -869,7 +872,7 @@ class Planner:
             if not resolved:
                 plan.count(Counter.TIER_UPDATE_MISSES)
                 continue
-            chunk_key = chunk_engine_key(key)
+            chunk_key = chunk_engine_key(key, entry.device_tier)
             plan.add(
                 AddOp((chunk_key,), tuple(resolved), (entry,)),
                 [(chunk_key, r) for r in resolved],
@@ -903,7 +906,7 @@ class Planner:
             return
         keys: Sequence[int] = ev.block_hashes
         if self.offload_blocks_per_chunk > 1:  # a chunk's removal names its last block
-            keys = [k for key in keys for k in (key, chunk_engine_key(key))]
+            keys = [k for key in keys for k in (key, chunk_engine_key(key, tier))]
         plan.evict(keys, (entry,))
         plan.count(Counter.EVENTS_APPLIED)
         plan.count(Counter.BLOCKS_REMOVED, len(ev.block_hashes))

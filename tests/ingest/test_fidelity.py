@@ -471,16 +471,19 @@ def test_offloaded_chunk_credits_every_block(index: Any) -> None:
     gpu_store = vllm_stored(hashes, None, PROMPT, 16, group_idx=0)
     chunks = [vllm_offload_placeholder(4, 0), vllm_offload_placeholder(8, 0)]
     ingest(index, [vllm_batch([gpu_store]), vllm_batch(chunks)], ing=ing)
+    keys = TP16.tokens_to_kv_block_keys(0, PROMPT, MODEL)
+    ingest(index, [vllm_batch([vllm_removed([4], group_idx=0)])], ing=ing)
+    found = index.lookup(keys)  # the GPU removal of a chunk's last block removes only that block
+    assert [gpu(0) in found[k] for k in keys] == [True] * 3 + [False] + [True] * 4
     ingest(index, [vllm_batch([vllm_removed(hashes, group_idx=0)])], ing=ing)
     assert score(index, PROMPT) == {"pod-a": pytest.approx(8 * 0.8)}  # every block on CPU
     # The second chunk leaves the CPU; an ingester that did not see it stored (a restart, an
     # HA peer) removes the whole chunk too: the index maps the chunk to its blocks.
     removed = vllm_removed([8], medium="CPU", group_idx=0)
     fresh = EventIngester(index, TP16, config=IngesterConfig(offload_blocks_per_chunk=4))
-    fresh.process(f"kv@pod-a@{MODEL}", 3, vllm_batch([removed]), endpoint="pod-a")
+    fresh.process(f"kv@pod-a@{MODEL}", 4, vllm_batch([removed]), endpoint="pod-a")
     assert fresh.counters.get("batches_applied") == 1
     assert score(index, PROMPT) == {"pod-a": pytest.approx(4 * 0.8)}
-    keys = TP16.tokens_to_kv_block_keys(0, PROMPT, MODEL)
     assert len(index.lookup(keys)) == 4
 
 
