@@ -108,8 +108,9 @@ class IngesterConfig:
     GPU events named."""
     reset_mediums: tuple[str, ...] = DEFAULT_RESET_MEDIUMS
     """The engine mediums whose local copies ``AllBlocksCleared`` removes (of the batch's
-    data-parallel rank); copies on other tiers stay. SGLang's radix cache reset also drops its
-    host copies: add ``"CPU_PINNED"`` for SGLang with HiCache."""
+    data-parallel rank); copies on other tiers stay (on an index that is not a
+    :class:`~kvredis.index.SelectiveClearIndex` the whole pod is cleared). SGLang's radix cache
+    reset also drops its host copies: add ``"CPU_PINNED"`` for SGLang with HiCache."""
 
     def __post_init__(self) -> None:
         for name in (
