@@ -89,7 +89,7 @@ class Index(Protocol):
         ...
 
     def clear(self, pod_identifier: str) -> None:
-        """Remove every entry of the pod, on every tier and group."""
+        """Remove every entry of the pod, on every tier, group and data-parallel rank."""
         ...
 
 

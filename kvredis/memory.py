@@ -329,7 +329,7 @@ class _MemoryIndex:
         return refs if type(refs) is int else refs[-1]  # type: ignore[index]
 
     def clear(self, pod_identifier: str) -> None:
-        """Remove every entry of the pod, on every tier and group."""
+        """Remove every entry of the pod, on every tier, group and data-parallel rank."""
         self.clear_with_progress(pod_identifier)
 
     def clear_with_progress(
