@@ -48,6 +48,7 @@ _EXPORTS: dict[str, str] = {
     "NamespaceIndex": "kvredis.index",
     "ProgressClearIndex": "kvredis.index",
     "ScoringIndex": "kvredis.index",
+    "SelectiveClearIndex": "kvredis.index",
     "parse_size": "kvredis.jsonconfig",
     "parse_duration": "kvredis.jsonconfig",
     # hashing and features
@@ -188,6 +189,7 @@ __all__ = [
     "ReplayClient",
     "ReplayedMessage",
     "ScoringIndex",
+    "SelectiveClearIndex",
     "StaleNamespaceError",
     "TierMap",
     "TokenProcessor",
@@ -272,6 +274,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
         NamespaceIndex,
         ProgressClearIndex,
         ScoringIndex,
+        SelectiveClearIndex,
     )
     from kvredis.indexer import Indexer
     from kvredis.ingest import (

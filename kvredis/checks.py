@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
 
 from kvredis.errors import InvalidInputError
 from kvredis.types import MAX_BLOCK_HASH, KeyType, PodEntry
@@ -113,6 +114,40 @@ def check_pod_identifier(pod_identifier: object) -> str:
     if not isinstance(pod_identifier, str) or not pod_identifier:
         raise InvalidInputError(f"pod_identifier must be a non-empty str, got {pod_identifier!r}")
     return pod_identifier
+
+
+@dataclass(frozen=True, slots=True)
+class EntrySelection:
+    """Which of a pod's entries a selective clear removes (``None``: any value)."""
+
+    device_tiers: frozenset[str] | None = None
+    dp_rank: int | None = None
+
+    def matches(self, entry: PodEntry) -> bool:
+        """Whether ``entry`` (of the pod being cleared) is selected."""
+        if self.device_tiers is not None and entry.device_tier not in self.device_tiers:
+            return False
+        return self.dp_rank is None or entry.dp_rank == self.dp_rank
+
+
+def check_selection(device_tiers: object, dp_rank: object) -> EntrySelection:
+    """Validate the filters of ``clear_entries``: a collection of tier strs (or ``None``) and
+    a rank in ``[0, 2**31)`` (or ``None``)."""
+    tiers: frozenset[str] | None = None
+    if device_tiers is not None:
+        if isinstance(device_tiers, (str, bytes)) or not isinstance(device_tiers, Iterable):
+            raise InvalidInputError(
+                "device_tiers must be a collection of tier names (or None), got "
+                f"{type(device_tiers).__name__}"
+            )
+        tiers = frozenset(device_tiers)
+        if not all(isinstance(t, str) for t in tiers):
+            raise InvalidInputError(f"device_tiers must hold strs, got {sorted(map(repr, tiers))}")
+    if dp_rank is not None and (
+        isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or not 0 <= dp_rank < 1 << 31
+    ):
+        raise InvalidInputError(f"dp_rank must be an int in [0, 2**31) or None, got {dp_rank!r}")
+    return EntrySelection(tiers, dp_rank)
 
 
 def pod_filter(pod_identifier_set: Collection[str] | None) -> frozenset[str] | None:

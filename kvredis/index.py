@@ -12,6 +12,7 @@ Capabilities beyond the core contract are declared as protocols of their own, so
 :class:`BatchIndex`        ``apply_batch`` fenced by per-stream watermarks (ingestion)
 :class:`ScoringIndex`      ``score``: the LongestPrefixScorer computed by the backend itself
 :class:`ProgressClearIndex` ``clear_with_progress``: a pod clear that reports progress
+:class:`SelectiveClearIndex` ``clear_entries``: clear only some tiers or one rank of a pod
 :class:`NamespaceIndex`    ``drop_namespace``: delete everything the index stored
 :class:`Closeable`         ``close``: release connections (network backends)
 =========================  ===============================================================
@@ -36,6 +37,7 @@ __all__ = [
     "AsyncNamespaceIndex",
     "AsyncProgressClearIndex",
     "AsyncScoringIndex",
+    "AsyncSelectiveClearIndex",
     "BatchIndex",
     "ClearProgress",
     "Closeable",
@@ -43,6 +45,7 @@ __all__ = [
     "NamespaceIndex",
     "ProgressClearIndex",
     "ScoringIndex",
+    "SelectiveClearIndex",
     "apply_op",
 ]
 
@@ -86,7 +89,7 @@ class Index(Protocol):
         ...
 
     def clear(self, pod_identifier: str) -> None:
-        """Remove every entry of the pod, on every tier and group."""
+        """Remove every entry of the pod, on every tier, group and data-parallel rank."""
         ...
 
 
@@ -205,6 +208,42 @@ class AsyncProgressClearIndex(Protocol):
 
     async def clear_with_progress(
         self, pod_identifier: str, progress: ClearProgress | None = None
+    ) -> int: ...
+
+
+@runtime_checkable
+class SelectiveClearIndex(Protocol):
+    """An index that clears part of a pod: some device tiers, one data-parallel rank."""
+
+    def clear_entries(
+        self,
+        pod_identifier: str,
+        *,
+        device_tiers: Collection[str] | None = None,
+        dp_rank: int | None = None,
+        progress: ClearProgress | None = None,
+    ) -> int:
+        """Remove the pod's entries whose ``device_tier`` is in ``device_tiers`` (``None``:
+        every tier) and whose ``dp_rank`` is ``dp_rank`` (``None``: every rank), as ``clear``
+        does for all of them (engine mappings left without holders are dropped too).
+
+        Returns the number of (request key, entry) pairs removed; ``progress`` as in
+        :meth:`ProgressClearIndex.clear_with_progress`.
+        """
+        ...
+
+
+@runtime_checkable
+class AsyncSelectiveClearIndex(Protocol):
+    """The asyncio form of :class:`SelectiveClearIndex`."""
+
+    async def clear_entries(
+        self,
+        pod_identifier: str,
+        *,
+        device_tiers: Collection[str] | None = None,
+        dp_rank: int | None = None,
+        progress: ClearProgress | None = None,
     ) -> int: ...
 
 

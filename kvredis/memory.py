@@ -36,12 +36,14 @@ from typing import Any
 from kvredis.batch import AddOp, IndexOp, Watermark, check_batch, check_stream, check_watermark
 from kvredis.checks import (
     MAX_REQUEST_KEYS_PER_ENGINE_KEY,
+    EntrySelection,
     check_add,
     check_entries,
     check_hash,
     check_hashes,
     check_key_type,
     check_pod_identifier,
+    check_selection,
     check_ttl,
     infer_mappings,
     pod_filter,
@@ -137,11 +139,13 @@ class _Held:
         self.alone = (entry,)
 
 
-_FIELDS = attrgetter("pod_identifier", "device_tier", "speculative", "has_group", "group_idx")
+_FIELDS = attrgetter(
+    "pod_identifier", "device_tier", "speculative", "has_group", "group_idx", "dp_rank"
+)
 
 
 def _equality_key(entry: PodEntry) -> tuple[object, ...]:
-    """What PodEntry equality compares (the class and the five fields), as a tuple that is
+    """What PodEntry equality compares (the class and the six fields), as a tuple that is
     hashed and compared at C speed."""
     return (entry.__class__, _FIELDS(entry))
 
@@ -208,7 +212,7 @@ class _MemoryIndex:
         self._cost = 0
         # Speculative entries added with a ttl: (request key, entry record) -> monotonic
         # deadline, and a heap of (deadline, seq, key, record), stale once the dict holds
-        # another deadline (records hash by identity, not by the five fields of the entry).
+        # another deadline (records hash by identity, not by the fields of the entry).
         self._deadlines: dict[tuple[int, _Held], float] = {}
         self._expiry: list[tuple[float, int, int, _Held]] = []
         self._seq = 0
@@ -325,7 +329,7 @@ class _MemoryIndex:
         return refs if type(refs) is int else refs[-1]  # type: ignore[index]
 
     def clear(self, pod_identifier: str) -> None:
-        """Remove every entry of the pod, on every tier and group."""
+        """Remove every entry of the pod, on every tier, group and data-parallel rank."""
         self.clear_with_progress(pod_identifier)
 
     def clear_with_progress(
@@ -335,12 +339,35 @@ class _MemoryIndex:
 
         ``progress(done, removed)`` is called after every page of engine mappings examined.
         """
+        return self._clear(pod_identifier, None, progress)
+
+    def clear_entries(
+        self,
+        pod_identifier: str,
+        *,
+        device_tiers: Collection[str] | None = None,
+        dp_rank: int | None = None,
+        progress: ClearProgress | None = None,
+    ) -> int:
+        """Remove the pod's entries on ``device_tiers`` of rank ``dp_rank`` (``None``: all);
+        returns the (key, entry) pairs removed (see :class:`~kvredis.index.SelectiveClearIndex`).
+        """
+        return self._clear(pod_identifier, check_selection(device_tiers, dp_rank), progress)
+
+    def _clear(
+        self,
+        pod_identifier: str,
+        selection: EntrySelection | None,
+        progress: ClearProgress | None,
+    ) -> int:
         pod = check_pod_identifier(pod_identifier)
         if progress is not None and not callable(progress):
             raise InvalidInputError(f"progress must be a callable(done, removed), got {progress!r}")
         removed = 0
         with self._lock:
             for held in list(self._pods.get(pod, ())):
+                if selection is not None and not selection.matches(held.entry):
+                    continue
                 for key in list(held.keys):
                     removed += self._drop_pair(key, held)
             engine_keys = list(self._engine)

@@ -8,7 +8,8 @@
 A wrapper has exactly the capabilities of the index it wraps: wrapping a
 :class:`~kvredis.redis.index.RedisIndex` gives an object that is still a
 :class:`~kvredis.index.ScoringIndex`, :class:`~kvredis.index.BatchIndex`,
-:class:`~kvredis.index.ProgressClearIndex`, :class:`~kvredis.index.NamespaceIndex` and
+:class:`~kvredis.index.ProgressClearIndex`, :class:`~kvredis.index.SelectiveClearIndex`,
+:class:`~kvredis.index.NamespaceIndex` and
 :class:`~kvredis.index.Closeable` (so the Indexer still scores server-side and the ingester still
 sends one ``apply_batch`` per engine batch); wrapping an :class:`~kvredis.memory.InMemoryIndex`
 gives one that is not a ``ScoringIndex``. Each wrapper class is composed once per set of
@@ -31,6 +32,7 @@ from kvredis.index import (
     AsyncNamespaceIndex,
     AsyncProgressClearIndex,
     AsyncScoringIndex,
+    AsyncSelectiveClearIndex,
     BatchIndex,
     Closeable,
     Index,
@@ -38,6 +40,7 @@ from kvredis.index import (
     NamespaceIndex,
     ProgressClearIndex,
     ScoringIndex,
+    SelectiveClearIndex,
 )
 from kvredis.types import KeyType, PodEntry
 
@@ -240,6 +243,27 @@ class _ProgressClear(_Sync):
         )
 
 
+class _SelectiveClear(_Sync):
+    __slots__ = ()
+
+    def clear_entries(
+        self,
+        pod_identifier: str,
+        *,
+        device_tiers: Collection[str] | None = None,
+        dp_rank: int | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> int:
+        """See :meth:`kvredis.index.SelectiveClearIndex.clear_entries`."""
+        inner = cast(SelectiveClearIndex, self._wrapped)
+        return self._run(
+            Call(Operation.CLEAR, pod=pod_identifier),
+            lambda: inner.clear_entries(
+                pod_identifier, device_tiers=device_tiers, dp_rank=dp_rank, progress=progress
+            ),
+        )
+
+
 class _Namespace(_Sync):
     __slots__ = ()
 
@@ -267,6 +291,7 @@ _SYNC_CAPABILITIES: tuple[tuple[type, type], ...] = (
     (ScoringIndex, _Scoring),
     (BatchIndex, _Batch),
     (ProgressClearIndex, _ProgressClear),
+    (SelectiveClearIndex, _SelectiveClear),
     (NamespaceIndex, _Namespace),
     (Closeable, _Close),
 )
@@ -408,6 +433,27 @@ class _AsyncProgressClear(_Async):
         )
 
 
+class _AsyncSelectiveClear(_Async):
+    __slots__ = ()
+
+    async def clear_entries(
+        self,
+        pod_identifier: str,
+        *,
+        device_tiers: Collection[str] | None = None,
+        dp_rank: int | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> int:
+        """See :meth:`kvredis.index.SelectiveClearIndex.clear_entries`."""
+        inner = cast(AsyncSelectiveClearIndex, self._wrapped)
+        return await self._arun(
+            Call(Operation.CLEAR, pod=pod_identifier),
+            lambda: inner.clear_entries(
+                pod_identifier, device_tiers=device_tiers, dp_rank=dp_rank, progress=progress
+            ),
+        )
+
+
 class _AsyncNamespace(_Async):
     __slots__ = ()
 
@@ -444,6 +490,7 @@ _ASYNC_CAPABILITIES: tuple[tuple[type, type], ...] = (
     (AsyncScoringIndex, _AsyncScoring),
     (AsyncBatchIndex, _AsyncBatch),
     (AsyncProgressClearIndex, _AsyncProgressClear),
+    (AsyncSelectiveClearIndex, _AsyncSelectiveClear),
     (AsyncNamespaceIndex, _AsyncNamespace),
     (_AsyncClosing, _AsyncClose),
     (AbstractAsyncContextManager, _AsyncContext),

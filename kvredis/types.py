@@ -45,10 +45,14 @@ class KeyType(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class PodEntry:
-    """One holder of a block: a pod, on a device tier, optionally speculative, optionally grouped.
+    """One holder of a block: a pod, on a device tier, optionally speculative, optionally grouped,
+    held by one data-parallel rank of the pod.
 
-    Equality and hashing cover all five fields. ``group_idx`` is meaningful only with
-    ``has_group=True`` (hybrid-memory-allocator KV-cache groups).
+    Equality and hashing cover all six fields. ``group_idx`` is meaningful only with
+    ``has_group=True`` (hybrid-memory-allocator KV-cache groups). ``dp_rank`` is the
+    data-parallel rank holding the copy (0: rank 0, or a pod without data parallelism): the
+    ranks of a pod hold their copies on their own, so each rank's copy is an entry of its own,
+    while filters, scores and ``clear`` work on ``pod_identifier`` and so cover every rank.
     """
 
     pod_identifier: str
@@ -56,6 +60,7 @@ class PodEntry:
     speculative: bool = False
     has_group: bool = False
     group_idx: int = 0
+    dp_rank: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.pod_identifier, str):
@@ -72,6 +77,10 @@ class PodEntry:
             raise InvalidInputError(f"group_idx must be an int, got {self.group_idx!r}")
         if not 0 <= self.group_idx < (1 << 31):
             raise InvalidInputError(f"group_idx must be in [0, 2**31), got {self.group_idx}")
+        if isinstance(self.dp_rank, bool) or not isinstance(self.dp_rank, int):
+            raise InvalidInputError(f"dp_rank must be an int, got {self.dp_rank!r}")
+        if not 0 <= self.dp_rank < (1 << 31):
+            raise InvalidInputError(f"dp_rank must be in [0, 2**31), got {self.dp_rank}")
 
     def __str__(self) -> str:
         text = f"{self.pod_identifier}@{self.device_tier}"
@@ -79,6 +88,8 @@ class PodEntry:
             text += "[speculative]"
         if self.has_group:
             text += f"[group={self.group_idx}]"
+        if self.dp_rank:
+            text += f"[dp={self.dp_rank}]"
         return text
 
 

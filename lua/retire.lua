@@ -9,20 +9,38 @@
   KEYS[1]     <ns>:meta    KEYS[2] <ns>:pe    KEYS[3] <ns>:pi    KEYS[4] <ns>:pp
   KEYS[5]     <ns>:pr
   ARGV[1]     namespace generation    ARGV[2] the pod id
+  ARGV[3]     optional: the ids to retire (id list; a clear of some tiers or one data-parallel
+              rank: the pod's ids whose definitions it matches); without it, every id of the pod
   Returns     the pod's retired ids (id list: the ids the clear removes from every bucket and
-              run, then reclaims), "" when the pod holds none
+              run, then reclaims; with ARGV[3], those of them ARGV[3] lists), "" when none
   Errors      KVREDIS_INVALID for an empty pod id, KVREDIS_LAYOUT for a malformed stored id
               list; both before the first write
   Complexity  O(the pod's ids) ]]
 --@include entries
 check_gen(KEYS[1], ARGV[1])
 local pod = text_arg(ARGV[2], 'pod id')
+local only = ARGV[3] and blob_arg(ARGV[3], ID_WIDTH, 'entry ids')
 local current = redis.call('HGET', KEYS[4], pod) or ''
 local retired = redis.call('HGET', KEYS[5], pod) or ''
 if #current % ID_WIDTH ~= 0 or #retired % ID_WIDTH ~= 0 then
   fail('LAYOUT', 'malformed id list of pod ' .. pod .. ' (kvredis check --repair fixes it)')
 end
-if current == '' then return retired end
+local keep = ''
+if only then
+  local wanted = list_set(only, ID_WIDTH)
+  keep = list_without(current, wanted, ID_WIDTH)
+  current = list_without(current, list_set(keep, ID_WIDTH), ID_WIDTH)
+end
+local function result(ids)
+  if not only then return ids end
+  local wanted, out = list_set(only, ID_WIDTH), {}
+  for i = 1, #ids, ID_WIDTH do
+    local id = string.sub(ids, i, i + ID_WIDTH - 1)
+    if wanted[id] then out[#out + 1] = id end
+  end
+  return table.concat(out)
+end
+if current == '' then return result(retired) end
 local list = {}
 for i = 1, #current, ID_WIDTH do list[#list + 1] = string.sub(current, i, i + ID_WIDTH - 1) end
 local encs = hmget(KEYS[3], list)
@@ -42,5 +60,9 @@ if #gone > 0 then hdel(KEYS[2], gone) end
 local fresh = list_without(current, list_set(retired, ID_WIDTH), ID_WIDTH)
 retired = retired .. fresh
 redis.call('HSET', KEYS[5], pod, retired)
-redis.call('HDEL', KEYS[4], pod)
-return retired
+if keep == '' then
+  redis.call('HDEL', KEYS[4], pod)
+else
+  redis.call('HSET', KEYS[4], pod, keep)
+end
+return result(retired)

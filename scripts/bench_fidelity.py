@@ -28,6 +28,7 @@ from _bench import REPO, bench_parser, write_json
 wire = __import__("tests.ingest.wire", fromlist=["wire"])
 sglang_batch, sglang_pages = wire.sglang_batch, wire.sglang_pages
 vllm_batch, vllm_stored = wire.vllm_batch, wire.vllm_stored
+vllm_removed, vllm_offload_placeholder = wire.vllm_removed, wire.vllm_offload_placeholder
 
 MODEL = "base-model"
 LORA = "sql-lora"
@@ -39,7 +40,8 @@ class Case:
     """One prompt as an engine publishes it, and what the router asks for it."""
 
     name: str
-    payloads: list[tuple[str, bytes]]
+    payloads: list[tuple[str, bytes]] | list[tuple[str, bytes, str]]
+    """(pod, payload[, endpoint]): the publisher is the endpoint (default: the pod)."""
     block_size: int = 16
     tokens: tuple[int, ...] = PROMPT[:64]
     model: str = MODEL
@@ -48,6 +50,10 @@ class Case:
     salt: str | None = None
     pods: tuple[str, ...] = ("pod-a",)
     notes: dict[str, str] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+    """IngesterConfig options (an older tree without one runs with its defaults)."""
+    group: int | None = None
+    """Count only the entries of this KV-cache group."""
 
 
 def _nodes(sizes: list[int], page: int, tokens: tuple[int, ...]) -> list[tuple[str, bytes]]:
@@ -75,6 +81,48 @@ def _vllm_steps(steps: list[int], engine_block: int) -> list[tuple[str, bytes]]:
 def _vllm_one(**fields: Any) -> list[tuple[str, bytes]]:
     """One vLLM batch storing the first 64 prompt tokens as 4 blocks on pod-a."""
     return [("pod-a", vllm_batch([vllm_stored([1, 2, 3, 4], None, PROMPT[:64], 16, **fields)]))]
+
+
+def _dp_ranks() -> list[tuple[str, bytes, str]]:
+    """Two DP ranks of pod-a (one endpoint each) store one prefix; rank 0 evicts it."""
+    store = vllm_stored([1, 2, 3, 4], None, PROMPT[:64], 16, group_idx=0)
+    out = []
+    for rank in (0, 1):
+        out.append(("pod-a", vllm_batch([store], data_parallel_rank=rank), f"dp{rank}"))
+    removed = vllm_removed([1, 2, 3, 4], group_idx=0)
+    out.append(("pod-a", vllm_batch([removed], data_parallel_rank=0), "dp0"))
+    return out
+
+
+def _hybrid() -> list[tuple[str, bytes]]:
+    """Group 0 (16-token blocks) and group 1 (32-token: every second hash); group 0 evicts its
+    last block."""
+    full = vllm_stored([1, 2, 3, 4], None, PROMPT[:64], 16, group_idx=0)
+    window = vllm_stored([2, 4], None, PROMPT[:64], 32, group_idx=1)
+    removed = vllm_removed([4], group_idx=0)
+    return [("pod-a", vllm_batch([full, window])), ("pod-a", vllm_batch([removed]))]
+
+
+def _reset() -> list[tuple[str, bytes]]:
+    """GPU blocks, their CPU offloads (one block per chunk), then a prefix-cache reset."""
+    store = vllm_stored([1, 2, 3, 4], None, PROMPT[:64], 16, group_idx=0)
+    cpu = [vllm_offload_placeholder(h, 0) for h in (1, 2, 3, 4)]
+    return [
+        ("pod-a", vllm_batch([store])),
+        ("pod-a", vllm_batch(cpu)),
+        ("pod-a", vllm_batch([wire.all_cleared()])),
+    ]
+
+
+def _chunk() -> list[tuple[str, bytes]]:
+    """GPU blocks, one CPU chunk of all 4 (the event names its last block), GPU eviction."""
+    store = vllm_stored([1, 2, 3, 4], None, PROMPT[:64], 16, group_idx=0)
+    removed = vllm_removed([1, 2, 3, 4], group_idx=0)
+    return [
+        ("pod-a", vllm_batch([store])),
+        ("pod-a", vllm_batch([vllm_offload_placeholder(4, 0)])),
+        ("pod-a", vllm_batch([removed])),
+    ]
 
 
 def cases() -> list[Case]:
@@ -119,6 +167,14 @@ def cases() -> list[Case]:
             ],
             pods=("pod-a", "pod-b"),
         ),
+        Case("vLLM DP ranks, rank 0 evicts a shared prefix", _dp_ranks()),
+        Case("vLLM hybrid 16+32, group 0 evicts block 3 (exact: 3/4)", _hybrid(), group=0),
+        Case("vLLM prefix-cache reset, CPU copies kept", _reset()),
+        Case(
+            "vLLM offloaded chunk of 4 blocks, GPU evicted",
+            _chunk(),
+            config={"offload_blocks_per_chunk": 4},
+        ),
     ]
 
 
@@ -131,27 +187,35 @@ def child(tree: str, router_keys: dict[str, list[int]]) -> dict[str, dict[str, l
 
     assert Path(kvredis.__file__).resolve().is_relative_to(Path(tree).resolve()), kvredis.__file__
     from kvredis.hashing import ChunkedTokenDatabase, TokenProcessorConfig
-    from kvredis.ingest import EventIngester
+    from kvredis.ingest import EventIngester, IngesterConfig
     from kvredis.memory import InMemoryIndex
 
     out: dict[str, dict[str, list[list[str]]]] = {}
     for case in cases():
         index = InMemoryIndex()
         tp = ChunkedTokenDatabase(TokenProcessorConfig(block_size_tokens=case.block_size))
-        ingester = EventIngester(index, tp)
+        try:
+            config = IngesterConfig(**case.config)
+        except TypeError:  # an older tree without the option
+            config = IngesterConfig()
+        ingester = EventIngester(index, tp, config=config)
         seqs: dict[str, int] = {}
-        for pod, payload in case.payloads:
-            seqs[pod] = seqs.get(pod, -1) + 1
-            ingester.process(f"kv@{pod}@{MODEL}", seqs[pod], payload, pod)
+        for pod, payload, *endpoint in case.payloads:
+            source = endpoint[0] if endpoint else pod
+            seqs[source] = seqs.get(source, -1) + 1
+            ingester.process(f"kv@{pod}@{MODEL}", seqs[source], payload, source)
         keys = router_keys[case.name]
         per_pod: dict[str, list[list[str]]] = {}
         for pod in case.pods:
             found = index.lookup(keys, {pod})
             tiers: list[list[str]] = []
             for key in keys:
-                if key not in found:
+                entries = found.get(key, [])
+                if case.group is not None:
+                    entries = [e for e in entries if e.has_group and e.group_idx == case.group]
+                if not entries:
                     break
-                tiers.append(sorted(e.device_tier for e in found[key]))
+                tiers.append(sorted(e.device_tier for e in entries))
             per_pod[pod] = tiers
         out[case.name] = per_pod
     return out
@@ -210,7 +274,8 @@ def describe(case: Case, result: dict[str, list[list[str]]], n: int) -> str:
 
     if len(case.pods) == 1:
         hit = len(result[case.pods[0]])
-        return f"{hit}/{n} ({100 * hit / n:.0f}%)"
+        tiers = sorted({t for held in result[case.pods[0]] for t in held} - {"gpu"})
+        return f"{hit}/{n} ({100 * hit / n:.0f}%)" + (f" on {','.join(tiers)}" if tiers else "")
     scorer = LongestPrefixScorer()
     scores = [sum(max(scorer.weight(t) for t in tiers) for tiers in result[p]) for p in case.pods]
     tier = result[case.pods[1]][0][0] if result[case.pods[1]] else "-"

@@ -294,6 +294,20 @@ class SyncOverAsync:
     def clear(self, pod_identifier: str) -> None:
         self._loop.run(self.inner.clear(pod_identifier))
 
+    def clear_entries(
+        self,
+        pod_identifier: str,
+        *,
+        device_tiers: Collection[str] | None = None,
+        dp_rank: int | None = None,
+        progress: Any = None,
+    ) -> int:
+        return self._loop.run(  # type: ignore[no-any-return]
+            self.inner.clear_entries(
+                pod_identifier, device_tiers=device_tiers, dp_rank=dp_rank, progress=progress
+            )
+        )
+
     def score(
         self,
         request_keys: Sequence[int],

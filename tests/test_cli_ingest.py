@@ -124,6 +124,17 @@ def test_bad_tier_map_is_an_error(spec: str) -> None:
     assert result.exit_code == 2 and "--tier-map" in result.output
 
 
+@pytest.mark.parametrize(
+    ("args", "blamed"),
+    [(["--reset-medium", ""], "--reset-medium"), (["--offload-blocks-per-chunk", "0"], "chunk")],
+)
+def test_bad_fidelity_options_are_errors(args: list[str], blamed: str) -> None:
+    result = CliRunner().invoke(
+        cli, ["ingest", *args, "--endpoint", "tcp://127.0.0.1:1", "--pod", "p"]
+    )
+    assert result.exit_code == 2 and blamed in result.output
+
+
 def test_bad_namespace_is_blamed_on_namespace() -> None:
     result = CliRunner().invoke(
         cli, ["ingest", "--endpoint", "tcp://127.0.0.1:1", "--namespace", "kv:r:x"]

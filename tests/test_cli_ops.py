@@ -167,6 +167,25 @@ def test_clear_asks_then_removes(
     assert not populated.lookup(block_keys(), {"pod-a", "pod-b"})
 
 
+def test_clear_one_tier_of_one_rank(redis_server_url: str, namespace: str) -> None:
+    index = RedisIndex(RedisIndexConfig(address=redis_server_url, namespace=namespace))
+    keys = block_keys()
+    ranked = [PodEntry("pod-a", tier, dp_rank=r) for tier in ("gpu", "cpu") for r in (0, 1)]
+    try:
+        index.add([101, 102, 103], keys, ranked)
+        out = run_json(redis_server_url, namespace, "clear", "--pod", "pod-a", "--tier", "gpu",
+                       "--dp-rank", "1", "--yes")  # fmt: skip
+        assert out == {"pod": "pod-a", "removed": 3}
+        assert set(index.lookup(keys)[keys[0]]) == set(ranked) - {ranked[1]}
+        code, text = run(redis_server_url, namespace, "clear", "--pod", "pod-a", "--dp-rank", "0",
+                         input="y\n")  # fmt: skip
+        assert code == 0 and "the entries of rank 0 of pod 'pod-a'" in text
+        assert set(index.lookup(keys)[keys[0]]) == {ranked[3]}
+    finally:
+        index.drop_namespace()
+        index.close()
+
+
 def test_watermarks_decoded_and_reset(
     populated: RedisIndex, redis_server_url: str, namespace: str
 ) -> None:
@@ -530,16 +549,16 @@ _CLEAR_INTERRUPTED = """
 import os, signal, sys
 from kvredis.redis.index import RedisIndex
 
-clear = RedisIndex.clear_with_progress
+clear = RedisIndex.clear_entries
 
-def interrupted(self, pod, progress=None):
+def interrupted(self, pod, *, progress=None, **selection):
     def report(done, removed):
         os.kill(os.getpid(), signal.SIGINT)
         if progress is not None:
             progress(done, removed)
-    return clear(self, pod, report)
+    return clear(self, pod, progress=report, **selection)
 
-RedisIndex.clear_with_progress = interrupted
+RedisIndex.clear_entries = interrupted
 from kvredis.cli import main
 sys.argv[0] = "kvredis"
 main()

@@ -403,6 +403,87 @@ def test_clear_drops_engine_mappings_left_without_holders_only(index: Any) -> No
     assert [mapped(index, e) for e in engine] == [None, None, None, request[3]]
 
 
+# -- data-parallel ranks and selective clears --------------------------------------------------
+
+
+def ranked(tier: str, rank: int, pod: str = "pod-a") -> PodEntry:
+    return PodEntry(pod, tier, has_group=True, group_idx=0, dp_rank=rank)
+
+
+@pytest.mark.parametrize("bad", [-1, 2**31, True, "1", 1.0, None])
+def test_dp_rank_is_validated(bad: Any) -> None:
+    with pytest.raises(InvalidInputError, match="dp_rank"):
+        PodEntry("pod-a", "gpu", dp_rank=bad)
+    assert str(ranked("gpu", 3)) == "pod-a@gpu[group=0][dp=3]"
+    assert str(ranked("gpu", 0)) == "pod-a@gpu[group=0]"
+
+
+def test_ranks_hold_their_own_entries_of_one_pod(index: Any) -> None:
+    engine, request = hashes(3, "dp-e"), hashes(3, "dp-r")
+    ranks = [ranked("gpu", r) for r in (0, 1, 2**31 - 1)]
+    for entry in ranks:
+        index.add(engine, request, [entry])
+    assert ranks[0] == PodEntry("pod-a", "gpu", has_group=True, group_idx=0)
+    assert norm(index.lookup(request, {"pod-a"})) == {k: set(ranks) for k in request}
+    index.evict(engine[0], ENGINE, [ranks[1]])
+    assert held(index, request[0]) == {ranks[0], ranks[2]}
+    index.clear("pod-a")  # every rank
+    assert index.lookup(request) == {}
+
+
+def test_clear_entries_removes_only_the_selected_tiers_and_rank(index: Any) -> None:
+    engine, request = hashes(4, "sel-e"), hashes(4, "sel-r")
+    spec = PodEntry("pod-a", speculative=True)
+    mine = [ranked("gpu", 0), ranked("gpu", 1), ranked("cpu", 0), ranked("cpu", 1), spec]
+    index.add(engine[:2], request[:2], mine[:4])
+    index.add(None, request[:2], [spec])
+    index.add(engine[2:], request[2:], [ranked("gpu", 1)])
+    index.add(None, request, [B_GPU, ranked("gpu", 1, "pod-b")])
+    assert index.clear_entries("pod-a", device_tiers={"gpu"}, dp_rank=1) == 4
+    others = {B_GPU, ranked("gpu", 1, "pod-b")}
+    assert snapshot(index, request) == {
+        **{k: {mine[0], mine[2], mine[3], spec, *others} for k in request[:2]},
+        **{k: others for k in request[2:]},
+    }
+    assert index.clear_entries("pod-a", dp_rank=1) == 2
+    assert index.clear_entries("pod-a", device_tiers=["gpu", "disk"]) == 2
+    assert snapshot(index, request[:2]) == {k: {mine[2], spec, *others} for k in request[:2]}
+    assert index.clear_entries("pod-a", device_tiers=[]) == 0
+    assert index.clear_entries("pod-z", device_tiers={"gpu"}) == 0
+    assert index.clear_entries("pod-a") == 4  # no filter: the whole pod
+    assert snapshot(index, request) == {k: others for k in request}
+
+
+def test_clear_entries_drops_mappings_left_without_holders(index: Any) -> None:
+    engine, request = hashes(2, "sel-map-e"), hashes(2, "sel-map-r")
+    index.add(engine[:1], request[:1], [ranked("gpu", 1)])
+    index.add(engine[1:], request[1:], [ranked("gpu", 1), ranked("cpu", 1)])
+    index.clear_entries("pod-a", device_tiers={"gpu"})
+    assert [mapped(index, e) for e in engine] == [None, request[1]]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"device_tiers": "gpu"},
+        {"device_tiers": [1]},
+        {"device_tiers": 5},
+        {"dp_rank": -1},
+        {"dp_rank": True},
+        {"dp_rank": "1"},
+        {"dp_rank": 2**31},
+    ],
+)
+def test_clear_entries_rejects_bad_filters(index: Any, kwargs: dict[str, Any]) -> None:
+    request = hashes(2, "sel-bad")
+    index.add(None, request, [ranked("gpu", 1)])
+    with pytest.raises(InvalidInputError):
+        index.clear_entries("pod-a", **kwargs)
+    with pytest.raises(InvalidInputError):
+        index.clear_entries("", device_tiers={"gpu"})
+    assert snapshot(index, request) == {k: {ranked("gpu", 1)} for k in request}
+
+
 # -- speculative entries -----------------------------------------------------------------------
 
 

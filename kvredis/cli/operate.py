@@ -11,7 +11,7 @@ import shlex
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager, suppress
 from typing import IO, Any
 
@@ -314,21 +314,45 @@ def score(
 
 @_command("kvredis clear --pod vllm-7f9c-0 --yes")
 @click.option("--pod", required=True, metavar="ID", help="The pod whose entries to remove.")
+@click.option(
+    "--tier",
+    "tiers",
+    multiple=True,
+    metavar="TIER",
+    help="Only the entries on this device tier (repeatable; default: every tier).",
+)
+@click.option(
+    "--dp-rank",
+    type=click.IntRange(0, 2**31 - 1),
+    default=None,
+    help="Only the entries of this data-parallel rank (default: every rank).",
+)
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 @_NO_PROGRESS
 @json_option
 def clear(
-    target: RedisTarget, namespace: str, pod: str, yes: bool, no_progress: bool, as_json: bool
+    target: RedisTarget,
+    namespace: str,
+    pod: str,
+    tiers: tuple[str, ...],
+    dp_rank: int | None,
+    yes: bool,
+    no_progress: bool,
+    as_json: bool,
 ) -> None:
-    """Remove every entry of one pod (e.g. a pod that died without its engine saying so)."""
+    """Remove every entry of one pod (e.g. a pod that died without its engine saying so), or
+    only those on some tiers or of one data-parallel rank."""
     from kvredis.redis.inspect import op_scan
 
     if not pod:
         raise click.BadParameter("must not be empty", param_hint="--pod")
+    scope = "every entry"
+    if tiers or dp_rank is not None:
+        scope = "the entries" + (f" on {', '.join(tiers)}" if tiers else "")
+        scope += f" of rank {dp_rank}" if dp_rank is not None else ""
     if not yes:
         click.confirm(
-            f"Remove every entry of pod {pod!r} from namespace {target.namespace!r} at "
-            f"{target.shown}?",
+            f"Remove {scope} of pod {pod!r} from namespace {target.namespace!r} at {target.shown}?",
             abort=True,
             err=True,
         )
@@ -339,10 +363,15 @@ def clear(
             total = len(inspector.run(op_scan(layout.request_pattern())))
             total += len(inspector.run(op_scan(layout.engine_pattern())))
     bar = progress_bar(f"clearing {pod}", no_progress)
-    again = _clear_again(target, pod)
+    again = _clear_again(target, pod, tiers, dp_rank)
     try:
         with _index(target) as index:
-            removed = index.clear_with_progress(pod, lambda done, _n: bar(done, max(total, done)))
+            removed = index.clear_entries(
+                pod,
+                device_tiers=tiers or None,
+                dp_rank=dp_rank,
+                progress=lambda done, _n: bar(done, max(total, done)),
+            )
     except KeyboardInterrupt:
         bar.close()
         click.echo(
@@ -365,13 +394,18 @@ def clear(
         click.echo(f"removed {removed} (key, entry) pairs of pod {pod!r}")
 
 
-def _clear_again(target: RedisTarget, pod: str) -> str:
-    """The command that finishes an interrupted clear of ``pod``."""
+def _clear_again(
+    target: RedisTarget, pod: str, tiers: Sequence[str] = (), dp_rank: int | None = None
+) -> str:
+    """The command that finishes an interrupted clear of ``pod`` (the same tiers and rank)."""
     shown = target.shown
     command = (
         f"kvredis clear --pod {shlex.quote(pod)} --namespace {shlex.quote(target.namespace)} "
         f"--redis {shlex.quote(shown)} --yes"
     )
+    command += "".join(f" --tier {shlex.quote(tier)}" for tier in tiers)
+    if dp_rank is not None:
+        command += f" --dp-rank {dp_rank}"
     return command + ("  (with your password in place of ***)" if "***" in shown else "")
 
 

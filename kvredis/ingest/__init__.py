@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from kvredis.ingest.config import EndpointConfig, IngesterConfig
 from kvredis.ingest.counters import COUNTER_NAMES, Counter, IngestCounters
+from kvredis.ingest.planner import chunk_engine_key, group_engine_key
 from kvredis.ingest.sequencer import BatchOutcome
 from kvredis.ingest.service import EventIngester
 from kvredis.ingest.stream import MAX_ENGINE_SEQ, PHASE_DONE, split_position, stream_position
@@ -48,6 +49,8 @@ __all__ = [
     "ReplayClient",
     "ReplayFactory",
     "ReplayedMessage",
+    "chunk_engine_key",
+    "group_engine_key",
     "split_position",
     "stream_position",
 ]

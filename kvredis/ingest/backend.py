@@ -18,7 +18,7 @@ from typing import Any, Protocol, TypeVar
 
 from kvredis.batch import IndexOp
 from kvredis.errors import BackendUnavailableError, EngineKeyNotFoundError
-from kvredis.index import BatchIndex, Index, ProgressClearIndex, apply_op
+from kvredis.index import BatchIndex, Index, ProgressClearIndex, SelectiveClearIndex, apply_op
 from kvredis.ingest.config import EndpointConfig
 from kvredis.ingest.counters import Counter, IngestCounters, RateLimitedLog
 from kvredis.ingest.sequencer import (
@@ -169,11 +169,21 @@ class IndexBackend:
 
     def _clear(self, action: ClearPod) -> None:
         index = self.index
-        if isinstance(index, ProgressClearIndex):
 
-            def progress(_done: int, _removed: int) -> None:
-                drive(action.heartbeat(), self.perform)
+        def progress(_done: int, _removed: int) -> None:
+            drive(action.heartbeat(), self.perform)
 
+        selective = action.device_tiers is not None or action.dp_rank is not None
+        if selective and isinstance(index, SelectiveClearIndex):
+            self._call(
+                lambda: index.clear_entries(
+                    action.pod,
+                    device_tiers=action.device_tiers,
+                    dp_rank=action.dp_rank,
+                    progress=progress,
+                )
+            )
+        elif isinstance(index, ProgressClearIndex):
             self._call(lambda: index.clear_with_progress(action.pod, progress))
         else:
             self._call(lambda: index.clear(action.pod))

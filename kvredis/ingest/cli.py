@@ -38,7 +38,7 @@ from kvredis.cli.options import (
 from kvredis.errors import BackendUnavailableError, ConfigError, KVRedisError
 from kvredis.hashing import HASH_ALGOS, ChunkedTokenDatabase, TokenProcessorConfig
 from kvredis.index import Closeable, Index
-from kvredis.ingest.config import EndpointConfig, IngesterConfig
+from kvredis.ingest.config import DEFAULT_RESET_MEDIUMS, EndpointConfig, IngesterConfig
 from kvredis.ingest.counters import Counter
 from kvredis.ingest.service import EventIngester
 from kvredis.tiers import DEFAULT_TIERS, TierMap
@@ -362,6 +362,22 @@ def _tier_map(spec: str | None) -> TierMap:
     help='Medium to device tier, e.g. \'{"mediums": {"CPU_PINNED": "cpu"}, "defaultTier": "gpu"}\' '
     "(extends the defaults; @FILE reads it from a file).",
 )
+@click.option(
+    "--offload-blocks-per-chunk",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="GPU blocks per chunk of vLLM's offloading connector (its blocks_per_chunk): a chunk's "
+    "CPU event names only its last block and is credited on all of them.",
+)
+@click.option(
+    "--reset-medium",
+    "reset_mediums",
+    multiple=True,
+    metavar="MEDIUM",
+    help="An engine medium whose copies a prefix-cache reset (AllBlocksCleared) removes "
+    "(default: GPU, as vLLM; add CPU_PINNED for SGLang with HiCache). Repeatable.",
+)
 @click.pass_context
 @handle_errors
 def ingest(
@@ -385,6 +401,8 @@ def ingest(
     metrics_port: int | None,
     metrics_address: str,
     tier_map: str | None,
+    offload_blocks_per_chunk: int,
+    reset_mediums: tuple[str, ...],
 ) -> None:
     """Subscribe to engines' KV-cache events (vLLM, SGLang) and apply them to the index.
 
@@ -420,9 +438,16 @@ def ingest(
         ProcessCollector(registry=registry)
         PlatformCollector(registry=registry)
         index = InstrumentedIndex(index, registry=registry)
-    config = IngesterConfig(
-        workers=workers, use_watermarks=not no_watermarks, tiers=_tier_map(tier_map)
-    )
+    try:
+        config = IngesterConfig(
+            workers=workers,
+            use_watermarks=not no_watermarks,
+            tiers=_tier_map(tier_map),
+            offload_blocks_per_chunk=offload_blocks_per_chunk,
+            reset_mediums=reset_mediums or DEFAULT_RESET_MEDIUMS,
+        )
+    except ConfigError as exc:  # the other options are checked by their types
+        raise click.BadParameter(str(exc), param_hint="--reset-medium") from None
     ingester = EventIngester(index, processor, configs, config)
     if registry is not None and metrics_port is not None:
         from kvredis.ingest.metrics import IngestMetrics

@@ -8,7 +8,13 @@ from kvredis.errors import ConfigError
 from kvredis.jsonconfig import check_number
 from kvredis.tiers import DEFAULT_TIERS, TierMap
 
-__all__ = ["EndpointConfig", "IngesterConfig"]
+__all__ = ["DEFAULT_RESET_MEDIUMS", "EndpointConfig", "IngesterConfig"]
+
+DEFAULT_RESET_MEDIUMS: tuple[str, ...] = ("GPU",)
+"""The mediums a prefix-cache reset (``AllBlocksCleared``) covers by default: vLLM 0.34's
+``reset_prefix_cache`` resets its block pools (the GPU prefix cache) and keeps the offloading
+connector's CPU and storage copies unless asked to reset the connector too (which publishes
+nothing)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +100,17 @@ class IngesterConfig:
     """Rejections of one reason are logged at most once per interval (all are counted)."""
     tiers: TierMap = field(default=DEFAULT_TIERS)
     """How an event's medium, locality and ownership become an entry's device tier."""
+    offload_blocks_per_chunk: int = 1
+    """Engine blocks per chunk of vLLM's offloading connector (its ``kv_connector_extra_config``
+    ``blocks_per_chunk``, or its ``block_size`` over the GPU block size). Without
+    self-describing events a stored or removed chunk names only its last block's hash; the
+    ingester credits (and removes) the chunk's blocks before it too, through the parents its
+    GPU events named."""
+    reset_mediums: tuple[str, ...] = DEFAULT_RESET_MEDIUMS
+    """The engine mediums whose local copies ``AllBlocksCleared`` removes (of the batch's
+    data-parallel rank); copies on other tiers stay (on an index that is not a
+    :class:`~kvredis.index.SelectiveClearIndex` the whole pod is cleared). SGLang's radix cache
+    reset also drops its host copies: add ``"CPU_PINNED"`` for SGLang with HiCache."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -103,6 +120,7 @@ class IngesterConfig:
             "parent_cache_size",
             "max_replay_batches",
             "restart_window",
+            "offload_blocks_per_chunk",
         ):
             check_number(name, getattr(self, name), integer=True)
         for name in (
@@ -116,5 +134,14 @@ class IngesterConfig:
             "reject_log_interval_s",
         ):
             check_number(name, getattr(self, name), zero=True)
+        if (
+            not isinstance(self.reset_mediums, tuple)
+            or not self.reset_mediums
+            or not all(isinstance(m, str) and m for m in self.reset_mediums)
+        ):
+            raise ConfigError(
+                "reset_mediums must be a non-empty tuple of medium names, got "
+                f"{self.reset_mediums!r}"
+            )
         if self.max_message_bytes != -1:
             check_number("max_message_bytes", self.max_message_bytes, integer=True)

@@ -8,8 +8,9 @@ generator that asks its driver (the sequencer):
 * :class:`Lookup` ``(engine_key)``: send back ``Index.get_request_key``'s answer, or ``None``;
 * :attr:`Barrier.FLUSH`: apply the operations planned so far before going on (a parent whose
   mapping an eviction earlier in the batch may have removed must be read after that eviction);
-* :attr:`Barrier.CLEAR`: apply the operations planned so far, then clear the pod
-  (``AllBlocksCleared``); the driver then calls :meth:`BatchPlan.after_clear`.
+* :class:`Reset` ``(dp_rank, device_tiers)``: apply the operations planned so far, then clear
+  the pod's entries of that rank on those tiers (``AllBlocksCleared``); the driver then calls
+  :meth:`BatchPlan.after_clear`.
 
 Semantics, per event in batch order:
 
@@ -23,7 +24,21 @@ Semantics, per event in batch order:
   hashes is a tier update: each engine key resolves to its request key and the new tier's entry
   is added to those keys, with no mapping.
 * ``BlockRemoved`` → ``EvictOp(hash, ENGINE, [PodEntry(pod, tier[, group])])`` per hash.
-* ``AllBlocksCleared`` → a clear of the pod.
+* ``AllBlocksCleared`` → a clear of the pod's entries of the batch's rank on the tiers a prefix
+  cache reset covers (:attr:`Planner.reset_tiers`).
+
+Data parallelism. Every entry carries the batch's ``data_parallel_rank`` (``dp_rank``, 0 when
+unset): ranks of one pod hold their copies on their own, so one rank's removal or reset leaves
+the others' entries (same pod, so scores and filters fold them into the pod).
+
+Offloaded chunks. With :attr:`Planner.offload_blocks_per_chunk` above 1, a tier update of
+vLLM's offloading placeholder shape (``block_size`` 0, each hash the last block of a chunk)
+credits the chunk's blocks back through the parents the engine's events named, and maps the
+chunk's :func:`chunk_engine_key` to them; a removal on any tier also evicts through that key.
+
+KV-cache groups. The engine keys of group ``g >= 1`` are mapped under
+:func:`group_engine_key` (hybrid models' groups publish the same hashes for blocks of different
+sizes): a group's removal resolves to exactly the request keys that group's block covered.
 
 Chains. An event without a parent starts a chain at the model's root, salted by its cache salt
 (SGLang's ``cache_salt`` field, or the salt in vLLM's first-block extra keys). An event with a
@@ -54,6 +69,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Generator, Sequence
@@ -71,12 +87,14 @@ from kvredis.features import (
     split_extra_keys,
 )
 from kvredis.groups import GroupCatalog
+from kvredis.ingest.config import DEFAULT_RESET_MEDIUMS
 from kvredis.ingest.counters import Counter
 from kvredis.ingest.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     DecodedBatch,
+    Event,
     Rejection,
     RejectReason,
 )
@@ -95,13 +113,65 @@ __all__ = [
     "PlanSteps",
     "Planner",
     "PodCaches",
+    "Reset",
     "Tail",
+    "chunk_engine_key",
+    "group_engine_key",
 ]
 
 
 MAX_TAILS_PER_POD = 32_768
 """Chain ends remembered per pod (fewer when the engine-key cache is smaller): each holds less
 than one index block of tokens, a few hundred bytes."""
+
+
+def group_engine_key(engine_key: int, group_idx: int | None) -> int:
+    """The key under which the index maps an engine key of KV-cache group ``group_idx``.
+
+    Groups of a hybrid model publish the same engine hashes for different spans of tokens
+    (vLLM's 32-token group reuses the hash of every second 16-token block), so a mapping shared
+    by all groups would let one group's removal take away what another group's block covered.
+    Group 0 and ungrouped events keep the engine key itself; group ``g >= 1`` maps it under a
+    64-bit BLAKE2b digest of ``(engine_key, g)``, a key space of its own.
+    """
+    if not group_idx:
+        return engine_key
+    digest = hashlib.blake2b(
+        engine_key.to_bytes(8, "big") + group_idx.to_bytes(4, "big"),
+        digest_size=8,
+        person=b"kvredis-group",
+    ).digest()
+    return int.from_bytes(digest, "big")
+
+
+def chunk_engine_key(offload_key: int, tier: str) -> int:
+    """The engine key under which the index maps an offloaded chunk on ``tier``, named by
+    ``offload_key`` (its last block's engine key), to the request keys of all its blocks: a
+    64-bit BLAKE2b digest of both, a key space of its own. The chunk's removal from that tier
+    evicts through it, so it takes away exactly what its store credited, whichever ingester
+    stored it (and a removal on another tier, the GPU's, is not widened)."""
+    digest = hashlib.blake2b(
+        offload_key.to_bytes(8, "big") + tier.encode("utf-8", "surrogatepass"),
+        digest_size=8,
+        person=b"kvredis-chunk",
+    ).digest()
+    return int.from_bytes(digest, "big")
+
+
+def _group_keyed(event: Event) -> Event:
+    """``event`` with its engine keys (and parent) in its group's key space."""
+    if isinstance(event, AllBlocksCleared) or not event.group_idx:
+        return event
+    group = event.group_idx
+    hashes = tuple(group_engine_key(h, group) for h in event.block_hashes)
+    if isinstance(event, BlockRemoved):
+        return dataclasses.replace(event, block_hashes=hashes)
+    parent = event.parent_block_hash
+    return dataclasses.replace(
+        event,
+        block_hashes=hashes,
+        parent_block_hash=group_engine_key(parent, group) if parent else parent,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,16 +198,48 @@ class Tail:
 
 class EngineKeyCache:
     """What one ingester knows of a pod's engine keys, bounded and thread-safe (least recently
-    used dropped): engine→request mappings, and the :class:`Tail` of chains that end mid-block.
+    used dropped): engine→request mappings, the :class:`Tail` of chains that end mid-block, and
+    each stored engine block's parent (hashes chain, so a parent never changes: kept across
+    clears).
     """
 
-    __slots__ = ("_data", "_limit", "_lock", "_tails")
+    __slots__ = ("_data", "_limit", "_lock", "_parents", "_tails")
 
     def __init__(self, limit: int) -> None:
         self._data: OrderedDict[int, int] = OrderedDict()
         self._tails: OrderedDict[int, Tail] = OrderedDict()
+        self._parents: OrderedDict[int, int] = OrderedDict()
         self._limit = limit
         self._lock = threading.Lock()
+
+    def put_parents(self, keys: Sequence[int], parent: int | None) -> None:
+        """Record the chain ``parent → keys[0] → keys[1] → ...``."""
+        with self._lock:
+            parents = self._parents
+            for key in keys:
+                if parent:
+                    parents[key] = parent
+                    parents.move_to_end(key)
+                parent = key
+            while len(parents) > self._limit:
+                parents.popitem(last=False)
+
+    def chain_back(self, key: int, length: int) -> list[int]:
+        """``key`` and up to ``length - 1`` of its known ancestors, oldest first."""
+        with self._lock:
+            out = [key]
+            while len(out) < length:
+                parent = self._parents.get(out[-1])
+                if parent is None:
+                    break
+                out.append(parent)
+            return out[::-1]
+
+    def forget_mappings(self) -> None:
+        """Drop the mappings and tails (the pod's entries were cleared)."""
+        with self._lock:
+            self._data.clear()
+            self._tails.clear()
 
     def get_tail(self, key: int) -> Tail | None:
         with self._lock:
@@ -201,16 +303,18 @@ class PodCaches:
             return cache
 
     def drop(self, pod: str) -> None:
-        """Forget everything cached for ``pod`` (its entries were cleared)."""
+        """Forget the mappings and tails cached for ``pod`` (its entries were cleared)."""
         with self._lock:
-            self._caches.pop(pod, None)
+            cache = self._caches.get(pod)
+        if cache is not None:
+            cache.forget_mappings()
 
     def forget_batch(self, pod: str, decoded: DecodedBatch) -> None:
         """A batch a peer applied may have changed mappings cached here: drop those, and learn
         the tails of the chains it extended (their bases are read from the index when used), so
         that this replica continues them exactly as the peer would."""
         cache = self.get(pod)
-        for event in decoded.events:
+        for event in map(_group_keyed, decoded.events):
             if isinstance(event, AllBlocksCleared):
                 self.drop(pod)
                 cache = self.get(pod)
@@ -220,6 +324,8 @@ class PodCaches:
                 prior = cache.get_tail(event.parent_block_hash)
             for engine_key in event.block_hashes:
                 cache.pop(engine_key)
+            if isinstance(event, BlockStored) and event.token_ids:
+                cache.put_parents(event.block_hashes, event.parent_block_hash)
             if isinstance(event, BlockStored) and self.block_size is not None:
                 _learn_tail(cache, event, prior, self.block_size)
 
@@ -232,13 +338,22 @@ class Lookup:
 
 
 class Barrier(enum.Enum):
-    """Planner request: apply what was planned so far (and for ``CLEAR``, clear the pod)."""
+    """Planner request: apply what was planned so far."""
 
     FLUSH = "flush"
-    CLEAR = "clear"
 
 
-PlanSteps = Generator[Lookup | Barrier, int | None, None]
+@dataclass(frozen=True, slots=True)
+class Reset:
+    """Planner request: apply what was planned so far, then clear the pod's entries of rank
+    ``dp_rank`` on ``device_tiers`` (the engine reset its prefix cache). ``None``: every rank,
+    every tier (the sequencer's clears of a stream's pods take the same form)."""
+
+    dp_rank: int | None
+    device_tiers: frozenset[str] | None
+
+
+PlanSteps = Generator[Lookup | Barrier | Reset, int | None, None]
 """What :meth:`Planner.plan` returns: requests out, lookup answers in."""
 
 
@@ -332,7 +447,9 @@ class BatchPlan:
             self.batch_tails.pop(key, None)
         self.stale_tails.update(engine_keys)
 
-    def resolve(self, engine_key: int) -> Generator[Lookup | Barrier, int | None, int | None]:
+    def resolve(
+        self, engine_key: int
+    ) -> Generator[Lookup | Barrier | Reset, int | None, int | None]:
         """The request key ``engine_key`` maps to, as if the batch so far were applied."""
         hit = self.batch_map.get(engine_key)
         if hit is not None:
@@ -349,7 +466,7 @@ class BatchPlan:
 
     def _lookup(
         self, engine_key: int, cache: EngineKeyCache | None
-    ) -> Generator[Lookup | Barrier, int | None, int | None]:
+    ) -> Generator[Lookup | Barrier | Reset, int | None, int | None]:
         self.count(Counter.INDEX_LOOKUPS)
         found = yield Lookup(engine_key)
         if found is not None and cache is not None:
@@ -561,43 +678,51 @@ class Planner:
         caches: PodCaches,
         *,
         tiers: TierMap = DEFAULT_TIERS,
+        reset_mediums: Sequence[str] = DEFAULT_RESET_MEDIUMS,
+        offload_blocks_per_chunk: int = 1,
     ) -> None:
         self.token_processor = token_processor
         self.catalog = catalog
         self.caches = caches
         self.tiers = tiers
         """How an event's medium, locality and ownership name the entry's device tier."""
+        self.reset_tiers = frozenset(tiers.tier(m, None, None) for m in reset_mediums)
+        """The tiers ``AllBlocksCleared`` clears: those of ``reset_mediums`` (local copies)."""
+        self.offload_blocks_per_chunk = offload_blocks_per_chunk
+        """Engine blocks per offloaded chunk: a chunk's placeholder event (one hash, no tokens,
+        ``block_size`` 0) names only its last block, and credits (or removes) them all."""
         self.block_size = int(token_processor.block_size())
         if self.block_size <= 0:
             raise ConfigError(f"token processor block size must be > 0, got {self.block_size}")
         caches.block_size = self.block_size
-        self._entries: dict[tuple[str, str, int | None], PodEntry] = {}
+        self._entries: dict[tuple[str, str, int | None, int], PodEntry] = {}
 
     def plan(
         self, plan: BatchPlan, decoded: DecodedBatch, pod: str, model: str | None
     ) -> PlanSteps:
         """Plan every event of ``decoded`` for ``pod`` into ``plan``; see the module docstring."""
-        for position, event in enumerate(decoded.events):
+        rank = decoded.data_parallel_rank or 0
+        for position, event in enumerate(map(_group_keyed, decoded.events)):
             if isinstance(event, BlockStored):
-                yield from self._stored(plan, event, pod, model, position)
+                yield from self._stored(plan, event, pod, model, position, rank)
             elif isinstance(event, BlockRemoved):
-                self._removed(plan, event, pod, position)
+                self._removed(plan, event, pod, position, rank)
             elif isinstance(event, AllBlocksCleared):
-                yield Barrier.CLEAR
+                yield Reset(rank, self.reset_tiers)
                 plan.count(Counter.EVENTS_APPLIED)
 
     def _entry(
-        self, plan: BatchPlan, pod: str, tier: str, group: int | None, position: int
+        self, plan: BatchPlan, pod: str, tier: str, group: int | None, position: int, rank: int
     ) -> PodEntry | None:
-        key = (pod, tier, group)
+        key = (pod, tier, group, rank)
         entry = self._entries.get(key)
         if entry is not None:
             return entry
         try:
             if group is None:
-                entry = PodEntry(pod, tier)
+                entry = PodEntry(pod, tier, dp_rank=rank)
             else:
-                entry = PodEntry(pod, tier, has_group=True, group_idx=group)
+                entry = PodEntry(pod, tier, has_group=True, group_idx=group, dp_rank=rank)
         except InvalidInputError as exc:
             plan.rejects.append(Rejection(RejectReason.BAD_FIELD_VALUE, str(exc), position))
             return None
@@ -607,10 +732,16 @@ class Planner:
         return entry
 
     def _stored(
-        self, plan: BatchPlan, ev: BlockStored, pod: str, model: str | None, position: int
+        self,
+        plan: BatchPlan,
+        ev: BlockStored,
+        pod: str,
+        model: str | None,
+        position: int,
+        rank: int,
     ) -> PlanSteps:
         tier = self.tiers.tier(ev.medium, ev.locality, ev.ownership)
-        entry = self._entry(plan, pod, tier, ev.group_idx, position)
+        entry = self._entry(plan, pod, tier, ev.group_idx, position, rank)
         if entry is None:
             return
         if ev.group_idx is not None:
@@ -622,7 +753,9 @@ class Planner:
                 ),
             )
         if not ev.token_ids:
-            if ev.block_hashes:
+            if ev.block_hashes and self.offload_blocks_per_chunk > 1 and not ev.block_size:
+                yield from self._chunks_stored(plan, ev, entry)
+            elif ev.block_hashes:
                 yield from self._tier_update(plan, ev, entry)
             return
         model_name = ev.lora_name or model
@@ -668,6 +801,8 @@ class Planner:
         plan.count(Counter.EVENTS_APPLIED)
         plan.count(Counter.BLOCKS_STORED, len(ev.block_hashes))
         self._add(plan, ev, entry, request, groups)
+        if ev.block_hashes and plan.cache is not None:
+            plan.cache.put_parents(ev.block_hashes, ev.parent_block_hash)
         if ev.block_hashes:
             plan.drop_tails(ev.block_hashes[:-1])
             plan.put_tail(ev.block_hashes[-1], after)
@@ -720,6 +855,33 @@ class Planner:
             return request, None, after
         return request, [(g, r) for g, r in zip(step.groups, request, strict=True)], after
 
+    def _chunks_stored(self, plan: BatchPlan, ev: BlockStored, entry: PodEntry) -> PlanSteps:
+        """Offloaded chunks' placeholders (``block_size`` 0, each hash a chunk's last block):
+        each credits the chunk's blocks back as far as their parents are known, and maps its
+        :func:`chunk_engine_key` to them for the chunk's removal."""
+        applied = False
+        for key in ev.block_hashes:
+            chain = (
+                plan.cache.chain_back(key, self.offload_blocks_per_chunk) if plan.cache else [key]
+            )
+            resolved: list[int] = []
+            for engine_key in chain:
+                request_key = yield from plan.resolve(engine_key)
+                if request_key is not None and request_key not in resolved:
+                    resolved.append(request_key)
+            if not resolved:
+                plan.count(Counter.TIER_UPDATE_MISSES)
+                continue
+            chunk_key = chunk_engine_key(key, entry.device_tier)
+            plan.add(
+                AddOp((chunk_key,), tuple(resolved), (entry,)),
+                [(chunk_key, r) for r in resolved],
+            )
+            plan.count(Counter.TIER_UPDATES)
+            applied = True
+        if applied:
+            plan.count(Counter.EVENTS_APPLIED)
+
     def _tier_update(self, plan: BatchPlan, ev: BlockStored, entry: PodEntry) -> PlanSteps:
         resolved: list[int] = []
         seen: set[int] = set()
@@ -735,11 +897,16 @@ class Planner:
         plan.count(Counter.TIER_UPDATES)
         plan.count(Counter.EVENTS_APPLIED)
 
-    def _removed(self, plan: BatchPlan, ev: BlockRemoved, pod: str, position: int) -> None:
+    def _removed(
+        self, plan: BatchPlan, ev: BlockRemoved, pod: str, position: int, rank: int
+    ) -> None:
         tier = self.tiers.tier(ev.medium, ev.locality, ev.ownership)
-        entry = self._entry(plan, pod, tier, ev.group_idx, position)
+        entry = self._entry(plan, pod, tier, ev.group_idx, position, rank)
         if entry is None:
             return
-        plan.evict(ev.block_hashes, (entry,))
+        keys: Sequence[int] = ev.block_hashes
+        if self.offload_blocks_per_chunk > 1:  # a chunk's removal names its last block
+            keys = [k for key in keys for k in (key, chunk_engine_key(key, tier))]
+        plan.evict(keys, (entry,))
         plan.count(Counter.EVENTS_APPLIED)
         plan.count(Counter.BLOCKS_REMOVED, len(ev.block_hashes))

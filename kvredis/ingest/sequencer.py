@@ -38,7 +38,7 @@ from kvredis.batch import IndexOp, Watermark
 from kvredis.ingest.config import EndpointConfig, IngesterConfig
 from kvredis.ingest.counters import Counter, IngestCounters
 from kvredis.ingest.events import DecodedBatch, Rejection, RejectReason, decode_batch
-from kvredis.ingest.planner import Barrier, BatchPlan, Lookup, Planner, PlanSteps
+from kvredis.ingest.planner import Barrier, BatchPlan, Lookup, Planner, PlanSteps, Reset
 from kvredis.ingest.stream import (
     CLEAR_PHASE,
     MAX_ENGINE_SEQ,
@@ -125,7 +125,8 @@ class LookupRequestKey:
 
 @dataclass(frozen=True, slots=True)
 class ClearPod:
-    """Clear every entry of ``pod``.
+    """Clear every entry of ``pod`` (only those on ``device_tiers`` and of rank ``dp_rank`` when
+    set: an engine's prefix-cache reset).
 
     While the clear runs, the port drives ``heartbeat()`` (with :func:`drive`) after every page
     of progress; its steps keep the claim alive, and a refused one raises :class:`LostOwnership`,
@@ -134,6 +135,8 @@ class ClearPod:
 
     pod: str
     heartbeat: Callable[[], Steps[None]]
+    device_tiers: frozenset[str] | None = None
+    dp_rank: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,6 +270,17 @@ class _Message:
     counted: bool = False
 
 
+def _stream_scope(st: StreamState, msg: _Message) -> Reset | None:
+    """What a clear of ``st``'s pods (a restart, a lost batch) covers: the entries of the one
+    data-parallel rank every batch of the stream carried (``msg``'s included; each rank of a
+    vLLM pod publishes on its own endpoint, and the other ranks' copies are not in doubt), or
+    every entry when the stream carried several ranks."""
+    ranks = st.ranks | {decode_batch(msg.payload).data_parallel_rank or 0}
+    if len(ranks) != 1:
+        return None
+    return Reset(ranks.pop(), None)
+
+
 class BatchRun:
     """One attempt at applying one batch: its steps, phases and claim (see the protocol doc)."""
 
@@ -337,8 +351,9 @@ class BatchRun:
         yield from self._step([], stream_position(self.claim_seq, self.phase))
         self.phase += 1
 
-    def clear(self, pods: Iterable[str], cause: Counter) -> Steps[None]:
-        """Clear pods as a step of this batch (after applying what precedes it)."""
+    def clear(self, pods: Iterable[str], cause: Counter, scope: Reset | None = None) -> Steps[None]:
+        """Clear pods as a step of this batch (after applying what precedes it); with ``scope``
+        only the entries of its rank on its tiers."""
         yield from self.flush()
         if cause is Counter.CLEARS_GAP and self.claim_seq < 0:
             # the batch took over a stalled epoch opening: its clear is the opening clear
@@ -346,7 +361,10 @@ class BatchRun:
         seqr = self._seqr
         caches = seqr.planner.caches
         for pod in sorted(set(pods)):
-            yield ClearPod(pod, self.heartbeat)
+            if scope is None:
+                yield ClearPod(pod, self.heartbeat)
+            else:
+                yield ClearPod(pod, self.heartbeat, scope.device_tiers, scope.dp_rank)
             caches.drop(pod)
             self.plan.count(Counter.CLEARS)
             self.plan.count(cause)
@@ -367,8 +385,8 @@ class BatchRun:
             elif need is Barrier.FLUSH:
                 yield from self.flush()
             else:
-                assert self.pod is not None
-                yield from self.clear([self.pod], Counter.CLEARS_ALL_BLOCKS_CLEARED)
+                assert self.pod is not None and isinstance(need, Reset)
+                yield from self.clear([self.pod], Counter.CLEARS_ALL_BLOCKS_CLEARED, need)
 
 
 PlanFn = Callable[[BatchRun], Steps[None]]
@@ -599,7 +617,9 @@ class Sequencer:
         self.counters.inc(Counter.BATCHES_DUPLICATE)
         pod, _ = st.identity(msg.topic)
         if pod is not None:
-            self.planner.caches.forget_batch(pod, decode_batch(msg.payload))
+            decoded = decode_batch(msg.payload)
+            st.ranks.add(decoded.data_parallel_rank or 0)
+            self.planner.caches.forget_batch(pod, decoded)
         return BatchOutcome.DUPLICATE
 
     def _fresh_verdict(self, st: StreamState, msg: _Message) -> Steps[FreshVerdict]:
@@ -700,10 +720,11 @@ class Sequencer:
         not ``supersede``: ``msg`` belongs to the later epoch).
         """
         pods = st.pods_for(msg.topic)
+        scope = _stream_scope(st, msg)
 
         def plan(run: BatchRun) -> Steps[None]:
             if pods:
-                yield from run.clear(pods, Counter.CLEARS_RESTART)
+                yield from run.clear(pods, Counter.CLEARS_RESTART, scope)
             else:
                 yield from run.flush()
 
@@ -859,7 +880,9 @@ class Sequencer:
             decoded = DecodedBatch(ts=decoded.ts, events=())
         else:
             st.pods.add(pod)
+            st.ranks.add(decoded.data_parallel_rank or 0)
         clear_pods = st.pods_for(msg.topic) if pre_clear else set()
+        clear_scope = _stream_scope(st, msg) if pre_clear else None
         planner = self.planner
         before: list[tuple[DecodedBatch, str, str | None]] = []
         for earlier in tail:
@@ -874,7 +897,7 @@ class Sequencer:
 
         def plan(run: BatchRun) -> Steps[None]:
             if pre_clear:
-                yield from run.clear(clear_pods, Counter.CLEARS_GAP)
+                yield from run.clear(clear_pods, Counter.CLEARS_GAP, clear_scope)
             for tail_decoded, tail_pod, tail_model in before:
                 yield from run.run_plan(planner.plan(run.plan, tail_decoded, tail_pod, tail_model))
             if pod is not None:
@@ -938,7 +961,7 @@ class Sequencer:
                     raise _NotOwner
                 if takeover_clear:
                     cause = Counter.CLEARS_RESTART if claim_seq < 0 else Counter.CLEARS_GAP
-                    yield from run.clear(st.pods_for(msg.topic), cause)
+                    yield from run.clear(st.pods_for(msg.topic), cause, _stream_scope(st, msg))
                 yield from plan(run)
                 yield from run.finish()
             except (_NotOwner, LostOwnership) as refused:

@@ -122,7 +122,14 @@ class EventIngester:
         self.catalog = group_catalog if group_catalog is not None else GroupCatalog()
         self.counters = counters if counters is not None else IngestCounters()
         caches = PodCaches(self.config.parent_cache_size)
-        self._planner = Planner(token_processor, self.catalog, caches, tiers=self.config.tiers)
+        self._planner = Planner(
+            token_processor,
+            self.catalog,
+            caches,
+            tiers=self.config.tiers,
+            reset_mediums=self.config.reset_mediums,
+            offload_blocks_per_chunk=self.config.offload_blocks_per_chunk,
+        )
         self._replay_factory = replay_factory
         self._log = RateLimitedLog(logger, self.config.reject_log_interval_s)
         self._stopping = threading.Event()

@@ -66,6 +66,8 @@ class StreamState:
     """Last known stored position of ``epoch`` as ``(seq, phase)`` (None: nothing applied)."""
     pods: set[str] = field(default_factory=set)
     """Every pod this stream's batches named."""
+    ranks: set[int] = field(default_factory=set)
+    """Every data-parallel rank this stream's batches carried (0 for none)."""
     last_topic: bytes = b""
     next_reset_check: float = 0.0
     """When the stored watermark is next read back to detect a namespace reset (clock time)."""

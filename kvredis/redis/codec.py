@@ -4,8 +4,9 @@
 - hash: a 64-bit block hash as 8 big-endian bytes (field names of the bucket hashes);
 - hash blob: many hashes concatenated, how the client passes a chain in one argument;
 - entry id: a 4-byte big-endian unsigned integer; an id list is ids concatenated;
-- entry: ``u32 len | pod id | u32 len | tier | u8 flags (1 speculative, 2 has_group) |
-  u32 group``, integers big-endian, strings as text above.
+- entry: ``u32 len | pod id | u32 len | tier | u8 flags (1 speculative, 2 has_group, 4 has
+  rank) | u32 group [| u32 dp rank]``, integers big-endian, strings as text above; the rank is
+  written only when it is not 0 (flag 4), so an entry of rank 0 encodes as before ranks existed.
 
 The Lua side reads the same encodings (``lua/includes/entries.lua``, ``lua/includes/layout.lua``).
 """
@@ -23,7 +24,7 @@ HASH_WIDTH = 8
 ID_WIDTH = 4
 _U32 = struct.Struct(">I")
 _ENTRY_TAIL = struct.Struct(">BI")
-_SPECULATIVE, _HAS_GROUP = 1, 2
+_SPECULATIVE, _HAS_GROUP, _HAS_RANK = 1, 2, 4
 _GLOB_SPECIAL = frozenset(b"*?[]\\")
 
 
@@ -76,17 +77,19 @@ def pack_hashes(values: Sequence[int], what: str = "block hash") -> tuple[list[i
 
 
 def encode_entry(entry: PodEntry) -> bytes:
-    """Unambiguous binary encoding of all five fields of a pod entry (see the module docstring)."""
+    """Unambiguous binary encoding of all six fields of a pod entry (see the module docstring)."""
     pod = text_bytes(entry.pod_identifier)
     tier = text_bytes(entry.device_tier)
     flags = (_SPECULATIVE if entry.speculative else 0) | (_HAS_GROUP if entry.has_group else 0)
+    rank = entry.dp_rank
     return b"".join(
         (
             _U32.pack(len(pod)),
             pod,
             _U32.pack(len(tier)),
             tier,
-            _ENTRY_TAIL.pack(flags, entry.group_idx),
+            _ENTRY_TAIL.pack(flags | (_HAS_RANK if rank else 0), entry.group_idx),
+            _U32.pack(rank) if rank else b"",
         )
     )
 
@@ -99,7 +102,14 @@ def decode_entry(data: bytes) -> PodEntry:
         (m,) = _U32.unpack_from(data, 4 + n)
         tier = data[8 + n : 8 + n + m]
         flags, group = _ENTRY_TAIL.unpack_from(data, 8 + n + m)
-        if len(data) != 8 + n + m + _ENTRY_TAIL.size or len(pod) != n or len(tier) != m:
+        end = 8 + n + m + _ENTRY_TAIL.size
+        rank = 0
+        if flags & _HAS_RANK:
+            (rank,) = _U32.unpack_from(data, end)
+            end += _U32.size
+            if not rank:
+                raise ValueError("rank flag with rank 0")
+        if len(data) != end or len(pod) != n or len(tier) != m:
             raise ValueError("length mismatch")
         return PodEntry(
             bytes_text(pod),
@@ -107,6 +117,7 @@ def decode_entry(data: bytes) -> PodEntry:
             bool(flags & _SPECULATIVE),
             bool(flags & _HAS_GROUP),
             group,
+            rank,
         )
     except (struct.error, ValueError) as exc:
         raise NamespaceLayoutError(f"malformed pod entry encoding {data!r}: {exc}") from exc

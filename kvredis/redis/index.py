@@ -19,7 +19,7 @@ about ``(retries + 1) * max(socket_timeout, connect_timeout)`` plus the backoff.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import replace
 from typing import TypeVar
 
@@ -27,6 +27,7 @@ import redis
 import redis.asyncio
 
 from kvredis.batch import IndexOp, Watermark
+from kvredis.checks import check_selection
 from kvredis.errors import ConfigError
 from kvredis.index import ClearProgress
 from kvredis.redis.cluster.index import AsyncRedisClusterIndex, RedisClusterIndex
@@ -189,6 +190,22 @@ class RedisIndex(_Facade):
         per_call = self.config.clear_fields_per_call
         return self._exec.run(self._op(lambda s: op_clear(s, pod_identifier, progress, per_call)))
 
+    def clear_entries(
+        self,
+        pod_identifier: str,
+        *,
+        device_tiers: Collection[str] | None = None,
+        dp_rank: int | None = None,
+        progress: Progress = None,
+    ) -> int:
+        """Remove the pod's entries on ``device_tiers`` of rank ``dp_rank`` (``None``: all), as
+        :meth:`clear` does; returns the (request key, entry) pairs removed."""
+        selection = check_selection(device_tiers, dp_rank)
+        per_call = self.config.clear_fields_per_call
+        return self._exec.run(
+            self._op(lambda s: op_clear(s, pod_identifier, progress, per_call, selection=selection))
+        )
+
     def apply_batch(
         self, ops: Sequence[IndexOp], stream: str | None = None, watermark: Watermark | None = None
     ) -> bool:
@@ -294,6 +311,22 @@ class AsyncRedisIndex(_Facade):
         """See :meth:`RedisIndex.clear_with_progress`."""
         per_call = self.config.clear_fields_per_call
         run = self._op(lambda s: op_clear(s, pod_identifier, progress, per_call))
+        return await self._exec.run(run)
+
+    async def clear_entries(
+        self,
+        pod_identifier: str,
+        *,
+        device_tiers: Collection[str] | None = None,
+        dp_rank: int | None = None,
+        progress: Progress = None,
+    ) -> int:
+        """See :meth:`RedisIndex.clear_entries`."""
+        selection = check_selection(device_tiers, dp_rank)
+        per_call = self.config.clear_fields_per_call
+        run = self._op(
+            lambda s: op_clear(s, pod_identifier, progress, per_call, selection=selection)
+        )
         return await self._exec.run(run)
 
     async def drop_namespace(self) -> int:

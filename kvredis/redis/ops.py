@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 from kvredis.batch import AddOp, EvictOp, IndexOp, Watermark, check_batch, check_stream
 from kvredis.checks import (
     MAX_REQUEST_KEYS_PER_ENGINE_KEY,
+    EntrySelection,
     check_add,
     check_entries,
     check_hash,
@@ -61,8 +62,10 @@ from kvredis.errors import (
 )
 from kvredis.index import ClearProgress
 from kvredis.redis.codec import (
+    ID_WIDTH,
     blob_hashes,
     bytes_text,
+    decode_entry,
     encode_entry,
     hash_blob,
     hash_field,
@@ -1047,6 +1050,7 @@ def op_clear(
     progress: ClearProgress | None = None,
     fields_per_call: int = DEFAULT_CLEAR_FIELDS_PER_CALL,
     mappings: bool = True,
+    selection: EntrySelection | None = None,
 ) -> Op[int]:
     """``Index.clear``: remove every entry of the pod, page by page; returns entries removed.
 
@@ -1064,7 +1068,9 @@ def op_clear(
     left retired are taken up again); last, the retired ids' definitions are reclaimed
     (``reclaim`` script). A pod the namespace never saw costs one call. ``mappings=False``
     skips the engine bucket pass (the cluster index, whose mappings and request keys live in
-    different shards, runs its own).
+    different shards, runs its own). With ``selection`` (``clear_entries``) only the pod's
+    entries it matches are removed: their ids are picked from the pod's definitions (current
+    and retired ids, one HMGET) before the passes, and only those are retired and reclaimed.
     """
     pod = check_pod_identifier(pod_identifier)
     if progress is not None and not callable(progress):
@@ -1072,11 +1078,17 @@ def op_clear(
     layout = state.layout
     # The pod's ids are retired first (atomically): adds racing the clear intern the pod's
     # entries under new ids, which this clear neither removes nor reclaims.
-    ids = yield ScriptCall(
-        "retire",
-        (layout.meta, layout.pe, layout.pi, layout.pp, layout.pr),
-        (layout.gen, text_bytes(pod)),
-    )
+    keys = (layout.meta, layout.pe, layout.pi, layout.pp, layout.pr)
+    if selection is None:
+        ids = yield ScriptCall("retire", keys, (layout.gen, text_bytes(pod)))
+    else:
+        current = yield Command(("HGET", layout.pp, text_bytes(pod)))
+        retired = yield Command(("HGET", layout.pr, text_bytes(pod)))
+        listed = bytes(current or b"") + bytes(retired or b"")
+        chosen = (yield from _selected_ids(layout, listed, selection)) if listed else b""
+        if not chosen:
+            return 0
+        ids = yield ScriptCall("retire", keys, (layout.gen, text_bytes(pod), chosen))
     if not ids:
         return 0
     done = removed = 0
@@ -1136,6 +1148,18 @@ def op_clear(
             (layout.gen, text_bytes(pod), blob[start : start + RECLAIM_IDS_PER_CALL * 4]),
         )
     return removed
+
+
+def _selected_ids(layout: Layout, ids: bytes, selection: EntrySelection) -> Op[bytes]:
+    """The ids of the id list ``ids`` whose definitions ``selection`` matches (an id without a
+    definition is left out: no bucket can hold it for a lookup to return)."""
+    listed = [ids[i : i + ID_WIDTH] for i in range(0, len(ids), ID_WIDTH)]
+    defs = yield Command(("HMGET", layout.pi, *listed))
+    return b"".join(
+        entry_id
+        for entry_id, enc in zip(listed, defs, strict=True)
+        if enc and selection.matches(decode_entry(bytes(enc)))
+    )
 
 
 def _finish_drop(layout: Layout, tombstone: bytes, keys_per_call: int = 1000) -> Op[int]:

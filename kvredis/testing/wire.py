@@ -103,6 +103,15 @@ def vllm_stored(
     return Map16(fields)
 
 
+def vllm_offload_placeholder(
+    offload_key: Hash, group_idx: int, *, medium: str = "CPU"
+) -> dict[str, Any]:
+    """The ``BlockStored`` vLLM 0.34's offloading connector publishes for a stored chunk when
+    self-describing events are off (``OffloadingEventsTracker._placeholder_stored``): only the
+    chunk's offload key (the hash of its last block), no parent, no tokens, ``block_size`` 0."""
+    return vllm_stored([offload_key], None, [], 0, medium=medium, group_idx=group_idx)
+
+
 def _item(item: Any) -> Any:
     return list(item) if isinstance(item, tuple) else item
 

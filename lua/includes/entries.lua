@@ -1,5 +1,6 @@
 --[[ entries: the entry encoding and the namespace's entry dictionary (<ns>:pe, <ns>:pi, <ns>:pp).
-    entry    u32 len | pod id | u32 len | tier | u8 flags (1 speculative, 2 has_group) | u32 group
+    entry    u32 len | pod id | u32 len | tier | u8 flags (1 speculative, 2 has_group, 4 has rank) |
+             u32 group [| u32 data-parallel rank, present with flag 4 only]
     entry id 4-byte big-endian unsigned integer, allocated from <ns>:meta next_id, never reused;
              <ns>:pi also holds the fields next_id and bucket_bits (see namespace.lua) ]]
 --@include layout
@@ -13,7 +14,9 @@ local function entry_ok(enc)
   if type(enc) ~= 'string' or #enc < 13 then return false end
   local n = struct.unpack('>I4', enc)
   if #enc < 13 + n then return false end
-  return #enc == 13 + n + struct.unpack('>I4', enc, 5 + n)
+  local m = struct.unpack('>I4', enc, 5 + n)
+  if #enc == 13 + n + m then return bit.band(string.byte(enc, 9 + n + m), 4) == 0 end
+  return #enc == 17 + n + m and bit.band(string.byte(enc, 9 + n + m), 4) == 4
 end
 
 local function entry_pod(enc)

@@ -29,10 +29,12 @@ from kvredis.tiers import TierMap
 from kvredis.types import PodEntry
 from tests.ingest.engine import FakeEngine, wait_until
 from tests.ingest.wire import (
+    all_cleared,
     sglang_batch,
     sglang_pages,
     vllm_batch,
     vllm_map_batch,
+    vllm_offload_placeholder,
     vllm_removed,
     vllm_stored,
 )
@@ -311,6 +313,178 @@ def test_ha_branches_from_a_learned_tail(index: Any) -> None:
     for tokens in (PROMPT[:64], PROMPT[:40] + other):
         want = TP16.tokens_to_kv_block_keys(0, tokens, MODEL)
         assert hits(index, want) == 4
+
+
+# -- data-parallel ranks, hybrid groups, prefix-cache resets --------------------------------------
+
+
+class DPPod:
+    """One pod's data-parallel ranks as vLLM 0.34 runs them: each rank its own publisher (the
+    endpoint's port offset by the rank), all on the topic ``kv@POD@MODEL``, each batch carrying
+    its ``data_parallel_rank``."""
+
+    def __init__(self, index: Any, ranks: int = 2, pod: str = "pod-a") -> None:
+        self.ing = EventIngester(index, TP16)
+        self.topic = f"kv@{pod}@{MODEL}"
+        self.seq = [0] * ranks
+
+    def send(self, rank: int, *events: Any) -> None:
+        payload = vllm_batch(list(events), data_parallel_rank=rank)
+        endpoint = f"tcp://127.0.0.1:{5557 + rank}"
+        self.ing.process(self.topic, self.seq[rank], payload, endpoint=endpoint)
+        self.seq[rank] += 1
+
+
+def score(index: Any, tokens: Sequence[int]) -> dict[str, float]:
+    return Indexer(index, TP16, LongestPrefixScorer()).score_tokens(tokens, MODEL)
+
+
+def gpu(group: int = 0, rank: int = 0) -> PodEntry:
+    return PodEntry("pod-a", "gpu", has_group=True, group_idx=group, dp_rank=rank)
+
+
+def test_dp_ranks_hold_a_shared_prefix_on_their_own(index: Any) -> None:
+    tokens = PROMPT[:64]
+    pod = DPPod(index)
+    kind = "full_attention"
+    for rank in (0, 1):
+        pod.send(
+            rank, vllm_stored([1, 2, 3, 4], None, tokens, 16, group_idx=0, kv_cache_spec_kind=kind)
+        )
+    keys = TP16.tokens_to_kv_block_keys(0, tokens, MODEL)
+    assert score(index, tokens) == {"pod-a": 4.0}  # two ranks holding a block: scored once
+    pod.send(0, vllm_removed([1, 2, 3, 4], group_idx=0))
+    assert score(index, tokens) == {"pod-a": 4.0}  # rank 1 still holds every block
+    assert set(index.lookup(keys)[keys[3]]) == {gpu(rank=1)}
+    pod.send(0, vllm_stored([1, 2, 3, 4], None, tokens, 16, group_idx=0))
+    assert set(index.lookup(keys)[keys[0]]) == {gpu(rank=0), gpu(rank=1)}
+    pod.send(0, vllm_removed([3, 4], group_idx=0))
+    pod.send(1, vllm_removed([3, 4], group_idx=0))
+    assert score(index, tokens) == {"pod-a": 2.0}
+    index.clear("pod-a")  # a pod clear covers every rank
+    assert index.lookup(keys) == {}
+
+
+@pytest.mark.parametrize("cause", ["restart", "gap"])
+def test_a_rank_stream_clear_leaves_the_other_ranks(index: Any, cause: str) -> None:
+    # Rank 0's publisher restarts (seq goes back to 0) or loses a batch: what rank 0 held is in
+    # doubt and is cleared; rank 1's copies are not.
+    tokens = PROMPT[:64]
+    pod = DPPod(index)
+    pod.ing = EventIngester(index, TP16, config=IngesterConfig(peer_grace_s=0.01))
+    for rank in (0, 1):
+        pod.send(rank, vllm_stored([1, 2, 3, 4], None, tokens, 16, group_idx=0))
+    pod.seq[0] = 0 if cause == "restart" else 5
+    pod.send(0, vllm_stored([1, 2], None, tokens[:32], 16, group_idx=0))
+    assert pod.ing.counters.get("clears") == 1
+    keys = TP16.tokens_to_kv_block_keys(0, tokens, MODEL)
+    found = index.lookup(keys)
+    assert [set(found[k]) for k in keys] == [{gpu(0, 0), gpu(0, 1)}] * 2 + [{gpu(0, 1)}] * 2
+    assert score(index, tokens) == {"pod-a": 4.0}
+
+
+# Index block size 16 (TP16) or 64 (TP64); group 0's and group 1's engine block sizes. vLLM
+# hashes at the smallest size and a group of k times that size publishes every k-th hash.
+GROUP_SHAPES = [(TP16, 16, 32), (TP16, 32, 64), (TP16, 16, 64), (TP64, 16, 32)]
+
+
+@pytest.mark.parametrize(
+    ("tp", "size0", "size1"), GROUP_SHAPES, ids=["16:16+32", "16:32+64", "16:16+64", "64:16+32"]
+)
+def test_hybrid_group_eviction_removes_what_its_block_covered(
+    index: Any, tp: ChunkedTokenDatabase, size0: int, size1: int
+) -> None:
+    tokens = PROMPT  # 128 tokens
+    hashes = list(range(1, 129 // 16 + 1))  # one per 16 tokens: 1..8
+    group_hashes = {g: hashes[size // 16 - 1 :: size // 16] for g, size in ((0, size0), (1, size1))}
+    full = vllm_stored(group_hashes[0], None, tokens, size0, group_idx=0)
+    window = vllm_stored(
+        group_hashes[1],
+        None,
+        tokens,
+        size1,
+        group_idx=1,
+        kv_cache_spec_kind="sliding_window",
+        kv_cache_spec_sliding_window=4096,
+    )
+    ing = ingest(index, [vllm_batch([full, window])], tp)
+    keys = tp.tokens_to_kv_block_keys(0, tokens, MODEL)
+    blocks = len(keys)
+
+    def held(group: int) -> list[int]:
+        """Which index blocks hold the group's entry."""
+        found = index.lookup(keys)
+        want = PodEntry("pod-a", "gpu", has_group=True, group_idx=group)
+        out = []
+        for i, key in enumerate(keys):
+            if key in found and want in found[key]:
+                out.append(i)
+        return out
+
+    def covered(size: int, engine_hashes: Sequence[int]) -> set[int]:
+        """The index blocks the engine blocks named by these hashes hold tokens of."""
+        bs = tp.block_size()
+        out: set[int] = set()
+        for h in engine_hashes:
+            end = h * 16
+            out.update(range((end - size) // bs, (end - 1) // bs + 1))
+        return out
+
+    assert held(0) == held(1) == list(range(blocks))
+    # Group 0 evicts its blocks from the last one back: after each, it holds exactly the index
+    # blocks no evicted group-0 block held tokens of; group 1 keeps every block.
+    evicted: list[int] = []
+    for h in reversed(group_hashes[0]):
+        ingest(index, [vllm_batch([vllm_removed([h], group_idx=0)])], tp, ing=ing)
+        evicted.append(h)
+        gone = covered(size0, evicted)
+        assert held(0) == [i for i in range(blocks) if i not in gone], f"after evicting {h}"
+        assert held(1) == list(range(blocks))
+    # Group 1 evicting one block removes only its own entry from the blocks that block held.
+    last = group_hashes[1][-1]
+    ingest(index, [vllm_batch([vllm_removed([last], group_idx=1)])], tp, ing=ing)
+    assert held(1) == [i for i in range(blocks) if i not in covered(size1, [last])]
+
+
+def test_prefix_cache_reset_keeps_offloaded_copies(index: Any) -> None:
+    # vLLM 0.34: reset_prefix_cache() resets the block pools (AllBlocksCleared, on each rank)
+    # and keeps the offloading connector's CPU chunks (one block per chunk here, so each
+    # placeholder names its block).
+    tokens = PROMPT[:64]
+    pod = DPPod(index)
+    for rank in (0, 1):
+        pod.send(rank, vllm_stored([1, 2, 3, 4], None, tokens, 16, group_idx=0))
+    pod.send(0, *[vllm_offload_placeholder(h, 0) for h in (1, 2, 3, 4)])
+    pod.send(0, all_cleared())
+    assert score(index, tokens) == {"pod-a": 4.0}  # rank 1's GPU copies are untouched
+    pod.send(1, all_cleared())
+    assert score(index, tokens) == {"pod-a": pytest.approx(4 * 0.8)}  # rank 0's CPU copies
+    keys = TP16.tokens_to_kv_block_keys(0, tokens, MODEL)
+    cpu = PodEntry("pod-a", "cpu", has_group=True, group_idx=0)
+    assert all(index.lookup(keys)[k] == [cpu] for k in keys)
+
+
+def test_offloaded_chunk_credits_every_block(index: Any) -> None:
+    # blocks_per_chunk 4, self-describing events off: each CPU event names the chunk's last hash.
+    ing = EventIngester(index, TP16, config=IngesterConfig(offload_blocks_per_chunk=4))
+    hashes = list(range(1, 9))
+    gpu_store = vllm_stored(hashes, None, PROMPT, 16, group_idx=0)
+    chunks = [vllm_offload_placeholder(4, 0), vllm_offload_placeholder(8, 0)]
+    ingest(index, [vllm_batch([gpu_store]), vllm_batch(chunks)], ing=ing)
+    keys = TP16.tokens_to_kv_block_keys(0, PROMPT, MODEL)
+    ingest(index, [vllm_batch([vllm_removed([4], group_idx=0)])], ing=ing)
+    found = index.lookup(keys)  # the GPU removal of a chunk's last block removes only that block
+    assert [gpu(0) in found[k] for k in keys] == [True] * 3 + [False] + [True] * 4
+    ingest(index, [vllm_batch([vllm_removed(hashes, group_idx=0)])], ing=ing)
+    assert score(index, PROMPT) == {"pod-a": pytest.approx(8 * 0.8)}  # every block on CPU
+    # The second chunk leaves the CPU; an ingester that did not see it stored (a restart, an
+    # HA peer) removes the whole chunk too: the index maps the chunk to its blocks.
+    removed = vllm_removed([8], medium="CPU", group_idx=0)
+    fresh = EventIngester(index, TP16, config=IngesterConfig(offload_blocks_per_chunk=4))
+    fresh.process(f"kv@pod-a@{MODEL}", 4, vllm_batch([removed]), endpoint="pod-a")
+    assert fresh.counters.get("batches_applied") == 1
+    assert score(index, PROMPT) == {"pod-a": pytest.approx(4 * 0.8)}
+    assert len(index.lookup(keys)) == 4
 
 
 @pytest.mark.zmq

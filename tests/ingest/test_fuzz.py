@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from kvredis.errors import EngineKeyNotFoundError
 from kvredis.features import BlockExtraFeatures, MMHash, split_extra_keys
 from kvredis.hashing import ChunkedTokenDatabase
-from kvredis.ingest import EventIngester, IngesterConfig
+from kvredis.ingest import EventIngester, IngesterConfig, group_engine_key
 from kvredis.ingest.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -104,22 +104,28 @@ def _request_key(index: InMemoryIndex, engine_key: int) -> int | None:
 
 
 def reference_apply(index: InMemoryIndex, events: tuple[Event, ...], seen: set[int]) -> None:
+    """The events one Index call at a time; a reset clears the GPU tier (vLLM keeps its CPU
+    copies), and each KV-cache group's engine keys are its own (``group_engine_key``)."""
     for ev in events:
         if isinstance(ev, AllBlocksCleared):
-            index.clear(POD)
+            index.clear_entries(POD, device_tiers={"gpu"})
             continue
         tier = ev.medium.lower() if ev.medium else "gpu"
         group = ev.group_idx
         entry = PodEntry(POD, tier, has_group=group is not None, group_idx=group or 0)
+
+        def key(h: int, group: int | None = group) -> int:
+            return group_engine_key(h, group)
+
         if isinstance(ev, BlockRemoved):
             for h in ev.block_hashes:
-                index.evict(h, KeyType.ENGINE, [entry])
+                index.evict(key(h), KeyType.ENGINE, [entry])
             continue
         blocks = len(ev.token_ids) // TP.block_size()
         if not ev.token_ids:
             resolved: list[int] = []
             for h in ev.block_hashes:
-                r = _request_key(index, h)
+                r = _request_key(index, key(h))
                 if r is not None and r not in resolved:
                     resolved.append(r)
             if resolved:
@@ -127,7 +133,7 @@ def reference_apply(index: InMemoryIndex, events: tuple[Event, ...], seen: set[i
             continue
         parent = 0
         if ev.parent_block_hash:
-            found = _request_key(index, ev.parent_block_hash)
+            found = _request_key(index, key(ev.parent_block_hash))
             if found is None:
                 continue
             parent = found
@@ -147,7 +153,7 @@ def reference_apply(index: InMemoryIndex, events: tuple[Event, ...], seen: set[i
             parent, ev.token_ids, ev.lora_name or MODEL, feats, cache_salt=salt
         )
         seen.update(request)
-        index.add(ev.block_hashes, request, [entry])
+        index.add([key(h) for h in ev.block_hashes], request, [entry])
 
 
 # -- strategies -----------------------------------------------------------------------------

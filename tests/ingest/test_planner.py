@@ -12,7 +12,16 @@ from kvredis.ingest.events import (
     decode_batch,
     encode_batch,
 )
-from kvredis.ingest.planner import Barrier, BatchPlan, Lookup, Planner, PlanSteps, PodCaches
+from kvredis.ingest.planner import (
+    Barrier,
+    BatchPlan,
+    Lookup,
+    Planner,
+    PlanSteps,
+    PodCaches,
+    Reset,
+    group_engine_key,
+)
 from kvredis.types import KeyType, PodEntry
 from tests.ingest.harness import MODEL, POD, TP, block_tokens
 
@@ -23,9 +32,9 @@ def planner() -> Planner:
     return Planner(TP, GroupCatalog(), PodCaches(64))
 
 
-def run(steps: PlanSteps, answers: dict[int, int | None]) -> list[Lookup | Barrier]:
+def run(steps: PlanSteps, answers: dict[int, int | None]) -> list[Lookup | Barrier | Reset]:
     """Drive a plan, answering lookups from ``answers``; the requests it made."""
-    requests: list[Lookup | Barrier] = []
+    requests: list[Lookup | Barrier | Reset] = []
     reply: int | None = None
     while True:
         try:
@@ -84,8 +93,38 @@ def test_all_blocks_cleared_is_a_clear_barrier() -> None:
     plan = BatchPlan(p.caches.get(POD))
     decoded = decode_batch(encode_batch([BlockRemoved((5,)), AllBlocksCleared()]))
     steps = p.plan(plan, decoded, POD, MODEL)
-    assert next(steps) is Barrier.CLEAR
+    assert next(steps) == Reset(0, frozenset({"gpu"}))
     assert plan.take() == [EvictOp(5, KeyType.ENGINE, (GPU,))]
+
+
+def test_a_reset_clears_its_rank_on_the_reset_tiers() -> None:
+    p = Planner(TP, GroupCatalog(), PodCaches(64), reset_mediums=("GPU", "CPU_PINNED"))
+    plan = BatchPlan(p.caches.get(POD))
+    decoded = decode_batch(
+        encode_batch([BlockRemoved((5,)), AllBlocksCleared()], data_parallel_rank=3)
+    )
+    steps = p.plan(plan, decoded, POD, MODEL)
+    assert next(steps) == Reset(3, frozenset({"gpu", "cpu"}))
+    assert plan.take() == [EvictOp(5, KeyType.ENGINE, (PodEntry(POD, "gpu", dp_rank=3),))]
+
+
+def test_a_groups_engine_keys_are_its_own() -> None:
+    p = planner()
+    plan = BatchPlan(p.caches.get(POD))
+    events = [
+        BlockStored((1, 2), None, block_tokens(0) + block_tokens(1), 16, group_idx=1),
+        BlockRemoved((2,), group_idx=1),
+        BlockRemoved((2,), group_idx=0),
+    ]
+    assert run(p.plan(plan, decode_batch(encode_batch(events)), POD, MODEL), {}) == []
+    g1 = PodEntry(POD, "gpu", has_group=True, group_idx=1)
+    g0 = PodEntry(POD, "gpu", has_group=True, group_idx=0)
+    keys = (group_engine_key(1, 1), group_engine_key(2, 1))
+    assert group_engine_key(2, 0) == 2 and group_engine_key(2, None) == 2
+    assert len({*keys, 1, 2}) == 4
+    ops = plan.take()
+    assert isinstance(ops[0], AddOp) and ops[0].engine_keys == keys and ops[0].entries == (g1,)
+    assert ops[1:] == [EvictOp(keys[1], KeyType.ENGINE, (g1,)), EvictOp(2, KeyType.ENGINE, (g0,))]
 
 
 # -- partial-block tails ------------------------------------------------------------------------

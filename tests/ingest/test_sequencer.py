@@ -6,7 +6,7 @@ replica acts, when time passes and when shutdown begins (see tests/ingest/harnes
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import pytest
@@ -418,7 +418,20 @@ class SlowClearIndex(InMemoryIndex):
     def clear_with_progress(
         self, pod_identifier: str, progress: ClearProgress | None = None
     ) -> int:
-        removed = super().clear_with_progress(pod_identifier)
+        return self._slow(super().clear_with_progress(pod_identifier), progress)
+
+    def clear_entries(
+        self,
+        pod_identifier: str,
+        *,
+        device_tiers: Collection[str] | None = None,
+        dp_rank: int | None = None,
+        progress: ClearProgress | None = None,
+    ) -> int:
+        removed = super().clear_entries(pod_identifier, device_tiers=device_tiers, dp_rank=dp_rank)
+        return self._slow(removed, progress)
+
+    def _slow(self, removed: int, progress: ClearProgress | None) -> int:
         for page in range(self.pages):
             self.clock.advance(self.seconds)
             if progress is not None:

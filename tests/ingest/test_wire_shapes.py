@@ -125,6 +125,13 @@ def test_vllm_bytes(kwargs: dict[str, Any], extra: list[Any] | None) -> None:
     assert wire.vllm_batch([], 1.0, 3) == ENCODE(VllmBatch(1.0, [], 3))
 
 
+def test_vllm_offload_placeholder_and_dp_rank_bytes() -> None:
+    # OffloadingEventsTracker._placeholder_stored (self-describing events off), on DP rank 2
+    ref = BlockStored([5], None, [], 0, None, "CPU", None, group_idx=1)
+    ours = wire.vllm_offload_placeholder(5, 1)
+    assert wire.vllm_batch([ours], 1.0, 2) == ENCODE(VllmBatch(1.0, [ref], 2))
+
+
 def test_sglang_bytes() -> None:
     events, _ = wire.sglang_pages(list(range(5)), 2, 2**63 + 5, cache_salt="s", lora_name="l")
     ref = [

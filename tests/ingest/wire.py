@@ -14,6 +14,7 @@ from kvredis.testing.wire import (
     signed,
     vllm_batch,
     vllm_map_batch,
+    vllm_offload_placeholder,
     vllm_removed,
     vllm_stored,
 )
@@ -30,6 +31,7 @@ __all__ = [
     "signed",
     "vllm_batch",
     "vllm_map_batch",
+    "vllm_offload_placeholder",
     "vllm_removed",
     "vllm_stored",
 ]

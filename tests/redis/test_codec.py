@@ -27,6 +27,7 @@ entries = st.builds(
     st.booleans(),
     st.booleans(),
     st.integers(min_value=0, max_value=2**31 - 1),
+    st.integers(min_value=0, max_value=2**31 - 1),
 )
 
 
@@ -39,9 +40,28 @@ def test_entry_encoding_round_trips_and_is_injective(first: PodEntry, second: Po
 
 def test_malformed_entry_encoding_is_a_layout_error() -> None:
     good = encode_entry(A)
-    for bad in (b"", good[:-1], good + b"x", b"\xff\xff\xff\xff" + good[4:]):
+    ranked = encode_entry(PodEntry("pod-a", "gpu", dp_rank=3))
+    flags = len(good) - 5  # the flags byte, before the u32 group
+    for bad in (
+        b"",
+        good[:-1],
+        good + b"x",
+        b"\xff\xff\xff\xff" + good[4:],
+        ranked[:-1],  # the rank flag without its rank
+        good[:flags] + b"\x04" + good[flags + 1 :] + b"\x00\x00\x00\x00",  # rank flag, rank 0
+        good[:flags] + b"\x04" + good[flags + 1 :],
+    ):
         with pytest.raises(NamespaceLayoutError):
             decode_entry(bad)
+
+
+def test_an_entry_of_rank_0_encodes_as_before_ranks() -> None:
+    # Stored entries of pods without data parallelism keep their encoding (and their ids).
+    assert encode_entry(PodEntry("pod-a", "gpu", dp_rank=0)) == (
+        b"\x00\x00\x00\x05pod-a\x00\x00\x00\x03gpu\x00\x00\x00\x00\x00"
+    )
+    ranked = encode_entry(PodEntry("pod-a", "gpu", has_group=True, group_idx=1, dp_rank=2))
+    assert ranked.endswith(b"\x06\x00\x00\x00\x01\x00\x00\x00\x02")
 
 
 @settings(deadline=None, max_examples=200)

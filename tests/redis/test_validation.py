@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -79,6 +80,16 @@ ADD_REFUSALS: list[tuple[str, Callable[[list[Any]], list[Any]], str]] = [
     ("entry index 0", lambda a: _set(a, 11, 0), "entry index"),
     ("entry index past the entries", lambda a: _set(a, 12, 3), "entry index"),
     ("malformed entry", lambda a: _set(a, 8, encode_entry(B)[:-1]), "malformed entry"),
+    (
+        "rank flag without its rank",
+        lambda a: _set(a, 8, encode_entry(replace(B, dp_rank=1))[:-4]),
+        "malformed entry",
+    ),
+    (
+        "rank without its flag",
+        lambda a: _set(a, 8, encode_entry(B) + b"\x00\x00\x00\x01"),
+        "malformed entry",
+    ),
     ("request keys of 7 bytes", lambda a: _set(a, 13, a[13][:-1]), "request keys"),
     ("pairs of one hash", lambda a: _set(a, 14, hash_field(5)), "pairs"),
     ("trailing argument", lambda a: [*a, b"extra"], "after the last op"),

@@ -10,10 +10,11 @@ Cluster"). Both run the sans-IO cluster operations of :mod:`.ops` with the execu
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, TypeVar
 
 from kvredis.batch import IndexOp, Watermark
+from kvredis.checks import check_selection
 from kvredis.errors import ConfigError
 from kvredis.index import ClearProgress
 from kvredis.redis.cluster.executor import AsyncClusterExecutor, SyncClusterExecutor
@@ -168,6 +169,22 @@ class RedisClusterIndex(_ClusterFacade):
         per_call = self.config.clear_fields_per_call
         return self._run(lambda c: op_cluster_clear(c, pod_identifier, progress, per_call))
 
+    def clear_entries(
+        self,
+        pod_identifier: str,
+        *,
+        device_tiers: Collection[str] | None = None,
+        dp_rank: int | None = None,
+        progress: Progress = None,
+    ) -> int:
+        """Remove the pod's entries on ``device_tiers`` of rank ``dp_rank`` (``None``: all), as
+        :meth:`clear` does; returns the (request key, entry) pairs removed."""
+        selection = check_selection(device_tiers, dp_rank)
+        per_call = self.config.clear_fields_per_call
+        return self._run(
+            lambda c: op_cluster_clear(c, pod_identifier, progress, per_call, selection)
+        )
+
     def apply_batch(
         self, ops: Sequence[IndexOp], stream: str | None = None, watermark: Watermark | None = None
     ) -> bool:
@@ -279,6 +296,21 @@ class AsyncRedisClusterIndex(_ClusterFacade):
         """See :meth:`RedisClusterIndex.clear_with_progress`."""
         per_call = self.config.clear_fields_per_call
         return await self._run(lambda c: op_cluster_clear(c, pod_identifier, progress, per_call))
+
+    async def clear_entries(
+        self,
+        pod_identifier: str,
+        *,
+        device_tiers: Collection[str] | None = None,
+        dp_rank: int | None = None,
+        progress: Progress = None,
+    ) -> int:
+        """See :meth:`RedisClusterIndex.clear_entries`."""
+        selection = check_selection(device_tiers, dp_rank)
+        per_call = self.config.clear_fields_per_call
+        return await self._run(
+            lambda c: op_cluster_clear(c, pod_identifier, progress, per_call, selection)
+        )
 
     async def apply_batch(
         self, ops: Sequence[IndexOp], stream: str | None = None, watermark: Watermark | None = None

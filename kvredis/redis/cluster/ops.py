@@ -44,6 +44,7 @@ from typing import Any, TypeVar
 from kvredis.batch import AddOp, EvictOp, IndexOp, Watermark, check_batch, check_stream
 from kvredis.checks import (
     MAX_REQUEST_KEYS_PER_ENGINE_KEY,
+    EntrySelection,
     check_add,
     check_entries,
     check_hash,
@@ -1233,10 +1234,12 @@ def op_cluster_clear(
     pod_identifier: str,
     progress: ClearProgress | None = None,
     fields_per_call: int = DEFAULT_CLEAR_FIELDS_PER_CALL,
+    selection: EntrySelection | None = None,
 ) -> WaveOp[int]:
     """``Index.clear`` on every shard in parallel (each pages its own keys on its node), then
     one pass over the engine mappings: a mapping none of whose request keys holds an entry any
-    more is dropped. The pairs removed."""
+    more is dropped. The pairs removed. With ``selection`` (``clear_entries``) each shard
+    removes only the pod's entries it matches."""
     done: dict[int, tuple[int, int]] = {}
 
     def reporter(shard: int) -> ClearProgress:
@@ -1251,7 +1254,7 @@ def op_cluster_clear(
     if progress is not None and not callable(progress):
         raise InvalidInputError(f"progress must be a callable(done, removed), got {progress!r}")
     factories = {
-        shard: _clear_factory(pod_identifier, reporter(shard), fields_per_call)
+        shard: _clear_factory(pod_identifier, reporter(shard), fields_per_call, selection)
         for shard in range(core.count)
     }
     removed = yield from _on_shards(core, factories)
@@ -1262,9 +1265,9 @@ def op_cluster_clear(
 
 
 def _clear_factory(
-    pod: str, report: ClearProgress, per_call: int
+    pod: str, report: ClearProgress, per_call: int, selection: EntrySelection | None
 ) -> Callable[[CoreState], Op[int]]:
-    return lambda state: op_clear(state, pod, report, per_call, mappings=False)
+    return lambda state: op_clear(state, pod, report, per_call, mappings=False, selection=selection)
 
 
 def op_clear_mappings(core: ClusterCore) -> WaveOp[int]:
