@@ -363,6 +363,8 @@ def check(
                 "ok": report.ok,
                 "counts": report.counts(),
                 "findings": [f.as_json() for f in report.findings],
+                "note_counts": report.note_counts(),
+                "notes": [f.as_json() for f in report.notes],
             }
         )
     else:
@@ -380,6 +382,10 @@ def check(
                 click.echo(f"  {mark}: {f.problem.value} in {f.as_json()['key']}{fld}: {f.detail}")
             if len(shown) < len(report.findings):
                 click.echo(f"  ... {len(report.findings) - len(shown)} more (--limit 0 lists all)")
+        for kind, count in report.note_counts().items():
+            reclaimed = sum(f.repaired for f in report.notes if f.problem.value == kind)
+            done = f", {reclaimed} reclaimed" if reclaimed else ""
+            click.echo(f"note: {count} {kind} (legitimate states, not problems{done})")
     if not report.ok:
         sys.exit(1)
 

@@ -10,7 +10,8 @@ retry/translation combinators of :mod:`kvredis.redis.ops`. Nothing here creates 
 Every scan is bounded: SCAN MATCH on the namespace's own key patterns (never ``KEYS``), HSCAN on
 the dictionary hashes, and pipelines of at most :data:`KEYS_PER_PIPELINE` keys.
 
-The invariants :func:`op_check` verifies (``repair=True`` also fixes them):
+The invariants :func:`op_check` verifies (``repair=True`` also fixes them). Every one of these
+is a state no call of the index API produces (a foreign write, a lost key, a bug):
 
 =========================  ===============================================  =====================
 problem                    what it means                                    repair
@@ -27,12 +28,8 @@ problem                    what it means                                    repa
                            undefined id
 ``duplicate_id``           an id listed twice under one request key         keep one
 ``misplaced_field``        a field in a bucket its hash does not select     move it
-``dangling_mapping``       an engine key none of whose request keys exist   delete the mapping
 ``wrong_type``             a key of the layout that is not a hash (``sx``:  (reported only)
                            a string)
-``expired_speculative``    an expiring entry past its deadline still held   remove it
-                           (allowed without hash field expiry until its
-                           bucket expires; reported all the same)
 ``no_expiry``              an expiring bucket (or field, with hash field    set it to the latest
                            expiry) the server would never delete            deadline held
 ``expiry_gate``            the gate ``sx`` ends before an expiring entry    move it to the latest
@@ -46,6 +43,16 @@ problem                    what it means                                    repa
                            request record (inline or run) and as an         item
                            expiring entry
 =========================  ===============================================  =====================
+
+Two kinds are notes (:data:`INFORMATIONAL`, in :attr:`CheckReport.notes`): states the API does
+produce, reported for the operator's information, never a failure:
+
+- ``dangling_mapping``: an engine key none of whose request keys holds an entry any more (an
+  evict by request key leaves the mapping, as the reference index does; ``get_request_key``
+  still answers it, so a repair never drops it; ``clear`` drops such mappings);
+- ``expired_speculative``: expiring entries past their deadline still stored in a field or
+  bucket that holds a later deadline (reads skip them; the server deletes them with the latest
+  deadline). ``--repair`` reclaims them (the reference no longer holds them).
 
 Repairs are plain commands, not one atomic step: run ``check --repair`` while no writer uses the
 namespace (stop the ingesters first), or a concurrent write may be undone.
@@ -90,6 +97,7 @@ from kvredis.types import PodEntry
 
 __all__ = [
     "DUMP_FORMAT",
+    "INFORMATIONAL",
     "CheckReport",
     "Dictionary",
     "Finding",
@@ -443,6 +451,11 @@ class Problem(enum.Enum):
     HELD_TWICE = "held_twice"
 
 
+#: The kinds :func:`op_check` reports as notes: states the index API produces (see the module
+#: docstring); never a failure.
+INFORMATIONAL = frozenset({Problem.DANGLING_MAPPING, Problem.EXPIRED_SPECULATIVE})
+
+
 @dataclass(frozen=True, slots=True)
 class Finding:
     """One broken invariant: where, what, and whether it was repaired."""
@@ -475,6 +488,9 @@ class CheckReport:
     namespace: str
     keys_checked: int = 0
     findings: list[Finding] = field(default_factory=list)
+    """Broken invariants: states no call of the index API produces."""
+    notes: list[Finding] = field(default_factory=list)
+    """Legitimate states worth knowing (:data:`INFORMATIONAL`); never a failure."""
 
     @property
     def ok(self) -> bool:
@@ -485,6 +501,10 @@ class CheckReport:
         """Findings per problem."""
         return dict(sorted(Tally(f.problem.value for f in self.findings).items()))
 
+    def note_counts(self) -> dict[str, int]:
+        """Notes per kind."""
+        return dict(sorted(Tally(f.problem.value for f in self.notes).items()))
+
 
 class _Checker:
     """Collects findings and the commands that repair them."""
@@ -493,7 +513,10 @@ class _Checker:
         self.layout = layout
         self.repair = repair
         self.findings: list[Finding] = []
+        self.notes: list[Finding] = []
         self.fixes: list[Command] = []
+        self.fields_expire = False
+        """Whether expiring entries use hash field expiry (HSET drops a field's expiry)."""
         self.foreign: set[bytes] = set()
         """Keys of the layout holding another type: reported, never written to."""
         self._fixing: set[Command] = set()
@@ -503,7 +526,8 @@ class _Checker:
     ) -> None:
         writable = not any(f.args[1] in self.foreign for f in fix)
         fixable = bool(fix) and self.repair and writable
-        self.findings.append(Finding(problem, key, fld, detail, fixable))
+        found = Finding(problem, key, fld, detail, fixable)
+        (self.notes if problem in INFORMATIONAL else self.findings).append(found)
         if fixable:
             for command in fix:  # a run rewrite repairs several findings: written once
                 if command not in self._fixing:
@@ -683,13 +707,19 @@ def _check_engine_bucket(
     return probe
 
 
-def op_check(layout: Layout, repair: bool = False, progress: Progress = _noop) -> Op[CheckReport]:
+def op_check(
+    layout: Layout, repair: bool = False, progress: Progress = _noop, mappings: bool = True
+) -> Op[CheckReport]:
     """Verify every invariant of the layout (see the module docstring); with ``repair`` fix them.
 
     Returns what was found (and repaired). ``progress(done, total)`` follows the bucket pages.
+    ``mappings=False`` skips the ``dangling_mapping`` notes (a shard of a cluster namespace holds
+    engine keys whose request keys live in other shards).
     """
     c = _Checker(layout, repair)
     report = CheckReport(layout.namespace)
+    mode = yield Command(("HGET", layout.meta, "expiry"))
+    c.fields_expire = mode is not None and bytes(mode).decode() == EXPIRY_FIELD
     fixed = _fixed_keys(layout)
     types = yield Pipeline(tuple(Command(("TYPE", k)) for k in fixed))
     for key, t in zip(fixed, types, strict=True):
@@ -711,7 +741,8 @@ def op_check(layout: Layout, repair: bool = False, progress: Progress = _noop) -
     for key, t in zip(buckets, btypes, strict=True):
         if _type(t) not in ("hash", "none"):
             c.found(Problem.WRONG_TYPE, key, None, f"a {_type(t)}, not a bucket hash: delete it")
-    mappings: list[tuple[bytes, bytes, list[bytes]]] = []
+    probe_mappings = mappings
+    found_mappings: list[tuple[bytes, bytes, list[bytes]]] = []
     map_keys: list[bytes] = []
     sec, usec = yield Command(("TIME",))
     now = int(sec) * 1000 + int(usec) // 1000
@@ -742,11 +773,12 @@ def op_check(layout: Layout, repair: bool = False, progress: Progress = _noop) -
                 c.found(Problem.MALFORMED_RUN, key, None, str(exc), Command(("DEL", key)))
         else:
             for m in _check_engine_bucket(c, key, fields):
-                mappings.append(m)
+                found_mappings.append(m)
                 map_keys.append(key)
 
     yield from op_read_hashes(buckets, visit, progress)
-    yield from _check_mappings(c, mappings, map_keys)
+    if probe_mappings:
+        yield from _check_mappings(c, found_mappings, map_keys)
     _check_runs(c, runs, refs, inline, defined)
     for fld, (_key, ref) in refs.items():
         rid, pos = decode_ref(ref)
@@ -754,20 +786,22 @@ def op_check(layout: Layout, repair: bool = False, progress: Progress = _noop) -
         if 1 <= pos <= len(run) and run[pos - 1][0] == fld:
             held[fld] = run[pos - 1][1]
     # before the expiry probes: a rewritten field gets its expiry back after its HSET
-    yield from _check_held_twice(c, held, timed, defined, now)
+    _check_held_twice(c, held, timed, defined, now)
     yield from _check_expiry(c, expiring, _type(gate_type) == "string")
     if c.fixes:
         for fixes in _chunks(c.fixes, KEYS_PER_PIPELINE):
             yield Pipeline(tuple(fixes))
     report.findings = c.findings
+    report.notes = c.notes
     return report
 
 
 def _check_mappings(
     c: _Checker, mappings: list[tuple[bytes, bytes, list[bytes]]], keys: list[bytes]
 ) -> Op[None]:
-    """Find engine mappings none of whose request keys holds an entry, with or without expiry
-    (HEXISTS, pipelined)."""
+    """Note engine mappings none of whose request keys holds an entry, with or without expiry
+    (HEXISTS, pipelined): legitimate (an evict by request key leaves them, and
+    ``get_request_key`` still answers them), so never repaired."""
     lay = c.layout
     probes = [
         (i, bucket(int.from_bytes(r, "big")), r)
@@ -782,15 +816,8 @@ def _check_mappings(
             held[i] = held[i] or bool(int(exists))
     for (fld, _value, refs), key, ok in zip(mappings, keys, held, strict=True):
         if not ok:
-            home = lay.engine_bucket(int.from_bytes(fld, "big"))
-            c.found(
-                Problem.DANGLING_MAPPING,
-                home,
-                fld,
-                f"none of its {len(refs)} request keys holds an entry",
-                Command(("HDEL", home, fld)),
-                *([Command(("HDEL", key, fld))] if key != home else []),
-            )
+            detail = f"none of its {len(refs)} request keys holds an entry (clear drops it)"
+            c.found(Problem.DANGLING_MAPPING, key, fld, detail)
 
 
 def _check_runs(
@@ -874,24 +901,33 @@ def _check_expiring_bucket(
         unknown = [i for i in items if i[:ID_WIDTH] not in defined]
         due = [i for i in items if i not in unknown and expiring_item_deadline(i) <= now]
         kept = [i for i in items if i not in unknown and i not in due]
-        new_value = b"".join(kept)
-        write = (
-            [Command(("HDEL", key, fld))] if not kept else [Command(("HSET", key, fld, new_value))]
-        )
+        write = _expiring_write(c, key, fld, kept)
         if unknown:
             c.found(Problem.UNKNOWN_ID, key, fld, f"{len(unknown)} undefined ids", *write)
         if due:
-            detail = f"{len(due)} expired entries still held"
+            detail = f"{len(due)} expired entries still held (reclaimable)"
             c.found(Problem.EXPIRED_SPECULATIVE, key, fld, detail, *([] if unknown else write))
         home = lay.expiring_bucket(int.from_bytes(fld, "big"))
         if home != key:
             move = [Command(("HDEL", key, fld))]
             if kept:
-                move.insert(0, Command(("HSET", home, fld, new_value)))
+                move[:0] = _expiring_write(c, home, fld, kept)
             c.found(Problem.MISPLACED_FIELD, key, fld, f"belongs in {_show(home)}", *move)
         elif kept:
             latest[fld] = max(expiring_item_deadline(i) for i in kept)
     return latest
+
+
+def _expiring_write(c: _Checker, key: bytes, fld: bytes, kept: Sequence[bytes]) -> list[Command]:
+    """The commands that make a field of an expiring bucket hold ``kept`` (deleted if empty),
+    with its field expiry set again where fields expire (an HSET drops it)."""
+    if not kept:
+        return [Command(("HDEL", key, fld))]
+    write = [Command(("HSET", key, fld, b"".join(kept)))]
+    if c.fields_expire:
+        at = str(max(expiring_item_deadline(i) for i in kept))
+        write.append(Command(("HPEXPIREAT", key, at, "FIELDS", 1, fld)))
+    return write
 
 
 def _check_held_twice(
@@ -900,12 +936,11 @@ def _check_held_twice(
     timed: Mapping[bytes, tuple[bytes, bytes]],
     defined: set[bytes],
     now: int,
-) -> Op[None]:
+) -> None:
     """An entry id is held under a request key in its request record (inline or in a run) or as
     an expiring entry, never both. The repair keeps the request record (it never expires) and
     rewrites the expiring field without those ids (nor undefined or past-due items), with its
     field expiry set again (HSET drops it)."""
-    fields_expire: bool | None = None
     for fld, (key, value) in timed.items():
         ids = set(_ids(held.get(fld, b"")))
         items = [
@@ -914,22 +949,13 @@ def _check_held_twice(
         twice = [i for i in items if i[:ID_WIDTH] in ids]
         if not twice:
             continue
-        if fields_expire is None:
-            mode = yield Command(("HGET", c.layout.meta, "expiry"))
-            fields_expire = mode is not None and bytes(mode).decode() == EXPIRY_FIELD
         kept = [
             i
             for i in items
             if i not in twice and i[:ID_WIDTH] in defined and expiring_item_deadline(i) > now
         ]
-        fix = [Command(("HDEL", key, fld))]
-        if kept:
-            fix = [Command(("HSET", key, fld, b"".join(kept)))]
-            if fields_expire:
-                at = str(max(expiring_item_deadline(i) for i in kept))
-                fix.append(Command(("HPEXPIREAT", key, at, "FIELDS", 1, fld)))
         detail = f"{len(twice)} ids also held in its request record"
-        c.found(Problem.HELD_TWICE, key, fld, detail, *fix)
+        c.found(Problem.HELD_TWICE, key, fld, detail, *_expiring_write(c, key, fld, kept))
 
 
 def _check_expiry(
@@ -938,8 +964,7 @@ def _check_expiry(
     """Every expiring bucket (or field, with hash field expiry) must expire by itself, and the
     gate must last as long as the latest expiring entry."""
     lay = c.layout
-    mode = yield Command(("HGET", lay.meta, "expiry"))
-    fields_expire = mode is not None and bytes(mode).decode() == EXPIRY_FIELD
+    fields_expire = c.fields_expire
     probes: list[tuple[bytes, bytes | None, int]] = []
     for key, latest in expiring.items():
         if not latest:

@@ -20,13 +20,16 @@ class NamespaceState:
     """request key -> its expiring entries (live or not yet deleted), from ``<ns>:s:<bucket>``"""
     problems: list[str] = field(default_factory=list)
     keys: list[bytes] = field(default_factory=list)
+    unheld_mappings: list[int] = field(default_factory=list)
+    """engine keys none of whose request keys holds an entry: legitimate (an evict by request key
+    leaves the mapping, as the reference index does), so not a problem"""
 
 
 def read_namespace(client: redis.Redis, namespace: str) -> NamespaceState:
     """Decode every request and engine bucket of ``namespace`` and note layout violations.
 
     Violations: an empty or malformed value, a repeated id or request key within a value, an id
-    without definition, an engine mapping none of whose request keys holds an entry, an id held
+    without definition, an id held
     under a request key both in its request record and as an expiring entry
     (``<ns>:s:<bucket>``, 12-byte items); for runs (``<ns>:c:<id>``: keys ``k`` and ranges ``r``
     of u16 last position, u16 count, ids): a malformed run, a trailing hole or a run without
@@ -98,9 +101,7 @@ def read_namespace(client: redis.Redis, namespace: str) -> NamespaceState:
                 state.problems.append(f"run {rid!r} position {pos} has no ref from its key")
     for engine_key, mapped in state.engines.items():
         if not any(state.requests.get(r) or state.expiring.get(r) for r in mapped):
-            state.problems.append(
-                f"engine key {engine_key} maps only to empty request keys {mapped}"
-            )
+            state.unheld_mappings.append(engine_key)
     return state
 
 
