@@ -60,13 +60,14 @@ namespace (stop the ingesters first), or a concurrent write may be undone.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections import Counter as Tally
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from kvredis.errors import NamespaceLayoutError
+from kvredis.errors import BackendError, BackendUnavailableError, NamespaceLayoutError
 from kvredis.redis.codec import (
     HASH_WIDTH,
     ID_WIDTH,
@@ -89,7 +90,14 @@ from kvredis.redis.layout import (
     expiring_item_deadline,
     meta_key,
 )
-from kvredis.redis.ops import RetryPolicy, Session, expiry_mode_of, op_drive
+from kvredis.redis.ops import (
+    RetryPolicy,
+    Session,
+    check_not_cluster,
+    decode_watermark,
+    expiry_mode_of,
+    op_drive,
+)
 from kvredis.redis.requests import Command, Op, Pipeline
 from kvredis.redis.scripts import ScriptRegistry
 from kvredis.redis.state import CoreState
@@ -105,6 +113,9 @@ __all__ = [
     "NamespaceStats",
     "Problem",
     "ServerInfo",
+    "merge_checks",
+    "merge_stats",
+    "merge_watermarks",
     "op_check",
     "op_dictionary",
     "op_dump",
@@ -112,6 +123,7 @@ __all__ = [
     "op_read_layout",
     "op_restore",
     "op_server_info",
+    "op_server_layout",
     "op_stats",
     "op_watermarks",
 ]
@@ -146,6 +158,21 @@ def op_read_layout(namespace: str) -> Op[Layout | None]:
     if not any(reply):
         return None
     return state.adopt(reply)
+
+
+def op_server_layout(namespace: str, server: str) -> Op[Layout | None]:
+    """:func:`op_read_layout` on a single server, once ``INFO cluster`` shows it is no cluster
+    node (:class:`~kvredis.errors.ClusterModeError` otherwise, naming ``server``; a server that
+    does not permit INFO is taken as it is)."""
+    try:
+        info = yield Command(("INFO", "cluster"))
+    except BackendUnavailableError:
+        raise
+    except BackendError:
+        info = None
+    if info is not None:
+        check_not_cluster(info, server)
+    return (yield from op_read_layout(namespace))
 
 
 def op_scan(pattern: bytes, count: int = KEYS_PER_PIPELINE) -> Op[list[bytes]]:
@@ -347,10 +374,50 @@ class NamespaceStats:
     pods: dict[str, dict[str, int]] = field(default_factory=dict)
     """pod -> tier -> (request key, entry) pairs, expiring entries before their deadline
     included (a speculative entry's tier is ``""``)."""
+    shards: list[NamespaceStats] = field(default_factory=list)
+    """On a cluster: each shard's own statistics, shard 0 first (see :func:`merge_stats`)."""
 
     def as_json(self) -> dict[str, Any]:
-        """A JSON-ready dict."""
-        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+        """A JSON-ready dict (``shards``, a list of the shards' dicts, only on a cluster)."""
+        out = {n: getattr(self, n) for n in self.__dataclass_fields__ if n != "shards"}
+        if self.shards:
+            out["shards"] = [{"shard": i, **s.as_json()} for i, s in enumerate(self.shards)]
+        return out
+
+
+#: The counters of :class:`NamespaceStats` a merge sums.
+_SUMMED = (
+    "keys",
+    "request_buckets",
+    "engine_buckets",
+    "runs",
+    "request_keys",
+    "pairs",
+    "engine_keys",
+    "engine_mappings",
+    "expiring_entries",
+    "dictionary_entries",
+    "watermarks",
+    "bytes_used",
+)
+
+
+def merge_stats(namespace: str, shards: Sequence[NamespaceStats]) -> NamespaceStats:
+    """The statistics of a cluster namespace: its shards' counters summed, their pods merged
+    (pairs per tier summed), each shard's own in ``shards``. ``watermarks`` counts stored
+    watermarks over all shards (a stream's watermark is stored once per shard)."""
+    merged = NamespaceStats(namespace, shards[0].bucket_bits if shards else 0)
+    pods: dict[str, dict[str, int]] = {}
+    for shard in shards:
+        for name in _SUMMED:
+            setattr(merged, name, getattr(merged, name) + getattr(shard, name))
+        for pod, tiers in shard.pods.items():
+            mine = pods.setdefault(pod, {})
+            for tier, count in tiers.items():
+                mine[tier] = mine.get(tier, 0) + count
+    merged.pods = dict(sorted(pods.items()))
+    merged.shards = list(shards)
+    return merged
 
 
 def op_stats(layout: Layout, progress: Progress = _noop, memory: bool = True) -> Op[NamespaceStats]:
@@ -423,6 +490,26 @@ def op_watermarks(layout: Layout) -> Op[dict[str, str]]:
     return {bytes_text(k): v.decode("utf-8", "replace") for k, v in sorted(stored.items())}
 
 
+def merge_watermarks(shards: Sequence[Mapping[str, str]]) -> dict[str, tuple[str, int]]:
+    """The watermarks of a cluster namespace: stream -> (the lowest stored value over the
+    shards holding one, how many shards hold one). A batch counts as applied only once every
+    shard took it, so the lowest is the stream's position (``get_watermark`` answers ``None``
+    while a shard holds none). A value that does not decode counts as the lowest."""
+
+    def order(value: str) -> tuple[int, int, int]:
+        try:
+            mark = decode_watermark(value.encode("utf-8", "surrogateescape"))
+        except NamespaceLayoutError:
+            return (0, -1, -1)
+        return (1, mark.epoch, mark.seq)
+
+    held: dict[str, list[str]] = {}
+    for stored in shards:
+        for stream, value in stored.items():
+            held.setdefault(stream, []).append(value)
+    return {s: (min(v, key=order), len(v)) for s, v in sorted(held.items())}
+
+
 # -- check and repair ---------------------------------------------------------------------------
 
 
@@ -465,16 +552,22 @@ class Finding:
     field: bytes | None
     detail: str
     repaired: bool = False
+    shard: int | None = None
+    """On a cluster: the shard whose key it is (the key name carries the shard's hash tag)."""
 
     def as_json(self) -> dict[str, Any]:
-        """A JSON-ready dict (key and field as text, non-UTF-8 bytes escaped)."""
-        return {
+        """A JSON-ready dict (key and field as text, non-UTF-8 bytes escaped; ``shard`` only on
+        a cluster)."""
+        out: dict[str, Any] = {
             "problem": self.problem.value,
             "key": _show(self.key),
             "field": None if self.field is None else self.field.hex(),
             "detail": self.detail,
             "repaired": self.repaired,
         }
+        if self.shard is not None:
+            out["shard"] = self.shard
+        return out
 
 
 def _show(data: bytes) -> str:
@@ -504,6 +597,17 @@ class CheckReport:
     def note_counts(self) -> dict[str, int]:
         """Notes per kind."""
         return dict(sorted(Tally(f.problem.value for f in self.notes).items()))
+
+
+def merge_checks(namespace: str, shards: Sequence[CheckReport]) -> CheckReport:
+    """The check of a cluster namespace: every shard's findings and notes, each naming its
+    shard (shard order), and the keys checked summed."""
+    merged = CheckReport(namespace)
+    for i, report in enumerate(shards):
+        merged.keys_checked += report.keys_checked
+        merged.findings += [dataclasses.replace(f, shard=i) for f in report.findings]
+        merged.notes += [dataclasses.replace(f, shard=i) for f in report.notes]
+    return merged
 
 
 class _Checker:
@@ -1145,8 +1249,13 @@ class Inspector:
         self.run(_op_ping())
 
     def layout(self) -> Layout | None:
-        """The namespace's layout, or ``None`` if it does not exist."""
-        return self.run(op_read_layout(self.config.namespace))
+        """The namespace's layout, or ``None`` if it does not exist.
+
+        Raises :class:`~kvredis.errors.ClusterModeError` when the server is a node of a Redis
+        Cluster (its namespaces are sharded: use
+        :class:`~kvredis.redis.cluster.inspect.ClusterInspector`).
+        """
+        return self.run(op_server_layout(self.config.namespace, self.config.server()))
 
     def close(self) -> None:
         """Close the connections."""
