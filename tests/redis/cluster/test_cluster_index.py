@@ -38,6 +38,7 @@ from kvredis.redis.cluster.shards import (
 )
 from kvredis.redis.cluster.slots import SLOT_COUNT, key_slot
 from kvredis.redis.index import new_async_redis_index, new_redis_index, new_valkey_index
+from tests.redis.checks import check_findings
 from tests.servers import LocalCluster
 
 A = PodEntry("pod-a", "gpu")
@@ -313,6 +314,8 @@ def test_random_batches_give_the_single_server_index_s_answers(
                     assert _norm(cluster.lookup(request)) == _norm(single.lookup(request)), step
                     for key in engine:
                         assert _mapped(cluster, key) == _mapped(single, key), (step, key)
+                assert check_findings(cfg) == [], step
+                assert check_findings(single_cfg) == [], step
             assert cluster.get_watermark("diff") == single.get_watermark("diff")
         finally:
             single.drop_namespace()
