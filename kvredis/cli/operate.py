@@ -80,25 +80,31 @@ def _missing(target: RedisTarget) -> click.ClickException:
 def _existing_layout(inspector: Any, target: RedisTarget) -> Any:
     """The namespace's layout (single server), or its shards' layouts (cluster); a one-line
     error if it does not exist, or if a single-server address names a node of a cluster."""
-    from kvredis.errors import ClusterModeError
-
     if _on_cluster(inspector):
         shards = inspector.shards()
         if shards is None:
             raise _missing(target)
         return shards
+    layout = _single_layout(inspector, target)
+    if layout is None:
+        raise _missing(target)
+    return layout
+
+
+def _single_layout(inspector: Any, target: RedisTarget) -> Any:
+    """The namespace's layout on a single server (None: it does not exist); a one-line error
+    when the address names a node of a cluster."""
+    from kvredis.errors import ClusterModeError
+
     try:
-        layout = inspector.layout()
+        return inspector.layout()
     except ClusterModeError:
         address = target.config().parsed_address()
         raise click.ClickException(
             f"{target.shown}: this is a node of a Redis Cluster; use --redis "
-            f"redis+cluster://{address.host}:{address.port} (namespace {target.namespace!r} "
-            "is sharded over the cluster)"
+            f"redis+cluster://{address.host}:{address.port} (a namespace is sharded over the "
+            "cluster)"
         ) from None
-    if layout is None:
-        raise _missing(target)
-    return layout
 
 
 @contextmanager
@@ -643,7 +649,7 @@ def _restore_records(target: RedisTarget, file: str, replace: bool, bucket_bits:
 
     with _inspector(target) as inspector:
         probe = Layout(target.namespace, bucket_bits, b"")
-        existing = inspector.layout() or probe
+        existing = _single_layout(inspector, target) or probe
         if inspector.run(op_namespace_keys(existing)):
             if not replace:
                 raise click.ClickException(

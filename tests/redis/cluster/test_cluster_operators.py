@@ -29,7 +29,7 @@ from kvredis.cli import cli
 from kvredis.redis.cluster.index import RedisClusterIndex
 from kvredis.redis.cluster.inspect import ClusterInspector
 from kvredis.redis.cluster.shards import shard_names, shard_of
-from kvredis.redis.inspect import Inspector, Problem, op_check, op_stats
+from kvredis.redis.inspect import DUMP_FORMAT, Inspector, Problem, op_check, op_stats
 from kvredis.redis.layout import Layout
 from tests.servers import LocalCluster
 
@@ -210,10 +210,27 @@ def test_a_cluster_dump_is_refused_by_a_single_server_and_a_single_dump_makes_on
 
 
 def test_a_node_of_a_cluster_is_named_as_such(
-    populated: RedisClusterIndex, cfg: RedisIndexConfig, redis_cluster: LocalCluster
+    populated: RedisClusterIndex,
+    cfg: RedisIndexConfig,
+    redis_cluster: LocalCluster,
+    tmp_path: Path,
 ) -> None:
     node = f"redis://127.0.0.1:{redis_cluster.ports[0]}"
-    for command in (["stats"], ["pods"], ["check"], ["watermarks"], ["dump", "-"]):
+    empty = tmp_path / "empty.jsonl"  # a dump of an empty single-server namespace
+    header = {"format": DUMP_FORMAT, "namespace": "x", "bucket_bits": 16}
+    empty.write_text(
+        f"{json.dumps(header)}\n{json.dumps({'end': True, 'keys': 0, 'records': 0})}\n"
+    )
+    commands = [
+        ["restore", str(empty)],
+        ["stats"],
+        ["pods"],
+        ["check"],
+        ["watermarks"],
+        ["dump", "-"],
+        ["lookup", "--model", "m", "--tokens", "1,2", "--block-size", "2"],
+    ]
+    for command in commands:
         code, out = invoke(cfg, *command, url=node)
         assert code == 1, (command, out)
         assert "this is a node of a Redis Cluster; use --redis redis+cluster://" in out
