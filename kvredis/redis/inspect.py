@@ -4,8 +4,11 @@ Everything here reads the key layout of :mod:`kvredis.redis.layout` (the key nam
 :class:`~kvredis.redis.layout.Layout`, the encodings from :mod:`kvredis.redis.codec`) and is
 written, like the index operations, as sans-IO generators (``op_*``) that yield requests; an
 :class:`Inspector` drives them with a :class:`~kvredis.redis.executor.SyncExecutor` and the
-retry/translation combinators of :mod:`kvredis.redis.ops`. Nothing here creates a namespace:
-:func:`op_read_layout` returns ``None`` for one that does not exist.
+retry/translation combinators of :mod:`kvredis.redis.ops` (on a cluster,
+:class:`~kvredis.redis.cluster.inspect.ClusterInspector` runs them on every shard and merges
+the results with :func:`merge_stats`, :func:`merge_checks` and :func:`merge_watermarks`).
+Nothing here creates a namespace: :func:`op_read_layout` returns ``None`` for one that does not
+exist.
 
 Every scan is bounded: SCAN MATCH on the namespace's own key patterns (never ``KEYS``), HSCAN on
 the dictionary hashes, and pipelines of at most :data:`KEYS_PER_PIPELINE` keys.

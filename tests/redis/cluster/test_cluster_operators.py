@@ -82,7 +82,7 @@ def raw(cluster: LocalCluster) -> redis.cluster.RedisCluster:
     return redis.cluster.RedisCluster(host="127.0.0.1", port=cluster.ports[0])
 
 
-def shard_layout(cfg: RedisIndexConfig, index: RedisClusterIndex, shard: int) -> Layout:
+def shard_layout(index: RedisClusterIndex, shard: int) -> Layout:
     return index.core.state(shard).layout
 
 
@@ -128,7 +128,7 @@ def test_check_runs_per_shard_names_the_shard_and_repairs(
     client = raw(redis_cluster)
     try:
         # shard 1: an undefined id under a request key; shard 4: an undecodable definition
-        one, four = shard_layout(cfg, populated, 1), shard_layout(cfg, populated, 4)
+        one, four = shard_layout(populated, 1), shard_layout(populated, 4)
         key = next(k for k in KEYS if shard_of(k, populated.shards) == 1)
         bucket = one.request_bucket(key)
         client.hset(bucket, (7).to_bytes(8, "big"), b"\x00\x00\x00\x63")
@@ -312,7 +312,7 @@ def test_check_finds_nothing_after_every_step_of_random_batches(
 def test_check_problem_on_a_cluster_carries_its_shard(
     populated: RedisClusterIndex, cfg: RedisIndexConfig, redis_cluster: LocalCluster
 ) -> None:
-    layout = shard_layout(cfg, populated, 2)
+    layout = shard_layout(populated, 2)
     client = raw(redis_cluster)
     try:
         client.hset(layout.pp, "pod-z", b"\x00\x00\x00\x01\x00")  # 5 bytes: not an id list
