@@ -672,7 +672,9 @@ def _restore_cluster(target: RedisTarget, file: str, replace: bool, shards: int)
     from kvredis.redis.cluster.shards import MAX_SHARDS
 
     if shards > MAX_SHARDS:
-        raise click.BadParameter(f"{file} has {shards} shards (at most {MAX_SHARDS})")
+        raise click.BadParameter(
+            f"{file} has {shards} shards (at most {MAX_SHARDS})", param_hint="FILE"
+        )
     with _inspector(target) as inspector:
         if inspector.holds_keys():
             if not replace:
