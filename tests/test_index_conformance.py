@@ -853,6 +853,13 @@ def test_concurrent_add_evict_lookup_from_100_threads(index: Any) -> None:
     assert not any(thread.is_alive() for thread in threads)
     if errors:
         raise errors[0]
+    from kvredis.redis.config import RedisIndexConfig
+
+    config = getattr(getattr(index, "inner", index), "config", None)
+    if isinstance(config, RedisIndexConfig):  # check finds nothing wrong after the races
+        from tests.redis.checks import check_findings
+
+        assert check_findings(config) == []
 
     # Every key holds exactly the entries whose thread finished holding it.
     for g, chain in enumerate(chains):

@@ -50,30 +50,65 @@ def _command(example: str) -> Callable[[Callable[..., Any]], click.Command]:
 
 @contextmanager
 def _inspector(target: RedisTarget | None) -> Iterator[Any]:
+    """The operator's client: an Inspector on a single server, a ClusterInspector on a
+    cluster (``redis+cluster://``)."""
     from kvredis.redis.inspect import Inspector
 
     assert target is not None
     config = target.config()
     if config.cluster:
-        raise click.ClickException(
-            f"this command reads the namespace's layout directly and works on a single server; "
-            f"{target.shown} is a cluster (lookup, score and clear work on clusters)"
-        )
-    inspector = Inspector(config)
+        from kvredis.redis.cluster.inspect import ClusterInspector
+
+        inspector: Any = ClusterInspector(config)
+    else:
+        inspector = Inspector(config)
     try:
         yield inspector
     finally:
         inspector.close()
 
 
+def _on_cluster(inspector: Any) -> bool:
+    from kvredis.redis.inspect import Inspector
+
+    return not isinstance(inspector, Inspector)
+
+
+def _missing(target: RedisTarget) -> click.ClickException:
+    return click.ClickException(
+        f"namespace {target.namespace!r} does not exist at {target.shown} "
+        "(check --namespace and --redis)"
+    )
+
+
 def _existing_layout(inspector: Any, target: RedisTarget) -> Any:
-    layout = inspector.layout()
+    """The namespace's layout (single server), or its shards' layouts (cluster); a one-line
+    error if it does not exist, or if a single-server address names a node of a cluster."""
+    if _on_cluster(inspector):
+        shards = inspector.shards()
+        if shards is None:
+            raise _missing(target)
+        return shards
+    layout = _single_layout(inspector, target)
     if layout is None:
-        raise click.ClickException(
-            f"namespace {target.namespace!r} does not exist at {target.shown} "
-            "(check --namespace and --redis)"
-        )
+        raise _missing(target)
     return layout
+
+
+def _single_layout(inspector: Any, target: RedisTarget) -> Any:
+    """The namespace's layout on a single server (None: it does not exist); a one-line error
+    when the address names a node of a cluster."""
+    from kvredis.errors import ClusterModeError
+
+    try:
+        return inspector.layout()
+    except ClusterModeError:
+        address = target.config().parsed_address()
+        raise click.ClickException(
+            f"{target.shown}: this is a node of a Redis Cluster; use --redis "
+            f"redis+cluster://{address.host}:{address.port} (a namespace is sharded over the "
+            "cluster)"
+        ) from None
 
 
 @contextmanager
@@ -120,12 +155,17 @@ def stats(
     """What a namespace holds: keys, entries, pods per tier, engine mappings, bytes, server."""
     from kvredis.redis.inspect import op_server_info, op_stats
 
+    nodes = 0
     with _inspector(target) as inspector:
         layout = _existing_layout(inspector, target)
-        server = inspector.run(op_server_info())
         bar = progress_bar("scanning", no_progress)
         try:
-            result = inspector.run(op_stats(layout, bar, memory=not no_memory))
+            if _on_cluster(inspector):
+                server, nodes = inspector.server_info()
+                result = inspector.stats(bar, memory=not no_memory)
+            else:
+                server = inspector.run(op_server_info())
+                result = inspector.run(op_stats(layout, bar, memory=not no_memory))
         finally:
             bar.close()
     if as_json:
@@ -136,11 +176,15 @@ def stats(
             "maxmemory_policy": server.maxmemory_policy,
             "used_memory": server.used_memory,
         }
+        if nodes:
+            data["server"]["primaries"] = nodes
         echo_json(data)
         return
+    kind = f"{server.server} {server.version}" + (" cluster" if nodes else "")
     rows = [
         ("namespace", result.namespace),
-        ("server", f"{server.server} {server.version} at {target.shown}"),
+        ("server", f"{kind} at {target.shown}"),
+        *([("shards", f"{len(result.shards)} on {nodes} primaries")] if nodes else []),
         ("maxmemory-policy", server.maxmemory_policy),
         ("bucket bits", result.bucket_bits),
         ("keys", result.keys),
@@ -185,7 +229,10 @@ def pods(target: RedisTarget, namespace: str, no_progress: bool, as_json: bool) 
         layout = _existing_layout(inspector, target)
         bar = progress_bar("scanning", no_progress)
         try:
-            result = inspector.run(op_stats(layout, bar, memory=False))
+            if _on_cluster(inspector):
+                result = inspector.stats(bar, memory=False)
+            else:
+                result = inspector.run(op_stats(layout, bar, memory=False))
         finally:
             bar.close()
     if as_json:
@@ -436,7 +483,10 @@ def check(
         layout = _existing_layout(inspector, target)
         bar = progress_bar("checking", no_progress)
         try:
-            report = inspector.run(op_check(layout, repair, bar))
+            if _on_cluster(inspector):
+                report = inspector.check(repair, bar)
+            else:
+                report = inspector.run(op_check(layout, repair, bar))
         finally:
             bar.close()
     if as_json:
@@ -448,6 +498,8 @@ def check(
                 "counts": report.counts(),
                 "findings": [f.as_json() for f in report.findings],
                 "hints": _check_hints(report, target, repair),
+                "note_counts": report.note_counts(),
+                "notes": [f.as_json() for f in report.notes],
             }
         )
     else:
@@ -462,9 +514,16 @@ def check(
             for f in shown:
                 fld = "" if f.field is None else f" field {f.field.hex()}"
                 mark = "repaired" if f.repaired else "found"
-                click.echo(f"  {mark}: {f.problem.value} in {f.as_json()['key']}{fld}: {f.detail}")
+                where = "" if f.shard is None else f" (shard {f.shard})"
+                click.echo(
+                    f"  {mark}: {f.problem.value} in {f.as_json()['key']}{where}{fld}: {f.detail}"
+                )
             if len(shown) < len(report.findings):
                 click.echo(f"  ... {len(report.findings) - len(shown)} more (--limit 0 lists all)")
+        for kind, count in report.note_counts().items():
+            reclaimed = sum(f.repaired for f in report.notes if f.problem.value == kind)
+            done = f", {reclaimed} reclaimed" if reclaimed else ""
+            click.echo(f"note: {count} {kind} (legitimate states, not problems{done})")
         for hint in _check_hints(report, target, repair):
             click.echo(hint)
     if not report.ok:
@@ -472,24 +531,19 @@ def check(
 
 
 def _check_hints(report: Any, target: RedisTarget, repair: bool) -> list[str]:
-    """What to do about what is left broken."""
+    """What to do about what is left broken, and about clears left unfinished."""
     from kvredis.redis.inspect import Problem
 
     left = [f for f in report.findings if not f.repaired]
     hints = []
-    dangling = sum(f.problem is Problem.DANGLING_MAPPING for f in left)
-    if dangling:
+    pending = [f for f in report.notes if f.problem is Problem.CLEAR_PENDING]
+    for note in pending:
+        pod = note.field.decode("utf-8", "surrogateescape") if note.field else "POD"
         hints.append(
-            f"{dangling} dangling_mapping: engine keys whose request keys hold no entry any "
-            "more, what an interrupted `kvredis clear` leaves behind. Run the clear of that "
-            f"pod again to finish it: {_clear_again(target, 'POD')}"
-            + (
-                ""
-                if repair
-                else "; or remove them with `kvredis check --repair` (stop the writers first)"
-            )
+            f"pod {pod!r} has an unfinished clear (interrupted, or still running): run it "
+            f"again to finish it: {_clear_again(target, pod)}"
         )
-    if left and not repair and len(left) > dangling:
+    if left and not repair:
         hints.append("`kvredis check --repair` fixes what it can (stop the writers first)")
     return hints
 
@@ -544,15 +598,26 @@ def watermarks(
         click.echo(f"reset {len(resets)} watermark(s)", err=True)
     with _inspector(target) as inspector:
         layout = _existing_layout(inspector, target)
-        stored = inspector.run(op_watermarks(layout))
-    decoded = {stream: _decode_watermark(v) for stream, v in stored.items()}
+        if _on_cluster(inspector):  # the lowest over the shards, and how many hold one
+            merged = inspector.watermarks()
+            decoded = {
+                stream: {**_decode_watermark(value), "shards": held}
+                for stream, (value, held) in merged.items()
+            }
+        else:
+            stored = inspector.run(op_watermarks(layout))
+            decoded = {stream: _decode_watermark(v) for stream, v in stored.items()}
     if as_json:
         echo_json(decoded)
     elif not decoded:
         click.echo("no watermarks stored")
     else:
-        rows = [(s, d["epoch"], d["seq"], d["phase"]) for s, d in decoded.items()]
-        click.echo(table(("stream", "epoch", "seq", "phase"), rows))
+        extra = ("shards",) if any("shards" in d for d in decoded.values()) else ()
+        rows = [
+            (s, d["epoch"], d["seq"], d["phase"], *(d[e] for e in extra))
+            for s, d in decoded.items()
+        ]
+        click.echo(table(("stream", "epoch", "seq", "phase", *extra), rows))
 
 
 # -- dump and restore ---------------------------------------------------------------------------
@@ -621,14 +686,28 @@ def dump(target: RedisTarget, namespace: str, file: str, no_progress: bool, as_j
         bar = progress_bar("dumping", no_progress)
         complete = False
         try:
-            write(
-                {
-                    "format": DUMP_FORMAT,
-                    "namespace": layout.namespace,
-                    "bucket_bits": layout.bucket_bits,
-                }
-            )
-            keys = inspector.run(op_dump(layout, write, bar))
+            if _on_cluster(inspector):  # every shard's records, tagged with their shard
+                first = next(iter(layout.values()), None)
+                bits = first.bucket_bits if first is not None else target.config().bucket_bits
+                write(
+                    {
+                        "format": DUMP_FORMAT,
+                        "namespace": target.namespace,
+                        "bucket_bits": bits,
+                        "shards": inspector.core.count,
+                    }
+                )
+                keys = inspector.dump(write, bar)
+            else:
+                bits = layout.bucket_bits
+                write(
+                    {
+                        "format": DUMP_FORMAT,
+                        "namespace": layout.namespace,
+                        "bucket_bits": bits,
+                    }
+                )
+                keys = inspector.run(op_dump(layout, write, bar))
             write({"end": True, "keys": keys, "records": write.records - 1})
             if file != "-":
                 out.close()
@@ -651,8 +730,8 @@ def dump(target: RedisTarget, namespace: str, file: str, no_progress: bool, as_j
         echo_json(
             {
                 "file": file,
-                "namespace": layout.namespace,
-                "layout": {"format": DUMP_FORMAT, "bucket_bits": layout.bucket_bits},
+                "namespace": target.namespace,
+                "layout": {"format": DUMP_FORMAT, "bucket_bits": bits},
                 "keys": keys,
                 "records": write.records,
                 "bytes": write.bytes,
@@ -660,7 +739,7 @@ def dump(target: RedisTarget, namespace: str, file: str, no_progress: bool, as_j
             }
         )
         return
-    click.echo(f"dumped {keys} keys of namespace {layout.namespace!r} to {file}", err=True)
+    click.echo(f"dumped {keys} keys of namespace {target.namespace!r} to {file}", err=True)
 
 
 @_command("kvredis restore kvblock-2026-01-31.jsonl.gz --namespace kvblock")
@@ -682,7 +761,17 @@ def restore(target: RedisTarget, namespace: str, file: str, replace: bool) -> No
             spool.flush()
             file = spool.name
         header, trailer = _check_dump(file, DUMP_FORMAT)
-        _restore_records(target, file, replace, int(header["bucket_bits"]))
+        shards = header.get("shards", 1)
+        if target.config().cluster:
+            _restore_cluster(target, file, replace, shards)
+        elif shards != 1:
+            raise click.BadParameter(
+                f"{file} is a dump of a cluster namespace of {shards} shards: restore it to a "
+                "cluster (--redis redis+cluster://host:port)",
+                param_hint="FILE",
+            )
+        else:
+            _restore_records(target, file, replace, int(header["bucket_bits"]))
     click.echo(
         f"restored {trailer['keys']} keys of namespace {header['namespace']!r} into "
         f"{target.namespace!r}",
@@ -701,7 +790,14 @@ def _check_dump(file: str, dump_format: str) -> tuple[dict[str, Any], dict[str, 
         elif "key" in record:
             count += 1
         last = record
-    if header.get("format") != dump_format or not isinstance(header.get("bucket_bits"), int):
+    shards = header.get("shards", 1)
+    if (
+        header.get("format") != dump_format
+        or not isinstance(header.get("bucket_bits"), int)
+        or not isinstance(shards, int)
+        or isinstance(shards, bool)
+        or shards < 1
+    ):
         raise click.BadParameter(f"{file} is not a {dump_format} dump", param_hint="FILE")
     if not last.get("end") or last.get("records") != count:
         raise click.BadParameter(f"{file} is truncated (no end record)", param_hint="FILE")
@@ -714,7 +810,7 @@ def _restore_records(target: RedisTarget, file: str, replace: bool, bucket_bits:
 
     with _inspector(target) as inspector:
         probe = Layout(target.namespace, bucket_bits, b"")
-        existing = inspector.layout() or probe
+        existing = _single_layout(inspector, target) or probe
         if inspector.run(op_namespace_keys(existing)):
             if not replace:
                 raise click.ClickException(
@@ -727,6 +823,39 @@ def _restore_records(target: RedisTarget, file: str, replace: bool, bucket_bits:
                 index.drop_namespace()
         prefix = probe.meta[: -len(b"meta")]
         inspector.run(op_restore(prefix, (r for r in _records(file) if "key" in r)))
+
+
+def _restore_cluster(target: RedisTarget, file: str, replace: bool, shards: int) -> None:
+    """Restore into a cluster namespace: each record into its shard, the dump's shard count
+    becoming the namespace's (a single-server dump makes a namespace of one shard)."""
+    from kvredis.errors import NamespaceMissingError
+    from kvredis.redis.cluster.index import RedisClusterIndex
+    from kvredis.redis.cluster.shards import MAX_SHARDS
+
+    if shards > MAX_SHARDS:
+        raise click.BadParameter(
+            f"{file} has {shards} shards (at most {MAX_SHARDS})", param_hint="FILE"
+        )
+    with _inspector(target) as inspector:
+        if inspector.holds_keys():
+            if not replace:
+                raise click.ClickException(
+                    f"namespace {target.namespace!r} at {target.shown} already holds keys; "
+                    "pass --replace to drop them first"
+                )
+            try:
+                with RedisClusterIndex(target.config(), create=False) as index:
+                    index.drop_namespace()
+            except NamespaceMissingError:
+                raise click.ClickException(
+                    f"namespace {target.namespace!r} at {target.shown} holds keys but no "
+                    "cluster descriptor: delete them, or restore into another namespace"
+                ) from None
+
+        def records(shard: int) -> Iterator[dict[str, Any]]:
+            return (r for r in _records(file) if "key" in r and r.get("shard", 0) == shard)
+
+        inspector.restore(shards, records)
 
 
 def _records(file: str) -> Iterator[dict[str, Any]]:

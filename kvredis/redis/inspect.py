@@ -4,13 +4,17 @@ Everything here reads the key layout of :mod:`kvredis.redis.layout` (the key nam
 :class:`~kvredis.redis.layout.Layout`, the encodings from :mod:`kvredis.redis.codec`) and is
 written, like the index operations, as sans-IO generators (``op_*``) that yield requests; an
 :class:`Inspector` drives them with a :class:`~kvredis.redis.executor.SyncExecutor` and the
-retry/translation combinators of :mod:`kvredis.redis.ops`. Nothing here creates a namespace:
-:func:`op_read_layout` returns ``None`` for one that does not exist.
+retry/translation combinators of :mod:`kvredis.redis.ops` (on a cluster,
+:class:`~kvredis.redis.cluster.inspect.ClusterInspector` runs them on every shard and merges
+the results with :func:`merge_stats`, :func:`merge_checks` and :func:`merge_watermarks`).
+Nothing here creates a namespace: :func:`op_read_layout` returns ``None`` for one that does not
+exist.
 
 Every scan is bounded: SCAN MATCH on the namespace's own key patterns (never ``KEYS``), HSCAN on
 the dictionary hashes, and pipelines of at most :data:`KEYS_PER_PIPELINE` keys.
 
-The invariants :func:`op_check` verifies (``repair=True`` also fixes them):
+The invariants :func:`op_check` verifies (``repair=True`` also fixes them). Every one of these
+is a state no call of the index API produces (a foreign write, a lost key, a bug):
 
 =========================  ===============================================  =====================
 problem                    what it means                                    repair
@@ -28,12 +32,8 @@ problem                    what it means                                    repa
                            undefined id
 ``duplicate_id``           an id listed twice under one request key         keep one
 ``misplaced_field``        a field in a bucket its hash does not select     move it
-``dangling_mapping``       an engine key none of whose request keys exist   delete the mapping
 ``wrong_type``             a key of the layout that is not a hash (``sx``:  (reported only)
                            a string)
-``expired_speculative``    an expiring entry past its deadline still held   remove it
-                           (allowed without hash field expiry until its
-                           bucket expires; reported all the same)
 ``no_expiry``              an expiring bucket (or field, with hash field    set it to the latest
                            expiry) the server would never delete            deadline held
 ``expiry_gate``            the gate ``sx`` ends before an expiring entry    move it to the latest
@@ -48,19 +48,32 @@ problem                    what it means                                    repa
                            expiring entry
 =========================  ===============================================  =====================
 
+Three kinds are notes (:data:`INFORMATIONAL`, in :attr:`CheckReport.notes`): states the API does
+produce, reported for the operator's information, never a failure:
+
+- ``dangling_mapping``: an engine key none of whose request keys holds an entry any more (an
+  evict by request key leaves the mapping, as the reference index does; ``get_request_key``
+  still answers it, so a repair never drops it; ``clear`` drops such mappings);
+- ``expired_speculative``: expiring entries past their deadline still stored in a field or
+  bucket that holds a later deadline (reads skip them; the server deletes them with the latest
+  deadline). ``--repair`` reclaims them (the reference no longer holds them);
+- ``clear_pending``: a pod with retired entry ids (``pr``): a clear of it is under way, or was
+  interrupted; running that pod's clear again finishes it (nothing to repair).
+
 Repairs are plain commands, not one atomic step: run ``check --repair`` while no writer uses the
 namespace (stop the ingesters first), or a concurrent write may be undone.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections import Counter as Tally
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from kvredis.errors import NamespaceLayoutError
+from kvredis.errors import BackendError, BackendUnavailableError, NamespaceLayoutError
 from kvredis.redis.codec import (
     HASH_WIDTH,
     ID_WIDTH,
@@ -83,7 +96,14 @@ from kvredis.redis.layout import (
     expiring_item_deadline,
     meta_key,
 )
-from kvredis.redis.ops import RetryPolicy, Session, expiry_mode_of, op_drive
+from kvredis.redis.ops import (
+    RetryPolicy,
+    Session,
+    check_not_cluster,
+    decode_watermark,
+    expiry_mode_of,
+    op_drive,
+)
 from kvredis.redis.requests import Command, Op, Pipeline
 from kvredis.redis.scripts import ScriptRegistry
 from kvredis.redis.state import CoreState
@@ -91,6 +111,7 @@ from kvredis.types import PodEntry
 
 __all__ = [
     "DUMP_FORMAT",
+    "INFORMATIONAL",
     "CheckReport",
     "Dictionary",
     "Finding",
@@ -98,6 +119,9 @@ __all__ = [
     "NamespaceStats",
     "Problem",
     "ServerInfo",
+    "merge_checks",
+    "merge_stats",
+    "merge_watermarks",
     "op_check",
     "op_dictionary",
     "op_dump",
@@ -105,6 +129,7 @@ __all__ = [
     "op_read_layout",
     "op_restore",
     "op_server_info",
+    "op_server_layout",
     "op_stats",
     "op_watermarks",
 ]
@@ -139,6 +164,21 @@ def op_read_layout(namespace: str) -> Op[Layout | None]:
     if not any(reply):
         return None
     return state.adopt(reply)
+
+
+def op_server_layout(namespace: str, server: str) -> Op[Layout | None]:
+    """:func:`op_read_layout` on a single server, once ``INFO cluster`` shows it is no cluster
+    node (:class:`~kvredis.errors.ClusterModeError` otherwise, naming ``server``; a server that
+    does not permit INFO is taken as it is)."""
+    try:
+        info = yield Command(("INFO", "cluster"))
+    except BackendUnavailableError:
+        raise
+    except BackendError:
+        info = None
+    if info is not None:
+        check_not_cluster(info, server)
+    return (yield from op_read_layout(namespace))
 
 
 def op_scan(pattern: bytes, count: int = KEYS_PER_PIPELINE) -> Op[list[bytes]]:
@@ -351,10 +391,50 @@ class NamespaceStats:
     pods: dict[str, dict[str, int]] = field(default_factory=dict)
     """pod -> tier -> (request key, entry) pairs, expiring entries before their deadline
     included (a speculative entry's tier is ``""``)."""
+    shards: list[NamespaceStats] = field(default_factory=list)
+    """On a cluster: each shard's own statistics, shard 0 first (see :func:`merge_stats`)."""
 
     def as_json(self) -> dict[str, Any]:
-        """A JSON-ready dict."""
-        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+        """A JSON-ready dict (``shards``, a list of the shards' dicts, only on a cluster)."""
+        out = {n: getattr(self, n) for n in self.__dataclass_fields__ if n != "shards"}
+        if self.shards:
+            out["shards"] = [{"shard": i, **s.as_json()} for i, s in enumerate(self.shards)]
+        return out
+
+
+#: The counters of :class:`NamespaceStats` a merge sums.
+_SUMMED = (
+    "keys",
+    "request_buckets",
+    "engine_buckets",
+    "runs",
+    "request_keys",
+    "pairs",
+    "engine_keys",
+    "engine_mappings",
+    "expiring_entries",
+    "dictionary_entries",
+    "watermarks",
+    "bytes_used",
+)
+
+
+def merge_stats(namespace: str, shards: Sequence[NamespaceStats]) -> NamespaceStats:
+    """The statistics of a cluster namespace: its shards' counters summed, their pods merged
+    (pairs per tier summed), each shard's own in ``shards``. ``watermarks`` counts stored
+    watermarks over all shards (a stream's watermark is stored once per shard)."""
+    merged = NamespaceStats(namespace, shards[0].bucket_bits if shards else 0)
+    pods: dict[str, dict[str, int]] = {}
+    for shard in shards:
+        for name in _SUMMED:
+            setattr(merged, name, getattr(merged, name) + getattr(shard, name))
+        for pod, tiers in shard.pods.items():
+            mine = pods.setdefault(pod, {})
+            for tier, count in tiers.items():
+                mine[tier] = mine.get(tier, 0) + count
+    merged.pods = dict(sorted(pods.items()))
+    merged.shards = list(shards)
+    return merged
 
 
 def op_stats(layout: Layout, progress: Progress = _noop, memory: bool = True) -> Op[NamespaceStats]:
@@ -429,6 +509,26 @@ def op_watermarks(layout: Layout) -> Op[dict[str, str]]:
     return {bytes_text(k): v.decode("utf-8", "replace") for k, v in sorted(stored.items())}
 
 
+def merge_watermarks(shards: Sequence[Mapping[str, str]]) -> dict[str, tuple[str, int]]:
+    """The watermarks of a cluster namespace: stream -> (the lowest stored value over the
+    shards holding one, how many shards hold one). A batch counts as applied only once every
+    shard took it, so the lowest is the stream's position (``get_watermark`` answers ``None``
+    while a shard holds none). A value that does not decode counts as the lowest."""
+
+    def order(value: str) -> tuple[int, int, int]:
+        try:
+            mark = decode_watermark(value.encode("utf-8", "surrogateescape"))
+        except NamespaceLayoutError:
+            return (0, -1, -1)
+        return (1, mark.epoch, mark.seq)
+
+    held: dict[str, list[str]] = {}
+    for stored in shards:
+        for stream, value in stored.items():
+            held.setdefault(stream, []).append(value)
+    return {s: (min(v, key=order), len(v)) for s, v in sorted(held.items())}
+
+
 # -- check and repair ---------------------------------------------------------------------------
 
 
@@ -455,6 +555,14 @@ class Problem(enum.Enum):
     DANGLING_REF = "dangling_ref"
     UNREFERENCED_POSITION = "unreferenced_position"
     HELD_TWICE = "held_twice"
+    CLEAR_PENDING = "clear_pending"
+
+
+#: The kinds :func:`op_check` reports as notes: states the index API produces (see the module
+#: docstring); never a failure.
+INFORMATIONAL = frozenset(
+    {Problem.DANGLING_MAPPING, Problem.EXPIRED_SPECULATIVE, Problem.CLEAR_PENDING}
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -466,16 +574,22 @@ class Finding:
     field: bytes | None
     detail: str
     repaired: bool = False
+    shard: int | None = None
+    """On a cluster: the shard whose key it is (the key name carries the shard's hash tag)."""
 
     def as_json(self) -> dict[str, Any]:
-        """A JSON-ready dict (key and field as text, non-UTF-8 bytes escaped)."""
-        return {
+        """A JSON-ready dict (key and field as text, non-UTF-8 bytes escaped; ``shard`` only on
+        a cluster)."""
+        out: dict[str, Any] = {
             "problem": self.problem.value,
             "key": _show(self.key),
             "field": None if self.field is None else self.field.hex(),
             "detail": self.detail,
             "repaired": self.repaired,
         }
+        if self.shard is not None:
+            out["shard"] = self.shard
+        return out
 
 
 def _show(data: bytes) -> str:
@@ -494,6 +608,9 @@ class CheckReport:
     namespace: str
     keys_checked: int = 0
     findings: list[Finding] = field(default_factory=list)
+    """Broken invariants: states no call of the index API produces."""
+    notes: list[Finding] = field(default_factory=list)
+    """Legitimate states worth knowing (:data:`INFORMATIONAL`); never a failure."""
 
     @property
     def ok(self) -> bool:
@@ -504,6 +621,21 @@ class CheckReport:
         """Findings per problem."""
         return dict(sorted(Tally(f.problem.value for f in self.findings).items()))
 
+    def note_counts(self) -> dict[str, int]:
+        """Notes per kind."""
+        return dict(sorted(Tally(f.problem.value for f in self.notes).items()))
+
+
+def merge_checks(namespace: str, shards: Sequence[CheckReport]) -> CheckReport:
+    """The check of a cluster namespace: every shard's findings and notes, each naming its
+    shard (shard order), and the keys checked summed."""
+    merged = CheckReport(namespace)
+    for i, report in enumerate(shards):
+        merged.keys_checked += report.keys_checked
+        merged.findings += [dataclasses.replace(f, shard=i) for f in report.findings]
+        merged.notes += [dataclasses.replace(f, shard=i) for f in report.notes]
+    return merged
+
 
 class _Checker:
     """Collects findings and the commands that repair them."""
@@ -512,7 +644,10 @@ class _Checker:
         self.layout = layout
         self.repair = repair
         self.findings: list[Finding] = []
+        self.notes: list[Finding] = []
         self.fixes: list[Command] = []
+        self.fields_expire = False
+        """Whether expiring entries use hash field expiry (HSET drops a field's expiry)."""
         self.foreign: set[bytes] = set()
         """Keys of the layout holding another type: reported, never written to."""
         self._fixing: set[Command] = set()
@@ -522,7 +657,8 @@ class _Checker:
     ) -> None:
         writable = not any(f.args[1] in self.foreign for f in fix)
         fixable = bool(fix) and self.repair and writable
-        self.findings.append(Finding(problem, key, fld, detail, fixable))
+        found = Finding(problem, key, fld, detail, fixable)
+        (self.notes if problem in INFORMATIONAL else self.findings).append(found)
         if fixable:
             for command in fix:  # a run rewrite repairs several findings: written once
                 if command not in self._fixing:
@@ -598,6 +734,14 @@ def _check_pod_records(
     lay = c.layout
     for pod, stored in sorted(d.pr.items()):
         ids = _ids(stored) if len(stored) % ID_WIDTH == 0 else []
+        if ids:
+            c.found(
+                Problem.CLEAR_PENDING,
+                lay.pr,
+                pod,
+                f"pod {_show(pod)!r}: a clear of it is under way or was interrupted "
+                f"({len(ids)} retired entry ids); if none runs, run that pod's clear again",
+            )
         stray = [
             i
             for i in ids
@@ -726,13 +870,19 @@ def _check_engine_bucket(
     return probe
 
 
-def op_check(layout: Layout, repair: bool = False, progress: Progress = _noop) -> Op[CheckReport]:
+def op_check(
+    layout: Layout, repair: bool = False, progress: Progress = _noop, mappings: bool = True
+) -> Op[CheckReport]:
     """Verify every invariant of the layout (see the module docstring); with ``repair`` fix them.
 
     Returns what was found (and repaired). ``progress(done, total)`` follows the bucket pages.
+    ``mappings=False`` skips the ``dangling_mapping`` notes (a shard of a cluster namespace holds
+    engine keys whose request keys live in other shards).
     """
     c = _Checker(layout, repair)
     report = CheckReport(layout.namespace)
+    mode = yield Command(("HGET", layout.meta, "expiry"))
+    c.fields_expire = mode is not None and bytes(mode).decode() == EXPIRY_FIELD
     fixed = _fixed_keys(layout)
     types = yield Pipeline(tuple(Command(("TYPE", k)) for k in fixed))
     for key, t in zip(fixed, types, strict=True):
@@ -754,7 +904,8 @@ def op_check(layout: Layout, repair: bool = False, progress: Progress = _noop) -
     for key, t in zip(buckets, btypes, strict=True):
         if _type(t) not in ("hash", "none"):
             c.found(Problem.WRONG_TYPE, key, None, f"a {_type(t)}, not a bucket hash: delete it")
-    mappings: list[tuple[bytes, bytes, list[bytes]]] = []
+    probe_mappings = mappings
+    found_mappings: list[tuple[bytes, bytes, list[bytes]]] = []
     map_keys: list[bytes] = []
     sec, usec = yield Command(("TIME",))
     now = int(sec) * 1000 + int(usec) // 1000
@@ -785,11 +936,12 @@ def op_check(layout: Layout, repair: bool = False, progress: Progress = _noop) -
                 c.found(Problem.MALFORMED_RUN, key, None, str(exc), Command(("DEL", key)))
         else:
             for m in _check_engine_bucket(c, key, fields):
-                mappings.append(m)
+                found_mappings.append(m)
                 map_keys.append(key)
 
     yield from op_read_hashes(buckets, visit, progress)
-    yield from _check_mappings(c, mappings, map_keys)
+    if probe_mappings:
+        yield from _check_mappings(c, found_mappings, map_keys)
     _check_runs(c, runs, refs, inline, defined)
     for fld, (_key, ref) in refs.items():
         rid, pos = decode_ref(ref)
@@ -797,20 +949,22 @@ def op_check(layout: Layout, repair: bool = False, progress: Progress = _noop) -
         if 1 <= pos <= len(run) and run[pos - 1][0] == fld:
             held[fld] = run[pos - 1][1]
     # before the expiry probes: a rewritten field gets its expiry back after its HSET
-    yield from _check_held_twice(c, held, timed, defined, now)
+    _check_held_twice(c, held, timed, defined, now)
     yield from _check_expiry(c, expiring, _type(gate_type) == "string")
     if c.fixes:
         for fixes in _chunks(c.fixes, KEYS_PER_PIPELINE):
             yield Pipeline(tuple(fixes))
     report.findings = c.findings
+    report.notes = c.notes
     return report
 
 
 def _check_mappings(
     c: _Checker, mappings: list[tuple[bytes, bytes, list[bytes]]], keys: list[bytes]
 ) -> Op[None]:
-    """Find engine mappings none of whose request keys holds an entry, with or without expiry
-    (HEXISTS, pipelined)."""
+    """Note engine mappings none of whose request keys holds an entry, with or without expiry
+    (HEXISTS, pipelined): legitimate (an evict by request key leaves them, and
+    ``get_request_key`` still answers them), so never repaired."""
     lay = c.layout
     probes = [
         (i, bucket(int.from_bytes(r, "big")), r)
@@ -825,15 +979,8 @@ def _check_mappings(
             held[i] = held[i] or bool(int(exists))
     for (fld, _value, refs), key, ok in zip(mappings, keys, held, strict=True):
         if not ok:
-            home = lay.engine_bucket(int.from_bytes(fld, "big"))
-            c.found(
-                Problem.DANGLING_MAPPING,
-                home,
-                fld,
-                f"none of its {len(refs)} request keys holds an entry",
-                Command(("HDEL", home, fld)),
-                *([Command(("HDEL", key, fld))] if key != home else []),
-            )
+            detail = f"none of its {len(refs)} request keys holds an entry (clear drops it)"
+            c.found(Problem.DANGLING_MAPPING, key, fld, detail)
 
 
 def _check_runs(
@@ -917,24 +1064,33 @@ def _check_expiring_bucket(
         unknown = [i for i in items if i[:ID_WIDTH] not in defined]
         due = [i for i in items if i not in unknown and expiring_item_deadline(i) <= now]
         kept = [i for i in items if i not in unknown and i not in due]
-        new_value = b"".join(kept)
-        write = (
-            [Command(("HDEL", key, fld))] if not kept else [Command(("HSET", key, fld, new_value))]
-        )
+        write = _expiring_write(c, key, fld, kept)
         if unknown:
             c.found(Problem.UNKNOWN_ID, key, fld, f"{len(unknown)} undefined ids", *write)
         if due:
-            detail = f"{len(due)} expired entries still held"
+            detail = f"{len(due)} expired entries still held (reclaimable)"
             c.found(Problem.EXPIRED_SPECULATIVE, key, fld, detail, *([] if unknown else write))
         home = lay.expiring_bucket(int.from_bytes(fld, "big"))
         if home != key:
             move = [Command(("HDEL", key, fld))]
             if kept:
-                move.insert(0, Command(("HSET", home, fld, new_value)))
+                move[:0] = _expiring_write(c, home, fld, kept)
             c.found(Problem.MISPLACED_FIELD, key, fld, f"belongs in {_show(home)}", *move)
         elif kept:
             latest[fld] = max(expiring_item_deadline(i) for i in kept)
     return latest
+
+
+def _expiring_write(c: _Checker, key: bytes, fld: bytes, kept: Sequence[bytes]) -> list[Command]:
+    """The commands that make a field of an expiring bucket hold ``kept`` (deleted if empty),
+    with its field expiry set again where fields expire (an HSET drops it)."""
+    if not kept:
+        return [Command(("HDEL", key, fld))]
+    write = [Command(("HSET", key, fld, b"".join(kept)))]
+    if c.fields_expire:
+        at = str(max(expiring_item_deadline(i) for i in kept))
+        write.append(Command(("HPEXPIREAT", key, at, "FIELDS", 1, fld)))
+    return write
 
 
 def _check_held_twice(
@@ -943,12 +1099,11 @@ def _check_held_twice(
     timed: Mapping[bytes, tuple[bytes, bytes]],
     defined: set[bytes],
     now: int,
-) -> Op[None]:
+) -> None:
     """An entry id is held under a request key in its request record (inline or in a run) or as
     an expiring entry, never both. The repair keeps the request record (it never expires) and
     rewrites the expiring field without those ids (nor undefined or past-due items), with its
     field expiry set again (HSET drops it)."""
-    fields_expire: bool | None = None
     for fld, (key, value) in timed.items():
         ids = set(_ids(held.get(fld, b"")))
         items = [
@@ -957,22 +1112,13 @@ def _check_held_twice(
         twice = [i for i in items if i[:ID_WIDTH] in ids]
         if not twice:
             continue
-        if fields_expire is None:
-            mode = yield Command(("HGET", c.layout.meta, "expiry"))
-            fields_expire = mode is not None and bytes(mode).decode() == EXPIRY_FIELD
         kept = [
             i
             for i in items
             if i not in twice and i[:ID_WIDTH] in defined and expiring_item_deadline(i) > now
         ]
-        fix = [Command(("HDEL", key, fld))]
-        if kept:
-            fix = [Command(("HSET", key, fld, b"".join(kept)))]
-            if fields_expire:
-                at = str(max(expiring_item_deadline(i) for i in kept))
-                fix.append(Command(("HPEXPIREAT", key, at, "FIELDS", 1, fld)))
         detail = f"{len(twice)} ids also held in its request record"
-        c.found(Problem.HELD_TWICE, key, fld, detail, *fix)
+        c.found(Problem.HELD_TWICE, key, fld, detail, *_expiring_write(c, key, fld, kept))
 
 
 def _check_expiry(
@@ -981,8 +1127,7 @@ def _check_expiry(
     """Every expiring bucket (or field, with hash field expiry) must expire by itself, and the
     gate must last as long as the latest expiring entry."""
     lay = c.layout
-    mode = yield Command(("HGET", lay.meta, "expiry"))
-    fields_expire = mode is not None and bytes(mode).decode() == EXPIRY_FIELD
+    fields_expire = c.fields_expire
     probes: list[tuple[bytes, bytes | None, int]] = []
     for key, latest in expiring.items():
         if not latest:
@@ -1163,8 +1308,13 @@ class Inspector:
         self.run(_op_ping())
 
     def layout(self) -> Layout | None:
-        """The namespace's layout, or ``None`` if it does not exist."""
-        return self.run(op_read_layout(self.config.namespace))
+        """The namespace's layout, or ``None`` if it does not exist.
+
+        Raises :class:`~kvredis.errors.ClusterModeError` when the server is a node of a Redis
+        Cluster (its namespaces are sharded: use
+        :class:`~kvredis.redis.cluster.inspect.ClusterInspector`).
+        """
+        return self.run(op_server_layout(self.config.namespace, self.config.server()))
 
     def close(self) -> None:
         """Close the connections."""

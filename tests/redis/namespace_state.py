@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import redis
 
@@ -21,13 +20,16 @@ class NamespaceState:
     """request key -> its expiring entries (live or not yet deleted), from ``<ns>:s:<bucket>``"""
     problems: list[str] = field(default_factory=list)
     keys: list[bytes] = field(default_factory=list)
+    unheld_mappings: list[int] = field(default_factory=list)
+    """engine keys none of whose request keys holds an entry: legitimate (an evict by request key
+    leaves the mapping, as the reference index does), so not a problem"""
 
 
 def read_namespace(client: redis.Redis, namespace: str) -> NamespaceState:
     """Decode every request and engine bucket of ``namespace`` and note layout violations.
 
     Violations: an empty or malformed value, a repeated id or request key within a value, an id
-    without definition, an engine mapping none of whose request keys holds an entry, an id held
+    without definition, an id held
     under a request key both in its request record and as an expiring entry
     (``<ns>:s:<bucket>``, 12-byte items); for runs (``<ns>:c:<id>``: keys ``k`` and ranges ``r``
     of u16 last position, u16 count, ids): a malformed run, a trailing hole or a run without
@@ -99,9 +101,7 @@ def read_namespace(client: redis.Redis, namespace: str) -> NamespaceState:
                 state.problems.append(f"run {rid!r} position {pos} has no ref from its key")
     for engine_key, mapped in state.engines.items():
         if not any(state.requests.get(r) or state.expiring.get(r) for r in mapped):
-            state.problems.append(
-                f"engine key {engine_key} maps only to empty request keys {mapped}"
-            )
+            state.unheld_mappings.append(engine_key)
     return state
 
 
@@ -130,34 +130,3 @@ def _read_run(client: redis.Redis, key: bytes, problems: list[str]) -> list[tupl
     if len(set(held)) != len(held):
         problems.append(f"run {key!r} holds a key at two positions")
     return out
-
-
-def check_findings(address: str, namespace: str, cross_shard: bool = False) -> list[str]:
-    """What ``kvredis check`` (:func:`kvredis.redis.inspect.op_check`) reports on a namespace,
-    as ``"<problem> <detail>"`` lines. ``cross_shard``: the namespace is a shard of a cluster
-    namespace, whose mappings name request keys of other shards, or a namespace whose mappings
-    the caller compares with the model itself (an evict by request key leaves the engine
-    mapping, as InMemoryIndex does): ``dangling_mapping`` is then not a finding."""
-    from kvredis import RedisIndexConfig
-    from kvredis.redis.inspect import Inspector, Problem, op_check
-
-    with Inspector(RedisIndexConfig(address=address, namespace=namespace)) as inspector:
-        layout = inspector.layout()
-        if layout is None:
-            return []
-        report = inspector.run(op_check(layout))
-    return [
-        f"{f.problem.value} {f.detail}"
-        for f in report.findings
-        if not (cross_shard and f.problem is Problem.DANGLING_MAPPING)
-    ]
-
-
-def cluster_check_findings(index: Any) -> list[str]:
-    """:func:`check_findings` on every shard of a RedisClusterIndex's namespace."""
-    found: list[str] = []
-    for shard in range(index.core.count):
-        node = index.executor.slot_map.primary(index.core.slots[shard])
-        namespace = index.core.state(shard).namespace
-        found += check_findings(f"redis://127.0.0.1:{node.port}", namespace, cross_shard=True)
-    return found

@@ -39,6 +39,7 @@ from tests.conftest import (
     close_backend,
     make_backend,
 )
+from tests.redis.checks import check_findings
 
 pytestmark = pytest.mark.redis
 
@@ -88,6 +89,11 @@ class Fleet:
             for name in ("cmdstat_evalsha", "cmdstat_eval"):
                 total += int(stats.get(name, {}).get("calls", 0))
         return total
+
+    def checked(self) -> None:
+        """``check`` finds no problem (per shard on a cluster)."""
+        config = getattr(self.index, "inner", self.index).config
+        assert check_findings(config) == []
 
     def agree(self, keys: Sequence[int]) -> None:
         for key in keys:  # key by key: the chains are fragmented
@@ -337,6 +343,7 @@ def test_random_batches_over_fragmented_runs_match_the_model(fleet: Fleet) -> No
             fleet.both("apply_batch", batch)
         probe = rng.sample(keys, 40)
         fleet.agree(probe)
+        fleet.checked()
         for engine in set(engine_of.values()):
             try:
                 expected_key: int | None = fleet.model.get_request_key(engine)

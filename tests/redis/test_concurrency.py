@@ -10,6 +10,7 @@ import pytest
 import redis
 
 from kvredis import KeyType, PodEntry, RedisIndex, RedisIndexConfig
+from tests.redis.checks import check_findings
 from tests.redis.namespace_state import read_namespace
 
 pytestmark = pytest.mark.redis
@@ -93,6 +94,7 @@ def test_processes_keep_the_layout_consistent(redis_server_url: str) -> None:
     finally:
         client.close()
     assert state.problems == []
+    assert check_findings(RedisIndexConfig(address=redis_server_url, namespace=namespace)) == []
     # Every add that returned and was not evicted since is visible, and nothing else is.
     for worker_id, model in enumerate(results):
         pod = f"worker-{worker_id}"

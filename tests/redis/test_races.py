@@ -29,7 +29,7 @@ from kvredis.redis.cluster.index import RedisClusterIndex
 from kvredis.redis.ops import evict_call, op_clear, op_send, program_of
 from kvredis.redis.requests import ScriptCall
 from tests.conftest import TEST_PREFIX
-from tests.redis.namespace_state import check_findings, cluster_check_findings
+from tests.redis.checks import check_findings
 from tests.servers import local_server_kinds, server_kinds
 
 pytestmark = pytest.mark.redis
@@ -64,13 +64,10 @@ class Topology:
         self.clients.append(made)
         return made
 
-    def findings(self, mappings: bool = True) -> list[str]:
-        """What ``kvredis check`` reports (on every shard of a cluster namespace); without
-        ``mappings`` no ``dangling_mapping`` (a caller comparing them with the model)."""
-        first = self.clients[0] if self.clients else self.client()
-        if self.kind == "cluster":
-            return cluster_check_findings(first)
-        return check_findings(self.config.address, self.config.namespace, not mappings)
+    def findings(self) -> list[str]:
+        """What ``kvredis check`` reports (on every shard of a cluster namespace), as
+        ``"<problem> <detail>"`` lines; its notes (legitimate states) are not findings."""
+        return [f"{f.problem.value} {f.detail}" for f in check_findings(self.config)]
 
     def close(self) -> None:
         if self.clients:

@@ -27,7 +27,7 @@ from kvredis.redis.codec import encode_entry
 from kvredis.redis.inspect import Inspector, Problem, op_check, op_dump, op_restore, op_stats
 from kvredis.redis.layout import Layout
 from kvredis.scoring import LongestPrefixScorer
-from tests.redis.namespace_state import check_findings, read_namespace
+from tests.redis.namespace_state import read_namespace
 
 pytestmark = pytest.mark.redis
 
@@ -43,6 +43,7 @@ class Pair:
         self.redis = RedisIndex(RedisIndexConfig(address=url, namespace=namespace))
         self.model = InMemoryIndex()
         self.raw = redis.Redis.from_url(url)
+        self.inspector = Inspector(RedisIndexConfig(address=url, namespace=namespace))
 
     def add(self, keys: Sequence[int], entries: Sequence[PodEntry], engine: bool = True) -> None:
         eng = [k + 10**12 for k in keys] if engine else None
@@ -70,12 +71,20 @@ class Pair:
         state = read_namespace(self.raw, self.namespace)
         assert state.problems == []
 
+    def checked(self) -> None:
+        """``kvredis check`` finds nothing wrong: every state the API produces is legitimate."""
+        layout = self.inspector.layout()
+        assert layout is not None
+        report = self.inspector.run(op_check(layout))
+        assert report.findings == [], report.findings
+
     def runs(self) -> list[bytes]:
         return list(self.raw.scan_iter(match=f"{self.namespace}:c:*"))
 
     def close(self) -> None:
         self.redis.close()
         self.raw.close()
+        self.inspector.close()
 
 
 @pytest.fixture
@@ -225,8 +234,7 @@ def test_random_key_sets_agree_with_the_model(pair: Pair, seed: int) -> None:
             pair.agree(probe)
         for key in chain:
             assert _mapped(pair.redis, key + 10**12) == _mapped(pair.model, key + 10**12)
-        # the mappings are the model's (an evict by request key leaves them: not "dangling")
-        assert check_findings(pair.url, pair.namespace, cross_shard=True) == []
+        pair.checked()
     pair.consistent()
 
 
@@ -235,6 +243,59 @@ def _mapped(index: Any, engine_key: int) -> int | None:
         return int(index.get_request_key(engine_key))
     except KeyError:
         return None
+
+
+@pytest.mark.parametrize("seed", [4, 5])
+def test_random_steps_with_expiring_entries_and_engine_keys_stay_clean_for_check(
+    pair: Pair, seed: int
+) -> None:
+    """Adds with engine keys, speculative adds with a ttl (some expiring during the test, next
+    to later deadlines in the same field or bucket), evicts by request and by engine key and
+    clears, checked against the model and by ``check`` after every step."""
+    rng = random.Random(seed)
+    pods = [A, B, S_CONFIRMED]
+    speculative = [S, S_OTHER]
+    universe = list(range(1, 80))
+    chains = [rng.sample(universe, rng.randint(1, 24)) for _ in range(8)]
+    for _ in range(45):
+        roll = rng.random()
+        chain = rng.choice(chains)
+        start = rng.randrange(len(chain))
+        keys = chain[start : start + rng.randint(1, 20)]
+        if roll < 0.3:
+            pair.add(keys, rng.sample(pods, rng.randint(1, 2)), engine=rng.random() < 0.8)
+        elif roll < 0.5:  # a long ttl, then a short one on the same keys: both in one field
+            entries = [rng.choice(speculative)]
+            pair.model.add(None, keys, entries, ttl=60.0)
+            pair.redis.add(None, keys, entries, ttl=60.0)
+            short = [e for e in speculative if e not in entries]
+            pair.model.add(None, keys, short, ttl=0.05)
+            pair.redis.add(None, keys, short, ttl=0.05)
+            time.sleep(0.12)  # past the short deadline for both
+        elif roll < 0.85:
+            key = rng.choice(chain)
+            kind = rng.choice([KeyType.REQUEST, KeyType.ENGINE])
+            target = key + (10**12 if kind is KeyType.ENGINE else 0)
+            pair.evict(target, kind, [rng.choice([*pods, *speculative])])
+        else:
+            pair.clear(rng.choice([*pods, *speculative]).pod_identifier)
+        for probe in (chain, chain[rng.randrange(len(chain)) :]):
+            pair.agree(probe)
+        pair.checked()
+    pair.consistent()
+    # --repair reclaims the expired items and keeps what the reference answers for (the live
+    # items keep their field expiry, the mappings without holders stay)
+    layout = pair.inspector.layout()
+    assert layout is not None
+    repaired = pair.inspector.run(op_check(layout, repair=True))
+    assert repaired.findings == []
+    assert all(n.repaired for n in repaired.notes if n.problem is Problem.EXPIRED_SPECULATIVE)
+    assert not any(n.repaired for n in repaired.notes if n.problem is Problem.DANGLING_MAPPING)
+    after = pair.inspector.run(op_check(layout))
+    assert after.findings == []
+    assert {n.problem for n in after.notes} <= {Problem.DANGLING_MAPPING}
+    for chain in chains:
+        pair.agree(chain)
 
 
 # -- speculative entries with a ttl on keys of runs (the expiring buckets, includes/expiry) ----
@@ -446,10 +507,12 @@ def test_check_finds_and_repairs_broken_refs_and_runs(pair: Pair) -> None:
         assert not report.ok
         repaired = inspector.run(op_check(loaded, repair=True))
         assert repaired.ok
-        # the refs repaired away leave their engine mappings dangling: the next pass drops them
+        # the refs repaired away leave their engine mappings without holders: notes, kept
         again = inspector.run(op_check(loaded, repair=True))
-        assert {f.problem for f in again.findings} <= {Problem.DANGLING_MAPPING}
-        assert inspector.run(op_check(loaded)).findings == []
+        assert again.findings == []
+        assert {f.problem for f in again.notes} == {Problem.DANGLING_MAPPING}
+        assert not any(f.repaired for f in again.notes)
+        assert pair.redis.get_request_key(106 + 10**12) == 106
     pair.consistent()
     got = pair.redis.lookup(chain)
     assert got[5] == [A]  # the unreferenced position got its ref back

@@ -1,0 +1,325 @@
+"""The operator's commands on a cluster namespace (stats, pods, check, watermarks, dump, restore),
+through the CLI and ClusterInspector, on real local clusters of redis-server 7 and Valkey 9; and
+a single node of a cluster named as such."""
+
+from __future__ import annotations
+
+import json
+import random
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis.cluster
+from click.testing import CliRunner
+
+from kvredis import (
+    AddOp,
+    ClusterModeError,
+    EvictOp,
+    KeyType,
+    PodEntry,
+    RedisIndex,
+    RedisIndexConfig,
+    Watermark,
+)
+from kvredis.cli import cli
+from kvredis.redis.cluster.index import RedisClusterIndex
+from kvredis.redis.cluster.inspect import ClusterInspector
+from kvredis.redis.cluster.shards import shard_names, shard_of
+from kvredis.redis.inspect import DUMP_FORMAT, Inspector, Problem, op_check, op_stats
+from kvredis.redis.layout import Layout
+from tests.servers import LocalCluster
+
+A, B = PodEntry("pod-a", "gpu"), PodEntry("pod-b", "cpu")
+SPEC = PodEntry("pod-s", speculative=True)
+
+
+def chain(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.getrandbits(64) for _ in range(n)]
+
+
+KEYS, ENGINE = chain(40, 1), chain(40, 2)
+
+
+@pytest.fixture
+def cfg(redis_cluster: LocalCluster) -> Iterator[RedisIndexConfig]:
+    config = RedisIndexConfig(address=redis_cluster.url, namespace=f"kvt-c{uuid.uuid4().hex[:10]}")
+    yield config
+    with RedisClusterIndex(config) as index:
+        index.drop_namespace()
+
+
+@pytest.fixture
+def populated(cfg: RedisIndexConfig) -> Iterator[RedisClusterIndex]:
+    """A cluster namespace with two pods, engine mappings, expiring entries and a watermark."""
+    with RedisClusterIndex(cfg) as index:
+        index.add(ENGINE, KEYS, [A])
+        index.add(None, KEYS[:10], [B])
+        index.add(None, KEYS[30:], [SPEC], ttl=600)
+        index.apply_batch([AddOp(None, (KEYS[0],), (B,))], "pod-b", Watermark(2, 9))
+        index.evict(KEYS[5], KeyType.REQUEST, [A])  # leaves engine key 5's mapping (legitimate)
+        yield index
+
+
+def invoke(cfg: RedisIndexConfig, *args: str, url: str | None = None) -> tuple[int, str]:
+    result = CliRunner().invoke(
+        cli, [*args, "--redis", url or cfg.address, "--namespace", cfg.namespace]
+    )
+    return result.exit_code, result.output
+
+
+def as_json(cfg: RedisIndexConfig, *args: str) -> Any:
+    code, out = invoke(cfg, *args, "--json")
+    assert code == 0, out
+    return json.loads(out)
+
+
+def raw(cluster: LocalCluster) -> redis.cluster.RedisCluster:
+    return redis.cluster.RedisCluster(host="127.0.0.1", port=cluster.ports[0])
+
+
+def shard_layout(index: RedisClusterIndex, shard: int) -> Layout:
+    return index.core.state(shard).layout
+
+
+def test_stats_and_pods_sum_the_shards(populated: RedisClusterIndex, cfg: RedisIndexConfig) -> None:
+    stats = as_json(cfg, "stats")
+    assert len(stats["shards"]) == populated.shards
+    assert stats["request_keys"] == 40 == sum(s["request_keys"] for s in stats["shards"])
+    assert stats["pairs"] == 40 - 1 + 10 + 1 - 1  # 40 A (one evicted), 10 B (+1 again: same)
+    assert stats["expiring_entries"] == 10
+    assert stats["engine_keys"] == 40
+    assert stats["pods"] == {"pod-a": {"gpu": 39}, "pod-b": {"cpu": 10}, "pod-s": {"": 10}}
+    names = shard_names(cfg.namespace, populated.shards)
+    assert [s["namespace"] for s in stats["shards"]] == list(names)
+    per_shard = [sum(1 for k in KEYS if shard_of(k, populated.shards) == i) for i in range(6)]
+    assert [s["request_keys"] for s in stats["shards"]] == per_shard
+    assert stats["watermarks"] == populated.shards  # one per shard
+    assert stats["server"]["primaries"] == 3
+    assert as_json(cfg, "pods") == stats["pods"]
+    code, out = invoke(cfg, "stats")
+    assert code == 0 and "cluster at" in out and f"{populated.shards} on 3 primaries" in out
+    with ClusterInspector(cfg) as inspector:
+        merged = inspector.stats(memory=False)
+    assert merged.pairs == stats["pairs"] and len(merged.shards) == populated.shards
+
+
+def test_watermarks_are_the_lowest_over_the_shards(
+    populated: RedisClusterIndex, cfg: RedisIndexConfig
+) -> None:
+    found = as_json(cfg, "watermarks")
+    assert found["pod-b"]["epoch"] == 2 and found["pod-b"]["shards"] == populated.shards
+    assert populated.get_watermark("pod-b") == Watermark(2, 9)
+    code, out = invoke(cfg, "watermarks", "--reset", "pod-b", "--yes")
+    assert code == 0, out
+    assert as_json(cfg, "watermarks") == {}
+
+
+def test_check_runs_per_shard_names_the_shard_and_repairs(
+    populated: RedisClusterIndex, cfg: RedisIndexConfig, redis_cluster: LocalCluster
+) -> None:
+    clean = as_json(cfg, "check")
+    assert clean["ok"] and clean["findings"] == [] and clean["notes"] == []
+    before = populated.lookup(KEYS)
+    client = raw(redis_cluster)
+    try:
+        # shard 1: an undefined id under a request key; shard 4: an undecodable definition
+        one, four = shard_layout(populated, 1), shard_layout(populated, 4)
+        key = next(k for k in KEYS if shard_of(k, populated.shards) == 1)
+        bucket = one.request_bucket(key)
+        client.hset(bucket, (7).to_bytes(8, "big"), b"\x00\x00\x00\x63")
+        client.hset(four.pi, b"\x00\x00\x00\x50", b"junk")
+    finally:
+        client.close()
+    code, out = invoke(cfg, "check", "--json")
+    assert code == 1, out
+    report = json.loads(out)
+    where = {(f["problem"], f["shard"]) for f in report["findings"]}
+    assert where >= {("unknown_id", 1), ("undecodable_entry", 4)}
+    assert {f["problem"] for f in report["findings"]} <= {
+        "unknown_id",
+        "undecodable_entry",
+        "misplaced_field",
+    }
+    code, out = invoke(cfg, "check")
+    assert code == 1 and "(shard 1)" in out and "(shard 4)" in out
+    code, out = invoke(cfg, "check", "--repair")
+    assert code == 0, out
+    assert as_json(cfg, "check")["findings"] == []
+    assert populated.lookup(KEYS) == before
+
+
+def test_dump_restores_every_shard_into_another_cluster_namespace(
+    populated: RedisClusterIndex, cfg: RedisIndexConfig, tmp_path: Path
+) -> None:
+    path = tmp_path / "cluster.jsonl.gz"
+    code, out = invoke(cfg, "dump", str(path))
+    assert code == 0, out
+    other = RedisIndexConfig(address=cfg.address, namespace=f"kvt-c{uuid.uuid4().hex[:10]}")
+    try:
+        code, out = invoke(other, "restore", str(path))
+        assert code == 0, out
+        with RedisClusterIndex(other, create=False) as copy:
+            assert copy.shards == populated.shards
+            assert copy.lookup(KEYS) == populated.lookup(KEYS)
+            assert copy.get_watermark("pod-b") == Watermark(2, 9)
+            assert copy.get_request_key(ENGINE[3]) == KEYS[3]
+        assert as_json(other, "stats")["pairs"] == as_json(cfg, "stats")["pairs"]
+        assert as_json(other, "check")["findings"] == []
+        code, out = invoke(other, "restore", str(path))
+        assert code == 1 and "--replace" in out
+        code, out = invoke(other, "restore", str(path), "--replace")
+        assert code == 0, out
+        with RedisClusterIndex(other, create=False) as copy:
+            assert copy.lookup(KEYS) == populated.lookup(KEYS)
+    finally:
+        with RedisClusterIndex(other) as copy:
+            copy.drop_namespace()
+
+
+def test_a_cluster_dump_is_refused_by_a_single_server_and_a_single_dump_makes_one_shard(
+    populated: RedisClusterIndex, cfg: RedisIndexConfig, redis_server_url: str, tmp_path: Path
+) -> None:
+    path = tmp_path / "cluster.jsonl"
+    assert invoke(cfg, "dump", str(path))[0] == 0
+    single = RedisIndexConfig(address=redis_server_url, namespace=f"kvt-{uuid.uuid4().hex[:12]}")
+    code, out = invoke(single, "restore", str(path))
+    assert code == 2 and f"of {populated.shards} shards" in out
+    with RedisIndex(single) as index:
+        try:
+            index.add(ENGINE[:8], KEYS[:8], [A])
+            single_dump = tmp_path / "single.jsonl"
+            assert invoke(single, "dump", str(single_dump))[0] == 0
+            other = RedisIndexConfig(address=cfg.address, namespace=f"kvt-c{uuid.uuid4().hex[:10]}")
+            try:
+                code, out = invoke(other, "restore", str(single_dump))
+                assert code == 0, out
+                with RedisClusterIndex(other, create=False) as copy:
+                    assert copy.shards == 1
+                    assert copy.lookup(KEYS[:8]) == index.lookup(KEYS[:8])
+                    assert copy.get_request_key(ENGINE[2]) == KEYS[2]
+            finally:
+                with RedisClusterIndex(other) as copy:
+                    copy.drop_namespace()
+        finally:
+            index.drop_namespace()
+
+
+def test_a_node_of_a_cluster_is_named_as_such(
+    populated: RedisClusterIndex,
+    cfg: RedisIndexConfig,
+    redis_cluster: LocalCluster,
+    tmp_path: Path,
+) -> None:
+    node = f"redis://127.0.0.1:{redis_cluster.ports[0]}"
+    empty = tmp_path / "empty.jsonl"  # a dump of an empty single-server namespace
+    header = {"format": DUMP_FORMAT, "namespace": "x", "bucket_bits": 16}
+    empty.write_text(
+        f"{json.dumps(header)}\n{json.dumps({'end': True, 'keys': 0, 'records': 0})}\n"
+    )
+    commands = [
+        ["restore", str(empty)],
+        ["stats"],
+        ["pods"],
+        ["check"],
+        ["watermarks"],
+        ["dump", "-"],
+        ["lookup", "--model", "m", "--tokens", "1,2", "--block-size", "2"],
+    ]
+    for command in commands:
+        code, out = invoke(cfg, *command, url=node)
+        assert code == 1, (command, out)
+        assert "this is a node of a Redis Cluster; use --redis redis+cluster://" in out
+        assert "does not exist" not in out
+    single = RedisIndexConfig(address=node, namespace=cfg.namespace)
+    with Inspector(single) as inspector, pytest.raises(ClusterModeError):
+        inspector.layout()
+
+
+def test_a_missing_cluster_namespace_does_not_exist(cfg: RedisIndexConfig) -> None:
+    for command in (["stats"], ["check"], ["watermarks"]):
+        code, out = invoke(cfg, *command)
+        assert code == 1 and "does not exist" in out, out
+    with ClusterInspector(cfg) as inspector:
+        assert inspector.shards() is None
+
+
+def _random_ops(rng: random.Random) -> list[Any]:
+    ops: list[Any] = []
+    for _ in range(rng.randint(1, 6)):
+        start = rng.randrange(len(KEYS))
+        end = rng.randint(start + 1, len(KEYS))
+        ents = tuple(rng.sample([A, B], rng.randint(1, 2)))
+        roll = rng.random()
+        if roll < 0.4:
+            ops.append(AddOp(tuple(ENGINE[start:end]), tuple(KEYS[start:end]), ents))
+        elif roll < 0.55:
+            ops.append(AddOp(None, tuple(KEYS[start:end]), ents))
+        elif roll < 0.8:
+            ops.append(EvictOp(rng.choice(ENGINE), KeyType.ENGINE, ents))
+        else:
+            ops.append(EvictOp(KEYS[start], KeyType.REQUEST, ents))
+    return ops
+
+
+def test_check_finds_nothing_after_every_step_of_random_batches(
+    cfg: RedisIndexConfig, redis_server_url: str
+) -> None:
+    """Random batches, clears and speculative adds on a cluster namespace and a single-server
+    one: after every step, check (per shard on the cluster) finds no problem on either."""
+    rng = random.Random(20261204)
+    single_cfg = RedisIndexConfig(address=redis_server_url, namespace=cfg.namespace)
+    with (
+        RedisClusterIndex(cfg) as cluster,
+        RedisIndex(single_cfg) as single,
+        ClusterInspector(cfg) as cluster_inspector,
+        Inspector(single_cfg) as single_inspector,
+    ):
+        try:
+            for step in range(30):
+                ops = _random_ops(rng)
+                mark = Watermark(0, step) if step % 2 else None
+                stream = "diff" if mark else None
+                assert cluster.apply_batch(ops, stream, mark) == single.apply_batch(
+                    ops, stream, mark
+                )
+                if step % 10 == 9:
+                    pod = rng.choice(["pod-a", "pod-b"])
+                    cluster.clear(pod)
+                    single.clear(pod)
+                if step % 7 == 3:
+                    start = rng.randrange(len(KEYS))
+                    for index in (cluster, single):
+                        index.add(None, KEYS[start : start + 5], [SPEC], ttl=600)
+                report = cluster_inspector.check()
+                assert report.findings == [], (step, report.findings)
+                layout = single_inspector.layout()
+                assert layout is not None
+                assert single_inspector.run(op_check(layout)).findings == [], step
+            merged = cluster_inspector.stats(memory=False)
+            alone = single_inspector.run(op_stats(layout, memory=False))
+            for name in ("pairs", "request_keys", "engine_keys", "expiring_entries"):
+                assert getattr(merged, name) == getattr(alone, name), name
+            assert merged.pods == alone.pods
+        finally:
+            single.drop_namespace()
+
+
+def test_check_problem_on_a_cluster_carries_its_shard(
+    populated: RedisClusterIndex, cfg: RedisIndexConfig, redis_cluster: LocalCluster
+) -> None:
+    layout = shard_layout(populated, 2)
+    client = raw(redis_cluster)
+    try:
+        client.hset(layout.pp, "pod-z", b"\x00\x00\x00\x01\x00")  # 5 bytes: not an id list
+    finally:
+        client.close()
+    with ClusterInspector(cfg) as inspector:
+        report = inspector.check()
+        assert [(f.problem, f.shard) for f in report.findings] == [(Problem.POD_RECORD_STRAY, 2)]
+        assert inspector.check(repair=True).ok
+        assert inspector.check().findings == []
