@@ -363,7 +363,7 @@ def _random_steps(index: Any, topology: Topology, seed: int, steps: int) -> None
                     key,
                 )
         # the mappings are compared above (an evict by request key leaves them)
-        assert topology.findings(mappings=False) == [], step
+        assert topology.findings() == [], step
 
 
 def test_random_adds_evicts_and_clears_with_expiring_entries_match_the_model(
