@@ -84,6 +84,9 @@ _EXPORTS: dict[str, str] = {
     "new_redis_index": "kvredis.redis.index",
     "new_valkey_index": "kvredis.redis.index",
     "new_async_redis_index": "kvredis.redis.index",
+    "drop_namespace": "kvredis.redis.index",
+    "MigrationReport": "kvredis.redis.migrate",
+    "migrate_namespace": "kvredis.redis.migrate",
     "AsyncRedisClusterIndex": "kvredis.redis.cluster.index",
     "RedisClusterIndex": "kvredis.redis.cluster.index",
     # event ingestion
@@ -169,6 +172,7 @@ __all__ = [
     "LongestPrefixScorer",
     "MMHash",
     "MessageSink",
+    "MigrationReport",
     "NamespaceIndex",
     "NamespaceLayoutError",
     "NamespaceMissingError",
@@ -196,8 +200,10 @@ __all__ = [
     "__version__",
     "compute_block_extra_features",
     "decode_batch",
+    "drop_namespace",
     "encode_batch",
     "mask_password",
+    "migrate_namespace",
     "new_async_redis_index",
     "new_index",
     "new_redis_index",
@@ -306,10 +312,12 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
     from kvredis.redis.index import (
         AsyncRedisIndex,
         RedisIndex,
+        drop_namespace,
         new_async_redis_index,
         new_redis_index,
         new_valkey_index,
     )
+    from kvredis.redis.migrate import MigrationReport, migrate_namespace
     from kvredis.scoring import DEFAULT_MEDIUM_WEIGHTS, LongestPrefixScorer
     from kvredis.tiers import DEFAULT_TIERS, TierMap
     from kvredis.tracing import AsyncTracedIndex, TracedIndex
