@@ -1,9 +1,9 @@
-"""A client of the previous release's scripts (layout kvredis-kvblock/1), for migration tests.
+"""A client of the previous releases' scripts (layout kvredis-kvblock/1), for migration tests.
 
-The ``.lua`` files here are those of commit dc8cf00 (see README.md); :class:`V1Namespace` loads
-them with SCRIPT LOAD and calls them with the arguments that release's client built, enough to
-fill a namespace (adds with engine keys and ttls, evicts, fenced batches) and to read it back
-(lookups, request keys) as that release answered.
+The ``.lua`` files under ``<commit>/`` are those of two /1 releases (see README.md):
+:class:`V1Namespace` loads one with SCRIPT LOAD and calls it with the arguments that release's
+client built, enough to fill a namespace (adds with engine keys and ttls, evicts, fenced
+batches) and to read it back (lookups, request keys) as that release answered.
 """
 
 from __future__ import annotations
@@ -20,12 +20,16 @@ from kvredis.redis.scripts import _read_lua, expand
 from kvredis.types import KeyType, PodEntry
 
 V1 = "kvredis-kvblock/1"
+#: The release with the sorted set of deadlines, and the one with the expiring buckets.
+SORTED_SET_RELEASE = "dc8cf00"
+EXPIRING_BUCKETS_RELEASE = "249e91a"
+RELEASES = (SORTED_SET_RELEASE, EXPIRING_BUCKETS_RELEASE)
 MAX_REQUEST_KEYS_PER_ENGINE_KEY = 8
 ID_WIDTH = 4
 
 
-def _load(raw: redis.Redis) -> dict[str, str]:
-    sources = _read_lua(Path(__file__).parent)
+def _load(raw: redis.Redis, release: str) -> dict[str, str]:
+    sources = _read_lua(Path(__file__).parent / release)
     names = [n for n in sources if not n.startswith("includes/")]
     return {n: str(raw.script_load(expand(n, sources))) for n in names}
 
@@ -33,15 +37,23 @@ def _load(raw: redis.Redis) -> dict[str, str]:
 class V1Namespace:
     """One namespace written and read through the layout /1 scripts."""
 
-    def __init__(self, raw: redis.Redis, namespace: str, bucket_bits: int = 16) -> None:
-        self.raw, self.namespace = raw, namespace
-        self.sha = _load(raw)
+    def __init__(
+        self,
+        raw: redis.Redis,
+        namespace: str,
+        release: str = SORTED_SET_RELEASE,
+        expiry: str = "key",
+        bucket_bits: int = 16,
+    ) -> None:
+        self.raw, self.namespace, self.release = raw, namespace, release
+        self.sha = _load(raw, release)
         ns = namespace.encode()
         self.meta, self.pe, self.pi, self.pp = ns + b":meta", ns + b":pe", ns + b":pi", ns + b":pp"
         self.wm, self.wp, self.sx = ns + b":wm", ns + b":wp", ns + b":sx"
         self.rprefix, self.eprefix = ns + b":r:", ns + b":e:"
         token = secrets.token_hex(8)
-        reply = self._call("namespace", (self.meta, self.pi), (V1, bucket_bits, token))
+        args = [V1, bucket_bits, token] + ([expiry] if release != SORTED_SET_RELEASE else [])
+        reply = self._call("namespace", (self.meta, self.pi), args)
         self.gen, self.bits = reply[2], int(reply[1])
         self.definitions: dict[bytes, PodEntry | None] = {}
 
@@ -84,9 +96,14 @@ class V1Namespace:
 
     def evict(self, key: int, key_type: KeyType, entries: Sequence[PodEntry]) -> None:
         unique = list(dict.fromkeys(entries))
+        keys = (
+            (self.meta, self.pe)
+            if self.release == SORTED_SET_RELEASE
+            else (self.meta, self.pe, self.sx)
+        )
         self._call(
             "evict",
-            (self.meta, self.pe),
+            keys,
             [
                 *self._bucket_args(),
                 len(unique),
