@@ -13,6 +13,7 @@ from collections.abc import Callable
 import click
 
 from kvredis import __version__
+from kvredis.cli.migrate import COMMANDS as LAYOUT_COMMANDS
 from kvredis.cli.operate import COMMANDS
 from kvredis.cli.options import (
     Prompt,
@@ -187,7 +188,7 @@ def keys(prompt: Prompt, parent: int) -> None:
 
 ingest.params.extend(logging_params())
 cli.add_command(ingest)
-for _command in COMMANDS:
+for _command in (*COMMANDS, *LAYOUT_COMMANDS):
     cli.add_command(_command)
 
 

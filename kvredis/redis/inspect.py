@@ -128,12 +128,14 @@ def _noop(_done: int, _total: int) -> None:
 # -- reading ------------------------------------------------------------------------------------
 
 
-def op_read_layout(namespace: str) -> Op[Layout | None]:
+def op_read_layout(namespace: str, address: str | None = None) -> Op[Layout | None]:
     """The namespace's layout, from its meta record; ``None`` if it has none (never creates it).
 
-    A meta record of another layout version or with bad fields raises NamespaceLayoutError.
+    A meta record of another layout version or with bad fields raises NamespaceLayoutError
+    (naming ``address`` in the command that fixes it).
     """
     state = CoreState(namespace)
+    state.address = address
     reply = yield Command(("HMGET", meta_key(namespace), "layout", "bucket_bits", "gen"))
     if not any(reply):
         return None
@@ -1121,7 +1123,8 @@ class Inspector:
 
     def layout(self) -> Layout | None:
         """The namespace's layout, or ``None`` if it does not exist."""
-        return self.run(op_read_layout(self.config.namespace))
+        address = self.config.parsed_address().display
+        return self.run(op_read_layout(self.config.namespace, address))
 
     def close(self) -> None:
         """Close the connections."""

@@ -162,6 +162,53 @@ def op_migrate(
     )
 
 
+@dataclass(frozen=True, slots=True)
+class Survey:
+    """What a namespace holds, read without assuming its layout (:func:`op_survey`).
+
+    ``layout`` is its meta record's layout version (``None`` without one), ``dropping`` whether
+    a drop was cut short (the generation is a tombstone), ``migrating`` the layout a migration
+    under way converts from, ``keys`` how many keys of the namespace exist (meta included).
+    """
+
+    namespace: str
+    layout: str | None
+    dropping: bool
+    migrating: str | None
+    keys: int
+
+    @property
+    def exists(self) -> bool:
+        """Whether the namespace has any key."""
+        return self.keys > 0
+
+
+def op_survey(namespace: str, keys_per_call: int = 1000) -> Op[Survey]:
+    """Read the meta record and count the namespace's keys (SCAN MATCH ``<ns>:*``, keeping only
+    the names :meth:`Layout.owns`, never those of a namespace whose name extends this one)."""
+    probe = Layout(namespace, 1, b"")
+    meta = yield Command(("TYPE", probe.meta))
+    record: list[object] = [None, None, None]
+    if _text(meta.get("ok") if isinstance(meta, dict) else meta) == "hash":
+        record = list((yield Command(("HMGET", probe.meta, "layout", "gen", "migrating"))))
+    count = 0
+    cursor: int | None = None
+    while cursor != 0:
+        reply = yield Command(
+            ("SCAN", cursor or 0, "MATCH", probe.namespace_pattern(), "COUNT", keys_per_call)
+        )
+        cursor = int(reply[0])
+        count += sum(1 for k in reply[1] if probe.owns(bytes(k)))
+    layout, gen, migrating = (None if v is None else _text(v) for v in record)
+    return Survey(
+        namespace,
+        layout,
+        gen is not None and gen.startswith("dropping:"),
+        migrating,
+        count,
+    )
+
+
 def _text(value: object) -> str:
     return bytes(value).decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
