@@ -1,4 +1,4 @@
-#!lua flags=allow-oom,allow-cross-slot-keys
+#!lua flags=allow-cross-slot-keys
 --[[ migrate: convert a namespace of layout kvredis-kvblock/1 to this layout in place, online.
   Layout /1 stored what /2 stores, with two differences: no chain runs (every request key has its
   own record in its request bucket, which /2 reads as it is: see kvredis.redis.layout), and, in
