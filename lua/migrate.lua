@@ -27,7 +27,8 @@
   page:       ARGV[2] the generation "begin" returned   ARGV[3] request bucket prefix
               "<ns>:r:"   ARGV[4] bucket bits   ARGV[5] most pairs to convert (1..10000)
   Returns     begin: [state, generation, pairs left, pairs at the start] where state is
-              "begun" (this call converted the record), "resume" (a migration is under way),
+              "begun" (this call converted the record), "resume" (a migration is under way;
+              with no pair left, this call ends it),
               "current" (already this layout, nothing to do), "missing" (no meta record),
               "dropping" (a drop is under way) or "other" (another layout: generation is then
               that layout's version);
@@ -63,6 +64,8 @@ if mode == 'begin' then
   if current[1] == to then
     if not current[4] then return {'current', current[2] or '', 0, 0} end
     local left = key_type(mx) == 'zset' and redis.call('ZCARD', mx) or 0
+    -- nothing left (e.g. a namespace restored from a dump taken during a migration): done
+    if left == 0 then redis.call('HDEL', meta, 'migrating', 'migrate_total') end
     return {'resume', current[2] or '', left, tonumber(current[5] or left) or left}
   end
   if current[1] ~= from then return {'other', current[1], 0, 0} end

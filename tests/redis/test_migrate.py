@@ -4,6 +4,7 @@ kvredis-kvblock/1, its scripts in tests/redis/layout_v1) converted in place answ
 from __future__ import annotations
 
 import random
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -255,6 +256,12 @@ def test_a_migration_cut_short_goes_on_where_it_stopped_while_clients_work(
         meta = raw.hgetall(f"{namespace}:meta")
         assert meta[b"migrating"] == V1.encode() and meta[b"migrate_total"] == str(total).encode()
         assert raw.zcard(f"{namespace}:mx") == total - 10
+        inspector = Inspector(_config(redis_server_url, namespace))
+        layout = inspector.layout()
+        assert layout is not None
+        midway = inspector.run(op_check(layout))
+        inspector.close()
+        assert set(midway.counts()) <= {"dangling_mapping"}, midway.counts()
         # the previous release is fenced out: its next call fails the generation check
         with pytest.raises(redis.ResponseError, match="KVREDIS_STALE"):
             filled.v1.add(None, [123], [PODS[0]])
@@ -312,3 +319,71 @@ def test_a_drop_during_a_migration_stops_it(redis_server_url: str, namespace: st
         assert list(raw.scan_iter(match=f"{namespace}:*")) == []
     finally:
         raw.close()
+
+
+def test_readers_and_writers_of_this_release_run_during_the_migration(
+    redis_server_url: str, namespace: str
+) -> None:
+    raw = redis.Redis.from_url(redis_server_url)
+    cfg = _config(redis_server_url, namespace)
+    filled = _fill(raw, namespace, seed=5, chains=20)
+    plain = [q for q in filled.lookups if not filled.speculative_keys.intersection(q)]
+    stop = threading.Event()
+    failures: list[BaseException] = []
+    written: dict[int, list[PodEntry]] = {}
+    reads = [0]
+
+    def reader() -> None:
+        with RedisIndex(cfg) as index:
+            while not stop.is_set():
+                for q in plain:
+                    got = index.lookup(list(q))
+                    if got != filled.lookups[q]:
+                        raise AssertionError((q, got, filled.lookups[q]))
+                    reads[0] += 1
+
+    def writer() -> None:
+        rng = random.Random(1)
+        spec = PodEntry("pod-w", "cpu", speculative=True)
+        with RedisIndex(cfg) as index:
+            n = 0
+            while not stop.is_set() or n < 20:
+                chain = [rng.getrandbits(64) for _ in range(rng.randint(1, 12))]
+                index.add([k ^ 1 for k in chain], chain, [PODS[n % len(PODS)]])
+                index.add(None, chain[:1], [spec], ttl=3600)
+                for k in chain:
+                    written[k] = [PODS[n % len(PODS)]] + ([spec] if k == chain[0] else [])
+                n += 1
+
+    def guarded(f: Any) -> Any:
+        def run() -> None:
+            try:
+                f()
+            except BaseException as exc:
+                failures.append(exc)
+                stop.set()
+
+        return run
+
+    threads = [threading.Thread(target=guarded(f)) for f in (reader, writer)]
+
+    def progress(done: int, _total: int) -> None:
+        if done == 0:  # right after the first step: the namespace is in this layout now
+            for t in threads:
+                t.start()
+        time.sleep(0.002)
+
+    try:
+        report = migrate_namespace(cfg, progress, pairs_per_call=1)
+    finally:
+        stop.set()
+    for t in threads:
+        t.join()
+    assert not failures, failures
+    assert report.migrated and report.pairs > 0 and reads[0] > 0 and len(written) > 20
+    with RedisIndex(cfg) as index:
+        _agrees(filled, index)
+        for k, entries in written.items():
+            assert sorted(index.lookup([k])[k], key=repr) == sorted(entries, key=repr)
+    _clean(redis_server_url, filled)
+    raw.close()
