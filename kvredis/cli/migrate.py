@@ -22,6 +22,9 @@ from kvredis.cli.options import (
 
 __all__ = ["COMMANDS", "drop", "migrate"]
 
+#: kvredis.redis.migrate.PAIRS_PER_CALL (that module loads redis-py: not imported up front)
+PAIRS_PER_CALL = 250
+
 _NAMESPACE_ARG = click.argument("namespace_arg", metavar="[NAMESPACE]", required=False)
 
 
@@ -96,7 +99,7 @@ class _ProgressLine:
 @click.option(
     "--pairs-per-call",
     type=click.IntRange(1, 10_000),
-    default=1000,
+    default=PAIRS_PER_CALL,
     show_default=True,
     help="Speculative entries converted per server call (each call is atomic).",
 )

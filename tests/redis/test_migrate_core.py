@@ -85,3 +85,10 @@ def test_a_drop_midway_stops_the_migration_and_bad_page_sizes_are_refused() -> N
     for bad in (0, 10_001):
         with pytest.raises(ConfigError):
             _drive(op_migrate("ns", "key", pairs_per_call=bad), [])
+
+
+def test_the_command_line_pages_as_the_api_does() -> None:
+    from kvredis.cli.migrate import PAIRS_PER_CALL as CLI_PAIRS_PER_CALL
+    from kvredis.redis.migrate import PAIRS_PER_CALL
+
+    assert CLI_PAIRS_PER_CALL == PAIRS_PER_CALL
