@@ -87,6 +87,7 @@ _EXPORTS: dict[str, str] = {
     "drop_namespace": "kvredis.redis.index",
     "MigrationReport": "kvredis.redis.migrate",
     "migrate_namespace": "kvredis.redis.migrate",
+    "migrate_namespace_async": "kvredis.redis.migrate",
     "AsyncRedisClusterIndex": "kvredis.redis.cluster.index",
     "RedisClusterIndex": "kvredis.redis.cluster.index",
     # event ingestion
@@ -204,6 +205,7 @@ __all__ = [
     "encode_batch",
     "mask_password",
     "migrate_namespace",
+    "migrate_namespace_async",
     "new_async_redis_index",
     "new_index",
     "new_redis_index",
@@ -317,7 +319,11 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
         new_redis_index,
         new_valkey_index,
     )
-    from kvredis.redis.migrate import MigrationReport, migrate_namespace
+    from kvredis.redis.migrate import (
+        MigrationReport,
+        migrate_namespace,
+        migrate_namespace_async,
+    )
     from kvredis.scoring import DEFAULT_MEDIUM_WEIGHTS, LongestPrefixScorer
     from kvredis.tiers import DEFAULT_TIERS, TierMap
     from kvredis.tracing import AsyncTracedIndex, TracedIndex

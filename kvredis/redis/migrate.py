@@ -36,7 +36,7 @@ from kvredis.errors import (
     StaleNamespaceError,
 )
 from kvredis.redis.config import RedisIndexConfig
-from kvredis.redis.executor import SyncExecutor
+from kvredis.redis.executor import AsyncExecutor, SyncExecutor
 from kvredis.redis.layout import (
     LAYOUT_VERSION,
     MIGRATABLE_LAYOUTS,
@@ -226,6 +226,21 @@ def _op_migrate_session(
     )
 
 
+def _session(config: RedisIndexConfig) -> Session:
+    if not isinstance(config, RedisIndexConfig):
+        raise ConfigError(f"config must be a RedisIndexConfig, got {config!r}")
+    if config.cluster:
+        raise ConfigError(
+            f"{config.server()} is a cluster: cluster namespaces have always been in layout "
+            f"{LAYOUT_VERSION}, there is nothing to migrate"
+        )
+    state = CoreState(config.namespace, config.bucket_bits)
+    state.address = config.parsed_address().display
+    return Session(
+        state, ScriptRegistry(), RetryPolicy(config.retries, config.retry_backoff, config.server())
+    )
+
+
 def migrate_namespace(
     config: RedisIndexConfig,
     progress: MigrateProgress | None = None,
@@ -241,20 +256,23 @@ def migrate_namespace(
     it cannot convert (the message says what does), ConfigError for a cluster address (a
     cluster namespace is never of an earlier layout).
     """
-    if not isinstance(config, RedisIndexConfig):
-        raise ConfigError(f"config must be a RedisIndexConfig, got {config!r}")
-    if config.cluster:
-        raise ConfigError(
-            f"{config.server()} is a cluster: cluster namespaces have always been in layout "
-            f"{LAYOUT_VERSION}, there is nothing to migrate"
-        )
-    state = CoreState(config.namespace, config.bucket_bits)
-    state.address = config.parsed_address().display
-    session = Session(
-        state, ScriptRegistry(), RetryPolicy(config.retries, config.retry_backoff, config.server())
-    )
+    session = _session(config)
     executor = SyncExecutor(config)
     try:
         return executor.run(_op_migrate_session(session, progress or _noop, pairs_per_call))
     finally:
         executor.close()
+
+
+async def migrate_namespace_async(
+    config: RedisIndexConfig,
+    progress: MigrateProgress | None = None,
+    pairs_per_call: int = PAIRS_PER_CALL,
+) -> MigrationReport:
+    """:func:`migrate_namespace` on asyncio (the same operation, sent by the async executor)."""
+    session = _session(config)
+    executor = AsyncExecutor(config)
+    try:
+        return await executor.run(_op_migrate_session(session, progress or _noop, pairs_per_call))
+    finally:
+        await executor.close()
