@@ -11,7 +11,8 @@
   layout version, the expiry mode of a namespace that has none (also copied to <ns>:pi), and a
   sorted set <ns>:sx renamed to <ns>:mx, the pairs still to convert; while any is left,
   <ns>:meta holds migrating = the layout converted from and migrate_total = the pairs at the
-  start. "page" converts the first pairs of <ns>:mx: an entry id still in its request key's
+  start. It converts a first page of pairs too (a namespace with few is converted in this one
+  atomic call). "page" converts the next pairs of <ns>:mx (in deadline order): an entry id still in its request key's
   record leaves it and, before its deadline, moves to the expiring bucket with that deadline
   (includes/expiry); a past-due one is dropped (/1 readers no longer returned it); the pairs
   leave <ns>:mx, and the last page removes the two meta fields. Each call leaves every record
@@ -24,9 +25,11 @@
   begin:      ARGV[2] the layout converted from   ARGV[3] the layout converted to
               ARGV[4] a fresh random generation token
               ARGV[5] expiry mode for a namespace without one ("field" or "key")
+              ARGV[6] request bucket prefix "<ns>:r:"   ARGV[7] most pairs to convert (0..10000)
   page:       ARGV[2] the generation "begin" returned   ARGV[3] request bucket prefix
               "<ns>:r:"   ARGV[4] bucket bits   ARGV[5] most pairs to convert (1..10000)
-  Returns     begin: [state, generation, pairs left, pairs at the start] where state is
+  Returns     begin: [state, generation, pairs left, pairs at the start, pairs moved to
+              expiring buckets, pairs dropped] where state is
               "begun" (this call converted the record), "resume" (a migration is under way;
               with no pair left, this call ends it),
               "current" (already this layout, nothing to do), "missing" (no meta record),
@@ -35,9 +38,10 @@
               page: [pairs moved to expiring buckets, pairs dropped (past due, or the entry no
               longer held there), pairs left]
   Errors      KVREDIS_INVALID for malformed arguments; KVREDIS_LAYOUT when <ns>:sx or <ns>:mx
-              holds another type of value; KVREDIS_STALE (page) when the generation changed
+              holds another type of value or <ns>:meta no valid bucket bits (begin);
+              KVREDIS_STALE (page) when the generation changed
               (a drop, or another layout); all before the first write
-  Complexity  begin O(1); page O(pairs x entries per key) ]]
+  Complexity  O(pairs converted x entries per key) ]]
 --@include expiry
 
 local meta, pi, sx, mx = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
@@ -48,64 +52,13 @@ local function key_type(key)
   return type(t) == 'table' and t.ok or t
 end
 
-if mode == 'begin' then
-  local from, to = text_arg(ARGV[2], 'source layout'), text_arg(ARGV[3], 'target layout')
-  local gen = text_arg(ARGV[4], 'generation')
-  local expiry = ARGV[5]
-  if expiry ~= 'field' and expiry ~= 'key' then
-    fail('INVALID', 'expiry mode must be "field" or "key", got ' .. tostring(expiry))
-  end
-  local current = redis.call('HMGET', meta, 'layout', 'gen', 'expiry', 'migrating',
-    'migrate_total')
-  if not current[1] then return {'missing', '', 0, 0} end
-  if current[2] and string.sub(current[2], 1, 9) == 'dropping:' then
-    return {'dropping', current[2], 0, 0}
-  end
-  if current[1] == to then
-    if not current[4] then return {'current', current[2] or '', 0, 0} end
-    local left = key_type(mx) == 'zset' and redis.call('ZCARD', mx) or 0
-    -- nothing left (e.g. a namespace restored from a dump taken during a migration): done
-    if left == 0 then redis.call('HDEL', meta, 'migrating', 'migrate_total') end
-    return {'resume', current[2] or '', left, tonumber(current[5] or left) or left}
-  end
-  if current[1] ~= from then return {'other', current[1], 0, 0} end
-  local pairs_type = key_type(sx)
-  if pairs_type ~= 'zset' and pairs_type ~= 'string' and pairs_type ~= 'none' then
-    fail('LAYOUT', sx .. ' holds a ' .. pairs_type .. ', neither the deadlines of layout ' .. from
-      .. ' (a sorted set) nor the gate of ' .. to .. ' (a string)')
-  end
-  if key_type(mx) ~= 'none' then
-    fail('LAYOUT', mx .. ' exists although no migration is under way (a foreign key?)')
-  end
-  local total = 0
-  if pairs_type == 'zset' then
-    total = redis.call('ZCARD', sx)
-    redis.call('RENAME', sx, mx)
-  end
-  redis.call('HSET', meta, 'layout', to, 'gen', gen)
-  if not current[3] then
-    redis.call('HSET', meta, 'expiry', expiry)
-    redis.call('HSET', pi, 'expiry', expiry)
-  end
-  if total > 0 then
-    redis.call('HSET', meta, 'migrating', from, 'migrate_total', tostring(total))
-  end
-  return {'begun', gen, total, total}
-end
-
-if mode == 'page' then
-  local gen = text_arg(ARGV[2], 'generation')
-  local rbucket = bucket_namer(ARGV[3], ARGV[4])
-  local count = int_arg(ARGV[5], 'pairs per call', 1, 10000)
-  check_gen(meta, gen)
-  local mx_type = key_type(mx)
-  if mx_type ~= 'zset' and mx_type ~= 'none' then
-    fail('LAYOUT', mx .. ' holds a ' .. mx_type .. ', not the pairs of a migration')
-  end
-  local todo = redis.call('ZRANGE', mx, 0, count - 1, 'WITHSCORES')
+-- Convert the first `count` pairs of mx (checked arguments: rbucket names request buckets,
+-- bits is the bucket bit count); returns pairs moved, pairs dropped, pairs left.
+local function convert(rbucket, bits, count)
+  local todo = count > 0 and redis.call('ZRANGE', mx, 0, count - 1, 'WITHSCORES') or {}
   local moved, dropped = 0, 0
   if #todo > 0 then
-    local xs = expiring_open(expiring_stage(meta, sx, ARGV[4]))
+    local xs = expiring_open(expiring_stage(meta, sx, bits))
     local done = {}
     for j = 1, #todo, 2 do
       local member, deadline = todo[j], tonumber(todo[j + 1])
@@ -138,6 +91,71 @@ if mode == 'page' then
   end
   local left = redis.call('ZCARD', mx)
   if left == 0 then redis.call('HDEL', meta, 'migrating', 'migrate_total') end
+  return moved, dropped, left
+end
+
+if mode == 'begin' then
+  local from, to = text_arg(ARGV[2], 'source layout'), text_arg(ARGV[3], 'target layout')
+  local gen = text_arg(ARGV[4], 'generation')
+  local expiry = ARGV[5]
+  if expiry ~= 'field' and expiry ~= 'key' then
+    fail('INVALID', 'expiry mode must be "field" or "key", got ' .. tostring(expiry))
+  end
+  text_arg(ARGV[6], 'request bucket prefix')
+  local count = int_arg(ARGV[7], 'pairs per call', 0, 10000)
+  local current = redis.call('HMGET', meta, 'layout', 'gen', 'expiry', 'migrating',
+    'migrate_total', 'bucket_bits')
+  if not current[1] then return {'missing', '', 0, 0, 0, 0} end
+  if current[2] and string.sub(current[2], 1, 9) == 'dropping:' then
+    return {'dropping', current[2], 0, 0, 0, 0}
+  end
+  if current[1] == to then
+    if not current[4] then return {'current', current[2] or '', 0, 0, 0, 0} end
+    local left = key_type(mx) == 'zset' and redis.call('ZCARD', mx) or 0
+    -- nothing left (e.g. a namespace restored from a dump taken during a migration): done
+    if left == 0 then redis.call('HDEL', meta, 'migrating', 'migrate_total') end
+    return {'resume', current[2] or '', left, tonumber(current[5] or left) or left, 0, 0}
+  end
+  if current[1] ~= from then return {'other', current[1], 0, 0, 0, 0} end
+  local bits = current[6]
+  if not (bits and tonumber(bits) and tonumber(bits) >= 1 and tonumber(bits) <= 24) then
+    fail('LAYOUT', meta .. ' holds no valid bucket_bits (' .. tostring(bits) .. ')')
+  end
+  local rbucket = bucket_namer(ARGV[6], bits)
+  local pairs_type = key_type(sx)
+  if pairs_type ~= 'zset' and pairs_type ~= 'string' and pairs_type ~= 'none' then
+    fail('LAYOUT', sx .. ' holds a ' .. pairs_type .. ', neither the deadlines of layout ' .. from
+      .. ' (a sorted set) nor the gate of ' .. to .. ' (a string)')
+  end
+  if key_type(mx) ~= 'none' then
+    fail('LAYOUT', mx .. ' exists although no migration is under way (a foreign key?)')
+  end
+  local total = 0
+  if pairs_type == 'zset' then
+    total = redis.call('ZCARD', sx)
+    redis.call('RENAME', sx, mx)
+  end
+  redis.call('HSET', meta, 'layout', to, 'gen', gen)
+  if not current[3] then
+    redis.call('HSET', meta, 'expiry', expiry)
+    redis.call('HSET', pi, 'expiry', expiry)
+  end
+  if total == 0 then return {'begun', gen, 0, 0, 0, 0} end
+  redis.call('HSET', meta, 'migrating', from, 'migrate_total', tostring(total))
+  local moved, dropped, left = convert(rbucket, bits, count)
+  return {'begun', gen, left, total, moved, dropped}
+end
+
+if mode == 'page' then
+  local gen = text_arg(ARGV[2], 'generation')
+  local rbucket = bucket_namer(ARGV[3], ARGV[4])
+  local count = int_arg(ARGV[5], 'pairs per call', 1, 10000)
+  check_gen(meta, gen)
+  local mx_type = key_type(mx)
+  if mx_type ~= 'zset' and mx_type ~= 'none' then
+    fail('LAYOUT', mx .. ' holds a ' .. mx_type .. ', not the pairs of a migration')
+  end
+  local moved, dropped, left = convert(rbucket, ARGV[4], count)
   return {moved, dropped, left}
 end
 

@@ -8,7 +8,8 @@ before the expiring buckets: those sit in the request buckets, their deadlines i
 1. ``begin``, one atomic call: a fresh generation fences out every /1 client (its next call
    fails the generation check, and its reload refuses the /2 record), the meta record names
    layout /2 (and an expiry mode, if it had none), and the sorted set, if any, becomes
-   ``<ns>:mx``: the pairs still to convert. From then on /2 clients read and write the
+   ``<ns>:mx``: the pairs still to convert, of which it converts a first page (so a namespace
+   with few is converted in this one call). From then on /2 clients read and write the
    namespace.
 2. ``page`` calls, each converting a bounded number of pairs atomically (the entry id leaves the
    request key's record and, before its deadline, moves to the expiring bucket; past-due ones
@@ -99,10 +100,17 @@ def op_migrate(
     started = time.monotonic()
     probe = Layout(namespace, 1, b"")
     keys = (probe.meta, probe.pi, probe.sx, probe.mx)
-    state, gen_raw, left_raw, total_raw = yield ScriptCall(
-        "migrate",
-        keys,
-        ("begin", MIGRATABLE_LAYOUTS[0], LAYOUT_VERSION, secrets.token_hex(8), expiry_mode),
+    begin = (
+        "begin",
+        MIGRATABLE_LAYOUTS[0],
+        LAYOUT_VERSION,
+        secrets.token_hex(8),
+        expiry_mode,
+        probe.rprefix,
+        pairs_per_call,
+    )
+    state, gen_raw, left_raw, total_raw, moved_raw, dropped_raw = yield ScriptCall(
+        "migrate", keys, begin
     )
     state, gen = _text(state), bytes(gen_raw)
     left, total = int(left_raw), int(total_raw)
@@ -133,7 +141,7 @@ def op_migrate(
             f"it with {drop_command(namespace, address)}"
         ) from exc
     layout = Layout(namespace, bits, gen)
-    moved = dropped = 0
+    moved, dropped = int(moved_raw), int(dropped_raw)
     progress(total - left, total)
     while left:
         try:

@@ -30,58 +30,74 @@ def _drive(op: rq.Op[Any], replies: list[Any]) -> tuple[list[rq.Request], Any]:
         outcome = next(answers)
 
 
-def test_begin_then_pages_until_no_pair_is_left_with_progress() -> None:
+def test_begin_converts_a_first_page_then_pages_follow_until_no_pair_is_left() -> None:
     seen: list[tuple[int, int]] = []
     op = op_migrate("ns", "field", lambda d, t: seen.append((d, t)), pairs_per_call=3)
-    sent, report = _drive(op, [[b"begun", b"g2", 5, 5], [b"12"], [2, 1, 2], [2, 0, 0]])
+    replies = [[b"begun", b"g2", 5, 8, 2, 1], [b"12"], [2, 1, 2], [2, 0, 0]]
+    sent, report = _drive(op, replies)
     begin = sent[0]
     assert isinstance(begin, rq.ScriptCall) and begin.script == "migrate" and begin.keys == KEYS
-    assert list(begin.args)[:3] == ["begin", "kvredis-kvblock/1", LAYOUT_VERSION]
-    assert list(begin.args)[4] == "field"
+    args = list(begin.args)
+    assert args[:3] == ["begin", "kvredis-kvblock/1", LAYOUT_VERSION]
+    assert args[4:] == ["field", b"ns:r:", 3]
     assert sent[1] == rq.Command(("HMGET", b"ns:meta", "bucket_bits"))
     assert sent[2] == rq.ScriptCall("migrate", KEYS, ("page", b"g2", b"ns:r:", 12, 3))
     assert sent[3] == sent[2]
-    assert seen == [(0, 5), (3, 5), (5, 5)]
+    assert seen == [(3, 8), (6, 8), (8, 8)]
     assert (report.migrated, report.resumed, report.pairs, report.moved, report.dropped) == (
         True,
         False,
-        5,
-        4,
-        1,
+        8,
+        6,
+        2,
     )
     assert report.source == "kvredis-kvblock/1" and report.target == LAYOUT_VERSION
 
 
 def test_a_namespace_without_pairs_or_in_this_layout_needs_no_page() -> None:
-    sent, report = _drive(op_migrate("ns", "key"), [[b"begun", b"g2", 0, 0], [b"16"]])
-    assert len(sent) == 2 and report.migrated and report.pairs == 0
-    sent, report = _drive(op_migrate("ns", "key"), [[b"current", b"g", 0, 0]])
+    begun = [b"begun", b"g2", 0, 4, 3, 1]  # all converted in the first call
+    sent, report = _drive(op_migrate("ns", "key"), [begun, [b"16"]])
+    assert len(sent) == 2 and report.migrated and (report.pairs, report.moved) == (4, 3)
+    sent, report = _drive(op_migrate("ns", "key"), [[b"current", b"g", 0, 0, 0, 0]])
     assert len(sent) == 1 and not report.migrated and report.source is None
-    sent, report = _drive(op_migrate("ns", "key"), [[b"resume", b"g", 1, 9], [b"16"], [1, 0, 0]])
+    resume = [b"resume", b"g", 1, 9, 0, 0]
+    sent, report = _drive(op_migrate("ns", "key"), [resume, [b"16"], [1, 0, 0]])
     assert report.resumed and report.pairs == 9 and report.moved == 1
 
 
 @pytest.mark.parametrize(
     ("reply", "error", "text"),
     [
-        ([b"missing", b"", 0, 0], NamespaceMissingError, "namespace 'ns' does not exist at h"),
-        ([b"dropping", b"dropping:x", 0, 0], NamespaceLayoutError, "`kvredis drop --redis h ns"),
-        ([b"other", b"kvredis-kvblock/3", 0, 0], NamespaceLayoutError, "upgrade kvredis"),
-        ([b"other", b"other/1", 0, 0], NamespaceLayoutError, "'other/1', which is no kvredis"),
+        (
+            [b"missing", b"", 0, 0, 0, 0],
+            NamespaceMissingError,
+            "namespace 'ns' does not exist at h",
+        ),
+        (
+            [b"dropping", b"dropping:x", 0, 0, 0, 0],
+            NamespaceLayoutError,
+            "`kvredis drop --redis h ns",
+        ),
+        ([b"other", b"kvredis-kvblock/3", 0, 0, 0, 0], NamespaceLayoutError, "upgrade kvredis"),
+        (
+            [b"other", b"other/1", 0, 0, 0, 0],
+            NamespaceLayoutError,
+            "'other/1', which is no kvredis",
+        ),
     ],
 )
 def test_what_cannot_be_migrated_says_what_to_do(
     reply: list[Any], error: type[Exception], text: str
 ) -> None:
     with pytest.raises(error, match=text.replace("(", r"\(")) as caught:
-        _drive(op_migrate("ns", "key", address="h"), [reply])
+        _drive(op_migrate("ns", "key", address="h"), [[*reply, 0, 0, 0, 0]])
     assert "b'" not in str(caught.value)
 
 
 def test_a_drop_midway_stops_the_migration_and_bad_page_sizes_are_refused() -> None:
     stale = StaleNamespaceError("namespace layout changed or was removed; reload it")
     with pytest.raises(StaleNamespaceError, match="dropped or recreated while it was being"):
-        _drive(op_migrate("ns", "key"), [[b"begun", b"g2", 4, 4], [b"16"], stale])
+        _drive(op_migrate("ns", "key"), [[b"begun", b"g2", 4, 4, 0, 0], [b"16"], stale])
     for bad in (0, 10_001):
         with pytest.raises(ConfigError):
             _drive(op_migrate("ns", "key", pairs_per_call=bad), [])
