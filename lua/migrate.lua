@@ -30,8 +30,8 @@
               "<ns>:r:"   ARGV[4] bucket bits   ARGV[5] most pairs to convert (1..10000)
   Returns     begin: [state, generation, pairs left, pairs at the start, pairs moved to
               expiring buckets, pairs dropped] where state is
-              "begun" (this call converted the record), "resume" (a migration is under way;
-              with no pair left, this call ends it),
+              "begun" (this call converted the record), "resume" (a migration is under way,
+              or pairs are left in <ns>:mx; with no pair left, this call ends it),
               "current" (already this layout, nothing to do), "missing" (no meta record),
               "dropping" (a drop is under way) or "other" (another layout: generation is then
               that layout's version);
@@ -110,10 +110,16 @@ if mode == 'begin' then
     return {'dropping', current[2], 0, 0, 0, 0}
   end
   if current[1] == to then
-    if not current[4] then return {'current', current[2] or '', 0, 0, 0, 0} end
     local left = key_type(mx) == 'zset' and redis.call('ZCARD', mx) or 0
-    -- nothing left (e.g. a namespace restored from a dump taken during a migration): done
-    if left == 0 then redis.call('HDEL', meta, 'migrating', 'migrate_total') end
+    if left == 0 then
+      if not current[4] then return {'current', current[2] or '', 0, 0, 0, 0} end
+      -- nothing left (e.g. a namespace restored from a dump taken during a migration): done
+      redis.call('HDEL', meta, 'migrating', 'migrate_total')
+    elseif not current[4] then
+      -- pairs left but no record of the migration (a meta record lost and healed): go on
+      current[5] = tostring(left)
+      redis.call('HSET', meta, 'migrating', from, 'migrate_total', current[5])
+    end
     return {'resume', current[2] or '', left, tonumber(current[5] or left) or left, 0, 0}
   end
   if current[1] ~= from then return {'other', current[1], 0, 0, 0, 0} end
