@@ -176,7 +176,8 @@ class Survey:
 
     ``layout`` is its meta record's layout version (``None`` without one), ``dropping`` whether
     a drop was cut short (the generation is a tombstone), ``migrating`` the layout a migration
-    under way converts from, ``keys`` how many keys of the namespace exist (meta included).
+    under way converts from, ``keys`` how many keys of the namespace exist (meta included; SCAN
+    may report a key twice while the server resizes its table).
     """
 
     namespace: str
