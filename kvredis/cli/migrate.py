@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 import click
+from click.core import ParameterSource
 
 from kvredis.cli.options import (
     RedisTarget,
@@ -42,13 +43,13 @@ def _command(example: str) -> Callable[[Callable[..., Any]], click.Command]:
 
 
 def _target(target: RedisTarget | None, namespace_arg: str | None) -> RedisTarget:
-    """The target, its namespace from the argument when one is given (--namespace else)."""
+    """The target, its namespace from the argument when one is given (it wins over
+    KVREDIS_NAMESPACE; with a different --namespace on the command line it is a usage error)."""
     assert target is not None
     ctx = click.get_current_context()
     if namespace_arg is not None:
-        source = ctx.get_parameter_source("namespace")
-        explicit = source is not None and source.name not in ("DEFAULT",)
-        if explicit and target.namespace != namespace_arg:
+        given = ctx.get_parameter_source("namespace") is ParameterSource.COMMANDLINE
+        if given and target.namespace != namespace_arg:
             raise click.UsageError(
                 f"two namespaces given: {namespace_arg!r} and --namespace {target.namespace!r}"
             )
@@ -173,7 +174,7 @@ def drop(
     from kvredis.redis.index import drop_namespace
 
     source = click.get_current_context().get_parameter_source("namespace")
-    if namespace_arg is None and (source is None or source.name == "DEFAULT"):
+    if namespace_arg is None and source in (None, ParameterSource.DEFAULT):
         raise click.UsageError("name the namespace to drop: kvredis drop NAMESPACE --yes")
     tgt = _target(target, namespace_arg)
     config = tgt.config()
