@@ -108,3 +108,20 @@ def test_the_command_line_pages_as_the_api_does() -> None:
     from kvredis.redis.migrate import PAIRS_PER_CALL
 
     assert CLI_PAIRS_PER_CALL == PAIRS_PER_CALL
+
+
+@pytest.mark.parametrize(
+    ("reply", "text"),
+    [
+        ([b"kvredis-cluster/9", b"8"], "written by a newer kvredis (this one reads kvredis-clus"),
+        ([b"kvredis-cluster/1", b"zero"], "has an invalid shard count 'zero'"),
+    ],
+)
+def test_cluster_descriptor_errors_show_text_and_say_when_to_upgrade(
+    reply: list[bytes], text: str
+) -> None:
+    from kvredis.redis.cluster.shards import parse_descriptor
+
+    with pytest.raises(NamespaceLayoutError, match=text.replace("(", r"\(")) as caught:
+        parse_descriptor(reply, "ns")
+    assert "b'" not in str(caught.value)
