@@ -54,7 +54,7 @@ from kvredis.redis.state import CoreState, drop_command, layout_error
 #: namespace has none to convert).
 MigrateProgress = Callable[[int, int], None]
 
-#: Pairs one ``page`` call converts at most: a few ms of server time (scripts/bench_migrate.py).
+#: Pairs one call converts at most: about 3 ms of server time (scripts/bench_migrate.py).
 PAIRS_PER_CALL = 250
 
 
