@@ -87,6 +87,10 @@ _EXPORTS: dict[str, str] = {
     "new_redis_index": "kvredis.redis.index",
     "new_valkey_index": "kvredis.redis.index",
     "new_async_redis_index": "kvredis.redis.index",
+    "drop_namespace": "kvredis.redis.index",
+    "MigrationReport": "kvredis.redis.migrate",
+    "migrate_namespace": "kvredis.redis.migrate",
+    "migrate_namespace_async": "kvredis.redis.migrate",
     "AsyncRedisClusterIndex": "kvredis.redis.cluster.index",
     "RedisClusterIndex": "kvredis.redis.cluster.index",
     # event ingestion
@@ -174,6 +178,7 @@ __all__ = [
     "LongestPrefixScorer",
     "MMHash",
     "MessageSink",
+    "MigrationReport",
     "NamespaceIndex",
     "NamespaceLayoutError",
     "NamespaceMissingError",
@@ -202,8 +207,11 @@ __all__ = [
     "__version__",
     "compute_block_extra_features",
     "decode_batch",
+    "drop_namespace",
     "encode_batch",
     "mask_password",
+    "migrate_namespace",
+    "migrate_namespace_async",
     "new_async_redis_index",
     "new_index",
     "new_redis_index",
@@ -315,9 +323,15 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
     from kvredis.redis.index import (
         AsyncRedisIndex,
         RedisIndex,
+        drop_namespace,
         new_async_redis_index,
         new_redis_index,
         new_valkey_index,
+    )
+    from kvredis.redis.migrate import (
+        MigrationReport,
+        migrate_namespace,
+        migrate_namespace_async,
     )
     from kvredis.scoring import DEFAULT_MEDIUM_WEIGHTS, LongestPrefixScorer
     from kvredis.tiers import DEFAULT_TIERS, TierMap

@@ -241,6 +241,8 @@ def test_verbose_and_log_level_anywhere(caplog: pytest.LogCaptureFixture) -> Non
         "watermarks",
         "dump",
         "restore",
+        "migrate",
+        "drop",
     ],
 )
 def test_every_command_has_an_example_and_log_options(command: str) -> None:

@@ -805,22 +805,26 @@ def _check_dump(file: str, dump_format: str) -> tuple[dict[str, Any], dict[str, 
 
 
 def _restore_records(target: RedisTarget, file: str, replace: bool, bucket_bits: int) -> None:
+    from kvredis.errors import NamespaceLayoutError
     from kvredis.redis.inspect import op_namespace_keys, op_restore
     from kvredis.redis.layout import Layout
 
     with _inspector(target) as inspector:
         probe = Layout(target.namespace, bucket_bits, b"")
-        existing = _single_layout(inspector, target) or probe
-        if inspector.run(op_namespace_keys(existing)):
+        try:
+            existing = _single_layout(inspector, target) or probe
+            other = ""
+        except NamespaceLayoutError:  # another layout: --replace drops it all the same
+            existing, other = None, " (in a layout this kvredis does not read)"
+        if existing is None or inspector.run(op_namespace_keys(existing)):
             if not replace:
                 raise click.ClickException(
-                    f"namespace {target.namespace!r} at {target.shown} already holds keys; "
-                    "pass --replace to drop them first"
+                    f"namespace {target.namespace!r} at {target.shown} already holds keys"
+                    f"{other}; pass --replace to drop them first"
                 )
-            from kvredis.redis.index import RedisIndex
+            from kvredis.redis.index import drop_namespace
 
-            with RedisIndex(target.config()) as index:
-                index.drop_namespace()
+            drop_namespace(target.config())
         prefix = probe.meta[: -len(b"meta")]
         inspector.run(op_restore(prefix, (r for r in _records(file) if "key" in r)))
 

@@ -14,6 +14,7 @@ Modules, in dependency order (each imports only the ones before it):
 - ``config``    RedisIndexConfig
 - ``replicas``  reads from replicas of a single server: discovery, choice, fallback (sans-IO)
 - ``executor``  sync and asyncio executors: send one request with redis-py, nothing else
+- ``migrate``   converting a namespace of an earlier layout in place (``kvredis migrate``)
 - ``cluster/``  the index on a Redis Cluster: shards, key slots, MOVED/ASK, the slot map,
   parallel waves per node, the cluster operations, RedisClusterIndex (its ``executor`` and
   ``index`` load redis-py; the rest is sans-IO)

@@ -28,7 +28,7 @@ import redis.asyncio
 
 from kvredis.batch import IndexOp, Watermark
 from kvredis.checks import check_selection
-from kvredis.errors import ConfigError
+from kvredis.errors import ConfigError, NamespaceMissingError
 from kvredis.index import ClearProgress
 from kvredis.redis.cluster.index import AsyncRedisClusterIndex, RedisClusterIndex
 from kvredis.redis.config import DEFAULT_VALKEY_ADDRESS, RedisIndexConfig, check_supported
@@ -44,6 +44,7 @@ from kvredis.redis.ops import (
     op_apply_batch,
     op_clear,
     op_connect,
+    op_drive,
     op_drop_namespace,
     op_evict,
     op_get_request_key,
@@ -90,6 +91,7 @@ class _Facade:
             ScriptRegistry(),
             RetryPolicy(cfg.retries, cfg.retry_backoff, cfg.server()),
         )
+        self._session.state.address = cfg.parsed_address().display
 
     def _op(self, factory: Callable[[CoreState], Op[T]]) -> Op[T]:
         """The operation ``factory(state)``, run with namespace loading and stale reloads."""
@@ -390,3 +392,35 @@ def new_async_redis_index(
     if config is not None and config.cluster:
         return AsyncRedisClusterIndex(config)
     return AsyncRedisIndex(config)
+
+
+def drop_namespace(config: RedisIndexConfig) -> int:
+    """Delete every key of the namespace of ``config``, whatever its layout (also one of an
+    earlier or later kvredis, which :class:`RedisIndex` refuses to open, and one whose drop was
+    cut short); returns the number of keys deleted, 0 when there was no namespace.
+
+    The same steps as :meth:`RedisIndex.drop_namespace` (the generation becomes a tombstone
+    first, so no client writes meanwhile), without loading the namespace; on a cluster address,
+    :meth:`~kvredis.redis.cluster.index.RedisClusterIndex.drop_namespace`.
+    """
+    if not isinstance(config, RedisIndexConfig):
+        raise ConfigError(f"config must be a RedisIndexConfig, got {config!r}")
+    if config.cluster:
+        try:
+            cluster = RedisClusterIndex(config, create=False)
+        except NamespaceMissingError:
+            return 0
+        try:
+            return cluster.drop_namespace()
+        finally:
+            cluster.close()
+    check_supported(config)
+    state = CoreState(config.namespace, config.bucket_bits)
+    session = Session(
+        state, ScriptRegistry(), RetryPolicy(config.retries, config.retry_backoff, config.server())
+    )
+    executor = SyncExecutor(config)
+    try:
+        return executor.run(op_drive(session, op_drop_namespace(state)))
+    finally:
+        executor.close()

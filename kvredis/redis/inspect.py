@@ -154,19 +154,23 @@ def _noop(_done: int, _total: int) -> None:
 # -- reading ------------------------------------------------------------------------------------
 
 
-def op_read_layout(namespace: str) -> Op[Layout | None]:
+def op_read_layout(namespace: str, address: str | None = None) -> Op[Layout | None]:
     """The namespace's layout, from its meta record; ``None`` if it has none (never creates it).
 
-    A meta record of another layout version or with bad fields raises NamespaceLayoutError.
+    A meta record of another layout version or with bad fields raises NamespaceLayoutError
+    (naming ``address`` in the command that fixes it).
     """
     state = CoreState(namespace)
+    state.address = address
     reply = yield Command(("HMGET", meta_key(namespace), "layout", "bucket_bits", "gen"))
     if not any(reply):
         return None
     return state.adopt(reply)
 
 
-def op_server_layout(namespace: str, server: str) -> Op[Layout | None]:
+def op_server_layout(
+    namespace: str, server: str, address: str | None = None
+) -> Op[Layout | None]:
     """:func:`op_read_layout` on a single server, once ``INFO cluster`` shows it is no cluster
     node (:class:`~kvredis.errors.ClusterModeError` otherwise, naming ``server``; a server that
     does not permit INFO is taken as it is)."""
@@ -178,7 +182,7 @@ def op_server_layout(namespace: str, server: str) -> Op[Layout | None]:
         info = None
     if info is not None:
         check_not_cluster(info, server)
-    return (yield from op_read_layout(namespace))
+    return (yield from op_read_layout(namespace, address))
 
 
 def op_scan(pattern: bytes, count: int = KEYS_PER_PIPELINE) -> Op[list[bytes]]:
@@ -1312,9 +1316,12 @@ class Inspector:
 
         Raises :class:`~kvredis.errors.ClusterModeError` when the server is a node of a Redis
         Cluster (its namespaces are sharded: use
-        :class:`~kvredis.redis.cluster.inspect.ClusterInspector`).
+        :class:`~kvredis.redis.cluster.inspect.ClusterInspector`), and
+        :class:`~kvredis.errors.NamespaceLayoutError` naming the command that fixes a namespace
+        of another layout.
         """
-        return self.run(op_server_layout(self.config.namespace, self.config.server()))
+        address = self.config.parsed_address().display
+        return self.run(op_server_layout(self.config.namespace, self.config.server(), address))
 
     def close(self) -> None:
         """Close the connections."""

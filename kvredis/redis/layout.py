@@ -22,6 +22,10 @@ Key layout of a namespace ``<ns>`` (all keys start with ``<ns>:``)::
     <ns>:wp          HASH  stream -> "epoch:seq:token:part", a batch being applied in parts
     <ns>:r:<bucket>  HASH  8-byte request key -> entry ids (id list), oldest added first, or
                            the 6-byte ref (u32 run id, u16 position) of the run holding it
+    <ns>:mx          ZSET  only while ``kvredis migrate`` converts a namespace of layout
+                           kvredis-kvblock/1 that holds speculative entries of its sorted-set
+                           form: the (8-byte request key + 4-byte entry id -> deadline) pairs
+                           still to convert into expiring buckets (:mod:`kvredis.redis.migrate`)
     <ns>:c:<run id>  HASH  a chain run: request keys stored together (RUN_MAX at most),
                            fields k (their keys in chain order) and r (ranges of positions
                            holding the same ids): see lua/includes/runs.lua
@@ -47,7 +51,9 @@ hash) are those of :mod:`kvredis.redis.codec`. The scripts name bucket keys from
 same way (``lua/includes/layout.lua``). Every script first compares ``gen`` with the client's:
 a client of an earlier incarnation gets ``KVREDIS_STALE`` and reloads. While the namespace is
 being dropped, ``gen`` is a ``dropping:<token>`` tombstone (``lua/drop.lua``): nothing writes to
-it, and the next client to load it finishes the drop first.
+it, and the next client to load it finishes the drop first. While ``kvredis migrate`` converts a
+namespace of an earlier layout, ``<ns>:meta`` already names this layout and also holds
+``migrating`` (the layout it converts from) and ``migrate_total`` (pairs to convert).
 """
 
 from __future__ import annotations
@@ -57,6 +63,10 @@ from kvredis.redis.codec import escape_glob, text_bytes
 
 #: Layout version stored in ``<ns>:meta``; a client refuses a namespace of another version.
 LAYOUT_VERSION = "kvredis-kvblock/2"
+#: Every layout version of this family starts so; the number after it orders them.
+LAYOUT_FAMILY = "kvredis-kvblock/"
+#: Earlier layouts that :func:`kvredis.redis.migrate.migrate_namespace` converts in place.
+MIGRATABLE_LAYOUTS = ("kvredis-kvblock/1",)
 #: Bucket bits of a new namespace unless configured: 65,536 request buckets (and as many engine
 #: buckets), which keeps buckets small (listpack-encoded) up to tens of millions of keys.
 DEFAULT_BUCKET_BITS = 16
@@ -109,6 +119,7 @@ class Layout:
         "gen",
         "mask",
         "meta",
+        "mx",
         "namespace",
         "pe",
         "pi",
@@ -137,6 +148,7 @@ class Layout:
         self.wm = ns + b":wm"
         self.wp = ns + b":wp"
         self.sx = ns + b":sx"
+        self.mx = ns + b":mx"
         self.rprefix = ns + b":r:"
         self.eprefix = ns + b":e:"
         self.sprefix = ns + b":s:"
@@ -195,7 +207,7 @@ class Layout:
 
     def fixed_keys(self) -> tuple[bytes, ...]:
         """The keys of the namespace that are not buckets, ``<ns>:meta`` last."""
-        return (self.wm, self.wp, self.sx, self.pr, self.pp, self.pe, self.pi, self.meta)
+        return (self.wm, self.wp, self.sx, self.mx, self.pr, self.pp, self.pe, self.pi, self.meta)
 
 
 def check_namespace(namespace: object) -> str:

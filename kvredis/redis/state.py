@@ -9,6 +9,7 @@ produced under.
 from __future__ import annotations
 
 import logging
+import shlex
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -23,7 +24,9 @@ from kvredis.redis.codec import ID_WIDTH, decode_entry
 from kvredis.redis.layout import (
     DEFAULT_BUCKET_BITS,
     EXPIRY_KEY,
+    LAYOUT_FAMILY,
     LAYOUT_VERSION,
+    MIGRATABLE_LAYOUTS,
     Layout,
     check_bucket_bits,
     check_namespace,
@@ -31,6 +34,85 @@ from kvredis.redis.layout import (
 from kvredis.types import PodEntry
 
 logger = logging.getLogger(__name__)
+
+
+def _text(value: object) -> str:
+    """A stored value as text for a message (bytes decoded, never a ``b'...'`` repr)."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value).decode("utf-8", "backslashreplace")
+    return str(value)
+
+
+def _target(namespace: str, address: str | None) -> str:
+    return f"--redis {shlex.quote(address) if address else 'URL'} {shlex.quote(namespace)}"
+
+
+def migrate_command(namespace: str, address: str | None = None) -> str:
+    """The command line that converts ``namespace`` to this kvredis's layout."""
+    return f"`kvredis migrate {_target(namespace, address)}`"
+
+
+def drop_command(namespace: str, address: str | None = None) -> str:
+    """The command line that deletes ``namespace`` whatever its layout."""
+    return f"`kvredis drop {_target(namespace, address)} --yes`"
+
+
+def layout_number(version: str) -> int | None:
+    """The number of a ``kvredis-kvblock/<n>`` layout version, ``None`` for any other text."""
+    if not version.startswith(LAYOUT_FAMILY):
+        return None
+    number = version[len(LAYOUT_FAMILY) :]
+    return int(number) if number.isdigit() and number.isascii() else None
+
+
+def layout_error(
+    namespace: str, found: bytes | str, address: str | None = None
+) -> NamespaceLayoutError:
+    """The error for a namespace whose meta record names layout ``found``: what it is, and the
+    one command that fixes it (``kvredis migrate`` for an earlier layout, an upgrade of kvredis
+    for a later one, ``kvredis drop`` for anything else)."""
+    version = _text(found)
+    ns = repr(namespace)
+    number, ours = layout_number(version), layout_number(LAYOUT_VERSION)
+    if version in MIGRATABLE_LAYOUTS:
+        return NamespaceLayoutError(
+            f"namespace {ns} is in layout {version}, this kvredis reads {LAYOUT_VERSION}: "
+            f"convert it with {migrate_command(namespace, address)} (or drop it: "
+            f"{drop_command(namespace, address)})"
+        )
+    if number is not None and ours is not None and number > ours:
+        return NamespaceLayoutError(
+            f"namespace {ns} is in layout {version}, written by a newer kvredis (this one reads "
+            f"{LAYOUT_VERSION}): upgrade kvredis to a version that reads layout {version}"
+        )
+    if number is not None:
+        return NamespaceLayoutError(
+            f"namespace {ns} is in layout {version}, which this kvredis cannot convert (it "
+            f"reads {LAYOUT_VERSION} and converts {', '.join(MIGRATABLE_LAYOUTS)}): drop it "
+            f"with {drop_command(namespace, address)} and ingest again"
+        )
+    return NamespaceLayoutError(
+        f"namespace {ns} holds layout {version!r}, which is no kvredis layout (this kvredis "
+        f"reads {LAYOUT_VERSION}; another program's keys?): use another namespace, or drop it "
+        f"with {drop_command(namespace, address)}"
+    )
+
+
+def incomplete_meta_error(
+    namespace: str, reply: object, address: str | None = None
+) -> NamespaceLayoutError:
+    """The error for a meta record without its layout, bucket bits or generation."""
+    names = ("layout", "bucket_bits", "gen")
+    if isinstance(reply, (list, tuple)) and len(reply) == len(names):
+        shown = ", ".join(
+            f"{n}={_text(v)!r}" if v else f"{n} missing" for n, v in zip(names, reply, strict=True)
+        )
+    else:
+        shown = f"not a hash record ({_text(reply)!r})"
+    return NamespaceLayoutError(
+        f"namespace {namespace!r} has an incomplete meta record ({shown}): drop it with "
+        f"{drop_command(namespace, address)}, or use another namespace"
+    )
 
 
 class EntryCache:
@@ -102,6 +184,8 @@ class CoreState:
         #: How a namespace this client creates expires its expiring entries (``"field"`` or
         #: ``"key"``: see :mod:`kvredis.redis.layout`), set from the server when connecting.
         self.expiry_mode = EXPIRY_KEY
+        #: The server's address as shown to people (password masked), for error messages.
+        self.address: str | None = None
         self._current: tuple[Layout, EntryCache] | None = None
         self._lock = threading.Lock()
 
@@ -130,22 +214,17 @@ class CoreState:
     def adopt(self, reply: Sequence[Any]) -> Layout:
         """Take over the namespace record returned by the ``namespace`` script."""
         if not isinstance(reply, (list, tuple)) or len(reply) != 3 or not all(reply):
-            raise NamespaceLayoutError(
-                f"namespace {self.namespace!r} has an incomplete meta record {reply!r}; "
-                "delete its keys or use another namespace"
-            )
+            raise incomplete_meta_error(self.namespace, reply, self.address)
         version, bits_raw, gen = (bytes(v) for v in reply)
         if version.decode("utf-8", "replace") != LAYOUT_VERSION:
-            raise NamespaceLayoutError(
-                f"namespace {self.namespace!r} holds layout {version!r}, this client writes "
-                f"{LAYOUT_VERSION!r}; use another namespace, or drop this one (drop_namespace(), "
-                "`kvredis drop`) and ingest again"
-            )
+            raise layout_error(self.namespace, version, self.address)
         try:
             bits = check_bucket_bits(int(bits_raw))
         except (ValueError, InvalidInputError) as exc:
             raise NamespaceLayoutError(
-                f"namespace {self.namespace!r} has invalid bucket bits {bits_raw!r}"
+                f"namespace {self.namespace!r} has invalid bucket bits "
+                f"{_text(bits_raw)!r} in its meta record: drop it "
+                f"({drop_command(self.namespace, self.address)})"
             ) from exc
         if bits != self.bucket_bits:
             logger.info(

@@ -45,6 +45,7 @@ COMMANDS = {
     "apply_shards",
     "evict",
     "lookup",
+    "migrate",
     "namespace",
     "ping",
     "request_key",

@@ -105,13 +105,22 @@ def parse_descriptor(reply: object, namespace: str) -> int | None:
         return None
     text = bytes(layout or b"").decode("utf-8", "replace")
     if text != CLUSTER_LAYOUT:
+        family, _, number = CLUSTER_LAYOUT.rpartition("/")
+        found_family, _, found = text.rpartition("/")
+        if found_family == family and found.isdigit() and int(found) > int(number):
+            raise NamespaceLayoutError(
+                f"cluster namespace {namespace!r} is in layout {text}, written by a newer "
+                f"kvredis (this one reads {CLUSTER_LAYOUT}): upgrade kvredis to a version that "
+                f"reads layout {text}"
+            )
         raise NamespaceLayoutError(
             f"cluster namespace {namespace!r} holds layout {text!r}, this client writes "
             f"{CLUSTER_LAYOUT!r}; use another namespace"
         )
+    count = bytes(shards or b"").decode("utf-8", "replace")
     try:
-        return check_shards(int(bytes(shards or b"")))
+        return check_shards(int(count))
     except (ValueError, InvalidInputError) as exc:
         raise NamespaceLayoutError(
-            f"cluster namespace {namespace!r} has an invalid shard count {shards!r}"
+            f"cluster namespace {namespace!r} has an invalid shard count {count!r}"
         ) from exc

@@ -1,0 +1,41 @@
+#!lua flags=allow-oom,allow-cross-slot-keys
+--[[ reclaim: delete the definitions of a cleared pod's entries from the entry dictionary (the
+  last step of clear, once no bucket holds them). Entry ids are never reused (<ns>:meta next_id
+  only grows), so an id a client has cached keeps meaning the entry it was defined as; adding
+  the entry again interns it under a new id. An id that a racing add stored again after the
+  clear passed its bucket is left without definition: lookups skip it (see lookup.lua).
+  KEYS[1]     <ns>:meta    KEYS[2] <ns>:pe    KEYS[3] <ns>:pi    KEYS[4] <ns>:pp
+  ARGV[1]     namespace generation    ARGV[2] the pod id
+  ARGV[3]     the pod's entry ids to reclaim (id list, as read from <ns>:pp when the clear began)
+  Errors      KVREDIS_INVALID for a malformed id list, before the first write
+  Returns     number of definitions deleted
+  Complexity  O(ids + the pod's id list) ]]
+--@include entries
+check_gen(KEYS[1], ARGV[1])
+local ids = blob_arg(ARGV[3], ID_WIDTH, 'entry ids')
+local list = {}
+for i = 1, #ids, ID_WIDTH do list[#list + 1] = string.sub(ids, i, i + ID_WIDTH - 1) end
+local encs = hmget(KEYS[3], list)
+local owners = hmget(KEYS[2], (function()
+  local out = {}
+  for i = 1, #list do out[i] = encs[i] or '' end
+  return out
+end)())
+local current = redis.call('HGET', KEYS[4], ARGV[2])
+local deleted = 0
+for i = 1, #list do
+  if encs[i] then
+    redis.call('HDEL', KEYS[3], list[i])
+    if owners[i] == list[i] then redis.call('HDEL', KEYS[2], encs[i]) end
+    deleted = deleted + 1
+  end
+end
+if current then
+  local left = list_without(current, list_set(ids, ID_WIDTH), ID_WIDTH)
+  if left == '' then
+    redis.call('HDEL', KEYS[4], ARGV[2])
+  elseif left ~= current then
+    redis.call('HSET', KEYS[4], ARGV[2], left)
+  end
+end
+return deleted
