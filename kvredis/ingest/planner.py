@@ -58,7 +58,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from kvredis.batch import AddOp, EvictOp, IndexOp
 from kvredis.checks import infer_mappings
@@ -90,18 +90,47 @@ __all__ = [
     "MAX_TAILS_PER_POD",
     "Barrier",
     "BatchPlan",
+    "Cut",
     "EngineKeyCache",
     "Lookup",
     "PlanSteps",
     "Planner",
     "PodCaches",
     "Tail",
+    "boundary_key",
+    "fine_pages",
 ]
 
 
-MAX_TAILS_PER_POD = 32_768
-"""Chain ends remembered per pod (fewer when the engine-key cache is smaller): each holds less
-than one index block of tokens, a few hundred bytes."""
+MAX_TAILS_PER_POD = 65_536
+"""Default of ``IngesterConfig.tail_cache_size``: engine pages ending inside an index block
+remembered per pod (chain ends, and the pages a branch may hang from)."""
+
+_MASK64 = (1 << 64) - 1
+_BOUNDARY_TAG = 0x6B7672656469732D  # "kvredis-"
+
+
+def boundary_key(engine_key: int) -> int:
+    """The engine key under which the index maps the block that page ``engine_key`` completes.
+
+    Engines whose pages are smaller than the index block (SGLang page size 1..8, vLLM 16-token
+    blocks under a 64-token index) map every page to the index block holding its tokens, so a
+    page's own mapping cannot tell whether a chain may continue right after it. A page ending
+    exactly at a block boundary is also mapped under this derived key (one more mapping per
+    index block); a parent page whose derived key is not mapped ends inside a block, and a
+    child hangs from it exactly only if this ingester remembers that block's tokens. The
+    derivation is the splitmix64 finalizer of ``engine_key`` xor a fixed tag (a bijection on
+    64 bits; a derived key equal to an engine page's hash is a 2^-64 accident).
+    """
+    z = ((engine_key ^ _BOUNDARY_TAG) + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def fine_pages(engine_block_size: int, block_size: int) -> bool:
+    """Whether an engine's pages (``engine_block_size`` tokens) can end inside an index block."""
+    return engine_block_size <= 0 or engine_block_size % block_size != 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,35 +155,73 @@ class Tail:
     base_engine_key: int | None = None
 
 
+class Cut(NamedTuple):
+    """A page ending inside an index block, as remembered: the first ``tokens`` tokens (and
+    ``ids`` identifiers, ``keys`` engine keys) of ``whole``, the record of that block shared by
+    all its pages (a tuple of 4, not a :class:`Tail` each: see "Memory" in the README's
+    *Ingestion fidelity*)."""
+
+    whole: Tail
+    tokens: int
+    ids: int
+    keys: int
+
+    def tail(self) -> Tail:
+        """The chain as it ends after this page."""
+        w = self.whole
+        return Tail(
+            w.base,
+            w.model,
+            w.cache_salt,
+            w.tokens[: self.tokens],
+            w.ids[: self.ids],
+            w.engine_keys[: self.keys],
+            w.base_engine_key,
+        )
+
+
+def _tail_of(value: Tail | Cut | None) -> Tail | None:
+    return value.tail() if isinstance(value, Cut) else value
+
+
 class EngineKeyCache:
     """What one ingester knows of a pod's engine keys, bounded and thread-safe (least recently
-    used dropped): engine→request mappings, and the :class:`Tail` of chains that end mid-block.
+    used dropped): engine→request mappings, and where a chain stands after each page that ends
+    inside an index block (a :class:`Tail` at a chain end, a :class:`Cut` elsewhere).
     """
 
-    __slots__ = ("_data", "_limit", "_lock", "_tails")
+    __slots__ = ("_data", "_limit", "_lock", "_tail_limit", "_tails", "fine")
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, tail_limit: int | None = None) -> None:
         self._data: OrderedDict[int, int] = OrderedDict()
-        self._tails: OrderedDict[int, Tail] = OrderedDict()
+        self._tails: OrderedDict[int, Tail | Cut] = OrderedDict()
         self._limit = limit
+        self._tail_limit = min(limit, MAX_TAILS_PER_POD) if tail_limit is None else tail_limit
         self._lock = threading.Lock()
+        self.fine = False
+        """The pod's pages are smaller than index blocks (see :func:`boundary_key`)."""
 
     def get_tail(self, key: int) -> Tail | None:
         with self._lock:
             tail = self._tails.get(key)
             if tail is not None:
                 self._tails.move_to_end(key)
-            return tail
+        return _tail_of(tail)
+
+    def tails(self) -> int:
+        """How many pages' tails are remembered."""
+        with self._lock:
+            return len(self._tails)
 
     def pop_tail(self, key: int) -> None:
         with self._lock:
             self._tails.pop(key, None)
 
-    def put_tail(self, key: int, tail: Tail) -> None:
+    def put_tail(self, key: int, tail: Tail | Cut) -> None:
         with self._lock:
             self._tails[key] = tail
             self._tails.move_to_end(key)
-            if len(self._tails) > min(self._limit, MAX_TAILS_PER_POD):
+            if len(self._tails) > self._tail_limit:
                 self._tails.popitem(last=False)
 
     def get(self, key: int) -> int | None:
@@ -184,8 +251,9 @@ class EngineKeyCache:
 class PodCaches:
     """One :class:`EngineKeyCache` per pod, filled from what this ingester stored and read."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, tail_limit: int | None = None) -> None:
         self._limit = limit
+        self._tail_limit = tail_limit
         self._caches: dict[str, EngineKeyCache] = {}
         self._lock = threading.Lock()
         self.block_size: int | None = None
@@ -197,7 +265,7 @@ class PodCaches:
         with self._lock:
             cache = self._caches.get(pod)
             if cache is None:
-                cache = self._caches[pod] = EngineKeyCache(self._limit)
+                cache = self._caches[pod] = EngineKeyCache(self._limit, self._tail_limit)
             return cache
 
     def drop(self, pod: str) -> None:
@@ -220,6 +288,8 @@ class PodCaches:
                 prior = cache.get_tail(event.parent_block_hash)
             for engine_key in event.block_hashes:
                 cache.pop(engine_key)
+                if cache.fine:
+                    cache.pop(boundary_key(engine_key))
             if isinstance(event, BlockStored) and self.block_size is not None:
                 _learn_tail(cache, event, prior, self.block_size)
 
@@ -264,7 +334,7 @@ class BatchPlan:
         """Operations planned since the last barrier."""
         self.batch_map: dict[int, int] = {}
         """Engine→request mappings added by this batch so far (not yet in the pod cache)."""
-        self.batch_tails: dict[int, Tail] = {}
+        self.batch_tails: dict[int, Tail | Cut] = {}
         """Chain tails recorded by this batch so far (not yet in the pod cache)."""
         self.stale_tails: set[int] = set()
         """Engine keys stored again by this batch: their cached tails no longer hold."""
@@ -312,7 +382,7 @@ class BatchPlan:
         self.pending_evicts.update(keys)
         self.evicted.update(keys)
 
-    def put_tail(self, engine_key: int, tail: Tail) -> None:
+    def put_tail(self, engine_key: int, tail: Tail | Cut) -> None:
         self.batch_tails[engine_key] = tail
         self.stale_tails.discard(engine_key)
         self.evicted.discard(engine_key)
@@ -321,7 +391,7 @@ class BatchPlan:
         """The tail of the chain ending at ``engine_key``, as if the batch so far were applied."""
         hit = self.batch_tails.get(engine_key)
         if hit is not None or self.cache is None:
-            return hit
+            return _tail_of(hit)
         if engine_key in self.evicted or engine_key in self.stale_tails:
             return None
         return self.cache.get_tail(engine_key)
@@ -419,21 +489,46 @@ def _extra_keys(ev: BlockStored) -> ExtraKeys:
 
 
 def _learn_tail(cache: EngineKeyCache, ev: BlockStored, prior: Tail | None, bs: int) -> None:
-    """Record the tail ``ev`` leaves (a peer applied it), without hashing or I/O."""
+    """Record the tails ``ev`` leaves (a peer applied it), without hashing or I/O: a block the
+    event completes is named by the derived key of the page ending at its boundary."""
     if not ev.token_ids or not ev.block_hashes:
         return
     try:
         extra = _extra_keys(ev)
     except (ValueError, TypeError):
         return
+    fine = fine_pages(ev.block_size, bs)
+    if fine:
+        cache.fine = True
+    fine = fine or cache.fine
     if not ev.parent_block_hash:
         prior = Tail(0, ev.lora_name, ev.cache_salt or extra.cache_salt)
     elif prior is None:  # where the parent's chain ended is unknown here: learn nothing
         return
-    step = _advance(prior, ev, extra.features, bs)
+    step = _advance(prior, ev, extra.features, bs, fine)
+    hashes = ev.block_hashes
+    closing = {j: boundary_key(hashes[i]) for i, j in step.boundaries}
+    wholes: dict[int, Tail | None] = {}
+    for cut in step.cuts:
+        j = cut[1]
+        if j not in wholes:
+            if j == step.full:
+                wholes[j] = None  # the chain end's tail, recorded below
+            elif j == 0:
+                wholes[j] = step.whole(j, prior, prior.base, prior.base_engine_key)
+            else:
+                named = closing.get(j - 1)
+                wholes[j] = None if named is None else step.whole(j, prior, 0, named)
+        whole = wholes[j]
+        if whole is not None:
+            cache.put_tail(hashes[cut[0]], Cut(whole, cut[2], cut[3], cut[4]))
     if step.full and step.last_engine_key is None:
-        return  # no engine key names the new base for sure: learn nothing
-    cache.put_tail(ev.block_hashes[-1], step.after(prior, 0, step.last_engine_key))
+        return  # no engine key names the new base for sure: learn nothing more
+    after = step.after(prior, 0, step.last_engine_key)
+    for cut in step.cuts:
+        if cut[1] == step.full:
+            cache.put_tail(hashes[cut[0]], Cut(after, cut[2], cut[3], cut[4]))
+    cache.put_tail(hashes[-1], after)
 
 
 @dataclass(frozen=True, slots=True)
@@ -447,8 +542,8 @@ class _Step:
     feats: list[BlockExtraFeatures | None] | None
     """Their features."""
     groups: list[tuple[int, ...]] | None
-    """Per completed block, the engine keys holding its tokens; ``None``: the event covers
-    whole index blocks and the index maps its engine keys by length ratio."""
+    """Per completed block, the engine keys holding its tokens; ``None``: the event covers whole
+    index blocks and the index maps its engine keys by length ratio."""
     tokens: tuple[int, ...]
     ids: tuple[MMHash, ...]
     engine_keys: tuple[int, ...]
@@ -456,6 +551,14 @@ class _Step:
     last_engine_key: int | None
     """An engine key whose most recent mapping is the last completed block's request key, now
     and after any later event (``None`` when the event has no such key)."""
+    cuts: tuple[tuple[int, int, int, int, int], ...] = ()
+    """Pages but the last ending inside an index block: ``(page, block, tokens, ids, keys)``,
+    the chain after that page being the first ``tokens``/``ids``/``keys`` of that block's
+    record (:meth:`whole`, or the tail after the event for block ``full``)."""
+    boundaries: tuple[tuple[int, int], ...] = ()
+    """Pages ending exactly where a completed block ends (fine pages only): ``(page, block)``."""
+    page_keys: tuple[int, ...] = ()
+    """The event's engine keys (with ``boundaries``)."""
 
     def after(self, tail: Tail, base: int, base_engine_key: int | None) -> Tail:
         """The tail after the event, continuing from ``base`` (or ``base_engine_key``'s mapping)
@@ -472,9 +575,29 @@ class _Step:
             base_engine_key,
         )
 
+    def whole(self, j: int, tail: Tail, base: int, base_engine_key: int | None) -> Tail:
+        """The record of completed block ``j`` that its cuts share: the chain before it (block
+        ``j - 1``'s request key, or ``base_engine_key``'s mapping) and all of the block."""
+        assert self.groups is not None, "cuts come with groups"
+        bs = len(self.chain) // self.full
+        feat = self.feats[j] if self.feats is not None else None
+        return Tail(
+            base,
+            tail.model,
+            tail.cache_salt,
+            self.chain[j * bs : (j + 1) * bs],
+            tuple(feat.mm_hashes) if feat is not None else (),
+            self.groups[j],
+            base_engine_key,
+        )
+
 
 def _advance(
-    tail: Tail, ev: BlockStored, features: list[BlockExtraFeatures | None] | None, bs: int
+    tail: Tail,
+    ev: BlockStored,
+    features: list[BlockExtraFeatures | None] | None,
+    bs: int,
+    fine: bool = False,
 ) -> _Step:
     offset = len(tail.tokens)
     tokens = ev.token_ids
@@ -524,19 +647,55 @@ def _advance(
         tail_tokens = tail.tokens + tuple(tokens)
         tail_ids = tuple(ids_of(rest_lo, n, tail.ids))
         tail_keys = tail.engine_keys + tuple(hashes[i] for i in rest)
+    cuts: list[tuple[int, int, int, int, int]] = []
+    boundaries: list[tuple[int, int]] = []
+    if fine and hashes:
+        # One pass: the pages ending in a block are the pages overlapping it from the first
+        # whose last token is in it (they are contiguous), so a cut's engine keys and
+        # identifiers are counted on from the previous page's.
+        block, first = -1, 0
+        acc: list[MMHash] = []
+        prev: list[MMHash] = []
+        for i, (s, e) in enumerate(spans):
+            if e <= s:
+                continue
+            j = (offset + e - 1) // bs
+            if j != block:
+                block, first = j, i
+                acc = list(tail.ids) if j == 0 else []
+                prev = list(acc)
+            if features is not None and fspans is spans:
+                feat = features[i]
+                cur = list(feat.mm_hashes) if feat is not None else []
+                acc.extend(cur[_continued(prev, cur) :])
+                prev = cur
+            inside = (offset + e) % bs
+            if not inside:
+                boundaries.append((i, j))
+            elif i < len(hashes) - 1 and realigned is None:
+                keys = (len(tail.engine_keys) if j == 0 else 0) + i - first + 1
+                if features is not None and fspans is not spans:
+                    n_ids = len(ids_of(max(j * bs - offset, 0), e, tail.ids if j == 0 else ()))
+                else:
+                    n_ids = len(acc)
+                cuts.append((i, j, inside, n_ids, keys))
     groups: list[tuple[int, ...]] | None = None
     last_engine_key: int | None = None
     if full and hashes:
-        if offset or tail_tokens:
+        if offset or tail_tokens or fine:
             groups = [
                 (tail.engine_keys if j == 0 else ())
                 + tuple(hashes[i] for i in overlapping(lo, hi, spans))
                 for j, (lo, hi) in enumerate(block_ranges)
             ]
-            # An engine block ending inside the last full block maps to it last, and no later
-            # block claims it (only the engine blocks of a tail are mapped again).
-            inside = [i for i, (_, e) in enumerate(spans) if rest_lo - bs < e <= rest_lo]
-            last_engine_key = hashes[inside[-1]] if inside else None
+            if fine:
+                closing = [boundary_key(hashes[i]) for i, j in boundaries if j == full - 1]
+                last_engine_key = closing[0] if closing else None
+            else:
+                # An engine block ending inside the last full block maps to it last, and no
+                # later block claims it (only the engine blocks of a tail are mapped again).
+                inside_last = [i for i, (_, e) in enumerate(spans) if rest_lo - bs < e <= rest_lo]
+                last_engine_key = hashes[inside_last[-1]] if inside_last else None
         else:
             last_engine_key = hashes[-1]  # the ratio mapping maps it to the last block, last
     return _Step(
@@ -548,6 +707,9 @@ def _advance(
         tail_ids,
         tail_keys,
         last_engine_key,
+        tuple(cuts),
+        tuple(boundaries),
+        tuple(hashes) if boundaries else (),
     )
 
 
@@ -637,6 +799,11 @@ class Planner:
         except (ValueError, TypeError) as exc:
             plan.rejects.append(Rejection(RejectReason.BAD_EXTRA_KEYS, str(exc), position))
             return
+        cache = plan.cache
+        fine = fine_pages(ev.block_size, self.block_size)
+        if fine and cache is not None:
+            cache.fine = True
+        fine = fine or (cache is not None and cache.fine)
         if chain_start:
             tail = Tail(0, model_name, ev.cache_salt or extra.cache_salt)
         else:
@@ -652,25 +819,36 @@ class Planner:
             if known is not None:
                 tail = dataclasses.replace(known, model=known.model or model_name)
             else:
-                found = yield from plan.resolve(parent)
+                # With fine pages only a page ending at a block boundary continues from a
+                # block's key alone: its derived key is mapped; a page inside a block is not.
+                found = yield from plan.resolve(boundary_key(parent) if fine else parent)
                 if found is None:
                     if len(ev.token_ids) < self.block_size and ev.block_hashes:
-                        yield from self._tier_update(plan, ev, entry)
+                        yield from self._tier_update(plan, ev, entry, Counter.PARENT_MISSES)
                     else:
                         plan.count(Counter.PARENT_MISSES)
                     return
                 tail = Tail(found, model_name, None)
         try:
-            request, groups, after = self._continue(tail, ev, extra.features)
+            step = _advance(tail, ev, extra.features, self.block_size, fine)
+            request, groups, after = self._continue(tail, step)
         except (ValueError, TypeError) as exc:
             plan.rejects.append(Rejection(RejectReason.HASHING_FAILED, str(exc), position))
             return
         plan.count(Counter.EVENTS_APPLIED)
         plan.count(Counter.BLOCKS_STORED, len(ev.block_hashes))
         self._add(plan, ev, entry, request, groups)
-        if ev.block_hashes:
-            plan.drop_tails(ev.block_hashes[:-1])
-            plan.put_tail(ev.block_hashes[-1], after)
+        hashes = ev.block_hashes
+        if hashes:
+            plan.drop_tails(hashes[:-1])
+            wholes: dict[int, Tail] = {step.full: after}
+            for i, j, n_tokens, n_ids, n_keys in step.cuts:
+                whole = wholes.get(j)
+                if whole is None:
+                    base = request[j - 1] if j else tail.base
+                    whole = wholes[j] = step.whole(j, tail, base, None)
+                plan.put_tail(hashes[i], Cut(whole, n_tokens, n_ids, n_keys))
+            plan.put_tail(hashes[-1], after)
 
     def _add(
         self,
@@ -695,12 +873,12 @@ class Planner:
         plan.count(Counter.REQUEST_KEYS_STORED, len(request))
 
     def _continue(
-        self, tail: Tail, ev: BlockStored, features: list[BlockExtraFeatures | None] | None
+        self, tail: Tail, step: _Step
     ) -> tuple[tuple[int, ...], list[tuple[tuple[int, ...], int]] | None, Tail]:
-        """Hash ``ev`` on from ``tail`` (whose base is known): its request keys, the engine keys
-        of each (``None`` when the engine's blocks line up so the index infers them) and the
-        tail after it."""
-        step = _advance(tail, ev, features, self.block_size)
+        """Hash ``step`` on from ``tail`` (whose base is known): its request keys, the engine
+        keys of each (``None`` when the engine's blocks line up so the index infers them; with
+        fine pages, a block's group ends with the derived key of the page ending at its
+        boundary) and the tail after it."""
         request: tuple[int, ...] = ()
         model = tail.model
         assert model is not None, "a continued tail names its model"
@@ -718,9 +896,20 @@ class Planner:
         after = step.after(tail, request[-1] if request else tail.base, None)
         if step.groups is None:
             return request, None, after
-        return request, [(g, r) for g, r in zip(step.groups, request, strict=True)], after
+        groups = list(step.groups)
+        if step.boundaries:
+            hashes = step.page_keys
+            for i, j in step.boundaries:
+                groups[j] += (boundary_key(hashes[i]),)
+        return request, [(g, r) for g, r in zip(groups, request, strict=True)], after
 
-    def _tier_update(self, plan: BatchPlan, ev: BlockStored, entry: PodEntry) -> PlanSteps:
+    def _tier_update(
+        self,
+        plan: BatchPlan,
+        ev: BlockStored,
+        entry: PodEntry,
+        miss: Counter = Counter.TIER_UPDATE_MISSES,
+    ) -> PlanSteps:
         resolved: list[int] = []
         seen: set[int] = set()
         for engine_key in ev.block_hashes:
@@ -729,7 +918,7 @@ class Planner:
                 seen.add(request_key)
                 resolved.append(request_key)
         if not resolved:
-            plan.count(Counter.TIER_UPDATE_MISSES)
+            plan.count(miss)
             return
         plan.add(AddOp(None, tuple(resolved), (entry,)), None)
         plan.count(Counter.TIER_UPDATES)
@@ -740,6 +929,10 @@ class Planner:
         entry = self._entry(plan, pod, tier, ev.group_idx, position)
         if entry is None:
             return
-        plan.evict(ev.block_hashes, (entry,))
+        keys = ev.block_hashes
+        if plan.cache is not None and plan.cache.fine:
+            # A page's derived key goes with it (mapped only if the page ends at a boundary).
+            keys = tuple(k for h in keys for k in (h, boundary_key(h)))
+        plan.evict(keys, (entry,))
         plan.count(Counter.EVENTS_APPLIED)
         plan.count(Counter.BLOCKS_REMOVED, len(ev.block_hashes))

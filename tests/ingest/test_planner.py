@@ -12,7 +12,15 @@ from kvredis.ingest.events import (
     decode_batch,
     encode_batch,
 )
-from kvredis.ingest.planner import Barrier, BatchPlan, Lookup, Planner, PlanSteps, PodCaches
+from kvredis.ingest.planner import (
+    Barrier,
+    BatchPlan,
+    Lookup,
+    Planner,
+    PlanSteps,
+    PodCaches,
+    boundary_key,
+)
 from kvredis.types import KeyType, PodEntry
 from tests.ingest.harness import MODEL, POD, TP, block_tokens
 
@@ -105,8 +113,9 @@ def test_a_tail_waits_for_the_rest_of_its_block_and_maps_every_engine_block() ->
     assert plan.stats == {Counter.EVENTS_APPLIED: 1, Counter.BLOCKS_STORED: 3}
     _plan(p, plan, BlockStored((4,), 3, tokens[3:16], 13))
     want = TP.tokens_to_kv_block_keys(0, tokens[:16], MODEL)
-    # One block of the index spans four engine blocks: each one maps to it.
-    assert plan.take() == [AddOp((1, 2, 3, 4), tuple(want), (GPU,))]
+    # One block of the index spans four engine blocks: each one maps to it, and so does the
+    # derived key of the page ending at its boundary (pages here are finer than blocks).
+    assert plan.take() == [AddOp((1, 2, 3, 4, boundary_key(4)), tuple(want), (GPU,))]
 
 
 def test_tails_are_bounded_and_dropped_with_their_engine_key() -> None:
