@@ -87,6 +87,7 @@ if TYPE_CHECKING:
     from kvredis.hashing import TokenProcessor
 
 __all__ = [
+    "DEFAULT_PARTIAL_BLOCK_PAGES",
     "MAX_TAILS_PER_POD",
     "Barrier",
     "BatchPlan",
@@ -102,9 +103,13 @@ __all__ = [
 ]
 
 
-MAX_TAILS_PER_POD = 65_536
-"""Default of ``IngesterConfig.tail_cache_size``: engine pages ending inside an index block
-remembered per pod (chain ends, and the pages a branch may hang from)."""
+MAX_TAILS_PER_POD = 32_768
+"""Chain ends remembered per pod (fewer when the engine-key cache is smaller): each holds less
+than one index block of tokens, a few hundred bytes."""
+
+DEFAULT_PARTIAL_BLOCK_PAGES = 65_536
+"""Default of ``IngesterConfig.partial_block_pages``: other engine pages ending inside an index
+block remembered per pod (the pages a branch may hang from), about 300 bytes each."""
 
 _MASK64 = (1 << 64) - 1
 _BOUNDARY_TAG = 0x6B7672656469732D  # "kvredis-"
@@ -186,43 +191,59 @@ def _tail_of(value: Tail | Cut | None) -> Tail | None:
 
 class EngineKeyCache:
     """What one ingester knows of a pod's engine keys, bounded and thread-safe (least recently
-    used dropped): engine→request mappings, and where a chain stands after each page that ends
-    inside an index block (a :class:`Tail` at a chain end, a :class:`Cut` elsewhere).
+    used dropped, each kind on its own): engine→request mappings, the :class:`Tail` of chains
+    that end mid-block, and a :class:`Cut` for each other page that ends inside an index block.
     """
 
-    __slots__ = ("_data", "_limit", "_lock", "_tail_limit", "_tails", "fine")
+    __slots__ = ("_cut_limit", "_cuts", "_data", "_limit", "_lock", "_tails", "fine")
 
-    def __init__(self, limit: int, tail_limit: int | None = None) -> None:
+    def __init__(self, limit: int, cut_limit: int = DEFAULT_PARTIAL_BLOCK_PAGES) -> None:
         self._data: OrderedDict[int, int] = OrderedDict()
-        self._tails: OrderedDict[int, Tail | Cut] = OrderedDict()
+        self._tails: OrderedDict[int, Tail] = OrderedDict()
+        self._cuts: OrderedDict[int, Cut] = OrderedDict()
         self._limit = limit
-        self._tail_limit = min(limit, MAX_TAILS_PER_POD) if tail_limit is None else tail_limit
+        self._cut_limit = cut_limit
         self._lock = threading.Lock()
         self.fine = False
         """The pod's pages are smaller than index blocks (see :func:`boundary_key`)."""
 
     def get_tail(self, key: int) -> Tail | None:
+        """Where the chain stands after page ``key`` (``None``: not remembered)."""
         with self._lock:
             tail = self._tails.get(key)
             if tail is not None:
                 self._tails.move_to_end(key)
-        return _tail_of(tail)
+                return tail
+            cut = self._cuts.get(key)
+            if cut is None:
+                return None
+            self._cuts.move_to_end(key)
+        return cut.tail()
 
-    def tails(self) -> int:
-        """How many pages' tails are remembered."""
+    def partial_pages(self) -> int:
+        """How many pages inside an index block are remembered (chain ends included)."""
         with self._lock:
-            return len(self._tails)
+            return len(self._tails) + len(self._cuts)
 
     def pop_tail(self, key: int) -> None:
         with self._lock:
             self._tails.pop(key, None)
+            self._cuts.pop(key, None)
 
     def put_tail(self, key: int, tail: Tail | Cut) -> None:
         with self._lock:
-            self._tails[key] = tail
-            self._tails.move_to_end(key)
-            if len(self._tails) > self._tail_limit:
-                self._tails.popitem(last=False)
+            if isinstance(tail, Cut):
+                self._tails.pop(key, None)
+                self._cuts[key] = tail
+                self._cuts.move_to_end(key)
+                if len(self._cuts) > self._cut_limit:
+                    self._cuts.popitem(last=False)
+            else:
+                self._cuts.pop(key, None)
+                self._tails[key] = tail
+                self._tails.move_to_end(key)
+                if len(self._tails) > min(self._limit, MAX_TAILS_PER_POD):
+                    self._tails.popitem(last=False)
 
     def get(self, key: int) -> int | None:
         with self._lock:
@@ -242,6 +263,7 @@ class EngineKeyCache:
         with self._lock:
             self._data.pop(key, None)
             self._tails.pop(key, None)
+            self._cuts.pop(key, None)
 
     def __len__(self) -> int:
         with self._lock:
@@ -251,9 +273,9 @@ class EngineKeyCache:
 class PodCaches:
     """One :class:`EngineKeyCache` per pod, filled from what this ingester stored and read."""
 
-    def __init__(self, limit: int, tail_limit: int | None = None) -> None:
+    def __init__(self, limit: int, cut_limit: int = DEFAULT_PARTIAL_BLOCK_PAGES) -> None:
         self._limit = limit
-        self._tail_limit = tail_limit
+        self._cut_limit = cut_limit
         self._caches: dict[str, EngineKeyCache] = {}
         self._lock = threading.Lock()
         self.block_size: int | None = None
@@ -265,7 +287,7 @@ class PodCaches:
         with self._lock:
             cache = self._caches.get(pod)
             if cache is None:
-                cache = self._caches[pod] = EngineKeyCache(self._limit, self._tail_limit)
+                cache = self._caches[pod] = EngineKeyCache(self._limit, self._cut_limit)
             return cache
 
     def drop(self, pod: str) -> None:
