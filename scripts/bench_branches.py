@@ -11,7 +11,10 @@ Printed, for this checkout ("after") and for the kvredis tree of ``--before``:
 * low scores: (request, pod) scores below the blocks the pod holds for the request;
 * parent misses counted;
 * the ingester's per-pod state for partial blocks: pages remembered and bytes per page (deep
-  size of the tail cache, shared objects counted once, token ints included).
+  size of the chain ends and pages inside blocks it keeps, shared objects counted once, token
+  ints included);
+* the index's engine mappings (pages, and the boundary keys of pages ending a block) and the
+  time the ingester took (in-memory index, one thread).
 
     .venv/bin/python scripts/bench_branches.py [--before REF] [--page N] [--quick] [--json PATH]
 """
@@ -23,6 +26,7 @@ import random
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -98,9 +102,12 @@ def child(tree: str, page: int, requests: int) -> dict[str, Any]:
     ingester = EventIngester(index, tp)
     seqs: dict[str, int] = {}
     batches = fleet(page, requests)
-    for pod, events, _ in batches:
+    payloads = [(pod, wire.sglang_batch(events)) for pod, events, _ in batches]
+    started = time.perf_counter()
+    for pod, payload in payloads:
         seqs[pod] = seqs.get(pod, -1) + 1
-        ingester.process(f"kv@{pod}@{MODEL}", seqs[pod], wire.sglang_batch(events), pod)
+        ingester.process(f"kv@{pod}@{MODEL}", seqs[pod], payload, pod)
+    elapsed = time.perf_counter() - started
     caches = batches[-1][2]
     held_pairs = wrong = 0
     low = scored = 0
@@ -136,6 +143,8 @@ def child(tree: str, page: int, requests: int) -> dict[str, Any]:
         "pages_remembered": pages,
         "state_bytes": state,
         "bytes_per_page": state / pages if pages else 0.0,
+        "engine_mappings": len(index._engine),  # the index's engine keys (pages, boundary keys)
+        "ingest_ms": elapsed * 1000,
     }
 
 
@@ -175,6 +184,9 @@ def main() -> None:
         print(f"{name:<28}{cells[0]:>18}{cells[1]:>18}")
     for name, key in [("parent misses", "parent_misses"), ("pages remembered", "pages_remembered")]:
         print(f"{name:<28}{before[key]:>18}{after[key]:>18}")
+    for name, key in [("index engine mappings", "engine_mappings")]:
+        print(f"{name:<28}{before[key]:>18}{after[key]:>18}")
+    print(f"{'ingest ms (in-memory)':<28}{before['ingest_ms']:>18.0f}{after['ingest_ms']:>18.0f}")
     print(
         f"{'state bytes per page':<28}{before['bytes_per_page']:>18.0f}"
         f"{after['bytes_per_page']:>18.0f}"

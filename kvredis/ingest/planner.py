@@ -55,8 +55,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import threading
+from bisect import bisect_left, bisect_right
 from collections import OrderedDict
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -260,10 +261,24 @@ class EngineKeyCache:
                 self._data.popitem(last=False)
 
     def pop(self, key: int) -> None:
+        self.pop_many((key,))
+
+    def pop_many(self, keys: Iterable[int]) -> None:
+        """Forget everything about these engine keys."""
         with self._lock:
-            self._data.pop(key, None)
-            self._tails.pop(key, None)
-            self._cuts.pop(key, None)
+            data, tails, cuts = self._data, self._tails, self._cuts
+            for key in keys:
+                data.pop(key, None)
+                tails.pop(key, None)
+                cuts.pop(key, None)
+
+    def inside(self, key: int) -> bool:
+        """Whether page ``key`` is known to end inside an index block."""
+        with self._lock:
+            if key in self._cuts:
+                return True
+            tail = self._tails.get(key)
+            return tail is not None and bool(tail.tokens)
 
     def __len__(self) -> int:
         with self._lock:
@@ -418,6 +433,16 @@ class BatchPlan:
             return None
         return self.cache.get_tail(engine_key)
 
+    def inside(self, engine_key: int) -> bool:
+        """Whether page ``engine_key`` is known to end inside an index block (so no
+        :func:`boundary_key` of it is mapped), as if the batch so far were applied."""
+        hit = self.batch_tails.get(engine_key)
+        if hit is not None:
+            return isinstance(hit, Cut) or bool(hit.tokens)
+        if self.cache is None or engine_key in self.evicted or engine_key in self.stale_tails:
+            return False
+        return self.cache.inside(engine_key)
+
     def drop_tails(self, engine_keys: Sequence[int]) -> None:
         """These engine keys were stored again: a chain end recorded for them is stale."""
         for key in engine_keys:
@@ -460,8 +485,7 @@ class BatchPlan:
         cache = self.cache
         if cache is None:
             return
-        for engine_key in self.evicted:
-            cache.pop(engine_key)
+        cache.pop_many(self.evicted)
         for engine_key in self.stale_tails:
             cache.pop_tail(engine_key)
         for engine_key, request_key in self.batch_map.items():
@@ -638,9 +662,14 @@ def _advance(
         else:
             fspans = _engine_spans(n, len(features), ev.block_size)
 
-    def overlapping(lo: int, hi: int, over: list[tuple[int, int]]) -> list[int]:
+    # Spans are in token order (starts and ends never decrease): the engine blocks overlapping
+    # a range are a run, found by bisection (a page-1 event has as many spans as tokens).
+    bounds = {id(over): ([s for s, _ in over], [e for _, e in over]) for over in (spans, fspans)}
+
+    def overlapping(lo: int, hi: int, over: list[tuple[int, int]]) -> range:
         """Engine blocks (indexes into ``over``) holding any event token in ``[lo, hi)``."""
-        return [i for i, (s, e) in enumerate(over) if s < hi and e > lo]
+        starts, ends = bounds[id(over)]
+        return range(bisect_right(ends, lo), bisect_left(starts, hi))
 
     def ids_of(lo: int, hi: int, head: tuple[MMHash, ...]) -> list[MMHash]:
         out = list(head)
@@ -953,8 +982,11 @@ class Planner:
             return
         keys = ev.block_hashes
         if plan.cache is not None and plan.cache.fine:
-            # A page's derived key goes with it (mapped only if the page ends at a boundary).
-            keys = tuple(k for h in keys for k in (h, boundary_key(h)))
+            # A page's derived key goes with it: it is mapped only if the page ends at a block
+            # boundary, so the pages known to end inside a block need none.
+            keys = tuple(
+                k for h in keys for k in ((h,) if plan.inside(h) else (h, boundary_key(h)))
+            )
         plan.evict(keys, (entry,))
         plan.count(Counter.EVENTS_APPLIED)
         plan.count(Counter.BLOCKS_REMOVED, len(ev.block_hashes))
