@@ -205,8 +205,18 @@ class EngineKeyCache:
         self._limit = limit
         self._cut_limit = cut_limit
         self._lock = threading.Lock()
-        self.fine = False
-        """The pod's pages are smaller than index blocks (see :func:`boundary_key`)."""
+        self.fine: bool | None = None
+        """Whether the pod's pages can end inside index blocks (see :func:`boundary_key`):
+        learned from its first stored page (any such page makes it ``True`` for good);
+        ``None`` until then, when a removal evicts the boundary keys of its pages too."""
+
+    def learn_pages(self, engine_block_size: int, block_size: int) -> bool:
+        """Note a stored event's page size; whether the pod's pages can end inside blocks."""
+        if fine_pages(engine_block_size, block_size):
+            self.fine = True
+        elif self.fine is None:
+            self.fine = False
+        return self.fine
 
     def get_tail(self, key: int) -> Tail | None:
         """Where the chain stands after page ``key`` (``None``: not remembered)."""
@@ -325,7 +335,7 @@ class PodCaches:
                 prior = cache.get_tail(event.parent_block_hash)
             for engine_key in event.block_hashes:
                 cache.pop(engine_key)
-                if cache.fine:
+                if cache.fine is not False:
                     cache.pop(boundary_key(engine_key))
             if isinstance(event, BlockStored) and self.block_size is not None:
                 _learn_tail(cache, event, prior, self.block_size)
@@ -543,10 +553,7 @@ def _learn_tail(cache: EngineKeyCache, ev: BlockStored, prior: Tail | None, bs: 
         extra = _extra_keys(ev)
     except (ValueError, TypeError):
         return
-    fine = fine_pages(ev.block_size, bs)
-    if fine:
-        cache.fine = True
-    fine = fine or cache.fine
+    fine = cache.learn_pages(ev.block_size, bs)
     if not ev.parent_block_hash:
         prior = Tail(0, ev.lora_name, ev.cache_salt or extra.cache_salt)
     elif prior is None:  # where the parent's chain ended is unknown here: learn nothing
@@ -851,10 +858,10 @@ class Planner:
             plan.rejects.append(Rejection(RejectReason.BAD_EXTRA_KEYS, str(exc), position))
             return
         cache = plan.cache
-        fine = fine_pages(ev.block_size, self.block_size)
-        if fine and cache is not None:
-            cache.fine = True
-        fine = fine or (cache is not None and cache.fine)
+        if cache is None:
+            fine = fine_pages(ev.block_size, self.block_size)
+        else:
+            fine = cache.learn_pages(ev.block_size, self.block_size)
         if chain_start:
             tail = Tail(0, model_name, ev.cache_salt or extra.cache_salt)
         else:
@@ -981,7 +988,7 @@ class Planner:
         if entry is None:
             return
         keys = ev.block_hashes
-        if plan.cache is not None and plan.cache.fine:
+        if plan.cache is not None and plan.cache.fine is not False:
             # A page's derived key goes with it: it is mapped only if the page ends at a block
             # boundary, so the pages known to end inside a block need none.
             keys = tuple(

@@ -18,9 +18,12 @@ from typing import Any
 import pytest
 
 from kvredis.batch import AddOp
+from kvredis.errors import EngineKeyNotFoundError
+from kvredis.features import PlaceholderRange, compute_block_extra_features
 from kvredis.hashing import ChunkedTokenDatabase, TokenProcessorConfig
 from kvredis.indexer import Indexer
 from kvredis.ingest import EventIngester, IngesterConfig
+from kvredis.ingest.planner import boundary_key
 from kvredis.scoring import LongestPrefixScorer
 from tests.conftest import close_backend, make_backend
 from tests.ingest.radix import RadixCache
@@ -101,7 +104,9 @@ OWN_2 = tuple(range(3000, 3060))
 
 @pytest.mark.parametrize("page", [1, 4])
 @pytest.mark.parametrize("shared", [40, 48])
-def test_a_second_request_branching_inside_a_block(recorded: Any, page: int, shared: int) -> None:
+def test_a_second_request_branching_inside_a_block(index: Any, page: int, shared: int) -> None:
+    # Every backend: embedded, Redis and Valkey (sync, asyncio), and a local cluster of each.
+    recorded = recording(index)
     cache, stream = RadixCache(page), Stream("pod-a")
     ing = EventIngester(recorded, TP16)
     first, second = SHARED[:shared] + OWN_1, SHARED[:shared] + OWN_2
@@ -262,6 +267,37 @@ def test_an_evicted_branch_point_is_forgotten(recorded: Any) -> None:
     assert misses(ing) == 0
 
 
+def mapped(index: Any, engine_key: int) -> bool:
+    try:
+        index.get_request_key(engine_key)
+    except EngineKeyNotFoundError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("restart", [False, True], ids=["same", "restarted"])
+def test_evictions_leave_no_mapping(recorded: Any, restart: bool) -> None:
+    # The index maps a page ending at a block boundary under its boundary key as well; the
+    # removal of the page removes both, also for an ingester that restarted in between (it
+    # knows nothing of the pages yet).
+    cache, stream = RadixCache(1), Stream("pod-a")
+    ing = EventIngester(recorded, TP16)
+    pages: list[int] = []
+    for tokens in (SHARED[:40] + OWN_1, SHARED[:40] + OWN_2, SHARED[:40] + OWN_1[:30]):
+        cache.insert(tokens)
+        events = cache.take()
+        pages += [h % 2**64 for e in events for h in e["block_hashes"]]
+        stream.send(sglang_batch(events), ing)
+    assert any(mapped(recorded, boundary_key(h)) for h in pages)
+    if restart:
+        ing = EventIngester(recorded, TP16)
+    while cache.leaves():
+        cache.evict(cache.leaves()[0])
+        stream.send(sglang_batch(cache.take()), ing)
+    assert held(recorded, "pod-a") == set()
+    assert [h for h in pages if mapped(recorded, h) or mapped(recorded, boundary_key(h))] == []
+
+
 # -- vLLM: engine block 16, index block 64 ------------------------------------------------------
 
 
@@ -277,3 +313,28 @@ def test_vllm_branch_inside_a_64_token_block(recorded: Any) -> None:
     # The branch's own engine blocks go: so does its block 1 (the shared block 0 stays).
     stream.send(vllm_batch([vllm_removed(range(11, 16))]), ing)
     assert held(recorded, "pod-a") == want(TP64, [prompt])
+
+
+def test_vllm_branch_inside_a_block_after_an_image(recorded: Any) -> None:
+    # An image on tokens 20..35 (engine blocks 1 and 2); the branch hangs from engine block 3
+    # (token 48, inside index block 0): the branch's block 0 carries the image's identifier.
+    image = PlaceholderRange(20, 16)
+    prompt = tuple(range(100, 228))  # 8 engine blocks
+    other = prompt[:48] + tuple(range(900, 980))
+    extra = [None, [["img", 4]], [["img", -12]], None, None, None, None, None]
+    stream = Stream("pod-a")
+    ing = EventIngester(recorded, TP64)
+    stream.send(vllm_batch([vllm_stored(range(1, 9), None, prompt, 16, extra_keys=extra)]), ing)
+    stream.send(vllm_batch([vllm_stored(range(11, 16), 3, other[48:], 16)]), ing)
+    keys = {
+        k
+        for tokens in (prompt, other)
+        for k in TP64.tokens_to_kv_block_keys(
+            0,
+            tokens,
+            MODEL,
+            compute_block_extra_features({"image": ["img"]}, {"image": [image]}, 64, len(tokens)),
+        )
+    }
+    assert held(recorded, "pod-a") == keys
+    assert misses(ing) == 0
