@@ -84,7 +84,8 @@ def test_a_parent_evicted_earlier_in_the_batch_needs_a_flush_first() -> None:
     requests = run(p.plan(plan, decoded, POD, MODEL), {1: None})
     assert requests == [Barrier.FLUSH, Lookup(1)]
     assert plan.stats[Counter.PARENT_MISSES] == 1
-    assert plan.evicted == {1}
+    # The pod's page size is not known yet: the page's boundary key goes too.
+    assert plan.evicted == {1, boundary_key(1)}
 
 
 def test_all_blocks_cleared_is_a_clear_barrier() -> None:
@@ -93,7 +94,23 @@ def test_all_blocks_cleared_is_a_clear_barrier() -> None:
     decoded = decode_batch(encode_batch([BlockRemoved((5,)), AllBlocksCleared()]))
     steps = p.plan(plan, decoded, POD, MODEL)
     assert next(steps) is Barrier.CLEAR
-    assert plan.take() == [EvictOp(5, KeyType.ENGINE, (GPU,))]
+    assert plan.take() == [
+        EvictOp(5, KeyType.ENGINE, (GPU,)),
+        EvictOp(boundary_key(5), KeyType.ENGINE, (GPU,)),
+    ]
+
+
+def test_boundary_keys_are_evicted_only_where_pages_can_end_inside_blocks() -> None:
+    p = planner()
+    plan = BatchPlan(p.caches.get(POD))
+    # Whole-block pages: a removal is the page's alone.
+    _plan(p, plan, BlockStored((1,), None, block_tokens(1), 16), BlockRemoved((1,)))
+    assert plan.take()[1:] == [EvictOp(1, KeyType.ENGINE, (GPU,))]
+    # Finer pages: a page known to end inside a block has no boundary key; others may.
+    tokens = block_tokens(2)
+    _plan(p, plan, BlockStored((2, 3, 4, 5), None, tokens, 4), BlockRemoved((3, 5)))
+    evicts = [op.key for op in plan.take() if isinstance(op, EvictOp)]
+    assert evicts == [3, 5, boundary_key(5)]
 
 
 # -- partial-block tails ------------------------------------------------------------------------
