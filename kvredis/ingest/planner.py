@@ -37,17 +37,28 @@ there, so a prompt gets every full block's key however the engine cuts it into e
 7+20+37, one page at a time). An index block's engine keys are exactly the engine blocks that
 hold its tokens (a tail's engine keys included), so removing any of them removes the block.
 
-Tails are bounded: at most :data:`MAX_TAILS_PER_POD` (or ``parent_cache_size`` if smaller) per
-pod, least recently used dropped, each under one index block of tokens. HA replicas agree
-because a tail is a function of the event stream alone: every replica that sees a batch records
-the same tails, whether it applies the batch or finds that a peer did
-(:meth:`PodCaches.forget_batch` learns them then, without hashing: the base of a learned tail is
-read from the index when used, through an engine key of the last full block that no later block
-maps again). When a parent's tail is unknown (the replica never saw the parent's batch, a
-restart, the tail was dropped) and its engine key maps to no full block, the event is skipped
-and counted in ``parent_misses``: an ingester never guesses, so every key any replica writes is
-the key a router computes. A shorter event that continues nothing known and names known engine
-keys is taken as a tier update, as before.
+Branches. A parent can also be a page in the middle of an event (SGLang splits a radix node
+where a second request diverges, publishes nothing for the split, and hangs the new node from
+the page at the split). So the planner also keeps, for every other page ending inside an index
+block, a :class:`Cut`: that page's position in a record of its block (the request key of the
+block before, the block's tokens, identifiers and engine keys) that all the block's pages share.
+A page's own mapping names the block holding its tokens, which is the right base only for a page
+ending at the block's end; with pages finer than blocks (:func:`fine_pages`) such a page is also
+mapped under its :func:`boundary_key`, and a parent without a tail or cut resolves through that
+key alone, so a page inside a block is never taken for a block's end.
+
+Tails and cuts are bounded per pod, least recently used dropped: at most
+:data:`MAX_TAILS_PER_POD` chain ends (or ``parent_cache_size`` if smaller) and
+``partial_block_pages`` cuts. HA replicas agree because tails and cuts are a function of the
+event stream alone: every replica that sees a batch records the same ones, whether it applies
+the batch or finds that a peer did (:meth:`PodCaches.forget_batch` learns them then, without
+hashing: the base of a learned record is read from the index when used, through the boundary key
+of the page that completed the block before, or for whole-block pages an engine key of that
+block that no later block maps again). When a parent is unknown (the replica never saw the
+parent's batch, a restart, the record was dropped) and it is not a block's end the index knows,
+the event is skipped and counted in ``parent_misses``: an ingester never guesses, so every key
+any replica writes is the key a router computes. A shorter event that continues nothing known
+and names known engine keys is taken as a tier update, as before.
 """
 
 from __future__ import annotations
