@@ -890,9 +890,11 @@ class Planner:
             else:
                 # With fine pages only a page ending at a block boundary continues from a
                 # block's key alone: its derived key is mapped; a page inside a block is not.
+                # Nor is a fine page's own mapping a tier update's: it names a block the pod
+                # may hold only part of.
                 found = yield from plan.resolve(boundary_key(parent) if fine else parent)
                 if found is None:
-                    if len(ev.token_ids) < self.block_size and ev.block_hashes:
+                    if not fine and len(ev.token_ids) < self.block_size and ev.block_hashes:
                         yield from self._tier_update(plan, ev, entry, Counter.PARENT_MISSES)
                     else:
                         plan.count(Counter.PARENT_MISSES)

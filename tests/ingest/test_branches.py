@@ -224,6 +224,23 @@ def test_a_replica_that_never_saw_the_parent_writes_nothing_wrong(recorded: Any)
     assert held(recorded, "pod-a") == want(TP16, [first, at_boundary, SHARED[:40]])
 
 
+def test_a_short_event_from_an_unknown_page_is_not_a_tier_update(recorded: Any) -> None:
+    # pod-b's cache holds the shared 40 tokens (an ingester that restarted never saw them) and
+    # then 3 tokens more, pages pod-a stored too (page hashes chain over content): the index
+    # maps them to pod-a's block 2, which pod-b holds only part of.
+    pod_a, pod_b = RadixCache(1), RadixCache(1)
+    a, b = Stream("pod-a"), Stream("pod-b")
+    ing = EventIngester(recorded, TP16)
+    pod_a.insert(SHARED[:40] + OWN_1)
+    a.send(sglang_batch(pod_a.take()), ing)
+    pod_b.insert(SHARED[:40])
+    pod_b.take()  # published before this ingester started
+    pod_b.insert(SHARED[:40] + OWN_1[:3])
+    b.send(sglang_batch(pod_b.take()), ing)
+    assert held(recorded, "pod-b") == set()
+    assert misses(ing) == 1
+
+
 # -- bounded state ------------------------------------------------------------------------------
 
 
@@ -246,6 +263,24 @@ def test_forgotten_partial_blocks_are_parent_misses(recorded: Any) -> None:
     stream.send(sglang_batch(cache.take()), ing)
     assert misses(ing) == 1
     assert held(recorded, "pod-a") == want(TP16, [first, third])
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_little_state_and_restarts_write_no_wrong_key(recorded: Any, page: int) -> None:
+    # State for 24 pages a pod, and the ingester restarts now and then: branches from forgotten
+    # pages are parent misses, and whatever is held is still only the router's keys.
+    rng = random.Random(50 + page)
+    caches = {pod: RadixCache(page) for pod in ("pod-a", "pod-b")}
+    streams = {pod: Stream(pod) for pod in caches}
+    config = IngesterConfig(partial_block_pages=24)
+    ing = EventIngester(recorded, TP16, config=config)
+    for pod, events in workload(rng, caches, 60):
+        if rng.random() < 0.1:
+            ing = EventIngester(recorded, TP16, config=config)
+        streams[pod].send(sglang_batch(events), ing)
+        for name, cache in caches.items():
+            assert held(recorded, name) <= want(TP16, cache.held()), name
+    assert sum(len(held(recorded, pod)) for pod in caches) > 0
 
 
 def test_an_evicted_branch_point_is_forgotten(recorded: Any) -> None:
