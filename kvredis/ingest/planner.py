@@ -57,8 +57,9 @@ of the page that completed the block before, or for whole-block pages an engine 
 block that no later block maps again). When a parent is unknown (the replica never saw the
 parent's batch, a restart, the record was dropped) and it is not a block's end the index knows,
 the event is skipped and counted in ``parent_misses``: an ingester never guesses, so every key
-any replica writes is the key a router computes. A shorter event that continues nothing known
-and names known engine keys is taken as a tier update, as before.
+any replica writes is the key a router computes. A shorter event of whole-block pages that
+continues nothing known and names known engine keys is taken as a tier update, as before (not
+one of finer pages: their mappings name blocks the pod may hold only part of).
 """
 
 from __future__ import annotations
