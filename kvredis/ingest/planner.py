@@ -568,6 +568,10 @@ def _learn_tail(cache: EngineKeyCache, ev: BlockStored, prior: Tail | None, bs: 
     fine = cache.learn_pages(ev.block_size, bs)
     if not ev.parent_block_hash:
         prior = Tail(0, ev.lora_name, ev.cache_salt or extra.cache_salt)
+    elif prior is None and fine:
+        # A parent without a record here continues from a block's end or not at all: its
+        # boundary key, mapped only if it ends a block, is the base (read when used).
+        prior = Tail(0, ev.lora_name, None, base_engine_key=boundary_key(ev.parent_block_hash))
     elif prior is None:  # where the parent's chain ended is unknown here: learn nothing
         return
     step = _advance(prior, ev, extra.features, bs, fine)

@@ -23,9 +23,14 @@ from kvredis.features import PlaceholderRange, compute_block_extra_features
 from kvredis.hashing import ChunkedTokenDatabase, TokenProcessorConfig
 from kvredis.indexer import Indexer
 from kvredis.ingest import EventIngester, IngesterConfig
+from kvredis.ingest.events import decode_batch
 from kvredis.ingest.planner import boundary_key
+from kvredis.memory import InMemoryIndex
 from kvredis.scoring import LongestPrefixScorer
 from tests.conftest import close_backend, make_backend
+from tests.ingest.harness import MODEL as HARNESS_MODEL
+from tests.ingest.harness import POD, FakeClock, Replica
+from tests.ingest.harness import TP as HARNESS_TP
 from tests.ingest.radix import RadixCache
 from tests.ingest.wire import sglang_batch, vllm_batch, vllm_removed, vllm_stored
 from tests.servers import server_kinds
@@ -172,8 +177,6 @@ def test_random_radix_trees_hold_exactly_the_routers_keys(recorded: Any, page: i
 
 @pytest.mark.parametrize("seed", range(6))
 def test_random_radix_trees_under_a_64_token_index(seed: int) -> None:
-    from kvredis.memory import InMemoryIndex
-
     index = recording(InMemoryIndex())
     rng = random.Random(100 + seed)
     page = rng.choice([1, 2, 4, 8, 16])
@@ -202,6 +205,71 @@ def test_ha_replicas_taking_turns_agree_on_branches(recorded: Any, page: int) ->
         streams[pod].send(sglang_batch(events), *order)
     check_exact(recorded, TP16, caches)
     assert misses(*replicas) == 0
+
+
+def test_a_replica_learns_a_branch_hanging_from_a_block_boundary(recorded: Any) -> None:
+    # Replica one applies request 1 and request 2 (a branch at token 48, a block boundary, so
+    # from a page that has no record); replica two only learns them, then applies request 3,
+    # a branch inside a block of request 2's node.
+    cache, stream = RadixCache(1), Stream("pod-a")
+    one, two = EventIngester(recorded, TP16), EventIngester(recorded, TP16)
+    requests = [SHARED + OWN_1, SHARED + OWN_2, SHARED + OWN_2[:20] + tuple(range(4000, 4030))]
+    for n, tokens in enumerate(requests):
+        cache.insert(tokens)
+        stream.send(sglang_batch(cache.take()), *([one, two] if n < 2 else [two, one]))
+    assert held(recorded, "pod-a") == want(TP16, requests)
+    assert misses(one, two) == 0
+
+
+@pytest.mark.parametrize("page", [1, 2, 4])
+def test_ha_replicas_skipping_what_a_peer_applied_agree_on_branches(
+    recorded: Any, page: int
+) -> None:
+    # Each batch is applied by a random replica; the other either plans it and finds it applied,
+    # or (knowing the peer is ahead) skips it and learns from it without hashing.
+    rng = random.Random(30 + page)
+    clock = FakeClock()
+    replicas = [Replica(recorded, clock), Replica(recorded, clock)]
+    caches = {POD: RadixCache(page)}
+    for seq, (_, events) in enumerate(workload(rng, caches, 40)):
+        payload = sglang_batch(events)
+        applier, other = rng.sample(replicas, 2)
+        applier.process(seq, payload)
+        if rng.random() < 0.5:
+            other.process(seq, payload)
+        else:
+            # What its sequencer does with a batch at or below the stored position.
+            other.planner.caches.forget_batch(POD, decode_batch(payload))
+            other.stream.last_seq = seq
+    assert held(recorded, POD) == {
+        k
+        for t in caches[POD].held()
+        for k in HARNESS_TP.tokens_to_kv_block_keys(0, t, HARNESS_MODEL)
+    }
+    assert sum(r.count("parent_misses") for r in replicas) == 0
+
+
+def test_a_replica_learning_batches_it_skips_continues_them_exactly() -> None:
+    # A replica that knows a peer applied a batch skips it and learns from it without hashing
+    # (PodCaches.forget_batch): request 2's node hangs from a page at a block boundary that has
+    # no record, and request 3 branches inside a block of that node.
+    index = recording(InMemoryIndex())
+    clock = FakeClock()
+    one, two = Replica(index, clock), Replica(index, clock)
+    cache = RadixCache(1)
+    requests = [SHARED + OWN_1, SHARED + OWN_2, SHARED + OWN_2[:20] + tuple(range(4000, 4030))]
+    for seq, tokens in enumerate(requests):
+        cache.insert(tokens)
+        payload = sglang_batch(cache.take())
+        if seq < 2:
+            one.process(seq, payload)
+            two.planner.caches.forget_batch(POD, decode_batch(payload))
+        else:
+            two.process(seq, payload)
+    assert held(index, POD) == {
+        k for t in requests for k in HARNESS_TP.tokens_to_kv_block_keys(0, t, HARNESS_MODEL)
+    }
+    assert two.count("parent_misses") == 0
 
 
 def test_a_replica_that_never_saw_the_parent_writes_nothing_wrong(recorded: Any) -> None:
