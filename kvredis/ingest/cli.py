@@ -321,6 +321,14 @@ def _tier_map(spec: str | None) -> TierMap:
 @click.option("--hash-seed", default="", help="Seed of the block-key chain roots.")
 @click.option("--workers", type=click.IntRange(min=1), default=4, show_default=True)
 @click.option(
+    "--partial-block-pages",
+    type=click.IntRange(min=1),
+    default=IngesterConfig().partial_block_pages,
+    show_default=True,
+    help="Engine pages ending inside an index block remembered per pod (about 300 bytes "
+    "each), so that a branch from one gets exact keys.",
+)
+@click.option(
     "--status-interval",
     type=click.FloatRange(min=0.05),
     default=10.0,
@@ -374,6 +382,7 @@ def ingest(
     hash_algo: str,
     hash_seed: str,
     workers: int,
+    partial_block_pages: int,
     status_interval: float,
     duration: float | None,
     no_watermarks: bool,
@@ -416,7 +425,10 @@ def ingest(
         PlatformCollector(registry=registry)
         index = InstrumentedIndex(index, registry=registry)
     config = IngesterConfig(
-        workers=workers, use_watermarks=not no_watermarks, tiers=_tier_map(tier_map)
+        workers=workers,
+        use_watermarks=not no_watermarks,
+        tiers=_tier_map(tier_map),
+        partial_block_pages=partial_block_pages,
     )
     ingester = EventIngester(index, processor, configs, config)
     if registry is not None and metrics_port is not None:
