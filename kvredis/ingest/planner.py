@@ -243,11 +243,6 @@ class EngineKeyCache:
             self._cuts.move_to_end(key)
         return cut.tail()
 
-    def partial_pages(self) -> int:
-        """How many pages inside an index block are remembered (chain ends included)."""
-        with self._lock:
-            return len(self._tails) + len(self._cuts)
-
     def pop_tail(self, key: int) -> None:
         with self._lock:
             self._tails.pop(key, None)

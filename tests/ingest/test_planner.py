@@ -153,3 +153,25 @@ def test_tails_are_bounded_and_dropped_with_their_engine_key() -> None:
     _plan(p, plan, BlockStored((20,), None, (1,) * 3, 3))
     plan.discard_cache()
     assert cache.get_tail(20) is None
+
+
+def test_pages_inside_blocks_are_bounded_apart_from_chain_ends() -> None:
+    p = Planner(TP, GroupCatalog(), PodCaches(1024, 8))
+    cache = p.caches.get(POD)
+    plan = BatchPlan(cache)
+    tokens = tuple(range(100, 140))
+    _plan(p, plan, BlockStored(tuple(range(1, 41)), None, tokens, 1))  # 40 pages of 1 token
+    plan.commit_cache()
+    # Pages 16 and 32 end blocks (no record: their boundary keys are mapped); page 40 ends the
+    # chain; of the 37 others the 8 most recent are kept.
+    kept = [h for h in range(1, 41) if cache.get_tail(h) is not None]
+    assert kept == [31, 33, 34, 35, 36, 37, 38, 39, 40]
+    tail = cache.get_tail(35)
+    assert tail is not None and tail.tokens == tokens[32:35]
+    assert tail.engine_keys == (33, 34, 35)
+    # More chains push pages out, not the chain ends.
+    for n in range(5):
+        plan = BatchPlan(cache)
+        _plan(p, plan, BlockStored(tuple(range(100 * n + 100, 100 * n + 120)), None, tokens, 2))
+        plan.commit_cache()
+    assert cache.get_tail(40) is not None and cache.get_tail(35) is None
