@@ -176,8 +176,8 @@ class Tail:
 class Cut(NamedTuple):
     """A page ending inside an index block, as remembered: the first ``tokens`` tokens (and
     ``ids`` identifiers, ``keys`` engine keys) of ``whole``, the record of that block shared by
-    all its pages (a tuple of 4, not a :class:`Tail` each: see "Memory" in the README's
-    *Ingestion fidelity*)."""
+    all its pages (a tuple of 4, not a :class:`Tail` each: about 300 bytes a page with
+    SGLang's page size 1, see *Branches inside a block* in the README)."""
 
     whole: Tail
     tokens: int
@@ -606,8 +606,8 @@ class _Step:
     feats: list[BlockExtraFeatures | None] | None
     """Their features."""
     groups: list[tuple[int, ...]] | None
-    """Per completed block, the engine keys holding its tokens; ``None``: the event covers whole
-    index blocks and the index maps its engine keys by length ratio."""
+    """Per completed block, the engine keys holding its tokens; ``None``: the event covers
+    whole index blocks and the index maps its engine keys by length ratio."""
     tokens: tuple[int, ...]
     ids: tuple[MMHash, ...]
     engine_keys: tuple[int, ...]
