@@ -13,24 +13,28 @@ Printed, for this checkout ("after") and for the kvredis tree of ``--before``:
 * the ingester's per-pod state for partial blocks: pages remembered and bytes per page (deep
   size of the chain ends and pages inside blocks it keeps, shared objects counted once, token
   ints included);
-* the index's engine mappings (pages, and the boundary keys of pages ending a block) and the
-  time the ingester took (in-memory index, one thread).
+* the index's engine mappings (pages, and the boundary keys of pages ending a block), or with
+  ``--redis`` the growth of the server's ``used_memory``, and the time the ingester took (one
+  thread).
 
-    .venv/bin/python scripts/bench_branches.py [--before REF] [--page N] [--quick] [--json PATH]
+    .venv/bin/python scripts/bench_branches.py [--before REF] [--page N] [--redis [--url URL]]
+        [--quick] [--json PATH]
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
-from _bench import REPO, bench_parser, write_json
+from _bench import REPO, bench_parser, redis_server, write_json
 
 MODEL = "base-model"
 BLOCK = 16
@@ -75,7 +79,7 @@ def deep_size(obj: object, seen: set[int]) -> int:
     return size
 
 
-def child(tree: str, page: int, requests: int) -> dict[str, Any]:
+def child(tree: str, page: int, requests: int, url: str | None) -> dict[str, Any]:
     sys.path.insert(0, tree)  # that tree's kvredis, ahead of this checkout's
     sys.path.insert(1, str(REPO))  # this checkout's tests (the radix model, the wire shapes)
     import kvredis
@@ -88,7 +92,16 @@ def child(tree: str, page: int, requests: int) -> dict[str, Any]:
 
     wire = __import__("tests.ingest.wire", fromlist=["wire"])
     tp = ChunkedTokenDatabase(TokenProcessorConfig(block_size_tokens=BLOCK))
-    index = InMemoryIndex()
+    index: Any = InMemoryIndex()
+    server: Any = None
+    if url is not None:
+        import redis
+
+        from kvredis.redis import RedisIndex, RedisIndexConfig
+
+        index = RedisIndex(RedisIndexConfig(address=url, namespace=f"bb-{uuid.uuid4().hex[:8]}"))
+        server = redis.Redis.from_url(url)
+        memory_before = int(server.info("memory")["used_memory"])
     added: set[int] = set()
     apply_batch = index.apply_batch
 
@@ -108,6 +121,9 @@ def child(tree: str, page: int, requests: int) -> dict[str, Any]:
         seqs[pod] = seqs.get(pod, -1) + 1
         ingester.process(f"kv@{pod}@{MODEL}", seqs[pod], payload, pod)
     elapsed = time.perf_counter() - started
+    redis_bytes = None
+    if server is not None:
+        redis_bytes = int(server.info("memory")["used_memory"]) - memory_before
     caches = batches[-1][2]
     held_pairs = wrong = 0
     low = scored = 0
@@ -134,7 +150,7 @@ def child(tree: str, page: int, requests: int) -> dict[str, Any]:
     seen: set[int] = set()
     state = sum(deep_size(t, seen) for t in tails)
     counters = ingester.counters.snapshot()
-    return {
+    result = {
         "pairs": held_pairs,
         "wrong_pairs": wrong,
         "scores": scored,
@@ -143,14 +159,21 @@ def child(tree: str, page: int, requests: int) -> dict[str, Any]:
         "pages_remembered": pages,
         "state_bytes": state,
         "bytes_per_page": state / pages if pages else 0.0,
-        "engine_mappings": len(index._engine),  # the index's engine keys (pages, boundary keys)
+        # the index's engine keys (pages, boundary keys), or the Redis memory the index took
+        "engine_mappings": len(index._engine) if server is None else None,
+        "redis_bytes": redis_bytes,
         "ingest_ms": elapsed * 1000,
     }
+    if server is not None:
+        index.drop_namespace()
+        index.close()
+        server.close()
+    return result
 
 
-def run_child(tree: Path, page: int, requests: int) -> dict[str, Any]:
+def run_child(tree: Path, page: int, requests: int, url: str | None) -> dict[str, Any]:
     proc = subprocess.run(
-        [sys.executable, __file__, "--child", str(tree), str(page), str(requests)],
+        [sys.executable, __file__, "--child", str(tree), str(page), str(requests), url or "-"],
         check=True,
         capture_output=True,
         text=True,
@@ -160,21 +183,34 @@ def run_child(tree: Path, page: int, requests: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    if len(sys.argv) == 5 and sys.argv[1] == "--child":
-        print(json.dumps(child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))))
+    if len(sys.argv) == 6 and sys.argv[1] == "--child":
+        url = None if sys.argv[5] == "-" else sys.argv[5]
+        print(json.dumps(child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), url)))
         return
     from bench_fidelity import extract
 
     parser = bench_parser(__doc__, "150 requests instead of 600")
     parser.add_argument("--before", default="f32734f", help="git ref of the older behaviour")
     parser.add_argument("--page", type=int, default=1, help="SGLang page size")
+    parser.add_argument(
+        "--redis",
+        action="store_true",
+        help="ingest into a Redis index (a fresh redis-server, or --url) instead of in memory",
+    )
+    parser.add_argument("--url", help="the Redis to use with --redis")
     args = parser.parse_args()
     requests = 150 if args.quick else 600
-    with tempfile.TemporaryDirectory(prefix="kvredis-branches-") as tmp:
-        extract(args.before, Path(tmp))
-        before = run_child(Path(tmp), args.page, requests)
-    after = run_child(REPO, args.page, requests)
-    print(f"SGLang fleet, page size {args.page}, index block {BLOCK}, {requests} requests, 4 pods")
+    with contextlib.ExitStack() as stack:
+        url = stack.enter_context(redis_server(args.url)) if args.redis else None
+        with tempfile.TemporaryDirectory(prefix="kvredis-branches-") as tmp:
+            extract(args.before, Path(tmp))
+            before = run_child(Path(tmp), args.page, requests, url)
+        after = run_child(REPO, args.page, requests, url)
+    where = "Redis" if args.redis else "in-memory"
+    print(
+        f"SGLang fleet, page size {args.page}, index block {BLOCK}, {requests} requests, 4 pods,"
+        f" {where} index"
+    )
     print(f"{'':<28}{'before':>18}{'after':>18}")
     for name, key, total in [
         ("wrong pairs", "wrong_pairs", "pairs"),
@@ -184,9 +220,14 @@ def main() -> None:
         print(f"{name:<28}{cells[0]:>18}{cells[1]:>18}")
     for name, key in [("parent misses", "parent_misses"), ("pages remembered", "pages_remembered")]:
         print(f"{name:<28}{before[key]:>18}{after[key]:>18}")
-    for name, key in [("index engine mappings", "engine_mappings")]:
+    if args.redis:
+        print(
+            f"{'Redis used_memory growth':<28}{before['redis_bytes']:>18}{after['redis_bytes']:>18}"
+        )
+    else:
+        name, key = "index engine mappings", "engine_mappings"
         print(f"{name:<28}{before[key]:>18}{after[key]:>18}")
-    print(f"{'ingest ms (in-memory)':<28}{before['ingest_ms']:>18.0f}{after['ingest_ms']:>18.0f}")
+    print(f"{'ingest ms':<28}{before['ingest_ms']:>18.0f}{after['ingest_ms']:>18.0f}")
     print(
         f"{'state bytes per page':<28}{before['bytes_per_page']:>18.0f}"
         f"{after['bytes_per_page']:>18.0f}"
