@@ -326,6 +326,14 @@ def _tier_map(spec: str | None) -> TierMap:
 @click.option("--hash-seed", default="", help="Seed of the block-key chain roots.")
 @click.option("--workers", type=click.IntRange(min=1), default=4, show_default=True)
 @click.option(
+    "--partial-block-pages",
+    type=click.IntRange(min=1),
+    default=IngesterConfig().partial_block_pages,
+    show_default=True,
+    help="Engine pages ending inside an index block remembered per pod (about 300 bytes "
+    "each), so that a branch from one gets exact keys.",
+)
+@click.option(
     "--status-interval",
     type=click.FloatRange(min=0.05),
     default=10.0,
@@ -395,6 +403,7 @@ def ingest(
     hash_algo: str,
     hash_seed: str,
     workers: int,
+    partial_block_pages: int,
     status_interval: float,
     duration: float | None,
     no_watermarks: bool,
@@ -445,6 +454,7 @@ def ingest(
             tiers=_tier_map(tier_map),
             offload_blocks_per_chunk=offload_blocks_per_chunk,
             reset_mediums=reset_mediums or DEFAULT_RESET_MEDIUMS,
+            partial_block_pages=partial_block_pages,
         )
     except ConfigError as exc:  # the other options are checked by their types
         raise click.BadParameter(str(exc), param_hint="--reset-medium") from None

@@ -76,6 +76,11 @@ class IngesterConfig:
     connection (it is re-made; the message is lost, a gap). ``-1``: no limit."""
     parent_cache_size: int = 131_072
     """Engine→request mappings remembered per pod for parent resolution."""
+    partial_block_pages: int = 65_536
+    """Engine pages ending inside an index block remembered per pod (least recently used
+    dropped), besides chain ends: a branch hanging from such a page gets exact keys; a branch
+    from a forgotten one is a parent miss. About 300 bytes a page (SGLang page size 1, 16-token
+    blocks; see "Ingestion fidelity" in the README)."""
     use_watermarks: bool = True
     """Fence batches with per-stream watermarks when the index is a BatchIndex (HA-safe)."""
     replay_timeout_s: float = 2.0
@@ -118,6 +123,7 @@ class IngesterConfig:
             "queue_size",
             "queue_bytes",
             "parent_cache_size",
+            "partial_block_pages",
             "max_replay_batches",
             "restart_window",
             "offload_blocks_per_chunk",

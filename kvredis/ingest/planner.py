@@ -52,17 +52,29 @@ there, so a prompt gets every full block's key however the engine cuts it into e
 7+20+37, one page at a time). An index block's engine keys are exactly the engine blocks that
 hold its tokens (a tail's engine keys included), so removing any of them removes the block.
 
-Tails are bounded: at most :data:`MAX_TAILS_PER_POD` (or ``parent_cache_size`` if smaller) per
-pod, least recently used dropped, each under one index block of tokens. HA replicas agree
-because a tail is a function of the event stream alone: every replica that sees a batch records
-the same tails, whether it applies the batch or finds that a peer did
-(:meth:`PodCaches.forget_batch` learns them then, without hashing: the base of a learned tail is
-read from the index when used, through an engine key of the last full block that no later block
-maps again). When a parent's tail is unknown (the replica never saw the parent's batch, a
-restart, the tail was dropped) and its engine key maps to no full block, the event is skipped
-and counted in ``parent_misses``: an ingester never guesses, so every key any replica writes is
-the key a router computes. A shorter event that continues nothing known and names known engine
-keys is taken as a tier update, as before.
+Branches. A parent can also be a page in the middle of an event (SGLang splits a radix node
+where a second request diverges, publishes nothing for the split, and hangs the new node from
+the page at the split). So the planner also keeps, for every other page ending inside an index
+block, a :class:`Cut`: that page's position in a record of its block (the request key of the
+block before, the block's tokens, identifiers and engine keys) that all the block's pages share.
+A page's own mapping names the block holding its tokens, which is the right base only for a page
+ending at the block's end; with pages finer than blocks (:func:`fine_pages`) such a page is also
+mapped under its :func:`boundary_key`, and a parent without a tail or cut resolves through that
+key alone, so a page inside a block is never taken for a block's end.
+
+Tails and cuts are bounded per pod, least recently used dropped: at most
+:data:`MAX_TAILS_PER_POD` chain ends (or ``parent_cache_size`` if smaller) and
+``partial_block_pages`` cuts. HA replicas agree because tails and cuts are a function of the
+event stream alone: every replica that sees a batch records the same ones, whether it applies
+the batch or finds that a peer did (:meth:`PodCaches.forget_batch` learns them then, without
+hashing: the base of a learned record is read from the index when used, through the boundary key
+of the page that completed the block before, or for whole-block pages an engine key of that
+block that no later block maps again). When a parent is unknown (the replica never saw the
+parent's batch, a restart, the record was dropped) and it is not a block's end the index knows,
+the event is skipped and counted in ``parent_misses``: an ingester never guesses, so every key
+any replica writes is the key a router computes. A shorter event of whole-block pages that
+continues nothing known and names known engine keys is taken as a tier update, as before (not
+one of finer pages: their mappings name blocks the pod may hold only part of).
 """
 
 from __future__ import annotations
@@ -71,10 +83,11 @@ import dataclasses
 import enum
 import hashlib
 import threading
+from bisect import bisect_left, bisect_right
 from collections import OrderedDict
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from kvredis.batch import AddOp, EvictOp, IndexOp
 from kvredis.checks import infer_mappings
@@ -105,9 +118,11 @@ if TYPE_CHECKING:
     from kvredis.hashing import TokenProcessor
 
 __all__ = [
+    "DEFAULT_PARTIAL_BLOCK_PAGES",
     "MAX_TAILS_PER_POD",
     "Barrier",
     "BatchPlan",
+    "Cut",
     "EngineKeyCache",
     "Lookup",
     "PlanSteps",
@@ -115,7 +130,9 @@ __all__ = [
     "PodCaches",
     "Reset",
     "Tail",
+    "boundary_key",
     "chunk_engine_key",
+    "fine_pages",
     "group_engine_key",
 ]
 
@@ -123,6 +140,36 @@ __all__ = [
 MAX_TAILS_PER_POD = 32_768
 """Chain ends remembered per pod (fewer when the engine-key cache is smaller): each holds less
 than one index block of tokens, a few hundred bytes."""
+
+DEFAULT_PARTIAL_BLOCK_PAGES = 65_536
+"""Default of ``IngesterConfig.partial_block_pages``: other engine pages ending inside an index
+block remembered per pod (the pages a branch may hang from), about 300 bytes each."""
+
+_MASK64 = (1 << 64) - 1
+_BOUNDARY_TAG = 0x6B7672656469732D  # "kvredis-"
+
+
+def boundary_key(engine_key: int) -> int:
+    """The engine key under which the index maps the block that page ``engine_key`` completes.
+
+    Engines whose pages are smaller than the index block (SGLang page size 1..8, vLLM 16-token
+    blocks under a 64-token index) map every page to the index block holding its tokens, so a
+    page's own mapping cannot tell whether a chain may continue right after it. A page ending
+    exactly at a block boundary is also mapped under this derived key (one more mapping per
+    index block); a parent page whose derived key is not mapped ends inside a block, and a
+    child hangs from it exactly only if this ingester remembers that block's tokens. The
+    derivation is the splitmix64 finalizer of ``engine_key`` xor a fixed tag (a bijection on
+    64 bits; a derived key equal to an engine page's hash is a 2^-64 accident).
+    """
+    z = ((engine_key ^ _BOUNDARY_TAG) + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def fine_pages(engine_block_size: int, block_size: int) -> bool:
+    """Whether an engine's pages (``engine_block_size`` tokens) can end inside an index block."""
+    return engine_block_size <= 0 or engine_block_size % block_size != 0
 
 
 def group_engine_key(engine_key: int, group_idx: int | None) -> int:
@@ -196,21 +243,65 @@ class Tail:
     base_engine_key: int | None = None
 
 
+class Cut(NamedTuple):
+    """A page ending inside an index block, as remembered: the first ``tokens`` tokens (and
+    ``ids`` identifiers, ``keys`` engine keys) of ``whole``, the record of that block shared by
+    all its pages (a tuple of 4, not a :class:`Tail` each: about 300 bytes a page with
+    SGLang's page size 1, see *Branches inside a block* in the README)."""
+
+    whole: Tail
+    tokens: int
+    ids: int
+    keys: int
+
+    def tail(self) -> Tail:
+        """The chain as it ends after this page."""
+        w = self.whole
+        return Tail(
+            w.base,
+            w.model,
+            w.cache_salt,
+            w.tokens[: self.tokens],
+            w.ids[: self.ids],
+            w.engine_keys[: self.keys],
+            w.base_engine_key,
+        )
+
+
+def _tail_of(value: Tail | Cut | None) -> Tail | None:
+    return value.tail() if isinstance(value, Cut) else value
+
+
 class EngineKeyCache:
     """What one ingester knows of a pod's engine keys, bounded and thread-safe (least recently
-    used dropped): engine→request mappings, the :class:`Tail` of chains that end mid-block, and
+    used dropped, each kind on its own): engine→request mappings, the :class:`Tail` of chains
+    that end mid-block, a :class:`Cut` for each other page that ends inside an index block, and
     each stored engine block's parent (hashes chain, so a parent never changes: kept across
     clears).
     """
 
-    __slots__ = ("_data", "_limit", "_lock", "_parents", "_tails")
+    __slots__ = ("_cut_limit", "_cuts", "_data", "_limit", "_lock", "_parents", "_tails", "fine")
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, cut_limit: int = DEFAULT_PARTIAL_BLOCK_PAGES) -> None:
         self._data: OrderedDict[int, int] = OrderedDict()
         self._tails: OrderedDict[int, Tail] = OrderedDict()
         self._parents: OrderedDict[int, int] = OrderedDict()
+        self._cuts: OrderedDict[int, Cut] = OrderedDict()
         self._limit = limit
+        self._cut_limit = cut_limit
         self._lock = threading.Lock()
+        self.fine: bool | None = None
+        """Whether the pod's pages can end inside index blocks (see :func:`boundary_key`):
+        learned from its first stored page (any such page makes it ``True`` for good);
+        ``None`` until then, when a removal evicts the boundary keys of its pages too."""
+
+    def learn_pages(self, engine_block_size: int, block_size: int) -> bool:
+        """Note a stored event's page size; whether the pod's pages can end inside blocks."""
+        if fine_pages(engine_block_size, block_size):
+            self.fine = True
+        elif self.fine is None:
+            self.fine = False
+        return self.fine
 
     def put_parents(self, keys: Sequence[int], parent: int | None) -> None:
         """Record the chain ``parent → keys[0] → keys[1] → ...``."""
@@ -242,22 +333,37 @@ class EngineKeyCache:
             self._tails.clear()
 
     def get_tail(self, key: int) -> Tail | None:
+        """Where the chain stands after page ``key`` (``None``: not remembered)."""
         with self._lock:
             tail = self._tails.get(key)
             if tail is not None:
                 self._tails.move_to_end(key)
-            return tail
+                return tail
+            cut = self._cuts.get(key)
+            if cut is None:
+                return None
+            self._cuts.move_to_end(key)
+        return cut.tail()
 
     def pop_tail(self, key: int) -> None:
         with self._lock:
             self._tails.pop(key, None)
+            self._cuts.pop(key, None)
 
-    def put_tail(self, key: int, tail: Tail) -> None:
+    def put_tail(self, key: int, tail: Tail | Cut) -> None:
         with self._lock:
-            self._tails[key] = tail
-            self._tails.move_to_end(key)
-            if len(self._tails) > min(self._limit, MAX_TAILS_PER_POD):
-                self._tails.popitem(last=False)
+            if isinstance(tail, Cut):
+                self._tails.pop(key, None)
+                self._cuts[key] = tail
+                self._cuts.move_to_end(key)
+                if len(self._cuts) > self._cut_limit:
+                    self._cuts.popitem(last=False)
+            else:
+                self._cuts.pop(key, None)
+                self._tails[key] = tail
+                self._tails.move_to_end(key)
+                if len(self._tails) > min(self._limit, MAX_TAILS_PER_POD):
+                    self._tails.popitem(last=False)
 
     def get(self, key: int) -> int | None:
         with self._lock:
@@ -274,9 +380,24 @@ class EngineKeyCache:
                 self._data.popitem(last=False)
 
     def pop(self, key: int) -> None:
+        self.pop_many((key,))
+
+    def pop_many(self, keys: Iterable[int]) -> None:
+        """Forget everything about these engine keys."""
         with self._lock:
-            self._data.pop(key, None)
-            self._tails.pop(key, None)
+            data, tails, cuts = self._data, self._tails, self._cuts
+            for key in keys:
+                data.pop(key, None)
+                tails.pop(key, None)
+                cuts.pop(key, None)
+
+    def inside(self, key: int) -> bool:
+        """Whether page ``key`` is known to end inside an index block."""
+        with self._lock:
+            if key in self._cuts:
+                return True
+            tail = self._tails.get(key)
+            return tail is not None and bool(tail.tokens)
 
     def __len__(self) -> int:
         with self._lock:
@@ -286,8 +407,9 @@ class EngineKeyCache:
 class PodCaches:
     """One :class:`EngineKeyCache` per pod, filled from what this ingester stored and read."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, cut_limit: int = DEFAULT_PARTIAL_BLOCK_PAGES) -> None:
         self._limit = limit
+        self._cut_limit = cut_limit
         self._caches: dict[str, EngineKeyCache] = {}
         self._lock = threading.Lock()
         self.block_size: int | None = None
@@ -299,7 +421,7 @@ class PodCaches:
         with self._lock:
             cache = self._caches.get(pod)
             if cache is None:
-                cache = self._caches[pod] = EngineKeyCache(self._limit)
+                cache = self._caches[pod] = EngineKeyCache(self._limit, self._cut_limit)
             return cache
 
     def drop(self, pod: str) -> None:
@@ -324,6 +446,8 @@ class PodCaches:
                 prior = cache.get_tail(event.parent_block_hash)
             for engine_key in event.block_hashes:
                 cache.pop(engine_key)
+                if cache.fine is not False:
+                    cache.pop(boundary_key(engine_key))
             if isinstance(event, BlockStored) and event.token_ids:
                 cache.put_parents(event.block_hashes, event.parent_block_hash)
             if isinstance(event, BlockStored) and self.block_size is not None:
@@ -379,7 +503,7 @@ class BatchPlan:
         """Operations planned since the last barrier."""
         self.batch_map: dict[int, int] = {}
         """Engine→request mappings added by this batch so far (not yet in the pod cache)."""
-        self.batch_tails: dict[int, Tail] = {}
+        self.batch_tails: dict[int, Tail | Cut] = {}
         """Chain tails recorded by this batch so far (not yet in the pod cache)."""
         self.stale_tails: set[int] = set()
         """Engine keys stored again by this batch: their cached tails no longer hold."""
@@ -427,7 +551,7 @@ class BatchPlan:
         self.pending_evicts.update(keys)
         self.evicted.update(keys)
 
-    def put_tail(self, engine_key: int, tail: Tail) -> None:
+    def put_tail(self, engine_key: int, tail: Tail | Cut) -> None:
         self.batch_tails[engine_key] = tail
         self.stale_tails.discard(engine_key)
         self.evicted.discard(engine_key)
@@ -436,10 +560,20 @@ class BatchPlan:
         """The tail of the chain ending at ``engine_key``, as if the batch so far were applied."""
         hit = self.batch_tails.get(engine_key)
         if hit is not None or self.cache is None:
-            return hit
+            return _tail_of(hit)
         if engine_key in self.evicted or engine_key in self.stale_tails:
             return None
         return self.cache.get_tail(engine_key)
+
+    def inside(self, engine_key: int) -> bool:
+        """Whether page ``engine_key`` is known to end inside an index block (so no
+        :func:`boundary_key` of it is mapped), as if the batch so far were applied."""
+        hit = self.batch_tails.get(engine_key)
+        if hit is not None:
+            return isinstance(hit, Cut) or bool(hit.tokens)
+        if self.cache is None or engine_key in self.evicted or engine_key in self.stale_tails:
+            return False
+        return self.cache.inside(engine_key)
 
     def drop_tails(self, engine_keys: Sequence[int]) -> None:
         """These engine keys were stored again: a chain end recorded for them is stale."""
@@ -485,8 +619,7 @@ class BatchPlan:
         cache = self.cache
         if cache is None:
             return
-        for engine_key in self.evicted:
-            cache.pop(engine_key)
+        cache.pop_many(self.evicted)
         for engine_key in self.stale_tails:
             cache.pop_tail(engine_key)
         for engine_key, request_key in self.batch_map.items():
@@ -536,21 +669,47 @@ def _extra_keys(ev: BlockStored) -> ExtraKeys:
 
 
 def _learn_tail(cache: EngineKeyCache, ev: BlockStored, prior: Tail | None, bs: int) -> None:
-    """Record the tail ``ev`` leaves (a peer applied it), without hashing or I/O."""
+    """Record the tails ``ev`` leaves (a peer applied it), without hashing or I/O: a block the
+    event completes is named by the derived key of the page ending at its boundary."""
     if not ev.token_ids or not ev.block_hashes:
         return
     try:
         extra = _extra_keys(ev)
     except (ValueError, TypeError):
         return
+    fine = cache.learn_pages(ev.block_size, bs)
     if not ev.parent_block_hash:
         prior = Tail(0, ev.lora_name, ev.cache_salt or extra.cache_salt)
+    elif prior is None and fine:
+        # A parent without a record here continues from a block's end or not at all: its
+        # boundary key, mapped only if it ends a block, is the base (read when used).
+        prior = Tail(0, ev.lora_name, None, base_engine_key=boundary_key(ev.parent_block_hash))
     elif prior is None:  # where the parent's chain ended is unknown here: learn nothing
         return
-    step = _advance(prior, ev, extra.features, bs)
+    step = _advance(prior, ev, extra.features, bs, fine)
+    hashes = ev.block_hashes
+    closing = {j: boundary_key(hashes[i]) for i, j in step.boundaries}
+    wholes: dict[int, Tail | None] = {}
+    for cut in step.cuts:
+        j = cut[1]
+        if j not in wholes:
+            if j == step.full:
+                wholes[j] = None  # the chain end's tail, recorded below
+            elif j == 0:
+                wholes[j] = step.whole(j, prior, prior.base, prior.base_engine_key)
+            else:
+                named = closing.get(j - 1)
+                wholes[j] = None if named is None else step.whole(j, prior, 0, named)
+        whole = wholes[j]
+        if whole is not None:
+            cache.put_tail(hashes[cut[0]], Cut(whole, cut[2], cut[3], cut[4]))
     if step.full and step.last_engine_key is None:
-        return  # no engine key names the new base for sure: learn nothing
-    cache.put_tail(ev.block_hashes[-1], step.after(prior, 0, step.last_engine_key))
+        return  # no engine key names the new base for sure: learn nothing more
+    after = step.after(prior, 0, step.last_engine_key)
+    for cut in step.cuts:
+        if cut[1] == step.full:
+            cache.put_tail(hashes[cut[0]], Cut(after, cut[2], cut[3], cut[4]))
+    cache.put_tail(hashes[-1], after)
 
 
 @dataclass(frozen=True, slots=True)
@@ -573,6 +732,14 @@ class _Step:
     last_engine_key: int | None
     """An engine key whose most recent mapping is the last completed block's request key, now
     and after any later event (``None`` when the event has no such key)."""
+    cuts: tuple[tuple[int, int, int, int, int], ...] = ()
+    """Pages but the last ending inside an index block: ``(page, block, tokens, ids, keys)``,
+    the chain after that page being the first ``tokens``/``ids``/``keys`` of that block's
+    record (:meth:`whole`, or the tail after the event for block ``full``)."""
+    boundaries: tuple[tuple[int, int], ...] = ()
+    """Pages ending exactly where a completed block ends (fine pages only): ``(page, block)``."""
+    page_keys: tuple[int, ...] = ()
+    """The event's engine keys (with ``boundaries``)."""
 
     def after(self, tail: Tail, base: int, base_engine_key: int | None) -> Tail:
         """The tail after the event, continuing from ``base`` (or ``base_engine_key``'s mapping)
@@ -589,9 +756,29 @@ class _Step:
             base_engine_key,
         )
 
+    def whole(self, j: int, tail: Tail, base: int, base_engine_key: int | None) -> Tail:
+        """The record of completed block ``j`` that its cuts share: the chain before it (block
+        ``j - 1``'s request key, or ``base_engine_key``'s mapping) and all of the block."""
+        assert self.groups is not None, "cuts come with groups"
+        bs = len(self.chain) // self.full
+        feat = self.feats[j] if self.feats is not None else None
+        return Tail(
+            base,
+            tail.model,
+            tail.cache_salt,
+            self.chain[j * bs : (j + 1) * bs],
+            tuple(feat.mm_hashes) if feat is not None else (),
+            self.groups[j],
+            base_engine_key,
+        )
+
 
 def _advance(
-    tail: Tail, ev: BlockStored, features: list[BlockExtraFeatures | None] | None, bs: int
+    tail: Tail,
+    ev: BlockStored,
+    features: list[BlockExtraFeatures | None] | None,
+    bs: int,
+    fine: bool = False,
 ) -> _Step:
     offset = len(tail.tokens)
     tokens = ev.token_ids
@@ -610,9 +797,14 @@ def _advance(
         else:
             fspans = _engine_spans(n, len(features), ev.block_size)
 
-    def overlapping(lo: int, hi: int, over: list[tuple[int, int]]) -> list[int]:
+    # Spans are in token order (starts and ends never decrease): the engine blocks overlapping
+    # a range are a run, found by bisection (a page-1 event has as many spans as tokens).
+    bounds = {id(over): ([s for s, _ in over], [e for _, e in over]) for over in (spans, fspans)}
+
+    def overlapping(lo: int, hi: int, over: list[tuple[int, int]]) -> range:
         """Engine blocks (indexes into ``over``) holding any event token in ``[lo, hi)``."""
-        return [i for i, (s, e) in enumerate(over) if s < hi and e > lo]
+        starts, ends = bounds[id(over)]
+        return range(bisect_right(ends, lo), bisect_left(starts, hi))
 
     def ids_of(lo: int, hi: int, head: tuple[MMHash, ...]) -> list[MMHash]:
         out = list(head)
@@ -641,19 +833,55 @@ def _advance(
         tail_tokens = tail.tokens + tuple(tokens)
         tail_ids = tuple(ids_of(rest_lo, n, tail.ids))
         tail_keys = tail.engine_keys + tuple(hashes[i] for i in rest)
+    cuts: list[tuple[int, int, int, int, int]] = []
+    boundaries: list[tuple[int, int]] = []
+    if fine and hashes:
+        # One pass: the pages ending in a block are the pages overlapping it from the first
+        # whose last token is in it (they are contiguous), so a cut's engine keys and
+        # identifiers are counted on from the previous page's.
+        block, first = -1, 0
+        acc: list[MMHash] = []
+        prev: list[MMHash] = []
+        for i, (s, e) in enumerate(spans):
+            if e <= s:
+                continue
+            j = (offset + e - 1) // bs
+            if j != block:
+                block, first = j, i
+                acc = list(tail.ids) if j == 0 else []
+                prev = list(acc)
+            if features is not None and fspans is spans:
+                feat = features[i]
+                cur = list(feat.mm_hashes) if feat is not None else []
+                acc.extend(cur[_continued(prev, cur) :])
+                prev = cur
+            inside = (offset + e) % bs
+            if not inside:
+                boundaries.append((i, j))
+            elif i < len(hashes) - 1 and realigned is None:
+                keys = (len(tail.engine_keys) if j == 0 else 0) + i - first + 1
+                if features is not None and fspans is not spans:
+                    n_ids = len(ids_of(max(j * bs - offset, 0), e, tail.ids if j == 0 else ()))
+                else:
+                    n_ids = len(acc)
+                cuts.append((i, j, inside, n_ids, keys))
     groups: list[tuple[int, ...]] | None = None
     last_engine_key: int | None = None
     if full and hashes:
-        if offset or tail_tokens:
+        if offset or tail_tokens or fine:
             groups = [
                 (tail.engine_keys if j == 0 else ())
                 + tuple(hashes[i] for i in overlapping(lo, hi, spans))
                 for j, (lo, hi) in enumerate(block_ranges)
             ]
-            # An engine block ending inside the last full block maps to it last, and no later
-            # block claims it (only the engine blocks of a tail are mapped again).
-            inside = [i for i, (_, e) in enumerate(spans) if rest_lo - bs < e <= rest_lo]
-            last_engine_key = hashes[inside[-1]] if inside else None
+            if fine:
+                closing = [boundary_key(hashes[i]) for i, j in boundaries if j == full - 1]
+                last_engine_key = closing[0] if closing else None
+            else:
+                # An engine block ending inside the last full block maps to it last, and no
+                # later block claims it (only the engine blocks of a tail are mapped again).
+                inside_last = [i for i, (_, e) in enumerate(spans) if rest_lo - bs < e <= rest_lo]
+                last_engine_key = hashes[inside_last[-1]] if inside_last else None
         else:
             last_engine_key = hashes[-1]  # the ratio mapping maps it to the last block, last
     return _Step(
@@ -665,6 +893,9 @@ def _advance(
         tail_ids,
         tail_keys,
         last_engine_key,
+        tuple(cuts),
+        tuple(boundaries),
+        tuple(hashes) if boundaries else (),
     )
 
 
@@ -770,6 +1001,11 @@ class Planner:
         except (ValueError, TypeError) as exc:
             plan.rejects.append(Rejection(RejectReason.BAD_EXTRA_KEYS, str(exc), position))
             return
+        cache = plan.cache
+        if cache is None:
+            fine = fine_pages(ev.block_size, self.block_size)
+        else:
+            fine = cache.learn_pages(ev.block_size, self.block_size)
         if chain_start:
             tail = Tail(0, model_name, ev.cache_salt or extra.cache_salt)
         else:
@@ -785,16 +1021,21 @@ class Planner:
             if known is not None:
                 tail = dataclasses.replace(known, model=known.model or model_name)
             else:
-                found = yield from plan.resolve(parent)
+                # With fine pages only a page ending at a block boundary continues from a
+                # block's key alone: its derived key is mapped; a page inside a block is not.
+                # Nor is a fine page's own mapping a tier update's: it names a block the pod
+                # may hold only part of.
+                found = yield from plan.resolve(boundary_key(parent) if fine else parent)
                 if found is None:
-                    if len(ev.token_ids) < self.block_size and ev.block_hashes:
-                        yield from self._tier_update(plan, ev, entry)
+                    if not fine and len(ev.token_ids) < self.block_size and ev.block_hashes:
+                        yield from self._tier_update(plan, ev, entry, Counter.PARENT_MISSES)
                     else:
                         plan.count(Counter.PARENT_MISSES)
                     return
                 tail = Tail(found, model_name, None)
         try:
-            request, groups, after = self._continue(tail, ev, extra.features)
+            step = _advance(tail, ev, extra.features, self.block_size, fine)
+            request, groups, after = self._continue(tail, step)
         except (ValueError, TypeError) as exc:
             plan.rejects.append(Rejection(RejectReason.HASHING_FAILED, str(exc), position))
             return
@@ -803,9 +1044,17 @@ class Planner:
         self._add(plan, ev, entry, request, groups)
         if ev.block_hashes and plan.cache is not None:
             plan.cache.put_parents(ev.block_hashes, ev.parent_block_hash)
-        if ev.block_hashes:
-            plan.drop_tails(ev.block_hashes[:-1])
-            plan.put_tail(ev.block_hashes[-1], after)
+        hashes = ev.block_hashes
+        if hashes:
+            plan.drop_tails(hashes[:-1])
+            wholes: dict[int, Tail] = {step.full: after}
+            for i, j, n_tokens, n_ids, n_keys in step.cuts:
+                whole = wholes.get(j)
+                if whole is None:
+                    base = request[j - 1] if j else tail.base
+                    whole = wholes[j] = step.whole(j, tail, base, None)
+                plan.put_tail(hashes[i], Cut(whole, n_tokens, n_ids, n_keys))
+            plan.put_tail(hashes[-1], after)
 
     def _add(
         self,
@@ -830,12 +1079,12 @@ class Planner:
         plan.count(Counter.REQUEST_KEYS_STORED, len(request))
 
     def _continue(
-        self, tail: Tail, ev: BlockStored, features: list[BlockExtraFeatures | None] | None
+        self, tail: Tail, step: _Step
     ) -> tuple[tuple[int, ...], list[tuple[tuple[int, ...], int]] | None, Tail]:
-        """Hash ``ev`` on from ``tail`` (whose base is known): its request keys, the engine keys
-        of each (``None`` when the engine's blocks line up so the index infers them) and the
-        tail after it."""
-        step = _advance(tail, ev, features, self.block_size)
+        """Hash ``step`` on from ``tail`` (whose base is known): its request keys, the engine
+        keys of each (``None`` when the engine's blocks line up so the index infers them; with
+        fine pages, a block's group ends with the derived key of the page ending at its
+        boundary) and the tail after it."""
         request: tuple[int, ...] = ()
         model = tail.model
         assert model is not None, "a continued tail names its model"
@@ -853,7 +1102,12 @@ class Planner:
         after = step.after(tail, request[-1] if request else tail.base, None)
         if step.groups is None:
             return request, None, after
-        return request, [(g, r) for g, r in zip(step.groups, request, strict=True)], after
+        groups = list(step.groups)
+        if step.boundaries:
+            hashes = step.page_keys
+            for i, j in step.boundaries:
+                groups[j] += (boundary_key(hashes[i]),)
+        return request, [(g, r) for g, r in zip(groups, request, strict=True)], after
 
     def _chunks_stored(self, plan: BatchPlan, ev: BlockStored, entry: PodEntry) -> PlanSteps:
         """Offloaded chunks' placeholders (``block_size`` 0, each hash a chunk's last block):
@@ -882,7 +1136,13 @@ class Planner:
         if applied:
             plan.count(Counter.EVENTS_APPLIED)
 
-    def _tier_update(self, plan: BatchPlan, ev: BlockStored, entry: PodEntry) -> PlanSteps:
+    def _tier_update(
+        self,
+        plan: BatchPlan,
+        ev: BlockStored,
+        entry: PodEntry,
+        miss: Counter = Counter.TIER_UPDATE_MISSES,
+    ) -> PlanSteps:
         resolved: list[int] = []
         seen: set[int] = set()
         for engine_key in ev.block_hashes:
@@ -891,7 +1151,7 @@ class Planner:
                 seen.add(request_key)
                 resolved.append(request_key)
         if not resolved:
-            plan.count(Counter.TIER_UPDATE_MISSES)
+            plan.count(miss)
             return
         plan.add(AddOp(None, tuple(resolved), (entry,)), None)
         plan.count(Counter.TIER_UPDATES)
@@ -907,6 +1167,12 @@ class Planner:
         keys: Sequence[int] = ev.block_hashes
         if self.offload_blocks_per_chunk > 1:  # a chunk's removal names its last block
             keys = [k for key in keys for k in (key, chunk_engine_key(key, tier))]
+        if plan.cache is not None and plan.cache.fine is not False:
+            # A page's derived key goes with it: it is mapped only if the page ends at a block
+            # boundary, so the pages known to end inside a block need none.
+            keys = tuple(
+                k for h in keys for k in ((h,) if plan.inside(h) else (h, boundary_key(h)))
+            )
         plan.evict(keys, (entry,))
         plan.count(Counter.EVENTS_APPLIED)
         plan.count(Counter.BLOCKS_REMOVED, len(ev.block_hashes))

@@ -121,7 +121,7 @@ class EventIngester:
         self.config = config or IngesterConfig()
         self.catalog = group_catalog if group_catalog is not None else GroupCatalog()
         self.counters = counters if counters is not None else IngestCounters()
-        caches = PodCaches(self.config.parent_cache_size)
+        caches = PodCaches(self.config.parent_cache_size, self.config.partial_block_pages)
         self._planner = Planner(
             token_processor,
             self.catalog,

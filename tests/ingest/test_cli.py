@@ -52,6 +52,7 @@ def no_leaked_ingesters() -> Iterator[None]:
         (["--endpoint", "tcp://h:1", "--pod="], "non-empty string"),
         (["--endpoint", "tcp://h:1", "--block-size", "0"], "--block-size"),
         (["--endpoint", "tcp://h:1", "--hash-algo", "md5"], "--hash-algo"),
+        (["--endpoint", "tcp://h:1", "--partial-block-pages", "0"], "--partial-block-pages"),
         (["--endpoint", "tcp://h:1", "--redis", "http://nope"], "--redis"),
         (["--endpoint"], "requires an argument"),
     ],

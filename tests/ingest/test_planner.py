@@ -20,6 +20,7 @@ from kvredis.ingest.planner import (
     PlanSteps,
     PodCaches,
     Reset,
+    boundary_key,
     group_engine_key,
 )
 from kvredis.types import KeyType, PodEntry
@@ -85,7 +86,8 @@ def test_a_parent_evicted_earlier_in_the_batch_needs_a_flush_first() -> None:
     requests = run(p.plan(plan, decoded, POD, MODEL), {1: None})
     assert requests == [Barrier.FLUSH, Lookup(1)]
     assert plan.stats[Counter.PARENT_MISSES] == 1
-    assert plan.evicted == {1}
+    # The pod's page size is not known yet: the page's boundary key goes too.
+    assert plan.evicted == {1, boundary_key(1)}
 
 
 def test_all_blocks_cleared_is_a_clear_barrier() -> None:
@@ -94,7 +96,23 @@ def test_all_blocks_cleared_is_a_clear_barrier() -> None:
     decoded = decode_batch(encode_batch([BlockRemoved((5,)), AllBlocksCleared()]))
     steps = p.plan(plan, decoded, POD, MODEL)
     assert next(steps) == Reset(0, frozenset({"gpu"}))
-    assert plan.take() == [EvictOp(5, KeyType.ENGINE, (GPU,))]
+    assert plan.take() == [
+        EvictOp(5, KeyType.ENGINE, (GPU,)),
+        EvictOp(boundary_key(5), KeyType.ENGINE, (GPU,)),
+    ]
+
+
+def test_boundary_keys_are_evicted_only_where_pages_can_end_inside_blocks() -> None:
+    p = planner()
+    plan = BatchPlan(p.caches.get(POD))
+    # Whole-block pages: a removal is the page's alone.
+    _plan(p, plan, BlockStored((1,), None, block_tokens(1), 16), BlockRemoved((1,)))
+    assert plan.take()[1:] == [EvictOp(1, KeyType.ENGINE, (GPU,))]
+    # Finer pages: a page known to end inside a block has no boundary key; others may.
+    tokens = block_tokens(2)
+    _plan(p, plan, BlockStored((2, 3, 4, 5), None, tokens, 4), BlockRemoved((3, 5)))
+    evicts = [op.key for op in plan.take() if isinstance(op, EvictOp)]
+    assert evicts == [3, 5, boundary_key(5)]
 
 
 def test_a_reset_clears_its_rank_on_the_reset_tiers() -> None:
@@ -144,8 +162,9 @@ def test_a_tail_waits_for_the_rest_of_its_block_and_maps_every_engine_block() ->
     assert plan.stats == {Counter.EVENTS_APPLIED: 1, Counter.BLOCKS_STORED: 3}
     _plan(p, plan, BlockStored((4,), 3, tokens[3:16], 13))
     want = TP.tokens_to_kv_block_keys(0, tokens[:16], MODEL)
-    # One block of the index spans four engine blocks: each one maps to it.
-    assert plan.take() == [AddOp((1, 2, 3, 4), tuple(want), (GPU,))]
+    # One block of the index spans four engine blocks: each one maps to it, and so does the
+    # derived key of the page ending at its boundary (pages here are finer than blocks).
+    assert plan.take() == [AddOp((1, 2, 3, 4, boundary_key(4)), tuple(want), (GPU,))]
 
 
 def test_tails_are_bounded_and_dropped_with_their_engine_key() -> None:
@@ -166,3 +185,25 @@ def test_tails_are_bounded_and_dropped_with_their_engine_key() -> None:
     _plan(p, plan, BlockStored((20,), None, (1,) * 3, 3))
     plan.discard_cache()
     assert cache.get_tail(20) is None
+
+
+def test_pages_inside_blocks_are_bounded_apart_from_chain_ends() -> None:
+    p = Planner(TP, GroupCatalog(), PodCaches(1024, 8))
+    cache = p.caches.get(POD)
+    plan = BatchPlan(cache)
+    tokens = tuple(range(100, 140))
+    _plan(p, plan, BlockStored(tuple(range(1, 41)), None, tokens, 1))  # 40 pages of 1 token
+    plan.commit_cache()
+    # Pages 16 and 32 end blocks (no record: their boundary keys are mapped); page 40 ends the
+    # chain; of the 37 others the 8 most recent are kept.
+    kept = [h for h in range(1, 41) if cache.get_tail(h) is not None]
+    assert kept == [31, 33, 34, 35, 36, 37, 38, 39, 40]
+    tail = cache.get_tail(35)
+    assert tail is not None and tail.tokens == tokens[32:35]
+    assert tail.engine_keys == (33, 34, 35)
+    # More chains push pages out, not the chain ends.
+    for n in range(5):
+        plan = BatchPlan(cache)
+        _plan(p, plan, BlockStored(tuple(range(100 * n + 100, 100 * n + 120)), None, tokens, 2))
+        plan.commit_cache()
+    assert cache.get_tail(40) is not None and cache.get_tail(35) is None

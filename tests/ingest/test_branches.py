@@ -1,0 +1,443 @@
+"""Prefixes that branch inside an index block get exactly the router's keys.
+
+Engines with pages smaller than the index block (SGLang page size 1..8, vLLM 16-token blocks
+under a 64-token index) publish a branch with a parent page in the middle of an index block.
+The events come from :mod:`tests.ingest.radix` (SGLang 0.5.23's radix cache: splits publish
+nothing, a node's pages coalesce, leaves evict first) or in vLLM 0.34's shape; the index is the
+embedded one and a real Redis/Valkey; every check compares the exact set of (request key, pod)
+pairs held with the keys :class:`~kvredis.hashing.ChunkedTokenDatabase` computes for every
+sequence a pod's cache holds.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+
+from kvredis.batch import AddOp
+from kvredis.errors import EngineKeyNotFoundError
+from kvredis.features import PlaceholderRange, compute_block_extra_features
+from kvredis.hashing import ChunkedTokenDatabase, TokenProcessorConfig
+from kvredis.indexer import Indexer
+from kvredis.ingest import EventIngester, IngesterConfig
+from kvredis.ingest.events import decode_batch
+from kvredis.ingest.planner import boundary_key
+from kvredis.memory import InMemoryIndex
+from kvredis.scoring import LongestPrefixScorer
+from tests.conftest import close_backend, make_backend
+from tests.ingest.harness import MODEL as HARNESS_MODEL
+from tests.ingest.harness import POD, FakeClock, Replica
+from tests.ingest.harness import TP as HARNESS_TP
+from tests.ingest.radix import RadixCache
+from tests.ingest.wire import sglang_batch, vllm_batch, vllm_removed, vllm_stored
+from tests.servers import server_kinds
+
+MODEL = "base-model"
+TP16 = ChunkedTokenDatabase(TokenProcessorConfig(block_size_tokens=16))
+TP64 = ChunkedTokenDatabase(TokenProcessorConfig(block_size_tokens=64))
+
+BACKENDS = [
+    "memory",
+    *[pytest.param(f"redis@{kind}", marks=pytest.mark.redis) for kind in server_kinds()],
+]
+
+
+@pytest.fixture(params=BACKENDS)
+def recorded(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """A fresh index (embedded, then a real Redis and Valkey) remembering every request key an
+    applied batch added, so that a test can list every pair the index holds."""
+    index = recording(make_backend(request.param, request))
+    try:
+        yield index
+    finally:
+        close_backend(index)
+
+
+def recording(index: Any) -> Any:
+    """``index``, with ``index.added``: every request key an applied batch added."""
+    index.added = set()
+    apply_batch = index.apply_batch
+
+    def apply_and_record(ops: Any, stream: Any = None, watermark: Any = None) -> bool:
+        applied = bool(apply_batch(ops, stream, watermark))
+        if applied:
+            for op in ops:
+                if isinstance(op, AddOp):
+                    index.added.update(op.request_keys)
+        return applied
+
+    index.apply_batch = apply_and_record
+    return index
+
+
+def held(index: Any, pod: str) -> set[int]:
+    """Every request key ``pod`` holds (of those ever added)."""
+    return {k for k in index.added if index.lookup([k], {pod})}
+
+
+def want(tp: ChunkedTokenDatabase, sequences: Sequence[Sequence[int]]) -> set[int]:
+    """The router's keys of the full blocks of every sequence."""
+    return {k for seq in sequences for k in tp.tokens_to_kv_block_keys(0, seq, MODEL)}
+
+
+class Stream:
+    """One pod's publisher as ingesters see it: batches in sequence."""
+
+    def __init__(self, pod: str) -> None:
+        self.pod = pod
+        self.seq = -1
+
+    def send(self, payload: bytes, *ingesters: EventIngester) -> None:
+        self.seq += 1
+        for ing in ingesters:
+            ing.process(f"kv@{self.pod}@{MODEL}", self.seq, payload, endpoint=f"eng-{self.pod}")
+
+
+def misses(*ingesters: EventIngester) -> int:
+    return sum(ing.counters.snapshot().get("parent_misses", 0) for ing in ingesters)
+
+
+# -- the issue's reproduction -------------------------------------------------------------------
+
+SHARED = tuple(range(1000, 1048))
+OWN_1 = tuple(range(2000, 2060))
+OWN_2 = tuple(range(3000, 3060))
+
+
+@pytest.mark.parametrize("page", [1, 4])
+@pytest.mark.parametrize("shared", [40, 48])
+def test_a_second_request_branching_inside_a_block(index: Any, page: int, shared: int) -> None:
+    # Every backend: embedded, Redis and Valkey (sync, asyncio), and a local cluster of each.
+    recorded = recording(index)
+    cache, stream = RadixCache(page), Stream("pod-a")
+    ing = EventIngester(recorded, TP16)
+    first, second = SHARED[:shared] + OWN_1, SHARED[:shared] + OWN_2
+    for tokens in (first, second):
+        cache.insert(tokens)
+        stream.send(sglang_batch(cache.take()), ing)
+    scores = Indexer(recorded, TP16, LongestPrefixScorer()).score_tokens(second[:100], MODEL)
+    assert scores == {"pod-a": 6.0}
+    assert held(recorded, "pod-a") == want(TP16, [first, second])
+    assert misses(ing) == 0
+
+
+# -- random radix trees -------------------------------------------------------------------------
+
+
+def workload(
+    rng: random.Random, caches: dict[str, RadixCache], steps: int
+) -> Iterator[tuple[str, list[dict[str, Any]]]]:
+    """Requests landing on random pods, each a random prefix of an earlier request (any branch
+    point; a branch of a branch; the whole of it: an extension) plus new tokens, and evictions
+    of random leaves. Yields each batch of a pod's cache (``caches``: pod → its cache)."""
+    pods = sorted(caches)
+    requests: list[tuple[int, ...]] = []
+    fresh = iter(range(10_000, 10**9))
+    for _ in range(steps):
+        pod = rng.choice(pods)
+        cache = caches[pod]
+        for _ in range(rng.randint(1, 3)):
+            leaves = cache.leaves()
+            if leaves and rng.random() < 0.3:
+                cache.evict(rng.choice(leaves))
+                continue
+            prefix: tuple[int, ...] = ()
+            if requests and rng.random() < 0.85:
+                base = rng.choice(requests)
+                prefix = base[: rng.randint(0, len(base))]
+            tokens = prefix + tuple(next(fresh) for _ in range(rng.randint(1, 50)))
+            requests.append(tokens)
+            cache.insert(tokens)
+        events = cache.take()
+        if events:
+            yield pod, events
+
+
+def check_exact(index: Any, tp: ChunkedTokenDatabase, caches: dict[str, RadixCache]) -> None:
+    for pod, cache in caches.items():
+        assert held(index, pod) == want(tp, cache.held()), pod
+
+
+@pytest.mark.parametrize("page", [1, 2, 4, 8])
+def test_random_radix_trees_hold_exactly_the_routers_keys(recorded: Any, page: int) -> None:
+    rng = random.Random(page)
+    caches = {pod: RadixCache(page) for pod in ("pod-a", "pod-b")}
+    streams = {pod: Stream(pod) for pod in caches}
+    ing = EventIngester(recorded, TP16)
+    for n, (pod, events) in enumerate(workload(rng, caches, 40)):
+        streams[pod].send(sglang_batch(events), ing)
+        if n % 8 == 0:
+            check_exact(recorded, TP16, caches)
+    check_exact(recorded, TP16, caches)
+    assert misses(ing) == 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_radix_trees_under_a_64_token_index(seed: int) -> None:
+    index = recording(InMemoryIndex())
+    rng = random.Random(100 + seed)
+    page = rng.choice([1, 2, 4, 8, 16])
+    caches = {pod: RadixCache(page) for pod in ("pod-a", "pod-b")}
+    streams = {pod: Stream(pod) for pod in caches}
+    ing = EventIngester(index, TP64)
+    for pod, events in workload(rng, caches, 50):
+        streams[pod].send(sglang_batch(events), ing)
+    check_exact(index, TP64, caches)
+    assert misses(ing) == 0
+
+
+# -- HA replicas --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_ha_replicas_taking_turns_agree_on_branches(recorded: Any, page: int) -> None:
+    # Both replicas receive every batch; whoever comes first applies it and the other learns
+    # it, so most branches hang from a page that the replica applying them only learned.
+    rng = random.Random(7 + page)
+    caches = {pod: RadixCache(page) for pod in ("pod-a", "pod-b")}
+    streams = {pod: Stream(pod) for pod in caches}
+    replicas = [EventIngester(recorded, TP16), EventIngester(recorded, TP16)]
+    for pod, events in workload(rng, caches, 40):
+        order = replicas if rng.random() < 0.5 else replicas[::-1]
+        streams[pod].send(sglang_batch(events), *order)
+    check_exact(recorded, TP16, caches)
+    assert misses(*replicas) == 0
+
+
+def test_a_replica_learns_a_branch_hanging_from_a_block_boundary(recorded: Any) -> None:
+    # Replica one applies request 1 and request 2 (a branch at token 48, a block boundary, so
+    # from a page that has no record); replica two only learns them, then applies request 3,
+    # a branch inside a block of request 2's node.
+    cache, stream = RadixCache(1), Stream("pod-a")
+    one, two = EventIngester(recorded, TP16), EventIngester(recorded, TP16)
+    requests = [SHARED + OWN_1, SHARED + OWN_2, SHARED + OWN_2[:20] + tuple(range(4000, 4030))]
+    for n, tokens in enumerate(requests):
+        cache.insert(tokens)
+        stream.send(sglang_batch(cache.take()), *([one, two] if n < 2 else [two, one]))
+    assert held(recorded, "pod-a") == want(TP16, requests)
+    assert misses(one, two) == 0
+
+
+@pytest.mark.parametrize("page", [1, 2, 4])
+def test_ha_replicas_skipping_what_a_peer_applied_agree_on_branches(
+    recorded: Any, page: int
+) -> None:
+    # Each batch is applied by a random replica; the other either plans it and finds it applied,
+    # or (knowing the peer is ahead) skips it and learns from it without hashing.
+    rng = random.Random(30 + page)
+    clock = FakeClock()
+    replicas = [Replica(recorded, clock), Replica(recorded, clock)]
+    caches = {POD: RadixCache(page)}
+    for seq, (_, events) in enumerate(workload(rng, caches, 40)):
+        payload = sglang_batch(events)
+        applier, other = rng.sample(replicas, 2)
+        applier.process(seq, payload)
+        if rng.random() < 0.5:
+            other.process(seq, payload)
+        else:
+            # What its sequencer does with a batch at or below the stored position.
+            other.planner.caches.forget_batch(POD, decode_batch(payload))
+            other.stream.last_seq = seq
+    assert held(recorded, POD) == {
+        k
+        for t in caches[POD].held()
+        for k in HARNESS_TP.tokens_to_kv_block_keys(0, t, HARNESS_MODEL)
+    }
+    assert sum(r.count("parent_misses") for r in replicas) == 0
+
+
+def test_a_replica_learning_batches_it_skips_continues_them_exactly() -> None:
+    # A replica that knows a peer applied a batch skips it and learns from it without hashing
+    # (PodCaches.forget_batch): request 2's node hangs from a page at a block boundary that has
+    # no record, and request 3 branches inside a block of that node.
+    index = recording(InMemoryIndex())
+    clock = FakeClock()
+    one, two = Replica(index, clock), Replica(index, clock)
+    cache = RadixCache(1)
+    requests = [SHARED + OWN_1, SHARED + OWN_2, SHARED + OWN_2[:20] + tuple(range(4000, 4030))]
+    for seq, tokens in enumerate(requests):
+        cache.insert(tokens)
+        payload = sglang_batch(cache.take())
+        if seq < 2:
+            one.process(seq, payload)
+            two.planner.caches.forget_batch(POD, decode_batch(payload))
+        else:
+            two.process(seq, payload)
+    assert held(index, POD) == {
+        k for t in requests for k in HARNESS_TP.tokens_to_kv_block_keys(0, t, HARNESS_MODEL)
+    }
+    assert two.count("parent_misses") == 0
+
+
+def test_a_replica_that_never_saw_the_parent_writes_nothing_wrong(recorded: Any) -> None:
+    # Replica one stored request 1; replica two (fresh, or restarted) gets request 2 only. The
+    # branch at token 48 hangs from a block boundary: the index names that block's key. The
+    # branch at token 40 hangs inside block 2: its first 8 tokens are unknown there.
+    cache, stream = RadixCache(1), Stream("pod-a")
+    one, two = EventIngester(recorded, TP16), EventIngester(recorded, TP16)
+    first = SHARED + OWN_1
+    cache.insert(first)
+    stream.send(sglang_batch(cache.take()), one)
+    at_boundary = SHARED + OWN_2
+    cache.insert(at_boundary)
+    stream.send(sglang_batch(cache.take()), two)
+    assert misses(two) == 0
+    inside = SHARED[:40] + tuple(range(4000, 4060))
+    cache.insert(inside)
+    stream.send(sglang_batch(cache.take()), two)
+    assert misses(two) == 1
+    assert held(recorded, "pod-a") == want(TP16, [first, at_boundary, SHARED[:40]])
+
+
+def test_a_short_event_from_an_unknown_page_is_not_a_tier_update(recorded: Any) -> None:
+    # pod-b's cache holds the shared 40 tokens (an ingester that restarted never saw them) and
+    # then 3 tokens more, pages pod-a stored too (page hashes chain over content): the index
+    # maps them to pod-a's block 2, which pod-b holds only part of.
+    pod_a, pod_b = RadixCache(1), RadixCache(1)
+    a, b = Stream("pod-a"), Stream("pod-b")
+    ing = EventIngester(recorded, TP16)
+    pod_a.insert(SHARED[:40] + OWN_1)
+    a.send(sglang_batch(pod_a.take()), ing)
+    pod_b.insert(SHARED[:40])
+    pod_b.take()  # published before this ingester started
+    pod_b.insert(SHARED[:40] + OWN_1[:3])
+    b.send(sglang_batch(pod_b.take()), ing)
+    assert held(recorded, "pod-b") == set()
+    assert misses(ing) == 1
+
+
+# -- bounded state ------------------------------------------------------------------------------
+
+
+def test_forgotten_partial_blocks_are_parent_misses(recorded: Any) -> None:
+    # State for 64 pages per pod: request 1's pages inside block 2 are long forgotten when
+    # request 2 branches there; the branch is counted and writes nothing.
+    cache, stream = RadixCache(1), Stream("pod-a")
+    ing = EventIngester(recorded, TP16, config=IngesterConfig(partial_block_pages=64))
+    first = SHARED[:40] + OWN_1 + tuple(range(5000, 5200))
+    cache.insert(first)
+    stream.send(sglang_batch(cache.take()), ing)
+    second = SHARED[:40] + OWN_2
+    cache.insert(second)
+    stream.send(sglang_batch(cache.take()), ing)
+    assert misses(ing) == 1
+    assert held(recorded, "pod-a") == want(TP16, [first])
+    # A branch inside a block whose pages are still remembered is exact.
+    third = first[:250] + tuple(range(6000, 6040))
+    cache.insert(third)
+    stream.send(sglang_batch(cache.take()), ing)
+    assert misses(ing) == 1
+    assert held(recorded, "pod-a") == want(TP16, [first, third])
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_little_state_and_restarts_write_no_wrong_key(recorded: Any, page: int) -> None:
+    # State for 24 pages a pod, and the ingester restarts now and then: branches from forgotten
+    # pages are parent misses, and whatever is held is still only the router's keys.
+    rng = random.Random(50 + page)
+    caches = {pod: RadixCache(page) for pod in ("pod-a", "pod-b")}
+    streams = {pod: Stream(pod) for pod in caches}
+    config = IngesterConfig(partial_block_pages=24)
+    ing = EventIngester(recorded, TP16, config=config)
+    for pod, events in workload(rng, caches, 60):
+        if rng.random() < 0.1:
+            ing = EventIngester(recorded, TP16, config=config)
+        streams[pod].send(sglang_batch(events), ing)
+        for name, cache in caches.items():
+            assert held(recorded, name) <= want(TP16, cache.held()), name
+    assert sum(len(held(recorded, pod)) for pod in caches) > 0
+
+
+def test_an_evicted_branch_point_is_forgotten(recorded: Any) -> None:
+    cache, stream = RadixCache(1), Stream("pod-a")
+    ing = EventIngester(recorded, TP16)
+    first = SHARED[:40] + OWN_1
+    cache.insert(first)
+    cache.insert(SHARED[:40] + OWN_2)
+    stream.send(sglang_batch(cache.take()), ing)
+    # Evict both children, then the shared node: every key goes, and so does what the ingester
+    # remembered of the pages (a page stored again is hashed from its new event).
+    for _ in range(3):
+        cache.evict(cache.leaves()[0])
+        stream.send(sglang_batch(cache.take()), ing)
+    assert held(recorded, "pod-a") == set()
+    cache.insert(SHARED[:40] + OWN_2)
+    stream.send(sglang_batch(cache.take()), ing)
+    assert held(recorded, "pod-a") == want(TP16, [SHARED[:40] + OWN_2])
+    assert misses(ing) == 0
+
+
+def mapped(index: Any, engine_key: int) -> bool:
+    try:
+        index.get_request_key(engine_key)
+    except EngineKeyNotFoundError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("restart", [False, True], ids=["same", "restarted"])
+def test_evictions_leave_no_mapping(recorded: Any, restart: bool) -> None:
+    # The index maps a page ending at a block boundary under its boundary key as well; the
+    # removal of the page removes both, also for an ingester that restarted in between (it
+    # knows nothing of the pages yet).
+    cache, stream = RadixCache(1), Stream("pod-a")
+    ing = EventIngester(recorded, TP16)
+    pages: list[int] = []
+    for tokens in (SHARED[:40] + OWN_1, SHARED[:40] + OWN_2, SHARED[:40] + OWN_1[:30]):
+        cache.insert(tokens)
+        events = cache.take()
+        pages += [h % 2**64 for e in events for h in e["block_hashes"]]
+        stream.send(sglang_batch(events), ing)
+    assert any(mapped(recorded, boundary_key(h)) for h in pages)
+    if restart:
+        ing = EventIngester(recorded, TP16)
+    while cache.leaves():
+        cache.evict(cache.leaves()[0])
+        stream.send(sglang_batch(cache.take()), ing)
+    assert held(recorded, "pod-a") == set()
+    assert [h for h in pages if mapped(recorded, h) or mapped(recorded, boundary_key(h))] == []
+
+
+# -- vLLM: engine block 16, index block 64 ------------------------------------------------------
+
+
+def test_vllm_branch_inside_a_64_token_block(recorded: Any) -> None:
+    prompt = tuple(range(100, 260))  # 10 engine blocks
+    other = prompt[:80] + tuple(range(900, 980))  # shares 5 engine blocks: 80 tokens
+    stream = Stream("pod-a")
+    ing = EventIngester(recorded, TP64)
+    stream.send(vllm_batch([vllm_stored(range(1, 11), None, prompt, 16)]), ing)
+    stream.send(vllm_batch([vllm_stored(range(11, 16), 5, other[80:], 16)]), ing)
+    assert held(recorded, "pod-a") == want(TP64, [prompt, other])
+    assert misses(ing) == 0
+    # The branch's own engine blocks go: so does its block 1 (the shared block 0 stays).
+    stream.send(vllm_batch([vllm_removed(range(11, 16))]), ing)
+    assert held(recorded, "pod-a") == want(TP64, [prompt])
+
+
+def test_vllm_branch_inside_a_block_after_an_image(recorded: Any) -> None:
+    # An image on tokens 20..35 (engine blocks 1 and 2); the branch hangs from engine block 3
+    # (token 48, inside index block 0): the branch's block 0 carries the image's identifier.
+    image = PlaceholderRange(20, 16)
+    prompt = tuple(range(100, 228))  # 8 engine blocks
+    other = prompt[:48] + tuple(range(900, 980))
+    extra = [None, [["img", 4]], [["img", -12]], None, None, None, None, None]
+    stream = Stream("pod-a")
+    ing = EventIngester(recorded, TP64)
+    stream.send(vllm_batch([vllm_stored(range(1, 9), None, prompt, 16, extra_keys=extra)]), ing)
+    stream.send(vllm_batch([vllm_stored(range(11, 16), 3, other[48:], 16)]), ing)
+    keys = {
+        k
+        for tokens in (prompt, other)
+        for k in TP64.tokens_to_kv_block_keys(
+            0,
+            tokens,
+            MODEL,
+            compute_block_extra_features({"image": ["img"]}, {"image": [image]}, 64, len(tokens)),
+        )
+    }
+    assert held(recorded, "pod-a") == keys
+    assert misses(ing) == 0
