@@ -123,7 +123,11 @@ def test_a_reset_clears_its_rank_on_the_reset_tiers() -> None:
     )
     steps = p.plan(plan, decoded, POD, MODEL)
     assert next(steps) == Reset(3, frozenset({"gpu", "cpu"}))
-    assert plan.take() == [EvictOp(5, KeyType.ENGINE, (PodEntry(POD, "gpu", dp_rank=3),))]
+    ranked = (PodEntry(POD, "gpu", dp_rank=3),)
+    assert plan.take() == [  # the page size is not known yet: the boundary key goes too
+        EvictOp(5, KeyType.ENGINE, ranked),
+        EvictOp(boundary_key(5), KeyType.ENGINE, ranked),
+    ]
 
 
 def test_a_groups_engine_keys_are_its_own() -> None:
