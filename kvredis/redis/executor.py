@@ -68,9 +68,25 @@ def failure(exc: BaseException) -> rq.Failure:
     if isinstance(exc, redis.exceptions.InvalidResponse):
         return rq.NotRedis(str(exc))
     if isinstance(exc, redis.ResponseError):
-        code = getattr(exc, "status_code", None) or _CODES.get(type(exc))
-        return rq.ErrorReply(f"{code} {exc}" if code else str(exc))
+        return rq.ErrorReply(reply_text(exc))
     return rq.ConnectionLost(str(exc))
+
+
+def reply_text(exc: redis.ResponseError) -> str:
+    """The error reply as the server sent it, code first, whichever way the installed redis-py
+    reports it.
+
+    redis-py cuts the code off the message of the replies it has an exception class for
+    (``NOSCRIPT``, ``MOVED``, ``ERR``, ...) and keeps the whole reply as the message of the
+    others (``BUSY``, ``KVREDIS_BUDGET``, ...). Since redis-py 8.2 the code of those others is in
+    ``status_code`` too, so ``status_code`` alone does not tell whether the message still holds
+    it: the message does, when its first word is the code.
+    """
+    text = str(exc)
+    code = getattr(exc, "status_code", None) or _CODES.get(type(exc))
+    if not code or text.split(" ", 1)[0] == code:
+        return text
+    return f"{code} {text}"
 
 
 def _replies(replies: Sequence[Any]) -> list[Any]:
