@@ -51,8 +51,20 @@ class Recorder:
         self.registry.evalsha = self._evalsha
 
 
+Fleet = tuple[Any, InMemoryIndex, list[int]]
+
+
 @pytest.fixture(params=[*REDIS_BACKENDS, *CLUSTER_BACKENDS])
-def fleet(request: pytest.FixtureRequest) -> Iterator[tuple[Any, InMemoryIndex, list[int]]]:
+def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
+    yield from _fleet(request)
+
+
+@pytest.fixture(params=REDIS_BACKENDS)
+def single_fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
+    yield from _fleet(request)
+
+
+def _fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
     """A backend and the model, holding the same long chain: pod-a all of it, pod-b the first
     part of a call exactly, pod-c up to the middle of the third part, pod-d all but one key in
     the second part."""
@@ -74,7 +86,7 @@ def _expected(model: InMemoryIndex, keys: list[int], pods: Any = None) -> dict[s
 
 
 def test_a_long_chain_is_scored_in_bounded_calls_with_the_models_floats(
-    fleet: tuple[Any, InMemoryIndex, list[int]],
+    fleet: Fleet,
 ) -> None:
     index, model, keys = fleet
     recorder = Recorder(index)
@@ -92,10 +104,10 @@ def test_a_long_chain_is_scored_in_bounded_calls_with_the_models_floats(
         assert index.score(keys[:n], WEIGHTS) == _expected(model, keys[:n])
 
 
-def test_no_more_parts_are_sent_once_no_pod_is_left(
-    fleet: tuple[Any, InMemoryIndex, list[int]],
-) -> None:
-    index, model, keys = fleet
+def test_no_more_parts_are_sent_once_no_pod_is_left(single_fleet: Fleet) -> None:
+    """The server-side scorer knows when no pod is left (a cluster scores a lookup on the
+    client, which goes on while any pod holds the keys)."""
+    index, model, keys = single_fleet
     index.evict(keys[100], KeyType.REQUEST, [A, B, C])  # pod-d alone from key 100, to key 4173
     model.evict(keys[100], KeyType.REQUEST, [A, B, C])
     recorder = Recorder(index)
@@ -108,7 +120,7 @@ def test_no_more_parts_are_sent_once_no_pod_is_left(
 
 
 def test_live_expiring_entries_score_as_the_model_says(
-    fleet: tuple[Any, InMemoryIndex, list[int]],
+    fleet: Fleet,
 ) -> None:
     """With an expiring entry live, every key costs a read of its expiring bucket: the parts
     stay bounded, and a pod held only by expiring entries scores as in the model."""
