@@ -13,8 +13,8 @@
   ARGV[5+f]   w, the number of tier weights; then w x (tier, weight as a decimal float)
   ARGV[6+f+2w] weight of a tier without an entry in the map
   ARGV[7+f+2w] the request keys of this part, in chain order (hash blob)
-  ARGV[8+f+2w] c, the pods still in the race when the chain's earlier parts ended (0 for the
-              chain's first part), then c x (pod id, its score so far as a decimal float that
+  ARGV[8+f+2w] c, the pods still in the race when the chain's earlier parts ended (0, or
+              absent, for the chain's first part), then c x (pod id, its score so far as a decimal float that
               reads back as the same double, e.g. "%.17g")
   Expiring speculative entries (includes/expiry) count while live, as in lookup.
   Returns     array: [1] how many keys of this part the walk got through, [2] 1 when it stopped
@@ -99,7 +99,8 @@ end
 local order, scores, active = {}, {}, {}
 local first, previous = true, nil
 local carried = at + 2 * nw + 3
-local nc = int_arg(ARGV[carried] or '0', 'pods carried over', 0, (#ARGV - carried) / 2)
+local nc = int_arg(ARGV[carried] or '0', 'pods carried over', 0,
+  math.max(0, math.floor((#ARGV - carried) / 2)))
 if nc > 0 then
   first = false
   for i = 1, nc do
