@@ -6,12 +6,13 @@ For each role an ACL user with exactly the documented rules runs that role's who
 writes of the ingest path; operator: the CLI's stats, pods, watermarks, check, dump, restore,
 clear and drop), and the same user without any one of the listed commands cannot: the list is
 minimal. A router user cannot change a key through any call: every write API and a raw
-EVALSHA of every script that may write is refused, and the namespace is byte for byte the same
-afterwards."""
+EVALSHA of every script that may write is refused, and every key of the namespace, its value
+and expiry times are the same afterwards."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -427,3 +428,20 @@ def _write_attempts(index: RedisIndex) -> list[Callable[[], Any]]:
         lambda: index.clear("pod-a"),
         lambda: index.drop_namespace(),
     ]
+
+
+def test_the_readme_lists_each_roles_commands() -> None:
+    text = (ROOT / "README.md").read_text()
+    section = text.split("### Access control", 1)[1].split("\n### ", 1)[0]
+    rows = {
+        line.split("|")[1].split()[0]: set(re.findall(r"\+[a-z|]+", line.replace("\\|", "|")))
+        for line in section.splitlines()
+        if line.startswith(("| router", "| ingester", "| operator"))
+    }
+    router_commands = set(ROLES["router"])
+    assert rows["router"] == router_commands
+    for role in ("ingester", "operator"):
+        listed = rows[role] | router_commands
+        for mode in (EXPIRY_KEY, EXPIRY_FIELD):
+            assert set(commands_of(role, mode)) <= listed, (role, mode)
+        assert listed == set(ROLES[role]) | {c for m in EXPIRY.values() for c in m[role]}
