@@ -102,6 +102,8 @@ def _pool(config: RedisIndexConfig, address: RedisAddress, lib: ModuleType, retr
         "socket_timeout": config.socket_timeout,
         "socket_connect_timeout": config.connect_timeout,
         "client_name": config.client_name,
+        # the ops decode RESP2 replies: not left to the library's default protocol
+        "protocol": 2,
     }
     if address.transport == "unix":
         kwargs["path"] = address.path

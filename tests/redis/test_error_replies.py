@@ -59,3 +59,14 @@ def test_a_reply_redis_py_has_a_class_for_keeps_its_code(client: redis.Redis) ->
     finally:
         client.delete("kvt-error-replies")
     assert got.code == "WRONGTYPE" and got.message.count("WRONGTYPE") == 1
+
+
+def test_the_executors_speak_resp2_whatever_the_library_defaults_to(redis_server_url: str) -> None:
+    """The ops decode RESP2 replies (flat arrays, integers, bulk strings): the connections ask
+    for it rather than take redis-py's default."""
+    from kvredis import RedisIndex, RedisIndexConfig
+
+    with RedisIndex(RedisIndexConfig(address=redis_server_url, namespace="kvt-resp")) as index:
+        info = index.client.execute_command("CLIENT", "INFO")
+        assert b"resp=2" in (info if isinstance(info, bytes) else str(info).encode())
+        index.drop_namespace()
