@@ -14,8 +14,8 @@
   ARGV[6+f+2w] weight of a tier without an entry in the map
   ARGV[7+f+2w] the request keys of this part, in chain order (hash blob)
   ARGV[8+f+2w] c, the pods still in the race when the chain's earlier parts ended (0, or
-              absent, for the chain's first part), then c x (pod id, its score so far as a decimal float that
-              reads back as the same double, e.g. "%.17g")
+              absent, for the chain's first part), then c x (pod id, its score so far as a
+              decimal float that reads back as the same double, e.g. "%.17g")
   Expiring speculative entries (includes/expiry) count while live, as in lookup.
   Returns     array: [1] how many keys of this part the walk got through, [2] 1 when it stopped
               at its work limit (includes/walk) before the part's end, else 0; then triples pod

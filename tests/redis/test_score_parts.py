@@ -11,11 +11,26 @@ from typing import Any
 
 import pytest
 
-from kvredis import InMemoryIndex, KeyType, PodEntry
+from kvredis import (
+    InMemoryIndex,
+    InvalidInputError,
+    KeyType,
+    PodEntry,
+    RedisIndex,
+    RedisIndexConfig,
+)
+from kvredis.redis import ops
+from kvredis.redis.codec import hash_blob
 from kvredis.redis.ops import SCORE_KEYS_PER_CALL
 from kvredis.redis.requests import Command, ScriptCall
 from kvredis.scoring import LongestPrefixScorer
-from tests.conftest import CLUSTER_BACKENDS, REDIS_BACKENDS, close_backend, make_backend
+from tests.conftest import (
+    CLUSTER_BACKENDS,
+    REDIS_BACKENDS,
+    TEST_PREFIX,
+    close_backend,
+    make_backend,
+)
 
 pytestmark = pytest.mark.redis
 
@@ -134,3 +149,20 @@ def test_live_expiring_entries_score_as_the_model_says(
         recorder.close()
     assert got == _expected(model, keys) and got["pod-s"] > 0
     assert max(recorder.walked) <= SCORE_KEYS_PER_CALL
+
+
+def test_malformed_carried_scores_are_refused(redis_server_url: str) -> None:
+    index = RedisIndex(RedisIndexConfig(address=redis_server_url, namespace=f"{TEST_PREFIX}sc"))
+    try:
+        layout = index._session.state.layout
+        head = (layout.gen, layout.rprefix, layout.bucket_bits, 0, 0, "1.0", hash_blob([1]))
+        keys = (layout.meta, layout.pi, layout.pp, layout.sx)
+        for carried in ([1, b"pod-a", "nope"], [2, b"pod-a", "1.5"], [-1], ["x"]):
+            call = ScriptCall("score", keys, (*head, *carried), read=True)
+            with pytest.raises(InvalidInputError):
+                index._exec.run(ops.op_send(index._session, call))
+        call = ScriptCall("score", keys, (*head, 1, b"pod-a", "1.5"), read=True)
+        assert index._exec.run(ops.op_send(index._session, call)) == [0, 0, b"pod-a", b"1.5", 1]
+    finally:
+        index.drop_namespace()
+        index.close()
