@@ -231,10 +231,12 @@ class Server:
         self.admin = redis.Redis.from_url(url)
         self.mode = expiry_mode_of(self.admin.info("server"))
         self.users: list[str] = []
+        self.namespaces: list[str] = []
 
     def namespace(self, role: str) -> str:
         """A fresh namespace, holding what the role works on (an ingester starts empty)."""
         ns = f"{TEST_PREFIX}{uuid.uuid4().hex[:12]}"
+        self.namespaces.append(ns)
         if role != "ingester":
             populate(self.url, ns)
         self.admin.script_flush()  # the role loads the scripts it runs
@@ -273,8 +275,9 @@ class Server:
     def close(self) -> None:
         for name in self.users:
             self.admin.execute_command("ACL", "DELUSER", name)
-        for key in self.admin.scan_iter(match=f"{TEST_PREFIX}*", count=1000):
-            self.admin.unlink(key)
+        for ns in self.namespaces:  # and what a refused role left (the copy of a restore)
+            for key in self.admin.scan_iter(match=f"{ns}:*", count=1000):
+                self.admin.unlink(key)
         self.admin.close()
 
 
