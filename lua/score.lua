@@ -1,8 +1,10 @@
 #!lua flags=no-writes,allow-cross-slot-keys
---[[ score: longest-prefix score of every pod over a chain of request keys, computed in Redis.
+--[[ score: longest-prefix score of every pod over a chain of request keys, computed in Redis,
+  one part of the chain per call (the client sends a long chain in parts: kvredis.redis.ops).
   A pod earns, for each consecutive key from the first, the highest weight among its tiers
   holding that key, and drops out at the first key it does not hold; the walk ends when no pod
-  is left. Scores are summed in key order (bit-identical to kvredis.scoring.LongestPrefixScorer).
+  is left. Scores are summed in key order (bit-identical to kvredis.scoring.LongestPrefixScorer),
+  across parts too: a later part starts from the scores the earlier ones reached.
   KEYS[1]     <ns>:meta    KEYS[2] <ns>:pi    KEYS[3] <ns>:pp    KEYS[4] <ns>:sx (gate key of
               the expiring buckets, includes/expiry)
   ARGV[1]     namespace generation
@@ -10,17 +12,25 @@
   ARGV[4]     f, the number of pods in the filter (0 = all pods); ARGV[5..4+f] the pod ids
   ARGV[5+f]   w, the number of tier weights; then w x (tier, weight as a decimal float)
   ARGV[6+f+2w] weight of a tier without an entry in the map
-  ARGV[7+f+2w] the request keys in chain order (hash blob)
+  ARGV[7+f+2w] the request keys of this part, in chain order (hash blob)
+  ARGV[8+f+2w] c, the pods still in the race when the chain's earlier parts ended (0, or
+              absent, for the chain's first part), then c x (pod id, its score so far as a
+              decimal float that reads back as the same double, e.g. "%.17g")
   Expiring speculative entries (includes/expiry) count while live, as in lookup.
-  Returns     flat array pod id, score ("%.17g"), ... in order of first appearance; or, when
-              the walk stopped at its work limit (includes/walk), an array of one element (the
-              position of the first key not walked): the client scores a lookup instead
-  Complexity  O(scored keys / keys per run) calls (the walk: includes/walk; O(scored keys)
-              while an expiring entry may be live), O(scored keys x pods) additions; each
-              distinct id list is weighed once ]]
+  Returns     array: [1] how many keys of this part the walk got through, [2] 1 when it stopped
+              at its work limit (includes/walk) before the part's end, else 0; then triples pod
+              id, score ("%.17g"), 1 while the pod still holds every key walked else 0, for the
+              pods of the chain's first key in order of appearance (for a later part: the c pods
+              given, in their order). The chain goes on past this part only while a pod is left
+              and the walk reached the part's end (or stopped at its work limit)
+  Errors      KVREDIS_INVALID for a malformed c or score
+  Complexity  O(part keys / keys per run) calls (the walk: includes/walk; O(part keys) while
+              an expiring entry may be live), O(part keys x pods) additions; each distinct id
+              list is weighed once ]]
 --@include entries
 --@include expiry
 --@include walk
+--@include args
 
 -- The tier of an entry encoding (includes/entries).
 local function entry_tier(enc)
@@ -88,7 +98,22 @@ end
 
 local order, scores, active = {}, {}, {}
 local first, previous = true, nil
+local carried = at + 2 * nw + 3
+local nc = int_arg(ARGV[carried] or '0', 'pods carried over', 0,
+  math.max(0, math.floor((#ARGV - carried) / 2)))
+if nc > 0 then
+  first = false
+  for i = 1, nc do
+    local pod = ARGV[carried + 2 * i - 1]
+    local text = ARGV[carried + 2 * i]
+    local s = tonumber(text) or (text == 'inf' and math.huge) or (text == '-inf' and -math.huge)
+    if not s or s ~= s then fail('INVALID', 'score of pod ' .. pod .. ' must be a number') end
+    order[i], active[i], scores[pod] = pod, pod, s
+  end
+end
+local walked = 0
 local cut = walk_chain(chain, rbucket, run_prefix(ARGV[2]), expiring, function(ids, n)
+  walked = walked + n
   local w = weigh(ids)
   local best = w.best
   if ids == previous then
@@ -125,11 +150,14 @@ local cut = walk_chain(chain, rbucket, run_prefix(ARGV[2]), expiring, function(i
   previous = ids
   return #still > 0
 end)
--- stopped by the walk's work limit: the client scores a lookup of the chain instead
-if cut then return {cut} end
-local out = {}
+-- a walk cut at its work limit stopped before key `cut`: the keys before it were walked
+if cut then walked = cut - 1 end
+local live = {}
+for _, pod in ipairs(active) do live[pod] = true end
+local out = {walked, cut and 1 or 0}
 for _, pod in ipairs(order) do
   out[#out + 1] = pod
   out[#out + 1] = string.format('%.17g', scores[pod])
+  out[#out + 1] = live[pod] and 1 or 0
 end
 return out

@@ -92,7 +92,7 @@ def measure(kind: str, rounds: int, calls: int) -> dict[str, Any]:
             return [layout.gen, layout.rprefix, layout.bucket_bits, 0, *pod_args(None), chain]
 
         score_args = [layout.gen, layout.rprefix, layout.bucket_bits, *pod_args(None), *weights]
-        score_args += [repr(float(UNKNOWN_TIER_WEIGHT)), pack_hashes(chain, "request key")[1]]
+        score_args += [repr(float(UNKNOWN_TIER_WEIGHT)), pack_hashes(chain, "request key")[1], 0]
         rows: dict[str, tuple[str, list[Any], list[Any]]] = {
             "ping (floor of a call)": ("ping", [b"k"], ["a"]),
             "lookup, miss at the first key": ("lookup", keys4, lookup_args([10**9])),

@@ -226,6 +226,40 @@ def fragmented_runs(url: str, scale: float) -> dict[str, Any]:
     return longest_calls(url, cases)
 
 
+def long_scores(url: str, quick: bool) -> dict[str, Any]:
+    """8c: the longest script call of a score over a long chain every key of which two pods
+    hold (8,192 keys: a 128k-token prompt), without and with an expiring entry live elsewhere
+    in the namespace (then every key of the walk also reads its expiring bucket); the lookup of
+    the same chain for reference."""
+    from kvredis import PodEntry
+
+    pods = [PodEntry("pod-a", "gpu"), PodEntry("pod-b", "cpu")]
+    spec = PodEntry("pod-s", "gpu", speculative=True)
+    sizes = (8192, 65536) if quick else (8192, 65536, 200_000)
+    cases: dict[str, tuple[Step | None, Step]] = {}
+    for n in sizes:
+        chain = list(range(1, n + 1))
+
+        def held(index: Any, chain: list[int] = chain) -> None:
+            index.add(None, chain, pods)
+
+        def held_and_expiring(index: Any, chain: list[int] = chain) -> None:
+            held(index, chain)
+            index.add(None, [10**12], [spec], ttl=600)
+
+        def score(index: Any, chain: list[int] = chain) -> object:
+            return index.score(chain, {"gpu": 1.0, "cpu": 0.5})
+
+        def lookup(index: Any, chain: list[int] = chain) -> object:
+            return index.lookup(chain)
+
+        expiring = "an expiring entry live elsewhere"
+        cases[f"score of a {n}-key chain"] = (held, score)
+        cases[f"score of a {n}-key chain, {expiring}"] = (held_and_expiring, score)
+        cases[f"lookup of a {n}-key chain, {expiring}"] = (held_and_expiring, lookup)
+    return longest_calls(url, cases)
+
+
 def longest_calls(url: str, cases: dict[str, tuple[Step | None, Step]]) -> dict[str, Any]:
     """Per case, on a fresh namespace: ``setup(index)``, then ``run(index)``; the longest
     EVALSHA of ``run`` (SLOWLOG, µs) and its wall time."""
@@ -443,6 +477,7 @@ def measure(kind: str, quick: bool, only: set[str] | None = None) -> dict[str, A
         "8b longest script call, fragmented runs": lambda: fragmented_runs(
             url, 0.2 if quick else 1.0
         ),
+        "8c longest script call, score of a long chain": lambda: long_scores(url, quick),
         "11 definitions left after N pods cleared": lambda: leftover_definitions(
             url, 200 if quick else 2000
         ),

@@ -105,8 +105,7 @@ def failure(exc: BaseException) -> rq.Failure:
     if isinstance(exc, redis.exceptions.InvalidResponse):
         return rq.NotRedis(str(exc))
     if isinstance(exc, redis.ResponseError):
-        code = getattr(exc, "status_code", None) or _CODES.get(type(exc))
-        return rq.ErrorReply(f"{code} {exc}" if code else str(exc))
+        return rq.ErrorReply(reply_text(exc))
     return rq.ConnectionLost(str(exc))
 
 
@@ -115,6 +114,23 @@ def _not_tls_cause(exc: BaseException) -> bool:
     asyncio client's handshake)."""
     cause = exc.__cause__
     return isinstance(cause, ssl.SSLError) and _not_tls(cause)
+
+
+def reply_text(exc: redis.ResponseError) -> str:
+    """The error reply as the server sent it, code first, whichever way the installed redis-py
+    reports it.
+
+    redis-py cuts the code off the message of the replies it has an exception class for
+    (``NOSCRIPT``, ``MOVED``, ``ERR``, ...) and keeps the whole reply as the message of the
+    others (``BUSY``, ``KVREDIS_BUDGET``, ...). Since redis-py 8.2 the code of those others is in
+    ``status_code`` too, so ``status_code`` alone does not tell whether the message still holds
+    it: the message does, when its first word is the code.
+    """
+    text = str(exc)
+    code = getattr(exc, "status_code", None) or _CODES.get(type(exc))
+    if not code or text.split(" ", 1)[0] == code:
+        return text
+    return f"{code} {text}"
 
 
 def _replies(replies: Sequence[Any]) -> list[Any]:
@@ -130,6 +146,8 @@ def _pool(config: RedisIndexConfig, address: RedisAddress, lib: ModuleType, retr
         "socket_timeout": config.socket_timeout,
         "socket_connect_timeout": config.connect_timeout,
         "client_name": config.client_name,
+        # the ops decode RESP2 replies: not left to the library's default protocol
+        "protocol": 2,
     }
     if address.transport == "unix":
         kwargs["path"] = address.path

@@ -510,36 +510,56 @@ def score_weights(medium_weights: Weights) -> Mapping[str, float]:
 def op_score(
     state: CoreState, request_keys: Keys, medium_weights: Weights, pod_identifier_set: Pods
 ) -> Op[dict[str, float]]:
-    """Server-side LongestPrefixScorer over the chain: one ``score`` script call (a read, which
-    a replica may answer); when its walk stops at the work limit (the chain's keys reach many
-    fragmented runs), the scorer on a lookup of the chain, which walks in parts."""
+    """Server-side LongestPrefixScorer over the chain: one ``score`` script call per
+    :data:`SCORE_KEYS_PER_CALL` keys of the chain (and one more where a walk stops at its work
+    limit), each sent only while a pod holds every key so far; a later call goes on from the
+    scores the earlier ones reached, so the floats are the scorer's whatever the parts. A read,
+    which a replica may answer."""
     keys, chain = pack_hashes(request_keys, "request key")
     pods = pod_filter(pod_identifier_set)
     weights = score_weights(medium_weights)
     if not keys:
         return {}
     layout = state.layout
-    weight_args: list[Arg] = [len(weights)]
+    fixed: list[Arg] = [layout.gen, layout.rprefix, layout.bucket_bits, *pod_args(pods)]
+    fixed.append(len(weights))
     for tier, weight in weights.items():
-        weight_args += (text_bytes(tier), repr(float(weight)))
-    reply = yield ScriptCall(
-        "score",
-        (layout.meta, layout.pi, layout.pp, layout.sx),
-        (
-            layout.gen,
-            layout.rprefix,
-            layout.bucket_bits,
-            *pod_args(pods),
-            *weight_args,
-            repr(float(UNKNOWN_TIER_WEIGHT)),
-            chain,
-        ),
-        read=True,
-    )
-    if walk_cut(reply):  # the walk stopped at its work limit: score a lookup (walked in parts)
-        found = yield from op_lookup(state, keys, pods)
-        return LongestPrefixScorer(weights).score(keys, found)
-    return {bytes_text(reply[i]): float(reply[i + 1]) for i in range(0, len(reply), 2)}
+        fixed += (text_bytes(tier), repr(float(weight)))
+    fixed.append(repr(float(UNKNOWN_TIER_WEIGHT)))
+    scores: dict[bytes, float] = {}
+    carried: list[Arg] = [0]  # the pods still in the race and their scores so far
+    start = 0
+    while start < len(keys):
+        piece = chain[start * 8 : (start + SCORE_KEYS_PER_CALL) * 8]
+        reply = yield ScriptCall(
+            "score",
+            (layout.meta, layout.pi, layout.pp, layout.sx),
+            (*fixed, piece, *carried),
+            read=True,
+        )
+        walked, cut, live = read_score_reply(reply, scores)
+        if not live or (walked < len(piece) // 8 and not cut) or walked == 0:
+            break  # no pod left, or a key no pod holds
+        start += walked
+        carried = [len(live)]
+        for pod in live:
+            carried += (pod, repr(scores[pod]))
+    return {bytes_text(pod): score for pod, score in scores.items()}
+
+
+def read_score_reply(
+    reply: Sequence[Any], scores: dict[bytes, float]
+) -> tuple[int, bool, list[bytes]]:
+    """Take in a ``score`` reply: each pod's score into ``scores`` (a pod keeps its place of
+    first appearance); how many keys the call walked, whether its walk stopped at the work
+    limit, and the pods still holding every key walked, in order."""
+    live: list[bytes] = []
+    for i in range(2, len(reply), 3):
+        pod = bytes(reply[i])
+        scores[pod] = float(reply[i + 1])
+        if int(reply[i + 2]):
+            live.append(pod)
+    return int(reply[0]), bool(int(reply[1])), live
 
 
 #: The work one script call may do, in units of about one request key written (10-25 µs on a
@@ -550,6 +570,9 @@ CALL_BUDGET = 1024
 #: Request keys one ``lookup`` call walks at most (a read costs a fraction of a write); a longer
 #: chain is walked in parts, each sent only while the chain keeps hitting.
 LOOKUP_KEYS_PER_CALL = 4096
+#: Request keys one ``score`` call walks at most; a longer chain is scored in parts, each sent
+#: only while a pod holds every key so far.
+SCORE_KEYS_PER_CALL = 4096
 #: Units of one engine -> request key mapping (its list of up to 1024 request keys is rewritten).
 PAIR_COST = 4
 #: Units of an evict by engine key (it rewrites every request key the engine key maps to).

@@ -404,10 +404,10 @@ class LocalCluster:
         with self._admin(port) as admin:
             shards = admin.execute_command("CLUSTER", "SHARDS")
         return all(
-            str(node.get("health")) == "online"
+            str(_fields(node).get("health")) == "online"
             for shard in shards
-            for node in shard["nodes"]
-            if int(node["port"]) in live
+            for node in _fields(shard)["nodes"]
+            if int(_fields(node)["port"]) in live
         )
 
     def _replica_linked(self, port: int) -> bool:
@@ -439,6 +439,17 @@ def _fresh_port(taken: set[int]) -> int:
     taken.add(port)
     return port
 
+
+
+def _fields(reply: Any) -> dict[str, Any]:
+    """A map reply as a dict of str keys and str (or nested) values: redis-py before 5.0.2
+    leaves CLUSTER SHARDS's maps as flat lists of name, value, in bytes."""
+    pairs = reply.items() if isinstance(reply, dict) else zip(reply[::2], reply[1::2], strict=True)
+    return {_text(k): _text(v) for k, v in pairs}
+
+
+def _text(value: Any) -> Any:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 # -- a server for a whole test session: local process, container, or external -----------------

@@ -79,7 +79,7 @@ class Fleet:
     def refused(self) -> int:
         """Calls the servers refused as over budget so far (INFO errorstats)."""
         stats = (server.info("errorstats") for server in self.servers)
-        return sum(int(s.get("errorstat_KVREDIS_BUDGET", {}).get("count", 0)) for s in stats)
+        return sum(_count(s.get("errorstat_KVREDIS_BUDGET", {})) for s in stats)
 
     def script_calls(self) -> int:
         """Script calls the servers took so far (INFO commandstats)."""
@@ -101,6 +101,13 @@ class Fleet:
             assert {k: set(v) for k, v in got.items()} == {
                 k: set(v) for k, v in expected.items()
             }, key
+
+
+def _count(stat: Any) -> int:
+    """The ``count`` of an INFO errorstats line (redis-py before 5.0.2 leaves it ``count=n``)."""
+    if isinstance(stat, str):
+        stat = dict(pair.split("=", 1) for pair in stat.split(","))
+    return int(stat.get("count", 0))
 
 
 def chains_in(count: int, shards: int | None) -> list[list[int]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import redis
+from redis._parsers.base import BaseParser
 from redis.exceptions import (
     AuthenticationError,
     BusyLoadingError,
@@ -13,6 +14,12 @@ from redis.exceptions import (
 )
 
 from kvredis import RedisIndexConfig
+from kvredis.errors import (
+    CallBudgetError,
+    InvalidInputError,
+    StaleNamespaceError,
+    translate,
+)
 from kvredis.redis.executor import SyncExecutor, failure
 from kvredis.redis.requests import (
     AuthenticationFailed,
@@ -25,11 +32,19 @@ from kvredis.redis.requests import (
 )
 
 
+def _reply_error(cls: type[ResponseError], text: str, status_code: str | None) -> ResponseError:
+    """An exception as some redis-py version raises it (``status_code`` is set by attribute:
+    the oldest supported versions take no such keyword)."""
+    exc = cls(text)
+    exc.status_code = status_code  # type: ignore[attr-defined]
+    return exc
+
+
 @pytest.mark.parametrize(
     ("exc", "kind", "message"),
     [
         # redis-py strips the code of the replies it has a class for; the failure restores it
-        (NoScriptError("x", status_code="NOSCRIPT"), ErrorReply, "NOSCRIPT x"),
+        (_reply_error(NoScriptError, "x", "NOSCRIPT"), ErrorReply, "NOSCRIPT x"),
         (NoScriptError("x"), ErrorReply, "NOSCRIPT x"),
         (ReadOnlyError("x"), ErrorReply, "READONLY x"),
         (ResponseError("BUSY x"), ErrorReply, "BUSY x"),
@@ -46,6 +61,58 @@ def test_redis_py_exceptions_become_failures(
 ) -> None:
     got = failure(exc)
     assert type(got) is kind and got.message == message
+
+
+#: Error replies as the server sends them, and what kvredis makes of each.
+REPLIES = [
+    ("KVREDIS_BUDGET 0 3 the keys reach chain runs of more than 3 ranges", CallBudgetError),
+    ("KVREDIS_STALE namespace layout changed or was removed; reload it", StaleNamespaceError),
+    ("KVREDIS_INVALID bad pod filter", InvalidInputError),
+    ("NOSCRIPT No matching script. Please use EVAL.", None),
+    ("BUSY Redis is busy running a script.", None),
+    ("MOVED 3999 127.0.0.1:6381", None),
+]
+
+
+@pytest.mark.parametrize("status_code", [False, True], ids=["redis-py<8.2", "redis-py>=8.2"])
+@pytest.mark.parametrize(("reply", "error"), REPLIES, ids=[r.split()[0] for r, _ in REPLIES])
+def test_a_reply_keeps_its_code_once_whichever_way_redis_py_reports_it(
+    reply: str, error: type[Exception] | None, status_code: bool
+) -> None:
+    """redis-py cuts the code off the replies it has a class for and keeps the others whole;
+    redis-py 8.2 also sets ``status_code`` on those others. Either way the failure is the reply
+    as sent, and a ``KVREDIS_BUDGET`` reply's sizes are read from it."""
+    code, _, rest = reply.partition(" ")
+    cls = BaseParser.EXCEPTION_CLASSES.get(code)
+    if isinstance(cls, type):  # a class of its own: the message lost the code
+        exc = _reply_error(cls, rest, code if status_code else None)
+    else:
+        exc = _reply_error(ResponseError, reply, code if status_code else None)
+    got = failure(exc)
+    assert isinstance(got, ErrorReply) and got.message == reply and got.code == code
+    _check_translated(got, error)
+
+
+@pytest.mark.parametrize(("reply", "error"), REPLIES, ids=[r.split()[0] for r, _ in REPLIES])
+def test_the_installed_redis_py_parser_and_the_failure_agree(
+    reply: str, error: type[Exception] | None
+) -> None:
+    """The installed redis-py's own error parsing (the one the pure-Python and the hiredis
+    parsers both call), then the executor's: the reply comes back as sent."""
+    exc = BaseParser.parse_error(reply)
+    got = failure(exc)
+    assert isinstance(got, ErrorReply) and got.message == reply
+    _check_translated(got, error)
+
+
+def _check_translated(got: ErrorReply, error: type[Exception] | None) -> None:
+    if error is None:
+        return
+    translated = translate(got.message)
+    assert type(translated) is error
+    if isinstance(translated, CallBudgetError):
+        assert (translated.ops, translated.keys) == (0, 3)
+        assert str(translated).startswith("the keys reach")
 
 
 def test_an_executor_sends_no_unresolved_script_calls() -> None:

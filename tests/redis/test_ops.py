@@ -194,15 +194,46 @@ def test_empty_chains_and_bad_input_send_nothing() -> None:
 def test_score_sends_weights_and_decodes_scores() -> None:
     request, result = _one(
         ops.op_score(_state(), [1, 2], {"gpu": 1.0, "cpu": 0.5}, None),
-        [b"pod-a", b"2", b"pod-b", b"0.5"],
+        [2, 0, b"pod-a", b"2", 1, b"pod-b", b"0.5", 0],
     )
     assert request == rq.ScriptCall(
         "score",
         (b"ns:meta", b"ns:pi", b"ns:pp", b"ns:sx"),
-        (GEN, b"ns:r:", 16, 0, 2, b"gpu", "1.0", b"cpu", "0.5", "1.0", _blob(1, 2)),
+        (GEN, b"ns:r:", 16, 0, 2, b"gpu", "1.0", b"cpu", "0.5", "1.0", _blob(1, 2), 0),
         read=True,
     )
     assert result == {"pod-a": 2.0, "pod-b": 0.5}
+
+
+def test_a_long_chain_is_scored_in_parts_from_the_scores_reached() -> None:
+    """A chain longer than one call's keys goes in parts; each part carries the pods still in
+    the race with their scores so far, and the next part is sent only while one is left."""
+    keys = list(range(1, 2 * ops.SCORE_KEYS_PER_CALL + 11))
+    part = ops.SCORE_KEYS_PER_CALL
+    third = 0.1 * 3
+    exchange = Exchange(
+        [
+            [part, 0, b"pod-a", repr(third).encode(), 1, b"pod-b", b"0.5", 0],
+            [part - 7, 1, b"pod-a", b"12.5", 1],  # stopped at the walk's work limit
+            [3, 0, b"pod-a", b"13.25", 1],  # a key no pod holds: the chain ends here
+        ]
+    )
+    result = exchange.run(ops.op_score(_state(), keys, {"gpu": 1.0}, None))
+    assert result == {"pod-a": 13.25, "pod-b": 0.5}
+    calls = [r for r in exchange.requests if isinstance(r, rq.ScriptCall)]
+    head = (GEN, b"ns:r:", 16, 0, 1, b"gpu", "1.0", "1.0")
+    assert [c.args[: len(head)] for c in calls] == [head] * 3
+    assert [c.args[len(head) :] for c in calls] == [
+        (_blob(*keys[:part]), 0),
+        (_blob(*keys[part : 2 * part]), 1, b"pod-a", repr(third)),
+        (_blob(*keys[2 * part - 7 :]), 1, b"pod-a", "12.5"),  # on from the first key not walked
+    ]
+
+
+def test_scoring_stops_once_no_pod_is_left() -> None:
+    keys = list(range(1, ops.SCORE_KEYS_PER_CALL + 2))
+    exchange = Exchange([[ops.SCORE_KEYS_PER_CALL, 0, b"pod-a", b"3", 0]])
+    assert exchange.run(ops.op_score(_state(), keys, None, None)) == {"pod-a": 3.0}
 
 
 def test_add_sends_one_op_with_interned_entries_and_inferred_mappings() -> None:

@@ -13,7 +13,9 @@ drop, watermarks, request keys) always take it.
 
 - lookup: every shard walks its part of the chain (in chain order) and stops at its first
   miss; the merge walks the whole chain and stops at the first key no shard reported. Exact,
-  because a shard reports every hit before its own first miss.
+  because a shard reports every hit before its own first miss. A long chain goes in waves:
+  one node's call walks at most ``LOOKUP_KEYS_PER_CALL`` keys, and a shard's next part is sent
+  only while its keys hit and come before the first miss found so far.
 - score: the lookup, then :class:`~kvredis.scoring.LongestPrefixScorer` on the client (the same
   floats as the server-side scorer).
 - add: request keys go to their shards, each engine -> request mapping to the engine key's
@@ -100,6 +102,7 @@ from kvredis.redis.layout import (
 from kvredis.redis.ops import (
     CALL_BUDGET,
     DEFAULT_CLEAR_FIELDS_PER_CALL,
+    LOOKUP_KEYS_PER_CALL,
     TRANSIENT_REPLIES,
     Program,
     RetryPolicy,
@@ -521,21 +524,40 @@ def op_load_scripts(core: ClusterCore) -> WaveOp[None]:
 def op_cluster_lookup(
     core: ClusterCore, request_keys: Keys, pod_identifier_set: Any, shared: bool = False
 ) -> WaveOp[dict[int, Any]]:
-    """``Index.lookup`` over the shards: one wave, one ``lookup_shards`` call per involved node
-    (:func:`op_shard_lookups`). ``shared``: keys holding the same entries share one tuple (for
-    the scorer) instead of a list each."""
+    """``Index.lookup`` over the shards: waves of one ``lookup_shards`` call per involved node
+    (:func:`op_shard_lookups`), each call walking at most :data:`LOOKUP_KEYS_PER_CALL` keys
+    (its shards share them); a shard's next part is sent only while its keys hit and come
+    before the first miss found so far. ``shared``: keys holding the same entries share one
+    tuple (for the scorer) instead of a list each."""
     keys, _ = pack_hashes(request_keys, "request key")
     pods = pod_filter(pod_identifier_set)
     if not keys:
         return {}
     shards = shards_of(keys, core.count)
     groups: dict[int, list[int]] = {}
-    for key, shard in zip(keys, shards, strict=True):
+    places: dict[int, list[int]] = {}  # shard -> the chain position of each of its keys
+    for place, (key, shard) in enumerate(zip(keys, shards, strict=True)):
         groups.setdefault(shard, []).append(key)
-    found = yield from op_shard_lookups(core, groups, pods, shared)
+        places.setdefault(shard, []).append(place)
+    walked = dict.fromkeys(groups, 0)
+    horizon = len(keys)  # the chain position of the first miss found so far
     hits: dict[int, Any] = {}
-    for part in found.values():  # a key is found only by its own shard
-        hits.update(part)
+    while True:
+        going = [s for s in groups if walked[s] < len(groups[s]) and places[s][walked[s]] < horizon]
+        if not going:
+            break
+        per = yield from _keys_per_shard(core, going)
+        parts = {s: groups[s][walked[s] : walked[s] + per] for s in going}
+        found = yield from op_shard_lookups(core, parts, pods, shared)
+        for shard, part in parts.items():
+            got = found.get(shard, {})  # a key is found only by its own shard
+            hits.update(got)
+            n = next((i for i, key in enumerate(part) if key not in got), len(part))
+            if n < len(part):  # the shard's first miss: the chain ends there at the latest
+                horizon = min(horizon, places[shard][walked[shard] + n])
+                walked[shard] = len(groups[shard])
+            else:
+                walked[shard] += n
     merged: dict[int, Any] = {}
     for key in keys:
         entries = hits.get(key)
@@ -543,6 +565,20 @@ def op_cluster_lookup(
             break
         merged[key] = entries
     return merged
+
+
+def _keys_per_shard(core: ClusterCore, shards: Sequence[int]) -> WaveOp[int]:
+    """How many keys each of ``shards`` may walk in the next wave, so that the shards one node
+    holds walk at most :data:`LOOKUP_KEYS_PER_CALL` keys together (at least one each)."""
+    slot_map = core.cluster.slot_map or (yield from op_refresh(core.cluster, core.policy.server))
+    per_node: dict[Any, int] = {}
+    for shard in shards:
+        try:
+            node: Any = slot_map.primary(core.slots[shard])
+        except BackendUnavailableError:  # no owner known yet: the per-shard path finds it
+            node = None
+        per_node[node] = per_node.get(node, 0) + 1
+    return max(1, LOOKUP_KEYS_PER_CALL // max(per_node.values()))
 
 
 def _group_by_node(

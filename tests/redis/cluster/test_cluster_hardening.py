@@ -575,6 +575,10 @@ def test_a_shard_resharded_while_in_use_keeps_every_operation_answering(
         finally:
             timer.join(30)
         assert seen["ASK"] >= 1 and seen["TRYAGAIN"] == 0
+        # Once the cluster settled, the next call finds the slot at the target.
+        redis_cluster.wait_converged()
+        assert index.lookup(keys) == {k: [A, B] for k in keys}
+        assert index.executor.slot_map.primary(slot).port == target
         _migrate_slot(redis_cluster, slot, target, source)
         assert index.executor.slot_map.primary(slot).port == target  # stale now
         step = 2

@@ -108,7 +108,9 @@ def test_resharding_ask_then_moved(
     afterwards the stale map gets MOVED; the executor follows both."""
     keys = _keys(40)
     executor.wave(_sets(keys))
-    key = keys[0]
+    # a key alone in its slot: the slot is handed over once that key moved (the session's
+    # cluster holds other tests' keys too)
+    key = next(k for k in keys if _keys_in_slot(redis_cluster, executor, key_slot(k)) == 1)
     slot = key_slot(key)
     source = executor.slot_map.primary(slot)
     target = next(n for n in executor.slot_map.primaries if n != source)
@@ -138,6 +140,14 @@ def test_resharding_ask_then_moved(
             for node in executor.slot_map.primaries:
                 _set_slot(redis_cluster, node.port, slot, "STABLE")
     redis_cluster.wait_converged()
+
+
+def _keys_in_slot(cluster: LocalCluster, executor: SyncClusterExecutor, slot: int) -> int:
+    client = cluster.client(executor.slot_map.primary(slot).port)
+    try:
+        return int(client.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot))
+    finally:
+        client.close()
 
 
 def _move_slot_back(

@@ -54,6 +54,8 @@ def test_an_empty_host_means_the_node_that_replied() -> None:
 def test_a_real_moved_reply_names_the_owner(redis_cluster: LocalCluster) -> None:
     import redis
 
+    from kvredis.redis.executor import failure
+
     topology = redis_cluster.topology()
     owners = {p: slots for p, (role, _, slots) in topology.items() if role == "master"}
     asked = next(iter(owners))
@@ -66,7 +68,9 @@ def test_a_real_moved_reply_names_the_owner(redis_cluster: LocalCluster) -> None
             client.execute_command("GET", key)
     finally:
         client.close()
-    redirect = parse_redirect(f"MOVED {caught.value}")
+    # the reply as the executors hand it on, whatever redis-py made of it (its cluster
+    # client maps MOVED to a class and cuts the code off, its plain client may not)
+    redirect = parse_redirect(failure(caught.value).message)
     assert redirect is not None and redirect.slot == key_slot(key)
     assert _serves(owners[redirect.port], redirect.slot)
     assert redirect.address("127.0.0.1") == ("127.0.0.1", redirect.port)
