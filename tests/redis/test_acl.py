@@ -1,5 +1,5 @@
-"""Least privilege, measured: the ACL each role of kvredis needs (docs/operations.md, "Access control") on
-real Redis 7.0 and Valkey 9 servers.
+"""Least privilege, measured: the ACL each role of kvredis needs (docs/operations.md, "Access
+control") on real Redis 7.0 and Valkey 9 servers.
 
 For each role an ACL user with exactly the documented rules runs that role's whole surface
 (router: lookup and score, sync and async, with the handshake redis-py sends; ingester: the
@@ -50,8 +50,8 @@ KEYS = list(range(1, 40))
 WEIGHTS = {"gpu": 1.0, "cpu": 0.5}
 PASSWORD = "kvredis-acl-test"
 
-#: The commands each role runs, as docs/operations.md's "Access control" lists them: the whole ACL is
-#: ``on >password resetkeys ~<ns>:* resetchannels -@all``, these, and :data:`EXPIRY`'s.
+#: The commands each role runs, as docs/operations.md's "Access control" lists them: the whole
+#: ACL is ``on >password resetkeys ~<ns>:* resetchannels -@all``, these, and :data:`EXPIRY`'s.
 ROLES: dict[str, tuple[str, ...]] = {
     "router": (
         "+evalsha",
