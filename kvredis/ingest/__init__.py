@@ -27,10 +27,10 @@ is used).
 
 from __future__ import annotations
 
+from kvredis.ingest.actions import BatchOutcome
 from kvredis.ingest.config import EndpointConfig, IngesterConfig
 from kvredis.ingest.counters import COUNTER_NAMES, Counter, IngestCounters
 from kvredis.ingest.planner import chunk_engine_key, group_engine_key
-from kvredis.ingest.sequencer import BatchOutcome
 from kvredis.ingest.service import EventIngester
 from kvredis.ingest.stream import MAX_ENGINE_SEQ, PHASE_DONE, split_position, stream_position
 from kvredis.ingest.transport import MessageSink, ReplayClient, ReplayedMessage, ReplayFactory

@@ -19,9 +19,7 @@ from typing import Any, Protocol, TypeVar
 from kvredis.batch import IndexOp
 from kvredis.errors import BackendUnavailableError, EngineKeyNotFoundError
 from kvredis.index import BatchIndex, Index, ProgressClearIndex, SelectiveClearIndex, apply_op
-from kvredis.ingest.config import EndpointConfig
-from kvredis.ingest.counters import Counter, IngestCounters, RateLimitedLog
-from kvredis.ingest.sequencer import (
+from kvredis.ingest.actions import (
     Abandoned,
     Action,
     ApplyOps,
@@ -37,6 +35,8 @@ from kvredis.ingest.sequencer import (
     StepResult,
     drive,
 )
+from kvredis.ingest.config import EndpointConfig
+from kvredis.ingest.counters import Counter, IngestCounters, RateLimitedLog
 from kvredis.ingest.transport import ReplayClient, ReplayedMessage, ReplayFactory
 
 __all__ = ["IndexBackend", "StopSignal"]

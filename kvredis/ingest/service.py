@@ -32,12 +32,13 @@ from typing import TYPE_CHECKING, Any
 from kvredis.errors import ConfigError, InvalidInputError
 from kvredis.groups import GroupCatalog
 from kvredis.index import BatchIndex, Index
+from kvredis.ingest.actions import BatchOutcome, drive
 from kvredis.ingest.backend import IndexBackend
 from kvredis.ingest.config import EndpointConfig, IngesterConfig
 from kvredis.ingest.counters import Counter, IngestCounters, RateLimitedLog
 from kvredis.ingest.events import Rejection, RejectReason
 from kvredis.ingest.planner import Planner, PodCaches
-from kvredis.ingest.sequencer import BatchOutcome, Sequencer, drive
+from kvredis.ingest.sequencer import Sequencer
 from kvredis.ingest.stream import StreamState
 from kvredis.ingest.transport import ReplayClient, ReplayFactory
 
