@@ -14,7 +14,7 @@ import click
 import pytest
 import yaml
 
-from kvredis.ingest.cli import ingest
+from kvredis.cli.ingest import ingest
 
 DEPLOY = Path(__file__).resolve().parent.parent / "docs" / "deploy.md"
 TEXT = DEPLOY.read_text(encoding="utf-8")

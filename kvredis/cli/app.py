@@ -14,6 +14,7 @@ import click
 
 from kvredis._version import __version__
 from kvredis.cli.cluster import COMMANDS as CLUSTER_COMMANDS
+from kvredis.cli.ingest import ingest
 from kvredis.cli.migrate import COMMANDS as LAYOUT_COMMANDS
 from kvredis.cli.operate import COMMANDS
 from kvredis.cli.options import (
@@ -26,7 +27,6 @@ from kvredis.cli.options import (
     redis_options,
 )
 from kvredis.index import Closeable, Index, NamespaceIndex
-from kvredis.ingest.cli import ingest
 
 BACKENDS = ("memory", "cost-aware")
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}

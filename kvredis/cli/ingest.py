@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ingest"]
 
-logger = logging.getLogger("kvredis.ingest.cli")  # also when run as __main__
+logger = logging.getLogger("kvredis.cli.ingest")  # also when run as __main__
 
 _GROUP_OPTIONS = {
     "--endpoint": "endpoint",
@@ -531,9 +531,10 @@ def _setup_logging(ctx: click.Context) -> None:
         logging.basicConfig(
             level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
-    log = logging.getLogger("kvredis.ingest")  # this command, the ingester and its transport
-    if not explicit_log_level(ctx) and log.getEffectiveLevel() > logging.INFO:
-        log.setLevel(logging.INFO)
+    for name in ("kvredis.cli.ingest", "kvredis.ingest"):  # this command, the ingester, transport
+        log = logging.getLogger(name)
+        if not explicit_log_level(ctx) and log.getEffectiveLevel() > logging.INFO:
+            log.setLevel(logging.INFO)
 
 
 def _pending(ingester: EventIngester, timeout: float = 1.0) -> dict[str, int] | None:
