@@ -51,6 +51,8 @@ __all__ = [
 
 #: ``progress(done, removed)`` of a long clear: units of work done so far, entries removed so far.
 ClearProgress = Callable[[int, int], None]
+#: An optional :data:`ClearProgress`, as the clear methods take it.
+Progress = ClearProgress | None
 
 
 @runtime_checkable

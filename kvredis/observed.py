@@ -42,7 +42,7 @@ from kvredis.index import (
     ScoringIndex,
     SelectiveClearIndex,
 )
-from kvredis.types import KeyType, PodEntry
+from kvredis.types import Entries, Keys, KeyType, PodEntry, Pods
 
 __all__ = [
     "AsyncObservedIndex",
@@ -57,9 +57,6 @@ __all__ = [
 T = TypeVar("T")
 W = TypeVar("W")
 
-Keys = Sequence[int]
-Pods = Collection[str] | None
-Entries = Sequence[PodEntry]
 Weights = Mapping[str, float] | None
 
 

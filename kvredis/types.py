@@ -7,6 +7,7 @@ Values only: frozen, hashable, validated on construction. Stateful holders live 
 from __future__ import annotations
 
 import enum
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from kvredis.errors import InvalidInputError
@@ -100,3 +101,13 @@ class GroupMetadata:
     kind: str
     block_size: int
     sliding_window_size: int | None = None
+
+
+#: Request keys (or engine keys) in chain order, as the index methods take them.
+Keys = Sequence[int]
+#: A pod filter: the pod identifiers a lookup considers, ``None`` for every pod.
+Pods = Collection[str] | None
+#: Pod entries, as adds and evicts take them.
+Entries = Sequence[PodEntry]
+#: What a lookup returns: request key -> the entries holding it, in chain order.
+Lookup = dict[int, list[PodEntry]]

@@ -81,7 +81,7 @@ from kvredis.redis.layout import (
 from kvredis.redis.reading import (
     KEYS_PER_PIPELINE,
     Dictionary,
-    Progress,
+    ScanProgress,
     chunks,
     fixed_keys,
     no_progress,
@@ -435,7 +435,7 @@ def _check_engine_bucket(
 
 
 def op_check(
-    layout: Layout, repair: bool = False, progress: Progress = no_progress, mappings: bool = True
+    layout: Layout, repair: bool = False, progress: ScanProgress = no_progress, mappings: bool = True
 ) -> Op[CheckReport]:
     """Verify every invariant of the layout (see the module docstring); with ``repair`` fix them.
 

@@ -19,7 +19,7 @@ from kvredis.redis.ops import (
 from kvredis.redis.reading import (
     FIELDS_PER_CALL,
     KEYS_PER_PIPELINE,
-    Progress,
+    ScanProgress,
     chunks,
     no_progress,
     op_namespace_keys,
@@ -29,7 +29,7 @@ from kvredis.redis.requests import Command, Op, Pipeline
 
 
 def op_dump(
-    layout: Layout, write: Callable[[Mapping[str, Any]], None], progress: Progress = no_progress
+    layout: Layout, write: Callable[[Mapping[str, Any]], None], progress: ScanProgress = no_progress
 ) -> Op[int]:
     """Export every key of the namespace as records ``{"key", "fields"}`` (see the CLI's dump).
 

@@ -29,14 +29,11 @@ import redis.asyncio
 from kvredis.batch import IndexOp, Watermark
 from kvredis.checks import check_selection
 from kvredis.errors import ConfigError, NamespaceMissingError
-from kvredis.index import ClearProgress
+from kvredis.index import Progress
 from kvredis.redis.cluster.index import AsyncRedisClusterIndex, RedisClusterIndex
 from kvredis.redis.config import DEFAULT_VALKEY_ADDRESS, RedisIndexConfig, check_supported
 from kvredis.redis.executor import AsyncExecutor, SyncExecutor
 from kvredis.redis.ops import (
-    Entries,
-    Keys,
-    Pods,
     RetryPolicy,
     Session,
     Weights,
@@ -57,14 +54,12 @@ from kvredis.redis.ops import (
 from kvredis.redis.requests import Op
 from kvredis.redis.scripts import ScriptRegistry
 from kvredis.redis.state import CoreState
-from kvredis.types import KeyType, PodEntry
+from kvredis.types import Entries, Keys, KeyType, Lookup, Pods
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-Lookup = dict[int, list[PodEntry]]
-Progress = ClearProgress | None
 
 
 class _Facade:

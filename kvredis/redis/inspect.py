@@ -50,7 +50,7 @@ from kvredis.redis.reading import (
     DUMP_FORMAT,
     KEYS_PER_PIPELINE,
     Dictionary,
-    Progress,
+    ScanProgress,
     T,
     chunks,
     no_progress,
@@ -214,7 +214,7 @@ def merge_stats(namespace: str, shards: Sequence[NamespaceStats]) -> NamespaceSt
 
 
 def op_stats(
-    layout: Layout, progress: Progress = no_progress, memory: bool = True
+    layout: Layout, progress: ScanProgress = no_progress, memory: bool = True
 ) -> Op[NamespaceStats]:
     """Count everything in the namespace, reading every bucket once (pipelined).
 

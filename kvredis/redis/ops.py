@@ -91,15 +91,12 @@ from kvredis.redis.requests import (
 from kvredis.redis.scripts import ScriptRegistry
 from kvredis.redis.state import CoreState, EntryCache
 from kvredis.scoring import DEFAULT_MEDIUM_WEIGHTS, UNKNOWN_TIER_WEIGHT, LongestPrefixScorer
-from kvredis.types import KeyType, PodEntry
+from kvredis.types import Entries, Keys, KeyType, PodEntry, Pods
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 #: Argument types of the index operations (those of the Index protocol).
-Keys = Sequence[int]
-Pods = Collection[str] | None
-Entries = Sequence[PodEntry]
 Weights = Mapping[str, float] | None
 
 #: Fields the clear loop aims to examine per script call (sizes the SCAN pages).

@@ -37,7 +37,7 @@ FIELDS_PER_CALL = 1000
 DUMP_FORMAT = "kvredis-dump/1"
 
 #: progress(done, total): keys processed so far, of ``total``.
-Progress = Callable[[int, int], None]
+ScanProgress = Callable[[int, int], None]
 
 
 def no_progress(_done: int, _total: int) -> None:
@@ -136,7 +136,7 @@ def _as_dict(reply: Any) -> dict[bytes, bytes]:
 
 
 def op_read_hashes(
-    keys: Sequence[bytes], visit: Callable[[bytes, dict[bytes, bytes]], None], progress: Progress
+    keys: Sequence[bytes], visit: Callable[[bytes, dict[bytes, bytes]], None], progress: ScanProgress
 ) -> Op[None]:
     """HGETALL every key (pipelined), calling ``visit(key, fields)`` for each hash key.
 

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from kvredis.batch import IndexOp, Watermark
 from kvredis.checks import check_selection
 from kvredis.errors import ConfigError
-from kvredis.index import ClearProgress
+from kvredis.index import Progress
 from kvredis.redis.cluster.executor import AsyncClusterExecutor, SyncClusterExecutor
 from kvredis.redis.cluster.ops import (
     ClusterCore,
@@ -35,15 +35,11 @@ from kvredis.redis.cluster.ops import (
 from kvredis.redis.cluster.routing import WaveOp
 from kvredis.redis.config import RedisIndexConfig
 from kvredis.redis.ops import RetryPolicy
-from kvredis.types import KeyType, PodEntry
+from kvredis.types import Keys, KeyType, Lookup, PodEntry, Pods
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
-Keys = Sequence[int]
-Pods = Any
-Lookup = dict[int, list[PodEntry]]
-Progress = ClearProgress | None
 
 
 class _ClusterFacade:

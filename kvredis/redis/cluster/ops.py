@@ -146,13 +146,11 @@ from kvredis.redis.requests import (
 from kvredis.redis.scripts import ScriptRegistry
 from kvredis.redis.state import CoreState, EntryCache
 from kvredis.scoring import LongestPrefixScorer
-from kvredis.types import KeyType, PodEntry
+from kvredis.types import Entries, Keys, KeyType, PodEntry
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
-Keys = Sequence[int]
-Entries = Sequence[PodEntry]
 #: Engine keys whose mappings one ``unmap`` call drops at most.
 UNMAP_PER_CALL = 256
 #: Engine buckets one page of the clear's mapping pass reads.
