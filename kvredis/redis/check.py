@@ -435,7 +435,10 @@ def _check_engine_bucket(
 
 
 def op_check(
-    layout: Layout, repair: bool = False, progress: ScanProgress = no_progress, mappings: bool = True
+    layout: Layout,
+    repair: bool = False,
+    progress: ScanProgress = no_progress,
+    mappings: bool = True,
 ) -> Op[CheckReport]:
     """Verify every invariant of the layout (see the module docstring); with ``repair`` fix them.
 

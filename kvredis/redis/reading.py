@@ -136,7 +136,9 @@ def _as_dict(reply: Any) -> dict[bytes, bytes]:
 
 
 def op_read_hashes(
-    keys: Sequence[bytes], visit: Callable[[bytes, dict[bytes, bytes]], None], progress: ScanProgress
+    keys: Sequence[bytes],
+    visit: Callable[[bytes, dict[bytes, bytes]], None],
+    progress: ScanProgress,
 ) -> Op[None]:
     """HGETALL every key (pipelined), calling ``visit(key, fields)`` for each hash key.
 
