@@ -19,15 +19,12 @@
               position of the first key not walked: the client walks on from there
   Complexity  O(hit keys / keys per run + distinct id lists x entries per list) calls and
               list work, plus O(hit keys) bytes compared; O(hit keys) calls while an expiring
-              entry may be live (one EXISTS of the gate key otherwise) ]]
+              entry may be live (one EXISTS of the gate key otherwise)
+  Errors      KVREDIS_STALE for a generation not the namespace's, KVREDIS_INVALID for a malformed
+              pod filter ]]
 --@include lookup_chain
-local meta = redis.call('HMGET', KEYS[1], 'gen', 'next_id')
-if meta[1] ~= ARGV[1] then fail('STALE', 'namespace layout changed or was removed; reload it') end
-local nf = tonumber(ARGV[5])
-local pods = nil
-if nf > 0 then
-  pods = {}
-  for i = 1, nf do pods[i] = ARGV[5 + i] end
-end
+--@include args
+local meta = read_meta(KEYS[1], ARGV[1]) or fail_stale()
+local pods, at = pod_filter_arg(ARGV, 5)
 return lookup_chain(meta, KEYS[2], KEYS[3], KEYS[4], ARGV[2], ARGV[3], tonumber(ARGV[4]), pods,
-  ARGV[6 + nf])
+  ARGV[at])

@@ -14,22 +14,20 @@
               limit, which the shards' walks share: the client walks that shard on), or the
               string "STALE" for a shard whose generation is not the client's (the client
               reloads that shard; the other shards' replies stand)
+  Errors      KVREDIS_INVALID for a malformed pod filter or argument count (a stale shard is a
+              reply, not an error)
   Complexity  the sum of lookup.lua's over the shards, their run work bounded together ]]
 --@include lookup_chain
-local nf = int_arg(ARGV[1], 'pod count', 0, #ARGV - 1)
-local pods = nil
-if nf > 0 then
-  pods = {}
-  for i = 1, nf do pods[i] = ARGV[1 + i] end
-end
-local base = 1 + nf
+--@include args
+local pods, after = pod_filter_arg(ARGV, 1)
+local base = after - 1
 if (#ARGV - base) % 9 ~= 0 then fail('INVALID', 'lookup_shards wants 9 arguments per shard') end
 local out = {}
 local spent = {work = 0}  -- the walks of every shard share one work limit (includes/walk)
 for s = 1, (#ARGV - base) / 9 do
   local a = base + (s - 1) * 9
-  local meta = redis.call('HMGET', ARGV[a + 1], 'gen', 'next_id')
-  if meta[1] ~= ARGV[a + 5] then
+  local meta = read_meta(ARGV[a + 1], ARGV[a + 5])
+  if not meta then
     out[s] = 'STALE'
   else
     out[s] = lookup_chain(meta, ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 6], ARGV[a + 7],

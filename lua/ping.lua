@@ -4,5 +4,6 @@
   KEYS        none
   ARGV        none
   Returns     integer 1
+  Errors      none
   Complexity  O(1) ]]
 return 1

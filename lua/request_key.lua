@@ -4,6 +4,8 @@
   ARGV[1]     namespace generation    ARGV[2] engine bucket prefix "<ns>:e:"
   ARGV[3]     bucket bits             ARGV[4] the 8-byte engine key
   Returns     the 8-byte request key, or nil when the engine key has no mapping
+  Errors      KVREDIS_STALE for a generation not the namespace's, KVREDIS_INVALID for an engine
+              key not 8 bytes
   Complexity  O(1) ]]
 --@include layout
 check_gen(KEYS[1], ARGV[1])

@@ -32,23 +32,10 @@
 --@include walk
 --@include args
 
--- The tier of an entry encoding (includes/entries).
-local function entry_tier(enc)
-  local n = struct.unpack('>I4', enc)
-  local m = struct.unpack('>I4', enc, 5 + n)
-  return string.sub(enc, 9 + n, 8 + n + m)
-end
-
 check_gen(KEYS[1], ARGV[1])
 local rbucket = bucket_namer(ARGV[2], ARGV[3])
-local nf = tonumber(ARGV[4])
-local allowed = nil
-if nf > 0 then
-  local pods = {}
-  for i = 1, nf do pods[i] = ARGV[4 + i] end
-  allowed = pods_ids(KEYS[3], pods)
-end
-local at = 5 + nf
+local pods, at = pod_filter_arg(ARGV, 4)
+local allowed = pods and pods_ids(KEYS[3], pods)
 local nw = tonumber(ARGV[at])
 local weights = {}
 for i = 1, nw do weights[ARGV[at + 2 * i - 1]] = tonumber(ARGV[at + 2 * i]) end

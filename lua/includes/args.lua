@@ -27,3 +27,13 @@ local function blob_arg(value, width, what, count)
   end
   return value
 end
+
+-- A pod filter given as f, then f pod ids, from position at of args (a script passes its own
+-- arguments): returns the pod ids (nil for f = 0: every pod) and the position after them.
+local function pod_filter_arg(args, at)
+  local nf = int_arg(args[at], 'pod count', 0, #args - at)
+  if nf == 0 then return nil, at + 1 end
+  local pods = {}
+  for i = 1, nf do pods[i] = text_arg(args[at + i], 'pod id') end
+  return pods, at + 1 + nf
+end

@@ -24,6 +24,13 @@ local function entry_pod(enc)
   return string.sub(enc, 5, 4 + n)
 end
 
+-- The tier of an entry encoding.
+local function entry_tier(enc)
+  local n = struct.unpack('>I4', enc)
+  local m = struct.unpack('>I4', enc, 5 + n)
+  return string.sub(enc, 9 + n, 8 + n + m)
+end
+
 -- Whether enc encodes a speculative entry (flags bit 1).
 local function entry_speculative(enc)
   local n = struct.unpack('>I4', enc)

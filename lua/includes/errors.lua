@@ -13,8 +13,18 @@ end
 
 -- Every command checks the namespace generation first: a client whose cached layout (bucket bits,
 -- entry ids) belongs to an earlier incarnation of the namespace gets KVREDIS_STALE and reloads.
+local function fail_stale()
+  fail('STALE', 'namespace layout changed or was removed; reload it')
+end
+
 local function check_gen(meta_key, gen)
-  if redis.call('HGET', meta_key, 'gen') ~= gen then
-    fail('STALE', 'namespace layout changed or was removed; reload it')
-  end
+  if redis.call('HGET', meta_key, 'gen') ~= gen then fail_stale() end
+end
+
+-- The meta record's gen and next_id, or nil when its gen is not the client's (a stale client:
+-- one shard of a cluster call answers "STALE", a single-server call fails as check_gen does).
+local function read_meta(meta_key, gen)
+  local meta = redis.call('HMGET', meta_key, 'gen', 'next_id')
+  if meta[1] ~= gen then return nil end
+  return meta
 end

@@ -114,7 +114,7 @@ def test_every_command_file_opens_with_a_true_header(name: str) -> None:
     assert match, f"{name}.lua has no header block"
     assert match.group(1) == name
     header = match.group(0)
-    for part in ("KEYS", "ARGV", "Returns", "Complexity"):
+    for part in ("KEYS", "ARGV", "Returns", "Errors", "Complexity"):
         assert part in header, f"{name}.lua header lacks {part}"
 
 
