@@ -578,7 +578,12 @@ def test_an_interrupted_clear_says_it_is_incomplete_and_check_says_what_to_do(
     config = RedisIndexConfig(address=redis_server_url, namespace=namespace)
     with RedisIndex(config) as index:
         keys = list(range(1, 4001))
-        index.add([k + 10_000 for k in keys], keys, [A])
+        ops = [  # small adds: every key inline, so the clear takes many pages
+            AddOp(tuple(k + 10_000 for k in keys[i : i + 4]), tuple(keys[i : i + 4]), (A,))
+            for i in range(0, len(keys), 4)
+        ]
+        for i in range(0, len(ops), 100):
+            index.apply_batch(ops[i : i + 100])
         proc = subprocess.run(
             [sys.executable, "-c", _CLEAR_INTERRUPTED, "clear", "--pod", "pod-a", "--yes",
              "--redis", redis_server_url, "--namespace", namespace],
