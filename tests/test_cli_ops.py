@@ -572,8 +572,9 @@ main()
 """
 
 
+@pytest.mark.parametrize("scope", [[], ["--tier", "gpu"]], ids=["pod", "tier"])
 def test_an_interrupted_clear_says_it_is_incomplete_and_check_says_what_to_do(
-    redis_server_url: str, namespace: str
+    redis_server_url: str, namespace: str, scope: list[str]
 ) -> None:
     config = RedisIndexConfig(address=redis_server_url, namespace=namespace)
     with RedisIndex(config) as index:
@@ -585,7 +586,7 @@ def test_an_interrupted_clear_says_it_is_incomplete_and_check_says_what_to_do(
         for i in range(0, len(ops), 100):
             index.apply_batch(ops[i : i + 100])
         proc = subprocess.run(
-            [sys.executable, "-c", _CLEAR_INTERRUPTED, "clear", "--pod", "pod-a", "--yes",
+            [sys.executable, "-c", _CLEAR_INTERRUPTED, "clear", "--pod", "pod-a", "--yes", *scope,
              "--redis", redis_server_url, "--namespace", namespace],
             cwd=ROOT, capture_output=True, text=True, timeout=120,
         )  # fmt: skip
@@ -598,6 +599,7 @@ def test_an_interrupted_clear_says_it_is_incomplete_and_check_says_what_to_do(
         code, out = run(redis_server_url, namespace, "check", "--limit", "3")
         assert code == 0 and "clear_pending" in out  # a note: the API produces this state
         assert "unfinished clear" in out and "kvredis clear --pod pod-a" in out
+        assert "--tier gpu" in out  # the retired entries' tiers: never a wider clear
         assert all(c.isprintable() for line in out.splitlines() for c in line), out
         code, out = run(redis_server_url, namespace, "clear", "--pod", "pod-a", "--yes")
         assert code == 0, out
@@ -653,3 +655,23 @@ def test_tls_against_a_plain_server_says_so_after_one_handshake(
     assert code == 1, out
     assert "the server did not answer TLS" in out and "use redis:// if it does not serve TLS" in out
     assert connections() - before == 1  # not retried: one handshake, bounded by connect_timeout
+
+
+def test_a_dump_piped_into_a_reader_that_stops_says_so(
+    redis_server_url: str, namespace: str
+) -> None:
+    config = RedisIndexConfig(address=redis_server_url, namespace=namespace)
+    with RedisIndex(config) as index:
+        for i in range(0, 3000, 4):
+            index.add(None, list(range(i + 1, i + 5)), [A])
+        dump = subprocess.Popen(
+            [sys.executable, "-m", "kvredis", "dump", "-", "--no-progress",
+             "--redis", redis_server_url, "--namespace", namespace],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        assert dump.stdout is not None
+        dump.stdout.readline()  # the header, then the reader goes away
+        dump.stdout.close()
+        _, err = dump.communicate(timeout=60)
+        assert dump.returncode == 1
+        assert b"the reader stopped reading" in err and b"unexpected reply" not in err

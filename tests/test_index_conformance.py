@@ -126,6 +126,8 @@ def test_filtered_lookup_keeps_only_filtered_pods_and_stops_at_their_first_miss(
     }
     assert norm(index.lookup(keys, ["pod-a", "pod-nobody"])) == {k: {A_GPU} for k in keys}
     assert index.lookup(keys, {"pod-nobody"}) == {}
+    # a pod id nobody can have (empty) in the filter matches nothing, and is no error
+    assert norm(index.lookup(keys, {"", "pod-a"})) == {k: {A_GPU} for k in keys}
     # An empty filter, like None, means every pod.
     everyone = norm(index.lookup(keys))
     assert norm(index.lookup(keys, set())) == everyone

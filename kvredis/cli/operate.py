@@ -423,8 +423,8 @@ def clear(
         bar.close()
         click.echo(
             f"Interrupted: the clear of pod {pod!r} is incomplete (some of its entries and the "
-            f"engine mappings leading to them are left; `kvredis check` reports those as "
-            f"dangling_mapping). Run it again to finish:\n  {again}",
+            f"engine mappings leading to them are left; `kvredis check` notes the pod as "
+            f"clear_pending). Run it again to finish:\n  {again}",
             err=True,
         )
         sys.exit(130)
@@ -536,12 +536,21 @@ def _check_hints(report: Any, target: RedisTarget, repair: bool) -> list[str]:
 
     left = [f for f in report.findings if not f.repaired]
     hints = []
-    pending = [f for f in report.notes if f.problem is Problem.CLEAR_PENDING]
-    for note in pending:
-        pod = note.field.decode("utf-8", "surrogateescape") if note.field else "POD"
+    scopes: dict[str, tuple[set[str], set[int]]] = {}  # pod -> tiers, ranks (every shard's)
+    for note in report.notes:
+        if note.problem is Problem.CLEAR_PENDING and note.field is not None:
+            pod = note.field.decode("utf-8", "surrogatepass")
+            tiers, ranks = scopes.setdefault(pod, (set(), set()))
+            if note.scope is not None:
+                tiers.update(note.scope[0])
+                ranks.update(note.scope[1])
+    for pod, (tiers, ranks) in sorted(scopes.items()):
+        # the same tiers (and each rank on its own), so a clear of some tiers or of one rank
+        # that was cut short is finished without touching the pod's other entries
+        commands = [_clear_again(target, pod, sorted(tiers), rank) for rank in sorted(ranks)]
         hints.append(
-            f"pod {pod!r} has an unfinished clear (interrupted, or still running): run it "
-            f"again to finish it: {_clear_again(target, pod)}"
+            f"pod {pod!r} has an unfinished clear: unless a clear of it is running now, run it "
+            "again to finish it:\n  " + "\n  ".join(commands or [_clear_again(target, pod)])
         )
     if left and not repair:
         hints.append("`kvredis check --repair` fixes what it can (stop the writers first)")
@@ -712,6 +721,11 @@ def dump(target: RedisTarget, namespace: str, file: str, no_progress: bool, as_j
             if file != "-":
                 out.close()
             complete = True
+        except BrokenPipeError:
+            raise click.ClickException(
+                f"{file}: the reader stopped reading before the dump ended (a pipe into `head`?); "
+                "the dump is incomplete"
+            ) from None
         except OSError as exc:
             if isinstance(exc, ConnectionError):
                 raise
@@ -722,7 +736,8 @@ def dump(target: RedisTarget, namespace: str, file: str, no_progress: bool, as_j
         finally:
             bar.close()
             if file == "-":
-                out.flush()
+                with suppress(BrokenPipeError):
+                    out.flush()
             elif not complete:
                 with suppress(OSError):
                     out.close()

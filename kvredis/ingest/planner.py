@@ -280,7 +280,7 @@ class EngineKeyCache:
     clears).
     """
 
-    __slots__ = ("_cut_limit", "_cuts", "_data", "_limit", "_lock", "_parents", "_tails", "fine")
+    __slots__ = ("_cut_limit", "_cuts", "_data", "_fine", "_limit", "_lock", "_parents", "_tails")
 
     def __init__(self, limit: int, cut_limit: int = DEFAULT_PARTIAL_BLOCK_PAGES) -> None:
         self._data: OrderedDict[int, int] = OrderedDict()
@@ -290,18 +290,24 @@ class EngineKeyCache:
         self._limit = limit
         self._cut_limit = cut_limit
         self._lock = threading.Lock()
-        self.fine: bool | None = None
-        """Whether the pod's pages can end inside index blocks (see :func:`boundary_key`):
-        learned from its first stored page (any such page makes it ``True`` for good);
-        ``None`` until then, when a removal evicts the boundary keys of its pages too."""
+        # KV-cache group -> whether its pages can end inside index blocks (see
+        # :func:`boundary_key`): learned from the group's first stored page (any such page makes
+        # it True for good); unknown until then, when a removal evicts boundary keys too. Per
+        # group: a hybrid model's groups use different page sizes.
+        self._fine: dict[int, bool] = {}
 
-    def learn_pages(self, engine_block_size: int, block_size: int) -> bool:
-        """Note a stored event's page size; whether the pod's pages can end inside blocks."""
+    def learn_pages(self, engine_block_size: int, block_size: int, group: int | None) -> bool:
+        """Note a stored event's page size; whether the group's pages can end inside blocks."""
+        g = group or 0
         if fine_pages(engine_block_size, block_size):
-            self.fine = True
-        elif self.fine is None:
-            self.fine = False
-        return self.fine
+            self._fine[g] = True
+        else:
+            self._fine.setdefault(g, False)
+        return self._fine[g]
+
+    def fine(self, group: int | None) -> bool | None:
+        """Whether the group's pages can end inside index blocks (``None``: not known yet)."""
+        return self._fine.get(group or 0)
 
     def put_parents(self, keys: Sequence[int], parent: int | None) -> None:
         """Record the chain ``parent → keys[0] → keys[1] → ...``."""
@@ -326,11 +332,14 @@ class EngineKeyCache:
                 out.append(parent)
             return out[::-1]
 
-    def forget_mappings(self) -> None:
-        """Drop the mappings and tails (the pod's entries were cleared)."""
+    def forget_mappings(self, tails: bool = True) -> None:
+        """Drop the mappings, and with ``tails`` the chain ends (the pod's entries were cleared;
+        a clear of one rank's entries keeps the chain ends: the pod's other ranks go on from
+        them, and a chain end only says which keys follow which tokens)."""
         with self._lock:
             self._data.clear()
-            self._tails.clear()
+            if tails:
+                self._tails.clear()
 
     def get_tail(self, key: int) -> Tail | None:
         """Where the chain stands after page ``key`` (``None``: not remembered)."""
@@ -424,12 +433,13 @@ class PodCaches:
                 cache = self._caches[pod] = EngineKeyCache(self._limit, self._cut_limit)
             return cache
 
-    def drop(self, pod: str) -> None:
-        """Forget the mappings and tails cached for ``pod`` (its entries were cleared)."""
+    def drop(self, pod: str, tails: bool = True) -> None:
+        """Forget the mappings (and with ``tails`` the chain ends) cached for ``pod``: its
+        entries, or with ``tails=False`` those of one of its ranks, were cleared."""
         with self._lock:
             cache = self._caches.get(pod)
         if cache is not None:
-            cache.forget_mappings()
+            cache.forget_mappings(tails)
 
     def forget_batch(self, pod: str, decoded: DecodedBatch) -> None:
         """A batch a peer applied may have changed mappings cached here: drop those, and learn
@@ -437,8 +447,8 @@ class PodCaches:
         that this replica continues them exactly as the peer would."""
         cache = self.get(pod)
         for event in map(_group_keyed, decoded.events):
-            if isinstance(event, AllBlocksCleared):
-                self.drop(pod)
+            if isinstance(event, AllBlocksCleared):  # a reset of one rank's tiers
+                self.drop(pod, tails=False)
                 cache = self.get(pod)
                 continue
             prior = None
@@ -446,7 +456,7 @@ class PodCaches:
                 prior = cache.get_tail(event.parent_block_hash)
             for engine_key in event.block_hashes:
                 cache.pop(engine_key)
-                if cache.fine is not False:
+                if cache.fine(event.group_idx) is not False:
                     cache.pop(boundary_key(engine_key))
             if isinstance(event, BlockStored) and event.token_ids:
                 cache.put_parents(event.block_hashes, event.parent_block_hash)
@@ -677,7 +687,7 @@ def _learn_tail(cache: EngineKeyCache, ev: BlockStored, prior: Tail | None, bs: 
         extra = _extra_keys(ev)
     except (ValueError, TypeError):
         return
-    fine = cache.learn_pages(ev.block_size, bs)
+    fine = cache.learn_pages(ev.block_size, bs, ev.group_idx)
     if not ev.parent_block_hash:
         prior = Tail(0, ev.lora_name, ev.cache_salt or extra.cache_salt)
     elif prior is None and fine:
@@ -1005,7 +1015,7 @@ class Planner:
         if cache is None:
             fine = fine_pages(ev.block_size, self.block_size)
         else:
-            fine = cache.learn_pages(ev.block_size, self.block_size)
+            fine = cache.learn_pages(ev.block_size, self.block_size, ev.group_idx)
         if chain_start:
             tail = Tail(0, model_name, ev.cache_salt or extra.cache_salt)
         else:
@@ -1164,15 +1174,18 @@ class Planner:
         entry = self._entry(plan, pod, tier, ev.group_idx, position, rank)
         if entry is None:
             return
-        keys: Sequence[int] = ev.block_hashes
-        if self.offload_blocks_per_chunk > 1:  # a chunk's removal names its last block
-            keys = [k for key in keys for k in (key, chunk_engine_key(key, tier))]
-        if plan.cache is not None and plan.cache.fine is not False:
-            # A page's derived key goes with it: it is mapped only if the page ends at a block
-            # boundary, so the pages known to end inside a block need none.
-            keys = tuple(
-                k for h in keys for k in ((h,) if plan.inside(h) else (h, boundary_key(h)))
-            )
+        # A page's derived key goes with it: it is mapped only if the page ends at a block
+        # boundary, so the pages known to end inside a block need none; a chunk's removal
+        # names its last block, so the chunk's key goes too.
+        fine = plan.cache is not None and plan.cache.fine(ev.group_idx) is not False
+        chunks = self.offload_blocks_per_chunk > 1
+        keys: list[int] = []
+        for h in ev.block_hashes:
+            keys.append(h)
+            if fine and not plan.inside(h):
+                keys.append(boundary_key(h))
+            if chunks:
+                keys.append(chunk_engine_key(h, tier))
         plan.evict(keys, (entry,))
         plan.count(Counter.EVENTS_APPLIED)
         plan.count(Counter.BLOCKS_REMOVED, len(ev.block_hashes))

@@ -200,7 +200,7 @@ class BatchRun:
                 yield ClearPod(pod, self.heartbeat)
             else:
                 yield ClearPod(pod, self.heartbeat, scope.device_tiers, scope.dp_rank)
-            caches.drop(pod)
+            caches.drop(pod, tails=scope is None)
             self.plan.count(Counter.CLEARS)
             self.plan.count(cause)
         self.plan.after_clear(caches.get(self.pod) if self.pod is not None else None)

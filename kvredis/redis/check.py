@@ -140,6 +140,9 @@ class Finding:
     repaired: bool = False
     shard: int | None = None
     """On a cluster: the shard whose key it is (the key name carries the shard's hash tag)."""
+    scope: tuple[tuple[str, ...], tuple[int, ...]] | None = None
+    """For ``clear_pending``: the tiers and data-parallel ranks of the retired entries (what the
+    unfinished clear was removing)."""
 
     def as_json(self) -> dict[str, Any]:
         """A JSON-ready dict (key and field as text, non-UTF-8 bytes escaped; ``shard`` only on
@@ -153,6 +156,8 @@ class Finding:
         }
         if self.shard is not None:
             out["shard"] = self.shard
+        if self.scope is not None:
+            out["scope"] = {"tiers": list(self.scope[0]), "dp_ranks": list(self.scope[1])}
         return out
 
 
@@ -299,13 +304,18 @@ def _check_pod_records(
     for pod, stored in sorted(d.pr.items()):
         ids = split_ids(stored) if len(stored) % ID_WIDTH == 0 else []
         if ids:
+            retired_entries = [d.entries[i] for i in ids if i in d.entries]
+            tiers = tuple(sorted({e.device_tier for e in retired_entries}))
+            ranks = tuple(sorted({e.dp_rank for e in retired_entries}))
             c.found(
                 Problem.CLEAR_PENDING,
                 lay.pr,
                 pod,
                 f"pod {show_bytes(pod)!r}: a clear of it is under way or was interrupted "
-                f"({len(ids)} retired entry ids); if none runs, run that pod's clear again",
+                f"({len(ids)} retired entries, tiers {', '.join(tiers) or '-'}); if no clear of "
+                "it runs, run that clear again",
             )
+            c.notes[-1] = dataclasses.replace(c.notes[-1], scope=(tiers, ranks))
         stray = [
             i
             for i in ids

@@ -1072,7 +1072,25 @@ def op_clear(
     mappings: bool = True,
     selection: EntrySelection | None = None,
 ) -> Op[int]:
-    """``Index.clear``: remove every entry of the pod, page by page; returns entries removed.
+    """``Index.clear`` on one namespace: :func:`op_clear_passes`, then :func:`op_reclaim` of the
+    ids it retired; returns the (request key, entry) pairs removed."""
+    removed, ids = yield from op_clear_passes(
+        state, pod_identifier, progress, fields_per_call, mappings, selection
+    )
+    yield from op_reclaim(state, pod_identifier, ids)
+    return removed
+
+
+def op_clear_passes(
+    state: CoreState,
+    pod_identifier: str,
+    progress: ClearProgress | None = None,
+    fields_per_call: int = DEFAULT_CLEAR_FIELDS_PER_CALL,
+    mappings: bool = True,
+    selection: EntrySelection | None = None,
+) -> Op[tuple[int, bytes]]:
+    """Remove every entry of the pod, page by page; returns the (request key, entry) pairs
+    removed and the entry ids retired (for :func:`op_reclaim`, once nothing holds them).
 
     Four passes over the namespace with SCAN MATCH (never the whole keyspace): the runs
     (``clear_runs`` script: remove the pod's entry ids from their ranges, drop the refs of
@@ -1085,12 +1103,13 @@ def op_clear(
     passes; SCAN may report a key twice) and the (request key, entry) pairs removed
     so far. First the pod's entry ids are retired (``retire`` script: adds racing the clear
     store the pod's entries under new ids, untouched by this clear; ids an interrupted clear
-    left retired are taken up again); last, the retired ids' definitions are reclaimed
-    (``reclaim`` script). A pod the namespace never saw costs one call. ``mappings=False``
-    skips the engine bucket pass (the cluster index, whose mappings and request keys live in
-    different shards, runs its own). With ``selection`` (``clear_entries``) only the pod's
-    entries it matches are removed: their ids are picked from the pod's definitions (current
-    and retired ids, one HMGET) before the passes, and only those are retired and reclaimed.
+    left retired are taken up again). A pod the namespace never saw costs one call.
+    ``mappings=False`` skips the engine bucket pass (the cluster index, whose mappings and
+    request keys live in different shards, runs its own, and reclaims after it: a clear cut
+    short before then leaves the ids retired, so running it again runs the mapping pass again).
+    With ``selection`` (``clear_entries``) only the pod's entries it matches are removed: their
+    ids are picked from the pod's definitions (current and retired ids, one HMGET) before the
+    passes, and only those are retired (and reclaimed).
     """
     pod = check_pod_identifier(pod_identifier)
     if progress is not None and not callable(progress):
@@ -1107,10 +1126,10 @@ def op_clear(
         listed = bytes(current or b"") + bytes(retired or b"")
         chosen = (yield from _selected_ids(layout, listed, selection)) if listed else b""
         if not chosen:
-            return 0
+            return 0, b""
         ids = yield ScriptCall("retire", keys, (layout.gen, text_bytes(pod), chosen))
     if not ids:
-        return 0
+        return 0, b""
     done = removed = 0
 
     def on_request_page(keys: int, n: int) -> None:
@@ -1159,15 +1178,20 @@ def op_clear(
             ),
             on_engine_page,
         )
-    # Nothing holds the retired ids now: reclaim their definitions (ids are never reused).
-    blob = bytes(ids)
-    for start in range(0, len(blob), RECLAIM_IDS_PER_CALL * 4):
+    return removed, bytes(ids)
+
+
+def op_reclaim(state: CoreState, pod_identifier: str, ids: bytes) -> Op[None]:
+    """Delete the definitions of the pod's entry ids a clear retired, once no bucket, run or
+    expiring bucket holds them (``reclaim`` script; ids are never reused)."""
+    layout = state.layout
+    pod = text_bytes(pod_identifier)
+    for start in range(0, len(ids), RECLAIM_IDS_PER_CALL * ID_WIDTH):
         yield ScriptCall(
             "reclaim",
             (layout.meta, layout.pe, layout.pi, layout.pr),
-            (layout.gen, text_bytes(pod), blob[start : start + RECLAIM_IDS_PER_CALL * 4]),
+            (layout.gen, pod, ids[start : start + RECLAIM_IDS_PER_CALL * ID_WIDTH]),
         )
-    return removed
 
 
 def _selected_ids(layout: Layout, ids: bytes, selection: EntrySelection) -> Op[bytes]:

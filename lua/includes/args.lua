@@ -34,6 +34,10 @@ local function pod_filter_arg(args, at)
   local nf = int_arg(args[at], 'pod count', 0, #args - at)
   if nf == 0 then return nil, at + 1 end
   local pods = {}
-  for i = 1, nf do pods[i] = text_arg(args[at + i], 'pod id') end
+  for i = 1, nf do
+    local pod = args[at + i]
+    if type(pod) ~= 'string' then fail('INVALID', 'pod id ' .. i .. ' of the filter is missing') end
+    pods[i] = pod
+  end
   return pods, at + 1 + nf
 end

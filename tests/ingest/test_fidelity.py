@@ -383,6 +383,34 @@ def test_a_rank_stream_clear_leaves_the_other_ranks(index: Any, cause: str) -> N
     assert score(index, tokens) == {"pod-a": 4.0}
 
 
+def test_one_ranks_reset_leaves_the_chains_the_other_ranks_are_extending(index: Any) -> None:
+    # Rank 1 stores a chain that ends inside an index block (pages of one token); rank 0 resets
+    # its prefix cache; rank 1's continuation must still hang from the chain rank 1 stored.
+    tokens = PROMPT[:32]
+    pod = DPPod(index)
+    pod.send(1, vllm_stored([1, 2, 3], None, tokens[:3], 1, group_idx=0))
+    pod.send(0, all_cleared())
+    pod.send(1, vllm_stored(list(range(4, 33)), 3, tokens[3:], 1, group_idx=0))
+    assert pod.ing.counters.get("parent_misses") == 0
+    keys = TP16.tokens_to_kv_block_keys(0, tokens, MODEL)
+    assert [set(v) for v in index.lookup(keys).values()] == [{gpu(0, 1)}] * 2
+
+
+def test_a_groups_page_size_is_its_own(index: Any) -> None:
+    # Group 1 stores whole index blocks; group 0 pages of 4 tokens. A branch of group 1 from
+    # the middle of its chain hangs from its parent's block as whole-block engines do.
+    tokens = PROMPT[:64]
+    other = tuple(range(9000, 9016))
+    ing = ingest(index, [vllm_batch([vllm_stored([1, 2, 3, 4], None, tokens, 16, group_idx=1)])])
+    fine = vllm_stored(list(range(101, 117)), None, tokens, 4, group_idx=0)
+    branch = vllm_stored([5], 2, other, 16, group_idx=1)
+    ingest(index, [vllm_batch([fine]), vllm_batch([branch])], ing=ing)
+    assert ing.counters.get("parent_misses") == 0
+    keys = TP16.tokens_to_kv_block_keys(0, (*tokens[:32], *other), MODEL)
+    g1 = PodEntry("pod-a", "gpu", has_group=True, group_idx=1)
+    assert [g1 in v for v in index.lookup(keys).values()] == [True] * 3
+
+
 # Index block size 16 (TP16) or 64 (TP64); group 0's and group 1's engine block sizes. vLLM
 # hashes at the smallest size and a group of k times that size publishes every k-th hash.
 GROUP_SHAPES = [(TP16, 16, 32), (TP16, 32, 64), (TP16, 16, 64), (TP64, 16, 32)]

@@ -114,7 +114,7 @@ from kvredis.redis.ops import (
     check_eviction_policy,
     compress_pairs,
     expiry_mode_of,
-    op_clear,
+    op_clear_passes,
     op_drive,
     op_drop_namespace,
     op_evict,
@@ -123,6 +123,7 @@ from kvredis.redis.ops import (
     op_load_namespace,
     op_lookup,
     op_parts,
+    op_reclaim,
     op_reset_watermark,
     op_run,
     pod_args,
@@ -1291,17 +1292,26 @@ def op_cluster_clear(
         shard: _clear_factory(pod_identifier, reporter(shard), fields_per_call, selection)
         for shard in range(core.count)
     }
-    removed = yield from _on_shards(core, factories)
-    total = sum(removed.values())
-    if total:
+    cleared = yield from _on_shards(core, factories)
+    retired = {shard: ids for shard, (_n, ids) in cleared.items() if ids}
+    if retired:  # the mapping pass, then the reclaim: a clear cut short before it runs it again
         yield from op_clear_mappings(core)
-    return total
+        yield from _on_shards(
+            core, {shard: _reclaim_factory(pod_identifier, ids) for shard, ids in retired.items()}
+        )
+    return sum(n for n, _ids in cleared.values())
 
 
 def _clear_factory(
     pod: str, report: ClearProgress, per_call: int, selection: EntrySelection | None
-) -> Callable[[CoreState], Op[int]]:
-    return lambda state: op_clear(state, pod, report, per_call, mappings=False, selection=selection)
+) -> Callable[[CoreState], Op[tuple[int, bytes]]]:
+    return lambda state: op_clear_passes(
+        state, pod, report, per_call, mappings=False, selection=selection
+    )
+
+
+def _reclaim_factory(pod: str, ids: bytes) -> Callable[[CoreState], Op[None]]:
+    return lambda state: op_reclaim(state, pod, ids)
 
 
 def op_clear_mappings(core: ClusterCore) -> WaveOp[int]:

@@ -410,3 +410,33 @@ def test_metrics_wrap_the_cluster_index(cfg: RedisIndexConfig) -> None:
             "kvredis_index_redis_round_trips_total", {"backend": "redis"}
         )
         assert trips is not None and trips >= 2
+
+
+def test_a_clear_cut_short_before_its_mapping_pass_drops_the_mappings_when_run_again(
+    cfg: RedisIndexConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shards reclaim the retired ids only after the mapping pass: a clear cut short before
+    it leaves them retired, so running the clear again runs the mapping pass too."""
+    import kvredis.redis.cluster.ops as cluster_ops
+
+    with RedisClusterIndex(cfg) as index:
+        keys = list(range(1, 41))
+        index.add([k + 1000 for k in keys], keys, [A])
+        index.add(None, keys[:10], [B])  # B keeps the first keys' mappings alive
+        real = cluster_ops.op_clear_mappings
+
+        def cut_short(core: Any) -> Any:
+            raise ConnectionError("cut short before the mapping pass")
+            yield  # pragma: no cover - a generator like the real one
+
+        monkeypatch.setattr(cluster_ops, "op_clear_mappings", cut_short)
+        with pytest.raises(ConnectionError):
+            index.clear("pod-a")
+        monkeypatch.setattr(cluster_ops, "op_clear_mappings", real)
+        index.clear("pod-a")
+        assert index.lookup(keys) == {k: [B] for k in keys[:10]}
+        for k in keys[:10]:
+            assert index.get_request_key(k + 1000) == k
+        for k in keys[10:]:
+            with pytest.raises(EngineKeyNotFoundError):
+                index.get_request_key(k + 1000)
