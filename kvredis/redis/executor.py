@@ -77,9 +77,27 @@ def _not_tls(exc: BaseException) -> bool:
     return "ALERT" not in str(exc.reason or "").upper()
 
 
+def _in_handshake(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised inside the ssl module's handshake (not by the TCP connect)."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name in ("do_handshake", "wrap_socket"):
+            return True
+        tb = tb.tb_next
+    return False
+
+
 class _TlsConnection(redis.SSLConnection):
     """redis-py's TLS connection, telling a peer that does not answer TLS apart (the handshake
-    is bounded by ``socket_connect_timeout``, as redis-py does)."""
+    is bounded by ``socket_connect_timeout``, as redis-py does). redis-py 5.1+ wraps the socket
+    in ``_wrap_socket_with_ssl``; older releases in ``_connect``, after the TCP connect."""
+
+    def _handshake_failed(self, exc: OSError) -> TlsHandshakeError:
+        if isinstance(exc, socket.timeout):
+            detail = f"no TLS handshake within {self.socket_connect_timeout:g} s"
+        else:
+            detail = f"the TLS handshake failed: {exc}"
+        return TlsHandshakeError(detail)
 
     def _wrap_socket_with_ssl(self, sock: Any) -> Any:
         try:
@@ -87,11 +105,17 @@ class _TlsConnection(redis.SSLConnection):
         except OSError as exc:
             if not _not_tls(exc):
                 raise
-            if isinstance(exc, socket.timeout):
-                detail = f"no TLS handshake within {self.socket_connect_timeout:g} s"
-            else:
-                detail = f"the TLS handshake failed: {exc}"
-            raise TlsHandshakeError(detail) from exc
+            raise self._handshake_failed(exc) from exc
+
+    def _connect(self) -> Any:
+        if hasattr(redis.SSLConnection, "_wrap_socket_with_ssl"):
+            return super()._connect()  # type: ignore[no-untyped-call]
+        try:
+            return super()._connect()  # type: ignore[no-untyped-call]
+        except OSError as exc:
+            if not (_not_tls(exc) and _in_handshake(exc)):
+                raise
+            raise self._handshake_failed(exc) from exc
 
 
 def failure(exc: BaseException) -> rq.Failure:
