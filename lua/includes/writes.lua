@@ -10,12 +10,13 @@
 -- request key held through a run reads as the ids of its run position (where: field -> its
 -- ref); runs: run id -> {ranges, n, changes = position -> ids, keys once read} or false;
 -- prev: field -> the request key before it in the add op that first stored it (new keys only);
+-- chain: new first keys of add ops whose parent key (held) they follow;
 -- spent.work: the run ranges read so far by the call (spent may be shared by the stages of
 -- one call), each run counting RUN_READ_COST more; limit: the most work allowed (nil: no
 -- limit); op, key: how many ops, and keys of the op after them, the caller (includes/program)
 -- has staged whole.
 local function new_stage(cprefix, limit, spent)
-  return {r = {}, e = {}, order = {}, orig = {}, where = {}, runs = {}, prev = {},
+  return {r = {}, e = {}, order = {}, orig = {}, where = {}, runs = {}, prev = {}, chain = {},
           cprefix = cprefix, spent = spent or {work = 0}, limit = limit, op = 0, key = 0}
 end
 
@@ -100,8 +101,10 @@ local function ranges_of(values, first)
 end
 
 -- Everything flush_stage writes, computed without writing: changed runs, new keys grouped into
--- runs (a new key follows the key before it in its add op when that key ends a group or a
--- run; groups of fewer than RUN_MIN keys not extending a run stay inline), run ids allocated
+-- runs (a new key follows the key before it in its add op, or the op's parent key, when that
+-- key ends a group or a run; groups of fewer than RUN_MIN keys extending no run stay inline,
+-- unless they continue a stored chain: their op's parent key is held, so the chain's later
+-- appends have a run to join), run ids allocated
 -- from <ns>:meta next_run (KVREDIS_LAYOUT when exhausted). k holds meta and the bucket namer.
 local function plan_stage(st, k)
   local order, orig, r, where = st.order, st.orig, st.r, st.where
@@ -160,6 +163,10 @@ local function plan_stage(st, k)
           run.extended = g
           plan.groups[#plan.groups + 1] = g
           group_of[field] = g
+        elseif st.chain[field] then
+          g = {keys = {field}, chained = true}
+          plan.groups[#plan.groups + 1] = g
+          group_of[field] = g
         else
           group_of[field] = field
           alone[#alone + 1] = field
@@ -171,7 +178,7 @@ local function plan_stage(st, k)
     end
   end
   for _, g in ipairs(plan.groups) do
-    if not g.run and #g.keys < RUN_MIN then
+    if not g.run and not g.chained and #g.keys < RUN_MIN then
       for _, field in ipairs(g.keys) do inline[#inline + 1] = field end
       g.keys = {}
     else
