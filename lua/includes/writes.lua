@@ -240,7 +240,7 @@ local function flush_stage(st, k, plan)
       end
       local ranges = ranges_of(values, first)
       if run then
-        for _, rg in ipairs(ranges) do run.ranges[#run.ranges + 1] = rg end
+        for _, rg in ipairs(ranges) do ranges_push(run.ranges, rg.e, rg.ids) end
         run.keys = run_keys(st, rid, run) .. table.concat(keys)
         run.n = first + #keys - 1
         run.newn = run.n

@@ -512,6 +512,8 @@ def test_one_key_adds_after_a_runs_last_key_join_the_run(pair: Pair) -> None:
         _apply(pair, [AddOp(None, (key,), (A,), chain[-1])])
         chain.append(key)
     assert len(pair.runs()) == 1 and pair.in_runs(chain) == len(chain)
+    # one range: the appended positions hold what the run's last range holds (merged)
+    assert len(pair.raw.hget(pair.runs()[0], "r") or b"") == 4 + 4
     assert pair.agree(chain) == {k: [A] for k in chain}
     pair.agree(chain[25:])
     pair.agree([*chain[:30], 7, *chain[30:]])
