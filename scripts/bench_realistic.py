@@ -139,11 +139,13 @@ class Pod:
 class Fleet:
     """The simulation: messages in the engines' shapes, and what every pod holds."""
 
-    def __init__(self, shape: str, conversations: int, turns: int, seed: int) -> None:
+    def __init__(
+        self, shape: str, conversations: int, turns: int, capacity: int, seed: int
+    ) -> None:
         self.shape = shape
         self.rng = random.Random(seed)
         self.page = 1 if shape == "sglang" else BLOCK
-        self.pods = [Pod(6000) for _ in range(PODS)]
+        self.pods = [Pod(capacity) for _ in range(PODS)]
         rng = self.rng
         self.prompts = [
             [rng.randrange(1, 50_000) for _ in range(BLOCK * rng.randint(2, 120))]
@@ -263,7 +265,7 @@ def cpu_us(server: Server, call: Callable[[int], object], n: int) -> float:
 
 
 def run_shape(shape: str, url: str, server: Server, quick: bool, seed: int) -> Result:
-    fleet = Fleet(shape, 24 if quick else 64, 4 if quick else 7, seed)
+    fleet = Fleet(shape, 24 if quick else 64, 4 if quick else 7, 800 if quick else 3000, seed)
     fleet.run()
     raw = server.raw
     raw.flushall()

@@ -201,7 +201,7 @@ local function run_program(k, program, cap, ms)
           -- A new first key following a held parent key continues a stored chain: read the
           -- parent's record (its ref names the run it may end).
           if i == 1 and parent and st.prev[rfield] == parent
-              and stage_get(st, 'r', rbucket(parent), parent) then
+              and stage_get(st, 'r', rbucket(parent), parent, true) then
             st.chain[rfield] = true
           end
           prev = rfield

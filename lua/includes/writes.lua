@@ -26,15 +26,22 @@ end
 local RUN_WORK_LIMIT = 4096
 
 -- The run rid as staged (read on first use), or false when absent or malformed. Only the
--- ranges are read: the keys (a long string) are read by run_keys when a write needs them.
+-- ranges are read: the keys (a long string) are read by run_keys when a write needs them, or
+-- with the ranges when keys_too (a caller that will likely extend the run: one call, not two).
 -- Fails KVREDIS_BUDGET, before any write, once the runs read exceed the stage's work limit;
 -- the message starts with the ops and keys staged whole (st.op, st.key), which fit a call.
-local function stage_run(st, rid)
+local function stage_run(st, rid, keys_too)
   local run = st.runs[rid]
   if run == nil then
     run = false
     local key = st.cprefix .. rid
-    local r = redis.call('HGET', key, 'r')
+    local r, keys
+    if keys_too then
+      local both = redis.call('HMGET', key, 'r', 'k')
+      r, keys = both[1], both[2]
+    else
+      r = redis.call('HGET', key, 'r')
+    end
     local ranges = r and ranges_parse(r)
     local spent = st.spent
     spent.work = spent.work + RUN_READ_COST + (ranges and #ranges or 0)
@@ -43,7 +50,11 @@ local function stage_run(st, rid)
         st.limit .. ' ranges in all; send fewer ops or keys per call')
     end
     local n = ranges and #ranges > 0 and ranges[#ranges].e or 0
-    if n > 0 and redis.call('HSTRLEN', key, 'k') == n * HASH_WIDTH then
+    if keys_too then
+      if n > 0 and keys and #keys == n * HASH_WIDTH then
+        run = {ranges = ranges, n = n, changes = {}, keys = keys}
+      end
+    elseif n > 0 and redis.call('HSTRLEN', key, 'k') == n * HASH_WIDTH then
       run = {ranges = ranges, n = n, changes = {}}
     end
     st.runs[rid] = run
@@ -61,7 +72,9 @@ local function run_keys(st, rid, run)
   return keys
 end
 
-local function stage_get(st, kind, bucket, field)
+-- The staged value of a field (read on first use); a request key held through a run reads as
+-- its position's ids (its run read with its keys when keys_too: see stage_run).
+local function stage_get(st, kind, bucket, field, keys_too)
   local values = st[kind]
   local v = values[field]
   if v == nil then
@@ -69,7 +82,7 @@ local function stage_get(st, kind, bucket, field)
     if kind == 'r' and v and is_ref(v) then
       local ref = v
       local rid, pos = ref_parse(ref)
-      local run = stage_run(st, rid)
+      local run = stage_run(st, rid, keys_too)
       local r = run and pos >= 1 and range_at(run.ranges, pos)
       v = false
       if r and run.ranges[r].ids ~= '' then
