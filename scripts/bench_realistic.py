@@ -8,8 +8,10 @@ hash per token. This benchmark simulates a fleet and feeds every message through
 
 - 8 pods; conversations of several turns, each opening with one of 16 shared system prompts of
   any length (2-120 blocks); a user turn of 1-40 blocks of tokens (not block aligned for vLLM,
-  whole blocks for SGLang), then 1-40 blocks of generated tokens (vLLM: one event per block;
-  SGLang: the output node stored when the turn ends); a turn moves to another pod now and then;
+  whole blocks for SGLang, whose mid-block chains are another matter), then 1-40 blocks of
+  generated tokens (vLLM: one event per block; SGLang, page size 1: radix nodes of 1-4 blocks,
+  one engine hash per token, each node extending the one before); one turn in ten moves to
+  another pod;
 - each pod holds a bounded number of blocks, least recently used evicted as ``BlockRemoved``
   (a request's tail blocks first, as vLLM's free queue orders them);
 - each message is one engine batch (one ``apply_batch``), the worst case for fixed costs.
@@ -182,11 +184,12 @@ class Fleet:
                 user += self.rng.randrange(BLOCK)  # prompts are not block aligned
             conv.tokens += [self.rng.randrange(1, 50_000) for _ in range(user)]
             self.store(conv, prefill=True)
-            out = self.rng.randint(1, 40) * BLOCK
-            for _ in range(out // BLOCK if self.shape == "vllm" else 1):
-                step = BLOCK if self.shape == "vllm" else out
-                conv.tokens += [self.rng.randrange(1, 50_000) for _ in range(step)]
+            out = self.rng.randint(1, 40)
+            while out > 0:  # vLLM: one event per block; SGLang: nodes of 1-4 blocks
+                step = 1 if self.shape == "vllm" else min(out, self.rng.randint(1, 4))
+                conv.tokens += [self.rng.randrange(1, 50_000) for _ in range(step * BLOCK)]
                 self.store(conv, prefill=False)
+                out -= step
 
     def store(self, conv: Conversation, prefill: bool) -> None:
         """The pod stores the conversation's full units it does not hold (prefill chunks of up
