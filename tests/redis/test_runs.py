@@ -638,3 +638,23 @@ def test_vllm_prefill_then_decode_events_through_the_ingester_fill_one_run(pair:
     assert len(pair.runs()) == 1 and pair.in_runs(keys) == 40
     assert len(pair.redis.lookup(keys)) == 40
     pair.consistent()
+
+
+@pytest.mark.parametrize(
+    "weights",
+    [
+        {"gpu": 1.0, "cpu": 0.5},  # multiples of 2^-10: a range adds in one step
+        {"gpu": 0.8, "cpu": 0.1},  # not: added key by key
+        {"gpu": 2.0**41, "cpu": 3.0},  # sums past the exact bound: key by key
+    ],
+)
+def test_scores_of_long_runs_stay_bit_identical_whatever_the_weights(
+    pair: Pair, weights: dict[str, float]
+) -> None:
+    chain = list(range(1, 901))
+    pair.add(chain, [A])
+    pair.add(chain[:700], [B])
+    pair.add(chain[:300], [C])
+    for probe in (chain, chain[:650], chain[100:]):
+        expected = LongestPrefixScorer(weights).score(probe, pair.model.lookup(probe))
+        assert pair.redis.score(probe, weights) == expected
