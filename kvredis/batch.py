@@ -20,11 +20,18 @@ from kvredis.types import KeyType, PodEntry
 
 @dataclass(frozen=True, slots=True)
 class AddOp:
-    """``Index.add(engine_keys, request_keys, entries)`` as a value."""
+    """``Index.add(engine_keys, request_keys, entries)`` as a value.
+
+    ``parent`` is the request key before ``request_keys[0]`` in its chain, when the caller knows
+    it (an ingester continuing an engine's chain): it changes nothing a lookup sees, but lets a
+    backend store keys appended one event at a time with the chain they continue (the Redis
+    backend's chain runs), so a walk of the chain stays one read per run.
+    """
 
     engine_keys: tuple[int, ...] | None
     request_keys: tuple[int, ...]
     entries: tuple[PodEntry, ...]
+    parent: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +103,10 @@ def check_batch(
         try:
             if isinstance(op, AddOp):
                 eng, req, ents = check_add(op.engine_keys, op.request_keys, op.entries)
-                plan.append(AddOp(None if eng is None else tuple(eng), tuple(req), tuple(ents)))
+                parent = None if op.parent is None else check_hash(op.parent, "parent key")
+                plan.append(
+                    AddOp(None if eng is None else tuple(eng), tuple(req), tuple(ents), parent)
+                )
             elif isinstance(op, EvictOp):
                 key = check_hash(op.key, "evict key")
                 plan.append(

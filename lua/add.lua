@@ -8,7 +8,8 @@
   ARGV[6]     ttl in ms of the added (speculative) entries, 0 for none
   ARGV[7]     n, the number of encoded entries; ARGV[8..7+n] the entries (see includes/entries)
   ARGV[8+n..] one op: "A", nent, nent x entry index, request keys (hash blob),
-              engine/request key pairs (hash blob: engine key, request key, ...)
+              engine/request key pairs (hash blob: engine key, request key, ...); or "P",
+              8-byte parent key (the key before the first one in the chain), then as "A"
   Errors      KVREDIS_INVALID for malformed arguments, KVREDIS_LAYOUT when the entry id space
               cannot hold the new entries, KVREDIS_BUDGET when the request keys (more than one)
               reach too many chain-run ranges (includes/writes); all before the first write

@@ -20,6 +20,8 @@
   ARGV[13+n]  number of ops, then the ops, each one of
                 "A", nent, nent x entry index, request keys (hash blob),
                      engine/request key pairs (hash blob: engine key, request key, ...)
+                "P", 8-byte parent key, then as "A" (the keys follow the parent key in their
+                     chain: they may join its run, includes/writes)
                 "R", 8-byte request key, nent, nent x entry index
                 "E", 8-byte engine key, first, nent, nent x entry index
               (entry indexes are 1-based into the entries above)

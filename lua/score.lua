@@ -25,7 +25,8 @@
               and the walk reached the part's end (or stopped at its work limit)
   Errors      KVREDIS_INVALID for a malformed c or score
   Complexity  O(part keys / keys per run) calls (the walk: includes/walk; O(part keys) while
-              an expiring entry may be live), O(part keys x pods) additions; each distinct id
+              an expiring entry may be live), O(ranges x pods) additions when the weights are
+              multiples of 2^-10 (else O(part keys x pods)); each distinct id
               list is weighed once ]]
 --@include entries
 --@include expiry
@@ -83,6 +84,20 @@ local function weigh(ids)
   return w
 end
 
+-- s plus n times b, as adding b n times one by one gives it (bit-identical with the client's
+-- scorer); in one step when every partial sum is exact: s and b multiples of 2^-10 (1.0, 0.5,
+-- ...) and the sums below 2^42 in magnitude. O(1) per range then, else O(n).
+local EXACT = 2 ^ 52
+local function add_n(s, b, n)
+  local sb, bb = s * 1024, b * 1024
+  if bb == math.floor(bb) and sb == math.floor(sb)
+      and (math.abs(s) + n * math.abs(b)) * 1024 < EXACT then
+    return s + n * b
+  end
+  for _ = 1, n do s = s + b end
+  return s
+end
+
 local order, scores, active = {}, {}, {}
 local first, previous = true, nil
 local carried = at + 2 * nw + 3
@@ -105,11 +120,7 @@ local cut = walk_chain(chain, rbucket, run_prefix(ARGV[2]), expiring, function(i
   local best = w.best
   if ids == previous then
     -- the same holders as the previous keys: every active pod holds these keys too
-    for _, pod in ipairs(active) do
-      local s, b = scores[pod], best[pod]
-      for _ = 1, n do s = s + b end
-      scores[pod] = s
-    end
+    for _, pod in ipairs(active) do scores[pod] = add_n(scores[pod], best[pod], n) end
     return true
   end
   local still = {}
@@ -117,18 +128,14 @@ local cut = walk_chain(chain, rbucket, run_prefix(ARGV[2]), expiring, function(i
     first = false
     for _, pod in ipairs(w.pods) do
       order[#order + 1] = pod
-      local s, b = best[pod], best[pod]
-      for _ = 2, n do s = s + b end
-      scores[pod] = s
+      scores[pod] = add_n(best[pod], best[pod], n - 1)
       still[#still + 1] = pod
     end
   else
     for _, pod in ipairs(active) do
       local b = best[pod]
       if b then
-        local s = scores[pod]
-        for _ = 1, n do s = s + b end
-        scores[pod] = s
+        scores[pod] = add_n(scores[pod], b, n)
         still[#still + 1] = pod
       end
     end

@@ -1051,7 +1051,7 @@ class Planner:
             return
         plan.count(Counter.EVENTS_APPLIED)
         plan.count(Counter.BLOCKS_STORED, len(ev.block_hashes))
-        self._add(plan, ev, entry, request, groups)
+        self._add(plan, ev, entry, request, groups, tail.base or None)
         if ev.block_hashes and plan.cache is not None:
             plan.cache.put_parents(ev.block_hashes, ev.parent_block_hash)
         hashes = ev.block_hashes
@@ -1073,19 +1073,22 @@ class Planner:
         entry: PodEntry,
         request: tuple[int, ...],
         groups: list[tuple[tuple[int, ...], int]] | None,
+        parent: int | None,
     ) -> None:
+        """Add ``request`` (following ``parent``, the request key the chain continues from)."""
         if not request:
             return
         if groups is None:
             engine = ev.block_hashes or None
             mappings = infer_mappings(ev.block_hashes, request) if ev.block_hashes else None
-            plan.add(AddOp(engine, request, (entry,)), mappings)
+            plan.add(AddOp(engine, request, (entry,), parent), mappings)
         else:
             for engine_keys, request_key in groups:
                 plan.add(
-                    AddOp(engine_keys or None, (request_key,), (entry,)),
+                    AddOp(engine_keys or None, (request_key,), (entry,), parent),
                     [(e, request_key) for e in engine_keys],
                 )
+                parent = request_key
         plan.count(Counter.REQUEST_KEYS_STORED, len(request))
 
     def _continue(

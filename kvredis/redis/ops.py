@@ -617,13 +617,25 @@ class Program:
             index = self._entry_index[entry] = len(self.entries)
         return index
 
-    def add(self, request_keys: Keys, pairs: Sequence[tuple[int, int]], entries: Entries) -> None:
-        self.ops += ("A", len(entries), *(self.entry(e) for e in entries))
+    def add(
+        self,
+        request_keys: Keys,
+        pairs: Sequence[tuple[int, int]],
+        entries: Entries,
+        parent: int | None = None,
+    ) -> None:
+        """An add op; ``parent`` (the request key before the first one in its chain, when
+        known) lets the keys join the chain run it ends (a ``"P"`` op)."""
+        if parent is not None and request_keys:
+            self.ops += ("P", hash_field(parent))
+        else:
+            self.ops.append("A")
+        self.ops += (len(entries), *(self.entry(e) for e in entries))
         self.ops.append(hash_blob(request_keys))
         self.ops.append(hash_blob([k for pair in pairs for k in pair]))
         self.count += 1
         self.cost += add_cost(len(request_keys), len(pairs), len(entries))
-        self.units.append(("A", request_keys, pairs, entries))
+        self.units.append(("A", request_keys, pairs, entries, parent))
 
     def evict(self, key: int, key_type: KeyType, entries: Entries, first: int = 0) -> None:
         """An evict op; by engine key, of its request keys after the first ``first`` (see
@@ -665,7 +677,8 @@ class Program:
         return [program_of(layout, units[:cut]), program_of(layout, units[cut:])]
 
 
-#: One op of a :class:`Program`: ``("A", request keys, engine/request key pairs, entries)``,
+#: One op of a :class:`Program`: ``("A", request keys, engine/request key pairs, entries[,
+#: parent key])``,
 #: ``("R", key, entries)`` or ``("E", key, entries[, first])`` for an evict by request or engine
 #: key.
 Unit = tuple[Any, ...]
@@ -676,11 +689,15 @@ def _unit_pieces(unit: Unit, keys: int) -> list[Unit]:
     its mappings with the last; empty for any other op."""
     if unit[0] != "A" or len(unit[1]) < 2:
         return []
-    _, request_keys, pairs, entries = unit
+    request_keys, pairs, entries = unit[1:4]
+    parent = unit[4] if len(unit) > 4 else None
     step = keys if 0 < keys < len(request_keys) else (len(request_keys) + 1) // 2
     cuts = range(0, len(request_keys), step)
-    out: list[Unit] = [("A", request_keys[i : i + step], [], entries) for i in cuts]
-    out[-1] = ("A", request_keys[cuts[-1] :], pairs, entries)
+    out: list[Unit] = [
+        ("A", request_keys[i : i + step], [], entries, request_keys[i - 1] if i else parent)
+        for i in cuts
+    ]
+    out[-1] = (*out[-1][:2], pairs, *out[-1][3:])
     return out
 
 
@@ -712,7 +729,7 @@ _Filled = TypeVar("_Filled", "Program", "Programs")
 def _fill(target: _Filled, units: Sequence[Unit]) -> _Filled:
     for unit in units:
         if unit[0] == "A":
-            target.add(unit[1], unit[2], unit[3])
+            target.add(unit[1], unit[2], unit[3], unit[4] if len(unit) > 4 else None)
         elif unit[0] == "R":
             target.evict(unit[1], KeyType.REQUEST, unit[2])
         else:
@@ -746,10 +763,16 @@ class Programs:
             self.items.append(last)
         return last
 
-    def add(self, request_keys: Keys, pairs: Sequence[tuple[int, int]], entries: Entries) -> None:
-        """Add an add op (entries already without duplicates)."""
+    def add(
+        self,
+        request_keys: Keys,
+        pairs: Sequence[tuple[int, int]],
+        entries: Entries,
+        parent: int | None = None,
+    ) -> None:
+        """Add an add op (entries already without duplicates; see :meth:`Program.add`)."""
         cost = add_cost(len(request_keys), len(pairs), len(entries))
-        self._room(cost).add(request_keys, pairs, entries)
+        self._room(cost).add(request_keys, pairs, entries, parent)
 
     def evict(self, key: int, key_type: KeyType, entries: Entries, first: int = 0) -> None:
         """Add an evict op (see :meth:`Program.evict`)."""
@@ -785,6 +808,19 @@ def split_add(
     return pieces
 
 
+def piece_parents(
+    pieces: Sequence[tuple[Sequence[int], Sequence[tuple[int, int]]]], parent: int | None
+) -> list[int | None]:
+    """The parent key of each piece of an add (:func:`add_pieces`) whose first piece follows
+    ``parent``: the key before the piece's first request key in the chain."""
+    out: list[int | None] = []
+    for keys, _ in pieces:
+        out.append(parent if keys else None)
+        if keys:
+            parent = keys[-1]
+    return out
+
+
 def op_add(
     state: CoreState,
     engine_keys: Keys | None,
@@ -808,7 +844,11 @@ def op_add_pieces(
     """One ``add`` script call per piece (see :func:`add_pieces`) of checked input (more when
     the server refuses a piece as over budget: :func:`op_parts`)."""
     layout = state.layout
-    programs = [program_of(layout, [("A", keys, pairs, unique)]) for keys, pairs in pieces]
+    parents = piece_parents(pieces, None)
+    programs = [
+        program_of(layout, [("A", keys, pairs, unique, parent)])
+        for (keys, pairs), parent in zip(pieces, parents, strict=True)
+    ]
     yield from op_parts(programs, lambda program, part, parts: add_call(program, ttl_ms))
 
 
@@ -922,8 +962,9 @@ def batch_programs(
     for op in plan:
         if isinstance(op, AddOp):
             ents = list(dict.fromkeys(op.entries))
-            for keys, pairs in add_pieces(op.engine_keys, op.request_keys, ents, programs.budget):
-                programs.add(keys, pairs, ents)
+            pieces = add_pieces(op.engine_keys, op.request_keys, ents, programs.budget)
+            for (keys, pairs), parent in zip(pieces, piece_parents(pieces, op.parent), strict=True):
+                programs.add(keys, pairs, ents, parent)
         elif isinstance(op, EvictOp):
             programs.evict(op.key, op.key_type, op.entries)
     return programs.items

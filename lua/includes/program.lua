@@ -5,6 +5,8 @@
     the ops, each one of
       "A", nent, nent x entry index, request keys (hash blob),
            engine/request key pairs (hash blob: engine key, request key, ...)
+      "P", 8-byte parent key, then as "A": an add whose first request key follows the parent
+           key in its chain (its keys join the run the parent key ends: includes/writes)
       "R", 8-byte request key, nent, nent x entry index
       "E", 8-byte engine key, first, nent, nent x entry index: the engine key's request keys
            after its first `first` lose the entries, and the mapping is dropped once none of
@@ -51,9 +53,15 @@ local function read_program(args, pos, nops, tags)
   local ops = {}
   for o = 1, nops do
     local tag = args[pos]
-    if not tags[tag] then fail('INVALID', 'unknown op ' .. tostring(tag) .. ' (op ' .. o .. ')') end
+    if not (tags[tag] or tag == 'P' and tags.A) then
+      fail('INVALID', 'unknown op ' .. tostring(tag) .. ' (op ' .. o .. ')')
+    end
     local op = {tag = tag}
-    if tag == 'A' then
+    if tag == 'P' then
+      op.tag, op.parent = 'A', blob_arg(args[pos + 1], HASH_WIDTH, 'parent key', 1)
+      pos = pos + 1
+    end
+    if op.tag == 'A' then
       local nent = int_arg(args[pos + 1], 'op entry count', 0, #args - pos)
       op.ents = entry_indexes(args, pos + 2, nent, nents)
       op.req = blob_arg(args[pos + 2 + nent], HASH_WIDTH, 'request keys')
@@ -182,13 +190,20 @@ local function run_program(k, program, cap, ms)
       end
       local value, req, pairs_ = table.concat(list), op.req, op.pairs
       local deadline = ms > 0 and xs.now + ms
-      local prev = nil
+      local parent = op.parent
+      local prev = parent
       for i = 1, #req, HASH_WIDTH do
         local rfield = string.sub(req, i, i + HASH_WIDTH - 1)
         local bucket = rbucket(rfield)
         st.key = (i - 1) / HASH_WIDTH
         if value ~= '' then
           add_ids(st, bucket, rfield, value, set, prev)
+          -- A new first key following a held parent key continues a stored chain: read the
+          -- parent's record (its ref names the run it may end).
+          if i == 1 and parent and st.prev[rfield] == parent
+              and stage_get(st, 'r', rbucket(parent), parent, true) then
+            st.chain[rfield] = true
+          end
           prev = rfield
         end
         if timed then

@@ -10,12 +10,13 @@
 -- request key held through a run reads as the ids of its run position (where: field -> its
 -- ref); runs: run id -> {ranges, n, changes = position -> ids, keys once read} or false;
 -- prev: field -> the request key before it in the add op that first stored it (new keys only);
+-- chain: new first keys of add ops whose parent key (held) they follow;
 -- spent.work: the run ranges read so far by the call (spent may be shared by the stages of
 -- one call), each run counting RUN_READ_COST more; limit: the most work allowed (nil: no
 -- limit); op, key: how many ops, and keys of the op after them, the caller (includes/program)
 -- has staged whole.
 local function new_stage(cprefix, limit, spent)
-  return {r = {}, e = {}, order = {}, orig = {}, where = {}, runs = {}, prev = {},
+  return {r = {}, e = {}, order = {}, orig = {}, where = {}, runs = {}, prev = {}, chain = {},
           cprefix = cprefix, spent = spent or {work = 0}, limit = limit, op = 0, key = 0}
 end
 
@@ -25,15 +26,22 @@ end
 local RUN_WORK_LIMIT = 4096
 
 -- The run rid as staged (read on first use), or false when absent or malformed. Only the
--- ranges are read: the keys (a long string) are read by run_keys when a write needs them.
+-- ranges are read: the keys (a long string) are read by run_keys when a write needs them, or
+-- with the ranges when keys_too (a caller that will likely extend the run: one call, not two).
 -- Fails KVREDIS_BUDGET, before any write, once the runs read exceed the stage's work limit;
 -- the message starts with the ops and keys staged whole (st.op, st.key), which fit a call.
-local function stage_run(st, rid)
+local function stage_run(st, rid, keys_too)
   local run = st.runs[rid]
   if run == nil then
     run = false
     local key = st.cprefix .. rid
-    local r = redis.call('HGET', key, 'r')
+    local r, keys
+    if keys_too then
+      local both = redis.call('HMGET', key, 'r', 'k')
+      r, keys = both[1], both[2]
+    else
+      r = redis.call('HGET', key, 'r')
+    end
     local ranges = r and ranges_parse(r)
     local spent = st.spent
     spent.work = spent.work + RUN_READ_COST + (ranges and #ranges or 0)
@@ -42,7 +50,11 @@ local function stage_run(st, rid)
         st.limit .. ' ranges in all; send fewer ops or keys per call')
     end
     local n = ranges and #ranges > 0 and ranges[#ranges].e or 0
-    if n > 0 and redis.call('HSTRLEN', key, 'k') == n * HASH_WIDTH then
+    if keys_too then
+      if n > 0 and keys and #keys == n * HASH_WIDTH then
+        run = {ranges = ranges, n = n, changes = {}, keys = keys}
+      end
+    elseif n > 0 and redis.call('HSTRLEN', key, 'k') == n * HASH_WIDTH then
       run = {ranges = ranges, n = n, changes = {}}
     end
     st.runs[rid] = run
@@ -60,7 +72,9 @@ local function run_keys(st, rid, run)
   return keys
 end
 
-local function stage_get(st, kind, bucket, field)
+-- The staged value of a field (read on first use); a request key held through a run reads as
+-- its position's ids (its run read with its keys when keys_too: see stage_run).
+local function stage_get(st, kind, bucket, field, keys_too)
   local values = st[kind]
   local v = values[field]
   if v == nil then
@@ -68,7 +82,7 @@ local function stage_get(st, kind, bucket, field)
     if kind == 'r' and v and is_ref(v) then
       local ref = v
       local rid, pos = ref_parse(ref)
-      local run = stage_run(st, rid)
+      local run = stage_run(st, rid, keys_too)
       local r = run and pos >= 1 and range_at(run.ranges, pos)
       v = false
       if r and run.ranges[r].ids ~= '' then
@@ -100,8 +114,10 @@ local function ranges_of(values, first)
 end
 
 -- Everything flush_stage writes, computed without writing: changed runs, new keys grouped into
--- runs (a new key follows the key before it in its add op when that key ends a group or a
--- run; groups of fewer than RUN_MIN keys not extending a run stay inline), run ids allocated
+-- runs (a new key follows the key before it in its add op, or the op's parent key, when that
+-- key ends a group or a run; groups of fewer than RUN_MIN keys extending no run stay inline,
+-- unless they continue a stored chain: their op's parent key is held, so the chain's later
+-- appends have a run to join), run ids allocated
 -- from <ns>:meta next_run (KVREDIS_LAYOUT when exhausted). k holds meta and the bucket namer.
 local function plan_stage(st, k)
   local order, orig, r, where = st.order, st.orig, st.r, st.where
@@ -160,6 +176,10 @@ local function plan_stage(st, k)
           run.extended = g
           plan.groups[#plan.groups + 1] = g
           group_of[field] = g
+        elseif st.chain[field] then
+          g = {keys = {field}, chained = true}
+          plan.groups[#plan.groups + 1] = g
+          group_of[field] = g
         else
           group_of[field] = field
           alone[#alone + 1] = field
@@ -171,7 +191,7 @@ local function plan_stage(st, k)
     end
   end
   for _, g in ipairs(plan.groups) do
-    if not g.run and #g.keys < RUN_MIN then
+    if not g.run and not g.chained and #g.keys < RUN_MIN then
       for _, field in ipairs(g.keys) do inline[#inline + 1] = field end
       g.keys = {}
     else
@@ -233,7 +253,7 @@ local function flush_stage(st, k, plan)
       end
       local ranges = ranges_of(values, first)
       if run then
-        for _, rg in ipairs(ranges) do run.ranges[#run.ranges + 1] = rg end
+        for _, rg in ipairs(ranges) do ranges_push(run.ranges, rg.e, rg.ids) end
         run.keys = run_keys(st, rid, run) .. table.concat(keys)
         run.n = first + #keys - 1
         run.newn = run.n

@@ -61,7 +61,7 @@ def test_a_chain_within_one_batch_needs_no_request() -> None:
     first = chain(0)
     assert plan.take() == [
         AddOp((1,), (first,), (GPU,)),
-        AddOp((2,), (chain(1, first),), (GPU,)),
+        AddOp((2,), (chain(1, first),), (GPU,), first),  # its parent key: it may join a run
     ]
     assert plan.stats[Counter.EVENTS_APPLIED] == 2
 
@@ -73,7 +73,7 @@ def test_an_unknown_parent_is_looked_up_then_cached() -> None:
     decoded = decode_batch(encode_batch([BlockStored((2,), 1, block_tokens(1), 16)]))
     assert run(p.plan(plan, decoded, POD, MODEL), {1: 77}) == [Lookup(1)]
     assert cache.get(1) == 77
-    assert plan.take() == [AddOp((2,), (chain(1, 77),), (GPU,))]
+    assert plan.take() == [AddOp((2,), (chain(1, 77),), (GPU,), 77)]
     assert plan.stats[Counter.INDEX_LOOKUPS] == 1
 
 

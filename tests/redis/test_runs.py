@@ -81,6 +81,14 @@ class Pair:
     def runs(self) -> list[bytes]:
         return list(self.raw.scan_iter(match=f"{self.namespace}:c:*"))
 
+    def in_runs(self, keys: Sequence[int]) -> int:
+        """How many of ``keys`` are held through a run (their record is a 6-byte ref)."""
+        layout = Layout(self.namespace, 16, b"")
+        values = [
+            self.raw.hget(layout.request_bucket(k), k.to_bytes(8, "big")) or b"" for k in keys
+        ]
+        return sum(len(v) == 6 for v in values)
+
     def close(self) -> None:
         self.redis.close()
         self.raw.close()
@@ -547,3 +555,169 @@ def test_check_passes_on_runs_with_holes_and_dump_restore_round_trips(
     finally:
         fresh.close()
     pair.consistent()
+
+
+# -- keys appended one event at a time (an AddOp's parent key) ----------------------------------
+
+
+def _apply(pair: Pair, ops: Sequence[Any]) -> None:
+    pair.redis.apply_batch(ops)
+    pair.model.apply_batch(ops)
+
+
+def test_one_key_adds_after_a_runs_last_key_join_the_run(pair: Pair) -> None:
+    from kvredis import AddOp
+
+    prompt = list(range(1, 21))
+    _apply(pair, [AddOp(None, tuple(prompt), (A,))])
+    chain = list(prompt)
+    for key in range(100, 140):  # decode blocks, one event each
+        _apply(pair, [AddOp(None, (key,), (A,), chain[-1])])
+        chain.append(key)
+    assert len(pair.runs()) == 1 and pair.in_runs(chain) == len(chain)
+    # one range: the appended positions hold what the run's last range holds (merged)
+    assert len(pair.raw.hget(pair.runs()[0], "r") or b"") == 4 + 4
+    assert pair.agree(chain) == {k: [A] for k in chain}
+    pair.agree(chain[25:])
+    pair.agree([*chain[:30], 7, *chain[30:]])
+    pair.consistent()
+
+
+def test_several_appends_in_one_batch_and_a_second_pod_join_the_run(pair: Pair) -> None:
+    from kvredis import AddOp
+
+    prompt = list(range(1, 11))
+    _apply(pair, [AddOp(None, tuple(prompt), (A,))])
+    ops = [AddOp(None, (200 + j,), (A,), 199 + j if j else prompt[-1]) for j in range(5)]
+    _apply(pair, ops)
+    chain = [*prompt, *range(200, 205)]
+    _apply(pair, [AddOp(None, tuple(chain), (B,))])  # pod-b holds the whole chain
+    _apply(pair, [AddOp(None, (300,), (B,), chain[-1])])
+    assert len(pair.runs()) == 1
+    pair.agree([*chain, 300])
+    pair.consistent()
+
+
+def test_a_short_chain_continued_one_key_at_a_time_becomes_a_run(pair: Pair) -> None:
+    from kvredis import AddOp
+
+    _apply(pair, [AddOp(None, (1, 2, 3), (A,))])  # a chain start of three keys: inline
+    assert pair.runs() == []
+    chain = [1, 2, 3]
+    for key in range(10, 30):
+        _apply(pair, [AddOp(None, (key,), (A,), chain[-1])])
+        chain.append(key)
+    assert len(pair.runs()) == 1  # the keys after the inline start, together
+    assert pair.in_runs(chain) == len(chain) - 3
+    assert pair.agree(chain) == {k: [A] for k in chain}
+    # a branch from inside the run starts a run of its own; a parent nobody holds adds inline
+    _apply(pair, [AddOp(None, (500, 501), (B,), 15)])
+    _apply(pair, [AddOp(None, (600,), (B,), 12345)])
+    assert len(pair.runs()) == 2
+    for probe in (chain, [*chain[:8], 500, 501], [600], [*chain, 600]):
+        pair.agree(probe)
+    pair.consistent()
+
+
+def test_appends_after_an_evicted_tail_and_a_full_run(pair: Pair) -> None:
+    from kvredis import AddOp, EvictOp
+
+    chain = list(range(1, 1025))  # one full run
+    _apply(pair, [AddOp(None, tuple(chain), (A,))])
+    _apply(pair, [AddOp(None, (2000,), (A,), 1024), AddOp(None, (2001,), (A,), 2000)])
+    assert len(pair.runs()) == 2
+    _apply(pair, [EvictOp(2001, KeyType.REQUEST, (A,))])  # the tail goes: the run is cut back
+    _apply(pair, [AddOp(None, (2002,), (A,), 2000)])
+    pair.agree([*chain, 2000, 2002])
+    pair.agree([*chain, 2000, 2001])
+    assert len(pair.runs()) == 2
+    pair.consistent()
+
+
+@pytest.mark.parametrize("seed", [11, 12, 13])
+def test_random_appends_branches_and_evictions_agree_with_the_model(pair: Pair, seed: int) -> None:
+    from kvredis import AddOp, EvictOp
+
+    rng = random.Random(seed)
+    pods = [A, B, C]
+    next_key = iter(range(1000, 10**6))
+    chains: list[list[int]] = [[next(next_key) for _ in range(rng.randint(1, 12))]]
+    _apply(pair, [AddOp(None, tuple(chains[0]), (A,))])
+    for _ in range(80):
+        roll = rng.random()
+        ops: list[Any] = []
+        for _ in range(rng.randint(1, 4)):
+            chain = rng.choice(chains)
+            if roll < 0.55:  # appends: one key, or a short event, after the chain's end
+                new = [next(next_key) for _ in range(rng.choice([1, 1, 1, 3, 9]))]
+                parent = chain[-1] if rng.random() < 0.9 else rng.choice(chain)
+                if parent != chain[-1]:  # a branch
+                    chain = chain[: chain.index(parent) + 1]
+                    chains.append(chain)
+                ops.append(AddOp(None, tuple(new), (rng.choice(pods),), parent))
+                chain.extend(new)
+            elif roll < 0.65:  # a pod stores a whole chain
+                ops.append(AddOp(None, tuple(chain), (rng.choice(pods),)))
+            else:
+                ops.append(EvictOp(rng.choice(chain), KeyType.REQUEST, (rng.choice(pods),)))
+        _apply(pair, ops)
+        for probe in (rng.choice(chains), chains[-1][rng.randrange(len(chains[-1])) :]):
+            pair.agree(probe)
+    for chain in chains:
+        pair.agree(chain)
+    pair.consistent()
+
+
+def _ingest_vllm(pair: Pair, events: Sequence[Any], seq: int) -> None:
+    from kvredis.ingest import EventIngester
+    from tests.ingest.wire import vllm_batch
+
+    ing = pair.__dict__.setdefault("ingester", EventIngester(pair.redis, _TP16))
+    ing.process("kv@pod-a@base-model", seq, vllm_batch(list(events)), endpoint="pod-a")
+
+
+def _tp16() -> Any:
+    from kvredis.hashing import ChunkedTokenDatabase, TokenProcessorConfig
+
+    return ChunkedTokenDatabase(TokenProcessorConfig(block_size_tokens=16))
+
+
+_TP16 = _tp16()
+
+
+def test_vllm_prefill_then_decode_events_through_the_ingester_fill_one_run(pair: Pair) -> None:
+    """vLLM stores a prompt in prefill chunks, then one one-block event per 16 generated tokens:
+    every block joins the prompt's run, so the chain is walked with one read of one run."""
+    from tests.ingest.wire import vllm_stored
+
+    tokens = list(range(5000, 5000 + 16 * 40))
+    prefill = [vllm_stored(list(range(1, 21)), None, tokens[: 16 * 20], 16)]
+    _ingest_vllm(pair, prefill, 0)
+    for j in range(20, 40):  # decode: one block per event, each its own engine batch
+        block = vllm_stored([j + 1], j, tokens[16 * j : 16 * (j + 1)], 16)
+        _ingest_vllm(pair, [block], j - 19)
+    keys = _TP16.tokens_to_kv_block_keys(0, tokens, "base-model")
+    assert len(keys) == 40
+    assert len(pair.runs()) == 1 and pair.in_runs(keys) == 40
+    assert len(pair.redis.lookup(keys)) == 40
+    pair.consistent()
+
+
+@pytest.mark.parametrize(
+    "weights",
+    [
+        {"gpu": 1.0, "cpu": 0.5},  # multiples of 2^-10: a range adds in one step
+        {"gpu": 0.8, "cpu": 0.1},  # not: added key by key
+        {"gpu": 2.0**41, "cpu": 3.0},  # sums past the exact bound: key by key
+    ],
+)
+def test_scores_of_long_runs_stay_bit_identical_whatever_the_weights(
+    pair: Pair, weights: dict[str, float]
+) -> None:
+    chain = list(range(1, 901))
+    pair.add(chain, [A])
+    pair.add(chain[:700], [B])
+    pair.add(chain[:300], [C])
+    for probe in (chain, chain[:650], chain[100:]):
+        expected = LongestPrefixScorer(weights).score(probe, pair.model.lookup(probe))
+        assert pair.redis.score(probe, weights) == expected
