@@ -32,6 +32,7 @@ from kvredis.index import ClearProgress
 from kvredis.redis.cluster.index import AsyncRedisClusterIndex, RedisClusterIndex
 from kvredis.redis.config import DEFAULT_VALKEY_ADDRESS, RedisIndexConfig, check_supported
 from kvredis.redis.executor import AsyncExecutor, SyncExecutor
+from kvredis.redis.functions import FunctionRegistry
 from kvredis.redis.ops import (
     Entries,
     Keys,
@@ -53,7 +54,6 @@ from kvredis.redis.ops import (
     op_score,
 )
 from kvredis.redis.requests import Op
-from kvredis.redis.scripts import ScriptRegistry
 from kvredis.redis.state import CoreState
 from kvredis.types import KeyType, PodEntry
 
@@ -86,7 +86,7 @@ class _Facade:
             )
         self._session = Session(
             CoreState(cfg.namespace, cfg.bucket_bits),
-            ScriptRegistry(),
+            FunctionRegistry(use=cfg.use_functions),
             RetryPolicy(cfg.retries, cfg.retry_backoff, cfg.server()),
         )
 
@@ -106,9 +106,11 @@ class _Facade:
         return str(self.config.backend_type)
 
     @property
-    def registry(self) -> ScriptRegistry:
-        """The Lua script registry of this client."""
-        return self._session.registry
+    def registry(self) -> FunctionRegistry:
+        """The Lua script registry of this client (calls by FCALL or EVALSHA)."""
+        registry = self._session.registry
+        assert isinstance(registry, FunctionRegistry)  # made in __init__
+        return registry
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.config.server()}, namespace={self.namespace!r})"

@@ -145,8 +145,23 @@ class Session:
 
 
 def _load_scripts(registry: ScriptRegistry, names: Collection[str], read: bool = False) -> Op[None]:
+    """Load what the calls of ``names`` need (each distinct load command once); when a load is
+    refused in a way calls can avoid (functions not offered), the registry falls back and the
+    scripts are loaded for the path it falls back to."""
+    done: set[Command] = set()
     for name in sorted(names):
-        registry.check_loaded(name, (yield registry.load(name, read)))
+        command = registry.load(name, read)
+        if command in done:
+            continue
+        done.add(command)
+        try:
+            reply = yield command
+        except ErrorReply as failure:
+            if not registry.fall_back(failure.message):
+                raise
+            yield from _load_scripts(registry, names, read)
+            return
+        registry.check_loaded(name, reply)
 
 
 def _script_call(registry: ScriptRegistry, call: ScriptCall) -> Op[Any]:
@@ -154,14 +169,18 @@ def _script_call(registry: ScriptRegistry, call: ScriptCall) -> Op[Any]:
         try:
             return (yield registry.evalsha(call))
         except ErrorReply as failure:
-            if failure.code != "NOSCRIPT" or attempt == NOSCRIPT_ATTEMPTS:
+            if registry.fall_back(failure.message):
+                continue  # FCALL refused: the same call by EVALSHA
+            if not registry.missing(failure.message) or attempt == NOSCRIPT_ATTEMPTS:
                 raise
         yield from _load_scripts(registry, (call.script,), call.read)
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _noscript(reply: Any) -> bool:
-    return isinstance(reply, ErrorReply) and reply.code == "NOSCRIPT"
+def _noscript(registry: ScriptRegistry, reply: Any) -> bool:
+    return isinstance(reply, ErrorReply) and (
+        registry.missing(reply.message) or registry.fall_back(reply.message)
+    )
 
 
 def _pipeline(registry: ScriptRegistry, items: Sequence[ScriptCall | Command]) -> Op[list[Any]]:
@@ -175,7 +194,7 @@ def _pipeline(registry: ScriptRegistry, items: Sequence[ScriptCall | Command]) -
 
     replies = list((yield wire(range(len(items)))))
     for _ in range(NOSCRIPT_ATTEMPTS - 1):
-        missing = [i for i, reply in enumerate(replies) if _noscript(reply)]
+        missing = [i for i, reply in enumerate(replies) if _noscript(registry, reply)]
         if not missing:
             break
         calls = (items[i] for i in missing)
@@ -262,6 +281,7 @@ def op_connect(session: Session, strict: bool = False) -> Op[Layout]:
     else:
         check_not_cluster(cluster_info, session.policy.server)
     session.state.expiry_mode = yield from op_expiry_mode(session)
+    yield from op_drive(session, session.registry.op_choose(session.policy.server))
     layout = yield from op_drive(session, op_load_namespace(session.state, ping=False))
     try:
         info = yield from op_send(session, Command(("INFO", "memory")))

@@ -9,8 +9,10 @@ include each other; a cycle is an error. The SHA1 of every expanded script is co
 so the first call is already an EVALSHA.
 
 The registry only builds commands: ``EVALSHA`` for a :class:`~kvredis.redis.requests.ScriptCall`
-and ``SCRIPT LOAD`` for the reload after ``NOSCRIPT``. Sending them, and reloading on
-``NOSCRIPT``, is the job of :func:`kvredis.redis.ops.op_send`. No I/O library is imported here.
+and ``SCRIPT LOAD`` for the reload after ``NOSCRIPT`` (its subclass
+:class:`kvredis.redis.functions.FunctionRegistry` sends the same calls as ``FCALL``/``FCALL_RO``
+of the ``kvredis`` function library). Sending them, and reloading on ``NOSCRIPT``, is the job of
+:func:`kvredis.redis.ops.op_send`. No I/O library is imported here.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from kvredis.errors import BackendError
-from kvredis.redis.requests import Command, ScriptCall
+from kvredis.redis.requests import Command, Op, ScriptCall
 
 _INCLUDE_RE = re.compile(r"^--@include\s+(\S+)\s*$", re.MULTILINE)
 #: Folder (under ``lua/``) of the include files, and the prefix of their names in a source map.
@@ -155,3 +157,19 @@ class ScriptRegistry:
         got = reply.decode() if isinstance(reply, bytes) else str(reply)
         if got != script.sha:
             raise BackendError(f"server hashed script {name} to {got}, expected {script.sha}")
+
+    def missing(self, message: str) -> bool:
+        """Whether the error reply ``message`` of a call says the server lacks what was called
+        (``NOSCRIPT``): loading it (:meth:`load`) and calling again helps."""
+        return message.startswith("NOSCRIPT")
+
+    def fall_back(self, message: str) -> bool:
+        """Whether calls switch to a path the error reply ``message`` (of a :meth:`load`) does
+        not block; scripts have none."""
+        return False
+
+    def op_choose(self, server: str = "the server") -> Op[None]:
+        """Decide, when connecting to ``server``, how calls are sent: by EVALSHA here (see
+        :meth:`kvredis.redis.functions.FunctionRegistry.op_choose`)."""
+        return
+        yield
