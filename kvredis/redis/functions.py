@@ -40,7 +40,7 @@ from typing import Any, Literal
 from kvredis._version import __version__
 from kvredis.errors import BackendError, BackendUnavailableError, ConfigError
 from kvredis.redis.layout import LAYOUT_VERSION
-from kvredis.redis.requests import Command, Op, ScriptCall
+from kvredis.redis.requests import Command, ErrorReply, Op, ScriptCall
 from kvredis.redis.scripts import INCLUDES, Script, ScriptRegistry, expand, lua_sources
 
 logger = logging.getLogger(__name__)
@@ -354,3 +354,38 @@ class FunctionRegistry(ScriptRegistry):
             logger.info("loaded the %s library (build %s) on %s", LIBRARY, build, server)
             return
         self.active = True
+
+
+def _version_or_none(text: str) -> None:
+    if not not_found(text):
+        raise BackendError(f"{VERSION_FUNCTION} failed: {text}")
+
+
+def op_server_library() -> Op[tuple[str, int, str, str, str] | None]:
+    """The version of the library a server holds (see :func:`parse_version`), ``None`` when it
+    holds none. Error replies may arrive as :class:`~kvredis.redis.requests.ErrorReply` or as
+    :mod:`kvredis.errors` exceptions."""
+    try:
+        reply = yield Command(("FCALL_RO", VERSION_FUNCTION, 0))
+    except (ErrorReply, BackendError) as exc:
+        _version_or_none(str(exc))
+        return None
+    return parse_version(reply)
+
+
+def op_load_library(
+    library: Library, replace: bool = False
+) -> Op[tuple[tuple[str, int, str, str, str] | None, bool]]:
+    """Load ``library`` on a server when it holds none or an older one (:func:`plan`), or
+    always with ``replace``: (the version held before, whether it was loaded)."""
+    before = yield from op_server_library()
+    if not replace and plan(before and list(before), library) is not Plan.LOAD:
+        return before, False
+    try:
+        reply = yield Command(("FUNCTION", "LOAD", "REPLACE", library.code))
+    except (ErrorReply, BackendError) as exc:
+        raise BackendError(f"FUNCTION LOAD of the {LIBRARY} library failed: {exc}") from None
+    got = reply.decode() if isinstance(reply, bytes) else str(reply)
+    if got != LIBRARY:
+        raise BackendError(f"FUNCTION LOAD answered {got!r}, expected {LIBRARY!r}")
+    return before, True

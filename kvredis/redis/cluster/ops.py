@@ -504,7 +504,9 @@ def op_load_scripts(core: ClusterCore) -> WaveOp[None]:
     registry = core.registry
     for node in slot_map.primaries:
         try:
-            yield from _on_node(node, registry.op_choose(f"primary {node} of {core.policy.server}"))
+            yield from op_on_node(
+                node, registry.op_choose(f"primary {node} of {core.policy.server}")
+            )
         except BackendUnavailableError as exc:
             logger.debug("cannot check the function library on %s: %s", node, exc)
     if registry.evalsha(ScriptCall("ping", (), ())).args[0] != "EVALSHA":
@@ -513,7 +515,7 @@ def op_load_scripts(core: ClusterCore) -> WaveOp[None]:
     yield Wave(tuple(NodeBatch(node, loads) for node in slot_map.nodes))
 
 
-def _on_node(node: Any, op: Op[T]) -> WaveOp[T]:
+def op_on_node(node: Any, op: Op[T]) -> WaveOp[T]:
     """Run ``op`` (plain commands only) against one node; error replies are thrown into it as
     :mod:`kvredis.errors` exceptions, a lost node as BackendUnavailableError."""
     try:
