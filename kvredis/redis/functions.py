@@ -281,14 +281,14 @@ class FunctionRegistry(ScriptRegistry):
         """``NOSCRIPT``, or a function the server does not have."""
         return super().missing(message) or (self.active and not_found(message))
 
-    def fall_back(self, message: str) -> bool:
-        """Switch to ``EVALSHA`` when ``message`` (an error reply to a ``FUNCTION`` or
-        ``FCALL``) says the server or the ACL user does not offer functions; logs it once.
-        With ``use=True`` that is an error."""
-        if not self.active or not _refusal(message):
-            return False
+    def refused(self, message: str) -> bool:
+        """While the library is in use: whether ``message`` (an error reply to ``FCALL`` or
+        ``FUNCTION LOAD``) says the server or the ACL user does not offer functions."""
+        return self.active and self.use is not True and _refusal(message)
+
+    def fall_back(self, message: str) -> None:
+        """Keep to ``EVALSHA`` from now on (logged once); with ``use=True`` an error."""
         self._use_scripts(message)
-        return True
 
     def _use_scripts(self, reason: str) -> None:
         if self.use is True:

@@ -140,6 +140,10 @@ class ScriptRegistry:
         return sorted(self._scripts)
 
     def evalsha(self, call: ScriptCall) -> Command:
+        """The command that calls ``call``: its ``EVALSHA`` (:meth:`script_command`)."""
+        return self.script_command(call)
+
+    def script_command(self, call: ScriptCall) -> Command:
         """The ``EVALSHA`` command of ``call`` (a read only for a ``no-writes`` script)."""
         keys, script = call.keys, self[call.script]
         if call.read and not script.no_writes:
@@ -147,6 +151,10 @@ class ScriptRegistry:
         return Command(("EVALSHA", script.sha, len(keys), *keys, *call.args), call.read)
 
     def load(self, name: str, read: bool = False) -> Command:
+        """The command that loads what a call of ``name`` needs: :meth:`script_load`."""
+        return self.script_load(name, read)
+
+    def script_load(self, name: str, read: bool = False) -> Command:
         """The ``SCRIPT LOAD`` command of script ``name`` (``read``: for the server a read
         call of it goes to, a replica maybe)."""
         return Command(("SCRIPT", "LOAD", self[name].source), read)
@@ -163,10 +171,13 @@ class ScriptRegistry:
         (``NOSCRIPT``): loading it (:meth:`load`) and calling again helps."""
         return message.startswith("NOSCRIPT")
 
-    def fall_back(self, message: str) -> bool:
-        """Whether calls switch to a path the error reply ``message`` (of a :meth:`load`) does
-        not block; scripts have none."""
+    def refused(self, message: str) -> bool:
+        """Whether the error reply ``message`` refuses the way calls are sent, where EVALSHA
+        (:meth:`script_command`) may still work; never, for EVALSHA itself."""
         return False
+
+    def fall_back(self, message: str) -> None:
+        """Keep to EVALSHA from now on, because of the refusal ``message``."""
 
     def op_choose(self, server: str = "the server") -> Op[None]:
         """Decide, when connecting to ``server``, how calls are sent: by EVALSHA here (see

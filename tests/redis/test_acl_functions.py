@@ -15,6 +15,7 @@ from click.testing import CliRunner
 
 from kvredis import RedisIndex, RedisIndexConfig
 from kvredis.cli import cli
+from kvredis.errors import BackendError
 from kvredis.redis.functions import function_name, shipped_library
 from tests.examples.filled import WEIGHTS, fill
 from tests.servers import RedisServer
@@ -116,3 +117,20 @@ def test_each_role_works_with_its_line_and_a_router_cannot_write(
     finally:
         client.close()
     assert _dump(admin, namespace) == before  # nothing changed
+
+
+def test_a_router_waits_for_a_flushed_library_and_recovers(
+    own_redis_server: RedisServer, users: tuple[str, redis.Redis]
+) -> None:
+    namespace, admin = users
+    admin.function_load(shipped_library().code.decode())
+    filled = fill(RedisIndexConfig(address=own_redis_server.url, namespace=namespace))
+    route = RedisIndexConfig(address=_url(own_redis_server, "router"), namespace=namespace)
+    with RedisIndex(route) as router:
+        assert router.score(filled.keys, WEIGHTS) == filled.scores
+        admin.function_flush()
+        with pytest.raises(BackendError, match="function"):  # it may neither load nor EVALSHA
+            router.score(filled.keys, WEIGHTS)
+        admin.function_load(shipped_library().code.decode())  # the operator loads it again
+        assert router.score(filled.keys, WEIGHTS) == filled.scores
+        assert router.registry.active
