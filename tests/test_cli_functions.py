@@ -10,7 +10,7 @@ import pytest
 import redis
 from click.testing import CliRunner
 
-from kvredis import PodEntry, RedisIndex, RedisIndexConfig
+from kvredis import AddOp, PodEntry, RedisIndex, RedisIndexConfig, Watermark
 from kvredis.cli import cli
 from kvredis.redis.functions import LIBRARY, VERSION_FUNCTION, shipped_library
 from tests.servers import LocalCluster, RedisServer
@@ -69,6 +69,18 @@ def test_the_library_is_on_every_node_of_a_cluster(redis_cluster: LocalCluster) 
         for port in redis_cluster.ports:  # primaries loaded it, replicas got it by replication
             client = redis_cluster.client(port)
             assert client.fcall_ro(VERSION_FUNCTION, 0)[4] == shipped_library().build
+        for port in redis_cluster.ports[:3]:  # a flushed cluster: each node reloads on its miss
+            redis_cluster.client(port).function_flush()
+        assert index.lookup([1, 2]) == {
+            1: [PodEntry("pod-a", "gpu")],
+            2: [PodEntry("pod-a", "gpu")],
+        }
+        batch = [AddOp(None, tuple(range(100, 140)), (PodEntry("pod-b", "cpu"),))]
+        assert index.apply_batch(batch, "s", Watermark(1, 1))
+        expected = 0.0
+        for _ in range(40):
+            expected += 0.8  # summed in key order, as the function does
+        assert index.score(list(range(100, 140))) == {"pod-b": expected}
         index.drop_namespace()
     result = CliRunner().invoke(cli, ["functions", "show", "--redis", redis_cluster.url, "--json"])
     assert result.exit_code == 0, result.output
