@@ -128,6 +128,8 @@ class Library:
 def build_library(sources: Mapping[str, str]) -> Library:
     """The library of every command script in ``sources`` (as :func:`lua_sources` gives)."""
     names = sorted(n for n in sources if not n.startswith(f"{INCLUDES}/"))
+    if "version" in names:
+        raise BackendError("a script named version would clash with the kvredis_version function")
     description = _description(_BUILD_MARK)
     blocks = [_block(name, sources, description) for name in names]
     version = ", ".join(

@@ -440,3 +440,8 @@ def test_calls_by_function_name_once_active() -> None:
     assert registry.missing("Function not found")
     assert registry.missing("NOSCRIPT No matching script")
     assert not registry.missing("KVREDIS_STALE namespace layout changed")
+
+
+def test_a_script_cannot_take_the_version_function_name() -> None:
+    with pytest.raises(BackendError, match="clash"):
+        build_library({**lua_sources(), "version": "return 1\n"})
