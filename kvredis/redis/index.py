@@ -54,6 +54,7 @@ from kvredis.redis.ops import (
     op_score,
 )
 from kvredis.redis.requests import Op
+from kvredis.redis.scripts import ScriptRegistry
 from kvredis.redis.state import CoreState
 from kvredis.types import KeyType, PodEntry
 
@@ -106,11 +107,9 @@ class _Facade:
         return str(self.config.backend_type)
 
     @property
-    def registry(self) -> FunctionRegistry:
-        """The Lua script registry of this client (calls by FCALL or EVALSHA)."""
-        registry = self._session.registry
-        assert isinstance(registry, FunctionRegistry)  # made in __init__
-        return registry
+    def registry(self) -> ScriptRegistry:
+        """The Lua script registry of this client (calls by FCALL, or EVALSHA)."""
+        return self._session.registry
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.config.server()}, namespace={self.namespace!r})"

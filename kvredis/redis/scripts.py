@@ -123,6 +123,10 @@ def _shipped_scripts() -> dict[str, Script]:
 class ScriptRegistry:
     """The command scripts of one client, and the commands that call and load them."""
 
+    #: Whether calls go to the ``kvredis`` function library now (never, for this registry:
+    #: :class:`kvredis.redis.functions.FunctionRegistry` may).
+    active: bool = False
+
     def __init__(self, scripts: Mapping[str, Script] | None = None) -> None:
         self._scripts: dict[str, Script] = dict(_shipped_scripts() if scripts is None else scripts)
 

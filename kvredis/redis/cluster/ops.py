@@ -509,7 +509,7 @@ def op_load_scripts(core: ClusterCore) -> WaveOp[None]:
             )
         except BackendUnavailableError as exc:
             logger.debug("cannot check the function library on %s: %s", node, exc)
-    if registry.evalsha(ScriptCall("ping", (), ())).args[0] != "EVALSHA":
+    if registry.active:
         return
     loads = tuple(registry.load(name).args for name in registry.names())
     yield Wave(tuple(NodeBatch(node, loads) for node in slot_map.nodes))
