@@ -24,6 +24,7 @@ from kvredis import (
     Watermark,
 )
 from kvredis.errors import BackendError, ConfigError, InvalidInputError
+from kvredis.redis import ops
 from kvredis.redis import requests as rq
 from kvredis.redis.executor import failure
 from kvredis.redis.functions import (
@@ -38,8 +39,9 @@ from kvredis.redis.functions import (
     shipped_library,
 )
 from kvredis.redis.layout import LAYOUT_VERSION
-from kvredis.redis.ops import op_send
+from kvredis.redis.ops import RetryPolicy, Session, op_send
 from kvredis.redis.scripts import ScriptRegistry, lua_sources
+from kvredis.redis.state import CoreState
 from tests.servers import RedisServer
 
 A, B = PodEntry("pod-a", "gpu"), PodEntry("pod-b", "cpu")
@@ -445,3 +447,109 @@ def test_calls_by_function_name_once_active() -> None:
 def test_a_script_cannot_take_the_version_function_name() -> None:
     with pytest.raises(BackendError, match="clash"):
         build_library({**lua_sources(), "version": "return 1\n"})
+
+
+# -- the core's choices, driven with scripted replies (no server) -------------------------------
+
+
+def _functions_session() -> Session:
+    return Session(CoreState(_ns()), FunctionRegistry(), RetryPolicy(0, 0.0, "the test server"))
+
+
+def _drive(op: rq.Op[Any], replies: list[Any]) -> tuple[Any, list[rq.Request]]:
+    """Run ``op``, answering its requests in turn (a Failure is thrown into it)."""
+    sent: list[rq.Request] = []
+    outcome: Any = None
+    answers = iter(replies)
+    while True:
+        try:
+            failed = isinstance(outcome, rq.Failure)
+            request = op.throw(outcome) if failed else op.send(outcome)
+        except StopIteration as stop:
+            assert next(answers, None) is None, "replies left over"
+            return stop.value, sent
+        sent.append(request)
+        outcome = next(answers)
+
+
+NOT_FOUND = rq.ErrorReply("Function not found")
+NO_FCALL = rq.ErrorReply("NOPERM User r has no permissions to run the 'fcall_ro' command")
+
+
+def test_connecting_loads_a_missing_library() -> None:
+    session = _functions_session()
+    registry = session.registry
+    _, sent = _drive(ops.op_drive(session, registry.op_choose()), [NOT_FOUND, b"kvredis"])
+    assert [r.args[:2] for r in sent if isinstance(r, rq.Command)] == [
+        ("FCALL_RO", VERSION_FUNCTION),
+        ("FUNCTION", "LOAD"),
+    ]
+    assert registry.active
+
+
+def test_connecting_without_fcall_keeps_to_evalsha(caplog: pytest.LogCaptureFixture) -> None:
+    session = _functions_session()
+    with caplog.at_level(logging.WARNING):
+        _drive(ops.op_drive(session, session.registry.op_choose()), [NO_FCALL])
+    assert not session.registry.active
+    assert len([r for r in caplog.records if "EVALSHA" in r.getMessage()]) == 1
+
+
+def _active_session() -> Session:
+    session = _functions_session()
+    session.registry.active = True
+    return session
+
+
+def test_a_missing_function_reloads_the_library_and_calls_again() -> None:
+    session = _active_session()
+    call = rq.ScriptCall("ping", (), (), read=True)
+    result, sent = _drive(ops.op_send(session, call), [NOT_FOUND, b"kvredis", 1])
+    assert result == 1
+    assert [r.args[0] for r in sent if isinstance(r, rq.Command)] == [
+        "FCALL_RO",
+        "FUNCTION",
+        "FCALL_RO",
+    ]
+    assert not sent[1].read  # the library goes to the primary
+
+
+def test_a_refused_fcall_that_evalsha_serves_switches_for_good() -> None:
+    session = _active_session()
+    call = rq.ScriptCall("ping", (), ())
+    refused = rq.ErrorReply("NOPERM User u has no permissions to run the 'fcall_ro' command")
+    result, sent = _drive(ops.op_send(session, call), [refused, 1])
+    assert result == 1 and [r.args[0] for r in sent if isinstance(r, rq.Command)] == [
+        "FCALL_RO",
+        "EVALSHA",
+    ]
+    assert not session.registry.active
+
+
+def test_a_refusal_evalsha_cannot_serve_either_keeps_the_function_path() -> None:
+    session = _active_session()
+    call = rq.ScriptCall("ping", (), ())
+    no_evalsha = rq.ErrorReply("NOPERM User u has no permissions to run the 'evalsha' command")
+    with pytest.raises(BackendError, match=r"function\|load"):
+        _drive(
+            ops.op_send(session, call),
+            [
+                NOT_FOUND,
+                rq.ErrorReply(
+                    "NOPERM User u has no permissions to run the 'function|load' command"
+                ),
+                no_evalsha,
+            ],
+        )
+    assert session.registry.active  # it waits for the library to be loaded again
+
+
+def test_a_pipeline_reloads_once_for_all_its_missing_functions() -> None:
+    session = _active_session()
+    calls = (rq.ScriptCall("ping", (), ()), rq.ScriptCall("ping", (b"k",), ()))
+    result, sent = _drive(
+        ops.op_send(session, rq.Pipeline(calls)), [[NOT_FOUND, NOT_FOUND], b"kvredis", [1, 1]]
+    )
+    assert result == [1, 1]
+    loads = [r for r in sent if isinstance(r, rq.Command) and r.args[0] == "FUNCTION"]
+    assert len(loads) == 1
