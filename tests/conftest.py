@@ -12,12 +12,17 @@ cluster per kind for the session) carries ``cluster`` and ``redis``, so
 ``pytest -m "not redis"`` runs everything that needs no server. Without a server binary (and
 without ``KVREDIS_TEST_REDIS_URL`` or Docker), a selected test that needs one fails at setup,
 saying so; it is never skipped.
+
+Index clients call the ``kvredis`` function library (``FCALL``) by default; with
+``KVREDIS_TEST_CALLS=scripts`` in the environment every client of the session is made with
+``use_functions=False`` (calls by ``EVALSHA``), so that the same suites check both paths.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import threading
 import uuid
 from collections.abc import Awaitable, Callable, Collection, Iterator, Sequence
@@ -25,6 +30,7 @@ from typing import Any, TypeVar
 
 import pytest
 
+from kvredis.redis.functions import FunctionRegistry
 from kvredis.types import KeyType, PodEntry
 from tests import network_guard
 from tests.servers import (
@@ -65,8 +71,17 @@ BACKENDS = ["memory", "cost_aware", *REDIS_BACKENDS, *CLUSTER_BACKENDS]
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Install the network guard: no test connects beyond loopback (tests/network_guard.py)."""
+    """Install the network guard: no test connects beyond loopback (tests/network_guard.py);
+    with ``KVREDIS_TEST_CALLS=scripts``, make every client call by EVALSHA."""
     network_guard.install()
+    if os.environ.get("KVREDIS_TEST_CALLS") == "scripts":
+        make = FunctionRegistry.__init__
+
+        def scripts_only(self: FunctionRegistry, *args: Any, **kwargs: Any) -> None:
+            make(self, *args, **kwargs)
+            self.use = False
+
+        FunctionRegistry.__init__ = scripts_only  # type: ignore[method-assign]
 
 
 @pytest.fixture(autouse=True)

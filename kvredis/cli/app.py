@@ -14,6 +14,7 @@ import click
 
 from kvredis._version import __version__
 from kvredis.cli.cluster import COMMANDS as CLUSTER_COMMANDS
+from kvredis.cli.functions import COMMANDS as FUNCTION_COMMANDS
 from kvredis.cli.ingest import ingest
 from kvredis.cli.migrate import COMMANDS as LAYOUT_COMMANDS
 from kvredis.cli.operate import COMMANDS
@@ -189,7 +190,7 @@ def keys(prompt: Prompt, parent: int) -> None:
 
 ingest.params.extend(logging_params())
 cli.add_command(ingest)
-for _command in (*COMMANDS, *LAYOUT_COMMANDS, *CLUSTER_COMMANDS):
+for _command in (*COMMANDS, *LAYOUT_COMMANDS, *CLUSTER_COMMANDS, *FUNCTION_COMMANDS):
     cli.add_command(_command)
 
 

@@ -9,6 +9,8 @@ Modules, in dependency order (each imports only the ones before it):
 - ``layout``    THE key layout of a namespace
 - ``state``     what a client knows of its namespace (layout, entry dictionary)
 - ``scripts``   the Lua script registry (``lua/``, includes expanded, SHA1s)
+- ``functions`` the same scripts as the ``kvredis`` Redis Functions library, its version check,
+  and the registry that calls it (FCALL / FCALL_RO, EVALSHA as the fallback)
 - ``ops``       the index operations as generators, and the retry / NOSCRIPT / stale-namespace
   combinators
 - ``config``    RedisIndexConfig

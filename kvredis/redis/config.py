@@ -14,6 +14,7 @@ from kvredis.errors import ConfigError
 from kvredis.jsonconfig import check_number, take_fields
 from kvredis.redis.address import RedisAddress, mask_password, parse_address
 from kvredis.redis.cluster.shards import DEFAULT_SHARDS, check_cluster_namespace, check_shards
+from kvredis.redis.functions import UseFunctions, check_use_functions
 from kvredis.redis.layout import DEFAULT_BUCKET_BITS, check_bucket_bits, check_namespace
 from kvredis.redis.ops import DEFAULT_CLEAR_FIELDS_PER_CALL
 
@@ -49,6 +50,7 @@ _CAMEL = {
     "readFromReplicas": "read_from_replicas",
     "clusterShards": "cluster_shards",
     "clusterWaitReplicas": "cluster_wait_replicas",
+    "useFunctions": "use_functions",
 }
 
 
@@ -82,7 +84,12 @@ class RedisIndexConfig:
     hold it (``WAIT``, sent in the same pipeline, for at most half of ``socket_timeout``); a
     write fewer replicas acknowledged in time raises
     :class:`~kvredis.errors.BackendUnavailableError` (it was applied on the primary, and may be
-    lost in a failover; sending it again is safe).
+    lost in a failover; sending it again is safe). ``use_functions`` (JSON ``useFunctions``)
+    picks how the index's Lua commands are called: ``"auto"`` (default) calls the ``kvredis``
+    Redis Functions library (``FCALL``/``FCALL_RO``, loading it at connect when it is missing or
+    older) and falls back to ``EVALSHA``, with one log line, when the server or the ACL user does
+    not offer functions; ``True`` requires the library; ``False`` keeps to ``EVALSHA``
+    (:mod:`kvredis.redis.functions`, docs/protocol.md).
     """
 
     address: str = "redis://127.0.0.1:6379"
@@ -110,6 +117,7 @@ class RedisIndexConfig:
     read_from_replicas: bool = False
     cluster_shards: int = DEFAULT_SHARDS
     cluster_wait_replicas: int = 0
+    use_functions: UseFunctions = "auto"
 
     def __repr__(self) -> str:
         shown = []
@@ -154,6 +162,7 @@ class RedisIndexConfig:
         check_number("retries", self.retries, integer=True, zero=True)
         check_number("cluster_wait_replicas", self.cluster_wait_replicas, integer=True, zero=True)
         check_number("clear_fields_per_call", self.clear_fields_per_call, integer=True)
+        check_use_functions(self.use_functions)
         for name in (
             "username",
             "password",

@@ -33,6 +33,7 @@ from kvredis.index import Progress
 from kvredis.redis.cluster.index import AsyncRedisClusterIndex, RedisClusterIndex
 from kvredis.redis.config import DEFAULT_VALKEY_ADDRESS, RedisIndexConfig, check_supported
 from kvredis.redis.executor import AsyncExecutor, SyncExecutor
+from kvredis.redis.functions import FunctionRegistry
 from kvredis.redis.ops import (
     RetryPolicy,
     Session,
@@ -83,7 +84,7 @@ class _Facade:
             )
         self._session = Session(
             CoreState(cfg.namespace, cfg.bucket_bits),
-            ScriptRegistry(),
+            FunctionRegistry(use=cfg.use_functions),
             RetryPolicy(cfg.retries, cfg.retry_backoff, cfg.server()),
         )
         self._session.state.address = cfg.parsed_address().display
@@ -105,7 +106,7 @@ class _Facade:
 
     @property
     def registry(self) -> ScriptRegistry:
-        """The Lua script registry of this client."""
+        """The Lua script registry of this client (calls by FCALL, or EVALSHA)."""
         return self._session.registry
 
     def __repr__(self) -> str:

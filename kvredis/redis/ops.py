@@ -167,8 +167,34 @@ class Session:
 
 
 def _load_scripts(registry: ScriptRegistry, names: Collection[str], read: bool = False) -> Op[None]:
+    """Load what the calls of ``names`` need, each distinct load command once (a function
+    library is one load for every name)."""
+    done: set[Command] = set()
     for name in sorted(names):
-        registry.check_loaded(name, (yield registry.load(name, read)))
+        command = registry.load(name, read)
+        if command not in done:
+            done.add(command)
+            registry.check_loaded(name, (yield command))
+
+
+def _by_evalsha(registry: ScriptRegistry, call: ScriptCall, refusal: ErrorReply) -> Op[Any]:
+    """``call`` by EVALSHA after the server refused the function path (``refusal``): when that
+    works, the registry keeps to EVALSHA from now on; when it does not either, the refusal is
+    raised and the function path stays (a user allowed neither waits for the library)."""
+    try:
+        for attempt in range(1, NOSCRIPT_ATTEMPTS + 1):
+            try:
+                reply = yield registry.script_command(call)
+                break
+            except ErrorReply as failure:
+                if not failure.code == "NOSCRIPT" or attempt == NOSCRIPT_ATTEMPTS:
+                    raise
+            loaded = yield registry.script_load(call.script, call.read)
+            ScriptRegistry.check_loaded(registry, call.script, loaded)
+    except ErrorReply:
+        raise refusal from None
+    registry.fall_back(refusal.message)
+    return reply
 
 
 def _script_call(registry: ScriptRegistry, call: ScriptCall) -> Op[Any]:
@@ -176,14 +202,17 @@ def _script_call(registry: ScriptRegistry, call: ScriptCall) -> Op[Any]:
         try:
             return (yield registry.evalsha(call))
         except ErrorReply as failure:
-            if failure.code != "NOSCRIPT" or attempt == NOSCRIPT_ATTEMPTS:
+            if registry.refused(failure.message):
+                return (yield from _by_evalsha(registry, call, failure))
+            if not registry.missing(failure.message) or attempt == NOSCRIPT_ATTEMPTS:
                 raise
-        yield from _load_scripts(registry, (call.script,), call.read)
+        try:
+            yield from _load_scripts(registry, (call.script,), call.read)
+        except ErrorReply as failure:
+            if not registry.refused(failure.message):
+                raise
+            return (yield from _by_evalsha(registry, call, failure))
     raise AssertionError("unreachable")  # pragma: no cover
-
-
-def _noscript(reply: Any) -> bool:
-    return isinstance(reply, ErrorReply) and reply.code == "NOSCRIPT"
 
 
 def _pipeline(registry: ScriptRegistry, items: Sequence[ScriptCall | Command]) -> Op[list[Any]]:
@@ -195,14 +224,25 @@ def _pipeline(registry: ScriptRegistry, items: Sequence[ScriptCall | Command]) -
             )
         )
 
+    def retry(reply: Any) -> bool:
+        return isinstance(reply, ErrorReply) and (
+            registry.missing(reply.message) or registry.refused(reply.message)
+        )
+
     replies = list((yield wire(range(len(items)))))
     for _ in range(NOSCRIPT_ATTEMPTS - 1):
-        missing = [i for i, reply in enumerate(replies) if _noscript(reply)]
-        if not missing:
+        again = [i for i, reply in enumerate(replies) if retry(reply)]
+        if not again:
             break
-        calls = (items[i] for i in missing)
+        if any(registry.refused(replies[i].message) for i in again):
+            for i in again:  # one by one: each call finds its way (see _script_call)
+                item = items[i]
+                if isinstance(item, ScriptCall):
+                    replies[i] = yield from _script_call(registry, item)
+            continue
+        calls = (items[i] for i in again)
         yield from _load_scripts(registry, {c.script for c in calls if isinstance(c, ScriptCall)})
-        for i, reply in zip(missing, (yield wire(missing)), strict=True):
+        for i, reply in zip(again, (yield wire(again)), strict=True):
             replies[i] = reply
     for reply in replies:
         if isinstance(reply, Failure):
@@ -284,6 +324,7 @@ def op_connect(session: Session, strict: bool = False) -> Op[Layout]:
     else:
         check_not_cluster(cluster_info, session.policy.server)
     session.state.expiry_mode = yield from op_expiry_mode(session)
+    yield from op_drive(session, session.registry.op_choose(session.policy.server))
     layout = yield from op_drive(session, op_load_namespace(session.state, ping=False))
     try:
         info = yield from op_send(session, Command(("INFO", "memory")))

@@ -9,8 +9,10 @@ include each other; a cycle is an error. The SHA1 of every expanded script is co
 so the first call is already an EVALSHA.
 
 The registry only builds commands: ``EVALSHA`` for a :class:`~kvredis.redis.requests.ScriptCall`
-and ``SCRIPT LOAD`` for the reload after ``NOSCRIPT``. Sending them, and reloading on
-``NOSCRIPT``, is the job of :func:`kvredis.redis.ops.op_send`. No I/O library is imported here.
+and ``SCRIPT LOAD`` for the reload after ``NOSCRIPT`` (its subclass
+:class:`kvredis.redis.functions.FunctionRegistry` sends the same calls as ``FCALL``/``FCALL_RO``
+of the ``kvredis`` function library). Sending them, and reloading on ``NOSCRIPT``, is the job of
+:func:`kvredis.redis.ops.op_send`. No I/O library is imported here.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from kvredis.errors import BackendError
-from kvredis.redis.requests import Command, ScriptCall
+from kvredis.redis.requests import Command, Op, ScriptCall
 
 _INCLUDE_RE = re.compile(r"^--@include\s+(\S+)\s*$", re.MULTILINE)
 #: Folder (under ``lua/``) of the include files, and the prefix of their names in a source map.
@@ -121,6 +123,10 @@ def _shipped_scripts() -> dict[str, Script]:
 class ScriptRegistry:
     """The command scripts of one client, and the commands that call and load them."""
 
+    #: Whether calls go to the ``kvredis`` function library now (never, for this registry:
+    #: :class:`kvredis.redis.functions.FunctionRegistry` may).
+    active: bool = False
+
     def __init__(self, scripts: Mapping[str, Script] | None = None) -> None:
         self._scripts: dict[str, Script] = dict(_shipped_scripts() if scripts is None else scripts)
 
@@ -138,6 +144,10 @@ class ScriptRegistry:
         return sorted(self._scripts)
 
     def evalsha(self, call: ScriptCall) -> Command:
+        """The command that calls ``call``: its ``EVALSHA`` (:meth:`script_command`)."""
+        return self.script_command(call)
+
+    def script_command(self, call: ScriptCall) -> Command:
         """The ``EVALSHA`` command of ``call`` (a read only for a ``no-writes`` script)."""
         keys, script = call.keys, self[call.script]
         if call.read and not script.no_writes:
@@ -145,6 +155,10 @@ class ScriptRegistry:
         return Command(("EVALSHA", script.sha, len(keys), *keys, *call.args), call.read)
 
     def load(self, name: str, read: bool = False) -> Command:
+        """The command that loads what a call of ``name`` needs: :meth:`script_load`."""
+        return self.script_load(name, read)
+
+    def script_load(self, name: str, read: bool = False) -> Command:
         """The ``SCRIPT LOAD`` command of script ``name`` (``read``: for the server a read
         call of it goes to, a replica maybe)."""
         return Command(("SCRIPT", "LOAD", self[name].source), read)
@@ -155,3 +169,22 @@ class ScriptRegistry:
         got = reply.decode() if isinstance(reply, bytes) else str(reply)
         if got != script.sha:
             raise BackendError(f"server hashed script {name} to {got}, expected {script.sha}")
+
+    def missing(self, message: str) -> bool:
+        """Whether the error reply ``message`` of a call says the server lacks what was called
+        (``NOSCRIPT``): loading it (:meth:`load`) and calling again helps."""
+        return message.startswith("NOSCRIPT")
+
+    def refused(self, message: str) -> bool:
+        """Whether the error reply ``message`` refuses the way calls are sent, where EVALSHA
+        (:meth:`script_command`) may still work; never, for EVALSHA itself."""
+        return False
+
+    def fall_back(self, message: str) -> None:
+        """Keep to EVALSHA from now on, because of the refusal ``message``."""
+
+    def op_choose(self, server: str = "the server") -> Op[None]:
+        """Decide, when connecting to ``server``, how calls are sent: by EVALSHA here (see
+        :meth:`kvredis.redis.functions.FunctionRegistry.op_choose`)."""
+        return
+        yield

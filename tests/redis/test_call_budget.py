@@ -86,7 +86,7 @@ class Fleet:
         total = 0
         for server in self.servers:
             stats = server.info("commandstats")
-            for name in ("cmdstat_evalsha", "cmdstat_eval"):
+            for name in ("cmdstat_evalsha", "cmdstat_eval", "cmdstat_fcall", "cmdstat_fcall_ro"):
                 total += int(stats.get(name, {}).get("calls", 0))
         return total
 

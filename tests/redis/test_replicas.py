@@ -178,13 +178,17 @@ def test_only_no_writes_scripts_can_be_sent_as_reads() -> None:
 # -- a primary with two replicas --------------------------------------------------------------
 
 
-def _config(url: str, namespace: str, read_from_replicas: bool = True) -> RedisIndexConfig:
+def _config(
+    url: str, namespace: str, read_from_replicas: bool = True, scripts: bool = False
+) -> RedisIndexConfig:
+    """``scripts``: calls by EVALSHA (for tests of what SCRIPT FLUSH on a replica does)."""
     return RedisIndexConfig(
         address=url,
         namespace=namespace,
         read_from_replicas=read_from_replicas,
         socket_timeout=1.0,
         connect_timeout=1.0,
+        use_functions="auto" if not scripts else False,
     )
 
 
@@ -213,10 +217,13 @@ CHAINS = [[chain * 100 + i for i in range(6)] for chain in range(32)]
 
 
 def _evalsha(servers: LocalReplication) -> list[int]:
-    """EVALSHA calls so far on the primary and on each replica (0 for a dead one)."""
+    """Script calls (EVALSHA, FCALL, FCALL_RO) so far on the primary and on each replica (0 for
+    a dead one)."""
     live = servers.live_replicas()
     return [
-        servers.calls(s.port, "evalsha") if s is servers.primary or s in live else 0
+        sum(servers.calls(s.port, name) for name in ("evalsha", "fcall", "fcall_ro"))
+        if s is servers.primary or s in live
+        else 0
         for s in (servers.primary, *servers.replicas)
     ]
 
@@ -347,7 +354,7 @@ def test_a_replica_that_refuses_reads_or_lost_its_scripts_is_worked_around(
 ) -> None:
     expected = [primary_index.lookup(c) for c in CHAINS]
     refusing = replicated_server.replicas[0]
-    with RedisIndex(_config(replicated_server.url, namespace_name)) as index:
+    with RedisIndex(_config(replicated_server.url, namespace_name, scripts=True)) as index:
         assert index._exec.replicas is not None
         index._exec.replicas.refresh_seconds = 60.0  # the refusing replica stays listed
         assert [index.lookup(c) for c in CHAINS] == expected  # replicas listed, scripts loaded

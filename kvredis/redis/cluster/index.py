@@ -34,6 +34,7 @@ from kvredis.redis.cluster.ops import (
 )
 from kvredis.redis.cluster.routing import WaveOp
 from kvredis.redis.config import RedisIndexConfig
+from kvredis.redis.functions import FunctionRegistry
 from kvredis.redis.ops import RetryPolicy
 from kvredis.types import Keys, KeyType, Lookup, PodEntry, Pods
 
@@ -67,6 +68,7 @@ class _ClusterFacade:
             cfg.read_from_replicas,
         )
         core.wait_replicas = cfg.cluster_wait_replicas
+        core.registry = FunctionRegistry(use=cfg.use_functions)
         core.wait_timeout_ms = max(1, int(cfg.socket_timeout * 500))
         return core
 

@@ -312,7 +312,10 @@ def op_parallel(
 
 #: Commands the cluster operations send that write nothing (no WAIT after them).
 _READS = frozenset(
-    {b"HGET", b"HMGET", b"HEXISTS", b"HGETALL", b"SCAN", b"INFO", b"PING", b"SCRIPT", b"TIME"}
+    {
+        b"HGET", b"HMGET", b"HEXISTS", b"HGETALL", b"SCAN", b"INFO", b"PING", b"SCRIPT", b"TIME",
+        b"FCALL_RO",
+    }
 )
 
 
@@ -508,13 +511,48 @@ def op_cluster_connect(core: ClusterCore, strict: bool = False, create: bool = T
 
 
 def op_load_scripts(core: ClusterCore) -> WaveOp[None]:
-    """Load every script on every node of the slot map, in one wave (best effort: a node that
-    fails now gets its scripts on its first ``NOSCRIPT``), so first calls cost one round trip."""
+    """Decide how calls are sent, on every primary of the slot map (the registry's
+    ``op_choose``: the ``kvredis`` function library, loaded where it is missing or older, its
+    replicas get it by replication), then, when calls go by EVALSHA, load every script on every
+    node in one wave. Best effort: a node that fails now gets the library or its scripts on its
+    first miss, so first calls cost one round trip."""
     slot_map = core.cluster.slot_map
     if slot_map is None:
         return
-    loads = tuple(core.registry.load(name).args for name in core.registry.names())
+    registry = core.registry
+    for node in slot_map.primaries:
+        try:
+            yield from op_on_node(
+                node, registry.op_choose(f"primary {node} of {core.policy.server}")
+            )
+        except BackendUnavailableError as exc:
+            logger.debug("cannot check the function library on %s: %s", node, exc)
+    if registry.active:
+        return
+    loads = tuple(registry.load(name).args for name in registry.names())
     yield Wave(tuple(NodeBatch(node, loads) for node in slot_map.nodes))
+
+
+def op_on_node(node: Any, op: Op[T]) -> WaveOp[T]:
+    """Run ``op`` (plain commands only) against one node; error replies are thrown into it as
+    :mod:`kvredis.errors` exceptions, a lost node as BackendUnavailableError."""
+    try:
+        request = next(op)
+        while True:
+            if not isinstance(request, Command):
+                raise TypeError(f"only commands can be sent to one node, got {request!r}")
+            ((reply,),) = yield Wave((NodeBatch(node, (request.args,)),))
+            if isinstance(reply, ErrorReply):
+                request = op.throw(translate(reply.message))
+            elif isinstance(reply, Failure):
+                request = op.throw(BackendUnavailableError(f"{node}: {reply.message}"))
+            else:
+                request = op.send(reply)
+    except StopIteration as stop:
+        result: T = stop.value
+        return result
+    finally:
+        op.close()
 
 
 # -- reads -------------------------------------------------------------------------------------
@@ -642,7 +680,7 @@ def op_shard_lookups(
     reload: list[int] = []
     for caches, reply in zip(plan, replies, strict=True):
         if not isinstance(reply, list):
-            if isinstance(reply, ErrorReply) and reply.code == "NOSCRIPT":
+            if isinstance(reply, ErrorReply) and core.registry.missing(reply.message):
                 reload.append(caches[0][0])
             again += (shard for shard, _ in caches)
             continue
@@ -656,9 +694,9 @@ def op_shard_lookups(
             read_lookup_reply(cache, part, groups[shard], 0, found, shared)
             results[shard] = found
     if reload:
-        load = core.registry.load("lookup_shards").args
-        commands = [SlotCommand(core.slots[shard], load) for shard in reload]
-        yield from op_wave(core.cluster, commands, core.wave_policy, read=read, pick=pick)
+        load = core.registry.load("lookup_shards", read)  # a function library: on primaries
+        commands = [SlotCommand(core.slots[shard], load.args) for shard in reload]
+        yield from op_wave(core.cluster, commands, core.wave_policy, read=load.read, pick=pick)
     if again:
         factories = {shard: _lookup_factory(groups[shard], pods) for shard in again}
         results.update((yield from _on_shards(core, factories, read=True)))
@@ -866,7 +904,7 @@ def op_node_writes(
             if kind == "call" and not isinstance(reply, list):
                 node_ok = False
                 if isinstance(reply, ErrorReply):
-                    if reply.code == "NOSCRIPT":
+                    if core.registry.missing(reply.message):
                         reload.append(core.slots[shards[0]])
                     elif (
                         reply.code not in TRANSIENT_REPLIES

@@ -133,7 +133,8 @@ def test_a_pipeline_split_between_its_writes_and_its_wait_raises(
         assert "came back split" in str(exc)
     else:
         assert any(
-            batch.commands[-1][0] == "WAIT" and any(c[0] == "EVALSHA" for c in batch.commands)
+            batch.commands[-1][0] == "WAIT"
+            and any(c[0] in ("EVALSHA", "FCALL") for c in batch.commands)
             for wave in after
             for batch in wave.batches
         )

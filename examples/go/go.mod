@@ -1,0 +1,3 @@
+module kvredis.example/score
+
+go 1.19

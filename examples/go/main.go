@@ -1,0 +1,404 @@
+// Command score is a kvredis router read path in Go with nothing but the standard library:
+// it computes llm-d's fnv64a_cbor block keys from token ids, and scores them against a kvredis
+// index in Redis or Valkey by calling the kvredis function library (FCALL_RO kvredis_score),
+// speaking RESP over a plain TCP connection. docs/protocol.md is the contract it follows.
+//
+//	go run . -addr 127.0.0.1:6379 -namespace kvblock -model M -tokens 1,2,3,... -weights gpu=1,cpu=0.8
+//
+// It prints one JSON object: the block keys (decimal strings) and each pod's score as the exact
+// text the function replied ("%.17g"), which parses to the same float64 the Python client gets.
+package main
+
+import (
+	"bufio"
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"sort"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// The protocol this client speaks (docs/protocol.md): the function API and the key layout.
+const (
+	apiVersion    = 1
+	layoutVersion = "kvredis-kvblock/2"
+)
+
+// ---- fnv64a_cbor block keys (kvredis/hashing/fnv_cbor.py; llm-d's Go token processor) ----
+
+const (
+	fnvOffset = 0xcbf29ce484222325
+	fnvPrime  = 0x100000001b3
+)
+
+func fnv1a64(data []byte) uint64 {
+	h := uint64(fnvOffset)
+	for _, b := range data {
+		h ^= uint64(b)
+		h *= fnvPrime
+	}
+	return h
+}
+
+// cborHead appends the shortest CBOR head of major type major with argument v.
+func cborHead(out []byte, major byte, v uint64) []byte {
+	mt := major << 5
+	switch {
+	case v < 24:
+		return append(out, mt|byte(v))
+	case v <= 0xff:
+		return append(out, mt|24, byte(v))
+	case v <= 0xffff:
+		return append(out, mt|25, byte(v>>8), byte(v))
+	case v <= 0xffffffff:
+		return append(out, mt|26, byte(v>>24), byte(v>>16), byte(v>>8), byte(v))
+	}
+	out = append(out, mt|27)
+	return binary.BigEndian.AppendUint64(out, v)
+}
+
+// rootKey is H(FNV-1a-64(seed), null, model): canonical CBOR [parent, null, model].
+func rootKey(seed, model string) uint64 {
+	buf := []byte{0x83}
+	buf = cborHead(buf, 0, fnv1a64([]byte(seed)))
+	buf = append(buf, 0xf6)
+	buf = cborHead(buf, 3, uint64(len(model)))
+	buf = append(buf, model...)
+	return fnv1a64(buf)
+}
+
+// blockKeys chains H(parent, tokens, null) over the full blocks of tokens.
+func blockKeys(seed, model string, tokens []uint64, blockSize int) []uint64 {
+	parent := rootKey(seed, model)
+	var keys []uint64
+	for start := 0; start+blockSize <= len(tokens); start += blockSize {
+		buf := []byte{0x83}
+		buf = cborHead(buf, 0, parent)
+		buf = cborHead(buf, 4, uint64(blockSize))
+		for _, t := range tokens[start : start+blockSize] {
+			buf = cborHead(buf, 0, t)
+		}
+		buf = append(buf, 0xf6)
+		parent = fnv1a64(buf)
+		keys = append(keys, parent)
+	}
+	return keys
+}
+
+// ---- RESP2 over net ----
+
+type conn struct {
+	c net.Conn
+	r *bufio.Reader
+}
+
+// redisError is an error reply; its first word is the code (KVREDIS_STALE, NOPERM, ...).
+type redisError string
+
+func (e redisError) Error() string { return string(e) }
+
+func (e redisError) code() string { return strings.SplitN(string(e), " ", 2)[0] }
+
+func dial(addr string, timeout time.Duration) (*conn, error) {
+	c, err := net.DialTimeout("tcp", addr, timeout)
+	if err != nil {
+		return nil, err
+	}
+	return &conn{c: c, r: bufio.NewReader(c)}, nil
+}
+
+func (c *conn) do(args ...[]byte) (interface{}, error) {
+	out := []byte("*" + strconv.Itoa(len(args)) + "\r\n")
+	for _, a := range args {
+		out = append(out, "$"+strconv.Itoa(len(a))+"\r\n"...)
+		out = append(out, a...)
+		out = append(out, "\r\n"...)
+	}
+	if _, err := c.c.Write(out); err != nil {
+		return nil, err
+	}
+	return c.read()
+}
+
+func (c *conn) line() (string, error) {
+	s, err := c.r.ReadString('\n')
+	if err != nil {
+		return "", err
+	}
+	return strings.TrimSuffix(s, "\r\n"), nil
+}
+
+// read returns a reply: string (simple), redisError, int64, []byte or nil (bulk), []interface{}.
+func (c *conn) read() (interface{}, error) {
+	head, err := c.line()
+	if err != nil {
+		return nil, err
+	}
+	if head == "" {
+		return nil, errors.New("empty RESP line")
+	}
+	body := head[1:]
+	switch head[0] {
+	case '+':
+		return body, nil
+	case '-':
+		return redisError(body), nil
+	case ':':
+		return strconv.ParseInt(body, 10, 64)
+	case '$':
+		n, err := strconv.Atoi(body)
+		if err != nil || n < 0 {
+			return nil, err
+		}
+		buf := make([]byte, n+2)
+		if _, err := io.ReadFull(c.r, buf); err != nil {
+			return nil, err
+		}
+		return buf[:n], nil
+	case '*':
+		n, err := strconv.Atoi(body)
+		if err != nil || n < 0 {
+			return nil, err
+		}
+		items := make([]interface{}, n)
+		for i := range items {
+			if items[i], err = c.read(); err != nil {
+				return nil, err
+			}
+		}
+		return items, nil
+	}
+	return nil, fmt.Errorf("unexpected RESP type %q", head[0])
+}
+
+func b(s string) []byte { return []byte(s) }
+
+// call sends a command and turns an error reply into an error.
+func (c *conn) call(args ...[]byte) (interface{}, error) {
+	reply, err := c.do(args...)
+	if err != nil {
+		return nil, err
+	}
+	if e, ok := reply.(redisError); ok {
+		return nil, e
+	}
+	return reply, nil
+}
+
+func text(v interface{}) string {
+	switch x := v.(type) {
+	case []byte:
+		return string(x)
+	case string:
+		return x
+	case int64:
+		return strconv.FormatInt(x, 10)
+	}
+	return ""
+}
+
+// ---- the kvredis protocol ----
+
+type namespace struct {
+	name, gen, bits string
+}
+
+// checkLibrary asks kvredis_version: [library, api, layout, release, build].
+func checkLibrary(c *conn) error {
+	reply, err := c.call(b("FCALL_RO"), b("kvredis_version"), b("0"))
+	if err != nil {
+		return fmt.Errorf("kvredis_version: %w (load the library: kvredis functions load)", err)
+	}
+	v, ok := reply.([]interface{})
+	if !ok || len(v) < 5 {
+		return fmt.Errorf("unexpected kvredis_version reply %v", reply)
+	}
+	if api, _ := v[1].(int64); api != apiVersion {
+		return fmt.Errorf("the server's kvredis library speaks api %v, this client %d", v[1], apiVersion)
+	}
+	if text(v[2]) != layoutVersion {
+		return fmt.Errorf("the library's layout is %s, this client reads %s", text(v[2]), layoutVersion)
+	}
+	return nil
+}
+
+// loadNamespace reads <ns>:meta (layout, bucket_bits, gen) with a plain HMGET.
+func loadNamespace(c *conn, name string) (namespace, error) {
+	reply, err := c.call(b("HMGET"), b(name+":meta"), b("layout"), b("bucket_bits"), b("gen"))
+	if err != nil {
+		return namespace{}, err
+	}
+	v, _ := reply.([]interface{})
+	if len(v) != 3 || v[0] == nil || v[1] == nil || v[2] == nil {
+		return namespace{}, fmt.Errorf("namespace %q does not exist", name)
+	}
+	if text(v[0]) != layoutVersion {
+		return namespace{}, fmt.Errorf("namespace %q has layout %s, not %s", name, text(v[0]), layoutVersion)
+	}
+	if strings.HasPrefix(text(v[2]), "dropping:") {
+		return namespace{}, fmt.Errorf("namespace %q is being dropped", name)
+	}
+	return namespace{name: name, gen: text(v[2]), bits: text(v[1])}, nil
+}
+
+type weight struct {
+	tier  string
+	value float64
+}
+
+// score calls FCALL_RO kvredis_score; the reply is pod, score, pod, score, ... or, when the
+// walk stopped at its work limit, one integer (the first key not walked).
+func score(c *conn, ns namespace, keys []uint64, weights []weight, unknown float64) ([][2]string, error) {
+	chain := make([]byte, 0, 8*len(keys))
+	for _, k := range keys {
+		chain = binary.BigEndian.AppendUint64(chain, k)
+	}
+	args := [][]byte{
+		b("FCALL_RO"), b("kvredis_score"), b("4"),
+		b(ns.name + ":meta"), b(ns.name + ":pi"), b(ns.name + ":pp"), b(ns.name + ":sx"),
+		b(ns.gen), b(ns.name + ":r:"), b(ns.bits),
+		b("0"), // no pod filter
+		b(strconv.Itoa(len(weights))),
+	}
+	for _, w := range weights {
+		args = append(args, b(w.tier), b(strconv.FormatFloat(w.value, 'g', -1, 64)))
+	}
+	args = append(args, b(strconv.FormatFloat(unknown, 'g', -1, 64)), chain)
+	reply, err := c.call(args...)
+	if err != nil {
+		return nil, err
+	}
+	v, _ := reply.([]interface{})
+	if len(v) == 1 {
+		return nil, fmt.Errorf("the walk stopped at its work limit at key %v: score a kvredis_lookup instead", v[0])
+	}
+	out := make([][2]string, 0, len(v)/2)
+	for i := 0; i+1 < len(v); i += 2 {
+		out = append(out, [2]string{text(v[i]), text(v[i+1])})
+	}
+	return out, nil
+}
+
+func parseTokens(s string) ([]uint64, error) {
+	if s == "-" {
+		data, err := io.ReadAll(os.Stdin)
+		if err != nil {
+			return nil, err
+		}
+		s = string(data)
+	}
+	fields := strings.FieldsFunc(s, func(r rune) bool { return r == ',' || r == ' ' || r == '\n' || r == '[' || r == ']' })
+	tokens := make([]uint64, 0, len(fields))
+	for _, f := range fields {
+		t, err := strconv.ParseUint(f, 10, 32)
+		if err != nil {
+			return nil, fmt.Errorf("token %q: %w", f, err)
+		}
+		tokens = append(tokens, t)
+	}
+	return tokens, nil
+}
+
+func parseWeights(s string) ([]weight, error) {
+	var out []weight
+	for _, item := range strings.Split(s, ",") {
+		if item == "" {
+			continue
+		}
+		tier, value, ok := strings.Cut(item, "=")
+		w, err := strconv.ParseFloat(value, 64)
+		if !ok || err != nil {
+			return nil, fmt.Errorf("weight %q: want tier=number", item)
+		}
+		out = append(out, weight{tier, w})
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].tier < out[j].tier })
+	return out, nil
+}
+
+func run() error {
+	addr := flag.String("addr", "127.0.0.1:6379", "Redis/Valkey host:port")
+	user := flag.String("user", "", "ACL user (AUTH)")
+	password := flag.String("password", os.Getenv("KVREDIS_REDIS_PASSWORD"), "password (env KVREDIS_REDIS_PASSWORD)")
+	ns := flag.String("namespace", "kvblock", "kvredis namespace")
+	model := flag.String("model", "", "model name (the root of the block-key chain)")
+	seed := flag.String("hash-seed", "", "hash seed of the block keys")
+	blockSize := flag.Int("block-size", 16, "tokens per block")
+	tokenText := flag.String("tokens", "-", "token ids, comma or space separated (- for stdin)")
+	weightText := flag.String("weights", "gpu=1,cpu=0.8", "tier weights, tier=number,...")
+	unknown := flag.Float64("unknown-weight", 1.0, "weight of a tier not in -weights")
+	flag.Parse()
+	if *model == "" || *blockSize <= 0 {
+		return errors.New("-model and a positive -block-size are required")
+	}
+	tokens, err := parseTokens(*tokenText)
+	if err != nil {
+		return err
+	}
+	weights, err := parseWeights(*weightText)
+	if err != nil {
+		return err
+	}
+	c, err := dial(*addr, 5*time.Second)
+	if err != nil {
+		return err
+	}
+	defer c.c.Close()
+	if *password != "" {
+		auth := [][]byte{b("AUTH"), b(*password)}
+		if *user != "" {
+			auth = [][]byte{b("AUTH"), b(*user), b(*password)}
+		}
+		if _, err := c.call(auth...); err != nil {
+			return err
+		}
+	}
+	if err := checkLibrary(c); err != nil {
+		return err
+	}
+	keys := blockKeys(*seed, *model, tokens, *blockSize)
+	var scores [][2]string
+	for attempt := 0; ; attempt++ {
+		space, err := loadNamespace(c, *ns)
+		if err != nil {
+			return err
+		}
+		if len(keys) == 0 {
+			break
+		}
+		scores, err = score(c, space, keys, weights, *unknown)
+		var re redisError
+		if errors.As(err, &re) && re.code() == "KVREDIS_STALE" && attempt == 0 {
+			continue // the namespace was recreated: read its meta record again
+		}
+		if err != nil {
+			return err
+		}
+		break
+	}
+	out := struct {
+		Keys   []string          `json:"keys"`
+		Scores map[string]string `json:"scores"`
+	}{Keys: make([]string, len(keys)), Scores: map[string]string{}}
+	for i, k := range keys {
+		out.Keys[i] = strconv.FormatUint(k, 10)
+	}
+	for _, s := range scores {
+		out.Scores[s[0]] = s[1]
+	}
+	return json.NewEncoder(os.Stdout).Encode(out)
+}
+
+func main() {
+	if err := run(); err != nil {
+		fmt.Fprintln(os.Stderr, "error:", err)
+		os.Exit(1)
+	}
+}
