@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from kvredis import RedisIndex, RedisIndexConfig
 from kvredis.hashing import ChunkedTokenDatabase, TokenProcessorConfig
-from kvredis.ingest.sequencer import BatchOutcome
+from kvredis.ingest.actions import BatchOutcome
 from kvredis.ingest.service import EventIngester
 from tests.ingest.wire import all_cleared, vllm_batch, vllm_removed, vllm_stored
 

@@ -86,13 +86,15 @@ def test_each_role_works_with_its_line_and_a_router_cannot_write(
     with RedisIndex(ingest) as ingester:
         assert ingester.registry.active  # FCALL, not the EVALSHA fallback
         ingester.clear("pod-c")
+        other_scores = ingester.score(filled.other_keys, WEIGHTS)
+    assert "pod-c" not in other_scores and other_scores.get("pod-b") == 3.2
 
     route = RedisIndexConfig(address=_url(own_redis_server, "router"), namespace=namespace)
     with RedisIndex(route) as router:
         assert router.registry.active
         assert router.score(filled.keys, WEIGHTS) == filled.scores
         assert router.lookup(filled.keys[:5])
-        assert router.score(filled.other_keys, WEIGHTS) == {"pod-b": 3.2}
+        assert router.score(filled.other_keys, WEIGHTS) == other_scores
     before = _dump(admin, namespace)
     assert before
 
