@@ -2,7 +2,7 @@
 
 All index logic runs server-side in the Lua scripts under ``lua/``; every public method is one
 script call (one round trip), except ``clear``, which pages the namespace with SCAN, and calls
-beyond one script call's work budget (:data:`kvredis.redis.ops.CALL_BUDGET`), which go in parts.
+beyond one script call's work budget (:data:`kvredis.redis.program.CALL_BUDGET`), which go in parts.
 :class:`RedisIndex` is the thread-safe sync client, :class:`AsyncRedisIndex` the asyncio one;
 both run the same sans-IO operations (:mod:`kvredis.redis.ops`) through an executor
 (:mod:`kvredis.redis.executor`), so they behave the same by construction.
@@ -35,14 +35,11 @@ from kvredis.redis.config import DEFAULT_VALKEY_ADDRESS, RedisIndexConfig, check
 from kvredis.redis.executor import AsyncExecutor, SyncExecutor
 from kvredis.redis.functions import FunctionRegistry
 from kvredis.redis.ops import (
-    RetryPolicy,
-    Session,
     Weights,
     op_add,
     op_apply_batch,
     op_clear,
     op_connect,
-    op_drive,
     op_drop_namespace,
     op_evict,
     op_get_request_key,
@@ -54,6 +51,7 @@ from kvredis.redis.ops import (
 )
 from kvredis.redis.requests import Op
 from kvredis.redis.scripts import ScriptRegistry
+from kvredis.redis.session import RetryPolicy, Session, op_drive
 from kvredis.redis.state import CoreState
 from kvredis.types import Entries, Keys, KeyType, Lookup, Pods
 

@@ -40,12 +40,7 @@ from kvredis.redis.layout import (
     Layout,
     expiring_item_deadline,
 )
-from kvredis.redis.ops import (
-    RetryPolicy,
-    Session,
-    decode_watermark,
-    op_drive,
-)
+from kvredis.redis.ops import decode_watermark
 from kvredis.redis.reading import (
     DUMP_FORMAT,
     KEYS_PER_PIPELINE,
@@ -65,6 +60,7 @@ from kvredis.redis.reading import (
 )
 from kvredis.redis.requests import Command, Op, Pipeline
 from kvredis.redis.scripts import ScriptRegistry
+from kvredis.redis.session import RetryPolicy, Session, op_drive
 from kvredis.redis.state import CoreState
 
 __all__ = [

@@ -45,9 +45,10 @@ from kvredis.redis.layout import (
     check_bucket_bits,
     meta_key,
 )
-from kvredis.redis.ops import RetryPolicy, Session, op_drive, op_expiry_mode
+from kvredis.redis.ops import op_expiry_mode
 from kvredis.redis.requests import Command, Op, ScriptCall
 from kvredis.redis.scripts import ScriptRegistry
+from kvredis.redis.session import RetryPolicy, Session, op_drive
 from kvredis.redis.state import CoreState, drop_command, layout_error
 
 #: progress(done, total): speculative pairs converted so far, of ``total`` (both 0 when the

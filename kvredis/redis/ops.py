@@ -1,27 +1,21 @@
-"""The index operations as sans-IO generators, and the combinators that run them.
+"""The index operations as sans-IO generators.
 
 Every index operation (``op_*``) is a generator that yields requests
 (:mod:`kvredis.redis.requests`), receives each reply, and returns the operation's result. The
-combinators add what every operation needs, once, for every executor:
-
-- :func:`op_send` sends one request: a :class:`ScriptCall` as ``EVALSHA``, loading the script
-  and sending it again when the server answers ``NOSCRIPT`` (after ``SCRIPT FLUSH``, a restart or
-  a failover; in a pipeline only the calls that got ``NOSCRIPT`` are sent again); transient
-  failures (connection lost, timeout, ``BUSY``/``LOADING``/``MASTERDOWN``/``READONLY``/
-  ``TRYAGAIN`` replies) are retried ``retries`` times after a :class:`Sleep` with exponential
-  backoff, then raise :class:`~kvredis.errors.BackendUnavailableError` naming the server; a
-  refused authentication raises it at once; any other error reply becomes its
-  :mod:`kvredis.errors` exception (:func:`kvredis.errors.translate`).
-- :func:`op_drive` runs an operation, sending each of its requests with :func:`op_send`.
-- :func:`op_run` loads the namespace when needed, runs an operation, and when the namespace
-  turns out to be stale (recreated since it was loaded) reloads it and runs the operation once
-  more.
+session that sends them, with its retries, backoff and script or function reloads, is
+:mod:`kvredis.redis.session` (:func:`~kvredis.redis.session.op_send`,
+:func:`~kvredis.redis.session.op_drive`); the write programs the ``add``, ``evict`` and
+``apply_batch`` scripts run are built by :mod:`kvredis.redis.program`. Here:
+:func:`op_run` loads the namespace when needed, runs an operation, and when the namespace turns
+out to be stale (recreated since it was loaded) reloads it and runs the operation once more;
+:func:`op_connect` checks the server when a client connects.
 
 An executor (:mod:`kvredis.redis.executor`) only sends what the outermost generator yields and
 resumes it with the reply or a :class:`~kvredis.redis.requests.Failure`. Every index call is
 idempotent (adds and evicts have set semantics, watermarked batches apply at most once and carry
 a token, so a resent call that had been applied is recognised and reported applied), which is
-what makes retrying a request safe; no call does more than :data:`CALL_BUDGET` units of work.
+what makes retrying a request safe; no call does more than
+:data:`~kvredis.redis.program.CALL_BUDGET` units of work.
 """
 
 from __future__ import annotations
@@ -29,8 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import secrets
-from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from kvredis.batch import AddOp, EvictOp, IndexOp, Watermark, check_batch, check_stream
@@ -43,52 +36,49 @@ from kvredis.checks import (
     check_key_type,
     check_pod_identifier,
     check_ttl,
-    infer_mappings,
     pod_filter,
 )
 from kvredis.errors import (
-    BackendAuthenticationError,
     BackendError,
     BackendUnavailableError,
     CallBudgetError,
     EngineKeyNotFoundError,
     InvalidInputError,
-    KVRedisError,
     NamespaceLayoutError,
     StaleNamespaceError,
-    UnsafeServerConfigError,
-    cluster_mode_error,
-    translate,
 )
 from kvredis.index import ClearProgress
 from kvredis.redis.codec import (
     ID_WIDTH,
-    blob_hashes,
     bytes_text,
     decode_entry,
-    encode_entry,
-    hash_blob,
     hash_field,
     pack_hashes,
     text_bytes,
 )
 from kvredis.redis.layout import EXPIRY_FIELD, EXPIRY_KEY, LAYOUT_VERSION, Layout
+from kvredis.redis.program import (
+    Program,
+    Programs,
+    add_pieces,
+    engine_evict_units,
+    piece_parents,
+    program_of,
+)
 from kvredis.redis.requests import (
     Arg,
-    AuthenticationFailed,
     Command,
-    ConnectionLost,
-    ErrorReply,
-    Failure,
-    NotRedis,
     Op,
     Pipeline,
-    Request,
     ScriptCall,
-    Sleep,
-    TlsFailed,
 )
-from kvredis.redis.scripts import ScriptRegistry
+from kvredis.redis.session import (
+    Session,
+    check_eviction_policy,
+    check_not_cluster,
+    op_drive,
+    op_send,
+)
 from kvredis.redis.state import CoreState, EntryCache
 from kvredis.scoring import DEFAULT_MEDIUM_WEIGHTS, UNKNOWN_TIER_WEIGHT, LongestPrefixScorer
 from kvredis.types import Entries, Keys, KeyType, PodEntry, Pods
@@ -99,201 +89,16 @@ logger = logging.getLogger(__name__)
 #: Argument types of the index operations (those of the Index protocol).
 Weights = Mapping[str, float] | None
 
+#: Request keys one ``lookup`` call walks at most (a read costs a fraction of a write); a longer
+#: chain is walked in parts, each sent only while the chain keeps hitting.
+LOOKUP_KEYS_PER_CALL = 4096
+#: Request keys one ``score`` call walks at most; a longer chain is scored in parts, each sent
+#: only while a pod holds every key so far.
+SCORE_KEYS_PER_CALL = 4096
 #: Fields the clear loop aims to examine per script call (sizes the SCAN pages).
 DEFAULT_CLEAR_FIELDS_PER_CALL = 512
 #: Entry ids one ``reclaim`` call deletes at most.
 RECLAIM_IDS_PER_CALL = 1024
-#: Error replies of a server that is up but cannot serve right now (retried like timeouts).
-TRANSIENT_REPLIES = frozenset({"BUSY", "LOADING", "MASTERDOWN", "READONLY", "TRYAGAIN"})
-#: How many times one call is sent in all when the server keeps answering NOSCRIPT (a flush
-#: racing the reload).
-NOSCRIPT_ATTEMPTS = 3
-
-
-# -- combinators -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class RetryPolicy:
-    """How often a failing request is retried, and the server named when giving up."""
-
-    retries: int
-    backoff: float
-    #: e.g. ``"redis at 127.0.0.1:6379"`` (password masked)
-    server: str
-
-    def delay(self, attempt: int) -> float:
-        """Seconds to wait before retry ``attempt + 1``: exponential, at most one second."""
-        return float(min(1.0, self.backoff * (2**attempt)))
-
-    def unavailable(self, failure: Failure) -> BackendUnavailableError:
-        """The error a request raises when it gives up."""
-        if isinstance(failure, AuthenticationFailed):
-            return BackendAuthenticationError(_refusal(self.server, failure.message))
-        if isinstance(failure, TlsFailed):
-            return BackendUnavailableError(
-                f"{self.server}: the server did not answer TLS ({failure.message}); use "
-                "redis:// if it does not serve TLS"
-            )
-        if isinstance(failure, NotRedis):
-            what = "no Redis/Valkey server answers (wrong port?) at"
-        else:
-            what = "cannot reach"
-        return BackendUnavailableError(f"{what} {self.server}: {failure.message}")
-
-
-#: Words of a server's reply when a client sent no password (Redis, Valkey: NOAUTH, and the
-#: HELLO refusal redis-py reports without its code).
-_PASSWORD_MISSING = ("NOAUTH", "Authentication required", "HELLO must be called")
-
-
-def _refusal(server: str, reply: str) -> str:
-    """What an authentication failure means, in words (the server's reply quoted last)."""
-    if any(word in reply for word in _PASSWORD_MISSING):
-        return f"{server} requires a password and none was given (authentication failed)"
-    return (
-        f"{server} refused the user name and password (authentication failed: wrong password, "
-        f"or the user is disabled): {reply.split(chr(10), 1)[0][:120]}"
-    )
-
-
-@dataclass(frozen=True, slots=True)
-class Session:
-    """What one index client carries through its operations (shared by its threads/tasks)."""
-
-    state: CoreState
-    registry: ScriptRegistry
-    policy: RetryPolicy
-
-
-def _load_scripts(registry: ScriptRegistry, names: Collection[str], read: bool = False) -> Op[None]:
-    """Load what the calls of ``names`` need, each distinct load command once (a function
-    library is one load for every name)."""
-    done: set[Command] = set()
-    for name in sorted(names):
-        command = registry.load(name, read)
-        if command not in done:
-            done.add(command)
-            registry.check_loaded(name, (yield command))
-
-
-def _by_evalsha(registry: ScriptRegistry, call: ScriptCall, refusal: ErrorReply) -> Op[Any]:
-    """``call`` by EVALSHA after the server refused the function path (``refusal``): when that
-    works, the registry keeps to EVALSHA from now on; when it does not either, the refusal is
-    raised and the function path stays (a user allowed neither waits for the library)."""
-    try:
-        for attempt in range(1, NOSCRIPT_ATTEMPTS + 1):
-            try:
-                reply = yield registry.script_command(call)
-                break
-            except ErrorReply as failure:
-                if not failure.code == "NOSCRIPT" or attempt == NOSCRIPT_ATTEMPTS:
-                    raise
-            loaded = yield registry.script_load(call.script, call.read)
-            ScriptRegistry.check_loaded(registry, call.script, loaded)
-    except ErrorReply:
-        raise refusal from None
-    registry.fall_back(refusal.message)
-    return reply
-
-
-def _script_call(registry: ScriptRegistry, call: ScriptCall) -> Op[Any]:
-    for attempt in range(1, NOSCRIPT_ATTEMPTS + 1):
-        try:
-            return (yield registry.evalsha(call))
-        except ErrorReply as failure:
-            if registry.refused(failure.message):
-                return (yield from _by_evalsha(registry, call, failure))
-            if not registry.missing(failure.message) or attempt == NOSCRIPT_ATTEMPTS:
-                raise
-        try:
-            yield from _load_scripts(registry, (call.script,), call.read)
-        except ErrorReply as failure:
-            if not registry.refused(failure.message):
-                raise
-            return (yield from _by_evalsha(registry, call, failure))
-    raise AssertionError("unreachable")  # pragma: no cover
-
-
-def _pipeline(registry: ScriptRegistry, items: Sequence[ScriptCall | Command]) -> Op[list[Any]]:
-    def wire(positions: Sequence[int]) -> Pipeline:
-        return Pipeline(
-            tuple(
-                registry.evalsha(item) if isinstance(item, ScriptCall) else item
-                for item in (items[i] for i in positions)
-            )
-        )
-
-    def retry(reply: Any) -> bool:
-        return isinstance(reply, ErrorReply) and (
-            registry.missing(reply.message) or registry.refused(reply.message)
-        )
-
-    replies = list((yield wire(range(len(items)))))
-    for _ in range(NOSCRIPT_ATTEMPTS - 1):
-        again = [i for i, reply in enumerate(replies) if retry(reply)]
-        if not again:
-            break
-        if any(registry.refused(replies[i].message) for i in again):
-            for i in again:  # one by one: each call finds its way (see _script_call)
-                item = items[i]
-                if isinstance(item, ScriptCall):
-                    replies[i] = yield from _script_call(registry, item)
-            continue
-        calls = (items[i] for i in again)
-        yield from _load_scripts(registry, {c.script for c in calls if isinstance(c, ScriptCall)})
-        for i, reply in zip(again, (yield wire(again)), strict=True):
-            replies[i] = reply
-    for reply in replies:
-        if isinstance(reply, Failure):
-            raise reply
-    return replies
-
-
-def op_send(session: Session, request: Request) -> Op[Any]:
-    """Send one request: scripts by EVALSHA with reload on NOSCRIPT, retries, error translation.
-
-    A pipeline's reply is the list of its replies; a failed command in it fails the whole
-    request (every request is idempotent, so it may be sent again).
-    """
-    policy, registry = session.policy, session.registry
-    attempt = 0
-    while True:
-        try:
-            if isinstance(request, ScriptCall):
-                return (yield from _script_call(registry, request))
-            if isinstance(request, Pipeline):
-                return (yield from _pipeline(registry, request.items))
-            return (yield request)
-        except (AuthenticationFailed, NotRedis, TlsFailed) as failure:
-            raise policy.unavailable(failure) from failure
-        except (ConnectionLost, ErrorReply) as failure:
-            if isinstance(failure, ErrorReply) and failure.code not in TRANSIENT_REPLIES:
-                raise translate(failure.message) from failure
-            if attempt >= policy.retries:
-                raise policy.unavailable(failure) from failure
-        yield Sleep(policy.delay(attempt))
-        attempt += 1
-
-
-def op_drive(session: Session, op: Op[T]) -> Op[T]:
-    """Run ``op``, sending each of its requests with :func:`op_send`; the error a request
-    raises is thrown into ``op`` (which may handle it, e.g. split a call the server refused as
-    over budget) and propagates when it does not."""
-    try:
-        request = next(op)
-        while True:
-            try:
-                reply = yield from op_send(session, request)
-            except KVRedisError as exc:
-                request = op.throw(exc)
-            else:
-                request = op.send(reply)
-    except StopIteration as stop:
-        result: T = stop.value
-        return result
-    finally:
-        op.close()
 
 
 def op_run(session: Session, factory: Callable[[], Op[T]]) -> Op[T]:
@@ -333,54 +138,6 @@ def op_connect(session: Session, strict: bool = False) -> Op[Layout]:
         return layout
     check_eviction_policy(info, session.policy.server, strict)
     return layout
-
-
-def _info_field(info: Any, name: str) -> Any:
-    """A field of an ``INFO`` reply (parsed into a mapping, or its text); bytes as str."""
-    value: Any = None
-    if isinstance(info, Mapping):
-        value = info.get(name)
-    elif isinstance(info, (bytes, str)):
-        text = info.decode("utf-8", "replace") if isinstance(info, bytes) else info
-        for line in text.splitlines():
-            if line.startswith(f"{name}:"):
-                value = line.split(":", 1)[1].strip()
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
-
-
-def check_not_cluster(info: Any, server: str) -> None:
-    """Raise :class:`~kvredis.errors.ClusterModeError` when ``info`` (the reply of ``INFO
-    cluster``) says the server runs in cluster mode: a single-server client would only get
-    MOVED replies from it."""
-    if str(_info_field(info, "cluster_enabled")) == "1":
-        raise cluster_mode_error(server, "it reports cluster_enabled:1")
-
-
-#: maxmemory-policy values under which the server may delete the index's keys (they have no TTL,
-#: so the volatile-* policies never pick them).
-UNSAFE_POLICY_PREFIX = "allkeys-"
-
-
-def check_eviction_policy(info: Any, server: str, strict: bool) -> str | None:
-    """Warn (raise with ``strict``) when the server may evict index keys on its own.
-
-    ``info`` is the reply of ``INFO memory`` (parsed into a mapping, or its text). Under an
-    ``allkeys-*`` policy Redis deletes bucket and dictionary keys when it reaches ``maxmemory``,
-    and lookups then return stale entries or miss. Returns the policy found.
-    """
-    policy = _info_field(info, "maxmemory_policy")
-    if not isinstance(policy, str):
-        return None
-    if policy.startswith(UNSAFE_POLICY_PREFIX):
-        message = (
-            f"{server} has maxmemory-policy {policy}: when it reaches maxmemory it deletes index "
-            "keys, and lookups then return stale or wrong entries; set maxmemory-policy to "
-            "noeviction (or a volatile-* policy), e.g. CONFIG SET maxmemory-policy noeviction"
-        )
-        if strict:
-            raise UnsafeServerConfigError(message)
-        logger.warning("%s", message)
-    return policy
 
 
 # -- operations --------------------------------------------------------------------------------
@@ -598,268 +355,6 @@ def read_score_reply(
         if int(reply[i + 2]):
             live.append(pod)
     return int(reply[0]), bool(int(reply[1])), live
-
-
-#: The work one script call may do, in units of about one request key written (10-25 µs on a
-#: small machine, so a call stays within about 25 ms; ``scripts/bench_hardening.py`` measures
-#: the longest call): adds and batches larger than this are sent in parts, so no call blocks
-#: the server for long whatever the input size.
-CALL_BUDGET = 1024
-#: Request keys one ``lookup`` call walks at most (a read costs a fraction of a write); a longer
-#: chain is walked in parts, each sent only while the chain keeps hitting.
-LOOKUP_KEYS_PER_CALL = 4096
-#: Request keys one ``score`` call walks at most; a longer chain is scored in parts, each sent
-#: only while a pod holds every key so far.
-SCORE_KEYS_PER_CALL = 4096
-#: Units of one engine -> request key mapping (its list of up to 1024 request keys is rewritten).
-PAIR_COST = 4
-#: Units of an evict by engine key (it rewrites every request key the engine key maps to).
-ENGINE_EVICT_COST = 64
-
-
-def compress_pairs(pairs: Sequence[tuple[int, int]], cap: int) -> list[tuple[int, int]]:
-    """The mappings that decide the outcome of recording ``pairs`` in order.
-
-    An engine key keeps its ``cap`` most recently mapped distinct request keys, so of many pairs
-    of one engine key only the last ``cap`` distinct request keys (by last occurrence) matter;
-    recording just those, in the same order, leaves the same mapping.
-    """
-    seen: set[tuple[int, int]] = set()
-    counts: dict[int, int] = {}
-    kept: list[tuple[int, int]] = []
-    for pair in reversed(pairs):
-        engine = pair[0]
-        if pair in seen or counts.get(engine, 0) >= cap:
-            continue
-        seen.add(pair)
-        counts[engine] = counts.get(engine, 0) + 1
-        kept.append(pair)
-    kept.reverse()
-    return kept
-
-
-class Program:
-    """Builds the op program of add / evict / apply_batch (see ``lua/apply_batch.lua``)."""
-
-    def __init__(self, layout: Layout) -> None:
-        self.layout = layout
-        self.entries: list[bytes] = []
-        self._entry_index: dict[PodEntry, int] = {}
-        self.ops: list[Arg] = []
-        self.count = 0
-        self.cost = 0
-        #: the ops as given, to rebuild the program in pieces (:meth:`pieces`)
-        self.units: list[Unit] = []
-
-    def entry(self, entry: PodEntry) -> int:
-        index = self._entry_index.get(entry)
-        if index is None:
-            self.entries.append(encode_entry(entry))
-            index = self._entry_index[entry] = len(self.entries)
-        return index
-
-    def add(
-        self,
-        request_keys: Keys,
-        pairs: Sequence[tuple[int, int]],
-        entries: Entries,
-        parent: int | None = None,
-    ) -> None:
-        """An add op; ``parent`` (the request key before the first one in its chain, when
-        known) lets the keys join the chain run it ends (a ``"P"`` op)."""
-        if parent is not None and request_keys:
-            self.ops += ("P", hash_field(parent))
-        else:
-            self.ops.append("A")
-        self.ops += (len(entries), *(self.entry(e) for e in entries))
-        self.ops.append(hash_blob(request_keys))
-        self.ops.append(hash_blob([k for pair in pairs for k in pair]))
-        self.count += 1
-        self.cost += add_cost(len(request_keys), len(pairs), len(entries))
-        self.units.append(("A", request_keys, pairs, entries, parent))
-
-    def evict(self, key: int, key_type: KeyType, entries: Entries, first: int = 0) -> None:
-        """An evict op; by engine key, of its request keys after the first ``first`` (see
-        ``lua/includes/program.lua``)."""
-        ents = list(dict.fromkeys(entries))
-        indexes = (len(ents), *(self.entry(e) for e in ents))
-        if key_type is KeyType.REQUEST:
-            self.ops += ("R", hash_field(key), *indexes)
-            self.units.append(("R", key, ents))
-        else:
-            self.ops += ("E", hash_field(key), first, *indexes)
-            self.units.append(("E", key, ents, first))
-        self.count += 1
-        self.cost += evict_cost(len(ents), key_type)
-
-    def bucket_args(self) -> list[Arg]:
-        layout = self.layout
-        return [layout.gen, layout.rprefix, layout.eprefix, layout.bucket_bits]
-
-    def entry_args(self) -> list[Arg]:
-        return [len(self.entries), *self.entries]
-
-    def pieces(self, ops: int = 0, keys: int = 0) -> list[Program]:
-        """The program as smaller ones that, applied in order, do the same: of ``ops`` ops
-        each; else (``ops`` 0) its first op's request keys in pieces of ``keys`` (its mappings
-        with the last), then the other ops; else cut in two. Empty for one op that cannot be
-        split (an evict; :func:`op_parts` turns a refused evict by engine key into evicts by
-        request key)."""
-        units, layout = self.units, self.layout
-        if 0 < ops < len(units):
-            return [program_of(layout, units[i : i + ops]) for i in range(0, len(units), ops)]
-        head = _unit_pieces(units[0], keys) if units else []
-        if head:
-            rest = [program_of(layout, units[1:])] if len(units) > 1 else []
-            return [program_of(layout, [unit]) for unit in head] + rest
-        if len(units) < 2:
-            return []
-        cut = len(units) // 2
-        return [program_of(layout, units[:cut]), program_of(layout, units[cut:])]
-
-
-#: One op of a :class:`Program`: ``("A", request keys, engine/request key pairs, entries[,
-#: parent key])``,
-#: ``("R", key, entries)`` or ``("E", key, entries[, first])`` for an evict by request or engine
-#: key.
-Unit = tuple[Any, ...]
-
-
-def _unit_pieces(unit: Unit, keys: int) -> list[Unit]:
-    """An add op as adds of ``keys`` request keys each (in two when ``keys`` is 0), in order,
-    its mappings with the last; empty for any other op."""
-    if unit[0] != "A" or len(unit[1]) < 2:
-        return []
-    request_keys, pairs, entries = unit[1:4]
-    parent = unit[4] if len(unit) > 4 else None
-    step = keys if 0 < keys < len(request_keys) else (len(request_keys) + 1) // 2
-    cuts = range(0, len(request_keys), step)
-    out: list[Unit] = [
-        ("A", request_keys[i : i + step], [], entries, request_keys[i - 1] if i else parent)
-        for i in cuts
-    ]
-    out[-1] = (*out[-1][:2], pairs, *out[-1][3:])
-    return out
-
-
-def engine_evict_units(unit: Unit, mapping: bytes | None) -> list[Unit]:
-    """An evict by engine key (``("E", key, entries, first)``) whose engine key maps to
-    ``mapping`` (as read) as evicts by request key of its request keys after the first
-    ``first``, then the evict by engine key of what follows them (keys mapped since), which
-    drops the mapping once none of its request keys holds an entry."""
-    _, key, entries, first = unit
-    request_keys = blob_hashes(mapping)
-    out: list[Unit] = [("R", k, entries) for k in request_keys[first:]]
-    return [*out, ("E", key, entries, max(first, len(request_keys)))]
-
-
-def program_of(layout: Layout, units: Sequence[Unit]) -> Program:
-    """A program of ``units`` (:attr:`Program.units`), in order."""
-    return _fill(Program(layout), units)
-
-
-def programs_of(layout: Layout, units: Sequence[Unit], budget: int | None = None) -> list[Program]:
-    """``units`` as programs of at most ``budget`` units of work each, in order (at least one
-    program; see :class:`Programs`)."""
-    return _fill(Programs(layout, budget), units).items
-
-
-_Filled = TypeVar("_Filled", "Program", "Programs")
-
-
-def _fill(target: _Filled, units: Sequence[Unit]) -> _Filled:
-    for unit in units:
-        if unit[0] == "A":
-            target.add(unit[1], unit[2], unit[3], unit[4] if len(unit) > 4 else None)
-        elif unit[0] == "R":
-            target.evict(unit[1], KeyType.REQUEST, unit[2])
-        else:
-            target.evict(unit[1], KeyType.ENGINE, *unit[2:])
-    return target
-
-
-def add_cost(keys: int, pairs: int, entries: int) -> int:
-    """Units of work of an add op (see :data:`CALL_BUDGET`)."""
-    return 1 + entries + keys + PAIR_COST * pairs
-
-
-def evict_cost(entries: int, key_type: KeyType) -> int:
-    """Units of work of an evict op (by engine key it rewrites every key it maps to)."""
-    return entries + (ENGINE_EVICT_COST if key_type is KeyType.ENGINE else 1)
-
-
-class Programs:
-    """Ops filled into programs of at most ``budget`` units each, in order (at least one
-    program, an op larger than the budget alone in its own)."""
-
-    def __init__(self, layout: Layout, budget: int | None = None) -> None:
-        self.layout = layout
-        self.budget = CALL_BUDGET if budget is None else budget
-        self.items = [Program(layout)]
-
-    def _room(self, cost: int) -> Program:
-        last = self.items[-1]
-        if last.count and last.cost + cost > self.budget:
-            last = Program(self.layout)
-            self.items.append(last)
-        return last
-
-    def add(
-        self,
-        request_keys: Keys,
-        pairs: Sequence[tuple[int, int]],
-        entries: Entries,
-        parent: int | None = None,
-    ) -> None:
-        """Add an add op (entries already without duplicates; see :meth:`Program.add`)."""
-        cost = add_cost(len(request_keys), len(pairs), len(entries))
-        self._room(cost).add(request_keys, pairs, entries, parent)
-
-    def evict(self, key: int, key_type: KeyType, entries: Entries, first: int = 0) -> None:
-        """Add an evict op (see :meth:`Program.evict`)."""
-        ents = list(dict.fromkeys(entries))
-        self._room(evict_cost(len(ents), key_type)).evict(key, key_type, ents, first)
-
-
-def add_pieces(
-    engine_keys: Keys | None, request_keys: Keys, entries: Entries, budget: int | None = None
-) -> list[tuple[Sequence[int], Sequence[tuple[int, int]]]]:
-    """An add split into pieces of at most ``budget`` units: (request keys, mappings) each.
-
-    The request keys come first, in chain order (a reader sees a growing prefix of the chain),
-    then the mappings (compressed: :func:`compress_pairs`).
-    """
-    pairs = infer_mappings(engine_keys, request_keys) if engine_keys else []
-    pairs = compress_pairs(pairs, MAX_REQUEST_KEYS_PER_ENGINE_KEY)
-    return split_add(request_keys, pairs, len(entries), budget)
-
-
-def split_add(
-    request_keys: Keys, pairs: Sequence[tuple[int, int]], entries: int, budget: int | None = None
-) -> list[tuple[Sequence[int], Sequence[tuple[int, int]]]]:
-    """:func:`add_pieces` for explicit (engine, request) key pairs and ``entries`` entries."""
-    room = max(1, (CALL_BUDGET if budget is None else budget) - 1 - entries)
-    if len(request_keys) + PAIR_COST * len(pairs) <= room:
-        return [(request_keys, pairs)]
-    pieces: list[tuple[Sequence[int], Sequence[tuple[int, int]]]] = [
-        (request_keys[i : i + room], []) for i in range(0, len(request_keys), room)
-    ]
-    step = max(1, room // PAIR_COST)
-    pieces += [([], pairs[i : i + step]) for i in range(0, len(pairs), step)]
-    return pieces
-
-
-def piece_parents(
-    pieces: Sequence[tuple[Sequence[int], Sequence[tuple[int, int]]]], parent: int | None
-) -> list[int | None]:
-    """The parent key of each piece of an add (:func:`add_pieces`) whose first piece follows
-    ``parent``: the key before the piece's first request key in the chain."""
-    out: list[int | None] = []
-    for keys, _ in pieces:
-        out.append(parent if keys else None)
-        if keys:
-            parent = keys[-1]
-    return out
 
 
 def op_add(

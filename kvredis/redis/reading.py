@@ -20,10 +20,8 @@ from kvredis.redis.layout import (
     Layout,
     meta_key,
 )
-from kvredis.redis.ops import (
-    check_not_cluster,
-)
 from kvredis.redis.requests import Command, Op, Pipeline
+from kvredis.redis.session import check_not_cluster
 from kvredis.redis.state import CoreState
 from kvredis.types import PodEntry
 

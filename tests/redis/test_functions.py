@@ -24,7 +24,6 @@ from kvredis import (
     Watermark,
 )
 from kvredis.errors import BackendError, ConfigError, InvalidInputError
-from kvredis.redis import ops
 from kvredis.redis import requests as rq
 from kvredis.redis.executor import failure
 from kvredis.redis.functions import (
@@ -39,8 +38,8 @@ from kvredis.redis.functions import (
     shipped_library,
 )
 from kvredis.redis.layout import LAYOUT_VERSION
-from kvredis.redis.ops import RetryPolicy, Session, op_send
 from kvredis.redis.scripts import ScriptRegistry, lua_sources
+from kvredis.redis.session import RetryPolicy, Session, op_drive, op_send
 from kvredis.redis.state import CoreState
 from tests.servers import RedisServer
 
@@ -479,7 +478,7 @@ NO_FCALL = rq.ErrorReply("NOPERM User r has no permissions to run the 'fcall_ro'
 def test_connecting_loads_a_missing_library() -> None:
     session = _functions_session()
     registry = session.registry
-    _, sent = _drive(ops.op_drive(session, registry.op_choose()), [NOT_FOUND, b"kvredis"])
+    _, sent = _drive(op_drive(session, registry.op_choose()), [NOT_FOUND, b"kvredis"])
     assert [r.args[:2] for r in sent if isinstance(r, rq.Command)] == [
         ("FCALL_RO", VERSION_FUNCTION),
         ("FUNCTION", "LOAD"),
@@ -490,7 +489,7 @@ def test_connecting_loads_a_missing_library() -> None:
 def test_connecting_without_fcall_keeps_to_evalsha(caplog: pytest.LogCaptureFixture) -> None:
     session = _functions_session()
     with caplog.at_level(logging.WARNING):
-        _drive(ops.op_drive(session, session.registry.op_choose()), [NO_FCALL])
+        _drive(op_drive(session, session.registry.op_choose()), [NO_FCALL])
     assert not session.registry.active
     assert len([r for r in caplog.records if "EVALSHA" in r.getMessage()]) == 1
 
@@ -504,7 +503,7 @@ def _active_session() -> Session:
 def test_a_missing_function_reloads_the_library_and_calls_again() -> None:
     session = _active_session()
     call = rq.ScriptCall("ping", (), (), read=True)
-    result, sent = _drive(ops.op_send(session, call), [NOT_FOUND, b"kvredis", 1])
+    result, sent = _drive(op_send(session, call), [NOT_FOUND, b"kvredis", 1])
     assert result == 1
     assert [r.args[0] for r in sent if isinstance(r, rq.Command)] == [
         "FCALL_RO",
@@ -518,7 +517,7 @@ def test_a_refused_fcall_that_evalsha_serves_switches_for_good() -> None:
     session = _active_session()
     call = rq.ScriptCall("ping", (), ())
     refused = rq.ErrorReply("NOPERM User u has no permissions to run the 'fcall_ro' command")
-    result, sent = _drive(ops.op_send(session, call), [refused, 1])
+    result, sent = _drive(op_send(session, call), [refused, 1])
     assert result == 1 and [r.args[0] for r in sent if isinstance(r, rq.Command)] == [
         "FCALL_RO",
         "EVALSHA",
@@ -532,7 +531,7 @@ def test_a_refusal_evalsha_cannot_serve_either_keeps_the_function_path() -> None
     no_evalsha = rq.ErrorReply("NOPERM User u has no permissions to run the 'evalsha' command")
     with pytest.raises(BackendError, match=r"function\|load"):
         _drive(
-            ops.op_send(session, call),
+            op_send(session, call),
             [
                 NOT_FOUND,
                 rq.ErrorReply(
@@ -548,7 +547,7 @@ def test_a_pipeline_reloads_once_for_all_its_missing_functions() -> None:
     session = _active_session()
     calls = (rq.ScriptCall("ping", (), ()), rq.ScriptCall("ping", (b"k",), ()))
     result, sent = _drive(
-        ops.op_send(session, rq.Pipeline(calls)), [[NOT_FOUND, NOT_FOUND], b"kvredis", [1, 1]]
+        op_send(session, rq.Pipeline(calls)), [[NOT_FOUND, NOT_FOUND], b"kvredis", [1, 1]]
     )
     assert result == [1, 1]
     loads = [r for r in sent if isinstance(r, rq.Command) and r.args[0] == "FUNCTION"]

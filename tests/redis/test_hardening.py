@@ -29,8 +29,9 @@ from kvredis import (
     UnsafeServerConfigError,
     Watermark,
 )
-from kvredis.redis import ops
+from kvredis.redis import ops, program
 from kvredis.redis.layout import Layout
+from kvredis.redis.session import op_send
 from tests.redis.failover import failover_ride_out
 from tests.servers import Proxy, RedisServer
 
@@ -292,7 +293,7 @@ def _expected_after(index: RedisIndex, keys: list[int]) -> dict[int, list[PodEnt
 def test_a_batch_in_parts_applies_at_most_once_and_survives_a_crash_between_parts(
     cfg: RedisIndexConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(ops, "CALL_BUDGET", 8)
+    monkeypatch.setattr(program, "CALL_BUDGET", 8)
     keys = list(range(1, 41))
     batch: list[Any] = [AddOp([1000 + k], (k,), (A,)) for k in keys]
     batch += [EvictOp(k, KeyType.REQUEST, (A,)) for k in keys[:10]]
@@ -303,7 +304,7 @@ def test_a_batch_in_parts_applies_at_most_once_and_survives_a_crash_between_part
         # a publisher dies after the first two parts of its batch
         op = ops.op_apply_batch(state, batch, "s", Watermark(1, 1))
         for request in (next(op), op.send(1)):
-            assert index._exec.run(ops.op_send(index._session, request)) == 1
+            assert index._exec.run(op_send(index._session, request)) == 1
         op.close()
         assert index.get_watermark("s") is None
         # its replacement sends the same batch again: applied whole, exactly as in one call
@@ -319,12 +320,12 @@ def test_a_batch_in_parts_applies_at_most_once_and_survives_a_crash_between_part
             state, [EvictOp(11, KeyType.REQUEST, (A,)), *batch[:20]], "s", Watermark(1, 2)
         )
         first = next(op)
-        assert index._exec.run(ops.op_send(index._session, first)) == 1
-        assert index._exec.run(ops.op_send(index._session, first)) == 1
+        assert index._exec.run(op_send(index._session, first)) == 1
+        assert index._exec.run(op_send(index._session, first)) == 1
         with pytest.raises(StopIteration):
             request: Any = op.send(1)
             while True:
-                assert index._exec.run(ops.op_send(index._session, request)) == 1
+                assert index._exec.run(op_send(index._session, request)) == 1
                 request = op.send(1)
         assert index.get_watermark("s") == Watermark(1, 2)
 

@@ -26,8 +26,9 @@ from kvredis import (
     Watermark,
 )
 from kvredis.redis.layout import LAYOUT_VERSION, Layout, bucket_of, check_namespace
-from kvredis.redis.ops import op_clear, op_lookup, op_send
+from kvredis.redis.ops import op_clear, op_lookup
 from kvredis.redis.requests import Pipeline, Request, ScriptCall
+from kvredis.redis.session import op_send
 from kvredis.redis.state import CoreState
 from kvredis.types import MAX_BLOCK_HASH
 from tests.redis.namespace_state import read_namespace

@@ -28,8 +28,9 @@ from kvredis import (
 )
 from kvredis.checks import MAX_REQUEST_KEYS_PER_ENGINE_KEY
 from kvredis.errors import translate
-from kvredis.redis import ops
+from kvredis.redis import ops, program
 from kvredis.redis import requests as rq
+from kvredis.redis import session as sessions
 from kvredis.redis.codec import encode_entry, hash_field
 from kvredis.redis.layout import LAYOUT_VERSION, Layout
 from kvredis.redis.scripts import ScriptRegistry
@@ -61,7 +62,7 @@ def _session(
     return ops.Session(
         _state() if state is None else state,
         ScriptRegistry(),
-        ops.RetryPolicy(retries, backoff, SERVER),
+        sessions.RetryPolicy(retries, backoff, SERVER),
     )
 
 
@@ -483,7 +484,7 @@ def test_a_retry_that_succeeds_returns_the_reply() -> None:
 
 
 def test_backoff_doubles_up_to_one_second() -> None:
-    policy = ops.RetryPolicy(8, 0.3, SERVER)
+    policy = sessions.RetryPolicy(8, 0.3, SERVER)
     assert [policy.delay(i) for i in range(4)] == [0.3, 0.6, 1.0, 1.0]
 
 
@@ -661,7 +662,7 @@ def test_connect_without_permission_to_read_info_still_connects() -> None:
 
 
 def test_an_add_beyond_the_budget_goes_in_parts_within_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ops, "CALL_BUDGET", 64)
+    monkeypatch.setattr(program, "CALL_BUDGET", 64)
     request_keys = list(range(1, 301))
     op = ops.op_add(_state(), [7], request_keys, [A])
     calls: list[rq.ScriptCall] = []
@@ -679,14 +680,14 @@ def test_an_add_beyond_the_budget_goes_in_parts_within_it(monkeypatch: pytest.Mo
     # one engine key keeps its most recent MAX_REQUEST_KEYS_PER_ENGINE_KEY request keys only
     assert len(pairs) == 16 * min(300, MAX_REQUEST_KEYS_PER_ENGINE_KEY)
     for call in calls:
-        units = len(bytes(call.args[-2])) // 8 + ops.PAIR_COST * len(bytes(call.args[-1])) // 16
+        units = len(bytes(call.args[-2])) // 8 + program.PAIR_COST * len(bytes(call.args[-1])) // 16
         assert units <= 64
 
 
 def test_compress_pairs_keeps_what_decides_the_mapping() -> None:
     pairs = [(1, 10), (1, 11), (2, 20), (1, 10), (1, 12), (2, 21)]
-    assert ops.compress_pairs(pairs, 2) == [(2, 20), (1, 10), (1, 12), (2, 21)]
-    assert ops.compress_pairs(pairs, 10) == [(1, 11), (2, 20), (1, 10), (1, 12), (2, 21)]
+    assert program.compress_pairs(pairs, 2) == [(2, 20), (1, 10), (1, 12), (2, 21)]
+    assert program.compress_pairs(pairs, 10) == [(1, 11), (2, 20), (1, 10), (1, 12), (2, 21)]
 
 
 def test_a_long_lookup_chain_goes_in_parts_and_stops_at_the_first_miss(

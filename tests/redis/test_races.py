@@ -26,8 +26,10 @@ from kvredis import (
     RedisIndexConfig,
 )
 from kvredis.redis.cluster.index import RedisClusterIndex
-from kvredis.redis.ops import evict_call, op_clear, op_send, program_of
+from kvredis.redis.ops import evict_call, op_clear
+from kvredis.redis.program import program_of
 from kvredis.redis.requests import ScriptCall
+from kvredis.redis.session import op_send
 from tests.conftest import TEST_PREFIX
 from tests.redis.checks import check_findings
 from tests.servers import local_server_kinds, server_kinds

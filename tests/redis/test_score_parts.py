@@ -19,10 +19,10 @@ from kvredis import (
     RedisIndex,
     RedisIndexConfig,
 )
-from kvredis.redis import ops
 from kvredis.redis.codec import hash_blob
 from kvredis.redis.ops import SCORE_KEYS_PER_CALL
 from kvredis.redis.requests import Command, ScriptCall
+from kvredis.redis.session import op_send
 from kvredis.scoring import LongestPrefixScorer
 from tests.conftest import (
     CLUSTER_BACKENDS,
@@ -160,9 +160,9 @@ def test_malformed_carried_scores_are_refused(redis_server_url: str) -> None:
         for carried in ([1, b"pod-a", "nope"], [2, b"pod-a", "1.5"], [-1], ["x"]):
             call = ScriptCall("score", keys, (*head, *carried), read=True)
             with pytest.raises(InvalidInputError):
-                index._exec.run(ops.op_send(index._session, call))
+                index._exec.run(op_send(index._session, call))
         call = ScriptCall("score", keys, (*head, 1, b"pod-a", "1.5"), read=True)
-        assert index._exec.run(ops.op_send(index._session, call)) == [0, 0, b"pod-a", b"1.5", 1]
+        assert index._exec.run(op_send(index._session, call)) == [0, 0, b"pod-a", b"1.5", 1]
     finally:
         index.drop_namespace()
         index.close()

@@ -22,9 +22,9 @@ from kvredis import (
 )
 from kvredis.errors import LUA_ERROR_CODES
 from kvredis.redis.executor import AsyncExecutor, SyncExecutor
-from kvredis.redis.ops import RetryPolicy, Session, op_send
 from kvredis.redis.requests import Command, Pipeline, ScriptCall
 from kvredis.redis.scripts import ScriptRegistry, expand, lua_sources
+from kvredis.redis.session import RetryPolicy, Session, op_send
 from kvredis.redis.state import CoreState
 from tests.servers import RedisServer
 

@@ -24,8 +24,9 @@ from kvredis import (
     Watermark,
 )
 from kvredis.redis.codec import encode_entry, hash_field
-from kvredis.redis.ops import op_add, op_apply_batch, op_evict, op_send
+from kvredis.redis.ops import op_add, op_apply_batch, op_evict
 from kvredis.redis.requests import Op, ScriptCall
+from kvredis.redis.session import op_send
 
 A, B, C = PodEntry("pod-a", "gpu"), PodEntry("pod-b", "cpu"), PodEntry("pod-c", "gpu")
 ENGINE, REQUEST = KeyType.ENGINE, KeyType.REQUEST

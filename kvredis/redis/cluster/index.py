@@ -35,7 +35,7 @@ from kvredis.redis.cluster.ops import (
 from kvredis.redis.cluster.routing import WaveOp
 from kvredis.redis.config import RedisIndexConfig
 from kvredis.redis.functions import FunctionRegistry
-from kvredis.redis.ops import RetryPolicy
+from kvredis.redis.session import RetryPolicy
 from kvredis.types import Keys, KeyType, Lookup, PodEntry, Pods
 
 T = TypeVar("T")

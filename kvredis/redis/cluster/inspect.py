@@ -47,8 +47,8 @@ from kvredis.redis.inspect import (
     op_watermarks,
 )
 from kvredis.redis.layout import Layout
-from kvredis.redis.ops import RetryPolicy, op_drive
 from kvredis.redis.requests import Failure, Op
+from kvredis.redis.session import RetryPolicy, op_drive
 
 __all__ = ["ClusterInspector", "ShardProgress"]
 

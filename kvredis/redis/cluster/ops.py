@@ -100,22 +100,13 @@ from kvredis.redis.layout import (
     expiring_item_deadline,
 )
 from kvredis.redis.ops import (
-    CALL_BUDGET,
     DEFAULT_CLEAR_FIELDS_PER_CALL,
     LOOKUP_KEYS_PER_CALL,
-    TRANSIENT_REPLIES,
-    Program,
-    RetryPolicy,
-    Session,
-    Unit,
     add_call,
     batch_call,
     batch_fence,
-    check_eviction_policy,
-    compress_pairs,
     expiry_mode_of,
     op_clear_passes,
-    op_drive,
     op_drop_namespace,
     op_evict,
     op_get_request_key,
@@ -127,12 +118,18 @@ from kvredis.redis.ops import (
     op_reset_watermark,
     op_run,
     pod_args,
-    program_of,
-    programs_of,
     read_lookup_reply,
     score_weights,
-    split_add,
     walk_cut,
+)
+from kvredis.redis.program import (
+    CALL_BUDGET,
+    Program,
+    Unit,
+    compress_pairs,
+    program_of,
+    programs_of,
+    split_add,
 )
 from kvredis.redis.requests import (
     Command,
@@ -145,6 +142,13 @@ from kvredis.redis.requests import (
     Sleep,
 )
 from kvredis.redis.scripts import ScriptRegistry
+from kvredis.redis.session import (
+    TRANSIENT_REPLIES,
+    RetryPolicy,
+    Session,
+    check_eviction_policy,
+    op_drive,
+)
 from kvredis.redis.state import CoreState, EntryCache
 from kvredis.scoring import LongestPrefixScorer
 from kvredis.types import Entries, Keys, KeyType, PodEntry

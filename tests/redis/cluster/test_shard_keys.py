@@ -10,7 +10,7 @@ from kvredis.redis.cluster.ops import ClusterCore
 from kvredis.redis.cluster.routing import ClusterState, WavePolicy
 from kvredis.redis.cluster.shards import shard_of, shards_of
 from kvredis.redis.cluster.topology import ClusterNode
-from kvredis.redis.ops import RetryPolicy
+from kvredis.redis.session import RetryPolicy
 
 EDGES = [0, 1, (1 << 63) - 1, 1 << 63, (1 << 64) - 1]
 
