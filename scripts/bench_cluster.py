@@ -57,15 +57,10 @@ import redis
 from kvredis.batch import AddOp, EvictOp, IndexOp, Watermark
 from kvredis.redis import RedisIndexConfig, new_redis_index
 from kvredis.redis.cluster.index import RedisClusterIndex
-from kvredis.redis.cluster.ops import (
-    op_cluster_add,
-    op_cluster_apply_batch,
-    op_cluster_evict,
-    op_cluster_lookup,
-    op_cluster_score,
-)
+from kvredis.redis.cluster.ops import op_cluster_lookup, op_cluster_score
 from kvredis.redis.cluster.routing import Wave, WaveOp
 from kvredis.redis.cluster.shards import DEFAULT_SHARDS
+from kvredis.redis.cluster.writes import op_cluster_add, op_cluster_apply_batch, op_cluster_evict
 from kvredis.redis.index import RedisIndex
 from kvredis.types import KeyType, PodEntry
 

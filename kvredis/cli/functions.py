@@ -39,8 +39,8 @@ def _servers(target: RedisTarget) -> Iterator[list[tuple[str, Callable[[Op[Any]]
     sans-IO operation of plain commands against it."""
     config = target.config()
     if config.cluster:
+        from kvredis.redis.cluster.core import op_on_node
         from kvredis.redis.cluster.executor import SyncClusterExecutor
-        from kvredis.redis.cluster.ops import op_on_node
 
         cluster = SyncClusterExecutor(config)
         try:

@@ -27,8 +27,8 @@ from kvredis import (
     Watermark,
 )
 from kvredis.redis import ops
-from kvredis.redis.cluster.ops import _part_args
 from kvredis.redis.cluster.shards import shard_of
+from kvredis.redis.cluster.writes import _part_args
 from kvredis.redis.ops import walk_cut
 from kvredis.redis.requests import ScriptCall
 from kvredis.scoring import LongestPrefixScorer

@@ -17,22 +17,23 @@ from kvredis.batch import IndexOp, Watermark
 from kvredis.checks import check_selection
 from kvredis.errors import ConfigError
 from kvredis.index import Progress
+from kvredis.redis.cluster.core import ClusterCore, op_cluster_connect
 from kvredis.redis.cluster.executor import AsyncClusterExecutor, SyncClusterExecutor
 from kvredis.redis.cluster.ops import (
-    ClusterCore,
-    op_cluster_add,
-    op_cluster_apply_batch,
     op_cluster_clear,
-    op_cluster_connect,
     op_cluster_drop,
-    op_cluster_evict,
     op_cluster_get_request_key,
-    op_cluster_get_watermark,
     op_cluster_lookup,
-    op_cluster_reset_watermark,
     op_cluster_score,
 )
 from kvredis.redis.cluster.routing import WaveOp
+from kvredis.redis.cluster.writes import (
+    op_cluster_add,
+    op_cluster_apply_batch,
+    op_cluster_evict,
+    op_cluster_get_watermark,
+    op_cluster_reset_watermark,
+)
 from kvredis.redis.config import RedisIndexConfig
 from kvredis.redis.functions import FunctionRegistry
 from kvredis.redis.session import RetryPolicy

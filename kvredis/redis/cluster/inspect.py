@@ -19,8 +19,8 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 from kvredis.errors import ConfigError, NamespaceMissingError, translate
+from kvredis.redis.cluster.core import ClusterCore, op_parallel
 from kvredis.redis.cluster.executor import SyncClusterExecutor
-from kvredis.redis.cluster.ops import ClusterCore, op_parallel
 from kvredis.redis.cluster.routing import SlotCommand, WaveOp, op_wave
 from kvredis.redis.cluster.shards import (
     CLUSTER_LAYOUT,
@@ -114,7 +114,7 @@ class ClusterInspector:
         """Run one cluster operation to its end."""
         return self._exec.run(op)
 
-    def _command(self, *args: Any) -> Any:
+    def slot_command(self, *args: Any) -> Any:
         """One command on the node of the namespace's descriptor; its reply."""
         desc = descriptor_key(self.namespace)
         slot = shard_slot(desc.decode())
@@ -128,7 +128,8 @@ class ClusterInspector:
     def shard_count(self) -> int | None:
         """The namespace's shard count, from its descriptor; ``None`` if it has none."""
         desc = descriptor_key(self.namespace)
-        count = parse_descriptor(self._command("HMGET", desc, "layout", "shards"), self.namespace)
+        reply = self.slot_command("HMGET", desc, "layout", "shards")
+        count = parse_descriptor(reply, self.namespace)
         if count is not None:
             self.core.adopt(count)
         return count
@@ -225,7 +226,7 @@ class ClusterInspector:
         that shard count, then each shard's records (``records(shard)``) into the same shard
         (:func:`~kvredis.redis.inspect.op_restore`, shard by shard); the fields written."""
         desc = descriptor_key(self.namespace)
-        self._command("HSET", desc, "layout", CLUSTER_LAYOUT, "shards", shards)
+        self.slot_command("HSET", desc, "layout", CLUSTER_LAYOUT, "shards", shards)
         self.core.adopt(shards)
         names = shard_names(self.namespace, shards)
         written = 0

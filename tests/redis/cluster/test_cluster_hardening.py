@@ -35,7 +35,8 @@ from kvredis import (
     UnsafeServerConfigError,
     Watermark,
 )
-from kvredis.redis.cluster import ops as cluster_ops
+from kvredis.redis import program
+from kvredis.redis.cluster import writes as cluster_writes
 from kvredis.redis.cluster.index import AsyncRedisClusterIndex, RedisClusterIndex
 from kvredis.redis.cluster.routing import Wave
 from kvredis.redis.layout import Layout
@@ -341,14 +342,14 @@ def test_a_batch_in_parts_applies_at_most_once_per_shard_and_survives_a_crash_be
     has engine-key evicts in the middle, so it runs as several waves. A sender dies after the
     first wave (every shard took the first call of its part); a new sender's batch is then
     applied whole, once."""
-    monkeypatch.setattr(cluster_ops.programs_of, "__defaults__", (8,))
+    monkeypatch.setattr(program.programs_of, "__defaults__", (8,))
     keys = list(range(1, 41))
     batch: list[Any] = [AddOp([1000 + k], (k,), (A,)) for k in keys]
     batch += [EvictOp(k, KeyType.REQUEST, (A,)) for k in keys[:10]]
     batch += [EvictOp(1000 + k, KeyType.ENGINE, (A,)) for k in keys[10:15]]
     batch += [AddOp(None, tuple(keys[:5]), (B,))]
     index.apply_batch(batch[:1], "warm", Watermark(1, 1))  # scripts loaded: no NOSCRIPT wave
-    op = cluster_ops.op_cluster_apply_batch(index.core, batch, "s", Watermark(1, 1))
+    op = cluster_writes.op_cluster_apply_batch(index.core, batch, "s", Watermark(1, 1))
     first = next(op)
     assert isinstance(first, Wave) and len(first.batches) >= 2
     index.executor._send(first)  # the first wave reaches the nodes, then the sender dies

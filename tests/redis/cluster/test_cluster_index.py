@@ -369,7 +369,7 @@ def _first_waves(op: Any, waves: int) -> Any:
 def test_a_batch_cut_short_leaves_the_watermark_behind_and_the_next_sender_finishes_it(
     cfg: RedisIndexConfig,
 ) -> None:
-    from kvredis.redis.cluster.ops import op_cluster_apply_batch
+    from kvredis.redis.cluster.writes import op_cluster_apply_batch
 
     keys, engine = chain(64, 12), chain(64, 13)
     batch = [

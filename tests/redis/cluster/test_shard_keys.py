@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kvredis.redis.cluster.ops import ClusterCore
+from kvredis.redis.cluster.core import ClusterCore
 from kvredis.redis.cluster.routing import ClusterState, WavePolicy
 from kvredis.redis.cluster.shards import shard_of, shards_of
 from kvredis.redis.cluster.topology import ClusterNode

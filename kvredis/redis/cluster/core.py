@@ -1,0 +1,490 @@
+"""The core of the cluster index's operations: :class:`ClusterCore` (the namespace's shards, the
+slot map, the policies) and the combinators that run single-server operations on shards in
+waves (:func:`op_parallel`, one round trip per involved node), with the WAIT a write wave ends
+with; connecting (slot map, descriptor, server checks, scripts or the function library on
+every primary). The operations themselves are :mod:`.ops` (reads, clear, drop) and
+:mod:`.writes` (adds, evicts, batches, watermarks)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
+
+from kvredis.errors import (
+    BackendUnavailableError,
+    NamespaceMissingError,
+    translate,
+)
+from kvredis.redis.cluster.redirect import parse_redirect
+from kvredis.redis.cluster.routing import (
+    TRANSIENT_CLUSTER_REPLIES,
+    ClusterState,
+    NodeBatch,
+    SlotCommand,
+    Wave,
+    WaveOp,
+    WavePolicy,
+    migrating,
+    op_wave,
+)
+from kvredis.redis.cluster.shards import (
+    CLUSTER_LAYOUT,
+    check_cluster_namespace,
+    check_shards,
+    descriptor_key,
+    parse_descriptor,
+    shard_names,
+    shard_of,
+    shard_slot,
+    shards_of,
+)
+from kvredis.redis.layout import (
+    check_bucket_bits,
+    check_namespace,
+)
+from kvredis.redis.ops import (
+    expiry_mode_of,
+    op_load_namespace,
+    op_run,
+)
+from kvredis.redis.requests import (
+    Command,
+    ConnectionLost,
+    ErrorReply,
+    Failure,
+    Op,
+    Pipeline,
+    Sleep,
+)
+from kvredis.redis.scripts import ScriptRegistry
+from kvredis.redis.session import (
+    RetryPolicy,
+    Session,
+    check_eviction_policy,
+    op_drive,
+)
+from kvredis.redis.state import CoreState
+
+T = TypeVar("T")
+logger = logging.getLogger(__name__)
+
+#: Engine keys whose mappings one ``unmap`` call drops at most.
+UNMAP_PER_CALL = 256
+#: Engine buckets one page of the clear's mapping pass reads.
+MAPPING_PAGE = 64
+
+
+class ClusterCore:
+    """What one cluster index client carries: the cluster's state and its namespace's shards.
+
+    Shared by the client's threads: the shards' states are thread-safe, the rest is set once
+    when connecting.
+    """
+
+    def __init__(
+        self,
+        namespace: str,
+        bucket_bits: int,
+        shards: int,
+        cluster: ClusterState,
+        wave_policy: WavePolicy,
+        policy: RetryPolicy,
+        read_from_replicas: bool = False,
+    ) -> None:
+        self.namespace = check_cluster_namespace(check_namespace(namespace))
+        self.bucket_bits = check_bucket_bits(bucket_bits)
+        self.configured_shards = check_shards(shards)
+        self.cluster = cluster
+        self.wave_policy = wave_policy
+        #: Waves of calls grouped by node with the current slot map: no retry, no redirection,
+        #: no wait for a migrating slot (a failure sends the work down the per-shard path, which
+        #: has all three).
+        self.fast_policy = dataclasses.replace(
+            wave_policy, retries=0, max_redirects=0, migration_wait=0.0
+        )
+        self.policy = policy
+        self.registry = ScriptRegistry()
+        self.read_from_replicas = read_from_replicas
+        #: replicas every write waits for (``WAIT``; 0: none), and for how long at most
+        self.wait_replicas = 0
+        self.wait_timeout_ms = 1000
+        self.expiry_mode = "key"
+        self.sessions: list[Session] = []
+        self.slots: list[int] = []
+        self._picks = itertools.count()
+
+    @property
+    def count(self) -> int:
+        """The number of shards (after connecting)."""
+        return len(self.sessions)
+
+    def adopt(self, count: int) -> None:
+        """Set up the ``count`` shards of the namespace."""
+        if self.sessions and len(self.sessions) == count:
+            return
+        sessions, slots = [], []
+        for name in shard_names(self.namespace, count):
+            state = CoreState(name, self.bucket_bits)
+            state.expiry_mode = self.expiry_mode
+            sessions.append(Session(state, self.registry, self.policy))
+            slots.append(shard_slot(name))
+        self.sessions, self.slots = sessions, slots
+
+    def shard(self, key: int) -> int:
+        """The shard of a request or engine key."""
+        return shard_of(key, len(self.sessions))
+
+    def state(self, shard: int) -> CoreState:
+        """The namespace state of one shard."""
+        return self.sessions[shard].state
+
+    def run(self, shard: int, factory: Callable[[CoreState], Op[T]]) -> Op[T]:
+        """``factory(state)`` on one shard, with namespace loading and stale reloads."""
+        session = self.sessions[shard]
+        return op_run(session, lambda: factory(session.state))
+
+    def by_shard(self, keys: Iterable[int]) -> dict[int, list[int]]:
+        """``keys`` grouped by shard, each group in the order given."""
+        ordered = list(keys)
+        groups: dict[int, list[int]] = {}
+        for key, shard in zip(ordered, shards_of(ordered, len(self.sessions)), strict=True):
+            groups.setdefault(shard, []).append(key)
+        return groups
+
+    def home(self, stream: str) -> int:
+        """The shard whose fence decides a stream's batches."""
+        digest = hashlib.blake2b(stream.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+        return self.shard(int.from_bytes(digest, "big"))
+
+    def pick(self) -> int:
+        """A different replica index for each read (spreads reads over replicas)."""
+        return next(self._picks)
+
+
+# -- running per-shard operations in waves -----------------------------------------------------
+
+
+def op_parallel(
+    core: ClusterCore, ops: Mapping[int, Op[T]], read: bool = False
+) -> WaveOp[dict[int, T]]:
+    """Run one driven operation per shard (each yields commands, pipelines and sleeps, as
+    :func:`kvredis.redis.ops.op_drive` does) in lockstep: the requests all of them wait for go
+    out as one wave; the results by shard.
+
+    ``read=True`` sends the wave to replicas when the client reads from replicas.
+    """
+    live = dict(ops)
+    pending: dict[int, Any] = {}
+    results: dict[int, T] = {}
+
+    def step(shard: int, outcome: Any, throw: bool) -> None:
+        op = live[shard]
+        try:
+            request = op.throw(outcome) if throw else op.send(outcome)
+        except StopIteration as stop:
+            results[shard] = stop.value
+            del live[shard]
+            pending.pop(shard, None)
+            return
+        pending[shard] = request
+
+    try:
+        for shard in list(live):
+            step(shard, None, False)
+        while pending:
+            sleeping = [s for s, r in pending.items() if isinstance(r, Sleep)]
+            if sleeping:
+                yield Sleep(max(pending[s].seconds for s in sleeping))
+                for shard in sleeping:
+                    step(shard, None, False)
+                continue
+            commands: list[SlotCommand] = []
+            spans: list[tuple[int, int, int | None]] = []
+            for shard, request in pending.items():
+                slot = core.slots[shard]
+                if isinstance(request, Command):
+                    spans.append((shard, len(commands), None))
+                    commands.append(SlotCommand(slot, request.args))
+                elif isinstance(request, Pipeline):
+                    spans.append((shard, len(commands), len(request.items)))
+                    for item in request.items:
+                        if not isinstance(item, Command):  # op_send sends scripts as EVALSHA
+                            raise TypeError(f"a wave sends commands, not {item!r}")
+                        commands.append(SlotCommand(slot, item.args))
+                else:
+                    raise TypeError(f"a wave sends commands, pipelines and sleeps, not {request!r}")
+            replies = yield from write_wave(core, commands, core.wave_policy, read)
+            for shard, start, n in spans:
+                if n is None:
+                    reply = replies[start]
+                    step(shard, reply, isinstance(reply, Failure))
+                else:
+                    step(shard, list(replies[start : start + n]), False)
+    finally:
+        for op in live.values():
+            op.close()
+    return results
+
+
+#: Commands the cluster operations send that write nothing (no WAIT after them).
+_READS = frozenset(
+    {
+        b"HGET", b"HMGET", b"HEXISTS", b"HGETALL", b"SCAN", b"INFO", b"PING", b"SCRIPT", b"TIME",
+        b"FCALL_RO",
+    }
+)
+
+
+def write_wave(
+    core: ClusterCore, commands: Sequence[SlotCommand], policy: WavePolicy, read: bool = False
+) -> WaveOp[list[Any]]:
+    """One wave of ``commands``; the replies. A read wave goes to replicas when the client
+    reads from replicas; any other ends each written primary's pipeline with ``WAIT`` when the
+    client waits for replicas (:func:`_waits`, :func:`_watch_waits`)."""
+    waits = [] if read else _waits(core, commands)
+    on_replicas = read and core.read_from_replicas
+    wave = op_wave(core.cluster, [*commands, *waits], policy, read=on_replicas, pick=core.pick())
+    return (yield from (_watch_waits(core, wave, len(waits)) if waits else wave))
+
+
+def _waits(core: ClusterCore, commands: Sequence[SlotCommand]) -> list[SlotCommand]:
+    """With ``core.wait_replicas``: one ``WAIT`` per node a wave writes to, sent after its
+    commands in the same pipeline (routed by one of the node's slots). Calls of ``no-writes``
+    scripts and plain reads write nothing."""
+    if not core.wait_replicas:
+        return []
+    registry = core.registry
+    reads = {
+        registry[n].sha
+        for n in registry.names()
+        if b"no-writes" in registry[n].source.split(b"\n", 1)[0]
+    }
+    slots = [
+        c.slot
+        for c in commands
+        if _name(c.args[0]) not in _READS
+        and not (_name(c.args[0]) == b"EVALSHA" and c.args[1] in reads)
+    ]
+    slot_map = core.cluster.slot_map
+    by_node: dict[object, int] = {}
+    for slot in slots:
+        try:
+            by_node[slot_map.primary(slot) if slot_map else slot] = slot
+        except BackendUnavailableError:  # no node serves it (yet): op_wave retries it
+            by_node[slot] = slot
+    wait = ("WAIT", core.wait_replicas, core.wait_timeout_ms)
+    return [SlotCommand(slot, wait) for slot in by_node.values()]
+
+
+def _name(arg: Any) -> bytes:
+    return (arg.encode() if isinstance(arg, str) else bytes(arg)).upper()
+
+
+def _watch_waits(core: ClusterCore, wave: WaveOp[list[Any]], waits: int) -> WaveOp[list[Any]]:
+    """Run a wave whose last ``waits`` commands are ``WAIT`` s (:func:`_waits`); the replies of
+    the others.
+
+    Raises BackendUnavailableError when a ``WAIT`` saw fewer replicas than asked, or when a
+    node's pipeline came back split (:func:`_split_by_wait`): the wave then sends the writes or
+    the ``WAIT`` again without the other, and nothing tells whether replicas hold the writes.
+    """
+    unconfirmed = False
+    try:
+        request = next(wave)
+        while True:
+            reply = yield request
+            if isinstance(request, Wave):
+                unconfirmed = unconfirmed or any(
+                    _split_by_wait(batch.commands, replies)
+                    for batch, replies in zip(request.batches, reply, strict=True)
+                )
+            request = wave.send(reply)
+    except StopIteration as stop:
+        replies = list(stop.value)
+    finally:
+        wave.close()
+    acked = min((int(wave_reply(r)) for r in replies[len(replies) - waits :]), default=0)
+    if unconfirmed or acked < core.wait_replicas:
+        seen = (
+            "a node's pipeline came back split between the write and its WAIT"
+            if unconfirmed
+            else (
+                f"{acked} of the {core.wait_replicas} replicas it waits for acknowledged it within "
+                f"{core.wait_timeout_ms} ms"
+            )
+        )
+        raise BackendUnavailableError(
+            f"{core.wave_policy.server}: a write is applied on its primary, but {seen}: it may "
+            "be lost in a failover (sending it again is safe)"
+        )
+    return replies[: len(replies) - waits]
+
+
+def _split_by_wait(commands: Sequence[Sequence[Any]], replies: Sequence[Any]) -> bool:
+    """Whether a node's pipeline that ends with ``WAIT`` came back split: the ``WAIT`` is to
+    be sent again (the node failed after answering the writes) but not every write is, or
+    some write is (a redirection, a transient error, a lost connection) but the ``WAIT`` is
+    not."""
+    waited, written = False, []
+    for command, reply in zip(commands, replies, strict=True):
+        name = _name(command[0])
+        if name == b"WAIT":
+            waited = _resent(reply)
+        elif name not in (b"ASKING", b"READONLY"):
+            written.append(_resent(reply) or migrating(command, reply))
+    has_wait = any(_name(c[0]) == b"WAIT" for c in commands)
+    return has_wait and (not all(written) if waited else any(written))
+
+
+def _resent(reply: Any) -> bool:
+    """Whether :func:`~kvredis.redis.cluster.routing.op_wave` sends a command again after
+    this reply."""
+    if isinstance(reply, ConnectionLost):
+        return True
+    if not isinstance(reply, ErrorReply):
+        return False
+    return reply.code in TRANSIENT_CLUSTER_REPLIES or parse_redirect(reply.message) is not None
+
+
+def on_shards(
+    core: ClusterCore,
+    factories: Mapping[int, Callable[[CoreState], Op[T]]],
+    read: bool = False,
+) -> WaveOp[dict[int, T]]:
+    ops = {shard: core.run(shard, factory) for shard, factory in factories.items()}
+    return (yield from op_parallel(core, ops, read))
+
+
+def on_every_shard(
+    core: ClusterCore, factory: Callable[[CoreState], Op[T]], read: bool = False
+) -> WaveOp[dict[int, T]]:
+    return (yield from on_shards(core, dict.fromkeys(range(core.count), factory), read))
+
+
+def slot_command(core: ClusterCore, slot: int, *args: Any) -> WaveOp[Any]:
+    (reply,) = yield from op_wave(core.cluster, [SlotCommand(slot, args)], core.wave_policy)
+    return wave_reply(reply)
+
+
+def wave_reply(reply: Any) -> Any:
+    """A reply of a wave, or its error raised (op_wave retried what can be retried)."""
+    if isinstance(reply, Failure):
+        raise translate(reply.message)
+    return reply
+
+
+def group_by_node(
+    core: ClusterCore, shards: Iterable[int], node_of: Callable[[int], Any]
+) -> tuple[dict[Any, list[int]], list[int]]:
+    """The shards grouped by the node ``node_of(slot)`` names, and those whose slot the cached
+    slot map has no node for (they take the per-shard path, which refreshes the map)."""
+    by_node: dict[Any, list[int]] = {}
+    unmapped: list[int] = []
+    for shard in shards:
+        try:
+            by_node.setdefault(node_of(core.slots[shard]), []).append(shard)
+        except BackendUnavailableError:
+            unmapped.append(shard)
+    return by_node, unmapped
+
+
+# -- connecting --------------------------------------------------------------------------------
+
+
+def op_cluster_connect(core: ClusterCore, strict: bool = False, create: bool = True) -> WaveOp[int]:
+    """Fetch the slot map, read (or create) the namespace's descriptor, learn how expiring
+    entries expire, load every shard's namespace, and check every primary's eviction policy
+    (:func:`~kvredis.redis.ops.check_eviction_policy`: ``allkeys-*`` warns, or with ``strict``
+    raises); the shard count. With ``create=False`` a namespace without a descriptor raises
+    :class:`~kvredis.errors.NamespaceMissingError` instead of being created."""
+    desc = descriptor_key(core.namespace)
+    slot = shard_slot(desc.decode())
+    read = [SlotCommand(slot, ("HMGET", desc, "layout", "shards"))]
+    replies = yield from op_wave(
+        core.cluster, [*read, SlotCommand(slot, ("INFO", "server"))], core.wave_policy
+    )
+    info = replies[-1]
+    count = parse_descriptor(wave_reply(replies[0]), core.namespace)
+    if count is None and not create:
+        raise NamespaceMissingError(f"cluster namespace {core.namespace!r} does not exist")
+    if count is None:  # written only when missing: a reader starts on a full node
+        replies = yield from op_wave(
+            core.cluster,
+            [
+                SlotCommand(slot, ("HSETNX", desc, "shards", core.configured_shards)),
+                SlotCommand(slot, ("HSETNX", desc, "layout", CLUSTER_LAYOUT)),
+                *read,
+            ],
+            core.wave_policy,
+        )
+        count = parse_descriptor([wave_reply(r) for r in replies][-1], core.namespace)
+        assert count is not None  # just written
+    if not isinstance(info, Failure):
+        core.expiry_mode = expiry_mode_of(info)
+    core.adopt(count)
+    for session in core.sessions:
+        session.state.expiry_mode = core.expiry_mode
+    yield from op_load_scripts(core)
+    ops = {
+        shard: op_drive(session, op_load_namespace(session.state, ping=False))
+        for shard, session in enumerate(core.sessions)
+    }
+    yield from op_parallel(core, ops)
+    assert core.cluster.slot_map is not None  # fetched by the first wave
+    primaries = core.cluster.slot_map.primaries
+    infos = yield Wave(tuple(NodeBatch(node, (("INFO", "memory"),)) for node in primaries))
+    for node, (info,) in zip(primaries, infos, strict=True):
+        if isinstance(info, Failure):  # INFO not permitted, or the node is gone: no check
+            logger.debug("cannot read INFO memory from %s: %s", node, info.message)
+        else:
+            check_eviction_policy(info, f"primary {node} of {core.wave_policy.server}", strict)
+    return count
+
+
+def op_load_scripts(core: ClusterCore) -> WaveOp[None]:
+    """Decide how calls are sent, on every primary of the slot map (the registry's
+    ``op_choose``: the ``kvredis`` function library, loaded where it is missing or older, its
+    replicas get it by replication), then, when calls go by EVALSHA, load every script on every
+    node in one wave. Best effort: a node that fails now gets the library or its scripts on its
+    first miss, so first calls cost one round trip."""
+    slot_map = core.cluster.slot_map
+    if slot_map is None:
+        return
+    registry = core.registry
+    for node in slot_map.primaries:
+        try:
+            yield from op_on_node(
+                node, registry.op_choose(f"primary {node} of {core.policy.server}")
+            )
+        except BackendUnavailableError as exc:
+            logger.debug("cannot check the function library on %s: %s", node, exc)
+    if registry.active:
+        return
+    loads = tuple(registry.load(name).args for name in registry.names())
+    yield Wave(tuple(NodeBatch(node, loads) for node in slot_map.nodes))
+
+
+def op_on_node(node: Any, op: Op[T]) -> WaveOp[T]:
+    """Run ``op`` (plain commands only) against one node; error replies are thrown into it as
+    :mod:`kvredis.errors` exceptions, a lost node as BackendUnavailableError."""
+    try:
+        request = next(op)
+        while True:
+            if not isinstance(request, Command):
+                raise TypeError(f"only commands can be sent to one node, got {request!r}")
+            ((reply,),) = yield Wave((NodeBatch(node, (request.args,)),))
+            if isinstance(reply, ErrorReply):
+                request = op.throw(translate(reply.message))
+            elif isinstance(reply, Failure):
+                request = op.throw(BackendUnavailableError(f"{node}: {reply.message}"))
+            else:
+                request = op.send(reply)
+    except StopIteration as stop:
+        result: T = stop.value
+        return result
+    finally:
+        op.close()
