@@ -253,8 +253,8 @@ type weight struct {
 	value float64
 }
 
-// scoreKeysPerCall is the most request keys one kvredis_score call is sent (the Python client's
-// SCORE_KEYS_PER_CALL): a longer chain is scored in parts.
+// scoreKeysPerCall is the most request keys one kvredis_score call is sent by default (the
+// Python client's SCORE_KEYS_PER_CALL): a longer chain is scored in parts.
 const scoreKeysPerCall = 4096
 
 // podScore is a pod's score so far, as the exact text the function replied ("%.17g").
@@ -262,12 +262,11 @@ type podScore struct {
 	pod, score string
 }
 
-// score calls FCALL_RO kvredis_score over the chain, one part of at most scoreKeysPerCall keys
-// per call. A reply is [walked, cut, then pod, score, still-in triples]; the next part is sent
+// score calls FCALL_RO kvredis_score over the chain, one part of at most perCall keys per call. A reply is [walked, cut, then pod, score, still-in triples]; the next part is sent
 // only while a pod still holds every key walked and the walk reached the part's end (or stopped
 // at its work limit, cut = 1), and it carries the pods still in and their scores so far. A pod's
 // final score is the last one any reply gave it; pods keep their order of first appearance.
-func score(c *conn, ns namespace, keys []uint64, weights []weight, unknown float64) ([]podScore, error) {
+func score(c *conn, ns namespace, keys []uint64, weights []weight, unknown float64, perCall int) ([]podScore, error) {
 	chain := make([]byte, 0, 8*len(keys))
 	for _, k := range keys {
 		chain = binary.BigEndian.AppendUint64(chain, k)
@@ -287,7 +286,7 @@ func score(c *conn, ns namespace, keys []uint64, weights []weight, unknown float
 	at := map[string]int{} // pod -> its index in out
 	carried := [][]byte{b("0")}
 	for start := 0; start < len(keys); {
-		end := start + scoreKeysPerCall
+		end := start + perCall
 		if end > len(keys) {
 			end = len(keys)
 		}
@@ -376,9 +375,10 @@ func run() error {
 	tokenText := flag.String("tokens", "-", "token ids, comma or space separated (- for stdin)")
 	weightText := flag.String("weights", "gpu=1,cpu=0.8", "tier weights, tier=number,...")
 	unknown := flag.Float64("unknown-weight", 1.0, "weight of a tier not in -weights")
+	perCall := flag.Int("keys-per-call", scoreKeysPerCall, "most block keys sent in one kvredis_score call")
 	flag.Parse()
-	if *model == "" || *blockSize <= 0 {
-		return errors.New("-model and a positive -block-size are required")
+	if *model == "" || *blockSize <= 0 || *perCall <= 0 {
+		return errors.New("-model, a positive -block-size and a positive -keys-per-call are required")
 	}
 	tokens, err := parseTokens(*tokenText)
 	if err != nil {
@@ -415,7 +415,7 @@ func run() error {
 		if len(keys) == 0 {
 			break
 		}
-		scores, err = score(c, space, keys, weights, *unknown)
+		scores, err = score(c, space, keys, weights, *unknown, *perCall)
 		var re redisError
 		if errors.As(err, &re) && re.code() == "KVREDIS_STALE" && attempt == 0 {
 			continue // the namespace was recreated: read its meta record again

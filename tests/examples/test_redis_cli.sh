@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The score function from redis-cli alone (docs/protocol.md): check the library's api and the
 # namespace's layout, read its generation and bucket bits, and call FCALL_RO kvredis_score over
-# the chain in parts of at most 4096 keys, each part carrying the pods still in and their scores.
+# the chain in parts of at most SCORE_KEYS_PER_CALL keys (env, default 4096), each part carrying
+# the pods still in and their scores so far.
 # Usage: test_redis_cli.sh HOST PORT NAMESPACE WEIGHTS KEY_HEX...
 #   WEIGHTS  "tier weight tier weight ..." (e.g. "cpu 0.8 gpu 1")
 #   KEY_HEX  each block key as 16 hex digits, in chain order
@@ -10,7 +11,7 @@ set -euo pipefail
 host=$1 port=$2 ns=$3 weights=$4
 shift 4
 keys=("$@")
-per_call=4096
+per_call=${SCORE_KEYS_PER_CALL:-4096}
 cli() { redis-cli --no-auth-warning -h "$host" -p "$port" "$@"; }
 
 version=$(cli --raw FCALL_RO kvredis_version 0)
