@@ -253,14 +253,25 @@ type weight struct {
 	value float64
 }
 
-// score calls FCALL_RO kvredis_score; the reply is pod, score, pod, score, ... or, when the
-// walk stopped at its work limit, one integer (the first key not walked).
-func score(c *conn, ns namespace, keys []uint64, weights []weight, unknown float64) ([][2]string, error) {
+// scoreKeysPerCall is the most request keys one kvredis_score call is sent by default (the
+// Python client's SCORE_KEYS_PER_CALL): a longer chain is scored in parts.
+const scoreKeysPerCall = 4096
+
+// podScore is a pod's score so far, as the exact text the function replied ("%.17g").
+type podScore struct {
+	pod, score string
+}
+
+// score calls FCALL_RO kvredis_score over the chain, one part of at most perCall keys per call. A reply is [walked, cut, then pod, score, still-in triples]; the next part is sent
+// only while a pod still holds every key walked and the walk reached the part's end (or stopped
+// at its work limit, cut = 1), and it carries the pods still in and their scores so far. A pod's
+// final score is the last one any reply gave it; pods keep their order of first appearance.
+func score(c *conn, ns namespace, keys []uint64, weights []weight, unknown float64, perCall int) ([]podScore, error) {
 	chain := make([]byte, 0, 8*len(keys))
 	for _, k := range keys {
 		chain = binary.BigEndian.AppendUint64(chain, k)
 	}
-	args := [][]byte{
+	fixed := [][]byte{
 		b("FCALL_RO"), b("kvredis_score"), b("4"),
 		b(ns.name + ":meta"), b(ns.name + ":pi"), b(ns.name + ":pp"), b(ns.name + ":sx"),
 		b(ns.gen), b(ns.name + ":r:"), b(ns.bits),
@@ -268,20 +279,50 @@ func score(c *conn, ns namespace, keys []uint64, weights []weight, unknown float
 		b(strconv.Itoa(len(weights))),
 	}
 	for _, w := range weights {
-		args = append(args, b(w.tier), b(strconv.FormatFloat(w.value, 'g', -1, 64)))
+		fixed = append(fixed, b(w.tier), b(strconv.FormatFloat(w.value, 'g', -1, 64)))
 	}
-	args = append(args, b(strconv.FormatFloat(unknown, 'g', -1, 64)), chain)
-	reply, err := c.call(args...)
-	if err != nil {
-		return nil, err
-	}
-	v, _ := reply.([]interface{})
-	if len(v) == 1 {
-		return nil, fmt.Errorf("the walk stopped at its work limit at key %v: score a kvredis_lookup instead", v[0])
-	}
-	out := make([][2]string, 0, len(v)/2)
-	for i := 0; i+1 < len(v); i += 2 {
-		out = append(out, [2]string{text(v[i]), text(v[i+1])})
+	fixed = append(fixed, b(strconv.FormatFloat(unknown, 'g', -1, 64)))
+	var out []podScore
+	at := map[string]int{} // pod -> its index in out
+	carried := [][]byte{b("0")}
+	for start := 0; start < len(keys); {
+		end := start + perCall
+		if end > len(keys) {
+			end = len(keys)
+		}
+		args := append(append([][]byte{}, fixed...), chain[8*start:8*end])
+		args = append(args, carried...)
+		reply, err := c.call(args...)
+		if err != nil {
+			return nil, err
+		}
+		v, _ := reply.([]interface{})
+		if len(v) < 2 || (len(v)-2)%3 != 0 {
+			return nil, fmt.Errorf("unexpected kvredis_score reply %v", reply)
+		}
+		walked, _ := v[0].(int64)
+		cut, _ := v[1].(int64)
+		var live []podScore
+		for i := 2; i+2 < len(v); i += 3 {
+			s := podScore{text(v[i]), text(v[i+1])}
+			if j, ok := at[s.pod]; ok {
+				out[j] = s
+			} else {
+				at[s.pod] = len(out)
+				out = append(out, s)
+			}
+			if in, _ := v[i+2].(int64); in == 1 {
+				live = append(live, s)
+			}
+		}
+		if len(live) == 0 || walked == 0 || (int(walked) < end-start && cut == 0) {
+			break // no pod left, or a key no pod holds
+		}
+		start += int(walked)
+		carried = [][]byte{b(strconv.Itoa(len(live)))}
+		for _, s := range live {
+			carried = append(carried, b(s.pod), b(s.score))
+		}
 	}
 	return out, nil
 }
@@ -334,9 +375,10 @@ func run() error {
 	tokenText := flag.String("tokens", "-", "token ids, comma or space separated (- for stdin)")
 	weightText := flag.String("weights", "gpu=1,cpu=0.8", "tier weights, tier=number,...")
 	unknown := flag.Float64("unknown-weight", 1.0, "weight of a tier not in -weights")
+	perCall := flag.Int("keys-per-call", scoreKeysPerCall, "most block keys sent in one kvredis_score call")
 	flag.Parse()
-	if *model == "" || *blockSize <= 0 {
-		return errors.New("-model and a positive -block-size are required")
+	if *model == "" || *blockSize <= 0 || *perCall <= 0 {
+		return errors.New("-model, a positive -block-size and a positive -keys-per-call are required")
 	}
 	tokens, err := parseTokens(*tokenText)
 	if err != nil {
@@ -364,7 +406,7 @@ func run() error {
 		return err
 	}
 	keys := blockKeys(*seed, *model, tokens, *blockSize)
-	var scores [][2]string
+	var scores []podScore
 	for attempt := 0; ; attempt++ {
 		space, err := loadNamespace(c, *ns)
 		if err != nil {
@@ -373,7 +415,7 @@ func run() error {
 		if len(keys) == 0 {
 			break
 		}
-		scores, err = score(c, space, keys, weights, *unknown)
+		scores, err = score(c, space, keys, weights, *unknown, *perCall)
 		var re redisError
 		if errors.As(err, &re) && re.code() == "KVREDIS_STALE" && attempt == 0 {
 			continue // the namespace was recreated: read its meta record again
@@ -391,7 +433,7 @@ func run() error {
 		out.Keys[i] = strconv.FormatUint(k, 10)
 	}
 	for _, s := range scores {
-		out.Scores[s[0]] = s[1]
+		out.Scores[s.pod] = s.score
 	}
 	return json.NewEncoder(os.Stdout).Encode(out)
 }

@@ -74,10 +74,17 @@ def _go(binary: Path, server: RedisServer, namespace: str, *extra: str) -> dict[
     return result
 
 
+#: keys per kvredis_score call: the whole chain in one call, or in parts (pod-b drops out in the
+#: fourth part of 7 keys, pod-a in the fifth; each key its own call with 1)
+PARTS = [None, 7, 1]
+
+
+@pytest.mark.parametrize("per_call", PARTS)
 def test_the_go_client_gets_the_python_keys_and_scores(
-    go_binary: Path, own_redis_server: RedisServer, filled: Filled
+    go_binary: Path, own_redis_server: RedisServer, filled: Filled, per_call: int | None
 ) -> None:
-    got = _go(go_binary, own_redis_server, filled.namespace)
+    extra = () if per_call is None else ("-keys-per-call", str(per_call))
+    got = _go(go_binary, own_redis_server, filled.namespace, *extra)
     assert got["keys"] == [str(k) for k in filled.keys]  # llm-d's fnv64a_cbor keys
     scores = got["scores"]
     assert isinstance(scores, dict)
@@ -105,8 +112,9 @@ def test_the_go_client_runs_as_the_router_user(
     assert {pod: float(s) for pod, s in scores.items()} == filled.scores
 
 
+@pytest.mark.parametrize("per_call", PARTS)
 def test_redis_cli_alone_gets_the_python_scores(
-    own_redis_server: RedisServer, filled: Filled
+    own_redis_server: RedisServer, filled: Filled, per_call: int | None
 ) -> None:
     if shutil.which("redis-cli") is None:
         pytest.fail("redis-cli is missing (it comes with redis-server: scripts/install-servers)")
@@ -115,6 +123,7 @@ def test_redis_cli_alone_gets_the_python_scores(
         ["bash", str(SHELL), "127.0.0.1", str(own_redis_server.port), filled.namespace,
          weights, *(f"{k:016x}" for k in filled.keys)],
         capture_output=True, text=True, timeout=60,
+        env={**os.environ, **({} if per_call is None else {"SCORE_KEYS_PER_CALL": str(per_call)})},
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     got = dict(line.split(" ", 1) for line in done.stdout.splitlines())

@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # The score function from redis-cli alone (docs/protocol.md): check the library's api and the
-# namespace's layout, read its generation and bucket bits, and call FCALL_RO kvredis_score.
+# namespace's layout, read its generation and bucket bits, and call FCALL_RO kvredis_score over
+# the chain in parts of at most SCORE_KEYS_PER_CALL keys (env, default 4096), each part carrying
+# the pods still in and their scores so far.
 # Usage: test_redis_cli.sh HOST PORT NAMESPACE WEIGHTS KEY_HEX...
 #   WEIGHTS  "tier weight tier weight ..." (e.g. "cpu 0.8 gpu 1")
 #   KEY_HEX  each block key as 16 hex digits, in chain order
-# Prints one line per pod: "<pod> <score>", the score as the function replied it.
+# Prints one line per pod: "<pod> <score>", the score as the function last replied it.
 set -euo pipefail
 host=$1 port=$2 ns=$3 weights=$4
 shift 4
+keys=("$@")
+per_call=${SCORE_KEYS_PER_CALL:-4096}
 cli() { redis-cli --no-auth-warning -h "$host" -p "$port" "$@"; }
 
 version=$(cli --raw FCALL_RO kvredis_version 0)
@@ -22,7 +26,33 @@ gen=$(sed -n 3p <<<"$meta")
 
 read -r -a pairs <<<"$weights"
 nweights=$(( ${#pairs[@]} / 2 ))
-# The chain: 8-byte big-endian keys, as one binary argument read from stdin (-x).
-escaped=$(printf '%s' "$@" | sed 's/../\\x&/g')
-printf "$escaped" | cli --raw -x FCALL_RO kvredis_score 4 "$ns:meta" "$ns:pi" "$ns:pp" "$ns:sx" \
-    "$gen" "$ns:r:" "$bits" 0 "$nweights" "${pairs[@]}" 1 | paste -d ' ' - -
+declare -A scores=()
+order=()
+carried=(0)  # the pods still in the race after the earlier parts, and their scores so far
+start=0
+while (( start < ${#keys[@]} )); do
+    part=("${keys[@]:start:per_call}")
+    # The part: 8-byte big-endian keys, as one binary argument read from stdin (-X chain).
+    escaped=$(printf '%s' "${part[@]}" | sed 's/../\\x&/g')
+    mapfile -t reply < <(printf "$escaped" | cli --raw -X __chain__ FCALL_RO kvredis_score 4 \
+        "$ns:meta" "$ns:pi" "$ns:pp" "$ns:sx" "$gen" "$ns:r:" "$bits" 0 \
+        "$nweights" "${pairs[@]}" 1 __chain__ "${carried[@]}")
+    # Reply: walked, cut (1: the walk stopped at its work limit), then pod, score, still-in.
+    [[ ${#reply[@]} -ge 2 && ${reply[0]} =~ ^[0-9]+$ ]] || { printf '%s\n' "${reply[@]}" >&2; exit 1; }
+    walked=${reply[0]} cut=${reply[1]}
+    live=()
+    for (( i = 2; i + 2 < ${#reply[@]}; i += 3 )); do
+        pod=${reply[i]}
+        [[ -v "scores[$pod]" ]] || order+=("$pod")
+        scores[$pod]=${reply[i + 1]}
+        [ "${reply[i + 2]}" = 1 ] && live+=("$pod" "${reply[i + 1]}")
+    done
+    if (( ${#live[@]} == 0 || walked == 0 || (walked < ${#part[@]} && cut == 0) )); then
+        break  # no pod left, or a key no pod holds
+    fi
+    start=$(( start + walked ))
+    carried=($(( ${#live[@]} / 2 )) "${live[@]}")
+done
+for pod in "${order[@]}"; do
+    printf '%s %s\n' "$pod" "${scores[$pod]}"
+done

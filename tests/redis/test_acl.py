@@ -5,9 +5,9 @@ For each role an ACL user with exactly the documented rules runs that role's who
 (router: lookup and score, sync and async, with the handshake redis-py sends; ingester: the
 writes of the ingest path; operator: the CLI's stats, pods, watermarks, check, dump, restore,
 clear and drop), and the same user without any one of the listed commands cannot: the list is
-minimal. A router user cannot change a key through any call: every write API and a raw
-EVALSHA of every script that may write is refused, and every key of the namespace, its value
-and expiry times are the same afterwards."""
+minimal. A router user cannot change a key through any call: every write API, and a raw FCALL
+of every function and EVALSHA of every script that may write, is refused, and every key of the
+namespace, its value and expiry times are the same afterwards."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ from kvredis import (
 )
 from kvredis.cli import cli
 from kvredis.errors import KVRedisError
+from kvredis.redis.functions import function_name, shipped_library
 from kvredis.redis.layout import EXPIRY_FIELD, EXPIRY_KEY
 from kvredis.redis.ops import expiry_mode_of
 from kvredis.redis.requests import Command, ScriptCall
@@ -329,19 +330,26 @@ def writes(index: RedisIndex) -> None:
     index.drop_namespace()
 
 
-def recorded_writes(server: Server, namespace: str) -> list[tuple[Any, ...]]:
-    """The EVALSHA commands of the scripts that may write, as :func:`writes` sends them when an
-    admin runs it on the namespace; the namespace is then put back as it was."""
+#: A recorded call: the script's name, and the command's arguments.
+Recorded = tuple[str, tuple[Any, ...]]
+
+
+def recorded_writes(server: Server, namespace: str) -> list[Recorded]:
+    """The calls of the scripts that may write, as :func:`writes` sends them when an admin runs
+    it on the namespace: each as sent (``FCALL kvredis_<name>``: the library is in use) and as
+    its ``EVALSHA`` (the path a client falls back to); the namespace is then put back as it was."""
     before, dumped = server.snapshot(namespace), server.dump(namespace)
     with RedisIndex(config(server.url, namespace)) as index:
         registry = index.registry
-        sent: list[tuple[Any, ...]] = []
+        assert registry.active  # the admin's writes go to the function library
+        sent: list[Recorded] = []
         evalsha = registry.evalsha
 
         def record(call: ScriptCall) -> Command:
             command = evalsha(call)
             if not registry[call.script].no_writes:
-                sent.append(command.args)
+                sent.append((call.script, command.args))
+                sent.append((call.script, registry.script_command(call).args))
             return command
 
         registry.evalsha = record  # type: ignore[method-assign]
@@ -374,24 +382,28 @@ def test_a_router_cannot_change_a_key_through_any_call(server: Server, tmp_path:
 
     asyncio.run(async_writes())
     registry = ScriptRegistry()
+    library = shipped_library()
     may_write = {n for n in registry.names() if not registry[n].no_writes}
-    shas = {registry[n].sha: n for n in may_write}
-    tried = {shas[args[1]] for args in calls}
+    assert may_write == {n for n, read in library.reads.items() if not read}
+    tried = {name for name, _ in calls}
+    assert {args[0] for _, args in calls} == {"FCALL", "EVALSHA"}
     layout = (f"{ns}:meta", f"{ns}:pe", f"{ns}:pi", f"{ns}:pp", f"{ns}:sx", f"{ns}:wm")
     for name in sorted(may_write - tried):  # cluster-only and repair scripts: the namespace's keys
-        calls.append(("EVALSHA", registry[name].sha, len(layout), *layout, "1", "2", "3"))
+        calls.append((name, ("FCALL", function_name(name), len(layout), *layout, "1", "2", "3")))
+        calls.append((name, ("EVALSHA", registry[name].sha, len(layout), *layout, "1", "2", "3")))
     raw = redis.Redis.from_url(url)
     try:
         for name in may_write:
             raw.script_load(registry[name].source)  # allowed: the router loads what it runs
-        refused: set[str] = set()
-        for args in calls:
+        refused: dict[str, set[str]] = {"FCALL": set(), "EVALSHA": set()}
+        for name, args in calls:
             try:
                 raw.execute_command(*args)
             except redis.ResponseError:
-                refused.add(shas[args[1]])
-            assert server.snapshot(ns) == before, shas[args[1]]
-        assert refused >= tried  # each script the admin's writes ran was refused at least once
+                refused[args[0]].add(name)
+            assert server.snapshot(ns) == before, (args[0], name)
+        # each script the admin's writes ran was refused at least once on both paths
+        assert refused["FCALL"] >= tried and refused["EVALSHA"] >= tried
         key = f"{ns}:meta"
         for command in (
             ("HSET", key, "gen", "x"),
@@ -415,7 +427,7 @@ def test_a_router_cannot_change_a_key_through_any_call(server: Server, tmp_path:
     finally:
         raw.close()
     assert server.snapshot(ns) == before
-    assert len(calls) >= len(may_write)
+    assert len(calls) >= 2 * len(may_write)
 
 
 def _write_attempts(index: RedisIndex) -> list[Callable[[], Any]]:
