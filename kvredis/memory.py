@@ -28,9 +28,11 @@ import threading
 import time
 from array import array
 from collections import OrderedDict
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from operator import attrgetter
+from functools import reduce
+from itertools import groupby, repeat
+from operator import add, attrgetter
 from typing import Any
 
 from kvredis.batch import AddOp, IndexOp, Watermark, check_batch, check_stream, check_watermark
@@ -51,6 +53,7 @@ from kvredis.checks import (
 from kvredis.errors import ConfigError, EngineKeyNotFoundError, InvalidInputError
 from kvredis.index import ClearProgress
 from kvredis.jsonconfig import parse_size, take_fields
+from kvredis.scoring import DEFAULT_MEDIUM_WEIGHTS, UNKNOWN_TIER_WEIGHT, LongestPrefixScorer
 from kvredis.types import MAX_BLOCK_HASH, KeyType, PodEntry
 
 #: Most expired speculative entries reclaimed per call (the rest on later calls; reads filter
@@ -180,6 +183,32 @@ def _checked_entries(entries: Sequence[PodEntry], *, for_add: bool) -> Sequence[
     return check_entries(entries, for_add=for_add)
 
 
+_DEFAULT_WEIGHTS = dict(DEFAULT_MEDIUM_WEIGHTS)
+#: Below this, float sums of integral values are exact (the 53-bit significand).
+_EXACT_INTS = float(1 << 52)
+
+
+def _score_weights(medium_weights: Mapping[str, float] | None) -> dict[str, float]:
+    """Validated tier weights as a plain dict (``None``: the scorer's defaults)."""
+    if medium_weights is None:
+        return _DEFAULT_WEIGHTS
+    return dict(LongestPrefixScorer(medium_weights).medium_weights)
+
+
+def _add_times(total: float, weight: float, times: int) -> float:
+    """``total`` plus ``weight`` added ``times`` times one by one, as the scorer sums: the
+    same float, at C speed (in one step where every partial sum is an exact integer)."""
+    if times == 1:
+        return total + weight
+    if (
+        weight.is_integer()
+        and total.is_integer()
+        and abs(total) + abs(weight) * times < _EXACT_INTS
+    ):
+        return total + weight * times
+    return reduce(add, repeat(weight, times), total)
+
+
 def _refs(value: int | tuple[int, ...]) -> tuple[int, ...]:
     """The request keys of an engine mapping, oldest first (one is stored as a bare int)."""
     return (value,) if type(value) is int else value  # type: ignore[return-value]
@@ -248,6 +277,53 @@ class _MemoryIndex:
         finally:
             lock.release()
         return out
+
+    def score(
+        self,
+        request_keys: Sequence[int],
+        medium_weights: Mapping[str, float] | None = None,
+        pod_identifier_set: Collection[str] | None = None,
+    ) -> dict[str, float]:
+        """Per-pod longest-prefix scores, the floats of ``LongestPrefixScorer(medium_weights)
+        .score(keys, lookup(keys, pod_identifier_set))``, in one walk that stops as soon as no
+        pod holds every key so far.
+
+        Consecutive keys holding the same entries (a chain added pod by pod shares one stored
+        tuple along its keys) are scored once per run. The keys where some pod is still in the
+        race count as used, as a lookup's hits do; keys are checked up to where the walk stops.
+        """
+        keys = request_keys
+        if type(keys) is not list and type(keys) is not tuple:
+            keys = check_hashes(keys, "request key")
+        weights = _score_weights(medium_weights)
+        pods = None if pod_identifier_set is None else pod_filter(pod_identifier_set)
+        if not keys:
+            return {}
+        lock = self._lock
+        lock.acquire()
+        try:
+            now = 0.0
+            if self._deadlines:
+                now = time.monotonic()
+                self._expire(now)
+            try:
+                scores, walked = self._score_walk(keys, weights, pods, now)
+            except TypeError:  # an unhashable key
+                check_hashes(keys, "request key")
+                raise
+            reached = keys[: walked + 1]
+            if set(map(type, reached)) != _INT_ONLY or not 0 <= reached[-1] <= MAX_BLOCK_HASH:
+                check_hashes(reached, "request key")
+            if walked:
+                touch = self._keys.move_to_end
+                for key in keys[:walked]:
+                    touch(key)
+                if self._key_ticks is not None:
+                    self._tick += 1
+                    self._key_ticks.update(dict.fromkeys(keys[:walked], self._tick))
+        finally:
+            lock.release()
+        return scores
 
     def add(
         self,
@@ -481,6 +557,74 @@ class _MemoryIndex:
             out[key] = hits
             touch(key)
         return out
+
+    def _score_walk(
+        self,
+        keys: Sequence[int],
+        weights: dict[str, float],
+        pods: frozenset[str] | None,
+        now: float,
+    ) -> tuple[dict[str, float], int]:
+        """The scores of the chain and how many keys of it some pod in the race holds.
+
+        Walks runs of keys with equal (live) entries: each run costs one pass over its entries
+        and, per pod, one :func:`_add_times`. The sums are the scorer's: a pod's score is its
+        best weight at the first key, plus its best weight at every later key in key order.
+        """
+        stored: Iterable[tuple[PodEntry, ...] | None] = map(self._keys.get, keys)
+        if self._deadlines:
+            stored = self._live(keys, now)
+        runs = groupby(stored)
+        head, run = next(runs)
+        if head is None:
+            return {}, 0
+        scores: dict[str, float] = {}
+        for entry in head:
+            pod = entry.pod_identifier
+            if pods is None or pod in pods:
+                w = weights.get(entry.device_tier, UNKNOWN_TIER_WEIGHT)
+                if pod not in scores or w > scores[pod]:
+                    scores[pod] = w
+        if not scores:
+            return {}, 0
+        active = dict(scores)
+        walked = len([*run])
+        if walked > 1:
+            for pod, w in active.items():
+                scores[pod] = _add_times(scores[pod], w, walked - 1)
+        for head, run in runs:
+            if head is None:
+                break
+            best: dict[str, float] = {}
+            for entry in head:
+                pod = entry.pod_identifier
+                if pod in active:
+                    w = weights.get(entry.device_tier, UNKNOWN_TIER_WEIGHT)
+                    if pod not in best or w > best[pod]:
+                        best[pod] = w
+            if not best:
+                break
+            n = len([*run])
+            for pod, w in best.items():
+                scores[pod] = _add_times(scores[pod], w, n)
+            walked += n
+            active = best
+        return scores, walked
+
+    def _live(self, keys: Sequence[int], now: float) -> Iterator[tuple[PodEntry, ...] | None]:
+        """The entries of each key not past their deadline, ``None`` from the first key with
+        none (the walk stops there)."""
+        get, deadlines, by_id = self._keys.get, self._deadlines, self._by_id
+        later = now + 1.0
+        for key in keys:
+            stored = get(key)
+            if stored is not None:
+                stored = tuple(
+                    [e for e in stored if deadlines.get((key, by_id[id(e)]), later) > now]
+                )
+            yield stored or None
+            if not stored:
+                return
 
     def _find(self, entry: PodEntry) -> _Held | None:
         """The record of the entry equal to ``entry``, if the index holds one."""

@@ -53,6 +53,34 @@ def test_request_keys_are_lru_bounded() -> None:
     assert [k for k in range(1, 9) if present(index, k)] == [6, 7, 8]
 
 
+@pytest.mark.parametrize("make", [InMemoryIndex, CostAwareMemoryIndex])
+def test_scored_keys_count_as_used_as_looked_up_ones_do(make: Any) -> None:
+    index = make() if make is CostAwareMemoryIndex else make(InMemoryIndexConfig(size=4))
+    index.add(None, [1, 2, 3, 4], [A])
+    index.add(None, [3], [B])
+    assert index.score([1, 2, 9, 3]) == {"pod-a": 2.0}  # stops at 9: 3 is not used
+    index.add(None, [5, 6], [A])
+    if make is CostAwareMemoryIndex:
+        assert list(index._keys) == [4, 3, 1, 2, 5, 6]
+    else:
+        assert [k for k in range(1, 7) if present(index, k)] == [1, 2, 5, 6]
+
+
+def test_score_reads_keys_only_up_to_where_no_pod_is_left() -> None:
+    index = InMemoryIndex()
+    index.add(None, [1, 2, 3], [A])
+    index.add(None, [1, 2, 3, 4], [B])
+    index.add(None, [4, 5], [C])
+    # B drops out at 5 (C holds it, but C did not hold 1): nothing after 5 is read.
+    assert index.score([1, 2, 3, 4, 5, "bad", -1]) == {"pod-a": 3.0, "pod-b": 4.0}  # type: ignore[list-item]
+    assert index.score([7, "bad"]) == {}  # type: ignore[list-item]
+    with pytest.raises(InvalidInputError):
+        index.score([1, 2, "bad", 3])  # type: ignore[list-item]
+    with pytest.raises(InvalidInputError):
+        index.score([1, [2]])  # type: ignore[list-item]
+    assert index.score((k for k in [1, 2]), {"gpu": 0.5}) == {"pod-a": 1.0, "pod-b": 1.0}
+
+
 def test_adding_to_an_existing_key_refreshes_its_recency() -> None:
     index = InMemoryIndex(InMemoryIndexConfig(size=2))
     index.add(None, [1, 2], [A])
