@@ -65,15 +65,15 @@ CLEAR_MAPPINGS_PER_PAGE = 4096
 
 # Byte-cost estimate of the cost-aware index: what the structures below take on 64-bit CPython
 # 3.11, measured with tracemalloc, counting the ints of the keys (the index keeps them). Dict
-# and set tables grow in powers of two, so the true figure swings with the number of keys: for
-# 50k-400k keys and 1-10 pods the estimate is within -5%/+40% of what is allocated, around 20k
-# keys it can err low by up to 30% (scripts/bench_memory.py reports it, tests/test_memory.py
-# checks it).
+# tables grow in powers of two, so the true figure swings with the number of keys: for 50k-400k
+# keys and 1-10 pods the estimate is within +5%/+30% of what is allocated, around 10k keys it
+# can err high by up to 80% (scripts/bench_memory.py reports it, tests/test_memory.py checks it).
 #: A request key: its int and its slots in the LRU dict and the last-use dict.
 KEY_COST = 152
-#: One entry under one request key (its slot in the key's tuple and its key in the entry's
-#: key set), plus the length of its two strings (see estimated_entry_cost).
-ENTRY_COST = 88
+#: One entry under one request key (its 8 bytes in the entry's key log, and its slot in the
+#: key's tuple where that tuple is not shared along a chain), plus the length of its two strings
+#: (see estimated_entry_cost).
+ENTRY_COST = 16
 #: An engine key: its int and its slots in the LRU dict and the last-use dict.
 MAPPING_COST = 136
 #: One request key remembered by an engine key.
@@ -128,18 +128,39 @@ def estimated_entry_cost(entry: PodEntry) -> int:
     return ENTRY_COST + len(entry.pod_identifier) + len(entry.device_tier)
 
 
+#: A log of request keys is compacted once it is longer than twice its live keys plus this.
+LOG_SLACK = 64
+
+
 class _Held:
     """One distinct entry the index holds: the one instance every key stores (equal entries
-    added later resolve to it), the request keys holding it, its cost and its 1-tuple."""
+    added later resolve to it), the request keys holding it, its cost and its 1-tuple.
 
-    __slots__ = ("alone", "cost", "entry", "fields", "keys")
+    The request keys holding it are ``count`` and a log, an ``array('Q')`` of 8 bytes per key
+    (a set would take 5-6 times that): every key holding the entry is in the log, which may also
+    name keys that no longer hold it (removals do not touch it) or name a key twice; whether a
+    key holds the entry is read from the key's tuple. :meth:`_MemoryIndex._log_keys` compacts
+    a log that has grown past twice its live keys.
+    """
+
+    __slots__ = ("alone", "cost", "count", "entry", "fields", "log")
 
     def __init__(self, entry: PodEntry, fields: tuple[object, ...]) -> None:
         self.entry = entry
         self.fields = fields
-        self.keys: set[int] = set()
+        self.log = array("Q")
+        self.count = 0
         self.cost = estimated_entry_cost(entry)
         self.alone = (entry,)
+
+
+def _holds(stored: tuple[PodEntry, ...] | None, entry: PodEntry) -> bool:
+    """Whether a key's tuple holds this very (interned) entry instance."""
+    if stored is not None:
+        for held in stored:
+            if held is entry:
+                return True
+    return False
 
 
 _FIELDS = attrgetter(
@@ -243,6 +264,13 @@ class _MemoryIndex:
         # deadline, and a heap of (deadline, seq, key, record), stale once the dict holds
         # another deadline (records hash by identity, not by the fields of the entry).
         self._deadlines: dict[tuple[int, _Held], float] = {}
+        # The last tuple an entry was removed from, the record and what was left: the next key
+        # holding the same tuple gets the same tuple back (one tuple per run of a chain).
+        self._shrunk: tuple[tuple[PodEntry, ...], _Held | None, tuple[PodEntry, ...]] = (
+            (),
+            None,
+            (),
+        )
         self._expiry: list[tuple[float, int, int, _Held]] = []
         self._seq = 0
 
@@ -444,8 +472,10 @@ class _MemoryIndex:
             for held in list(self._pods.get(pod, ())):
                 if selection is not None and not selection.matches(held.entry):
                     continue
-                for key in list(held.keys):
+                for key in held.log.tolist():
                     removed += self._drop_pair(key, held)
+                    if not held.count:
+                        break
             engine_keys = list(self._engine)
         # As in the Redis backend, a clear also drops every engine mapping none of whose request
         # keys holds an entry, so a stale engine key no longer resolves. Like the Redis clear it
@@ -677,36 +707,61 @@ class _MemoryIndex:
 
     def _add_one(self, req: Sequence[int], held: _Held) -> None:
         """Add one entry to every key of ``req`` (no expiry involved): the common event."""
-        table, holders = self._keys, held.keys
+        table = self._keys
         entry, alone = held.entry, held.alone
-        keys_before, pairs_before = len(table), len(holders)
+        keys_before = len(table)
+        added: Sequence[int] = ()
         fresh = None
         if table.keys().isdisjoint(req):  # all new keys: one C-level update of each dict
             fresh = dict.fromkeys(req, alone)
             if len(fresh) == len(req):
                 table.update(fresh)
-                holders.update(fresh)
+                added = req
             else:  # a key repeated: its place in the LRU order is its last occurrence
                 fresh = None
         if fresh is None:
             get, touch, cap = table.get, table.move_to_end, self._entries_per_key
+            # Keys that held the same tuple hold the same tuple after the add too: a chain
+            # added pod by pod keeps one tuple for the whole run of keys its pods share.
+            grown_from: tuple[PodEntry, ...] | None = None
+            grown: tuple[PodEntry, ...] = alone
+            added = []
             for key in req:
                 stored = get(key)
                 if stored is None:
                     table[key] = alone
+                    added.append(key)
                     continue
                 if stored[-1] is not entry:
-                    if key in holders:  # re-added: it becomes the most recently added
+                    if stored is grown_from:  # as the key before: share its tuple
+                        stored = grown
+                        added.append(key)
+                    elif _holds(stored, entry):  # re-added: it becomes the most recent
                         stored = (*[e for e in stored if e is not entry], entry)
                     else:
+                        added.append(key)
+                        grown_from = stored
                         stored += alone
                         if cap is not None and len(stored) > cap:
                             stored = self._trim(key, stored, cap)
+                            grown_from = None
+                        grown = stored
                     table[key] = stored
                 touch(key)
-            holders.update(req)
         self._cost += (len(table) - keys_before) * KEY_COST
-        self._cost += (len(holders) - pairs_before) * held.cost
+        if added:
+            self._log_keys(held, added)
+
+    def _log_keys(self, held: _Held, keys: Sequence[int]) -> None:
+        """Record that ``keys`` (not holding the entry before) now hold it; compact the log
+        once it is over twice the live keys (amortized O(1) per key logged)."""
+        held.count += len(keys)
+        self._cost += len(keys) * held.cost
+        log = held.log
+        log.extend(keys)
+        if len(log) > 2 * held.count + LOG_SLACK:
+            get, entry = self._keys.get, held.entry
+            held.log = array("Q", [k for k in dict.fromkeys(log) if _holds(get(k), entry)])
 
     def _add_many(
         self, req: Sequence[int], ents: Sequence[PodEntry], deadline: float | None
@@ -725,6 +780,7 @@ class _MemoryIndex:
         deadlines = self._deadlines
         confirmed = {e.pod_identifier for e in added if not e.speculative} if deadlines else ()
         table = self._keys
+        new_keys: list[list[int]] = [[] for _ in helds]  # logged once the keys hold them
         for key in req:
             stored = table.get(key)
             if stored is None:
@@ -744,10 +800,9 @@ class _MemoryIndex:
                     for entry in replaced.values():
                         self._forget(key, entry)
                     kept = [e for e in kept if id(e) not in replaced]
-            for held in helds:
-                if key not in held.keys:
-                    held.keys.add(key)
-                    self._cost += held.cost
+            for held, logged in zip(helds, new_keys, strict=True):
+                if not _holds(stored, held.entry):
+                    logged.append(key)
             merged = (*kept, *added)
             if cap is not None and len(merged) > cap:
                 merged = self._trim(key, merged, cap)
@@ -760,6 +815,9 @@ class _MemoryIndex:
             elif deadlines:
                 for held in helds:
                     deadlines.pop((key, held), None)
+        for held, logged in zip(helds, new_keys, strict=True):
+            if logged:
+                self._log_keys(held, logged)
 
     def _trim(self, key: int, stored: tuple[PodEntry, ...], cap: int) -> tuple[PodEntry, ...]:
         """Keep the ``cap`` most recently added entries of a key."""
@@ -844,37 +902,45 @@ class _MemoryIndex:
 
     def _drop_pair(self, key: int, held: _Held) -> int:
         """Remove one entry from one key (and the key once empty); 1 if it was there, else 0."""
-        holders = held.keys
-        if key not in holders:
-            return 0
-        holders.remove(key)
-        self._cost -= held.cost
         table = self._keys
-        stored = table[key]
+        stored = table.get(key)
+        if not _holds(stored, held.entry):
+            return 0
+        assert stored is not None
+        held.count -= 1
+        self._cost -= held.cost
         if len(stored) == 1:  # it held only this entry
             del table[key]
             self._cost -= KEY_COST
             if self._key_ticks is not None:
                 del self._key_ticks[key]
-        elif stored[-1] is held.entry:
-            table[key] = stored[:-1]
         else:
-            entry = held.entry
-            table[key] = tuple([e for e in stored if e is not entry])
+            shrunk = self._shrunk
+            if shrunk[0] is stored and shrunk[1] is held:  # as the key before: share
+                table[key] = shrunk[2]
+            else:
+                entry = held.entry
+                left = (
+                    stored[:-1]
+                    if stored[-1] is entry
+                    else tuple([e for e in stored if e is not entry])
+                )
+                table[key] = left
+                self._shrunk = (stored, held, left)
         if self._deadlines:
             self._deadlines.pop((key, held), None)
-        if not holders:
+        if not held.count:
             self._release(held)
         return 1
 
     def _forget(self, key: int, entry: PodEntry) -> None:
         """Account for a stored entry no longer under a key (the caller updates the key)."""
         held = self._by_id[id(entry)]
-        held.keys.discard(key)
+        held.count -= 1
         self._cost -= held.cost
         if self._deadlines:
             self._deadlines.pop((key, held), None)
-        if not held.keys:
+        if not held.count:
             self._release(held)
 
     def _expire(self, now: float) -> None:

@@ -19,6 +19,7 @@ from kvredis.jsonconfig import parse_size
 from kvredis.memory import (
     CLEAR_MAPPINGS_PER_PAGE,
     KEY_COST,
+    LOG_SLACK,
     MAX_REQUEST_KEYS_PER_ENGINE_KEY,
     CostAwareMemoryIndex,
     CostAwareMemoryIndexConfig,
@@ -26,6 +27,7 @@ from kvredis.memory import (
     InMemoryIndexConfig,
     estimated_entry_cost,
 )
+from kvredis.scoring import LongestPrefixScorer
 from kvredis.types import KeyType, PodEntry
 
 A = PodEntry("pod-a", "gpu")
@@ -425,6 +427,8 @@ def test_embedded_backends_match_a_reference_model(make: Any, ops: list[Any]) ->
             model.clear(op[1])
         for key in range(8):
             assert present(index, key) == model.keys.get(key, set())
+        for chain in ([0, 1, 2, 3, 4, 5, 6, 7], [3, 4, 5], [5, 2, 2, 6]):
+            assert index.score(chain) == LongestPrefixScorer().score(chain, index.lookup(chain))
         for engine_key in range(100, 106):
             expected = model.engine.get(engine_key)
             if expected is None:
@@ -439,6 +443,26 @@ def test_embedded_backends_match_a_reference_model(make: Any, ops: list[Any]) ->
         for engine_key in range(100, 106):
             index.evict(engine_key, KeyType.ENGINE, [ENTRIES[0]])
         assert index.cost() == 0
+
+
+@pytest.mark.parametrize("make", [InMemoryIndex, CostAwareMemoryIndex])
+def test_the_key_log_of_an_entry_stays_bounded_under_churn(make: Any) -> None:
+    index = make()
+    index.add(None, [1], [A])  # keeps A's record alive throughout
+    for round_ in range(50):
+        keys = list(range(10 + round_ * 50, 10 + round_ * 50 + 40))
+        index.add(None, keys, [A])
+        index.add(None, keys[::2], [A, B])  # re-added to half of them, with another entry
+        for key in keys[:-3]:
+            index.evict(key, KeyType.REQUEST, [A])
+        held = index._held[memory._equality_key(A)]
+        assert held.count == 1 + 3 * (round_ + 1)
+        assert len(held.log) <= 2 * (held.count + len(keys)) + LOG_SLACK  # (+ evicted since)
+    live = {k for k in range(2600) if A in present(index, k)}
+    assert len(live) == 1 + 3 * 50
+    assert index.clear_with_progress("pod-a") == len(live)
+    assert all(A not in present(index, k) for k in range(2600))
+    assert memory._equality_key(A) not in index._held
 
 
 # -- parse_size --------------------------------------------------------------------------------
