@@ -27,7 +27,7 @@ import heapq
 import threading
 import time
 from array import array
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import reduce
@@ -343,12 +343,11 @@ class _MemoryIndex:
             if set(map(type, reached)) != _INT_ONLY or not 0 <= reached[-1] <= MAX_BLOCK_HASH:
                 check_hashes(reached, "request key")
             if walked:
-                touch = self._keys.move_to_end
-                for key in keys[:walked]:
-                    touch(key)
+                used = keys[:walked]
+                deque(map(self._keys.move_to_end, used), 0)  # (C-level loop)
                 if self._key_ticks is not None:
                     self._tick += 1
-                    self._key_ticks.update(dict.fromkeys(keys[:walked], self._tick))
+                    self._key_ticks.update(zip(used, repeat(self._tick)))
         finally:
             lock.release()
         return scores

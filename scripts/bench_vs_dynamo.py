@@ -14,6 +14,7 @@ Measured in one process, ratios against Dynamo's ``find_matches``:
     ``CostAwareMemoryIndex.score``, ``lookup`` + ``LongestPrefixScorer``, ``RedisIndex.score``
     (wall time, loopback). Every query's scores are asserted equal on every side (Dynamo counts
     blocks: the weights are ``{"gpu": 1.0}``);
+    The round trip of a Redis ``PING`` is printed too: the floor under ``RedisIndex.score``;
   * memory per entry: the growth of the process's resident set (``/proc/self/statm``) while
     each side loads (Dynamo's tree lives in Rust, outside Python's allocator, so this is the
     one measure both sides share), and for kvredis also what ``tracemalloc`` counts.
@@ -218,6 +219,10 @@ def main() -> None:
             load_kvredis(redis, data)
             sides["RedisIndex.score (wall)"] = lambda keys: redis.score(keys, WEIGHTS)
             rows = run_queries(sides, {"whole chain": whole, "leaves at block 256": half}, repeat)
+            ping = timed(lambda _keys: {"": float(redis.client.ping())}, whole, repeat)
+            floor = statistics.median(ping) * 1e6
+            print(f"{'(Redis PING round trip, the floor)':<46} p50 {floor:8.1f} us")
+            rows.append({"query": "PING", "side": "redis", "p50_us": floor})
         finally:
             redis.drop_namespace()
             redis.close()
