@@ -11,8 +11,11 @@ Two backends share one implementation and differ only in how they bound their me
   fits.
 
 "Used" means added to, looked up with a hit (request keys) or resolved by ``get_request_key``
-(engine keys). Both backends implement :class:`~kvredis.index.Index` and
-:class:`~kvredis.batch.BatchIndex`; one lock guards all state, so every method is atomic.
+(engine keys). Both backends implement :class:`~kvredis.index.Index`,
+:class:`~kvredis.batch.BatchIndex` and :class:`~kvredis.index.ScoringIndex` (``score`` walks the
+chain once, run of equal entries by run, and stops when no pod is left); one lock guards all
+state, so every method is atomic. ``scripts/bench_vs_dynamo.py`` measures ``score`` and the
+memory per entry against Dynamo's in-process radix tree.
 
 Built to cost little more than a plain dict of sets on the hot paths (``scripts/bench_memory.py``
 measures the two side by side): inputs that are plain lists of ints and plain PodEntry values
@@ -66,7 +69,7 @@ CLEAR_MAPPINGS_PER_PAGE = 4096
 # Byte-cost estimate of the cost-aware index: what the structures below take on 64-bit CPython
 # 3.11, measured with tracemalloc, counting the ints of the keys (the index keeps them). Dict
 # tables grow in powers of two, so the true figure swings with the number of keys: for 50k-400k
-# keys and 1-10 pods the estimate is within +5%/+30% of what is allocated, around 10k keys it
+# keys and 1-10 pods the estimate is within -15%/+30% of what is allocated, around 10k keys it
 # can err high by up to 80% (scripts/bench_memory.py reports it, tests/test_memory.py checks it).
 #: A request key: its int and its slots in the LRU dict and the last-use dict.
 KEY_COST = 152
