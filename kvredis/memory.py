@@ -242,9 +242,10 @@ class _MemoryIndex:
     """The shared implementation; subclasses decide the per-key entry cap and :meth:`_shrink`.
 
     State: request key -> the tuple of entries it holds, oldest added first (keys holding
-    just one entry share its 1-tuple); per distinct entry a
-    :class:`_Held` with the set of request keys holding it (membership tests and
-    ``clear(pod)`` work on those int sets, never comparing PodEntry values key by key); engine
+    just one entry share its 1-tuple, and consecutive keys an add or a removal leaves with the
+    same entries share one tuple); per distinct entry a :class:`_Held` with the count and a log
+    of the request keys holding it (membership tests compare identities in a key's tuple and
+    ``clear(pod)`` walks the pod's logs, never comparing PodEntry values key by key); engine
     key -> its request key, or a tuple of them when it has several. ``_key_ticks`` and
     ``_engine_ticks`` (last use of every key) exist only where :meth:`_shrink` weighs request
     keys against engine keys.
