@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import random
+import threading
 import tracemalloc
 from types import SimpleNamespace
 from typing import Any
@@ -437,12 +439,73 @@ def test_embedded_backends_match_a_reference_model(make: Any, ops: list[Any]) ->
             else:
                 assert index.get_request_key(engine_key) == expected[-1]
     assert len(index) == len(model.keys)
+    check_entry_records(index)
     if isinstance(index, CostAwareMemoryIndex):
         for pod in ("p0", "p1", "p2"):
             index.clear(pod)
         for engine_key in range(100, 106):
             index.evict(engine_key, KeyType.ENGINE, [ENTRIES[0]])
         assert index.cost() == 0
+
+
+def check_entry_records(index: Any) -> None:
+    """Every entry record counts exactly the keys whose tuple holds its entry, and logs them."""
+    holders: dict[int, set[int]] = {}
+    for key, stored in index._keys.items():
+        assert stored and len({id(e) for e in stored}) == len(stored)
+        for entry in stored:
+            assert index._by_id[id(entry)].entry is entry
+            holders.setdefault(id(entry), set()).add(key)
+    assert len(index._held) == len(holders)
+    for held in index._held.values():
+        keys = holders[id(held.entry)]
+        assert held.count == len(keys)
+        assert keys <= set(held.log)
+
+
+@pytest.mark.parametrize("make", [InMemoryIndex, CostAwareMemoryIndex])
+def test_concurrent_scores_and_writes_keep_the_entry_records_exact(make: Any) -> None:
+    index = make()
+    chains = [[c * 1000 + i for i in range(64)] for c in range(6)]
+    pods = [PodEntry(f"pod-{p}", tier) for p in range(4) for tier in ("gpu", "cpu")]
+    errors: list[BaseException] = []
+
+    def writer(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for _ in range(300):
+                chain, entry = rng.choice(chains), rng.choice(pods)
+                action = rng.random()
+                if action < 0.6:
+                    index.add(None, chain[: rng.randint(1, 64)], [entry])
+                elif action < 0.9:
+                    index.evict(rng.choice(chain), KeyType.REQUEST, [entry])
+                else:
+                    index.clear_entries(entry.pod_identifier, device_tiers=[entry.device_tier])
+        except BaseException as exc:
+            errors.append(exc)
+
+    def scorer() -> None:
+        try:
+            for n in range(300):
+                chain = chains[n % len(chains)]
+                scores = index.score(chain, {"gpu": 1.0, "cpu": 0.3})
+                assert all(0 < v <= 64 for v in scores.values())
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(s,)) for s in range(3)]
+    threads += [threading.Thread(target=scorer) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    if errors:
+        raise errors[0]
+    check_entry_records(index)
+    for chain in chains:
+        expected = LongestPrefixScorer().score(chain, index.lookup(chain))
+        assert index.score(chain) == expected
 
 
 @pytest.mark.parametrize("make", [InMemoryIndex, CostAwareMemoryIndex])
