@@ -11,8 +11,11 @@ Two backends share one implementation and differ only in how they bound their me
   fits.
 
 "Used" means added to, looked up with a hit (request keys) or resolved by ``get_request_key``
-(engine keys). Both backends implement :class:`~kvredis.index.Index` and
-:class:`~kvredis.batch.BatchIndex`; one lock guards all state, so every method is atomic.
+(engine keys). Both backends implement :class:`~kvredis.index.Index`,
+:class:`~kvredis.batch.BatchIndex` and :class:`~kvredis.index.ScoringIndex` (``score`` walks the
+chain once, run of equal entries by run, and stops when no pod is left); one lock guards all
+state, so every method is atomic. ``scripts/bench_vs_dynamo.py`` measures ``score`` and the
+memory per entry against Dynamo's in-process radix tree.
 
 Built to cost little more than a plain dict of sets on the hot paths (``scripts/bench_memory.py``
 measures the two side by side): inputs that are plain lists of ints and plain PodEntry values
@@ -27,10 +30,12 @@ import heapq
 import threading
 import time
 from array import array
-from collections import OrderedDict
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections import OrderedDict, deque
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from operator import attrgetter
+from functools import reduce
+from itertools import groupby, repeat
+from operator import add, attrgetter
 from typing import Any
 
 from kvredis.batch import AddOp, IndexOp, Watermark, check_batch, check_stream, check_watermark
@@ -51,6 +56,7 @@ from kvredis.checks import (
 from kvredis.errors import ConfigError, EngineKeyNotFoundError, InvalidInputError
 from kvredis.index import ClearProgress
 from kvredis.jsonconfig import parse_size, take_fields
+from kvredis.scoring import DEFAULT_MEDIUM_WEIGHTS, UNKNOWN_TIER_WEIGHT, LongestPrefixScorer
 from kvredis.types import MAX_BLOCK_HASH, KeyType, PodEntry
 
 #: Most expired speculative entries reclaimed per call (the rest on later calls; reads filter
@@ -62,15 +68,15 @@ CLEAR_MAPPINGS_PER_PAGE = 4096
 
 # Byte-cost estimate of the cost-aware index: what the structures below take on 64-bit CPython
 # 3.11, measured with tracemalloc, counting the ints of the keys (the index keeps them). Dict
-# and set tables grow in powers of two, so the true figure swings with the number of keys: for
-# 50k-400k keys and 1-10 pods the estimate is within -5%/+40% of what is allocated, around 20k
-# keys it can err low by up to 30% (scripts/bench_memory.py reports it, tests/test_memory.py
-# checks it).
+# tables grow in powers of two, so the true figure swings with the number of keys: for 50k-400k
+# keys and 1-10 pods the estimate is within -15%/+30% of what is allocated, around 10k keys it
+# can err high by up to 80% (scripts/bench_memory.py reports it, tests/test_memory.py checks it).
 #: A request key: its int and its slots in the LRU dict and the last-use dict.
 KEY_COST = 152
-#: One entry under one request key (its slot in the key's tuple and its key in the entry's
-#: key set), plus the length of its two strings (see estimated_entry_cost).
-ENTRY_COST = 88
+#: One entry under one request key (its 8 bytes in the entry's key log, and its slot in the
+#: key's tuple where that tuple is not shared along a chain), plus the length of its two strings
+#: (see estimated_entry_cost).
+ENTRY_COST = 16
 #: An engine key: its int and its slots in the LRU dict and the last-use dict.
 MAPPING_COST = 136
 #: One request key remembered by an engine key.
@@ -125,18 +131,39 @@ def estimated_entry_cost(entry: PodEntry) -> int:
     return ENTRY_COST + len(entry.pod_identifier) + len(entry.device_tier)
 
 
+#: A log of request keys is compacted once it is longer than twice its live keys plus this.
+LOG_SLACK = 64
+
+
 class _Held:
     """One distinct entry the index holds: the one instance every key stores (equal entries
-    added later resolve to it), the request keys holding it, its cost and its 1-tuple."""
+    added later resolve to it), the request keys holding it, its cost and its 1-tuple.
 
-    __slots__ = ("alone", "cost", "entry", "fields", "keys")
+    The request keys holding it are ``count`` and a log, an ``array('Q')`` of 8 bytes per key
+    (a set would take 5-6 times that): every key holding the entry is in the log, which may also
+    name keys that no longer hold it (removals do not touch it) or name a key twice; whether a
+    key holds the entry is read from the key's tuple. :meth:`_MemoryIndex._log_keys` compacts
+    a log that has grown past twice its live keys.
+    """
+
+    __slots__ = ("alone", "cost", "count", "entry", "fields", "log")
 
     def __init__(self, entry: PodEntry, fields: tuple[object, ...]) -> None:
         self.entry = entry
         self.fields = fields
-        self.keys: set[int] = set()
+        self.log = array("Q")
+        self.count = 0
         self.cost = estimated_entry_cost(entry)
         self.alone = (entry,)
+
+
+def _holds(stored: tuple[PodEntry, ...] | None, entry: PodEntry) -> bool:
+    """Whether a key's tuple holds this very (interned) entry instance."""
+    if stored is not None:
+        for held in stored:
+            if held is entry:
+                return True
+    return False
 
 
 _FIELDS = attrgetter(
@@ -180,6 +207,32 @@ def _checked_entries(entries: Sequence[PodEntry], *, for_add: bool) -> Sequence[
     return check_entries(entries, for_add=for_add)
 
 
+_DEFAULT_WEIGHTS = dict(DEFAULT_MEDIUM_WEIGHTS)
+#: Below this, float sums of integral values are exact (the 53-bit significand).
+_EXACT_INTS = float(1 << 52)
+
+
+def _score_weights(medium_weights: Mapping[str, float] | None) -> dict[str, float]:
+    """Validated tier weights as a plain dict (``None``: the scorer's defaults)."""
+    if medium_weights is None:
+        return _DEFAULT_WEIGHTS
+    return dict(LongestPrefixScorer(medium_weights).medium_weights)
+
+
+def _add_times(total: float, weight: float, times: int) -> float:
+    """``total`` plus ``weight`` added ``times`` times one by one, as the scorer sums: the
+    same float, at C speed (in one step where every partial sum is an exact integer)."""
+    if times == 1:
+        return total + weight
+    if (
+        weight.is_integer()
+        and total.is_integer()
+        and abs(total) + abs(weight) * times < _EXACT_INTS
+    ):
+        return total + weight * times
+    return reduce(add, repeat(weight, times), total)
+
+
 def _refs(value: int | tuple[int, ...]) -> tuple[int, ...]:
     """The request keys of an engine mapping, oldest first (one is stored as a bare int)."""
     return (value,) if type(value) is int else value  # type: ignore[return-value]
@@ -189,9 +242,10 @@ class _MemoryIndex:
     """The shared implementation; subclasses decide the per-key entry cap and :meth:`_shrink`.
 
     State: request key -> the tuple of entries it holds, oldest added first (keys holding
-    just one entry share its 1-tuple); per distinct entry a
-    :class:`_Held` with the set of request keys holding it (membership tests and
-    ``clear(pod)`` work on those int sets, never comparing PodEntry values key by key); engine
+    just one entry share its 1-tuple, and consecutive keys an add or a removal leaves with the
+    same entries share one tuple); per distinct entry a :class:`_Held` with the count and a log
+    of the request keys holding it (membership tests compare identities in a key's tuple and
+    ``clear(pod)`` walks the pod's logs, never comparing PodEntry values key by key); engine
     key -> its request key, or a tuple of them when it has several. ``_key_ticks`` and
     ``_engine_ticks`` (last use of every key) exist only where :meth:`_shrink` weighs request
     keys against engine keys.
@@ -214,6 +268,13 @@ class _MemoryIndex:
         # deadline, and a heap of (deadline, seq, key, record), stale once the dict holds
         # another deadline (records hash by identity, not by the fields of the entry).
         self._deadlines: dict[tuple[int, _Held], float] = {}
+        # The last tuple an entry was removed from, the record and what was left: the next key
+        # holding the same tuple gets the same tuple back (one tuple per run of a chain).
+        self._shrunk: tuple[tuple[PodEntry, ...], _Held | None, tuple[PodEntry, ...]] = (
+            (),
+            None,
+            (),
+        )
         self._expiry: list[tuple[float, int, int, _Held]] = []
         self._seq = 0
 
@@ -248,6 +309,52 @@ class _MemoryIndex:
         finally:
             lock.release()
         return out
+
+    def score(
+        self,
+        request_keys: Sequence[int],
+        medium_weights: Mapping[str, float] | None = None,
+        pod_identifier_set: Collection[str] | None = None,
+    ) -> dict[str, float]:
+        """Per-pod longest-prefix scores, the floats of ``LongestPrefixScorer(medium_weights)
+        .score(keys, lookup(keys, pod_identifier_set))``, in one walk that stops as soon as no
+        pod holds every key so far.
+
+        Consecutive keys holding the same entries (a chain added pod by pod shares one stored
+        tuple along its keys) are scored once per run. The keys where some pod is still in the
+        race count as used, as a lookup's hits do; keys are checked up to where the walk stops.
+        """
+        keys = request_keys
+        if type(keys) is not list and type(keys) is not tuple:
+            keys = check_hashes(keys, "request key")
+        weights = _score_weights(medium_weights)
+        pods = None if pod_identifier_set is None else pod_filter(pod_identifier_set)
+        if not keys:
+            return {}
+        lock = self._lock
+        lock.acquire()
+        try:
+            now = 0.0
+            if self._deadlines:
+                now = time.monotonic()
+                self._expire(now)
+            try:
+                scores, walked = self._score_walk(keys, weights, pods, now)
+            except TypeError:  # an unhashable key
+                check_hashes(keys, "request key")
+                raise
+            reached = keys[: walked + 1]
+            if set(map(type, reached)) != _INT_ONLY or not 0 <= reached[-1] <= MAX_BLOCK_HASH:
+                check_hashes(reached, "request key")
+            if walked:
+                used = keys[:walked]
+                deque(map(self._keys.move_to_end, used), 0)  # (C-level loop)
+                if self._key_ticks is not None:
+                    self._tick += 1
+                    self._key_ticks.update(zip(used, repeat(self._tick)))
+        finally:
+            lock.release()
+        return scores
 
     def add(
         self,
@@ -368,8 +475,10 @@ class _MemoryIndex:
             for held in list(self._pods.get(pod, ())):
                 if selection is not None and not selection.matches(held.entry):
                     continue
-                for key in list(held.keys):
+                for key in held.log.tolist():
                     removed += self._drop_pair(key, held)
+                    if not held.count:
+                        break
             engine_keys = list(self._engine)
         # As in the Redis backend, a clear also drops every engine mapping none of whose request
         # keys holds an entry, so a stale engine key no longer resolves. Like the Redis clear it
@@ -482,6 +591,74 @@ class _MemoryIndex:
             touch(key)
         return out
 
+    def _score_walk(
+        self,
+        keys: Sequence[int],
+        weights: dict[str, float],
+        pods: frozenset[str] | None,
+        now: float,
+    ) -> tuple[dict[str, float], int]:
+        """The scores of the chain and how many keys of it some pod in the race holds.
+
+        Walks runs of keys with equal (live) entries: each run costs one pass over its entries
+        and, per pod, one :func:`_add_times`. The sums are the scorer's: a pod's score is its
+        best weight at the first key, plus its best weight at every later key in key order.
+        """
+        stored: Iterable[tuple[PodEntry, ...] | None] = map(self._keys.get, keys)
+        if self._deadlines:
+            stored = self._live(keys, now)
+        runs = groupby(stored)
+        head, run = next(runs)
+        if head is None:
+            return {}, 0
+        scores: dict[str, float] = {}
+        for entry in head:
+            pod = entry.pod_identifier
+            if pods is None or pod in pods:
+                w = weights.get(entry.device_tier, UNKNOWN_TIER_WEIGHT)
+                if pod not in scores or w > scores[pod]:
+                    scores[pod] = w
+        if not scores:
+            return {}, 0
+        active = dict(scores)
+        walked = len([*run])
+        if walked > 1:
+            for pod, w in active.items():
+                scores[pod] = _add_times(scores[pod], w, walked - 1)
+        for head, run in runs:
+            if head is None:
+                break
+            best: dict[str, float] = {}
+            for entry in head:
+                pod = entry.pod_identifier
+                if pod in active:
+                    w = weights.get(entry.device_tier, UNKNOWN_TIER_WEIGHT)
+                    if pod not in best or w > best[pod]:
+                        best[pod] = w
+            if not best:
+                break
+            n = len([*run])
+            for pod, w in best.items():
+                scores[pod] = _add_times(scores[pod], w, n)
+            walked += n
+            active = best
+        return scores, walked
+
+    def _live(self, keys: Sequence[int], now: float) -> Iterator[tuple[PodEntry, ...] | None]:
+        """The entries of each key not past their deadline, ``None`` from the first key with
+        none (the walk stops there)."""
+        get, deadlines, by_id = self._keys.get, self._deadlines, self._by_id
+        later = now + 1.0
+        for key in keys:
+            stored = get(key)
+            if stored is not None:
+                stored = tuple(
+                    [e for e in stored if deadlines.get((key, by_id[id(e)]), later) > now]
+                )
+            yield stored or None
+            if not stored:
+                return
+
     def _find(self, entry: PodEntry) -> _Held | None:
         """The record of the entry equal to ``entry``, if the index holds one."""
         held = self._by_id.get(id(entry))
@@ -533,36 +710,61 @@ class _MemoryIndex:
 
     def _add_one(self, req: Sequence[int], held: _Held) -> None:
         """Add one entry to every key of ``req`` (no expiry involved): the common event."""
-        table, holders = self._keys, held.keys
+        table = self._keys
         entry, alone = held.entry, held.alone
-        keys_before, pairs_before = len(table), len(holders)
+        keys_before = len(table)
+        added: Sequence[int] = ()
         fresh = None
         if table.keys().isdisjoint(req):  # all new keys: one C-level update of each dict
             fresh = dict.fromkeys(req, alone)
             if len(fresh) == len(req):
                 table.update(fresh)
-                holders.update(fresh)
+                added = req
             else:  # a key repeated: its place in the LRU order is its last occurrence
                 fresh = None
         if fresh is None:
             get, touch, cap = table.get, table.move_to_end, self._entries_per_key
+            # Keys that held the same tuple hold the same tuple after the add too: a chain
+            # added pod by pod keeps one tuple for the whole run of keys its pods share.
+            grown_from: tuple[PodEntry, ...] | None = None
+            grown: tuple[PodEntry, ...] = alone
+            added = []
             for key in req:
                 stored = get(key)
                 if stored is None:
                     table[key] = alone
+                    added.append(key)
                     continue
                 if stored[-1] is not entry:
-                    if key in holders:  # re-added: it becomes the most recently added
+                    if stored is grown_from:  # as the key before: share its tuple
+                        stored = grown
+                        added.append(key)
+                    elif _holds(stored, entry):  # re-added: it becomes the most recent
                         stored = (*[e for e in stored if e is not entry], entry)
                     else:
+                        added.append(key)
+                        grown_from = stored
                         stored += alone
                         if cap is not None and len(stored) > cap:
                             stored = self._trim(key, stored, cap)
+                            grown_from = None
+                        grown = stored
                     table[key] = stored
                 touch(key)
-            holders.update(req)
         self._cost += (len(table) - keys_before) * KEY_COST
-        self._cost += (len(holders) - pairs_before) * held.cost
+        if added:
+            self._log_keys(held, added)
+
+    def _log_keys(self, held: _Held, keys: Sequence[int]) -> None:
+        """Record that ``keys`` (not holding the entry before) now hold it; compact the log
+        once it is over twice the live keys (amortized O(1) per key logged)."""
+        held.count += len(keys)
+        self._cost += len(keys) * held.cost
+        log = held.log
+        log.extend(keys)
+        if len(log) > 2 * held.count + LOG_SLACK:
+            get, entry = self._keys.get, held.entry
+            held.log = array("Q", [k for k in dict.fromkeys(log) if _holds(get(k), entry)])
 
     def _add_many(
         self, req: Sequence[int], ents: Sequence[PodEntry], deadline: float | None
@@ -581,6 +783,7 @@ class _MemoryIndex:
         deadlines = self._deadlines
         confirmed = {e.pod_identifier for e in added if not e.speculative} if deadlines else ()
         table = self._keys
+        new_keys: list[list[int]] = [[] for _ in helds]  # logged once the keys hold them
         for key in req:
             stored = table.get(key)
             if stored is None:
@@ -600,10 +803,9 @@ class _MemoryIndex:
                     for entry in replaced.values():
                         self._forget(key, entry)
                     kept = [e for e in kept if id(e) not in replaced]
-            for held in helds:
-                if key not in held.keys:
-                    held.keys.add(key)
-                    self._cost += held.cost
+            for held, logged in zip(helds, new_keys, strict=True):
+                if not _holds(stored, held.entry):
+                    logged.append(key)
             merged = (*kept, *added)
             if cap is not None and len(merged) > cap:
                 merged = self._trim(key, merged, cap)
@@ -616,6 +818,9 @@ class _MemoryIndex:
             elif deadlines:
                 for held in helds:
                     deadlines.pop((key, held), None)
+        for held, logged in zip(helds, new_keys, strict=True):
+            if logged:
+                self._log_keys(held, logged)
 
     def _trim(self, key: int, stored: tuple[PodEntry, ...], cap: int) -> tuple[PodEntry, ...]:
         """Keep the ``cap`` most recently added entries of a key."""
@@ -700,37 +905,45 @@ class _MemoryIndex:
 
     def _drop_pair(self, key: int, held: _Held) -> int:
         """Remove one entry from one key (and the key once empty); 1 if it was there, else 0."""
-        holders = held.keys
-        if key not in holders:
-            return 0
-        holders.remove(key)
-        self._cost -= held.cost
         table = self._keys
-        stored = table[key]
+        stored = table.get(key)
+        if not _holds(stored, held.entry):
+            return 0
+        assert stored is not None
+        held.count -= 1
+        self._cost -= held.cost
         if len(stored) == 1:  # it held only this entry
             del table[key]
             self._cost -= KEY_COST
             if self._key_ticks is not None:
                 del self._key_ticks[key]
-        elif stored[-1] is held.entry:
-            table[key] = stored[:-1]
         else:
-            entry = held.entry
-            table[key] = tuple([e for e in stored if e is not entry])
+            shrunk = self._shrunk
+            if shrunk[0] is stored and shrunk[1] is held:  # as the key before: share
+                table[key] = shrunk[2]
+            else:
+                entry = held.entry
+                left = (
+                    stored[:-1]
+                    if stored[-1] is entry
+                    else tuple([e for e in stored if e is not entry])
+                )
+                table[key] = left
+                self._shrunk = (stored, held, left)
         if self._deadlines:
             self._deadlines.pop((key, held), None)
-        if not holders:
+        if not held.count:
             self._release(held)
         return 1
 
     def _forget(self, key: int, entry: PodEntry) -> None:
         """Account for a stored entry no longer under a key (the caller updates the key)."""
         held = self._by_id[id(entry)]
-        held.keys.discard(key)
+        held.count -= 1
         self._cost -= held.cost
         if self._deadlines:
             self._deadlines.pop((key, held), None)
-        if not held.keys:
+        if not held.count:
             self._release(held)
 
     def _expire(self, now: float) -> None:

@@ -1050,3 +1050,94 @@ def test_concurrent_replicas_apply_a_batch_exactly_once(index: Any) -> None:
     assert idx.get_watermark("pod-r") == Watermark(0, 4)
     assert held(idx, request[0]) == {PodEntry("pod-r", "tier-0"), PodEntry("pod-r", "tier-4")}
     assert held(idx, request[3]) == {PodEntry("pod-r", "tier-3")}
+
+
+# -- score (ScoringIndex) -------------------------------------------------------------------
+
+#: Weight maps whose sums are inexact in binary (any reordered or lossy sum shows), the
+#: defaults, Dynamo's block counting, and none (every tier weighs 1.0).
+SCORE_WEIGHTS: list[dict[str, float] | None] = [
+    None,
+    {"gpu": 0.1, "cpu": 0.7, "disk": 1 / 3},
+    {"gpu": 1.0},
+    {"gpu": 1e-7, "cpu": 123456.789, "x": 0.0},
+    {},
+]
+
+
+def _score_state(index: Any, seed: int) -> list[list[int]]:
+    """Random holdings over three chains: pods on several tiers, speculative entries, data
+    parallel ranks, prefixes and runs that start mid-chain, some evictions; the queries."""
+    rng = random.Random(seed)
+    chains = [hashes(40, f"score/{seed}/{c}") for c in range(3)]
+    for chain in chains:
+        for p in range(5):
+            for _ in range(3):
+                end = rng.randint(1, 40)
+                start = 0 if rng.random() < 0.7 else rng.randrange(end)
+                entry = PodEntry(
+                    f"pod-{p}",
+                    rng.choice(["gpu", "cpu", "disk", "x"]),
+                    speculative=rng.random() < 0.2,
+                    dp_rank=rng.choice([0, 0, 1]),
+                )
+                index.add(None, chain[start:end], [entry])
+                if rng.random() < 0.2:
+                    index.evict(chain[rng.randrange(start, end)], REQUEST, [entry])
+    foreign = hashes(1, f"score/{seed}/foreign")
+    queries = [*chains, chains[0][:20], chains[1][:1], chains[2][3:], []]
+    queries.append([*chains[0][:10], *foreign, *chains[0][11:]])
+    queries.append([*chains[1][:5], *chains[1][:5]])  # repeated keys
+    return queries
+
+
+def _bits(scores: Mapping[str, float]) -> dict[str, str]:
+    """Scores with their floats as exact hex, so equality is bit-identity."""
+    return {pod: value.hex() for pod, value in scores.items()}
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_score_is_the_longest_prefix_scorer_over_lookup(index: Any, seed: int) -> None:
+    from kvredis.scoring import LongestPrefixScorer
+
+    queries = _score_state(index, seed)
+    for weights in SCORE_WEIGHTS:
+        scorer = LongestPrefixScorer(weights)
+        for pods in (None, ["pod-1", "pod-3", "pod-none"], [], {"pod-2"}):
+            for keys in queries:
+                expected = scorer.score(keys, index.lookup(keys, pods))
+                got = index.score(keys, weights, pods)
+                assert _bits(got) == _bits(expected), (weights, pods, keys)
+
+
+def test_score_counts_live_expiring_entries_only(index: Any) -> None:
+    from kvredis.scoring import LongestPrefixScorer
+
+    keys = hashes(30, "score-ttl")
+    index.add(None, keys[:20], [PodEntry("pod-a", "gpu")])
+    index.add(None, keys[:25], [PodEntry("pod-s", "cpu", speculative=True)], ttl=60)
+    index.add(None, keys[5:30], [PodEntry("pod-s", "gpu", speculative=True)], ttl=60)
+    index.add(None, keys[:30], [PodEntry("pod-t", "gpu", speculative=True)], ttl=0.05)
+    index.add(None, keys[:8], [PodEntry("pod-b", "gpu", speculative=True)], ttl=0.05)
+    index.add(None, keys[:3], [PodEntry("pod-b", "disk")])
+    time.sleep(0.3)
+    for weights in SCORE_WEIGHTS:
+        expected = LongestPrefixScorer(weights).score(keys, index.lookup(keys))
+        assert _bits(index.score(keys, weights)) == _bits(expected)
+    assert set(index.score(keys)) == {"pod-a", "pod-s", "pod-b"}
+    assert index.score(keys, {"gpu": 1.0, "cpu": 0.5})["pod-s"] == 5 * 0.5 + 25 * 1.0
+
+
+def test_score_of_unknown_keys_and_bad_input(index: Any) -> None:
+    keys = hashes(4, "score-bad")
+    index.add(None, keys, [A_GPU])
+    assert index.score(hashes(3, "score-none")) == {}
+    assert index.score(keys) == {"pod-a": 4.0}
+    for bad in ([-1], [keys[0], 2**64], ["x"], [True]):
+        with pytest.raises(InvalidInputError):
+            index.score(bad)
+    with pytest.raises(InvalidInputError):
+        index.score(keys, {"gpu": "heavy"})  # type: ignore[dict-item]
+    with pytest.raises(InvalidInputError):
+        index.score(keys, None, "pod-a")
+    assert index.score(keys) == {"pod-a": 4.0}

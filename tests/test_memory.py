@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import random
+import threading
 import tracemalloc
 from types import SimpleNamespace
 from typing import Any
@@ -19,6 +21,7 @@ from kvredis.jsonconfig import parse_size
 from kvredis.memory import (
     CLEAR_MAPPINGS_PER_PAGE,
     KEY_COST,
+    LOG_SLACK,
     MAX_REQUEST_KEYS_PER_ENGINE_KEY,
     CostAwareMemoryIndex,
     CostAwareMemoryIndexConfig,
@@ -26,6 +29,7 @@ from kvredis.memory import (
     InMemoryIndexConfig,
     estimated_entry_cost,
 )
+from kvredis.scoring import LongestPrefixScorer
 from kvredis.types import KeyType, PodEntry
 
 A = PodEntry("pod-a", "gpu")
@@ -51,6 +55,34 @@ def test_request_keys_are_lru_bounded() -> None:
     index.add(None, [5, 6, 7, 8], [B])  # one add larger than the bound keeps its last keys
     assert len(index) == 3
     assert [k for k in range(1, 9) if present(index, k)] == [6, 7, 8]
+
+
+@pytest.mark.parametrize("make", [InMemoryIndex, CostAwareMemoryIndex])
+def test_scored_keys_count_as_used_as_looked_up_ones_do(make: Any) -> None:
+    index = make() if make is CostAwareMemoryIndex else make(InMemoryIndexConfig(size=4))
+    index.add(None, [1, 2, 3, 4], [A])
+    index.add(None, [3], [B])
+    assert index.score([1, 2, 9, 3]) == {"pod-a": 2.0}  # stops at 9: 3 is not used
+    index.add(None, [5, 6], [A])
+    if make is CostAwareMemoryIndex:
+        assert list(index._keys) == [4, 3, 1, 2, 5, 6]
+    else:
+        assert [k for k in range(1, 7) if present(index, k)] == [1, 2, 5, 6]
+
+
+def test_score_reads_keys_only_up_to_where_no_pod_is_left() -> None:
+    index = InMemoryIndex()
+    index.add(None, [1, 2, 3], [A])
+    index.add(None, [1, 2, 3, 4], [B])
+    index.add(None, [4, 5], [C])
+    # B drops out at 5 (C holds it, but C did not hold 1): nothing after 5 is read.
+    assert index.score([1, 2, 3, 4, 5, "bad", -1]) == {"pod-a": 3.0, "pod-b": 4.0}  # type: ignore[list-item]
+    assert index.score([7, "bad"]) == {}  # type: ignore[list-item]
+    with pytest.raises(InvalidInputError):
+        index.score([1, 2, "bad", 3])  # type: ignore[list-item]
+    with pytest.raises(InvalidInputError):
+        index.score([1, [2]])  # type: ignore[list-item]
+    assert index.score((k for k in [1, 2]), {"gpu": 0.5}) == {"pod-a": 1.0, "pod-b": 1.0}
 
 
 def test_adding_to_an_existing_key_refreshes_its_recency() -> None:
@@ -397,6 +429,8 @@ def test_embedded_backends_match_a_reference_model(make: Any, ops: list[Any]) ->
             model.clear(op[1])
         for key in range(8):
             assert present(index, key) == model.keys.get(key, set())
+        for chain in ([0, 1, 2, 3, 4, 5, 6, 7], [3, 4, 5], [5, 2, 2, 6]):
+            assert index.score(chain) == LongestPrefixScorer().score(chain, index.lookup(chain))
         for engine_key in range(100, 106):
             expected = model.engine.get(engine_key)
             if expected is None:
@@ -405,12 +439,93 @@ def test_embedded_backends_match_a_reference_model(make: Any, ops: list[Any]) ->
             else:
                 assert index.get_request_key(engine_key) == expected[-1]
     assert len(index) == len(model.keys)
+    check_entry_records(index)
     if isinstance(index, CostAwareMemoryIndex):
         for pod in ("p0", "p1", "p2"):
             index.clear(pod)
         for engine_key in range(100, 106):
             index.evict(engine_key, KeyType.ENGINE, [ENTRIES[0]])
         assert index.cost() == 0
+
+
+def check_entry_records(index: Any) -> None:
+    """Every entry record counts exactly the keys whose tuple holds its entry, and logs them."""
+    holders: dict[int, set[int]] = {}
+    for key, stored in index._keys.items():
+        assert stored and len({id(e) for e in stored}) == len(stored)
+        for entry in stored:
+            assert index._by_id[id(entry)].entry is entry
+            holders.setdefault(id(entry), set()).add(key)
+    assert len(index._held) == len(holders)
+    for held in index._held.values():
+        keys = holders[id(held.entry)]
+        assert held.count == len(keys)
+        assert keys <= set(held.log)
+
+
+@pytest.mark.parametrize("make", [InMemoryIndex, CostAwareMemoryIndex])
+def test_concurrent_scores_and_writes_keep_the_entry_records_exact(make: Any) -> None:
+    index = make()
+    chains = [[c * 1000 + i for i in range(64)] for c in range(6)]
+    pods = [PodEntry(f"pod-{p}", tier) for p in range(4) for tier in ("gpu", "cpu")]
+    errors: list[BaseException] = []
+
+    def writer(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for _ in range(300):
+                chain, entry = rng.choice(chains), rng.choice(pods)
+                action = rng.random()
+                if action < 0.6:
+                    index.add(None, chain[: rng.randint(1, 64)], [entry])
+                elif action < 0.9:
+                    index.evict(rng.choice(chain), KeyType.REQUEST, [entry])
+                else:
+                    index.clear_entries(entry.pod_identifier, device_tiers=[entry.device_tier])
+        except BaseException as exc:
+            errors.append(exc)
+
+    def scorer() -> None:
+        try:
+            for n in range(300):
+                chain = chains[n % len(chains)]
+                scores = index.score(chain, {"gpu": 1.0, "cpu": 0.3})
+                assert all(0 < v <= 64 for v in scores.values())
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(s,)) for s in range(3)]
+    threads += [threading.Thread(target=scorer) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    if errors:
+        raise errors[0]
+    check_entry_records(index)
+    for chain in chains:
+        expected = LongestPrefixScorer().score(chain, index.lookup(chain))
+        assert index.score(chain) == expected
+
+
+@pytest.mark.parametrize("make", [InMemoryIndex, CostAwareMemoryIndex])
+def test_the_key_log_of_an_entry_stays_bounded_under_churn(make: Any) -> None:
+    index = make()
+    index.add(None, [1], [A])  # keeps A's record alive throughout
+    for round_ in range(50):
+        keys = list(range(10 + round_ * 50, 10 + round_ * 50 + 40))
+        index.add(None, keys, [A])
+        index.add(None, keys[::2], [A, B])  # re-added to half of them, with another entry
+        for key in keys[:-3]:
+            index.evict(key, KeyType.REQUEST, [A])
+        held = index._held[memory._equality_key(A)]
+        assert held.count == 1 + 3 * (round_ + 1)
+        assert len(held.log) <= 2 * (held.count + len(keys)) + LOG_SLACK  # (+ evicted since)
+    live = {k for k in range(2600) if A in present(index, k)}
+    assert len(live) == 1 + 3 * 50
+    assert index.clear_with_progress("pod-a") == len(live)
+    assert all(A not in present(index, k) for k in range(2600))
+    assert memory._equality_key(A) not in index._held
 
 
 # -- parse_size --------------------------------------------------------------------------------
