@@ -1,0 +1,642 @@
+"""What the ingester remembers of the engines' chains, and how an event advances one.
+
+The engine keys the index maps besides the engines' own (a KV-cache group's keys, an offloaded
+chunk's key, the boundary key of a page that ends an index block), where a chain stands after a
+page (:class:`Tail`, :class:`Cut`), the bounded per-pod caches of mappings, chain ends and
+parents (:class:`EngineKeyCache`, :class:`PodCaches`), and the step that hashes an event's
+tokens on from where its parent's chain stands. :mod:`kvredis.ingest.planner` plans index
+operations with them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import threading
+from bisect import bisect_left, bisect_right
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
+from kvredis.features import (
+    BlockExtraFeatures,
+    ExtraKeys,
+    MMHash,
+    realign_extra_features,
+    split_extra_keys,
+)
+from kvredis.ingest.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    DecodedBatch,
+    Event,
+)
+
+if TYPE_CHECKING:
+    pass
+
+__all__ = [
+    "DEFAULT_PARTIAL_BLOCK_PAGES",
+    "MAX_TAILS_PER_POD",
+    "Cut",
+    "EngineKeyCache",
+    "PodCaches",
+    "Tail",
+    "boundary_key",
+    "chunk_engine_key",
+    "fine_pages",
+    "group_engine_key",
+]
+
+
+
+
+MAX_TAILS_PER_POD = 32_768
+"""Chain ends remembered per pod (fewer when the engine-key cache is smaller): each holds less
+than one index block of tokens, a few hundred bytes."""
+
+DEFAULT_PARTIAL_BLOCK_PAGES = 65_536
+"""Default of ``IngesterConfig.partial_block_pages``: other engine pages ending inside an index
+block remembered per pod (the pages a branch may hang from), about 300 bytes each."""
+
+_MASK64 = (1 << 64) - 1
+_BOUNDARY_TAG = 0x6B7672656469732D  # "kvredis-"
+
+
+def boundary_key(engine_key: int) -> int:
+    """The engine key under which the index maps the block that page ``engine_key`` completes.
+
+    Engines whose pages are smaller than the index block (SGLang page size 1..8, vLLM 16-token
+    blocks under a 64-token index) map every page to the index block holding its tokens, so a
+    page's own mapping cannot tell whether a chain may continue right after it. A page ending
+    exactly at a block boundary is also mapped under this derived key (one more mapping per
+    index block); a parent page whose derived key is not mapped ends inside a block, and a
+    child hangs from it exactly only if this ingester remembers that block's tokens. The
+    derivation is the splitmix64 finalizer of ``engine_key`` xor a fixed tag (a bijection on
+    64 bits; a derived key equal to an engine page's hash is a 2^-64 accident).
+    """
+    z = ((engine_key ^ _BOUNDARY_TAG) + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def fine_pages(engine_block_size: int, block_size: int) -> bool:
+    """Whether an engine's pages (``engine_block_size`` tokens) can end inside an index block."""
+    return engine_block_size <= 0 or engine_block_size % block_size != 0
+
+
+def group_engine_key(engine_key: int, group_idx: int | None) -> int:
+    """The key under which the index maps an engine key of KV-cache group ``group_idx``.
+
+    Groups of a hybrid model publish the same engine hashes for different spans of tokens
+    (vLLM's 32-token group reuses the hash of every second 16-token block), so a mapping shared
+    by all groups would let one group's removal take away what another group's block covered.
+    Group 0 and ungrouped events keep the engine key itself; group ``g >= 1`` maps it under a
+    64-bit BLAKE2b digest of ``(engine_key, g)``, a key space of its own.
+    """
+    if not group_idx:
+        return engine_key
+    digest = hashlib.blake2b(
+        engine_key.to_bytes(8, "big") + group_idx.to_bytes(4, "big"),
+        digest_size=8,
+        person=b"kvredis-group",
+    ).digest()
+    return int.from_bytes(digest, "big")
+
+
+def chunk_engine_key(offload_key: int, tier: str) -> int:
+    """The engine key under which the index maps an offloaded chunk on ``tier``, named by
+    ``offload_key`` (its last block's engine key), to the request keys of all its blocks: a
+    64-bit BLAKE2b digest of both, a key space of its own. The chunk's removal from that tier
+    evicts through it, so it takes away exactly what its store credited, whichever ingester
+    stored it (and a removal on another tier, the GPU's, is not widened)."""
+    digest = hashlib.blake2b(
+        offload_key.to_bytes(8, "big") + tier.encode("utf-8", "surrogatepass"),
+        digest_size=8,
+        person=b"kvredis-chunk",
+    ).digest()
+    return int.from_bytes(digest, "big")
+
+
+def group_keyed(event: Event) -> Event:
+    """``event`` with its engine keys (and parent) in its group's key space."""
+    if isinstance(event, AllBlocksCleared) or not event.group_idx:
+        return event
+    group = event.group_idx
+    hashes = tuple(group_engine_key(h, group) for h in event.block_hashes)
+    if isinstance(event, BlockRemoved):
+        return dataclasses.replace(event, block_hashes=hashes)
+    parent = event.parent_block_hash
+    return dataclasses.replace(
+        event,
+        block_hashes=hashes,
+        parent_block_hash=group_engine_key(parent, group) if parent else parent,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Tail:
+    """Where a stored chain ends mid-block: what the next event needs to continue it exactly.
+
+    ``base`` is the request key of the chain's last full block (0: the chain has none yet, it
+    continues from the root of ``model`` under ``cache_salt``; a ``model`` of ``None`` is the
+    endpoint's model); ``tokens`` are the tokens past it (fewer than one block), ``ids`` the
+    multimodal identifiers of the engine blocks holding them, ``engine_keys`` those engine
+    blocks (mapped to the block they complete). A tail learned from a batch a peer applied has
+    ``base_engine_key`` instead of ``base``: the engine key whose mapping in the index is the
+    base (the engine block holding the last token of the last full block).
+    """
+
+    base: int
+    model: str | None
+    cache_salt: str | None
+    tokens: tuple[int, ...] = ()
+    ids: tuple[MMHash, ...] = ()
+    engine_keys: tuple[int, ...] = ()
+    base_engine_key: int | None = None
+
+
+class Cut(NamedTuple):
+    """A page ending inside an index block, as remembered: the first ``tokens`` tokens (and
+    ``ids`` identifiers, ``keys`` engine keys) of ``whole``, the record of that block shared by
+    all its pages (a tuple of 4, not a :class:`Tail` each: about 300 bytes a page with
+    SGLang's page size 1, see *Branches inside a block* in the README)."""
+
+    whole: Tail
+    tokens: int
+    ids: int
+    keys: int
+
+    def tail(self) -> Tail:
+        """The chain as it ends after this page."""
+        w = self.whole
+        return Tail(
+            w.base,
+            w.model,
+            w.cache_salt,
+            w.tokens[: self.tokens],
+            w.ids[: self.ids],
+            w.engine_keys[: self.keys],
+            w.base_engine_key,
+        )
+
+
+def tail_of(value: Tail | Cut | None) -> Tail | None:
+    return value.tail() if isinstance(value, Cut) else value
+
+
+class EngineKeyCache:
+    """What one ingester knows of a pod's engine keys, bounded and thread-safe (least recently
+    used dropped, each kind on its own): engine→request mappings, the :class:`Tail` of chains
+    that end mid-block, a :class:`Cut` for each other page that ends inside an index block, and
+    each stored engine block's parent (hashes chain, so a parent never changes: kept across
+    clears).
+    """
+
+    __slots__ = ("_cut_limit", "_cuts", "_data", "_fine", "_limit", "_lock", "_parents", "_tails")
+
+    def __init__(self, limit: int, cut_limit: int = DEFAULT_PARTIAL_BLOCK_PAGES) -> None:
+        self._data: OrderedDict[int, int] = OrderedDict()
+        self._tails: OrderedDict[int, Tail] = OrderedDict()
+        self._parents: OrderedDict[int, int] = OrderedDict()
+        self._cuts: OrderedDict[int, Cut] = OrderedDict()
+        self._limit = limit
+        self._cut_limit = cut_limit
+        self._lock = threading.Lock()
+        # KV-cache group -> whether its pages can end inside index blocks (see
+        # :func:`boundary_key`): learned from the group's first stored page (any such page makes
+        # it True for good); unknown until then, when a removal evicts boundary keys too. Per
+        # group: a hybrid model's groups use different page sizes.
+        self._fine: dict[int, bool] = {}
+
+    def learn_pages(self, engine_block_size: int, block_size: int, group: int | None) -> bool:
+        """Note a stored event's page size; whether the group's pages can end inside blocks."""
+        g = group or 0
+        if fine_pages(engine_block_size, block_size):
+            self._fine[g] = True
+        else:
+            self._fine.setdefault(g, False)
+        return self._fine[g]
+
+    def fine(self, group: int | None) -> bool | None:
+        """Whether the group's pages can end inside index blocks (``None``: not known yet)."""
+        return self._fine.get(group or 0)
+
+    def put_parents(self, keys: Sequence[int], parent: int | None) -> None:
+        """Record the chain ``parent → keys[0] → keys[1] → ...``."""
+        with self._lock:
+            parents = self._parents
+            for key in keys:
+                if parent:
+                    parents[key] = parent
+                    parents.move_to_end(key)
+                parent = key
+            while len(parents) > self._limit:
+                parents.popitem(last=False)
+
+    def chain_back(self, key: int, length: int) -> list[int]:
+        """``key`` and up to ``length - 1`` of its known ancestors, oldest first."""
+        with self._lock:
+            out = [key]
+            while len(out) < length:
+                parent = self._parents.get(out[-1])
+                if parent is None:
+                    break
+                out.append(parent)
+            return out[::-1]
+
+    def forget_mappings(self, tails: bool = True) -> None:
+        """Drop the mappings, and with ``tails`` the chain ends (the pod's entries were cleared;
+        a clear of one rank's entries keeps the chain ends: the pod's other ranks go on from
+        them, and a chain end only says which keys follow which tokens)."""
+        with self._lock:
+            self._data.clear()
+            if tails:
+                self._tails.clear()
+
+    def get_tail(self, key: int) -> Tail | None:
+        """Where the chain stands after page ``key`` (``None``: not remembered)."""
+        with self._lock:
+            tail = self._tails.get(key)
+            if tail is not None:
+                self._tails.move_to_end(key)
+                return tail
+            cut = self._cuts.get(key)
+            if cut is None:
+                return None
+            self._cuts.move_to_end(key)
+        return cut.tail()
+
+    def pop_tail(self, key: int) -> None:
+        with self._lock:
+            self._tails.pop(key, None)
+            self._cuts.pop(key, None)
+
+    def put_tail(self, key: int, tail: Tail | Cut) -> None:
+        with self._lock:
+            if isinstance(tail, Cut):
+                self._tails.pop(key, None)
+                self._cuts[key] = tail
+                self._cuts.move_to_end(key)
+                if len(self._cuts) > self._cut_limit:
+                    self._cuts.popitem(last=False)
+            else:
+                self._cuts.pop(key, None)
+                self._tails[key] = tail
+                self._tails.move_to_end(key)
+                if len(self._tails) > min(self._limit, MAX_TAILS_PER_POD):
+                    self._tails.popitem(last=False)
+
+    def get(self, key: int) -> int | None:
+        with self._lock:
+            value = self._data.get(key)
+            if value is not None:
+                self._data.move_to_end(key)
+            return value
+
+    def put(self, key: int, value: int) -> None:
+        with self._lock:
+            self._data[key] = value
+            self._data.move_to_end(key)
+            if len(self._data) > self._limit:
+                self._data.popitem(last=False)
+
+    def pop(self, key: int) -> None:
+        self.pop_many((key,))
+
+    def pop_many(self, keys: Iterable[int]) -> None:
+        """Forget everything about these engine keys."""
+        with self._lock:
+            data, tails, cuts = self._data, self._tails, self._cuts
+            for key in keys:
+                data.pop(key, None)
+                tails.pop(key, None)
+                cuts.pop(key, None)
+
+    def inside(self, key: int) -> bool:
+        """Whether page ``key`` is known to end inside an index block."""
+        with self._lock:
+            if key in self._cuts:
+                return True
+            tail = self._tails.get(key)
+            return tail is not None and bool(tail.tokens)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._data)
+
+
+class PodCaches:
+    """One :class:`EngineKeyCache` per pod, filled from what this ingester stored and read."""
+
+    def __init__(self, limit: int, cut_limit: int = DEFAULT_PARTIAL_BLOCK_PAGES) -> None:
+        self._limit = limit
+        self._cut_limit = cut_limit
+        self._caches: dict[str, EngineKeyCache] = {}
+        self._lock = threading.Lock()
+        self.block_size: int | None = None
+        """The index block size, set by the :class:`Planner` using these caches: with it,
+        :meth:`forget_batch` learns the tails of the chains a peer's batch extended."""
+
+    def get(self, pod: str) -> EngineKeyCache:
+        """The pod's cache (created empty on first use)."""
+        with self._lock:
+            cache = self._caches.get(pod)
+            if cache is None:
+                cache = self._caches[pod] = EngineKeyCache(self._limit, self._cut_limit)
+            return cache
+
+    def drop(self, pod: str, tails: bool = True) -> None:
+        """Forget the mappings (and with ``tails`` the chain ends) cached for ``pod``: its
+        entries, or with ``tails=False`` those of one of its ranks, were cleared."""
+        with self._lock:
+            cache = self._caches.get(pod)
+        if cache is not None:
+            cache.forget_mappings(tails)
+
+    def forget_batch(self, pod: str, decoded: DecodedBatch) -> None:
+        """A batch a peer applied may have changed mappings cached here: drop those, and learn
+        the tails of the chains it extended (their bases are read from the index when used), so
+        that this replica continues them exactly as the peer would."""
+        cache = self.get(pod)
+        for event in map(group_keyed, decoded.events):
+            if isinstance(event, AllBlocksCleared):  # a reset of one rank's tiers
+                self.drop(pod, tails=False)
+                cache = self.get(pod)
+                continue
+            prior = None
+            if isinstance(event, BlockStored) and event.parent_block_hash:
+                prior = cache.get_tail(event.parent_block_hash)
+            for engine_key in event.block_hashes:
+                cache.pop(engine_key)
+                if cache.fine(event.group_idx) is not False:
+                    cache.pop(boundary_key(engine_key))
+            if isinstance(event, BlockStored) and event.token_ids:
+                cache.put_parents(event.block_hashes, event.parent_block_hash)
+            if isinstance(event, BlockStored) and self.block_size is not None:
+                _learn_tail(cache, event, prior, self.block_size)
+
+
+def _engine_spans(n_tokens: int, n_hashes: int, block_size: int) -> list[tuple[int, int]]:
+    """The token range ``[start, end)`` of each of an event's engine blocks.
+
+    The tokens split evenly over the hashes when they can (SGLang coalesces pages into one
+    event; vLLM's partial-block events); otherwise each hash covers ``block_size`` tokens and
+    the last one the rest.
+    """
+    if n_hashes == 0:
+        return []
+    size = n_tokens // n_hashes if n_tokens % n_hashes == 0 else max(block_size, 1)
+    return [(min(i * size, n_tokens), min((i + 1) * size, n_tokens)) for i in range(n_hashes)]
+
+
+def _continued(acc: list[MMHash], ids: list[MMHash]) -> int:
+    """Length of the longest suffix of ``acc`` that is a prefix of ``ids`` (an item running on
+    from one engine block into the next counts once)."""
+    for size in range(min(len(acc), len(ids)), 0, -1):
+        if acc[-size:] == ids[:size]:
+            return size
+    return 0
+
+
+def event_extra_keys(ev: BlockStored) -> ExtraKeys:
+    """``ev.extra_keys`` decoded (raises InvalidInputError when malformed)."""
+    return split_extra_keys(
+        None if ev.extra_keys is None else list(ev.extra_keys),
+        lora_name=ev.lora_name,
+        chain_start=not ev.parent_block_hash,
+    )
+
+
+def _learn_tail(cache: EngineKeyCache, ev: BlockStored, prior: Tail | None, bs: int) -> None:
+    """Record the tails ``ev`` leaves (a peer applied it), without hashing or I/O: a block the
+    event completes is named by the derived key of the page ending at its boundary."""
+    if not ev.token_ids or not ev.block_hashes:
+        return
+    try:
+        extra = event_extra_keys(ev)
+    except (ValueError, TypeError):
+        return
+    fine = cache.learn_pages(ev.block_size, bs, ev.group_idx)
+    if not ev.parent_block_hash:
+        prior = Tail(0, ev.lora_name, ev.cache_salt or extra.cache_salt)
+    elif prior is None and fine:
+        # A parent without a record here continues from a block's end or not at all: its
+        # boundary key, mapped only if it ends a block, is the base (read when used).
+        prior = Tail(0, ev.lora_name, None, base_engine_key=boundary_key(ev.parent_block_hash))
+    elif prior is None:  # where the parent's chain ended is unknown here: learn nothing
+        return
+    step = advance(prior, ev, extra.features, bs, fine)
+    hashes = ev.block_hashes
+    closing = {j: boundary_key(hashes[i]) for i, j in step.boundaries}
+    wholes: dict[int, Tail | None] = {}
+    for cut in step.cuts:
+        j = cut[1]
+        if j not in wholes:
+            if j == step.full:
+                wholes[j] = None  # the chain end's tail, recorded below
+            elif j == 0:
+                wholes[j] = step.whole(j, prior, prior.base, prior.base_engine_key)
+            else:
+                named = closing.get(j - 1)
+                wholes[j] = None if named is None else step.whole(j, prior, 0, named)
+        whole = wholes[j]
+        if whole is not None:
+            cache.put_tail(hashes[cut[0]], Cut(whole, cut[2], cut[3], cut[4]))
+    if step.full and step.last_engine_key is None:
+        return  # no engine key names the new base for sure: learn nothing more
+    after = step.after(prior, 0, step.last_engine_key)
+    for cut in step.cuts:
+        if cut[1] == step.full:
+            cache.put_tail(hashes[cut[0]], Cut(after, cut[2], cut[3], cut[4]))
+    cache.put_tail(hashes[-1], after)
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """How one ``BlockStored`` event extends a chain, computed without hashing."""
+
+    full: int
+    """Index blocks the event completes."""
+    chain: tuple[int, ...]
+    """Their tokens (the previous tail's first)."""
+    feats: list[BlockExtraFeatures | None] | None
+    """Their features."""
+    groups: list[tuple[int, ...]] | None
+    """Per completed block, the engine keys holding its tokens; ``None``: the event covers
+    whole index blocks and the index maps its engine keys by length ratio."""
+    tokens: tuple[int, ...]
+    ids: tuple[MMHash, ...]
+    engine_keys: tuple[int, ...]
+    """The tail after the event: its tokens, their identifiers and engine keys."""
+    last_engine_key: int | None
+    """An engine key whose most recent mapping is the last completed block's request key, now
+    and after any later event (``None`` when the event has no such key)."""
+    cuts: tuple[tuple[int, int, int, int, int], ...] = ()
+    """Pages but the last ending inside an index block: ``(page, block, tokens, ids, keys)``,
+    the chain after that page being the first ``tokens``/``ids``/``keys`` of that block's
+    record (:meth:`whole`, or the tail after the event for block ``full``)."""
+    boundaries: tuple[tuple[int, int], ...] = ()
+    """Pages ending exactly where a completed block ends (fine pages only): ``(page, block)``."""
+    page_keys: tuple[int, ...] = ()
+    """The event's engine keys (with ``boundaries``)."""
+
+    def after(self, tail: Tail, base: int, base_engine_key: int | None) -> Tail:
+        """The tail after the event, continuing from ``base`` (or ``base_engine_key``'s mapping)
+        when the event completes a block, else from where ``tail`` did."""
+        if not self.full:
+            base, base_engine_key = tail.base, tail.base_engine_key
+        return Tail(
+            base,
+            tail.model,
+            tail.cache_salt,
+            self.tokens,
+            self.ids,
+            self.engine_keys,
+            base_engine_key,
+        )
+
+    def whole(self, j: int, tail: Tail, base: int, base_engine_key: int | None) -> Tail:
+        """The record of completed block ``j`` that its cuts share: the chain before it (block
+        ``j - 1``'s request key, or ``base_engine_key``'s mapping) and all of the block."""
+        assert self.groups is not None, "cuts come with groups"
+        bs = len(self.chain) // self.full
+        feat = self.feats[j] if self.feats is not None else None
+        return Tail(
+            base,
+            tail.model,
+            tail.cache_salt,
+            self.chain[j * bs : (j + 1) * bs],
+            tuple(feat.mm_hashes) if feat is not None else (),
+            self.groups[j],
+            base_engine_key,
+        )
+
+
+def advance(
+    tail: Tail,
+    ev: BlockStored,
+    features: list[BlockExtraFeatures | None] | None,
+    bs: int,
+    fine: bool = False,
+) -> Step:
+    offset = len(tail.tokens)
+    tokens = ev.token_ids
+    n = len(tokens)
+    full = (offset + n) // bs
+    hashes = ev.block_hashes
+    spans = _engine_spans(n, len(hashes), ev.block_size)
+    # Extra keys come one per engine block; a list of another length is spread over the
+    # index blocks as a whole (from a block boundary), or else evenly over the tokens.
+    fspans = spans
+    realigned: list[BlockExtraFeatures | None] | None = None
+    if features is not None and len(features) != len(spans):
+        if offset == 0:
+            realigned = realign_extra_features(features, full) if full else None
+            features = None
+        else:
+            fspans = _engine_spans(n, len(features), ev.block_size)
+
+    # Spans are in token order (starts and ends never decrease): the engine blocks overlapping
+    # a range are a run, found by bisection (a page-1 event has as many spans as tokens).
+    bounds = {id(over): ([s for s, _ in over], [e for _, e in over]) for over in (spans, fspans)}
+
+    def overlapping(lo: int, hi: int, over: list[tuple[int, int]]) -> range:
+        """Engine blocks (indexes into ``over``) holding any event token in ``[lo, hi)``."""
+        starts, ends = bounds[id(over)]
+        return range(bisect_right(ends, lo), bisect_left(starts, hi))
+
+    def ids_of(lo: int, hi: int, head: tuple[MMHash, ...]) -> list[MMHash]:
+        out = list(head)
+        if features is None or lo >= hi:
+            return out
+        prev: list[MMHash] = list(head)
+        for i in overlapping(lo, hi, fspans):
+            feat = features[i]
+            cur = list(feat.mm_hashes) if feat is not None else []
+            out.extend(cur[_continued(prev, cur) :])
+            prev = cur
+        return out
+
+    block_ranges = [(max(j * bs - offset, 0), (j + 1) * bs - offset) for j in range(full)]
+    block_feats: list[BlockExtraFeatures | None] = []
+    for j, (lo, hi) in enumerate(block_ranges):
+        ids = ids_of(lo, hi, tail.ids if j == 0 else ())
+        block_feats.append(BlockExtraFeatures(ids) if ids else None)
+    rest_lo = max(full * bs - offset, 0)
+    rest = overlapping(rest_lo, n, spans)
+    if full:
+        tail_tokens = tuple(tokens[rest_lo:])
+        tail_ids = tuple(ids_of(rest_lo, n, ()))
+        tail_keys = tuple(hashes[i] for i in rest)
+    else:
+        tail_tokens = tail.tokens + tuple(tokens)
+        tail_ids = tuple(ids_of(rest_lo, n, tail.ids))
+        tail_keys = tail.engine_keys + tuple(hashes[i] for i in rest)
+    cuts: list[tuple[int, int, int, int, int]] = []
+    boundaries: list[tuple[int, int]] = []
+    if fine and hashes:
+        # One pass: the pages ending in a block are the pages overlapping it from the first
+        # whose last token is in it (they are contiguous), so a cut's engine keys and
+        # identifiers are counted on from the previous page's.
+        block, first = -1, 0
+        acc: list[MMHash] = []
+        prev: list[MMHash] = []
+        for i, (s, e) in enumerate(spans):
+            if e <= s:
+                continue
+            j = (offset + e - 1) // bs
+            if j != block:
+                block, first = j, i
+                acc = list(tail.ids) if j == 0 else []
+                prev = list(acc)
+            if features is not None and fspans is spans:
+                feat = features[i]
+                cur = list(feat.mm_hashes) if feat is not None else []
+                acc.extend(cur[_continued(prev, cur) :])
+                prev = cur
+            inside = (offset + e) % bs
+            if not inside:
+                boundaries.append((i, j))
+            elif i < len(hashes) - 1 and realigned is None:
+                keys = (len(tail.engine_keys) if j == 0 else 0) + i - first + 1
+                if features is not None and fspans is not spans:
+                    n_ids = len(ids_of(max(j * bs - offset, 0), e, tail.ids if j == 0 else ()))
+                else:
+                    n_ids = len(acc)
+                cuts.append((i, j, inside, n_ids, keys))
+    groups: list[tuple[int, ...]] | None = None
+    last_engine_key: int | None = None
+    if full and hashes:
+        if offset or tail_tokens or fine:
+            groups = [
+                (tail.engine_keys if j == 0 else ())
+                + tuple(hashes[i] for i in overlapping(lo, hi, spans))
+                for j, (lo, hi) in enumerate(block_ranges)
+            ]
+            if fine:
+                closing = [boundary_key(hashes[i]) for i, j in boundaries if j == full - 1]
+                last_engine_key = closing[0] if closing else None
+            else:
+                # An engine block ending inside the last full block maps to it last, and no
+                # later block claims it (only the engine blocks of a tail are mapped again).
+                inside_last = [i for i, (_, e) in enumerate(spans) if rest_lo - bs < e <= rest_lo]
+                last_engine_key = hashes[inside_last[-1]] if inside_last else None
+        else:
+            last_engine_key = hashes[-1]  # the ratio mapping maps it to the last block, last
+    return Step(
+        full,
+        tail.tokens + tuple(tokens[:rest_lo]),
+        block_feats if any(f is not None for f in block_feats) else realigned,
+        groups,
+        tail_tokens,
+        tail_ids,
+        tail_keys,
+        last_engine_key,
+        tuple(cuts),
+        tuple(boundaries),
+        tuple(hashes) if boundaries else (),
+    )
