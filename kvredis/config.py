@@ -10,12 +10,8 @@ from typing import TYPE_CHECKING, Any
 from kvredis.errors import ConfigError
 from kvredis.index import Index
 from kvredis.jsonconfig import parse_duration, take_fields
-from kvredis.memory import (
-    CostAwareMemoryIndex,
-    CostAwareMemoryIndexConfig,
-    InMemoryIndex,
-    InMemoryIndexConfig,
-)
+from kvredis.memory import CostAwareMemoryIndex, InMemoryIndex
+from kvredis.memory_bounds import CostAwareMemoryIndexConfig, InMemoryIndexConfig
 
 if TYPE_CHECKING:
     from types import ModuleType

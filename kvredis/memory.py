@@ -32,11 +32,8 @@ import time
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from functools import reduce
 from itertools import groupby, repeat
-from operator import add, attrgetter
-from typing import Any
+from operator import attrgetter
 
 from kvredis.batch import AddOp, IndexOp, Watermark, check_batch, check_stream, check_watermark
 from kvredis.checks import (
@@ -55,8 +52,15 @@ from kvredis.checks import (
 )
 from kvredis.errors import ConfigError, EngineKeyNotFoundError, InvalidInputError
 from kvredis.index import ClearProgress
-from kvredis.jsonconfig import parse_size, take_fields
-from kvredis.scoring import DEFAULT_MEDIUM_WEIGHTS, UNKNOWN_TIER_WEIGHT, LongestPrefixScorer
+from kvredis.memory_bounds import (
+    KEY_COST,
+    MAPPING_COST,
+    MAPPING_REF_COST,
+    CostAwareMemoryIndexConfig,
+    InMemoryIndexConfig,
+    estimated_entry_cost,
+)
+from kvredis.scoring import UNKNOWN_TIER_WEIGHT, add_times, score_weights
 from kvredis.types import MAX_BLOCK_HASH, KeyType, PodEntry
 
 #: Most expired speculative entries reclaimed per call (the rest on later calls; reads filter
@@ -65,71 +69,6 @@ EXPIRED_PER_CALL = 256
 
 #: Engine mappings checked per lock hold when a clear drops the mappings it left without holders.
 CLEAR_MAPPINGS_PER_PAGE = 4096
-
-# Byte-cost estimate of the cost-aware index: what the structures below take on 64-bit CPython
-# 3.11, measured with tracemalloc, counting the ints of the keys (the index keeps them). Dict
-# tables grow in powers of two, so the true figure swings with the number of keys: for 50k-400k
-# keys and 1-10 pods the estimate is within -15%/+30% of what is allocated, around 10k keys it
-# can err high by up to 80% (scripts/bench_memory.py reports it, tests/test_memory.py checks it).
-#: A request key: its int and its slots in the LRU dict and the last-use dict.
-KEY_COST = 152
-#: One entry under one request key (its 8 bytes in the entry's key log, and its slot in the
-#: key's tuple where that tuple is not shared along a chain), plus the length of its two strings
-#: (see estimated_entry_cost).
-ENTRY_COST = 16
-#: An engine key: its int and its slots in the LRU dict and the last-use dict.
-MAPPING_COST = 136
-#: One request key remembered by an engine key.
-MAPPING_REF_COST = 24
-
-
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
-@dataclass(frozen=True, slots=True)
-class InMemoryIndexConfig:
-    """Bounds of :class:`InMemoryIndex`: request keys kept, entries kept per key."""
-
-    size: int = 100_000_000
-    pod_cache_size: int = 10
-
-    def __post_init__(self) -> None:
-        _positive_int("size", self.size)
-        _positive_int("pod_cache_size", self.pod_cache_size)
-
-    @classmethod
-    def from_dict(cls, mapping: Mapping[str, Any]) -> InMemoryIndexConfig:
-        """Build from the upstream JSON shape (``size``, ``podCacheSize``)."""
-        fields = {"size": "size", "podCacheSize": "pod_cache_size"}
-        return cls(**take_fields("inMemoryConfig", mapping, fields))
-
-
-@dataclass(frozen=True, slots=True)
-class CostAwareMemoryIndexConfig:
-    """Budget of :class:`CostAwareMemoryIndex`: a human size (``"2GiB"``) or bytes."""
-
-    size: int | str = "2GiB"
-
-    def __post_init__(self) -> None:
-        parse_size(self.size)
-
-    @classmethod
-    def from_dict(cls, mapping: Mapping[str, Any]) -> CostAwareMemoryIndexConfig:
-        """Build from the upstream JSON shape (``size``)."""
-        return cls(**take_fields("costAwareMemoryConfig", mapping, {"size": "size"}))
-
-    def max_cost(self) -> int:
-        """The budget in bytes."""
-        return parse_size(self.size)
-
-
-def estimated_entry_cost(entry: PodEntry) -> int:
-    """Estimated bytes of one entry stored under one request key (strings counted in full)."""
-    return ENTRY_COST + len(entry.pod_identifier) + len(entry.device_tier)
-
 
 #: A log of request keys is compacted once it is longer than twice its live keys plus this.
 LOG_SLACK = 64
@@ -205,32 +144,6 @@ def _checked_entries(entries: Sequence[PodEntry], *, for_add: bool) -> Sequence[
         ):
             return entries
     return check_entries(entries, for_add=for_add)
-
-
-_DEFAULT_WEIGHTS = dict(DEFAULT_MEDIUM_WEIGHTS)
-#: Below this, float sums of integral values are exact (the 53-bit significand).
-_EXACT_INTS = float(1 << 52)
-
-
-def _score_weights(medium_weights: Mapping[str, float] | None) -> dict[str, float]:
-    """Validated tier weights as a plain dict (``None``: the scorer's defaults)."""
-    if medium_weights is None:
-        return _DEFAULT_WEIGHTS
-    return dict(LongestPrefixScorer(medium_weights).medium_weights)
-
-
-def _add_times(total: float, weight: float, times: int) -> float:
-    """``total`` plus ``weight`` added ``times`` times one by one, as the scorer sums: the
-    same float, at C speed (in one step where every partial sum is an exact integer)."""
-    if times == 1:
-        return total + weight
-    if (
-        weight.is_integer()
-        and total.is_integer()
-        and abs(total) + abs(weight) * times < _EXACT_INTS
-    ):
-        return total + weight * times
-    return reduce(add, repeat(weight, times), total)
 
 
 def _refs(value: int | tuple[int, ...]) -> tuple[int, ...]:
@@ -327,7 +240,7 @@ class _MemoryIndex:
         keys = request_keys
         if type(keys) is not list and type(keys) is not tuple:
             keys = check_hashes(keys, "request key")
-        weights = _score_weights(medium_weights)
+        weights = score_weights(medium_weights)
         pods = None if pod_identifier_set is None else pod_filter(pod_identifier_set)
         if not keys:
             return {}
@@ -624,7 +537,7 @@ class _MemoryIndex:
         walked = len([*run])
         if walked > 1:
             for pod, w in active.items():
-                scores[pod] = _add_times(scores[pod], w, walked - 1)
+                scores[pod] = add_times(scores[pod], w, walked - 1)
         for head, run in runs:
             if head is None:
                 break
@@ -639,7 +552,7 @@ class _MemoryIndex:
                 break
             n = len([*run])
             for pod, w in best.items():
-                scores[pod] = _add_times(scores[pod], w, n)
+                scores[pod] = add_times(scores[pod], w, n)
             walked += n
             active = best
         return scores, walked

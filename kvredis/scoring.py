@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from functools import reduce
+from itertools import repeat
+from operator import add
 from types import MappingProxyType
 
 from kvredis.errors import InvalidInputError
@@ -105,3 +108,29 @@ class LongestPrefixScorer:
                 scores[pod] += w
             active = best
         return scores
+
+
+_DEFAULT_WEIGHTS = dict(DEFAULT_MEDIUM_WEIGHTS)
+#: Below this, float sums of integral values are exact (the 53-bit significand).
+_EXACT_INTS = float(1 << 52)
+
+
+def score_weights(medium_weights: Mapping[str, float] | None) -> dict[str, float]:
+    """Validated tier weights as a plain dict (``None``: the scorer's defaults)."""
+    if medium_weights is None:
+        return _DEFAULT_WEIGHTS
+    return dict(LongestPrefixScorer(medium_weights).medium_weights)
+
+
+def add_times(total: float, weight: float, times: int) -> float:
+    """``total`` plus ``weight`` added ``times`` times one by one, as the scorer sums: the
+    same float, at C speed (in one step where every partial sum is an exact integer)."""
+    if times == 1:
+        return total + weight
+    if (
+        weight.is_integer()
+        and total.is_integer()
+        and abs(total) + abs(weight) * times < _EXACT_INTS
+    ):
+        return total + weight * times
+    return reduce(add, repeat(weight, times), total)

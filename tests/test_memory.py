@@ -20,12 +20,14 @@ from kvredis.errors import ConfigError, EngineKeyNotFoundError, InvalidInputErro
 from kvredis.jsonconfig import parse_size
 from kvredis.memory import (
     CLEAR_MAPPINGS_PER_PAGE,
-    KEY_COST,
     LOG_SLACK,
     MAX_REQUEST_KEYS_PER_ENGINE_KEY,
     CostAwareMemoryIndex,
-    CostAwareMemoryIndexConfig,
     InMemoryIndex,
+)
+from kvredis.memory_bounds import (
+    KEY_COST,
+    CostAwareMemoryIndexConfig,
     InMemoryIndexConfig,
     estimated_entry_cost,
 )
