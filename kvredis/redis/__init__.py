@@ -11,11 +11,17 @@ Modules, in dependency order (each imports only the ones before it):
 - ``scripts``   the Lua script registry (``lua/``, includes expanded, SHA1s)
 - ``functions`` the same scripts as the ``kvredis`` Redis Functions library, its version check,
   and the registry that calls it (FCALL / FCALL_RO, EVALSHA as the fallback)
-- ``ops``       the index operations as generators, and the retry / NOSCRIPT / stale-namespace
-  combinators
+- ``session``   the session an operation runs in: sending with retries, backoff and script or
+  function reloads (``op_send``, ``op_drive``), and the checks of the server's INFO
+- ``program``   the write programs of adds, evicts and batches, their cost, the split into calls
+- ``ops``       the index operations as generators (lookup, score, add, evict, batches, clear,
+  drop), and the stale-namespace reload around them
 - ``config``    RedisIndexConfig
 - ``replicas``  reads from replicas of a single server: discovery, choice, fallback (sans-IO)
 - ``executor``  sync and asyncio executors: send one request with redis-py, nothing else
+- ``reading``, ``check``, ``dump``, ``inspect``  the operator's reads: the namespace read with
+  plain commands, ``kvredis check`` and its repair, dump and restore, statistics and the
+  Inspector that drives them
 - ``migrate``   converting a namespace of an earlier layout in place (``kvredis migrate``)
 - ``cluster/``  the index on a Redis Cluster: shards, key slots, MOVED/ASK, the slot map,
   parallel waves per node, the cluster operations, RedisClusterIndex (its ``executor`` and

@@ -9,8 +9,12 @@ Modules, in dependency order (each imports only the ones before it):
 - ``routing``   one parallel wave of commands grouped by node, following MOVED and ASK and
   riding out failovers (a sans-IO operation)
 - ``executor``  sync and asyncio executors that send the waves with redis-py
-- ``shards``, ``ops``, ``index``  a namespace's shards, the index operations on them, the
-  index classes
+- ``shards``    a namespace's shards and their slots
+- ``core``      the cluster core (shards, slot map, policies), waves of per-shard operations,
+  connecting
+- ``writes``, ``ops``  the index operations: writes (adds, evicts, batches, watermarks); reads,
+  clear and drop
+- ``index``     the index classes
 - ``inspect``   the operator's reads and repairs (``kvredis stats``, ``check`` ...) on every shard
 
 Everything but ``executor`` and the modules that drive it (``index``, ``inspect``) is sans-IO: it
