@@ -25,9 +25,11 @@ from typing import Any
 from kvredis.testing.servers import (
     CLUSTER_NODE_TIMEOUT_MS,
     CLUSTER_SLOTS,
+    EXTERNAL_URL_VARIABLE,
     LocalCluster,
     RedisServer,
     _fresh_port,
+    container_url,
     docker_available,
     free_port,
     server_binary,
@@ -50,8 +52,6 @@ __all__ = [
     "valkey_binary",
 ]
 
-#: The environment variable naming an external server for the shared-server tests.
-EXTERNAL_URL_VARIABLE = "KVREDIS_TEST_REDIS_URL"
 
 
 def server_kinds() -> list[str]:
@@ -65,18 +65,6 @@ def local_server_kinds() -> list[str]:
     """The kinds whose processes tests may start, stop and configure themselves."""
     return ["redis", "valkey"]
 
-
-
-def _container_url() -> Iterator[str]:  # pragma: no cover - needs a Docker engine
-    try:
-        from testcontainers.community.redis import RedisContainer
-    except ImportError:  # testcontainers < 4.9 has only the (now deprecated) old module
-        from testcontainers.redis import RedisContainer
-
-    with RedisContainer("redis:7") as container:
-        host = container.get_container_host_ip()
-        port = container.get_exposed_port(6379)
-        yield f"redis://{host}:{port}"
 
 
 @contextmanager
@@ -94,7 +82,7 @@ def redis_url(kind: str = "redis") -> Iterator[tuple[str, RedisServer | None]]:
         finally:
             server.close()
         return
-    for url in _container_url():  # pragma: no cover
+    with container_url("redis") as url:  # pragma: no cover - needs a Docker engine
         yield url, None
 
 

@@ -529,6 +529,17 @@ def _container_class() -> Any:  # pragma: no cover - depends on the testcontaine
 
 
 @contextmanager
+def container_url(kind: str = "redis", container_class: Any = None) -> Iterator[str]:
+    """A testcontainers container of ``kind`` (its image in :data:`CONTAINER_IMAGES`) for as long
+    as the context lasts; its ``redis://`` address. Needs a Docker engine and testcontainers."""
+    cls = _container_class() if container_class is None else container_class
+    with cls(CONTAINER_IMAGES[kind]) as container:
+        host = container.get_container_host_ip()
+        port = container.get_exposed_port(6379)
+        yield f"redis://{host}:{port}"
+
+
+@contextmanager
 def provide_server(kind: str | None = None) -> Iterator[ServerHandle]:
     """A server for as long as the context lasts, from the first source that has one:
 
@@ -565,11 +576,8 @@ def provide_server(kind: str | None = None) -> Iterator[ServerHandle]:
         except ImportError:
             container_class = None
         if container_class is not None:
-            image = CONTAINER_IMAGES[kinds[0]]
-            with container_class(image) as container:
-                host = container.get_container_host_ip()
-                port = container.get_exposed_port(6379)
-                yield ServerHandle(f"redis://{host}:{port}", kinds[0], "container")
+            with container_url(kinds[0], container_class) as url:
+                yield ServerHandle(url, kinds[0], "container")
             return
         raise ServerUnavailableError(
             "a Docker engine is reachable but testcontainers is not installed "
