@@ -9,6 +9,7 @@ computes for the prompt.
 from __future__ import annotations
 
 import hashlib
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -56,13 +57,15 @@ def ingest(
     """Feed ``payloads`` as the next messages of ``pod``'s publisher (one stream per pod)."""
     ing = EventIngester(index, tp) if ing is None else ing
     for payload in payloads:
-        seq = _SEQ.get((id(ing), pod), -1) + 1
-        _SEQ[(id(ing), pod)] = seq
+        streams = _SEQ.setdefault(ing, {})
+        seq = streams[pod] = streams.get(pod, -1) + 1
         ing.process(f"kv@{pod}@{MODEL}", seq, payload, endpoint=pod)
     return ing
 
 
-_SEQ: dict[tuple[int, str], int] = {}
+# The next sequence number of each ingester's pod streams. Keyed by the ingester itself, held
+# weakly: an id() could be reused by a later test's ingester and start its streams mid-way.
+_SEQ: weakref.WeakKeyDictionary[EventIngester, dict[str, int]] = weakref.WeakKeyDictionary()
 
 
 def hits(index: Any, keys: Sequence[int], pod: str = "pod-a") -> int:
