@@ -21,12 +21,15 @@ The same (engine event → request keys, entries) stream fills the Go layout
 key; evictions as the Go index makes them), and the final pairs fill a third namespace by
 64-key adds. Reported: the share of request keys held through chain runs, Redis calls inside
 a whole-conversation score, Redis CPU per score (kvredis, Go layout, 64-key fill and the floor:
-a Lua script that GETs one string of 512 x 8 bytes and compares it), ingest Redis CPU per stored
+a Lua script that GETs one string of 512 x 8 bytes and compares it; and a script call that does
+nothing, what any call costs the server on the machine), ingest Redis CPU per stored
 block (kvredis through the ingester, Go layout per-event pipeline), and scores checked against
 what each simulated pod really holds. The server is pinned to one core (``taskset``) when
 possible; CPU is ``INFO cpu`` growth minus the idle server's (see ``bench_server_cpu.py``).
+``--server valkey`` runs it all on Valkey 9 instead of redis-server.
 
-Run:  .venv/bin/python scripts/bench_realistic.py [--quick] [--shape vllm,sglang] [--json PATH]
+Run:  .venv/bin/python scripts/bench_realistic.py [--quick] [--shape vllm,sglang] [--server valkey]
+      [--json PATH]
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ FLOOR = """
 local run = redis.call('GET', KEYS[1])
 return run == ARGV[1] and 1 or 0
 """
+BARE = "return 1"
 
 
 def _h(*parts: int) -> int:
@@ -243,6 +247,7 @@ class Result:
     ingest_us_per_block: dict[str, float]
     scores_checked: int
     ratios: dict[str, float] = field(default_factory=dict)
+    server: str = "redis"
 
 
 def _calls(raw: redis.Redis) -> tuple[int, int]:
@@ -340,6 +345,10 @@ def run_shape(shape: str, url: str, server: Server, quick: bool, seed: int) -> R
     blob = bytes(512 * 8)
     raw.set("floor-run", blob)
     score_us["floor"] = server.measure(lambda i: floor(keys=["floor-run"], args=[blob]), calls)[0]
+    # What any script call costs the server on this machine (reading the request, writing the
+    # reply: system calls, whose price differs much between machines), for reading the ratios.
+    bare = raw.register_script(BARE)
+    score_us["bare call"] = server.measure(lambda i: bare(), calls)[0]
     kv.close()
     fill.close()
     ref_client.close()
@@ -368,7 +377,7 @@ def run_shape(shape: str, url: str, server: Server, quick: bool, seed: int) -> R
 def print_result(r: Result) -> None:
     print(
         f"\n== {r.shape}: {r.messages} engine batches, {r.blocks_stored} blocks stored, "
-        f"{r.keys} request keys, pinned={r.pinned}"
+        f"{r.keys} request keys, {r.server}, pinned={r.pinned}"
     )
     print(f"  request keys in chain runs        {r.share_in_runs:7.1%}")
     print(f"  Redis calls per conversation score {r.calls_per_score:6.1f} (script calls included)")
@@ -385,8 +394,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = bench_parser(__doc__, "fewer conversations and turns")
     parser.add_argument("--shape", default="vllm,sglang", help="vllm, sglang or both")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--server", default="redis", choices=("redis", "valkey"))
     args = parser.parse_args(argv)
-    server_proc = RedisServer()
+    server_proc = RedisServer(args.server)
     server_proc.start()
     results = []
     try:
@@ -397,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         for shape in args.shape.split(","):
             r = run_shape(shape, server_proc.url, server, args.quick, args.seed)
             r.pinned = pinned
+            r.server = args.server
             print_result(r)
             results.append(r)
         server.close()

@@ -29,5 +29,20 @@ def test_quick_run_reports_both_shapes(tmp_path: Path) -> None:
     for r in results.values():
         assert r["scores_checked"] > 0 and r["blocks_stored"] > 0
         assert r["share_in_runs"] > 0.95  # one-block events joined the runs they continue
-        assert set(r["score_us"]) == {"kvredis", "go layout", "64-key fill", "floor"}
+        assert set(r["score_us"]) == {"kvredis", "go layout", "64-key fill", "floor", "bare call"}
         assert set(r["ingest_us_per_block"]) == {"kvredis", "go layout"}
+
+
+@pytest.mark.redis
+def test_quick_run_on_valkey(tmp_path: Path) -> None:
+    out = tmp_path / "realistic.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--shape=vllm", "--server=valkey", "--json", out],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    (result,) = json.loads(out.read_text())
+    assert result["shape"] == "vllm" and result["server"] == "valkey"
+    assert result["scores_checked"] > 0

@@ -26,6 +26,7 @@ _U32 = struct.Struct(">I")
 _ENTRY_TAIL = struct.Struct(">BI")
 _SPECULATIVE, _HAS_GROUP, _HAS_RANK = 1, 2, 4
 _GLOB_SPECIAL = frozenset(b"*?[]\\")
+_INT_ONLY = frozenset((int,))
 
 
 def text_bytes(text: str) -> bytes:
@@ -65,7 +66,7 @@ def pack_hashes(values: Sequence[int], what: str = "block hash") -> tuple[list[i
     """
     if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple)):
         keys = check_hashes(values, what)
-    elif all(type(v) is int for v in values):
+    elif _INT_ONLY.issuperset(map(type, values)):  # one pass, in C
         keys = values if isinstance(values, list) else list(values)
     else:
         keys = check_hashes(values, what)

@@ -38,20 +38,42 @@ local function expiring_reader(sx, bits)
   end
 end
 
+-- Whether the run's keys (keys blob) from byte a + 1 equal the chain's from byte b + 1, over len
+-- bytes. The run's span is found in the chain in place (plain string.find anchored where it must
+-- start): only the run's side is cut out as a new string, and not even that when the span is
+-- the run's whole key list (the common case: a chain entering a run at its first key and going
+-- past its end). Lua hashes every byte of every new string, so cutting both sides would cost
+-- two such hashes per run. The needle is the run's own keys (stored by writers), never the
+-- caller's chain, so a mismatch at b + 1 costs one pass of memchr over the chain's rest.
+local function span_equal(keys, a, chain, b, len)
+  local needle = (a == 0 and len == #keys) and keys or string.sub(keys, a + 1, a + len)
+  return string.find(chain, needle, b + 1, true) == b + 1
+end
+
 -- How many keys of the run (keys blob) from position pos equal the chain's keys from index i
--- (both 1-based), at most limit: one byte comparison when the whole span matches, else a
--- binary search for the first differing key.
+-- (both 1-based), at most limit: one comparison when the whole span matches. Else the first
+-- differing key is searched from the matched prefix on, each step comparing only keys not yet
+-- known to match: spans doubling in length until one differs, then halving inside it. The
+-- bytes compared (and cut out: span_equal) stay about twice the matched keys, whereas spans
+-- from the start would hash the matched prefix again at every step.
 local function run_match(keys, pos, chain, i, limit)
   local a, b = (pos - 1) * HASH_WIDTH, (i - 1) * HASH_WIDTH
-  if string.sub(keys, a + 1, a + limit * HASH_WIDTH) ==
-      string.sub(chain, b + 1, b + limit * HASH_WIDTH) then
-    return limit
-  end
+  if span_equal(keys, a, chain, b, limit * HASH_WIDTH) then return limit end
   local lo, hi = 0, limit - 1   -- lo keys match for sure, hi at most
+  local step = 1
+  while lo < hi do
+    local n, from = math.min(step, hi - lo), lo * HASH_WIDTH
+    if not span_equal(keys, a + from, chain, b + from, n * HASH_WIDTH) then
+      hi = lo + n - 1
+      break
+    end
+    lo = lo + n
+    step = step * 2
+  end
   while lo < hi do
     local mid = math.floor((lo + hi + 1) / 2)
-    if string.sub(keys, a + 1, a + mid * HASH_WIDTH) ==
-        string.sub(chain, b + 1, b + mid * HASH_WIDTH) then
+    local from = lo * HASH_WIDTH
+    if span_equal(keys, a + from, chain, b + from, mid * HASH_WIDTH - from) then
       lo = mid
     else
       hi = mid - 1

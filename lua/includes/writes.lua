@@ -269,9 +269,10 @@ local function flush_stage(st, k, plan)
       if run.newn == 0 then
         redis.call('DEL', st.cprefix .. rid)
       elseif run.rewrite or run.newn < run.n then
-        redis.call('HSET', st.cprefix .. rid, 'k',
-          string.sub(run_keys(st, rid, run), 1, run.newn * HASH_WIDTH),
-          'r', ranges_encode(run.ranges))
+        -- (string.sub of a whole string would hash all of it once more to find it interned)
+        local keys = run_keys(st, rid, run)
+        if #keys ~= run.newn * HASH_WIDTH then keys = string.sub(keys, 1, run.newn * HASH_WIDTH) end
+        redis.call('HSET', st.cprefix .. rid, 'k', keys, 'r', ranges_encode(run.ranges))
       else
         redis.call('HSET', st.cprefix .. rid, 'r', ranges_encode(run.ranges))
       end

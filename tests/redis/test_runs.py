@@ -115,6 +115,23 @@ def test_a_chain_is_stored_as_one_run_and_read_from_any_key(pair: Pair) -> None:
     pair.consistent()
 
 
+def test_a_chain_holding_a_runs_keys_out_of_place_counts_only_what_is_in_place(
+    pair: Pair,
+) -> None:
+    # The walk compares a run's span with the chain where the chain enters the run; the run's
+    # keys found later in the chain, shifted, prove nothing.
+    run = list(range(1, 21))
+    pair.add(run, [A])
+    assert pair.agree([1, 99, *run]) == {1: [A]}
+    assert pair.agree([1, 1, *run[1:]]) == {k: [A] for k in run}  # a key repeated, then in place
+    assert pair.agree([*run[:5], 2, *run[5:]]) == {k: [A] for k in run}  # all held, in any order
+    for cut in range(1, 21):  # the chain leaves the run after every possible key
+        assert pair.agree([*run[:cut], 500, *run[cut:]]) == {k: [A] for k in run[:cut]}
+        assert pair.agree(run[:cut]) == {k: [A] for k in run[:cut]}  # ends inside the run
+        pair.agree([*run[cut:], *run])  # enters inside, goes past the end, then again
+    pair.consistent()
+
+
 def test_short_key_sets_stay_inline(pair: Pair) -> None:
     pair.add([1, 2, 3], [A])
     pair.add([9], [B])
