@@ -14,7 +14,8 @@ Measured in one process, ratios against Dynamo's ``find_matches``:
     ``CostAwareMemoryIndex.score``, ``lookup`` + ``LongestPrefixScorer``, ``RedisIndex.score``
     (wall time, loopback). Every query's scores are asserted equal on every side (Dynamo counts
     blocks: the weights are ``{"gpu": 1.0}``);
-    The round trip of a Redis ``PING`` is printed too: the floor under ``RedisIndex.score``;
+    The round trip of a Redis ``PING`` is printed too: the floor under ``RedisIndex.score``,
+    and what the score adds to it;
   * memory per entry: the growth of the process's resident set (``/proc/self/statm``) while
     each side loads (Dynamo's tree lives in Rust, outside Python's allocator, so this is the
     one measure both sides share), and for kvredis also what ``tracemalloc`` counts.
@@ -223,6 +224,15 @@ def main() -> None:
             floor = statistics.median(ping) * 1e6
             print(f"{'(Redis PING round trip, the floor)':<46} p50 {floor:8.1f} us")
             rows.append({"query": "PING", "side": "redis", "p50_us": floor})
+            # What the index adds to the round trip any Redis call pays on this machine (the
+            # round trip alone differs several-fold between machines of one kind).
+            p50 = {r["side"]: r["p50_us"] for r in rows if r["query"] == "whole chain"}
+            beyond = p50["RedisIndex.score (wall)"] - floor
+            line = f"{'RedisIndex.score beyond one PING (whole chain)':<46} p50 {beyond:8.1f} us"
+            if "dynamo find_matches" in p50:
+                line += f"  {beyond / p50['dynamo find_matches']:6.2f}x dynamo find_matches"
+            print(line)
+            rows.append({"query": "beyond PING", "side": "redis", "p50_us": beyond})
         finally:
             redis.drop_namespace()
             redis.close()

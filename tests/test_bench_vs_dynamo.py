@@ -35,10 +35,18 @@ def test_quick_run_without_dynamo_reports_every_other_side(tmp_path: Path) -> No
         pytest.fail("Dynamo is installed in the test venv: it must not be a dependency")
     assert "pip install" in proc.stdout and "ai-dynamo-runtime" in proc.stdout
     assert result["entries"] == 2 * 512 * 4
-    rows = [r for r in result["queries"] if r["query"] != "PING"]
+    rows = [r for r in result["queries"] if r["query"] not in ("PING", "beyond PING")]
+    (ping,) = [r["p50_us"] for r in result["queries"] if r["query"] == "PING"]
+    (beyond,) = [r["p50_us"] for r in result["queries"] if r["query"] == "beyond PING"]
+    (wall,) = [
+        r["p50_us"]
+        for r in rows
+        if r["side"] == "RedisIndex.score (wall)" and r["query"] == "whole chain"
+    ]
     assert {(r["query"], r["side"]) for r in rows} == {
         (q, s) for q in ("whole chain", "leaves at block 256") for s in SIDES
     }
     assert all(r["p99_us"] >= r["p50_us"] > 0 for r in rows)
+    assert beyond == pytest.approx(wall - ping)
     assert set(result["memory"]) == {"InMemoryIndex", "CostAwareMemoryIndex"}
     assert all(m["traced_bytes_per_entry"] > 0 for m in result["memory"].values())
