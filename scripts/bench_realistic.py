@@ -25,7 +25,8 @@ a Lua script that GETs one string of 512 x 8 bytes and compares it; and a script
 nothing, what any call costs the server on the machine), ingest Redis CPU per stored
 block (kvredis through the ingester, Go layout per-event pipeline), and scores checked against
 what each simulated pod really holds. The server is pinned to one core (``taskset``) when
-possible; CPU is ``INFO cpu`` growth minus the idle server's (see ``bench_server_cpu.py``).
+possible; CPU is ``INFO cpu`` growth minus the idle server's (see ``bench_server_cpu.py``); a
+score's is the median of rounds that each measure every side in turn.
 ``--server valkey`` runs it all on Valkey 9 instead of redis-server.
 
 Run:  .venv/bin/python scripts/bench_realistic.py [--quick] [--shape vllm,sglang] [--server valkey]
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import statistics
 import time
 import uuid
 from collections import OrderedDict
@@ -272,6 +274,19 @@ def cpu_us(server: Server, call: Callable[[int], object], n: int) -> float:
     return (server.cpu() - before - server.idle_per_s * elapsed) * 1e6
 
 
+def interleaved(
+    server: Server, sides: dict[str, Callable[[int], object]], rounds: int, calls: int
+) -> dict[str, float]:
+    """Server CPU µs per call of each side: the median of ``rounds`` rounds, each measuring
+    every side in turn over ``calls`` calls, so that a noisy spell of the machine hits every
+    side alike instead of one side's whole measurement."""
+    samples: dict[str, list[float]] = {name: [] for name in sides}
+    for _ in range(rounds):
+        for name, call in sides.items():
+            samples[name].append(server.measure(call, calls)[0])
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
 def run_shape(shape: str, url: str, server: Server, quick: bool, seed: int) -> Result:
     fleet = Fleet(shape, 24 if quick else 64, 4 if quick else 7, 800 if quick else 3000, seed)
     fleet.run()
@@ -330,25 +345,25 @@ def run_shape(shape: str, url: str, server: Server, quick: bool, seed: int) -> R
         values = raw.hvals(name)
         total += len(values)
         in_runs += sum(len(v) == 6 for v in values)
-    calls = 100 if quick else 300
     m = len(chains)
     raw.config_resetstat()
     for i in range(m):
         kv.score(chains[i], WEIGHTS)
     scripts, inner = _calls(raw)
-    score_us = {
-        "kvredis": server.measure(lambda i: kv.score(chains[i % m], WEIGHTS), calls)[0],
-        "go layout": server.measure(lambda i: ref.lookup(chains[i % m]), calls)[0],
-        "64-key fill": server.measure(lambda i: fill.score(chains[i % m], WEIGHTS), calls)[0],
-    }
     floor = raw.register_script(FLOOR)
     blob = bytes(512 * 8)
     raw.set("floor-run", blob)
-    score_us["floor"] = server.measure(lambda i: floor(keys=["floor-run"], args=[blob]), calls)[0]
     # What any script call costs the server on this machine (reading the request, writing the
     # reply: system calls, whose price differs much between machines), for reading the ratios.
     bare = raw.register_script(BARE)
-    score_us["bare call"] = server.measure(lambda i: bare(), calls)[0]
+    sides: dict[str, Callable[[int], object]] = {
+        "kvredis": lambda i: kv.score(chains[i % m], WEIGHTS),
+        "go layout": lambda i: ref.lookup(chains[i % m]),
+        "64-key fill": lambda i: fill.score(chains[i % m], WEIGHTS),
+        "floor": lambda i: floor(keys=["floor-run"], args=[blob]),
+        "bare call": lambda i: bare(),
+    }
+    score_us = interleaved(server, sides, rounds=3 if quick else 7, calls=40 if quick else 100)
     kv.close()
     fill.close()
     ref_client.close()
