@@ -607,7 +607,7 @@ def watermarks(
         click.echo(f"reset {len(resets)} watermark(s)", err=True)
     with _inspector(target) as inspector:
         layout = _existing_layout(inspector, target)
-        if _on_cluster(inspector):  # the lowest over the shards, and how many hold one
+        if _on_cluster(inspector):  # over the shards, and how many hold one
             merged = inspector.watermarks()
             decoded = {
                 stream: {**_decode_watermark(value), "shards": held}
@@ -704,6 +704,7 @@ def dump(target: RedisTarget, namespace: str, file: str, no_progress: bool, as_j
                         "namespace": target.namespace,
                         "bucket_bits": bits,
                         "shards": inspector.core.count,
+                        "cluster_layout": inspector.layout_name,
                     }
                 )
                 keys = inspector.dump(write, bar)
@@ -778,7 +779,7 @@ def restore(target: RedisTarget, namespace: str, file: str, replace: bool) -> No
         header, trailer = _check_dump(file, DUMP_FORMAT)
         shards = header.get("shards", 1)
         if target.config().cluster:
-            _restore_cluster(target, file, replace, shards)
+            _restore_cluster(target, file, replace, shards, _cluster_layout(header))
         elif shards != 1:
             raise click.BadParameter(
                 f"{file} is a dump of a cluster namespace of {shards} shards: restore it to a "
@@ -844,9 +845,27 @@ def _restore_records(target: RedisTarget, file: str, replace: bool, bucket_bits:
         inspector.run(op_restore(prefix, (r for r in _records(file) if "key" in r)))
 
 
-def _restore_cluster(target: RedisTarget, file: str, replace: bool, shards: int) -> None:
+def _cluster_layout(header: dict[str, Any]) -> str:
+    """The cluster layout a dump's records are in: its header's (a cluster dump of kvredis
+    before pod placement has none: the key layout; a single-server dump: the pod layout, its
+    one shard holding every pod)."""
+    from kvredis.redis.cluster.shards import CLUSTER_LAYOUT, CLUSTER_LAYOUTS, KEY_LAYOUT
+
+    layout = header.get("cluster_layout")
+    if layout is None:
+        return KEY_LAYOUT if "shards" in header else CLUSTER_LAYOUT
+    if layout not in CLUSTER_LAYOUTS:
+        raise click.ClickException(f"the dump is of cluster layout {layout!r}, which this "
+                                   f"kvredis does not read ({', '.join(CLUSTER_LAYOUTS)})")
+    return str(layout)
+
+
+def _restore_cluster(
+    target: RedisTarget, file: str, replace: bool, shards: int, layout: str
+) -> None:
     """Restore into a cluster namespace: each record into its shard, the dump's shard count
-    becoming the namespace's (a single-server dump makes a namespace of one shard)."""
+    and cluster layout becoming the namespace's (a single-server dump makes a namespace of one
+    shard)."""
     from kvredis.errors import NamespaceMissingError
     from kvredis.redis.cluster.index import RedisClusterIndex
     from kvredis.redis.cluster.shards import MAX_SHARDS
@@ -874,7 +893,7 @@ def _restore_cluster(target: RedisTarget, file: str, replace: bool, shards: int)
         def records(shard: int) -> Iterator[dict[str, Any]]:
             return (r for r in _records(file) if "key" in r and r.get("shard", 0) == shard)
 
-        inspector.restore(shards, records)
+        inspector.restore(shards, records, layout)
 
 
 def _records(file: str) -> Iterator[dict[str, Any]]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Literal
 
 from kvredis.errors import ConfigError
 from kvredis.jsonconfig import check_number, take_fields
@@ -19,6 +19,9 @@ from kvredis.redis.layout import DEFAULT_BUCKET_BITS, check_bucket_bits, check_n
 from kvredis.redis.ops import DEFAULT_CLEAR_FIELDS_PER_CALL
 
 BACKEND_TYPES = ("redis", "valkey")
+#: ``read_from_replicas``: reads on the primary (False), on its replicas (True), or on the
+#: primary and its replicas in turn (``"spread"``).
+ReadFromReplicas = bool | Literal["spread"]
 #: Address of :func:`kvredis.redis.index.new_valkey_index` without a config.
 DEFAULT_VALKEY_ADDRESS = "valkey://127.0.0.1:6379"
 
@@ -76,10 +79,12 @@ class RedisIndexConfig:
     index (:mod:`kvredis.redis.cluster.index`). ``cluster_shards`` is the number of shards a
     new cluster namespace is spread over (fixed by its first client, as ``bucket_bits``; see
     :mod:`kvredis.redis.cluster.shards`); a cluster namespace may not contain ``{`` or ``}``.
-    ``read_from_replicas`` spreads lookups and scores over replicas: on a cluster, the replicas
-    of each slot; on a single server, the online replicas of the server (the primary), found
-    with ``INFO replication`` on it (see :mod:`kvredis.redis.replicas`). Writes, watermarks
-    and ``get_request_key`` stay on the primaries. ``cluster_wait_replicas``
+    ``read_from_replicas`` sends lookups and scores to replicas: ``True`` to the replicas
+    alone, in turn (on a cluster, the replicas of each slot; on a single server, the online
+    replicas of the server (the primary), found with ``INFO replication`` on it: see
+    :mod:`kvredis.redis.replicas`); ``"spread"`` to the primary and its replicas in turn, so
+    that every replica adds its share of read capacity. Writes, watermarks and
+    ``get_request_key`` stay on the primaries. ``cluster_wait_replicas``
     (default 0: off) makes every write wait until that many replicas of each primary it wrote to
     hold it (``WAIT``, sent in the same pipeline, for at most half of ``socket_timeout``); a
     write fewer replicas acknowledged in time raises
@@ -114,7 +119,7 @@ class RedisIndexConfig:
     client_name: str | None = "kvredis"
     strict: bool = False
     cluster: bool = False
-    read_from_replicas: bool = False
+    read_from_replicas: ReadFromReplicas = False
     cluster_shards: int = DEFAULT_SHARDS
     cluster_wait_replicas: int = 0
     use_functions: UseFunctions = "auto"
@@ -137,9 +142,14 @@ class RedisIndexConfig:
                 f"backend_type must be one of {', '.join(BACKEND_TYPES)}, got {self.backend_type!r}"
             )
         names = ("enable_rdma", "tls_verify", "tls_check_hostname", "strict", "cluster")
-        for name in (*names, "read_from_replicas"):
+        for name in names:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.read_from_replicas, bool) and self.read_from_replicas != "spread":
+            raise ConfigError(
+                'read_from_replicas must be true, false or "spread", got '
+                f"{self.read_from_replicas!r}"
+            )
         if address.cluster and not self.cluster:
             object.__setattr__(self, "cluster", True)  # the address says so
         if self.cluster and address.transport != "tcp":

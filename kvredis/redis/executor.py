@@ -261,7 +261,11 @@ class SyncExecutor:
         self.round_trips = 0
         self._lock = threading.Lock()
         #: The replicas reads go to (``read_from_replicas``), else None.
-        self.replicas = ReplicaSet() if config.read_from_replicas else None
+        self.replicas = (
+            ReplicaSet(spread=config.read_from_replicas == "spread")
+            if config.read_from_replicas
+            else None
+        )
         self._replica_clients: dict[Replica, redis.Redis] = {}
 
     def run(self, op: rq.Op[T]) -> T:
@@ -331,7 +335,11 @@ class AsyncExecutor:
         self.client = redis.asyncio.Redis(connection_pool=self.pool)
         self.round_trips = 0
         #: See :attr:`SyncExecutor.replicas`.
-        self.replicas = ReplicaSet() if config.read_from_replicas else None
+        self.replicas = (
+            ReplicaSet(spread=config.read_from_replicas == "spread")
+            if config.read_from_replicas
+            else None
+        )
         self._replica_clients: dict[Replica, redis.asyncio.Redis] = {}
 
     async def run(self, op: rq.Op[T]) -> T:

@@ -60,7 +60,7 @@ API_VERSION = 1
 #: Text a server answers a call of a function it does not have with (``ERR Function not found``).
 NOT_FOUND = "function not found"
 
-_INCLUDE_RE = re.compile(r"^--@include\s+\S+\s*$", re.MULTILINE)
+_INCLUDE_RE = re.compile(r"^--@(?:include|command)\s+\S+\s*$", re.MULTILINE)
 _SHEBANG_RE = re.compile(r"\A#!lua flags=(\S*)[^\n]*\n")
 _NAME_RE = re.compile(r"\A[a-z][a-z0-9_]*\Z")
 _BUILD_MARK = "@@BUILD@@"

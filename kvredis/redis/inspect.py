@@ -283,11 +283,14 @@ def op_watermarks(layout: Layout) -> Op[dict[str, str]]:
     return {bytes_text(k): v.decode("utf-8", "replace") for k, v in sorted(stored.items())}
 
 
-def merge_watermarks(shards: Sequence[Mapping[str, str]]) -> dict[str, tuple[str, int]]:
+def merge_watermarks(
+    shards: Sequence[Mapping[str, str]], highest: bool = False
+) -> dict[str, tuple[str, int]]:
     """The watermarks of a cluster namespace: stream -> (the lowest stored value over the
-    shards holding one, how many shards hold one). A batch counts as applied only once every
-    shard took it, so the lowest is the stream's position (``get_watermark`` answers ``None``
-    while a shard holds none). A value that does not decode counts as the lowest."""
+    shards holding one, or with ``highest`` the highest, how many shards hold one). In the key
+    layout a batch counts as applied only once every shard took it, so the lowest is the
+    stream's position; in the pod layout a stream's batches go to its pod's shard, so the
+    highest is. A value that does not decode counts as the lowest."""
 
     def order(value: str) -> tuple[int, int, int]:
         try:
@@ -300,7 +303,8 @@ def merge_watermarks(shards: Sequence[Mapping[str, str]]) -> dict[str, tuple[str
     for stored in shards:
         for stream, value in stored.items():
             held.setdefault(stream, []).append(value)
-    return {s: (min(v, key=order), len(v)) for s, v in sorted(held.items())}
+    pick = max if highest else min
+    return {s: (pick(v, key=order), len(v)) for s, v in sorted(held.items())}
 
 
 

@@ -127,7 +127,10 @@ class ReplicaSet:
         refresh_seconds: float = REFRESH_SECONDS,
         down_seconds: float = DOWN_SECONDS,
         clock: Callable[[], float] = time.monotonic,
+        spread: bool = False,
     ) -> None:
+        #: whether the primary takes its turn with the replicas (``read_from_replicas="spread"``)
+        self.spread = spread
         self.refresh_seconds = refresh_seconds
         self.down_seconds = down_seconds
         self._clock = clock
@@ -177,10 +180,15 @@ class ReplicaSet:
             self._down = {r: until for r, until in self._down.items() if until > now}
 
     def pick(self) -> Replica | None:
-        """The next replica in turn that is not set aside, or None (read from the primary)."""
+        """The next replica in turn that is not set aside, or None (read from the primary);
+        with :attr:`spread` the primary (None) takes its turn with them."""
         with self._lock:
             now = self._clock()
-            live = [r for r in self._replicas if self._down.get(r, now) <= now]
+            live: list[Replica | None] = [
+                r for r in self._replicas if self._down.get(r, now) <= now
+            ]
+            if self.spread:
+                live.append(None)
             if not live:
                 return None
             self._turn += 1

@@ -5,8 +5,11 @@ else from the repository's ``lua/`` directory (editable installs). Every ``lua/<
 command; ``lua/includes/<name>.lua`` are libraries, pulled into a command (or into another
 include) by a line ``--@include <name>``. Expansion pastes each include once per script, before
 the first include line naming it (later lines naming it again are dropped), so includes may
-include each other; a cycle is an error. The SHA1 of every expanded script is computed locally,
-so the first call is already an EVALSHA.
+include each other; a cycle is an error. A line ``--@command <name>`` pastes another command
+script whole as a local function ``command_<name>(KEYS, ARGV)`` (its includes first, each
+once), so a script can run a command unchanged on keys and arguments it builds (the cluster's
+``score_shards`` runs ``score`` per shard). The SHA1 of every expanded script is computed
+locally, so the first call is already an EVALSHA.
 
 The registry only builds commands: ``EVALSHA`` for a :class:`~kvredis.redis.requests.ScriptCall`
 and ``SCRIPT LOAD`` for the reload after ``NOSCRIPT`` (its subclass
@@ -30,7 +33,8 @@ from typing import Any
 from kvredis.errors import BackendError
 from kvredis.redis.requests import Command, Op, ScriptCall
 
-_INCLUDE_RE = re.compile(r"^--@include\s+(\S+)\s*$", re.MULTILINE)
+_INCLUDE_RE = re.compile(r"^--@(include|command)\s+(\S+)\s*$", re.MULTILINE)
+_SHEBANG_RE = re.compile(r"\A#!lua[^\n]*\n")
 #: Folder (under ``lua/``) of the include files, and the prefix of their names in a source map.
 INCLUDES = "includes"
 _REPO_LUA = Path(__file__).resolve().parents[2] / "lua"
@@ -89,23 +93,36 @@ def expand(name: str, sources: Mapping[str, str]) -> str:
         raise BackendError(f"Lua script {name!r} not found")
     done: set[str] = set()
 
-    def paste(key: str, stack: tuple[str, ...]) -> str:
+    def paste(key: str, text: str, stack: tuple[str, ...]) -> str:
         def include(match: re.Match[str]) -> str:
-            child = f"{INCLUDES}/{match.group(1)}"
+            if match.group(1) == "command":
+                return command(match.group(2), key, stack)
+            child = f"{INCLUDES}/{match.group(2)}"
             if child in stack:
                 chain = " -> ".join(k.removeprefix(f"{INCLUDES}/") for k in (*stack, child))
                 raise BackendError(f"Lua include cycle: {chain}")
             if child in done:
                 return ""
             if child not in sources:
-                raise BackendError(f"Lua include {match.group(1)!r} (of {key}) not found")
-            text = paste(child, (*stack, child)).rstrip("\n")
+                raise BackendError(f"Lua include {match.group(2)!r} (of {key}) not found")
+            pasted = paste(child, sources[child], (*stack, child)).rstrip("\n")
             done.add(child)
-            return text
+            return pasted
 
-        return _INCLUDE_RE.sub(include, sources[key])
+        return _INCLUDE_RE.sub(include, text)
 
-    return paste(name, (name,))
+    def command(other: str, key: str, stack: tuple[str, ...]) -> str:
+        if len(stack) > 1 or other not in sources or other.startswith(f"{INCLUDES}/"):
+            raise BackendError(f"--@command {other} (in {key}): only a command pastes a command")
+        source = _SHEBANG_RE.sub("", sources[other])
+        lines = [m.group(0) for m in _INCLUDE_RE.finditer(source)]
+        if any(line.startswith("--@command") for line in lines):
+            raise BackendError(f"--@command {other} (in {key}): {other} pastes a command itself")
+        body = _INCLUDE_RE.sub("", source).strip("\n")
+        prelude = paste(other, "\n".join(lines), stack).strip("\n")
+        return f"{prelude}\nlocal function command_{other}(KEYS, ARGV)\n{body}\nend"
+
+    return paste(name, sources[name], (name,))
 
 
 @functools.lru_cache(maxsize=1)

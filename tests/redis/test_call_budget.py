@@ -27,9 +27,8 @@ from kvredis import (
     Watermark,
 )
 from kvredis.redis import ops
-from kvredis.redis.cluster.shards import shard_of
-from kvredis.redis.cluster.writes import _part_args
-from kvredis.redis.ops import walk_cut
+from kvredis.redis.cluster.placement import Segment
+from kvredis.redis.cluster.writes import part_args
 from kvredis.redis.requests import ScriptCall
 from kvredis.scoring import LongestPrefixScorer
 from tests.conftest import (
@@ -60,9 +59,10 @@ class Fleet:
         self.index, self.model, self.servers = index, InMemoryIndex(), servers
         index.lookup([1])  # connected: a cluster client knows its shards
         target = getattr(index, "inner", index)
-        shards = getattr(target, "shards", None)
-        # On a cluster, every key in one shard: one shard's call reaches every run.
-        self.chains = chains_in(chains, shards if isinstance(shards, int) else None)
+        core = getattr(target, "core", None)
+        if core is not None:  # on a cluster, one shard holds A, B and C: one call reaches every run
+            assert len({core.pod_shard(e.pod_identifier) for e in (A, B, C)}) == 1
+        self.chains = chains_in(chains)
 
     def both(self, method: str, *args: Any) -> Any:
         got = getattr(self.index, method)(*args)
@@ -110,9 +110,9 @@ def _count(stat: Any) -> int:
     return int(stat.get("count", 0))
 
 
-def chains_in(count: int, shards: int | None) -> list[list[int]]:
-    """``count`` chains of RUN request keys, on a cluster of ``shards`` all in shard 0."""
-    keys = (k for k in range(1, 10**9) if shards is None or shard_of(k, shards) == 0)
+def chains_in(count: int) -> list[list[int]]:
+    """``count`` chains of RUN request keys."""
+    keys = iter(range(1, 10**9))
     return [[next(keys) for _ in range(RUN)] for _ in range(count)]
 
 
@@ -279,19 +279,19 @@ def two(redis_server_url: str) -> Iterator[tuple[Fleet, Fleet]]:
 
 
 def test_the_parts_of_one_node_call_share_the_write_limit(two: tuple[Fleet, Fleet]) -> None:
-    """``apply_shards`` runs one part per shard; the parts' run work adds up, so a call of many
+    """``apply_parts`` runs one part per shard; the parts' run work adds up, so a call of many
     parts is bounded like one of many ops."""
     for fleet in two:
         fleet.chains = fleet.chains[:3]  # 3 runs each: one part fits, two do not
         fleet.fragment()
     parts: list[Any] = []
-    for fleet in two:
+    for shard, fleet in enumerate(two):
         layout = fleet.index._session.state.layout
         evicts = [("R", chain[8], [A]) for chain in fleet.chains]
-        parts += _part_args(ops.program_of(layout, evicts), 1, 1, 0)
+        parts += part_args(ops.program_of(layout, evicts), 1, 1, Segment(shard, shard, ()), "ab")
     first = two[0].index._session.state.layout
     keys = (first.meta, first.pe, first.pi, first.pp, first.wm, first.wp, first.sx)
-    call = ScriptCall("apply_shards", keys, [1024, b"", 0, 0, "ab", *parts])
+    call = ScriptCall("apply_parts", keys, [1024, *parts])
     reply = send(two[0].index, call)
     # the second part's first run is past the call's limit: refused before it wrote (alone,
     # on the per-shard path, it fits)
@@ -302,19 +302,20 @@ def test_the_parts_of_one_node_call_share_the_write_limit(two: tuple[Fleet, Flee
 
 def test_the_walks_of_one_node_call_share_the_walk_limit(two: tuple[Fleet, Fleet]) -> None:
     for fleet in two:
-        fleet.chains = chains_in(5, None)  # 5 runs each: one walk fits, two do not
+        fleet.chains = chains_in(5)  # 5 runs each: one walk fits, two do not
         fleet.fragment()
-    args: list[Any] = [0]
+    chain = [c[4] for c in two[0].chains]
+    assert chain == [c[4] for c in two[1].chains]
+    args: list[Any] = [0, struct.pack(f">{len(chain)}Q", *chain)]
     for fleet in two:
         layout, cache = fleet.index._session.state.snapshot()
-        chain = [c[4] for c in fleet.chains]
         args += (layout.meta, layout.pi, layout.pp, layout.sx, layout.gen, layout.rprefix)
-        args += (layout.bucket_bits, cache.floor, struct.pack(f">{len(chain)}Q", *chain))
+        args += (layout.bucket_bits, cache.floor, 1, 1)
     first = two[0].index._session.state.layout
-    call = ScriptCall("lookup_shards", (first.meta, first.pi, first.pp, first.sx), args)
+    call = ScriptCall("lookup_union", (first.meta, first.pi, first.pp, first.sx), args)
     whole, cut = send(two[0].index, call)
-    assert not walk_cut(whole) and len(whole) == 4  # 5 keys holding the same ids
-    assert walk_cut(cut)  # stopped: the per-shard path walks that shard on
+    assert whole[2:4] == [2, len(chain) + 1] and whole[5] == [len(chain), whole[5][1]]
+    assert cut[2] == 1  # stopped at the work limit: the client walks that shard on
 
 
 def test_random_batches_over_fragmented_runs_match_the_model(fleet: Fleet) -> None:

@@ -331,7 +331,8 @@ def test_a_cluster_address_sets_cluster_mode() -> None:
     ("kwargs", "message"),
     [
         ({"cluster": "yes"}, "cluster must be a bool"),
-        ({"read_from_replicas": 1}, "read_from_replicas must be a bool"),
+        ({"read_from_replicas": 1}, 'read_from_replicas must be true, false or "spread"'),
+        ({"read_from_replicas": "replicas"}, 'read_from_replicas must be true, false or "spread"'),
         ({"cluster": True, "address": "unix:///run/r.sock"}, "unix socket"),
     ],
 )

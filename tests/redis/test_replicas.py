@@ -94,6 +94,19 @@ def test_the_set_takes_turns_sets_failed_replicas_aside_and_asks_again() -> None
     assert replicas.replicas == () and replicas.pick() is None
 
 
+def test_spread_reads_take_turns_with_the_primary() -> None:
+    """``read_from_replicas="spread"``: the primary (None) takes its turn with the replicas, so
+    a replica adds its share of the reads instead of taking them all."""
+    clock = Clock()
+    replicas = ReplicaSet(refresh_seconds=5.0, down_seconds=3.0, clock=clock, spread=True)
+    assert replicas.pick() is None
+    replicas.update(INFO_TEXT)
+    picks = [replicas.pick() for _ in range(6)]
+    assert sorted(map(str, picks)) == sorted(map(str, [None, R1, R2] * 2)), picks
+    replicas.failed(R1, ConnectionLost("refused"))
+    assert {replicas.pick() for _ in range(4)} == {None, R2}
+
+
 def _drive(route: ReadRoute, command: Command, outcomes: list[Any]) -> tuple[list[Any], Any]:
     """Run ``route.route(command)`` answering with ``outcomes``; (what it sent, its result)."""
     steps = route.route(command)
@@ -164,9 +177,11 @@ def test_only_no_writes_scripts_can_be_sent_as_reads() -> None:
     assert {n for n in registry.names() if registry[n].no_writes} == {
         "lookup",
         "lookup_shards",
+        "lookup_union",
         "ping",
         "request_key",
         "score",
+        "score_shards",
     }
     assert registry.evalsha(ScriptCall("lookup", (), (), read=True)).read
     source = registry["lookup"].source

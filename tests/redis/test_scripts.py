@@ -43,6 +43,9 @@ COMMANDS = {
     "unmap",
     "lookup_shards",
     "apply_shards",
+    "score_shards",
+    "lookup_union",
+    "apply_parts",
     "evict",
     "lookup",
     "migrate",
@@ -155,6 +158,44 @@ def test_each_include_is_pasted_once_before_its_first_use() -> None:
         expand("cmd", cyclic)
     with pytest.raises(Exception, match=r"'nope' \(of cmd\) not found"):
         expand("cmd", {"cmd": "--@include nope\n"})
+
+
+def test_a_command_pasted_by_another_is_a_function_of_its_body_after_its_includes() -> None:
+    sources = {
+        "cmd": "#!lua flags=no-writes\n-- cmd\n--@include a\nreturn KEYS[1] .. ARGV[1]\n",
+        "outer": "-- outer\n--@include b\n--@command cmd\nreturn command_cmd({'k'}, {'v'})\n",
+        "includes/a": "--@include c\nA\n",
+        "includes/b": "--@include c\nB\n",
+        "includes/c": "C\n",
+    }
+    lines = [line for line in expand("outer", sources).splitlines() if line]
+    assert lines == [
+        "-- outer",
+        "C",
+        "B",
+        "A",  # c already pasted: once only
+        "local function command_cmd(KEYS, ARGV)",
+        "-- cmd",
+        "return KEYS[1] .. ARGV[1]",
+        "end",
+        "return command_cmd({'k'}, {'v'})",
+    ]
+    nested = {**sources, "twice": "--@command outer\n"}
+    with pytest.raises(Exception, match="pastes a command itself"):
+        expand("twice", nested)
+    with pytest.raises(Exception, match="only a command pastes a command"):
+        expand("x", {**sources, "x": "--@include d\n", "includes/d": "--@command cmd\n"})
+
+
+def test_score_shards_runs_score_unchanged(raw: redis.Redis) -> None:
+    """The body of score.lua, as pasted into score_shards, is score.lua's own text."""
+    registry = ScriptRegistry()
+    score = registry["score"].source.decode()
+    body = score.split("check_gen(KEYS[1], ARGV[1])", 1)[1]
+    pasted = registry["score_shards"].source.decode()
+    assert "local function command_score(KEYS, ARGV)\n" in pasted
+    assert "check_gen(KEYS[1], ARGV[1])" + body.split("\nreturn out\n", 1)[0] in pasted
+    assert raw.script_load(registry["score_shards"].source) == registry["score_shards"].sha
 
 
 @pytest.fixture

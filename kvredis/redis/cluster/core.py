@@ -8,11 +8,10 @@ every primary). The operations themselves are :mod:`.ops` (reads, clear, drop) a
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import itertools
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from kvredis.errors import (
     BackendUnavailableError,
@@ -33,15 +32,19 @@ from kvredis.redis.cluster.routing import (
 )
 from kvredis.redis.cluster.shards import (
     CLUSTER_LAYOUT,
+    Descriptor,
     check_cluster_namespace,
     check_shards,
     descriptor_key,
     parse_descriptor,
+    pod_shard,
     shard_names,
     shard_of,
     shard_slot,
     shards_of,
+    stream_shard,
 )
+from kvredis.redis.cluster.topology import ClusterNode, SlotMap
 from kvredis.redis.layout import (
     check_bucket_bits,
     check_namespace,
@@ -78,11 +81,16 @@ UNMAP_PER_CALL = 256
 MAPPING_PAGE = 64
 
 
+#: Where reads (lookups and scores) go: the primaries, the replicas of each slot, or every node
+#: of each slot in turn (the primary and its replicas).
+ReadFrom = Literal["primary", "replicas", "spread"]
+
+
 class ClusterCore:
     """What one cluster index client carries: the cluster's state and its namespace's shards.
 
     Shared by the client's threads: the shards' states are thread-safe, the rest is set once
-    when connecting.
+    when connecting (the stream homes are a cache: a lost update costs one extra node).
     """
 
     def __init__(
@@ -93,7 +101,7 @@ class ClusterCore:
         cluster: ClusterState,
         wave_policy: WavePolicy,
         policy: RetryPolicy,
-        read_from_replicas: bool = False,
+        read_from: ReadFrom = "primary",
     ) -> None:
         self.namespace = check_cluster_namespace(check_namespace(namespace))
         self.bucket_bits = check_bucket_bits(bucket_bits)
@@ -108,19 +116,34 @@ class ClusterCore:
         )
         self.policy = policy
         self.registry = ScriptRegistry()
-        self.read_from_replicas = read_from_replicas
+        self.read_from: ReadFrom = read_from
         #: replicas every write waits for (``WAIT``; 0: none), and for how long at most
         self.wait_replicas = 0
         self.wait_timeout_ms = 1000
         self.expiry_mode = "key"
+        #: the namespace's descriptor (after connecting)
+        self.descriptor = Descriptor(CLUSTER_LAYOUT, self.configured_shards)
         self.sessions: list[Session] = []
         self.slots: list[int] = []
+        #: stream -> the shard its last fenced batch was decided on (where an empty batch of
+        #: the stream goes)
+        self.stream_homes: dict[str, int] = {}
         self._picks = itertools.count()
 
     @property
     def count(self) -> int:
         """The number of shards (after connecting)."""
         return len(self.sessions)
+
+    @property
+    def by_pod(self) -> bool:
+        """Whether every pod lives in one shard (the namespace is in the pod layout)."""
+        return self.descriptor.by_pod
+
+    @property
+    def read_from_replicas(self) -> bool:
+        """Whether reads may go to replicas."""
+        return self.read_from != "primary"
 
     def adopt(self, count: int) -> None:
         """Set up the ``count`` shards of the namespace."""
@@ -134,8 +157,25 @@ class ClusterCore:
             slots.append(shard_slot(name))
         self.sessions, self.slots = sessions, slots
 
+    def pod_shard(self, pod: str) -> int:
+        """The shard every entry of ``pod`` lives in (pod layout)."""
+        return pod_shard(pod, len(self.sessions))
+
+    def pods_shards(self, pods: frozenset[str] | None) -> list[int]:
+        """The shards a read with the pod filter ``pods`` involves, in order: every shard
+        without a filter (or while pods are not placed), else the shards of its pods."""
+        if pods is None or not self.by_pod:
+            return list(range(len(self.sessions)))
+        return sorted({self.pod_shard(p) for p in pods if isinstance(p, str)})
+
+    def stream_home(self, stream: str) -> int:
+        """The shard a fenced batch of ``stream`` without entries goes to: the shard its last
+        batch was decided on, else a hash of the stream's name."""
+        home = self.stream_homes.get(stream)
+        return stream_shard(stream, len(self.sessions)) if home is None else home
+
     def shard(self, key: int) -> int:
-        """The shard of a request or engine key."""
+        """The shard of a request or engine key in the key layout."""
         return shard_of(key, len(self.sessions))
 
     def state(self, shard: int) -> CoreState:
@@ -148,21 +188,23 @@ class ClusterCore:
         return op_run(session, lambda: factory(session.state))
 
     def by_shard(self, keys: Iterable[int]) -> dict[int, list[int]]:
-        """``keys`` grouped by shard, each group in the order given."""
+        """``keys`` grouped by their shard in the key layout, each group in the order given."""
         ordered = list(keys)
         groups: dict[int, list[int]] = {}
         for key, shard in zip(ordered, shards_of(ordered, len(self.sessions)), strict=True):
             groups.setdefault(shard, []).append(key)
         return groups
 
-    def home(self, stream: str) -> int:
-        """The shard whose fence decides a stream's batches."""
-        digest = hashlib.blake2b(stream.encode("utf-8", "surrogatepass"), digest_size=8).digest()
-        return self.shard(int.from_bytes(digest, "big"))
-
     def pick(self) -> int:
-        """A different replica index for each read (spreads reads over replicas)."""
+        """A different node index for each read (spreads reads over a slot's nodes)."""
         return next(self._picks)
+
+    def reader(self, slot_map: SlotMap, pick: int) -> Callable[[int], ClusterNode]:
+        """The node a read of a slot goes to, for the read numbered ``pick``."""
+        if self.read_from == "primary":
+            return slot_map.primary
+        spread = self.read_from == "spread"
+        return lambda slot: slot_map.reader(slot, pick, spread)
 
 
 # -- running per-shard operations in waves -----------------------------------------------------
@@ -233,7 +275,15 @@ def op_parallel(
 #: Commands the cluster operations send that write nothing (no WAIT after them).
 _READS = frozenset(
     {
-        b"HGET", b"HMGET", b"HEXISTS", b"HGETALL", b"SCAN", b"INFO", b"PING", b"SCRIPT", b"TIME",
+        b"HGET",
+        b"HMGET",
+        b"HEXISTS",
+        b"HGETALL",
+        b"SCAN",
+        b"INFO",
+        b"PING",
+        b"SCRIPT",
+        b"TIME",
         b"FCALL_RO",
     }
 )
@@ -247,7 +297,14 @@ def write_wave(
     client waits for replicas (:func:`_waits`, :func:`_watch_waits`)."""
     waits = [] if read else _waits(core, commands)
     on_replicas = read and core.read_from_replicas
-    wave = op_wave(core.cluster, [*commands, *waits], policy, read=on_replicas, pick=core.pick())
+    wave = op_wave(
+        core.cluster,
+        [*commands, *waits],
+        policy,
+        read=on_replicas,
+        pick=core.pick(),
+        spread=core.read_from == "spread",
+    )
     return (yield from (_watch_waits(core, wave, len(waits)) if waits else wave))
 
 
@@ -396,7 +453,8 @@ def group_by_node(
 
 
 def op_cluster_connect(core: ClusterCore, strict: bool = False, create: bool = True) -> WaveOp[int]:
-    """Fetch the slot map, read (or create) the namespace's descriptor, learn how expiring
+    """Fetch the slot map, read (or create) the namespace's descriptor (its layout and shard
+    count: :class:`~kvredis.redis.cluster.shards.Descriptor`), learn how expiring
     entries expire, load every shard's namespace, and check every primary's eviction policy
     (:func:`~kvredis.redis.ops.check_eviction_policy`: ``allkeys-*`` warns, or with ``strict``
     raises); the shard count. With ``create=False`` a namespace without a descriptor raises
@@ -408,10 +466,10 @@ def op_cluster_connect(core: ClusterCore, strict: bool = False, create: bool = T
         core.cluster, [*read, SlotCommand(slot, ("INFO", "server"))], core.wave_policy
     )
     info = replies[-1]
-    count = parse_descriptor(wave_reply(replies[0]), core.namespace)
-    if count is None and not create:
+    found = parse_descriptor(wave_reply(replies[0]), core.namespace)
+    if found is None and not create:
         raise NamespaceMissingError(f"cluster namespace {core.namespace!r} does not exist")
-    if count is None:  # written only when missing: a reader starts on a full node
+    if found is None:  # written only when missing: a reader starts on a full node
         replies = yield from op_wave(
             core.cluster,
             [
@@ -421,10 +479,12 @@ def op_cluster_connect(core: ClusterCore, strict: bool = False, create: bool = T
             ],
             core.wave_policy,
         )
-        count = parse_descriptor([wave_reply(r) for r in replies][-1], core.namespace)
-        assert count is not None  # just written
+        found = parse_descriptor([wave_reply(r) for r in replies][-1], core.namespace)
+        assert found is not None  # just written
     if not isinstance(info, Failure):
         core.expiry_mode = expiry_mode_of(info)
+    core.descriptor = found
+    count = found.shards
     core.adopt(count)
     for session in core.sessions:
         session.state.expiry_mode = core.expiry_mode

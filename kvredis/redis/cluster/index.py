@@ -17,7 +17,7 @@ from kvredis.batch import IndexOp, Watermark
 from kvredis.checks import check_selection
 from kvredis.errors import ConfigError
 from kvredis.index import Progress
-from kvredis.redis.cluster.core import ClusterCore, op_cluster_connect
+from kvredis.redis.cluster.core import ClusterCore, ReadFrom, op_cluster_connect
 from kvredis.redis.cluster.executor import AsyncClusterExecutor, SyncClusterExecutor
 from kvredis.redis.cluster.ops import (
     op_cluster_clear,
@@ -28,8 +28,10 @@ from kvredis.redis.cluster.ops import (
 )
 from kvredis.redis.cluster.routing import WaveOp
 from kvredis.redis.cluster.writes import (
+    Batch,
     op_cluster_add,
     op_cluster_apply_batch,
+    op_cluster_apply_batches,
     op_cluster_evict,
     op_cluster_get_watermark,
     op_cluster_reset_watermark,
@@ -42,6 +44,11 @@ from kvredis.types import Keys, KeyType, Lookup, PodEntry, Pods
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
+
+def _read_from(read_from_replicas: object) -> ReadFrom:
+    if read_from_replicas == "spread":
+        return "spread"
+    return "replicas" if read_from_replicas else "primary"
 
 
 class _ClusterFacade:
@@ -66,7 +73,7 @@ class _ClusterFacade:
             executor.cluster_state,
             executor.wave_policy,
             RetryPolicy(cfg.retries, cfg.retry_backoff, cfg.server()),
-            cfg.read_from_replicas,
+            _read_from(cfg.read_from_replicas),
         )
         core.wait_replicas = cfg.cluster_wait_replicas
         core.registry = FunctionRegistry(use=cfg.use_functions)
@@ -160,7 +167,7 @@ class RedisClusterIndex(_ClusterFacade):
         return self._run(lambda c: op_cluster_get_request_key(c, engine_key))
 
     def clear(self, pod_identifier: str, progress: Progress = None) -> None:
-        """Remove every entry of the pod (every shard in parallel, then the mappings)."""
+        """Remove every entry of the pod (on the pod's shard, mappings included)."""
         self.clear_with_progress(pod_identifier, progress)
 
     def clear_with_progress(self, pod_identifier: str, progress: Progress = None) -> int:
@@ -187,11 +194,18 @@ class RedisClusterIndex(_ClusterFacade):
     def apply_batch(
         self, ops: Sequence[IndexOp], stream: str | None = None, watermark: Watermark | None = None
     ) -> bool:
-        """Apply ``ops`` in order, fenced per shard by the stream's watermark."""
+        """Apply ``ops`` in order, fenced by the stream's watermark in each shard they reach
+        (one shard, the pod's, for an engine batch)."""
         return self._run(lambda c: op_cluster_apply_batch(c, ops, stream, watermark))
 
+    def apply_batches(self, batches: Sequence[Batch]) -> list[bool]:
+        """Apply each ``(ops, stream, watermark)`` as :meth:`apply_batch` would, in order,
+        except that once a batch of a stream is not applied, the stream's later batches are not
+        applied either (False); one script call per node involved."""
+        return self._run(lambda c: op_cluster_apply_batches(c, batches))
+
     def get_watermark(self, stream: str) -> Watermark | None:
-        """The stream's watermark (the lowest over the shards)."""
+        """The stream's watermark (the highest over the shards)."""
         return self._run(lambda c: op_cluster_get_watermark(c, stream))
 
     def reset_watermark(self, stream: str, watermark: Watermark | None) -> None:
@@ -316,6 +330,10 @@ class AsyncRedisClusterIndex(_ClusterFacade):
     ) -> bool:
         """See :meth:`RedisClusterIndex.apply_batch`."""
         return await self._run(lambda c: op_cluster_apply_batch(c, ops, stream, watermark))
+
+    async def apply_batches(self, batches: Sequence[Batch]) -> list[bool]:
+        """See :meth:`RedisClusterIndex.apply_batches`."""
+        return await self._run(lambda c: op_cluster_apply_batches(c, batches))
 
     async def get_watermark(self, stream: str) -> Watermark | None:
         """See :meth:`RedisClusterIndex.get_watermark`."""

@@ -6,11 +6,13 @@ runs the single-server operator operations of :mod:`kvredis.redis.inspect` (``op
 ``op_check``, ``op_dump``, ``op_restore``, ``op_watermarks``) on every shard at once, each on
 the node owning its slot (:func:`~kvredis.redis.cluster.ops.op_parallel`: one wave per step,
 one round trip per node), and merges what they return: statistics summed with each shard's own
-kept, findings naming their shard, watermarks at their lowest over the shards.
+kept (a request key held by pods of several shards counts once in each), findings naming their
+shard, watermarks at their highest over the shards (in the key layout: their lowest).
 
 A dump of a cluster namespace holds every shard's records, each tagged with its shard; a restore
 writes each record to the same shard of the target namespace and gives the target the dump's
-shard count (a request key's shard depends on the count, so the count travels with the data).
+shard count and layout (a pod's shard depends on the count, so the count travels with the
+data).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from kvredis.redis.cluster.executor import SyncClusterExecutor
 from kvredis.redis.cluster.routing import SlotCommand, WaveOp, op_wave
 from kvredis.redis.cluster.shards import (
     CLUSTER_LAYOUT,
+    Descriptor,
     descriptor_key,
     parse_descriptor,
     shard_names,
@@ -125,14 +128,20 @@ class ClusterInspector:
             raise translate(reply.message)
         return reply
 
-    def shard_count(self) -> int | None:
-        """The namespace's shard count, from its descriptor; ``None`` if it has none."""
+    def descriptor(self) -> Descriptor | None:
+        """The namespace's descriptor (layout and shard count); ``None`` if it has none."""
         desc = descriptor_key(self.namespace)
         reply = self.slot_command("HMGET", desc, "layout", "shards")
-        count = parse_descriptor(reply, self.namespace)
-        if count is not None:
-            self.core.adopt(count)
-        return count
+        found = parse_descriptor(reply, self.namespace)
+        if found is not None:
+            self.core.descriptor = found
+            self.core.adopt(found.shards)
+        return found
+
+    def shard_count(self) -> int | None:
+        """The namespace's shard count, from its descriptor; ``None`` if it has none."""
+        found = self.descriptor()
+        return None if found is None else found.shards
 
     def shards(self) -> dict[int, Layout] | None:
         """Each shard's layout by shard number (a shard without a meta record is left out:
@@ -178,20 +187,23 @@ class ClusterInspector:
 
     def check(self, repair: bool = False, progress: ShardProgress = _noop) -> CheckReport:
         """:func:`~kvredis.redis.inspect.op_check` (and its repair) on every shard, merged:
-        each finding names its shard. Engine mappings are not probed for holders (their request
-        keys live in other shards), so no ``dangling_mapping`` note is made."""
+        each finding names its shard. In the pod layout a shard's mappings name request keys of
+        the same shard, so they are probed for holders as on one server; in the key layout they
+        are not (their request keys live in other shards: no ``dangling_mapping`` note)."""
         layouts = self._existing()
         sums = _Progress(progress)
-        ops = {i: op_check(lay, repair, sums.of(i), mappings=False) for i, lay in layouts.items()}
+        by_pod = self.core.by_pod
+        ops = {i: op_check(lay, repair, sums.of(i), mappings=by_pod) for i, lay in layouts.items()}
         found = self.run_each(ops)
         return merge_checks(self.namespace, [found[i] for i in sorted(found)])
 
     def watermarks(self) -> dict[str, tuple[str, int]]:
-        """Per stream, its lowest stored watermark over the shards and how many shards hold
-        one (:func:`~kvredis.redis.inspect.merge_watermarks`)."""
+        """Per stream, its stored watermark (the highest over the shards: a stream's batches go
+        to its pod's shard; in the key layout the lowest, as every shard took every batch) and
+        how many shards hold one (:func:`~kvredis.redis.inspect.merge_watermarks`)."""
         layouts = self._existing()
         found = self.run_each({i: op_watermarks(lay) for i, lay in layouts.items()})
-        return merge_watermarks([found[i] for i in sorted(found)])
+        return merge_watermarks([found[i] for i in sorted(found)], highest=self.core.by_pod)
 
     def dump(
         self, write: Callable[[Mapping[str, Any]], None], progress: ShardProgress = _noop
@@ -221,12 +233,24 @@ class ClusterInspector:
         }
         return any(self.run_each(probes).values())
 
-    def restore(self, shards: int, records: Callable[[int], Iterable[Mapping[str, Any]]]) -> int:
-        """Write a dump of ``shards`` shards into this (empty) namespace: the descriptor with
-        that shard count, then each shard's records (``records(shard)``) into the same shard
-        (:func:`~kvredis.redis.inspect.op_restore`, shard by shard); the fields written."""
+    @property
+    def layout_name(self) -> str:
+        """The cluster layout of the namespace (after :meth:`shards`)."""
+        return self.core.descriptor.layout
+
+    def restore(
+        self,
+        shards: int,
+        records: Callable[[int], Iterable[Mapping[str, Any]]],
+        layout: str = CLUSTER_LAYOUT,
+    ) -> int:
+        """Write a dump of ``shards`` shards of the cluster layout ``layout`` into this (empty)
+        namespace: the descriptor with that shard count and layout, then each shard's records
+        (``records(shard)``) into the same shard (:func:`~kvredis.redis.inspect.op_restore`,
+        shard by shard); the fields written."""
         desc = descriptor_key(self.namespace)
-        self.slot_command("HSET", desc, "layout", CLUSTER_LAYOUT, "shards", shards)
+        self.slot_command("HSET", desc, "layout", layout, "shards", shards)
+        self.core.descriptor = Descriptor(layout, shards)
         self.core.adopt(shards)
         names = shard_names(self.namespace, shards)
         written = 0

@@ -1,41 +1,35 @@
-"""The index operations on a cluster, as sans-IO wave operations (see :mod:`.routing`).
+"""The index's reads, clear and drop on a cluster, as sans-IO wave operations (see
+:mod:`.routing`); the writes are :mod:`.writes`.
 
 A cluster namespace is a set of shards (:mod:`.shards`), each a complete single-server
-namespace living in one slot. An operation splits its keys by shard and groups the shards by
-node: lookups and writes send one script call per node (``lua/lookup_shards.lua``,
-``lua/apply_shards.lua``: the single-server Lua code run per shard), all nodes in one
-:class:`~kvredis.redis.cluster.routing.Wave`, so a wave costs one round trip and one script
-call per involved node (:func:`op_shard_lookups`, :func:`op_node_writes`). Where the cached slot
-map is out of date, or a shard stale, those shards take the per-shard path: the single-server
-operation (:mod:`kvredis.redis.ops`, unchanged, with its NOSCRIPT reload, retries and stale
-reload) on each shard, run in lockstep by :func:`op_parallel`. The other operations (clear,
-drop, watermarks, request keys) always take it.
+namespace living in one slot; in the pod layout every pod lives in one shard. A read involves
+the shards of the pods it asks about (every shard without a pod filter); the shards one node
+holds are read by one script call on that node (:mod:`.calls`), every node's call in one wave.
 
-- lookup: every shard walks its part of the chain (in chain order) and stops at its first
-  miss; the merge walks the whole chain and stops at the first key no shard reported. Exact,
-  because a shard reports every hit before its own first miss. A long chain goes in waves:
-  one node's call walks at most ``LOOKUP_KEYS_PER_CALL`` keys, and a shard's next part is sent
-  only while its keys hit and come before the first miss found so far.
-- score: the lookup, then :class:`~kvredis.scoring.LongestPrefixScorer` on the client (the same
-  floats as the server-side scorer).
-- add: request keys go to their shards, each engine -> request mapping to the engine key's
-  shard (so the most recent mapping of an engine key is decided in one place).
-- evict by engine key: read the mapping (engine key's shard), evict from each request key
-  (request keys' shards) and probe whether each still holds an entry, then drop the mapping
-  with a compare-and-delete (``unmap``) if none does. Three waves instead of one atomic step.
-- apply_batch: the batch is cut into steps (runs of adds and request-key evicts; runs of
-  engine-key evicts). With a watermark, every shard gets the first step as part 1 of a
-  fenced batch (the fence of ``lua/apply_batch.lua``, in ``lua/includes/fence.lua``): a shard
-  whose watermark is at or past the batch skips it, and later steps run only on the shards
-  that took it. A batch with more than one
-  step ends with an empty last part that advances each shard's watermark, so a batch cut short
-  (a crash) is taken again in full by the next sender (its operations are set operations).
+- score: ``score_shards``, the single-server ``score`` run on each shard: each shard scores its
+  own pods over the whole chain (a pod's prefix is in its shard), so the replies merge by union
+  into exactly the floats one server gives (:class:`~kvredis.scoring.LongestPrefixScorer`'s).
+  One round trip per involved node; a chain longer than one call's keys goes in parts, each
+  shard going on from where its pods got.
+- lookup: a key's entries are spread over the shards of the pods holding it, and the chain
+  ends at the first key no shard holds. Each shard walks to its first miss (``lookup_union``);
+  the farthest of them is where the chain may end, so the shards that stopped before it walk
+  again, passing over their misses up to it, and stop at their first miss at or after it;
+  until every shard stops at the same key. One wave when the shards stop together (the pods
+  holding a chain hold a prefix of it), a second for the others.
+- get_request_key: every shard's mapping of the engine key (each shard keeps the mappings its
+  pods' adds made): the first shard's that has one.
+- clear: on the pod's shard only, the single-server clear (mappings included).
+
+While a namespace of the key layout is being converted (:mod:`.migrate`) a pod's entries may be
+in several shards: a score is then the client's :class:`~kvredis.scoring.LongestPrefixScorer`
+over the lookup, which merges every shard's entries.
 """
 
 from __future__ import annotations
 
-import secrets
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from kvredis.checks import (
@@ -45,216 +39,335 @@ from kvredis.checks import (
     pod_filter,
 )
 from kvredis.errors import (
-    BackendUnavailableError,
+    EngineKeyNotFoundError,
     InvalidInputError,
+    StaleNamespaceError,
+    translate,
 )
 from kvredis.index import ClearProgress
+from kvredis.redis.cluster.calls import NodeCall, group_shards, op_node_calls, op_slot_map
 from kvredis.redis.cluster.core import (
-    MAPPING_PAGE,
     ClusterCore,
-    group_by_node,
     on_every_shard,
     on_shards,
     slot_command,
 )
-from kvredis.redis.cluster.routing import (
-    SlotCommand,
-    WaveOp,
-    op_refresh,
-    op_wave,
-)
-from kvredis.redis.cluster.shards import (
-    descriptor_key,
-    shard_slot,
-    shards_of,
-)
-from kvredis.redis.cluster.writes import op_node_writes, unmap_mappings
-from kvredis.redis.codec import blob_hashes, hash_blob, pack_hashes
+from kvredis.redis.cluster.routing import WaveOp
+from kvredis.redis.cluster.shards import descriptor_key, shard_slot
+from kvredis.redis.codec import bytes_text, hash_field, pack_hashes, text_bytes
 from kvredis.redis.ops import (
     DEFAULT_CLEAR_FIELDS_PER_CALL,
-    LOOKUP_KEYS_PER_CALL,
-    batch_fence,
-    op_clear_passes,
+    SCORE_KEYS_PER_CALL,
+    op_clear,
     op_drop_namespace,
-    op_get_request_key,
-    op_lookup,
-    op_reclaim,
+    op_score,
     pod_args,
-    read_lookup_reply,
+    read_score_reply,
     score_weights,
-    walk_cut,
 )
-from kvredis.redis.requests import (
-    Command,
-    ErrorReply,
-    Op,
-    Pipeline,
-    ScriptCall,
-)
+from kvredis.redis.requests import Arg, Op, ScriptCall
 from kvredis.redis.state import CoreState, EntryCache
-from kvredis.scoring import LongestPrefixScorer
+from kvredis.scoring import UNKNOWN_TIER_WEIGHT, LongestPrefixScorer
 from kvredis.types import Keys, PodEntry
 
 T = TypeVar("T")
 
 
-# -- reads -------------------------------------------------------------------------------------
+# -- lookup ------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class ShardWalk:
+    """How far one shard's walk of a chain got (positions 0-based).
+
+    ``start``: where its next walk begins; ``miss``: the first key it does not hold at or after
+    the position it was last asked to pass over misses up to (None: not known yet, or its walk
+    was cut at the work limit); ``end``: it walked to the chain's end."""
+
+    start: int = 0
+    miss: int | None = None
+    end: bool = False
+
+
+@dataclass(slots=True)
+class UnionLookup:
+    """The merge of the shards' walks of one chain: every shard's hits by position."""
+
+    keys: Sequence[int]
+    walks: dict[int, ShardWalk]
+    #: position -> the entries shards reported there, in shard order
+    hits: dict[int, list[tuple[PodEntry, ...]]] = field(default_factory=dict)
+
+    @property
+    def frontier(self) -> int:
+        """The farthest stop known: every key before it is held by some shard."""
+        stops = [len(self.keys) if w.end else w.miss for w in self.walks.values()]
+        return max((s for s in stops if s is not None), default=0)
+
+    def due(self) -> dict[int, tuple[int, int]]:
+        """The shards to walk (again), with the position to start from and the position up to
+        which they pass over their misses."""
+        upto = self.frontier
+        out: dict[int, tuple[int, int]] = {}
+        for shard, walk in self.walks.items():
+            if walk.end:
+                continue
+            if walk.miss is None:
+                out[shard] = (walk.start, max(upto, walk.start))
+            elif walk.miss < upto:
+                out[shard] = (walk.miss + 1, upto)
+        return out
+
+    def take(self, shard: int, cache: EntryCache, reply: Sequence[Any]) -> None:
+        """Take in one shard's ``lookup_union`` reply."""
+        cache.learn(reply[1], int(reply[0]))
+        holders = cache.holders
+        for i in range(4, len(reply) - 1, 2):
+            at = int(reply[i]) - 1
+            pairs = reply[i + 1]
+            for j in range(0, len(pairs) - 1, 2):
+                n, held = int(pairs[j]), holders(pairs[j + 1])
+                if held:
+                    for p in range(at, at + n):
+                        self.hits.setdefault(p, []).append(held)
+                at += n
+        how, where = int(reply[2]), int(reply[3]) - 1
+        walk = self.walks[shard]
+        walk.start, walk.miss, walk.end = where, None, False
+        if how == 0:
+            walk.miss = where
+        elif how == 2:
+            walk.end = True
+
+    def result(self) -> dict[int, list[PodEntry]]:
+        """Entries per key, in chain order, up to the first key no shard holds."""
+        out: dict[int, list[PodEntry]] = {}
+        for position, key in enumerate(self.keys[: self.frontier]):
+            found = self.hits.get(position)
+            if not found:
+                break
+            if len(found) == 1:
+                out[key] = list(found[0])
+            else:
+                out[key] = list(dict.fromkeys(e for held in found for e in held))
+        return out
+
+
+def _union_shard_args(state: CoreState, start: int, upto: int) -> tuple[list[Arg], EntryCache]:
+    layout, cache = state.snapshot()
+    args: list[Arg] = [
+        *(layout.meta, layout.pi, layout.pp, layout.sx),
+        *(layout.gen, layout.rprefix, layout.bucket_bits, cache.floor, start + 1, upto + 1),
+    ]
+    return args, cache
+
+
+def _union_walk_factory(
+    chain: bytes, filter_args: list[Arg], start: int, upto: int
+) -> Callable[[CoreState], Op[tuple[EntryCache, list[Any]]]]:
+    """One shard's walk by the per-shard path (``lookup_union`` of one shard)."""
+
+    def factory(state: CoreState) -> Op[tuple[EntryCache, list[Any]]]:
+        args, cache = _union_shard_args(state, start, upto)
+        layout = state.layout
+        keys = (layout.meta, layout.pi, layout.pp, layout.sx)
+        (reply,) = yield ScriptCall("lookup_union", keys, [*filter_args, chain, *args], read=True)
+        if not isinstance(reply, list):
+            raise StaleNamespaceError("the shard's generation changed")
+        return cache, reply
+
+    return factory
 
 
 def op_cluster_lookup(
-    core: ClusterCore, request_keys: Keys, pod_identifier_set: Any, shared: bool = False
-) -> WaveOp[dict[int, Any]]:
-    """``Index.lookup`` over the shards: waves of one ``lookup_shards`` call per involved node
-    (:func:`op_shard_lookups`), each call walking at most :data:`LOOKUP_KEYS_PER_CALL` keys
-    (its shards share them); a shard's next part is sent only while its keys hit and come
-    before the first miss found so far. ``shared``: keys holding the same entries share one
-    tuple (for the scorer) instead of a list each."""
-    keys, _ = pack_hashes(request_keys, "request key")
+    core: ClusterCore, request_keys: Keys, pod_identifier_set: Any
+) -> WaveOp[dict[int, list[PodEntry]]]:
+    """``Index.lookup`` over the shards (see the module docstring)."""
+    keys, chain = pack_hashes(request_keys, "request key")
     pods = pod_filter(pod_identifier_set)
     if not keys:
         return {}
-    shards = shards_of(keys, core.count)
-    groups: dict[int, list[int]] = {}
-    places: dict[int, list[int]] = {}  # shard -> the chain position of each of its keys
-    for place, (key, shard) in enumerate(zip(keys, shards, strict=True)):
-        groups.setdefault(shard, []).append(key)
-        places.setdefault(shard, []).append(place)
-    walked = dict.fromkeys(groups, 0)
-    horizon = len(keys)  # the chain position of the first miss found so far
-    hits: dict[int, Any] = {}
-    while True:
-        going = [s for s in groups if walked[s] < len(groups[s]) and places[s][walked[s]] < horizon]
-        if not going:
-            break
-        per = yield from _keys_per_shard(core, going)
-        parts = {s: groups[s][walked[s] : walked[s] + per] for s in going}
-        found = yield from op_shard_lookups(core, parts, pods, shared)
-        for shard, part in parts.items():
-            got = found.get(shard, {})  # a key is found only by its own shard
-            hits.update(got)
-            n = next((i for i, key in enumerate(part) if key not in got), len(part))
-            if n < len(part):  # the shard's first miss: the chain ends there at the latest
-                horizon = min(horizon, places[shard][walked[shard] + n])
-                walked[shard] = len(groups[shard])
-            else:
-                walked[shard] += n
-    merged: dict[int, Any] = {}
-    for key in keys:
-        entries = hits.get(key)
-        if entries is None:
-            break
-        merged[key] = entries
-    return merged
-
-
-def _keys_per_shard(core: ClusterCore, shards: Sequence[int]) -> WaveOp[int]:
-    """How many keys each of ``shards`` may walk in the next wave, so that the shards one node
-    holds walk at most :data:`LOOKUP_KEYS_PER_CALL` keys together (at least one each)."""
-    slot_map = core.cluster.slot_map or (yield from op_refresh(core.cluster, core.policy.server))
-    per_node: dict[Any, int] = {}
-    for shard in shards:
-        try:
-            node: Any = slot_map.primary(core.slots[shard])
-        except BackendUnavailableError:  # no owner known yet: the per-shard path finds it
-            node = None
-        per_node[node] = per_node.get(node, 0) + 1
-    return max(1, LOOKUP_KEYS_PER_CALL // max(per_node.values()))
-
-
-
-
-def op_shard_lookups(
-    core: ClusterCore,
-    groups: Mapping[int, list[int]],
-    pods: frozenset[str] | None,
-    shared: bool = False,
-) -> WaveOp[dict[int, dict[int, Any]]]:
-    """Each shard's part of a chain walked, as ``{shard: {key: entries}}`` (hits up to the
-    shard's first miss).
-
-    The shards a node holds are walked by one ``lookup_shards`` call, so a wave costs one script
-    call per node, not per shard. The slot map the calls are grouped by may be out of date
-    (a slot moved, a failover): a call that meets a redirection or a failure, and a shard
-    whose generation changed, are walked again by the per-shard path (:func:`op_parallel`,
-    which follows redirections, reloads scripts and namespaces and retries)."""
-    read = core.read_from_replicas
-    pick = core.pick()
-    slot_map = core.cluster.slot_map or (yield from op_refresh(core.cluster, core.policy.server))
-    by_node, unmapped = group_by_node(
-        core, groups, lambda slot: slot_map.reader(slot, pick) if read else slot_map.primary(slot)
-    )
+    shards = core.pods_shards(pods)
+    if not shards:
+        return {}
+    merge = UnionLookup(keys, {shard: ShardWalk() for shard in shards})
     filter_args = pod_args(pods)
-    commands: list[SlotCommand] = []
-    plan: list[list[tuple[int, EntryCache]]] = []
-    for shards in by_node.values():
-        call_keys: list[Any] = []
-        call_args: list[Any] = [*filter_args]
-        caches = []
-        for shard in shards:
-            layout, cache = core.state(shard).snapshot()
-            names = (layout.meta, layout.pi, layout.pp, layout.sx)
-            call_keys = call_keys or list(names)
-            call_args += (*names, layout.gen, layout.rprefix, layout.bucket_bits, cache.floor)
-            part = groups[shard]  # checked by the caller
-            call_args.append(hash_blob(part))
-            caches.append((shard, cache))
-        call = core.registry.evalsha(ScriptCall("lookup_shards", call_keys, call_args))
-        commands.append(SlotCommand(core.slots[shards[0]], call.args))
-        plan.append(caches)
-    try:
-        replies = yield from op_wave(core.cluster, commands, core.fast_policy, read=read, pick=pick)
-    except BackendUnavailableError:  # a redirection or a node in trouble: the careful path
-        replies = [None] * len(commands)
-    results: dict[int, dict[int, Any]] = {}
-    again: list[int] = list(unmapped)
-    reload: list[int] = []
-    for caches, reply in zip(plan, replies, strict=True):
-        if not isinstance(reply, list):
-            if isinstance(reply, ErrorReply) and core.registry.missing(reply.message):
-                reload.append(caches[0][0])
-            again += (shard for shard, _ in caches)
-            continue
-        for (shard, cache), part in zip(caches, reply, strict=True):
-            if not isinstance(part, list) or walk_cut(part):
-                # "STALE": the shard is reloaded on the way; a walk stopped at its work
-                # limit: the per-shard lookup walks on in parts
-                again.append(shard)
+    pick = core.pick()
+    while True:
+        due = merge.due()
+        if not due:
+            break
+        slot_map = yield from op_slot_map(core)
+        by_node, again = group_shards(core, due, core.reader(slot_map, pick))
+        calls: list[NodeCall] = []
+        caches: list[list[EntryCache]] = []
+        for node_shards in by_node.values():
+            first = core.state(node_shards[0]).layout
+            args: list[Arg] = [*filter_args, chain]
+            node_caches = []
+            for shard in node_shards:
+                shard_args, cache = _union_shard_args(core.state(shard), *due[shard])
+                args += shard_args
+                node_caches.append(cache)
+            names = (first.meta, first.pi, first.pp, first.sx)
+            walk = ScriptCall("lookup_union", names, args, read=True)
+            calls.append(NodeCall(core.slots[node_shards[0]], walk, tuple(node_shards)))
+            caches.append(node_caches)
+        replies = yield from op_node_calls(core, calls, read=True, pick=pick)
+        for node_call, node_caches, reply in zip(calls, caches, replies, strict=True):
+            if reply is None:
+                again += node_call.items
                 continue
-            found: dict[int, Any] = {}
-            read_lookup_reply(cache, part, groups[shard], 0, found, shared)
-            results[shard] = found
-    if reload:
-        load = core.registry.load("lookup_shards", read)  # a function library: on primaries
-        commands = [SlotCommand(core.slots[shard], load.args) for shard in reload]
-        yield from op_wave(core.cluster, commands, core.wave_policy, read=load.read, pick=pick)
-    if again:
-        factories = {shard: _lookup_factory(groups[shard], pods) for shard in again}
-        results.update((yield from on_shards(core, factories, read=True)))
-    return results
+            for shard, cache, part in zip(node_call.items, node_caches, reply, strict=True):
+                if isinstance(part, list):
+                    merge.take(shard, cache, part)
+                else:
+                    again.append(shard)  # "STALE": the per-shard path reloads the shard
+        if again:
+            factories = {s: _union_walk_factory(chain, filter_args, *due[s]) for s in again}
+            found = yield from on_shards(core, factories, read=True)
+            for shard, (cache, reply) in found.items():
+                merge.take(shard, cache, reply)
+    return merge.result()
 
 
-def _lookup_factory(
-    keys: list[int], pods: frozenset[str] | None
-) -> Callable[[CoreState], Op[dict[int, list[PodEntry]]]]:
-    return lambda state: op_lookup(state, keys, pods)
+# -- score -------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class ShardScore:
+    """One shard's scores over a chain walked in parts: its pods' scores so far, where its
+    next part starts, and the pods still holding every key walked (None: done)."""
+
+    scores: dict[bytes, float] = field(default_factory=dict)
+    start: int = 0
+    carried: list[Arg] = field(default_factory=lambda: [0])
+    done: bool = False
+
+
+def _score_shard_args(state: CoreState, shard: ShardScore) -> list[Arg]:
+    layout = state.layout
+    args: list[Arg] = [
+        *(layout.meta, layout.pi, layout.pp, layout.sx),
+        *(layout.gen, layout.rprefix, layout.bucket_bits),
+        *shard.carried,
+    ]
+    return [len(args), *args]
+
+
+def _score_factory(
+    keys: list[int], weights: Any, pods: frozenset[str] | None
+) -> Callable[[CoreState], Op[dict[str, float]]]:
+    """One shard's whole score by the per-shard path (the single-server ``score``)."""
+    return lambda state: op_score(state, keys, weights, pods)
 
 
 def op_cluster_score(
     core: ClusterCore, request_keys: Keys, medium_weights: Any, pod_identifier_set: Any
 ) -> WaveOp[dict[str, float]]:
-    """Per-pod longest-prefix scores: the cluster lookup, scored on the client."""
-    scorer = LongestPrefixScorer(score_weights(medium_weights))
-    keys, _ = pack_hashes(request_keys, "request key")
-    found = yield from op_cluster_lookup(core, keys, pod_identifier_set, shared=True)
-    return scorer.score(keys, found)
+    """Per-pod longest-prefix scores (see the module docstring): the same floats as
+    :class:`~kvredis.scoring.LongestPrefixScorer`."""
+    keys, chain = pack_hashes(request_keys, "request key")
+    pods = pod_filter(pod_identifier_set)
+    weights = score_weights(medium_weights)
+    if not keys:
+        return {}
+    if not core.by_pod:  # a pod's entries may be in several shards: merge, then score
+        found = yield from op_cluster_lookup(core, keys, pods)
+        return LongestPrefixScorer(weights).score(keys, found)
+    shards = core.pods_shards(pods)
+    if not shards:
+        return {}
+    common: list[Arg] = [*pod_args(pods), len(weights)]
+    for tier, weight in weights.items():
+        common += (text_bytes(tier), repr(float(weight)))
+    common.append(repr(float(UNKNOWN_TIER_WEIGHT)))
+    states = {shard: ShardScore() for shard in shards}
+    careful: dict[int, dict[str, float]] = {}
+    pick = core.pick()
+    pending = list(shards)
+    while pending:
+        slot_map = yield from op_slot_map(core)
+        by_node, again = group_shards(core, pending, core.reader(slot_map, pick))
+        calls: list[NodeCall] = []
+        for node_shards in by_node.values():
+            for start in dict.fromkeys(states[s].start for s in node_shards):
+                group = [s for s in node_shards if states[s].start == start]
+                first = core.state(group[0]).layout
+                args: list[Arg] = [len(group)]
+                for shard in group:
+                    args += _score_shard_args(core.state(shard), states[shard])
+                args += common
+                args.append(chain[start * 8 : (start + SCORE_KEYS_PER_CALL) * 8])
+                names = (first.meta, first.pi, first.pp, first.sx)
+                score = ScriptCall("score_shards", names, args, read=True)
+                calls.append(NodeCall(core.slots[group[0]], score, tuple(group)))
+        replies = yield from op_node_calls(core, calls, read=True, pick=pick)
+        pending = []
+        for node_call, reply in zip(calls, replies, strict=True):
+            if reply is None:
+                again += node_call.items
+                continue
+            for shard, part in zip(node_call.items, reply, strict=True):
+                if not isinstance(part, list):
+                    message = bytes(part).decode("utf-8", "replace")
+                    if not message.startswith("KVREDIS_STALE"):
+                        raise translate(message)
+                    again.append(shard)
+                    continue
+                state = states[shard]
+                walked, cut, live = read_score_reply(part, state.scores)
+                piece = min(SCORE_KEYS_PER_CALL, len(keys) - state.start)
+                state.start += walked
+                if live and walked and (cut or walked == piece) and state.start < len(keys):
+                    state.carried = [len(live)]
+                    for pod in live:
+                        state.carried += (pod, repr(state.scores[pod]))
+                    pending.append(shard)
+        if again:
+            factories = {s: _score_factory(keys, weights, pods) for s in again}
+            careful.update((yield from on_shards(core, factories, read=True)))
+            for shard in again:
+                states[shard].done = True
+    out: dict[str, float] = {}
+    for shard, state in states.items():
+        scored = (
+            careful[shard]
+            if state.done
+            else {bytes_text(name): value for name, value in state.scores.items()}
+        )
+        for pod_id, value in scored.items():
+            known = out.get(pod_id)
+            out[pod_id] = value if known is None else max(known, value)
+    return out
+
+
+# -- engine keys ---------------------------------------------------------------------------------
+
+
+def _request_key_factory(key: int) -> Callable[[CoreState], Op[int | None]]:
+    def factory(state: CoreState) -> Op[int | None]:
+        layout = state.layout
+        reply = yield ScriptCall(
+            "request_key",
+            (layout.meta,),
+            (layout.gen, layout.eprefix, layout.bucket_bits, hash_field(key)),
+        )
+        return None if reply is None else int.from_bytes(reply, "big")
+
+    return factory
 
 
 def op_cluster_get_request_key(core: ClusterCore, engine_key: int) -> WaveOp[int]:
-    """``Index.get_request_key``: one call on the engine key's shard."""
+    """``Index.get_request_key``: the mapping of the engine key in every shard, in one wave;
+    the lowest-numbered shard's that has one (in the key layout: the engine key's shard's)."""
     key = check_hash(engine_key, "engine key")
-    shard = core.shard(key)
-    found = yield from on_shards(core, {shard: lambda s: op_get_request_key(s, key)})
-    return found[shard]
+    shards = range(core.count) if core.by_pod else [core.shard(key)]
+    found = yield from on_shards(core, {s: _request_key_factory(key) for s in shards})
+    for shard in sorted(found):
+        if found[shard] is not None:
+            return int(found[shard])  # type: ignore[arg-type]
+    raise EngineKeyNotFoundError(key)
 
 
 # -- clear and drop ----------------------------------------------------------------------------
@@ -267,104 +380,19 @@ def op_cluster_clear(
     fields_per_call: int = DEFAULT_CLEAR_FIELDS_PER_CALL,
     selection: EntrySelection | None = None,
 ) -> WaveOp[int]:
-    """``Index.clear`` on every shard in parallel (each pages its own keys on its node), then
-    one pass over the engine mappings: a mapping none of whose request keys holds an entry any
-    more is dropped. The pairs removed. With ``selection`` (``clear_entries``) each shard
-    removes only the pod's entries it matches."""
-    done: dict[int, tuple[int, int]] = {}
-
-    def reporter(shard: int) -> ClearProgress:
-        def report(keys: int, removed: int) -> None:
-            done[shard] = (keys, removed)
-            if progress is not None:
-                progress(sum(d[0] for d in done.values()), sum(d[1] for d in done.values()))
-
-        return report
-
-    check_pod_identifier(pod_identifier)
+    """``Index.clear``: the single-server clear on the pod's shard (its entries, and the
+    mappings left without holders there); the pairs removed. With ``selection``
+    (``clear_entries``) only the pod's entries it matches."""
+    pod = check_pod_identifier(pod_identifier)
     if progress is not None and not callable(progress):
         raise InvalidInputError(f"progress must be a callable(done, removed), got {progress!r}")
-    factories = {
-        shard: _clear_factory(pod_identifier, reporter(shard), fields_per_call, selection)
-        for shard in range(core.count)
-    }
-    cleared = yield from on_shards(core, factories)
-    retired = {shard: ids for shard, (_n, ids) in cleared.items() if ids}
-    if retired:  # the mapping pass, then the reclaim: a clear cut short before it runs it again
-        yield from op_clear_mappings(core)
-        yield from on_shards(
-            core, {shard: _reclaim_factory(pod_identifier, ids) for shard, ids in retired.items()}
-        )
-    return sum(n for n, _ids in cleared.values())
+    shard = core.pod_shard(pod)
 
+    def factory(state: CoreState) -> Op[int]:
+        return op_clear(state, pod, progress, fields_per_call, True, selection)
 
-def _clear_factory(
-    pod: str, report: ClearProgress, per_call: int, selection: EntrySelection | None
-) -> Callable[[CoreState], Op[tuple[int, bytes]]]:
-    return lambda state: op_clear_passes(
-        state, pod, report, per_call, mappings=False, selection=selection
-    )
-
-
-def _reclaim_factory(pod: str, ids: bytes) -> Callable[[CoreState], Op[None]]:
-    return lambda state: op_reclaim(state, pod, ids)
-
-
-def op_clear_mappings(core: ClusterCore) -> WaveOp[int]:
-    """Drop every engine mapping none of whose request keys holds an entry; the number
-    dropped. Each shard pages its engine buckets; a page's request keys are probed on their
-    shards in one wave, and the mappings left without holders are dropped (compare-and-delete)."""
-    dropped = 0
-    for shard in range(core.count):
-        cursor: int | None = None
-        while cursor != 0:
-            page = yield from on_shards(core, {shard: _mapping_page(cursor or 0)})
-            cursor, mappings = page[shard]
-            if not mappings:
-                continue
-            wanted = {k for mapping in mappings.values() for k in blob_hashes(mapping)}
-            held = yield from _probe(core, wanted)
-            drops = [
-                (e, m) for e, m in mappings.items() if not any(k in held for k in blob_hashes(m))
-            ]
-            if drops:
-                dropped += yield from unmap_mappings(core, {shard: drops})
-    return dropped
-
-
-def _mapping_page(cursor: int) -> Callable[[CoreState], Op[tuple[int, dict[int, bytes]]]]:
-    def op(state: CoreState) -> Op[tuple[int, dict[int, bytes]]]:
-        layout = state.layout
-        next_cursor, keys = yield Command(
-            ("SCAN", cursor, "MATCH", layout.engine_pattern(), "COUNT", MAPPING_PAGE)
-        )
-        mappings: dict[int, bytes] = {}
-        if keys:
-            replies = yield Pipeline(tuple(Command(("HGETALL", k)) for k in keys))
-            for reply in replies:
-                for field, value in _hash_items(reply):
-                    if len(field) == 8 and value and len(value) % 8 == 0:
-                        mappings[int.from_bytes(field, "big")] = value
-        return int(next_cursor), mappings
-
-    return op
-
-
-def _hash_items(reply: Any) -> list[tuple[bytes, bytes]]:
-    """The (field, value) pairs of an HGETALL reply (a flat list, or a map in RESP3)."""
-    if isinstance(reply, dict):
-        return [(bytes(k), bytes(v)) for k, v in reply.items()]
-    if isinstance(reply, (list, tuple)):
-        return [(bytes(reply[i]), bytes(reply[i + 1])) for i in range(0, len(reply) - 1, 2)]
-    return []
-
-
-def _probe(core: ClusterCore, keys: Iterable[int]) -> WaveOp[set[int]]:
-    """Which of the request keys hold an entry (stored inline or in a run)."""
-    _, held = yield from op_node_writes(
-        core, {}, batch_fence(None, None), secrets.token_hex(8), probes=core.by_shard(keys)
-    )
-    return held
+    done = yield from on_shards(core, {shard: factory})
+    return done[shard]
 
 
 def op_cluster_drop(core: ClusterCore) -> WaveOp[int]:
@@ -372,4 +400,5 @@ def op_cluster_drop(core: ClusterCore) -> WaveOp[int]:
     deleted = yield from on_every_shard(core, op_drop_namespace)
     desc = descriptor_key(core.namespace)
     removed = yield from slot_command(core, shard_slot(desc.decode()), "DEL", desc)
+    core.stream_homes.clear()
     return sum(deleted.values()) + int(removed)

@@ -190,8 +190,11 @@ def op_wave(
     policy: WavePolicy,
     read: bool = False,
     pick: int = 0,
+    spread: bool = False,
 ) -> WaveOp[list[Any]]:
-    """Send ``commands`` in parallel waves until each has its reply; the replies in order."""
+    """Send ``commands`` in parallel waves until each has its reply; the replies in order.
+    A read wave (``read``) goes to replica number ``pick`` of each slot (``spread``: node
+    number ``pick`` of the slot's primary and replicas)."""
     slot_map = state.slot_map or (yield from op_refresh(state, policy.server))
     results: list[Any] = [None] * len(commands)
     # position -> (node, asking); None: the slot map decides
@@ -200,7 +203,7 @@ def op_wave(
     waited = 0.0
     while targets:
         try:
-            batches, positions = _plan(commands, targets, slot_map, read, pick)
+            batches, positions = _plan(commands, targets, slot_map, read, pick, spread)
         except BackendUnavailableError as exc:  # a slot no node serves (yet)
             failure: Failure = ConnectionLost(str(exc))
             slot_map = yield from _backoff(state, policy, attempt, failure)
@@ -278,6 +281,7 @@ def _plan(
     slot_map: SlotMap,
     read: bool,
     pick: int,
+    spread: bool = False,
 ) -> tuple[tuple[NodeBatch, ...], list[list[int | None]]]:
     """The batches of the next wave, and per batch the position of each command (None for
     the ASKING / READONLY commands the plan adds)."""
@@ -286,7 +290,7 @@ def _plan(
     for position, target in targets.items():
         slot = commands[position].slot
         if target is None:
-            node = slot_map.reader(slot, pick) if read else slot_map.primary(slot)
+            node = slot_map.reader(slot, pick, spread) if read else slot_map.primary(slot)
             asking = False
         else:
             node, asking = target

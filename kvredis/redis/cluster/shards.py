@@ -1,4 +1,5 @@
-"""How a namespace is spread over a cluster: its shards, their names and slots (sans-IO).
+"""How a namespace is spread over a cluster: its shards, their names and slots, and which
+shard holds what (sans-IO).
 
 A cluster namespace ``<ns>`` is ``count`` shards. Shard ``i`` is a complete namespace of the
 single-server layout (:mod:`kvredis.redis.layout`) whose name carries a hash tag,
@@ -7,28 +8,41 @@ lives in one slot and one script call on one node can run the unchanged Lua comm
 The suffix ``j`` is the smallest that puts the tag's slot in the middle half of the ``i``-th of
 ``count`` equal slices of the slot space, so the shards are spread evenly over the nodes of any
 cluster whose primaries own contiguous slot ranges (what ``redis-cli --cluster create`` and
-resharding by ranges give).
+resharding by ranges give). Resharding moves whole slots, so it moves whole shards.
 
-A request key, and an engine key, belong to shard ``shard_of(key)``: a multiplicative hash of
-the 64-bit key (independent of the bucket bits, which use the key's low bits). A chain's keys
-are therefore spread over every shard, each shard holding its share of the chain in chain order
-(so chain runs still form within a shard), and an engine key's mapping lives in its own shard.
-Resharding moves whole slots, so it moves whole shards, and a shard is never split.
+Which shard holds what is the layout of the namespace, named in its descriptor ``<ns>:cluster``
+(a HASH: ``layout``, ``shards``; the first client writes it with HSETNX, later clients adopt
+it):
 
-The descriptor ``<ns>:cluster`` (a HASH: ``layout``, ``shards``) fixes the shard count for
-every client: the first client writes it (HSETNX), later clients adopt it.
+- :data:`CLUSTER_LAYOUT` (``kvredis-cluster/2``, pods): everything of one pod lives in the
+  shard :func:`pod_shard` names (a hash of the pod id): its entries under every request key it
+  holds, the engine-key mappings its adds record, its streams' watermarks, its speculative
+  entries. A write of one pod is one script call on one node; a request key held by pods of
+  several shards is stored once in each of them.
+- :data:`KEY_LAYOUT` (``kvredis-cluster/1``, keys, kvredis before pod placement): a request
+  key, and an engine key's mapping, live in shard :func:`shard_of` (a multiplicative hash of the
+  64-bit key), whatever pod holds them. ``kvredis migrate`` converts such a namespace in place
+  (:mod:`kvredis.redis.cluster.migrate`); until then this kvredis reads and writes it as one
+  being converted.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from kvredis.errors import InvalidInputError, NamespaceLayoutError
 from kvredis.redis.cluster.slots import SLOT_COUNT, key_slot
 
-#: The layout of the cluster descriptor this client writes and reads.
-CLUSTER_LAYOUT = "kvredis-cluster/1"
+#: The layout of the cluster namespaces this client creates: shards by pod.
+CLUSTER_LAYOUT = "kvredis-cluster/2"
+#: The layout of kvredis before pod placement (shards by key), which ``kvredis migrate``
+#: converts (this client reads and writes it as a namespace being converted).
+KEY_LAYOUT = "kvredis-cluster/1"
+#: Every cluster layout this client reads.
+CLUSTER_LAYOUTS = (KEY_LAYOUT, CLUSTER_LAYOUT)
 #: Shards of a new cluster namespace unless configured otherwise.
 DEFAULT_SHARDS = 6
 #: The largest shard count (each shard costs one script call per operation that touches it).
@@ -87,7 +101,7 @@ def shard_slot(name: str) -> int:
 
 
 def shard_of(key: int, count: int) -> int:
-    """The shard of a 64-bit request or engine key."""
+    """The shard of a 64-bit request or engine key in a namespace of :data:`KEY_LAYOUT`."""
     return (((key * _MIX) & _MASK) >> 32) % count
 
 
@@ -96,15 +110,43 @@ def shards_of(keys: Sequence[int], count: int) -> list[int]:
     return [(((key * _MIX) & _MASK) >> 32) % count for key in keys]
 
 
-def parse_descriptor(reply: object, namespace: str) -> int | None:
-    """The shard count from ``HMGET <ns>:cluster layout shards`` (None: no descriptor yet)."""
+@functools.lru_cache(maxsize=65536)
+def pod_shard(pod: str, count: int) -> int:
+    """The shard of every entry of pod ``pod`` (a hash of its id: BLAKE2b, 8 bytes, of the id in
+    UTF-8, big-endian, modulo ``count``), in a namespace of :data:`CLUSTER_LAYOUT`."""
+    digest = hashlib.blake2b(pod.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % count
+
+
+def stream_shard(stream: str, count: int) -> int:
+    """The shard a fenced batch without entries goes to when its stream's shard is unknown
+    (the same hash as :func:`pod_shard`)."""
+    return pod_shard(stream, count)
+
+
+@dataclass(frozen=True, slots=True)
+class Descriptor:
+    """A cluster namespace's descriptor: its layout, its shard count, and, while ``kvredis
+    migrate`` converts it, how far the conversion got (:mod:`kvredis.redis.cluster.migrate`)."""
+
+    layout: str
+    shards: int
+
+    @property
+    def by_pod(self) -> bool:
+        """Whether every shard holds whole pods (:data:`CLUSTER_LAYOUT`)."""
+        return self.layout == CLUSTER_LAYOUT
+
+
+def parse_descriptor(reply: object, namespace: str) -> Descriptor | None:
+    """The descriptor from ``HMGET <ns>:cluster layout shards`` (None: no descriptor yet)."""
     if not isinstance(reply, (list, tuple)) or len(reply) != 2:
         raise NamespaceLayoutError(f"unexpected cluster descriptor reply {reply!r}")
     layout, shards = reply
     if layout is None and shards is None:
         return None
     text = bytes(layout or b"").decode("utf-8", "replace")
-    if text != CLUSTER_LAYOUT:
+    if text not in CLUSTER_LAYOUTS:
         family, _, number = CLUSTER_LAYOUT.rpartition("/")
         found_family, _, found = text.rpartition("/")
         if found_family == family and found.isdigit() and int(found) > int(number):
@@ -119,7 +161,7 @@ def parse_descriptor(reply: object, namespace: str) -> int | None:
         )
     count = bytes(shards or b"").decode("utf-8", "replace")
     try:
-        return check_shards(int(count))
+        return Descriptor(text, check_shards(int(count)))
     except (ValueError, InvalidInputError) as exc:
         raise NamespaceLayoutError(
             f"cluster namespace {namespace!r} has an invalid shard count {count!r}"

@@ -85,13 +85,18 @@ class SlotMap:
         """The primary serving ``slot``."""
         return self.range_of(slot).primary
 
-    def reader(self, slot: int, pick: int = 0) -> ClusterNode:
+    def reader(self, slot: int, pick: int = 0, spread: bool = False) -> ClusterNode:
         """A node to read ``slot`` from: replica number ``pick`` (modulo their number), or the
-        primary when the slot has no healthy replica."""
+        primary when the slot has no healthy replica; with ``spread``, node number ``pick`` of
+        the primary and its healthy replicas."""
         slot_range = self.range_of(slot)
-        if not slot_range.replicas:
+        replicas = slot_range.replicas
+        if spread:
+            index = pick % (len(replicas) + 1)
+            return replicas[index - 1] if index else slot_range.primary
+        if not replicas:
             return slot_range.primary
-        return slot_range.replicas[pick % len(slot_range.replicas)]
+        return replicas[pick % len(replicas)]
 
     @property
     def primaries(self) -> tuple[ClusterNode, ...]:

@@ -1,16 +1,37 @@
-"""The cluster index's writes as sans-IO wave operations: adds and evicts (one script call per
-involved node, each shard's part fenced by its own watermark, :func:`op_node_writes`), evicts by
-engine key in three waves, fenced batches in steps, watermarks (see :mod:`.ops` for the
-design)."""
+"""The cluster index's writes as sans-IO wave operations: adds, evicts, batches and watermarks in
+a namespace placed by pod.
+
+Every write is cut into :class:`~.placement.Segment` s, one per shard its entries reach (an
+engine batch is one pod's: one segment). A segment is what one shard applies atomically, as the
+single-server index would: its ops become the single-server write programs
+(:func:`~kvredis.redis.ops.batch_programs`), parts ``1..n`` of a batch fenced by the stream's
+watermark in that shard (one part unless the segment outgrows one call's work budget). The
+segments go out as :class:`~.calls.NodeCall` s: every part one node takes in a wave travels in
+one ``apply_parts`` call (a single part: the single-server ``apply_batch`` or ``add`` call
+itself), every node's call in one wave, so a write costs one round trip and one script call per
+node it involves. What a call cannot do (the slot map is out of date, a node fails, a shard was
+recreated, a part is over budget or meets a slot being migrated) goes by the per-shard path from
+the part it reached: the single-server operations on each shard, with their redirections,
+reloads, retries and splits (:func:`~kvredis.redis.ops.op_parts`).
+
+Order and fences: a shard applies its segments in call order, each at most once (its stream's
+watermark in that shard fences it; a part sent again carries its token and is recognised).
+Segments of different shards are independent (a shard's data is its pods'), so they go in
+parallel. A batch's outcome is its deciding segment's (:mod:`.placement`); once a batch of a
+stream is not applied, the stream's later batches in the call are not applied either (reported
+False): within one node call the script stops them, and a stream whose segments are on several
+nodes goes one batch per wave.
+"""
 
 from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
-from kvredis.batch import AddOp, EvictOp, IndexOp, Watermark, check_batch, check_stream
+from kvredis.batch import AddOp, IndexOp, Watermark, check_batch, check_stream
 from kvredis.checks import (
     MAX_REQUEST_KEYS_PER_ENGINE_KEY,
     check_add,
@@ -18,41 +39,25 @@ from kvredis.checks import (
     check_hash,
     check_key_type,
     check_ttl,
-    infer_mappings,
 )
-from kvredis.errors import (
-    BackendOutOfMemoryError,
-    BackendUnavailableError,
-    CallBudgetError,
-    translate,
+from kvredis.errors import CallBudgetError, InvalidInputError, translate
+from kvredis.redis.cluster.calls import NodeCall, group_shards, op_node_calls, op_slot_map
+from kvredis.redis.cluster.core import ClusterCore, on_every_shard, on_shards
+from kvredis.redis.cluster.placement import (
+    Segment,
+    add_segments,
+    batch_segments,
+    evict_segments,
 )
-from kvredis.redis.cluster.core import (
-    UNMAP_PER_CALL,
-    ClusterCore,
-    group_by_node,
-    on_every_shard,
-    on_shards,
-    write_wave,
-)
-from kvredis.redis.cluster.routing import (
-    NON_LOCAL_KEY,
-    SlotCommand,
-    WaveOp,
-    non_local_key,
-    op_refresh,
-    op_wave,
-)
-from kvredis.redis.codec import blob_hashes, hash_field
-from kvredis.redis.layout import (
-    EXPIRING_ITEM_WIDTH,
-    Layout,
-    expiring_item_deadline,
-)
+from kvredis.redis.cluster.routing import NON_LOCAL_KEY, WaveOp
+from kvredis.redis.cluster.topology import ClusterNode
+from kvredis.redis.layout import Layout
 from kvredis.redis.ops import (
     add_call,
     batch_call,
     batch_fence,
-    op_evict,
+    batch_programs,
+    evict_call,
     op_get_watermark,
     op_parts,
     op_reset_watermark,
@@ -60,48 +65,393 @@ from kvredis.redis.ops import (
 from kvredis.redis.program import (
     CALL_BUDGET,
     Program,
-    Unit,
-    compress_pairs,
+    add_pieces,
+    piece_parents,
     program_of,
-    programs_of,
-    split_add,
 )
-from kvredis.redis.requests import (
-    Command,
-    ErrorReply,
-    Op,
-    Pipeline,
-    ScriptCall,
-)
-from kvredis.redis.session import (
-    TRANSIENT_REPLIES,
-)
+from kvredis.redis.requests import Arg, Op, ScriptCall
 from kvredis.redis.state import CoreState
 from kvredis.types import Entries, Keys, KeyType
 
-T = TypeVar("T")
+#: One batch of ``apply_batches``: its ops, stream and watermark (both None: unfenced).
+Batch = tuple[Sequence[IndexOp], str | None, Watermark | None]
 
 
-# -- writes ------------------------------------------------------------------------------------
+def segment_programs(layout: Layout, segment: Segment) -> list[Program]:
+    """The single-server write programs of a segment, each one call's part (at least one)."""
+    if not segment.ttl_ms:
+        return batch_programs(layout, segment.ops)
+    op = segment.ops[0]  # Index.add with a ttl: its pieces, one add op each (lua/add.lua)
+    assert isinstance(op, AddOp)
+    entries = list(dict.fromkeys(op.entries))
+    pieces = add_pieces(op.engine_keys, op.request_keys, entries)
+    return [
+        program_of(layout, [("A", keys, pairs, entries, parent)])
+        for (keys, pairs), parent in zip(pieces, piece_parents(pieces, None), strict=True)
+    ]
 
 
-def _add_units(
-    core: ClusterCore, engine_keys: Keys | None, request_keys: Keys, entries: Entries
-) -> dict[int, list[Unit]]:
-    """An add split into per-shard units: request keys to their shards, each mapping to the
-    engine key's shard, each piece within the call budget."""
-    ents = tuple(dict.fromkeys(entries))
-    pairs = infer_mappings(engine_keys, request_keys) if engine_keys else []
-    pairs = compress_pairs(pairs, MAX_REQUEST_KEYS_PER_ENGINE_KEY)
-    keys = core.by_shard(request_keys)
-    pairs_by: dict[int, list[tuple[int, int]]] = {}
-    for pair in pairs:
-        pairs_by.setdefault(core.shard(pair[0]), []).append(pair)
-    units: dict[int, list[Unit]] = {}
-    for shard in dict.fromkeys((*keys, *pairs_by)):
-        pieces = split_add(keys.get(shard, []), pairs_by.get(shard, []), len(ents))
-        units[shard] = [("A", part, part_pairs, ents) for part, part_pairs in pieces]
-    return units
+@dataclass(slots=True)
+class SegmentRun:
+    """A segment on its way: its parts (built from its shard's layout) and how far they got.
+
+    ``outcome`` is None while under way, then whether every part applied. ``careful``: the
+    segment goes on by the per-shard path from part ``done`` on."""
+
+    segment: Segment
+    programs: list[Program]
+    done: int = 0
+    outcome: bool | None = None
+    careful: bool = False
+
+    @property
+    def shard(self) -> int:
+        return self.segment.shard
+
+    @property
+    def stream(self) -> str | None:
+        return self.segment.stream if self.segment.fenced else None
+
+    def call(self, program: Program, part: int, parts: int, token: str) -> ScriptCall:
+        """The single-server call of one part (``apply_batch``, or ``add`` with a ttl)."""
+        segment = self.segment
+        if segment.evict:
+            return evict_call(program)
+        if segment.ttl_ms:
+            return add_call(program, segment.ttl_ms)
+        return batch_call(
+            program, batch_fence(segment.stream, segment.watermark), token, part, parts
+        )
+
+
+@dataclass(slots=True)
+class WritePlan:
+    """The segments of one write call and what is known of them: the state of the schedule
+    that sends their parts (:func:`op_write_segments`)."""
+
+    runs: list[SegmentRun]
+    token: str
+    #: stream -> the first batch of the call that was not applied (later ones are not applied)
+    stopped: dict[str, int] = field(default_factory=dict)
+    #: streams whose segments are on more than one node: one batch per wave
+    spread: set[str] = field(default_factory=set)
+    error: Exception | None = None
+
+    def pending(self) -> list[SegmentRun]:
+        """The runs under way, after settling those their stream's stop rules out."""
+        out = []
+        for run in self.runs:
+            if run.outcome is not None:
+                continue
+            stream = run.stream
+            if (
+                stream is not None
+                and self.stopped.get(stream, run.segment.batch) < run.segment.batch
+            ):
+                run.outcome = False
+                continue
+            out.append(run)
+        return out
+
+    def ready(self, run: SegmentRun, pending: Sequence[SegmentRun]) -> bool:
+        """Whether ``run`` may be sent now: the earlier batches of its stream are settled where
+        the stream is on several nodes."""
+        stream = run.stream
+        if stream is None or stream not in self.spread:
+            return True
+        batch = run.segment.batch
+        return not any(r.stream == stream and r.segment.batch < batch for r in pending)
+
+    def took(self, run: SegmentRun, applied: bool, core: ClusterCore) -> None:
+        """Record that the next part of ``run`` applied, or that its fence skipped it."""
+        if applied:
+            run.done += 1
+            if run.done == len(run.programs):
+                self.finished(run, True, core)
+        else:
+            self.finished(run, False, core)
+
+    def finished(self, run: SegmentRun, applied: bool, core: ClusterCore) -> None:
+        """Record the outcome of a whole segment."""
+        segment = run.segment
+        run.outcome = applied
+        run.careful = False
+        if applied:
+            run.done = len(run.programs)
+            if segment.decides and run.stream is not None:
+                core.stream_homes[run.stream] = segment.shard
+        else:
+            self.stop(run)
+
+    def stop(self, run: SegmentRun) -> None:
+        """A deciding segment was not applied: its stream's later batches are not either."""
+        stream = run.stream
+        if stream is not None and run.segment.decides:
+            batch = run.segment.batch
+            self.stopped[stream] = min(self.stopped.get(stream, batch), batch)
+
+    def go_careful(self, shard: int) -> None:
+        """Send every pending segment of ``shard`` by the per-shard path from now on."""
+        for run in self.runs:
+            if run.shard == shard and run.outcome is None:
+                run.careful = True
+
+    def failed(self, run: SegmentRun, message: str) -> None:
+        """A part stopped with an error reply before its first write."""
+        if message.startswith("KVREDIS_STALE") or NON_LOCAL_KEY in message:
+            self.go_careful(run.shard)  # reloads the shard, follows the slot
+            return
+        exc = translate(message)
+        if isinstance(exc, CallBudgetError):  # the per-shard path splits the part
+            self.go_careful(run.shard)
+            return
+        self.error = self.error or exc
+        run.outcome = False
+        self.stop(run)
+        self.go_careful(run.shard)  # its later segments: after it, in order
+
+
+def part_args(program: Program, part: int, parts: int, segment: Segment, token: str) -> list[Arg]:
+    """Part ``part`` of ``parts`` of a segment in an ``apply_parts`` call: its length, then
+    its arguments (see ``lua/apply_parts.lua``)."""
+    layout = program.layout
+    stream, epoch, seq = batch_fence(segment.stream, segment.watermark)
+    args: list[Arg] = [
+        *(layout.meta, layout.pe, layout.pi, layout.pp, layout.wm, layout.wp, layout.sx),
+        *(layout.gen, layout.rprefix, layout.eprefix, layout.bucket_bits, segment.ttl_ms),
+        *(stream, epoch, seq, token, part, parts),
+        segment.batch,
+        1 if segment.decides else 0,
+        *program.entry_args(),
+        program.count,
+        *program.ops,
+    ]
+    return [len(args), *args]
+
+
+def _node_call(core: ClusterCore, parts: list[tuple[SegmentRun, int]], token: str) -> NodeCall:
+    """The call of one node's parts in a wave: the single-server script for one part, else
+    ``apply_parts``."""
+    slot = core.slots[parts[0][0].shard]
+    if len(parts) == 1:
+        run, index = parts[0]
+        call = run.call(run.programs[index], index + 1, len(run.programs), token)
+        return NodeCall(slot, call, tuple(parts), single=True)
+    layout = parts[0][0].programs[parts[0][1]].layout
+    args: list[Arg] = [MAX_REQUEST_KEYS_PER_ENGINE_KEY]
+    for run, index in parts:
+        args += part_args(run.programs[index], index + 1, len(run.programs), run.segment, token)
+    keys = (layout.meta, layout.pe, layout.pi, layout.pp, layout.wm, layout.wp, layout.sx)
+    return NodeCall(slot, ScriptCall("apply_parts", keys, args), tuple(parts))
+
+
+def _node_parts(
+    plan: WritePlan, runs: Sequence[SegmentRun], pending: Sequence[SegmentRun]
+) -> list[tuple[SegmentRun, int]]:
+    """The parts one node takes in the next wave, in order: its runs' remaining parts while
+    they fit the call's work budget (at least one part), stopping at a run not ready or one
+    whose parts do not all fit (what follows on its shard must come after it)."""
+    out: list[tuple[SegmentRun, int]] = []
+    cost = 0
+    for run in runs:
+        if not plan.ready(run, pending):
+            break
+        remaining = range(run.done, len(run.programs))
+        whole = True
+        for index in remaining:
+            program_cost = run.programs[index].cost
+            if out and cost + program_cost > CALL_BUDGET:
+                whole = False
+                break
+            out.append((run, index))
+            cost += program_cost
+        if not whole:
+            break
+    return out
+
+
+def _take_replies(
+    core: ClusterCore, plan: WritePlan, call: NodeCall, replies: list[Any] | None
+) -> None:
+    """Take in one node call's replies (None: the call did not get through)."""
+    if replies is None:
+        for run, _ in call.items:
+            plan.go_careful(run.shard)
+        return
+    for (run, _index), reply in zip(call.items, replies, strict=True):
+        if run.outcome is not None or run.careful:
+            continue
+        if isinstance(reply, bytes | str):
+            plan.failed(run, reply.decode() if isinstance(reply, bytes) else reply)
+        elif int(reply) == -1:
+            continue  # not run: its stream stopped (see pending()), or its shard failed before
+        elif run.stream is None or int(reply) == 1:  # (an add call answers 0: applied)
+            plan.took(run, True, core)
+        else:
+            plan.took(run, False, core)
+
+
+def _careful_factory(plan: WritePlan, run: SegmentRun) -> Callable[[CoreState], Op[bool]]:
+    """The per-shard path of one segment, from its part ``done`` on: the single-server calls
+    in order (a part refused as over budget is split), stopping at a part its fence skipped.
+    Run again after the shard was recreated (stale), the segment starts over from its first
+    part, built from the new layout."""
+
+    def factory(state: CoreState) -> Op[bool]:
+        layout = state.layout
+        if not run.programs or run.programs[0].layout is not layout:
+            run.programs = segment_programs(layout, run.segment)
+            run.done = 0
+        first = run.done
+        applied, _ = yield from op_parts(
+            run.programs[first:],
+            lambda program, part, parts: run.call(program, part, parts, plan.token),
+            first + 1,
+            0,
+            run.segment.fenced,
+        )
+        return applied
+
+    return factory
+
+
+def op_careful_round(core: ClusterCore, plan: WritePlan) -> WaveOp[None]:
+    """One round of the per-shard path: each shard with careful segments runs its next one
+    (when ready), all shards in lockstep."""
+    pending = plan.pending()
+    chosen: dict[int, SegmentRun] = {}
+    blocked: set[int] = set()
+    for run in pending:
+        if run.shard in chosen or run.shard in blocked:
+            continue
+        if not run.careful or not plan.ready(run, pending):
+            blocked.add(run.shard)  # a fast segment of the shard comes first
+            continue
+        chosen[run.shard] = run
+    if not chosen:
+        return
+    factories = {shard: _careful_factory(plan, run) for shard, run in chosen.items()}
+    done = yield from on_shards(core, factories)
+    for shard, applied in done.items():
+        plan.finished(chosen[shard], applied, core)
+
+
+def op_fast_wave(core: ClusterCore, plan: WritePlan) -> WaveOp[bool]:
+    """One wave of node calls for the segments not gone careful; whether it sent any."""
+    pending = plan.pending()
+    fast = [r for r in pending if not r.careful]
+    if not fast:
+        return False
+    slot_map = yield from op_slot_map(core)
+    careful_shards = {r.shard for r in pending if r.careful}
+    shards = list(dict.fromkeys(r.shard for r in fast if r.shard not in careful_shards))
+    by_node, unmapped = group_shards(core, shards, slot_map.primary)
+    for shard in unmapped:
+        plan.go_careful(shard)
+    node_of = {shard: node for node, group in by_node.items() for shard in group}
+    node_runs: dict[ClusterNode, list[SegmentRun]] = {}
+    for run in fast:
+        node = node_of.get(run.shard)
+        if node is not None and not run.careful:
+            node_runs.setdefault(node, []).append(run)
+    calls: list[NodeCall] = []
+    for runs in node_runs.values():
+        merged: list[tuple[SegmentRun, int]] = []
+        for run, index in _node_parts(plan, runs, pending):
+            if run.segment.evict:  # its own call: the evict script runs out of memory too
+                if merged:
+                    calls.append(_node_call(core, merged, plan.token))
+                    merged = []
+                calls.append(_node_call(core, [(run, index)], plan.token))
+            else:
+                merged.append((run, index))
+        if merged:
+            calls.append(_node_call(core, merged, plan.token))
+    if not calls:
+        return False
+    replies = yield from op_node_calls(core, calls)
+    for call, reply in zip(calls, replies, strict=True):
+        _take_replies(core, plan, call, reply)
+    return True
+
+
+def op_write_segments(
+    core: ClusterCore, segments: Sequence[Segment], token: str | None = None
+) -> WaveOp[list[bool]]:
+    """Apply ``segments`` (see the module docstring); whether each was applied whole. Raises
+    the first error a segment met (after the others went as far as they could)."""
+    token = token or secrets.token_hex(8)
+    runs = [SegmentRun(s, segment_programs(core.state(s.shard).layout, s)) for s in segments]
+    plan = WritePlan(runs, token)
+    slot_map = yield from op_slot_map(core)
+    nodes: dict[str, set[Any]] = {}
+    for run in runs:
+        if run.stream is not None:
+            try:
+                node: Any = slot_map.primary(core.slots[run.shard])
+            except Exception:  # no node serves it yet: the per-shard path finds it
+                node = None
+            nodes.setdefault(run.stream, set()).add(node)
+    plan.spread = {stream for stream, where in nodes.items() if len(where) > 1}
+    while plan.pending():
+        sent = yield from op_fast_wave(core, plan)
+        if any(r.careful for r in plan.pending()):
+            yield from op_careful_round(core, plan)
+        elif not sent:
+            break
+    if plan.error is not None:
+        raise plan.error
+    return [bool(run.outcome) for run in runs]
+
+
+# -- the index's writes --------------------------------------------------------------------------
+
+
+def op_cluster_apply_batches(core: ClusterCore, batches: Sequence[Batch]) -> WaveOp[list[bool]]:
+    """``BatchIndex.apply_batches``: each batch as ``apply_batch`` would apply it, in order,
+    except that once a batch of a stream is not applied, the stream's later batches in the call
+    are not applied either (reported False). One wave for batches whose streams each live on
+    one node (an ingester's: one pod per stream)."""
+    if isinstance(batches, (str, bytes)) or not isinstance(batches, Sequence):
+        raise InvalidInputError(
+            f"batches must be a sequence of (ops, stream, watermark), got {batches!r}"
+        )
+    segments: list[Segment] = []
+    owners: list[tuple[int, bool]] = []  # per segment: its batch, whether it decides
+    empty: list[bool] = []
+    for number, item in enumerate(batches):
+        try:
+            ops, stream, watermark = item
+        except (TypeError, ValueError):
+            raise InvalidInputError(
+                f"batch {number} must be an (ops, stream, watermark) tuple, got {item!r}"
+            ) from None
+        plan = check_batch(ops, stream, watermark)
+        fenced = stream is not None and watermark is not None
+        empty.append(not plan and not fenced)
+        if not plan and not fenced:
+            continue
+        home = core.stream_home(stream) if stream is not None else 0
+        for segment in batch_segments(number, plan, stream, watermark, core.pod_shard, home):
+            segments.append(segment)
+            owners.append((number, segment.decides))
+    outcomes = yield from op_write_segments(core, segments)
+    verdicts = [True] * len(batches)
+    for (number, decides), outcome in zip(owners, outcomes, strict=True):
+        if decides:
+            verdicts[number] = outcome
+    return [True if empty[i] else verdicts[i] for i in range(len(batches))]
+
+
+def op_cluster_apply_batch(
+    core: ClusterCore,
+    ops: Sequence[IndexOp],
+    stream: str | None,
+    watermark: Watermark | None,
+) -> WaveOp[bool]:
+    """``BatchIndex.apply_batch``: :func:`op_cluster_apply_batches` of one batch."""
+    (applied,) = yield from op_cluster_apply_batches(core, [(ops, stream, watermark)])
+    return applied
 
 
 def op_cluster_add(
@@ -111,541 +461,32 @@ def op_cluster_add(
     entries: Entries,
     ttl: float | None = None,
 ) -> WaveOp[None]:
-    """``Index.add``: one wave, the shards' ``add`` calls in parallel."""
+    """``Index.add``: one segment per shard of the entries' pods (one call per node)."""
     eng, req, ents = check_add(engine_keys, request_keys, entries)
     seconds = check_ttl(ttl, ents)
     ttl_ms = 0 if seconds is None else max(1, math.ceil(seconds * 1000))
-    units = _add_units(core, eng, req, ents)
-    if ttl_ms:  # one add op per program: the per-shard path sends each as an ``add`` call
-        plans = {shard: _single_plan(u) for shard, u in units.items()}
-    else:
-        plans = {shard: _unfenced_plan(u) for shard, u in units.items()}
-    yield from op_node_writes(core, plans, batch_fence(None, None), secrets.token_hex(8), ttl_ms)
-
-
-def _single_plan(units: Sequence[Unit]) -> PartsPlan:
-    """Each unit a program of its own."""
-    return lambda state: ([program_of(state.layout, [unit]) for unit in units], 1, 0)
+    segments = add_segments(eng, req, ents, core.pod_shard, ttl_ms)
+    yield from op_write_segments(core, segments)
 
 
 def op_cluster_evict(
     core: ClusterCore, key: int, key_type: KeyType, entries: Entries
 ) -> WaveOp[None]:
-    """``Index.evict``: by request key one call on its shard; by engine key
-    :func:`op_engine_evicts`."""
+    """``Index.evict``: on each shard of the entries' pods, the single-server evict (by engine
+    key through that shard's mapping: every shard keeps the mappings its pods' adds made)."""
     k = check_hash(key, "evict key")
     kt = check_key_type(key_type)
     ents = check_entries(entries)
-    if kt is KeyType.REQUEST:
-        yield from on_shards(core, {core.shard(k): lambda s: op_evict(s, k, kt, ents)})
-    else:
-        yield from op_engine_evicts(core, [EvictOp(k, kt, tuple(ents))], None)
-
-
-#: A shard's parts of a write, built from the shard's current layout: (programs, first,
-#: after): the programs are parts ``first, first + 1, ...`` of a batch of ``after`` parts more
-#: (unfenced writes ignore the numbering).
-PartsPlan = Callable[[CoreState], tuple[list[Program], int, int]]
-
-
-def _unfenced_plan(units: Sequence[Unit]) -> PartsPlan:
-    """Units as unfenced parts, empty programs left out."""
-    return lambda state: ([p for p in programs_of(state.layout, units) if p.count], 1, 0)
-
-
-def _part_args(program: Program, part: int, parts: int, ms: int) -> list[Any]:
-    layout = program.layout
-    args: list[Any] = [
-        *(layout.meta, layout.pe, layout.pi, layout.pp, layout.wm, layout.wp, layout.sx),
-        *(layout.gen, layout.rprefix, layout.eprefix, layout.bucket_bits, ms, part, parts),
-        *program.entry_args(),
-        program.count,
-        *program.ops,
-    ]
-    return [len(args), *args]
-
-
-def op_node_writes(
-    core: ClusterCore,
-    plans: Mapping[int, PartsPlan],
-    fence: Sequence[Any],
-    token: str,
-    ms: int = 0,
-    probes: Mapping[int, Sequence[int]] | None = None,
-    grown: dict[int, int] | None = None,
-) -> WaveOp[tuple[dict[int, bool], set[int]]]:
-    """Write the shards' parts, one ``apply_shards`` call per node (more when a node's parts
-    outgrow the call budget), all nodes in one wave; then, in the same pipelines, probe whether
-    each of ``probes`` (request keys, by shard) still holds an entry. Returns whether each
-    shard took every part (False: its fence skipped the batch) and the held probes.
-
-    A node whose calls meet a redirection, a failure or a stale shard has its shards written
-    by the per-shard path instead (:func:`op_parallel`); parts sent again carry the same token,
-    so a part that did apply is recognised (fenced) or applies again as the set operation it
-    is (unfenced). So has, from that part on, a shard whose part met a key its node does not
-    serve now (the slot moved or is being migrated: the per-shard path follows it), and a
-    shard whose part the server refused as over budget: the per-shard path splits it
-    (:func:`~kvredis.redis.ops.op_parts`) and adds to ``grown`` the parts the shard's batch
-    gained."""
-    probes = probes or {}
-    slot_map = core.cluster.slot_map or (yield from op_refresh(core.cluster, core.policy.server))
-    by_node, unmapped = group_by_node(core, dict.fromkeys((*plans, *probes)), slot_map.primary)
-    head: list[Any] = [MAX_REQUEST_KEYS_PER_ENGINE_KEY, *fence, token]
-    commands: list[SlotCommand] = []
-    # per node: its shards, then per command: ("call", shards of its parts) or ("probe", key)
-    layout_of: list[tuple[list[int], list[tuple[str, Any]]]] = []
-    for shards in by_node.values():
-        slot = core.slots[shards[0]]
-        entries: list[tuple[str, Any]] = []
-        calls: list[tuple[list[Any], list[int], list[Any]]] = []
-        cost = 0
-        for shard in shards:
-            state = core.state(shard)
-            programs, first, after = plans[shard](state) if shard in plans else ([], 1, 0)
-            last = first + len(programs) - 1 + after
-            for part, program in enumerate(programs, first):
-                if not calls or (cost + program.cost > CALL_BUDGET and calls[-1][1]):
-                    layout = state.layout
-                    calls.append(
-                        (
-                            [
-                                layout.meta,
-                                layout.pe,
-                                layout.pi,
-                                layout.pp,
-                                layout.wm,
-                                layout.wp,
-                                layout.sx,
-                            ],
-                            [],
-                            [],
-                        )
-                    )
-                    cost = 0
-                calls[-1][1].append(shard)
-                calls[-1][2].extend(_part_args(program, part, last, ms))
-                cost += program.cost
-        for keys, part_shards, args in calls:
-            call = core.registry.evalsha(ScriptCall("apply_shards", keys, [*head, *args]))
-            commands.append(SlotCommand(slot, call.args))
-            entries.append(("call", part_shards))
-        for shard in shards:
-            asked = probes.get(shard, ())
-            if not asked:
-                continue
-            layout = core.state(shard).layout
-            for command in _probe_commands(layout, asked):
-                commands.append(SlotCommand(slot, command.args))
-            entries.append(("clock", None))
-            for key in asked:
-                entries += (("probe", key), ("timed", key))
-        layout_of.append((shards, entries))
-    try:
-        replies = yield from write_wave(core, commands, core.fast_policy)
-    except BackendUnavailableError:  # a redirection, a node in trouble, a WAIT short of
-        replies = [None] * len(commands)  # replicas: the careful path (which waits too)
-    taken: dict[int, bool] = {}
-    held: set[int] = set()
-    error: Exception | None = None
-    again: list[int] = list(unmapped)
-    skip: dict[int, int] = {}  # shard -> its parts applied before one refused as over budget
-    reload: list[int] = []
-    at = 0
-    for shards, entries in layout_of:
-        node_replies = replies[at : at + len(entries)]
-        at += len(entries)
-        node_ok = True
-        for (kind, _), reply in zip(entries, node_replies, strict=True):
-            if kind == "call" and not isinstance(reply, list):
-                node_ok = False
-                if isinstance(reply, ErrorReply):
-                    if core.registry.missing(reply.message):
-                        reload.append(core.slots[shards[0]])
-                    elif (
-                        reply.code not in TRANSIENT_REPLIES
-                        and not reply.message.startswith(("MOVED", "ASK"))
-                        and not non_local_key(reply)
-                    ):
-                        raise translate(reply.message)
-        if not node_ok:
-            again += shards
-            continue
-        refused, failed = _take_node_replies(core, entries, node_replies, taken, held)
-        error = error or failed
-        for shard, applied in refused.items():
-            skip[shard] = applied
-            again.append(shard)
-        for shard in shards:
-            taken.setdefault(shard, True)
-    if reload:
-        load = core.registry.load("apply_shards").args
-        yield from op_wave(
-            core.cluster, [SlotCommand(slot, load) for slot in reload], core.wave_policy
-        )
-    if again:
-        factories = {
-            shard: _parts_factory(
-                plans.get(shard), fence, token, ms, probes.get(shard, ()), skip.get(shard, 0)
-            )
-            for shard in again
-        }
-        for shard, (ok, shard_held, added) in (yield from on_shards(core, factories)).items():
-            taken[shard] = ok
-            held |= shard_held
-            if grown is not None and added:
-                grown[shard] = grown.get(shard, 0) + added
-    if error is not None:
-        raise error
-    return taken, held
-
-
-def _take_node_replies(
-    core: ClusterCore,
-    entries: Sequence[tuple[str, Any]],
-    replies: Sequence[Any],
-    taken: dict[int, bool],
-    held: set[int],
-) -> tuple[dict[int, int], Exception | None]:
-    """Take in one node's ``apply_shards`` and probe replies (``entries`` say what each was):
-    whether each shard took its parts (into ``taken``), the held probes (into ``held``).
-    Returns, by shard, how many of its parts applied before one the server refused as over
-    budget or for a key of a slot it does not serve now (those shards go on by the per-shard
-    path, and their probes are read there), and the first other error a part met."""
-    sent: dict[int, int] = {}
-    refused: dict[int, int] = {}
-    error: Exception | None = None
-    now = 0
-    for (kind, what), reply in zip(entries, replies, strict=True):
-        if kind == "clock":
-            now = _clock_ms(reply)
-            continue
-        if kind in ("probe", "timed"):
-            holds = _live_items(reply, now) if kind == "timed" else bool(int(reply))
-            if holds and core.shard(what) not in refused:
-                held.add(what)
-            continue
-        for shard, one in zip(what, reply, strict=True):
-            sent[shard] = sent.get(shard, 0) + 1
-            if isinstance(one, bytes):  # the error that stopped this shard's part
-                message = one.decode("utf-8", "replace")
-                exc = translate(message)
-                # over budget: the per-shard path splits it; a key of the shard this node
-                # does not serve now (its slot moved or is migrating): the per-shard path
-                # follows the slot. The shard's parts after it in later calls of this
-                # pipeline were skipped (fenced) or applied early (unfenced): they are sent
-                # again after it, set operations ending as in order
-                if not isinstance(exc, CallBudgetError) and NON_LOCAL_KEY not in message:
-                    error = error or exc
-                elif shard not in refused:
-                    refused[shard] = sent[shard] - 1
-                one = 0
-            taken[shard] = taken.get(shard, True) and bool(int(one))
-    return refused, error
-
-
-def _parts_factory(
-    plan: PartsPlan | None,
-    fence: Sequence[Any],
-    token: str,
-    ms: int,
-    probes: Sequence[int],
-    skip: int = 0,
-) -> Callable[[CoreState], Op[tuple[bool, set[int], int]]]:
-    """One shard's parts but the first ``skip`` as single-shard ``apply_batch`` calls (``add``
-    calls when they carry a ttl), in order, stopping at the first skipped part (a part the
-    server refuses as over budget is split: :func:`~kvredis.redis.ops.op_parts`); then the
-    probes. Returns whether every part applied, the held probes and the parts splitting
-    added."""
-
-    def call(program: Program, part: int, parts: int) -> ScriptCall:
-        if ms:  # a ttl: each program is one add op (see op_cluster_add)
-            return add_call(program, ms)
-        return batch_call(program, fence, token, part, parts)
-
-    runs: list[bool] = []
-
-    def factory(state: CoreState) -> Op[tuple[bool, set[int], int]]:
-        # Run again after the shard was recreated (stale), the batch starts over from its first
-        # part: the parts counted done, and any renumbering, went with the old namespace.
-        start = 0 if runs else skip
-        runs.append(True)
-        ok, added = True, 0
-        if plan is not None:
-            programs, first, after = plan(state)
-            ok, added = yield from op_parts(programs[start:], call, first + start, after, not ms)
-        if not probes:
-            return ok, set(), added
-        replies = yield Pipeline(tuple(_probe_commands(state.layout, probes)))
-        return ok, _probe_held(probes, replies), added
-
-    return factory
-
-
-def _probe_commands(layout: Layout, keys: Sequence[int]) -> list[Command]:
-    """The probes of whether request keys of one shard hold an entry: the server clock (TIME),
-    then per key HEXISTS of its request bucket field and HGET of its expiring bucket field (an
-    entry counts while its deadline is after the clock, as everywhere in the index)."""
-    commands = [Command(("TIME",))]
-    for key in keys:
-        field = hash_field(key)
-        commands.append(Command(("HEXISTS", layout.request_bucket(key), field)))
-        commands.append(Command(("HGET", layout.expiring_bucket(key), field)))
-    return commands
-
-
-def _probe_held(keys: Sequence[int], replies: Sequence[Any]) -> set[int]:
-    """The keys that :func:`_probe_commands` found holding an entry."""
-    now = _clock_ms(replies[0])
-    return {
-        key
-        for i, key in enumerate(keys)
-        if int(replies[1 + 2 * i]) or _live_items(replies[2 + 2 * i], now)
-    }
-
-
-def _clock_ms(reply: Any) -> int:
-    """A TIME reply in ms."""
-    return int(reply[0]) * 1000 + int(reply[1]) // 1000
-
-
-def _live_items(reply: Any, now: int) -> bool:
-    """Whether an expiring bucket field (or None) holds an item whose deadline is after now."""
-    if not reply:
-        return False
-    items = bytes(reply)
-    if len(items) % EXPIRING_ITEM_WIDTH:
-        return False
-    return any(
-        expiring_item_deadline(items[i : i + EXPIRING_ITEM_WIDTH]) > now
-        for i in range(0, len(items), EXPIRING_ITEM_WIDTH)
-    )
-
-
-def _evict_call(state: CoreState, key: int, entries: Entries) -> ScriptCall:
-    call = next(op_evict(state, key, KeyType.REQUEST, entries))  # its one request
-    assert isinstance(call, ScriptCall)
-    return call
-
-
-def _evicts_each(units: Sequence[Unit], probes: Sequence[int]) -> Callable[[CoreState], Op[Any]]:
-    """A shard op for a node out of memory: request-key evicts as ``evict`` calls (which such a
-    node still runs), then the probes; the held probes."""
-
-    def factory(state: CoreState) -> Op[set[int]]:
-        yield Pipeline(tuple(_evict_call(state, u[1], u[2]) for u in units))
-        if not probes:
-            return set()
-        replies = yield Pipeline(tuple(_probe_commands(state.layout, probes)))
-        return _probe_held(probes, replies)
-
-    return factory
-
-
-def op_engine_evicts(
-    core: ClusterCore, evicts: Sequence[EvictOp], shards: set[int] | None
-) -> WaveOp[None]:
-    """Evictions by engine key, in order: read the mappings, evict from their request keys
-    while probing whether those still hold entries, drop the mappings none of whose request
-    keys does (compare-and-delete). Evicts of different engine keys whose request keys do not
-    overlap share their waves. ``shards``: only these shards are written (None: all)."""
-    todo = list(evicts)
-    while todo:
-        run: list[EvictOp] = []
-        for op in todo:
-            if any(op.key == other.key for other in run):
-                break
-            run.append(op)
-        todo = todo[len(run) :]
-        mappings = yield from _read_mappings(core, [op.key for op in run])
-        groups: list[list[EvictOp]] = [[]]
-        taken: set[int] = set()
-        for op in run:
-            targets = set(blob_hashes(mappings.get(op.key)))
-            if targets & taken:
-                groups.append([])
-                taken = set()
-            groups[-1].append(op)
-            taken |= targets
-        for group in groups:
-            yield from _evict_group(core, group, mappings, shards)
-
-
-def _read_mappings(core: ClusterCore, engine_keys: Sequence[int]) -> WaveOp[dict[int, bytes]]:
-    """The stored mapping (request keys blob) of each engine key that has one."""
-
-    def reader(keys: list[int]) -> Callable[[CoreState], Op[dict[int, bytes]]]:
-        def factory(state: CoreState) -> Op[dict[int, bytes]]:
-            layout = state.layout
-            replies = yield Pipeline(
-                tuple(Command(("HGET", layout.engine_bucket(k), hash_field(k))) for k in keys)
-            )
-            return {k: bytes(r) for k, r in zip(keys, replies, strict=True) if r}
-
-        return factory
-
-    found = yield from on_shards(
-        core, {s: reader(keys) for s, keys in core.by_shard(dict.fromkeys(engine_keys)).items()}
-    )
-    return {k: v for part in found.values() for k, v in part.items()}
-
-
-def _evict_group(
-    core: ClusterCore,
-    group: Sequence[EvictOp],
-    mappings: Mapping[int, bytes],
-    shards: set[int] | None,
-) -> WaveOp[None]:
-    units: dict[int, list[Unit]] = {}
-    probes: dict[int, list[int]] = {}
-    for op in group:
-        for key in blob_hashes(mappings.get(op.key)):
-            shard = core.shard(key)
-            if shards is not None and shard not in shards:
-                continue
-            units.setdefault(shard, []).append(("R", key, op.entries))
-            probes.setdefault(shard, []).append(key)
-    plans = {s: _unfenced_plan(u) for s, u in units.items()}
-    shard_probes = {s: list(dict.fromkeys(keys)) for s, keys in probes.items()}
-    try:
-        _, held = yield from op_node_writes(
-            core, plans, batch_fence(None, None), secrets.token_hex(8), probes=shard_probes
-        )
-    except BackendOutOfMemoryError:  # a full node refuses apply_shards, not evict calls
-        found = yield from on_shards(
-            core, {s: _evicts_each(units[s], shard_probes[s]) for s in units}
-        )
-        held = set().union(*found.values())
-    drops: dict[int, list[tuple[int, bytes]]] = {}
-    for op in group:
-        mapping = mappings.get(op.key)
-        if not mapping:
-            continue
-        keys = blob_hashes(mapping)
-        if any(k in held or (shards is not None and core.shard(k) not in shards) for k in keys):
-            continue
-        shard = core.shard(op.key)
-        if shards is None or shard in shards:
-            drops.setdefault(shard, []).append((op.key, mapping))
-    if drops:
-        yield from unmap_mappings(core, drops)
-
-
-def unmap_mappings(
-    core: ClusterCore, drops: Mapping[int, Sequence[tuple[int, bytes]]]
-) -> WaveOp[int]:
-    """Drop mappings that still read as given (``unmap``); the number dropped."""
-
-    def factory(pairs: Sequence[tuple[int, bytes]]) -> Callable[[CoreState], Op[int]]:
-        def op(state: CoreState) -> Op[int]:
-            layout = state.layout
-            dropped = 0
-            for start in range(0, len(pairs), UNMAP_PER_CALL):
-                args: list[Any] = [layout.gen, layout.eprefix, layout.bucket_bits]
-                for key, mapping in pairs[start : start + UNMAP_PER_CALL]:
-                    args += (hash_field(key), mapping)
-                dropped += int((yield ScriptCall("unmap", (layout.meta,), args)))
-            return dropped
-
-        return op
-
-    done = yield from on_shards(core, {s: factory(p) for s, p in drops.items()})
-    return sum(done.values())
-
-
-def _steps(plan: Sequence[IndexOp]) -> list[tuple[bool, list[IndexOp]]]:
-    """The batch cut into steps: (True, engine-key evicts) or (False, adds and request-key
-    evicts), in order."""
-    steps: list[tuple[bool, list[IndexOp]]] = []
-    for op in plan:
-        engine = isinstance(op, EvictOp) and op.key_type is KeyType.ENGINE
-        if not steps or steps[-1][0] != engine:
-            steps.append((engine, []))
-        steps[-1][1].append(op)
-    return steps
-
-
-def _step_units(core: ClusterCore, ops: Sequence[IndexOp]) -> dict[int, list[Unit]]:
-    units: dict[int, list[Unit]] = {}
-    for op in ops:
-        if isinstance(op, AddOp):
-            for shard, part in _add_units(
-                core, op.engine_keys, op.request_keys, op.entries
-            ).items():
-                units.setdefault(shard, []).extend(part)
-        else:
-            units.setdefault(core.shard(op.key), []).append(
-                ("R", op.key, tuple(dict.fromkeys(op.entries)))
-            )
-    return units
-
-
-def op_cluster_apply_batch(
-    core: ClusterCore,
-    ops: Sequence[IndexOp],
-    stream: str | None,
-    watermark: Watermark | None,
-) -> WaveOp[bool]:
-    """``BatchIndex.apply_batch`` over the shards (see the module's docstring for what stays
-    atomic). Returns False when every shard had taken this batch or a later one already."""
-    plan = check_batch(ops, stream, watermark)
-    fenced = stream is not None and watermark is not None
-    if not plan and not fenced:
-        return True
-    steps = _steps(plan)
-    first: list[IndexOp] = []
-    if steps and not steps[0][0]:
-        first = steps.pop(0)[1]
-    units = _step_units(core, first)
-    fence = batch_fence(stream, watermark)
-    token = secrets.token_hex(8)
-    closing = fenced and bool(steps)
-    targets = range(core.count) if fenced else list(units)
-
-    def opening(shard_units: list[Unit]) -> PartsPlan:
-        return lambda state: (programs_of(state.layout, shard_units), 1, 1 if closing else 0)
-
-    opened = {s: opening(units.get(s, [])) for s in targets}
-    grown: dict[int, int] = {}  # parts a shard's opening gained by splitting
-    taken, _ = yield from op_node_writes(core, opened, fence, token, grown=grown)
-    shards = {s for s, ok in taken.items() if ok} if fenced else None
-    # The stream's home shard decides what the caller is told: of senders racing with the same
-    # batch exactly one is told it applied it (each shard's part went to exactly one of them).
-    applied = not fenced or taken[core.home(stream or "")]
-    if shards is not None and not shards:
-        return applied
-    for engine, step in steps:
-        if engine:
-            evicts = [op for op in step if isinstance(op, EvictOp)]
-            yield from op_engine_evicts(core, evicts, shards)
-        else:
-            plans = {
-                s: _unfenced_plan(u)
-                for s, u in _step_units(core, step).items()
-                if shards is None or s in shards
-            }
-            yield from op_node_writes(core, plans, batch_fence(None, None), token)
-    if closing and shards:
-
-        def closer(shard: int) -> PartsPlan:
-            def plan(state: CoreState) -> tuple[list[Program], int, int]:
-                opening_parts = len(programs_of(state.layout, units.get(shard, [])))
-                return [Program(state.layout)], opening_parts + grown.get(shard, 0) + 1, 0
-
-            return plan
-
-        yield from op_node_writes(core, {s: closer(s) for s in shards}, fence, token)
-    return applied
+    yield from op_write_segments(core, evict_segments(k, kt, ents, core.pod_shard))
 
 
 def op_cluster_get_watermark(core: ClusterCore, stream: str) -> WaveOp[Watermark | None]:
-    """The stream's watermark: the lowest of the shards' (None if a shard has none), so a batch
-    counts as applied only once every shard took it."""
+    """The stream's watermark: the highest of the shards' (a stream's batches go to the shard
+    of its pod; the other shards hold older ones, or none)."""
     name = check_stream(stream)
     found = yield from on_every_shard(core, lambda s: op_get_watermark(s, name))
-    marks = list(found.values())
-    if not marks or any(m is None for m in marks):
-        return None
-    return min(m for m in marks if m is not None)
+    marks = [m for m in found.values() if m is not None]
+    return max(marks) if marks else None
 
 
 def op_cluster_reset_watermark(
@@ -654,3 +495,4 @@ def op_cluster_reset_watermark(
     """Overwrite (or delete) the stream's watermark on every shard."""
     name = check_stream(stream)
     yield from on_every_shard(core, lambda s: op_reset_watermark(s, name, watermark))
+    core.stream_homes.pop(name, None)

@@ -152,7 +152,8 @@ class Workload:
         self.stream = stream
         self.reads = reads
         self.seq = 0
-        self.engines: list[tuple[int, tuple[int, ...]]] = []
+        #: engine keys added: (first engine key, its chain, the entry its add stored)
+        self.engines: list[tuple[int, tuple[int, ...], PodEntry]] = []
         self.next_engine = (1 << 40) + (self.keys[0] << 20)
 
     def _call(self, kind: str, call: Callable[[Any], Any]) -> Any:
@@ -199,7 +200,7 @@ class Workload:
         entry = rng.choice(PODS)
         engines = tuple(range(self.next_engine, self.next_engine + len(chain)))
         self.next_engine += len(chain)
-        self.engines.append((engines[0], tuple(chain)))
+        self.engines.append((engines[0], tuple(chain), entry))
         self._write("add", lambda ix: ix.add(list(engines), chain, [entry]))
         if self.reads:
             self._check_lookup(chain)
@@ -216,8 +217,9 @@ class Workload:
         gone = rng.choice(PODS)
         self._write("evict", lambda ix: ix.evict(victim, KeyType.REQUEST, [gone]))
         if len(self.engines) > 4 and rng.random() < 0.5:
-            engine, _ = self.engines.pop(rng.randrange(len(self.engines)))
-            self._write("evict", lambda ix: ix.evict(engine, KeyType.ENGINE, [entry]))
+            # an engine evicts what it stored: the entry of the add that mapped the engine key
+            engine, _, stored = self.engines.pop(rng.randrange(len(self.engines)))
+            self._write("evict", lambda ix: ix.evict(engine, KeyType.ENGINE, [stored]))
         if self.reads:
             self._check_lookup(self._chain(rng.randrange(1, 8)), [entry.pod_identifier])
 

@@ -72,15 +72,29 @@ def _waits(sent: list[list[tuple[Any, ...]]]) -> int:
     return sum(1 for wave in sent for command in wave if command[0] == "WAIT")
 
 
+def _pods_of_every_shard(index: RedisClusterIndex) -> list[PodEntry]:
+    """One pod entry per shard (so a write of them all reaches every primary)."""
+    found: dict[int, PodEntry] = {}
+    n = 0
+    while len(found) < index.shards:
+        found.setdefault(index.core.pod_shard(f"pod-{n}"), PodEntry(f"pod-{n}", "gpu"))
+        n += 1
+    return list(found.values())
+
+
 def test_writes_wait_for_a_replica_of_every_primary_they_wrote_to_reads_do_not(
     waiting: RedisClusterIndex,
 ) -> None:
-    waiting.add([1], list(range(1, 65)), [A])  # every shard, so every primary
+    every = _pods_of_every_shard(waiting)
+    waiting.add([1], list(range(1, 65)), every)  # every shard, so every primary
     sent = _watch(waiting)
-    waiting.add([2], list(range(100, 164)), [A])
+    waiting.add([2], list(range(100, 164)), every)
     nodes = len(waiting.executor.slot_map.primaries)
     assert _waits(sent) == nodes  # one WAIT per primary, in the write's own wave
     assert len(sent) == 1
+    sent.clear()
+    waiting.add(None, [200], [A])  # one pod: its shard's primary only
+    assert _waits(sent) == 1 and len(sent) == 1
     sent.clear()
     assert len(waiting.lookup(range(1, 65))) == 64
     assert waiting.get_request_key(1) == 64

@@ -3,9 +3,10 @@ RedisClusterIndex on real redis-server 7 and Valkey 9 clusters, and what only a 
 the index: scripts flushed on every node, a shard's slot resharded while in use, a slot no node
 serves.
 
-A cluster namespace is shards, each a complete single-server namespace in one slot (see
-:mod:`kvredis.redis.cluster.shards`): what the single-server suite says of "the namespace" holds
-here of each shard, and each shard's part of a call is its own atomic step.
+A cluster namespace is shards, each a complete single-server namespace in one slot, every pod
+living in one shard (see :mod:`kvredis.redis.cluster.shards`): what the single-server suite says
+of "the namespace" holds here of each shard, and each shard's part of a call is its own atomic
+step.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from tests.redis.test_hardening import _namespace_keys, check_huge_add_applied_w
 from tests.servers import LocalCluster
 
 A = PodEntry("pod-a", "gpu")
+A_CPU = PodEntry("pod-a", "cpu")
 B = PodEntry("pod-b", "cpu")
 
 
@@ -78,15 +80,29 @@ def _node(index: RedisClusterIndex, shard: int) -> Iterator[redis.Redis]:
         client.close()
 
 
-def _keys_of(index: RedisClusterIndex, shard: int, count: int, start: int = 1) -> list[int]:
-    """``count`` request keys (from ``start`` on) that live in ``shard``."""
-    found: list[int] = []
-    key = start
-    while len(found) < count:
-        if index.core.shard(key) == shard:
-            found.append(key)
-        key += 1
-    return found
+def _shard_of(index: RedisClusterIndex, entry: PodEntry) -> int:
+    """The shard every entry of ``entry``'s pod lives in."""
+    return index.core.pod_shard(entry.pod_identifier)
+
+
+def _pod_on(
+    index: RedisClusterIndex, shard: int, tier: str = "gpu", prefix: str = "pod"
+) -> PodEntry:
+    """An entry of a pod placed on ``shard``."""
+    n = 0
+    while index.core.pod_shard(f"{prefix}-{n}") != shard:
+        n += 1
+    return PodEntry(f"{prefix}-{n}", tier)
+
+
+def _pod_off(
+    index: RedisClusterIndex, shard: int, tier: str = "gpu", prefix: str = "pod"
+) -> PodEntry:
+    """An entry of a pod placed on another shard than ``shard``."""
+    n = 0
+    while index.core.pod_shard(f"{prefix}-{n}") == shard:
+        n += 1
+    return PodEntry(f"{prefix}-{n}", tier)
 
 
 def _layout(index: RedisClusterIndex, shard: int) -> Layout:
@@ -112,15 +128,15 @@ def test_losing_a_shards_meta_record_alone_heals(
 ) -> None:
     index.add([1, 2], [10, 20], [A])
     index.add(None, [30], [B])
-    shard = index.core.shard(10)
+    shard = _shard_of(index, A)
     with _node(index, shard) as raw:
         assert raw.delete(_layout(index, shard).meta) == 1
     with RedisClusterIndex(cfg) as new:
         assert new.lookup([10, 20, 30]) == {10: [A], 20: [A], 30: [B]}
     assert index.lookup([10, 20]) == {10: [A], 20: [A]}
     # new entries never reuse an id of the lost record
-    c = PodEntry("pod-c", "gpu")
-    (forty,) = _keys_of(index, shard, 1, start=40)
+    c = _pod_on(index, shard, prefix="pod-c")
+    forty = 40
     index.add(None, [forty], [c])
     assert index.lookup([10]) == {10: [A]} and index.lookup([forty]) == {forty: [c]}
     assert index.lookup([30]) == {30: [B]}
@@ -130,15 +146,15 @@ def test_losing_a_shards_meta_record_alone_heals(
 def test_a_foreign_key_of_the_wrong_type_fails_the_call_and_its_shard_writes_nothing(
     index: RedisClusterIndex, foreign: str
 ) -> None:
-    """The shard holding the foreign key writes nothing. The other shards' parts are their own
-    atomic steps, sent in the same wave: they are applied (and their watermarks advanced), so
-    the stream's watermark, the lowest over the shards, stays unset, and once the foreign key
-    is gone the same batch is taken by the failed shard only."""
+    """The shard holding the foreign key writes nothing. The other shards' segments are their
+    own atomic steps, sent in the same wave: they are applied (and their watermarks advanced),
+    and once the foreign key is gone the same batch is taken by the failed shard only."""
     bad_key = 77
-    shard = index.core.shard(bad_key)
-    others = [k for k in range(1, 40) if index.core.shard(k) != shard][:6]
-    (five,) = _keys_of(index, shard, 1, start=5)
-    index.add(None, [five], [A])
+    bad_pod = _pod_on(index, 0, "cpu", prefix="bad")  # the foreign key's shard
+    shard = _shard_of(index, bad_pod)
+    other, new = _pod_off(index, shard), _pod_off(index, shard, prefix="new")
+    keys = list(range(1, 7))
+    index.add(None, [5], [bad_pod])
     bad = _layout(index, shard).request_bucket(bad_key)
     with _node(index, shard) as raw:
         if foreign == "string":
@@ -146,33 +162,34 @@ def test_a_foreign_key_of_the_wrong_type_fails_the_call_and_its_shard_writes_not
         else:
             raw.rpush(bad, "foreign")
     before = _shard_keys(index, shard)
-    new = PodEntry("pod-new", "gpu")
     batch = [
-        AddOp(None, tuple(others), (A, new)),
-        EvictOp(five, KeyType.REQUEST, (A,)),
-        AddOp(None, (bad_key,), (B,)),
+        AddOp(None, tuple(keys), (other, new)),
+        EvictOp(5, KeyType.REQUEST, (bad_pod,)),
+        AddOp(None, (bad_key,), (bad_pod,)),
     ]
+    index.core.stream_homes["s"] = shard  # the batch's verdict is the failed shard's
     with pytest.raises(NamespaceLayoutError):
         index.apply_batch(batch, "s", Watermark(1, 1))
     assert _shard_keys(index, shard) == before
-    assert index.get_watermark("s") is None
-    assert _found(index, others) == {k: [A, new] for k in others}  # the other shards' parts
+    found = {k: set(v) for k, v in _found(index, keys).items()}  # the other shards' parts
+    assert found == {k: {other, new} for k in keys} | {5: {bad_pod, other, new}}
     with pytest.raises(NamespaceLayoutError):
-        index.add([9], [others[0], bad_key], [B])
-    assert _shard_keys(index, shard) == before
-    assert B in index.lookup([others[0]])[others[0]]  # the other shard's part of the add
+        index.add([9], [keys[0], bad_key], [bad_pod, other])
+    assert _shard_keys(index, shard) == before  # other's part of the add is applied
     with _node(index, shard) as raw:
         raw.delete(bad)
-    index.apply_batch(batch, "s", Watermark(1, 1))
+    assert index.apply_batch(batch, "s", Watermark(1, 1))
     assert index.get_watermark("s") == Watermark(1, 1)
-    found = {k: set(v) for k, v in _found(index, [*others, five, bad_key]).items()}
-    assert found == {k: {A, new} for k in others[1:]} | {others[0]: {A, new, B}, bad_key: {B}}
+    found = {k: set(v) for k, v in _found(index, [*keys, bad_key]).items()}
+    assert found == {k: {other, new} for k in keys} | {bad_key: {bad_pod, other}}
+    # the others' shards took the batch once: a resend is skipped everywhere
+    assert not index.apply_batch(batch, "s", Watermark(1, 1))
 
 
 def test_an_exhausted_id_space_found_while_interning_writes_nothing_on_that_shard(
     index: RedisClusterIndex,
 ) -> None:
-    shard = index.core.shard(5)
+    shard = _shard_of(index, A)
     index.add(None, [5], [A])
     layout = _layout(index, shard)
     top = 2**32 - 1
@@ -182,10 +199,10 @@ def test_an_exhausted_id_space_found_while_interning_writes_nothing_on_that_shar
         pi = layout.meta[: -len(b"meta")] + b"pi"
         raw.hset(pi, (top - 1).to_bytes(4, "big"), raw.hget(pi, (1).to_bytes(4, "big")) or b"")
     before = _shard_keys(index, shard)
-    one, two = _keys_of(index, shard, 2, start=100)
+    one, two = 100, 101
     with pytest.raises(NamespaceLayoutError, match="id space"):
         index.apply_batch(
-            [AddOp(None, (one,), (B,)), AddOp(None, (two,), (PodEntry("p", "t"),))],
+            [AddOp(None, (one,), (A_CPU,)), AddOp(None, (two,), (replace(A, device_tier="t"),))],
             "s",
             Watermark(1, 1),
         )
@@ -203,11 +220,11 @@ def _mentions(arg: object, text: str) -> bool:
 def test_a_batch_whose_reply_was_lost_is_reported_applied(
     index: RedisClusterIndex, cfg: RedisIndexConfig
 ) -> None:
-    """The wave carrying the batch reaches the nodes, and every reply of the node holding the
-    stream's home shard is lost (what a cut connection does): the wave resends the same calls
-    with the same batch token, which the shards recognise as applied already."""
+    """The wave carrying the batch reaches the node, and its reply is lost (what a cut
+    connection does): the batch is sent again with the same token, which the pod's shard
+    recognises as applied already."""
     stream = "stream-lost"
-    home = index.core.home(stream)
+    home = _shard_of(index, A)
     home_node = index.executor.slot_map.primary(index.core.slots[home])
     exec_ = index.executor
     send = exec_._send
@@ -338,24 +355,26 @@ async def test_async_seeds_that_are_not_redis_are_a_backend_unavailable_error() 
 def test_a_batch_in_parts_applies_at_most_once_per_shard_and_survives_a_crash_between_parts(
     index: RedisClusterIndex, cfg: RedisIndexConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Each shard's part of the batch goes in several calls (a small call budget), and the batch
-    has engine-key evicts in the middle, so it runs as several waves. A sender dies after the
-    first wave (every shard took the first call of its part); a new sender's batch is then
-    applied whole, once."""
-    monkeypatch.setattr(program.programs_of, "__defaults__", (8,))
+    """Each shard's segment of the batch goes in several parts (a small call budget), one part
+    per wave, with engine-key evicts in the middle. A sender dies after the first wave (every
+    shard took the first part of its segment); a new sender's batch is then applied whole,
+    once."""
+    monkeypatch.setattr(program, "CALL_BUDGET", 8)
+    monkeypatch.setattr(cluster_writes, "CALL_BUDGET", 8)
+    b_off = _pod_off(index, _shard_of(index, A), "cpu", prefix="b")
     keys = list(range(1, 41))
     batch: list[Any] = [AddOp([1000 + k], (k,), (A,)) for k in keys]
     batch += [EvictOp(k, KeyType.REQUEST, (A,)) for k in keys[:10]]
     batch += [EvictOp(1000 + k, KeyType.ENGINE, (A,)) for k in keys[10:15]]
-    batch += [AddOp(None, tuple(keys[:5]), (B,))]
+    batch += [AddOp(None, tuple(keys[:10]), (b_off,))]  # two parts on b_off's shard too
     index.apply_batch(batch[:1], "warm", Watermark(1, 1))  # scripts loaded: no NOSCRIPT wave
     op = cluster_writes.op_cluster_apply_batch(index.core, batch, "s", Watermark(1, 1))
     first = next(op)
-    assert isinstance(first, Wave) and len(first.batches) >= 2
+    assert isinstance(first, Wave)
     index.executor._send(first)  # the first wave reaches the nodes, then the sender dies
     op.close()
     assert index.get_watermark("s") is None
-    expected = {k: [B] for k in keys[:5]} | {k: [A] for k in keys[15:]}
+    expected = {k: [b_off] for k in keys[:10]} | {k: [A] for k in keys[15:]}
     with RedisClusterIndex(cfg) as other:
         assert other.apply_batch(batch, "s", Watermark(1, 1))
     assert index.get_watermark("s") == Watermark(1, 1)
@@ -364,7 +383,7 @@ def test_a_batch_in_parts_applies_at_most_once_per_shard_and_survives_a_crash_be
     with pytest.raises(KeyError):
         index.get_request_key(1011)
     # and once only: a resend of the watermark is skipped on every shard
-    assert not index.apply_batch([AddOp(None, tuple(keys), (B,))], "s", Watermark(1, 1))
+    assert not index.apply_batch([AddOp(None, tuple(keys), (A,))], "s", Watermark(1, 1))
     assert _found(index, keys) == expected
 
 
@@ -388,14 +407,13 @@ def test_cleared_pods_leave_the_entry_dictionaries_and_ids_are_never_reused(
         for i, pod in enumerate(pods):
             index.add([i], [i], [pod, A])
         assert other.lookup([0]) == {0: [pods[0], A]}  # other caches pod-0's id
-        shard = index.core.shard(5000)
+        shard = _shard_of(index, pods[0])
         with _node(index, shard) as raw:
             before = int(raw.hget(_layout(index, shard).meta, "next_id") or 0)
         for pod in pods:
             index.clear(pod.pod_identifier)
-        holders = {index.core.shard(i) for i in range(len(pods))}
         for s in range(index.shards):  # only pod-a's entry is left, where it was interned
-            assert _definitions(index, s) == ((1, 1, 1) if s in holders else (0, 0, 0))
+            assert _definitions(index, s) == ((1, 1, 1) if s == _shard_of(index, A) else (0, 0, 0))
         assert index.lookup([0, 1]) == {0: [A], 1: [A]}
         index.add(None, [5000], [pods[0]])  # interned again, under a new id
         with _node(index, shard) as raw:
@@ -410,14 +428,14 @@ def test_cleared_pods_leave_the_entry_dictionaries_and_ids_are_never_reused(
 def test_an_id_re_added_while_its_pod_was_cleared_is_skipped_not_an_error(
     index: RedisClusterIndex, cfg: RedisIndexConfig
 ) -> None:
-    pod = PodEntry("pod-x", "gpu")
-    one, two = _keys_of(index, index.core.shard(1), 2)
+    pod = _pod_on(index, _shard_of(index, A), prefix="pod-x")
+    one, two = 1, 2
     index.add(None, [one, two], [pod, A])
-    bucket = _layout(index, index.core.shard(one)).request_bucket(one)
+    bucket = _layout(index, _shard_of(index, A)).request_bucket(one)
     field = one.to_bytes(8, "big")
-    with _node(index, index.core.shard(one)) as raw:
+    with _node(index, _shard_of(index, A)) as raw:
         held = raw.hget(bucket, field)
-        index.clear("pod-x")
+        index.clear(pod.pod_identifier)
         raw.hset(bucket, field, held or b"")  # what a racing add stored after the clear passed
     with RedisClusterIndex(cfg) as fresh:
         for client in (index, fresh):
@@ -537,7 +555,7 @@ def _count_redirections(index: RedisClusterIndex) -> dict[str, int]:
 def _exercise(index: RedisClusterIndex, keys: list[int], step: int) -> None:
     """Add, evict, read and batch in the shard of ``keys``, checking every answer."""
     k = keys[step % len(keys)]
-    c = PodEntry(f"pod-c{step}", "gpu")
+    c = _pod_on(index, _shard_of(index, A), prefix=f"pod-c{step}")
     index.add(None, [k], [c])
     assert c in index.lookup([k])[k]
     index.evict(k, KeyType.REQUEST, [c])
@@ -560,9 +578,10 @@ def test_a_shard_resharded_while_in_use_keeps_every_operation_answering(
        shard: every call answers, and answers right.
     """
     with RedisClusterIndex(replace(cfg, retries=10, retry_backoff=0.02)) as index:
-        shard = index.core.shard(1)
+        shard = _shard_of(index, A)
+        assert _shard_of(index, B) == shard  # pod-a and pod-b: one shard, one slot
         slot = index.core.slots[shard]
-        keys = _keys_of(index, shard, 64)
+        keys = list(range(1, 65))
         index.add([1], keys, [A])
         index.apply_batch([AddOp(None, tuple(keys), (B,))], "s", Watermark(1, 1))
         source = index.executor.slot_map.primary(slot).port
@@ -612,7 +631,7 @@ def test_a_slot_without_an_owner_past_the_retries_is_backend_unavailable(
 ) -> None:
     with RedisClusterIndex(replace(cfg, retries=1, retry_backoff=0.01)) as index:
         index.add(None, [1], [A])
-        slot = index.core.slots[index.core.shard(1)]
+        slot = index.core.slots[_shard_of(index, A)]
         owner = index.executor.slot_map.primary(slot).port
         ids = _ids(redis_cluster)
         for port in redis_cluster.live_ports():

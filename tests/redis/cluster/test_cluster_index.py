@@ -1,9 +1,11 @@
-"""The cluster index on real local clusters (redis-server 7 and Valkey 9): where keys land, what a
-call costs in round trips, reads from replicas, the factories, and a differential run against
-the single-server index (the conformance suite runs on clusters too)."""
+"""The cluster index on real local clusters (redis-server 7 and Valkey 9): where pods land, what a
+call costs in round trips, reads from replicas, the factories, batches of several streams, and
+differential runs against the single-server index (the conformance suite runs on clusters
+too)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import uuid
@@ -29,9 +31,13 @@ from kvredis import (
 )
 from kvredis.redis.cluster.index import AsyncRedisClusterIndex, RedisClusterIndex
 from kvredis.redis.cluster.shards import (
+    CLUSTER_LAYOUT,
     DEFAULT_SHARDS,
+    KEY_LAYOUT,
+    Descriptor,
     check_cluster_namespace,
     parse_descriptor,
+    pod_shard,
     shard_names,
     shard_of,
     shard_slot,
@@ -83,6 +89,19 @@ def test_keys_spread_evenly_over_shards() -> None:
     assert min(counts) > 800 and max(counts) < 1200
 
 
+def test_pods_spread_evenly_over_shards_and_keep_their_shard() -> None:
+    for names in (
+        [f"vllm-{i}" for i in range(6000)],
+        [f"pod-{uuid.uuid4().hex}" for _ in range(6000)],
+    ):
+        counts = [0] * 6
+        for name in names:
+            counts[pod_shard(name, 6)] += 1
+        assert min(counts) > 850 and max(counts) < 1150, counts
+    assert pod_shard("pod-a", 6) == pod_shard("pod-a", 6)
+    assert {pod_shard("p\udc80", 6), pod_shard("", 6)} <= set(range(6))  # any str is placed
+
+
 def test_cluster_namespaces_refuse_braces_and_bad_descriptors() -> None:
     with pytest.raises(InvalidInputError):
         check_cluster_namespace("a{b}")
@@ -91,11 +110,13 @@ def test_cluster_namespaces_refuse_braces_and_bad_descriptors() -> None:
     with pytest.raises(ConfigError):
         RedisIndexConfig(address="redis+cluster://127.0.0.1:7000", cluster_shards=0)
     assert parse_descriptor([None, None], "x") is None
-    assert parse_descriptor([b"kvredis-cluster/1", b"8"], "x") == 8
-    with pytest.raises(NamespaceLayoutError):
+    assert parse_descriptor([b"kvredis-cluster/2", b"8"], "x") == Descriptor(CLUSTER_LAYOUT, 8)
+    assert parse_descriptor([b"kvredis-cluster/1", b"8"], "x") == Descriptor(KEY_LAYOUT, 8)
+    assert Descriptor(CLUSTER_LAYOUT, 8).by_pod and not Descriptor(KEY_LAYOUT, 8).by_pod
+    with pytest.raises(NamespaceLayoutError, match="newer"):
         parse_descriptor([b"kvredis-cluster/9", b"8"], "x")
     with pytest.raises(NamespaceLayoutError):
-        parse_descriptor([b"kvredis-cluster/1", b"zero"], "x")
+        parse_descriptor([b"kvredis-cluster/2", b"zero"], "x")
 
 
 def test_config_json_shape_and_factories_refuse_mixing_kinds() -> None:
@@ -112,13 +133,24 @@ def test_config_json_shape_and_factories_refuse_mixing_kinds() -> None:
 # -- on a cluster ------------------------------------------------------------------------------
 
 
-def test_keys_land_on_every_primary_each_shard_in_its_own_slot(
+def pods_of_every_shard(index: RedisClusterIndex, tier: str = "gpu") -> list[PodEntry]:
+    """One pod entry per shard, in shard order."""
+    found: dict[int, PodEntry] = {}
+    n = 0
+    while len(found) < index.shards:
+        found.setdefault(index.core.pod_shard(f"pod-{n}"), PodEntry(f"pod-{n}", tier))
+        n += 1
+    return [found[s] for s in range(index.shards)]
+
+
+def test_pods_land_on_every_primary_each_shard_in_its_own_slot(
     cfg: RedisIndexConfig, redis_cluster: LocalCluster
 ) -> None:
     with RedisClusterIndex(cfg) as index:
         assert index.shards == DEFAULT_SHARDS
         keys = chain(512, 2)
-        index.add(chain(512, 3), keys, [A])
+        every = pods_of_every_shard(index)
+        index.add(chain(512, 3), keys, every)
         slots = {shard_slot(name) for name in shard_names(cfg.namespace, index.shards)}
         per_node: dict[int, int] = {}
         for port in [node.port for node in index.executor.slot_map.primaries]:
@@ -131,6 +163,16 @@ def test_keys_land_on_every_primary_each_shard_in_its_own_slot(
             for key in found:
                 assert key_slot(key) in slots | {key_slot(cfg.namespace + ":cluster")}
         assert len(per_node) == 3 and all(n > 0 for n in per_node.values()), per_node
+        # each pod's entries are in its own shard only
+        for shard, entry in enumerate(every):
+            layout = index.core.state(shard).layout
+            port = index.executor.slot_map.primary(index.core.slots[shard]).port
+            client = redis.Redis(port=port)
+            try:
+                pods = client.hkeys(layout.pp)
+            finally:
+                client.close()
+            assert pods == [entry.pod_identifier.encode()], (shard, pods)
 
 
 def test_a_second_client_adopts_the_shard_count(cfg: RedisIndexConfig) -> None:
@@ -158,28 +200,46 @@ def test_the_chain_ends_at_the_first_key_missing_on_any_shard(cfg: RedisIndexCon
 def test_round_trips_are_one_per_involved_node(
     cfg: RedisIndexConfig, redis_cluster: LocalCluster
 ) -> None:
+    """A write of one pod is one call on one node; a score is one call per node holding a
+    shard of the pods asked about (every node without a filter); a lookup, one wave when every
+    shard stops at the same key, two when some stop before the farthest (they pass over their
+    misses up to it in the second)."""
     with RedisClusterIndex(cfg) as index:
         keys, engine = chain(512, 6), chain(512, 7)
         nodes = len(index.executor.slot_map.primaries)
         before = index.round_trips
+        index.add(engine[:64], keys[:64], [A])  # within one call's work budget
+        assert index.round_trips - before == 1
+        before = index.round_trips
+        assert index.apply_batch(
+            [AddOp(None, tuple(keys[:8]), (A,)), EvictOp(engine[9], KeyType.ENGINE, (A,))],
+            "pod-a",
+            Watermark(1, 1),
+        )
+        assert index.round_trips - before == 1
         index.add(engine, keys, [A])
-        assert index.round_trips - before <= nodes
+        other = PodEntry("pod-1", "cpu")  # another shard than pod-a's
+        assert index.core.pod_shard("pod-1") != index.core.pod_shard("pod-a")
+        index.add(None, keys[:100], [other])
         before = index.round_trips
         assert len(index.lookup(keys)) == 512
-        assert index.round_trips - before <= nodes
+        assert index.round_trips - before == 2 * nodes  # pod-a's shard's walk goes farthest
         before = index.round_trips
-        index.score(keys)
-        assert index.round_trips - before <= nodes
-        # a lookup of a short chain involves only the nodes of its keys' shards
-        before = index.round_trips
-        index.lookup(keys[:1])
+        assert len(index.lookup(keys, ["pod-a"])) == 512
         assert index.round_trips - before == 1
-        # evict by engine key: read the mapping, evict and probe, drop the mapping
+        before = index.round_trips
+        assert index.score(keys) == {"pod-a": 512.0, "pod-1": pytest.approx(80.0)}
+        assert index.round_trips - before == nodes
+        before = index.round_trips
+        assert index.score(keys, None, ["pod-a"]) == {"pod-a": 512.0}
+        assert index.round_trips - before == 1  # one pod: one shard, one node
+        # evict by engine key: one call on the pod's shard
         before = index.round_trips
         index.evict(engine[10], KeyType.ENGINE, [A])
-        assert index.round_trips - before <= 3
+        assert index.round_trips - before == 1
         with pytest.raises(EngineKeyNotFoundError):
             index.get_request_key(engine[10])
+        assert index.clear_with_progress("pod-1") == 100  # its shard's node only: below
 
 
 def _evalsha_calls(port: int) -> int:
@@ -217,10 +277,21 @@ def test_reads_from_replicas_spread_lookups_and_scores_over_replicas(
             assert list(reader.lookup(keys)) == keys
             assert reader.score(keys) == {"pod-a": 256.0}
         assert sum(_evalsha_calls(p) for p in primaries) == on_primaries
-        assert sum(_evalsha_calls(p) for p in replicas) >= on_replicas + 10 * 3
+        assert sum(_evalsha_calls(p) for p in replicas) >= on_replicas + 10
         # writes still go to the primaries
         reader.evict(keys[0], KeyType.REQUEST, [A])
         assert sum(_evalsha_calls(p) for p in primaries) > on_primaries
+    spread = RedisIndexConfig(
+        address=cfg.address, namespace=cfg.namespace, read_from_replicas="spread"
+    )
+    with RedisClusterIndex(spread) as reader:
+        calls = {p: _evalsha_calls(p) for p in (*primaries, *replicas)}
+        for _ in range(8):
+            assert reader.score(keys[1:]) == {"pod-a": 255.0}
+        grown = {p for p in calls if _evalsha_calls(p) > calls[p]}
+        # every node of each slot takes its turn: a primary and a replica of every range
+        assert any(p in primaries for p in grown) and any(p in replicas for p in grown)
+        assert len(grown) == 2 * len(primaries)
 
 
 def test_factories_return_the_cluster_index(cfg: RedisIndexConfig) -> None:
@@ -264,8 +335,23 @@ async def test_async_cluster_index(cfg: RedisIndexConfig) -> None:
 # -- differential: the cluster index against the single-server index ----------------------------
 
 
-def _random_ops(rng: random.Random, chains: list[tuple[list[int], list[int]]]) -> list[Any]:
-    pods = [A, B, PodEntry("pod-c", "gpu", group_idx=1, has_group=True)]
+def spread_pods(count: int) -> list[PodEntry]:
+    """``pod-0``, ``pod-1``, ``pod-2`` (three different shards of the default six) and ``pod-4``
+    (``pod-0``'s shard: two pods sharing a shard's mappings)."""
+    pods = [
+        PodEntry("pod-0", "gpu"),
+        PodEntry("pod-1", "cpu"),
+        PodEntry("pod-2", "gpu", group_idx=1, has_group=True),
+        PodEntry("pod-4", "disk"),
+    ]
+    shards = [pod_shard(p.pod_identifier, count) for p in pods]
+    assert len(set(shards[:3])) == 3 and shards[3] == shards[0], shards
+    return pods
+
+
+def _random_ops(
+    rng: random.Random, chains: list[tuple[list[int], list[int]]], pods: list[PodEntry]
+) -> list[Any]:
     ops: list[Any] = []
     for _ in range(rng.randint(1, 6)):
         engine, request = rng.choice(chains)
@@ -285,10 +371,7 @@ def _random_ops(rng: random.Random, chains: list[tuple[list[int], list[int]]]) -
     return ops
 
 
-def test_random_batches_give_the_single_server_index_s_answers(
-    cfg: RedisIndexConfig, redis_server_url: str
-) -> None:
-    rng = random.Random(20261203)
+def _random_chains(rng: random.Random) -> list[tuple[list[int], list[int]]]:
     chains: list[tuple[list[int], list[int]]] = []
     for c in range(6):
         n = rng.choice([8, 24, 40])
@@ -297,27 +380,152 @@ def test_random_batches_give_the_single_server_index_s_answers(
         if c % 3 == 2:
             engine = chain(n * 2, 200 + c)  # many engine blocks per request key
         chains.append((engine, chain(n, 300 + c)))
+    return chains
+
+
+class ShardedReference:
+    """What the pod layout promises, built from single-server indexes: one namespace per shard,
+    each op applied to every shard its entries' pods live in with those entries; reads merge
+    the shards key by key (a lookup ends at the first key no shard holds), scores by union,
+    mappings from the lowest shard holding one, watermarks at their highest."""
+
+    def __init__(self, url: str, namespace: str, count: int) -> None:
+        self.count = count
+        self.shards = [
+            RedisIndex(RedisIndexConfig(address=url, namespace=f"{namespace}-ref{i}"))
+            for i in range(count)
+        ]
+
+    def _split(self, ops: list[Any]) -> dict[int, list[Any]]:
+        out: dict[int, list[Any]] = {}
+        for op in ops:
+            parts: dict[int, list[PodEntry]] = {}
+            for entry in op.entries:
+                parts.setdefault(pod_shard(entry.pod_identifier, self.count), []).append(entry)
+            for shard, entries in parts.items():
+                out.setdefault(shard, []).append(dataclasses.replace(op, entries=tuple(entries)))
+        return out
+
+    def apply_batch(self, ops: list[Any], stream: str | None, mark: Watermark | None) -> set[bool]:
+        """The verdicts of the shards the batch reaches."""
+        return {
+            self.shards[shard].apply_batch(part, stream, mark)
+            for shard, part in sorted(self._split(ops).items())
+        }
+
+    def clear(self, pod: str) -> None:
+        self.shards[pod_shard(pod, self.count)].clear(pod)
+
+    def lookup(self, keys: list[int]) -> dict[int, set[PodEntry]]:
+        out: dict[int, set[PodEntry]] = {}
+        for key in keys:
+            held = {e for ref in self.shards for e in ref.lookup([key]).get(key, [])}
+            if not held:
+                break
+            out[key] = held
+        return out
+
+    def score(self, keys: list[int]) -> dict[str, float]:
+        return {pod: s for ref in self.shards for pod, s in ref.score(keys).items()}
+
+    def mapped(self, engine_key: int) -> int | None:
+        for ref in self.shards:
+            found = _mapped(ref, engine_key)
+            if found is not None:
+                return found
+        return None
+
+    def get_watermark(self, stream: str) -> Watermark | None:
+        marks = [m for ref in self.shards if (m := ref.get_watermark(stream)) is not None]
+        return max(marks) if marks else None
+
+    def close(self) -> None:
+        for ref in self.shards:
+            ref.drop_namespace()
+            ref.close()
+
+
+def test_random_batches_give_the_sharded_single_server_answers(
+    cfg: RedisIndexConfig, redis_server_url: str
+) -> None:
+    """Random batches of adds, evicts by request and engine key (engine keys shared by pods of
+    several shards), clears and watermarks, on the cluster and on single-server namespaces
+    holding each shard's pods: identical lookups, scores, mappings and watermarks, and a clean
+    ``check`` of every shard, after every step."""
+    rng = random.Random(20261203)
+    chains = _random_chains(rng)
+    pods = spread_pods(DEFAULT_SHARDS)
+    ref = ShardedReference(redis_server_url, cfg.namespace, DEFAULT_SHARDS)
+    with RedisClusterIndex(cfg) as cluster:
+        try:
+            for step in range(100):
+                ops = _random_ops(rng, chains, pods)
+                mark = Watermark(0, step) if step % 2 else None
+                stream = "diff" if mark else None
+                verdict = cluster.apply_batch(ops, stream, mark)
+                assert {verdict} >= ref.apply_batch(ops, stream, mark) or len(
+                    {pod_shard(e.pod_identifier, DEFAULT_SHARDS) for op in ops for e in op.entries}
+                ) > 1
+                if step % 25 == 24:
+                    pod = rng.choice(pods).pod_identifier
+                    cluster.clear(pod)
+                    ref.clear(pod)
+                if step % 4 == 3 or step == 99:
+                    for engine, request in chains:
+                        assert _norm(cluster.lookup(request)) == ref.lookup(request), step
+                        assert cluster.score(request) == ref.score(request), step
+                        for key in engine:
+                            assert _mapped(cluster, key) == ref.mapped(key), (step, key)
+                    assert check_findings(cfg) == [], step
+            assert cluster.get_watermark("diff") == ref.get_watermark("diff")
+        finally:
+            ref.close()
+
+
+def test_engine_streams_give_one_single_server_s_lookups_and_scores(
+    cfg: RedisIndexConfig, redis_server_url: str
+) -> None:
+    """As engines send them (each pod adds its own engine keys, evicts by engine key what it
+    stored, one stream per pod): the cluster and one single-server namespace give the same
+    lookups, scores and watermarks, whatever pods share shards."""
+    rng = random.Random(20261205)
+    pods = [PodEntry(f"vllm-{i}", "gpu") for i in range(8)]
+    prompts = [chain(rng.randint(4, 40), 500 + i) for i in range(6)]
+    stored: dict[str, list[tuple[int, ...]]] = {p.pod_identifier: [] for p in pods}
+    seqs = dict.fromkeys(stored, 0)
     single_cfg = RedisIndexConfig(address=redis_server_url, namespace=cfg.namespace)
     with RedisClusterIndex(cfg) as cluster, RedisIndex(single_cfg) as single:
         try:
-            for step in range(120):
-                ops = _random_ops(rng, chains)
-                mark = Watermark(0, step) if step % 2 else None
-                stream = "diff" if mark else None
-                assert cluster.apply_batch(ops, stream, mark) == single.apply_batch(
-                    ops, stream, mark
-                )
-                if step % 25 == 24:
-                    pod = rng.choice(["pod-a", "pod-b"])
-                    cluster.clear(pod)
-                    single.clear(pod)
-                for engine, request in chains:
-                    assert _norm(cluster.lookup(request)) == _norm(single.lookup(request)), step
-                    for key in engine:
-                        assert _mapped(cluster, key) == _mapped(single, key), (step, key)
-                assert check_findings(cfg) == [], step
-                assert check_findings(single_cfg) == [], step
-            assert cluster.get_watermark("diff") == single.get_watermark("diff")
+            for step in range(160):
+                pod = rng.choice(pods)
+                name = pod.pod_identifier
+                keys = rng.choice(prompts) + chain(rng.randint(1, 8), 10_000 + step)
+                engine = tuple((hash((name, k)) & ((1 << 63) - 1)) or 1 for k in keys)
+                ops: list[Any] = [AddOp(engine, tuple(keys), (pod,))]
+                if stored[name] and rng.random() < 0.5:
+                    victim = stored[name].pop(rng.randrange(len(stored[name])))
+                    ops += [
+                        EvictOp(e, KeyType.ENGINE, (pod,)) for e in victim[-rng.randint(1, 4) :]
+                    ]
+                stored[name].append(engine)
+                seqs[name] += 1
+                mark = Watermark(1, seqs[name])
+                assert cluster.apply_batches([(ops, name, mark)]) == [
+                    single.apply_batch(ops, name, mark)
+                ]
+                if step % 40 == 39:
+                    gone = rng.choice(pods).pod_identifier
+                    cluster.clear(gone)
+                    single.clear(gone)
+                    stored[gone].clear()
+                if step % 8 == 7:
+                    for prompt in prompts:
+                        assert _norm(cluster.lookup(prompt)) == _norm(single.lookup(prompt))
+                        assert cluster.score(prompt) == single.score(prompt)
+                        filt = [p.pod_identifier for p in rng.sample(pods, 3)]
+                        assert cluster.score(prompt, None, filt) == single.score(prompt, None, filt)
+            for name in stored:
+                assert cluster.get_watermark(name) == single.get_watermark(name)
         finally:
             single.drop_namespace()
 
@@ -358,43 +566,89 @@ def test_the_operator_cli_on_a_cluster(cfg: RedisIndexConfig) -> None:
     assert found.exit_code == 0, found.output
 
 
-def _first_waves(op: Any, waves: int) -> Any:
-    """Run only the first ``waves`` requests of a cluster operation (a sender that dies)."""
-    reply = None
-    for _ in range(waves):
-        reply = yield op.send(reply)
-    op.close()
-
-
-def test_a_batch_cut_short_leaves_the_watermark_behind_and_the_next_sender_finishes_it(
+def test_batches_of_several_streams_go_in_one_wave_and_a_stale_batch_stops_its_stream(
     cfg: RedisIndexConfig,
 ) -> None:
-    from kvredis.redis.cluster.writes import op_cluster_apply_batch
-
-    keys, engine = chain(64, 12), chain(64, 13)
-    batch = [
-        AddOp(tuple(engine), tuple(keys), (A,)),
-        EvictOp(engine[40], KeyType.ENGINE, (A,)),
-        AddOp(None, tuple(keys[:8]), (B,)),
-    ]
-    with RedisClusterIndex(cfg) as index, RedisClusterIndex(cfg) as other:
-        assert index.apply_batch([], "s", Watermark(1, 0))
-        # the sender dies after the opening wave and the mapping read
-        index.executor.run(
-            _first_waves(op_cluster_apply_batch(index.core, batch, "s", Watermark(1, 1)), 2)
+    """apply_batches: the batches of pods on every shard travel in one wave, one call per node;
+    a batch its stream's watermark already passed is not applied, nor are its stream's later
+    batches in the call; the other streams' are."""
+    with RedisClusterIndex(cfg) as index:
+        every = pods_of_every_shard(index)
+        nodes = len(index.executor.slot_map.primaries)
+        keys = chain(64, 21)
+        batches: list[Any] = [
+            ([AddOp(None, tuple(keys[:8]), (pod,))], pod.pod_identifier, Watermark(1, 1))
+            for pod in every
+        ]
+        before = index.round_trips
+        assert index.apply_batches(batches) == [True] * len(every)
+        assert index.round_trips - before == nodes
+        first, second = every[0], every[1]
+        later = [
+            ([AddOp(None, (keys[10],), (first,))], first.pod_identifier, Watermark(1, 1)),
+            ([AddOp(None, (keys[11],), (first,))], first.pod_identifier, Watermark(1, 2)),
+            ([AddOp(None, (keys[12],), (second,))], second.pod_identifier, Watermark(1, 2)),
+            ([], first.pod_identifier, Watermark(1, 3)),
+            ([AddOp(None, (keys[13],), (second,))], None, None),
+        ]
+        assert index.apply_batches(later) == [False, False, True, False, True]
+        assert index.lookup([keys[10]]) == index.lookup([keys[11]]) == {}
+        assert index.lookup([keys[12]]) == {keys[12]: [second]}
+        assert index.lookup([keys[13]]) == {keys[13]: [second]}
+        assert index.get_watermark(first.pod_identifier) == Watermark(1, 1)
+        assert index.get_watermark(second.pod_identifier) == Watermark(1, 2)
+        # a stream whose batches reach pods on two nodes: the stop holds across nodes
+        far = next(
+            p
+            for p in every
+            if index.executor.slot_map.primary(
+                index.core.slots[index.core.pod_shard(p.pod_identifier)]
+            )
+            != index.executor.slot_map.primary(
+                index.core.slots[index.core.pod_shard(first.pod_identifier)]
+            )
         )
-        assert index.get_watermark("s") == Watermark(1, 0)
-        assert len(index.lookup(keys)) == 64  # the first step is in, the evict is not
-        assert other.apply_batch(batch, "s", Watermark(1, 1)) is True
-        assert other.get_watermark("s") == Watermark(1, 1)
-        assert list(index.lookup(keys)) == keys[:40]
-        assert set(index.lookup(keys[:8], {"pod-b"})) == set(keys[:8])
-        with pytest.raises(EngineKeyNotFoundError):
-            index.get_request_key(engine[40])
-        # the stream is past it now: both senders are told so, nothing is applied again
-        assert index.apply_batch(batch, "s", Watermark(1, 1)) is False
-        assert index.apply_batch([AddOp(None, (keys[40],), (A,))], "s", Watermark(1, 0)) is False
-        assert list(index.lookup(keys)) == keys[:40]
+        mixed = [
+            ([AddOp(None, (keys[20],), (first, far))], "mixed", Watermark(1, 5)),
+            ([AddOp(None, (keys[21],), (far,))], "mixed", Watermark(1, 6)),
+        ]
+        index.core.stream_homes["mixed"] = index.core.pod_shard(first.pod_identifier)
+        assert index.apply_batches(mixed) == [True, True]
+        index.reset_watermark("mixed", None)
+        index.core.stream_homes["mixed"] = index.core.pod_shard(first.pod_identifier)
+        index.apply_batch([AddOp(None, (keys[30],), (first,))], "mixed", Watermark(1, 9))
+        again = [
+            ([AddOp(None, (keys[22],), (first, far))], "mixed", Watermark(1, 7)),
+            ([AddOp(None, (keys[23],), (far,))], "mixed", Watermark(1, 8)),
+        ]
+        assert index.apply_batches(again) == [False, False]
+        assert index.lookup([keys[23]]) == {}
+        # the batch's other shard (far's) took its segment: segments are the shards' own steps
+        assert index.lookup([keys[22]]) == {keys[22]: [far]}
+
+
+def test_clear_runs_on_the_pod_s_shard_only(cfg: RedisIndexConfig) -> None:
+    with RedisClusterIndex(cfg) as index:
+        every = pods_of_every_shard(index)
+        keys, engine = chain(40, 31), chain(40, 32)
+        index.add(engine, keys, every)
+        target = every[2]
+        sent: list[Any] = []
+        execute = index.executor._send
+
+        def watching(wave: Any) -> Any:
+            sent.append(wave)
+            return execute(wave)
+
+        index.executor._send = watching  # type: ignore[method-assign]
+        try:
+            assert index.clear_with_progress(target.pod_identifier) == 40
+        finally:
+            del index.executor._send
+        node = index.executor.slot_map.primary(index.core.slots[2])
+        assert {b.node for wave in sent for b in wave.batches} == {node}
+        assert {e for v in index.lookup(keys).values() for e in v} == set(every) - {target}
+        assert index.get_request_key(engine[5]) == keys[5]  # the other shards' mappings
 
 
 def test_metrics_wrap_the_cluster_index(cfg: RedisIndexConfig) -> None:
@@ -411,33 +665,3 @@ def test_metrics_wrap_the_cluster_index(cfg: RedisIndexConfig) -> None:
             "kvredis_index_redis_round_trips_total", {"backend": "redis"}
         )
         assert trips is not None and trips >= 2
-
-
-def test_a_clear_cut_short_before_its_mapping_pass_drops_the_mappings_when_run_again(
-    cfg: RedisIndexConfig, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The shards reclaim the retired ids only after the mapping pass: a clear cut short before
-    it leaves them retired, so running the clear again runs the mapping pass too."""
-    import kvredis.redis.cluster.ops as cluster_ops
-
-    with RedisClusterIndex(cfg) as index:
-        keys = list(range(1, 41))
-        index.add([k + 1000 for k in keys], keys, [A])
-        index.add(None, keys[:10], [B])  # B keeps the first keys' mappings alive
-        real = cluster_ops.op_clear_mappings
-
-        def cut_short(core: Any) -> Any:
-            raise ConnectionError("cut short before the mapping pass")
-            yield  # pragma: no cover - a generator like the real one
-
-        monkeypatch.setattr(cluster_ops, "op_clear_mappings", cut_short)
-        with pytest.raises(ConnectionError):
-            index.clear("pod-a")
-        monkeypatch.setattr(cluster_ops, "op_clear_mappings", real)
-        index.clear("pod-a")
-        assert index.lookup(keys) == {k: [B] for k in keys[:10]}
-        for k in keys[:10]:
-            assert index.get_request_key(k + 1000) == k
-        for k in keys[10:]:
-            with pytest.raises(EngineKeyNotFoundError):
-                index.get_request_key(k + 1000)

@@ -28,7 +28,7 @@ from kvredis import (
 from kvredis.cli import cli
 from kvredis.redis.cluster.index import RedisClusterIndex
 from kvredis.redis.cluster.inspect import ClusterInspector
-from kvredis.redis.cluster.shards import shard_names, shard_of
+from kvredis.redis.cluster.shards import shard_names
 from kvredis.redis.inspect import DUMP_FORMAT, Inspector, Problem, op_check, op_stats
 from kvredis.redis.layout import Layout
 from tests.servers import LocalCluster
@@ -87,8 +87,12 @@ def shard_layout(index: RedisClusterIndex, shard: int) -> Layout:
 
 
 def test_stats_and_pods_sum_the_shards(populated: RedisClusterIndex, cfg: RedisIndexConfig) -> None:
+    """Each pod's entries are in its shard: a request key held by pods of two shards counts
+    once in each."""
     stats = as_json(cfg, "stats")
     assert len(stats["shards"]) == populated.shards
+    shard_ab, shard_s = (populated.core.pod_shard(p) for p in ("pod-a", "pod-s"))
+    assert populated.core.pod_shard("pod-b") == shard_ab != shard_s
     assert stats["request_keys"] == 40 == sum(s["request_keys"] for s in stats["shards"])
     assert stats["pairs"] == 40 - 1 + 10 + 1 - 1  # 40 A (one evicted), 10 B (+1 again: same)
     assert stats["expiring_entries"] == 10
@@ -96,9 +100,11 @@ def test_stats_and_pods_sum_the_shards(populated: RedisClusterIndex, cfg: RedisI
     assert stats["pods"] == {"pod-a": {"gpu": 39}, "pod-b": {"cpu": 10}, "pod-s": {"": 10}}
     names = shard_names(cfg.namespace, populated.shards)
     assert [s["namespace"] for s in stats["shards"]] == list(names)
-    per_shard = [sum(1 for k in KEYS if shard_of(k, populated.shards) == i) for i in range(6)]
+    per_shard = [0] * populated.shards
+    per_shard[shard_ab] = 40
     assert [s["request_keys"] for s in stats["shards"]] == per_shard
-    assert stats["watermarks"] == populated.shards  # one per shard
+    assert [s["expiring_entries"] for s in stats["shards"]][shard_s] == 10
+    assert stats["watermarks"] == 1  # the stream's batches went to pod-b's shard
     assert stats["server"]["primaries"] == 3
     assert as_json(cfg, "pods") == stats["pods"]
     code, out = invoke(cfg, "stats")
@@ -108,11 +114,17 @@ def test_stats_and_pods_sum_the_shards(populated: RedisClusterIndex, cfg: RedisI
     assert merged.pairs == stats["pairs"] and len(merged.shards) == populated.shards
 
 
-def test_watermarks_are_the_lowest_over_the_shards(
+def test_watermarks_are_the_highest_over_the_shards(
     populated: RedisClusterIndex, cfg: RedisIndexConfig
 ) -> None:
     found = as_json(cfg, "watermarks")
-    assert found["pod-b"]["epoch"] == 2 and found["pod-b"]["shards"] == populated.shards
+    assert found["pod-b"]["epoch"] == 2 and found["pod-b"]["shards"] == 1
+    # a batch of another pod's shard: the stream's watermark there is the highest
+    populated.apply_batch([AddOp(None, (KEYS[1],), (SPEC,))], "pod-b", Watermark(2, 10))
+    found = as_json(cfg, "watermarks")
+    assert found["pod-b"]["stored"].startswith("2:10:") and found["pod-b"]["shards"] == 2
+    assert populated.get_watermark("pod-b") == Watermark(2, 10)
+    populated.reset_watermark("pod-b", Watermark(2, 9))
     assert populated.get_watermark("pod-b") == Watermark(2, 9)
     code, out = invoke(cfg, "watermarks", "--reset", "pod-b", "--yes")
     assert code == 0, out
@@ -127,10 +139,10 @@ def test_check_runs_per_shard_names_the_shard_and_repairs(
     before = populated.lookup(KEYS)
     client = raw(redis_cluster)
     try:
-        # shard 1: an undefined id under a request key; shard 4: an undecodable definition
-        one, four = shard_layout(populated, 1), shard_layout(populated, 4)
-        key = next(k for k in KEYS if shard_of(k, populated.shards) == 1)
-        bucket = one.request_bucket(key)
+        # pod-a's shard: an undefined id under a request key; pod-s's: an undecodable definition
+        one_shard, four_shard = populated.core.pod_shard("pod-a"), populated.core.pod_shard("pod-s")
+        one, four = shard_layout(populated, one_shard), shard_layout(populated, four_shard)
+        bucket = one.request_bucket(KEYS[7])
         client.hset(bucket, (7).to_bytes(8, "big"), b"\x00\x00\x00\x63")
         client.hset(four.pi, b"\x00\x00\x00\x50", b"junk")
     finally:
@@ -139,14 +151,14 @@ def test_check_runs_per_shard_names_the_shard_and_repairs(
     assert code == 1, out
     report = json.loads(out)
     where = {(f["problem"], f["shard"]) for f in report["findings"]}
-    assert where >= {("unknown_id", 1), ("undecodable_entry", 4)}
+    assert where >= {("unknown_id", one_shard), ("undecodable_entry", four_shard)}
     assert {f["problem"] for f in report["findings"]} <= {
         "unknown_id",
         "undecodable_entry",
         "misplaced_field",
     }
     code, out = invoke(cfg, "check")
-    assert code == 1 and "(shard 1)" in out and "(shard 4)" in out
+    assert code == 1 and f"(shard {one_shard})" in out and f"(shard {four_shard})" in out
     code, out = invoke(cfg, "check", "--repair")
     assert code == 0, out
     assert as_json(cfg, "check")["findings"] == []
@@ -266,11 +278,22 @@ def _random_ops(rng: random.Random) -> list[Any]:
     return ops
 
 
+def _speculative_beside(index: RedisClusterIndex, pod: str) -> PodEntry:
+    """A speculative entry of a pod placed on ``pod``'s shard."""
+    shard = index.core.pod_shard(pod)
+    n = 0
+    while index.core.pod_shard(f"pod-s{n}") != shard:
+        n += 1
+    return PodEntry(f"pod-s{n}", speculative=True)
+
+
 def test_check_finds_nothing_after_every_step_of_random_batches(
     cfg: RedisIndexConfig, redis_server_url: str
 ) -> None:
     """Random batches, clears and speculative adds on a cluster namespace and a single-server
-    one: after every step, check (per shard on the cluster) finds no problem on either."""
+    one: after every step, check (per shard on the cluster) finds no problem on either. The
+    pods share one shard (and so its engine-key mappings, as on one server), and the
+    statistics agree."""
     rng = random.Random(20261204)
     single_cfg = RedisIndexConfig(address=redis_server_url, namespace=cfg.namespace)
     with (
@@ -293,8 +316,9 @@ def test_check_finds_nothing_after_every_step_of_random_batches(
                     single.clear(pod)
                 if step % 7 == 3:
                     start = rng.randrange(len(KEYS))
+                    spec = _speculative_beside(cluster, "pod-a")
                     for index in (cluster, single):
-                        index.add(None, KEYS[start : start + 5], [SPEC], ttl=600)
+                        index.add(None, KEYS[start : start + 5], [spec], ttl=600)
                 report = cluster_inspector.check()
                 assert report.findings == [], (step, report.findings)
                 layout = single_inspector.layout()

@@ -12,6 +12,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 
@@ -31,9 +32,6 @@ from tests.redis.cluster.reshard import (
 )
 from tests.servers import LocalCluster
 
-A = PodEntry("pod-a", "gpu")
-B = PodEntry("pod-b", "cpu")
-
 
 @pytest.fixture
 def cfg(redis_cluster: LocalCluster) -> Iterator[RedisIndexConfig]:
@@ -47,16 +45,12 @@ def cfg(redis_cluster: LocalCluster) -> Iterator[RedisIndexConfig]:
         index.drop_namespace()
 
 
-def _keys_of(
-    index: RedisClusterIndex | AsyncRedisClusterIndex, shard: int, count: int
-) -> list[int]:
-    found: list[int] = []
-    key = 1
-    while len(found) < count:
-        if index.core.shard(key) == shard:
-            found.append(key)
-        key += 1
-    return found
+def _pod_on(index: RedisClusterIndex | AsyncRedisClusterIndex, shard: int, tier: str) -> PodEntry:
+    """An entry of a pod placed on ``shard``."""
+    n = 0
+    while index.core.pod_shard(f"pod-{n}") != shard:
+        n += 1
+    return PodEntry(f"pod-{n}", tier)
 
 
 def _second_shard_of_a_node(
@@ -79,18 +73,21 @@ def _check_like(model: InMemoryIndex, cfg: RedisIndexConfig, keys: list[int]) ->
             assert got == {k: set(v) for k, v in model.lookup([key]).items()}
 
 
-def _writes(first: list[int], second: list[int], step: int) -> list[tuple[str, tuple]]:
-    """Writes touching both shards: an add, a batch, an evict."""
-    chain = [first[step], second[step], first[step + 8], second[step + 8]]
+def _writes(
+    keys: list[int], first: PodEntry, second: PodEntry, step: int
+) -> list[tuple[str, tuple]]:
+    """Writes touching both shards (of ``first``'s pod and ``second``'s): an add, a batch, an
+    evict."""
+    chain = keys[4 * step : 4 * step + 4]
     engines = [1_000_000 + 4 * step + i for i in range(4)]
     batch = [
-        AddOp(None, (second[step + 16], first[step + 16]), (B,)),
-        EvictOp(first[step], KeyType.REQUEST, (A,)),
+        AddOp(None, (keys[step + 32], keys[step + 40]), (second,)),
+        EvictOp(keys[4 * step], KeyType.REQUEST, (first,)),
     ]
     return [
-        ("add", (engines, chain, [A])),
+        ("add", (engines, chain, [first, second])),
         ("apply_batch", (batch, "w", Watermark(1, step + 1))),
-        ("evict", (second[step + 8], KeyType.REQUEST, [A])),
+        ("evict", (keys[4 * step + 1], KeyType.REQUEST, [second])),
     ]
 
 
@@ -101,24 +98,25 @@ def test_a_writes_only_client_follows_a_slot_move(
     client was idle: the node-grouped call of the old primary touches a key it no longer serves
     ("non local key"); the client refreshes its slot map and sends again, every write lands."""
     model = InMemoryIndex()
+    keys = list(range(1, 65))
     with RedisClusterIndex(cfg) as index:
         first, second = _second_shard_of_a_node(index, redis_cluster)
-        keys_first, keys_second = _keys_of(index, first, 32), _keys_of(index, second, 32)
+        one, two = _pod_on(index, first, "gpu"), _pod_on(index, second, "cpu")
         slot = index.core.slots[second]
         source = owner(redis_cluster, slot)
         target = next(p for p in primaries(redis_cluster) if p != source)
-        index.add(None, keys_first + keys_second, [A])
-        model.add(None, keys_first + keys_second, [A])
+        index.add(None, keys, [one, two])
+        model.add(None, keys, [one, two])
         reshard(redis_cluster, slot, source, target, pause=0)
         try:
             for step in range(6):
-                for name, args in _writes(keys_first, keys_second, step):
+                for name, args in _writes(keys, one, two, step):
                     getattr(index, name)(*args)
                     getattr(model, name)(*args)
             assert index.executor.slot_map.primary(slot).port == target
         finally:
             reshard(redis_cluster, slot, target, source, pause=0)
-    _check_like(model, cfg, keys_first + keys_second)
+    _check_like(model, cfg, keys)
 
 
 def test_an_async_writes_only_client_follows_a_slot_move(
@@ -127,23 +125,24 @@ def test_an_async_writes_only_client_follows_a_slot_move(
     model = InMemoryIndex()
 
     async def run() -> list[int]:
+        keys = list(range(1, 65))
         async with AsyncRedisClusterIndex(cfg) as index:
             first, second = _second_shard_of_a_node(index, redis_cluster)
-            keys_first, keys_second = _keys_of(index, first, 32), _keys_of(index, second, 32)
+            one, two = _pod_on(index, first, "gpu"), _pod_on(index, second, "cpu")
             slot = index.core.slots[second]
             source = owner(redis_cluster, slot)
             target = next(p for p in primaries(redis_cluster) if p != source)
-            await index.add(None, keys_first + keys_second, [A])
-            model.add(None, keys_first + keys_second, [A])
+            await index.add(None, keys, [one, two])
+            model.add(None, keys, [one, two])
             reshard(redis_cluster, slot, source, target, pause=0)
             try:
                 for step in range(6):
-                    for name, args in _writes(keys_first, keys_second, step):
+                    for name, args in _writes(keys, one, two, step):
                         await getattr(index, name)(*args)
                         getattr(model, name)(*args)
             finally:
                 reshard(redis_cluster, slot, target, source, pause=0)
-            return keys_first + keys_second
+            return keys
 
     keys = asyncio.run(run())
     _check_like(model, cfg, keys)
@@ -165,7 +164,7 @@ def test_a_shard_migrating_under_a_mixed_workload_fails_no_call_and_answers_righ
         for _ in range(10):
             mixed.step()
             writes.step()
-        slot = index.core.slots[index.core.shard(1)]
+        slot = index.core.slots[index.core.pod_shard("pod-0")]  # a shard the workloads write
         source = owner(redis_cluster, slot)
         target = next(p for p in primaries(redis_cluster) if p != source)
         moved: list[int] = []
@@ -193,10 +192,11 @@ def test_a_write_meeting_a_moved_expiry_gate_waits_for_the_migration(
     another shard's keys cannot read the gate there: it must not take the gate for absent
     (its evict of a speculative entry would skip the expiring entries and leave the entry in
     place) but wait for the migration, then apply in full."""
-    spec = PodEntry("pod-s", "gpu", speculative=True)
     with RedisClusterIndex(cfg) as index:
         first, second = _second_shard_of_a_node(index, redis_cluster)
-        kept, key = _keys_of(index, first, 1)[0], _keys_of(index, second, 1)[0]
+        kept, key = 1, 2
+        A, B = _pod_on(index, second, "gpu"), _pod_on(index, first, "cpu")
+        spec = replace(A, device_tier="", speculative=True)
         slot = index.core.slots[second]
         source = owner(redis_cluster, slot)
         target = next(p for p in primaries(redis_cluster) if p != source)

@@ -1,0 +1,129 @@
+"""Node calls: one script call that carries the work of every shard one node holds (sans-IO).
+
+A read or write of a cluster namespace touches some shards; the shards one node holds go in one
+script call to that node (``score_shards``, ``lookup_union``, ``apply_parts``: the single-server
+Lua code run per shard), every node's call in one wave, so an operation costs one round trip
+and one script call per involved node. The calls are grouped by the cached slot map and sent
+without retries or redirections (:attr:`~.core.ClusterCore.fast_policy`): a call that meets a
+redirection, a failure or a missing script comes back as ``None``, and the operation sends the
+work of its shards again by the per-shard path (the single-server operations run on each shard
+with their retries, redirections and reloads: :func:`~.core.on_shards`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvredis.errors import BackendUnavailableError, translate
+from kvredis.redis.cluster.core import ClusterCore, write_wave
+from kvredis.redis.cluster.routing import (
+    SlotCommand,
+    WaveOp,
+    non_local_key,
+    op_refresh,
+    op_wave,
+)
+from kvredis.redis.cluster.topology import ClusterNode, SlotMap
+from kvredis.redis.requests import ErrorReply, ScriptCall
+from kvredis.redis.session import TRANSIENT_REPLIES
+
+
+@dataclass(frozen=True, slots=True)
+class NodeCall:
+    """One script call to the node holding ``slot``; ``items`` say what each element of its
+    reply is about (a shard, a part: the caller's own values, in reply order). A ``single``
+    call runs one single-server script whose reply is one item: its reply (or the Lua error
+    that stopped it) comes back as a one-element list."""
+
+    slot: int
+    call: ScriptCall
+    items: tuple[Any, ...]
+    single: bool = False
+
+
+def group_shards(
+    core: ClusterCore, shards: Iterable[int], node_of: Callable[[int], ClusterNode]
+) -> tuple[dict[ClusterNode, list[int]], list[int]]:
+    """The shards grouped by the node ``node_of(slot)`` names, in the order given, and those
+    whose slot the cached slot map has no node for (they take the per-shard path, which
+    refreshes the map)."""
+    by_node: dict[ClusterNode, list[int]] = {}
+    unmapped: list[int] = []
+    for shard in shards:
+        try:
+            by_node.setdefault(node_of(core.slots[shard]), []).append(shard)
+        except BackendUnavailableError:
+            unmapped.append(shard)
+    return by_node, unmapped
+
+
+def op_slot_map(core: ClusterCore) -> WaveOp[SlotMap]:
+    """The cached slot map (fetched when there is none yet)."""
+    return core.cluster.slot_map or (yield from op_refresh(core.cluster, core.policy.server))
+
+
+def _part_error(reply: ErrorReply) -> bool:
+    """Whether an error reply of a single-server script is its own (it stopped that script
+    before its first write: a Lua error, a foreign key), not the node's or the call's."""
+    message = reply.message
+    return message.startswith(("KVREDIS_", "WRONGTYPE")) and not non_local_key(reply)
+
+
+def op_node_calls(
+    core: ClusterCore, calls: Sequence[NodeCall], read: bool = False, pick: int = 0
+) -> WaveOp[list[list[Any] | None]]:
+    """Send ``calls`` in one wave, each to its slot's node (a read: the node
+    :meth:`~.core.ClusterCore.reader` picks for ``pick``); per call its reply (a list), or
+    ``None`` where the call did not get through (a redirection, a node in trouble, a script or
+    function the node lacks: it is loaded there for next time). Any other error reply is
+    raised as its :mod:`kvredis.errors` exception."""
+    commands = [SlotCommand(c.slot, core.registry.evalsha(c.call).args) for c in calls]
+    on_replicas = read and core.read_from_replicas
+    try:
+        if read:
+            replies = yield from op_wave(
+                core.cluster,
+                commands,
+                core.fast_policy,
+                read=on_replicas,
+                pick=pick,
+                spread=core.read_from == "spread",
+            )
+        else:
+            replies = yield from write_wave(core, commands, core.fast_policy)
+    except BackendUnavailableError:  # a redirection, a node in trouble, a WAIT short of
+        return [None] * len(calls)  # replicas: the per-shard path (which waits too)
+    out: list[list[Any] | None] = []
+    reload: list[NodeCall] = []
+    for call, reply in zip(calls, replies, strict=True):
+        if isinstance(reply, ErrorReply) and call.single and _part_error(reply):
+            out.append([reply.message])
+        elif isinstance(reply, list):
+            out.append(reply if not call.single else [reply])
+        elif call.single and not isinstance(reply, ErrorReply) and reply is not None:
+            out.append([reply])
+        elif isinstance(reply, ErrorReply):
+            if core.registry.missing(reply.message):
+                reload.append(call)
+            elif (
+                reply.code not in TRANSIENT_REPLIES
+                and not reply.message.startswith(("MOVED", "ASK"))
+                and not non_local_key(reply)
+            ):
+                raise translate(reply.message)
+            out.append(None)
+        else:
+            out.append(None)
+    if reload:
+        loads = [core.registry.load(c.call.script, read) for c in reload]
+        yield from op_wave(
+            core.cluster,
+            [SlotCommand(c.slot, load.args) for c, load in zip(reload, loads, strict=True)],
+            core.wave_policy,
+            read=on_replicas and loads[0].read,  # a function library loads on the primary
+            pick=pick,
+            spread=core.read_from == "spread",
+        )
+    return out

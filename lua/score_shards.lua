@@ -1,0 +1,48 @@
+#!lua flags=no-writes,allow-cross-slot-keys
+--[[ score_shards: score.lua, unchanged, for several shards of a pod-placed cluster namespace
+  (kvredis.redis.cluster) that live on this node, in one call. Every pod lives in one shard, so
+  each shard's reply scores its own pods, and the client merges the replies by union.
+  KEYS        the first shard's <shard>:meta, :pi, :pp, :sx (they route the call to this node;
+              a script may declare the keys of one slot only, so the shards' keys come as
+              arguments, and allow-cross-slot-keys lets it reach them: every shard given must
+              live on this node)
+  ARGV[1]     s, the number of shards
+  ARGV[2..]   per shard: m, then m arguments: <shard>:meta, :pi, :pp, :sx, namespace
+              generation, request bucket prefix, bucket bits, then c and c x (pod id, score so
+              far): the pods of this shard carried over from the chain's earlier parts (c = 0
+              for the chain's first part; see score.lua)
+  then        score.lua's ARGV from its pod filter on, the same for every shard: f and f pod
+              ids, w and w x (tier, weight), the weight of a tier without one, the request keys
+              of this part (hash blob)
+  Returns     one reply per shard, in order: score.lua's reply for the shard, or the error that
+              stopped it as a string (KVREDIS_STALE for a shard whose generation is not the
+              client's: the client reloads that shard; the other shards' replies stand)
+  Errors      KVREDIS_INVALID for a malformed shard count or argument count (a malformed
+              argument of one shard is that shard's reply)
+  Complexity  the sum of score.lua's over the shards (each shard's walk has its own work
+              limit: a call does at most the shards' count times one walk's work) ]]
+--@command score
+--@include args
+local s = int_arg(ARGV[1], 'shard count', 1, #ARGV)
+local starts, pos = {}, 2
+for i = 1, s do
+  local m = int_arg(ARGV[pos], 'shard argument count', 8, #ARGV - pos)
+  starts[i] = {pos + 1, m}
+  pos = pos + m + 1
+end
+if pos > #ARGV then fail('INVALID', 'score_shards wants the pod filter, weights and keys') end
+local out = {}
+for i = 1, s do
+  local a, m = starts[i][1], starts[i][2]
+  local keys = {ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]}
+  local args = {ARGV[a + 4], ARGV[a + 5], ARGV[a + 6]}
+  for j = pos, #ARGV do args[#args + 1] = ARGV[j] end
+  for j = a + 7, a + m - 1 do args[#args + 1] = ARGV[j] end
+  local ok, reply = pcall(command_score, keys, args)
+  if ok then
+    out[i] = reply
+  else
+    out[i] = type(reply) == 'table' and reply.err or tostring(reply)
+  end
+end
+return out
