@@ -148,19 +148,25 @@ class Fleet:
     """The simulation: messages in the engines' shapes, and what every pod holds."""
 
     def __init__(
-        self, shape: str, conversations: int, turns: int, capacity: int, seed: int
+        self,
+        shape: str,
+        conversations: int,
+        turns: int,
+        capacity: int,
+        seed: int,
+        pods: int = PODS,
     ) -> None:
         self.shape = shape
         self.rng = random.Random(seed)
         self.page = 1 if shape == "sglang" else BLOCK
-        self.pods = [Pod(capacity) for _ in range(PODS)]
+        self.pods = [Pod(capacity) for _ in range(pods)]
         rng = self.rng
         self.prompts = [
             [rng.randrange(1, 50_000) for _ in range(BLOCK * rng.randint(2, 120))]
             for _ in range(PROMPTS)
         ]
         self.convs = [
-            Conversation(list(rng.choice(self.prompts)), pod=rng.randrange(PODS))
+            Conversation(list(rng.choice(self.prompts)), pod=rng.randrange(pods))
             for _ in range(conversations)
         ]
         self.turns = turns
@@ -184,7 +190,7 @@ class Fleet:
         for t, c in order:
             conv = self.convs[c]
             if t and self.rng.random() < 0.1:
-                conv.pod = self.rng.randrange(PODS)  # the router moved it
+                conv.pod = self.rng.randrange(len(self.pods))  # the router moved it
             user = self.rng.randint(1, 40) * BLOCK
             if self.shape == "vllm":
                 user += self.rng.randrange(BLOCK)  # prompts are not block aligned

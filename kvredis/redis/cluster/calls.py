@@ -19,14 +19,16 @@ from typing import Any
 from kvredis.errors import BackendUnavailableError, translate
 from kvredis.redis.cluster.core import ClusterCore, write_wave
 from kvredis.redis.cluster.routing import (
+    NodeBatch,
     SlotCommand,
+    Wave,
     WaveOp,
     non_local_key,
     op_refresh,
     op_wave,
 )
 from kvredis.redis.cluster.topology import ClusterNode, SlotMap
-from kvredis.redis.requests import ErrorReply, ScriptCall
+from kvredis.redis.requests import ErrorReply, Failure, ScriptCall
 from kvredis.redis.session import TRANSIENT_REPLIES
 
 
@@ -41,6 +43,8 @@ class NodeCall:
     call: ScriptCall
     items: tuple[Any, ...]
     single: bool = False
+    #: the node it goes to (None: the slot map's node for ``slot``, found when sending)
+    node: ClusterNode | None = None
 
 
 def group_shards(
@@ -79,6 +83,51 @@ def op_node_calls(
     ``None`` where the call did not get through (a redirection, a node in trouble, a script or
     function the node lacks: it is loaded there for next time). Any other error reply is
     raised as its :mod:`kvredis.errors` exception."""
+    on_replicas = read and core.read_from_replicas
+    if all(c.node is not None for c in calls) and (read or not core.wait_replicas):
+        replies = yield from _op_direct(core, calls, on_replicas)
+    else:
+        replies = yield from _op_routed(core, calls, read, pick)
+    if replies is None:
+        return [None] * len(calls)
+    return (yield from _take(core, calls, replies, on_replicas, pick))
+
+
+def _op_direct(
+    core: ClusterCore, calls: Sequence[NodeCall], on_replicas: bool
+) -> WaveOp[list[Any] | None]:
+    """One wave of ``calls`` to the nodes they name, as they are (a replica's pipeline opens
+    with ``READONLY``); the replies in order."""
+    batches: dict[ClusterNode, list[Any]] = {}
+    positions: dict[ClusterNode, list[int]] = {}
+    replicas: frozenset[ClusterNode] = frozenset()
+    if on_replicas and core.cluster.slot_map is not None:
+        replicas = core.cluster.slot_map.replica_nodes
+    for position, call in enumerate(calls):
+        node = call.node
+        assert node is not None
+        if node not in batches:
+            batches[node] = [("READONLY",)] if node in replicas else []
+            positions[node] = []
+        batches[node].append(core.registry.evalsha(call.call).args)
+        positions[node].append(position)
+    wave = Wave(tuple(NodeBatch(node, tuple(cmds)) for node, cmds in batches.items()))
+    answered = yield wave
+    replies: list[Any] = [None] * len(calls)
+    for node, node_replies in zip(batches, answered, strict=True):
+        offset = len(node_replies) - len(positions[node])
+        if offset and isinstance(node_replies[0], Failure):
+            return None  # READONLY refused: the node is in trouble (the per-shard path)
+        for position, reply in zip(positions[node], node_replies[offset:], strict=True):
+            replies[position] = reply
+    return replies
+
+
+def _op_routed(
+    core: ClusterCore, calls: Sequence[NodeCall], read: bool, pick: int
+) -> WaveOp[list[Any] | None]:
+    """One wave of ``calls`` routed by their slots (a write ending with ``WAIT`` when the
+    client waits for replicas); None when the wave failed as a whole."""
     commands = [SlotCommand(c.slot, core.registry.evalsha(c.call).args) for c in calls]
     on_replicas = read and core.read_from_replicas
     try:
@@ -94,7 +143,19 @@ def op_node_calls(
         else:
             replies = yield from write_wave(core, commands, core.fast_policy)
     except BackendUnavailableError:  # a redirection, a node in trouble, a WAIT short of
-        return [None] * len(calls)  # replicas: the per-shard path (which waits too)
+        return None  # replicas: the per-shard path (which waits too)
+    return list(replies)
+
+
+def _take(
+    core: ClusterCore,
+    calls: Sequence[NodeCall],
+    replies: Sequence[Any],
+    on_replicas: bool,
+    pick: int,
+) -> WaveOp[list[list[Any] | None]]:
+    """Each call's reply as a list, None where the call did not get through; loads what a node
+    lacked."""
     out: list[list[Any] | None] = []
     reload: list[NodeCall] = []
     for call, reply in zip(calls, replies, strict=True):
@@ -102,7 +163,7 @@ def op_node_calls(
             out.append([reply.message])
         elif isinstance(reply, list):
             out.append(reply if not call.single else [reply])
-        elif call.single and not isinstance(reply, ErrorReply) and reply is not None:
+        elif call.single and not isinstance(reply, Failure) and reply is not None:
             out.append([reply])
         elif isinstance(reply, ErrorReply):
             if core.registry.missing(reply.message):
@@ -117,7 +178,7 @@ def op_node_calls(
         else:
             out.append(None)
     if reload:
-        loads = [core.registry.load(c.call.script, read) for c in reload]
+        loads = [core.registry.load(c.call.script, c.call.read) for c in reload]
         yield from op_wave(
             core.cluster,
             [SlotCommand(c.slot, load.args) for c, load in zip(reload, loads, strict=True)],

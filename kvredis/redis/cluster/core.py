@@ -11,7 +11,7 @@ import dataclasses
 import itertools
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, cast
 
 from kvredis.errors import (
     BackendUnavailableError,
@@ -46,6 +46,7 @@ from kvredis.redis.cluster.shards import (
 )
 from kvredis.redis.cluster.topology import ClusterNode, SlotMap
 from kvredis.redis.layout import (
+    Layout,
     check_bucket_bits,
     check_namespace,
 )
@@ -80,6 +81,10 @@ UNMAP_PER_CALL = 256
 #: Engine buckets one page of the clear's mapping pass reads.
 MAPPING_PAGE = 64
 
+
+#: Read plans kept per node choice: reads rotate over a slot's nodes, and 60 turns cover
+#: slots of 1 to 6 nodes alike.
+READ_TURNS = 60
 
 #: Where reads (lookups and scores) go: the primaries, the replicas of each slot, or every node
 #: of each slot in turn (the primary and its replicas).
@@ -128,6 +133,8 @@ class ClusterCore:
         #: stream -> the shard its last fenced batch was decided on (where an empty batch of
         #: the stream goes)
         self.stream_homes: dict[str, int] = {}
+        self._shard_args: dict[int, tuple[Layout, tuple[Any, ...]]] = {}
+        self._plans: dict[tuple[Any, ...], tuple[SlotMap, tuple[Layout, ...], Any]] = {}
         self._picks = itertools.count()
 
     @property
@@ -182,6 +189,18 @@ class ClusterCore:
         """The namespace state of one shard."""
         return self.sessions[shard].state
 
+    def shard_args(self, shard: int) -> tuple[Any, ...]:
+        """The keys and namespace of one shard as a read names them (``:meta``, ``:pi``,
+        ``:pp``, ``:sx``, generation, request bucket prefix, bucket bits), for the layout it
+        has loaded (kept while that layout is current)."""
+        layout = self.sessions[shard].state.layout
+        known = self._shard_args.get(shard)
+        if known is None or known[0] is not layout:
+            args = (layout.meta, layout.pi, layout.pp, layout.sx, layout.gen, layout.rprefix,
+                    layout.bucket_bits)  # fmt: skip
+            known = self._shard_args[shard] = (layout, args)
+        return known[1]
+
     def run(self, shard: int, factory: Callable[[CoreState], Op[T]]) -> Op[T]:
         """``factory(state)`` on one shard, with namespace loading and stale reloads."""
         session = self.sessions[shard]
@@ -194,6 +213,39 @@ class ClusterCore:
         for key, shard in zip(ordered, shards_of(ordered, len(self.sessions)), strict=True):
             groups.setdefault(shard, []).append(key)
         return groups
+
+    def read_plan(
+        self,
+        slot_map: SlotMap,
+        shards: Sequence[int],
+        pick: int,
+        build: Callable[[ClusterCore, dict[ClusterNode, list[int]]], list[T]],
+    ) -> list[T] | None:
+        """``build(core, shards grouped by the node a read numbered pick goes to)``, kept while
+        the slot map, the shards' layouts and the node choice are the same (a router's scores
+        all take the same plan); None when a shard's slot has no node in the map."""
+        turn = 0 if self.read_from == "primary" else pick % READ_TURNS
+        key = (id(build), tuple(shards), turn)
+        layouts = tuple(self.sessions[s].state.layout for s in shards)
+        known = self._plans.get(key)
+        if (
+            known is not None
+            and known[0] is slot_map
+            and all(a is b for a, b in zip(known[1], layouts, strict=True))
+        ):
+            return cast("list[T]", known[2])
+        by_node: dict[ClusterNode, list[int]] = {}
+        reader = self.reader(slot_map, pick)
+        try:
+            for shard in shards:
+                by_node.setdefault(reader(self.slots[shard]), []).append(shard)
+        except BackendUnavailableError:
+            return None
+        plan = build(self, by_node)
+        if len(self._plans) > 256:
+            self._plans.clear()
+        self._plans[key] = (slot_map, layouts, plan)
+        return plan
 
     def pick(self) -> int:
         """A different node index for each read (spreads reads over a slot's nodes)."""

@@ -40,6 +40,69 @@ from kvredis.redis.requests import Sleep
 T = TypeVar("T")
 
 
+try:  # redis-py's own dependency when installed with hiredis (kvredis asks for it)
+    from hiredis import pack_command as _hiredis_pack
+except ImportError:  # pragma: no cover - redis-py packs then
+    _hiredis_pack = None  # type: ignore[assignment]
+
+
+def _pack(connection: Any, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+    """The commands of one pipeline as the bytes to send: hiredis packs them in C from the
+    arguments as the operations give them (bytes, str, int); redis-py's packer otherwise (it
+    encodes each argument in Python first)."""
+    if _hiredis_pack is None:
+        return list(connection.pack_commands(commands))
+    try:
+        return [b"".join([_hiredis_pack(c) for c in commands])]
+    except TypeError:  # an argument hiredis does not take (a memoryview): redis-py's way
+        return list(connection.pack_commands(commands))
+
+
+class _NodeConnections:
+    """The connections to one node that waves check out and back in (LIFO), at most
+    ``limit`` at a time; thread-safe.
+
+    redis-py's pool probes a connection for unread data (a ``poll`` system call) every time it
+    hands one out; a wave reads every reply it asks for and disconnects a connection on any
+    failure, so its connections come back clean and need no probe. A connection that was
+    dropped reconnects when next used (redis-py connects on send)."""
+
+    def __init__(self, pool: Any, limit: int, timeout: float) -> None:
+        self._pool = pool  # redis-py's: the connection class and its settings
+        self._free: list[Any] = []
+        self._slots = threading.BoundedSemaphore(max(1, limit))
+        self._timeout = timeout
+        self._lock = threading.Lock()
+        self._all: list[Any] = []
+
+    def get(self) -> Any:
+        if not self._slots.acquire(timeout=self._timeout):
+            raise redis.ConnectionError("No connection available.")
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        try:
+            connection = self._pool.connection_class(**self._pool.connection_kwargs)
+        except BaseException:
+            self._slots.release()
+            raise
+        with self._lock:
+            self._all.append(connection)
+        return connection
+
+    def put(self, connection: Any) -> None:
+        with self._lock:
+            self._free.append(connection)
+        self._slots.release()
+
+    def disconnect(self) -> None:
+        with self._lock:
+            for connection in self._all:
+                connection.disconnect()
+            self._all.clear()
+            self._free.clear()
+
+
 class _Cluster:
     """What both executors keep: the config, the cluster state, a connection pool per node."""
 
@@ -56,6 +119,7 @@ class _Cluster:
             migration_wait=config.socket_timeout,
         )
         self.pools: dict[ClusterNode, Any] = {}
+        self.connections: dict[ClusterNode, _NodeConnections] = {}
         self.round_trips = 0
         self.lock = threading.Lock()
         self._lib = lib
@@ -67,6 +131,20 @@ class _Cluster:
             address = replace(self.address, host=node.host, port=node.port, cluster=False)
             pool = self.pools.setdefault(node, _pool(self.config, address, self._lib, self._retry))
         return pool
+
+    def node_connections(self, node: ClusterNode) -> _NodeConnections:
+        """The sync executor's connections to ``node``."""
+        found = self.connections.get(node)
+        if found is None:
+            with self.lock:
+                found = self.connections.get(node)
+                if found is None:
+                    config = self.config
+                    found = _NodeConnections(
+                        self.pool(node), config.pool_size, config.pool_timeout
+                    )
+                    self.connections[node] = found
+        return found
 
 
 def _resume(op: WaveOp[T], outcome: Any, result: list[T]) -> Wave | Sleep | None:
@@ -165,21 +243,21 @@ class SyncClusterExecutor(_Executor):
         with self._cluster.lock:
             self._cluster.round_trips += len(wave.batches)
         out: list[list[Any]] = []
-        held: list[tuple[Any, Any, list[Any], int]] = []
+        held: list[tuple[_NodeConnections, Any, list[Any], int]] = []
         try:
             for batch in wave.batches:  # write every pipeline first ...
                 replies: list[Any] = []
                 out.append(replies)
                 count = len(batch.commands)
-                pool = self._cluster.pool(batch.node)
+                connections = self._cluster.node_connections(batch.node)
                 try:
-                    connection = _connection(pool)
+                    connection = connections.get()
                 except _FAILURES as exc:
                     replies.extend([failure(exc)] * count)
                     continue
-                held.append((pool, connection, replies, count))
+                held.append((connections, connection, replies, count))
                 try:
-                    connection.send_packed_command(connection.pack_commands(batch.commands))
+                    connection.send_packed_command(_pack(connection, batch.commands))
                 except _FAILURES as exc:
                     connection.disconnect()
                     replies.extend([failure(exc)] * count)
@@ -187,12 +265,15 @@ class SyncClusterExecutor(_Executor):
                 if not replies:
                     replies.extend(_read_all(connection, count))
         finally:
-            for pool, connection, _, _ in held:
-                pool.release(connection)
+            for connections, connection, _, _ in held:
+                connections.put(connection)
         return out
 
     def close(self) -> None:
         """Close every node's connections."""
+        for connections in self._cluster.connections.values():
+            connections.disconnect()
+        self._cluster.connections.clear()
         for pool in self._cluster.pools.values():
             pool.disconnect()
         self._cluster.pools.clear()

@@ -28,7 +28,7 @@ over the lookup, which merges every shard's entries.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -54,6 +54,7 @@ from kvredis.redis.cluster.core import (
 )
 from kvredis.redis.cluster.routing import WaveOp
 from kvredis.redis.cluster.shards import descriptor_key, shard_slot
+from kvredis.redis.cluster.topology import ClusterNode
 from kvredis.redis.codec import bytes_text, hash_field, pack_hashes, text_bytes
 from kvredis.redis.ops import (
     DEFAULT_CLEAR_FIELDS_PER_CALL,
@@ -201,7 +202,7 @@ def op_cluster_lookup(
         by_node, again = group_shards(core, due, core.reader(slot_map, pick))
         calls: list[NodeCall] = []
         caches: list[list[EntryCache]] = []
-        for node_shards in by_node.values():
+        for node, node_shards in by_node.items():
             first = core.state(node_shards[0]).layout
             args: list[Arg] = [*filter_args, chain]
             node_caches = []
@@ -211,7 +212,8 @@ def op_cluster_lookup(
                 node_caches.append(cache)
             names = (first.meta, first.pi, first.pp, first.sx)
             walk = ScriptCall("lookup_union", names, args, read=True)
-            calls.append(NodeCall(core.slots[node_shards[0]], walk, tuple(node_shards)))
+            slot = core.slots[node_shards[0]]
+            calls.append(NodeCall(slot, walk, tuple(node_shards), node=node))
             caches.append(node_caches)
         replies = yield from op_node_calls(core, calls, read=True, pick=pick)
         for node_call, node_caches, reply in zip(calls, caches, replies, strict=True):
@@ -245,14 +247,37 @@ class ShardScore:
     done: bool = False
 
 
-def _score_shard_args(state: CoreState, shard: ShardScore) -> list[Arg]:
-    layout = state.layout
-    args: list[Arg] = [
-        *(layout.meta, layout.pi, layout.pp, layout.sx),
-        *(layout.gen, layout.rprefix, layout.bucket_bits),
-        *shard.carried,
-    ]
-    return [len(args), *args]
+def _score_shard_args(core: ClusterCore, shard: int, state: ShardScore) -> list[Arg]:
+    """One shard's arguments in ``score_shards``: their count, the shard's keys and namespace
+    (:meth:`~.core.ClusterCore.shard_args`), the pods carried over."""
+    fixed = core.shard_args(shard)
+    carried = state.carried
+    return [len(fixed) + len(carried), *fixed, *carried]
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreCall:
+    """The first ``score_shards`` call of a score on one node, all but its weights and keys:
+    the node, its shards and their arguments (kept while the slot map and the shards' layouts
+    are the same: :meth:`~.core.ClusterCore.read_plan`)."""
+
+    node: ClusterNode
+    slot: int
+    shards: tuple[int, ...]
+    names: tuple[Any, ...]
+    head: tuple[Any, ...]
+
+
+def _score_calls(core: ClusterCore, by_node: Mapping[ClusterNode, list[int]]) -> list[ScoreCall]:
+    out = []
+    for node, group in by_node.items():
+        head: list[Arg] = [len(group)]
+        for shard in group:
+            fixed = core.shard_args(shard)
+            head += (len(fixed) + 1, *fixed, 0)
+        names = core.shard_args(group[0])[:4]
+        out.append(ScoreCall(node, core.slots[group[0]], tuple(group), names, tuple(head)))
+    return out
 
 
 def _score_factory(
@@ -282,26 +307,40 @@ def op_cluster_score(
     for tier, weight in weights.items():
         common += (text_bytes(tier), repr(float(weight)))
     common.append(repr(float(UNKNOWN_TIER_WEIGHT)))
+    pick = core.pick()
+    if len(keys) <= SCORE_KEYS_PER_CALL:  # the usual score: one wave, each shard's whole walk
+        slot_map = yield from op_slot_map(core)
+        plan = core.read_plan(slot_map, shards, pick, _score_calls)
+        if plan is not None:
+            tail = (*common, chain)
+            first_calls = [
+                NodeCall(c.slot, ScriptCall("score_shards", c.names, (*c.head, *tail), read=True),
+                         c.shards, node=c.node)
+                for c in plan
+            ]  # fmt: skip
+            answered = yield from op_node_calls(core, first_calls, read=True, pick=pick)
+            whole = _whole_scores(answered, len(keys))
+            if whole is not None:
+                return whole
     states = {shard: ShardScore() for shard in shards}
     careful: dict[int, dict[str, float]] = {}
-    pick = core.pick()
     pending = list(shards)
     while pending:
         slot_map = yield from op_slot_map(core)
         by_node, again = group_shards(core, pending, core.reader(slot_map, pick))
         calls: list[NodeCall] = []
-        for node_shards in by_node.values():
+        for node, node_shards in by_node.items():
             for start in dict.fromkeys(states[s].start for s in node_shards):
                 group = [s for s in node_shards if states[s].start == start]
-                first = core.state(group[0]).layout
                 args: list[Arg] = [len(group)]
                 for shard in group:
-                    args += _score_shard_args(core.state(shard), states[shard])
+                    args += _score_shard_args(core, shard, states[shard])
                 args += common
-                args.append(chain[start * 8 : (start + SCORE_KEYS_PER_CALL) * 8])
-                names = (first.meta, first.pi, first.pp, first.sx)
+                args.append(chain if start == 0 and len(keys) <= SCORE_KEYS_PER_CALL
+                            else chain[start * 8 : (start + SCORE_KEYS_PER_CALL) * 8])  # fmt: skip
+                names = core.shard_args(group[0])[:4]
                 score = ScriptCall("score_shards", names, args, read=True)
-                calls.append(NodeCall(core.slots[group[0]], score, tuple(group)))
+                calls.append(NodeCall(core.slots[group[0]], score, tuple(group), node=node))
         replies = yield from op_node_calls(core, calls, read=True, pick=pick)
         pending = []
         for node_call, reply in zip(calls, replies, strict=True):
@@ -339,6 +378,29 @@ def op_cluster_score(
         for pod_id, value in scored.items():
             known = out.get(pod_id)
             out[pod_id] = value if known is None else max(known, value)
+    return out
+
+
+def _whole_scores(replies: Sequence[list[Any] | None], length: int) -> dict[str, float] | None:
+    """The scores of a one-wave score, merged (a pod in several shards: its highest), or None
+    when a shard needs more (its call failed, its walk was cut at the work limit, its shard is
+    stale): the general path then scores again."""
+    out: dict[str, float] = {}
+    for reply in replies:
+        if reply is None:
+            return None
+        for part in reply:
+            if not isinstance(part, list):
+                message = bytes(part).decode("utf-8", "replace")
+                if not message.startswith("KVREDIS_STALE"):
+                    raise translate(message)
+                return None
+            if int(part[1]) and int(part[0]) < length:  # cut: walk on from there
+                return None
+            for i in range(2, len(part), 3):
+                pod, value = bytes_text(part[i]), float(part[i + 1])
+                known = out.get(pod)
+                out[pod] = value if known is None or value > known else known
     return out
 
 

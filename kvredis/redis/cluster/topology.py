@@ -31,6 +31,13 @@ class ClusterNode:
     host: str
     port: int
     node_id: str = field(default="", compare=False)
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.host, self.port)))
+
+    def __hash__(self) -> int:  # nodes key the dicts every wave builds: hashed once
+        return self._hash
 
     def __str__(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
@@ -56,7 +63,7 @@ class SlotMap:
     :class:`~kvredis.errors.BackendUnavailableError`.
     """
 
-    __slots__ = ("_by_slot", "ranges")
+    __slots__ = ("_by_slot", "ranges", "replica_nodes")
 
     def __init__(self, ranges: Iterable[SlotRange]) -> None:
         self.ranges: tuple[SlotRange, ...] = tuple(sorted(ranges, key=lambda r: r.start))
@@ -71,6 +78,8 @@ class SlotMap:
                     raise BackendError(f"slot {slot} is claimed by two ranges of the slot map")
                 by_slot[slot] = slot_range
         self._by_slot = by_slot
+        #: every replica node of the map
+        self.replica_nodes = frozenset(node for r in self.ranges for node in r.replicas)
 
     def range_of(self, slot: int) -> SlotRange:
         """The range holding ``slot`` (BackendUnavailableError if no node serves it)."""

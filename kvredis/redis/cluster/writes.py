@@ -229,20 +229,22 @@ def part_args(program: Program, part: int, parts: int, segment: Segment, token: 
     return [len(args), *args]
 
 
-def _node_call(core: ClusterCore, parts: list[tuple[SegmentRun, int]], token: str) -> NodeCall:
+def _node_call(
+    core: ClusterCore, parts: list[tuple[SegmentRun, int]], token: str, node: ClusterNode
+) -> NodeCall:
     """The call of one node's parts in a wave: the single-server script for one part, else
     ``apply_parts``."""
     slot = core.slots[parts[0][0].shard]
     if len(parts) == 1:
         run, index = parts[0]
         call = run.call(run.programs[index], index + 1, len(run.programs), token)
-        return NodeCall(slot, call, tuple(parts), single=True)
+        return NodeCall(slot, call, tuple(parts), single=True, node=node)
     layout = parts[0][0].programs[parts[0][1]].layout
     args: list[Arg] = [MAX_REQUEST_KEYS_PER_ENGINE_KEY]
     for run, index in parts:
         args += part_args(run.programs[index], index + 1, len(run.programs), run.segment, token)
     keys = (layout.meta, layout.pe, layout.pi, layout.pp, layout.wm, layout.wp, layout.sx)
-    return NodeCall(slot, ScriptCall("apply_parts", keys, args), tuple(parts))
+    return NodeCall(slot, ScriptCall("apply_parts", keys, args), tuple(parts), node=node)
 
 
 def _node_parts(
@@ -355,18 +357,18 @@ def op_fast_wave(core: ClusterCore, plan: WritePlan) -> WaveOp[bool]:
         if node is not None and not run.careful:
             node_runs.setdefault(node, []).append(run)
     calls: list[NodeCall] = []
-    for runs in node_runs.values():
+    for node, runs in node_runs.items():
         merged: list[tuple[SegmentRun, int]] = []
         for run, index in _node_parts(plan, runs, pending):
             if run.segment.evict:  # its own call: the evict script runs out of memory too
                 if merged:
-                    calls.append(_node_call(core, merged, plan.token))
+                    calls.append(_node_call(core, merged, plan.token, node))
                     merged = []
-                calls.append(_node_call(core, [(run, index)], plan.token))
+                calls.append(_node_call(core, [(run, index)], plan.token, node))
             else:
                 merged.append((run, index))
         if merged:
-            calls.append(_node_call(core, merged, plan.token))
+            calls.append(_node_call(core, merged, plan.token, node))
     if not calls:
         return False
     replies = yield from op_node_calls(core, calls)
