@@ -19,6 +19,7 @@ from typing import Any
 from kvredis.errors import BackendUnavailableError, translate
 from kvredis.redis.cluster.core import ClusterCore, write_wave
 from kvredis.redis.cluster.routing import (
+    TRANSIENT_CLUSTER_REPLIES,
     NodeBatch,
     SlotCommand,
     Wave,
@@ -170,6 +171,7 @@ def _take(
                 reload.append(call)
             elif (
                 reply.code not in TRANSIENT_REPLIES
+                and reply.code not in TRANSIENT_CLUSTER_REPLIES
                 and not reply.message.startswith(("MOVED", "ASK"))
                 and not non_local_key(reply)
             ):

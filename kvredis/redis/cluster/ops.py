@@ -52,7 +52,7 @@ from kvredis.redis.cluster.core import (
     on_shards,
     slot_command,
 )
-from kvredis.redis.cluster.routing import WaveOp
+from kvredis.redis.cluster.routing import NON_LOCAL_KEY, WaveOp
 from kvredis.redis.cluster.shards import descriptor_key, shard_slot
 from kvredis.redis.cluster.topology import ClusterNode
 from kvredis.redis.codec import bytes_text, hash_field, pack_hashes, text_bytes
@@ -349,9 +349,8 @@ def op_cluster_score(
                 continue
             for shard, part in zip(node_call.items, reply, strict=True):
                 if not isinstance(part, list):
-                    message = bytes(part).decode("utf-8", "replace")
-                    if not message.startswith("KVREDIS_STALE"):
-                        raise translate(message)
+                    if not _shard_again(part):
+                        raise translate(bytes(part).decode("utf-8", "replace"))
                     again.append(shard)
                     continue
                 state = states[shard]
@@ -381,6 +380,16 @@ def op_cluster_score(
     return out
 
 
+def _shard_again(error: Any) -> bool:
+    """Whether the error that stopped one shard's score in ``score_shards`` is one the
+    per-shard path gets past: a stale shard (it reloads), a key of a slot this node does not
+    serve now (it follows the slot)."""
+    message = bytes(error).decode("utf-8", "replace")
+    return message.startswith(("KVREDIS_STALE", "TRYAGAIN", "MOVED", "ASK")) or (
+        NON_LOCAL_KEY in message
+    )
+
+
 def _whole_scores(replies: Sequence[list[Any] | None], length: int) -> dict[str, float] | None:
     """The scores of a one-wave score, merged (a pod in several shards: its highest), or None
     when a shard needs more (its call failed, its walk was cut at the work limit, its shard is
@@ -391,9 +400,8 @@ def _whole_scores(replies: Sequence[list[Any] | None], length: int) -> dict[str,
             return None
         for part in reply:
             if not isinstance(part, list):
-                message = bytes(part).decode("utf-8", "replace")
-                if not message.startswith("KVREDIS_STALE"):
-                    raise translate(message)
+                if not _shard_again(part):
+                    raise translate(bytes(part).decode("utf-8", "replace"))
                 return None
             if int(part[1]) and int(part[0]) < length:  # cut: walk on from there
                 return None
