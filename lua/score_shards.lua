@@ -20,7 +20,9 @@
   Errors      KVREDIS_INVALID for a malformed shard count or argument count (a malformed
               argument of one shard is that shard's reply)
   Complexity  the sum of score.lua's over the shards (each shard's walk has its own work
-              limit: a call does at most the shards' count times one walk's work) ]]
+              limit: a call does at most the shards' count times one walk's work); a shard that
+              holds no record of the chain's first key (and no expiring entry that may be live)
+              costs three reads: its reply is score.lua's for it, [0, 0], without running it ]]
 --@command score
 --@include args
 local s = int_arg(ARGV[1], 'shard count', 1, #ARGV)
@@ -31,18 +33,42 @@ for i = 1, s do
   pos = pos + m + 1
 end
 if pos > #ARGV then fail('INVALID', 'score_shards wants the pod filter, weights and keys') end
+-- the arguments every shard shares, checked once (score.lua checks them again where it runs)
+local _, at = pod_filter_arg(ARGV, pos)
+local nw = int_arg(ARGV[at], 'weight count', 0, math.floor((#ARGV - at) / 2))
+for i = 1, nw do
+  if not tonumber(ARGV[at + 2 * i]) then fail('INVALID', 'weight ' .. i .. ' must be a number') end
+end
+if not tonumber(ARGV[at + 2 * nw + 1]) then fail('INVALID', 'the default weight must be a number') end
+local chain = blob_arg(ARGV[at + 2 * nw + 2], HASH_WIDTH, 'request keys')
+local first = string.sub(chain, 1, HASH_WIDTH)
+
+-- Whether a shard's score is surely empty: its generation is the client's, no expiring entry
+-- of it may be live, and it holds no record of the chain's first key (score.lua would stop
+-- there, walking nothing). A stale shard runs score.lua, which says so.
+local function holds_nothing(meta, sx, rprefix, bits, gen, carried)
+  if first == '' or carried ~= '0' then return false end
+  if redis.call('HGET', meta, 'gen') ~= gen then return false end
+  if redis.call('EXISTS', sx) == 1 then return false end
+  return redis.call('HEXISTS', bucket_namer(rprefix, bits)(first), first) == 0
+end
+
 local out = {}
 for i = 1, s do
   local a, m = starts[i][1], starts[i][2]
-  local keys = {ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]}
-  local args = {ARGV[a + 4], ARGV[a + 5], ARGV[a + 6]}
-  for j = pos, #ARGV do args[#args + 1] = ARGV[j] end
-  for j = a + 7, a + m - 1 do args[#args + 1] = ARGV[j] end
-  local ok, reply = pcall(command_score, keys, args)
-  if ok then
-    out[i] = reply
+  if holds_nothing(ARGV[a], ARGV[a + 3], ARGV[a + 5], ARGV[a + 6], ARGV[a + 4], ARGV[a + 7]) then
+    out[i] = {0, 0}
   else
-    out[i] = type(reply) == 'table' and reply.err or tostring(reply)
+    local keys = {ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]}
+    local args = {ARGV[a + 4], ARGV[a + 5], ARGV[a + 6]}
+    for j = pos, #ARGV do args[#args + 1] = ARGV[j] end
+    for j = a + 7, a + m - 1 do args[#args + 1] = ARGV[j] end
+    local ok, reply = pcall(command_score, keys, args)
+    if ok then
+      out[i] = reply
+    else
+      out[i] = type(reply) == 'table' and reply.err or tostring(reply)
+    end
   end
 end
 return out
