@@ -26,6 +26,10 @@ Key layout of a namespace ``<ns>`` (all keys start with ``<ns>:``)::
                            kvredis-kvblock/1 that holds speculative entries of its sorted-set
                            form: the (8-byte request key + 4-byte entry id -> deadline) pairs
                            still to convert into expiring buckets (:mod:`kvredis.redis.migrate`)
+    <ns>:mv          HASH  only while ``kvredis migrate`` converts a cluster namespace of the key
+                           layout to the pod layout, in each shard: pod id -> how many evicts
+                           and clears of that pod reached the shard meanwhile (the mover copies
+                           a pod's pairs only while it has not moved: kvredis.redis.cluster.migrate)
     <ns>:c:<run id>  HASH  a chain run: request keys stored together (RUN_MAX at most),
                            fields k (their keys in chain order) and r (ranges of positions
                            holding the same ids): see lua/includes/runs.lua
@@ -119,6 +123,7 @@ class Layout:
         "gen",
         "mask",
         "meta",
+        "mv",
         "mx",
         "namespace",
         "pe",
@@ -149,6 +154,7 @@ class Layout:
         self.wp = ns + b":wp"
         self.sx = ns + b":sx"
         self.mx = ns + b":mx"
+        self.mv = ns + b":mv"
         self.rprefix = ns + b":r:"
         self.eprefix = ns + b":e:"
         self.sprefix = ns + b":s:"
@@ -207,7 +213,10 @@ class Layout:
 
     def fixed_keys(self) -> tuple[bytes, ...]:
         """The keys of the namespace that are not buckets, ``<ns>:meta`` last."""
-        return (self.wm, self.wp, self.sx, self.mx, self.pr, self.pp, self.pe, self.pi, self.meta)
+        return (
+            *(self.wm, self.wp, self.sx, self.mx, self.mv, self.pr, self.pp, self.pe, self.pi),
+            self.meta,
+        )
 
 
 def check_namespace(namespace: object) -> str:

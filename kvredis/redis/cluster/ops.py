@@ -66,7 +66,7 @@ from kvredis.redis.ops import (
     read_score_reply,
     score_weights,
 )
-from kvredis.redis.requests import Arg, Op, ScriptCall
+from kvredis.redis.requests import Arg, Command, Op, ScriptCall
 from kvredis.redis.state import CoreState, EntryCache
 from kvredis.scoring import UNKNOWN_TIER_WEIGHT, LongestPrefixScorer
 from kvredis.types import Keys, PodEntry
@@ -432,11 +432,14 @@ def op_cluster_get_request_key(core: ClusterCore, engine_key: int) -> WaveOp[int
     """``Index.get_request_key``: the mapping of the engine key in every shard, in one wave;
     the lowest-numbered shard's that has one (in the key layout: the engine key's shard's)."""
     key = check_hash(engine_key, "engine key")
-    shards = range(core.count) if core.by_pod else [core.shard(key)]
-    found = yield from on_shards(core, {s: _request_key_factory(key) for s in shards})
-    for shard in sorted(found):
-        if found[shard] is not None:
-            return int(found[shard])  # type: ignore[arg-type]
+    found = yield from on_shards(core, {s: _request_key_factory(key) for s in range(core.count)})
+    order = sorted(found)
+    if not core.by_pod:  # the key layout's mapping, in the engine key's shard, first
+        order.sort(key=lambda s: s != core.shard(key))
+    for shard in order:
+        mapped = found[shard]
+        if mapped is not None:
+            return mapped
     raise EngineKeyNotFoundError(key)
 
 
@@ -457,12 +460,56 @@ def op_cluster_clear(
     if progress is not None and not callable(progress):
         raise InvalidInputError(f"progress must be a callable(done, removed), got {progress!r}")
     shard = core.pod_shard(pod)
+    if not core.by_pod:
+        return (yield from _op_converting_clear(core, pod, progress, fields_per_call, selection))
 
     def factory(state: CoreState) -> Op[int]:
         return op_clear(state, pod, progress, fields_per_call, True, selection)
 
     done = yield from on_shards(core, {shard: factory})
     return done[shard]
+
+
+def _op_converting_clear(
+    core: ClusterCore,
+    pod: str,
+    progress: ClearProgress | None,
+    fields_per_call: int,
+    selection: EntrySelection | None,
+) -> WaveOp[int]:
+    """``Index.clear`` while a namespace of the key layout is converted (:mod:`.migrate`): the
+    pod's entries may be in any shard. Every other shard is cleared first, then the pod's
+    counter raised in its shard, then that shard (the order the mover relies on); no mapping is
+    dropped (the conversion's last step drops those left without holders)."""
+    home = core.pod_shard(pod)
+    done: dict[int, tuple[int, int]] = {}
+
+    def reporter(shard: int) -> ClearProgress:
+        def report(keys: int, removed: int) -> None:
+            done[shard] = (keys, removed)
+            if progress is not None:
+                progress(sum(d[0] for d in done.values()), sum(d[1] for d in done.values()))
+
+        return report
+
+    def factory(shard: int) -> Callable[[CoreState], Op[int]]:
+        def op(state: CoreState) -> Op[int]:
+            report = reporter(shard)
+            return (yield from op_clear(state, pod, report, fields_per_call, False, selection))
+
+        return op
+
+    others = yield from on_shards(core, {s: factory(s) for s in range(core.count) if s != home})
+    yield from on_shards(core, {home: _bump_one(pod)})
+    own = yield from on_shards(core, {home: factory(home)})
+    return sum(others.values()) + own[home]
+
+
+def _bump_one(pod: str) -> Callable[[CoreState], Op[None]]:
+    def factory(state: CoreState) -> Op[None]:
+        yield Command(("HINCRBY", state.layout.mv, text_bytes(pod), 1))
+
+    return factory
 
 
 def op_cluster_drop(core: ClusterCore) -> WaveOp[int]:

@@ -25,13 +25,14 @@ nodes goes one batch per wave.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvredis.batch import AddOp, IndexOp, Watermark, check_batch, check_stream
+from kvredis.batch import AddOp, EvictOp, IndexOp, Watermark, check_batch, check_stream
 from kvredis.checks import (
     MAX_REQUEST_KEYS_PER_ENGINE_KEY,
     check_add,
@@ -51,6 +52,7 @@ from kvredis.redis.cluster.placement import (
 )
 from kvredis.redis.cluster.routing import NON_LOCAL_KEY, WaveOp
 from kvredis.redis.cluster.topology import ClusterNode
+from kvredis.redis.codec import blob_hashes, hash_field, text_bytes
 from kvredis.redis.layout import Layout
 from kvredis.redis.ops import (
     add_call,
@@ -69,7 +71,7 @@ from kvredis.redis.program import (
     piece_parents,
     program_of,
 )
-from kvredis.redis.requests import Arg, Op, ScriptCall
+from kvredis.redis.requests import Arg, Command, Op, Pipeline, ScriptCall
 from kvredis.redis.state import CoreState
 from kvredis.types import Entries, Keys, KeyType
 
@@ -381,7 +383,18 @@ def op_write_segments(
     core: ClusterCore, segments: Sequence[Segment], token: str | None = None
 ) -> WaveOp[list[bool]]:
     """Apply ``segments`` (see the module docstring); whether each was applied whole. Raises
-    the first error a segment met (after the others went as far as they could)."""
+    the first error a segment met (after the others went as far as they could). In a namespace
+    of the key layout (being converted) their evicts reach the entries' old places first
+    (:func:`op_converting_evicts`)."""
+    if not core.by_pod:
+        segments = yield from op_converting_evicts(core, segments)
+    return (yield from op_apply_segments(core, segments, token))
+
+
+def op_apply_segments(
+    core: ClusterCore, segments: Sequence[Segment], token: str | None = None
+) -> WaveOp[list[bool]]:
+    """:func:`op_write_segments` once the segments are the pod layout's."""
     token = token or secrets.token_hex(8)
     runs = [SegmentRun(s, segment_programs(core.state(s.shard).layout, s)) for s in segments]
     plan = WritePlan(runs, token)
@@ -404,6 +417,85 @@ def op_write_segments(
     if plan.error is not None:
         raise plan.error
     return [bool(run.outcome) for run in runs]
+
+
+# -- a namespace of the key layout being converted ------------------------------------------------
+
+
+def _read_engine_mappings(
+    core: ClusterCore, wanted: dict[int, set[int]]
+) -> WaveOp[dict[int, list[int]]]:
+    """The request keys each engine key maps to in the given shards (by shard: the engine keys
+    to read there), merged per engine key in shard order."""
+
+    def reader(keys: list[int]) -> Callable[[CoreState], Op[dict[int, bytes]]]:
+        def factory(state: CoreState) -> Op[dict[int, bytes]]:
+            layout = state.layout
+            replies = yield Pipeline(
+                tuple(Command(("HGET", layout.engine_bucket(k), hash_field(k))) for k in keys)
+            )
+            return {k: bytes(r) for k, r in zip(keys, replies, strict=True) if r}
+
+        return factory
+
+    found = yield from on_shards(core, {s: reader(sorted(k)) for s, k in wanted.items()})
+    out: dict[int, list[int]] = {}
+    for shard in sorted(found):
+        for key, blob in found[shard].items():
+            merged = out.setdefault(key, [])
+            merged += (k for k in blob_hashes(blob) if k not in merged)
+    return out
+
+
+def op_converting_evicts(core: ClusterCore, segments: Sequence[Segment]) -> WaveOp[list[Segment]]:
+    """The evicts of ``segments`` in a namespace of the key layout that ``kvredis migrate``
+    converts (:mod:`.migrate`): a pod's entries may still be where the key layout put them (the
+    request key's shard) as well as in the pod's shard. An evict by engine key becomes evicts
+    by request key of every request key the engine key maps to (in its own shard, where the
+    key layout keeps mappings, and in the pod's shard); no mapping is dropped meanwhile (the
+    conversion's last step drops those left without holders). In order: the evicts reach the
+    entries' old places (one wave), then each pod's counter in its shard is raised (one wave;
+    the mover copies a pod's pairs only while it has not moved), then the segments, with their
+    evicts by request key, go as usual. Returns the segments to apply."""
+    wanted: dict[int, set[int]] = {}
+    for segment in segments:
+        for op in segment.ops:
+            if isinstance(op, EvictOp) and op.key_type is KeyType.ENGINE:
+                wanted.setdefault(core.shard(op.key), set()).add(op.key)
+                wanted.setdefault(segment.shard, set()).add(op.key)
+    mapped = (yield from _read_engine_mappings(core, wanted)) if wanted else {}
+    old_places: dict[int, list[IndexOp]] = {}
+    bumps: dict[int, set[str]] = {}
+    out: list[Segment] = []
+    for segment in segments:
+        ops: list[IndexOp] = []
+        for op in segment.ops:
+            if not isinstance(op, EvictOp):
+                ops.append(op)
+                continue
+            keys = [op.key] if op.key_type is KeyType.REQUEST else mapped.get(op.key, [])
+            evicts = [EvictOp(k, KeyType.REQUEST, op.entries) for k in keys]
+            for evict in evicts:
+                old_places.setdefault(core.shard(evict.key), []).append(evict)
+            ops += evicts
+            bumps.setdefault(segment.shard, set()).update(e.pod_identifier for e in op.entries)
+        out.append(dataclasses.replace(segment, ops=tuple(ops), evict=False))
+    if old_places:
+        olds = [Segment(0, shard, tuple(ops)) for shard, ops in sorted(old_places.items())]
+        yield from op_apply_segments(core, olds)
+    if bumps:
+        yield from on_shards(core, {s: _bump(pods) for s, pods in bumps.items()})
+    return out
+
+
+def _bump(pods: set[str]) -> Callable[[CoreState], Op[None]]:
+    """Raise the pods' counters in one shard (``<shard>:mv``: see :mod:`.migrate`)."""
+
+    def factory(state: CoreState) -> Op[None]:
+        key = state.layout.mv
+        yield Pipeline(tuple(Command(("HINCRBY", key, text_bytes(p), 1)) for p in sorted(pods)))
+
+    return factory
 
 
 # -- the index's writes --------------------------------------------------------------------------
