@@ -118,10 +118,17 @@ def migrate(
     Online: clients of this kvredis read and write the namespace meanwhile; clients of the
     earlier release are refused from the first step on (upgrade them first). Interrupted, run
     it again: it goes on where it stopped. A namespace already in this layout is left alone.
+
+    On a cluster address, converts a namespace of the cluster key layout (kvredis-cluster/1)
+    to pod placement (kvredis-cluster/2), shard by shard, online (stop the clients of the
+    earlier release first).
     """
     from kvredis.redis.migrate import migrate_namespace
 
     tgt = _target(target, namespace_arg)
+    if tgt.config().cluster:
+        _migrate_cluster(tgt, no_progress, as_json)
+        return
     line = _ProgressLine(f"migrating {tgt.namespace!r}", not no_progress and not as_json)
     try:
         report = migrate_namespace(tgt.config(), line, pairs_per_call)
@@ -156,6 +163,49 @@ def migrate(
     click.echo(
         f"{how} {_where(tgt)} from {report.source} to {report.target} in "
         f"{report.seconds:.2f} s{pairs}"
+    )
+
+
+def _migrate_cluster(tgt: RedisTarget, no_progress: bool, as_json: bool) -> None:
+    """``kvredis migrate`` of a cluster namespace (:mod:`kvredis.redis.cluster.migrate`)."""
+    from kvredis.redis.cluster.index import RedisClusterIndex
+    from kvredis.redis.cluster.shards import CLUSTER_LAYOUT
+
+    show = not no_progress and not as_json
+
+    def progress(done: int, total: int) -> None:
+        if show:
+            click.echo(f"migrating {tgt.namespace!r}: {done}/{total} shards moved", err=True)
+
+    with RedisClusterIndex(tgt.config(), create=False) as index:
+        report = index.migrate(progress)
+    if as_json:
+        echo_json(
+            {
+                "namespace": report.namespace,
+                "server": tgt.shown,
+                "migrated": report.migrated,
+                "resumed": report.resumed,
+                "from": report.source,
+                "to": CLUSTER_LAYOUT,
+                "shards": report.shards,
+                "pairs": report.pairs,
+                "expiring": report.expiring,
+                "mappings": report.mappings,
+                "dropped_mappings": report.dropped_mappings,
+                "retried_pages": report.retried_pages,
+                "seconds": round(report.seconds, 3),
+            }
+        )
+        return
+    if not report.migrated:
+        click.echo(f"{_where(tgt)} is in layout {CLUSTER_LAYOUT} already: nothing to migrate")
+        return
+    how = "finished the migration" if report.resumed else "migrated"
+    click.echo(
+        f"{how} {_where(tgt)} from {report.source} to {CLUSTER_LAYOUT} in "
+        f"{report.seconds:.2f} s: {report.pairs:,} pairs and {report.expiring:,} expiring "
+        f"entries moved to their pods' shards, {report.mappings:,} mappings copied"
     )
 
 

@@ -241,8 +241,8 @@ def _session(config: RedisIndexConfig) -> Session:
         raise ConfigError(f"config must be a RedisIndexConfig, got {config!r}")
     if config.cluster:
         raise ConfigError(
-            f"{config.server()} is a cluster: cluster namespaces have always been in layout "
-            f"{LAYOUT_VERSION}, there is nothing to migrate"
+            f"{config.server()} is a cluster: convert a cluster namespace with "
+            "RedisClusterIndex.migrate (what kvredis migrate does on a cluster address)"
         )
     state = CoreState(config.namespace, config.bucket_bits)
     state.address = config.parsed_address().display
@@ -263,8 +263,8 @@ def migrate_namespace(
 
     ``progress(done, total)`` follows the speculative pairs converted. Raises
     NamespaceMissingError when the namespace does not exist, NamespaceLayoutError for a layout
-    it cannot convert (the message says what does), ConfigError for a cluster address (a
-    cluster namespace is never of an earlier layout).
+    it cannot convert (the message says what does), ConfigError for a cluster address
+    (:meth:`kvredis.redis.cluster.index.RedisClusterIndex.migrate` converts those).
     """
     session = _session(config)
     executor = SyncExecutor(config)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, TypeVar, cast
 
@@ -126,8 +127,11 @@ class ClusterCore:
         self.wait_replicas = 0
         self.wait_timeout_ms = 1000
         self.expiry_mode = "key"
-        #: the namespace's descriptor (after connecting)
+        #: the namespace's descriptor (after connecting), and when it was read (monotonic s)
         self.descriptor = Descriptor(CLUSTER_LAYOUT, self.configured_shards)
+        self.descriptor_read_at = 0.0
+        #: the clock of descriptor refreshes (seconds, monotonic; injected by tests)
+        self.clock: Callable[[], float] = time.monotonic
         self.sessions: list[Session] = []
         self.slots: list[int] = []
         #: stream -> the shard its last fenced batch was decided on (where an empty batch of
@@ -536,6 +540,7 @@ def op_cluster_connect(core: ClusterCore, strict: bool = False, create: bool = T
     if not isinstance(info, Failure):
         core.expiry_mode = expiry_mode_of(info)
     core.descriptor = found
+    core.descriptor_read_at = core.clock()
     count = found.shards
     core.adopt(count)
     for session in core.sessions:

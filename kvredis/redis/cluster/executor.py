@@ -140,9 +140,7 @@ class _Cluster:
                 found = self.connections.get(node)
                 if found is None:
                     config = self.config
-                    found = _NodeConnections(
-                        self.pool(node), config.pool_size, config.pool_timeout
-                    )
+                    found = _NodeConnections(self.pool(node), config.pool_size, config.pool_timeout)
                     self.connections[node] = found
         return found
 

@@ -19,6 +19,12 @@ from kvredis.errors import ConfigError
 from kvredis.index import Progress
 from kvredis.redis.cluster.core import ClusterCore, ReadFrom, op_cluster_connect
 from kvredis.redis.cluster.executor import AsyncClusterExecutor, SyncClusterExecutor
+from kvredis.redis.cluster.migrate import (
+    ClusterMigrationReport,
+    MoveProgress,
+    op_cluster_migrate,
+    op_converting,
+)
 from kvredis.redis.cluster.ops import (
     op_cluster_clear,
     op_cluster_drop,
@@ -114,7 +120,7 @@ class RedisClusterIndex(_ClusterFacade):
             raise
 
     def _run(self, op: Callable[[ClusterCore], WaveOp[T]]) -> T:
-        return self._exec.run(op(self.core))
+        return self._exec.run(op_converting(self.core, op(self.core)))
 
     @property
     def shards(self) -> int:
@@ -216,6 +222,14 @@ class RedisClusterIndex(_ClusterFacade):
         """Delete every key of the namespace on every node; the number of keys deleted."""
         return self._run(op_cluster_drop)
 
+    def migrate(self, progress: MoveProgress | None = None) -> ClusterMigrationReport:
+        """Convert a namespace of the key layout to the pod layout, in place and online
+        (:mod:`kvredis.redis.cluster.migrate`); a namespace of the pod layout is left alone.
+        ``progress(shards done, shards)`` follows the mover."""
+        if progress is None:
+            return self._exec.run(op_cluster_migrate(self.core))
+        return self._exec.run(op_cluster_migrate(self.core, progress))
+
     def close(self) -> None:
         """Close every node's connections."""
         self._exec.close()
@@ -259,7 +273,7 @@ class AsyncRedisClusterIndex(_ClusterFacade):
     async def _run(self, op: Callable[[ClusterCore], WaveOp[T]]) -> T:
         if not self._connected:
             await self.connect()
-        return await self._exec.run(op(self.core))
+        return await self._exec.run(op_converting(self.core, op(self.core)))
 
     @property
     def shards(self) -> int:

@@ -40,7 +40,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from kvredis.checks import MAX_REQUEST_KEYS_PER_ENGINE_KEY
 from kvredis.errors import NamespaceLayoutError, NamespaceMissingError
@@ -64,10 +64,13 @@ from kvredis.redis.codec import (
     text_bytes,
 )
 from kvredis.redis.layout import EXPIRING_ITEM_WIDTH, Layout
+from kvredis.redis.ops import op_reclaim
 from kvredis.redis.program import Program, Programs, programs_of
 from kvredis.redis.requests import Command, Op, Pipeline, ScriptCall
 from kvredis.redis.state import CoreState
 from kvredis.types import KeyType, PodEntry
+
+T = TypeVar("T")
 
 #: Bucket keys one page of the mover reads (each a HGETALL).
 BUCKETS_PER_PAGE = 32
@@ -391,6 +394,7 @@ def op_cluster_migrate(
         where = yield from _op_step(core, where, report)
         yield from _set_progress(core, where)
     progress(count, count)
+    yield from on_shards(core, {s: _forgetter(s, core.pod_shard) for s in range(count)})
     dropped = yield from on_shards(core, dict.fromkeys(range(count), _op_drop_unheld))
     report.dropped_mappings = sum(dropped.values())
     yield from on_shards(core, dict.fromkeys(range(count), _op_delete_counters))
@@ -401,6 +405,26 @@ def op_cluster_migrate(
     core.descriptor = Descriptor(CLUSTER_LAYOUT, count)
     report.seconds = time.monotonic() - started
     return report
+
+
+def _forgetter(shard: int, shard_of: Callable[[str], int]) -> Callable[[CoreState], Op[None]]:
+    """Delete from one shard's entry dictionary the definitions of pods placed elsewhere (their
+    pairs moved: no key of the shard holds them), as a clear's last step does."""
+
+    def op(state: CoreState) -> Op[None]:
+        layout = state.layout
+        names = yield Pipeline((Command(("HKEYS", layout.pp)), Command(("HKEYS", layout.pr))))
+        pods = sorted({bytes(p) for reply in names for p in reply})
+        for raw in pods:
+            pod = raw.decode("utf-8", "surrogatepass")
+            if shard_of(pod) == shard:
+                continue
+            keys = (layout.meta, layout.pe, layout.pi, layout.pp, layout.pr)
+            ids = yield ScriptCall("retire", keys, (layout.gen, raw))
+            if ids:
+                yield from op_reclaim(state, pod, bytes(ids))
+
+    return op
 
 
 def _op_delete_counters(state: CoreState) -> Op[None]:
@@ -474,10 +498,18 @@ def _copier(
     return lambda state: _op_copy_pairs(state, pairs, seen)
 
 
-def op_refresh_descriptor(core: ClusterCore) -> WaveOp[None]:
-    """Read the descriptor again (a client converting a namespace, every
-    :data:`DESCRIPTOR_REFRESH_SECONDS`): once the mover named the pod layout, the client reads
-    and writes as in it."""
-    found, _ = yield from op_read_descriptor(core)
-    if found is not None and found.shards == core.count:
-        core.descriptor = found
+def op_converting(core: ClusterCore, op: WaveOp[T]) -> WaveOp[T]:
+    """``op``, after reading the descriptor again when the namespace is in the key layout and
+    it was last read :data:`DESCRIPTOR_REFRESH_SECONDS` ago or more: once the mover named the
+    pod layout, the client reads and writes as in it."""
+    now = core.clock()
+    if not core.by_pod and now - core.descriptor_read_at >= DESCRIPTOR_REFRESH_SECONDS:
+        core.descriptor_read_at = now
+        try:
+            found, _ = yield from op_read_descriptor(core)
+        except BaseException:
+            op.close()
+            raise
+        if found is not None and found.shards == core.count:
+            core.descriptor = found
+    return (yield from op)
