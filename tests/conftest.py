@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from dataclasses import replace
 import os
 import threading
 import uuid
@@ -64,9 +65,12 @@ REDIS_BACKENDS = [
 ]
 CLUSTER_BACKENDS = [
     pytest.param(f"{name}@{kind}", marks=[pytest.mark.redis, pytest.mark.cluster])
-    for name in ("cluster", "async_cluster")
+    for name in ("cluster", "async_cluster", "cluster_split")
     for kind in local_server_kinds()
 ]
+#: Shards of the ``cluster_split`` backend: pod-a, pod-b and pod-c land on three different
+#: shards (the default six place them on one), so the suite sees pods that share no shard.
+SPLIT_SHARDS = 5
 BACKENDS = ["memory", "cost_aware", *REDIS_BACKENDS, *CLUSTER_BACKENDS]
 
 
@@ -365,11 +369,16 @@ def make_backend(name: str, request: pytest.FixtureRequest) -> Any:
     ns = f"{TEST_PREFIX}{uuid.uuid4().hex[:12]}"
     from kvredis import AsyncRedisIndex, RedisIndex, RedisIndexConfig
 
-    if client in ("cluster", "async_cluster"):
+    if client in ("cluster", "async_cluster", "cluster_split"):
         from kvredis.redis.cluster.index import AsyncRedisClusterIndex, RedisClusterIndex
+        from kvredis.redis.cluster.shards import pod_shard
 
         cluster_url = request.getfixturevalue("cluster_pool").get(kind).url
         cluster_config = RedisIndexConfig(address=cluster_url, namespace=ns)
+        if client == "cluster_split":
+            split = {pod_shard(p, SPLIT_SHARDS) for p in ("pod-a", "pod-b", "pod-c")}
+            assert len(split) == 3, split
+            return RedisClusterIndex(replace(cluster_config, cluster_shards=SPLIT_SHARDS))
         if client == "cluster":
             return RedisClusterIndex(cluster_config)
         return SyncOverAsync(lambda: AsyncRedisClusterIndex(cluster_config))

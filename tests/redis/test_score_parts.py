@@ -43,8 +43,8 @@ LENGTH = 3 * SCORE_KEYS_PER_CALL + 123
 
 
 class Recorder:
-    """Records the keys each script call of a walk (``score``, ``lookup``, ``lookup_shards``)
-    carries, by wrapping the client's script registry."""
+    """Records the keys each script call of a walk (``score``, ``lookup``, ``lookup_shards``,
+    ``score_shards``) carries, by wrapping the client's script registry."""
 
     def __init__(self, index: Any) -> None:
         target = getattr(index, "inner", index)
@@ -60,6 +60,8 @@ class Recorder:
             self.walked.append(len(blob) // 8)
         elif call.script == "lookup_shards":  # 9 arguments per shard, the blob last
             self.walked.append(sum(len(a) // 8 for a in call.args[9::9]))
+        elif call.script == "score_shards":  # the shards' part of the chain: the last argument
+            self.walked.append(len(call.args[-1]) // 8)
         return self._evalsha(call)
 
     def close(self) -> None:

@@ -46,6 +46,8 @@ COMMANDS = {
     "score_shards",
     "lookup_union",
     "apply_parts",
+    "move_pairs",
+    "move_mappings",
     "evict",
     "lookup",
     "migrate",
