@@ -14,7 +14,8 @@ pinned to one core and this process to the other where ``taskset`` allows):
 - ``3p+1r``, ``3p+2r``: 3 primaries with 1 and 2 replicas each, reads spread over each slot's
   primary and replicas (``read_from_replicas="spread"``).
 
-A cluster namespace has ``--shards-per-primary`` shards per primary (2). Per shape, in one run:
+A cluster namespace has ``--shards-per-primary`` shards per primary (1: a score costs one call
+per shard it involves, so more shards per node cost more per score). Per shape, in one run:
 
 1. **ingest**: the whole stream into every setup, the setups taking it in turns chunk by chunk
    (so a noisy spell of the machine hits them alike); each node's ``INFO cpu`` growth (user +
@@ -24,6 +25,7 @@ A cluster namespace has ``--shards-per-primary`` shards per primary (2). Per sha
    scores are checked equal to the single server's;
 3. **memory**: the primaries' ``used_memory`` growth per stored (key, entry) pair.
 
+Then a fleet sizing from the measured costs (:func:`fleet_sizing`, its assumptions printed).
 Capacity is what the busiest node allows: one server's CPU per operation on its one core over
 the busiest node's CPU per operation (a write goes to a primary; a read to one node of each slot
 it involves). On this machine every server and this process share 2 cores, so throughput is
@@ -109,9 +111,7 @@ class Setup:
         return self.config.cluster
 
     def open(self) -> Index:
-        self.index = (
-            RedisClusterIndex(self.config) if self.cluster else RedisIndex(self.config)
-        )
+        self.index = RedisClusterIndex(self.config) if self.cluster else RedisIndex(self.config)
         return self.index
 
     def calibrate(self, seconds: float) -> None:
@@ -122,7 +122,9 @@ class Setup:
         for node, b in zip(self.nodes, before, strict=True):
             node.idle_per_s = max(0.0, (node.cpu() - b) / elapsed)
 
-    def measure(self, phase: str, ops: int, run: Callable[[], object], sample: bool = False) -> None:
+    def measure(
+        self, phase: str, ops: int, run: Callable[[], object], sample: bool = False
+    ) -> None:
         """Run ``run`` (``ops`` operations); add each node's CPU and the client's to ``phase``."""
         before = [n.cpu() for n in self.nodes]
         cpu0, t0 = time.process_time(), time.perf_counter()
@@ -161,7 +163,9 @@ def _cluster_nodes(cluster: LocalCluster) -> list[Node]:
     ]
 
 
-def start_setups(stack: ExitStack, names: Sequence[str], kind: str, per_primary: int) -> list[Setup]:
+def start_setups(
+    stack: ExitStack, names: Sequence[str], kind: str, per_primary: int
+) -> list[Setup]:
     ns = f"bench-{uuid.uuid4().hex[:6]}"
     setups: list[Setup] = []
     for name in names:
@@ -205,7 +209,9 @@ def ingest(setups: Sequence[Setup], fleet: Fleet) -> int:
         for setup in setups:
             ing, seq = ingesters[setup.name], seqs[setup.name]
 
-            def feed(chunk: Sequence[Any] = chunk, ing: EventIngester = ing, seq: dict[int, int] = seq) -> None:
+            def feed(
+                chunk: Sequence[Any] = chunk, ing: EventIngester = ing, seq: dict[int, int] = seq
+            ) -> None:
                 for m in chunk:
                     n = seq.get(m.pod, 0)
                     ing.process(f"kv@pod-{m.pod}@{MODEL}", n, m.payload, endpoint=f"pod-{m.pod}")
@@ -318,18 +324,100 @@ def print_result(result: ShapeResult) -> None:
     print(header)
     print("-" * len(header))
     for r in result.rows:
-        print(
-            f"{r.setup:<8} {r.shards:>6} | {r.ingest_cpu_primaries:>21.1f} {r.ingest_cpu_all:>6.1f} "
-            f"{r.ingest_cpu_busiest:>7.1f} {r.ingest_capacity:>7.2f}x {r.ingest_client_ratio:>6.2f}x | "
-            f"{r.score_cpu_all:>13.1f} {r.score_cpu_busiest:>7.1f} {r.score_capacity:>7.2f}x "
-            f"{r.score_client_ratio:>6.2f}x | {r.bytes_per_pair:>6.0f} {r.memory_ratio:>4.2f}x"
+        ingest = (
+            f"{r.ingest_cpu_primaries:>21.1f} {r.ingest_cpu_all:>6.1f} "
+            f"{r.ingest_cpu_busiest:>7.1f} {r.ingest_capacity:>7.2f}x "
+            f"{r.ingest_client_ratio:>6.2f}x"
         )
+        score = (
+            f"{r.score_cpu_all:>13.1f} {r.score_cpu_busiest:>7.1f} {r.score_capacity:>7.2f}x "
+            f"{r.score_client_ratio:>6.2f}x"
+        )
+        memory = f"{r.bytes_per_pair:>6.0f} {r.memory_ratio:>4.2f}x"
+        print(f"{r.setup:<8} {r.shards:>6} | {ingest} | {score} | {memory}")
     print(
         "capacity: one server's CPU per operation over the busiest node's; client: this process's "
         "CPU per operation against the single server's; mem: used_memory growth against it"
     )
     for r in result.rows:
-        print(f"  {r.setup:<8} ingest per node {r.ingest_cpu_per_node}  score per node {r.score_cpu_per_node}")
+        nodes = f"ingest per node {r.ingest_cpu_per_node}  score per node {r.score_cpu_per_node}"
+        print(f"  {r.setup:<8} {nodes}")
+
+
+@dataclass
+class SizingRow:
+    pods: int
+    blocks_per_s: float
+    scores_per_s: float
+    shards_per_score: float
+    primaries: int
+    replicas: int
+    nodes: int
+    redis_cores: float
+
+
+def fleet_sizing(result: ShapeResult, args: Any) -> list[SizingRow]:
+    """Primaries and replicas for fleets of 100, 1,000 and 10,000 pods, from the measured costs:
+    Redis CPU per stored block over the primaries (3p), a replica's CPU per block (3p+1r), and a
+    shard's CPU per score (3p, one shard per node: a score costs one such call per shard it
+    involves). Every pod stores ``--pod-blocks-per-s`` blocks a second; every pod routes
+    ``--requests-per-pod`` requests a second, each scored against its model's pool of ``--pool``
+    pods (the router's candidates: the shards of those pods only); no node busier than
+    ``--utilisation``. Pods land on shards by hash: the busiest primary is taken at the mean
+    plus two standard deviations."""
+    rows = {r.setup: r for r in result.rows}
+    if "3p" not in rows:
+        return []
+    base = rows["3p"]
+    per_block = base.ingest_cpu_primaries
+    replica_block = 0.0
+    if "3p+1r" in rows:
+        replica_block = (
+            max(0.0, rows["3p+1r"].ingest_cpu_all - rows["3p+1r"].ingest_cpu_primaries) / 3
+        )
+    per_shard_score = base.score_cpu_all / base.shards
+    budget = args.utilisation * 1e6
+    out = []
+    for pods in (100, 1_000, 10_000):
+        blocks = pods * args.pod_blocks_per_s
+        scores = pods * args.requests_per_pod
+        primaries = 1
+        while True:
+            spread = 1 + 2 * ((primaries - 1) / pods) ** 0.5 if primaries > 1 else 1.0
+            if blocks * per_block * spread / primaries <= budget * 0.5 or primaries >= pods:
+                break
+            primaries += 1
+        shards = primaries
+        pool = min(args.pool, pods)
+        touched = shards * (1 - (1 - 1 / shards) ** pool)
+        reads = scores * touched * per_shard_score / primaries  # per primary's group
+        ingest = blocks * per_block * spread / primaries
+        replicas = 0
+        while max(ingest + reads / (replicas + 1), blocks * replica_block / primaries
+                   + reads / (replicas + 1)) > budget:  # fmt: skip
+            replicas += 1
+        nodes = primaries * (1 + replicas)
+        cores = (
+            blocks * (per_block + replicas * replica_block) + scores * touched * per_shard_score
+        ) / 1e6
+        out.append(SizingRow(pods, blocks, scores, touched, primaries, replicas, nodes, cores))
+    return out
+
+
+def print_sizing(rows: list[SizingRow], args: Any) -> None:
+    if not rows:
+        return
+    print(
+        f"\nFleet sizing ({args.pod_blocks_per_s:g} blocks stored per pod per second, "
+        f"{args.requests_per_pod:g} routed requests per pod per second scored against a pool of "
+        f"{args.pool} pods, nodes at most {args.utilisation:.0%} busy, one shard per primary):"
+    )
+    print(f"{'pods':>7} {'blocks/s':>10} {'scores/s':>9} {'shards/score':>12} {'primaries':>9} "
+          f"{'replicas/primary':>16} {'nodes':>6} {'Redis cores':>11}")  # fmt: skip
+    for r in rows:
+        print(f"{r.pods:>7,} {r.blocks_per_s:>10,.0f} {r.scores_per_s:>9,.0f} "
+              f"{r.shards_per_score:>12.1f} {r.primaries:>9} {r.replicas:>16} {r.nodes:>6} "
+              f"{r.redis_cores:>11.1f}")  # fmt: skip
 
 
 def run_shape(args: Any, shape: str, kind: str) -> ShapeResult:
@@ -366,7 +454,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--conversations", type=int, default=None)
     parser.add_argument("--turns", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=None)
-    parser.add_argument("--shards-per-primary", type=int, default=2)
+    parser.add_argument("--shards-per-primary", type=int, default=1)
+    parser.add_argument(
+        "--pod-blocks-per-s",
+        type=float,
+        default=400.0,
+        help="blocks a pod stores per second, for the fleet sizing",
+    )
+    parser.add_argument(
+        "--requests-per-pod",
+        type=float,
+        default=2.0,
+        help="routed requests per pod per second, for the fleet sizing",
+    )
+    parser.add_argument(
+        "--pool",
+        type=int,
+        default=16,
+        help="pods a request is scored against (the router's candidates)",
+    )
+    parser.add_argument(
+        "--utilisation",
+        type=float,
+        default=0.7,
+        help="the most a node may be busy, for the fleet sizing",
+    )
     parser.add_argument("--seed", type=int, default=7)
     args = parser.parse_args(argv)
     defaults = {"conversations": (40, 200), "turns": (3, 7), "rounds": (3, 7)}
@@ -382,9 +494,12 @@ def main(argv: list[str] | None = None) -> int:
     for shape in args.shape.split(","):
         result = run_shape(args, shape, args.server)
         print_result(result)
-        results.append(result)
+        sizing = fleet_sizing(result, args)
+        print_sizing(sizing, args)
+        results.append((result, sizing))
     if args.json:
-        write_json(args.json, {"server": args.server, "shapes": [asdict(r) for r in results]})
+        shapes = [{**asdict(r), "sizing": [asdict(x) for x in z]} for r, z in results]
+        write_json(args.json, {"server": args.server, "shapes": shapes})
     return 0
 
 

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import replace
 import os
 import threading
 import uuid
 from collections.abc import Awaitable, Callable, Collection, Iterator, Sequence
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import pytest
