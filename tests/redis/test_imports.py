@@ -23,6 +23,13 @@ SANS_IO = [
     "kvredis.redis.cluster.redirect",
     "kvredis.redis.cluster.topology",
     "kvredis.redis.cluster.routing",
+    "kvredis.redis.cluster.shards",
+    "kvredis.redis.cluster.core",
+    "kvredis.redis.cluster.placement",
+    "kvredis.redis.cluster.calls",
+    "kvredis.redis.cluster.writes",
+    "kvredis.redis.cluster.ops",
+    "kvredis.redis.cluster.migrate",
 ]
 
 

@@ -1,9 +1,10 @@
 """The index on a Redis Cluster or Valkey cluster: :class:`RedisClusterIndex` (thread-safe) and
 :class:`AsyncRedisClusterIndex` (asyncio).
 
-Same methods and semantics as :class:`~kvredis.redis.index.RedisIndex`, except where a cluster
-cannot give single-step atomicity (see :mod:`kvredis.redis.cluster.ops` and the README, "Redis
-Cluster"). Both run the sans-IO cluster operations of :mod:`.ops` with the executors of
+Same methods and semantics as :class:`~kvredis.redis.index.RedisIndex`, except where pods on
+different shards do not share engine-key mappings and a write spanning shards is one atomic
+step per shard (see :mod:`kvredis.redis.cluster.ops`, :mod:`.writes` and docs/design/cluster.md).
+Both run the sans-IO cluster operations of :mod:`.ops` and :mod:`.writes` with the executors of
 :mod:`.executor`; nothing here knows about slots or redirections.
 """
 
