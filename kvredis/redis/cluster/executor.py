@@ -166,6 +166,19 @@ def _connection(pool: Any) -> Any:
         return pool.get_connection("PING")
 
 
+_READONLY = ("READONLY",)
+
+
+def _reads_already(connection: Any) -> bool:
+    """Whether ``connection`` sent ``READONLY`` on its current socket (a reconnect loses it)."""
+    sock = getattr(connection, "_sock", None)
+    return sock is not None and getattr(connection, "_kvredis_readonly", None) is sock
+
+
+def _mark_reads(connection: Any) -> None:
+    connection._kvredis_readonly = getattr(connection, "_sock", None)
+
+
 def _read_all(connection: Any, count: int) -> list[Any]:
     replies: list[Any] = []
     for _ in range(count):
@@ -241,29 +254,38 @@ class SyncClusterExecutor(_Executor):
         with self._cluster.lock:
             self._cluster.round_trips += len(wave.batches)
         out: list[list[Any]] = []
-        held: list[tuple[_NodeConnections, Any, list[Any], int]] = []
+        held: list[tuple[_NodeConnections, Any, list[Any], int, bool]] = []
         try:
             for batch in wave.batches:  # write every pipeline first ...
                 replies: list[Any] = []
                 out.append(replies)
-                count = len(batch.commands)
+                commands = batch.commands
                 connections = self._cluster.node_connections(batch.node)
                 try:
                     connection = connections.get()
                 except _FAILURES as exc:
-                    replies.extend([failure(exc)] * count)
+                    replies.extend([failure(exc)] * len(commands))
                     continue
-                held.append((connections, connection, replies, count))
+                readonly = commands[0] == _READONLY
+                if readonly and _reads_already(connection):
+                    commands = commands[1:]  # READONLY holds for the connection's life
+                    replies.append(b"OK")
+                    readonly = False
                 try:
-                    connection.send_packed_command(_pack(connection, batch.commands))
+                    connection.send_packed_command(_pack(connection, commands))
                 except _FAILURES as exc:
                     connection.disconnect()
-                    replies.extend([failure(exc)] * count)
-            for _, connection, replies, count in held:  # ... then read, node by node
-                if not replies:
-                    replies.extend(_read_all(connection, count))
+                    replies.extend([failure(exc)] * len(commands))
+                    commands = ()
+                held.append((connections, connection, replies, len(commands), readonly))
+            for _, connection, replies, count, readonly in held:  # ... then read, node by node
+                if count:
+                    read = _read_all(connection, count)
+                    if readonly and read[0] in (b"OK", "OK", True):
+                        _mark_reads(connection)
+                    replies.extend(read)
         finally:
-            for connections, connection, _, _ in held:
+            for connections, connection, _, _, _ in held:
                 connections.put(connection)
         return out
 
