@@ -55,6 +55,8 @@ def main() -> None:
                     {
                         "lost": outcome.lost,
                         "acknowledged": outcome.acknowledged,
+                        "acknowledged_of_killed_primary_pods": outcome.at_risk,
+                        "killed_primary_pods": outcome.victim_pods,
                         "lost_after_failover": outcome.lost_after,
                         "acknowledged_after_failover": outcome.acknowledged_after,
                         "retried_by_workload": outcome.retried,

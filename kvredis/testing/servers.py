@@ -360,6 +360,28 @@ class LocalCluster:
         self.wait_converged(timeout, dead={victim})
         return victim, promoted[0]
 
+    def promote(self, replica: int, timeout: float = 30.0) -> int:
+        """Fail a primary over to its replica ``replica`` by hand (``CLUSTER FAILOVER``: the
+        primary stops, hands its offset over and becomes the replica's replica), wait until
+        every node sees it and the cluster has converged; the demoted primary's port."""
+        view = self.topology()
+        role, primary, _ = view[replica]
+        if role != "slave":
+            raise ValueError(f"port {replica} is not a replica")
+        with self._admin(replica) as admin:
+            admin.execute_command("CLUSTER", "FAILOVER")
+
+        def swapped() -> bool:
+            return all(
+                self.topology(port).get(replica, ("",))[0] == "master"
+                and self.topology(port).get(primary, ("", 0))[0:2] == ("slave", replica)
+                for port in self.live_ports()
+            )
+
+        self._wait(swapped, timeout, f"replica {replica} to take over from {primary}")
+        self.wait_converged(timeout)
+        return primary
+
     def revive(self, port: int, timeout: float = 30.0) -> None:
         """Restart a killed node (it rejoins as a replica of its slots' new owner) and wait
         until the cluster has converged again."""

@@ -420,16 +420,19 @@ def _watch_waits(core: ClusterCore, wave: WaveOp[list[Any]], waits: int) -> Wave
         replies = list(stop.value)
     finally:
         wave.close()
-    acked = min((int(wave_reply(r)) for r in replies[len(replies) - waits :]), default=0)
-    if unconfirmed or acked < core.wait_replicas:
-        seen = (
-            "a node's pipeline came back split between the write and its WAIT"
-            if unconfirmed
-            else (
+    waited = replies[len(replies) - waits :]
+    refused = next((r for r in waited if isinstance(r, Failure)), None)
+    acked = 0 if refused else min((int(r) for r in waited), default=0)
+    if unconfirmed or refused or acked < core.wait_replicas:
+        if unconfirmed:
+            seen = "a node's pipeline came back split between the write and its WAIT"
+        elif refused is not None:  # e.g. the node was demoted to a replica meanwhile
+            seen = f"its WAIT failed ({refused.message})"
+        else:
+            seen = (
                 f"{acked} of the {core.wait_replicas} replicas it waits for acknowledged it within "
                 f"{core.wait_timeout_ms} ms"
             )
-        )
         raise BackendUnavailableError(
             f"{core.wave_policy.server}: a write is applied on its primary, but {seen}: it may "
             "be lost in a failover (sending it again is safe)"

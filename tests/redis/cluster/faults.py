@@ -62,11 +62,14 @@ class Outcome:
     #: per lost write: (what, when its call started, in seconds relative to the kill)
     lost_writes: list[tuple[str, float]] = field(default_factory=list)
     calls: int = 0
+    victim_pods: list[str] = field(default_factory=list)  # the pods the killed primary held
+    at_risk: int = 0  # acknowledged writes of those pods (the others' shards never failed over)
 
     def line(self) -> str:
         return (
             f"lost {self.lost}/{self.acknowledged} acknowledged writes "
-            f"({self.lost_after}/{self.acknowledged_after} started after the failover); "
+            f"({self.lost_after}/{self.acknowledged_after} started after the failover; "
+            f"{self.at_risk} of pods on the killed primary: {', '.join(self.victim_pods)}); "
             f"{self.retried} retried by the workload, {len(self.errors)} errors; "
             f"longest call {self.longest:.2f} s, failover {self.failover:.1f} s, "
             f"{self.calls} calls"
@@ -201,8 +204,10 @@ def _check(
         kept = len(chain.request_keys) - len(evicted)
         found = index.lookup(chain.request_keys)
         held = sum(1 for key in chain.request_keys[:kept] if chain.pod in found.get(key, []))
+        risky = chain.pod.pod_identifier in outcome.victim_pods
         outcome.acknowledged += 1
         outcome.acknowledged_after += late
+        outcome.at_risk += risky
         if held < kept:
             outcome.lost += 1
             outcome.lost_after += late
@@ -211,6 +216,7 @@ def _check(
             late_evict = late and started >= after  # the chain too was added after it
             outcome.acknowledged += 1
             outcome.acknowledged_after += late_evict
+            outcome.at_risk += risky
             key = chain.request_keys[block]
             if chain.pod in index.lookup([key]).get(key, []):
                 outcome.lost += 1
@@ -218,9 +224,22 @@ def _check(
                 outcome.lost_writes.append(("evict", started - kill))
 
 
-def _primary_of(cluster: LocalCluster) -> int:
+def _primary_of(
+    cluster: LocalCluster, index: RedisClusterIndex, pods: list[str]
+) -> tuple[int, list[str]]:
+    """The primary serving the shards of the most of the workload's ``pods`` (each pod's
+    writes go to its shard's primary: a primary holding none of them would lose nothing), and
+    the pods it serves."""
+    core = index.core
+    slot_map = core.cluster.slot_map
+    assert slot_map is not None  # the workload's first calls fetched it
+    held: dict[int, list[str]] = {}
+    for pod in pods:
+        held.setdefault(slot_map.primary(core.slots[core.pod_shard(pod)]).port, []).append(pod)
     view = cluster.topology()
-    return min(port for port, (role, _, _) in view.items() if role == "master")
+    masters = {port for port, (role, _, _) in view.items() if role == "master"}
+    victim = max(sorted(held), key=lambda port: (port in masters, len(held[port])))
+    return victim, held[victim]
 
 
 def _on(cluster: LocalCluster, port: int, *args: Any) -> Any:
@@ -283,7 +302,8 @@ def fault_run(
             thread.start()
         try:
             time.sleep(before)
-            victim = _primary_of(cluster)
+            pods = [f"pod-{i}" for i in range(adders)] + [f"pod-b{i}" for i in range(batchers)]
+            victim, work.outcome.victim_pods = _primary_of(cluster, index, pods)
             cut = _cut_replication(cluster, victim) if lag else []
             time.sleep(lag)
             began = time.monotonic()

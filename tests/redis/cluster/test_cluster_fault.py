@@ -34,7 +34,8 @@ def test_a_primary_killed_mid_workload_is_ridden_out_and_keeps_every_later_write
     outcome = fault_run(redis_cluster, before=1.0, after=1.0, retries=12, retry_backoff=0.05)
     print(outcome.line())
     assert outcome.errors == [] and outcome.retried == 0
-    assert outcome.acknowledged_after > 0
+    assert outcome.victim_pods  # the killed primary held writers' pods: their writes rode it out
+    assert outcome.at_risk > 0 and outcome.acknowledged_after > 0
     assert outcome.lost_after == 0, outcome.lost_writes
     assert outcome.longest < outcome.failover + 5
 
@@ -155,6 +156,29 @@ def test_a_pipeline_split_between_its_writes_and_its_wait_raises(
     assert lost
     waiting.add(None, [1, 2, 3], [A])
     assert waiting.lookup([1, 2, 3]) == {1: [A], 2: [A], 3: [A]}
+
+
+def test_a_write_waiting_on_a_primary_just_demoted_raises_unavailable(
+    waiting: RedisClusterIndex, redis_cluster: LocalCluster
+) -> None:
+    """A manual failover demotes the primary of pod-a's shard after the index cached the slot
+    map: the next write and its ``WAIT`` reach the demoted node, which redirects the write
+    (sent again to the new primary) and refuses ``WAIT`` on a replica. Whether a replica holds
+    the write is unknown: the call raises BackendUnavailableError (resending is safe), not a
+    plain server error, and the write sent again is confirmed."""
+    waiting.add(None, [1], [A])
+    slot = waiting.core.slots[waiting.core.pod_shard(A.pod_identifier)]
+    old = waiting.executor.slot_map.primary(slot).port
+    replica = next(p for p, (_, primary, _) in redis_cluster.topology().items() if primary == old)
+    assert redis_cluster.promote(replica) == old
+    try:
+        with pytest.raises(BackendUnavailableError, match="WAIT"):
+            waiting.add(None, [2], [A])
+        waiting.add(None, [2], [A])
+        assert waiting.lookup([1, 2]) == {1: [A], 2: [A]}
+    finally:
+        redis_cluster.promote(old)
+        waiting.lookup([1])  # a read redirected by the demoted node: the slot map is fresh again
 
 
 def test_cluster_wait_replicas_config() -> None:
