@@ -458,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--pod-blocks-per-s",
         type=float,
-        default=400.0,
+        default=300.0,
         help="blocks a pod stores per second, for the fleet sizing",
     )
     parser.add_argument(

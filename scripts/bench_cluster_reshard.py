@@ -5,11 +5,13 @@ Two phases (``tests/redis/cluster/reshard.py``):
 
 - ``migrating``: one thread adds, evicts (by request and engine key), batches, looks up and
   scores over 8 shards, checking every answer against an InMemoryIndex fed the same writes,
-  another only writes (checked at the end), while a shard's slot is moved key batch by key
-  batch (SETSLOT IMPORTING/MIGRATING, in both orders, then GETKEYSINSLOT + MIGRATE, then
-  SETSLOT NODE), there and back, ``--moves`` times;
-- ``writes-only``: a client that only writes (adds and batches touching two shards of one
-  primary) after one of those shards was moved to another primary while it was idle.
+  another only writes (checked at the end), while the slot of the shard holding ``pod-0`` (a
+  pod both write for) is moved key batch by key batch (SETSLOT IMPORTING/MIGRATING, in both
+  orders, then GETKEYSINSLOT + MIGRATE, then SETSLOT NODE), there and back, ``--moves``
+  times;
+- ``writes-only``: a client that only writes (adds and batches for a pod on each of two shards
+  of one primary: one call on that node) after one of those shards was moved to another
+  primary while it was idle.
 
 Run:  .venv/bin/python scripts/bench_cluster_reshard.py [--server valkey] [--moves 4] [--quick]
 """
@@ -50,7 +52,7 @@ def main() -> None:
             for _ in range(10):
                 workload.step()
                 writes.step()
-            slot = index.core.slots[index.core.shard(1)]
+            slot = index.core.slots[index.core.pod_shard("pod-0")]  # a shard both clients write
             home = owner(cluster, slot)
             away = next(p for p in primaries(cluster) if p != home)
             began = time.monotonic()
@@ -94,7 +96,6 @@ def _writes_only(cluster: Any, cfg: Any, moves: int) -> dict[str, Any]:
     from kvredis.redis.cluster.index import RedisClusterIndex
     from tests.redis.cluster.reshard import owner, primaries, reshard
 
-    entry = PodEntry("pod-w", "gpu")
     calls = failed = 0
     longest = 0.0
     with RedisClusterIndex(cfg) as index:
@@ -102,9 +103,9 @@ def _writes_only(cluster: Any, cfg: Any, moves: int) -> dict[str, Any]:
         for shard, slot in enumerate(index.core.slots):
             by_node.setdefault(owner(cluster, slot), []).append(shard)
         first, second = next(s[:2] for s in by_node.values() if len(s) > 1)
-        # the staying shard's keys first: its keys route the old primary's node-grouped call
-        stay = [k for k in range(1, 5000) if index.core.shard(k) == first][:200]
-        go = [k for k in range(1, 5000) if index.core.shard(k) == second][:200]
+        # a pod on each of two shards of one primary: their writes are one call on that node
+        # until the second shard's slot moves
+        entries = [PodEntry(_pod_on(index, shard), "gpu") for shard in (first, second)]
         slot = index.core.slots[second]
         home = owner(cluster, slot)
         away = next(p for p in primaries(cluster) if p != home)
@@ -112,17 +113,17 @@ def _writes_only(cluster: Any, cfg: Any, moves: int) -> dict[str, Any]:
             for source, target in ((home, away), (away, home)):
                 reshard(cluster, slot, source, target, pause=0)
                 for step in range(50):
-                    at = (step * 2) % 200
-                    keys = [*stay[at : at + 2], *go[at : at + 2]]
+                    keys = [1 + (step * 4 + i) % 400 for i in range(4)]
                     mark = Watermark(move, step + 100 * (target == home))
                     for kind in ("add", "apply_batch"):
                         began = time.monotonic()
                         calls += 1
                         try:
                             if kind == "add":
-                                index.add(None, keys, [entry])
+                                index.add(None, keys, entries)
                             else:
-                                index.apply_batch([AddOp(None, tuple(keys), (entry,))], "w", mark)
+                                ops = [AddOp(None, tuple(keys), tuple(entries))]
+                                index.apply_batch(ops, "w", mark)
                         except Exception:  # counted
                             failed += 1
                         longest = max(longest, time.monotonic() - began)
@@ -132,6 +133,11 @@ def _writes_only(cluster: Any, cfg: Any, moves: int) -> dict[str, Any]:
         f"{failed} failed, longest {longest * 1000:.0f} ms"
     )
     return {"calls": calls, "failed": failed, "longest_ms": round(longest * 1000, 1)}
+
+
+def _pod_on(index: Any, shard: int) -> str:
+    """A pod name the namespace places on ``shard``."""
+    return next(f"pod-w{n}" for n in range(10_000) if index.core.pod_shard(f"pod-w{n}") == shard)
 
 
 if __name__ == "__main__":
