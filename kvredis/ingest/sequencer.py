@@ -65,6 +65,7 @@ __all__ = [
     "ClearPod",
     "Conflict",
     "Failed",
+    "FastBatch",
     "FetchReplay",
     "FreshVerdict",
     "Interrupt",
@@ -224,6 +225,17 @@ class BatchRun:
                 yield from self.clear([self.pod], Counter.CLEARS_ALL_BLOCKS_CLEARED, need)
 
 
+@dataclass(slots=True)
+class FastBatch:
+    """A batch planned on the fast path (:meth:`Sequencer.plan_fast`): its one fenced step, to be
+    applied together with other streams' and its own stream's later batches."""
+
+    st: StreamState
+    msg: _Message
+    plan: BatchPlan
+    step: ApplyStep
+
+
 PlanFn = Callable[[BatchRun], Steps[None]]
 
 # ------------------------------------------------------------------------------------------
@@ -282,6 +294,99 @@ class Sequencer:
             return (yield from self._sequence(st, msg, allow_restart=True))
         finally:
             st.subscribed_before = False
+
+    # -- the fast path ----------------------------------------------------------------------
+
+    def plan_fast(
+        self, st: StreamState, topic: object, seq: int, payload: object
+    ) -> FastBatch | None:
+        """What :meth:`on_message` would do for the common message, without any I/O: a batch of
+        the current epoch, next in order, whose plan needs no lookup, flush or clear, and whose
+        only action is its one fenced step (see ``docs/ingest-protocol.md``, "Batches applied
+        together").
+
+        Returns ``None``, having changed nothing, for any other message: the caller applies the
+        fast batches it holds, then gives this message to :meth:`on_message`. Otherwise the
+        message is counted and the stream advanced as if the step were applied (the pod's cache
+        learns the batch's mappings): the caller then applies the step and calls
+        :meth:`finish_fast` if it applied, else :meth:`undo_fast` on it and on every later fast
+        batch of the stream (latest first), then :meth:`resequence` on each in order.
+        """
+        if not self.fenced or isinstance(seq, bool) or not isinstance(seq, int):
+            return None
+        if not isinstance(topic, (bytes, bytearray, memoryview)) or not isinstance(
+            payload, (bytes, bytearray, memoryview)
+        ):
+            return None
+        last = st.last_seq
+        known = st.known
+        if (
+            not st.synced
+            or st.superseded
+            or last is None
+            or seq != last + 1
+            or seq > MAX_ENGINE_SEQ
+            or self.clock() >= st.next_reset_check
+            or (known is not None and (known[1] != PHASE_DONE or known[0] >= seq))
+        ):
+            return None
+        topic_b = bytes(topic)
+        pod, model = st.identity(topic_b)
+        if pod is None:
+            return None
+        msg = _Message(topic_b, seq, bytes(payload))
+        decoded = msg.decoded
+        if not decoded.events and decoded.rejects:
+            return None
+        plan = BatchPlan(self.planner.caches.get(pod))
+        planning = self.planner.plan(plan, decoded, pod, model)
+        try:
+            planning.send(None)
+        except StopIteration:
+            pass
+        else:
+            planning.close()
+            return None
+        counters = self.counters
+        counters.inc(Counter.MESSAGES)
+        counters.inc(Counter.BATCHES)
+        counters.inc(Counter.EVENTS, decoded.total_events)
+        if topic_b:
+            st.last_topic = topic_b
+        st.subscribed_before = False
+        msg.counted = True
+        for rejection in decoded.rejects:
+            self._reject(rejection, st.endpoint.endpoint)
+        st.last_seq = seq
+        st.pods.add(pod)
+        st.ranks.add(decoded.data_parallel_rank or 0)
+        ops = plan.take()
+        plan.commit_cache()
+        step = ApplyStep(ops, st.name, Watermark(st.epoch, stream_position(seq)))
+        return FastBatch(st, msg, plan, step)
+
+    def finish_fast(self, fast: FastBatch) -> BatchOutcome:
+        """A fast batch's step applied: count it as :meth:`on_message` would have."""
+        fast.st.known = (fast.msg.seq, PHASE_DONE)
+        for rejection in fast.plan.rejects:
+            self._reject(rejection, fast.st.endpoint.endpoint)
+        self.counters.add_all(fast.plan.stats)
+        self.counters.inc(Counter.BATCHES_APPLIED)
+        return BatchOutcome.APPLIED
+
+    def undo_fast(self, fast: FastBatch) -> None:
+        """A fast batch's step did not apply (or is not known to have): forget what the pod's
+        cache learned from it and put the stream back before it."""
+        fast.plan.discard_cache()
+        fast.st.last_seq = fast.msg.seq - 1
+
+    def resequence(self, fast: FastBatch) -> Steps[BatchOutcome]:
+        """Handle an undone fast batch's message the way :meth:`on_message` does (it is counted
+        already): a duplicate, a stream moved on, a superseded incarnation, or apply it."""
+        try:
+            return (yield from self._sequence(fast.st, fast.msg, allow_restart=True))
+        finally:
+            fast.st.subscribed_before = False
 
     def _bad_message(self, detail: str, where: str) -> BatchOutcome:
         self._reject(Rejection(RejectReason.BAD_MESSAGE, detail), where)

@@ -25,20 +25,20 @@ import queue
 import threading
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvredis.errors import ConfigError, InvalidInputError
 from kvredis.groups import GroupCatalog
 from kvredis.index import BatchIndex, Index
-from kvredis.ingest.actions import BatchOutcome, drive
+from kvredis.ingest.actions import Abandoned, BatchOutcome, Failed, drive
 from kvredis.ingest.backend import IndexBackend
 from kvredis.ingest.config import EndpointConfig, IngesterConfig
 from kvredis.ingest.counters import Counter, IngestCounters, RateLimitedLog
 from kvredis.ingest.events import Rejection, RejectReason
 from kvredis.ingest.planner import Planner, PodCaches
-from kvredis.ingest.sequencer import Sequencer
+from kvredis.ingest.sequencer import FastBatch, Sequencer
 from kvredis.ingest.stream import StreamState
 from kvredis.ingest.transport import ReplayClient, ReplayFactory
 
@@ -61,6 +61,12 @@ class _Stream:
 
 
 _STOP = object()
+
+#: One message for :meth:`EventIngester.process_many`: ``(topic, seq, payload)`` or
+#: ``(topic, seq, payload, endpoint)``.
+Message = (
+    tuple[bytes | str, int, bytes] | tuple[bytes | str, int, bytes, "EndpointConfig | str | None"]
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,6 +230,23 @@ class EventIngester:
         st = self._stream(endpoint)
         topic_b = topic.encode("utf-8", "surrogateescape") if isinstance(topic, str) else topic
         return self._handle(st, topic_b, seq, payload)  # anything not bytes is a counted reject
+
+    def process_many(self, messages: Iterable[Message]) -> list[BatchOutcome]:
+        """Apply several engine messages now, in the caller's thread, as a worker applies the
+        messages queued for it: consecutive messages that need nothing but their fenced step
+        go to the index together (one ``apply_batches`` call, see
+        :class:`~kvredis.index.MultiBatchIndex`), the others one by one, in order. Each message
+        is ``(topic, seq, payload)`` or ``(topic, seq, payload, endpoint)``, with the meaning
+        :meth:`process` gives them. Never raises on bad input; returns each one's outcome.
+        """
+        items: list[tuple[_Stream, object, int, object]] = []
+        for message in messages:
+            topic, seq, payload, *rest = message
+            st = self._stream(rest[0] if rest else None)
+            if isinstance(topic, str):
+                topic = topic.encode("utf-8", "surrogateescape")
+            items.append((st, topic, seq, payload))
+        return self._handle_many(items)
 
     def submit(
         self,
@@ -404,6 +427,66 @@ class EventIngester:
             steps = self._sequencer.on_message(st.state, topic, seq, payload)
             return drive(steps, self._backend.perform)
 
+    def _handle_many(
+        self, items: Sequence[tuple[_Stream, object, int, object]]
+    ) -> list[BatchOutcome]:
+        """Handle messages in order, applying the fast batches among them together (see
+        :meth:`Sequencer.plan_fast`): a group is applied before any message that needs more
+        (a lookup, a clear, a gap, a restart) is handled, so the index sees every message's
+        effect in order."""
+        outcomes: list[BatchOutcome | None] = [None] * len(items)
+        group: list[tuple[int, FastBatch]] = []
+        held: list[_Stream] = []
+        seqr = self._sequencer
+        limit = self.config.max_batches_per_call
+        try:
+            for i, (st, topic, seq, payload) in enumerate(items):
+                if not any(st is h for h in held):
+                    st.lock.acquire()
+                    held.append(st)
+                fast = seqr.plan_fast(st.state, topic, seq, payload) if limit > 1 else None
+                if fast is None:
+                    self._apply_group(group, outcomes)
+                    group = []
+                    steps = seqr.on_message(st.state, topic, seq, payload)
+                    outcomes[i] = drive(steps, self._backend.perform)
+                    continue
+                group.append((i, fast))
+                if len(group) >= limit:
+                    self._apply_group(group, outcomes)
+                    group = []
+            self._apply_group(group, outcomes)
+        finally:
+            for st in held:
+                st.lock.release()
+        return [BatchOutcome.FAILED if o is None else o for o in outcomes]
+
+    def _apply_group(
+        self, group: Sequence[tuple[int, FastBatch]], outcomes: list[BatchOutcome | None]
+    ) -> None:
+        """Apply fast batches together; a stream whose batch did not apply (or may not have)
+        gets that batch and its later ones undone and handled again by the slow path."""
+        if not group:
+            return
+        seqr = self._sequencer
+        try:
+            verdicts: list[bool] | None = self._backend.apply_steps([f.step for _, f in group])
+        except (Abandoned, Failed) as exc:
+            logger.warning("applying %d batches together failed: %s", len(group), exc)
+            verdicts = None
+        redo: dict[int, list[tuple[int, FastBatch]]] = {}
+        for j, (i, fast) in enumerate(group):
+            key = id(fast.st)
+            if key not in redo and verdicts is not None and verdicts[j]:
+                outcomes[i] = seqr.finish_fast(fast)
+            else:
+                redo.setdefault(key, []).append((i, fast))
+        for again in redo.values():
+            for _, fast in reversed(again):
+                seqr.undo_fast(fast)
+            for i, fast in again:
+                outcomes[i] = drive(seqr.resequence(fast), self._backend.perform)
+
     def _enqueue(
         self, st: _Stream, topic: bytes, seq: int, payload: bytes, timeout: float | None
     ) -> bool:
@@ -450,19 +533,34 @@ class EventIngester:
                 self._idle.notify_all()
 
     def _worker(self, q: queue.Queue[object], budget: _ByteBudget) -> None:
-        while True:
-            item = q.get()
-            if item is _STOP:
+        limit = max(1, self.config.max_batches_per_call)
+        stop = False
+        while not stop:
+            first = q.get()
+            if first is _STOP:
                 return
-            assert isinstance(item, _Queued)
+            items = [first]
+            # what else is queued already goes with it (group commit): one index call for
+            # every batch that needs nothing but its step
+            while len(items) < limit:
+                try:
+                    more = q.get_nowait()
+                except queue.Empty:
+                    break
+                if more is _STOP:
+                    stop = True
+                    break
+                items.append(more)
+            queued = [item for item in items if isinstance(item, _Queued)]
             try:
-                self._handle(item.stream, item.topic, item.seq, item.payload)
+                self._handle_many([(i.stream, i.topic, i.seq, i.payload) for i in queued])
             except Exception:  # the worker must survive anything
                 logger.exception("unexpected error while ingesting a batch")
                 self.counters.inc(Counter.BATCHES_FAILED)
             finally:
-                budget.release(item.size)
-                self._done_one(item.stream)
+                for item in queued:
+                    budget.release(item.size)
+                    self._done_one(item.stream)
 
     # -- rejections ------------------------------------------------------------------------
 

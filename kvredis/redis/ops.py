@@ -26,7 +26,16 @@ import secrets
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from kvredis.batch import AddOp, EvictOp, IndexOp, Watermark, check_batch, check_stream
+from kvredis.batch import (
+    AddOp,
+    Batch,
+    EvictOp,
+    IndexOp,
+    Watermark,
+    check_batch,
+    check_batches,
+    check_stream,
+)
 from kvredis.checks import (
     MAX_REQUEST_KEYS_PER_ENGINE_KEY,
     EntrySelection,
@@ -58,6 +67,7 @@ from kvredis.redis.codec import (
 )
 from kvredis.redis.layout import EXPIRY_FIELD, EXPIRY_KEY, LAYOUT_VERSION, Layout
 from kvredis.redis.program import (
+    CALL_BUDGET,
     Program,
     Programs,
     add_pieces,
@@ -520,14 +530,125 @@ def op_apply_batch(
     plan = check_batch(ops, stream, watermark)
     if not plan and stream is None:
         return True
+    return (yield from _apply_alone(batch_programs(state.layout, plan), stream, watermark))
+
+
+def op_apply_batches(state: CoreState, batches: Sequence[Batch]) -> Op[list[bool]]:
+    """``MultiBatchIndex.apply_batches``: the batches in ``apply_batches`` script calls of as
+    many whole batches as fit one call's work budget (``lua/apply_batches.lua``), each batch
+    with its own fence and token.
+
+    A batch too large for one call goes alone as :func:`op_apply_batch` does (in parts); so do
+    the batches of a call the server refuses as over budget (it wrote nothing). Once a fenced
+    batch of a stream is not applied, the stream's later batches are not sent (``False``).
+    """
+    checked = check_batches(batches)
+    out = [False] * len(checked)
+    stopped: set[str] = set()
+    group = _BatchGroup(state.layout)
+    for i, (plan, stream, watermark) in enumerate(checked):
+        if stream is not None and stream in stopped:
+            continue
+        if not plan and stream is None:
+            out[i] = True
+            continue
+        programs = batch_programs(state.layout, plan)
+        if len(programs) > 1 or group.cost + programs[0].cost > CALL_BUDGET:
+            yield from group.send(out, stopped)
+            group = _BatchGroup(state.layout)
+        if len(programs) > 1:
+            out[i] = yield from _apply_alone(programs, stream, watermark)
+            if not out[i] and stream is not None:
+                stopped.add(stream)
+            continue
+        group.add(i, programs[0], plan, stream, watermark)
+    yield from group.send(out, stopped)
+    return out
+
+
+def _apply_alone(
+    programs: list[Program], stream: str | None, watermark: Watermark | None
+) -> Op[bool]:
+    """One batch's programs as the parts of one ``apply_batch`` (:func:`op_apply_batch`)."""
     fence = batch_fence(stream, watermark)
     token = secrets.token_hex(8)
     applied, _ = yield from op_parts(
-        batch_programs(state.layout, plan),
+        programs,
         lambda program, part, parts: batch_call(program, fence, token, part, parts),
         fenced=True,
     )
     return applied
+
+
+class _BatchGroup:
+    """Whole batches gathered into one ``apply_batches`` call: one program holding every
+    batch's ops (entries shared), and where each batch's ops begin."""
+
+    def __init__(self, layout: Layout) -> None:
+        self.program = Program(layout)
+        self.cost = 0
+        self.members: list[tuple[int, list[IndexOp], str | None, Watermark | None]] = []
+        self.heads: list[list[Arg]] = []
+        self.bounds: list[tuple[int, int]] = []
+
+    def add(
+        self,
+        index: int,
+        program: Program,
+        plan: list[IndexOp],
+        stream: str | None,
+        watermark: Watermark | None,
+    ) -> None:
+        target = self.program
+        start, count = len(target.ops), target.count
+        target.extend(program.units)
+        self.cost += program.cost
+        self.members.append((index, plan, stream, watermark))
+        self.heads.append([*batch_fence(stream, watermark), secrets.token_hex(8)])
+        self.bounds.append((start, target.count - count))
+
+    def call(self) -> ScriptCall:
+        program, layout = self.program, self.program.layout
+        args: list[Arg] = [
+            *program.bucket_args(),
+            MAX_REQUEST_KEYS_PER_ENGINE_KEY,
+            *program.entry_args(),
+            len(self.members),
+        ]
+        ends = [start for start, _ in self.bounds[1:]] + [len(program.ops)]
+        for head, (start, count), end in zip(self.heads, self.bounds, ends, strict=True):
+            args += head
+            args.append(count)
+            args += program.ops[start:end]
+        return ScriptCall(
+            "apply_batches",
+            (layout.meta, layout.pe, layout.pi, layout.pp, layout.wm, layout.sx),
+            args,
+        )
+
+    def send(self, out: list[bool], stopped: set[str]) -> Op[None]:
+        """Send the group (nothing when empty); record each batch's outcome in ``out``."""
+        if not self.members:
+            return
+        try:
+            replies = yield self.call()
+        except CallBudgetError:
+            # the ops reach too many fragmented runs together: each batch on its own (in
+            # parts where needed); the refused call wrote nothing
+            for index, plan, stream, watermark in self.members:
+                if stream is not None and stream in stopped:
+                    continue
+                applied = yield from _apply_alone(
+                    batch_programs(self.program.layout, plan), stream, watermark
+                )
+                out[index] = applied
+                if not applied and stream is not None:
+                    stopped.add(stream)
+            return
+        for (index, _, stream, _), reply in zip(self.members, replies, strict=True):
+            out[index] = bool(int(reply))
+            if not out[index] and stream is not None:
+                stopped.add(stream)
 
 
 def batch_fence(stream: str | None, watermark: Watermark | None) -> list[Arg]:

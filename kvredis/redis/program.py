@@ -28,10 +28,13 @@ from kvredis.types import Entries, Keys, KeyType, PodEntry
 #: the longest call): adds and batches larger than this are sent in parts, so no call blocks
 #: the server for long whatever the input size.
 CALL_BUDGET = 1024
-#: Units of one engine -> request key mapping (its list of up to 1024 request keys is rewritten).
-PAIR_COST = 4
-#: Units of an evict by engine key (it rewrites every request key the engine key maps to).
-ENGINE_EVICT_COST = 64
+#: Units of one engine -> request key mapping (as a request key: a long mapping list, whose
+#: rewrite costs more, is counted by the server, which refuses a call over its work limit
+#: before any write: ``lua/includes/writes.lua``).
+PAIR_COST = 1
+#: Units of an evict by engine key (its usual one request key; an engine key mapped to many
+#: more is counted by the server, as for :data:`PAIR_COST`).
+ENGINE_EVICT_COST = 2
 
 
 def compress_pairs(pairs: Sequence[tuple[int, int]], cap: int) -> list[tuple[int, int]]:
@@ -108,6 +111,10 @@ class Program:
             self.units.append(("E", key, ents, first))
         self.count += 1
         self.cost += evict_cost(len(ents), key_type)
+
+    def extend(self, units: Sequence[Unit]) -> None:
+        """Append the ops ``units`` (another program's :attr:`units`), in order."""
+        _fill(self, units)
 
     def bucket_args(self) -> list[Arg]:
         layout = self.layout

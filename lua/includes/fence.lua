@@ -37,23 +37,30 @@ local function fence_args(epoch, seq, token)
   end
 end
 
+-- How a batch (epoch, seq, token) compares with a stream's stored watermark (nil: none):
+-- 'apply' (the batch is newer), 'done' (this very token stored it: a lost reply) or 'skip' (the
+-- stream is at or past the batch, applied by another call).
+local function fence_compare(stored, epoch, seq, token)
+  if not stored then return 'apply' end
+  local colon = string.find(stored, ':', 1, true)
+  if not colon then fail('LAYOUT', 'malformed watermark ' .. stored) end
+  local rest = string.sub(stored, colon + 1)
+  local colon2 = string.find(rest, ':', 1, true)
+  local stored_seq = colon2 and string.sub(rest, 1, colon2 - 1) or rest
+  local c = cmp_dec(epoch, string.sub(stored, 1, colon - 1))
+  if c == 0 then c = cmp_dec(seq, stored_seq) end
+  if c < 0 then return 'skip' end
+  if c > 0 then return 'apply' end
+  -- The same watermark: applied already, by this very call (a lost reply) or by another.
+  return (colon2 and string.sub(rest, colon2 + 1) == token) and 'done' or 'skip'
+end
+
 -- Whether part `part` of `parts` of the batch (epoch, seq, token) applies: 'apply', 'done' (this
 -- very call applied it already: a lost reply) or 'skip' (the stream is at or past the batch, or
 -- another sender took it over).
 local function fence_open(wm_key, wp_key, stream, epoch, seq, token, part, parts)
-  local stored = redis.call('HGET', wm_key, stream)
-  if stored then
-    local colon = string.find(stored, ':', 1, true)
-    if not colon then fail('LAYOUT', 'malformed watermark ' .. stored) end
-    local rest = string.sub(stored, colon + 1)
-    local colon2 = string.find(rest, ':', 1, true)
-    local stored_seq = colon2 and string.sub(rest, 1, colon2 - 1) or rest
-    local c = cmp_dec(epoch, string.sub(stored, 1, colon - 1))
-    if c == 0 then c = cmp_dec(seq, stored_seq) end
-    if c < 0 then return 'skip' end
-    -- The same watermark: applied already, by this very call (a lost reply) or by another.
-    if c == 0 then return (colon2 and string.sub(rest, colon2 + 1) == token) and 'done' or 'skip' end
-  end
+  local verdict = fence_compare(redis.call('HGET', wm_key, stream), epoch, seq, token)
+  if verdict ~= 'apply' then return verdict end
   if parts > 1 then
     local pending = redis.call('HGET', wp_key, stream)
     local done = 0

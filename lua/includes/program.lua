@@ -36,20 +36,21 @@ local function entry_indexes(args, pos, nent, nents)
   return out
 end
 
--- The entries and ops in args from pos, checked; nops nil reads the op count from args; tags is
--- the set of op letters allowed. Returns {ents = encoded entries, ops = parsed ops}.
-local function read_program(args, pos, nops, tags)
+-- The n encoded entries of args from pos (n, then the entries), checked. Returns the entries
+-- and the position after them.
+local function read_entries(args, pos)
   local nents = int_arg(args[pos], 'entry count', 0, #args - pos)
   local ents = {}
   for i = 1, nents do
     ents[i] = args[pos + i]
     if not entry_ok(ents[i]) then fail('INVALID', 'malformed entry encoding ' .. i) end
   end
-  pos = pos + nents + 1
-  if nops == nil then
-    nops = int_arg(args[pos], 'op count', 0, #args - pos)
-    pos = pos + 1
-  end
+  return ents, pos + nents + 1
+end
+
+-- nops ops of args from pos, checked (nents: how many entries their indexes may name; tags: the
+-- set of op letters allowed). Returns the parsed ops and the position after them.
+local function read_ops(args, pos, nops, nents, tags)
   local ops = {}
   for o = 1, nops do
     local tag = args[pos]
@@ -79,6 +80,20 @@ local function read_program(args, pos, nops, tags)
     end
     ops[o] = op
   end
+  return ops, pos
+end
+
+-- The entries and ops in args from pos, checked; nops nil reads the op count from args; tags is
+-- the set of op letters allowed. Returns {ents = encoded entries, ops = parsed ops}.
+local function read_program(args, pos, nops, tags)
+  local ents
+  ents, pos = read_entries(args, pos)
+  if nops == nil then
+    nops = int_arg(args[pos], 'op count', 0, #args - pos)
+    pos = pos + 1
+  end
+  local ops
+  ops, pos = read_ops(args, pos, nops, #ents, tags)
   if pos ~= #args + 1 then fail('INVALID', (#args + 1 - pos) .. ' arguments after the last op') end
   return {ents = ents, ops = ops}
 end
@@ -201,7 +216,7 @@ local function run_program(k, program, cap, ms)
           -- A new first key following a held parent key continues a stored chain: read the
           -- parent's record (its ref names the run it may end).
           if i == 1 and parent and st.prev[rfield] == parent
-              and stage_get(st, 'r', rbucket(parent), parent, true) then
+              and stage_get(st, 'r', rbucket(parent), parent) then
             st.chain[rfield] = true
           end
           prev = rfield
