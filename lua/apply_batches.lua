@@ -16,17 +16,19 @@
   ARGV[4]     bucket bits                        ARGV[5] most request keys kept per engine key
   ARGV[6]     n, the number of encoded entries; ARGV[7..6+n] the entries (see includes/entries),
               shared by every batch
-  ARGV[7+n]   b, the number of batches, then b batches, each:
-                stream name ("" for an unfenced batch), epoch, seq (decimal integers >= -1,
-                compared as decimal strings), token (hex: random, the same when the call is
-                sent again), number of ops, the ops as in apply_batch.lua ("A", "P", "R", "E")
+  ARGV[7+n]   s, the number of streams, then s stream names
+  ARGV[8+n+s] the batches, all in one binary string (includes/program, read_blob_batches):
+              per batch its stream (0 for an unfenced batch), its mark "epoch:seq:token"
+              (epoch, seq: decimal integers >= -1, compared as decimal strings; token: hex,
+              random, the same when the call is sent again) and its ops ("A", "P", "R", "E",
+              evicts of several keys in one op)
   Stored      <ns>:wm field stream = "epoch:seq:token" of the stream's last batch applied
   Errors      KVREDIS_INVALID for malformed arguments, KVREDIS_LAYOUT for a malformed stored
               watermark or when the entry id space cannot hold the new entries, KVREDIS_BUDGET
-              when the ops reach too many chain-run ranges (includes/writes: the client sends
-              the batches one by one instead), WRONGTYPE for a foreign key in the namespace;
-              all before the first write
-  Returns     array of b integers: 1 if the batch applied (also when its token had already
+              when the ops reach too many chain-run ranges or units of work (includes/writes:
+              the client sends the batches one by one instead), WRONGTYPE for a foreign key in
+              the namespace; all before the first write
+  Returns     array of one integer per batch: 1 if the batch applied (also when its token had already
               applied it: a resent call), 0 if skipped
   Complexity  sum of the applied ops' costs (see add.lua and evict.lua) plus one watermark read
               per stream; the client keeps every call within a fixed work budget ]]
@@ -36,35 +38,34 @@ check_gen(KEYS[1], ARGV[1])
 local k = write_context(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[2], ARGV[3], ARGV[4], KEYS[6])
 local cap = int_arg(ARGV[5], 'request keys per engine key', 1, 2147483647)
 local ents, pos = read_entries(ARGV, 6)
-local nbatches = int_arg(ARGV[pos], 'batch count', 0, #ARGV - pos)
-pos = pos + 1
-local tags = {A = true, R = true, E = true}
-local batches = {}
-for b = 1, nbatches do
-  local stream, epoch, seq, token = ARGV[pos], ARGV[pos + 1], ARGV[pos + 2], ARGV[pos + 3]
-  if type(stream) ~= 'string' then fail('INVALID', 'batch ' .. b .. ' has no stream name') end
-  if stream ~= '' then fence_args(epoch, seq, token) end
-  local nops = int_arg(ARGV[pos + 4], 'op count', 0, #ARGV - pos - 4)
-  local ops
-  ops, pos = read_ops(ARGV, pos + 5, nops, #ents, tags)
-  batches[b] = {stream = stream, epoch = epoch, seq = seq, token = token, ops = ops}
+local nstreams = int_arg(ARGV[pos], 'stream count', 0, #ARGV - pos)
+local streams = {}
+for s = 1, nstreams do
+  streams[s] = {name = text_arg(ARGV[pos + s], 'stream name')}
 end
-if pos ~= #ARGV + 1 then fail('INVALID', (#ARGV + 1 - pos) .. ' arguments after the last batch') end
+pos = pos + nstreams + 1
+if #ARGV ~= pos then
+  fail('INVALID', 'expected the batches in argument ' .. pos .. ' and nothing after it')
+end
+local batches = read_blob_batches(ARGV[pos], #ents, nstreams)
 -- The fences, read (once per stream) and decided before any write.
-local verdicts, ops, marks, stopped = {}, {}, {}, {}
+local verdicts, ops = {}, {}
 for b, batch in ipairs(batches) do
-  local stream, verdict = batch.stream, 'apply'
-  if stream ~= '' then
-    if stopped[stream] then
+  local st, verdict = streams[batch.stream], 'apply'
+  if st then
+    if st.stopped then
       verdict = 'skip'
     else
-      local mark = marks[stream]
-      if mark == nil then mark = redis.call('HGET', KEYS[5], stream) or false end
-      verdict = fence_compare(mark or nil, batch.epoch, batch.seq, batch.token)
+      if st.epoch == nil then
+        local stored = redis.call('HGET', KEYS[5], st.name)
+        st.epoch = false
+        if stored then st.epoch, st.seq, st.token = mark_parts(stored) end
+      end
+      verdict = fence_order(st.epoch or nil, st.seq, st.token, batch.epoch, batch.seq, batch.token)
       if verdict == 'skip' then
-        stopped[stream] = true
+        st.stopped = true
       else
-        marks[stream] = batch.epoch .. ':' .. batch.seq .. ':' .. batch.token
+        st.epoch, st.seq, st.token, st.mark = batch.epoch, batch.seq, batch.token, batch.mark
       end
     end
   end
@@ -74,5 +75,7 @@ for b, batch in ipairs(batches) do
   end
 end
 run_program(k, {ents = ents, ops = ops}, cap, 0)
-for stream, mark in pairs(marks) do redis.call('HSET', KEYS[5], stream, mark) end
+for _, st in ipairs(streams) do
+  if st.mark then redis.call('HSET', KEYS[5], st.name, st.mark) end
+end
 return verdicts

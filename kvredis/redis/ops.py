@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import secrets
+import struct
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -61,6 +62,7 @@ from kvredis.redis.codec import (
     ID_WIDTH,
     bytes_text,
     decode_entry,
+    encode_entry,
     hash_field,
     pack_hashes,
     text_bytes,
@@ -71,6 +73,7 @@ from kvredis.redis.program import (
     Program,
     Programs,
     add_pieces,
+    blob_ops,
     engine_evict_units,
     piece_parents,
     program_of,
@@ -552,16 +555,15 @@ def op_apply_batches(state: CoreState, batches: Sequence[Batch]) -> Op[list[bool
         if not plan and stream is None:
             out[i] = True
             continue
-        programs = batch_programs(state.layout, plan)
-        if len(programs) > 1 or group.cost + programs[0].cost > CALL_BUDGET:
+        if not group.add(i, plan, stream, watermark):
             yield from group.send(out, stopped)
             group = _BatchGroup(state.layout)
-        if len(programs) > 1:
-            out[i] = yield from _apply_alone(programs, stream, watermark)
-            if not out[i] and stream is not None:
-                stopped.add(stream)
-            continue
-        group.add(i, programs[0], plan, stream, watermark)
+            if not group.add(i, plan, stream, watermark):
+                out[i] = yield from _apply_alone(
+                    batch_programs(state.layout, plan), stream, watermark
+                )
+                if not out[i] and stream is not None:
+                    stopped.add(stream)
     yield from group.send(out, stopped)
     return out
 
@@ -580,50 +582,74 @@ def _apply_alone(
     return applied
 
 
+_BATCH_HEAD = struct.Struct(">HB")
+_U16 = struct.Struct(">H")
+
+
 class _BatchGroup:
-    """Whole batches gathered into one ``apply_batches`` call: one program holding every
-    batch's ops (entries shared), and where each batch's ops begin."""
+    """Whole batches gathered into one ``apply_batches`` call (``lua/apply_batches.lua``):
+    the entries and streams they name, each listed once, and each batch's fence and ops."""
 
     def __init__(self, layout: Layout) -> None:
-        self.program = Program(layout)
+        self.layout = layout
         self.cost = 0
+        self.entries: list[bytes] = []
+        self._entry_index: dict[PodEntry, int] = {}
+        self._order: list[PodEntry] = []
+        self.streams: dict[str, int] = {}
         self.members: list[tuple[int, list[IndexOp], str | None, Watermark | None]] = []
-        self.heads: list[list[Arg]] = []
-        self.bounds: list[tuple[int, int]] = []
+        self.blob: list[bytes] = []
+
+    def _entry(self, entry: PodEntry) -> int:
+        index = self._entry_index.get(entry)
+        if index is None:
+            self.entries.append(encode_entry(entry))
+            self._order.append(entry)
+            index = self._entry_index[entry] = len(self.entries)
+        return index
 
     def add(
-        self,
-        index: int,
-        program: Program,
-        plan: list[IndexOp],
-        stream: str | None,
-        watermark: Watermark | None,
-    ) -> None:
-        target = self.program
-        start, count = len(target.ops), target.count
-        target.extend(program.units)
-        self.cost += program.cost
+        self, index: int, plan: list[IndexOp], stream: str | None, watermark: Watermark | None
+    ) -> bool:
+        """Add a batch, unless it would take the call over its work budget (``False``: send
+        the group first; a batch over budget alone goes on its own)."""
+        known = len(self.entries)
+        blob, count, cost = blob_ops(plan, self._entry)
+        if (self.members and self.cost + cost > CALL_BUDGET) or cost > CALL_BUDGET:
+            for entry in self._order[known:]:
+                del self._entry_index[entry]
+            del self.entries[known:], self._order[known:]
+            return False
+        self.cost += cost
         self.members.append((index, plan, stream, watermark))
-        self.heads.append([*batch_fence(stream, watermark), secrets.token_hex(8)])
-        self.bounds.append((start, target.count - count))
+        if count > 0xFFFF:
+            raise InvalidInputError(f"a batch of {count} ops is too many for one call")
+        if stream is None or watermark is None:
+            self.blob.append(_BATCH_HEAD.pack(0, 0))
+        else:
+            number = self.streams.setdefault(stream, len(self.streams) + 1)
+            mark = f"{watermark.epoch}:{watermark.seq}:{secrets.token_hex(8)}".encode()
+            self.blob += (_BATCH_HEAD.pack(number, len(mark)), mark)
+        self.blob += (_U16.pack(count), blob)
+        return True
 
     def call(self) -> ScriptCall:
-        program, layout = self.program, self.program.layout
-        args: list[Arg] = [
-            *program.bucket_args(),
-            MAX_REQUEST_KEYS_PER_ENGINE_KEY,
-            *program.entry_args(),
-            len(self.members),
-        ]
-        ends = [start for start, _ in self.bounds[1:]] + [len(program.ops)]
-        for head, (start, count), end in zip(self.heads, self.bounds, ends, strict=True):
-            args += head
-            args.append(count)
-            args += program.ops[start:end]
+        layout = self.layout
         return ScriptCall(
             "apply_batches",
             (layout.meta, layout.pe, layout.pi, layout.pp, layout.wm, layout.sx),
-            args,
+            [
+                layout.gen,
+                layout.rprefix,
+                layout.eprefix,
+                layout.bucket_bits,
+                MAX_REQUEST_KEYS_PER_ENGINE_KEY,
+                len(self.entries),
+                *self.entries,
+                len(self.streams),
+                *(text_bytes(name) for name in self.streams),
+                b"".join(self.blob),
+            ],
         )
 
     def send(self, out: list[bool], stopped: set[str]) -> Op[None]:
@@ -639,7 +665,7 @@ class _BatchGroup:
                 if stream is not None and stream in stopped:
                     continue
                 applied = yield from _apply_alone(
-                    batch_programs(self.program.layout, plan), stream, watermark
+                    batch_programs(self.layout, plan), stream, watermark
                 )
                 out[index] = applied
                 if not applied and stream is not None:
