@@ -36,15 +36,18 @@ _EXPORTS: dict[str, str] = {
     "CallBudgetError": "kvredis.errors",
     "StaleNamespaceError": "kvredis.errors",
     "AddOp": "kvredis.batch",
+    "Batch": "kvredis.batch",
     "EvictOp": "kvredis.batch",
     "IndexOp": "kvredis.batch",
     "Watermark": "kvredis.batch",
     "AsyncIndex": "kvredis.index",
     "AsyncBatchIndex": "kvredis.index",
+    "AsyncMultiBatchIndex": "kvredis.index",
     "AsyncScoringIndex": "kvredis.index",
     "BatchIndex": "kvredis.index",
     "Index": "kvredis.index",
     "LabelledIndex": "kvredis.index",
+    "MultiBatchIndex": "kvredis.index",
     "NamespaceIndex": "kvredis.index",
     "ProgressClearIndex": "kvredis.index",
     "ScoringIndex": "kvredis.index",
@@ -133,6 +136,7 @@ __all__ = [
     "AsyncBatchIndex",
     "AsyncIndex",
     "AsyncInstrumentedIndex",
+    "AsyncMultiBatchIndex",
     "AsyncRedisClusterIndex",
     "AsyncRedisIndex",
     "AsyncScoringIndex",
@@ -141,6 +145,7 @@ __all__ = [
     "BackendError",
     "BackendOutOfMemoryError",
     "BackendUnavailableError",
+    "Batch",
     "BatchIndex",
     "BatchOutcome",
     "BlockExtraFeatures",
@@ -179,6 +184,7 @@ __all__ = [
     "MMHash",
     "MessageSink",
     "MigrationReport",
+    "MultiBatchIndex",
     "NamespaceIndex",
     "NamespaceLayoutError",
     "NamespaceMissingError",
@@ -240,7 +246,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
-    from kvredis.batch import AddOp, EvictOp, IndexOp, Watermark
+    from kvredis.batch import AddOp, Batch, EvictOp, IndexOp, Watermark
     from kvredis.config import IndexConfig, new_index
     from kvredis.errors import (
         BackendAuthenticationError,
@@ -275,10 +281,12 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
     from kvredis.index import (
         AsyncBatchIndex,
         AsyncIndex,
+        AsyncMultiBatchIndex,
         AsyncScoringIndex,
         BatchIndex,
         Index,
         LabelledIndex,
+        MultiBatchIndex,
         NamespaceIndex,
         ProgressClearIndex,
         ScoringIndex,

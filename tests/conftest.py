@@ -338,6 +338,11 @@ class SyncOverAsync:
     ) -> bool:
         return self._loop.run(self.inner.apply_batch(ops, stream, watermark))  # type: ignore[no-any-return]
 
+    def apply_batches(self, batches: Sequence[Any]) -> list[bool]:
+        if not callable(getattr(self.inner, "apply_batches", None)):
+            raise AttributeError("apply_batches")
+        return self._loop.run(self.inner.apply_batches(batches))  # type: ignore[no-any-return]
+
     def get_watermark(self, stream: str) -> Any:
         return self._loop.run(self.inner.get_watermark(stream))
 
