@@ -49,6 +49,7 @@ from kvredis.errors import (
 )
 from kvredis.index import ClearProgress
 from kvredis.redis.codec import (
+    HASH_WIDTH,
     ID_WIDTH,
     bytes_text,
     decode_entry,
@@ -243,7 +244,8 @@ def op_lookup(
     found: dict[int, list[PodEntry]] = {}
     step, start = LOOKUP_KEYS_PER_CALL, 0
     while start < len(keys):
-        piece = chain if start == 0 and len(keys) <= step else chain[start * 8 : (start + step) * 8]
+        whole = start == 0 and len(keys) <= step
+        piece = chain if whole else chain[start * HASH_WIDTH : (start + step) * HASH_WIDTH]
         reply = yield ScriptCall(
             "lookup",
             (layout.meta, layout.pi, layout.pp, layout.sx),
@@ -253,7 +255,7 @@ def op_lookup(
         at = read_lookup_reply(cache, reply, keys, start, found)
         if walk_cut(reply) and at > start:  # stopped at the walk's work limit: walk on
             start = at
-        elif at - start < len(piece) // 8:
+        elif at - start < len(piece) // HASH_WIDTH:
             break
         else:
             start += step
@@ -325,7 +327,7 @@ def op_score(
     carried: list[Arg] = [0]  # the pods still in the race and their scores so far
     start = 0
     while start < len(keys):
-        piece = chain[start * 8 : (start + SCORE_KEYS_PER_CALL) * 8]
+        piece = chain[start * HASH_WIDTH : (start + SCORE_KEYS_PER_CALL) * HASH_WIDTH]
         reply = yield ScriptCall(
             "score",
             (layout.meta, layout.pi, layout.pp, layout.sx),
@@ -333,7 +335,7 @@ def op_score(
             read=True,
         )
         walked, cut, live = read_score_reply(reply, scores)
-        if not live or (walked < len(piece) // 8 and not cut) or walked == 0:
+        if not live or (walked < len(piece) // HASH_WIDTH and not cut) or walked == 0:
             break  # no pod left, or a key no pod holds
         start += walked
         carried = [len(live)]

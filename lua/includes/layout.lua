@@ -8,11 +8,14 @@
 
 local ID_WIDTH = 4
 local HASH_WIDTH = 8
+local MIN_BUCKET_BITS = 1
+local MAX_BUCKET_BITS = 24
 
--- A function h -> bucket key name, for one key prefix and a bucket bit count (decimal, 1..24).
+-- A function h -> bucket key name, for one key prefix and a bucket bit count (decimal, in
+-- MIN_BUCKET_BITS..MAX_BUCKET_BITS).
 local function bucket_namer(prefix, bits_arg)
   text_arg(prefix, 'bucket prefix')
-  local bits = int_arg(bits_arg, 'bucket bits', 1, 24)
+  local bits = int_arg(bits_arg, 'bucket bits', MIN_BUCKET_BITS, MAX_BUCKET_BITS)
   local nbytes = math.ceil(bits / 8)
   local partial = bits % 8
   if partial == 0 then

@@ -69,7 +69,7 @@ from kvredis.redis.cluster.shards import (
     shards_of,
 )
 from kvredis.redis.cluster.writes import op_node_writes, unmap_mappings
-from kvredis.redis.codec import blob_hashes, hash_blob, pack_hashes
+from kvredis.redis.codec import HASH_WIDTH, blob_hashes, hash_blob, pack_hashes
 from kvredis.redis.ops import (
     DEFAULT_CLEAR_FIELDS_PER_CALL,
     LOOKUP_KEYS_PER_CALL,
@@ -343,7 +343,7 @@ def _mapping_page(cursor: int) -> Callable[[CoreState], Op[tuple[int, dict[int, 
             replies = yield Pipeline(tuple(Command(("HGETALL", k)) for k in keys))
             for reply in replies:
                 for field, value in _hash_items(reply):
-                    if len(field) == 8 and value and len(value) % 8 == 0:
+                    if len(field) == HASH_WIDTH and value and len(value) % HASH_WIDTH == 0:
                         mappings[int.from_bytes(field, "big")] = value
         return int(next_cursor), mappings
 
