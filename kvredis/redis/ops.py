@@ -366,7 +366,8 @@ def op_add(
     entries: Entries,
     ttl: float | None = None,
 ) -> Op[None]:
-    """``Index.add``: one ``add`` script call (one per :data:`CALL_BUDGET` of work)."""
+    """``Index.add``: one ``add`` script call (one per
+    :data:`~kvredis.redis.program.CALL_BUDGET` of work)."""
     eng, req, ents = check_add(engine_keys, request_keys, entries)
     seconds = check_ttl(ttl, ents)
     ttl_ms = 0 if seconds is None else max(1, math.ceil(seconds * 1000))

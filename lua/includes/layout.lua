@@ -1,9 +1,9 @@
 --[[ layout: the widths of ids and hashes, and bucket key names (the spec: kvredis.redis.layout).
   Bucket of a hash h: its low `bits` bits, named <prefix><suffix> where the suffix is those bits
   as ceil(bits / 8) big-endian bytes (binary), i.e. the last bytes of h with the top one masked.
-  The scripts build bucket key names from the hashes they are given or read (see the README,
-  "Key layout", for what that means in a cluster). Hashes stay strings: they never become Lua
-  numbers. ]]
+  The scripts build bucket key names from the hashes they are given or read (see
+  docs/design/key-layout.md, and docs/design/cluster.md for what that means in a cluster).
+  Hashes stay strings: they never become Lua numbers. ]]
 --@include args
 
 local ID_WIDTH = 4

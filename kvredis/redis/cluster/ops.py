@@ -8,8 +8,8 @@ node: lookups and writes send one script call per node (``lua/lookup_shards.lua`
 call per involved node (:func:`op_shard_lookups`, :func:`op_node_writes`). Where the cached slot
 map is out of date, or a shard stale, those shards take the per-shard path: the single-server
 operation (:mod:`kvredis.redis.ops`, unchanged, with its NOSCRIPT reload, retries and stale
-reload) on each shard, run in lockstep by :func:`op_parallel`. The other operations (clear,
-drop, watermarks, request keys) always take it.
+reload) on each shard, run in lockstep by :func:`~kvredis.redis.cluster.core.op_parallel`. The
+other operations (clear, drop, watermarks, request keys) always take it.
 
 - lookup: every shard walks its part of the chain (in chain order) and stops at its first
   miss; the merge walks the whole chain and stops at the first key no shard reported. Exact,
@@ -175,8 +175,9 @@ def op_shard_lookups(
     The shards a node holds are walked by one ``lookup_shards`` call, so a wave costs one script
     call per node, not per shard. The slot map the calls are grouped by may be out of date
     (a slot moved, a failover): a call that meets a redirection or a failure, and a shard
-    whose generation changed, are walked again by the per-shard path (:func:`op_parallel`,
-    which follows redirections, reloads scripts and namespaces and retries)."""
+    whose generation changed, are walked again by the per-shard path
+    (:func:`~kvredis.redis.cluster.core.op_parallel`, which follows redirections, reloads
+    scripts and namespaces and retries)."""
     read = core.read_from_replicas
     pick = core.pick()
     slot_map = core.cluster.slot_map or (yield from op_refresh(core.cluster, core.policy.server))

@@ -179,11 +179,11 @@ def op_node_writes(
     each of ``probes`` (request keys, by shard) still holds an entry. Returns whether each
     shard took every part (False: its fence skipped the batch) and the held probes.
 
-    A node whose calls meet a redirection, a failure or a stale shard has its shards written
-    by the per-shard path instead (:func:`op_parallel`); parts sent again carry the same token,
-    so a part that did apply is recognised (fenced) or applies again as the set operation it
-    is (unfenced). So has, from that part on, a shard whose part met a key its node does not
-    serve now (the slot moved or is being migrated: the per-shard path follows it), and a
+    A node whose calls meet a redirection, a failure or a stale shard has its shards written by the
+    per-shard path instead (:func:`~kvredis.redis.cluster.core.op_parallel`); parts sent again carry
+    the same token, so a part that did apply is recognised (fenced) or applies again as the set
+    operation it is (unfenced). So has, from that part on, a shard whose part met a key its node
+    does not serve now (the slot moved or is being migrated: the per-shard path follows it), and a
     shard whose part the server refused as over budget: the per-shard path splits it
     (:func:`~kvredis.redis.ops.op_parts`) and adds to ``grown`` the parts the shard's batch
     gained."""
