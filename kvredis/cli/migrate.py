@@ -173,7 +173,7 @@ def drop(
     (also those whose names extend this one) are never touched. Clients of the namespace start
     over with an empty one.
     """
-    from kvredis.redis.index import drop_namespace
+    from kvredis.redis.factories import drop_namespace
 
     source = click.get_current_context().get_parameter_source("namespace")
     if namespace_arg is None and source in (None, ParameterSource.DEFAULT):

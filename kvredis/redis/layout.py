@@ -251,3 +251,31 @@ def check_bucket_bits(bits: object) -> int:
             f"bucket bits must be in [{MIN_BUCKET_BITS}, {MAX_BUCKET_BITS}], got {bits}"
         )
     return bits
+
+
+# -- a cluster namespace (kvredis.redis.cluster.shards): its name and shard count, checked here
+# (a config checks them) so that the checks need no cluster package ---------------------------
+
+#: Shards of a new cluster namespace unless configured otherwise.
+DEFAULT_SHARDS = 6
+#: The largest shard count (each shard costs one script call per operation that touches it).
+MAX_SHARDS = 256
+
+
+def check_shards(count: object) -> int:
+    """Validate a shard count (1..:data:`MAX_SHARDS`)."""
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_SHARDS:
+        raise InvalidInputError(
+            f"cluster shards must be an int in [1, {MAX_SHARDS}], got {count!r}"
+        )
+    return count
+
+
+def check_cluster_namespace(namespace: str) -> str:
+    """A cluster namespace may not hold ``{`` or ``}`` (its keys carry hash tags)."""
+    if "{" in namespace or "}" in namespace:
+        raise InvalidInputError(
+            f"a cluster namespace may not contain '{{' or '}}' (got {namespace!r}): the index "
+            "puts its own hash tags in its key names"
+        )
+    return namespace

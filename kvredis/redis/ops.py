@@ -57,6 +57,7 @@ from kvredis.redis.codec import (
     pack_hashes,
     text_bytes,
 )
+from kvredis.redis.config import DEFAULT_CLEAR_FIELDS_PER_CALL
 from kvredis.redis.layout import EXPIRY_FIELD, EXPIRY_KEY, LAYOUT_VERSION, Layout
 from kvredis.redis.program import (
     Program,
@@ -96,8 +97,6 @@ LOOKUP_KEYS_PER_CALL = 4096
 #: Request keys one ``score`` call walks at most; a longer chain is scored in parts, each sent
 #: only while a pod holds every key so far.
 SCORE_KEYS_PER_CALL = 4096
-#: Fields the clear loop aims to examine per script call (sizes the SCAN pages).
-DEFAULT_CLEAR_FIELDS_PER_CALL = 512
 #: Entry ids one ``reclaim`` call deletes at most.
 RECLAIM_IDS_PER_CALL = 1024
 

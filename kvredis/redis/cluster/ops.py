@@ -70,8 +70,8 @@ from kvredis.redis.cluster.shards import (
 )
 from kvredis.redis.cluster.writes import op_node_writes, unmap_mappings
 from kvredis.redis.codec import HASH_WIDTH, blob_hashes, hash_blob, pack_hashes
+from kvredis.redis.config import DEFAULT_CLEAR_FIELDS_PER_CALL
 from kvredis.redis.ops import (
-    DEFAULT_CLEAR_FIELDS_PER_CALL,
     LOOKUP_KEYS_PER_CALL,
     batch_fence,
     op_clear_passes,
@@ -86,7 +86,6 @@ from kvredis.redis.ops import (
 )
 from kvredis.redis.requests import (
     Command,
-    ErrorReply,
     Op,
     Pipeline,
     ScriptCall,
@@ -199,7 +198,7 @@ def op_shard_lookups(
             part = groups[shard]  # checked by the caller
             call_args.append(hash_blob(part))
             caches.append((shard, cache))
-        call = core.registry.evalsha(ScriptCall("lookup_shards", call_keys, call_args))
+        call = core.registry.call_command(ScriptCall("lookup_shards", call_keys, call_args))
         commands.append(SlotCommand(core.slots[shards[0]], call.args))
         plan.append(caches)
     try:
@@ -211,7 +210,7 @@ def op_shard_lookups(
     reload: list[int] = []
     for caches, reply in zip(plan, replies, strict=True):
         if not isinstance(reply, list):
-            if isinstance(reply, ErrorReply) and core.registry.missing(reply.message):
+            if core.registry.missing(reply):
                 reload.append(caches[0][0])
             again += (shard for shard, _ in caches)
             continue
@@ -225,7 +224,7 @@ def op_shard_lookups(
             read_lookup_reply(cache, part, groups[shard], 0, found, shared)
             results[shard] = found
     if reload:
-        load = core.registry.load("lookup_shards", read)  # a function library: on primaries
+        load = core.registry.load_command("lookup_shards", read)  # a library: on primaries
         commands = [SlotCommand(core.slots[shard], load.args) for shard in reload]
         yield from op_wave(core.cluster, commands, core.wave_policy, read=load.read, pick=pick)
     if again:
