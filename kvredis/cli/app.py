@@ -49,7 +49,7 @@ def _index_factory(
     backend: str, target: RedisTarget | None, namespace: str
 ) -> Callable[[str], Index]:
     if target is not None:
-        from kvredis.redis.index import new_redis_index
+        from kvredis.redis.factories import new_redis_index
 
         return lambda router: new_redis_index(target.config(namespace=f"{namespace}:{router}"))
     if backend == "cost-aware":

@@ -23,8 +23,10 @@ from kvredis.cli.options import (
 
 __all__ = ["COMMANDS", "drop", "migrate"]
 
-#: kvredis.redis.migrate.PAIRS_PER_CALL (that module loads redis-py: not imported up front)
+#: kvredis.redis.migrate.PAIRS_PER_CALL and MAX_PAIRS_PER_CALL (that module loads redis-py: not
+#: imported up front; tests compare them)
 PAIRS_PER_CALL = 250
+MAX_PAIRS_PER_CALL = 10_000
 
 _NAMESPACE_ARG = click.argument("namespace_arg", metavar="[NAMESPACE]", required=False)
 
@@ -99,7 +101,7 @@ class _ProgressLine:
 @click.option("--no-progress", is_flag=True, help="Do not print the progress line.")
 @click.option(
     "--pairs-per-call",
-    type=click.IntRange(1, 10_000),
+    type=click.IntRange(1, MAX_PAIRS_PER_CALL),
     default=PAIRS_PER_CALL,
     show_default=True,
     help="Speculative entries converted per server call (each call is atomic).",
@@ -171,7 +173,7 @@ def drop(
     (also those whose names extend this one) are never touched. Clients of the namespace start
     over with an empty one.
     """
-    from kvredis.redis.index import drop_namespace
+    from kvredis.redis.factories import drop_namespace
 
     source = click.get_current_context().get_parameter_source("namespace")
     if namespace_arg is None and source in (None, ParameterSource.DEFAULT):

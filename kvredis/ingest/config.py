@@ -80,7 +80,7 @@ class IngesterConfig:
     """Engine pages ending inside an index block remembered per pod (least recently used
     dropped), besides chain ends: a branch hanging from such a page gets exact keys; a branch
     from a forgotten one is a parent miss. About 300 bytes a page (SGLang page size 1, 16-token
-    blocks; see "Ingestion fidelity" in the README)."""
+    blocks; see docs/ingest.md, "Ingestion fidelity")."""
     use_watermarks: bool = True
     """Fence batches with per-stream watermarks when the index is a BatchIndex (HA-safe)."""
     replay_timeout_s: float = 2.0

@@ -13,14 +13,23 @@ from typing import Any
 from kvredis.errors import ConfigError
 from kvredis.jsonconfig import check_number, take_fields
 from kvredis.redis.address import RedisAddress, mask_password, parse_address
-from kvredis.redis.cluster.shards import DEFAULT_SHARDS, check_cluster_namespace, check_shards
 from kvredis.redis.functions import UseFunctions, check_use_functions
-from kvredis.redis.layout import DEFAULT_BUCKET_BITS, check_bucket_bits, check_namespace
-from kvredis.redis.ops import DEFAULT_CLEAR_FIELDS_PER_CALL
+from kvredis.redis.layout import (
+    DEFAULT_BUCKET_BITS,
+    DEFAULT_SHARDS,
+    check_bucket_bits,
+    check_cluster_namespace,
+    check_namespace,
+    check_shards,
+)
 
 BACKEND_TYPES = ("redis", "valkey")
-#: Address of :func:`kvredis.redis.index.new_valkey_index` without a config.
+#: Address of :func:`kvredis.redis.factories.new_valkey_index` without a config.
 DEFAULT_VALKEY_ADDRESS = "valkey://127.0.0.1:6379"
+
+#: Fields the clear loop aims to examine per script call (sizes the SCAN pages):
+#: ``clear_fields_per_call`` unless configured.
+DEFAULT_CLEAR_FIELDS_PER_CALL = 512
 
 #: JSON key -> field name (snake_case names are accepted as well)
 _CAMEL = {
@@ -72,7 +81,7 @@ class RedisIndexConfig:
 
     ``cluster`` selects Redis Cluster mode: ``address`` then names seed nodes. A cluster address
     (``redis+cluster://``, ``valkey+cluster://``, ``rediss+cluster://``, ``valkeys+cluster://``)
-    sets it by itself; :func:`kvredis.redis.index.new_redis_index` then returns the cluster
+    sets it by itself; :func:`kvredis.redis.factories.new_redis_index` then returns the cluster
     index (:mod:`kvredis.redis.cluster.index`). ``cluster_shards`` is the number of shards a
     new cluster namespace is spread over (fixed by its first client, as ``bucket_bits``; see
     :mod:`kvredis.redis.cluster.shards`); a cluster namespace may not contain ``{`` or ``}``.

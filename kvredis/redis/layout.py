@@ -59,7 +59,7 @@ namespace of an earlier layout, ``<ns>:meta`` already names this layout and also
 from __future__ import annotations
 
 from kvredis.errors import InvalidInputError
-from kvredis.redis.codec import escape_glob, text_bytes
+from kvredis.redis.codec import ID_WIDTH, RUN_ID_WIDTH, escape_glob, text_bytes
 
 #: Layout version stored in ``<ns>:meta``; a client refuses a namespace of another version.
 LAYOUT_VERSION = "kvredis-kvblock/2"
@@ -70,28 +70,42 @@ MIGRATABLE_LAYOUTS = ("kvredis-kvblock/1",)
 #: Bucket bits of a new namespace unless configured: 65,536 request buckets (and as many engine
 #: buckets), which keeps buckets small (listpack-encoded) up to tens of millions of keys.
 DEFAULT_BUCKET_BITS = 16
+#: The bucket bits a namespace may have (``lua/includes/layout.lua`` MIN_BUCKET_BITS,
+#: MAX_BUCKET_BITS).
 MIN_BUCKET_BITS = 1
 MAX_BUCKET_BITS = 24
 #: The fields of ``<ns>:pi`` that are not entry ids: the copies of ``next_id``, ``bucket_bits``,
 #: ``expiry`` and ``next_run`` from which a lost ``<ns>:meta`` heals. Entry ids are 4 bytes, so
 #: they never collide.
 PI_RECORD_FIELDS = (b"next_id", b"bucket_bits", b"expiry", b"next_run")
-#: Width of an item of an expiring bucket: entry id (4 bytes) + deadline (8 bytes, ms).
+#: Width of an item of an expiring bucket: entry id (4 bytes) + deadline (8 bytes, ms):
+#: ``lua/includes/expiry.lua`` ITEM_WIDTH.
 EXPIRING_ITEM_WIDTH = 12
 #: ``expiry`` in ``<ns>:meta``: expiring entries use hash field expiry (HPEXPIREAT per field) ...
 EXPIRY_FIELD = "field"
 #: ... or expiring bucket keys (PEXPIREAT per bucket key; also what an absent field means).
 EXPIRY_KEY = "key"
-#: Width of a run id, and of a ref to a run position (run id + u16 position).
-RUN_ID_WIDTH = 4
-REF_WIDTH = 6
-#: Most request keys of one run (lua/includes/runs.lua RUN_MAX).
+#: Most request keys of one run (``lua/includes/runs.lua`` RUN_MAX; a run id is
+#: :data:`~kvredis.redis.codec.RUN_ID_WIDTH` bytes, a ref :data:`~kvredis.redis.codec.REF_WIDTH`).
 RUN_MAX = 1024
+#: Fewest consecutive new request keys of one add that become a run (fewer stay inline, unless
+#: they follow the last key of a run): ``lua/includes/runs.lua`` RUN_MIN.
+RUN_MIN = 8
+#: What reading a run costs on top of its ranges, in the work limits below (RUN_READ_COST).
+RUN_READ_COST = 4
+#: Most run work (ranges read, plus :data:`RUN_READ_COST` per run) of one write call; a write
+#: past it is refused before its first write (``KVREDIS_BUDGET``) and the client splits it:
+#: ``lua/includes/writes.lua`` RUN_WORK_LIMIT. One run always fits.
+RUN_WORK_LIMIT = 4096
+#: Most run work of one walk (lookup, score); past it the walk stops and says where:
+#: ``lua/includes/walk.lua`` WALK_WORK_LIMIT. The scripts enforce these limits: the client only
+#: reads the outcome (``KVREDIS_BUDGET``, a cut walk), and tests compare them with the Lua.
+WALK_WORK_LIMIT = 8192
 
 
 def expiring_item_deadline(item: bytes) -> int:
     """The deadline (unix ms, server clock) of an item of an expiring bucket."""
-    return int.from_bytes(item[4:EXPIRING_ITEM_WIDTH], "big")
+    return int.from_bytes(item[ID_WIDTH:EXPIRING_ITEM_WIDTH], "big")
 
 
 def bucket_of(value: int, bits: int) -> int:
@@ -237,3 +251,31 @@ def check_bucket_bits(bits: object) -> int:
             f"bucket bits must be in [{MIN_BUCKET_BITS}, {MAX_BUCKET_BITS}], got {bits}"
         )
     return bits
+
+
+# -- a cluster namespace (kvredis.redis.cluster.shards): its name and shard count, checked here
+# (a config checks them) so that the checks need no cluster package ---------------------------
+
+#: Shards of a new cluster namespace unless configured otherwise.
+DEFAULT_SHARDS = 6
+#: The largest shard count (each shard costs one script call per operation that touches it).
+MAX_SHARDS = 256
+
+
+def check_shards(count: object) -> int:
+    """Validate a shard count (1..:data:`MAX_SHARDS`)."""
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_SHARDS:
+        raise InvalidInputError(
+            f"cluster shards must be an int in [1, {MAX_SHARDS}], got {count!r}"
+        )
+    return count
+
+
+def check_cluster_namespace(namespace: str) -> str:
+    """A cluster namespace may not hold ``{`` or ``}`` (its keys carry hash tags)."""
+    if "{" in namespace or "}" in namespace:
+        raise InvalidInputError(
+            f"a cluster namespace may not contain '{{' or '}}' (got {namespace!r}): the index "
+            "puts its own hash tags in its key names"
+        )
+    return namespace

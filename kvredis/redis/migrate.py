@@ -57,6 +57,8 @@ MigrateProgress = Callable[[int, int], None]
 
 #: Pairs one call converts at most: about 3 ms of server time (scripts/bench_migrate.py).
 PAIRS_PER_CALL = 250
+#: Most pairs one call may be asked to convert (``lua/migrate.lua`` refuses more).
+MAX_PAIRS_PER_CALL = 10_000
 
 
 def _noop(_done: int, _total: int) -> None:
@@ -96,8 +98,10 @@ def op_migrate(
     ``expiry_mode`` is given to a namespace that has none (``"field"`` when the server has hash
     field expiry: :func:`kvredis.redis.ops.op_expiry_mode`). ``address`` is shown in errors.
     """
-    if not 1 <= pairs_per_call <= 10_000:
-        raise ConfigError(f"pairs_per_call must be in [1, 10000], got {pairs_per_call}")
+    if not 1 <= pairs_per_call <= MAX_PAIRS_PER_CALL:
+        raise ConfigError(
+            f"pairs_per_call must be in [1, {MAX_PAIRS_PER_CALL}], got {pairs_per_call}"
+        )
     started = time.monotonic()
     probe = Layout(namespace, 1, b"")
     keys = (probe.meta, probe.pi, probe.sx, probe.mx)

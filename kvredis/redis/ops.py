@@ -49,6 +49,7 @@ from kvredis.errors import (
 )
 from kvredis.index import ClearProgress
 from kvredis.redis.codec import (
+    HASH_WIDTH,
     ID_WIDTH,
     bytes_text,
     decode_entry,
@@ -56,6 +57,7 @@ from kvredis.redis.codec import (
     pack_hashes,
     text_bytes,
 )
+from kvredis.redis.config import DEFAULT_CLEAR_FIELDS_PER_CALL
 from kvredis.redis.layout import EXPIRY_FIELD, EXPIRY_KEY, LAYOUT_VERSION, Layout
 from kvredis.redis.program import (
     Program,
@@ -95,8 +97,6 @@ LOOKUP_KEYS_PER_CALL = 4096
 #: Request keys one ``score`` call walks at most; a longer chain is scored in parts, each sent
 #: only while a pod holds every key so far.
 SCORE_KEYS_PER_CALL = 4096
-#: Fields the clear loop aims to examine per script call (sizes the SCAN pages).
-DEFAULT_CLEAR_FIELDS_PER_CALL = 512
 #: Entry ids one ``reclaim`` call deletes at most.
 RECLAIM_IDS_PER_CALL = 1024
 
@@ -243,7 +243,8 @@ def op_lookup(
     found: dict[int, list[PodEntry]] = {}
     step, start = LOOKUP_KEYS_PER_CALL, 0
     while start < len(keys):
-        piece = chain if start == 0 and len(keys) <= step else chain[start * 8 : (start + step) * 8]
+        whole = start == 0 and len(keys) <= step
+        piece = chain if whole else chain[start * HASH_WIDTH : (start + step) * HASH_WIDTH]
         reply = yield ScriptCall(
             "lookup",
             (layout.meta, layout.pi, layout.pp, layout.sx),
@@ -253,7 +254,7 @@ def op_lookup(
         at = read_lookup_reply(cache, reply, keys, start, found)
         if walk_cut(reply) and at > start:  # stopped at the walk's work limit: walk on
             start = at
-        elif at - start < len(piece) // 8:
+        elif at - start < len(piece) // HASH_WIDTH:
             break
         else:
             start += step
@@ -325,7 +326,7 @@ def op_score(
     carried: list[Arg] = [0]  # the pods still in the race and their scores so far
     start = 0
     while start < len(keys):
-        piece = chain[start * 8 : (start + SCORE_KEYS_PER_CALL) * 8]
+        piece = chain[start * HASH_WIDTH : (start + SCORE_KEYS_PER_CALL) * HASH_WIDTH]
         reply = yield ScriptCall(
             "score",
             (layout.meta, layout.pi, layout.pp, layout.sx),
@@ -333,7 +334,7 @@ def op_score(
             read=True,
         )
         walked, cut, live = read_score_reply(reply, scores)
-        if not live or (walked < len(piece) // 8 and not cut) or walked == 0:
+        if not live or (walked < len(piece) // HASH_WIDTH and not cut) or walked == 0:
             break  # no pod left, or a key no pod holds
         start += walked
         carried = [len(live)]
@@ -364,7 +365,8 @@ def op_add(
     entries: Entries,
     ttl: float | None = None,
 ) -> Op[None]:
-    """``Index.add``: one ``add`` script call (one per :data:`CALL_BUDGET` of work)."""
+    """``Index.add``: one ``add`` script call (one per
+    :data:`~kvredis.redis.program.CALL_BUDGET` of work)."""
     eng, req, ents = check_add(engine_keys, request_keys, entries)
     seconds = check_ttl(ttl, ents)
     ttl_ms = 0 if seconds is None else max(1, math.ceil(seconds * 1000))

@@ -343,16 +343,16 @@ def recorded_writes(server: Server, namespace: str) -> list[Recorded]:
         registry = index.registry
         assert registry.active  # the admin's writes go to the function library
         sent: list[Recorded] = []
-        evalsha = registry.evalsha
+        call_command = registry.call_command
 
         def record(call: ScriptCall) -> Command:
-            command = evalsha(call)
+            command = call_command(call)
             if not registry[call.script].no_writes:
                 sent.append((call.script, command.args))
-                sent.append((call.script, registry.script_command(call).args))
+                sent.append((call.script, registry.evalsha_command(call).args))
             return command
 
-        registry.evalsha = record  # type: ignore[method-assign]
+        registry.call_command = record  # type: ignore[method-assign]
         writes(index)
     for key in server.admin.scan_iter(match=f"{namespace}:*", count=1000):
         server.admin.unlink(key)

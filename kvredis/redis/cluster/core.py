@@ -66,6 +66,7 @@ from kvredis.redis.session import (
     Session,
     check_eviction_policy,
     op_drive,
+    typed_error,
 )
 from kvredis.redis.state import CoreState
 
@@ -464,13 +465,14 @@ def op_load_scripts(core: ClusterCore) -> WaveOp[None]:
             logger.debug("cannot check the function library on %s: %s", node, exc)
     if registry.active:
         return
-    loads = tuple(registry.load(name).args for name in registry.names())
+    loads = tuple(registry.load_command(name).args for name in registry.names())
     yield Wave(tuple(NodeBatch(node, loads) for node in slot_map.nodes))
 
 
 def op_on_node(node: Any, op: Op[T]) -> WaveOp[T]:
     """Run ``op`` (plain commands only) against one node; error replies are thrown into it as
-    :mod:`kvredis.errors` exceptions, a lost node as BackendUnavailableError."""
+    :mod:`kvredis.errors` exceptions carrying the reply (as :func:`~kvredis.redis.session.op_drive`
+    throws them), a lost node as BackendUnavailableError."""
     try:
         request = next(op)
         while True:
@@ -478,7 +480,7 @@ def op_on_node(node: Any, op: Op[T]) -> WaveOp[T]:
                 raise TypeError(f"only commands can be sent to one node, got {request!r}")
             ((reply,),) = yield Wave((NodeBatch(node, (request.args,)),))
             if isinstance(reply, ErrorReply):
-                request = op.throw(translate(reply.message))
+                request = op.throw(typed_error(reply))
             elif isinstance(reply, Failure):
                 request = op.throw(BackendUnavailableError(f"{node}: {reply.message}"))
             else:
