@@ -13,11 +13,11 @@ from collections.abc import Callable
 import click
 
 from kvredis._version import __version__
+from kvredis.cli.backup import COMMANDS as BACKUP_COMMANDS
 from kvredis.cli.cluster import COMMANDS as CLUSTER_COMMANDS
 from kvredis.cli.functions import COMMANDS as FUNCTION_COMMANDS
 from kvredis.cli.ingest import ingest
 from kvredis.cli.migrate import COMMANDS as LAYOUT_COMMANDS
-from kvredis.cli.operate import COMMANDS
 from kvredis.cli.options import (
     Prompt,
     RedisTarget,
@@ -27,6 +27,9 @@ from kvredis.cli.options import (
     prompt_options,
     redis_options,
 )
+from kvredis.cli.query import COMMANDS as QUERY_COMMANDS
+from kvredis.cli.repair import COMMANDS as REPAIR_COMMANDS
+from kvredis.cli.report import COMMANDS as REPORT_COMMANDS
 from kvredis.index import Closeable, Index, NamespaceIndex
 
 BACKENDS = ("memory", "cost-aware")
@@ -190,7 +193,15 @@ def keys(prompt: Prompt, parent: int) -> None:
 
 ingest.params.extend(logging_params())
 cli.add_command(ingest)
-for _command in (*COMMANDS, *LAYOUT_COMMANDS, *CLUSTER_COMMANDS, *FUNCTION_COMMANDS):
+for _command in (
+    *REPORT_COMMANDS,
+    *QUERY_COMMANDS,
+    *REPAIR_COMMANDS,
+    *BACKUP_COMMANDS,
+    *LAYOUT_COMMANDS,
+    *CLUSTER_COMMANDS,
+    *FUNCTION_COMMANDS,
+):
     cli.add_command(_command)
 
 

@@ -1,0 +1,292 @@
+"""``kvredis dump`` and ``restore``: a namespace exported to JSON lines and loaded back."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import ExitStack, suppress
+from typing import IO, Any
+
+import click
+
+from kvredis.cli.namespace import (
+    NO_PROGRESS,
+    existing_layout,
+    on_cluster,
+    open_inspector,
+    operator_command,
+    single_layout,
+)
+from kvredis.cli.options import RedisTarget, echo_json, json_option, progress_bar
+
+__all__ = ["COMMANDS"]
+
+
+# -- dump and restore ---------------------------------------------------------------------------
+
+
+def _open(path: str, mode: str) -> IO[str]:
+    if path == "-":
+        return sys.stdout if "w" in mode else sys.stdin
+    if path.endswith(".gz"):
+        return gzip.open(path, mode + "t", encoding="utf-8")  # type: ignore[return-value]
+    return open(path, mode, encoding="utf-8")
+
+
+def _open_output(path: str) -> IO[str]:
+    """``path`` opened for writing (BadParameter naming it when the file cannot be created)."""
+    try:
+        return _open(path, "w")
+    except OSError as exc:
+        parent = os.path.dirname(os.path.abspath(path))
+        hint = "" if os.path.isdir(parent) else f" (the directory {parent} does not exist)"
+        raise click.BadParameter(
+            f"cannot write {path}: {exc.strerror or exc}{hint}", param_hint="FILE"
+        ) from None
+
+
+class _CountingWriter:
+    """Writes JSON records, one per line, counting records and (uncompressed) bytes."""
+
+    def __init__(self, out: IO[str]) -> None:
+        self.out = out
+        self.records = 0
+        self.bytes = 0
+
+    def __call__(self, record: Any) -> None:
+        line = json.dumps(record, separators=(",", ":")) + "\n"
+        self.out.write(line)
+        self.records += 1
+        self.bytes += len(line.encode("utf-8"))
+
+
+@operator_command("kvredis dump kvblock-$(date +%F).jsonl.gz --namespace kvblock")
+@click.argument("file", metavar="FILE")
+@NO_PROGRESS
+@json_option
+def dump(target: RedisTarget, namespace: str, file: str, no_progress: bool, as_json: bool) -> None:
+    """Export a namespace to FILE (JSON lines; gzip if it ends in .gz; '-': stdout).
+
+    `kvredis restore` loads it back, on this server or another, byte for byte. With --json, a
+    summary (records, keys, bytes, namespace, layout) is printed on stdout.
+    """
+    from kvredis.redis.inspect import DUMP_FORMAT, op_dump
+
+    if as_json and file == "-":
+        raise click.UsageError(
+            "--json prints the summary on stdout, which FILE '-' takes: name a file"
+        )
+    parent = os.path.dirname(os.path.abspath(file))
+    if file != "-" and not os.path.isdir(parent):
+        raise click.BadParameter(
+            f"cannot write {file}: the directory {parent} does not exist", param_hint="FILE"
+        )
+    with open_inspector(target) as inspector:
+        layout = existing_layout(inspector, target)
+        out = _open_output(file)
+        write = _CountingWriter(out)
+        bar = progress_bar("dumping", no_progress)
+        complete = False
+        try:
+            if on_cluster(inspector):  # every shard's records, tagged with their shard
+                first = next(iter(layout.values()), None)
+                bits = first.bucket_bits if first is not None else target.config().bucket_bits
+                write(
+                    {
+                        "format": DUMP_FORMAT,
+                        "namespace": target.namespace,
+                        "bucket_bits": bits,
+                        "shards": inspector.core.count,
+                    }
+                )
+                keys = inspector.dump(write, bar)
+            else:
+                bits = layout.bucket_bits
+                write(
+                    {
+                        "format": DUMP_FORMAT,
+                        "namespace": layout.namespace,
+                        "bucket_bits": bits,
+                    }
+                )
+                keys = inspector.run(op_dump(layout, write, bar))
+            write({"end": True, "keys": keys, "records": write.records - 1})
+            if file != "-":
+                out.close()
+            complete = True
+        except BrokenPipeError:
+            raise click.ClickException(
+                f"{file}: the reader stopped reading before the dump ended (a pipe into `head`?); "
+                "the dump is incomplete"
+            ) from None
+        except OSError as exc:
+            if isinstance(exc, ConnectionError):
+                raise
+            raise click.ClickException(
+                f"cannot write {file}: {exc.strerror or exc}; the dump is incomplete (restore "
+                "refuses it): free space or pick another FILE, then run the dump again"
+            ) from None
+        finally:
+            bar.close()
+            if file == "-":
+                with suppress(BrokenPipeError):
+                    out.flush()
+            elif not complete:
+                with suppress(OSError):
+                    out.close()
+    if as_json:
+        echo_json(
+            {
+                "file": file,
+                "namespace": target.namespace,
+                "layout": {"format": DUMP_FORMAT, "bucket_bits": bits},
+                "keys": keys,
+                "records": write.records,
+                "bytes": write.bytes,
+                "file_bytes": os.path.getsize(file),
+            }
+        )
+        return
+    click.echo(f"dumped {keys} keys of namespace {target.namespace!r} to {file}", err=True)
+
+
+@operator_command("kvredis restore kvblock-2026-01-31.jsonl.gz --namespace kvblock")
+@click.argument("file", metavar="FILE")
+@click.option("--replace", is_flag=True, help="Drop the namespace first if it holds keys.")
+def restore(target: RedisTarget, namespace: str, file: str, replace: bool) -> None:
+    """Load a namespace exported by `kvredis dump` (into --namespace; '-': stdin).
+
+    Refuses a namespace that already holds keys unless --replace.
+    """
+    from kvredis.redis.inspect import DUMP_FORMAT
+
+    with ExitStack() as stack:
+        if file == "-":  # read twice below: spool stdin to a file
+            spool = stack.enter_context(
+                tempfile.NamedTemporaryFile("w+", encoding="utf-8", suffix=".jsonl")
+            )
+            shutil.copyfileobj(sys.stdin, spool)
+            spool.flush()
+            file = spool.name
+        header, trailer = _check_dump(file, DUMP_FORMAT)
+        shards = header.get("shards", 1)
+        if target.config().cluster:
+            _restore_cluster(target, file, replace, shards)
+        elif shards != 1:
+            raise click.BadParameter(
+                f"{file} is a dump of a cluster namespace of {shards} shards: restore it to a "
+                "cluster (--redis redis+cluster://host:port)",
+                param_hint="FILE",
+            )
+        else:
+            _restore_records(target, file, replace, int(header["bucket_bits"]))
+    click.echo(
+        f"restored {trailer['keys']} keys of namespace {header['namespace']!r} into "
+        f"{target.namespace!r}",
+        err=True,
+    )
+
+
+def _check_dump(file: str, dump_format: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The header and end records of a complete dump (BadParameter for anything else)."""
+    header: dict[str, Any] = {}
+    last: dict[str, Any] = {}
+    count = 0
+    for n, record in enumerate(_records(file)):
+        if n == 0:
+            header = record
+        elif "key" in record:
+            count += 1
+        last = record
+    shards = header.get("shards", 1)
+    if (
+        header.get("format") != dump_format
+        or not isinstance(header.get("bucket_bits"), int)
+        or not isinstance(shards, int)
+        or isinstance(shards, bool)
+        or shards < 1
+    ):
+        raise click.BadParameter(f"{file} is not a {dump_format} dump", param_hint="FILE")
+    if not last.get("end") or last.get("records") != count:
+        raise click.BadParameter(f"{file} is truncated (no end record)", param_hint="FILE")
+    return header, last
+
+
+def _restore_records(target: RedisTarget, file: str, replace: bool, bucket_bits: int) -> None:
+    from kvredis.errors import NamespaceLayoutError
+    from kvredis.redis.inspect import op_namespace_keys, op_restore
+    from kvredis.redis.layout import Layout
+
+    with open_inspector(target) as inspector:
+        probe = Layout(target.namespace, bucket_bits, b"")
+        try:
+            existing = single_layout(inspector, target) or probe
+            other = ""
+        except NamespaceLayoutError:  # another layout: --replace drops it all the same
+            existing, other = None, " (in a layout this kvredis does not read)"
+        if existing is None or inspector.run(op_namespace_keys(existing)):
+            if not replace:
+                raise click.ClickException(
+                    f"namespace {target.namespace!r} at {target.shown} already holds keys"
+                    f"{other}; pass --replace to drop them first"
+                )
+            from kvredis.redis.index import drop_namespace
+
+            drop_namespace(target.config())
+        prefix = probe.meta[: -len(b"meta")]
+        inspector.run(op_restore(prefix, (r for r in _records(file) if "key" in r)))
+
+
+def _restore_cluster(target: RedisTarget, file: str, replace: bool, shards: int) -> None:
+    """Restore into a cluster namespace: each record into its shard, the dump's shard count
+    becoming the namespace's (a single-server dump makes a namespace of one shard)."""
+    from kvredis.errors import NamespaceMissingError
+    from kvredis.redis.cluster.index import RedisClusterIndex
+    from kvredis.redis.cluster.shards import MAX_SHARDS
+
+    if shards > MAX_SHARDS:
+        raise click.BadParameter(
+            f"{file} has {shards} shards (at most {MAX_SHARDS})", param_hint="FILE"
+        )
+    with open_inspector(target) as inspector:
+        if inspector.holds_keys():
+            if not replace:
+                raise click.ClickException(
+                    f"namespace {target.namespace!r} at {target.shown} already holds keys; "
+                    "pass --replace to drop them first"
+                )
+            try:
+                with RedisClusterIndex(target.config(), create=False) as index:
+                    index.drop_namespace()
+            except NamespaceMissingError:
+                raise click.ClickException(
+                    f"namespace {target.namespace!r} at {target.shown} holds keys but no "
+                    "cluster descriptor: delete them, or restore into another namespace"
+                ) from None
+
+        def records(shard: int) -> Iterator[dict[str, Any]]:
+            return (r for r in _records(file) if "key" in r and r.get("shard", 0) == shard)
+
+        inspector.restore(shards, records)
+
+
+def _records(file: str) -> Iterator[dict[str, Any]]:
+    """The JSON records of a dump file, one per line."""
+    try:
+        with _open(file, "r") as fh:
+            for line in fh:
+                if line.strip():
+                    record = json.loads(line)
+                    if not isinstance(record, dict):
+                        raise ValueError(f"a record is not an object: {line[:80]!r}")
+                    yield record
+    except (OSError, ValueError, EOFError) as exc:
+        raise click.BadParameter(f"cannot read {file}: {exc}", param_hint="FILE") from None
+
+
+COMMANDS = (dump, restore)
