@@ -13,6 +13,7 @@ from collections.abc import Callable
 import click
 
 from kvredis._version import __version__
+from kvredis.cli.acl import COMMANDS as ACL_COMMANDS
 from kvredis.cli.backup import COMMANDS as BACKUP_COMMANDS
 from kvredis.cli.cluster import COMMANDS as CLUSTER_COMMANDS
 from kvredis.cli.functions import COMMANDS as FUNCTION_COMMANDS
@@ -54,7 +55,7 @@ def _index_factory(
     if target is not None:
         from kvredis.redis.index import new_redis_index
 
-        return lambda router: new_redis_index(target.config(namespace=f"{namespace}:{router}"))
+        return lambda router: new_redis_index(target.config(namespace=f"{namespace}-{router}"))
     if backend == "cost-aware":
         from kvredis.memory import CostAwareMemoryIndex
 
@@ -110,7 +111,7 @@ def demo(
 ) -> None:
     """Route a synthetic multi-turn chat workload with kvredis vs. random routing.
 
-    With --redis, each router gets the namespace <NAMESPACE>:<router> (default NAMESPACE: a
+    With --redis, each router gets the namespace <NAMESPACE>-<router> (default NAMESPACE: a
     fresh demo-<id>), dropped when the demo ends.
     """
     from kvredis.demo import WorkloadConfig, generate_requests, routers, simulate
@@ -201,6 +202,7 @@ for _command in (
     *LAYOUT_COMMANDS,
     *CLUSTER_COMMANDS,
     *FUNCTION_COMMANDS,
+    *ACL_COMMANDS,
 ):
     cli.add_command(_command)
 

@@ -1,10 +1,12 @@
-"""``kvredis dump`` and ``restore``: a namespace exported to JSON lines and loaded back."""
+"""``kvredis dump`` and ``restore``: a namespace exported to JSON lines and loaded back; ``kvredis
+rename``: a namespace moved to another name the same way."""
 
 from __future__ import annotations
 
 import gzip
 import json
 import os
+import shlex
 import shutil
 import sys
 import tempfile
@@ -22,7 +24,16 @@ from kvredis.cli.namespace import (
     operator_command,
     single_layout,
 )
-from kvredis.cli.options import RedisTarget, echo_json, json_option, progress_bar
+from kvredis.cli.options import (
+    RedisTarget,
+    check_existing_namespace,
+    echo_json,
+    handle_errors,
+    json_option,
+    logging_options,
+    progress_bar,
+    redis_options,
+)
 
 __all__ = ["COMMANDS"]
 
@@ -65,6 +76,34 @@ class _CountingWriter:
         self.bytes += len(line.encode("utf-8"))
 
 
+def _export(
+    inspector: Any, target: RedisTarget, layout: Any, write: _CountingWriter, bar: Any
+) -> tuple[int, int]:
+    """Write the dump of the namespace ``layout`` (:func:`existing_layout`) describes: the
+    header, every key's records (on a cluster tagged with their shard) and the end record;
+    returns (keys, bucket bits)."""
+    from kvredis.redis.inspect import DUMP_FORMAT, op_dump
+
+    if on_cluster(inspector):  # every shard's records, tagged with their shard
+        first = next(iter(layout.values()), None)
+        bits = first.bucket_bits if first is not None else target.config().bucket_bits
+        write(
+            {
+                "format": DUMP_FORMAT,
+                "namespace": target.namespace,
+                "bucket_bits": bits,
+                "shards": inspector.core.count,
+            }
+        )
+        keys = inspector.dump(write, bar)
+    else:
+        bits = layout.bucket_bits
+        write({"format": DUMP_FORMAT, "namespace": layout.namespace, "bucket_bits": bits})
+        keys = inspector.run(op_dump(layout, write, bar))
+    write({"end": True, "keys": keys, "records": write.records - 1})
+    return keys, bits
+
+
 @operator_command("kvredis dump kvblock-$(date +%F).jsonl.gz --namespace kvblock")
 @click.argument("file", metavar="FILE")
 @NO_PROGRESS
@@ -75,7 +114,7 @@ def dump(target: RedisTarget, namespace: str, file: str, no_progress: bool, as_j
     `kvredis restore` loads it back, on this server or another, byte for byte. With --json, a
     summary (records, keys, bytes, namespace, layout) is printed on stdout.
     """
-    from kvredis.redis.inspect import DUMP_FORMAT, op_dump
+    from kvredis.redis.inspect import DUMP_FORMAT
 
     if as_json and file == "-":
         raise click.UsageError(
@@ -93,29 +132,7 @@ def dump(target: RedisTarget, namespace: str, file: str, no_progress: bool, as_j
         bar = progress_bar("dumping", no_progress)
         complete = False
         try:
-            if on_cluster(inspector):  # every shard's records, tagged with their shard
-                first = next(iter(layout.values()), None)
-                bits = first.bucket_bits if first is not None else target.config().bucket_bits
-                write(
-                    {
-                        "format": DUMP_FORMAT,
-                        "namespace": target.namespace,
-                        "bucket_bits": bits,
-                        "shards": inspector.core.count,
-                    }
-                )
-                keys = inspector.dump(write, bar)
-            else:
-                bits = layout.bucket_bits
-                write(
-                    {
-                        "format": DUMP_FORMAT,
-                        "namespace": layout.namespace,
-                        "bucket_bits": bits,
-                    }
-                )
-                keys = inspector.run(op_dump(layout, write, bar))
-            write({"end": True, "keys": keys, "records": write.records - 1})
+            keys, bits = _export(inspector, target, layout, write, bar)
             if file != "-":
                 out.close()
             complete = True
@@ -163,8 +180,6 @@ def restore(target: RedisTarget, namespace: str, file: str, replace: bool) -> No
 
     Refuses a namespace that already holds keys unless --replace.
     """
-    from kvredis.redis.inspect import DUMP_FORMAT
-
     with ExitStack() as stack:
         if file == "-":  # read twice below: spool stdin to a file
             spool = stack.enter_context(
@@ -173,22 +188,90 @@ def restore(target: RedisTarget, namespace: str, file: str, replace: bool) -> No
             shutil.copyfileobj(sys.stdin, spool)
             spool.flush()
             file = spool.name
-        header, trailer = _check_dump(file, DUMP_FORMAT)
-        shards = header.get("shards", 1)
-        if target.config().cluster:
-            _restore_cluster(target, file, replace, shards)
-        elif shards != 1:
-            raise click.BadParameter(
-                f"{file} is a dump of a cluster namespace of {shards} shards: restore it to a "
-                "cluster (--redis redis+cluster://host:port)",
-                param_hint="FILE",
-            )
-        else:
-            _restore_records(target, file, replace, int(header["bucket_bits"]))
+        header, trailer = _load(target, file, replace)
     click.echo(
         f"restored {trailer['keys']} keys of namespace {header['namespace']!r} into "
         f"{target.namespace!r}",
         err=True,
+    )
+
+
+def _load(target: RedisTarget, file: str, replace: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Restore the dump ``file`` into ``target``'s namespace; (header, end record)."""
+    from kvredis.redis.inspect import DUMP_FORMAT
+
+    header, trailer = _check_dump(file, DUMP_FORMAT)
+    shards = header.get("shards", 1)
+    if target.config().cluster:
+        _restore_cluster(target, file, replace, shards)
+    elif shards != 1:
+        raise click.BadParameter(
+            f"{file} is a dump of a cluster namespace of {shards} shards: restore it to a "
+            "cluster (--redis redis+cluster://host:port)",
+            param_hint="FILE",
+        )
+    else:
+        _restore_records(target, file, replace, int(header["bucket_bits"]))
+    return header, trailer
+
+
+@click.command(
+    "rename",
+    epilog="\b\nExample:\n  kvredis rename kv:prod kv-prod --redis redis://10.0.0.7:6379 --yes",
+)
+@click.argument("old", metavar="OLD")
+@click.argument("new", metavar="NEW")
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+@NO_PROGRESS
+@redis_options(url_required=True, namespace_option=False)
+@logging_options
+@handle_errors
+def rename(target: RedisTarget, old: str, new: str, yes: bool, no_progress: bool) -> None:
+    """Move the namespace OLD to the name NEW on the same server (or cluster), byte for byte.
+
+    For a namespace whose name this kvredis refuses (one holding ':' or a glob character,
+    made by an earlier kvredis): stop its writers (the ingesters) first; routers and ingesters
+    then use NEW. Refuses a NEW that holds keys. OLD is deleted once NEW holds all of it.
+    """
+    from kvredis.redis.index import drop_namespace
+    from kvredis.redis.layout import check_namespace_name
+
+    old = check_existing_namespace(old, "OLD")
+    try:
+        new = check_namespace_name(new)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc).split("; ", 1)[0], param_hint="NEW") from None
+    if old == new:
+        raise click.BadParameter(f"{new!r} is the name OLD already has", param_hint="NEW")
+    source = RedisTarget(target.url, old, target.password)
+    source.existing = True
+    dest = RedisTarget(target.url, new, target.password)
+    if not yes:
+        click.confirm(
+            f"Move namespace {old!r} at {target.shown} to {new!r}? Its writers must be stopped",
+            abort=True,
+            err=True,
+        )
+    with tempfile.NamedTemporaryFile("w+", encoding="utf-8", suffix=".jsonl") as spool:
+        with open_inspector(source) as inspector:
+            layout = existing_layout(inspector, source)
+            bar = progress_bar("reading", no_progress)
+            try:
+                keys, _bits = _export(inspector, source, layout, _CountingWriter(spool), bar)
+            finally:
+                bar.close()
+        spool.flush()
+        _load(dest, spool.name, replace=False)
+    try:
+        drop_namespace(source.config())
+    except Exception as exc:
+        raise click.ClickException(
+            f"{new!r} holds the namespace now, but deleting {old!r} failed ({exc}): run "
+            f"`kvredis drop {shlex.quote(old)} --redis {shlex.quote(target.shown)} --yes`"
+        ) from None
+    click.echo(
+        f"renamed namespace {old!r} to {new!r} at {target.shown} ({keys} keys); give its "
+        f"routers and ingesters --namespace {shlex.quote(new)}"
     )
 
 
@@ -289,4 +372,4 @@ def _records(file: str) -> Iterator[dict[str, Any]]:
         raise click.BadParameter(f"cannot read {file}: {exc}", param_hint="FILE") from None
 
 
-COMMANDS = (dump, restore)
+COMMANDS = (dump, restore, rename)

@@ -13,7 +13,7 @@ from click.core import ParameterSource
 
 from kvredis.cli.options import (
     RedisTarget,
-    check_namespace_option,
+    check_existing_namespace,
     echo_json,
     handle_errors,
     json_option,
@@ -53,8 +53,9 @@ def _target(target: RedisTarget | None, namespace_arg: str | None) -> RedisTarge
             raise click.UsageError(
                 f"two namespaces given: {namespace_arg!r} and --namespace {target.namespace!r}"
             )
-        param = next(p for p in ctx.command.params if p.name == "namespace")
-        target.namespace = check_namespace_option(ctx, param, namespace_arg) or namespace_arg
+        # also a name the rules refuse now: an earlier kvredis's namespace, to migrate or drop
+        target.namespace = check_existing_namespace(namespace_arg)
+        target.existing = True
     return target
 
 

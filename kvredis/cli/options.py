@@ -33,6 +33,7 @@ __all__ = [
     "LOG_LEVELS",
     "Prompt",
     "RedisTarget",
+    "check_existing_namespace",
     "check_namespace_option",
     "check_redis_url",
     "echo_json",
@@ -140,6 +141,9 @@ class RedisTarget:
         self.url = url
         self.namespace = namespace
         self.password = password
+        #: the namespace may have a name the rules refuse (one an earlier kvredis created):
+        #: for the commands that move or delete such a namespace (rename, drop, migrate)
+        self.existing = False
 
     @property
     def shown(self) -> str:
@@ -156,10 +160,18 @@ class RedisTarget:
         if self.password is not None:
             kwargs["password"] = self.password
         kwargs.update(overrides)
+        named = kwargs["namespace"]
+        if self.existing:
+            kwargs["namespace"] = "kvblock"
         try:
-            return RedisIndexConfig(**kwargs)
+            config = RedisIndexConfig(**kwargs)
+            if self.existing:
+                from kvredis.redis.config import config_for_existing
+
+                config = config_for_existing(config, named)
         except (ConfigError, ValueError) as exc:
             raise click.BadParameter(str(exc), param_hint="--redis") from None
+        return config
 
 
 def check_namespace_option(
@@ -168,12 +180,23 @@ def check_namespace_option(
     """Validate ``--namespace`` (blamed on ``--namespace``, not on ``--redis``)."""
     if value is None:
         return None
+    from kvredis.redis.layout import check_namespace_name
+
+    try:
+        return check_namespace_name(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def check_existing_namespace(value: str, hint: str = "NAMESPACE") -> str:
+    """Validate the name of an existing namespace to move or delete: any name an earlier
+    kvredis could create (also one :func:`check_namespace_option` refuses for new use)."""
     from kvredis.redis.layout import check_namespace
 
     try:
         return check_namespace(value)
     except ValueError as exc:
-        raise click.BadParameter(str(exc)) from None
+        raise click.BadParameter(str(exc), param_hint=hint) from None
 
 
 def check_redis_url(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
@@ -212,47 +235,59 @@ password_file_option = click.option(
 )
 
 
+#: The server every command works on unless ``--redis`` (``KVREDIS_REDIS_URL``) names another.
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379"
+
+
 def redis_options(
-    default_namespace: str | None = "kvblock", url_required: bool = False
+    default_namespace: str | None = "kvblock",
+    url_required: bool = False,
+    namespace_option: bool = True,
 ) -> Callable[[F], F]:
-    """Add ``--redis``, ``--namespace`` and ``--password-file``; pass a ``target``."""
+    """Add ``--redis``, ``--namespace`` and ``--password-file``; pass a ``target``.
+
+    With ``url_required`` the address defaults to :data:`DEFAULT_REDIS_URL` (the rule of every
+    command that works on a server); without, a missing ``--redis`` passes ``target=None`` (the
+    demo, which runs on an embedded index then). Without ``namespace_option`` there is no
+    ``--namespace`` (a command that takes its namespaces as arguments).
+    """
 
     def decorate(f: F) -> F:
-        @click.option(
-            "--redis",
-            "redis_url",
-            metavar="URL",
-            envvar="KVREDIS_REDIS_URL",
-            default=None if not url_required else "redis://127.0.0.1:6379",
-            show_default=url_required,
-            callback=check_redis_url,
-            help="Redis/Valkey address (env KVREDIS_REDIS_URL).",
-        )
-        @click.option(
-            "--namespace",
-            envvar="KVREDIS_NAMESPACE",
-            default=default_namespace,
-            show_default=default_namespace is not None,
-            callback=check_namespace_option,
-            help="Key namespace (env KVREDIS_NAMESPACE).",
-        )
-        @password_file_option
         @functools.wraps(f)
         def wrapper(
             *args: Any,
             redis_url: str | None,
-            namespace: str | None,
             password_file: str | None,
             **kwargs: Any,
         ) -> Any:
+            namespace = kwargs.get("namespace") if namespace_option else None
             target = None
             if redis_url is not None:
                 target = RedisTarget(
                     redis_url, namespace or "kvblock", read_password(password_file)
                 )
-            return f(*args, target=target, namespace=namespace, **kwargs)
+            return f(*args, target=target, **kwargs)
 
-        return wrapper  # type: ignore[return-value]
+        decorated: Any = password_file_option(wrapper)
+        if namespace_option:
+            decorated = click.option(
+                "--namespace",
+                envvar="KVREDIS_NAMESPACE",
+                default=default_namespace,
+                show_default=default_namespace is not None,
+                callback=check_namespace_option,
+                help="Key namespace (env KVREDIS_NAMESPACE).",
+            )(decorated)
+        return click.option(  # type: ignore[no-any-return]
+            "--redis",
+            "redis_url",
+            metavar="URL",
+            envvar="KVREDIS_REDIS_URL",
+            default=None if not url_required else DEFAULT_REDIS_URL,
+            show_default=url_required,
+            callback=check_redis_url,
+            help="Redis/Valkey address (env KVREDIS_REDIS_URL).",
+        )(decorated)
 
     return decorate
 

@@ -13,10 +13,13 @@ Modules, in dependency order (each imports only the ones before it):
   and the registry that calls it (FCALL / FCALL_RO, EVALSHA as the fallback)
 - ``session``   the session an operation runs in: sending with retries, backoff and script or
   function reloads (``op_send``, ``op_drive``), and the checks of the server's INFO
+- ``calls``     how a client that is not an index (inspector, drop, migrate) sends script calls:
+  the function library where offered, else EVALSHA, chosen before its first script call
 - ``program``   the write programs of adds, evicts and batches, their cost, the split into calls
 - ``ops``       the index operations as generators (lookup, score, add, evict, batches, clear,
   drop), and the stale-namespace reload around them
 - ``config``    RedisIndexConfig
+- ``acl``       the ACL rules of each role on a namespace (``kvredis acl``)
 - ``replicas``  reads from replicas of a single server: discovery, choice, fallback (sans-IO)
 - ``executor``  sync and asyncio executors: send one request with redis-py, nothing else
 - ``reading``, ``check``, ``dump``, ``inspect``  the operator's reads: the namespace read with

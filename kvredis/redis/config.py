@@ -7,7 +7,7 @@ Accepts the upstream llm-d JSON shape (``address``, ``backendType``, ``enableRDM
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from kvredis.errors import ConfigError
@@ -15,7 +15,12 @@ from kvredis.jsonconfig import check_number, take_fields
 from kvredis.redis.address import RedisAddress, mask_password, parse_address
 from kvredis.redis.cluster.shards import DEFAULT_SHARDS, check_cluster_namespace, check_shards
 from kvredis.redis.functions import UseFunctions, check_use_functions
-from kvredis.redis.layout import DEFAULT_BUCKET_BITS, check_bucket_bits, check_namespace
+from kvredis.redis.layout import (
+    DEFAULT_BUCKET_BITS,
+    check_bucket_bits,
+    check_namespace,
+    check_namespace_name,
+)
 from kvredis.redis.ops import DEFAULT_CLEAR_FIELDS_PER_CALL
 
 BACKEND_TYPES = ("redis", "valkey")
@@ -76,6 +81,9 @@ class RedisIndexConfig:
     index (:mod:`kvredis.redis.cluster.index`). ``cluster_shards`` is the number of shards a
     new cluster namespace is spread over (fixed by its first client, as ``bucket_bits``; see
     :mod:`kvredis.redis.cluster.shards`); a cluster namespace may not contain ``{`` or ``}``.
+    No ``namespace`` contains ``:``, a glob character, a space or a control character
+    (:func:`~kvredis.redis.layout.check_namespace_name`: one namespace's ACL key pattern
+    ``~<ns>:*`` matches no other's keys).
     ``read_from_replicas`` spreads lookups and scores over replicas: on a cluster, the replicas
     of each slot; on a single server, the online replicas of the server (the primary), found
     with ``INFO replication`` on it (see :mod:`kvredis.redis.replicas`). Writes, watermarks
@@ -148,7 +156,7 @@ class RedisIndexConfig:
                 "is reached over TCP: use redis+cluster://host:port[,host:port...]"
             )
         try:
-            check_namespace(self.namespace)
+            check_namespace_name(self.namespace)
             check_bucket_bits(self.bucket_bits)
             check_shards(self.cluster_shards)
             if self.cluster:
@@ -207,6 +215,22 @@ class RedisIndexConfig:
     def server(self) -> str:
         """``"<backend type> at <address>"`` with any password masked, for messages."""
         return f"{self.backend_type} at {self.parsed_address().display}"
+
+
+def config_for_existing(config: RedisIndexConfig, namespace: str) -> RedisIndexConfig:
+    """``config`` naming ``namespace``, also a name :func:`~kvredis.redis.layout.
+    check_namespace_name` refuses (one an earlier kvredis created): for the operator's commands
+    that move such a namespace to an accepted name or delete it (``kvredis rename``, ``kvredis
+    drop``), never for the index's clients."""
+    try:
+        check_namespace(namespace)
+        if config.cluster:
+            check_cluster_namespace(namespace)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    copy = replace(config)
+    object.__setattr__(copy, "namespace", namespace)
+    return copy
 
 
 def check_supported(config: RedisIndexConfig) -> None:

@@ -30,6 +30,7 @@ from kvredis.batch import IndexOp, Watermark
 from kvredis.checks import check_selection
 from kvredis.errors import ConfigError, NamespaceMissingError
 from kvredis.index import Progress
+from kvredis.redis.calls import CallChoice
 from kvredis.redis.cluster.index import AsyncRedisClusterIndex, RedisClusterIndex
 from kvredis.redis.config import DEFAULT_VALKEY_ADDRESS, RedisIndexConfig, check_supported
 from kvredis.redis.executor import AsyncExecutor, SyncExecutor
@@ -410,11 +411,11 @@ def drop_namespace(config: RedisIndexConfig) -> int:
             cluster.close()
     check_supported(config)
     state = CoreState(config.namespace, config.bucket_bits)
-    session = Session(
-        state, ScriptRegistry(), RetryPolicy(config.retries, config.retry_backoff, config.server())
-    )
+    calls = CallChoice(config.use_functions, config.server())
+    policy = RetryPolicy(config.retries, config.retry_backoff, config.server())
+    session = Session(state, calls.registry, policy)
     executor = SyncExecutor(config)
     try:
-        return executor.run(op_drive(session, op_drop_namespace(state)))
+        return executor.run(op_drive(session, calls.op(op_drop_namespace(state))))
     finally:
         executor.close()
