@@ -54,10 +54,16 @@ def _servers(target: RedisTarget) -> Iterator[list[tuple[str, Callable[[Op[Any]]
             cluster.close()
         return
     from kvredis.redis.executor import SyncExecutor
+    from kvredis.redis.scripts import ScriptRegistry
+    from kvredis.redis.session import RetryPolicy, Session, op_drive
+    from kvredis.redis.state import CoreState
 
     single = SyncExecutor(config)
+    # retries, and a refused connection, password or protocol as one typed error
+    policy = RetryPolicy(config.retries, config.retry_backoff, config.server())
+    session = Session(CoreState(config.namespace), ScriptRegistry(), policy)
     try:
-        yield [(target.shown, single.run)]
+        yield [(target.shown, lambda op: single.run(op_drive(session, op)))]
     finally:
         single.close()
 

@@ -579,6 +579,9 @@ def handle_errors(f: F) -> F:
         except KVRedisError as exc:
             raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
         except Exception as exc:
+            failure = _failure_error(exc, kwargs.get("target"))
+            if failure is not None:  # a request's failure that no session translated
+                raise click.ClickException(failure) from None
             if isinstance(exc, OSError) and not isinstance(exc, ConnectionError) and exc.filename:
                 raise click.ClickException(  # a local file, not the server
                     f"cannot access {exc.filename}: {exc.strerror or exc}"
@@ -607,6 +610,22 @@ def unavailable_message(exc: BackendUnavailableError) -> str:
     if isinstance(exc, BackendAuthenticationError):
         return f"{exc}; {PASSWORD_HINT}"
     return str(exc)
+
+
+def _failure_error(exc: BaseException, target: object) -> str | None:
+    """The one line for a :class:`kvredis.redis.requests.Failure` (None for anything else)."""
+    requests = sys.modules.get("kvredis.redis.requests")
+    if requests is None or not isinstance(exc, requests.Failure):
+        return None
+    from kvredis.errors import translate
+    from kvredis.redis.session import RetryPolicy
+
+    server = f"redis at {target.shown}" if isinstance(target, RedisTarget) else "the server"
+    if isinstance(exc, requests.ErrorReply):
+        error: KVRedisError = translate(exc.message)
+        return f"{type(error).__name__}: {error}"
+    unavailable = RetryPolicy(0, 0.0, server).unavailable(exc)
+    return unavailable_message(unavailable)
 
 
 def _is_redis_error(exc: BaseException) -> bool:
