@@ -27,6 +27,7 @@ from kvredis.cli.options import (
     logging_params,
     prompt_options,
     redis_options,
+    warn_unknown_environment,
 )
 from kvredis.cli.query import COMMANDS as QUERY_COMMANDS
 from kvredis.cli.repair import COMMANDS as REPAIR_COMMANDS
@@ -46,7 +47,13 @@ CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 @click.version_option(__version__, "--version", prog_name="kvredis")
 @logging_options
 def cli() -> None:
-    """kvredis: a shared KV-cache block index for LLM routers, kept in Redis or Valkey."""
+    """kvredis: a shared KV-cache block index for LLM routers, kept in Redis or Valkey.
+
+    Every command that works on a server takes --redis URL (env KVREDIS_REDIS_URL; default
+    redis://127.0.0.1:6379). Only `kvredis demo` without --redis and `kvredis ingest
+    --in-memory` use an index in the process instead, and say so.
+    """
+    warn_unknown_environment()
 
 
 def _index_factory(

@@ -17,7 +17,7 @@ import json
 import logging
 import re
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import click
@@ -30,6 +30,7 @@ from kvredis.errors import (
 )
 
 __all__ = [
+    "DEFAULT_REDIS_URL",
     "LOG_LEVELS",
     "Prompt",
     "RedisTarget",
@@ -51,6 +52,8 @@ __all__ = [
     "table",
     "token_options",
     "unavailable_message",
+    "unknown_environment",
+    "warn_unknown_environment",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -129,6 +132,48 @@ def logging_options(f: F) -> F:
     cmd_params.extend(logging_params())
     f.__click_params__ = cmd_params  # type: ignore[attr-defined]
     return f
+
+
+# -- the environment ----------------------------------------------------------------------------
+
+#: The environment variables the command line reads.
+ENVIRONMENT = (
+    "KVREDIS_REDIS_URL",
+    "KVREDIS_NAMESPACE",
+    "KVREDIS_REDIS_PASSWORD",
+    "KVREDIS_REDIS_PASSWORD_FILE",
+    "KVREDIS_LOG_LEVEL",
+)
+#: Prefixes of the variables kvredis's own test suite and benchmarks read.
+_TOOL_PREFIXES = ("KVREDIS_TEST_", "KVREDIS_BENCH_", "KVREDIS_ENGINE_", "KVREDIS_MODEL_")
+
+
+def unknown_environment(environ: Mapping[str, str]) -> list[str]:
+    """A line for each ``KVREDIS_*`` variable of ``environ`` that the command line does not
+    read (a misspelled ``KVREDIS_REDIS_URL`` would otherwise go unnoticed)."""
+    import difflib
+
+    lines = []
+    for name in sorted(environ):
+        if not name.startswith("KVREDIS_") or name in ENVIRONMENT:
+            continue
+        if name.startswith(_TOOL_PREFIXES):
+            continue
+        close = difflib.get_close_matches(name, ENVIRONMENT, n=1, cutoff=0.7)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        lines.append(
+            f"the environment variable {name} is not one kvredis reads{hint}; it reads "
+            f"{', '.join(ENVIRONMENT)}"
+        )
+    return lines
+
+
+def warn_unknown_environment() -> None:
+    """Log :func:`unknown_environment` of this process at WARNING."""
+    import os
+
+    for line in unknown_environment(os.environ):
+        logging.getLogger("kvredis.cli").warning("%s", line)
 
 
 # -- the Redis target ---------------------------------------------------------------------------
