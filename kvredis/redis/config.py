@@ -56,6 +56,7 @@ _CAMEL = {
     "clusterShards": "cluster_shards",
     "clusterWaitReplicas": "cluster_wait_replicas",
     "useFunctions": "use_functions",
+    "waitForNamespace": "wait_for_namespace",
 }
 
 
@@ -97,7 +98,12 @@ class RedisIndexConfig:
     Redis Functions library (``FCALL``/``FCALL_RO``, loading it at connect when it is missing or
     older) and falls back to ``EVALSHA``, with one log line, when the server or the ACL user does
     not offer functions; ``True`` requires the library; ``False`` keeps to ``EVALSHA``
-    (:mod:`kvredis.redis.functions`, docs/protocol.md).
+    (:mod:`kvredis.redis.functions`, docs/protocol.md). ``wait_for_namespace`` (seconds, JSON
+    ``waitForNamespace``; default 0) is for routers that may start before the namespace exists:
+    connecting to a namespace that does not exist yet then waits that long for its creator (an
+    ingester, ``kvredis restore``) instead of creating it, and raises
+    :class:`~kvredis.errors.NamespaceMissingError` if it did not appear; with 0 a client
+    creates it, and one whose ACL user may not raises that error at once.
     """
 
     address: str = "redis://127.0.0.1:6379"
@@ -126,6 +132,7 @@ class RedisIndexConfig:
     cluster_shards: int = DEFAULT_SHARDS
     cluster_wait_replicas: int = 0
     use_functions: UseFunctions = "auto"
+    wait_for_namespace: float = 0.0
 
     def __repr__(self) -> str:
         shown = []
@@ -170,6 +177,7 @@ class RedisIndexConfig:
         check_number("retries", self.retries, integer=True, zero=True)
         check_number("cluster_wait_replicas", self.cluster_wait_replicas, integer=True, zero=True)
         check_number("clear_fields_per_call", self.clear_fields_per_call, integer=True)
+        check_number("wait_for_namespace", self.wait_for_namespace, zero=True)
         check_use_functions(self.use_functions)
         for name in (
             "username",
