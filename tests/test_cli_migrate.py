@@ -208,4 +208,29 @@ def test_kvredis_drop_on_a_cluster(redis_cluster: LocalCluster) -> None:
         assert code == 0 and f"dropped namespace {ns!r}" in out, err
         assert index.lookup([2]) == {}
         code, out, err = _invoke("migrate", "--redis", url, ns)
-        assert code == 1 and "nothing to migrate" in err
+        assert code == 1 and "does not exist" in err and "nothing to migrate" in err
+
+
+def test_migrate_says_nothing_to_do_alike_on_one_server_and_a_cluster(
+    redis_cluster: LocalCluster, redis_server_url: str
+) -> None:
+    """A namespace in this layout: exit 0 and the same words, whether on one server or on a
+    cluster (a cluster namespace was never of an earlier layout)."""
+    ns = f"kvt-{uuid.uuid4().hex[:12]}"
+    single = RedisIndex(RedisIndexConfig(address=redis_server_url, namespace=ns))
+    cluster = RedisClusterIndex(RedisIndexConfig(address=redis_cluster.url, namespace=ns))
+    try:
+        for index, url in ((single, redis_server_url), (cluster, redis_cluster.url)):
+            index.add([1], [2], [A])
+            code, out, err = _invoke("migrate", "--redis", url, ns)
+            assert code == 0, err
+            assert f"is in layout {LAYOUT_VERSION} already: nothing to migrate" in out
+            code, out, err = _invoke("migrate", "--redis", url, ns, "--json")
+            assert code == 0, err
+            report = json.loads(out)
+            assert report["migrated"] is False and report["to"] == LAYOUT_VERSION
+            assert index.lookup([2]) == {2: [A]}
+    finally:
+        for index in (single, cluster):
+            index.drop_namespace()
+            index.close()

@@ -125,7 +125,10 @@ def migrate(
     tgt = _target(target, namespace_arg)
     line = _ProgressLine(f"migrating {tgt.namespace!r}", not no_progress and not as_json)
     try:
-        report = migrate_namespace(tgt.config(), line, pairs_per_call)
+        if tgt.config().cluster:
+            report = _cluster_report(tgt)
+        else:
+            report = migrate_namespace(tgt.config(), line, pairs_per_call)
     finally:
         line.close()
     if as_json:
@@ -157,6 +160,35 @@ def migrate(
     click.echo(
         f"{how} {_where(tgt)} from {report.source} to {report.target} in "
         f"{report.seconds:.2f} s{pairs}"
+    )
+
+
+def _cluster_report(target: RedisTarget) -> Any:
+    """What a migration of a cluster namespace reports: nothing to do (a cluster namespace has
+    been in this layout since clusters were supported), as for a current one on one server; a
+    missing namespace is the same error as there."""
+    from kvredis.errors import NamespaceMissingError
+    from kvredis.redis.cluster.inspect import ClusterInspector
+    from kvredis.redis.layout import LAYOUT_VERSION
+    from kvredis.redis.migrate import MigrationReport
+
+    started = time.monotonic()
+    with ClusterInspector(target.config()) as inspector:
+        if inspector.shards() is None:
+            raise NamespaceMissingError(
+                f"namespace {target.namespace!r} does not exist at {target.shown}: nothing to "
+                "migrate (check the namespace and --redis)"
+            )
+    return MigrationReport(
+        namespace=target.namespace,
+        target=LAYOUT_VERSION,
+        source=None,
+        migrated=False,
+        resumed=False,
+        pairs=0,
+        moved=0,
+        dropped=0,
+        seconds=time.monotonic() - started,
     )
 
 
