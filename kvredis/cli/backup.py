@@ -10,7 +10,7 @@ import shlex
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import ExitStack, suppress
 from typing import IO, Any
 
@@ -34,6 +34,7 @@ from kvredis.cli.options import (
     progress_bar,
     redis_options,
 )
+from kvredis.errors import NamespaceLayoutError
 
 __all__ = ["COMMANDS"]
 
@@ -204,14 +205,22 @@ def _load(target: RedisTarget, file: str, replace: bool) -> tuple[dict[str, Any]
     shards = header.get("shards", 1)
     if target.config().cluster:
         _restore_cluster(target, file, replace, shards)
-    elif shards != 1:
-        raise click.BadParameter(
-            f"{file} is a dump of a cluster namespace of {shards} shards: restore it to a "
-            "cluster (--redis redis+cluster://host:port)",
-            param_hint="FILE",
-        )
+    elif shards != 1:  # the shards merged into one namespace
+        from kvredis.redis.merge import merge_shards
+
+        def key_records() -> Iterator[dict[str, Any]]:
+            return (r for r in _records(file) if "key" in r)
+
+        try:  # the whole merge once before the server is touched (it reads the file again)
+            for _ in merge_shards(key_records, shards):
+                pass
+        except NamespaceLayoutError as exc:
+            raise click.BadParameter(f"{file}: {exc}", param_hint="FILE") from None
+        merged = merge_shards(key_records, shards)
+        _restore_records(target, replace, int(header["bucket_bits"]), merged)
     else:
-        _restore_records(target, file, replace, int(header["bucket_bits"]))
+        records = (r for r in _records(file) if "key" in r)
+        _restore_records(target, replace, int(header["bucket_bits"]), records)
     return header, trailer
 
 
@@ -300,8 +309,9 @@ def _check_dump(file: str, dump_format: str) -> tuple[dict[str, Any], dict[str, 
     return header, last
 
 
-def _restore_records(target: RedisTarget, file: str, replace: bool, bucket_bits: int) -> None:
-    from kvredis.errors import NamespaceLayoutError
+def _restore_records(
+    target: RedisTarget, replace: bool, bucket_bits: int, records: Iterable[dict[str, Any]]
+) -> None:
     from kvredis.redis.inspect import op_namespace_keys, op_restore
     from kvredis.redis.layout import Layout
 
@@ -322,7 +332,7 @@ def _restore_records(target: RedisTarget, file: str, replace: bool, bucket_bits:
 
             drop_namespace(target.config())
         prefix = probe.meta[: -len(b"meta")]
-        inspector.run(op_restore(prefix, (r for r in _records(file) if "key" in r)))
+        inspector.run(op_restore(prefix, records))
 
 
 def _restore_cluster(target: RedisTarget, file: str, replace: bool, shards: int) -> None:

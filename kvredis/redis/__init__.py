@@ -25,6 +25,8 @@ Modules, in dependency order (each imports only the ones before it):
 - ``reading``, ``check``, ``dump``, ``inspect``  the operator's reads: the namespace read with
   plain commands, ``kvredis check`` and its repair, dump and restore, statistics and the
   Inspector that drives them
+- ``merge``     a cluster dump's shards merged into one namespace (``kvredis restore`` into one
+  server)
 - ``migrate``   converting a namespace of an earlier layout in place (``kvredis migrate``)
 - ``cluster/``  the index on a Redis Cluster: shards, key slots, MOVED/ASK, the slot map,
   parallel waves per node, the cluster operations, RedisClusterIndex (its ``executor`` and
