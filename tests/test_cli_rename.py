@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import shlex
 import uuid
+from typing import Any
 
 import pytest
 import redis
@@ -22,7 +23,7 @@ A, B = PodEntry("pod-a", "gpu"), PodEntry("pod-b", "cpu")
 SPEC = PodEntry("pod-s", "gpu", speculative=True)
 
 
-def _fill(index: RedisIndex) -> None:
+def _fill(index: Any) -> None:
     index.add([101, 102], [1, 2, 3], [A])
     index.add(None, [1, 2], [B])
     index.add(None, [1], [SPEC], ttl=600)
@@ -121,3 +122,26 @@ def test_drop_and_migrate_take_an_old_name(redis_server_url: str) -> None:
         assert _contents(raw, old) == {}
     finally:
         raw.close()
+
+
+def test_rename_on_a_cluster(redis_cluster: Any) -> None:
+    from kvredis import RedisClusterIndex
+
+    tag = f"kvt-{uuid.uuid4().hex[:8]}"
+    base = RedisIndexConfig(address=redis_cluster.url)
+    with RedisClusterIndex(config_for_existing(base, f"{tag}:old")) as old:
+        _fill(old)
+        expected = old.lookup([1, 2, 3])
+    result = CliRunner().invoke(
+        cli, ["rename", f"{tag}:old", f"{tag}-new", "--redis", redis_cluster.url, "--yes"]
+    )
+    assert result.exit_code == 0, result.output
+    with RedisClusterIndex(
+        RedisIndexConfig(address=redis_cluster.url, namespace=f"{tag}-new")
+    ) as new:
+        try:
+            assert new.lookup([1, 2, 3]) == expected
+        finally:
+            new.drop_namespace()
+    with pytest.raises(Exception, match="does not exist"):
+        RedisClusterIndex(config_for_existing(base, f"{tag}:old"), create=False)
