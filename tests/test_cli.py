@@ -243,6 +243,8 @@ def test_verbose_and_log_level_anywhere(caplog: pytest.LogCaptureFixture) -> Non
         "restore",
         "migrate",
         "drop",
+        "rename",
+        "acl",
     ],
 )
 def test_every_command_has_an_example_and_log_options(command: str) -> None:

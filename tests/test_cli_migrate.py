@@ -66,7 +66,7 @@ def test_every_layout_error_says_which_command_fixes_it(
         "stats", "--redis", redis_server_url, "--namespace", namespace, "--no-memory"
     )
     assert code == 1 and f"kvredis migrate --redis {redis_server_url} {namespace}`" in err
-    assert "b'" not in err
+    assert "b'" not in err.replace(repr(namespace), "")  # (a name may end in b)
     v1.raw.hset(v1.meta, "layout", "kvredis-kvblock/3")
     with pytest.raises(NamespaceLayoutError) as newer:
         RedisIndex(cfg)
@@ -83,7 +83,8 @@ def test_every_layout_error_says_which_command_fixes_it(
     v1.raw.hset(v1.meta, "layout", b"\xff\xfe")
     with pytest.raises(NamespaceLayoutError) as binary:
         RedisIndex(cfg)
-    assert "b'" not in str(binary.value) and "no kvredis layout" in str(binary.value)
+    shown = str(binary.value).replace(repr(namespace), "")  # (a name may end in b)
+    assert "b'" not in shown and "no kvredis layout" in shown
     v1.raw.hdel(v1.meta, "layout")
     v1.raw.hset(v1.meta, "gen", "x")
     with pytest.raises(NamespaceLayoutError) as incomplete:
