@@ -11,14 +11,23 @@ endpoints in blocks must be on loopback (the suite's network guard fails the blo
 
 from __future__ import annotations
 
+import ast
 import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from kvredis import RedisClusterIndex, RedisIndex
+from kvredis import AsyncRedisIndex, RedisClusterIndex, RedisIndex, RedisIndexConfig
+from kvredis.redis.cluster.index import AsyncRedisClusterIndex
 from tests.servers import RedisServer
+
+#: The namespace ``kvredis ingest`` (and every client without one) writes to: a live
+#: deployment's. No example may drop or clear it.
+LIVE_NAMESPACE = RedisIndexConfig().namespace
+#: What deletes entries of a namespace.
+_DESTRUCTIVE = ("drop_namespace", "clear", "clear_entries", "clear_with_progress")
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -46,6 +55,72 @@ BLOCKS = python_blocks()
 def test_the_readme_has_python_blocks() -> None:
     assert sum(1 for page, _, _ in BLOCKS if page == "README.md") >= 3
     assert len(BLOCKS) >= 6
+
+
+def _namespaces(tree: ast.AST) -> list[str | None]:
+    """The namespace of each index config a block makes (``None``: not a literal; a config
+    without one names the default)."""
+    found: list[str | None] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "RedisIndexConfig":
+            given = [k.value for k in node.keywords if k.arg == "namespace"]
+            value = given[0] if given else ast.Constant(LIVE_NAMESPACE)
+            found.append(value.value if isinstance(value, ast.Constant) else None)
+        if isinstance(node, ast.Dict):
+            keys = [k.value for k in node.keys if isinstance(k, ast.Constant)]
+            if "redisConfig" in keys or "address" in keys:
+                values = dict(zip(keys, node.values, strict=False))
+                inner = values.get("redisConfig", node)
+                names = [
+                    v
+                    for k, v in zip(inner.keys, inner.values, strict=False)  # type: ignore[attr-defined]
+                    if isinstance(k, ast.Constant) and k.value == "namespace"
+                ]
+                value = names[0] if names else ast.Constant(LIVE_NAMESPACE)
+                found.append(value.value if isinstance(value, ast.Constant) else None)
+    return found
+
+
+def test_no_example_drops_or_clears_the_live_namespace() -> None:
+    """An example that drops or clears works in a scratch namespace of its own, never in the
+    default one a deployment's ingester writes (pasted next to it, it would wipe it)."""
+    seen: dict[str, str] = {}
+    for page, line, code in BLOCKS:
+        tree = ast.parse(code)
+        calls = {
+            node.func.attr
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+        }
+        if not calls & set(_DESTRUCTIVE) or "kvredis_index" in code:
+            continue
+        where = f"{page}:{line}"
+        namespaces = _namespaces(tree)
+        assert namespaces, f"{where} drops or clears an index whose namespace it does not name"
+        for namespace in namespaces:
+            assert namespace is not None, f"{where}: name the scratch namespace literally"
+            assert namespace != LIVE_NAMESPACE, f"{where} drops or clears {namespace!r}"
+            assert seen.setdefault(namespace, where) == where, f"{where} shares {namespace!r}"
+
+
+@pytest.fixture
+def destroyed(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """The namespaces the code run under the fixture dropped or cleared."""
+    names: list[str] = []
+    for cls in (RedisIndex, AsyncRedisIndex, RedisClusterIndex, AsyncRedisClusterIndex):
+        for method in _DESTRUCTIVE:
+            original = getattr(cls, method, None)
+            if original is None:
+                continue
+
+            def record(
+                self: Any, *args: Any, _original: Callable[..., Any] = original, **kw: Any
+            ) -> Any:
+                names.append(self.namespace)
+                return _original(self, *args, **kw)
+
+            monkeypatch.setattr(cls, method, record)
+    yield names
 
 
 def test_the_readme_stays_short() -> None:
@@ -141,15 +216,18 @@ def test_the_link_check_tells_good_links_from_broken_ones(text: str, broken: lis
 @pytest.mark.parametrize(
     ("page", "line", "code"),
     [
-        pytest.param(
-            page, n, code, marks=[pytest.mark.cluster] if _CLUSTER.search(code) else []
-        )
+        pytest.param(page, n, code, marks=[pytest.mark.cluster] if _CLUSTER.search(code) else [])
         for page, n, code in BLOCKS
     ],
     ids=[f"{page}:{n}" for page, n, _ in BLOCKS],
 )
 def test_readme_block_runs(
-    page: str, line: int, code: str, own_redis_server: RedisServer, request: pytest.FixtureRequest
+    page: str,
+    line: int,
+    code: str,
+    own_redis_server: RedisServer,
+    request: pytest.FixtureRequest,
+    destroyed: list[str],
 ) -> None:
     source = _ADDRESS.sub(own_redis_server.url, code)
     if _CLUSTER.search(source):
@@ -165,6 +243,7 @@ def test_readme_block_runs(
         for value in scope.values():  # release what the snippet opened (connection pools)
             if isinstance(value, (RedisIndex, RedisClusterIndex)):
                 value.close()
+    assert LIVE_NAMESPACE not in destroyed, f"{page}:{line} drops or clears {LIVE_NAMESPACE!r}"
 
 
 def _run_as_test_file(source: str, request: pytest.FixtureRequest, url: str) -> None:

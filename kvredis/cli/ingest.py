@@ -25,8 +25,10 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 import click
+from click.core import ParameterSource
 
 from kvredis.cli.options import (
+    DEFAULT_REDIS_URL,
     check_namespace_option,
     check_redis_url,
     explicit_log_level,
@@ -62,6 +64,11 @@ _GROUP_OPTIONS = {
 DRAIN_TIMEOUT_S = 30.0
 _ZMQ_ENDPOINT = re.compile(r"^(tcp://[^\s/]+:(\d+|\*)|ipc://\S+|inproc://\S+)$")
 _META_KEY = "kvredis.ingest.args"
+#: What an ingester with --in-memory says at WARNING and in /readyz.
+IN_MEMORY = (
+    "the index lives in this process only: nothing is durable (it is lost at exit) and no "
+    "router can read it; give --redis URL for a shared index"
+)
 
 
 class _IngestCommand(click.Command):
@@ -176,7 +183,7 @@ def _open_index(redis_url: str | None, namespace: str, password: str | None) -> 
     if redis_url is None:
         from kvredis.memory import InMemoryIndex
 
-        logger.info("no --redis given: using an in-memory index (lost at exit)")
+        logger.warning("--in-memory: %s", IN_MEMORY)
         return InMemoryIndex()
     from kvredis.redis import RedisIndexConfig, new_redis_index
 
@@ -197,6 +204,9 @@ def _open_index(redis_url: str | None, namespace: str, password: str | None) -> 
 
 
 def _identity_hints(configs: Sequence[EndpointConfig]) -> None:
+    """Say where each endpoint's pod and model come from. Not a warning: an engine configured
+    as docs/engines.md says names them in its topic (kv@POD@MODEL); a batch whose topic names
+    none is rejected with a warning, and :func:`_unidentified` says what to do."""
     for config in configs:
         missing = [
             option
@@ -204,11 +214,11 @@ def _identity_hints(configs: Sequence[EndpointConfig]) -> None:
             if not value
         ]
         if missing:
-            logger.warning(
-                "endpoint %s has no %s: it must come from kv@POD@MODEL topics, but vLLM "
-                "publishes with an empty topic by default; give %s after this --endpoint",
+            logger.info(
+                "endpoint %s: %s from its kv@POD@MODEL topics (without %s, a batch whose "
+                "topic names none is rejected)",
                 config.endpoint,
-                " or ".join(missing),
+                " and ".join(m.lstrip("-") for m in missing),
                 " and ".join(missing),
             )
 
@@ -241,7 +251,7 @@ def _readiness(index: Index, ingester: EventIngester) -> Any:
                 ok = False
                 lines.append(f"redis: {type(exc).__name__}: {exc}")
         else:
-            lines.append("index: in memory")
+            lines.append(f"index: in memory ({IN_MEMORY})")
         endpoints = [e for e in ingester.endpoints if "://" in e.endpoint]
         connected = connected_endpoints(ingester.counters.snapshot())
         if connected < len(endpoints):
@@ -303,8 +313,16 @@ def _tier_map(spec: str | None) -> TierMap:
     "redis_url",
     metavar="URL",
     envvar="KVREDIS_REDIS_URL",
+    default=DEFAULT_REDIS_URL,
+    show_default=True,
     callback=check_redis_url,
-    help="Redis/Valkey index (env KVREDIS_REDIS_URL; default: in memory).",
+    help="Redis/Valkey index (env KVREDIS_REDIS_URL), as for every command.",
+)
+@click.option(
+    "--in-memory",
+    is_flag=True,
+    help="Keep the index in this process instead (for trying it out: lost at exit, and no "
+    "router can read it).",
 )
 @click.option(
     "--namespace",
@@ -396,7 +414,8 @@ def ingest(
     model: tuple[str, ...],
     topic_filter: tuple[str, ...],
     stream: tuple[str, ...],
-    redis_url: str | None,
+    redis_url: str,
+    in_memory: bool,
     namespace: str,
     password_file: str | None,
     block_size: int,
@@ -425,6 +444,10 @@ def ingest(
         --endpoint tcp://10.0.0.5:5557 --replay tcp://10.0.0.5:5558 --pod pod-a --model m
     """
     configs = _endpoint_configs(_endpoint_groups(ctx))
+    given = ctx.get_parameter_source("redis_url") is not ParameterSource.DEFAULT
+    if in_memory and given:
+        raise click.UsageError("give --redis URL or --in-memory, not both")
+    target = None if in_memory else redis_url
     try:
         processor = ChunkedTokenDatabase(
             TokenProcessorConfig(
@@ -433,20 +456,6 @@ def ingest(
         )
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--block-size/--hash-algo") from None
-    _setup_logging(ctx)
-    _identity_hints(configs)
-    index = _open_index(redis_url, namespace, read_password(password_file))
-    raw_index = index
-    registry = probes = None
-    if metrics_port is not None:
-        from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
-
-        from kvredis.metrics import InstrumentedIndex
-
-        registry = CollectorRegistry()
-        ProcessCollector(registry=registry)
-        PlatformCollector(registry=registry)
-        index = InstrumentedIndex(index, registry=registry)
     try:
         config = IngesterConfig(
             workers=workers,
@@ -458,6 +467,20 @@ def ingest(
         )
     except ConfigError as exc:  # the other options are checked by their types
         raise click.BadParameter(str(exc), param_hint="--reset-medium") from None
+    _setup_logging(ctx)
+    _identity_hints(configs)
+    index = _open_index(target, namespace, read_password(password_file))
+    raw_index = index
+    registry = probes = None
+    if metrics_port is not None:
+        from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
+
+        from kvredis.metrics import InstrumentedIndex
+
+        registry = CollectorRegistry()
+        ProcessCollector(registry=registry)
+        PlatformCollector(registry=registry)
+        index = InstrumentedIndex(index, registry=registry)
     ingester = EventIngester(index, processor, configs, config)
     if registry is not None and metrics_port is not None:
         from kvredis.ingest.metrics import IngestMetrics
@@ -483,7 +506,7 @@ def ingest(
         logger.info(
             "ingesting from %s into %s",
             ", ".join(f"{c.endpoint} (pod {c.pod_id or 'from topic'})" for c in configs),
-            _shown(redis_url, namespace),
+            _shown(target, namespace),
         )
         deadline = None if duration is None else time.monotonic() + duration
         while not stop.is_set():

@@ -13,7 +13,7 @@ from click.core import ParameterSource
 
 from kvredis.cli.options import (
     RedisTarget,
-    check_namespace_option,
+    check_existing_namespace,
     echo_json,
     handle_errors,
     json_option,
@@ -55,8 +55,9 @@ def _target(target: RedisTarget | None, namespace_arg: str | None) -> RedisTarge
             raise click.UsageError(
                 f"two namespaces given: {namespace_arg!r} and --namespace {target.namespace!r}"
             )
-        param = next(p for p in ctx.command.params if p.name == "namespace")
-        target.namespace = check_namespace_option(ctx, param, namespace_arg) or namespace_arg
+        # also a name the rules refuse now: an earlier kvredis's namespace, to migrate or drop
+        target.namespace = check_existing_namespace(namespace_arg)
+        target.existing = True
     return target
 
 
@@ -126,7 +127,10 @@ def migrate(
     tgt = _target(target, namespace_arg)
     line = _ProgressLine(f"migrating {tgt.namespace!r}", not no_progress and not as_json)
     try:
-        report = migrate_namespace(tgt.config(), line, pairs_per_call)
+        if tgt.config().cluster:
+            report = _cluster_report(tgt)
+        else:
+            report = migrate_namespace(tgt.config(), line, pairs_per_call)
     finally:
         line.close()
     if as_json:
@@ -158,6 +162,35 @@ def migrate(
     click.echo(
         f"{how} {_where(tgt)} from {report.source} to {report.target} in "
         f"{report.seconds:.2f} s{pairs}"
+    )
+
+
+def _cluster_report(target: RedisTarget) -> Any:
+    """What a migration of a cluster namespace reports: nothing to do (a cluster namespace has
+    been in this layout since clusters were supported), as for a current one on one server; a
+    missing namespace is the same error as there."""
+    from kvredis.errors import NamespaceMissingError
+    from kvredis.redis.cluster.inspect import ClusterInspector
+    from kvredis.redis.layout import LAYOUT_VERSION
+    from kvredis.redis.migrate import MigrationReport
+
+    started = time.monotonic()
+    with ClusterInspector(target.config()) as inspector:
+        if inspector.shards() is None:
+            raise NamespaceMissingError(
+                f"namespace {target.namespace!r} does not exist at {target.shown}: nothing to "
+                "migrate (check the namespace and --redis)"
+            )
+    return MigrationReport(
+        namespace=target.namespace,
+        target=LAYOUT_VERSION,
+        source=None,
+        migrated=False,
+        resumed=False,
+        pairs=0,
+        moved=0,
+        dropped=0,
+        seconds=time.monotonic() - started,
     )
 
 

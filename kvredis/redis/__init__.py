@@ -12,8 +12,11 @@ Modules, in dependency order (each imports only the ones before it):
 - ``functions`` the same scripts as the ``kvredis`` Redis Functions library, its version check,
   and the registry that calls it (FCALL / FCALL_RO, EVALSHA as the fallback)
 - ``config``    RedisIndexConfig (and the checks of its fields: no cluster package, no operation)
+- ``acl``       the ACL rules of each role on a namespace (``kvredis acl``)
 - ``session``   the session an operation runs in: sending with retries, backoff and script or
   function reloads (``op_send``, ``op_drive``), and the checks of the server's INFO
+- ``calls``     how a client that is not an index (inspector, drop, migrate) sends script calls:
+  the function library where offered, else EVALSHA, chosen before its first script call
 - ``program``   the write programs of adds, evicts and batches, their cost, the split into calls
 - ``ops``       the index operations as generators (lookup, score, add, evict, batches, clear,
   drop), and the stale-namespace reload around them
@@ -22,6 +25,8 @@ Modules, in dependency order (each imports only the ones before it):
 - ``reading``, ``check``, ``dump``, ``inspect``  the operator's reads: the namespace read with
   plain commands, ``kvredis check`` and its repair, dump and restore, statistics and the
   Inspector that drives them
+- ``merge``     a cluster dump's shards merged into one namespace (``kvredis restore`` into one
+  server)
 - ``migrate``   converting a namespace of an earlier layout in place (``kvredis migrate``)
 - ``index``     RedisIndex and AsyncRedisIndex (a single server: nothing of the cluster package)
 - ``cluster/``  the index on a Redis Cluster: shards, key slots, MOVED/ASK, the slot map,

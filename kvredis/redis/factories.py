@@ -12,12 +12,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kvredis.errors import ConfigError, NamespaceMissingError
+from kvredis.redis.calls import CallChoice
 from kvredis.redis.cluster.index import AsyncRedisClusterIndex, RedisClusterIndex
 from kvredis.redis.config import DEFAULT_VALKEY_ADDRESS, RedisIndexConfig, check_supported
 from kvredis.redis.executor import SyncExecutor
 from kvredis.redis.index import AsyncRedisIndex, RedisIndex
 from kvredis.redis.ops import op_drop_namespace
-from kvredis.redis.scripts import ScriptRegistry
 from kvredis.redis.session import RetryPolicy, Session, op_drive
 from kvredis.redis.state import CoreState
 
@@ -73,11 +73,11 @@ def drop_namespace(config: RedisIndexConfig) -> int:
             cluster.close()
     check_supported(config)
     state = CoreState(config.namespace, config.bucket_bits)
-    session = Session(
-        state, ScriptRegistry(), RetryPolicy(config.retries, config.retry_backoff, config.server())
-    )
+    calls = CallChoice(config.use_functions, config.server())
+    policy = RetryPolicy(config.retries, config.retry_backoff, config.server())
+    session = Session(state, calls.registry, policy)
     executor = SyncExecutor(config)
     try:
-        return executor.run(op_drive(session, op_drop_namespace(state)))
+        return executor.run(op_drive(session, calls.op(op_drop_namespace(state))))
     finally:
         executor.close()

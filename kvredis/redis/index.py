@@ -84,6 +84,7 @@ class _Facade:
             RetryPolicy(cfg.retries, cfg.retry_backoff, cfg.server()),
         )
         self._session.state.address = cfg.parsed_address().display
+        self._session.state.wait_for_namespace = cfg.wait_for_namespace
 
     def _op(self, factory: Callable[[CoreState], Op[T]]) -> Op[T]:
         """The operation ``factory(state)``, run with namespace loading and stale reloads."""

@@ -58,6 +58,8 @@ namespace of an earlier layout, ``<ns>:meta`` already names this layout and also
 
 from __future__ import annotations
 
+import shlex
+
 from kvredis.errors import InvalidInputError
 from kvredis.redis.codec import ID_WIDTH, RUN_ID_WIDTH, escape_glob, text_bytes
 
@@ -240,6 +242,73 @@ def check_namespace(namespace: object) -> str:
             "':r', ':e', ':s' or ':c' (its keys would collide with those of a shorter namespace)"
         )
     return namespace
+
+
+#: What a namespace name may not contain (:func:`check_namespace_name`): ``:``, which joins a
+#: namespace's name to its keys' own parts, and the glob characters of key patterns.
+NAMESPACE_SEPARATOR = ":"
+NAMESPACE_GLOB = "*?[]\\"
+
+
+def namespace_name_problem(namespace: str) -> str | None:
+    """Why ``namespace`` is no namespace name this kvredis creates or opens (``None``: it is).
+
+    Every key of a namespace ``<ns>`` starts with ``<ns>:``, and an ACL user is given its
+    namespace as the key pattern ``~<ns>:*`` (``%R~<ns>:*``). For that pattern to match the
+    keys of ``<ns>`` and of no other namespace, a name holds no ``:`` (``~a:*`` would match
+    the keys of ``a:b``) and no glob character (``~t*:*`` would match those of ``tx``). Space
+    and control characters, which split or end an ``ACL SETUSER`` line, are refused too.
+    """
+    bad = sorted(
+        {
+            c
+            for c in namespace
+            if c == NAMESPACE_SEPARATOR or c in NAMESPACE_GLOB or c.isspace() or not c.isprintable()
+        }
+    )
+    if not bad:
+        return None
+    shown = " ".join(repr(c) for c in bad)
+    return (
+        f"namespace {namespace!r} contains {shown}: a namespace name may not contain ':', "
+        "the glob characters * ? [ ] \\, spaces or control characters (the ACL key pattern "
+        "~<ns>:* of one namespace would match the keys of another)"
+    )
+
+
+def suggested_name(namespace: str) -> str:
+    """A name the rules accept, for a message about one they refuse (each refused character
+    becomes ``-``)."""
+    out = "".join(
+        "-"
+        if c == NAMESPACE_SEPARATOR or c in NAMESPACE_GLOB or c.isspace() or not c.isprintable()
+        else c
+        for c in namespace
+    )
+    return out.strip("-") or "kvblock"
+
+
+def check_namespace_name(namespace: object) -> str:
+    """Validate the name of a namespace a client creates or opens (:func:`check_namespace`,
+    and :func:`namespace_name_problem`).
+
+    A namespace an earlier kvredis created under a name refused now keeps its keys; the error
+    names the command that moves them to an accepted name (``kvredis rename``).
+    """
+    name = check_namespace(namespace)
+    problem = namespace_name_problem(name)
+    if problem is not None:
+        raise InvalidInputError(f"{problem}; {rename_hint(name)}")
+    return name
+
+
+def rename_hint(namespace: str) -> str:
+    """What to do with an existing namespace whose name the rules refuse."""
+    return (
+        "a namespace of this name made by an earlier kvredis keeps its keys until renamed: stop "
+        f"its ingesters and run `kvredis rename {shlex.quote(namespace)} "
+        f"{shlex.quote(suggested_name(namespace))} --redis URL`, then use the new name"
+    )
 
 
 def check_bucket_bits(bits: object) -> int:

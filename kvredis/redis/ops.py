@@ -73,6 +73,7 @@ from kvredis.redis.requests import (
     Op,
     Pipeline,
     ScriptCall,
+    Sleep,
 )
 from kvredis.redis.session import (
     Session,
@@ -81,7 +82,12 @@ from kvredis.redis.session import (
     op_drive,
     op_send,
 )
-from kvredis.redis.state import CoreState, EntryCache
+from kvredis.redis.state import (
+    CoreState,
+    EntryCache,
+    namespace_missing_error,
+    refused_by_acl,
+)
 from kvredis.scoring import DEFAULT_MEDIUM_WEIGHTS, UNKNOWN_TIER_WEIGHT, LongestPrefixScorer
 from kvredis.types import Entries, Keys, KeyType, PodEntry, Pods
 
@@ -164,17 +170,54 @@ def op_load_namespace(state: CoreState, ping: bool = True) -> Op[Layout]:
     keys = Layout(state.namespace, state.bucket_bits, b"")
     for _ in range(LOAD_ATTEMPTS):
         reply = yield Command(("HMGET", keys.meta, "layout", "bucket_bits", "gen"))
-        if not all(reply):
-            reply = yield ScriptCall(
-                "namespace",
-                (keys.meta, keys.pi),
-                (LAYOUT_VERSION, state.bucket_bits, secrets.token_hex(8), state.expiry_mode),
-            )
+        if not all(reply) and state.wait_for_namespace > 0:
+            reply = yield from _op_wait_for_namespace(state, keys)
+        elif not all(reply):
+            try:
+                reply = yield ScriptCall(
+                    "namespace",
+                    (keys.meta, keys.pi),
+                    (LAYOUT_VERSION, state.bucket_bits, secrets.token_hex(8), state.expiry_mode),
+                )
+            except BackendError as exc:
+                if not refused_by_acl(str(exc)):
+                    raise
+                reply = yield Command(("HMGET", keys.meta, "layout", "bucket_bits", "gen"))
+                if not all(reply):  # still none, and this client may not make it
+                    raise namespace_missing_error(state, str(exc)) from None
         gen = reply[2] if isinstance(reply, (list, tuple)) and len(reply) == 3 else None
         if not (isinstance(gen, bytes) and gen.startswith(TOMBSTONE)):
             return state.adopt(reply)
         yield from _finish_drop(keys, gen)
     raise StaleNamespaceError(f"namespace {state.namespace!r} keeps being dropped; try again")
+
+
+#: The first and the longest pause between two reads of a namespace a client waits for.
+WAIT_FIRST_S, WAIT_LONGEST_S = 0.05, 1.0
+
+
+def _op_wait_for_namespace(state: CoreState, keys: Layout) -> Op[Any]:
+    """Read the meta record until it exists, for at most ``state.wait_for_namespace`` seconds
+    (slept between reads, doubling up to :data:`WAIT_LONGEST_S`); never creates it. Raises
+    :class:`~kvredis.errors.NamespaceMissingError` when it did not appear in time."""
+    waited, pause = 0.0, WAIT_FIRST_S
+    logger.info(
+        "namespace %r does not exist yet%s: waiting up to %g s for its creator (an ingester, "
+        "kvredis restore)",
+        state.namespace,
+        f" at {state.address}" if state.address else "",
+        state.wait_for_namespace,
+    )
+    while True:
+        step = min(pause, state.wait_for_namespace - waited)
+        if step <= 0:
+            raise namespace_missing_error(state, None)
+        yield Sleep(step)
+        waited += step
+        pause = min(WAIT_LONGEST_S, pause * 2)
+        reply = yield Command(("HMGET", keys.meta, "layout", "bucket_bits", "gen"))
+        if all(reply):
+            return reply
 
 
 def op_expiry_mode(session: Session) -> Op[str]:

@@ -69,6 +69,7 @@ class _ClusterFacade:
             cfg.read_from_replicas,
         )
         core.wait_replicas = cfg.cluster_wait_replicas
+        core.wait_for_namespace = cfg.wait_for_namespace
         core.registry = FunctionRegistry(use=cfg.use_functions)
         core.wait_timeout_ms = max(1, int(cfg.socket_timeout * 500))
         return core
