@@ -296,7 +296,8 @@ def _tier_map(spec: str | None) -> TierMap:
     "endpoints",
     multiple=True,
     metavar="URL",
-    help="Engine KV-event PUB endpoint (tcp://HOST:PORT); starts an endpoint group. Repeatable.",
+    help="Engine KV-event endpoint: a vLLM/SGLang PUB socket (tcp://HOST:PORT) or a "
+    "TensorRT-LLM trtllm-serve (http://HOST:PORT); starts an endpoint group. Repeatable.",
 )
 @click.option("--replay", multiple=True, metavar="URL", help="The group's replay ROUTER endpoint.")
 @click.option(

@@ -37,12 +37,17 @@ Facts this module relies on:
 * Each attention window size has its own block manager (variable sliding-window attention), and
   the same tokens get the same hashes in each: ``window_size`` becomes the KV-cache group
   (``group_idx``), so one window's removal never takes another window's entry.
-* A block holds ``tokens_per_block`` tokens; the last block of a sequence may hold fewer (a
-  *partial* block, reused partially; nothing hangs from it). The events do not say
-  ``tokens_per_block``: :class:`TrtllmDecoder` learns it as the largest block seen. A run of full
-  blocks on one level is one ``BlockStored`` (``block_size`` ``tokens_per_block``), a partial
-  block one of its own with the same ``block_size``, chained to the block before: the chain ends
-  inside an index block there, as any engine page that does.
+* A block holds ``tokens_per_block`` tokens (the events do not say how many:
+  :class:`TrtllmDecoder` learns it as the largest block seen); a run of them on one level is one
+  ``BlockStored`` (``block_size`` ``tokens_per_block``). The last block of a sequence may hold
+  fewer: a *partial* block, a leaf (nothing hangs from it) that a later request extending the
+  sequence does not extend but copies into a new, full sibling with another hash (partial
+  reuse). Both would hold the same index blocks, and an index block leaves the index when any
+  engine block holding its tokens is removed: the partial block's eviction would take away
+  blocks its full sibling still holds, and the router would lose the rest of the chain after
+  them. So a partial block is not indexed (as in NVIDIA Dynamo's router): a sequence's last
+  index blocks inside it are not credited until a full block holds them (less than one engine
+  block per chain end, never more than the pod holds, no chain broken).
 * ``mm_keys`` name the multimodal items a block holds tokens of: ``uuid`` when the request gave
   one (a V1 manager sends it as ``hash``), else the item's content digest. They become the
   block's features (``MMHash(identifier)``), as vLLM's multimodal extra keys do.
@@ -361,16 +366,13 @@ def _stored(
             salt = block_salt
         blocks.append(_Block(block_hash, tokens, medium, _mm_keys(block.get("mm_keys"), i) or None))
     size = max([tokens_per_block, *(len(b.tokens) for b in blocks)])
-    # runs of full blocks on one level; a partial block (fewer tokens) is a run of its own
+    # runs of full blocks on one level; a partial block (fewer tokens) is a leaf, not indexed
     runs: list[list[_Block]] = []
     for block in blocks:
+        if len(block.tokens) != size:
+            break  # (nothing follows a partial block: what would is not indexed either)
         run = runs[-1] if runs else None
-        if (
-            run is None
-            or len(block.tokens) != size
-            or len(run[-1].tokens) != size
-            or run[-1].medium != block.medium
-        ):
+        if run is None or run[-1].medium != block.medium:
             runs.append([block])
         else:
             run.append(block)

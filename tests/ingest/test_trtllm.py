@@ -24,7 +24,7 @@ from kvredis.features import PlaceholderRange, compute_block_extra_features
 from kvredis.hashing import ChunkedTokenDatabase, TokenProcessorConfig
 from kvredis.ingest import EndpointConfig, EventIngester, IngesterConfig
 from kvredis.ingest.events import AllBlocksCleared, BlockRemoved, BlockStored, Engine
-from kvredis.ingest.trtllm import decode_event, split_events
+from kvredis.ingest.trtllm import TrtllmDecoder, decode_event, split_events
 from kvredis.testing.engine import wait_until
 from kvredis.testing.trtllm import FakeTrtllmServe, event, stored, stored_block, updated
 
@@ -95,22 +95,28 @@ def test_decode_the_serializer_shapes() -> None:
     blocks = [
         stored_block(2**64 - 1, range(32)),
         stored_block(7, range(32, 64), mm_keys=[("ab" * 32, 3)]),
-        stored_block(8, range(64, 70)),
+        stored_block(8, range(64, 70)),  # partial: a leaf a full sibling may copy, not indexed
     ]
     one = decode_event(json.dumps(event(5, stored(None, blocks), 4096, 1)).encode())
     assert (one.data_parallel_rank, one.engine, one.rejects) == (1, Engine.TRTLLM, ())
-    full, partial = one.events
-    assert isinstance(full, BlockStored) and isinstance(partial, BlockStored)
+    (full,) = one.events
+    assert isinstance(full, BlockStored)
     assert (full.block_hashes, full.block_size, full.parent_block_hash) == (
         (2**64 - 1, 7),
         32,
         None,
     )
-    assert (partial.block_hashes, partial.block_size, partial.parent_block_hash) == ((8,), 32, 7)
-    assert partial.token_ids == tuple(range(64, 70))  # a partial block: 6 of its 32 tokens
-    assert full.group_idx == partial.group_idx == 4096 and full.medium == "GPU"
+    assert full.token_ids == tuple(range(64))
+    assert full.group_idx == 4096 and full.medium == "GPU"
     assert full.extra_keys is not None and full.extra_keys[0] is None
     assert [k.hash for k in full.extra_keys[1]] == ["ab" * 32]
+    # the block size is learned: a lone block smaller than the largest seen is partial
+    decoder = TrtllmDecoder()
+    assert len(decoder(json.dumps(event(6, stored(None, blocks[:2]), 4096)).encode()).events) == 1
+    lone = json.dumps(event(7, stored(7, [stored_block(9, range(64, 80))]), 4096)).encode()
+    assert decoder(lone).events == () and decoder.tokens_per_block == 32
+    (one_block,) = decode_event(lone).events  # unknown block size: taken for a whole block
+    assert isinstance(one_block, BlockStored) and one_block.block_size == 16
     move = decode_event(json.dumps(event(6, updated(7, cache_level=(0, 1)), 4096)).encode())
     (moved,) = move.events
     assert isinstance(moved, BlockStored) and (moved.medium, moved.moved_from) == ("CPU", "GPU")
@@ -182,22 +188,51 @@ def test_an_answer_is_cut_into_one_message_per_event() -> None:
 
 @pytest.mark.parametrize("engine_block", [16, 32, 64])
 @pytest.mark.parametrize("block", [16, 64])
-def test_every_full_block_of_a_prompt_with_a_partial_last_block(
+def test_every_block_of_a_prompt_that_a_whole_engine_block_holds(
     engine_index: Any, engine_block: int, block: int
 ) -> None:
     with FakeTrtllmServe(tokens_per_block=engine_block, wait_s=0.05) as serve:
         ing = start(engine_index, serve, block)
         try:
-            serve.store(PROMPT[:100])  # the last block partial
-            serve.store(PROMPT)  # a longer prompt: it continues from the full blocks
-            serve.store(PROMPT[:40] + tuple(range(9000, 9100)))  # a branch
+            branch = PROMPT[:40] + tuple(range(9000, 9100))
+            serve.store(PROMPT[:100])  # the last engine block partial
+            serve.store(PROMPT)  # a longer prompt: it continues from the whole blocks
+            serve.store(branch)  # a branch
             settle(ing, serve)
             assert ing.counters.get("rejected") == 0
-            for prompt in (PROMPT[:100], PROMPT, PROMPT[:40] + tuple(range(9000, 9100))):
-                want = keys(prompt, block)
-                assert hits(engine_index, want) == len(want)
-                assert tiers(engine_index, want) == [{"gpu"}] * len(want)
+            stored_prompts = (PROMPT[:100], PROMPT, branch)
+            for prompt in stored_prompts:
+                # what whole engine blocks of the stored prompts hold of it (partial ones: not)
+                held = max(
+                    _whole_blocks_shared(prompt, other, engine_block) for other in stored_prompts
+                )
+                credited = keys(prompt[:held], block)
+                assert hits(engine_index, keys(prompt, block)) == len(credited)
+                assert tiers(engine_index, credited) == [{"gpu"}] * len(credited)
             assert ing.counters.get("parent_misses") == 0
+        finally:
+            assert ing.stop()
+
+
+def _whole_blocks_shared(prompt: Sequence[int], other: Sequence[int], size: int) -> int:
+    """Leading tokens of ``prompt`` that the whole ``size``-token blocks of ``other`` hold."""
+    shared = 0
+    while shared < min(len(prompt), len(other)) and prompt[shared] == other[shared]:
+        shared += 1
+    return min(shared, len(other) // size * size)
+
+
+def test_a_partial_blocks_eviction_leaves_its_full_sibling(engine_index: Any) -> None:
+    # partial reuse: a request extending a sequence copies its partial last block into a new,
+    # full sibling; the partial block's eviction must not take the sibling's index blocks away
+    with FakeTrtllmServe(tokens_per_block=32, wait_s=0.05) as serve:
+        ing = start(engine_index, serve, 16)
+        try:
+            serve.store(PROMPT[:56])  # a whole block, then a partial one of 24 tokens
+            serve.store(PROMPT[:128])  # a full block over the partial one's tokens, and on
+            serve.evict(PROMPT[:56], 1)  # the partial block goes
+            settle(ing, serve)
+            assert hits(engine_index, keys(PROMPT[:128])) == 8
         finally:
             assert ing.stop()
 
