@@ -118,7 +118,7 @@ def split_events(body: bytes) -> tuple[list[PolledEvent], list[str]]:
     """
     try:
         obj = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         return [], [f"the answer is not JSON ({exc})"[:200]]
     if not isinstance(obj, list):
         return [], [f"the answer is a JSON {type(obj).__name__}, not an array of events"]
