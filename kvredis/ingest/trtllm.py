@@ -40,14 +40,15 @@ Facts this module relies on:
 * A block holds ``tokens_per_block`` tokens (the events do not say how many:
   :class:`TrtllmDecoder` learns it as the largest block seen); a run of them on one level is one
   ``BlockStored`` (``block_size`` ``tokens_per_block``). The last block of a sequence may hold
-  fewer: a *partial* block, a leaf (nothing hangs from it) that a later request extending the
-  sequence does not extend but copies into a new, full sibling with another hash (partial
-  reuse). Both would hold the same index blocks, and an index block leaves the index when any
-  engine block holding its tokens is removed: the partial block's eviction would take away
-  blocks its full sibling still holds, and the router would lose the rest of the chain after
-  them. So a partial block is not indexed (as in NVIDIA Dynamo's router): a sequence's last
-  index blocks inside it are not credited until a full block holds them (less than one engine
-  block per chain end, never more than the pod holds, no chain broken).
+  fewer, a *partial* block: it is the engines' own partial page, a ``BlockStored`` of its own
+  chained to the block before, so the index blocks its tokens complete are credited and the
+  chain ends inside an index block there. Nothing hangs from a partial block: a later request
+  extending the sequence copies it into a full sibling with another hash (partial reuse), which
+  holds the same index blocks. An index block leaves the index when any engine block holding its
+  tokens is removed, so the partial block's removal would take away blocks its sibling still
+  holds (and the router would lose the rest of the chain): :class:`TrtllmDecoder` remembers the
+  partial blocks a full sibling has covered since, and their removals (and tier moves) are not
+  applied.
 * ``mm_keys`` name the multimodal items a block holds tokens of: ``uuid`` when the request gave
   one (a V1 manager sends it as ``hash``), else the item's content digest. They become the
   block's features (``MMHash(identifier)``), as vLLM's multimodal extra keys do.
@@ -63,6 +64,7 @@ Facts this module relies on:
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -141,17 +143,86 @@ def split_events(body: bytes) -> tuple[list[PolledEvent], list[str]]:
     return out, problems
 
 
+_SHADOW_LIMIT = 65_536
+"""Partial blocks (and covered ones) a decoder remembers, least recently stored dropped."""
+
+
+class _State:
+    """What decoding one server's events remembers: its block size, and its partial blocks
+    (by KV-cache group and parent), each marked once a full sibling covers its tokens."""
+
+    def __init__(self, tokens_per_block: int = 0) -> None:
+        self.tokens_per_block = tokens_per_block
+        self._partials: OrderedDict[tuple[int | None, int], tuple[int | None, tuple[int, ...]]]
+        self._partials = OrderedDict()
+        self._children: dict[tuple[int | None, int | None], set[int]] = {}
+        self._covered: OrderedDict[tuple[int | None, int], None] = OrderedDict()
+
+    def reset(self) -> None:
+        """A new KV-cache manager: nothing of the old one's blocks is held."""
+        self._partials.clear()
+        self._children.clear()
+        self._covered.clear()
+
+    def partial(
+        self, group: int | None, parent: int | None, block: int, tokens: tuple[int, ...]
+    ) -> None:
+        self._partials[(group, block)] = (parent, tokens)
+        self._children.setdefault((group, parent), set()).add(block)
+        while len(self._partials) > _SHADOW_LIMIT:
+            (g, old), (p, _) = self._partials.popitem(last=False)
+            self._forget_child(g, p, old)
+
+    def full(self, group: int | None, parent: int | None, tokens: tuple[int, ...]) -> None:
+        """A full block under ``parent``: it covers the partial siblings its tokens extend."""
+        siblings = self._children.get((group, parent))
+        if not siblings:
+            return
+        for block in list(siblings):
+            _, held = self._partials[(group, block)]
+            if tokens[: len(held)] == held:
+                del self._partials[(group, block)]
+                self._forget_child(group, parent, block)
+                self._covered[(group, block)] = None
+                while len(self._covered) > _SHADOW_LIMIT:
+                    self._covered.popitem(last=False)
+
+    def covered(self, group: int | None, block: int, *, gone: bool = False) -> bool:
+        """Whether partial ``block`` is covered by a full sibling (``gone``: it was removed)."""
+        key = (group, block)
+        if gone:
+            entry = self._partials.pop(key, None)
+            if entry is not None:
+                self._forget_child(group, entry[0], block)
+            if key in self._covered:
+                del self._covered[key]
+                return True
+            return False
+        return key in self._covered
+
+    def _forget_child(self, group: int | None, parent: int | None, block: int) -> None:
+        siblings = self._children.get((group, parent))
+        if siblings is not None:
+            siblings.discard(block)
+            if not siblings:
+                del self._children[(group, parent)]
+
+
 class TrtllmDecoder:
     """The wire format of one trtllm-serve: :func:`decode_event`, learning the engine's
-    ``tokens_per_block`` from the blocks it sees (the largest; a partial block is smaller)."""
+    ``tokens_per_block`` from the blocks it sees (the largest; a partial block is smaller) and
+    which partial blocks a full sibling covers (their removals are not applied)."""
 
     def __init__(self) -> None:
-        self.tokens_per_block = 0
+        self._state = _State()
+
+    @property
+    def tokens_per_block(self) -> int:
         """The largest block seen (0: none yet)."""
+        return self._state.tokens_per_block
 
     def __call__(self, payload: object, *, hint: bool = True) -> DecodedBatch:
-        decoded, self.tokens_per_block = _decode(payload, self.tokens_per_block)
-        return decoded
+        return _decode(payload, self._state)
 
 
 def decode_event(payload: object, tokens_per_block: int = 0) -> DecodedBatch:
@@ -162,33 +233,33 @@ def decode_event(payload: object, tokens_per_block: int = 0) -> DecodedBatch:
     :attr:`~kvredis.ingest.events.Engine.TRTLLM`. ``tokens_per_block``: the engine's block size
     if known (blocks smaller than it, and than the event's largest, are partial).
     """
-    return _decode(payload, tokens_per_block)[0]
+    return _decode(payload, _State(tokens_per_block))
 
 
-def _decode(payload: object, tokens_per_block: int) -> tuple[DecodedBatch, int]:
+def _decode(payload: object, state: _State) -> DecodedBatch:
     if not isinstance(payload, (bytes, bytearray, memoryview)):
-        detail = f"payload is a {_tname(payload)}, not bytes"
-        return _reject(RejectReason.MALFORMED_PAYLOAD, detail), tokens_per_block
+        return _reject(RejectReason.MALFORMED_PAYLOAD, f"payload is a {_tname(payload)}, not bytes")
     if len(payload) > MAX_PAYLOAD_BYTES:
-        detail = f"{len(payload)} bytes > {MAX_PAYLOAD_BYTES}"
-        return _reject(RejectReason.PAYLOAD_TOO_LARGE, detail), tokens_per_block
+        return _reject(
+            RejectReason.PAYLOAD_TOO_LARGE, f"{len(payload)} bytes > {MAX_PAYLOAD_BYTES}"
+        )
     try:
         obj = json.loads(bytes(payload))
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        return _reject(RejectReason.MALFORMED_PAYLOAD, f"not JSON: {exc}"[:200]), tokens_per_block
-    return _decode_object(obj, tokens_per_block)
+        return _reject(RejectReason.MALFORMED_PAYLOAD, f"not JSON: {exc}"[:200])
+    return _decode_object(obj, state)
 
 
 def decode_event_object(obj: object, tokens_per_block: int = 0) -> DecodedBatch:
     """Decode one already-parsed TensorRT-LLM event (a JSON object). Never raises."""
-    return _decode_object(obj, tokens_per_block)[0]
+    return _decode_object(obj, _State(tokens_per_block))
 
 
-def _decode_object(obj: object, tokens_per_block: int) -> tuple[DecodedBatch, int]:
+def _decode_object(obj: object, state: _State) -> DecodedBatch:
     if not isinstance(obj, Mapping):
         return _reject(
             RejectReason.BAD_BATCH, f"a TensorRT-LLM event is a JSON object, got {_tname(obj)}"
-        ), tokens_per_block
+        )
     rejects: list[Rejection] = []
     rank = obj.get("attention_dp_rank")
     if rank is not None and (type(rank) is not int or rank < 0):
@@ -196,12 +267,12 @@ def _decode_object(obj: object, tokens_per_block: int) -> tuple[DecodedBatch, in
         rank = None
     events: tuple[Event, ...] = ()
     try:
-        events, tokens_per_block = _events(obj, tokens_per_block)
+        events = _events(obj, state)
     except WireError as rej:
         rejects.append(Rejection(rej.reason, rej.detail, 0))
     except Exception as exc:  # a hostile object must never escape as an exception
         rejects.append(Rejection(RejectReason.BAD_EVENT, f"undecodable event: {exc!r}"[:200], 0))
-    decoded = DecodedBatch(
+    return DecodedBatch(
         ts=0.0,
         events=events,
         data_parallel_rank=rank,
@@ -209,7 +280,6 @@ def _decode_object(obj: object, tokens_per_block: int) -> tuple[DecodedBatch, in
         total_events=1,
         engine=Engine.TRTLLM,
     )
-    return decoded, tokens_per_block
 
 
 def _reject(reason: RejectReason, detail: str) -> DecodedBatch:
@@ -222,7 +292,7 @@ def _tname(value: object) -> str:
     return type(value).__name__
 
 
-def _events(obj: Mapping[str, Any], tokens_per_block: int) -> tuple[tuple[Event, ...], int]:
+def _events(obj: Mapping[str, Any], state: _State) -> tuple[Event, ...]:
     data = obj.get("data")
     if not isinstance(data, Mapping):
         raise WireError(RejectReason.BAD_EVENT, f"event data must be an object, got {_tname(data)}")
@@ -233,15 +303,19 @@ def _events(obj: Mapping[str, Any], tokens_per_block: int) -> tuple[tuple[Event,
     if window is not None and (type(window) is not int or not 0 <= window < _GROUP_LIMIT):
         raise WireError(RejectReason.BAD_FIELD_VALUE, f"window_size {window!r:.40}")
     if kind == "stored":
-        return _stored(data, window, tokens_per_block)
+        return _stored(data, window, state)
     if kind == "removed":
         hashes = _hash_list(data.get("block_hashes"), "block_hashes")
-        removals = (BlockRemoved(hashes, medium=m, group_idx=window) for m in CACHE_LEVEL_MEDIUMS)
-        return tuple(removals), tokens_per_block
+        # a covered partial block's index blocks are its full sibling's too: they stay
+        kept = tuple(h for h in hashes if not state.covered(window, h, gone=True))
+        if not kept:
+            return ()
+        return tuple(BlockRemoved(kept, medium=m, group_idx=window) for m in CACHE_LEVEL_MEDIUMS)
     if kind == "updated":
-        return _updated(data, window), tokens_per_block
+        return _updated(data, window, state)
     if kind == "created":
-        return (AllBlocksCleared(),), tokens_per_block
+        state.reset()
+        return (AllBlocksCleared(),)
     raise WireError(RejectReason.UNKNOWN_TAG, f"unknown event type {kind[:64]!r}")
 
 
@@ -326,9 +400,7 @@ class _Block:
     mm: tuple[MultiModalKey, ...] | None
 
 
-def _stored(
-    data: Mapping[str, Any], window: int | None, tokens_per_block: int
-) -> tuple[tuple[Event, ...], int]:
+def _stored(data: Mapping[str, Any], window: int | None, state: _State) -> tuple[Event, ...]:
     parent_raw = data.get("parent_hash")
     parent = None if parent_raw is None else _hash(parent_raw, "parent_hash")
     raw_blocks = data.get("blocks")
@@ -365,17 +437,28 @@ def _stored(
                 )
             salt = block_salt
         blocks.append(_Block(block_hash, tokens, medium, _mm_keys(block.get("mm_keys"), i) or None))
-    size = max([tokens_per_block, *(len(b.tokens) for b in blocks)])
-    # runs of full blocks on one level; a partial block (fewer tokens) is a leaf, not indexed
+    size = max([state.tokens_per_block, *(len(b.tokens) for b in blocks)])
+    state.tokens_per_block = size
+    # runs of full blocks on one level; a partial block (fewer tokens) is a run of its own,
+    # with the engine's block size (its tokens end the chain inside an index block)
     runs: list[list[_Block]] = []
+    before = parent
     for block in blocks:
-        if len(block.tokens) != size:
-            break  # (nothing follows a partial block: what would is not indexed either)
+        if len(block.tokens) == size:
+            state.full(window, before, block.tokens)
+        else:
+            state.partial(window, before, block.hash, block.tokens)
         run = runs[-1] if runs else None
-        if run is None or run[-1].medium != block.medium:
+        if (
+            run is None
+            or len(block.tokens) != size
+            or len(run[-1].tokens) != size
+            or run[-1].medium != block.medium
+        ):
             runs.append([block])
         else:
             run.append(block)
+        before = block.hash
     out: list[Event] = []
     before = parent
     for run in runs:
@@ -395,7 +478,7 @@ def _stored(
             )
         )
         before = run[-1].hash
-    return tuple(out), size
+    return tuple(out)
 
 
 def _diff(value: object, what: str) -> tuple[object, object] | None:
@@ -406,10 +489,12 @@ def _diff(value: object, what: str) -> tuple[object, object] | None:
     return value.get("old_value"), value.get("new_value")
 
 
-def _updated(data: Mapping[str, Any], window: int | None) -> tuple[Event, ...]:
+def _updated(data: Mapping[str, Any], window: int | None, state: _State) -> tuple[Event, ...]:
     if "block_hash" not in data:
         raise WireError(RejectReason.MISSING_FIELD, "updated event without block_hash")
     block_hash = _hash(data["block_hash"], "block_hash")
+    if state.covered(window, block_hash):
+        return ()  # a covered partial block: its index blocks are its full sibling's
     _diff(data.get("priority"), "priority")  # checked, not indexed
     levels = _diff(data.get("cache_level"), "cache_level")
     if levels is None:

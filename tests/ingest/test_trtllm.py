@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvredis.features import PlaceholderRange, compute_block_extra_features
 from kvredis.hashing import ChunkedTokenDatabase, TokenProcessorConfig
@@ -95,28 +97,37 @@ def test_decode_the_serializer_shapes() -> None:
     blocks = [
         stored_block(2**64 - 1, range(32)),
         stored_block(7, range(32, 64), mm_keys=[("ab" * 32, 3)]),
-        stored_block(8, range(64, 70)),  # partial: a leaf a full sibling may copy, not indexed
+        stored_block(8, range(64, 70)),  # a partial last block
     ]
     one = decode_event(json.dumps(event(5, stored(None, blocks), 4096, 1)).encode())
     assert (one.data_parallel_rank, one.engine, one.rejects) == (1, Engine.TRTLLM, ())
-    (full,) = one.events
-    assert isinstance(full, BlockStored)
+    full, partial = one.events
+    assert isinstance(full, BlockStored) and isinstance(partial, BlockStored)
     assert (full.block_hashes, full.block_size, full.parent_block_hash) == (
         (2**64 - 1, 7),
         32,
         None,
     )
     assert full.token_ids == tuple(range(64))
-    assert full.group_idx == 4096 and full.medium == "GPU"
+    # a partial block: an engine page of its own, of the engine's block size, chained on
+    assert (partial.block_hashes, partial.block_size, partial.parent_block_hash) == ((8,), 32, 7)
+    assert partial.token_ids == tuple(range(64, 70))
+    assert full.group_idx == partial.group_idx == 4096 and full.medium == "GPU"
     assert full.extra_keys is not None and full.extra_keys[0] is None
     assert [k.hash for k in full.extra_keys[1]] == ["ab" * 32]
     # the block size is learned: a lone block smaller than the largest seen is partial
     decoder = TrtllmDecoder()
-    assert len(decoder(json.dumps(event(6, stored(None, blocks[:2]), 4096)).encode()).events) == 1
+    decoder(json.dumps(event(6, stored(None, blocks[:2]), 4096)).encode())
     lone = json.dumps(event(7, stored(7, [stored_block(9, range(64, 80))]), 4096)).encode()
-    assert decoder(lone).events == () and decoder.tokens_per_block == 32
-    (one_block,) = decode_event(lone).events  # unknown block size: taken for a whole block
-    assert isinstance(one_block, BlockStored) and one_block.block_size == 16
+    (known,) = decoder(lone).events
+    assert isinstance(known, BlockStored) and known.block_size == decoder.tokens_per_block == 32
+    (unknown,) = decode_event(lone).events  # unknown block size: taken for a whole block
+    assert isinstance(unknown, BlockStored) and unknown.block_size == 16
+    # a full sibling covers the partial block: its removal and tier moves are not applied
+    sibling = json.dumps(event(8, stored(7, [stored_block(10, range(64, 96))]), 4096)).encode()
+    decoder(sibling)
+    drop = json.dumps(event(9, {"type": "removed", "block_hashes": [9, 10]}, 4096)).encode()
+    assert [e.block_hashes for e in decoder(drop).events] == [(10,), (10,)]
     move = decode_event(json.dumps(event(6, updated(7, cache_level=(0, 1)), 4096)).encode())
     (moved,) = move.events
     assert isinstance(moved, BlockStored) and (moved.medium, moved.moved_from) == ("CPU", "GPU")
@@ -183,12 +194,70 @@ def test_an_answer_is_cut_into_one_message_per_event() -> None:
     assert split_events(b'{"detail":"Not Found"}')[0] == []
 
 
+_JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=5)
+    ),
+    max_leaves=30,
+)
+_KEYS = [
+    "event_id",
+    "data",
+    "window_size",
+    "attention_dp_rank",
+    "type",
+    "blocks",
+    "parent_hash",
+    "block_hash",
+    "tokens",
+    "token_id",
+    "token_extra_id",
+    "cache_level",
+    "block_hashes",
+    "mm_keys",
+    "new_value",
+    "old_value",
+    "hash",
+    "start_offset",
+    "lora_id",
+    "cache_salt",
+]
+_SHAPED = st.recursive(
+    _JSON,
+    lambda inner: (
+        st.dictionaries(st.sampled_from(_KEYS), inner, max_size=6)
+        | st.lists(inner, max_size=4)
+        | st.fixed_dictionaries(
+            {"type": st.sampled_from(["stored", "removed", "updated", "created", "stored_block"])},
+            optional={k: inner for k in _KEYS if k != "type"},
+        )
+    ),
+    max_leaves=40,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_SHAPED)
+def test_any_json_decodes_without_raising(obj: Any) -> None:
+    body = json.dumps(obj).encode()
+    decoded = TrtllmDecoder()(body)
+    assert decoded.engine is Engine.TRTLLM
+    assert decoded.events or decoded.rejects or decoded.total_events == 1
+    events, problems = split_events(json.dumps([obj, {"event_id": 1, "data": obj}]).encode())
+    assert len(events) + len(problems) == 2
+
+
 # -- through the ingester ------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("engine_block", [16, 32, 64])
 @pytest.mark.parametrize("block", [16, 64])
-def test_every_block_of_a_prompt_that_a_whole_engine_block_holds(
+def test_every_full_block_of_a_prompt_with_a_partial_last_block(
     engine_index: Any, engine_block: int, block: int
 ) -> None:
     with FakeTrtllmServe(tokens_per_block=engine_block, wait_s=0.05) as serve:
@@ -200,39 +269,31 @@ def test_every_block_of_a_prompt_that_a_whole_engine_block_holds(
             serve.store(branch)  # a branch
             settle(ing, serve)
             assert ing.counters.get("rejected") == 0
-            stored_prompts = (PROMPT[:100], PROMPT, branch)
-            for prompt in stored_prompts:
-                # what whole engine blocks of the stored prompts hold of it (partial ones: not)
-                held = max(
-                    _whole_blocks_shared(prompt, other, engine_block) for other in stored_prompts
-                )
-                credited = keys(prompt[:held], block)
-                assert hits(engine_index, keys(prompt, block)) == len(credited)
-                assert tiers(engine_index, credited) == [{"gpu"}] * len(credited)
+            for prompt in (PROMPT[:100], PROMPT, branch):
+                want = keys(prompt, block)
+                assert hits(engine_index, want) == len(want)
+                assert tiers(engine_index, want) == [{"gpu"}] * len(want)
             assert ing.counters.get("parent_misses") == 0
         finally:
             assert ing.stop()
 
 
-def _whole_blocks_shared(prompt: Sequence[int], other: Sequence[int], size: int) -> int:
-    """Leading tokens of ``prompt`` that the whole ``size``-token blocks of ``other`` hold."""
-    shared = 0
-    while shared < min(len(prompt), len(other)) and prompt[shared] == other[shared]:
-        shared += 1
-    return min(shared, len(other) // size * size)
-
-
-def test_a_partial_blocks_eviction_leaves_its_full_sibling(engine_index: Any) -> None:
+def test_a_partial_blocks_removal_leaves_its_full_sibling(engine_index: Any) -> None:
     # partial reuse: a request extending a sequence copies its partial last block into a new,
-    # full sibling; the partial block's eviction must not take the sibling's index blocks away
+    # full sibling; the partial block's removal must not take the sibling's index blocks away
     with FakeTrtllmServe(tokens_per_block=32, wait_s=0.05) as serve:
         ing = start(engine_index, serve, 16)
         try:
             serve.store(PROMPT[:56])  # a whole block, then a partial one of 24 tokens
+            settle(ing, serve)
+            assert hits(engine_index, keys(PROMPT[:56])) == 3  # the partial block's first
             serve.store(PROMPT[:128])  # a full block over the partial one's tokens, and on
             serve.evict(PROMPT[:56], 1)  # the partial block goes
             settle(ing, serve)
             assert hits(engine_index, keys(PROMPT[:128])) == 8
+            serve.evict(PROMPT[:128], 3)  # the full blocks from the second on
+            settle(ing, serve)
+            assert hits(engine_index, keys(PROMPT[:128])) == 2
         finally:
             assert ing.stop()
 
