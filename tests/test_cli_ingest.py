@@ -50,8 +50,14 @@ def no_leaked_ingesters() -> Iterator[None]:
         ([], "at least one --endpoint"),
         (["--pod", "p", "--endpoint", "tcp://h:1"], "--pod p comes before any --endpoint"),
         (["--endpoint", "tcp://h:1", "--model", "a", "--model", "b"], "--model is given twice"),
-        (["--endpoint", "http://h:1"], "is not a ZMQ endpoint"),
-        (["--endpoint", "tcp://h"], "is not a ZMQ endpoint"),
+        (["--endpoint", "http://h:1"], "give pod_id and model_name (--pod and --model)"),
+        (
+            ["--endpoint", "http://h:1", "--pod", "p", "--model", "m", "--replay", "tcp://h:2"],
+            "no replay",
+        ),
+        (["--endpoint", "udp://h:1"], "is not an engine endpoint"),
+        (["--endpoint", "tcp://h"], "is not an engine endpoint"),
+        (["--endpoint", "tcp://h:1", "--engine", "tgi"], "Invalid value for --engine"),
         (["--endpoint", "tcp://h:1", "--replay", "h:2"], "Invalid value for --replay"),
         (["--endpoint", "tcp://h:1", "--endpoint", "tcp://h:1"], "is given twice"),
         (

@@ -1,12 +1,15 @@
 """``kvredis ingest``: subscribe to engines' KV events and keep an index true to them.
 
 Endpoint options form groups: ``--endpoint`` starts a publisher, and the ``--replay``, ``--pod``,
-``--model``, ``--topic-filter`` and ``--stream`` options after it (before the next ``--endpoint``)
-describe that publisher::
+``--model``, ``--topic-filter``, ``--stream`` and ``--engine`` options after it (before the next
+``--endpoint``) describe that publisher. A ``tcp://`` (or ``ipc://``) endpoint is a vLLM or SGLang
+ZMQ publisher; an ``http://HOST:PORT`` one is a TensorRT-LLM ``trtllm-serve`` whose
+``/kv_cache_events`` is polled (it needs ``--pod`` and ``--model``)::
 
     kvredis ingest --redis redis://127.0.0.1:6379 \\
         --endpoint tcp://10.0.0.5:5557 --replay tcp://10.0.0.5:5558 --pod pod-a --model m \\
-        --endpoint tcp://10.0.0.6:5557 --pod pod-b --model m
+        --endpoint tcp://10.0.0.6:5557 --pod pod-b --model m \\
+        --endpoint http://10.0.0.7:8000 --pod pod-c --model m
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from kvredis.cli.options import (
 from kvredis.errors import BackendUnavailableError, ConfigError, KVRedisError
 from kvredis.hashing import HASH_ALGOS, ChunkedTokenDatabase, TokenProcessorConfig
 from kvredis.index import Closeable, Index
-from kvredis.ingest.config import DEFAULT_RESET_MEDIUMS, EndpointConfig, IngesterConfig
+from kvredis.ingest.config import EndpointConfig, IngesterConfig
 from kvredis.ingest.counters import Counter
 from kvredis.ingest.service import EventIngester
 from kvredis.tiers import DEFAULT_TIERS, TierMap
@@ -59,10 +62,12 @@ _GROUP_OPTIONS = {
     "--model": "model_name",
     "--topic-filter": "topic_filter",
     "--stream": "stream",
+    "--engine": "engine",
 }
 #: Seconds a stop waits for the received batches to be applied (a second Ctrl-C abandons them).
 DRAIN_TIMEOUT_S = 30.0
 _ZMQ_ENDPOINT = re.compile(r"^(tcp://[^\s/]+:(\d+|\*)|ipc://\S+|inproc://\S+)$")
+_HTTP_ENDPOINT = re.compile(r"^https?://[^\s/]+:\d+(/\S*)?$")
 _META_KEY = "kvredis.ingest.args"
 #: What an ingester with --in-memory says at WARNING and in /readyz.
 IN_MEMORY = (
@@ -130,20 +135,30 @@ def _endpoint_groups(ctx: click.Context) -> list[dict[str, str]]:
 
 def _endpoint_configs(groups: Sequence[dict[str, str]]) -> list[EndpointConfig]:
     if not groups:
-        raise click.UsageError("give at least one --endpoint tcp://HOST:PORT to subscribe to")
+        raise click.UsageError(
+            "give at least one --endpoint tcp://HOST:PORT (vLLM, SGLang) or http://HOST:PORT "
+            "(TensorRT-LLM's trtllm-serve) to follow"
+        )
     configs = []
     for group in groups:
-        for field, option in (("endpoint", "--endpoint"), ("replay_endpoint", "--replay")):
-            value = group.get(field)
-            if value is not None and not _ZMQ_ENDPOINT.match(value):
-                raise click.BadParameter(
-                    f"{value!r} is not a ZMQ endpoint (expected tcp://HOST:PORT, ipc://PATH)",
-                    param_hint=option,
-                )
+        endpoint = group["endpoint"]
+        if not (_ZMQ_ENDPOINT.match(endpoint) or _HTTP_ENDPOINT.match(endpoint)):
+            raise click.BadParameter(
+                f"{endpoint!r} is not an engine endpoint (expected tcp://HOST:PORT or ipc://PATH "
+                "for vLLM and SGLang, http://HOST:PORT for TensorRT-LLM's trtllm-serve)",
+                param_hint="--endpoint",
+            )
+        replay = group.get("replay_endpoint")
+        if replay is not None and not _ZMQ_ENDPOINT.match(replay):
+            raise click.BadParameter(
+                f"{replay!r} is not a ZMQ endpoint (expected tcp://HOST:PORT, ipc://PATH)",
+                param_hint="--replay",
+            )
         try:
             configs.append(EndpointConfig(**group))
         except ConfigError as exc:
-            raise click.BadParameter(str(exc), param_hint="--endpoint") from None
+            hint = "--engine" if str(exc).startswith("engine must be") else "--endpoint"
+            raise click.BadParameter(str(exc), param_hint=hint) from None
     seen: set[str] = set()
     for config in configs:
         if config.endpoint in seen:
@@ -164,8 +179,9 @@ def _endpoint_configs(groups: Sequence[dict[str, str]]) -> list[EndpointConfig]:
 
 
 def _check_resolvable(endpoint: str, option: str) -> None:
-    """A tcp:// endpoint's host must resolve (a typo would otherwise wait silently forever)."""
-    match = re.match(r"^tcp://(.+):(\d+|\*)$", endpoint)
+    """A tcp:// or http:// endpoint's host must resolve (a typo would otherwise wait silently
+    forever)."""
+    match = re.match(r"^(?:tcp|https?)://([^/]+):(\d+|\*)(?:/.*)?$", endpoint)
     if match is None:
         return
     host = match.group(1).strip("[]")
@@ -290,7 +306,8 @@ def _tier_map(spec: str | None) -> TierMap:
     "endpoints",
     multiple=True,
     metavar="URL",
-    help="Engine KV-event PUB endpoint (tcp://HOST:PORT); starts an endpoint group. Repeatable.",
+    help="Engine KV-event endpoint: a vLLM/SGLang PUB socket (tcp://HOST:PORT) or a "
+    "TensorRT-LLM trtllm-serve (http://HOST:PORT); starts an endpoint group. Repeatable.",
 )
 @click.option("--replay", multiple=True, metavar="URL", help="The group's replay ROUTER endpoint.")
 @click.option(
@@ -307,6 +324,14 @@ def _tier_map(spec: str | None) -> TierMap:
     multiple=True,
     metavar="NAME",
     help="The group's watermark stream (default: its pod, else its endpoint).",
+)
+@click.option(
+    "--engine",
+    "engine",
+    multiple=True,
+    metavar="vllm|sglang|trtllm",
+    help="The group's engine, for what its prefix-cache reset drops (default: learned from its "
+    "events; http:// endpoints are trtllm).",
 )
 @click.option(
     "--redis",
@@ -401,8 +426,9 @@ def _tier_map(spec: str | None) -> TierMap:
     "reset_mediums",
     multiple=True,
     metavar="MEDIUM",
-    help="An engine medium whose copies a prefix-cache reset (AllBlocksCleared) removes "
-    "(default: GPU, as vLLM; add CPU_PINNED for SGLang with HiCache). Repeatable.",
+    help="An engine medium whose copies a prefix-cache reset (AllBlocksCleared) removes, for "
+    "every engine (default: each engine's own: GPU for vLLM, GPU and CPU_PINNED for SGLang, "
+    "both cache levels for TensorRT-LLM). Repeatable.",
 )
 @click.pass_context
 @handle_errors
@@ -414,6 +440,7 @@ def ingest(
     model: tuple[str, ...],
     topic_filter: tuple[str, ...],
     stream: tuple[str, ...],
+    engine: tuple[str, ...],
     redis_url: str,
     in_memory: bool,
     namespace: str,
@@ -432,11 +459,12 @@ def ingest(
     offload_blocks_per_chunk: int,
     reset_mediums: tuple[str, ...],
 ) -> None:
-    """Subscribe to engines' KV-cache events (vLLM, SGLang) and apply them to the index.
+    """Follow engines' KV-cache events (vLLM, SGLang, TensorRT-LLM) and apply them to the index.
 
-    Each --endpoint starts a group; the --replay, --pod, --model, --topic-filter and --stream
-    options after it describe that endpoint. Runs until interrupted, logging a status line
-    every --status-interval seconds.
+    Each --endpoint starts a group; the --replay, --pod, --model, --topic-filter, --stream and
+    --engine options after it describe that endpoint (tcp:// for vLLM and SGLang, http:// for
+    TensorRT-LLM's trtllm-serve). Runs until interrupted, logging a status line every
+    --status-interval seconds.
 
     \b
     Example:
@@ -462,7 +490,7 @@ def ingest(
             use_watermarks=not no_watermarks,
             tiers=_tier_map(tier_map),
             offload_blocks_per_chunk=offload_blocks_per_chunk,
-            reset_mediums=reset_mediums or DEFAULT_RESET_MEDIUMS,
+            reset_mediums=reset_mediums or None,
             partial_block_pages=partial_block_pages,
         )
     except ConfigError as exc:  # the other options are checked by their types

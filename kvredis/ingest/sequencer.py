@@ -95,13 +95,15 @@ class _Message:
     payload: bytes
     counted: bool = False
     _decoded: DecodedBatch | None = field(default=None, repr=False)
+    decode: Callable[[object], DecodedBatch] = field(default=decode_batch, repr=False)
+    """The stream's wire format (:meth:`~kvredis.ingest.stream.StreamState.decode`)."""
 
     @property
     def decoded(self) -> DecodedBatch:
         """The payload, decoded once: a batch re-sequenced, retried or seen again as a duplicate
         is not decoded again."""
         if self._decoded is None:
-            self._decoded = decode_batch(self.payload)
+            self._decoded = self.decode(self.payload)
         return self._decoded
 
 
@@ -262,9 +264,18 @@ class Sequencer:
     # -- entry point -----------------------------------------------------------------------
 
     def on_message(
-        self, st: StreamState, topic: object, seq: int, payload: object
+        self,
+        st: StreamState,
+        topic: object,
+        seq: int,
+        payload: object,
+        decoded: DecodedBatch | None = None,
     ) -> Steps[BatchOutcome]:
-        """Handle one engine message of ``st``'s publisher. Never raises on bad input."""
+        """Handle one engine message of ``st``'s publisher. Never raises on bad input.
+
+        ``decoded`` is the payload already decoded by the stream's wire format (``st.decode``);
+        without it the payload is decoded when first needed.
+        """
         self.counters.inc(Counter.MESSAGES)
         where = st.endpoint.endpoint
         if isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq <= MAX_ENGINE_SEQ:
@@ -277,7 +288,7 @@ class Sequencer:
         topic_b = bytes(topic)
         if topic_b:
             st.last_topic = topic_b
-        msg = _Message(topic_b, seq, bytes(payload))
+        msg = _Message(topic_b, seq, bytes(payload), _decoded=decoded, decode=st.decode)
         try:
             return (yield from self._sequence(st, msg, allow_restart=True))
         finally:
@@ -303,6 +314,67 @@ class Sequencer:
             st.subscribed_before = True
         except (Abandoned, Failed) as exc:
             logger.warning("stream %s: cannot read the stored watermark yet: %s", st.name, exc)
+
+    def on_replaced(self, st: StreamState) -> Steps[BatchOutcome]:
+        """``st``'s endpoint now publishes another engine's topic: ``st``'s engine is gone.
+
+        Its pods are cleared once, as a new epoch of its stream (claimed like a restart's opening
+        clear, so HA replicas that all see the change clear once, and a replica still holding
+        the old engine's batches drops them as superseded); the new engine's stream is its own
+        and is never cleared for it. Only the entries of the stream's data-parallel rank go when
+        every batch of the stream carried one.
+        """
+        self.counters.inc(Counter.ENGINES_REPLACED)
+        topic = st.last_topic
+        pods = st.pods_for(topic or None)
+        logger.warning(
+            "stream %s: its endpoint publishes another engine now: clearing %s",
+            st.name,
+            ", ".join(sorted(pods)) or "nothing",
+        )
+        try:
+            if not st.synced:
+                yield from self._sync(st)
+        except Failed as exc:
+            logger.error("stream %s: cannot read the stored watermark: %s", st.name, exc)
+            self.counters.inc(Counter.BATCHES_FAILED)
+            return BatchOutcome.FAILED
+        except Abandoned:
+            self.counters.inc(Counter.BATCHES_ABANDONED)
+            return BatchOutcome.ABANDONED
+        for pod in pods:
+            self.planner.catalog.forget_pod(pod)
+            self.planner.caches.drop(pod)
+        # the clear covers the stream's one rank (if it had one), not the marker's
+        rank = next(iter(st.ranks)) if len(st.ranks) == 1 else None
+        marker = _Message(topic, -1, b"", _decoded=DecodedBatch(0.0, (), rank), decode=st.decode)
+        st.superseded = False
+        st.subscribed_before = False
+        new_epoch = st.epoch + 1
+        try:
+            if (
+                self.fenced
+                and st.known is not None
+                and st.known[0] == -1
+                and st.known[1] != PHASE_DONE
+            ):
+                opened = yield from self._open_epoch(st, st.epoch, marker, supersede=False)
+                if opened in (BatchOutcome.ABANDONED, BatchOutcome.FAILED):
+                    return opened
+            outcome = yield from self._open_epoch(
+                st, new_epoch, marker, supersede=False, cause=Counter.CLEARS_REPLACED
+            )
+        except Abandoned:
+            self.counters.inc(Counter.BATCHES_ABANDONED)
+            return BatchOutcome.ABANDONED
+        if outcome is BatchOutcome.DUPLICATE:
+            self.counters.inc(Counter.EPOCHS_ADOPTED)
+        if outcome in (BatchOutcome.APPLIED, BatchOutcome.DUPLICATE) and st.epoch < new_epoch:
+            st.epoch = new_epoch
+            if outcome is BatchOutcome.APPLIED:
+                st.known = (-1, PHASE_DONE)
+        st.last_seq = None
+        return outcome
 
     # -- sequencing ------------------------------------------------------------------------
 
@@ -544,7 +616,12 @@ class Sequencer:
         return (yield from self._sequence(st, msg, False, depth + 1))
 
     def _open_epoch(
-        self, st: StreamState, epoch: int, msg: _Message, supersede: bool = True
+        self,
+        st: StreamState,
+        epoch: int,
+        msg: _Message,
+        supersede: bool = True,
+        cause: Counter = Counter.CLEARS_RESTART,
     ) -> Steps[BatchOutcome]:
         """Open ``epoch`` with a clear of every pod of the stream, or see that a peer did.
 
@@ -559,7 +636,7 @@ class Sequencer:
 
         def plan(run: BatchRun) -> Steps[None]:
             if pods:
-                yield from run.clear(pods, Counter.CLEARS_RESTART, scope)
+                yield from run.clear(pods, cause, scope)
             else:
                 yield from run.flush()
 
@@ -603,7 +680,13 @@ class Sequencer:
                     # look like a publisher restart when they arrive
                     if first_missing <= item.seq < msg.seq:
                         by_seq.setdefault(
-                            item.seq, _Message(item.topic or st.last_topic, item.seq, item.payload)
+                            item.seq,
+                            _Message(
+                                item.topic or st.last_topic,
+                                item.seq,
+                                item.payload,
+                                decode=st.decode,
+                            ),
                         )
                 expect = first_missing
                 while expect in by_seq:
