@@ -73,7 +73,8 @@ class _Stream:
     engine_key: object = None
     """The engine the endpoint published last (``None``: none named yet)."""
     subscribed: set[object] = field(default_factory=set)
-    """The streams of a polled endpoint whose stored watermark was read since :meth:`start`."""
+    """The streams of a polled endpoint whose stored watermark was read since
+    :meth:`EventIngester.start`."""
 
     def all_states(self) -> list[StreamState]:
         return [self.state, *(s for s in self.states.values() if s is not self.state)]

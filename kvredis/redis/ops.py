@@ -193,7 +193,9 @@ def op_load_namespace(state: CoreState, ping: bool = True) -> Op[Layout]:
 
 
 #: The first and the longest pause between two reads of a namespace a client waits for.
-WAIT_FIRST_S, WAIT_LONGEST_S = 0.05, 1.0
+#: The first and the longest pause between reads of a namespace a client waits for.
+WAIT_FIRST_S = 0.05
+WAIT_LONGEST_S = 1.0
 
 
 def _op_wait_for_namespace(state: CoreState, keys: Layout) -> Op[Any]:
