@@ -233,8 +233,8 @@ class RedisIndexConfig:
 def config_for_existing(config: RedisIndexConfig, namespace: str) -> RedisIndexConfig:
     """``config`` naming ``namespace``, also a name that
     :func:`~kvredis.redis.layout.check_namespace_name` refuses (one an earlier kvredis
-    created): for the operator's commands that move such a namespace to an accepted name or delete it (``kvredis rename``, ``kvredis
-    drop``), never for the index's clients."""
+    created): for the operator's commands that move such a namespace to an accepted name or
+    delete it (``kvredis rename``, ``kvredis drop``), never for the index's clients."""
     try:
         check_namespace(namespace)
         if config.cluster:
