@@ -87,10 +87,10 @@ _EXPORTS: dict[str, str] = {
     "AsyncRedisIndex": "kvredis.redis.index",
     "RedisIndex": "kvredis.redis.index",
     "RedisIndexConfig": "kvredis.redis.config",
-    "new_redis_index": "kvredis.redis.index",
-    "new_valkey_index": "kvredis.redis.index",
-    "new_async_redis_index": "kvredis.redis.index",
-    "drop_namespace": "kvredis.redis.index",
+    "new_redis_index": "kvredis.redis.factories",
+    "new_valkey_index": "kvredis.redis.factories",
+    "new_async_redis_index": "kvredis.redis.factories",
+    "drop_namespace": "kvredis.redis.factories",
     "MigrationReport": "kvredis.redis.migrate",
     "migrate_namespace": "kvredis.redis.migrate",
     "migrate_namespace_async": "kvredis.redis.migrate",
@@ -324,14 +324,13 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
     from kvredis.redis.address import RedisAddress, mask_password, parse_address
     from kvredis.redis.cluster.index import AsyncRedisClusterIndex, RedisClusterIndex
     from kvredis.redis.config import RedisIndexConfig
-    from kvredis.redis.index import (
-        AsyncRedisIndex,
-        RedisIndex,
+    from kvredis.redis.factories import (
         drop_namespace,
         new_async_redis_index,
         new_redis_index,
         new_valkey_index,
     )
+    from kvredis.redis.index import AsyncRedisIndex, RedisIndex
     from kvredis.redis.migrate import (
         MigrationReport,
         migrate_namespace,

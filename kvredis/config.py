@@ -32,7 +32,7 @@ _FIELDS = {
 
 def _redis_module() -> ModuleType:
     try:
-        import kvredis.redis.index as module
+        import kvredis.redis.factories as module
     except ImportError as exc:
         raise ConfigError(f"the Redis/Valkey backend is not available: {exc}") from exc
     return module

@@ -135,6 +135,15 @@ LUA_ERROR_CODES: Mapping[str, type[KVRedisError]] = MappingProxyType(
 _PREFIX = "KVREDIS_"
 
 
+def lua_error_code(cls: type[KVRedisError]) -> str:
+    """The error code (``KVREDIS_<CODE>``, the reply's first word) the scripts raise for
+    ``cls`` (:data:`LUA_ERROR_CODES`), to tell a raw error reply apart by its code."""
+    for code, mapped in LUA_ERROR_CODES.items():
+        if mapped is cls:
+            return _PREFIX + code
+    raise KeyError(f"no script error code maps to {cls.__name__}")
+
+
 def translate(message: str) -> KVRedisError:
     """The exception for an error reply of the server (``str`` of the client library's error).
 

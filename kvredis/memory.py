@@ -12,7 +12,7 @@ Two backends share one implementation and differ only in how they bound their me
 
 "Used" means added to, looked up with a hit (request keys) or resolved by ``get_request_key``
 (engine keys). Both backends implement :class:`~kvredis.index.Index`,
-:class:`~kvredis.batch.BatchIndex` and :class:`~kvredis.index.ScoringIndex` (``score`` walks the
+:class:`~kvredis.index.BatchIndex` and :class:`~kvredis.index.ScoringIndex` (``score`` walks the
 chain once, run of equal entries by run, and stops when no pod is left); one lock guards all
 state, so every method is atomic. ``scripts/bench_vs_dynamo.py`` measures ``score`` and the
 memory per entry against Dynamo's in-process radix tree.
@@ -514,8 +514,9 @@ class _MemoryIndex:
         """The scores of the chain and how many keys of it some pod in the race holds.
 
         Walks runs of keys with equal (live) entries: each run costs one pass over its entries
-        and, per pod, one :func:`_add_times`. The sums are the scorer's: a pod's score is its
-        best weight at the first key, plus its best weight at every later key in key order.
+        and, per pod, one :func:`~kvredis.scoring.add_times`. The sums are the scorer's: a pod's
+        score is its best weight at the first key, plus its best weight at every later key in
+        key order.
         """
         stored: Iterable[tuple[PodEntry, ...] | None] = map(self._keys.get, keys)
         if self._deadlines:

@@ -124,7 +124,8 @@ if mode == 'begin' then
   end
   if current[1] ~= from then return {'other', current[1], 0, 0, 0, 0} end
   local bits = current[6]
-  if not (bits and tonumber(bits) and tonumber(bits) >= 1 and tonumber(bits) <= 24) then
+  local nbits = tonumber(bits)
+  if not (nbits and nbits >= MIN_BUCKET_BITS and nbits <= MAX_BUCKET_BITS) then
     fail('LAYOUT', meta .. ' holds no valid bucket_bits (' .. tostring(bits) .. ')')
   end
   local rbucket = bucket_namer(ARGV[6], bits)

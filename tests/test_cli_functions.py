@@ -90,6 +90,6 @@ def test_the_library_is_on_every_node_of_a_cluster(redis_cluster: LocalCluster) 
 
 
 def _cluster_index(config: RedisIndexConfig) -> RedisIndex:
-    from kvredis.redis.index import new_redis_index
+    from kvredis.redis.factories import new_redis_index
 
     return new_redis_index(config)  # type: ignore[return-value]

@@ -13,7 +13,7 @@ from click.core import ParameterSource
 
 from kvredis.cli.options import (
     RedisTarget,
-    check_namespace_option,
+    check_existing_namespace,
     echo_json,
     handle_errors,
     json_option,
@@ -23,8 +23,10 @@ from kvredis.cli.options import (
 
 __all__ = ["COMMANDS", "drop", "migrate"]
 
-#: kvredis.redis.migrate.PAIRS_PER_CALL (that module loads redis-py: not imported up front)
+#: kvredis.redis.migrate.PAIRS_PER_CALL and MAX_PAIRS_PER_CALL (that module loads redis-py: not
+#: imported up front; tests compare them)
 PAIRS_PER_CALL = 250
+MAX_PAIRS_PER_CALL = 10_000
 
 _NAMESPACE_ARG = click.argument("namespace_arg", metavar="[NAMESPACE]", required=False)
 
@@ -53,8 +55,9 @@ def _target(target: RedisTarget | None, namespace_arg: str | None) -> RedisTarge
             raise click.UsageError(
                 f"two namespaces given: {namespace_arg!r} and --namespace {target.namespace!r}"
             )
-        param = next(p for p in ctx.command.params if p.name == "namespace")
-        target.namespace = check_namespace_option(ctx, param, namespace_arg) or namespace_arg
+        # also a name the rules refuse now: an earlier kvredis's namespace, to migrate or drop
+        target.namespace = check_existing_namespace(namespace_arg)
+        target.existing = True
     return target
 
 
@@ -99,7 +102,7 @@ class _ProgressLine:
 @click.option("--no-progress", is_flag=True, help="Do not print the progress line.")
 @click.option(
     "--pairs-per-call",
-    type=click.IntRange(1, 10_000),
+    type=click.IntRange(1, MAX_PAIRS_PER_CALL),
     default=PAIRS_PER_CALL,
     show_default=True,
     help="Speculative entries converted per server call (each call is atomic).",
@@ -124,7 +127,10 @@ def migrate(
     tgt = _target(target, namespace_arg)
     line = _ProgressLine(f"migrating {tgt.namespace!r}", not no_progress and not as_json)
     try:
-        report = migrate_namespace(tgt.config(), line, pairs_per_call)
+        if tgt.config().cluster:
+            report = _cluster_report(tgt)
+        else:
+            report = migrate_namespace(tgt.config(), line, pairs_per_call)
     finally:
         line.close()
     if as_json:
@@ -159,6 +165,35 @@ def migrate(
     )
 
 
+def _cluster_report(target: RedisTarget) -> Any:
+    """What a migration of a cluster namespace reports: nothing to do (a cluster namespace has
+    been in this layout since clusters were supported), as for a current one on one server; a
+    missing namespace is the same error as there."""
+    from kvredis.errors import NamespaceMissingError
+    from kvredis.redis.cluster.inspect import ClusterInspector
+    from kvredis.redis.layout import LAYOUT_VERSION
+    from kvredis.redis.migrate import MigrationReport
+
+    started = time.monotonic()
+    with ClusterInspector(target.config()) as inspector:
+        if inspector.shards() is None:
+            raise NamespaceMissingError(
+                f"namespace {target.namespace!r} does not exist at {target.shown}: nothing to "
+                "migrate (check the namespace and --redis)"
+            )
+    return MigrationReport(
+        namespace=target.namespace,
+        target=LAYOUT_VERSION,
+        source=None,
+        migrated=False,
+        resumed=False,
+        pairs=0,
+        moved=0,
+        dropped=0,
+        seconds=time.monotonic() - started,
+    )
+
+
 @_command("kvredis drop --redis redis://10.0.0.7:6379 kvblock --yes")
 @click.option("--yes", is_flag=True, help="Really delete the namespace (required).")
 def drop(
@@ -171,7 +206,7 @@ def drop(
     (also those whose names extend this one) are never touched. Clients of the namespace start
     over with an empty one.
     """
-    from kvredis.redis.index import drop_namespace
+    from kvredis.redis.factories import drop_namespace
 
     source = click.get_current_context().get_parameter_source("namespace")
     if namespace_arg is None and source in (None, ParameterSource.DEFAULT):

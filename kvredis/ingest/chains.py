@@ -163,7 +163,7 @@ class Cut(NamedTuple):
     """A page ending inside an index block, as remembered: the first ``tokens`` tokens (and
     ``ids`` identifiers, ``keys`` engine keys) of ``whole``, the record of that block shared by
     all its pages (a tuple of 4, not a :class:`Tail` each: about 300 bytes a page with
-    SGLang's page size 1, see *Branches inside a block* in the README)."""
+    SGLang's page size 1, see docs/ingest.md, "Ingestion fidelity")."""
 
     whole: Tail
     tokens: int
@@ -338,8 +338,9 @@ class PodCaches:
         self._caches: dict[str, EngineKeyCache] = {}
         self._lock = threading.Lock()
         self.block_size: int | None = None
-        """The index block size, set by the :class:`Planner` using these caches: with it,
-        :meth:`forget_batch` learns the tails of the chains a peer's batch extended."""
+        """The index block size, set by the :class:`~kvredis.ingest.planner.Planner` using these
+        caches: with it, :meth:`forget_batch` learns the tails of the chains a peer's batch
+        extended."""
 
     def get(self, pod: str) -> EngineKeyCache:
         """The pod's cache (created empty on first use)."""

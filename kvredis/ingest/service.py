@@ -2,10 +2,16 @@
 
 :class:`EventIngester` takes an :class:`~kvredis.index.Index`, a token processor and endpoint
 configurations. Engine messages ``(topic, seq, payload)`` come from ZMQ subscribers
-(:mod:`kvredis.ingest.zmq`, started by :meth:`EventIngester.start`) or are fed directly
-(:meth:`EventIngester.process`, :meth:`EventIngester.submit`). Each message goes through the
-:class:`~kvredis.ingest.sequencer.Sequencer`, driven here with real time against an
-:class:`~kvredis.ingest.backend.IndexBackend`.
+(:mod:`kvredis.ingest.zmq`), ``trtllm-serve`` pollers (:mod:`kvredis.ingest.http`, one message per
+TensorRT-LLM event, its id the ``seq``), both started by :meth:`EventIngester.start`, or are fed
+directly (:meth:`EventIngester.process`, :meth:`EventIngester.submit`). Each message is routed to
+its stream (the endpoint's; with the pod and model taken from the topic, the engine's that the
+topic names; for TensorRT-LLM, the attention-DP rank's), decoded by the endpoint's wire format
+and goes through the :class:`~kvredis.ingest.sequencer.Sequencer`, driven here with real time
+against an :class:`~kvredis.ingest.backend.IndexBackend`. When an endpoint's topic names another
+engine than the one before, the previous engine is gone: its stream clears its pod
+(:meth:`~kvredis.ingest.sequencer.Sequencer.on_replaced`), the new engine's stream starts on
+its own.
 
 Throughput: with a :class:`~kvredis.index.BatchIndex`, one engine batch becomes one
 ``apply_batch`` call, one round trip to Redis in the common case; parents usually resolve from a
@@ -25,20 +31,20 @@ import queue
 import threading
 import time
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvredis.errors import ConfigError, InvalidInputError
 from kvredis.groups import GroupCatalog
 from kvredis.index import BatchIndex, Index
-from kvredis.ingest.actions import Abandoned, BatchOutcome, Failed, drive
+from kvredis.ingest.actions import BatchOutcome, drive
 from kvredis.ingest.backend import IndexBackend
-from kvredis.ingest.config import EndpointConfig, IngesterConfig
+from kvredis.ingest.config import EndpointConfig, IngesterConfig, is_http_endpoint
 from kvredis.ingest.counters import Counter, IngestCounters, RateLimitedLog
-from kvredis.ingest.events import Rejection, RejectReason
+from kvredis.ingest.events import DecodedBatch, Rejection, RejectReason
 from kvredis.ingest.planner import Planner, PodCaches
-from kvredis.ingest.sequencer import FastBatch, Sequencer
+from kvredis.ingest.sequencer import BatchGroup, Sequencer
 from kvredis.ingest.stream import StreamState
 from kvredis.ingest.transport import ReplayClient, ReplayFactory
 
@@ -52,12 +58,26 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _Stream:
-    """A publisher as the service holds it: sequencing state and the lock that orders it."""
+    """A publisher as the service holds it: the sequencing state of its streams and the lock
+    that orders them (one endpoint's messages are handled one at a time, in order)."""
 
     state: StreamState
+    """The stream the endpoint's last message went to (messages whose topic names no engine go
+    there too); at first the endpoint's own."""
     lock: threading.Lock = field(default_factory=threading.Lock)
     queued: int = 0
     """Messages received and not yet handled (guarded by the service's ``_idle`` lock)."""
+    states: dict[object, StreamState] = field(default_factory=dict)
+    """Every stream of the endpoint, by engine (``(pod, model)`` from the topic) or, for
+    TensorRT-LLM, by attention-DP rank."""
+    engine_key: object = None
+    """The engine the endpoint published last (``None``: none named yet)."""
+    subscribed: set[object] = field(default_factory=set)
+    """The streams of a polled endpoint whose stored watermark was read since
+    :meth:`EventIngester.start`."""
+
+    def all_states(self) -> list[StreamState]:
+        return [self.state, *(s for s in self.states.values() if s is not self.state)]
 
 
 _STOP = object()
@@ -191,6 +211,8 @@ class EventIngester:
                     "publisher its own stream name"
                 )
             self._streams[endpoint.endpoint] = _Stream(StreamState(endpoint))
+            if is_http_endpoint(endpoint.endpoint):
+                self._streams[endpoint.endpoint].states[0] = self._streams[endpoint.endpoint].state
             self._endpoints.append(endpoint)
 
     @property
@@ -287,11 +309,15 @@ class EventIngester:
     # -- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the workers and a ZMQ subscriber per configured endpoint."""
+        """Start the workers, a ZMQ subscriber per ZMQ endpoint and a poller per ``http://``
+        (trtllm-serve) endpoint."""
         if self._started:
             return
         self._stopping.clear()
         self._closed.clear()
+        with self._streams_lock:
+            for st in self._streams.values():
+                st.subscribed.clear()
         self._queues = [queue.Queue(self.config.queue_size) for _ in range(self.config.workers)]
         self._budgets = [_ByteBudget(self.config.queue_bytes) for _ in self._queues]
         self._workers = [
@@ -303,7 +329,8 @@ class EventIngester:
         for worker in self._workers:
             worker.start()
         self._started = True
-        real = [e for e in self._endpoints if "://" in e.endpoint]
+        polled = [e for e in self._endpoints if is_http_endpoint(e.endpoint)]
+        real = [e for e in self._endpoints if "://" in e.endpoint and e not in polled]
         if real:
             from kvredis.ingest.zmq import SubscriberOptions, ZmqSubscriber, new_context
 
@@ -313,6 +340,15 @@ class EventIngester:
                 sub = ZmqSubscriber(endpoint, self, self._context, options)
                 sub.start()
                 self._receivers.append(sub)
+        if polled:
+            from kvredis.ingest.http import PollerOptions, TrtllmPoller
+
+            for endpoint in polled:
+                poller = TrtllmPoller(
+                    endpoint, self, PollerOptions(max_answer_bytes=self.config.queue_bytes)
+                )
+                poller.start()
+                self._receivers.append(poller)
 
     def stop(self, drain: bool = True, timeout: float = 30.0) -> bool:
         """Stop receiving; apply what was received (``drain``) or drop it; join the workers.
@@ -376,11 +412,13 @@ class EventIngester:
         return True
 
     def stream_lags(self) -> dict[str, int]:
-        """Per watermark stream, messages received and not yet applied (queued or in progress)."""
+        """Per endpoint, by its stream name, messages received and not yet applied (queued or
+        in progress): an endpoint's engines (with the pod taken from the topic) and
+        attention-DP ranks (TensorRT-LLM) share its queue."""
         with self._streams_lock:
             streams = list(self._streams.values())
         with self._idle:
-            return {st.state.name: st.queued for st in streams}
+            return {st.state.endpoint.stream_name: st.queued for st in streams}
 
     def status_line(self) -> str:
         """A one-line summary of the counters (what the CLI logs periodically)."""
@@ -418,74 +456,104 @@ class EventIngester:
             streams = list(self._streams.values())
         self._backend.close_replays()
         for st in streams:
-            st.state.has_replay = None
+            for state in st.all_states():
+                state.has_replay = None
 
     # -- workers ---------------------------------------------------------------------------
 
     def _handle(self, st: _Stream, topic: object, seq: int, payload: object) -> BatchOutcome:
         with st.lock:
-            steps = self._sequencer.on_message(st.state, topic, seq, payload)
+            state, decoded = self._route(st, topic, payload)
+            steps = self._sequencer.on_message(state, topic, seq, payload, decoded)
             return drive(steps, self._backend.perform)
+
+    def _route(
+        self,
+        st: _Stream,
+        topic: object,
+        payload: object,
+        before_io: Callable[[], None] | None = None,
+    ) -> tuple[StreamState, DecodedBatch | None]:
+        """The stream a message of endpoint ``st`` belongs to, and its payload when routing
+        had to decode it. ``before_io`` runs before routing performs an index action (the
+        clear of an engine replaced on a topic-named endpoint)."""
+        endpoint = st.state.endpoint
+        if is_http_endpoint(endpoint.endpoint):
+            return self._rank_stream(st, payload)
+        if endpoint.identified_by_topic:
+            return self._topic_stream(st, topic, before_io), None
+        return st.state, None
+
+    def _topic_stream(
+        self, st: _Stream, topic: object, before_io: Callable[[], None] | None = None
+    ) -> StreamState:
+        """The stream of the engine ``topic`` names (``kv@<pod>@<model>``); a change of engine
+        clears the previous engine's pod, on its own stream."""
+        if not isinstance(topic, (bytes, bytearray)) or not topic:
+            return st.state
+        endpoint = st.state.endpoint
+        pod, model = st.state.identity(bytes(topic))
+        if pod is None:
+            return st.state
+        key = (pod, model)
+        if key == st.engine_key:
+            return st.state
+        state = st.states.get(key)
+        if state is None:
+            state = StreamState(endpoint, stream=endpoint.topic_stream_name(pod, model))
+            st.states[key] = state
+        previous, previous_key = st.state, st.engine_key
+        st.state, st.engine_key = state, key
+        if previous_key is not None and previous is not state:
+            if before_io is not None:
+                before_io()
+            drive(self._sequencer.on_replaced(previous), self._backend.perform)
+        return state
+
+    def _rank_stream(self, st: _Stream, payload: object) -> tuple[StreamState, DecodedBatch]:
+        """A TensorRT-LLM event's stream (its attention-DP rank's) and the event, decoded. A
+        drained source hands each event out once: the stored watermark read before a stream's
+        first event in this run covers only events handed out before, as a subscription's."""
+        base = st.states[0]
+        decoded = base.decode(payload)
+        rank = decoded.data_parallel_rank or 0
+        state = st.states.get(rank)
+        if state is None:
+            endpoint = base.endpoint
+            state = StreamState(endpoint, stream=f"{endpoint.stream_name}#dp{rank}")
+            st.states[rank] = state
+        st.state = state
+        if rank not in st.subscribed:
+            st.subscribed.add(rank)
+            drive(self._sequencer.on_subscribe(state), self._backend.perform)
+        return state, decoded
 
     def _handle_many(
         self, items: Sequence[tuple[_Stream, object, int, object]]
     ) -> list[BatchOutcome]:
-        """Handle messages in order, applying the fast batches among them together (see
-        :meth:`Sequencer.plan_fast`): a group is applied before any message that needs more
-        (a lookup, a clear, a gap, a restart) is handled, so the index sees every message's
-        effect in order."""
-        outcomes: list[BatchOutcome | None] = [None] * len(items)
-        group: list[tuple[int, FastBatch]] = []
+        """Handle messages in order, applying the fast batches among them together
+        (:class:`~kvredis.ingest.sequencer.BatchGroup`): a group is applied before any message
+        that needs more (a lookup, a clear, a gap, a restart, another engine on an endpoint) is
+        handled, so the index sees every message's effect in order."""
+        group = BatchGroup(
+            self._sequencer,
+            self._backend.perform,
+            self._backend.apply_steps,
+            self.config.max_batches_per_call,
+        )
         held: list[_Stream] = []
-        seqr = self._sequencer
-        limit = self.config.max_batches_per_call
         try:
-            for i, (st, topic, seq, payload) in enumerate(items):
+            for number, (st, topic, seq, payload) in enumerate(items):
                 if not any(st is h for h in held):
                     st.lock.acquire()
                     held.append(st)
-                fast = seqr.plan_fast(st.state, topic, seq, payload) if limit > 1 else None
-                if fast is None:
-                    self._apply_group(group, outcomes)
-                    group = []
-                    steps = seqr.on_message(st.state, topic, seq, payload)
-                    outcomes[i] = drive(steps, self._backend.perform)
-                    continue
-                group.append((i, fast))
-                if len(group) >= limit:
-                    self._apply_group(group, outcomes)
-                    group = []
-            self._apply_group(group, outcomes)
+                state, decoded = self._route(st, topic, payload, group.flush)
+                group.handle(number, state, topic, seq, payload, decoded)
+            group.flush()
         finally:
             for st in held:
                 st.lock.release()
-        return [BatchOutcome.FAILED if o is None else o for o in outcomes]
-
-    def _apply_group(
-        self, group: Sequence[tuple[int, FastBatch]], outcomes: list[BatchOutcome | None]
-    ) -> None:
-        """Apply fast batches together; a stream whose batch did not apply (or may not have)
-        gets that batch and its later ones undone and handled again by the slow path."""
-        if not group:
-            return
-        seqr = self._sequencer
-        try:
-            verdicts: list[bool] | None = self._backend.apply_steps([f.step for _, f in group])
-        except (Abandoned, Failed) as exc:
-            logger.warning("applying %d batches together failed: %s", len(group), exc)
-            verdicts = None
-        redo: dict[int, list[tuple[int, FastBatch]]] = {}
-        for j, (i, fast) in enumerate(group):
-            key = id(fast.st)
-            if key not in redo and verdicts is not None and verdicts[j]:
-                outcomes[i] = seqr.finish_fast(fast)
-            else:
-                redo.setdefault(key, []).append((i, fast))
-        for again in redo.values():
-            for _, fast in reversed(again):
-                seqr.undo_fast(fast)
-            for i, fast in again:
-                outcomes[i] = drive(seqr.resequence(fast), self._backend.perform)
+        return [group.outcomes.get(n, BatchOutcome.FAILED) for n in range(len(items))]
 
     def _enqueue(
         self, st: _Stream, topic: bytes, seq: int, payload: bytes, timeout: float | None

@@ -40,8 +40,17 @@ from typing import Any, Literal
 from kvredis._version import __version__
 from kvredis.errors import BackendError, BackendUnavailableError, ConfigError
 from kvredis.redis.layout import LAYOUT_VERSION
-from kvredis.redis.requests import Command, ErrorReply, Op, ScriptCall
-from kvredis.redis.scripts import INCLUDES, Script, ScriptRegistry, expand, lua_sources
+from kvredis.redis.requests import Command, ErrorReply, Op, ScriptCall, error_reply
+from kvredis.redis.scripts import (
+    INCLUDES,
+    Missing,
+    Script,
+    ScriptRegistry,
+    expand,
+    lua_sources,
+    missing_callee,
+)
+from kvredis.redis.scripts import NOT_FOUND as NOT_FOUND
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +66,6 @@ PREFIX = "kvredis_"
 VERSION_FUNCTION = f"{PREFIX}version"
 #: Version of the function protocol (keys, arguments, replies, error codes): docs/protocol.md.
 API_VERSION = 1
-#: Text a server answers a call of a function it does not have with (``ERR Function not found``).
-NOT_FOUND = "function not found"
 
 _INCLUDE_RE = re.compile(r"^--@include\s+\S+\s*$", re.MULTILINE)
 _SHEBANG_RE = re.compile(r"\A#!lua flags=(\S*)[^\n]*\n")
@@ -205,12 +212,6 @@ def plan(reply: Any, library: Library) -> Plan:
     return Plan.USE if theirs > ours else Plan.LOAD
 
 
-def not_found(message: str) -> bool:
-    """Whether an error reply says the called function does not exist (a flushed server, a
-    replica that never got the library)."""
-    return NOT_FOUND in message.lower()
-
-
 def check_use_functions(value: object) -> UseFunctions:
     """``value`` as a ``use_functions`` setting, or :class:`~kvredis.errors.ConfigError`."""
     if value is True or value is False or value == "auto":
@@ -218,11 +219,13 @@ def check_use_functions(value: object) -> UseFunctions:
     raise ConfigError(f'use_functions must be true, false or "auto", got {value!r}')
 
 
-def _refusal(message: str) -> bool:
-    """Whether an error reply means the server or the ACL user does not offer FUNCTION/FCALL
-    (no such command, or the command not permitted: a refused key is no such reply), so that
-    only EVALSHA is left."""
-    text = message.lower()
+def _refusal(reply: object) -> bool:
+    """Whether ``reply`` is an error reply meaning the server or the ACL user does not offer
+    FUNCTION/FCALL (no such command, or the command not permitted: a refused key is no such
+    reply), so that only EVALSHA is left."""
+    if not isinstance(reply, ErrorReply):
+        return False
+    text = reply.message.lower()
     if "unknown command" in text:
         return True
     return "permissions" in text and any(f"'{verb}" in text for verb in ("fcall", "function"))
@@ -247,31 +250,32 @@ class FunctionRegistry(ScriptRegistry):
         self.active = False
         self._fell_back = False
 
-    def evalsha(self, call: ScriptCall) -> Command:
+    def call_command(self, call: ScriptCall) -> Command:
         """``FCALL_RO`` (a ``no-writes`` function) or ``FCALL`` of ``call``'s function while
         the library is in use, else ``EVALSHA``."""
         reads = self.library.reads
         if not self.active or call.script not in reads:
-            return super().evalsha(call)
+            return super().call_command(call)
         if call.read and not reads[call.script]:
             raise BackendError(f"function {call.script} may write: it cannot be sent as a read")
         verb = "FCALL_RO" if reads[call.script] else "FCALL"
         keys = call.keys
         return Command((verb, function_name(call.script), len(keys), *keys, *call.args), call.read)
 
-    def load(self, name: str, read: bool = False) -> Command:
+    def load_command(self, name: str, read: bool = False) -> Command:
         """While the library is in use: ``FUNCTION LOAD REPLACE`` of the whole library, sent
         to the primary (a replica refuses it, and gets the library by replication)."""
         if not self.active:
-            return super().load(name, read)
-        return self.load_library()
+            return super().load_command(name, read)
+        return self.function_load_command()
 
-    def load_library(self) -> Command:
+    def function_load_command(self) -> Command:
         """The ``FUNCTION LOAD REPLACE`` command of the library."""
         return Command(("FUNCTION", "LOAD", "REPLACE", self.library.code))
 
     def check_loaded(self, name: str, reply: Any) -> None:
-        """Check the reply of :meth:`load` (the library's name after ``FUNCTION LOAD``)."""
+        """Check the reply of :meth:`load_command` (the library's name after ``FUNCTION
+        LOAD``)."""
         if not self.active:
             super().check_loaded(name, reply)
             return
@@ -279,14 +283,16 @@ class FunctionRegistry(ScriptRegistry):
         if got != LIBRARY:
             raise BackendError(f"FUNCTION LOAD answered {got!r}, expected {LIBRARY!r}")
 
-    def missing(self, message: str) -> bool:
-        """``NOSCRIPT``, or a function the server does not have."""
-        return super().missing(message) or (self.active and not_found(message))
+    def missing(self, reply: object) -> bool:
+        """``NOSCRIPT``, or (while the library is in use) a function the server does not have
+        (:func:`~kvredis.redis.scripts.missing_callee`)."""
+        lacked = missing_callee(reply)
+        return lacked is Missing.SCRIPT or (self.active and lacked is Missing.FUNCTION)
 
-    def refused(self, message: str) -> bool:
-        """While the library is in use: whether ``message`` (an error reply to ``FCALL`` or
-        ``FUNCTION LOAD``) says the server or the ACL user does not offer functions."""
-        return self.active and self.use is not True and _refusal(message)
+    def refused(self, reply: object) -> bool:
+        """While the library is in use: whether ``reply`` (to ``FCALL`` or ``FUNCTION LOAD``)
+        is an error reply saying the server or the ACL user does not offer functions."""
+        return self.active and self.use is not True and _refusal(reply)
 
     def fall_back(self, message: str) -> None:
         """Keep to ``EVALSHA`` from now on (logged once); with ``use=True`` an error."""
@@ -312,8 +318,9 @@ class FunctionRegistry(ScriptRegistry):
         """Decide how calls are sent (what connecting does): ask ``kvredis_version``, load the
         library when it is missing or older (:func:`plan`), and fall back to ``EVALSHA`` when
         the server or the ACL user does not offer functions. Yields plain commands; run it with
-        :func:`kvredis.redis.ops.op_drive` (error replies arrive as
-        :mod:`kvredis.errors` exceptions)."""
+        :func:`kvredis.redis.session.op_drive`, or on raw replies: an error reply is read as it
+        came (:func:`~kvredis.redis.requests.error_reply`), whether it arrives raw or as the
+        :mod:`kvredis.errors` exception made of it)."""
         if self.use is False or self._fell_back:
             self.active = False
             return
@@ -321,8 +328,8 @@ class FunctionRegistry(ScriptRegistry):
             reply = yield Command(("FCALL_RO", VERSION_FUNCTION, 0))
         except BackendUnavailableError:
             raise
-        except BackendError as exc:
-            if not not_found(str(exc)):
+        except (ErrorReply, BackendError) as exc:
+            if missing_callee(error_reply(exc)) is not Missing.FUNCTION:
                 self._use_scripts(f"{server} refused FCALL_RO {VERSION_FUNCTION}: {exc}")
                 return
             reply = None
@@ -332,11 +339,11 @@ class FunctionRegistry(ScriptRegistry):
             return
         if action is Plan.LOAD:
             try:
-                loaded = yield self.load_library()
+                loaded = yield self.function_load_command()
             except BackendUnavailableError:
                 raise
-            except BackendError as exc:
-                if not _refusal(str(exc)):
+            except (ErrorReply, BackendError) as exc:
+                if not _refusal(error_reply(exc)):
                     raise
                 if reply is None or parse_version(reply)[1] != API_VERSION:
                     self._use_scripts(f"{server} refused FUNCTION LOAD of {LIBRARY}: {exc}")
@@ -358,19 +365,15 @@ class FunctionRegistry(ScriptRegistry):
         self.active = True
 
 
-def _version_or_none(text: str) -> None:
-    if not not_found(text):
-        raise BackendError(f"{VERSION_FUNCTION} failed: {text}")
-
-
 def op_server_library() -> Op[tuple[str, int, str, str, str] | None]:
     """The version of the library a server holds (see :func:`parse_version`), ``None`` when it
     holds none. Error replies may arrive as :class:`~kvredis.redis.requests.ErrorReply` or as
-    :mod:`kvredis.errors` exceptions."""
+    :mod:`kvredis.errors` exceptions (read as the reply they were made of)."""
     try:
         reply = yield Command(("FCALL_RO", VERSION_FUNCTION, 0))
     except (ErrorReply, BackendError) as exc:
-        _version_or_none(str(exc))
+        if missing_callee(error_reply(exc)) is not Missing.FUNCTION:
+            raise BackendError(f"{VERSION_FUNCTION} failed: {exc}") from None
         return None
     return parse_version(reply)
 

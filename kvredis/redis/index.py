@@ -20,18 +20,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import redis
 import redis.asyncio
 
 from kvredis.batch import Batch, IndexOp, Watermark
 from kvredis.checks import check_selection
-from kvredis.errors import ConfigError, NamespaceMissingError
+from kvredis.errors import ConfigError
 from kvredis.index import Progress
-from kvredis.redis.cluster.index import AsyncRedisClusterIndex, RedisClusterIndex
-from kvredis.redis.config import DEFAULT_VALKEY_ADDRESS, RedisIndexConfig, check_supported
+from kvredis.redis.config import RedisIndexConfig, check_supported
 from kvredis.redis.executor import AsyncExecutor, SyncExecutor
 from kvredis.redis.functions import FunctionRegistry
 from kvredis.redis.ops import (
@@ -52,7 +50,7 @@ from kvredis.redis.ops import (
 )
 from kvredis.redis.requests import Op
 from kvredis.redis.scripts import ScriptRegistry
-from kvredis.redis.session import RetryPolicy, Session, op_drive
+from kvredis.redis.session import RetryPolicy, Session
 from kvredis.redis.state import CoreState
 from kvredis.types import Entries, Keys, KeyType, Lookup, Pods
 
@@ -87,6 +85,7 @@ class _Facade:
             RetryPolicy(cfg.retries, cfg.retry_backoff, cfg.server()),
         )
         self._session.state.address = cfg.parsed_address().display
+        self._session.state.wait_for_namespace = cfg.wait_for_namespace
 
     def _op(self, factory: Callable[[CoreState], Op[T]]) -> Op[T]:
         """The operation ``factory(state)``, run with namespace loading and stale reloads."""
@@ -370,62 +369,17 @@ class AsyncRedisIndex(_Facade):
         await self.aclose()
 
 
-def new_redis_index(config: RedisIndexConfig | None = None) -> RedisIndex | RedisClusterIndex:
-    """A :class:`RedisIndex` (default: ``redis://127.0.0.1:6379``, namespace ``kvblock``), or a
-    :class:`~kvredis.redis.cluster.index.RedisClusterIndex` for a cluster config."""
-    if config is not None and config.cluster:
-        return RedisClusterIndex(config)
-    return RedisIndex(config)
+#: The factories, which pick the cluster index for a cluster config, are in
+#: :mod:`kvredis.redis.factories` (this module knows no cluster); imports of them from here work.
+_FACTORIES = frozenset(
+    {"new_redis_index", "new_valkey_index", "new_async_redis_index", "drop_namespace"}
+)
 
 
-def new_valkey_index(config: RedisIndexConfig | None = None) -> RedisIndex | RedisClusterIndex:
-    """:func:`new_redis_index` on Valkey (default: ``valkey://127.0.0.1:6379``, backend
-    "valkey")."""
-    if config is None:
-        config = RedisIndexConfig(address=DEFAULT_VALKEY_ADDRESS, backend_type="valkey")
-    elif config.backend_type != "valkey":
-        config = replace(config, backend_type="valkey")
-    return new_redis_index(config)
+def __getattr__(name: str) -> Any:
+    """The factories' old place (PEP 562): loaded from :mod:`kvredis.redis.factories`."""
+    if name in _FACTORIES:
+        from kvredis.redis import factories
 
-
-def new_async_redis_index(
-    config: RedisIndexConfig | None = None,
-) -> AsyncRedisIndex | AsyncRedisClusterIndex:
-    """The asyncio index for ``config`` (:class:`AsyncRedisIndex`, or
-    :class:`~kvredis.redis.cluster.index.AsyncRedisClusterIndex` for a cluster config), not
-    connected yet: ``await index.connect()``, ``async with``, or the first call connects."""
-    if config is not None and config.cluster:
-        return AsyncRedisClusterIndex(config)
-    return AsyncRedisIndex(config)
-
-
-def drop_namespace(config: RedisIndexConfig) -> int:
-    """Delete every key of the namespace of ``config``, whatever its layout (also one of an
-    earlier or later kvredis, which :class:`RedisIndex` refuses to open, and one whose drop was
-    cut short); returns the number of keys deleted, 0 when there was no namespace.
-
-    The same steps as :meth:`RedisIndex.drop_namespace` (the generation becomes a tombstone
-    first, so no client writes meanwhile), without loading the namespace; on a cluster address,
-    :meth:`~kvredis.redis.cluster.index.RedisClusterIndex.drop_namespace`.
-    """
-    if not isinstance(config, RedisIndexConfig):
-        raise ConfigError(f"config must be a RedisIndexConfig, got {config!r}")
-    if config.cluster:
-        try:
-            cluster = RedisClusterIndex(config, create=False)
-        except NamespaceMissingError:
-            return 0
-        try:
-            return cluster.drop_namespace()
-        finally:
-            cluster.close()
-    check_supported(config)
-    state = CoreState(config.namespace, config.bucket_bits)
-    session = Session(
-        state, ScriptRegistry(), RetryPolicy(config.retries, config.retry_backoff, config.server())
-    )
-    executor = SyncExecutor(config)
-    try:
-        return executor.run(op_drive(session, op_drop_namespace(state)))
-    finally:
-        executor.close()
+        return getattr(factories, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -59,6 +59,7 @@ from kvredis.errors import (
 )
 from kvredis.index import ClearProgress
 from kvredis.redis.codec import (
+    HASH_WIDTH,
     ID_WIDTH,
     bytes_text,
     decode_entry,
@@ -67,6 +68,7 @@ from kvredis.redis.codec import (
     pack_hashes,
     text_bytes,
 )
+from kvredis.redis.config import DEFAULT_CLEAR_FIELDS_PER_CALL
 from kvredis.redis.layout import EXPIRY_FIELD, EXPIRY_KEY, LAYOUT_VERSION, Layout
 from kvredis.redis.program import (
     CALL_BUDGET,
@@ -84,6 +86,7 @@ from kvredis.redis.requests import (
     Op,
     Pipeline,
     ScriptCall,
+    Sleep,
 )
 from kvredis.redis.session import (
     Session,
@@ -92,7 +95,12 @@ from kvredis.redis.session import (
     op_drive,
     op_send,
 )
-from kvredis.redis.state import CoreState, EntryCache
+from kvredis.redis.state import (
+    CoreState,
+    EntryCache,
+    namespace_missing_error,
+    refused_by_acl,
+)
 from kvredis.scoring import DEFAULT_MEDIUM_WEIGHTS, UNKNOWN_TIER_WEIGHT, LongestPrefixScorer
 from kvredis.types import Entries, Keys, KeyType, PodEntry, Pods
 
@@ -108,8 +116,6 @@ LOOKUP_KEYS_PER_CALL = 4096
 #: Request keys one ``score`` call walks at most; a longer chain is scored in parts, each sent
 #: only while a pod holds every key so far.
 SCORE_KEYS_PER_CALL = 4096
-#: Fields the clear loop aims to examine per script call (sizes the SCAN pages).
-DEFAULT_CLEAR_FIELDS_PER_CALL = 512
 #: Entry ids one ``reclaim`` call deletes at most.
 RECLAIM_IDS_PER_CALL = 1024
 
@@ -177,17 +183,56 @@ def op_load_namespace(state: CoreState, ping: bool = True) -> Op[Layout]:
     keys = Layout(state.namespace, state.bucket_bits, b"")
     for _ in range(LOAD_ATTEMPTS):
         reply = yield Command(("HMGET", keys.meta, "layout", "bucket_bits", "gen"))
-        if not all(reply):
-            reply = yield ScriptCall(
-                "namespace",
-                (keys.meta, keys.pi),
-                (LAYOUT_VERSION, state.bucket_bits, secrets.token_hex(8), state.expiry_mode),
-            )
+        if not all(reply) and state.wait_for_namespace > 0:
+            reply = yield from _op_wait_for_namespace(state, keys)
+        elif not all(reply):
+            try:
+                reply = yield ScriptCall(
+                    "namespace",
+                    (keys.meta, keys.pi),
+                    (LAYOUT_VERSION, state.bucket_bits, secrets.token_hex(8), state.expiry_mode),
+                )
+            except BackendError as exc:
+                if not refused_by_acl(str(exc)):
+                    raise
+                reply = yield Command(("HMGET", keys.meta, "layout", "bucket_bits", "gen"))
+                if not all(reply):  # still none, and this client may not make it
+                    raise namespace_missing_error(state, str(exc)) from None
         gen = reply[2] if isinstance(reply, (list, tuple)) and len(reply) == 3 else None
         if not (isinstance(gen, bytes) and gen.startswith(TOMBSTONE)):
             return state.adopt(reply)
         yield from _finish_drop(keys, gen)
     raise StaleNamespaceError(f"namespace {state.namespace!r} keeps being dropped; try again")
+
+
+#: The first and the longest pause between two reads of a namespace a client waits for.
+#: The first and the longest pause between reads of a namespace a client waits for.
+WAIT_FIRST_S = 0.05
+WAIT_LONGEST_S = 1.0
+
+
+def _op_wait_for_namespace(state: CoreState, keys: Layout) -> Op[Any]:
+    """Read the meta record until it exists, for at most ``state.wait_for_namespace`` seconds
+    (slept between reads, doubling up to :data:`WAIT_LONGEST_S`); never creates it. Raises
+    :class:`~kvredis.errors.NamespaceMissingError` when it did not appear in time."""
+    waited, pause = 0.0, WAIT_FIRST_S
+    logger.info(
+        "namespace %r does not exist yet%s: waiting up to %g s for its creator (an ingester, "
+        "kvredis restore)",
+        state.namespace,
+        f" at {state.address}" if state.address else "",
+        state.wait_for_namespace,
+    )
+    while True:
+        step = min(pause, state.wait_for_namespace - waited)
+        if step <= 0:
+            raise namespace_missing_error(state, None)
+        yield Sleep(step)
+        waited += step
+        pause = min(WAIT_LONGEST_S, pause * 2)
+        reply = yield Command(("HMGET", keys.meta, "layout", "bucket_bits", "gen"))
+        if all(reply):
+            return reply
 
 
 def op_expiry_mode(session: Session) -> Op[str]:
@@ -256,7 +301,8 @@ def op_lookup(
     found: dict[int, list[PodEntry]] = {}
     step, start = LOOKUP_KEYS_PER_CALL, 0
     while start < len(keys):
-        piece = chain if start == 0 and len(keys) <= step else chain[start * 8 : (start + step) * 8]
+        whole = start == 0 and len(keys) <= step
+        piece = chain if whole else chain[start * HASH_WIDTH : (start + step) * HASH_WIDTH]
         reply = yield ScriptCall(
             "lookup",
             (layout.meta, layout.pi, layout.pp, layout.sx),
@@ -266,7 +312,7 @@ def op_lookup(
         at = read_lookup_reply(cache, reply, keys, start, found)
         if walk_cut(reply) and at > start:  # stopped at the walk's work limit: walk on
             start = at
-        elif at - start < len(piece) // 8:
+        elif at - start < len(piece) // HASH_WIDTH:
             break
         else:
             start += step
@@ -338,7 +384,7 @@ def op_score(
     carried: list[Arg] = [0]  # the pods still in the race and their scores so far
     start = 0
     while start < len(keys):
-        piece = chain[start * 8 : (start + SCORE_KEYS_PER_CALL) * 8]
+        piece = chain[start * HASH_WIDTH : (start + SCORE_KEYS_PER_CALL) * HASH_WIDTH]
         reply = yield ScriptCall(
             "score",
             (layout.meta, layout.pi, layout.pp, layout.sx),
@@ -346,7 +392,7 @@ def op_score(
             read=True,
         )
         walked, cut, live = read_score_reply(reply, scores)
-        if not live or (walked < len(piece) // 8 and not cut) or walked == 0:
+        if not live or (walked < len(piece) // HASH_WIDTH and not cut) or walked == 0:
             break  # no pod left, or a key no pod holds
         start += walked
         carried = [len(live)]
@@ -377,7 +423,8 @@ def op_add(
     entries: Entries,
     ttl: float | None = None,
 ) -> Op[None]:
-    """``Index.add``: one ``add`` script call (one per :data:`CALL_BUDGET` of work)."""
+    """``Index.add``: one ``add`` script call (one per
+    :data:`~kvredis.redis.program.CALL_BUDGET` of work)."""
     eng, req, ents = check_add(engine_keys, request_keys, entries)
     seconds = check_ttl(ttl, ents)
     ttl_ms = 0 if seconds is None else max(1, math.ceil(seconds * 1000))

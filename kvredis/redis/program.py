@@ -129,8 +129,8 @@ class Program:
         """The program as smaller ones that, applied in order, do the same: of ``ops`` ops
         each; else (``ops`` 0) its first op's request keys in pieces of ``keys`` (its mappings
         with the last), then the other ops; else cut in two. Empty for one op that cannot be
-        split (an evict; :func:`op_parts` turns a refused evict by engine key into evicts by
-        request key)."""
+        split (an evict; :func:`~kvredis.redis.ops.op_parts` turns a refused evict by engine
+        key into evicts by request key)."""
         units, layout = self.units, self.layout
         if 0 < ops < len(units):
             return [program_of(layout, units[i : i + ops]) for i in range(0, len(units), ops)]

@@ -8,15 +8,20 @@ the first include line naming it (later lines naming it again are dropped), so i
 include each other; a cycle is an error. The SHA1 of every expanded script is computed locally,
 so the first call is already an EVALSHA.
 
-The registry only builds commands: ``EVALSHA`` for a :class:`~kvredis.redis.requests.ScriptCall`
-and ``SCRIPT LOAD`` for the reload after ``NOSCRIPT`` (its subclass
+The registry only builds commands, each method named after what it returns:
+:meth:`~ScriptRegistry.call_command` for a :class:`~kvredis.redis.requests.ScriptCall` (here its
+``EVALSHA``, :meth:`~ScriptRegistry.evalsha_command`) and :meth:`~ScriptRegistry.load_command`
+for the reload after ``NOSCRIPT`` (here ``SCRIPT LOAD``,
+:meth:`~ScriptRegistry.script_load_command`); its subclass
 :class:`kvredis.redis.functions.FunctionRegistry` sends the same calls as ``FCALL``/``FCALL_RO``
-of the ``kvredis`` function library). Sending them, and reloading on ``NOSCRIPT``, is the job of
-:func:`kvredis.redis.ops.op_send`. No I/O library is imported here.
+of the ``kvredis`` function library. Sending them, and reloading what the server lacks
+(:func:`missing_callee`), is the job of :func:`kvredis.redis.session.op_send`. No I/O library is
+imported here.
 """
 
 from __future__ import annotations
 
+import enum
 import functools
 import hashlib
 import importlib.resources
@@ -28,12 +33,37 @@ from pathlib import Path
 from typing import Any
 
 from kvredis.errors import BackendError
-from kvredis.redis.requests import Command, Op, ScriptCall
+from kvredis.redis.requests import Command, ErrorReply, Op, ScriptCall
 
 _INCLUDE_RE = re.compile(r"^--@include\s+(\S+)\s*$", re.MULTILINE)
 #: Folder (under ``lua/``) of the include files, and the prefix of their names in a source map.
 INCLUDES = "includes"
 _REPO_LUA = Path(__file__).resolve().parents[2] / "lua"
+#: Text a server answers a call of a function it does not have with (``ERR Function not found``).
+NOT_FOUND = "function not found"
+
+
+class Missing(enum.Enum):
+    """What a server lacked, by the error reply to a call of it."""
+
+    #: ``NOSCRIPT``: the script an ``EVALSHA`` named (a flush, a restart, a failover)
+    SCRIPT = "script"
+    #: ``ERR Function not found``: the function an ``FCALL`` named (no library loaded)
+    FUNCTION = "function"
+
+
+def missing_callee(reply: object) -> Missing | None:
+    """What the server lacks when ``reply`` is the error reply of a call of a script or function
+    it does not have; ``None`` for any other reply (not an error reply, or another error). The
+    one reading of such replies: the single-server session and the cluster's waves decide with
+    it whether loading and calling again helps (see :meth:`ScriptRegistry.missing`)."""
+    if not isinstance(reply, ErrorReply):
+        return None
+    if reply.code == "NOSCRIPT":
+        return Missing.SCRIPT
+    if NOT_FOUND in reply.message.lower():
+        return Missing.FUNCTION
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,41 +173,45 @@ class ScriptRegistry:
         """Names of the registered scripts."""
         return sorted(self._scripts)
 
-    def evalsha(self, call: ScriptCall) -> Command:
-        """The command that calls ``call``: its ``EVALSHA`` (:meth:`script_command`)."""
-        return self.script_command(call)
+    def call_command(self, call: ScriptCall) -> Command:
+        """The command that calls ``call`` the way calls are sent now: its ``EVALSHA``
+        (:meth:`evalsha_command`) here, ``FCALL``/``FCALL_RO`` for a function registry using
+        the library."""
+        return self.evalsha_command(call)
 
-    def script_command(self, call: ScriptCall) -> Command:
+    def evalsha_command(self, call: ScriptCall) -> Command:
         """The ``EVALSHA`` command of ``call`` (a read only for a ``no-writes`` script)."""
         keys, script = call.keys, self[call.script]
         if call.read and not script.no_writes:
             raise BackendError(f"script {call.script} may write: it cannot be sent as a read")
         return Command(("EVALSHA", script.sha, len(keys), *keys, *call.args), call.read)
 
-    def load(self, name: str, read: bool = False) -> Command:
-        """The command that loads what a call of ``name`` needs: :meth:`script_load`."""
-        return self.script_load(name, read)
+    def load_command(self, name: str, read: bool = False) -> Command:
+        """The command that loads what a call of ``name`` needs: :meth:`script_load_command`
+        here, ``FUNCTION LOAD`` for a function registry using the library."""
+        return self.script_load_command(name, read)
 
-    def script_load(self, name: str, read: bool = False) -> Command:
+    def script_load_command(self, name: str, read: bool = False) -> Command:
         """The ``SCRIPT LOAD`` command of script ``name`` (``read``: for the server a read
         call of it goes to, a replica maybe)."""
         return Command(("SCRIPT", "LOAD", self[name].source), read)
 
     def check_loaded(self, name: str, reply: Any) -> None:
-        """Check the reply of :meth:`load`: the server must hash the script as we did."""
+        """Check the reply of :meth:`load_command`: the server must hash the script as we did."""
         script = self[name]
         got = reply.decode() if isinstance(reply, bytes) else str(reply)
         if got != script.sha:
             raise BackendError(f"server hashed script {name} to {got}, expected {script.sha}")
 
-    def missing(self, message: str) -> bool:
-        """Whether the error reply ``message`` of a call says the server lacks what was called
-        (``NOSCRIPT``): loading it (:meth:`load`) and calling again helps."""
-        return message.startswith("NOSCRIPT")
+    def missing(self, reply: object) -> bool:
+        """Whether ``reply`` (to a call of :meth:`call_command`) is the error reply saying the
+        server lacks what was called (:func:`missing_callee`: here a script, ``NOSCRIPT``), so
+        that loading it (:meth:`load_command`) and calling again helps."""
+        return missing_callee(reply) is Missing.SCRIPT
 
-    def refused(self, message: str) -> bool:
-        """Whether the error reply ``message`` refuses the way calls are sent, where EVALSHA
-        (:meth:`script_command`) may still work; never, for EVALSHA itself."""
+    def refused(self, reply: object) -> bool:
+        """Whether ``reply`` is an error reply refusing the way calls are sent, where EVALSHA
+        (:meth:`evalsha_command`) may still work; never, for EVALSHA itself."""
         return False
 
     def fall_back(self, message: str) -> None:

@@ -44,7 +44,7 @@ from kvredis.redis.requests import (
     Sleep,
     TlsFailed,
 )
-from kvredis.redis.scripts import ScriptRegistry
+from kvredis.redis.scripts import Missing, ScriptRegistry, missing_callee
 from kvredis.redis.state import CoreState
 
 T = TypeVar("T")
@@ -115,7 +115,7 @@ def _load_scripts(registry: ScriptRegistry, names: Collection[str], read: bool =
     library is one load for every name)."""
     done: set[Command] = set()
     for name in sorted(names):
-        command = registry.load(name, read)
+        command = registry.load_command(name, read)
         if command not in done:
             done.add(command)
             registry.check_loaded(name, (yield command))
@@ -128,12 +128,12 @@ def _by_evalsha(registry: ScriptRegistry, call: ScriptCall, refusal: ErrorReply)
     try:
         for attempt in range(1, NOSCRIPT_ATTEMPTS + 1):
             try:
-                reply = yield registry.script_command(call)
+                reply = yield registry.evalsha_command(call)
                 break
             except ErrorReply as failure:
-                if not failure.code == "NOSCRIPT" or attempt == NOSCRIPT_ATTEMPTS:
+                if missing_callee(failure) is not Missing.SCRIPT or attempt == NOSCRIPT_ATTEMPTS:
                     raise
-            loaded = yield registry.script_load(call.script, call.read)
+            loaded = yield registry.script_load_command(call.script, call.read)
             ScriptRegistry.check_loaded(registry, call.script, loaded)
     except ErrorReply:
         raise refusal from None
@@ -144,16 +144,16 @@ def _by_evalsha(registry: ScriptRegistry, call: ScriptCall, refusal: ErrorReply)
 def _script_call(registry: ScriptRegistry, call: ScriptCall) -> Op[Any]:
     for attempt in range(1, NOSCRIPT_ATTEMPTS + 1):
         try:
-            return (yield registry.evalsha(call))
+            return (yield registry.call_command(call))
         except ErrorReply as failure:
-            if registry.refused(failure.message):
+            if registry.refused(failure):
                 return (yield from _by_evalsha(registry, call, failure))
-            if not registry.missing(failure.message) or attempt == NOSCRIPT_ATTEMPTS:
+            if not registry.missing(failure) or attempt == NOSCRIPT_ATTEMPTS:
                 raise
         try:
             yield from _load_scripts(registry, (call.script,), call.read)
         except ErrorReply as failure:
-            if not registry.refused(failure.message):
+            if not registry.refused(failure):
                 raise
             return (yield from _by_evalsha(registry, call, failure))
     raise AssertionError("unreachable")  # pragma: no cover
@@ -163,22 +163,20 @@ def _pipeline(registry: ScriptRegistry, items: Sequence[ScriptCall | Command]) -
     def wire(positions: Sequence[int]) -> Pipeline:
         return Pipeline(
             tuple(
-                registry.evalsha(item) if isinstance(item, ScriptCall) else item
+                registry.call_command(item) if isinstance(item, ScriptCall) else item
                 for item in (items[i] for i in positions)
             )
         )
 
     def retry(reply: Any) -> bool:
-        return isinstance(reply, ErrorReply) and (
-            registry.missing(reply.message) or registry.refused(reply.message)
-        )
+        return registry.missing(reply) or registry.refused(reply)
 
     replies = list((yield wire(range(len(items)))))
     for _ in range(NOSCRIPT_ATTEMPTS - 1):
         again = [i for i, reply in enumerate(replies) if retry(reply)]
         if not again:
             break
-        if any(registry.refused(replies[i].message) for i in again):
+        if any(registry.refused(replies[i]) for i in again):
             for i in again:  # one by one: each call finds its way (see _script_call)
                 item = items[i]
                 if isinstance(item, ScriptCall):
@@ -195,10 +193,13 @@ def _pipeline(registry: ScriptRegistry, items: Sequence[ScriptCall | Command]) -
 
 
 def op_send(session: Session, request: Request) -> Op[Any]:
-    """Send one request: scripts by EVALSHA with reload on NOSCRIPT, retries, error translation.
+    """Send one request: scripts by FCALL or EVALSHA with a reload of what the server lacks,
+    retries, error translation.
 
     A pipeline's reply is the list of its replies; a failed command in it fails the whole
-    request (every request is idempotent, so it may be sent again).
+    request (every request is idempotent, so it may be sent again). An error reply is raised as
+    its :mod:`kvredis.errors` exception (:func:`typed_error`), which carries the reply as it
+    came (:func:`~kvredis.redis.requests.error_reply`).
     """
     policy, registry = session.policy, session.registry
     attempt = 0
@@ -213,11 +214,20 @@ def op_send(session: Session, request: Request) -> Op[Any]:
             raise policy.unavailable(failure) from failure
         except (ConnectionLost, ErrorReply) as failure:
             if isinstance(failure, ErrorReply) and failure.code not in TRANSIENT_REPLIES:
-                raise translate(failure.message) from failure
+                raise typed_error(failure) from failure
             if attempt >= policy.retries:
                 raise policy.unavailable(failure) from failure
         yield Sleep(policy.delay(attempt))
         attempt += 1
+
+
+def typed_error(reply: ErrorReply) -> KVRedisError:
+    """The :mod:`kvredis.errors` exception of an error reply (:func:`kvredis.errors.translate`),
+    with the reply as its cause: what an operation decides from it, it reads from the reply
+    (:func:`~kvredis.redis.requests.error_reply`), not from the exception's message."""
+    exc = translate(reply.message)
+    exc.__cause__ = reply
+    return exc
 
 
 def op_drive(session: Session, op: Op[T]) -> Op[T]:

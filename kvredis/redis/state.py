@@ -18,6 +18,7 @@ from kvredis.errors import (
     BackendError,
     InvalidInputError,
     NamespaceLayoutError,
+    NamespaceMissingError,
     StaleNamespaceError,
 )
 from kvredis.redis.codec import ID_WIDTH, decode_entry
@@ -55,6 +56,34 @@ def migrate_command(namespace: str, address: str | None = None) -> str:
 def drop_command(namespace: str, address: str | None = None) -> str:
     """The command line that deletes ``namespace`` whatever its layout."""
     return f"`kvredis drop {_target(namespace, address)} --yes`"
+
+
+#: Words of a reply refusing a command to the ACL user (a command, or one a script ran).
+_REFUSALS = ("NOPERM", "no permissions", "can't run this command")
+
+
+def refused_by_acl(message: str) -> bool:
+    """Whether an error reply says the ACL user may not run what was sent."""
+    return any(word in message for word in _REFUSALS)
+
+
+def namespace_missing_error(state: CoreState, refusal: str | None) -> NamespaceMissingError:
+    """The error of a client that found no namespace and may not, or would not, create it:
+    ``refusal`` is the server's reply to the create (``None``: it waited in vain)."""
+    where = f" at {state.address}" if state.address else ""
+    head = f"namespace {state.namespace!r} does not exist yet{where}"
+    if refusal is None:
+        return NamespaceMissingError(
+            f"{head}: it did not appear within wait_for_namespace={state.wait_for_namespace:g} s; "
+            "an ingester (kvredis ingest) or kvredis restore creates it: check that one runs "
+            "with this namespace"
+        )
+    return NamespaceMissingError(
+        f"{head}, and this client may not create it (its ACL user only reads: "
+        f"{refusal.splitlines()[0][:160]}); an ingester (kvredis ingest) or kvredis restore "
+        "creates it. Start one first, or let this client wait for it: RedisIndexConfig("
+        "wait_for_namespace=SECONDS) (JSON waitForNamespace)"
+    )
 
 
 def layout_number(version: str) -> int | None:
@@ -186,6 +215,9 @@ class CoreState:
         self.expiry_mode = EXPIRY_KEY
         #: The server's address as shown to people (password masked), for error messages.
         self.address: str | None = None
+        #: Seconds a client that finds no namespace waits for its creator instead of creating
+        #: it (``RedisIndexConfig.wait_for_namespace``; 0: create it).
+        self.wait_for_namespace = 0.0
         self._current: tuple[Layout, EntryCache] | None = None
         self._lock = threading.Lock()
 

@@ -1,4 +1,4 @@
---[[ expiry: speculative entries added with a ttl (see the README, "Speculative entries").
+--[[ expiry: speculative entries added with a ttl (docs/design/expiry.md).
   They live apart from the request buckets, in expiring buckets <ns>:s:<bucket> (named like the
   request buckets; the prefix is the name of the gate key <ns>:sx without its last letter):
   field = 8-byte request key, value = items of 12 bytes, a 4-byte entry id and its 8-byte

@@ -15,6 +15,10 @@ local function list_only(list, set, width)
   return table.concat(kept)
 end
 
+-- The most definitions of the ids right above the client's floor one reply carries (besides
+-- those of the ids it holds), so a reply stays small while a client learns the dictionary.
+local DEFINITIONS_PER_CALL = 256
+
 -- meta: the namespace's {gen, next_id} (already checked against the client's generation);
 -- pi_key, pp_key, sx_key: its keys; rprefix, bits: its request buckets; floor: the id up to
 -- which the client knows every definition; pods: nil or the pod names of the filter; chain: the
@@ -24,7 +28,7 @@ local function lookup_chain(meta, pi_key, pp_key, sx_key, rprefix, bits, floor, 
                             spent)
   local rbucket = bucket_namer(rprefix, bits)
   local want_defs = tonumber(meta[2] or '0') > floor
-  local upto = math.min(tonumber(meta[2] or '0'), floor + 256)
+  local upto = math.min(tonumber(meta[2] or '0'), floor + DEFINITIONS_PER_CALL)
   if upto < floor then upto = floor end
   local allowed = nil
   if pods then allowed = pods_ids(pp_key, pods) end

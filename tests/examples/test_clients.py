@@ -16,7 +16,7 @@ import redis
 
 from kvredis import RedisIndexConfig
 from tests.examples.filled import MODEL, TOKENS, WEIGHTS, Filled, fill
-from tests.redis.test_acl_functions import NEWER, ROLES
+from tests.redis.test_acl_functions import PASSWORD, create, printed
 from tests.servers import RedisServer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,17 +96,11 @@ def test_the_go_client_runs_as_the_router_user(
     go_binary: Path, own_redis_server: RedisServer, filled: Filled
 ) -> None:
     admin = redis.Redis(port=own_redis_server.port)
-    line = ROLES["router"].replace("<ns>", filled.namespace).replace("<password>", "pw")
-    rules = [r for r in line.split()[3:]]
-    try:
-        admin.execute_command("ACL", "SETUSER", "router", "reset", *rules)
-    except redis.ResponseError:
-        admin.execute_command(
-            "ACL", "SETUSER", "router", "reset", *(r for r in rules if r not in NEWER)
-        )
+    try:  # the line `kvredis acl --role router NS` prints
+        user = create(admin, printed("router", filled.namespace))
     finally:
         admin.close()
-    got = _go(go_binary, own_redis_server, filled.namespace, "-user", "router", "-password", "pw")
+    got = _go(go_binary, own_redis_server, filled.namespace, "-user", user, "-password", PASSWORD)
     scores = got["scores"]
     assert isinstance(scores, dict)
     assert {pod: float(s) for pod, s in scores.items()} == filled.scores

@@ -171,8 +171,10 @@ def test_engine_restart_clears_and_resumes(engine: FakeEngine) -> None:
         c = ing.counters.snapshot()
         assert (c["restarts"], c["clears_restart"], c["gaps"]) == (1, 1, 0)
         assert c["connects"] >= 2 and c["disconnects"] >= 1
-        assert index.get_watermark(engine.endpoint) is not None
-        assert index.get_watermark(engine.endpoint).epoch == 1  # type: ignore[union-attr]
+        # the engine's stream: the endpoint's, and the engine its topic names
+        stream = f"{engine.endpoint}#kv@pod-a@model-a"
+        assert index.get_watermark(stream) is not None
+        assert index.get_watermark(stream).epoch == 1  # type: ignore[union-attr]
     finally:
         assert ing.stop()
 

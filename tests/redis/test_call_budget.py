@@ -31,6 +31,7 @@ from kvredis.index import apply_batches_in_turn
 from kvredis.redis import ops
 from kvredis.redis.cluster.shards import shard_of
 from kvredis.redis.cluster.writes import _part_args
+from kvredis.redis.layout import RUN_MAX, RUN_READ_COST, RUN_WORK_LIMIT, WALK_WORK_LIMIT
 from kvredis.redis.ops import walk_cut
 from kvredis.redis.requests import ScriptCall
 from kvredis.scoring import LongestPrefixScorer
@@ -46,11 +47,13 @@ from tests.redis.checks import check_findings
 pytestmark = pytest.mark.redis
 
 A, B, C = PodEntry("pod-a", "gpu"), PodEntry("pod-b", "gpu"), PodEntry("pod-c", "cpu")
-#: Each fragmented run below has 1024 ranges: a write may reach 3 of them
-#: (lua/includes/writes.lua), a walk 7 (lua/includes/walk.lua).
-CHAINS = 6
-WALK_CHAINS = 12
-RUN = 1024
+#: Each fragmented run below has RUN_MAX ranges: a write may reach WRITE_RUNS (3) of them
+#: (lua/includes/writes.lua), a walk WALK_RUNS (7: lua/includes/walk.lua).
+RUN = RUN_MAX
+WRITE_RUNS = RUN_WORK_LIMIT // (RUN + RUN_READ_COST)
+WALK_RUNS = WALK_WORK_LIMIT // (RUN + RUN_READ_COST)
+CHAINS = 2 * WRITE_RUNS
+WALK_CHAINS = WALK_RUNS + 5
 ENGINE = 10**12
 
 
@@ -72,7 +75,7 @@ class Fleet:
         return got, expected
 
     def fragment(self) -> None:
-        """Each chain stored by one add (one run), then every other key evicted: 1024 ranges."""
+        """Each chain stored by one add (one run), then every other key evicted: RUN ranges."""
         for chain in self.chains:
             self.both("add", [k + ENGINE for k in chain], chain, [A])
         evicts = [EvictOp(k, KeyType.REQUEST, (A,)) for c in self.chains for k in c[1::2]]
@@ -245,12 +248,12 @@ def test_the_server_refuses_an_over_budget_call_before_its_first_write(
     call = ops.add_call(program, 0)
     with pytest.raises(CallBudgetError, match="chain runs") as refused:
         send(index, call)
-    assert (refused.value.ops, refused.value.keys) == (0, 3)  # what fits: 3 runs' worth
+    assert (refused.value.ops, refused.value.keys) == (0, WRITE_RUNS)  # what fits: in runs
     assert raw_state(raw, ns) == before  # nothing written, not even the new entry's definition
     # one key fewer than the limit's worth of runs goes through in one call
-    fits = ops.add_call(ops.program_of(program.layout, [("A", keys[:3], [], [C])]), 0)
+    fits = ops.add_call(ops.program_of(program.layout, [("A", keys[:WRITE_RUNS], [], [C])]), 0)
     send(index, fits)
-    assert all(C in index.lookup([k])[k] for k in keys[:3])
+    assert all(C in index.lookup([k])[k] for k in keys[:WRITE_RUNS])
 
 
 def raw_state(raw: redis.Redis, namespace: str) -> dict[bytes, Any]:
@@ -284,7 +287,7 @@ def test_the_parts_of_one_node_call_share_the_write_limit(two: tuple[Fleet, Flee
     """``apply_shards`` runs one part per shard; the parts' run work adds up, so a call of many
     parts is bounded like one of many ops."""
     for fleet in two:
-        fleet.chains = fleet.chains[:3]  # 3 runs each: one part fits, two do not
+        fleet.chains = fleet.chains[:WRITE_RUNS]  # one part fits, two do not
         fleet.fragment()
     parts: list[Any] = []
     for fleet in two:
@@ -304,7 +307,7 @@ def test_the_parts_of_one_node_call_share_the_write_limit(two: tuple[Fleet, Flee
 
 def test_the_walks_of_one_node_call_share_the_walk_limit(two: tuple[Fleet, Fleet]) -> None:
     for fleet in two:
-        fleet.chains = chains_in(5, None)  # 5 runs each: one walk fits, two do not
+        fleet.chains = chains_in(WALK_RUNS // 2 + 1, None)  # one walk fits, two do not
         fleet.fragment()
     args: list[Any] = [0]
     for fleet in two:
@@ -315,7 +318,7 @@ def test_the_walks_of_one_node_call_share_the_walk_limit(two: tuple[Fleet, Fleet
     first = two[0].index._session.state.layout
     call = ScriptCall("lookup_shards", (first.meta, first.pi, first.pp, first.sx), args)
     whole, cut = send(two[0].index, call)
-    assert not walk_cut(whole) and len(whole) == 4  # 5 keys holding the same ids
+    assert not walk_cut(whole) and len(whole) == 4  # keys holding the same ids
     assert walk_cut(cut)  # stopped: the per-shard path walks that shard on
 
 

@@ -38,7 +38,7 @@ from kvredis.redis.functions import (
     shipped_library,
 )
 from kvredis.redis.layout import LAYOUT_VERSION
-from kvredis.redis.scripts import ScriptRegistry, lua_sources
+from kvredis.redis.scripts import Missing, ScriptRegistry, lua_sources, missing_callee
 from kvredis.redis.session import RetryPolicy, Session, op_drive, op_send
 from kvredis.redis.state import CoreState
 from tests.servers import RedisServer
@@ -149,7 +149,7 @@ class Tee:
             first = self._send(self.scripts, args)
             if isinstance(first, rq.ErrorReply) and first.code == "NOSCRIPT":
                 return first  # loaded, then sent again
-            second = self._send(self.functions, self.registry.evalsha(call).args)
+            second = self._send(self.functions, self.registry.call_command(call).args)
             assert _same(first) == _same(second), (name, first, second)
             self.compared[name] = self.compared.get(name, 0) + 1
             return first
@@ -431,16 +431,18 @@ def test_plan_of_each_version_reply() -> None:
 def test_calls_by_function_name_once_active() -> None:
     registry = FunctionRegistry()
     call = rq.ScriptCall("lookup", (b"k",), ("a",), read=True)
-    assert registry.evalsha(call).args[0] == "EVALSHA"
+    assert registry.call_command(call).args[0] == "EVALSHA"
     registry.active = True
-    assert registry.evalsha(call) == rq.Command(("FCALL_RO", "kvredis_lookup", 1, b"k", "a"), True)
+    fcall_ro = rq.Command(("FCALL_RO", "kvredis_lookup", 1, b"k", "a"), True)
+    assert registry.call_command(call) == fcall_ro
     write = rq.ScriptCall("add", (b"k",), ("a",))
-    assert registry.evalsha(write).args[:2] == ("FCALL", "kvredis_add")
-    assert registry.load("add").args[:3] == ("FUNCTION", "LOAD", "REPLACE")
-    assert not registry.load("lookup", read=True).read  # loads go to the primary
-    assert registry.missing("Function not found")
-    assert registry.missing("NOSCRIPT No matching script")
-    assert not registry.missing("KVREDIS_STALE namespace layout changed")
+    assert registry.call_command(write).args[:2] == ("FCALL", "kvredis_add")
+    assert registry.load_command("add").args[:3] == ("FUNCTION", "LOAD", "REPLACE")
+    assert not registry.load_command("lookup", read=True).read  # loads go to the primary
+    assert registry.missing(rq.ErrorReply("ERR Function not found"))
+    assert registry.missing(rq.ErrorReply("NOSCRIPT No matching script"))
+    assert not registry.missing(rq.ErrorReply("KVREDIS_STALE namespace layout changed"))
+    assert not registry.missing("NOSCRIPT No matching script")  # a reply, not an error reply
 
 
 def test_a_script_cannot_take_the_version_function_name() -> None:
@@ -498,6 +500,44 @@ def _active_session() -> Session:
     session = _functions_session()
     session.registry.active = True
     return session
+
+
+def test_what_a_server_lacks_is_read_from_its_reply() -> None:
+    """One reading of "the server lacks what was called", for the session and the cluster's
+    waves alike: by the reply's code (NOSCRIPT) or text (function not found), never by
+    anything but an error reply."""
+    assert missing_callee(rq.ErrorReply("NOSCRIPT No matching script.")) is Missing.SCRIPT
+    assert missing_callee(rq.ErrorReply("ERR Function not found")) is Missing.FUNCTION
+    assert missing_callee(rq.ErrorReply("ERR unknown command 'FCALL'")) is None
+    assert missing_callee(b"NOSCRIPT No matching script.") is None  # a reply, not an error
+    scripts, functions = ScriptRegistry(), FunctionRegistry()
+    function_missing = rq.ErrorReply("ERR Function not found")
+    assert not scripts.missing(function_missing) and not functions.missing(function_missing)
+    functions.active = True  # a missing function only matters while calls go by FCALL
+    assert functions.missing(function_missing)
+
+
+def test_connecting_reads_the_error_reply_not_the_exception_message() -> None:
+    """A reply that reached the library check typed (as a :mod:`kvredis.errors` exception) is
+    read as the reply it was made of: the check decides by the reply, whatever the exception
+    says."""
+    registry = FunctionRegistry()
+    op = registry.op_choose()
+    assert next(op).args[:2] == ("FCALL_RO", VERSION_FUNCTION)
+    typed = BackendError("the version function cannot be called")
+    typed.__cause__ = rq.ErrorReply("ERR Function not found")
+    assert op.throw(typed).args[:3] == ("FUNCTION", "LOAD", "REPLACE")  # missing: load it
+    with pytest.raises(StopIteration):
+        op.send(b"kvredis")
+    assert registry.active
+
+
+def test_an_error_reply_raised_typed_carries_the_reply() -> None:
+    session = _functions_session()
+    reply = rq.ErrorReply("ERR Function not found")
+    with pytest.raises(BackendError) as raised:
+        _drive(op_send(session, rq.Command(("FCALL_RO", VERSION_FUNCTION, 0))), [reply])
+    assert rq.error_reply(raised.value) is reply
 
 
 def test_a_missing_function_reloads_the_library_and_calls_again() -> None:

@@ -51,8 +51,8 @@ class Recorder:
         core = getattr(target, "core", None)
         self.registry = core.registry if core is not None else target.registry
         self.walked: list[int] = []
-        self._evalsha = self.registry.evalsha
-        self.registry.evalsha = self._record
+        self._call_command = self.registry.call_command
+        self.registry.call_command = self._record
 
     def _record(self, call: ScriptCall) -> Command:
         if call.script in ("score", "lookup"):
@@ -60,10 +60,10 @@ class Recorder:
             self.walked.append(len(blob) // 8)
         elif call.script == "lookup_shards":  # 9 arguments per shard, the blob last
             self.walked.append(sum(len(a) // 8 for a in call.args[9::9]))
-        return self._evalsha(call)
+        return self._call_command(call)
 
     def close(self) -> None:
-        self.registry.evalsha = self._evalsha
+        self.registry.call_command = self._call_command
 
 
 Fleet = tuple[Any, InMemoryIndex, list[int]]

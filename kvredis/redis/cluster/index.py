@@ -2,9 +2,9 @@
 :class:`AsyncRedisClusterIndex` (asyncio).
 
 Same methods and semantics as :class:`~kvredis.redis.index.RedisIndex`, except where a cluster
-cannot give single-step atomicity (see :mod:`kvredis.redis.cluster.ops` and the README, "Redis
-Cluster"). Both run the sans-IO cluster operations of :mod:`.ops` with the executors of
-:mod:`.executor`; nothing here knows about slots or redirections.
+cannot give single-step atomicity (see :mod:`kvredis.redis.cluster.ops` and
+``docs/design/cluster.md``). Both run the sans-IO cluster operations of :mod:`.ops` with the
+executors of :mod:`.executor`; nothing here knows about slots or redirections.
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ class _ClusterFacade:
             cfg.read_from_replicas,
         )
         core.wait_replicas = cfg.cluster_wait_replicas
+        core.wait_for_namespace = cfg.wait_for_namespace
         core.registry = FunctionRegistry(use=cfg.use_functions)
         core.wait_timeout_ms = max(1, int(cfg.socket_timeout * 500))
         return core

@@ -8,8 +8,8 @@ node: lookups and writes send one script call per node (``lua/lookup_shards.lua`
 call per involved node (:func:`op_shard_lookups`, :func:`op_node_writes`). Where the cached slot
 map is out of date, or a shard stale, those shards take the per-shard path: the single-server
 operation (:mod:`kvredis.redis.ops`, unchanged, with its NOSCRIPT reload, retries and stale
-reload) on each shard, run in lockstep by :func:`op_parallel`. The other operations (clear,
-drop, watermarks, request keys) always take it.
+reload) on each shard, run in lockstep by :func:`~kvredis.redis.cluster.core.op_parallel`. The
+other operations (clear, drop, watermarks, request keys) always take it.
 
 - lookup: every shard walks its part of the chain (in chain order) and stops at its first
   miss; the merge walks the whole chain and stops at the first key no shard reported. Exact,
@@ -69,9 +69,9 @@ from kvredis.redis.cluster.shards import (
     shards_of,
 )
 from kvredis.redis.cluster.writes import op_node_writes, unmap_mappings
-from kvredis.redis.codec import blob_hashes, hash_blob, pack_hashes
+from kvredis.redis.codec import HASH_WIDTH, blob_hashes, hash_blob, pack_hashes
+from kvredis.redis.config import DEFAULT_CLEAR_FIELDS_PER_CALL
 from kvredis.redis.ops import (
-    DEFAULT_CLEAR_FIELDS_PER_CALL,
     LOOKUP_KEYS_PER_CALL,
     batch_fence,
     op_clear_passes,
@@ -86,7 +86,6 @@ from kvredis.redis.ops import (
 )
 from kvredis.redis.requests import (
     Command,
-    ErrorReply,
     Op,
     Pipeline,
     ScriptCall,
@@ -175,8 +174,9 @@ def op_shard_lookups(
     The shards a node holds are walked by one ``lookup_shards`` call, so a wave costs one script
     call per node, not per shard. The slot map the calls are grouped by may be out of date
     (a slot moved, a failover): a call that meets a redirection or a failure, and a shard
-    whose generation changed, are walked again by the per-shard path (:func:`op_parallel`,
-    which follows redirections, reloads scripts and namespaces and retries)."""
+    whose generation changed, are walked again by the per-shard path
+    (:func:`~kvredis.redis.cluster.core.op_parallel`, which follows redirections, reloads
+    scripts and namespaces and retries)."""
     read = core.read_from_replicas
     pick = core.pick()
     slot_map = core.cluster.slot_map or (yield from op_refresh(core.cluster, core.policy.server))
@@ -198,7 +198,7 @@ def op_shard_lookups(
             part = groups[shard]  # checked by the caller
             call_args.append(hash_blob(part))
             caches.append((shard, cache))
-        call = core.registry.evalsha(ScriptCall("lookup_shards", call_keys, call_args))
+        call = core.registry.call_command(ScriptCall("lookup_shards", call_keys, call_args))
         commands.append(SlotCommand(core.slots[shards[0]], call.args))
         plan.append(caches)
     try:
@@ -210,7 +210,7 @@ def op_shard_lookups(
     reload: list[int] = []
     for caches, reply in zip(plan, replies, strict=True):
         if not isinstance(reply, list):
-            if isinstance(reply, ErrorReply) and core.registry.missing(reply.message):
+            if core.registry.missing(reply):
                 reload.append(caches[0][0])
             again += (shard for shard, _ in caches)
             continue
@@ -224,7 +224,7 @@ def op_shard_lookups(
             read_lookup_reply(cache, part, groups[shard], 0, found, shared)
             results[shard] = found
     if reload:
-        load = core.registry.load("lookup_shards", read)  # a function library: on primaries
+        load = core.registry.load_command("lookup_shards", read)  # a library: on primaries
         commands = [SlotCommand(core.slots[shard], load.args) for shard in reload]
         yield from op_wave(core.cluster, commands, core.wave_policy, read=load.read, pick=pick)
     if again:
@@ -343,7 +343,7 @@ def _mapping_page(cursor: int) -> Callable[[CoreState], Op[tuple[int, dict[int, 
             replies = yield Pipeline(tuple(Command(("HGETALL", k)) for k in keys))
             for reply in replies:
                 for field, value in _hash_items(reply):
-                    if len(field) == 8 and value and len(value) % 8 == 0:
+                    if len(field) == HASH_WIDTH and value and len(value) % HASH_WIDTH == 0:
                         mappings[int.from_bytes(field, "big")] = value
         return int(next_cursor), mappings
 

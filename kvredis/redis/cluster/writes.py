@@ -24,7 +24,7 @@ from kvredis.errors import (
     BackendOutOfMemoryError,
     BackendUnavailableError,
     CallBudgetError,
-    translate,
+    lua_error_code,
 )
 from kvredis.redis.cluster.core import (
     UNMAP_PER_CALL,
@@ -35,7 +35,6 @@ from kvredis.redis.cluster.core import (
     write_wave,
 )
 from kvredis.redis.cluster.routing import (
-    NON_LOCAL_KEY,
     SlotCommand,
     WaveOp,
     non_local_key,
@@ -75,11 +74,15 @@ from kvredis.redis.requests import (
 )
 from kvredis.redis.session import (
     TRANSIENT_REPLIES,
+    typed_error,
 )
 from kvredis.redis.state import CoreState
 from kvredis.types import Entries, Keys, KeyType
 
 T = TypeVar("T")
+
+#: The code of an error reply refusing a call as over budget (the client splits the call).
+OVER_BUDGET = lua_error_code(CallBudgetError)
 
 
 # -- writes ------------------------------------------------------------------------------------
@@ -179,11 +182,11 @@ def op_node_writes(
     each of ``probes`` (request keys, by shard) still holds an entry. Returns whether each
     shard took every part (False: its fence skipped the batch) and the held probes.
 
-    A node whose calls meet a redirection, a failure or a stale shard has its shards written
-    by the per-shard path instead (:func:`op_parallel`); parts sent again carry the same token,
-    so a part that did apply is recognised (fenced) or applies again as the set operation it
-    is (unfenced). So has, from that part on, a shard whose part met a key its node does not
-    serve now (the slot moved or is being migrated: the per-shard path follows it), and a
+    A node whose calls meet a redirection, a failure or a stale shard has its shards written by the
+    per-shard path instead (:func:`~kvredis.redis.cluster.core.op_parallel`); parts sent again carry
+    the same token, so a part that did apply is recognised (fenced) or applies again as the set
+    operation it is (unfenced). So has, from that part on, a shard whose part met a key its node
+    does not serve now (the slot moved or is being migrated: the per-shard path follows it), and a
     shard whose part the server refused as over budget: the per-shard path splits it
     (:func:`~kvredis.redis.ops.op_parts`) and adds to ``grown`` the parts the shard's batch
     gained."""
@@ -226,7 +229,7 @@ def op_node_writes(
                 calls[-1][2].extend(_part_args(program, part, last, ms))
                 cost += program.cost
         for keys, part_shards, args in calls:
-            call = core.registry.evalsha(ScriptCall("apply_shards", keys, [*head, *args]))
+            call = core.registry.call_command(ScriptCall("apply_shards", keys, [*head, *args]))
             commands.append(SlotCommand(slot, call.args))
             entries.append(("call", part_shards))
         for shard in shards:
@@ -258,15 +261,15 @@ def op_node_writes(
         for (kind, _), reply in zip(entries, node_replies, strict=True):
             if kind == "call" and not isinstance(reply, list):
                 node_ok = False
-                if isinstance(reply, ErrorReply):
-                    if core.registry.missing(reply.message):
-                        reload.append(core.slots[shards[0]])
-                    elif (
-                        reply.code not in TRANSIENT_REPLIES
-                        and not reply.message.startswith(("MOVED", "ASK"))
-                        and not non_local_key(reply)
-                    ):
-                        raise translate(reply.message)
+                if core.registry.missing(reply):
+                    reload.append(core.slots[shards[0]])
+                elif (
+                    isinstance(reply, ErrorReply)
+                    and reply.code not in TRANSIENT_REPLIES
+                    and not reply.message.startswith(("MOVED", "ASK"))
+                    and not non_local_key(reply)
+                ):
+                    raise typed_error(reply)
         if not node_ok:
             again += shards
             continue
@@ -278,7 +281,7 @@ def op_node_writes(
         for shard in shards:
             taken.setdefault(shard, True)
     if reload:
-        load = core.registry.load("apply_shards").args
+        load = core.registry.load_command("apply_shards").args
         yield from op_wave(
             core.cluster, [SlotCommand(slot, load) for slot in reload], core.wave_policy
         )
@@ -327,15 +330,14 @@ def _take_node_replies(
         for shard, one in zip(what, reply, strict=True):
             sent[shard] = sent.get(shard, 0) + 1
             if isinstance(one, bytes):  # the error that stopped this shard's part
-                message = one.decode("utf-8", "replace")
-                exc = translate(message)
+                failure = ErrorReply(one.decode("utf-8", "replace"))
                 # over budget: the per-shard path splits it; a key of the shard this node
                 # does not serve now (its slot moved or is migrating): the per-shard path
                 # follows the slot. The shard's parts after it in later calls of this
                 # pipeline were skipped (fenced) or applied early (unfenced): they are sent
                 # again after it, set operations ending as in order
-                if not isinstance(exc, CallBudgetError) and NON_LOCAL_KEY not in message:
-                    error = error or exc
+                if failure.code != OVER_BUDGET and not non_local_key(failure):
+                    error = error or typed_error(failure)
                 elif shard not in refused:
                     refused[shard] = sent[shard] - 1
                 one = 0

@@ -37,7 +37,7 @@ from kvredis.redis.cluster.shards import (
     shard_slot,
 )
 from kvredis.redis.cluster.slots import SLOT_COUNT, key_slot
-from kvredis.redis.index import new_async_redis_index, new_redis_index, new_valkey_index
+from kvredis.redis.factories import new_async_redis_index, new_redis_index, new_valkey_index
 from tests.redis.checks import check_findings
 from tests.servers import LocalCluster
 
