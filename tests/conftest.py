@@ -284,6 +284,12 @@ class SyncOverAsync:
             return factory()
 
         self.inner = self._loop.run(build())
+        if callable(getattr(self.inner, "apply_batches", None)):
+            # only an AsyncMultiBatchIndex offers it (isinstance checks look for the method)
+            self.apply_batches = self._apply_batches
+
+    def _apply_batches(self, batches: Sequence[Any]) -> list[bool]:
+        return self._loop.run(self.inner.apply_batches(batches))  # type: ignore[no-any-return]
 
     def lookup(
         self, request_keys: Sequence[int], pod_identifier_set: Collection[str] | None = None
@@ -337,11 +343,6 @@ class SyncOverAsync:
         self, ops: Sequence[Any], stream: str | None = None, watermark: Any = None
     ) -> bool:
         return self._loop.run(self.inner.apply_batch(ops, stream, watermark))  # type: ignore[no-any-return]
-
-    def apply_batches(self, batches: Sequence[Any]) -> list[bool]:
-        if not callable(getattr(self.inner, "apply_batches", None)):
-            raise AttributeError("apply_batches")
-        return self._loop.run(self.inner.apply_batches(batches))  # type: ignore[no-any-return]
 
     def get_watermark(self, stream: str) -> Any:
         return self._loop.run(self.inner.get_watermark(stream))

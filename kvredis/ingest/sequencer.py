@@ -237,6 +237,8 @@ class FastBatch:
     msg: _Message
     plan: BatchPlan
     step: ApplyStep
+    restore: Callable[[], None]
+    """Puts the pod's cache back as it was before this batch taught it."""
 
 
 PlanFn = Callable[[BatchRun], Steps[None]]
@@ -378,9 +380,9 @@ class Sequencer:
         st.pods.add(pod)
         st.ranks.add(decoded.data_parallel_rank or 0)
         ops = plan.take()
-        plan.commit_cache()
+        restore = plan.commit_cache_undoably()
         step = ApplyStep(ops, st.name, Watermark(st.epoch, stream_position(seq)))
-        return FastBatch(st, msg, plan, step)
+        return FastBatch(st, msg, plan, step, restore)
 
     def finish_fast(self, fast: FastBatch) -> BatchOutcome:
         """A fast batch's step applied: count it as :meth:`on_message` would have."""
@@ -392,9 +394,9 @@ class Sequencer:
         return BatchOutcome.APPLIED
 
     def undo_fast(self, fast: FastBatch) -> None:
-        """A fast batch's step did not apply (or is not known to have): forget what the pod's
-        cache learned from it and put the stream back before it."""
-        fast.plan.discard_cache()
+        """A fast batch's step did not apply (or is not known to have): put the pod's cache and
+        the stream back as they were before it."""
+        fast.restore()
         fast.st.last_seq = fast.msg.seq - 1
 
     def resequence(self, fast: FastBatch) -> Steps[BatchOutcome]:
