@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 from kvredis.errors import ConfigError, InvalidInputError
 from kvredis.groups import GroupCatalog
-from kvredis.index import BatchIndex, Index
+from kvredis.hashing.database import SchemedTokenProcessor
+from kvredis.index import BatchIndex, Index, SchemeIndex
 from kvredis.ingest.actions import BatchOutcome, drive
 from kvredis.ingest.backend import IndexBackend
 from kvredis.ingest.config import EndpointConfig, IngesterConfig
@@ -119,6 +120,9 @@ class EventIngester:
     ) -> None:
         self.index = index
         self.token_processor = token_processor
+        if isinstance(token_processor, SchemedTokenProcessor) and isinstance(index, SchemeIndex):
+            # the namespace records the scheme of the keys it holds (its first writer's)
+            index.check_block_key_scheme(token_processor.scheme, record=True)
         self.config = config or IngesterConfig()
         self.catalog = group_catalog if group_catalog is not None else GroupCatalog()
         self.counters = counters if counters is not None else IngestCounters()

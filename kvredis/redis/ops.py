@@ -47,6 +47,7 @@ from kvredis.errors import (
     NamespaceLayoutError,
     StaleNamespaceError,
 )
+from kvredis.hashing.config import BlockKeyScheme
 from kvredis.index import ClearProgress
 from kvredis.redis.codec import (
     ID_WIDTH,
@@ -56,7 +57,8 @@ from kvredis.redis.codec import (
     pack_hashes,
     text_bytes,
 )
-from kvredis.redis.layout import EXPIRY_FIELD, EXPIRY_KEY, LAYOUT_VERSION, Layout
+from kvredis.redis.functions import API_VERSION, namespace_call
+from kvredis.redis.layout import EXPIRY_FIELD, EXPIRY_KEY, Layout
 from kvredis.redis.program import (
     Program,
     Programs,
@@ -107,11 +109,11 @@ def op_run(session: Session, factory: Callable[[], Op[T]]) -> Op[T]:
     Loads the namespace first if this client has not loaded it yet.
     """
     if not session.state.loaded:
-        yield from op_drive(session, op_load_namespace(session.state, ping=False))
+        yield from op_drive(session, op_load_namespace(session.state, False, session.registry.api))
     try:
         return (yield from op_drive(session, factory()))
     except StaleNamespaceError:
-        yield from op_drive(session, op_load_namespace(session.state, ping=False))
+        yield from op_drive(session, op_load_namespace(session.state, False, session.registry.api))
         return (yield from op_drive(session, factory()))
 
 
@@ -129,8 +131,9 @@ def op_connect(session: Session, strict: bool = False) -> Op[Layout]:
     else:
         check_not_cluster(cluster_info, session.policy.server)
     session.state.expiry_mode = yield from op_expiry_mode(session)
-    yield from op_drive(session, session.registry.op_choose(session.policy.server))
-    layout = yield from op_drive(session, op_load_namespace(session.state, ping=False))
+    registry, state = session.registry, session.state
+    yield from op_drive(session, registry.op_choose(session.policy.server, state))
+    layout = yield from op_drive(session, op_load_namespace(state, False, registry.api))
     try:
         info = yield from op_send(session, Command(("INFO", "memory")))
     except BackendError as exc:  # INFO not permitted (ACL, renamed command): nothing to check
@@ -149,7 +152,9 @@ TOMBSTONE = b"dropping:"
 LOAD_ATTEMPTS = 4
 
 
-def op_load_namespace(state: CoreState, ping: bool = True) -> Op[Layout]:
+def op_load_namespace(
+    state: CoreState, ping: bool = True, api: int | None = API_VERSION
+) -> Op[Layout]:
     """Ping the server, then read the namespace's meta record (creating it if missing) and
     adopt it.
 
@@ -157,19 +162,20 @@ def op_load_namespace(state: CoreState, ping: bool = True) -> Op[Layout]:
     under ``maxmemory`` with ``noeviction`` when the namespace exists; only a missing record
     costs the (writing) ``namespace`` script. A drop in progress is finished first. A new
     namespace records how its expiring entries expire (``state.expiry_mode``, found by
-    :func:`op_expiry_mode` when the client connects).
+    :func:`op_expiry_mode` when the client connects), and ``api``, the protocol version of the
+    client's function library (see :func:`kvredis.redis.functions.namespace_call`).
     """
     if ping:
         yield Command(("PING",))
     keys = Layout(state.namespace, state.bucket_bits, b"")
     for _ in range(LOAD_ATTEMPTS):
-        reply = yield Command(("HMGET", keys.meta, "layout", "bucket_bits", "gen"))
+        fields = yield Command(("HMGET", keys.meta, "layout", "bucket_bits", "gen", "scheme"))
+        reply = list(fields[:3])
         if not all(reply):
-            reply = yield ScriptCall(
-                "namespace",
-                (keys.meta, keys.pi),
-                (LAYOUT_VERSION, state.bucket_bits, secrets.token_hex(8), state.expiry_mode),
-            )
+            scheme = None if state.scheme is None else state.scheme.text
+            reply = yield namespace_call(state, API_VERSION if api is None else api, scheme)
+        else:
+            state.check_scheme(fields[3] if len(fields) > 3 else None)
         gen = reply[2] if isinstance(reply, (list, tuple)) and len(reply) == 3 else None
         if not (isinstance(gen, bytes) and gen.startswith(TOMBSTONE)):
             return state.adopt(reply)
@@ -557,6 +563,24 @@ def batch_call(
             *program.ops,
         ],
     )
+
+
+def op_block_key_scheme(
+    state: CoreState, scheme: BlockKeyScheme, record: bool = False
+) -> Op[BlockKeyScheme | None]:
+    """Check ``scheme`` (the client's block key scheme) against the one the namespace records,
+    and from now on at every load of the namespace; with ``record``, record it first when the
+    namespace records none (the first writer's stays). The scheme recorded (None: none);
+    :class:`~kvredis.errors.BlockKeySchemeError` when it is another."""
+    if not isinstance(scheme, BlockKeyScheme):
+        raise InvalidInputError(f"scheme must be a BlockKeyScheme, got {scheme!r}")
+    state.scheme = scheme
+    meta = state.layout.meta
+    recorded = yield Command(("HGET", meta, "scheme"))
+    if not recorded and record:
+        yield namespace_call(state, API_VERSION, scheme.text)
+        recorded = yield Command(("HGET", meta, "scheme"))
+    return state.check_scheme(recorded)
 
 
 def op_get_watermark(state: CoreState, stream: str) -> Op[Watermark | None]:

@@ -21,7 +21,7 @@ import functools
 import hashlib
 import importlib.resources
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from importlib.abc import Traversable
 from pathlib import Path
@@ -29,6 +29,7 @@ from typing import Any
 
 from kvredis.errors import BackendError
 from kvredis.redis.requests import Command, Op, ScriptCall
+from kvredis.redis.state import CoreState
 
 _INCLUDE_RE = re.compile(r"^--@include\s+(\S+)\s*$", re.MULTILINE)
 #: Folder (under ``lua/``) of the include files, and the prefix of their names in a source map.
@@ -127,6 +128,12 @@ class ScriptRegistry:
     #: :class:`kvredis.redis.functions.FunctionRegistry` may).
     active: bool = False
 
+    @property
+    def api(self) -> int | None:
+        """The protocol version of the function library calls may go to (None: EVALSHA only;
+        a namespace this client creates then records the shipped one)."""
+        return None
+
     def __init__(self, scripts: Mapping[str, Script] | None = None) -> None:
         self._scripts: dict[str, Script] = dict(_shipped_scripts() if scripts is None else scripts)
 
@@ -183,8 +190,20 @@ class ScriptRegistry:
     def fall_back(self, message: str) -> None:
         """Keep to EVALSHA from now on, because of the refusal ``message``."""
 
-    def op_choose(self, server: str = "the server") -> Op[None]:
-        """Decide, when connecting to ``server``, how calls are sent: by EVALSHA here (see
-        :meth:`kvredis.redis.functions.FunctionRegistry.op_choose`)."""
+    def op_choose(self, server: str = "the server", state: CoreState | None = None) -> Op[None]:
+        """Decide, when connecting to ``server`` (for ``state``'s namespace), how calls are
+        sent: by EVALSHA here (see :meth:`kvredis.redis.functions.FunctionRegistry.op_choose`)."""
         return
         yield
+
+    def op_reload(
+        self, names: Collection[str], read: bool = False, state: CoreState | None = None
+    ) -> Op[None]:
+        """After calls of ``names`` missed what they call (:meth:`missing`): load it, each
+        distinct load command once (``read``: for the server a read call goes to)."""
+        done: set[Command] = set()
+        for name in sorted(names):
+            command = self.load(name, read)
+            if command not in done:
+                done.add(command)
+                self.check_loaded(name, (yield command))

@@ -110,15 +110,15 @@ class Session:
     policy: RetryPolicy
 
 
-def _load_scripts(registry: ScriptRegistry, names: Collection[str], read: bool = False) -> Op[None]:
-    """Load what the calls of ``names`` need, each distinct load command once (a function
-    library is one load for every name)."""
-    done: set[Command] = set()
-    for name in sorted(names):
-        command = registry.load(name, read)
-        if command not in done:
-            done.add(command)
-            registry.check_loaded(name, (yield command))
+def _load_scripts(
+    registry: ScriptRegistry,
+    names: Collection[str],
+    read: bool = False,
+    state: CoreState | None = None,
+) -> Op[None]:
+    """Load what the calls of ``names`` need (:meth:`ScriptRegistry.op_reload`: each script
+    once, or the function library once for every name, settled for ``state``'s namespace)."""
+    yield from registry.op_reload(names, read, state)
 
 
 def _by_evalsha(registry: ScriptRegistry, call: ScriptCall, refusal: ErrorReply) -> Op[Any]:
@@ -141,7 +141,9 @@ def _by_evalsha(registry: ScriptRegistry, call: ScriptCall, refusal: ErrorReply)
     return reply
 
 
-def _script_call(registry: ScriptRegistry, call: ScriptCall) -> Op[Any]:
+def _script_call(
+    registry: ScriptRegistry, call: ScriptCall, state: CoreState | None = None
+) -> Op[Any]:
     for attempt in range(1, NOSCRIPT_ATTEMPTS + 1):
         try:
             return (yield registry.evalsha(call))
@@ -151,7 +153,7 @@ def _script_call(registry: ScriptRegistry, call: ScriptCall) -> Op[Any]:
             if not registry.missing(failure.message) or attempt == NOSCRIPT_ATTEMPTS:
                 raise
         try:
-            yield from _load_scripts(registry, (call.script,), call.read)
+            yield from _load_scripts(registry, (call.script,), call.read, state)
         except ErrorReply as failure:
             if not registry.refused(failure.message):
                 raise
@@ -159,7 +161,9 @@ def _script_call(registry: ScriptRegistry, call: ScriptCall) -> Op[Any]:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _pipeline(registry: ScriptRegistry, items: Sequence[ScriptCall | Command]) -> Op[list[Any]]:
+def _pipeline(
+    registry: ScriptRegistry, items: Sequence[ScriptCall | Command], state: CoreState | None = None
+) -> Op[list[Any]]:
     def wire(positions: Sequence[int]) -> Pipeline:
         return Pipeline(
             tuple(
@@ -182,10 +186,11 @@ def _pipeline(registry: ScriptRegistry, items: Sequence[ScriptCall | Command]) -
             for i in again:  # one by one: each call finds its way (see _script_call)
                 item = items[i]
                 if isinstance(item, ScriptCall):
-                    replies[i] = yield from _script_call(registry, item)
+                    replies[i] = yield from _script_call(registry, item, state)
             continue
         calls = (items[i] for i in again)
-        yield from _load_scripts(registry, {c.script for c in calls if isinstance(c, ScriptCall)})
+        names = {c.script for c in calls if isinstance(c, ScriptCall)}
+        yield from _load_scripts(registry, names, False, state)
         for i, reply in zip(again, (yield wire(again)), strict=True):
             replies[i] = reply
     for reply in replies:
@@ -205,9 +210,9 @@ def op_send(session: Session, request: Request) -> Op[Any]:
     while True:
         try:
             if isinstance(request, ScriptCall):
-                return (yield from _script_call(registry, request))
+                return (yield from _script_call(registry, request, session.state))
             if isinstance(request, Pipeline):
-                return (yield from _pipeline(registry, request.items))
+                return (yield from _pipeline(registry, request.items, session.state))
             return (yield request)
         except (AuthenticationFailed, NotRedis, TlsFailed) as failure:
             raise policy.unavailable(failure) from failure

@@ -32,6 +32,7 @@ from kvredis.redis.functions import (
     VERSION_FUNCTION,
     FunctionRegistry,
     Plan,
+    api_argument,
     build_library,
     function_name,
     plan,
@@ -433,7 +434,10 @@ def test_calls_by_function_name_once_active() -> None:
     call = rq.ScriptCall("lookup", (b"k",), ("a",), read=True)
     assert registry.evalsha(call).args[0] == "EVALSHA"
     registry.active = True
-    assert registry.evalsha(call) == rq.Command(("FCALL_RO", "kvredis_lookup", 1, b"k", "a"), True)
+    marker = api_argument()
+    assert registry.evalsha(call) == rq.Command(
+        ("FCALL_RO", "kvredis_lookup", 1, b"k", "a", marker), True
+    )
     write = rq.ScriptCall("add", (b"k",), ("a",))
     assert registry.evalsha(write).args[:2] == ("FCALL", "kvredis_add")
     assert registry.load("add").args[:3] == ("FUNCTION", "LOAD", "REPLACE")
@@ -503,14 +507,19 @@ def _active_session() -> Session:
 def test_a_missing_function_reloads_the_library_and_calls_again() -> None:
     session = _active_session()
     call = rq.ScriptCall("ping", (), (), read=True)
-    result, sent = _drive(op_send(session, call), [NOT_FOUND, b"kvredis", 1])
+    replies = [NOT_FOUND, NOT_FOUND, None, b"kvredis", [b"l", b"16", b"g"], 1]
+    result, sent = _drive(op_send(session, call), replies)
     assert result == 1
-    assert [r.args[0] for r in sent if isinstance(r, rq.Command)] == [
-        "FCALL_RO",
-        "FUNCTION",
-        "FCALL_RO",
+    assert [r.args[:2] for r in sent if isinstance(r, rq.Command)] == [
+        ("FCALL_RO", "kvredis_ping"),
+        ("FCALL_RO", VERSION_FUNCTION),  # what the server holds now: nothing
+        ("HGET", f"{session.state.namespace}:meta".encode()),  # no newer api recorded
+        ("FUNCTION", "LOAD"),  # never REPLACE: a library loaded meanwhile stays
+        ("FCALL", "kvredis_namespace"),  # the api recorded
+        ("FCALL_RO", "kvredis_ping"),
     ]
-    assert not sent[1].read  # the library goes to the primary
+    assert sent[3].args[2] == shipped_library().code
+    assert not sent[3].read  # the library goes to the primary
 
 
 def test_a_refused_fcall_that_evalsha_serves_switches_for_good() -> None:
@@ -534,6 +543,8 @@ def test_a_refusal_evalsha_cannot_serve_either_keeps_the_function_path() -> None
             op_send(session, call),
             [
                 NOT_FOUND,
+                NOT_FOUND,
+                None,
                 rq.ErrorReply(
                     "NOPERM User u has no permissions to run the 'function|load' command"
                 ),
@@ -547,7 +558,8 @@ def test_a_pipeline_reloads_once_for_all_its_missing_functions() -> None:
     session = _active_session()
     calls = (rq.ScriptCall("ping", (), ()), rq.ScriptCall("ping", (b"k",), ()))
     result, sent = _drive(
-        op_send(session, rq.Pipeline(calls)), [[NOT_FOUND, NOT_FOUND], b"kvredis", [1, 1]]
+        op_send(session, rq.Pipeline(calls)),
+        [[NOT_FOUND, NOT_FOUND], NOT_FOUND, None, b"kvredis", [b"l", b"16", b"g"], [1, 1]],
     )
     assert result == [1, 1]
     loads = [r for r in sent if isinstance(r, rq.Command) and r.args[0] == "FUNCTION"]

@@ -277,7 +277,7 @@ def op_node_writes(
             again.append(shard)
         for shard in shards:
             taken.setdefault(shard, True)
-    if reload:
+    if reload and not core.registry.active:  # the library: each shard's call settles it
         load = core.registry.load("apply_shards").args
         yield from op_wave(
             core.cluster, [SlotCommand(slot, load) for slot in reload], core.wave_policy
