@@ -11,6 +11,11 @@ apply_batch of 64 evict ops (a long argument list). Per row: the server's CPU pe
 (``INFO cpu``: ``used_cpu_user + used_cpu_sys``, all the server does for a call) and the
 function's own time (``INFO commandstats`` usec of FCALL/FCALL_RO), medians over the rounds, and
 the difference. The server is pinned to core 0 and this client to core 1 when there are two.
+Those rows carry the networking of a call, and on a busy machine their noise is larger than the
+check; the last rows time the check alone inside the server: one script runs ``api_arg`` (the
+check, ``lua/includes/api.lua``) a million times over an argument list of 10 and of 10,000
+arguments, against the same loop without the check (each loop one EVAL, timed whole), and
+reports the difference per call.
 
 Run:  .venv/bin/python scripts/bench_version_check.py [--quick] [--server redis|valkey]
           [--json PATH]
@@ -29,6 +34,7 @@ import redis
 from kvredis import EvictOp, KeyType, PodEntry, RedisIndex, RedisIndexConfig
 from kvredis.redis.functions import FunctionRegistry, api_argument, shipped_library
 from kvredis.redis.requests import ScriptCall
+from kvredis.redis.scripts import expand, lua_sources
 from kvredis.redis.session import Session
 
 from _bench import RedisServer, bench_parser, write_json
@@ -151,6 +157,46 @@ def measure(address: str, port: int, rounds: int, calls: int) -> dict[str, dict[
     return out
 
 
+#: The check in a loop of ``reps`` calls over ``n`` arguments (ARGV: n, reps, the version, 1
+#: with the check, 0 for the same loop without it).
+_LOOP = """--@include api
+local n, reps, marker = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
+local check = ARGV[4] == '1'
+local args = {}
+for i = 1, n do args[i] = 'x' end
+for _ = 1, reps do
+  args[n + 1] = marker
+  if check then api_arg(args, marker, 'the library') else args[n + 1] = nil end
+end
+return #args
+"""
+
+
+def check_alone(port: int, reps: int) -> dict[str, dict[str, float]]:
+    """The check's own cost per call: a loop of it inside the server against the same loop
+    without it, each timed as one EVAL (µs per check; the EVAL's round trip is shared by
+    ``reps`` checks)."""
+    source = expand("loop", {**lua_sources(), "loop": _LOOP})
+    client = redis.Redis(port=port)
+    out: dict[str, dict[str, float]] = {}
+    try:
+        for n in (10, 10_000):
+            samples = []
+            for _ in range(5):
+                took = []
+                for check in (1, 0):
+                    start = time.perf_counter()
+                    assert client.eval(source, 0, n, reps, api_argument(), check) == n
+                    took.append(time.perf_counter() - start)
+                samples.append((took[0] - took[1]) / reps * 1e6)
+            out[f"the check alone, {n} arguments"] = {
+                "check_us_in_lua": round(statistics.median(samples), 4)
+            }
+    finally:
+        client.close()
+    return out
+
+
 def main() -> None:
     parser = bench_parser(__doc__, "a run of seconds: 3 rounds of 300 calls")
     parser.add_argument("--server", choices=("redis", "valkey"), default="redis")
@@ -166,6 +212,7 @@ def main() -> None:
             os.sched_setaffinity(0, {1})
         started = time.perf_counter()
         rows = measure(server.url, server.port, rounds, calls)
+        alone = check_alone(server.port, 100_000 if args.quick else 1_000_000)
     finally:
         server.close()
     print(f"{args.server}: {rounds} rounds of {calls} calls per side "
@@ -177,9 +224,11 @@ def main() -> None:
               f"{row['check_cpu_us']:>8.2f}{row['with_check_function_us']:>10.2f}"
               f"{row['without_function_us']:>10.2f}{row['check_function_us']:>8.2f}"
               f"{row['ratio']:>7.3f}")  # fmt: skip
+    for label, row in alone.items():
+        print(f"{label:<40}{row['check_us_in_lua']:>8.4f} µs per call, timed in Lua")
     if args.json:
         write_json(args.json, {"server": args.server, "rounds": rounds, "calls": calls,
-                               "rows": rows})  # fmt: skip
+                               "rows": rows, "alone": alone})  # fmt: skip
 
 
 if __name__ == "__main__":

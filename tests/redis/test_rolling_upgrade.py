@@ -22,7 +22,7 @@ import pytest
 import redis
 
 import kvredis.redis.index as index_module
-from kvredis import PodEntry, RedisIndex, RedisIndexConfig
+from kvredis import PodEntry, RedisClusterIndex, RedisIndex, RedisIndexConfig
 from kvredis.errors import BackendError, ProtocolVersionError
 from kvredis.redis.functions import (
     API_FIELD,
@@ -37,7 +37,7 @@ from kvredis.redis.functions import (
 )
 from kvredis.redis.layout import meta_key
 from kvredis.redis.scripts import Script, expand, lua_sources
-from tests.servers import RedisServer
+from tests.servers import LocalCluster, RedisServer
 
 pytestmark = pytest.mark.redis
 
@@ -253,3 +253,39 @@ def test_every_function_but_the_version_refuses_another_version(raw: redis.Redis
     assert raw.fcall_ro("kvredis_ping", 0, api_argument()) == 1
     info: Any = raw.fcall_ro(VERSION_FUNCTION, 0)
     assert int(info[1]) == API_VERSION
+
+
+def _primaries(cluster: LocalCluster) -> list[int]:
+    return [port for port, (role, _, _) in cluster.topology().items() if role == "master"]
+
+
+def test_a_cluster_client_under_a_newer_library_scores_right_and_leaves_it(
+    redis_cluster: LocalCluster,
+) -> None:
+    """Both sides on a cluster: an older client settled on its library, then a newer one loads
+    its own on every primary; the older client's fast path (one call per node) and per-shard
+    path are refused, never misread, and it keeps to EVALSHA; an older client connecting then
+    leaves the newer library in place."""
+    config = RedisIndexConfig(
+        address=redis_cluster.url, namespace=f"kvt-{uuid.uuid4().hex[:8]}", cluster_shards=4
+    )
+    newer = newer_registry().library.code.decode()
+    keys = list(range(100, 140))  # over every shard
+    try:
+        with RedisClusterIndex(config) as old:
+            old.add(None, keys, [A])
+            assert old.core.registry.active
+            for port in _primaries(redis_cluster):
+                redis_cluster.client(port).function_load(newer, replace=True)
+            assert old.score(keys, {"gpu": 1.0}) == {"pod-a": 40.0}
+            assert old.lookup(keys)[keys[-1]] == [A]
+            assert not old.core.registry.active
+            with RedisClusterIndex(config) as late:
+                assert not late.core.registry.active
+                assert late.score(keys, {"gpu": 1.0}) == {"pod-a": 40.0}
+            for port in _primaries(redis_cluster):
+                assert server_api(redis_cluster.client(port)) == NEWER
+            old.drop_namespace()
+    finally:
+        for port in _primaries(redis_cluster):
+            redis_cluster.client(port).function_load(shipped_library().code.decode(), replace=True)
