@@ -29,7 +29,7 @@ from kvredis import (
 )
 from kvredis.redis.layout import meta_key
 from tests.conftest import TEST_PREFIX
-from tests.servers import LocalCluster
+from tests.servers import LocalCluster, RedisServer
 
 MODEL = "m"
 TOKENS = list(range(64))
@@ -170,3 +170,26 @@ def test_cluster_clients_check_and_record_on_every_shard(redis_cluster: LocalClu
             asyncio.run(main())
         finally:
             index.drop_namespace()
+
+
+def test_an_ingester_built_while_the_server_is_down_records_before_its_first_write(
+    own_redis_server: RedisServer,
+) -> None:
+    from kvredis.ingest.actions import BatchOutcome
+    from tests.ingest.wire import vllm_batch, vllm_stored
+
+    namespace = f"{TEST_PREFIX}{uuid.uuid4().hex[:8]}"
+    config = RedisIndexConfig(
+        address=own_redis_server.url, namespace=namespace, retries=0, connect_timeout=0.2
+    )
+    with RedisIndex(config) as index:
+        own_redis_server.stop()
+        ingester = EventIngester(index, ChunkedTokenDatabase(FNV))  # rides out the outage
+        own_redis_server.start()
+        batch = vllm_batch([vllm_stored([1, 2], None, TOKENS[:32], 16, medium="GPU")])
+        assert ingester.process(f"kv@pod-a@{MODEL}", 0, batch, "pod-a") is BatchOutcome.APPLIED
+        raw = redis.Redis(port=own_redis_server.port)
+        try:
+            assert raw.hget(meta_key(namespace), "scheme") == b"fnv64a_cbor:16:"
+        finally:
+            raw.close()
