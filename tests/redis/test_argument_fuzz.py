@@ -346,3 +346,52 @@ def test_every_function_answers_or_fails_with_a_documented_error(
                 problems.append(f"{name} ({command[0]}, {what}): {problem}")
     assert not problems, f"seed {SEED}, {sent} calls:\n" + "\n".join(sorted(set(problems)))
     assert stuck or sent >= min(CALLS, 5) * len(baseline), sent
+
+
+def _score_args(layout: Layout, count: Arg, weight: Arg, default: Arg) -> list[Arg]:
+    return [layout.gen, layout.rprefix, layout.bucket_bits, "0", count, "gpu", weight, default,
+            hash_blob([1, 2, 3, 4])]  # fmt: skip
+
+
+#: (weight count, weight, weight of an unlisted tier) of a score call, each refused
+BAD_WEIGHTS: list[tuple[Arg, Arg, Arg]] = [
+    *((count, "1.0", "1.0") for count in ("x", "1e12", "inf", "nan", "-1", "1.5", "", " 1",
+                                          "0x1", "2", "99999999999999999999")),
+    *((1, weight, "1.0") for weight in ("abc", "", "nan", "inf", "-inf", "1e400", "0x10",
+                                        " 1", "1,5")),
+    (1, "1.0", "abc"),
+    (1, "1.0", "inf"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("path", ["FCALL_RO", "EVALSHA"])
+def test_score_weights_are_checked_whole(
+    own_redis_server: RedisServer, client: redis.Redis, path: str
+) -> None:
+    """A weight count of "x", 1e12, inf, nan or -1 and a weight of "abc" are KVREDIS_INVALID
+    (before: a raw Lua error, or "abc" silently scored as the default weight)."""
+    config = RedisIndexConfig(address=own_redis_server.url, namespace=f"kvt-{uuid.uuid4().hex}")
+    with RedisIndex(config) as index:
+        index.add(None, [1, 2, 3, 4], [A])
+        layout = index._session.state.layout
+    keys = [layout.meta, layout.pi, layout.pp, layout.sx]
+    registry = FunctionRegistry(use=True)
+    registry.active = path == "FCALL_RO"
+
+    def send(args: list[Arg]) -> Any:
+        command = registry.evalsha(ScriptCall("score", keys, args, read=True))
+        try:
+            return client.execute_command(*command.args)
+        except redis.exceptions.NoScriptError:
+            client.execute_command(*registry.script_load("score").args)
+            return client.execute_command(*command.args)
+
+    if path == "FCALL_RO":
+        client.function_load(shipped_library().code.decode(), replace=True)
+    reply = send(_score_args(layout, 1, "0.5", "1.0"))
+    assert reply[2:] == [b"pod-a", b"2", 1]  # the valid call: 4 keys of weight 0.5
+    assert send(_score_args(layout, 1, "-0.25", "1.0"))[3] == b"-1"  # negative weights are valid
+    for count, weight, default in BAD_WEIGHTS:
+        with pytest.raises(redis.ResponseError, match=r"^KVREDIS_INVALID ") as caught:
+            send(_score_args(layout, count, weight, default))
+        assert "script:" in str(caught.value) or path == "FCALL_RO"
