@@ -3,7 +3,9 @@
 - :func:`op_send` sends one request: a :class:`~kvredis.redis.requests.ScriptCall` as ``FCALL``
   of the function library (or ``EVALSHA``, its fallback), loading the library or script and
   sending it again when the server lost it (after ``FUNCTION FLUSH``/``SCRIPT FLUSH``, a restart
-  or a failover; in a pipeline only the calls that missed are sent again); transient failures
+  or a failover; in a pipeline only the calls that missed are sent again) or a library of
+  another protocol version refused it (the registry settles again, for the session's namespace:
+  :meth:`~kvredis.redis.functions.FunctionRegistry.op_reload`); transient failures
   (connection lost, timeout, ``BUSY``/``LOADING``/``MASTERDOWN``/``READONLY``/``TRYAGAIN``
   replies) are retried ``retries`` times after a :class:`~kvredis.redis.requests.Sleep` with
   exponential backoff, then raise :class:`~kvredis.errors.BackendUnavailableError` naming the
