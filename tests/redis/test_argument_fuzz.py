@@ -318,8 +318,12 @@ def test_every_function_answers_or_fails_with_a_documented_error(
             keys, args, what = mutate.mutate(list(original.keys), list(original.args))
             call = ScriptCall(name, keys, args, original.read)
             command = list(registry.evalsha(call).args)
-            if rng.random() < 0.25:  # the same through EVALSHA, the scripts' own path
+            roll = rng.random()
+            if roll < 0.25:  # the same through EVALSHA, the scripts' own path
                 command = list(registry.script_command(call).args)
+            elif roll < 0.3:  # another protocol version, or none: KVREDIS_VERSION
+                command[-1:] = rng.choice([[], ["kvredis-api:1"], ["kvredis-api:99"], [""]])
+                what += f", version argument {command[-1]!r:.20}"
             before = _dirty(client)
             problem: str | None = None
             if os.environ.get("KVREDIS_FUZZ_TRACE"):
