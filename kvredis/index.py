@@ -14,6 +14,7 @@ Capabilities beyond the core contract are declared as protocols of their own, so
 :class:`ProgressClearIndex` ``clear_with_progress``: a pod clear that reports progress
 :class:`SelectiveClearIndex` ``clear_entries``: clear only some tiers or one rank of a pod
 :class:`NamespaceIndex`    ``drop_namespace``: delete everything the index stored
+:class:`SchemeIndex`       ``check_block_key_scheme``: the block key scheme the namespace records
 :class:`Closeable`         ``close``: release connections (network backends)
 =========================  ===============================================================
 
@@ -28,6 +29,7 @@ from typing import Protocol, runtime_checkable
 
 from kvredis.batch import AddOp, IndexOp, Watermark
 from kvredis.checks import MAX_REQUEST_KEYS_PER_ENGINE_KEY
+from kvredis.hashing.config import BlockKeyScheme
 from kvredis.types import KeyType, PodEntry
 
 __all__ = [
@@ -36,6 +38,7 @@ __all__ = [
     "AsyncIndex",
     "AsyncNamespaceIndex",
     "AsyncProgressClearIndex",
+    "AsyncSchemeIndex",
     "AsyncScoringIndex",
     "AsyncSelectiveClearIndex",
     "BatchIndex",
@@ -44,6 +47,7 @@ __all__ = [
     "Index",
     "NamespaceIndex",
     "ProgressClearIndex",
+    "SchemeIndex",
     "ScoringIndex",
     "SelectiveClearIndex",
     "apply_op",
@@ -263,6 +267,31 @@ class AsyncNamespaceIndex(Protocol):
     """The asyncio form of :class:`NamespaceIndex`."""
 
     async def drop_namespace(self) -> int: ...
+
+
+@runtime_checkable
+class SchemeIndex(Protocol):
+    """An index whose namespace records the block key scheme of the keys it holds (hash
+    algorithm, block size, hash seed: :class:`~kvredis.hashing.config.BlockKeyScheme`), so that
+    a client computing keys another way fails clearly instead of missing every key."""
+
+    def check_block_key_scheme(
+        self, scheme: BlockKeyScheme, *, record: bool = False
+    ) -> BlockKeyScheme | None:
+        """Check ``scheme`` against the namespace's now, and at every later load of the
+        namespace; with ``record`` (a writer), record it first when the namespace records none
+        (the first writer's stays). Returns the scheme recorded (None: none yet); raises
+        :class:`~kvredis.errors.BlockKeySchemeError`, naming both, when it is another."""
+        ...
+
+
+@runtime_checkable
+class AsyncSchemeIndex(Protocol):
+    """The asyncio form of :class:`SchemeIndex`."""
+
+    async def check_block_key_scheme(
+        self, scheme: BlockKeyScheme, *, record: bool = False
+    ) -> BlockKeyScheme | None: ...
 
 
 @runtime_checkable

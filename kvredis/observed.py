@@ -9,7 +9,7 @@ A wrapper has exactly the capabilities of the index it wraps: wrapping a
 :class:`~kvredis.redis.index.RedisIndex` gives an object that is still a
 :class:`~kvredis.index.ScoringIndex`, :class:`~kvredis.index.BatchIndex`,
 :class:`~kvredis.index.ProgressClearIndex`, :class:`~kvredis.index.SelectiveClearIndex`,
-:class:`~kvredis.index.NamespaceIndex` and
+:class:`~kvredis.index.NamespaceIndex`, :class:`~kvredis.index.SchemeIndex` and
 :class:`~kvredis.index.Closeable` (so the Indexer still scores server-side and the ingester still
 sends one ``apply_batch`` per engine batch); wrapping an :class:`~kvredis.memory.InMemoryIndex`
 gives one that is not a ``ScoringIndex``. Each wrapper class is composed once per set of
@@ -26,11 +26,13 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 
 from kvredis.batch import IndexOp, Watermark
+from kvredis.hashing.config import BlockKeyScheme
 from kvredis.index import (
     AsyncBatchIndex,
     AsyncIndex,
     AsyncNamespaceIndex,
     AsyncProgressClearIndex,
+    AsyncSchemeIndex,
     AsyncScoringIndex,
     AsyncSelectiveClearIndex,
     BatchIndex,
@@ -39,6 +41,7 @@ from kvredis.index import (
     LabelledIndex,
     NamespaceIndex,
     ProgressClearIndex,
+    SchemeIndex,
     ScoringIndex,
     SelectiveClearIndex,
 )
@@ -270,6 +273,17 @@ class _Namespace(_Sync):
         return self._run(Call(Operation.DROP_NAMESPACE), inner.drop_namespace)
 
 
+class _Scheme(_Sync):
+    __slots__ = ()
+
+    def check_block_key_scheme(
+        self, scheme: BlockKeyScheme, *, record: bool = False
+    ) -> BlockKeyScheme | None:
+        """See :meth:`kvredis.index.SchemeIndex.check_block_key_scheme` (not observed)."""
+        inner = cast(SchemeIndex, self._wrapped)
+        return inner.check_block_key_scheme(scheme, record=record)
+
+
 class _Close(_Sync):
     __slots__ = ()
 
@@ -290,6 +304,7 @@ _SYNC_CAPABILITIES: tuple[tuple[type, type], ...] = (
     (ProgressClearIndex, _ProgressClear),
     (SelectiveClearIndex, _SelectiveClear),
     (NamespaceIndex, _Namespace),
+    (SchemeIndex, _Scheme),
     (Closeable, _Close),
 )
 
@@ -460,6 +475,17 @@ class _AsyncNamespace(_Async):
         return await self._arun(Call(Operation.DROP_NAMESPACE), inner.drop_namespace)
 
 
+class _AsyncScheme(_Async):
+    __slots__ = ()
+
+    async def check_block_key_scheme(
+        self, scheme: BlockKeyScheme, *, record: bool = False
+    ) -> BlockKeyScheme | None:
+        """See :meth:`kvredis.index.SchemeIndex.check_block_key_scheme` (not observed)."""
+        inner = cast(AsyncSchemeIndex, self._wrapped)
+        return await inner.check_block_key_scheme(scheme, record=record)
+
+
 class _AsyncClose(_Async):
     __slots__ = ()
 
@@ -489,6 +515,7 @@ _ASYNC_CAPABILITIES: tuple[tuple[type, type], ...] = (
     (AsyncProgressClearIndex, _AsyncProgressClear),
     (AsyncSelectiveClearIndex, _AsyncSelectiveClear),
     (AsyncNamespaceIndex, _AsyncNamespace),
+    (AsyncSchemeIndex, _AsyncScheme),
     (_AsyncClosing, _AsyncClose),
     (AbstractAsyncContextManager, _AsyncContext),
 )

@@ -24,7 +24,9 @@
               pod filter ]]
 --@include lookup_chain
 --@include args
+keys_arg(KEYS, 4)
 local meta = read_meta(KEYS[1], ARGV[1]) or fail_stale()
+local known = int_arg(ARGV[4], 'known entry id', 0, MAX_ENTRY_ID)
 local pods, at = pod_filter_arg(ARGV, 5)
-return lookup_chain(meta, KEYS[2], KEYS[3], KEYS[4], ARGV[2], ARGV[3], tonumber(ARGV[4]), pods,
-  ARGV[at])
+return lookup_chain(meta, KEYS[2], KEYS[3], KEYS[4], ARGV[2], ARGV[3], known, pods,
+  blob_arg(ARGV[at], HASH_WIDTH, 'request keys'))

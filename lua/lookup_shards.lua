@@ -19,6 +19,7 @@
   Complexity  the sum of lookup.lua's over the shards, their run work bounded together ]]
 --@include lookup_chain
 --@include args
+keys_arg(KEYS, 4)
 local pods, after = pod_filter_arg(ARGV, 1)
 local base = after - 1
 if (#ARGV - base) % 9 ~= 0 then fail('INVALID', 'lookup_shards wants 9 arguments per shard') end
@@ -26,12 +27,15 @@ local out = {}
 local spent = {work = 0}  -- the walks of every shard share one work limit (includes/walk)
 for s = 1, (#ARGV - base) / 9 do
   local a = base + (s - 1) * 9
+  local known = int_arg(ARGV[a + 8], 'known entry id', 0, MAX_ENTRY_ID)
+  local chain = blob_arg(ARGV[a + 9], HASH_WIDTH, 'request keys')
+  bucket_namer(ARGV[a + 6], ARGV[a + 7])
   local meta = read_meta(ARGV[a + 1], ARGV[a + 5])
   if not meta then
     out[s] = 'STALE'
   else
     out[s] = lookup_chain(meta, ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 6], ARGV[a + 7],
-      tonumber(ARGV[a + 8]), pods, ARGV[a + 9], spent)
+      known, pods, chain, spent)
   end
 end
 return out

@@ -17,6 +17,7 @@
               list; both before the first write
   Complexity  O(the pod's ids) ]]
 --@include entries
+keys_arg(KEYS, 5)
 check_gen(KEYS[1], ARGV[1])
 local pod = text_arg(ARGV[2], 'pod id')
 local only = ARGV[3] and blob_arg(ARGV[3], ID_WIDTH, 'entry ids')

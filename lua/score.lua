@@ -23,7 +23,8 @@
               pods of the chain's first key in order of appearance (for a later part: the c pods
               given, in their order). The chain goes on past this part only while a pod is left
               and the walk reached the part's end (or stopped at its work limit)
-  Errors      KVREDIS_INVALID for a malformed c or score
+  Errors      KVREDIS_STALE for a generation not the namespace's, KVREDIS_INVALID for
+              malformed keys or arguments (counts, weights, scores, the hash blob)
   Complexity  O(part keys / keys per run) calls (the walk: includes/walk; O(part keys) while
               an expiring entry may be live), O(ranges x pods) additions when the weights are
               multiples of 2^-10 (else O(part keys x pods)); each distinct id
@@ -33,15 +34,18 @@
 --@include walk
 --@include args
 
+keys_arg(KEYS, 4)
 check_gen(KEYS[1], ARGV[1])
 local rbucket = bucket_namer(ARGV[2], ARGV[3])
 local pods, at = pod_filter_arg(ARGV, 4)
-local allowed = pods and pods_ids(KEYS[3], pods)
-local nw = tonumber(ARGV[at])
+local nw = int_arg(ARGV[at], 'tier weight count', 0, math.max(0, math.floor((#ARGV - at - 2) / 2)))
 local weights = {}
-for i = 1, nw do weights[ARGV[at + 2 * i - 1]] = tonumber(ARGV[at + 2 * i]) end
-local default_weight = tonumber(ARGV[at + 2 * nw + 1])
-local chain = ARGV[at + 2 * nw + 2]
+for i = 1, nw do
+  weights[ARGV[at + 2 * i - 1]] = num_arg(ARGV[at + 2 * i], 'weight of tier ' .. i)
+end
+local default_weight = num_arg(ARGV[at + 2 * nw + 1], 'weight of an unlisted tier')
+local chain = blob_arg(ARGV[at + 2 * nw + 2], HASH_WIDTH, 'request keys')
+local allowed = pods and pods_ids(KEYS[3], pods)
 local expiring = expiring_reader(KEYS[4], ARGV[3])
 
 local defs = {}   -- id -> {pod, weight}, or false for an id without definition
@@ -108,8 +112,7 @@ if nc > 0 then
   for i = 1, nc do
     local pod = ARGV[carried + 2 * i - 1]
     local text = ARGV[carried + 2 * i]
-    local s = tonumber(text) or (text == 'inf' and math.huge) or (text == '-inf' and -math.huge)
-    if not s or s ~= s then fail('INVALID', 'score of pod ' .. pod .. ' must be a number') end
+    local s = num_arg(text, 'score of pod ' .. i, true)
     order[i], active[i], scores[pod] = pod, pod, s
   end
 end

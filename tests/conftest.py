@@ -57,9 +57,11 @@ REDIS_FIXTURES = frozenset(
 CLUSTER_FIXTURES = frozenset({"redis_cluster", "cluster_pool"})
 #: Test namespaces start with this; whatever is left under it after the session is deleted.
 TEST_PREFIX = "kvt-"
+#: ``async_redis`` is used without ``connect()`` (its first call connects), and
+#: ``async_redis_connected`` after ``connect()``.
 REDIS_BACKENDS = [
     pytest.param(f"{name}@{kind}", marks=pytest.mark.redis)
-    for name in ("redis", "async_redis")
+    for name in ("redis", "async_redis", "async_redis_connected")
     for kind in server_kinds()
 ]
 CLUSTER_BACKENDS = [
@@ -277,11 +279,14 @@ class LoopThread:
 class SyncOverAsync:
     """Presents an AsyncIndex through the sync Index methods, so one conformance suite covers it."""
 
-    def __init__(self, factory: Callable[[], Any]) -> None:
+    def __init__(self, factory: Callable[[], Any], connect: bool = False) -> None:
         self._loop = LoopThread()
 
         async def build() -> Any:
-            return factory()
+            index = factory()
+            if connect:
+                await index.connect()
+            return index
 
         self.inner = self._loop.run(build())
 
@@ -380,6 +385,8 @@ def make_backend(name: str, request: pytest.FixtureRequest) -> Any:
         return RedisIndex(config)
     if client == "async_redis":
         return SyncOverAsync(lambda: AsyncRedisIndex(config))
+    if client == "async_redis_connected":
+        return SyncOverAsync(lambda: AsyncRedisIndex(config), connect=True)
     raise ValueError(f"unknown backend {name}")
 
 

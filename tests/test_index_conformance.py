@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import random
 import sys
 import threading
@@ -1141,3 +1142,20 @@ def test_score_of_unknown_keys_and_bad_input(index: Any) -> None:
     with pytest.raises(InvalidInputError):
         index.score(keys, None, "pod-a")
     assert index.score(keys) == {"pod-a": 4.0}
+
+
+# -- connecting --------------------------------------------------------------------------------
+
+
+def test_a_redis_client_calls_through_the_function_library_connected_or_not(
+    redis_backend_index: Any,
+) -> None:
+    """Every Redis client, the asyncio ones used without ``connect()`` too (their first call
+    connects), settles on the function library when connecting; with
+    ``KVREDIS_TEST_CALLS=scripts`` every client keeps to EVALSHA."""
+    index = redis_backend_index
+    index.add(None, [1, 2], [A_GPU])
+    assert norm(index.lookup([1, 2])) == {1: {A_GPU}, 2: {A_GPU}}
+    inner = getattr(index, "inner", index)
+    registry = inner.core.registry if hasattr(inner, "core") else inner.registry
+    assert registry.active == (os.environ.get("KVREDIS_TEST_CALLS") != "scripts")

@@ -1,17 +1,21 @@
 // Command score is a kvredis router read path in Go with nothing but the standard library:
-// it computes llm-d's fnv64a_cbor block keys from token ids, and scores them against a kvredis
-// index in Redis or Valkey by calling the kvredis function library (FCALL_RO kvredis_score),
-// speaking RESP over a plain TCP connection. docs/protocol.md is the contract it follows.
+// it computes block keys from token ids (kvredis's default xxh3_64 scheme, or llm-d's
+// fnv64a_cbor), checks them against the scheme the namespace records, and scores them against a
+// kvredis index in Redis or Valkey by calling the kvredis function library (FCALL_RO
+// kvredis_score), speaking RESP over a plain TCP connection. docs/protocol.md is the contract it
+// follows.
 //
-//	go run . -addr 127.0.0.1:6379 -namespace kvblock -model M -tokens 1,2,3,... -weights gpu=1,cpu=0.8
+//	go run . -addr 127.0.0.1:6379 -namespace NS -model M -tokens 1,2,3,... -weights gpu=1,cpu=0.8
 //
 // It prints one JSON object: the block keys (decimal strings) and each pod's score as the exact
 // text the function replied ("%.17g"), which parses to the same float64 the Python client gets.
+// With -keys-only it prints the keys without asking a server.
 package main
 
 import (
 	"bufio"
 	"encoding/binary"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"flag"
@@ -27,70 +31,13 @@ import (
 
 // The protocol this client speaks (docs/protocol.md): the function API and the key layout.
 const (
-	apiVersion    = 1
+	apiVersion    = 2
 	layoutVersion = "kvredis-kvblock/2"
 )
 
-// ---- fnv64a_cbor block keys (kvredis/hashing/fnv_cbor.py; llm-d's Go token processor) ----
-
-const (
-	fnvOffset = 0xcbf29ce484222325
-	fnvPrime  = 0x100000001b3
-)
-
-func fnv1a64(data []byte) uint64 {
-	h := uint64(fnvOffset)
-	for _, b := range data {
-		h ^= uint64(b)
-		h *= fnvPrime
-	}
-	return h
-}
-
-// cborHead appends the shortest CBOR head of major type major with argument v.
-func cborHead(out []byte, major byte, v uint64) []byte {
-	mt := major << 5
-	switch {
-	case v < 24:
-		return append(out, mt|byte(v))
-	case v <= 0xff:
-		return append(out, mt|24, byte(v))
-	case v <= 0xffff:
-		return append(out, mt|25, byte(v>>8), byte(v))
-	case v <= 0xffffffff:
-		return append(out, mt|26, byte(v>>24), byte(v>>16), byte(v>>8), byte(v))
-	}
-	out = append(out, mt|27)
-	return binary.BigEndian.AppendUint64(out, v)
-}
-
-// rootKey is H(FNV-1a-64(seed), null, model): canonical CBOR [parent, null, model].
-func rootKey(seed, model string) uint64 {
-	buf := []byte{0x83}
-	buf = cborHead(buf, 0, fnv1a64([]byte(seed)))
-	buf = append(buf, 0xf6)
-	buf = cborHead(buf, 3, uint64(len(model)))
-	buf = append(buf, model...)
-	return fnv1a64(buf)
-}
-
-// blockKeys chains H(parent, tokens, null) over the full blocks of tokens.
-func blockKeys(seed, model string, tokens []uint64, blockSize int) []uint64 {
-	parent := rootKey(seed, model)
-	var keys []uint64
-	for start := 0; start+blockSize <= len(tokens); start += blockSize {
-		buf := []byte{0x83}
-		buf = cborHead(buf, 0, parent)
-		buf = cborHead(buf, 4, uint64(blockSize))
-		for _, t := range tokens[start : start+blockSize] {
-			buf = cborHead(buf, 0, t)
-		}
-		buf = append(buf, 0xf6)
-		parent = fnv1a64(buf)
-		keys = append(keys, parent)
-	}
-	return keys
-}
+// apiArgument is the last argument of every function call: the api this client speaks (a
+// library of another api refuses the call with KVREDIS_VERSION instead of misreading it).
+var apiArgument = []byte(fmt.Sprintf("kvredis-api:%d", apiVersion))
 
 // ---- RESP2 over net ----
 
@@ -229,15 +176,21 @@ func checkLibrary(c *conn) error {
 	return nil
 }
 
-// loadNamespace reads <ns>:meta (layout, bucket_bits, gen) with a plain HMGET.
-func loadNamespace(c *conn, name string) (namespace, error) {
-	reply, err := c.call(b("HMGET"), b(name+":meta"), b("layout"), b("bucket_bits"), b("gen"))
+// loadNamespace reads <ns>:meta (layout, bucket_bits, gen, scheme) with a plain HMGET, and
+// checks that the namespace holds keys of this client's scheme (when it records one).
+func loadNamespace(c *conn, name string, ours scheme) (namespace, error) {
+	reply, err := c.call(b("HMGET"), b(name+":meta"), b("layout"), b("bucket_bits"), b("gen"), b("scheme"))
 	if err != nil {
 		return namespace{}, err
 	}
 	v, _ := reply.([]interface{})
-	if len(v) != 3 || v[0] == nil || v[1] == nil || v[2] == nil {
+	if len(v) != 4 || v[0] == nil || v[1] == nil || v[2] == nil {
 		return namespace{}, fmt.Errorf("namespace %q does not exist", name)
+	}
+	if recorded := text(v[3]); v[3] != nil && recorded != ours.text() {
+		return namespace{}, fmt.Errorf("namespace %q holds block keys of scheme %s, but this client "+
+			"computes %s: its scores would all be empty; give -hash-algo, -block-size and -hash-seed "+
+			"as the namespace's writers use them", name, describe(recorded), ours)
 	}
 	if text(v[0]) != layoutVersion {
 		return namespace{}, fmt.Errorf("namespace %q has layout %s, not %s", name, text(v[0]), layoutVersion)
@@ -291,7 +244,7 @@ func score(c *conn, ns namespace, keys []uint64, weights []weight, unknown float
 			end = len(keys)
 		}
 		args := append(append([][]byte{}, fixed...), chain[8*start:8*end])
-		args = append(args, carried...)
+		args = append(append(args, carried...), apiArgument)
 		reply, err := c.call(args...)
 		if err != nil {
 			return nil, err
@@ -370,19 +323,34 @@ func run() error {
 	password := flag.String("password", os.Getenv("KVREDIS_REDIS_PASSWORD"), "password (env KVREDIS_REDIS_PASSWORD)")
 	ns := flag.String("namespace", "kvblock", "kvredis namespace")
 	model := flag.String("model", "", "model name (the root of the block-key chain)")
+	algo := flag.String("hash-algo", "xxh3_64", "block key scheme: xxh3_64 or fnv64a_cbor")
 	seed := flag.String("hash-seed", "", "hash seed of the block keys")
 	blockSize := flag.Int("block-size", 16, "tokens per block")
+	keysOnly := flag.Bool("keys-only", false, "print the block keys only (no server)")
+	digests := flag.Bool("xxh3-digests", false,
+		"check mode: read 'SEED HEX' lines on stdin, print XXH3-64 of each as 16 hex digits")
 	tokenText := flag.String("tokens", "-", "token ids, comma or space separated (- for stdin)")
 	weightText := flag.String("weights", "gpu=1,cpu=0.8", "tier weights, tier=number,...")
 	unknown := flag.Float64("unknown-weight", 1.0, "weight of a tier not in -weights")
 	perCall := flag.Int("keys-per-call", scoreKeysPerCall, "most block keys sent in one kvredis_score call")
 	flag.Parse()
+	if *digests {
+		return printDigests(os.Stdin, os.Stdout)
+	}
 	if *model == "" || *blockSize <= 0 || *perCall <= 0 {
 		return errors.New("-model, a positive -block-size and a positive -keys-per-call are required")
 	}
 	tokens, err := parseTokens(*tokenText)
 	if err != nil {
 		return err
+	}
+	ours := scheme{*algo, *blockSize, *seed}
+	keys, err := ours.blockKeys(*model, tokens)
+	if err != nil {
+		return err
+	}
+	if *keysOnly {
+		return printResult(keys, nil)
 	}
 	weights, err := parseWeights(*weightText)
 	if err != nil {
@@ -405,10 +373,9 @@ func run() error {
 	if err := checkLibrary(c); err != nil {
 		return err
 	}
-	keys := blockKeys(*seed, *model, tokens, *blockSize)
 	var scores []podScore
 	for attempt := 0; ; attempt++ {
-		space, err := loadNamespace(c, *ns)
+		space, err := loadNamespace(c, *ns, ours)
 		if err != nil {
 			return err
 		}
@@ -425,6 +392,10 @@ func run() error {
 		}
 		break
 	}
+	return printResult(keys, scores)
+}
+
+func printResult(keys []uint64, scores []podScore) error {
 	out := struct {
 		Keys   []string          `json:"keys"`
 		Scores map[string]string `json:"scores"`
@@ -436,6 +407,41 @@ func run() error {
 		out.Scores[s.pod] = s.score
 	}
 	return json.NewEncoder(os.Stdout).Encode(out)
+}
+
+// describe shows a recorded scheme ("<algo>:<block size>:<seed>") as scheme.String does.
+func describe(recorded string) string {
+	parts := strings.SplitN(recorded, ":", 3)
+	if len(parts) == 3 {
+		if size, err := strconv.Atoi(parts[1]); err == nil {
+			return scheme{parts[0], size, parts[2]}.String()
+		}
+	}
+	return strconv.Quote(recorded)
+}
+
+// printDigests reads "SEED HEX" lines (seed in decimal, the message in hex) and prints the
+// XXH3-64 digest of each message as 16 hex digits, one per line.
+func printDigests(in io.Reader, out io.Writer) error {
+	lines := bufio.NewScanner(in)
+	lines.Buffer(make([]byte, 1<<20), 1<<24)
+	w := bufio.NewWriter(out)
+	for lines.Scan() {
+		seedText, msgHex, _ := strings.Cut(lines.Text(), " ")
+		seed, err := strconv.ParseUint(seedText, 10, 64)
+		if err != nil {
+			return err
+		}
+		msg, err := hex.DecodeString(msgHex)
+		if err != nil {
+			return err
+		}
+		fmt.Fprintf(w, "%016x\n", xxh3(msg, seed))
+	}
+	if err := lines.Err(); err != nil {
+		return err
+	}
+	return w.Flush()
 }
 
 func main() {

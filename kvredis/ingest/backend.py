@@ -18,7 +18,15 @@ from typing import Any, Protocol, TypeVar
 
 from kvredis.batch import IndexOp
 from kvredis.errors import BackendUnavailableError, EngineKeyNotFoundError
-from kvredis.index import BatchIndex, Index, ProgressClearIndex, SelectiveClearIndex, apply_op
+from kvredis.hashing.config import BlockKeyScheme
+from kvredis.index import (
+    BatchIndex,
+    Index,
+    ProgressClearIndex,
+    SchemeIndex,
+    SelectiveClearIndex,
+    apply_op,
+)
 from kvredis.ingest.actions import (
     Abandoned,
     Action,
@@ -73,8 +81,12 @@ class IndexBackend:
         replay_factory: ReplayFactory,
         retry_max_s: float,
         warn: RateLimitedLog,
+        scheme: BlockKeyScheme | None = None,
     ) -> None:
         self.index = index
+        #: a block key scheme still to record in the namespace before the first write (the
+        #: backend was down when the ingester was built)
+        self._scheme = scheme
         self._batch = index if isinstance(index, BatchIndex) else None
         self._counters = counters
         self._stop = stop
@@ -136,7 +148,16 @@ class IndexBackend:
             raise Failed(f"{type(self.index).__name__} has no watermarks (not a BatchIndex)")
         return self._batch
 
+    def _record_scheme(self) -> None:
+        """Record (and check) the pending block key scheme before the first write; a namespace
+        recording another fails every write with :class:`~kvredis.errors.BlockKeySchemeError`."""
+        scheme, index = self._scheme, self.index
+        if scheme is not None and isinstance(index, SchemeIndex):
+            self._call(lambda: index.check_block_key_scheme(scheme, record=True))
+            self._scheme = None
+
     def _apply_step(self, action: ApplyStep) -> StepResult:
+        self._record_scheme()
         batch = self._batch_index()
         attempts = 0
 
@@ -149,6 +170,7 @@ class IndexBackend:
         return StepResult(applied, attempts)
 
     def _apply_ops(self, ops: Sequence[IndexOp]) -> None:
+        self._record_scheme()
         batch = self._batch
         if batch is not None:
             self._call(lambda: batch.apply_batch(ops))

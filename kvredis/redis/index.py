@@ -28,6 +28,7 @@ import redis.asyncio
 from kvredis.batch import IndexOp, Watermark
 from kvredis.checks import check_selection
 from kvredis.errors import ConfigError
+from kvredis.hashing.config import BlockKeyScheme
 from kvredis.index import Progress
 from kvredis.redis.config import RedisIndexConfig, check_supported
 from kvredis.redis.executor import AsyncExecutor, SyncExecutor
@@ -36,6 +37,7 @@ from kvredis.redis.ops import (
     Weights,
     op_add,
     op_apply_batch,
+    op_block_key_scheme,
     op_clear,
     op_connect,
     op_drop_namespace,
@@ -219,6 +221,12 @@ class RedisIndex(_Facade):
         """Delete every key of this index's namespace; returns the number of keys deleted."""
         return self._exec.run(self._op(op_drop_namespace))
 
+    def check_block_key_scheme(
+        self, scheme: BlockKeyScheme, *, record: bool = False
+    ) -> BlockKeyScheme | None:
+        """See :meth:`kvredis.index.SchemeIndex.check_block_key_scheme`."""
+        return self._exec.run(self._op(lambda s: op_block_key_scheme(s, scheme, record)))
+
     def close(self) -> None:
         """Close the connections."""
         self._exec.close()
@@ -233,14 +241,28 @@ class RedisIndex(_Facade):
 class AsyncRedisIndex(_Facade):
     """The asyncio form of :class:`RedisIndex`: same methods, same semantics, as coroutines.
 
-    The constructor does no I/O; the namespace is loaded (and the server pinged) by
-    :meth:`connect`, by ``async with``, by :meth:`create`, or else by the first call. Close it
-    with :meth:`aclose`.
+    The constructor does no I/O; the client connects (what constructing a :class:`RedisIndex`
+    does: it pings the server, checks that it is no cluster node, learns how it expires
+    entries, settles on the function library or EVALSHA, loads the namespace and checks the
+    eviction policy) in :meth:`connect`, ``async with``, :meth:`create`, or else in its first
+    call. Close it with :meth:`aclose`.
     """
 
     def __init__(self, config: RedisIndexConfig | None = None) -> None:
         super().__init__(config)
         self._exec = AsyncExecutor(self.config)
+        self._connected = False
+
+    def _op(self, factory: Callable[[CoreState], Op[T]]) -> Op[T]:
+        """The operation, after the whole connect when this client has not connected yet."""
+        op = super()._op(factory)
+        return op if self._connected else self._connect_first(op)
+
+    def _connect_first(self, op: Op[T]) -> Op[T]:
+        if not self._connected:  # another call may have connected meanwhile
+            yield from op_connect(self._session, self.config.strict)
+            self._connected = True
+        return (yield from op)
 
     @classmethod
     async def create(cls, config: RedisIndexConfig | None = None) -> AsyncRedisIndex:
@@ -254,8 +276,10 @@ class AsyncRedisIndex(_Facade):
         return index
 
     async def connect(self) -> None:
-        """Ping the server and load the namespace (BackendUnavailableError if unreachable)."""
+        """Connect as :class:`RedisIndex` does when it is built (BackendUnavailableError if the
+        server is unreachable)."""
         await self._exec.run(op_connect(self._session, self.config.strict))
+        self._connected = True
 
     @property
     def client(self) -> redis.asyncio.Redis:
@@ -327,6 +351,13 @@ class AsyncRedisIndex(_Facade):
     async def drop_namespace(self) -> int:
         """See :meth:`RedisIndex.drop_namespace`."""
         return await self._exec.run(self._op(op_drop_namespace))
+
+    async def check_block_key_scheme(
+        self, scheme: BlockKeyScheme, *, record: bool = False
+    ) -> BlockKeyScheme | None:
+        """See :meth:`kvredis.index.SchemeIndex.check_block_key_scheme`."""
+        run = self._op(lambda s: op_block_key_scheme(s, scheme, record))
+        return await self._exec.run(run)
 
     async def apply_batch(
         self, ops: Sequence[IndexOp], stream: str | None = None, watermark: Watermark | None = None

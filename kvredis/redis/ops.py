@@ -47,6 +47,7 @@ from kvredis.errors import (
     NamespaceLayoutError,
     StaleNamespaceError,
 )
+from kvredis.hashing.config import BlockKeyScheme
 from kvredis.index import ClearProgress
 from kvredis.redis.codec import (
     HASH_WIDTH,
@@ -58,7 +59,8 @@ from kvredis.redis.codec import (
     text_bytes,
 )
 from kvredis.redis.config import DEFAULT_CLEAR_FIELDS_PER_CALL
-from kvredis.redis.layout import EXPIRY_FIELD, EXPIRY_KEY, LAYOUT_VERSION, Layout
+from kvredis.redis.functions import API_VERSION, namespace_call
+from kvredis.redis.layout import EXPIRY_FIELD, EXPIRY_KEY, Layout
 from kvredis.redis.program import (
     Program,
     Programs,
@@ -113,11 +115,11 @@ def op_run(session: Session, factory: Callable[[], Op[T]]) -> Op[T]:
     Loads the namespace first if this client has not loaded it yet.
     """
     if not session.state.loaded:
-        yield from op_drive(session, op_load_namespace(session.state, ping=False))
+        yield from op_drive(session, op_load_namespace(session.state, False, session.registry.api))
     try:
         return (yield from op_drive(session, factory()))
     except StaleNamespaceError:
-        yield from op_drive(session, op_load_namespace(session.state, ping=False))
+        yield from op_drive(session, op_load_namespace(session.state, False, session.registry.api))
         return (yield from op_drive(session, factory()))
 
 
@@ -135,8 +137,9 @@ def op_connect(session: Session, strict: bool = False) -> Op[Layout]:
     else:
         check_not_cluster(cluster_info, session.policy.server)
     session.state.expiry_mode = yield from op_expiry_mode(session)
-    yield from op_drive(session, session.registry.op_choose(session.policy.server))
-    layout = yield from op_drive(session, op_load_namespace(session.state, ping=False))
+    registry, state = session.registry, session.state
+    yield from op_drive(session, registry.op_choose(session.policy.server, state))
+    layout = yield from op_drive(session, op_load_namespace(state, False, registry.api))
     try:
         info = yield from op_send(session, Command(("INFO", "memory")))
     except BackendError as exc:  # INFO not permitted (ACL, renamed command): nothing to check
@@ -155,7 +158,9 @@ TOMBSTONE = b"dropping:"
 LOAD_ATTEMPTS = 4
 
 
-def op_load_namespace(state: CoreState, ping: bool = True) -> Op[Layout]:
+def op_load_namespace(
+    state: CoreState, ping: bool = True, api: int | None = API_VERSION
+) -> Op[Layout]:
     """Ping the server, then read the namespace's meta record (creating it if missing) and
     adopt it.
 
@@ -163,28 +168,31 @@ def op_load_namespace(state: CoreState, ping: bool = True) -> Op[Layout]:
     under ``maxmemory`` with ``noeviction`` when the namespace exists; only a missing record
     costs the (writing) ``namespace`` script. A drop in progress is finished first. A new
     namespace records how its expiring entries expire (``state.expiry_mode``, found by
-    :func:`op_expiry_mode` when the client connects).
+    :func:`op_expiry_mode` when the client connects), and ``api``, the protocol version of the
+    client's function library (see :func:`kvredis.redis.functions.namespace_call`).
     """
     if ping:
         yield Command(("PING",))
     keys = Layout(state.namespace, state.bucket_bits, b"")
     for _ in range(LOAD_ATTEMPTS):
-        reply = yield Command(("HMGET", keys.meta, "layout", "bucket_bits", "gen"))
-        if not all(reply) and state.wait_for_namespace > 0:
-            reply = yield from _op_wait_for_namespace(state, keys)
-        elif not all(reply):
+        fields = yield _read_meta(keys)
+        if not all(fields[:3]) and state.wait_for_namespace > 0:
+            fields = yield from _op_wait_for_namespace(state, keys)
+        if all(fields[:3]):
+            state.check_scheme(_scheme_field(fields))
+            reply = list(fields[:3])
+        else:
+            scheme = None if state.scheme is None else state.scheme.text
             try:
-                reply = yield ScriptCall(
-                    "namespace",
-                    (keys.meta, keys.pi),
-                    (LAYOUT_VERSION, state.bucket_bits, secrets.token_hex(8), state.expiry_mode),
-                )
+                reply = yield namespace_call(state, API_VERSION if api is None else api, scheme)
             except BackendError as exc:
                 if not refused_by_acl(str(exc)):
                     raise
-                reply = yield Command(("HMGET", keys.meta, "layout", "bucket_bits", "gen"))
-                if not all(reply):  # still none, and this client may not make it
+                fields = yield _read_meta(keys)
+                if not all(fields[:3]):  # still none, and this client may not make it
                     raise namespace_missing_error(state, str(exc)) from None
+                state.check_scheme(_scheme_field(fields))
+                reply = list(fields[:3])
         gen = reply[2] if isinstance(reply, (list, tuple)) and len(reply) == 3 else None
         if not (isinstance(gen, bytes) and gen.startswith(TOMBSTONE)):
             return state.adopt(reply)
@@ -198,9 +206,21 @@ WAIT_FIRST_S = 0.05
 WAIT_LONGEST_S = 1.0
 
 
+def _read_meta(keys: Layout) -> Command:
+    """The read of a namespace's meta record: ``layout``, ``bucket_bits``, ``gen`` (all set
+    once it exists) and ``scheme`` (its block key scheme, when one was recorded)."""
+    return Command(("HMGET", keys.meta, "layout", "bucket_bits", "gen", "scheme"))
+
+
+def _scheme_field(fields: Sequence[Any]) -> Any:
+    """The ``scheme`` of a :func:`_read_meta` reply (None when it holds none)."""
+    return fields[3] if len(fields) > 3 else None
+
+
 def _op_wait_for_namespace(state: CoreState, keys: Layout) -> Op[Any]:
-    """Read the meta record until it exists, for at most ``state.wait_for_namespace`` seconds
-    (slept between reads, doubling up to :data:`WAIT_LONGEST_S`); never creates it. Raises
+    """Read the meta record (:func:`_read_meta`) until it exists, for at most
+    ``state.wait_for_namespace`` seconds (slept between reads, doubling up to
+    :data:`WAIT_LONGEST_S`); never creates it. Raises
     :class:`~kvredis.errors.NamespaceMissingError` when it did not appear in time."""
     waited, pause = 0.0, WAIT_FIRST_S
     logger.info(
@@ -217,9 +237,9 @@ def _op_wait_for_namespace(state: CoreState, keys: Layout) -> Op[Any]:
         yield Sleep(step)
         waited += step
         pause = min(WAIT_LONGEST_S, pause * 2)
-        reply = yield Command(("HMGET", keys.meta, "layout", "bucket_bits", "gen"))
-        if all(reply):
-            return reply
+        fields = yield _read_meta(keys)
+        if all(fields[:3]):
+            return fields
 
 
 def op_expiry_mode(session: Session) -> Op[str]:
@@ -604,6 +624,24 @@ def batch_call(
             *program.ops,
         ],
     )
+
+
+def op_block_key_scheme(
+    state: CoreState, scheme: BlockKeyScheme, record: bool = False
+) -> Op[BlockKeyScheme | None]:
+    """Check ``scheme`` (the client's block key scheme) against the one the namespace records,
+    and from now on at every load of the namespace; with ``record``, record it first when the
+    namespace records none (the first writer's stays). The scheme recorded (None: none);
+    :class:`~kvredis.errors.BlockKeySchemeError` when it is another."""
+    if not isinstance(scheme, BlockKeyScheme):
+        raise InvalidInputError(f"scheme must be a BlockKeyScheme, got {scheme!r}")
+    state.scheme = scheme
+    meta = state.layout.meta
+    recorded = yield Command(("HGET", meta, "scheme"))
+    if not recorded and record:
+        yield namespace_call(state, API_VERSION, scheme.text)
+        recorded = yield Command(("HGET", meta, "scheme"))
+    return state.check_scheme(recorded)
 
 
 def op_get_watermark(state: CoreState, stream: str) -> Op[Watermark | None]:

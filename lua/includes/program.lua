@@ -25,9 +25,9 @@
 -- in one call sets k.spent to one table for all of them: their run work adds up
 -- (includes/writes).
 local function write_context(meta, pe, pi, pp, rprefix, eprefix, bits, sx)
+  local rbucket, ebucket = bucket_namer(rprefix, bits), bucket_namer(eprefix, bits)
   return {meta = meta, pe = pe, pi = pi, pp = pp, bits = bits, cprefix = run_prefix(rprefix),
-          rbucket = bucket_namer(rprefix, bits), ebucket = bucket_namer(eprefix, bits),
-          xs = expiring_stage(meta, sx, bits)}
+          rbucket = rbucket, ebucket = ebucket, xs = expiring_stage(meta, sx, bits)}
 end
 
 local function entry_indexes(args, pos, nent, nents)

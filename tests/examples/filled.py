@@ -1,6 +1,7 @@
 """An index filled the way a deployment fills it: vLLM-shaped KV events (``tests/ingest/wire``)
 through the Python ``EventIngester`` into a Redis namespace, with llm-d's ``fnv64a_cbor`` block
-keys; what other clients (Go, redis-cli, other ACL users) read back is checked against it."""
+keys or kvredis's default ``xxh3_64`` ones (the namespace records which); what other clients
+(Go, redis-cli, other ACL users) read back is checked against it."""
 
 from __future__ import annotations
 
@@ -20,10 +21,8 @@ TOKENS = [(7 * i + 3) % 50_000 for i in range(40 * BLOCK)]
 OTHER = [(11 * i + 5) % 50_000 for i in range(6 * BLOCK)]
 
 
-def token_processor() -> ChunkedTokenDatabase:
-    return ChunkedTokenDatabase(
-        TokenProcessorConfig(block_size_tokens=BLOCK, hash_algo="fnv64a_cbor")
-    )
+def token_processor(hash_algo: str = "fnv64a_cbor") -> ChunkedTokenDatabase:
+    return ChunkedTokenDatabase(TokenProcessorConfig(block_size_tokens=BLOCK, hash_algo=hash_algo))
 
 
 @dataclass(frozen=True)
@@ -31,6 +30,8 @@ class Filled:
     """The namespace filled, the router's keys of the prompts, and the Python client's scores."""
 
     namespace: str
+    #: the block key scheme of the keys, as the namespace records it
+    scheme: str
     keys: list[int]
     other_keys: list[int]
     scores: dict[str, float]
@@ -41,9 +42,9 @@ def _engine_hashes(pod: int, n: int) -> list[int]:
     return [(pod << 40) + i + 1 for i in range(n)]
 
 
-def fill(config: RedisIndexConfig) -> Filled:
+def fill(config: RedisIndexConfig, hash_algo: str = "fnv64a_cbor") -> Filled:
     """Fill ``config``'s namespace through the ingester (as ``config``'s user) and score."""
-    tp = token_processor()
+    tp = token_processor(hash_algo)
     with RedisIndex(config) as index:
         ingester = EventIngester(index, tp)
         seqs: dict[str, int] = {}
@@ -67,4 +68,4 @@ def fill(config: RedisIndexConfig) -> Filled:
         scores = index.score(keys, WEIGHTS)
         other_scores = index.score(other, WEIGHTS)
     assert scores and other_scores
-    return Filled(config.namespace, keys, other, scores, other_scores)
+    return Filled(config.namespace, tp.scheme.text, keys, other, scores, other_scores)

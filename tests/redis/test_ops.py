@@ -32,6 +32,7 @@ from kvredis.redis import ops, program
 from kvredis.redis import requests as rq
 from kvredis.redis import session as sessions
 from kvredis.redis.codec import encode_entry, hash_field
+from kvredis.redis.functions import API_VERSION
 from kvredis.redis.layout import LAYOUT_VERSION, Layout
 from kvredis.redis.scripts import ScriptRegistry
 from kvredis.redis.state import CoreState
@@ -112,10 +113,11 @@ def test_load_namespace_pings_then_creates_or_reads_the_meta_record() -> None:
     layout = exchange.run(ops.op_load_namespace(state, ping=True))
     ping, read, call = exchange.requests
     assert ping == rq.Command(("PING",))
-    assert read == rq.Command(("HMGET", b"ns:meta", "layout", "bucket_bits", "gen"))
+    assert read == rq.Command(("HMGET", b"ns:meta", "layout", "bucket_bits", "gen", "scheme"))
     assert isinstance(call, rq.ScriptCall) and call.script == "namespace"
     assert call.keys == (b"ns:meta", b"ns:pi")
     assert call.args[:2] == (LAYOUT_VERSION, 12) and len(call.args[2]) == 16
+    assert call.args[4] == API_VERSION  # the api the namespace records
     assert isinstance(layout, Layout) and layout.bucket_bits == 10 and layout.gen == GEN
     assert state.layout is layout
     # An existing record is only read: a reader starts on a replica and under maxmemory.
@@ -617,7 +619,7 @@ def test_a_new_namespace_records_the_expiry_mode_of_its_server() -> None:
     exchange.run(ops.op_load_namespace(state, ping=False))
     create = exchange.requests[1]
     assert isinstance(create, rq.ScriptCall) and create.script == "namespace"
-    assert create.args[-1] == "field"
+    assert create.args[3] == "field"
 
 
 def test_a_failure_thrown_into_an_operation_closes_it() -> None:

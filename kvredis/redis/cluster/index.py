@@ -16,10 +16,12 @@ from typing import Any, TypeVar
 from kvredis.batch import IndexOp, Watermark
 from kvredis.checks import check_selection
 from kvredis.errors import ConfigError
+from kvredis.hashing.config import BlockKeyScheme
 from kvredis.index import Progress
 from kvredis.redis.cluster.core import ClusterCore, op_cluster_connect
 from kvredis.redis.cluster.executor import AsyncClusterExecutor, SyncClusterExecutor
 from kvredis.redis.cluster.ops import (
+    op_cluster_block_key_scheme,
     op_cluster_clear,
     op_cluster_drop,
     op_cluster_get_request_key,
@@ -203,6 +205,13 @@ class RedisClusterIndex(_ClusterFacade):
         """Delete every key of the namespace on every node; the number of keys deleted."""
         return self._run(op_cluster_drop)
 
+    def check_block_key_scheme(
+        self, scheme: BlockKeyScheme, *, record: bool = False
+    ) -> BlockKeyScheme | None:
+        """See :meth:`kvredis.index.SchemeIndex.check_block_key_scheme` (every shard records
+        it)."""
+        return self._run(lambda c: op_cluster_block_key_scheme(c, scheme, record))
+
     def close(self) -> None:
         """Close every node's connections."""
         self._exec.close()
@@ -329,6 +338,12 @@ class AsyncRedisClusterIndex(_ClusterFacade):
     async def drop_namespace(self) -> int:
         """See :meth:`RedisClusterIndex.drop_namespace`."""
         return await self._run(op_cluster_drop)
+
+    async def check_block_key_scheme(
+        self, scheme: BlockKeyScheme, *, record: bool = False
+    ) -> BlockKeyScheme | None:
+        """See :meth:`RedisClusterIndex.check_block_key_scheme`."""
+        return await self._run(lambda c: op_cluster_block_key_scheme(c, scheme, record))
 
     async def aclose(self) -> None:
         """Close every node's connections."""

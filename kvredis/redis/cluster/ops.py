@@ -48,6 +48,7 @@ from kvredis.errors import (
     BackendUnavailableError,
     InvalidInputError,
 )
+from kvredis.hashing.config import BlockKeyScheme
 from kvredis.index import ClearProgress
 from kvredis.redis.cluster.core import (
     MAPPING_PAGE,
@@ -74,6 +75,7 @@ from kvredis.redis.config import DEFAULT_CLEAR_FIELDS_PER_CALL
 from kvredis.redis.ops import (
     LOOKUP_KEYS_PER_CALL,
     batch_fence,
+    op_block_key_scheme,
     op_clear_passes,
     op_drop_namespace,
     op_get_request_key,
@@ -223,8 +225,8 @@ def op_shard_lookups(
             found: dict[int, Any] = {}
             read_lookup_reply(cache, part, groups[shard], 0, found, shared)
             results[shard] = found
-    if reload:
-        load = core.registry.load_command("lookup_shards", read)  # a library: on primaries
+    if reload and not core.registry.active:  # the library: each shard's call settles it
+        load = core.registry.load_command("lookup_shards", read)
         commands = [SlotCommand(core.slots[shard], load.args) for shard in reload]
         yield from op_wave(core.cluster, commands, core.wave_policy, read=load.read, pick=pick)
     if again:
@@ -373,3 +375,13 @@ def op_cluster_drop(core: ClusterCore) -> WaveOp[int]:
     desc = descriptor_key(core.namespace)
     removed = yield from slot_command(core, shard_slot(desc.decode()), "DEL", desc)
     return sum(deleted.values()) + int(removed)
+
+
+def op_cluster_block_key_scheme(
+    core: ClusterCore, scheme: BlockKeyScheme, record: bool = False
+) -> WaveOp[BlockKeyScheme | None]:
+    """:func:`~kvredis.redis.ops.op_block_key_scheme` on every shard (each shard's namespace
+    records the scheme); the scheme recorded (None: none yet on some shard)."""
+    found = yield from on_every_shard(core, lambda s: op_block_key_scheme(s, scheme, record))
+    schemes = list(found.values())
+    return schemes[0] if schemes and all(s is not None for s in schemes) else None
