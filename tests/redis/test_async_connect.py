@@ -1,8 +1,8 @@
 """An :class:`AsyncRedisIndex` used without ``connect()`` connects whole on its first call, as
-:class:`RedisIndex` does when it is built (and ``AsyncRedisClusterIndex`` on its first call):
-the function library is chosen (and loaded), a cluster node is refused, an unsafe eviction
-policy is warned of (raised with ``strict``), and a namespace it creates records how the server
-expires entries (``field`` on Valkey 9)."""
+:class:`~kvredis.RedisIndex` does when it is built (and ``AsyncRedisClusterIndex`` on its first
+call): the function library is chosen (and loaded), a cluster node is refused, an unsafe
+eviction policy is warned of (raised with ``strict``), and a namespace it creates records how
+the server expires entries (``field`` on Valkey 9)."""
 
 from __future__ import annotations
 

@@ -66,6 +66,7 @@ LUA_ONLY_BOUNDS = {
     ("request keys per engine key", "max"): INT32,
     ("parts", "max"): INT32,
     ("first request key", "max"): INT32,
+    ("api", "max"): INT32,
     ("part length", "min"): "the argument count of an apply_shards part (its fixed arguments "
     "and a program of at least its two counts)",
 }
