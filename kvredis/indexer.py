@@ -7,7 +7,7 @@ from collections.abc import Collection, Mapping, Sequence
 from kvredis.checks import check_ttl
 from kvredis.features import BlockExtraFeatures
 from kvredis.hashing import TokenProcessor
-from kvredis.index import Index, ScoringIndex
+from kvredis.index import Index, RankScoringIndex, ScoringIndex
 from kvredis.scoring import LongestPrefixScorer
 from kvredis.types import EMPTY_BLOCK_HASH, PodEntry
 
@@ -19,10 +19,11 @@ class Indexer:
     backend, which scores server-side and sends back only the per-pod scores), the Indexer
     delegates to it with the scorer's tier weights;
     otherwise it looks the keys up and scores them with the :class:`LongestPrefixScorer`. Both
-    paths give identical results.
+    paths give identical results. A pod scores its best data-parallel rank's score;
+    :meth:`score_tokens_by_rank` gives every rank's.
     """
 
-    __slots__ = ("_index", "_scorer", "_server_score", "_token_processor")
+    __slots__ = ("_index", "_rank_score", "_scorer", "_server_score", "_token_processor")
 
     def __init__(
         self,
@@ -37,6 +38,10 @@ class Indexer:
         custom = type(self._scorer).score is not LongestPrefixScorer.score
         self._server_score: ScoringIndex | None = (
             index if isinstance(index, ScoringIndex) and not custom else None
+        )
+        custom_ranks = type(self._scorer).score_by_rank is not LongestPrefixScorer.score_by_rank
+        self._rank_score: RankScoringIndex | None = (
+            index if isinstance(index, RankScoringIndex) and not custom_ranks else None
         )
 
     @property
@@ -117,3 +122,25 @@ class Indexer:
             weights: Mapping[str, float] = dict(self._scorer.medium_weights)
             return dict(self._server_score.score(keys, weights, pods))
         return self._scorer.score(keys, self._index.lookup(keys, pods))
+
+    def score_tokens_by_rank(
+        self,
+        tokens: Sequence[int],
+        model_name: str,
+        pod_identifiers: Collection[str] | None = None,
+        extra_features: Sequence[BlockExtraFeatures | None] | None = None,
+        *,
+        cache_salt: str | None = None,
+    ) -> dict[str, dict[int, float]]:
+        """Per-pod, per-data-parallel-rank scores for a prompt (pod -> ``dp_rank`` -> score),
+        for a router that pins the rank a request runs on; :meth:`score_tokens` gives each
+        pod its best rank's. Scored by the index itself when it can
+        (:class:`~kvredis.index.RankScoringIndex`), else looked up and scored here."""
+        keys = self.compute_block_keys(tokens, model_name, extra_features, cache_salt=cache_salt)
+        if not keys:
+            return {}
+        pods = pod_identifiers or None
+        if self._rank_score is not None:
+            weights: Mapping[str, float] = dict(self._scorer.medium_weights)
+            return dict(self._rank_score.score_by_rank(keys, weights, pods))
+        return self._scorer.score_by_rank(keys, self._index.lookup(keys, pods))

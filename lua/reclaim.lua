@@ -9,8 +9,11 @@
   ARGV[3]     the pod's entry ids to reclaim (id list, as retire.lua returned them)
   Errors      KVREDIS_INVALID for a malformed id list, before the first write
   Returns     number of definitions deleted; the ids leave the pod's retired list in <ns>:pr
+              (when it empties, the clear has ended: the pod's stamps hold again,
+              includes/stamps)
   Complexity  O(ids + the pod's retired list) ]]
 --@include entries
+--@include stamps
 check_gen(KEYS[1], ARGV[1])
 local ids = blob_arg(ARGV[3], ID_WIDTH, 'entry ids')
 local list = {}
@@ -34,6 +37,7 @@ if retired then
   local left = list_without(retired, list_set(ids, ID_WIDTH), ID_WIDTH)
   if left == '' then
     redis.call('HDEL', KEYS[4], ARGV[2])
+    stamp_cleared(KEYS[1], ARGV[2])
   elseif left ~= retired then
     redis.call('HSET', KEYS[4], ARGV[2], left)
   end

@@ -56,7 +56,7 @@ PREFIX = "kvredis_"
 #: The function that reports the library's versions.
 VERSION_FUNCTION = f"{PREFIX}version"
 #: Version of the function protocol (keys, arguments, replies, error codes): docs/protocol.md.
-API_VERSION = 1
+API_VERSION = 2
 #: Text a server answers a call of a function it does not have with (``ERR Function not found``).
 NOT_FOUND = "function not found"
 
