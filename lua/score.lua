@@ -122,6 +122,7 @@ local carried = at_more + 1
 local nc = int_arg(ARGV[carried] or '0', 'slots carried over', 0,
   math.max(0, math.floor((#ARGV - carried) / 4)))
 local carried_stamps = {}   -- slot -> the stamp it came with
+local versions = {}   -- pod -> its stamp version (includes/stamps), read once per call
 local now = clock()
 if nc > 0 then
   first = false
@@ -144,7 +145,7 @@ if nc > 0 then
       pods[#pods + 1] = pod
     end
   end
-  local versions = stamp_versions(KEYS[1], pods)
+  versions = stamp_versions(KEYS[1], pods)
   for i = 1, nc do
     local slot = order[i]
     if stamp_holds(carried_stamps[slot], versions[string.sub(slot, 5)], now) then
@@ -204,12 +205,12 @@ if (more or cut) and #active > 0 then
   end
   for _, slot in ipairs(active) do
     local pod = string.sub(slot, 5)
-    if not seen[pod] then
+    if versions[pod] == nil and not seen[pod] then
       seen[pod] = true
       pods[#pods + 1] = pod
     end
   end
-  local versions = stamp_versions(KEYS[1], pods)
+  for pod, version in pairs(stamp_versions(KEYS[1], pods)) do versions[pod] = version end
   for _, slot in ipairs(active) do
     stamps[slot] = stamp_make(versions[string.sub(slot, 5)], until_[slot], carried_stamps[slot])
   end

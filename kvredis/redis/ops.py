@@ -241,13 +241,16 @@ def op_lookup(
     of a longer chain, and one more where a walk stops at its work limit, each sent only while
     the chain keeps hitting); a read, which a replica may answer. The parts of a chain carry
     stamps (:mod:`kvredis.redis.stamps`; ``book``, when given, carries them from and to the
-    caller's earlier and later reads of the namespace): a pod that lost an entry since an
-    earlier part read it keeps only what the parts before read."""
+    caller's earlier and later reads of the namespace, and every part then asks for the stamps
+    of the pods it reads): a pod that lost an entry since an earlier part read it keeps only
+    what the parts before read."""
     keys, chain = pack_hashes(request_keys, "request key")
     pods = pod_filter(pod_identifier_set)
     if not keys:
         return {}
     layout, cache = state.snapshot()
+    # a caller's book reads on after this lookup (a cluster's other shards): every part stamps
+    always = book is not None
     if book is None:
         book = StampBook()
     book.bind(layout.gen)
@@ -256,7 +259,7 @@ def op_lookup(
     step, start = LOOKUP_KEYS_PER_CALL, 0
     while start < len(keys):
         piece = chain if start == 0 and len(keys) <= step else chain[start * 8 : (start + step) * 8]
-        more = 1 if start + len(piece) // 8 < len(keys) else 0
+        more = 1 if always or start + len(piece) // 8 < len(keys) else 0
         reply = yield ScriptCall(
             "lookup",
             (layout.meta, layout.pi, layout.pp, layout.sx),
