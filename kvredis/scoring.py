@@ -35,6 +35,8 @@ DEFAULT_MEDIUM_WEIGHTS: Mapping[str, float] = MappingProxyType(
 
 #: Weight of a device tier missing from the weight map.
 UNKNOWN_TIER_WEIGHT = 1.0
+#: A (pod, data-parallel rank) as the scorer names it: the pod id (rank 0), or (pod id, rank).
+Slot = str | tuple[str, int]
 
 
 class LongestPrefixScorer:
@@ -104,28 +106,39 @@ class LongestPrefixScorer:
         if not keys:
             return {}
         weights = self._weights
-        scores: dict[tuple[str, int], float] = {}
+        # A (pod, rank) is named by its pod id for rank 0 (most pods run no data parallelism:
+        # no tuple to make per entry), else by the tuple (pod id, rank).
+        scores: dict[Slot, float] = {}
         for entry in key_to_pods.get(keys[0], ()):
             w = weights.get(entry.device_tier, UNKNOWN_TIER_WEIGHT)
-            slot = (entry.pod_identifier, entry.dp_rank)
+            rank = entry.dp_rank
+            slot = (entry.pod_identifier, rank) if rank else entry.pod_identifier
             if slot not in scores or w > scores[slot]:
                 scores[slot] = w
-        active: Mapping[tuple[str, int], float] = scores
+        active: Mapping[Slot, float] = scores
+        previous: object = None
         for key in keys[1:]:
             if not active:
                 break
-            best: dict[tuple[str, int], float] = {}
-            for entry in key_to_pods.get(key, ()):
-                slot = (entry.pod_identifier, entry.dp_rank)
-                if slot in active:
-                    w = weights.get(entry.device_tier, UNKNOWN_TIER_WEIGHT)
-                    if slot not in best or w > best[slot]:
-                        best[slot] = w
+            held = key_to_pods.get(key, ())
+            # Keys sharing one entry list (as shared lookups give them) weigh the same for the
+            # (pod, rank)s still in: the best weights of the key before hold for this one.
+            if held is not previous:
+                best: dict[Slot, float] = {}
+                for entry in held:
+                    rank = entry.dp_rank
+                    slot = (entry.pod_identifier, rank) if rank else entry.pod_identifier
+                    if slot in active:
+                        w = weights.get(entry.device_tier, UNKNOWN_TIER_WEIGHT)
+                        if slot not in best or w > best[slot]:
+                            best[slot] = w
+                previous = held
             for slot, w in best.items():
                 scores[slot] += w
             active = best
         out: dict[str, dict[int, float]] = {}
-        for (pod, rank), total in scores.items():
+        for slot, total in scores.items():
+            pod, rank = (slot, 0) if isinstance(slot, str) else slot
             ranks = out.get(pod)
             if ranks is None:
                 out[pod] = {rank: total}

@@ -22,58 +22,62 @@
 
 local STAMP_PREFIX = 'removed:'
 
--- pod -> its version (false during a clear), for the pods of the array pods: one HMGET of meta.
+-- pod -> its version as a stamp without deadline ("<version>@"; false during a clear), for the
+-- pods of the array pods: one HMGET of meta.
 local function stamp_versions(meta, pods)
   local out = {}
   if #pods == 0 then return out end
   local fields = {'cleared'}
   for i = 1, #pods do fields[i + 1] = STAMP_PREFIX .. pods[i] end
   local got = hmget(meta, fields)
-  local absent = 'g' .. (got[1] or '0')
+  local absent = 'g' .. (got[1] or '0') .. '@'
   for i = 1, #pods do
     local v = got[i + 1]
     if not v then
       v = absent
     elseif string.sub(v, 1, 1) == 'c' then
       v = false
+    else
+      v = v .. '@'
     end
     out[pods[i]] = v
   end
   return out
 end
 
--- The version of a stamp (nil when malformed) and its deadline (nil when it has none).
-local function stamp_parts(stamp)
+-- The deadline of a stamp: nil when it has none, false when the stamp is malformed.
+local function stamp_deadline(stamp)
   local at = string.find(stamp, '@', 1, true)
-  if not at or at == 1 then return nil, nil end
-  local tail = string.sub(stamp, at + 1)
-  local deadline = nil
-  if tail ~= '' then
-    deadline = tonumber(tail)
-    if not deadline or deadline ~= deadline then return nil, nil end
-  end
-  return string.sub(stamp, 1, at - 1), deadline
+  if not at or at == 1 then return false end
+  if at == #stamp then return nil end
+  local deadline = tonumber(string.sub(stamp, at + 1))
+  if not deadline or deadline ~= deadline then return false end
+  return deadline
 end
 
--- Whether a carried stamp still holds, given the pod's version now and the server clock now (ms;
--- asked only when the stamp has a deadline: now is a function).
+-- Whether a carried stamp still holds, given the pod's version now (as stamp_versions gives it)
+-- and the server clock now (ms; a function, asked only when the stamp has a deadline). Fails
+-- KVREDIS_INVALID for a stamp no function made.
 local function stamp_holds(stamp, version, now)
-  if not version or stamp == '' then return false end
-  local was, deadline = stamp_parts(stamp)
-  if was ~= version then return false end
-  return deadline == nil or deadline > now()
+  if stamp == '' then return false end
+  if version and stamp == version then return true end  -- the same version, no deadline
+  local deadline = stamp_deadline(stamp)
+  if deadline == false then fail('INVALID', 'malformed stamp ' .. tostring(stamp)) end
+  if not version or string.sub(stamp, 1, #version) ~= version then return false end
+  return deadline ~= nil and deadline > now()
 end
 
--- A stamp of a pod at version (false: none, "") whose returned expiring entries end at the
--- earliest at deadline (nil: none), kept no later than the carried stamp's deadline (carried:
--- nil for a pod new to the read).
+-- A stamp of a pod at version (as stamp_versions gives it; false: none, "") whose returned
+-- expiring entries end at the earliest at deadline (nil: none), kept no later than the carried
+-- stamp's deadline (carried: nil for a pod new to the read).
 local function stamp_make(version, deadline, carried)
   if not version then return '' end
-  if carried then
-    local _, before = stamp_parts(carried)
+  if carried and carried ~= version then
+    local before = stamp_deadline(carried)
     if before and (not deadline or before < deadline) then deadline = before end
   end
-  return version .. '@' .. (deadline and string.format('%.0f', deadline) or '')
+  if not deadline then return version end
+  return version .. string.format('%.0f', deadline)
 end
 
 -- The server clock in ms, asked once, on first use.

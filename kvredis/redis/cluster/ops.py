@@ -106,7 +106,11 @@ T = TypeVar("T")
 
 
 def op_cluster_lookup(
-    core: ClusterCore, request_keys: Keys, pod_identifier_set: Any, shared: bool = False
+    core: ClusterCore,
+    request_keys: Keys,
+    pod_identifier_set: Any,
+    shared: bool = False,
+    stamped: bool = False,
 ) -> WaveOp[dict[int, Any]]:
     """``Index.lookup`` over the shards: waves of one ``lookup_shards`` call per involved node
     (:func:`op_shard_lookups`), each call walking at most :data:`LOOKUP_KEYS_PER_CALL` keys
@@ -114,12 +118,16 @@ def op_cluster_lookup(
     before the first miss found so far. ``shared``: keys holding the same entries share one
     tuple (for the scorer) instead of a list each.
 
-    Every part carries its shard's stamps (:mod:`kvredis.redis.stamps`). A lookup read in more
-    than one step (several waves, or a shard walked again by the per-shard path) checks every
-    shard's stamps once more after its last read, in one more wave (:func:`op_check_stamps`):
-    a pod whose stamp broke on any shard keeps only the entries the first wave read, so the
-    merge never credits a pod with entries it did not hold at one instant. (The calls of one
-    wave run on their nodes at the same time: one wave reads the shards as one step.)"""
+    A lookup read in more than one step (several waves, or a shard walked again by the
+    per-shard path after its wave) carries each shard's stamps (:mod:`kvredis.redis.stamps`)
+    from its first wave on, and checks every shard's stamps once more after its last read, in
+    one more wave (:func:`op_check_stamps`): a pod whose stamp broke on any shard keeps only the
+    entries the first wave read, so the merge never credits a pod with entries it did not hold
+    at one instant. Whether it takes several waves is known from the chain (a shard with more
+    keys than one wave walks); a lookup of one wave asks for no stamps (``stamped`` asks
+    anyway), and one whose wave sent a shard to the per-shard path starts over stamped. (The
+    calls of one wave run on their nodes at the same time: one wave reads the shards as one
+    step.)"""
     keys, _ = pack_hashes(request_keys, "request key")
     pods = pod_filter(pod_identifier_set)
     if not keys:
@@ -141,8 +149,14 @@ def op_cluster_lookup(
         if not going:
             break
         per = yield from _keys_per_shard(core, going)
+        if not steps:
+            stamped = stamped or any(len(groups[s]) > per for s in going)
         parts = {s: groups[s][walked[s] : walked[s] + per] for s in going}
-        found, again = yield from op_shard_lookups(core, parts, pods, shared, books)
+        found, again = yield from op_shard_lookups(
+            core, parts, pods, shared, books if stamped else None
+        )
+        if again and not stamped:  # a step more than planned: read again, with stamps
+            return (yield from op_cluster_lookup(core, keys, pods, shared, stamped=True))
         steps += 1 + bool(again)
         for shard, part in parts.items():
             got = found.get(shard, {})  # a key is found only by its own shard
@@ -204,15 +218,16 @@ def op_shard_lookups(
     call per node, not per shard. The slot map the calls are grouped by may be out of date
     (a slot moved, a failover): a call that meets a redirection or a failure, and a shard
     whose generation changed, are walked again by the per-shard path (:func:`op_parallel`,
-    which follows redirections, reloads scripts and namespaces and retries). Each part carries
-    its shard's stamps from ``books`` (and updates them), and asks for the stamps of the pods
-    it reads."""
+    which follows redirections, reloads scripts and namespaces and retries). With ``books``,
+    each part carries its shard's stamps from them (and updates them), and asks for the stamps
+    of the pods it reads."""
     read = core.read_from_replicas
     pick = core.pick()
     slot_map = core.cluster.slot_map or (yield from op_refresh(core.cluster, core.policy.server))
     by_node, unmapped = group_by_node(
         core, groups, lambda slot: slot_map.reader(slot, pick) if read else slot_map.primary(slot)
     )
+    stamped = books is not None
     if books is None:
         books = {shard: StampBook() for shard in groups}
     filter_args = pod_args(pods)
@@ -229,7 +244,7 @@ def op_shard_lookups(
             call_keys = call_keys or list(names)
             call_args += (*names, layout.gen, layout.rprefix, layout.bucket_bits, cache.floor)
             part = groups[shard]  # checked by the caller
-            call_args += (hash_blob(part), 1 if part else 0, *books[shard].args())
+            call_args += (hash_blob(part), 1 if stamped and part else 0, *books[shard].args())
             caches.append((shard, cache))
         call = core.registry.evalsha(ScriptCall("lookup_shards", call_keys, call_args))
         commands.append(SlotCommand(core.slots[shards[0]], call.args))
@@ -261,13 +276,16 @@ def op_shard_lookups(
         commands = [SlotCommand(core.slots[shard], load.args) for shard in reload]
         yield from op_wave(core.cluster, commands, core.wave_policy, read=load.read, pick=pick)
     if again:
-        factories = {shard: _lookup_factory(groups[shard], pods, books[shard]) for shard in again}
+        factories = {
+            shard: _lookup_factory(groups[shard], pods, books[shard] if stamped else None)
+            for shard in again
+        }
         results.update((yield from on_shards(core, factories, read=True)))
     return results, again
 
 
 def _lookup_factory(
-    keys: list[int], pods: frozenset[str] | None, book: StampBook
+    keys: list[int], pods: frozenset[str] | None, book: StampBook | None
 ) -> Callable[[CoreState], Op[dict[int, list[PodEntry]]]]:
     return lambda state: op_lookup(state, keys, pods, book)
 
