@@ -11,6 +11,7 @@ Capabilities beyond the core contract are declared as protocols of their own, so
 =========================  ===============================================================
 :class:`BatchIndex`        ``apply_batch`` fenced by per-stream watermarks (ingestion)
 :class:`ScoringIndex`      ``score``: the LongestPrefixScorer computed by the backend itself
+:class:`RankScoringIndex`  ``score_by_rank``: the same, per data-parallel rank of each pod
 :class:`ProgressClearIndex` ``clear_with_progress``: a pod clear that reports progress
 :class:`SelectiveClearIndex` ``clear_entries``: clear only some tiers or one rank of a pod
 :class:`NamespaceIndex`    ``drop_namespace``: delete everything the index stored
@@ -38,6 +39,7 @@ __all__ = [
     "AsyncIndex",
     "AsyncNamespaceIndex",
     "AsyncProgressClearIndex",
+    "AsyncRankScoringIndex",
     "AsyncSchemeIndex",
     "AsyncScoringIndex",
     "AsyncSelectiveClearIndex",
@@ -47,6 +49,7 @@ __all__ = [
     "Index",
     "NamespaceIndex",
     "ProgressClearIndex",
+    "RankScoringIndex",
     "SchemeIndex",
     "ScoringIndex",
     "SelectiveClearIndex",
@@ -178,7 +181,8 @@ class ScoringIndex(Protocol):
         medium_weights: Mapping[str, float] | None = None,
         pod_identifier_set: Collection[str] | None = None,
     ) -> dict[str, float]:
-        """Per-pod longest-prefix scores; bit-identical to ``LongestPrefixScorer.score``."""
+        """Per-pod longest-prefix scores (each pod's best data-parallel rank's); bit-identical
+        to ``LongestPrefixScorer.score``."""
         ...
 
 
@@ -192,6 +196,36 @@ class AsyncScoringIndex(Protocol):
         medium_weights: Mapping[str, float] | None = None,
         pod_identifier_set: Collection[str] | None = None,
     ) -> dict[str, float]: ...
+
+
+@runtime_checkable
+class RankScoringIndex(Protocol):
+    """An index that scores each data-parallel rank of a pod on its own, as ``score`` does
+    before it keeps each pod's best rank: for a router that can pin the rank a request runs on
+    (vLLM's external data-parallel load balancing takes it per request)."""
+
+    def score_by_rank(
+        self,
+        request_keys: Sequence[int],
+        medium_weights: Mapping[str, float] | None = None,
+        pod_identifier_set: Collection[str] | None = None,
+    ) -> dict[str, dict[int, float]]:
+        """pod -> ``dp_rank`` -> longest-prefix score (a pod without data parallelism has only
+        rank 0); bit-identical to ``LongestPrefixScorer.score_by_rank``, and the pod's best rank
+        is what ``score`` returns for it."""
+        ...
+
+
+@runtime_checkable
+class AsyncRankScoringIndex(Protocol):
+    """The asyncio form of :class:`RankScoringIndex`."""
+
+    async def score_by_rank(
+        self,
+        request_keys: Sequence[int],
+        medium_weights: Mapping[str, float] | None = None,
+        pod_identifier_set: Collection[str] | None = None,
+    ) -> dict[str, dict[int, float]]: ...
 
 
 @runtime_checkable

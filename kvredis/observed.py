@@ -7,7 +7,8 @@
 
 A wrapper has exactly the capabilities of the index it wraps: wrapping a
 :class:`~kvredis.redis.index.RedisIndex` gives an object that is still a
-:class:`~kvredis.index.ScoringIndex`, :class:`~kvredis.index.BatchIndex`,
+:class:`~kvredis.index.ScoringIndex`, :class:`~kvredis.index.RankScoringIndex`,
+:class:`~kvredis.index.BatchIndex`,
 :class:`~kvredis.index.ProgressClearIndex`, :class:`~kvredis.index.SelectiveClearIndex`,
 :class:`~kvredis.index.NamespaceIndex`, :class:`~kvredis.index.SchemeIndex` and
 :class:`~kvredis.index.Closeable` (so the Indexer still scores server-side and the ingester still
@@ -32,6 +33,7 @@ from kvredis.index import (
     AsyncIndex,
     AsyncNamespaceIndex,
     AsyncProgressClearIndex,
+    AsyncRankScoringIndex,
     AsyncSchemeIndex,
     AsyncScoringIndex,
     AsyncSelectiveClearIndex,
@@ -41,6 +43,7 @@ from kvredis.index import (
     LabelledIndex,
     NamespaceIndex,
     ProgressClearIndex,
+    RankScoringIndex,
     SchemeIndex,
     ScoringIndex,
     SelectiveClearIndex,
@@ -202,6 +205,20 @@ class _Scoring(_Sync):
         )
 
 
+class _RankScoring(_Sync):
+    __slots__ = ()
+
+    def score_by_rank(
+        self, request_keys: Keys, medium_weights: Weights = None, pod_identifier_set: Pods = None
+    ) -> dict[str, dict[int, float]]:
+        """See :meth:`kvredis.index.RankScoringIndex.score_by_rank` (observed as a score)."""
+        inner = cast(RankScoringIndex, self._wrapped)
+        call = Call(Operation.SCORE, request_keys=request_keys, pods=pod_identifier_set)
+        return self._run(
+            call, lambda: inner.score_by_rank(request_keys, medium_weights, pod_identifier_set)
+        )
+
+
 class _Batch(_Sync):
     __slots__ = ()
 
@@ -300,6 +317,7 @@ class _Close(_Sync):
 
 _SYNC_CAPABILITIES: tuple[tuple[type, type], ...] = (
     (ScoringIndex, _Scoring),
+    (RankScoringIndex, _RankScoring),
     (BatchIndex, _Batch),
     (ProgressClearIndex, _ProgressClear),
     (SelectiveClearIndex, _SelectiveClear),
@@ -401,6 +419,20 @@ class _AsyncScoring(_Async):
         call = Call(Operation.SCORE, request_keys=request_keys, pods=pod_identifier_set)
         return await self._arun(
             call, lambda: inner.score(request_keys, medium_weights, pod_identifier_set)
+        )
+
+
+class _AsyncRankScoring(_Async):
+    __slots__ = ()
+
+    async def score_by_rank(
+        self, request_keys: Keys, medium_weights: Weights = None, pod_identifier_set: Pods = None
+    ) -> dict[str, dict[int, float]]:
+        """See :meth:`kvredis.index.RankScoringIndex.score_by_rank` (observed as a score)."""
+        inner = cast(AsyncRankScoringIndex, self._wrapped)
+        call = Call(Operation.SCORE, request_keys=request_keys, pods=pod_identifier_set)
+        return await self._arun(
+            call, lambda: inner.score_by_rank(request_keys, medium_weights, pod_identifier_set)
         )
 
 
@@ -511,6 +543,7 @@ class _AsyncContext(_Async):
 
 _ASYNC_CAPABILITIES: tuple[tuple[type, type], ...] = (
     (AsyncScoringIndex, _AsyncScoring),
+    (AsyncRankScoringIndex, _AsyncRankScoring),
     (AsyncBatchIndex, _AsyncBatch),
     (AsyncProgressClearIndex, _AsyncProgressClear),
     (AsyncSelectiveClearIndex, _AsyncSelectiveClear),

@@ -53,7 +53,8 @@ class PodEntry:
     ``has_group=True`` (hybrid-memory-allocator KV-cache groups). ``dp_rank`` is the
     data-parallel rank holding the copy (0: rank 0, or a pod without data parallelism): the
     ranks of a pod hold their copies on their own, so each rank's copy is an entry of its own,
-    while filters, scores and ``clear`` work on ``pod_identifier`` and so cover every rank.
+    while filters and ``clear`` work on ``pod_identifier`` and so cover every rank; a score takes
+    each rank on its own (a pod scores its best rank's).
     """
 
     pod_identifier: str

@@ -9,8 +9,11 @@
   ARGV[3]     the pod's entry ids to reclaim (id list, as retire.lua returned them)
   Errors      KVREDIS_INVALID for a malformed id list, before the first write
   Returns     number of definitions deleted; the ids leave the pod's retired list in <ns>:pr
+              (when it empties, the clear has ended: the pod's stamps hold again,
+              includes/stamps)
   Complexity  O(ids + the pod's retired list) ]]
 --@include entries
+--@include stamps
 keys_arg(KEYS, 4)
 check_gen(KEYS[1], ARGV[1])
 local pod = text_arg(ARGV[2], 'pod id')
@@ -36,6 +39,7 @@ if retired then
   local left = list_without(retired, list_set(ids, ID_WIDTH), ID_WIDTH)
   if left == '' then
     redis.call('HDEL', KEYS[4], pod)
+    stamp_cleared(KEYS[1], pod)
   elseif left ~= retired then
     redis.call('HSET', KEYS[4], pod, left)
   end

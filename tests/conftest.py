@@ -338,6 +338,16 @@ class SyncOverAsync:
             self.inner.score(request_keys, medium_weights, pod_identifier_set)
         )
 
+    def score_by_rank(
+        self,
+        request_keys: Sequence[int],
+        medium_weights: Any = None,
+        pod_identifier_set: Collection[str] | None = None,
+    ) -> dict[str, dict[int, float]]:
+        return self._loop.run(  # type: ignore[no-any-return]
+            self.inner.score_by_rank(request_keys, medium_weights, pod_identifier_set)
+        )
+
     def apply_batch(
         self, ops: Sequence[Any], stream: str | None = None, watermark: Any = None
     ) -> bool:

@@ -7,9 +7,10 @@
 //
 //	go run . -addr 127.0.0.1:6379 -namespace NS -model M -tokens 1,2,3,... -weights gpu=1,cpu=0.8
 //
-// It prints one JSON object: the block keys (decimal strings) and each pod's score as the exact
-// text the function replied ("%.17g"), which parses to the same float64 the Python client gets.
-// With -keys-only it prints the keys without asking a server.
+// It prints one JSON object: the block keys (decimal strings), each pod's score (its best
+// data-parallel rank's) and each pod's per-rank scores, as the exact text the function replied
+// ("%.17g"), which parses to the same float64 the Python client gets. With -keys-only it prints
+// the keys without asking a server.
 package main
 
 import (
@@ -31,7 +32,7 @@ import (
 
 // The protocol this client speaks (docs/protocol.md): the function API and the key layout.
 const (
-	apiVersion    = 2
+	apiVersion    = 3
 	layoutVersion = "kvredis-kvblock/2"
 )
 
@@ -210,16 +211,23 @@ type weight struct {
 // Python client's SCORE_KEYS_PER_CALL): a longer chain is scored in parts.
 const scoreKeysPerCall = 4096
 
-// podScore is a pod's score so far, as the exact text the function replied ("%.17g").
-type podScore struct {
-	pod, score string
+// slotScore is a (pod, data-parallel rank)'s score so far, as the exact text the function
+// replied ("%.17g"), and the stamp that carries it to the chain's next part.
+type slotScore struct {
+	pod   string
+	rank  int64
+	score string
+	stamp string
 }
 
-// score calls FCALL_RO kvredis_score over the chain, one part of at most perCall keys per call. A reply is [walked, cut, then pod, score, still-in triples]; the next part is sent
-// only while a pod still holds every key walked and the walk reached the part's end (or stopped
-// at its work limit, cut = 1), and it carries the pods still in and their scores so far. A pod's
-// final score is the last one any reply gave it; pods keep their order of first appearance.
-func score(c *conn, ns namespace, keys []uint64, weights []weight, unknown float64, perCall int) ([]podScore, error) {
+// score calls FCALL_RO kvredis_score over the chain, one part of at most perCall keys per call.
+// A reply is [walked, cut, then pod, rank, score, still-in, stamp per (pod, rank)]; the next
+// part is sent only while one still holds every key walked and the walk reached the part's end
+// (or stopped at its work limit, cut = 1), and it carries those still in with their ranks,
+// scores so far and stamps (a stamp that no longer holds leaves its score as it was). A (pod,
+// rank)'s final score is the last one any reply gave it; they keep their order of first
+// appearance.
+func score(c *conn, ns namespace, keys []uint64, weights []weight, unknown float64, perCall int) ([]slotScore, error) {
 	chain := make([]byte, 0, 8*len(keys))
 	for _, k := range keys {
 		chain = binary.BigEndian.AppendUint64(chain, k)
@@ -235,46 +243,56 @@ func score(c *conn, ns namespace, keys []uint64, weights []weight, unknown float
 		fixed = append(fixed, b(w.tier), b(strconv.FormatFloat(w.value, 'g', -1, 64)))
 	}
 	fixed = append(fixed, b(strconv.FormatFloat(unknown, 'g', -1, 64)))
-	var out []podScore
-	at := map[string]int{} // pod -> its index in out
+	var out []slotScore
+	type slot struct {
+		pod  string
+		rank int64
+	}
+	at := map[slot]int{} // (pod, rank) -> its index in out
 	carried := [][]byte{b("0")}
 	for start := 0; start < len(keys); {
 		end := start + perCall
 		if end > len(keys) {
 			end = len(keys)
 		}
-		args := append(append([][]byte{}, fixed...), chain[8*start:8*end])
+		more := "0"
+		if end < len(keys) {
+			more = "1"
+		}
+		args := append(append([][]byte{}, fixed...), chain[8*start:8*end], b(more))
 		args = append(append(args, carried...), apiArgument)
 		reply, err := c.call(args...)
 		if err != nil {
 			return nil, err
 		}
 		v, _ := reply.([]interface{})
-		if len(v) < 2 || (len(v)-2)%3 != 0 {
+		if len(v) < 2 || (len(v)-2)%5 != 0 {
 			return nil, fmt.Errorf("unexpected kvredis_score reply %v", reply)
 		}
 		walked, _ := v[0].(int64)
 		cut, _ := v[1].(int64)
-		var live []podScore
-		for i := 2; i+2 < len(v); i += 3 {
-			s := podScore{text(v[i]), text(v[i+1])}
-			if j, ok := at[s.pod]; ok {
+		var live []slotScore
+		for i := 2; i+4 < len(v); i += 5 {
+			rank, _ := v[i+1].(int64)
+			s := slotScore{text(v[i]), rank, text(v[i+2]), text(v[i+4])}
+			key := slot{s.pod, s.rank}
+			if j, ok := at[key]; ok {
 				out[j] = s
 			} else {
-				at[s.pod] = len(out)
+				at[key] = len(out)
 				out = append(out, s)
 			}
-			if in, _ := v[i+2].(int64); in == 1 {
+			if in, _ := v[i+3].(int64); in == 1 {
 				live = append(live, s)
 			}
 		}
 		if len(live) == 0 || walked == 0 || (int(walked) < end-start && cut == 0) {
-			break // no pod left, or a key no pod holds
+			break // none left, or a key none holds
 		}
 		start += int(walked)
 		carried = [][]byte{b(strconv.Itoa(len(live)))}
 		for _, s := range live {
-			carried = append(carried, b(s.pod), b(s.score))
+			carried = append(carried, b(s.pod), b(strconv.FormatInt(s.rank, 10)), b(s.score), b(s.stamp))
 		}
 	}
 	return out, nil
@@ -373,7 +391,7 @@ func run() error {
 	if err := checkLibrary(c); err != nil {
 		return err
 	}
-	var scores []podScore
+	var scores []slotScore
 	for attempt := 0; ; attempt++ {
 		space, err := loadNamespace(c, *ns, ours)
 		if err != nil {
@@ -395,16 +413,30 @@ func run() error {
 	return printResult(keys, scores)
 }
 
-func printResult(keys []uint64, scores []podScore) error {
+func printResult(keys []uint64, scores []slotScore) error {
 	out := struct {
-		Keys   []string          `json:"keys"`
-		Scores map[string]string `json:"scores"`
-	}{Keys: make([]string, len(keys)), Scores: map[string]string{}}
+		Keys   []string                     `json:"keys"`
+		Scores map[string]string            `json:"scores"`
+		Ranks  map[string]map[string]string `json:"ranks"`
+	}{Keys: make([]string, len(keys)), Scores: map[string]string{}, Ranks: map[string]map[string]string{}}
 	for i, k := range keys {
 		out.Keys[i] = strconv.FormatUint(k, 10)
 	}
+	best := map[string]float64{}
 	for _, s := range scores {
-		out.Scores[s.pod] = s.score
+		// a pod's score is its best rank's
+		value, err := strconv.ParseFloat(s.score, 64)
+		if err != nil {
+			return fmt.Errorf("score %q of pod %s: %w", s.score, s.pod, err)
+		}
+		if old, ok := best[s.pod]; !ok || value > old {
+			best[s.pod] = value
+			out.Scores[s.pod] = s.score
+		}
+		if out.Ranks[s.pod] == nil {
+			out.Ranks[s.pod] = map[string]string{}
+		}
+		out.Ranks[s.pod][strconv.FormatInt(s.rank, 10)] = s.score
 	}
 	return json.NewEncoder(os.Stdout).Encode(out)
 }

@@ -87,7 +87,7 @@ PREFIX = "kvredis_"
 #: The function that reports the library's versions.
 VERSION_FUNCTION = f"{PREFIX}version"
 #: Version of the function protocol (keys, arguments, replies, error codes): docs/protocol.md.
-API_VERSION = 2
+API_VERSION = 3
 #: The ``<ns>:meta`` field recording the newest api of the clients that loaded the library or
 #: created the namespace (written by ``kvredis_namespace``).
 API_FIELD = "api"

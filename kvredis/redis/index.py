@@ -48,6 +48,7 @@ from kvredis.redis.ops import (
     op_reset_watermark,
     op_run,
     op_score,
+    op_score_by_rank,
 )
 from kvredis.redis.requests import Op
 from kvredis.redis.scripts import ScriptRegistry
@@ -151,9 +152,18 @@ class RedisIndex(_Facade):
     def score(
         self, request_keys: Keys, medium_weights: Weights = None, pod_identifier_set: Pods = None
     ) -> dict[str, float]:
-        """Per-pod longest-prefix scores, computed in Redis (same floats as LongestPrefixScorer)."""
+        """Per-pod longest-prefix scores, computed in Redis (same floats as LongestPrefixScorer):
+        each pod's best data-parallel rank's."""
         args = (request_keys, medium_weights, pod_identifier_set)
         return self._exec.run(self._op(lambda s: op_score(s, *args)))
+
+    def score_by_rank(
+        self, request_keys: Keys, medium_weights: Weights = None, pod_identifier_set: Pods = None
+    ) -> dict[str, dict[int, float]]:
+        """pod -> data-parallel rank -> longest-prefix score, computed in Redis in the same
+        calls as :meth:`score` (same floats as ``LongestPrefixScorer.score_by_rank``)."""
+        args = (request_keys, medium_weights, pod_identifier_set)
+        return self._exec.run(self._op(lambda s: op_score_by_rank(s, *args)))
 
     def add(
         self,
@@ -302,6 +312,13 @@ class AsyncRedisIndex(_Facade):
         """See :meth:`RedisIndex.score`."""
         args = (request_keys, medium_weights, pod_identifier_set)
         return await self._exec.run(self._op(lambda s: op_score(s, *args)))
+
+    async def score_by_rank(
+        self, request_keys: Keys, medium_weights: Weights = None, pod_identifier_set: Pods = None
+    ) -> dict[str, dict[int, float]]:
+        """See :meth:`RedisIndex.score_by_rank`."""
+        args = (request_keys, medium_weights, pod_identifier_set)
+        return await self._exec.run(self._op(lambda s: op_score_by_rank(s, *args)))
 
     async def add(
         self,

@@ -36,6 +36,7 @@ class Filled:
     other_keys: list[int]
     scores: dict[str, float]
     other_scores: dict[str, float]
+    rank_scores: dict[str, dict[int, float]]
 
 
 def _engine_hashes(pod: int, n: int) -> list[int]:
@@ -49,9 +50,11 @@ def fill(config: RedisIndexConfig, hash_algo: str = "fnv64a_cbor") -> Filled:
         ingester = EventIngester(index, tp)
         seqs: dict[str, int] = {}
 
-        def send(pod: str, *events: object) -> None:
-            seq = seqs[pod] = seqs.get(pod, -1) + 1
-            outcome = ingester.process(f"kv@{pod}@{MODEL}", seq, vllm_batch(list(events)), pod)
+        def send(pod: str, *events: object, rank: int | None = None) -> None:
+            endpoint = pod if rank is None else f"{pod}/rank-{rank}"
+            seq = seqs[endpoint] = seqs.get(endpoint, -1) + 1
+            payload = vllm_batch(list(events), data_parallel_rank=rank)
+            outcome = ingester.process(f"kv@{pod}@{MODEL}", seq, payload, endpoint)
             assert outcome is BatchOutcome.APPLIED, (pod, outcome)
 
         a, b, c = _engine_hashes(1, 40), _engine_hashes(2, 40), _engine_hashes(3, 6)
@@ -63,9 +66,17 @@ def fill(config: RedisIndexConfig, hash_algo: str = "fnv64a_cbor") -> Filled:
         send("pod-d", vllm_stored(c[:3], None, OTHER[: 3 * BLOCK], BLOCK, medium="CPU"))
         send("pod-d", all_cleared())
         send("pod-b", vllm_stored(c[:4], None, OTHER[: 4 * BLOCK], BLOCK, medium="CPU"))
+        # a data-parallel pod: rank 0 lost its 11th block, rank 1 holds the first 16; the union
+        # of the two would hold 34, no rank more than 16
+        e0, e1 = _engine_hashes(5, 34), _engine_hashes(6, 16)
+        send("pod-e", vllm_stored(e0, None, TOKENS[: 34 * BLOCK], BLOCK, medium="GPU"), rank=0)
+        send("pod-e", vllm_removed(e0[10:11]), rank=0)
+        send("pod-e", vllm_stored(e1, None, TOKENS[: 16 * BLOCK], BLOCK, medium="CPU"), rank=1)
         keys = tp.tokens_to_kv_block_keys(0, TOKENS, MODEL)
         other = tp.tokens_to_kv_block_keys(0, OTHER, MODEL)
         scores = index.score(keys, WEIGHTS)
         other_scores = index.score(other, WEIGHTS)
+        rank_scores = index.score_by_rank(keys, WEIGHTS)
     assert scores and other_scores
-    return Filled(config.namespace, tp.scheme.text, keys, other, scores, other_scores)
+    assert rank_scores["pod-e"] == {0: 10.0, 1: sum([0.8] * 16)}  # each rank on its own
+    return Filled(config.namespace, tp.scheme.text, keys, other, scores, other_scores, rank_scores)

@@ -101,10 +101,14 @@ def test_the_go_client_gets_the_python_keys_and_scores(
     extra = () if per_call is None else ("-keys-per-call", str(per_call))
     got = _go(go_binary, own_redis_server, filled, *extra)
     assert got["keys"] == [str(k) for k in filled.keys]  # the namespace's scheme's keys
-    scores = got["scores"]
-    assert isinstance(scores, dict)
+    scores, ranks = got["scores"], got["ranks"]
+    assert isinstance(scores, dict) and isinstance(ranks, dict)
     assert {pod: float(s) for pod, s in scores.items()} == filled.scores  # bit for bit
     assert filled.scores["pod-b"] != round(filled.scores["pod-b"], 6)  # a sum with rounding
+    assert {
+        pod: {int(rank): float(s) for rank, s in by_rank.items()} for pod, by_rank in ranks.items()
+    } == filled.rank_scores  # each data-parallel rank on its own, as the Python client
+    assert filled.scores["pod-e"] == sum([0.8] * 16)  # the best rank's, not the union of the ranks'
 
 
 def test_the_go_client_runs_as_the_router_user(
@@ -135,8 +139,12 @@ def test_redis_cli_alone_gets_the_python_scores(
         env={**os.environ, **({} if per_call is None else {"SCORE_KEYS_PER_CALL": str(per_call)})},
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    got = dict(line.split(" ", 1) for line in done.stdout.splitlines())
-    assert {pod: float(s) for pod, s in got.items()} == filled.scores
+    ranks: dict[str, dict[int, float]] = {}
+    for line in done.stdout.splitlines():
+        pod, rank, score = line.split(" ")
+        ranks.setdefault(pod, {})[int(rank)] = float(score)
+    assert ranks == filled.rank_scores
+    assert {pod: max(by_rank.values()) for pod, by_rank in ranks.items()} == filled.scores
 
 
 def test_a_go_client_of_another_scheme_fails_naming_both(

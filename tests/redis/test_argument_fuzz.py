@@ -163,7 +163,7 @@ def hand_built(layout: Layout, chain: list[int]) -> list[ScriptCall]:
     namespace as their one shard), unmap, a later score part, migrate and ping."""
     names = (layout.meta, layout.pi, layout.pp, layout.sx)
     blob = hash_blob(chain)
-    shard = (*names, layout.gen, layout.rprefix, layout.bucket_bits, 0, blob)
+    shard = (*names, layout.gen, layout.rprefix, layout.bucket_bits, 0, blob, "0", "0")
     writes = (layout.meta, layout.pe, layout.pi, layout.pp, layout.wm, layout.wp, layout.sx)
     program = ("1", b"\x00\x00\x00\x05pod-a\x00\x00\x00\x03gpu\x00\x00\x00\x00\x00", "1",
                "A", "1", "1", hash_blob([5, 6]), b"")  # fmt: skip
@@ -181,7 +181,8 @@ def hand_built(layout: Layout, chain: list[int]) -> list[ScriptCall]:
             "score",
             names,
             (layout.gen, layout.rprefix, layout.bucket_bits, "0", "2", "gpu", "1", "cpu",
-             "0.5", "0", hash_blob(chain[10:20]), "2", "pod-a", "10", "pod-b", "5.5"),
+             "0.5", "0", hash_blob(chain[10:20]), "1", "2", "pod-a", "0", "10", "", "pod-b",
+             "3", "5.5", ""),
             read=True,
         ),
         ScriptCall(
@@ -393,8 +394,8 @@ def test_score_weights_are_checked_whole(
     if path == "FCALL_RO":
         client.function_load(shipped_library().code.decode(), replace=True)
     reply = send(_score_args(layout, 1, "0.5", "1.0"))
-    assert reply[2:] == [b"pod-a", b"2", 1]  # the valid call: 4 keys of weight 0.5
-    assert send(_score_args(layout, 1, "-0.25", "1.0"))[3] == b"-1"  # negative weights are valid
+    assert reply[2:] == [b"pod-a", 0, b"2", 1, b""]  # the valid call: 4 keys of weight 0.5
+    assert send(_score_args(layout, 1, "-0.25", "1.0"))[4] == b"-1"  # negative weights are valid
     for count, weight, default in BAD_WEIGHTS:
         with pytest.raises(redis.ResponseError, match=r"^KVREDIS_INVALID ") as caught:
             send(_score_args(layout, count, weight, default))

@@ -133,7 +133,7 @@ def test_the_newer_library_misreads_an_older_call_only_without_the_check(
     keys = [layout.meta, layout.pi, layout.pp, layout.sx]
     raw.function_load(newer_registry().library.code.decode(), replace=True)
     newer = raw.fcall_ro("kvredis_score", 4, *keys, *args, api_argument(NEWER))
-    assert float(newer[3]) == 0.004  # what an older call would get, read by the newer library
+    assert float(newer[4]) == 0.004  # what an older call would get, read by the newer library
     for marker in ([api_argument(API_VERSION)], [], ["kvredis-api:x"]):
         with pytest.raises(redis.ResponseError, match=r"^KVREDIS_VERSION the call speaks"):
             raw.fcall_ro("kvredis_score", 4, *keys, *args, *marker)

@@ -27,6 +27,7 @@ from kvredis.redis.cluster.ops import (
     op_cluster_get_request_key,
     op_cluster_lookup,
     op_cluster_score,
+    op_cluster_score_by_rank,
 )
 from kvredis.redis.cluster.routing import WaveOp
 from kvredis.redis.cluster.writes import (
@@ -139,9 +140,18 @@ class RedisClusterIndex(_ClusterFacade):
     def score(
         self, request_keys: Keys, medium_weights: Any = None, pod_identifier_set: Pods = None
     ) -> dict[str, float]:
-        """Per-pod longest-prefix scores (the same floats as LongestPrefixScorer)."""
+        """Per-pod longest-prefix scores (the same floats as LongestPrefixScorer): each pod's
+        best data-parallel rank's."""
         args = (request_keys, medium_weights, pod_identifier_set)
         return self._run(lambda c: op_cluster_score(c, *args))
+
+    def score_by_rank(
+        self, request_keys: Keys, medium_weights: Any = None, pod_identifier_set: Pods = None
+    ) -> dict[str, dict[int, float]]:
+        """pod -> data-parallel rank -> longest-prefix score, from the same lookup as
+        :meth:`score` (the same floats as ``LongestPrefixScorer.score_by_rank``)."""
+        args = (request_keys, medium_weights, pod_identifier_set)
+        return self._run(lambda c: op_cluster_score_by_rank(c, *args))
 
     def add(
         self,
@@ -277,6 +287,13 @@ class AsyncRedisClusterIndex(_ClusterFacade):
         """See :meth:`RedisClusterIndex.score`."""
         args = (request_keys, medium_weights, pod_identifier_set)
         return await self._run(lambda c: op_cluster_score(c, *args))
+
+    async def score_by_rank(
+        self, request_keys: Keys, medium_weights: Any = None, pod_identifier_set: Pods = None
+    ) -> dict[str, dict[int, float]]:
+        """See :meth:`RedisClusterIndex.score_by_rank`."""
+        args = (request_keys, medium_weights, pod_identifier_set)
+        return await self._run(lambda c: op_cluster_score_by_rank(c, *args))
 
     async def add(
         self,
