@@ -2,8 +2,9 @@
 fails with a documented ``KVREDIS_*`` error, never a raw Lua error, and a refused call changes
 no key.
 
-The calls start from real ones: a client fills a namespace and every call it sends is recorded
-(the cluster-only functions are built from the same namespace as a one-shard cluster would call
+The calls start from real ones: a client fills a namespace and every call it sends is recorded,
+reads in parts too (their later parts carry real stamps, data-parallel ranks and scores; the
+cluster-only functions are built from the same namespace as a one-shard cluster would call
 them). Each is then sent again mutated, by a seeded random generator: an argument or key
 replaced by a hostile value (counts of ``"x"``, ``1e12``, ``inf``, ``nan``, ``-1``, numbers
 with spaces or in hex, weights of ``"abc"``, blobs a byte too short or too long, long strings),
@@ -21,14 +22,16 @@ import random
 import re
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import redis
 
 from kvredis import AddOp, EvictOp, KeyType, PodEntry, RedisIndex, RedisIndexConfig, Watermark
+from kvredis.redis import ops
 from kvredis.redis.codec import hash_blob
 from kvredis.redis.functions import FunctionRegistry, shipped_library
 from kvredis.redis.layout import LAYOUT_VERSION, Layout
@@ -143,6 +146,15 @@ def record_calls(
         index.lookup(chain, {"pod-a", "pod-c"})
         index.score(chain, {"gpu": 1.0, "cpu": 0.5})
         index.score(chain, {"gpu": 0.3}, {"pod-b"})
+        index.score_by_rank(chain, {"gpu": 1.0})
+        # reads in parts: later parts carry (pod, rank)s, scores and stamps as a client sends
+        # them (the speculative pod's stamps with a deadline)
+        with (
+            mock.patch.object(ops, "LOOKUP_KEYS_PER_CALL", 4),
+            mock.patch.object(ops, "SCORE_KEYS_PER_CALL", 4),
+        ):
+            index.lookup(chain)
+            index.score(chain, {"gpu": 1.0, "cpu": 0.5})
         index.get_request_key(engine[2])
         layout = index._session.state.layout
         calls = list(recorder.calls)
@@ -158,12 +170,14 @@ def record_calls(
     return calls, layout, snapshot
 
 
-def hand_built(layout: Layout, chain: list[int]) -> list[ScriptCall]:
+def hand_built(layout: Layout, chain: list[int], stamps: Sequence[Arg]) -> list[ScriptCall]:
     """The calls no single-server client sends: the cluster's per-node functions (with the
-    namespace as their one shard), unmap, a later score part, migrate and ping."""
+    namespace as their one shard), unmap, migrate and ping; ``stamps`` are the (pod id, stamp)
+    pairs a recorded lookup carried, which a shard's part carries as well."""
     names = (layout.meta, layout.pi, layout.pp, layout.sx)
     blob = hash_blob(chain)
-    shard = (*names, layout.gen, layout.rprefix, layout.bucket_bits, 0, blob, "0", "0")
+    shard = (*names, layout.gen, layout.rprefix, layout.bucket_bits, 0, blob)
+    carried = (*shard[:-1], hash_blob(chain[8:16]), "1", len(stamps) // 2, *stamps)
     writes = (layout.meta, layout.pe, layout.pi, layout.pp, layout.wm, layout.wp, layout.sx)
     program = ("1", b"\x00\x00\x00\x05pod-a\x00\x00\x00\x03gpu\x00\x00\x00\x00\x00", "1",
                "A", "1", "1", hash_blob([5, 6]), b"")  # fmt: skip
@@ -171,19 +185,11 @@ def hand_built(layout: Layout, chain: list[int]) -> list[ScriptCall]:
     apply_args = ("1024", "s-2", "1", "5", "ab12", str(len(part) + len(program)), *part, *program)
     meta_pi = (layout.meta, layout.pi, layout.sx, layout.mx)
     return [
-        ScriptCall("lookup_shards", names, ("1", "pod-a", *shard, *shard), read=True),
+        ScriptCall("lookup_shards", names, ("1", "pod-a", *shard, "0", "0", *carried), read=True),
         ScriptCall("apply_shards", writes, apply_args),
         ScriptCall(
             "unmap", (layout.meta,), (layout.gen, layout.eprefix, layout.bucket_bits,
                                       hash_blob([chain[0] + 10**6]), hash_blob([chain[0]]))
-        ),
-        ScriptCall(
-            "score",
-            names,
-            (layout.gen, layout.rprefix, layout.bucket_bits, "0", "2", "gpu", "1", "cpu",
-             "0.5", "0", hash_blob(chain[10:20]), "1", "2", "pod-a", "0", "10", "", "pod-b",
-             "3", "5.5", ""),
-            read=True,
         ),
         ScriptCall(
             "migrate", meta_pi,
@@ -192,6 +198,22 @@ def hand_built(layout: Layout, chain: list[int]) -> list[ScriptCall]:
         ScriptCall("migrate", meta_pi, ("page", layout.gen, layout.rprefix, "2", "10")),
         ScriptCall("ping", (), (), read=True),
     ]
+
+
+def carried_parts(calls: Sequence[ScriptCall]) -> tuple[list[Arg], list[Arg]]:
+    """The tails of the recorded later parts of a read in parts: a lookup's carried (pod id,
+    stamp) pairs and a score's carried (pod id, rank, score, stamp) quadruples."""
+    stamps: list[Arg] = []
+    slots: list[Arg] = []
+    for call in calls:
+        args = list(call.args)
+        if call.script == "lookup" and int(args[4]) == 0 and int(args[7]) > 0:
+            stamps = args[8:]  # gen, rprefix, bits, known, f = 0, chain, more, c, pairs
+        elif call.script == "score" and int(args[3]) == 0:
+            at = 5 + 2 * int(args[4]) + 2  # the default weight, the chain, then more, c
+            if int(args[at + 1]) > 0:
+                slots = args[at + 2 :]
+    return stamps, slots
 
 
 class Mutator:
@@ -296,7 +318,11 @@ def test_every_function_answers_or_fails_with_a_documented_error(
     recorded, layout, snapshot = record_calls(own_redis_server, client, namespace)
     _restore(client, snapshot)
     baseline: dict[str, list[ScriptCall]] = {}
-    for call in [*recorded, *hand_built(layout, list(range(1000, 1040)))]:
+    stamps, slots = carried_parts(recorded)
+    assert stamps and slots, "the recorded reads in parts carried stamps"
+    assert {int(slots[i]) for i in range(1, len(slots), 4)} > {0}, "and data-parallel ranks"
+    assert any(b"@" in bytes(s) and not bytes(s).endswith(b"@") for s in stamps[1::2])  # deadlines
+    for call in [*recorded, *hand_built(layout, list(range(1000, 1040)), stamps)]:
         baseline.setdefault(call.script, []).append(call)
     library = shipped_library()
     assert set(baseline) == set(library.reads), set(library.reads) ^ set(baseline)
