@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from kvredis.errors import InvalidInputError
 
 MAX_BLOCK_HASH = (1 << 64) - 1
+#: The largest data-parallel rank (``PodEntry.dp_rank``) an entry holds.
+MAX_DP_RANK = (1 << 31) - 1
 
 
 class BlockHash(int):
@@ -81,7 +83,7 @@ class PodEntry:
             raise InvalidInputError(f"group_idx must be in [0, 2**31), got {self.group_idx}")
         if isinstance(self.dp_rank, bool) or not isinstance(self.dp_rank, int):
             raise InvalidInputError(f"dp_rank must be an int, got {self.dp_rank!r}")
-        if not 0 <= self.dp_rank < (1 << 31):
+        if not 0 <= self.dp_rank <= MAX_DP_RANK:
             raise InvalidInputError(f"dp_rank must be in [0, 2**31), got {self.dp_rank}")
 
     def __str__(self) -> str:

@@ -45,6 +45,9 @@
 --@include args
 --@include stamps
 
+-- The largest data-parallel rank of an entry (kvredis.types.MAX_DP_RANK).
+local MAX_DP_RANK = 2147483647
+
 keys_arg(KEYS, 4)
 check_gen(KEYS[1], ARGV[1])
 local rbucket = bucket_namer(ARGV[2], ARGV[3])
@@ -135,7 +138,7 @@ if nc > 0 then
   for i = 1, nc do
     local a = carried + 4 * (i - 1)
     local pod = ARGV[a + 1]
-    local rank = int_arg(ARGV[a + 2], 'rank of pod ' .. pod, 0, 2147483647)
+    local rank = int_arg(ARGV[a + 2], 'rank of pod ' .. pod, 0, MAX_DP_RANK)
     local text = ARGV[a + 3]
     local s = num_arg(text, 'score of slot ' .. i, true)
     local stamp = ARGV[a + 4]
