@@ -34,8 +34,8 @@ the git revision ``REF`` of this repository against this checkout's, both by ``E
 same arguments from a bare client (each side in its own protocol): Redis CPU per conversation
 score, per score of a chain of 3 parts (12,288 keys held by 8 pods, each of which evicted a
 block elsewhere: the parts' stamps; and the same with a second data-parallel rank per pod, which
-the scripts of API 1 merge into the pod), and per block ingested through the ingester (each
-side into namespaces of its own, fed in alternation).
+the scripts from before per-rank scores, function API 1 and 2, merge into the pod), and per
+block ingested through the ingester (each side into namespaces of its own, fed in alternation).
 
 Run:  .venv/bin/python scripts/bench_realistic.py [--quick] [--shape vllm,sglang] [--server valkey]
       [--before REF] [--json PATH]
@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import hashlib
 import random
-import re
 import statistics
 import struct
 import subprocess
@@ -309,13 +308,12 @@ def _git(*args: str) -> str:
     return done.stdout
 
 
-def ref_api(ref: str) -> int:
-    """The function API version of the git revision ``ref`` (its scripts' argument shapes)."""
-    text = _git("show", f"{ref}:kvredis/redis/functions.py")
-    found = re.search(r"^API_VERSION = (\d+)$", text, re.M)
-    if found is None:
-        raise SystemExit(f"no API_VERSION in {ref}:kvredis/redis/functions.py")
-    return int(found.group(1))
+def per_rank(script: Script) -> bool:
+    """Whether a ``score`` script scores per (pod, data-parallel rank) and carries stamps (its
+    parts take a more-keys flag, then (pod, rank, score, stamp) per slot carried), as this
+    checkout's; else it is one of before that change (function API 1 and 2: (pod, score) per
+    pod carried)."""
+    return b"'more keys flag'" in script.source
 
 
 def ref_scripts(ref: str) -> dict[str, Script]:
@@ -368,7 +366,8 @@ def score_now(
 def score_then(
     raw: redis.Redis, sha: str, layout: Any, keys: list[int], w: dict[str, float]
 ) -> int:
-    """The same by the ``score`` script of function API 1 (parts carrying pods and scores)."""
+    """The same by a ``score`` script from before per-rank scores (function API 1 and 2: parts
+    carrying pods and scores)."""
     fixed, names = _score_args(layout, w), (layout.meta, layout.pi, layout.pp, layout.sx)
     carried: list[Any] = [0]
     start = calls = 0
@@ -393,7 +392,7 @@ def compare_before(
 ) -> dict[str, dict[str, float]]:
     """Redis CPU µs of REF's scripts and of this checkout's (see the module docstring)."""
     then = ref_scripts(ref)
-    score_ref = score_then if ref_api(ref) == 1 else score_now
+    score_ref = score_now if per_rank(then["score"]) else score_then
     raw = server.raw
     now_sha = raw.script_load(kv.registry["score"].source)
     then_sha = raw.script_load(then["score"].source)
