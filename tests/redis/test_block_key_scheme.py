@@ -94,17 +94,19 @@ def test_the_ingester_records_its_scheme_and_a_router_of_another_fails_naming_bo
     assert raw.hget(meta_key(config.namespace), "scheme") == b"fnv64a_cbor:16:"
 
 
+@pytest.mark.parametrize("by_rank", [False, True], ids=["score_tokens", "score_tokens_by_rank"])
 def test_a_router_started_before_its_writers_fails_at_its_first_empty_score(
-    config: RedisIndexConfig, raw: redis.Redis, monkeypatch: pytest.MonkeyPatch
+    config: RedisIndexConfig, raw: redis.Redis, monkeypatch: pytest.MonkeyPatch, by_rank: bool
 ) -> None:
     monkeypatch.setattr(indexer_module, "SCHEME_RECHECK_S", 0.0)
     with RedisIndex(config) as router_index, RedisIndex(config) as writer:
         router = Indexer(router_index, ChunkedTokenDatabase(XXH3))  # nothing recorded yet
-        assert router.score_tokens(TOKENS, MODEL) == {}
+        score = router.score_tokens_by_rank if by_rank else router.score_tokens
+        assert score(TOKENS, MODEL) == {}
         EventIngester(writer, ChunkedTokenDatabase(FNV))
         _fill(writer, FNV)
         with pytest.raises(BlockKeySchemeError, match="fnv64a_cbor"):
-            router.score_tokens(TOKENS, MODEL)
+            score(TOKENS, MODEL)
 
 
 def test_a_namespace_of_bare_adds_records_nothing_and_checks_nothing(
