@@ -12,9 +12,11 @@ Capabilities beyond the core contract are declared as protocols of their own, so
 :class:`BatchIndex`        ``apply_batch`` fenced by per-stream watermarks (ingestion)
 :class:`MultiBatchIndex`   ``apply_batches``: several fenced batches in one step (one call)
 :class:`ScoringIndex`      ``score``: the LongestPrefixScorer computed by the backend itself
+:class:`RankScoringIndex`  ``score_by_rank``: the same, per data-parallel rank of each pod
 :class:`ProgressClearIndex` ``clear_with_progress``: a pod clear that reports progress
 :class:`SelectiveClearIndex` ``clear_entries``: clear only some tiers or one rank of a pod
 :class:`NamespaceIndex`    ``drop_namespace``: delete everything the index stored
+:class:`SchemeIndex`       ``check_block_key_scheme``: the block key scheme the namespace records
 :class:`Closeable`         ``close``: release connections (network backends)
 =========================  ===============================================================
 
@@ -29,6 +31,7 @@ from typing import Protocol, runtime_checkable
 
 from kvredis.batch import AddOp, Batch, IndexOp, Watermark, check_batches
 from kvredis.checks import MAX_REQUEST_KEYS_PER_ENGINE_KEY
+from kvredis.hashing.config import BlockKeyScheme
 from kvredis.types import KeyType, PodEntry
 
 __all__ = [
@@ -38,6 +41,8 @@ __all__ = [
     "AsyncMultiBatchIndex",
     "AsyncNamespaceIndex",
     "AsyncProgressClearIndex",
+    "AsyncRankScoringIndex",
+    "AsyncSchemeIndex",
     "AsyncScoringIndex",
     "AsyncSelectiveClearIndex",
     "BatchIndex",
@@ -47,6 +52,8 @@ __all__ = [
     "MultiBatchIndex",
     "NamespaceIndex",
     "ProgressClearIndex",
+    "RankScoringIndex",
+    "SchemeIndex",
     "ScoringIndex",
     "SelectiveClearIndex",
     "apply_batches_in_turn",
@@ -202,7 +209,8 @@ class ScoringIndex(Protocol):
         medium_weights: Mapping[str, float] | None = None,
         pod_identifier_set: Collection[str] | None = None,
     ) -> dict[str, float]:
-        """Per-pod longest-prefix scores; bit-identical to ``LongestPrefixScorer.score``."""
+        """Per-pod longest-prefix scores (each pod's best data-parallel rank's); bit-identical
+        to ``LongestPrefixScorer.score``."""
         ...
 
 
@@ -216,6 +224,36 @@ class AsyncScoringIndex(Protocol):
         medium_weights: Mapping[str, float] | None = None,
         pod_identifier_set: Collection[str] | None = None,
     ) -> dict[str, float]: ...
+
+
+@runtime_checkable
+class RankScoringIndex(Protocol):
+    """An index that scores each data-parallel rank of a pod on its own, as ``score`` does
+    before it keeps each pod's best rank: for a router that can pin the rank a request runs on
+    (vLLM's external data-parallel load balancing takes it per request)."""
+
+    def score_by_rank(
+        self,
+        request_keys: Sequence[int],
+        medium_weights: Mapping[str, float] | None = None,
+        pod_identifier_set: Collection[str] | None = None,
+    ) -> dict[str, dict[int, float]]:
+        """pod -> ``dp_rank`` -> longest-prefix score (a pod without data parallelism has only
+        rank 0); bit-identical to ``LongestPrefixScorer.score_by_rank``, and the pod's best rank
+        is what ``score`` returns for it."""
+        ...
+
+
+@runtime_checkable
+class AsyncRankScoringIndex(Protocol):
+    """The asyncio form of :class:`RankScoringIndex`."""
+
+    async def score_by_rank(
+        self,
+        request_keys: Sequence[int],
+        medium_weights: Mapping[str, float] | None = None,
+        pod_identifier_set: Collection[str] | None = None,
+    ) -> dict[str, dict[int, float]]: ...
 
 
 @runtime_checkable
@@ -291,6 +329,31 @@ class AsyncNamespaceIndex(Protocol):
     """The asyncio form of :class:`NamespaceIndex`."""
 
     async def drop_namespace(self) -> int: ...
+
+
+@runtime_checkable
+class SchemeIndex(Protocol):
+    """An index whose namespace records the block key scheme of the keys it holds (hash
+    algorithm, block size, hash seed: :class:`~kvredis.hashing.config.BlockKeyScheme`), so that
+    a client computing keys another way fails clearly instead of missing every key."""
+
+    def check_block_key_scheme(
+        self, scheme: BlockKeyScheme, *, record: bool = False
+    ) -> BlockKeyScheme | None:
+        """Check ``scheme`` against the namespace's now, and at every later load of the
+        namespace; with ``record`` (a writer), record it first when the namespace records none
+        (the first writer's stays). Returns the scheme recorded (None: none yet); raises
+        :class:`~kvredis.errors.BlockKeySchemeError`, naming both, when it is another."""
+        ...
+
+
+@runtime_checkable
+class AsyncSchemeIndex(Protocol):
+    """The asyncio form of :class:`SchemeIndex`."""
+
+    async def check_block_key_scheme(
+        self, scheme: BlockKeyScheme, *, record: bool = False
+    ) -> BlockKeyScheme | None: ...
 
 
 @runtime_checkable

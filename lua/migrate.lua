@@ -44,6 +44,7 @@
   Complexity  O(pairs converted x entries per key) ]]
 --@include expiry
 
+keys_arg(KEYS, 4)
 local meta, pi, sx, mx = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local mode = ARGV[1]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import random
 import sys
 import threading
@@ -1218,10 +1219,23 @@ def _bits(scores: Mapping[str, float]) -> dict[str, str]:
     return {pod: value.hex() for pod, value in scores.items()}
 
 
+def needs_rank_scoring(index: Any) -> None:
+    """Skip an embedded backend that does not score per data-parallel rank yet: ``memory.py``
+    gains ``score_by_rank`` (and a ``score`` that keeps each pod's best rank instead of the union
+    of its ranks) in its own rework; from then on these tests run on it too."""
+    from kvredis.index import RankScoringIndex
+    from kvredis.memory import CostAwareMemoryIndex, InMemoryIndex
+
+    embedded = isinstance(index, (InMemoryIndex, CostAwareMemoryIndex))
+    if embedded and not isinstance(index, RankScoringIndex):
+        pytest.skip("embedded per-rank scoring (memory.py) lands with the embedded index rework")
+
+
 @pytest.mark.parametrize("seed", [1, 2])
 def test_score_is_the_longest_prefix_scorer_over_lookup(index: Any, seed: int) -> None:
     from kvredis.scoring import LongestPrefixScorer
 
+    needs_rank_scoring(index)  # the states hold data-parallel ranks
     queries = _score_state(index, seed)
     for weights in SCORE_WEIGHTS:
         scorer = LongestPrefixScorer(weights)
@@ -1230,6 +1244,48 @@ def test_score_is_the_longest_prefix_scorer_over_lookup(index: Any, seed: int) -
                 expected = scorer.score(keys, index.lookup(keys, pods))
                 got = index.score(keys, weights, pods)
                 assert _bits(got) == _bits(expected), (weights, pods, keys)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_score_by_rank_is_the_scorer_per_rank_over_lookup(index: Any, seed: int) -> None:
+    from kvredis.scoring import LongestPrefixScorer
+
+    needs_rank_scoring(index)
+    queries = _score_state(index, seed)
+    for weights in SCORE_WEIGHTS:
+        scorer = LongestPrefixScorer(weights)
+        for pods in (None, ["pod-1", "pod-3", "pod-none"], {"pod-2"}):
+            for keys in queries:
+                expected = scorer.score_by_rank(keys, index.lookup(keys, pods))
+                got = index.score_by_rank(keys, weights, pods)
+                assert {p: _bits(r) for p, r in got.items()} == {
+                    p: _bits(r) for p, r in expected.items()
+                }, (weights, pods, keys)
+                best = {pod: max(ranks.values()) for pod, ranks in got.items()}
+                assert _bits(index.score(keys, weights, pods)) == _bits(best)
+
+
+def test_a_pod_scores_its_best_rank_not_the_union_of_its_ranks(index: Any) -> None:
+    """Rank 0 holds blocks 1 and 3 of a chain (it lost block 2), rank 1 holds block 2: no rank
+    can reuse more than 1 block, so the pod scores 1, not the 3 of the union of its ranks."""
+    needs_rank_scoring(index)
+    keys = hashes(3, "ranks")
+    rank0, rank1 = PodEntry("pod-dp", "gpu"), PodEntry("pod-dp", "gpu", dp_rank=1)
+    index.add(None, keys, [rank0])
+    index.evict(keys[1], REQUEST, [rank0])  # a mid-chain eviction on rank 0
+    index.add(None, keys[1:2], [rank1])
+    assert index.score(keys) == {"pod-dp": 1.0}
+    assert index.score_by_rank(keys) == {"pod-dp": {0: 1.0}}  # rank 1 lacks block 1
+    index.add(None, keys[:2], [PodEntry("pod-dp", "cpu", dp_rank=1)])
+    index.add(None, keys, [PodEntry("pod-x", "cpu", speculative=True)])
+    assert index.score_by_rank(keys, {"gpu": 1.0, "cpu": 0.5}) == {
+        "pod-dp": {0: 1.0, 1: 1.5},
+        "pod-x": {0: 1.5},
+    }
+    assert index.score(keys, {"gpu": 1.0, "cpu": 0.5}) == {"pod-dp": 1.5, "pod-x": 1.5}
+    assert index.score_by_rank(keys, {"cpu": 0.25}, {"pod-x"}) == {"pod-x": {0: 0.75}}
+    assert index.score_by_rank(hashes(2, "ranks-none")) == {}
+    assert index.score_by_rank([]) == {}
 
 
 def test_score_counts_live_expiring_entries_only(index: Any) -> None:
@@ -1263,3 +1319,20 @@ def test_score_of_unknown_keys_and_bad_input(index: Any) -> None:
     with pytest.raises(InvalidInputError):
         index.score(keys, None, "pod-a")
     assert index.score(keys) == {"pod-a": 4.0}
+
+
+# -- connecting --------------------------------------------------------------------------------
+
+
+def test_a_redis_client_calls_through_the_function_library_connected_or_not(
+    redis_backend_index: Any,
+) -> None:
+    """Every Redis client, the asyncio ones used without ``connect()`` too (their first call
+    connects), settles on the function library when connecting; with
+    ``KVREDIS_TEST_CALLS=scripts`` every client keeps to EVALSHA."""
+    index = redis_backend_index
+    index.add(None, [1, 2], [A_GPU])
+    assert norm(index.lookup([1, 2])) == {1: {A_GPU}, 2: {A_GPU}}
+    inner = getattr(index, "inner", index)
+    registry = inner.core.registry if hasattr(inner, "core") else inner.registry
+    assert registry.active == (os.environ.get("KVREDIS_TEST_CALLS") != "scripts")

@@ -35,9 +35,12 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvredis.errors import ConfigError, InvalidInputError
+from kvredis.errors import BackendUnavailableError, ConfigError, InvalidInputError
 from kvredis.groups import GroupCatalog
-from kvredis.index import BatchIndex, Index
+from kvredis.hashing import TokenProcessor
+from kvredis.hashing.config import BlockKeyScheme
+from kvredis.hashing.database import SchemedTokenProcessor
+from kvredis.index import BatchIndex, Index, SchemeIndex
 from kvredis.ingest.actions import BatchOutcome, drive
 from kvredis.ingest.backend import IndexBackend
 from kvredis.ingest.config import EndpointConfig, IngesterConfig, is_http_endpoint
@@ -124,6 +127,21 @@ class _ByteBudget:
             self._cond.notify_all()
 
 
+def _record_scheme(index: Index, token_processor: TokenProcessor) -> BlockKeyScheme | None:
+    """Record the token processor's block key scheme in the namespace when it records none, and
+    check it (:class:`~kvredis.errors.BlockKeySchemeError`, naming both, when it records
+    another). A backend that cannot be reached now: the scheme to record before the first write
+    (the ingester rides out outages), else None."""
+    if not (isinstance(token_processor, SchemedTokenProcessor) and isinstance(index, SchemeIndex)):
+        return None
+    try:
+        index.check_block_key_scheme(token_processor.scheme, record=True)
+    except BackendUnavailableError as exc:
+        logger.warning("cannot record the block key scheme yet (%s): before the first write", exc)
+        return token_processor.scheme
+    return None
+
+
 class EventIngester:
     """Applies engine KV-cache event batches to an index; see the module docstring.
 
@@ -145,6 +163,7 @@ class EventIngester:
     ) -> None:
         self.index = index
         self.token_processor = token_processor
+        scheme = _record_scheme(index, token_processor)
         self.config = config or IngesterConfig()
         self.catalog = group_catalog if group_catalog is not None else GroupCatalog()
         self.counters = counters if counters is not None else IngestCounters()
@@ -171,6 +190,7 @@ class EventIngester:
             replay_factory=self._open_replay,
             retry_max_s=self.config.backend_retry_max_s,
             warn=self._log,
+            scheme=scheme,
         )
         self._sequencer = Sequencer(
             self.config,

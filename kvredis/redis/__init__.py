@@ -18,6 +18,8 @@ Modules, in dependency order (each imports only the ones before it):
 - ``calls``     how a client that is not an index (inspector, drop, migrate) sends script calls:
   the function library where offered, else EVALSHA, chosen before its first script call
 - ``program``   the write programs of adds, evicts and batches, their cost, the split into calls
+- ``stamps``    the stamps a read in parts carries from call to call (StampBook), so the parts
+  never credit a pod with more than it held at once
 - ``ops``       the index operations as generators (lookup, score, add, evict, batches, clear,
   drop), and the stale-namespace reload around them
 - ``replicas``  reads from replicas of a single server: discovery, choice, fallback (sans-IO)

@@ -28,6 +28,7 @@ import redis.asyncio
 from kvredis.batch import Batch, IndexOp, Watermark
 from kvredis.checks import check_selection
 from kvredis.errors import ConfigError
+from kvredis.hashing.config import BlockKeyScheme
 from kvredis.index import Progress
 from kvredis.redis.config import RedisIndexConfig, check_supported
 from kvredis.redis.executor import AsyncExecutor, SyncExecutor
@@ -37,6 +38,7 @@ from kvredis.redis.ops import (
     op_add,
     op_apply_batch,
     op_apply_batches,
+    op_block_key_scheme,
     op_clear,
     op_connect,
     op_drop_namespace,
@@ -47,6 +49,7 @@ from kvredis.redis.ops import (
     op_reset_watermark,
     op_run,
     op_score,
+    op_score_by_rank,
 )
 from kvredis.redis.requests import Op
 from kvredis.redis.scripts import ScriptRegistry
@@ -150,9 +153,18 @@ class RedisIndex(_Facade):
     def score(
         self, request_keys: Keys, medium_weights: Weights = None, pod_identifier_set: Pods = None
     ) -> dict[str, float]:
-        """Per-pod longest-prefix scores, computed in Redis (same floats as LongestPrefixScorer)."""
+        """Per-pod longest-prefix scores, computed in Redis (same floats as LongestPrefixScorer):
+        each pod's best data-parallel rank's."""
         args = (request_keys, medium_weights, pod_identifier_set)
         return self._exec.run(self._op(lambda s: op_score(s, *args)))
+
+    def score_by_rank(
+        self, request_keys: Keys, medium_weights: Weights = None, pod_identifier_set: Pods = None
+    ) -> dict[str, dict[int, float]]:
+        """pod -> data-parallel rank -> longest-prefix score, computed in Redis in the same
+        calls as :meth:`score` (same floats as ``LongestPrefixScorer.score_by_rank``)."""
+        args = (request_keys, medium_weights, pod_identifier_set)
+        return self._exec.run(self._op(lambda s: op_score_by_rank(s, *args)))
 
     def add(
         self,
@@ -226,6 +238,12 @@ class RedisIndex(_Facade):
         """Delete every key of this index's namespace; returns the number of keys deleted."""
         return self._exec.run(self._op(op_drop_namespace))
 
+    def check_block_key_scheme(
+        self, scheme: BlockKeyScheme, *, record: bool = False
+    ) -> BlockKeyScheme | None:
+        """See :meth:`kvredis.index.SchemeIndex.check_block_key_scheme`."""
+        return self._exec.run(self._op(lambda s: op_block_key_scheme(s, scheme, record)))
+
     def close(self) -> None:
         """Close the connections."""
         self._exec.close()
@@ -240,14 +258,28 @@ class RedisIndex(_Facade):
 class AsyncRedisIndex(_Facade):
     """The asyncio form of :class:`RedisIndex`: same methods, same semantics, as coroutines.
 
-    The constructor does no I/O; the namespace is loaded (and the server pinged) by
-    :meth:`connect`, by ``async with``, by :meth:`create`, or else by the first call. Close it
-    with :meth:`aclose`.
+    The constructor does no I/O; the client connects (what constructing a :class:`RedisIndex`
+    does: it pings the server, checks that it is no cluster node, learns how it expires
+    entries, settles on the function library or EVALSHA, loads the namespace and checks the
+    eviction policy) in :meth:`connect`, ``async with``, :meth:`create`, or else in its first
+    call. Close it with :meth:`aclose`.
     """
 
     def __init__(self, config: RedisIndexConfig | None = None) -> None:
         super().__init__(config)
         self._exec = AsyncExecutor(self.config)
+        self._connected = False
+
+    def _op(self, factory: Callable[[CoreState], Op[T]]) -> Op[T]:
+        """The operation, after the whole connect when this client has not connected yet."""
+        op = super()._op(factory)
+        return op if self._connected else self._connect_first(op)
+
+    def _connect_first(self, op: Op[T]) -> Op[T]:
+        if not self._connected:  # another call may have connected meanwhile
+            yield from op_connect(self._session, self.config.strict)
+            self._connected = True
+        return (yield from op)
 
     @classmethod
     async def create(cls, config: RedisIndexConfig | None = None) -> AsyncRedisIndex:
@@ -261,8 +293,10 @@ class AsyncRedisIndex(_Facade):
         return index
 
     async def connect(self) -> None:
-        """Ping the server and load the namespace (BackendUnavailableError if unreachable)."""
+        """Connect as :class:`RedisIndex` does when it is built (BackendUnavailableError if the
+        server is unreachable)."""
         await self._exec.run(op_connect(self._session, self.config.strict))
+        self._connected = True
 
     @property
     def client(self) -> redis.asyncio.Redis:
@@ -285,6 +319,13 @@ class AsyncRedisIndex(_Facade):
         """See :meth:`RedisIndex.score`."""
         args = (request_keys, medium_weights, pod_identifier_set)
         return await self._exec.run(self._op(lambda s: op_score(s, *args)))
+
+    async def score_by_rank(
+        self, request_keys: Keys, medium_weights: Weights = None, pod_identifier_set: Pods = None
+    ) -> dict[str, dict[int, float]]:
+        """See :meth:`RedisIndex.score_by_rank`."""
+        args = (request_keys, medium_weights, pod_identifier_set)
+        return await self._exec.run(self._op(lambda s: op_score_by_rank(s, *args)))
 
     async def add(
         self,
@@ -334,6 +375,13 @@ class AsyncRedisIndex(_Facade):
     async def drop_namespace(self) -> int:
         """See :meth:`RedisIndex.drop_namespace`."""
         return await self._exec.run(self._op(op_drop_namespace))
+
+    async def check_block_key_scheme(
+        self, scheme: BlockKeyScheme, *, record: bool = False
+    ) -> BlockKeyScheme | None:
+        """See :meth:`kvredis.index.SchemeIndex.check_block_key_scheme`."""
+        run = self._op(lambda s: op_block_key_scheme(s, scheme, record))
+        return await self._exec.run(run)
 
     async def apply_batch(
         self, ops: Sequence[IndexOp], stream: str | None = None, watermark: Watermark | None = None

@@ -6,7 +6,8 @@ Key layout of a namespace ``<ns>`` (all keys start with ``<ns>:``)::
     <ns>:meta        HASH  layout (LAYOUT_VERSION), bucket_bits, gen (random token of this
                            incarnation), next_id (last entry id allocated), next_run (last
                            run id allocated), expiry (how expiring entries expire: "field"
-                           or "key", see below)
+                           or "key", see below); removals, cleared and removed:<pod id> (the
+                           stamps of reads in parts: lua/includes/stamps.lua)
     <ns>:pe          HASH  encoded entry -> 4-byte entry id
     <ns>:pi          HASH  4-byte entry id -> encoded entry (ids are never reused); also the
                            fields next_id, bucket_bits, expiry and next_run, from which a

@@ -57,6 +57,7 @@ from kvredis.errors import (
     NamespaceLayoutError,
     StaleNamespaceError,
 )
+from kvredis.hashing.config import BlockKeyScheme
 from kvredis.index import ClearProgress
 from kvredis.redis.codec import (
     HASH_WIDTH,
@@ -69,7 +70,8 @@ from kvredis.redis.codec import (
     text_bytes,
 )
 from kvredis.redis.config import DEFAULT_CLEAR_FIELDS_PER_CALL
-from kvredis.redis.layout import EXPIRY_FIELD, EXPIRY_KEY, LAYOUT_VERSION, Layout
+from kvredis.redis.functions import API_VERSION, namespace_call
+from kvredis.redis.layout import EXPIRY_FIELD, EXPIRY_KEY, Layout
 from kvredis.redis.program import (
     CALL_BUDGET,
     Program,
@@ -95,13 +97,19 @@ from kvredis.redis.session import (
     op_drive,
     op_send,
 )
+from kvredis.redis.stamps import StampBook
 from kvredis.redis.state import (
     CoreState,
     EntryCache,
     namespace_missing_error,
     refused_by_acl,
 )
-from kvredis.scoring import DEFAULT_MEDIUM_WEIGHTS, UNKNOWN_TIER_WEIGHT, LongestPrefixScorer
+from kvredis.scoring import (
+    DEFAULT_MEDIUM_WEIGHTS,
+    UNKNOWN_TIER_WEIGHT,
+    LongestPrefixScorer,
+    best_ranks,
+)
 from kvredis.types import Entries, Keys, KeyType, PodEntry, Pods
 
 T = TypeVar("T")
@@ -126,11 +134,11 @@ def op_run(session: Session, factory: Callable[[], Op[T]]) -> Op[T]:
     Loads the namespace first if this client has not loaded it yet.
     """
     if not session.state.loaded:
-        yield from op_drive(session, op_load_namespace(session.state, ping=False))
+        yield from op_drive(session, op_load_namespace(session.state, False, session.registry.api))
     try:
         return (yield from op_drive(session, factory()))
     except StaleNamespaceError:
-        yield from op_drive(session, op_load_namespace(session.state, ping=False))
+        yield from op_drive(session, op_load_namespace(session.state, False, session.registry.api))
         return (yield from op_drive(session, factory()))
 
 
@@ -148,8 +156,9 @@ def op_connect(session: Session, strict: bool = False) -> Op[Layout]:
     else:
         check_not_cluster(cluster_info, session.policy.server)
     session.state.expiry_mode = yield from op_expiry_mode(session)
-    yield from op_drive(session, session.registry.op_choose(session.policy.server))
-    layout = yield from op_drive(session, op_load_namespace(session.state, ping=False))
+    registry, state = session.registry, session.state
+    yield from op_drive(session, registry.op_choose(session.policy.server, state))
+    layout = yield from op_drive(session, op_load_namespace(state, False, registry.api))
     try:
         info = yield from op_send(session, Command(("INFO", "memory")))
     except BackendError as exc:  # INFO not permitted (ACL, renamed command): nothing to check
@@ -168,7 +177,9 @@ TOMBSTONE = b"dropping:"
 LOAD_ATTEMPTS = 4
 
 
-def op_load_namespace(state: CoreState, ping: bool = True) -> Op[Layout]:
+def op_load_namespace(
+    state: CoreState, ping: bool = True, api: int | None = API_VERSION
+) -> Op[Layout]:
     """Ping the server, then read the namespace's meta record (creating it if missing) and
     adopt it.
 
@@ -176,28 +187,31 @@ def op_load_namespace(state: CoreState, ping: bool = True) -> Op[Layout]:
     under ``maxmemory`` with ``noeviction`` when the namespace exists; only a missing record
     costs the (writing) ``namespace`` script. A drop in progress is finished first. A new
     namespace records how its expiring entries expire (``state.expiry_mode``, found by
-    :func:`op_expiry_mode` when the client connects).
+    :func:`op_expiry_mode` when the client connects), and ``api``, the protocol version of the
+    client's function library (see :func:`kvredis.redis.functions.namespace_call`).
     """
     if ping:
         yield Command(("PING",))
     keys = Layout(state.namespace, state.bucket_bits, b"")
     for _ in range(LOAD_ATTEMPTS):
-        reply = yield Command(("HMGET", keys.meta, "layout", "bucket_bits", "gen"))
-        if not all(reply) and state.wait_for_namespace > 0:
-            reply = yield from _op_wait_for_namespace(state, keys)
-        elif not all(reply):
+        fields = yield _read_meta(keys)
+        if not all(fields[:3]) and state.wait_for_namespace > 0:
+            fields = yield from _op_wait_for_namespace(state, keys)
+        if all(fields[:3]):
+            state.check_scheme(_scheme_field(fields))
+            reply = list(fields[:3])
+        else:
+            scheme = None if state.scheme is None else state.scheme.text
             try:
-                reply = yield ScriptCall(
-                    "namespace",
-                    (keys.meta, keys.pi),
-                    (LAYOUT_VERSION, state.bucket_bits, secrets.token_hex(8), state.expiry_mode),
-                )
+                reply = yield namespace_call(state, API_VERSION if api is None else api, scheme)
             except BackendError as exc:
                 if not refused_by_acl(str(exc)):
                     raise
-                reply = yield Command(("HMGET", keys.meta, "layout", "bucket_bits", "gen"))
-                if not all(reply):  # still none, and this client may not make it
+                fields = yield _read_meta(keys)
+                if not all(fields[:3]):  # still none, and this client may not make it
                     raise namespace_missing_error(state, str(exc)) from None
+                state.check_scheme(_scheme_field(fields))
+                reply = list(fields[:3])
         gen = reply[2] if isinstance(reply, (list, tuple)) and len(reply) == 3 else None
         if not (isinstance(gen, bytes) and gen.startswith(TOMBSTONE)):
             return state.adopt(reply)
@@ -211,9 +225,21 @@ WAIT_FIRST_S = 0.05
 WAIT_LONGEST_S = 1.0
 
 
+def _read_meta(keys: Layout) -> Command:
+    """The read of a namespace's meta record: ``layout``, ``bucket_bits``, ``gen`` (all set
+    once it exists) and ``scheme`` (its block key scheme, when one was recorded)."""
+    return Command(("HMGET", keys.meta, "layout", "bucket_bits", "gen", "scheme"))
+
+
+def _scheme_field(fields: Sequence[Any]) -> Any:
+    """The ``scheme`` of a :func:`_read_meta` reply (None when it holds none)."""
+    return fields[3] if len(fields) > 3 else None
+
+
 def _op_wait_for_namespace(state: CoreState, keys: Layout) -> Op[Any]:
-    """Read the meta record until it exists, for at most ``state.wait_for_namespace`` seconds
-    (slept between reads, doubling up to :data:`WAIT_LONGEST_S`); never creates it. Raises
+    """Read the meta record (:func:`_read_meta`) until it exists, for at most
+    ``state.wait_for_namespace`` seconds (slept between reads, doubling up to
+    :data:`WAIT_LONGEST_S`); never creates it. Raises
     :class:`~kvredis.errors.NamespaceMissingError` when it did not appear in time."""
     waited, pause = 0.0, WAIT_FIRST_S
     logger.info(
@@ -230,9 +256,9 @@ def _op_wait_for_namespace(state: CoreState, keys: Layout) -> Op[Any]:
         yield Sleep(step)
         waited += step
         pause = min(WAIT_LONGEST_S, pause * 2)
-        reply = yield Command(("HMGET", keys.meta, "layout", "bucket_bits", "gen"))
-        if all(reply):
-            return reply
+        fields = yield _read_meta(keys)
+        if all(fields[:3]):
+            return fields
 
 
 def op_expiry_mode(session: Session) -> Op[str]:
@@ -287,29 +313,48 @@ def pod_args(pods: frozenset[str] | None) -> list[Arg]:
 
 
 def op_lookup(
-    state: CoreState, request_keys: Keys, pod_identifier_set: Pods
+    state: CoreState, request_keys: Keys, pod_identifier_set: Pods, book: StampBook | None = None
 ) -> Op[dict[int, list[PodEntry]]]:
     """``Index.lookup``: one ``lookup`` script call (one per :data:`LOOKUP_KEYS_PER_CALL` keys
     of a longer chain, and one more where a walk stops at its work limit, each sent only while
-    the chain keeps hitting); a read, which a replica may answer."""
+    the chain keeps hitting); a read, which a replica may answer. The parts of a chain carry
+    stamps (:mod:`kvredis.redis.stamps`; ``book``, when given, carries them from and to the
+    caller's earlier and later reads of the namespace, and every part then asks for the stamps
+    of the pods it reads): a pod that lost an entry since an earlier part read it keeps only
+    what the parts before read."""
     keys, chain = pack_hashes(request_keys, "request key")
     pods = pod_filter(pod_identifier_set)
     if not keys:
         return {}
     layout, cache = state.snapshot()
+    # a caller's book reads on after this lookup (a cluster's other shards): every part stamps
+    always = book is not None
+    if book is None:
+        book = StampBook()
+    book.bind(layout.gen)
     filter_args = pod_args(pods)
     found: dict[int, list[PodEntry]] = {}
     step, start = LOOKUP_KEYS_PER_CALL, 0
     while start < len(keys):
         whole = start == 0 and len(keys) <= step
         piece = chain if whole else chain[start * HASH_WIDTH : (start + step) * HASH_WIDTH]
+        more = 1 if always or start + len(piece) // HASH_WIDTH < len(keys) else 0
         reply = yield ScriptCall(
             "lookup",
             (layout.meta, layout.pi, layout.pp, layout.sx),
-            (layout.gen, layout.rprefix, layout.bucket_bits, cache.floor, *filter_args, piece),
+            (
+                layout.gen,
+                layout.rprefix,
+                layout.bucket_bits,
+                cache.floor,
+                *filter_args,
+                piece,
+                more,
+                *book.args(),
+            ),
             read=True,
         )
-        at = read_lookup_reply(cache, reply, keys, start, found)
+        at = read_lookup_reply(cache, reply, keys, start, found, book=book)
         if walk_cut(reply) and at > start:  # stopped at the walk's work limit: walk on
             start = at
         elif at - start < len(piece) // HASH_WIDTH:
@@ -320,9 +365,9 @@ def op_lookup(
 
 
 def walk_cut(reply: Sequence[Any]) -> bool:
-    """Whether a ``lookup`` or ``score`` reply says the walk stopped at its work limit (an
-    odd element at the end) rather than at a miss or the chain's end."""
-    return len(reply) % 2 == 1
+    """Whether a ``lookup`` reply says the walk stopped at its work limit (an element after its
+    pairs) rather than at a miss or the chain's end."""
+    return len(reply) % 2 == 0
 
 
 def read_lookup_reply(
@@ -332,17 +377,30 @@ def read_lookup_reply(
     start: int,
     found: dict[int, Any],
     shared: bool = False,
+    book: StampBook | None = None,
 ) -> int:
     """Take in a ``lookup`` reply for the chain ``keys`` walked from ``start``: learn the
     definitions it carries, record each hit key's entries in ``found`` (a list of its own per
     key, or with ``shared`` one tuple shared by the keys holding the same entries); the position
     after the last hit. A key whose ids all lack a definition holds no entry: the chain ends
-    before it (never a hit with an empty entry list)."""
+    before it (never a hit with an empty entry list). With ``book``, the reply's stamps go into
+    it first, and the entries of the pods it dropped are left out (a key left without entries
+    ends the chain there)."""
     cache.learn(reply[1], int(reply[0]))
     entries = cache.holders
+    dropped: set[str] = set()
+    if book is not None:
+        book.take(reply[2])
+        dropped = book.dropped
+    kept: dict[Any, tuple[PodEntry, ...]] = {}
     at = start
-    for i in range(2, len(reply) - 1, 2):  # a last odd element: the walk was cut
+    for i in range(3, len(reply) - 1, 2):  # a last element after the pairs: the walk was cut
         n, held = int(reply[i]), entries(reply[i + 1])
+        if dropped and held:
+            ids = reply[i + 1]
+            held = kept.get(ids)  # type: ignore[assignment]
+            if held is None:
+                held = kept[ids] = tuple(e for e in entries(ids) if e.pod_identifier not in dropped)
         if not held:
             break
         if shared:
@@ -364,10 +422,22 @@ def score_weights(medium_weights: Weights) -> Mapping[str, float]:
 def op_score(
     state: CoreState, request_keys: Keys, medium_weights: Weights, pod_identifier_set: Pods
 ) -> Op[dict[str, float]]:
-    """Server-side LongestPrefixScorer over the chain: one ``score`` script call per
-    :data:`SCORE_KEYS_PER_CALL` keys of the chain (and one more where a walk stops at its work
-    limit), each sent only while a pod holds every key so far; a later call goes on from the
-    scores the earlier ones reached, so the floats are the scorer's whatever the parts. A read,
+    """Server-side LongestPrefixScorer over the chain: each pod's best data-parallel rank's
+    score (:func:`op_score_by_rank`)."""
+    return best_ranks(
+        (yield from op_score_by_rank(state, request_keys, medium_weights, pod_identifier_set))
+    )
+
+
+def op_score_by_rank(
+    state: CoreState, request_keys: Keys, medium_weights: Weights, pod_identifier_set: Pods
+) -> Op[dict[str, dict[int, float]]]:
+    """Server-side LongestPrefixScorer over the chain, per pod and data-parallel rank: one
+    ``score`` script call per :data:`SCORE_KEYS_PER_CALL` keys of the chain (and one more
+    where a walk stops at its work limit), each sent only while a (pod, rank) holds every key
+    so far; a later call goes on from the scores the earlier ones reached, so the floats are
+    the scorer's whatever the parts, and carries their stamps (:mod:`kvredis.redis.stamps`):
+    one whose pod lost an entry since an earlier part read it keeps the score it had. A read,
     which a replica may answer."""
     keys, chain = pack_hashes(request_keys, "request key")
     pods = pod_filter(pod_identifier_set)
@@ -380,39 +450,43 @@ def op_score(
     for tier, weight in weights.items():
         fixed += (text_bytes(tier), repr(float(weight)))
     fixed.append(repr(float(UNKNOWN_TIER_WEIGHT)))
-    scores: dict[bytes, float] = {}
-    carried: list[Arg] = [0]  # the pods still in the race and their scores so far
+    scores: dict[tuple[bytes, int], float] = {}
+    carried: list[Arg] = [0]  # the (pod, rank)s still in the race, their scores and stamps
     start = 0
     while start < len(keys):
         piece = chain[start * HASH_WIDTH : (start + SCORE_KEYS_PER_CALL) * HASH_WIDTH]
+        more = 1 if start + len(piece) // HASH_WIDTH < len(keys) else 0
         reply = yield ScriptCall(
             "score",
             (layout.meta, layout.pi, layout.pp, layout.sx),
-            (*fixed, piece, *carried),
+            (*fixed, piece, more, *carried),
             read=True,
         )
         walked, cut, live = read_score_reply(reply, scores)
         if not live or (walked < len(piece) // HASH_WIDTH and not cut) or walked == 0:
-            break  # no pod left, or a key no pod holds
+            break  # none left, or a key none holds
         start += walked
         carried = [len(live)]
-        for pod in live:
-            carried += (pod, repr(scores[pod]))
-    return {bytes_text(pod): score for pod, score in scores.items()}
+        for slot, stamp in live:
+            carried += (slot[0], slot[1], repr(scores[slot]), stamp)
+    out: dict[str, dict[int, float]] = {}
+    for (pod, rank), score in scores.items():
+        out.setdefault(bytes_text(pod), {})[rank] = score
+    return out
 
 
 def read_score_reply(
-    reply: Sequence[Any], scores: dict[bytes, float]
-) -> tuple[int, bool, list[bytes]]:
-    """Take in a ``score`` reply: each pod's score into ``scores`` (a pod keeps its place of
-    first appearance); how many keys the call walked, whether its walk stopped at the work
-    limit, and the pods still holding every key walked, in order."""
-    live: list[bytes] = []
-    for i in range(2, len(reply), 3):
-        pod = bytes(reply[i])
-        scores[pod] = float(reply[i + 1])
-        if int(reply[i + 2]):
-            live.append(pod)
+    reply: Sequence[Any], scores: dict[tuple[bytes, int], float]
+) -> tuple[int, bool, list[tuple[tuple[bytes, int], bytes]]]:
+    """Take in a ``score`` reply: each (pod, rank)'s score into ``scores`` (keeping its place
+    of first appearance); how many keys the call walked, whether its walk stopped at the work
+    limit, and the (pod, rank)s still holding every key walked, in order, with their stamps."""
+    live: list[tuple[tuple[bytes, int], bytes]] = []
+    for i in range(2, len(reply) - 4, 5):
+        slot = (bytes(reply[i]), int(reply[i + 1]))
+        scores[slot] = float(reply[i + 2])
+        if int(reply[i + 3]):
+            live.append((slot, bytes(reply[i + 4])))
     return int(reply[0]), bool(int(reply[1])), live
 
 
@@ -751,6 +825,24 @@ def batch_call(
             *program.ops,
         ],
     )
+
+
+def op_block_key_scheme(
+    state: CoreState, scheme: BlockKeyScheme, record: bool = False
+) -> Op[BlockKeyScheme | None]:
+    """Check ``scheme`` (the client's block key scheme) against the one the namespace records,
+    and from now on at every load of the namespace; with ``record``, record it first when the
+    namespace records none (the first writer's stays). The scheme recorded (None: none);
+    :class:`~kvredis.errors.BlockKeySchemeError` when it is another."""
+    if not isinstance(scheme, BlockKeyScheme):
+        raise InvalidInputError(f"scheme must be a BlockKeyScheme, got {scheme!r}")
+    state.scheme = scheme
+    meta = state.layout.meta
+    recorded = yield Command(("HGET", meta, "scheme"))
+    if not recorded and record:
+        yield namespace_call(state, API_VERSION, scheme.text)
+        recorded = yield Command(("HGET", meta, "scheme"))
+    return state.check_scheme(recorded)
 
 
 def op_get_watermark(state: CoreState, stream: str) -> Op[Watermark | None]:

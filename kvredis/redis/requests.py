@@ -81,6 +81,10 @@ class Failure(Exception):
         self.message = message
 
 
+#: Error replies of a server that is up but cannot serve right now (retried like timeouts).
+TRANSIENT_REPLIES = frozenset({"BUSY", "LOADING", "MASTERDOWN", "READONLY", "TRYAGAIN"})
+
+
 class ErrorReply(Failure):
     """The server answered with an error reply: ``message`` is the reply, starting with its code.
 

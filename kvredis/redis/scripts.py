@@ -26,7 +26,7 @@ import functools
 import hashlib
 import importlib.resources
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from importlib.abc import Traversable
 from pathlib import Path
@@ -34,6 +34,7 @@ from typing import Any
 
 from kvredis.errors import BackendError
 from kvredis.redis.requests import Command, ErrorReply, Op, ScriptCall
+from kvredis.redis.state import CoreState
 
 _INCLUDE_RE = re.compile(r"^--@include\s+(\S+)\s*$", re.MULTILINE)
 #: Folder (under ``lua/``) of the include files, and the prefix of their names in a source map.
@@ -41,6 +42,9 @@ INCLUDES = "includes"
 _REPO_LUA = Path(__file__).resolve().parents[2] / "lua"
 #: Text a server answers a call of a function it does not have with (``ERR Function not found``).
 NOT_FOUND = "function not found"
+#: The error code of a function's refusal of a call of another protocol version
+#: (``lua/includes/api.lua``).
+VERSION_CODE = "KVREDIS_VERSION"
 
 
 class Missing(enum.Enum):
@@ -50,6 +54,9 @@ class Missing(enum.Enum):
     SCRIPT = "script"
     #: ``ERR Function not found``: the function an ``FCALL`` named (no library loaded)
     FUNCTION = "function"
+    #: ``KVREDIS_VERSION``: the function of the protocol version the ``FCALL`` carried (the
+    #: server's library was loaded by a kvredis of another version)
+    VERSION = "version"
 
 
 def missing_callee(reply: object) -> Missing | None:
@@ -61,6 +68,8 @@ def missing_callee(reply: object) -> Missing | None:
         return None
     if reply.code == "NOSCRIPT":
         return Missing.SCRIPT
+    if reply.code == VERSION_CODE:
+        return Missing.VERSION
     if NOT_FOUND in reply.message.lower():
         return Missing.FUNCTION
     return None
@@ -157,6 +166,12 @@ class ScriptRegistry:
     #: :class:`kvredis.redis.functions.FunctionRegistry` may).
     active: bool = False
 
+    @property
+    def api(self) -> int | None:
+        """The protocol version of the function library calls may go to (None: EVALSHA only;
+        a namespace this client creates then records the shipped one)."""
+        return None
+
     def __init__(self, scripts: Mapping[str, Script] | None = None) -> None:
         self._scripts: dict[str, Script] = dict(_shipped_scripts() if scripts is None else scripts)
 
@@ -217,8 +232,20 @@ class ScriptRegistry:
     def fall_back(self, message: str) -> None:
         """Keep to EVALSHA from now on, because of the refusal ``message``."""
 
-    def op_choose(self, server: str = "the server") -> Op[None]:
-        """Decide, when connecting to ``server``, how calls are sent: by EVALSHA here (see
-        :meth:`kvredis.redis.functions.FunctionRegistry.op_choose`)."""
+    def op_choose(self, server: str = "the server", state: CoreState | None = None) -> Op[None]:
+        """Decide, when connecting to ``server`` (for ``state``'s namespace), how calls are
+        sent: by EVALSHA here (see :meth:`kvredis.redis.functions.FunctionRegistry.op_choose`)."""
         return
         yield
+
+    def op_reload(
+        self, names: Collection[str], read: bool = False, state: CoreState | None = None
+    ) -> Op[None]:
+        """After calls of ``names`` missed what they call (:meth:`missing`): load it, each
+        distinct load command once (``read``: for the server a read call goes to)."""
+        done: set[Command] = set()
+        for name in sorted(names):
+            command = self.load_command(name, read)
+            if command not in done:
+                done.add(command)
+                self.check_loaded(name, (yield command))

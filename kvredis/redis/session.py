@@ -3,7 +3,9 @@
 - :func:`op_send` sends one request: a :class:`~kvredis.redis.requests.ScriptCall` as ``FCALL``
   of the function library (or ``EVALSHA``, its fallback), loading the library or script and
   sending it again when the server lost it (after ``FUNCTION FLUSH``/``SCRIPT FLUSH``, a restart
-  or a failover; in a pipeline only the calls that missed are sent again); transient failures
+  or a failover; in a pipeline only the calls that missed are sent again) or a library of
+  another protocol version refused it (the registry settles again, for the session's namespace:
+  :meth:`~kvredis.redis.functions.FunctionRegistry.op_reload`); transient failures
   (connection lost, timeout, ``BUSY``/``LOADING``/``MASTERDOWN``/``READONLY``/``TRYAGAIN``
   replies) are retried ``retries`` times after a :class:`~kvredis.redis.requests.Sleep` with
   exponential backoff, then raise :class:`~kvredis.errors.BackendUnavailableError` naming the
@@ -31,6 +33,7 @@ from kvredis.errors import (
     translate,
 )
 from kvredis.redis.requests import (
+    TRANSIENT_REPLIES,
     AuthenticationFailed,
     Command,
     ConnectionLost,
@@ -50,8 +53,6 @@ from kvredis.redis.state import CoreState
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
-#: Error replies of a server that is up but cannot serve right now (retried like timeouts).
-TRANSIENT_REPLIES = frozenset({"BUSY", "LOADING", "MASTERDOWN", "READONLY", "TRYAGAIN"})
 #: How many times one call is sent in all when the server keeps answering NOSCRIPT (a flush
 #: racing the reload).
 NOSCRIPT_ATTEMPTS = 3
@@ -110,15 +111,15 @@ class Session:
     policy: RetryPolicy
 
 
-def _load_scripts(registry: ScriptRegistry, names: Collection[str], read: bool = False) -> Op[None]:
-    """Load what the calls of ``names`` need, each distinct load command once (a function
-    library is one load for every name)."""
-    done: set[Command] = set()
-    for name in sorted(names):
-        command = registry.load_command(name, read)
-        if command not in done:
-            done.add(command)
-            registry.check_loaded(name, (yield command))
+def _load_scripts(
+    registry: ScriptRegistry,
+    names: Collection[str],
+    read: bool = False,
+    state: CoreState | None = None,
+) -> Op[None]:
+    """Load what the calls of ``names`` need (:meth:`ScriptRegistry.op_reload`: each script
+    once, or the function library once for every name, settled for ``state``'s namespace)."""
+    yield from registry.op_reload(names, read, state)
 
 
 def _by_evalsha(registry: ScriptRegistry, call: ScriptCall, refusal: ErrorReply) -> Op[Any]:
@@ -141,7 +142,9 @@ def _by_evalsha(registry: ScriptRegistry, call: ScriptCall, refusal: ErrorReply)
     return reply
 
 
-def _script_call(registry: ScriptRegistry, call: ScriptCall) -> Op[Any]:
+def _script_call(
+    registry: ScriptRegistry, call: ScriptCall, state: CoreState | None = None
+) -> Op[Any]:
     for attempt in range(1, NOSCRIPT_ATTEMPTS + 1):
         try:
             return (yield registry.call_command(call))
@@ -151,7 +154,7 @@ def _script_call(registry: ScriptRegistry, call: ScriptCall) -> Op[Any]:
             if not registry.missing(failure) or attempt == NOSCRIPT_ATTEMPTS:
                 raise
         try:
-            yield from _load_scripts(registry, (call.script,), call.read)
+            yield from _load_scripts(registry, (call.script,), call.read, state)
         except ErrorReply as failure:
             if not registry.refused(failure):
                 raise
@@ -159,7 +162,9 @@ def _script_call(registry: ScriptRegistry, call: ScriptCall) -> Op[Any]:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _pipeline(registry: ScriptRegistry, items: Sequence[ScriptCall | Command]) -> Op[list[Any]]:
+def _pipeline(
+    registry: ScriptRegistry, items: Sequence[ScriptCall | Command], state: CoreState | None = None
+) -> Op[list[Any]]:
     def wire(positions: Sequence[int]) -> Pipeline:
         return Pipeline(
             tuple(
@@ -180,10 +185,11 @@ def _pipeline(registry: ScriptRegistry, items: Sequence[ScriptCall | Command]) -
             for i in again:  # one by one: each call finds its way (see _script_call)
                 item = items[i]
                 if isinstance(item, ScriptCall):
-                    replies[i] = yield from _script_call(registry, item)
+                    replies[i] = yield from _script_call(registry, item, state)
             continue
         calls = (items[i] for i in again)
-        yield from _load_scripts(registry, {c.script for c in calls if isinstance(c, ScriptCall)})
+        names = {c.script for c in calls if isinstance(c, ScriptCall)}
+        yield from _load_scripts(registry, names, False, state)
         for i, reply in zip(again, (yield wire(again)), strict=True):
             replies[i] = reply
     for reply in replies:
@@ -206,9 +212,9 @@ def op_send(session: Session, request: Request) -> Op[Any]:
     while True:
         try:
             if isinstance(request, ScriptCall):
-                return (yield from _script_call(registry, request))
+                return (yield from _script_call(registry, request, session.state))
             if isinstance(request, Pipeline):
-                return (yield from _pipeline(registry, request.items))
+                return (yield from _pipeline(registry, request.items, session.state))
             return (yield request)
         except (AuthenticationFailed, NotRedis, TlsFailed) as failure:
             raise policy.unavailable(failure) from failure

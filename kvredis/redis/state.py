@@ -16,11 +16,13 @@ from typing import Any
 
 from kvredis.errors import (
     BackendError,
+    BlockKeySchemeError,
     InvalidInputError,
     NamespaceLayoutError,
     NamespaceMissingError,
     StaleNamespaceError,
 )
+from kvredis.hashing.config import BlockKeyScheme
 from kvredis.redis.codec import ID_WIDTH, decode_entry
 from kvredis.redis.layout import (
     DEFAULT_BUCKET_BITS,
@@ -218,6 +220,9 @@ class CoreState:
         #: Seconds a client that finds no namespace waits for its creator instead of creating
         #: it (``RedisIndexConfig.wait_for_namespace``; 0: create it).
         self.wait_for_namespace = 0.0
+        #: The block key scheme this client computes keys with, once an Indexer or an ingester
+        #: said so (:meth:`check_scheme` compares it with the namespace's at every load).
+        self.scheme: BlockKeyScheme | None = None
         self._current: tuple[Layout, EntryCache] | None = None
         self._lock = threading.Lock()
 
@@ -242,6 +247,26 @@ class CoreState:
     def loaded(self) -> bool:
         """Whether a layout was loaded."""
         return self._current is not None
+
+    def check_scheme(self, recorded: bytes | str | None) -> BlockKeyScheme | None:
+        """The block key scheme the namespace records (``None``: none yet), checked against
+        :attr:`scheme`: :class:`~kvredis.errors.BlockKeySchemeError` naming both when they
+        differ."""
+        if recorded is None or recorded in (b"", ""):
+            return None
+        try:
+            theirs = BlockKeyScheme.parse(recorded)
+        except InvalidInputError as exc:
+            raise NamespaceLayoutError(f"namespace {self.namespace!r}: {exc}") from None
+        ours = self.scheme
+        if ours is not None and theirs != ours:
+            raise BlockKeySchemeError(
+                f"namespace {self.namespace!r} holds block keys of scheme {theirs}, but this "
+                f"client computes {ours}: its lookups and scores would all miss; configure the "
+                "token processor as the namespace's writers do (hashAlgo, blockSizeTokens, "
+                "hashSeed), or use another namespace"
+            )
+        return theirs
 
     def adopt(self, reply: Sequence[Any]) -> Layout:
         """Take over the namespace record returned by the ``namespace`` script."""

@@ -20,15 +20,16 @@
 --@include writes
 --@include expiry
 --@include fence
+--@include stamps
 
 -- The keys and bucket namers the ops write through; sx is the gate key of the expiring
 -- buckets (includes/expiry), read here, before any write. A caller running several programs
 -- in one call sets k.spent to one table for all of them: their run work adds up
 -- (includes/writes).
 local function write_context(meta, pe, pi, pp, rprefix, eprefix, bits, sx)
+  local rbucket, ebucket = bucket_namer(rprefix, bits), bucket_namer(eprefix, bits)
   return {meta = meta, pe = pe, pi = pi, pp = pp, bits = bits, cprefix = run_prefix(rprefix),
-          rbucket = bucket_namer(rprefix, bits), ebucket = bucket_namer(eprefix, bits),
-          xs = expiring_stage(meta, sx, bits)}
+          rbucket = rbucket, ebucket = ebucket, xs = expiring_stage(meta, sx, bits)}
 end
 
 local function entry_indexes(args, pos, nent, nents)
@@ -267,6 +268,7 @@ local function run_program(k, program, cap, ms)
   local removed = 0
   local spec = nil
   local rbucket = k.rbucket
+  local marks = {}  -- entries whose copies this call takes away (includes/stamps)
   for o, op in ipairs(ops) do
     st.op, st.key = o - 1, 0
     local set = {}
@@ -304,6 +306,7 @@ local function run_program(k, program, cap, ms)
       local deadline = ms > 0 and xs.now + ms
       local parent = op.parent
       local prev = parent
+      local taken = false
       for i = 1, #req, HASH_WIDTH do
         local rfield = string.sub(req, i, i + HASH_WIDTH - 1)
         local bucket = rbucket(rfield)
@@ -319,18 +322,20 @@ local function run_program(k, program, cap, ms)
           prev = rfield
         end
         if timed then
-          remove_ids(st, bucket, rfield, timed_set)
-          xs.add(rfield, timed, deadline)
+          local _, moved = remove_ids(st, bucket, rfield, timed_set)
+          if xs.add(rfield, timed, deadline) or moved > 0 then taken = true end
         elseif untimed then
-          xs.remove(rfield, untimed)
+          if xs.remove(rfield, untimed) > 0 then taken = true end
         end
       end
+      if taken then stamp_mark(marks, ents, op.ents) end
       for i = 1, #pairs_, 2 * HASH_WIDTH do
         local efield = string.sub(pairs_, i, i + HASH_WIDTH - 1)
         local rfield = string.sub(pairs_, i + HASH_WIDTH, i + 2 * HASH_WIDTH - 1)
         map_engine(st, k.ebucket(efield), efield, rfield, cap)
       end
     else
+      local before = removed
       for _, j in ipairs(op.ents) do
         local id = lookup_id(j)
         if id and id ~= 0 then set[id] = true end
@@ -355,11 +360,13 @@ local function run_program(k, program, cap, ms)
             xs.live and xs.holds or nil)
         end
       end
+      if removed > before then stamp_mark(marks, ents, op.ents) end
     end
   end
   local plan = plan_stage(st, k)
   if #new > 0 then defs.define_entries(k, new, new_ids, next_id, pod_lists) end
   flush_stage(st, k, plan)
   expiring_flush(xs)
+  stamp_removals(k.meta, marks)
   return removed
 end

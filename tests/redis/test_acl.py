@@ -35,7 +35,7 @@ from kvredis import (
 )
 from kvredis.cli import cli
 from kvredis.errors import KVRedisError
-from kvredis.redis.functions import function_name, shipped_library
+from kvredis.redis.functions import api_argument, function_name, shipped_library
 from kvredis.redis.layout import EXPIRY_FIELD, EXPIRY_KEY
 from kvredis.redis.ops import expiry_mode_of
 from kvredis.redis.requests import Command, ScriptCall
@@ -386,7 +386,8 @@ def test_a_router_cannot_change_a_key_through_any_call(server: Server, tmp_path:
     assert {args[0] for _, args in calls} == {"FCALL", "EVALSHA"}
     layout = (f"{ns}:meta", f"{ns}:pe", f"{ns}:pi", f"{ns}:pp", f"{ns}:sx", f"{ns}:wm")
     for name in sorted(may_write - tried):  # cluster-only and repair scripts: the namespace's keys
-        calls.append((name, ("FCALL", function_name(name), len(layout), *layout, "1", "2", "3")))
+        fcall = ("FCALL", function_name(name), len(layout), *layout, "1", "2", "3", api_argument())
+        calls.append((name, fcall))
         calls.append((name, ("EVALSHA", registry[name].sha, len(layout), *layout, "1", "2", "3")))
     raw = redis.Redis.from_url(url)
     try:

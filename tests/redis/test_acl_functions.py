@@ -34,7 +34,7 @@ from kvredis import AsyncRedisIndex, PodEntry, RedisIndex, RedisIndexConfig
 from kvredis.cli import cli
 from kvredis.errors import ConfigError, KVRedisError
 from kvredis.redis.config import config_for_existing
-from kvredis.redis.functions import function_name, shipped_library
+from kvredis.redis.functions import API_VERSION, api_argument, function_name, shipped_library
 from kvredis.redis.layout import EXPIRY_FIELD, LAYOUT_VERSION, meta_key
 from kvredis.redis.ops import expiry_mode_of
 from tests.examples.filled import WEIGHTS, fill
@@ -116,8 +116,9 @@ class Tenant:
         namespace = self.fresh()
         meta, pi = meta_key(namespace), namespace.encode() + b":pi"
         self.admin.fcall(
-            function_name("namespace"), 2, meta, pi, LAYOUT_VERSION, 16, secrets.token_hex(8), "key"
-        )
+            function_name("namespace"), 2, meta, pi,
+            LAYOUT_VERSION, 16, secrets.token_hex(8), "key", API_VERSION, api_argument(),
+        )  # fmt: skip
         return namespace
 
 
@@ -336,8 +337,8 @@ def _attempts(url: str, namespace: str, commands: bool) -> list[Callable[[], Any
         raw("DEL", pe),
         raw("UNLINK", pe),
         raw("PEXPIREAT", meta, 1),
-        raw("FCALL_RO", function_name("lookup"), 2, meta, pi, "1"),
-        raw("FCALL", function_name("drop"), 2, meta, pi, "x"),
+        raw("FCALL_RO", function_name("lookup"), 2, meta, pi, "1", api_argument()),
+        raw("FCALL", function_name("drop"), 2, meta, pi, "x", api_argument()),
     ]
     for command in ("stats", "dump", "clear"):
         args = ["--pod", "pod-a", "--yes"] if command == "clear" else []
@@ -415,7 +416,8 @@ def test_a_router_cannot_change_a_key_through_any_function(tenant: Tenant) -> No
                 continue
             for verb in ("FCALL", "FCALL_RO"):
                 with pytest.raises(redis.ResponseError) as refused:
-                    client.execute_command(verb, function_name(name), len(keys), *keys, "x")
+                    args = (*keys, "x", api_argument())
+                    client.execute_command(verb, function_name(name), len(keys), *args)
                 assert re.search(r"NOPERM|no permissions|write flag", str(refused.value), re.I)
         with pytest.raises(redis.exceptions.NoPermissionError):
             client.hset(f"{namespace}:meta", "gen", "x")

@@ -314,11 +314,11 @@ def test_the_walks_of_one_node_call_share_the_walk_limit(two: tuple[Fleet, Fleet
         layout, cache = fleet.index._session.state.snapshot()
         chain = [c[4] for c in fleet.chains]
         args += (layout.meta, layout.pi, layout.pp, layout.sx, layout.gen, layout.rprefix)
-        args += (layout.bucket_bits, cache.floor, struct.pack(f">{len(chain)}Q", *chain))
+        args += (layout.bucket_bits, cache.floor, struct.pack(f">{len(chain)}Q", *chain), 0, 0)
     first = two[0].index._session.state.layout
     call = ScriptCall("lookup_shards", (first.meta, first.pi, first.pp, first.sx), args)
     whole, cut = send(two[0].index, call)
-    assert not walk_cut(whole) and len(whole) == 4  # keys holding the same ids
+    assert not walk_cut(whole) and len(whole) == 5  # known, defs, stamps, one pair: n keys, ids
     assert walk_cut(cut)  # stopped: the per-shard path walks that shard on
 
 

@@ -32,6 +32,7 @@ from kvredis.redis.functions import (
     VERSION_FUNCTION,
     FunctionRegistry,
     Plan,
+    api_argument,
     build_library,
     function_name,
     plan,
@@ -433,8 +434,10 @@ def test_calls_by_function_name_once_active() -> None:
     call = rq.ScriptCall("lookup", (b"k",), ("a",), read=True)
     assert registry.call_command(call).args[0] == "EVALSHA"
     registry.active = True
-    fcall_ro = rq.Command(("FCALL_RO", "kvredis_lookup", 1, b"k", "a"), True)
-    assert registry.call_command(call) == fcall_ro
+    marker = api_argument()
+    assert registry.call_command(call) == rq.Command(
+        ("FCALL_RO", "kvredis_lookup", 1, b"k", "a", marker), True
+    )
     write = rq.ScriptCall("add", (b"k",), ("a",))
     assert registry.call_command(write).args[:2] == ("FCALL", "kvredis_add")
     assert registry.load_command("add").args[:3] == ("FUNCTION", "LOAD", "REPLACE")
@@ -504,17 +507,22 @@ def _active_session() -> Session:
 
 def test_what_a_server_lacks_is_read_from_its_reply() -> None:
     """One reading of "the server lacks what was called", for the session and the cluster's
-    waves alike: by the reply's code (NOSCRIPT) or text (function not found), never by
-    anything but an error reply."""
+    waves alike: by the reply's code (NOSCRIPT, KVREDIS_VERSION) or text (function not found),
+    never by anything but an error reply."""
     assert missing_callee(rq.ErrorReply("NOSCRIPT No matching script.")) is Missing.SCRIPT
     assert missing_callee(rq.ErrorReply("ERR Function not found")) is Missing.FUNCTION
+    other_api = rq.ErrorReply("KVREDIS_VERSION the call speaks kvredis-api:1, the library ...")
+    assert missing_callee(other_api) is Missing.VERSION
     assert missing_callee(rq.ErrorReply("ERR unknown command 'FCALL'")) is None
     assert missing_callee(b"NOSCRIPT No matching script.") is None  # a reply, not an error
+    assert missing_callee(b"KVREDIS_VERSION the call speaks ...") is None
     scripts, functions = ScriptRegistry(), FunctionRegistry()
     function_missing = rq.ErrorReply("ERR Function not found")
-    assert not scripts.missing(function_missing) and not functions.missing(function_missing)
+    for reply in (function_missing, other_api):
+        assert not scripts.missing(reply) and not functions.missing(reply)
     functions.active = True  # a missing function only matters while calls go by FCALL
-    assert functions.missing(function_missing)
+    assert functions.missing(function_missing) and functions.missing(other_api)
+    assert not scripts.missing(other_api)
 
 
 def test_connecting_reads_the_error_reply_not_the_exception_message() -> None:
@@ -526,7 +534,12 @@ def test_connecting_reads_the_error_reply_not_the_exception_message() -> None:
     assert next(op).args[:2] == ("FCALL_RO", VERSION_FUNCTION)
     typed = BackendError("the version function cannot be called")
     typed.__cause__ = rq.ErrorReply("ERR Function not found")
-    assert op.throw(typed).args[:3] == ("FUNCTION", "LOAD", "REPLACE")  # missing: load it
+    load = op.throw(typed).args  # missing: load it, without REPLACE (a racing load stays)
+    assert load == ("FUNCTION", "LOAD", registry.library.code)
+    raced = BackendError("the library cannot be loaded")
+    raced.__cause__ = rq.ErrorReply("ERR Library 'kvredis' already exists")
+    assert op.throw(raced).args[:2] == ("FCALL_RO", VERSION_FUNCTION)  # loaded meanwhile: ask
+    assert op.throw(typed).args == load
     with pytest.raises(StopIteration):
         op.send(b"kvredis")
     assert registry.active
@@ -543,14 +556,19 @@ def test_an_error_reply_raised_typed_carries_the_reply() -> None:
 def test_a_missing_function_reloads_the_library_and_calls_again() -> None:
     session = _active_session()
     call = rq.ScriptCall("ping", (), (), read=True)
-    result, sent = _drive(op_send(session, call), [NOT_FOUND, b"kvredis", 1])
+    replies = [NOT_FOUND, NOT_FOUND, None, b"kvredis", [b"l", b"16", b"g"], 1]
+    result, sent = _drive(op_send(session, call), replies)
     assert result == 1
-    assert [r.args[0] for r in sent if isinstance(r, rq.Command)] == [
-        "FCALL_RO",
-        "FUNCTION",
-        "FCALL_RO",
+    assert [r.args[:2] for r in sent if isinstance(r, rq.Command)] == [
+        ("FCALL_RO", "kvredis_ping"),
+        ("FCALL_RO", VERSION_FUNCTION),  # what the server holds now: nothing
+        ("HGET", f"{session.state.namespace}:meta".encode()),  # no newer api recorded
+        ("FUNCTION", "LOAD"),  # never REPLACE: a library loaded meanwhile stays
+        ("FCALL", "kvredis_namespace"),  # the api recorded
+        ("FCALL_RO", "kvredis_ping"),
     ]
-    assert not sent[1].read  # the library goes to the primary
+    assert sent[3].args[2] == shipped_library().code
+    assert not sent[3].read  # the library goes to the primary
 
 
 def test_a_refused_fcall_that_evalsha_serves_switches_for_good() -> None:
@@ -574,6 +592,8 @@ def test_a_refusal_evalsha_cannot_serve_either_keeps_the_function_path() -> None
             op_send(session, call),
             [
                 NOT_FOUND,
+                NOT_FOUND,
+                None,
                 rq.ErrorReply(
                     "NOPERM User u has no permissions to run the 'function|load' command"
                 ),
@@ -587,7 +607,8 @@ def test_a_pipeline_reloads_once_for_all_its_missing_functions() -> None:
     session = _active_session()
     calls = (rq.ScriptCall("ping", (), ()), rq.ScriptCall("ping", (b"k",), ()))
     result, sent = _drive(
-        op_send(session, rq.Pipeline(calls)), [[NOT_FOUND, NOT_FOUND], b"kvredis", [1, 1]]
+        op_send(session, rq.Pipeline(calls)),
+        [[NOT_FOUND, NOT_FOUND], NOT_FOUND, None, b"kvredis", [b"l", b"16", b"g"], [1, 1]],
     )
     assert result == [1, 1]
     loads = [r for r in sent if isinstance(r, rq.Command) and r.args[0] == "FUNCTION"]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from kvredis import checks, scoring
+from kvredis import checks, scoring, types
 from kvredis.redis import codec, layout, migrate
 
 LUA_DIR = Path(__file__).resolve().parents[2] / "lua"
@@ -42,6 +42,7 @@ TWINS: dict[str, Callable[[], float]] = {
     "MAX_RUN_ID": lambda: 256**codec.RUN_ID_WIDTH - 1,
     # the score's sums in one step: both sides stop below the 53-bit significand
     "EXACT": lambda: scoring._EXACT_INTS,
+    "MAX_DP_RANK": lambda: types.MAX_DP_RANK,
 }
 
 #: Lua named constants with no Python twin, and why.
@@ -66,6 +67,7 @@ LUA_ONLY_BOUNDS = {
     ("request keys per engine key", "max"): INT32,
     ("parts", "max"): INT32,
     ("first request key", "max"): INT32,
+    ("api", "max"): INT32,
     ("part length", "min"): "the argument count of an apply_shards part (its fixed arguments "
     "and a program of at least its two counts)",
 }

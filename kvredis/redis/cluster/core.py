@@ -7,6 +7,7 @@ every primary). The operations themselves are :mod:`.ops` (reads, clear, drop) a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -443,7 +444,7 @@ def op_cluster_connect(core: ClusterCore, strict: bool = False, create: bool = T
         session.state.expiry_mode = core.expiry_mode
     yield from op_load_scripts(core)
     ops = {
-        shard: op_drive(session, op_load_namespace(session.state, ping=False))
+        shard: op_drive(session, op_load_namespace(session.state, False, session.registry.api))
         for shard, session in enumerate(core.sessions)
     }
     yield from op_parallel(core, ops)
@@ -493,11 +494,15 @@ def op_load_scripts(core: ClusterCore) -> WaveOp[None]:
     if slot_map is None:
         return
     registry = core.registry
+    # a shard each primary serves: its namespace records the newest api of its clients
+    states: dict[Any, CoreState] = {}
+    for shard, slot in enumerate(core.slots):
+        with contextlib.suppress(BackendUnavailableError):
+            states.setdefault(slot_map.primary(slot), core.state(shard))
     for node in slot_map.primaries:
         try:
-            yield from op_on_node(
-                node, registry.op_choose(f"primary {node} of {core.policy.server}")
-            )
+            server = f"primary {node} of {core.policy.server}"
+            yield from op_on_node(node, registry.op_choose(server, states.get(node)))
         except BackendUnavailableError as exc:
             logger.debug("cannot check the function library on %s: %s", node, exc)
     if registry.active:

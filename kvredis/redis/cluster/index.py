@@ -16,15 +16,18 @@ from typing import Any, TypeVar
 from kvredis.batch import IndexOp, Watermark
 from kvredis.checks import check_selection
 from kvredis.errors import ConfigError
+from kvredis.hashing.config import BlockKeyScheme
 from kvredis.index import Progress
 from kvredis.redis.cluster.core import ClusterCore, op_cluster_connect
 from kvredis.redis.cluster.executor import AsyncClusterExecutor, SyncClusterExecutor
 from kvredis.redis.cluster.ops import (
+    op_cluster_block_key_scheme,
     op_cluster_clear,
     op_cluster_drop,
     op_cluster_get_request_key,
     op_cluster_lookup,
     op_cluster_score,
+    op_cluster_score_by_rank,
 )
 from kvredis.redis.cluster.routing import WaveOp
 from kvredis.redis.cluster.writes import (
@@ -137,9 +140,18 @@ class RedisClusterIndex(_ClusterFacade):
     def score(
         self, request_keys: Keys, medium_weights: Any = None, pod_identifier_set: Pods = None
     ) -> dict[str, float]:
-        """Per-pod longest-prefix scores (the same floats as LongestPrefixScorer)."""
+        """Per-pod longest-prefix scores (the same floats as LongestPrefixScorer): each pod's
+        best data-parallel rank's."""
         args = (request_keys, medium_weights, pod_identifier_set)
         return self._run(lambda c: op_cluster_score(c, *args))
+
+    def score_by_rank(
+        self, request_keys: Keys, medium_weights: Any = None, pod_identifier_set: Pods = None
+    ) -> dict[str, dict[int, float]]:
+        """pod -> data-parallel rank -> longest-prefix score, from the same lookup as
+        :meth:`score` (the same floats as ``LongestPrefixScorer.score_by_rank``)."""
+        args = (request_keys, medium_weights, pod_identifier_set)
+        return self._run(lambda c: op_cluster_score_by_rank(c, *args))
 
     def add(
         self,
@@ -202,6 +214,13 @@ class RedisClusterIndex(_ClusterFacade):
     def drop_namespace(self) -> int:
         """Delete every key of the namespace on every node; the number of keys deleted."""
         return self._run(op_cluster_drop)
+
+    def check_block_key_scheme(
+        self, scheme: BlockKeyScheme, *, record: bool = False
+    ) -> BlockKeyScheme | None:
+        """See :meth:`kvredis.index.SchemeIndex.check_block_key_scheme` (every shard records
+        it)."""
+        return self._run(lambda c: op_cluster_block_key_scheme(c, scheme, record))
 
     def close(self) -> None:
         """Close every node's connections."""
@@ -269,6 +288,13 @@ class AsyncRedisClusterIndex(_ClusterFacade):
         args = (request_keys, medium_weights, pod_identifier_set)
         return await self._run(lambda c: op_cluster_score(c, *args))
 
+    async def score_by_rank(
+        self, request_keys: Keys, medium_weights: Any = None, pod_identifier_set: Pods = None
+    ) -> dict[str, dict[int, float]]:
+        """See :meth:`RedisClusterIndex.score_by_rank`."""
+        args = (request_keys, medium_weights, pod_identifier_set)
+        return await self._run(lambda c: op_cluster_score_by_rank(c, *args))
+
     async def add(
         self,
         engine_keys: Keys | None,
@@ -329,6 +355,12 @@ class AsyncRedisClusterIndex(_ClusterFacade):
     async def drop_namespace(self) -> int:
         """See :meth:`RedisClusterIndex.drop_namespace`."""
         return await self._run(op_cluster_drop)
+
+    async def check_block_key_scheme(
+        self, scheme: BlockKeyScheme, *, record: bool = False
+    ) -> BlockKeyScheme | None:
+        """See :meth:`RedisClusterIndex.check_block_key_scheme`."""
+        return await self._run(lambda c: op_cluster_block_key_scheme(c, scheme, record))
 
     async def aclose(self) -> None:
         """Close every node's connections."""

@@ -17,7 +17,10 @@ other operations (clear, drop, watermarks, request keys) always take it.
   one node's call walks at most ``LOOKUP_KEYS_PER_CALL`` keys, and a shard's next part is sent
   only while its keys hit and come before the first miss found so far.
 - score: the lookup, then :class:`~kvredis.scoring.LongestPrefixScorer` on the client (the same
-  floats as the server-side scorer).
+  floats as the server-side scorer), per data-parallel rank too.
+- a lookup read in more than one step (waves, or the per-shard path after a wave) carries each
+  shard's stamps (:mod:`kvredis.redis.stamps`) and checks them all once more after its last
+  read: a pod that lost an entry on any shard meanwhile keeps only what the first wave read.
 - add: request keys go to their shards, each engine -> request mapping to the engine key's
   shard (so the most recent mapping of an engine key is decided in one place).
 - evict by engine key: read the mapping (engine key's shard), evict from each request key
@@ -48,6 +51,7 @@ from kvredis.errors import (
     BackendUnavailableError,
     InvalidInputError,
 )
+from kvredis.hashing.config import BlockKeyScheme
 from kvredis.index import ClearProgress
 from kvredis.redis.cluster.core import (
     MAPPING_PAGE,
@@ -74,6 +78,7 @@ from kvredis.redis.config import DEFAULT_CLEAR_FIELDS_PER_CALL
 from kvredis.redis.ops import (
     LOOKUP_KEYS_PER_CALL,
     batch_fence,
+    op_block_key_scheme,
     op_clear_passes,
     op_drop_namespace,
     op_get_request_key,
@@ -90,8 +95,9 @@ from kvredis.redis.requests import (
     Pipeline,
     ScriptCall,
 )
+from kvredis.redis.stamps import StampBook
 from kvredis.redis.state import CoreState, EntryCache
-from kvredis.scoring import LongestPrefixScorer
+from kvredis.scoring import LongestPrefixScorer, best_ranks
 from kvredis.types import Keys, PodEntry
 
 T = TypeVar("T")
@@ -101,13 +107,28 @@ T = TypeVar("T")
 
 
 def op_cluster_lookup(
-    core: ClusterCore, request_keys: Keys, pod_identifier_set: Any, shared: bool = False
+    core: ClusterCore,
+    request_keys: Keys,
+    pod_identifier_set: Any,
+    shared: bool = False,
+    stamped: bool = False,
 ) -> WaveOp[dict[int, Any]]:
     """``Index.lookup`` over the shards: waves of one ``lookup_shards`` call per involved node
     (:func:`op_shard_lookups`), each call walking at most :data:`LOOKUP_KEYS_PER_CALL` keys
     (its shards share them); a shard's next part is sent only while its keys hit and come
     before the first miss found so far. ``shared``: keys holding the same entries share one
-    tuple (for the scorer) instead of a list each."""
+    tuple (for the scorer) instead of a list each.
+
+    A lookup read in more than one step (several waves, or a shard walked again by the
+    per-shard path after its wave) carries each shard's stamps (:mod:`kvredis.redis.stamps`)
+    from its first wave on, and checks every shard's stamps once more after its last read, in
+    one more wave (:func:`op_check_stamps`): a pod whose stamp broke on any shard keeps only the
+    entries the first wave read, so the merge never credits a pod with entries it did not hold
+    at one instant. Whether it takes several waves is known from the chain (a shard with more
+    keys than one wave walks); a lookup of one wave asks for no stamps (``stamped`` asks
+    anyway), and one whose wave sent a shard to the per-shard path starts over stamped. (The
+    calls of one wave run on their nodes at the same time: one wave reads the shards as one
+    step.)"""
     keys, _ = pack_hashes(request_keys, "request key")
     pods = pod_filter(pod_identifier_set)
     if not keys:
@@ -121,27 +142,51 @@ def op_cluster_lookup(
     walked = dict.fromkeys(groups, 0)
     horizon = len(keys)  # the chain position of the first miss found so far
     hits: dict[int, Any] = {}
+    books = {shard: StampBook() for shard in groups}
+    first: set[int] = set()  # the keys the first wave's calls read
+    steps = 0
     while True:
         going = [s for s in groups if walked[s] < len(groups[s]) and places[s][walked[s]] < horizon]
         if not going:
             break
         per = yield from _keys_per_shard(core, going)
+        if not steps:
+            stamped = stamped or any(len(groups[s]) > per for s in going)
         parts = {s: groups[s][walked[s] : walked[s] + per] for s in going}
-        found = yield from op_shard_lookups(core, parts, pods, shared)
+        found, again = yield from op_shard_lookups(
+            core, parts, pods, shared, books if stamped else None
+        )
+        if again and not stamped:  # a step more than planned: read again, with stamps
+            return (yield from op_cluster_lookup(core, keys, pods, shared, stamped=True))
+        steps += 1 + bool(again)
         for shard, part in parts.items():
             got = found.get(shard, {})  # a key is found only by its own shard
             hits.update(got)
+            if steps - bool(again) == 1 and shard not in again:
+                first.update(got)
             n = next((i for i, key in enumerate(part) if key not in got), len(part))
             if n < len(part):  # the shard's first miss: the chain ends there at the latest
                 horizon = min(horizon, places[shard][walked[shard] + n])
                 walked[shard] = len(groups[shard])
             else:
                 walked[shard] += n
+    if steps > 1:
+        yield from op_check_stamps(core, books, pods)
+    dropped: set[str] = set().union(*(book.dropped for book in books.values()))
+    kept: dict[int, Any] = {}  # id(entries) -> those of pods not dropped
     merged: dict[int, Any] = {}
     for key in keys:
         entries = hits.get(key)
         if entries is None:
             break
+        if dropped and key not in first:
+            held = kept.get(id(entries))
+            if held is None:
+                held = [e for e in entries if e.pod_identifier not in dropped]
+                kept[id(entries)] = held = tuple(held) if shared else held
+            if not held:
+                break
+            entries = held if shared else list(held)
         merged[key] = entries
     return merged
 
@@ -160,29 +205,32 @@ def _keys_per_shard(core: ClusterCore, shards: Sequence[int]) -> WaveOp[int]:
     return max(1, LOOKUP_KEYS_PER_CALL // max(per_node.values()))
 
 
-
-
 def op_shard_lookups(
     core: ClusterCore,
     groups: Mapping[int, list[int]],
     pods: frozenset[str] | None,
     shared: bool = False,
-) -> WaveOp[dict[int, dict[int, Any]]]:
+    books: Mapping[int, StampBook] | None = None,
+) -> WaveOp[tuple[dict[int, dict[int, Any]], list[int]]]:
     """Each shard's part of a chain walked, as ``{shard: {key: entries}}`` (hits up to the
-    shard's first miss).
+    shard's first miss), and the shards the per-shard path walked after the wave.
 
     The shards a node holds are walked by one ``lookup_shards`` call, so a wave costs one script
     call per node, not per shard. The slot map the calls are grouped by may be out of date
     (a slot moved, a failover): a call that meets a redirection or a failure, and a shard
     whose generation changed, are walked again by the per-shard path
     (:func:`~kvredis.redis.cluster.core.op_parallel`, which follows redirections, reloads
-    scripts and namespaces and retries)."""
+    scripts and namespaces and retries). With ``books``, each part carries its shard's stamps
+    from them (and updates them), and asks for the stamps of the pods it reads."""
     read = core.read_from_replicas
     pick = core.pick()
     slot_map = core.cluster.slot_map or (yield from op_refresh(core.cluster, core.policy.server))
     by_node, unmapped = group_by_node(
         core, groups, lambda slot: slot_map.reader(slot, pick) if read else slot_map.primary(slot)
     )
+    stamped = books is not None
+    if books is None:
+        books = {shard: StampBook() for shard in groups}
     filter_args = pod_args(pods)
     commands: list[SlotCommand] = []
     plan: list[list[tuple[int, EntryCache]]] = []
@@ -192,11 +240,12 @@ def op_shard_lookups(
         caches = []
         for shard in shards:
             layout, cache = core.state(shard).snapshot()
+            books[shard].bind(layout.gen)
             names = (layout.meta, layout.pi, layout.pp, layout.sx)
             call_keys = call_keys or list(names)
             call_args += (*names, layout.gen, layout.rprefix, layout.bucket_bits, cache.floor)
             part = groups[shard]  # checked by the caller
-            call_args.append(hash_blob(part))
+            call_args += (hash_blob(part), 1 if stamped and part else 0, *books[shard].args())
             caches.append((shard, cache))
         call = core.registry.call_command(ScriptCall("lookup_shards", call_keys, call_args))
         commands.append(SlotCommand(core.slots[shards[0]], call.args))
@@ -221,32 +270,65 @@ def op_shard_lookups(
                 again.append(shard)
                 continue
             found: dict[int, Any] = {}
-            read_lookup_reply(cache, part, groups[shard], 0, found, shared)
+            read_lookup_reply(cache, part, groups[shard], 0, found, shared, books[shard])
             results[shard] = found
-    if reload:
-        load = core.registry.load_command("lookup_shards", read)  # a library: on primaries
+    if reload and not core.registry.active:  # the library: each shard's call settles it
+        load = core.registry.load_command("lookup_shards", read)
         commands = [SlotCommand(core.slots[shard], load.args) for shard in reload]
         yield from op_wave(core.cluster, commands, core.wave_policy, read=load.read, pick=pick)
     if again:
-        factories = {shard: _lookup_factory(groups[shard], pods) for shard in again}
+        factories = {
+            shard: _lookup_factory(groups[shard], pods, books[shard] if stamped else None)
+            for shard in again
+        }
         results.update((yield from on_shards(core, factories, read=True)))
-    return results
+    return results, again
 
 
 def _lookup_factory(
-    keys: list[int], pods: frozenset[str] | None
+    keys: list[int], pods: frozenset[str] | None, book: StampBook | None
 ) -> Callable[[CoreState], Op[dict[int, list[PodEntry]]]]:
-    return lambda state: op_lookup(state, keys, pods)
+    return lambda state: op_lookup(state, keys, pods, book)
+
+
+def op_check_stamps(
+    core: ClusterCore, books: Mapping[int, StampBook], pods: frozenset[str] | None
+) -> WaveOp[None]:
+    """Check the stamps of every shard's book once more (after a read's last wave): one
+    ``lookup_shards`` call per node with empty chains; a book whose shard cannot be checked
+    now (a slot moving, a node in trouble, a recreated shard) drops all its pods."""
+    groups: dict[int, list[int]] = {shard: [] for shard, book in books.items() if book.stamps}
+    if not groups:
+        return
+    checking = {shard: books[shard] for shard in groups}
+    try:
+        _, again = yield from op_shard_lookups(core, groups, pods, False, checking)
+    except BackendUnavailableError:
+        again = list(groups)
+    for shard in again:
+        books[shard].drop_all()
 
 
 def op_cluster_score(
     core: ClusterCore, request_keys: Keys, medium_weights: Any, pod_identifier_set: Any
 ) -> WaveOp[dict[str, float]]:
-    """Per-pod longest-prefix scores: the cluster lookup, scored on the client."""
+    """Per-pod longest-prefix scores: the cluster lookup, scored on the client (each pod's
+    best data-parallel rank's)."""
+    by_rank = yield from op_cluster_score_by_rank(
+        core, request_keys, medium_weights, pod_identifier_set
+    )
+    return best_ranks(by_rank)
+
+
+def op_cluster_score_by_rank(
+    core: ClusterCore, request_keys: Keys, medium_weights: Any, pod_identifier_set: Any
+) -> WaveOp[dict[str, dict[int, float]]]:
+    """Per-pod, per-data-parallel-rank longest-prefix scores: the cluster lookup, scored on the
+    client (the same floats as the server-side scorer)."""
     scorer = LongestPrefixScorer(score_weights(medium_weights))
     keys, _ = pack_hashes(request_keys, "request key")
     found = yield from op_cluster_lookup(core, keys, pod_identifier_set, shared=True)
-    return scorer.score(keys, found)
+    return scorer.score_by_rank(keys, found)
 
 
 def op_cluster_get_request_key(core: ClusterCore, engine_key: int) -> WaveOp[int]:
@@ -373,3 +455,13 @@ def op_cluster_drop(core: ClusterCore) -> WaveOp[int]:
     desc = descriptor_key(core.namespace)
     removed = yield from slot_command(core, shard_slot(desc.decode()), "DEL", desc)
     return sum(deleted.values()) + int(removed)
+
+
+def op_cluster_block_key_scheme(
+    core: ClusterCore, scheme: BlockKeyScheme, record: bool = False
+) -> WaveOp[BlockKeyScheme | None]:
+    """:func:`~kvredis.redis.ops.op_block_key_scheme` on every shard (each shard's namespace
+    records the scheme); the scheme recorded (None: none yet on some shard)."""
+    found = yield from on_every_shard(core, lambda s: op_block_key_scheme(s, scheme, record))
+    schemes = list(found.values())
+    return schemes[0] if schemes and all(s is not None for s in schemes) else None

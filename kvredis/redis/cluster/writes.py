@@ -66,16 +66,14 @@ from kvredis.redis.program import (
     split_add,
 )
 from kvredis.redis.requests import (
+    TRANSIENT_REPLIES,
     Command,
     ErrorReply,
     Op,
     Pipeline,
     ScriptCall,
 )
-from kvredis.redis.session import (
-    TRANSIENT_REPLIES,
-    typed_error,
-)
+from kvredis.redis.session import typed_error
 from kvredis.redis.state import CoreState
 from kvredis.types import Entries, Keys, KeyType
 
@@ -280,7 +278,7 @@ def op_node_writes(
             again.append(shard)
         for shard in shards:
             taken.setdefault(shard, True)
-    if reload:
+    if reload and not core.registry.active:  # the library: each shard's call settles it
         load = core.registry.load_command("apply_shards").args
         yield from op_wave(
             core.cluster, [SlotCommand(slot, load) for slot in reload], core.wave_policy
