@@ -38,16 +38,19 @@ _EXPORTS: dict[str, str] = {
     "BlockKeySchemeError": "kvredis.errors",
     "ProtocolVersionError": "kvredis.errors",
     "AddOp": "kvredis.batch",
+    "Batch": "kvredis.batch",
     "EvictOp": "kvredis.batch",
     "IndexOp": "kvredis.batch",
     "Watermark": "kvredis.batch",
     "AsyncIndex": "kvredis.index",
     "AsyncBatchIndex": "kvredis.index",
+    "AsyncMultiBatchIndex": "kvredis.index",
     "AsyncRankScoringIndex": "kvredis.index",
     "AsyncScoringIndex": "kvredis.index",
     "BatchIndex": "kvredis.index",
     "Index": "kvredis.index",
     "LabelledIndex": "kvredis.index",
+    "MultiBatchIndex": "kvredis.index",
     "NamespaceIndex": "kvredis.index",
     "ProgressClearIndex": "kvredis.index",
     "RankScoringIndex": "kvredis.index",
@@ -140,6 +143,7 @@ __all__ = [
     "AsyncBatchIndex",
     "AsyncIndex",
     "AsyncInstrumentedIndex",
+    "AsyncMultiBatchIndex",
     "AsyncRankScoringIndex",
     "AsyncRedisClusterIndex",
     "AsyncRedisIndex",
@@ -150,6 +154,7 @@ __all__ = [
     "BackendError",
     "BackendOutOfMemoryError",
     "BackendUnavailableError",
+    "Batch",
     "BatchIndex",
     "BatchOutcome",
     "BlockExtraFeatures",
@@ -190,6 +195,7 @@ __all__ = [
     "MMHash",
     "MessageSink",
     "MigrationReport",
+    "MultiBatchIndex",
     "NamespaceIndex",
     "NamespaceLayoutError",
     "NamespaceMissingError",
@@ -254,7 +260,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
-    from kvredis.batch import AddOp, EvictOp, IndexOp, Watermark
+    from kvredis.batch import AddOp, Batch, EvictOp, IndexOp, Watermark
     from kvredis.config import IndexConfig, new_index
     from kvredis.errors import (
         BackendAuthenticationError,
@@ -296,12 +302,14 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
     from kvredis.index import (
         AsyncBatchIndex,
         AsyncIndex,
+        AsyncMultiBatchIndex,
         AsyncRankScoringIndex,
         AsyncSchemeIndex,
         AsyncScoringIndex,
         BatchIndex,
         Index,
         LabelledIndex,
+        MultiBatchIndex,
         NamespaceIndex,
         ProgressClearIndex,
         RankScoringIndex,

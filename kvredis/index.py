@@ -10,6 +10,7 @@ Capabilities beyond the core contract are declared as protocols of their own, so
 
 =========================  ===============================================================
 :class:`BatchIndex`        ``apply_batch`` fenced by per-stream watermarks (ingestion)
+:class:`MultiBatchIndex`   ``apply_batches``: several fenced batches in one step (one call)
 :class:`ScoringIndex`      ``score``: the LongestPrefixScorer computed by the backend itself
 :class:`RankScoringIndex`  ``score_by_rank``: the same, per data-parallel rank of each pod
 :class:`ProgressClearIndex` ``clear_with_progress``: a pod clear that reports progress
@@ -28,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
-from kvredis.batch import AddOp, IndexOp, Watermark
+from kvredis.batch import AddOp, Batch, IndexOp, Watermark, check_batches
 from kvredis.checks import MAX_REQUEST_KEYS_PER_ENGINE_KEY
 from kvredis.hashing.config import BlockKeyScheme
 from kvredis.types import KeyType, PodEntry
@@ -37,6 +38,7 @@ __all__ = [
     "MAX_REQUEST_KEYS_PER_ENGINE_KEY",
     "AsyncBatchIndex",
     "AsyncIndex",
+    "AsyncMultiBatchIndex",
     "AsyncNamespaceIndex",
     "AsyncProgressClearIndex",
     "AsyncRankScoringIndex",
@@ -47,12 +49,14 @@ __all__ = [
     "ClearProgress",
     "Closeable",
     "Index",
+    "MultiBatchIndex",
     "NamespaceIndex",
     "ProgressClearIndex",
     "RankScoringIndex",
     "SchemeIndex",
     "ScoringIndex",
     "SelectiveClearIndex",
+    "apply_batches_in_turn",
     "apply_op",
 ]
 
@@ -169,6 +173,30 @@ class AsyncBatchIndex(Protocol):
     async def get_watermark(self, stream: str) -> Watermark | None: ...
 
     async def reset_watermark(self, stream: str, watermark: Watermark | None) -> None: ...
+
+
+@runtime_checkable
+class MultiBatchIndex(Protocol):
+    """A :class:`BatchIndex` that applies several fenced batches in one step (for Redis, one
+    script call): what an ingester sends for the engine batches queued for it."""
+
+    def apply_batches(self, batches: Sequence[Batch]) -> list[bool]:
+        """Apply each batch as ``apply_batch(*batch)`` would, in order; returns whether each
+        applied.
+
+        Once a fenced batch of a stream is not applied, the later batches of that stream in
+        ``batches`` are not applied either (``False``): their sender must sequence them again.
+        Each batch is atomic (a backend may apply all of them in one atomic step). Invalid ops
+        in any batch raise ``InvalidInputError`` before anything is applied.
+        """
+        ...
+
+
+@runtime_checkable
+class AsyncMultiBatchIndex(Protocol):
+    """The asyncio form of :class:`MultiBatchIndex`."""
+
+    async def apply_batches(self, batches: Sequence[Batch]) -> list[bool]: ...
 
 
 @runtime_checkable
@@ -354,3 +382,19 @@ def apply_op(index: Index, op: IndexOp) -> None:
         index.add(op.engine_keys, op.request_keys, op.entries)
     else:
         index.evict(op.key, op.key_type, op.entries)
+
+
+def apply_batches_in_turn(index: BatchIndex, batches: Sequence[Batch]) -> list[bool]:
+    """:meth:`MultiBatchIndex.apply_batches` on any :class:`BatchIndex`: one ``apply_batch``
+    call per batch, in order, skipping the batches of a stream after one that did not apply."""
+    out: list[bool] = []
+    stopped: set[str] = set()
+    for ops, stream, watermark in check_batches(batches):
+        if stream is not None and stream in stopped:
+            out.append(False)
+            continue
+        applied = index.apply_batch(ops, stream, watermark)
+        if not applied and stream is not None and watermark is not None:
+            stopped.add(stream)
+        out.append(applied)
+    return out

@@ -289,6 +289,12 @@ class SyncOverAsync:
             return index
 
         self.inner = self._loop.run(build())
+        if callable(getattr(self.inner, "apply_batches", None)):
+            # only an AsyncMultiBatchIndex offers it (isinstance checks look for the method)
+            self.apply_batches = self._apply_batches
+
+    def _apply_batches(self, batches: Sequence[Any]) -> list[bool]:
+        return self._loop.run(self.inner.apply_batches(batches))  # type: ignore[no-any-return]
 
     def lookup(
         self, request_keys: Sequence[int], pod_identifier_set: Collection[str] | None = None

@@ -19,8 +19,9 @@ from typing import Any
 
 import pytest
 
-from kvredis.batch import AddOp, EvictOp, Watermark
+from kvredis.batch import AddOp, Batch, EvictOp, Watermark
 from kvredis.errors import EngineKeyNotFoundError, InvalidInputError, KVRedisError
+from kvredis.index import apply_batches_in_turn
 from kvredis.types import MAX_BLOCK_HASH, BlockHash, KeyType, PodEntry
 
 ENGINE, REQUEST = KeyType.ENGINE, KeyType.REQUEST
@@ -1016,6 +1017,127 @@ def test_invalid_op_rejects_the_whole_batch(index: Any, bad_op: Any) -> None:
     assert idx.apply_batch(ops[:2], "reject", Watermark(0, 0)) is True
     assert held(idx, r1) == {A_GPU}
     assert held(idx, r2) == set()
+
+
+def apply_batches(idx: Any, batches: list[Batch]) -> list[bool]:
+    """``idx.apply_batches`` where the backend has it (MultiBatchIndex), else the same
+    contract one batch at a time."""
+    try:
+        return list(idx.apply_batches(batches))
+    except AttributeError:
+        return apply_batches_in_turn(idx, batches)
+
+
+def _model_of(batches: list[Batch], model: Any) -> list[bool]:
+    """What apply_batches must answer: apply_batch one by one, skipping the batches of a stream
+    after its first skipped batch."""
+    return apply_batches_in_turn(model, batches)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_apply_batches_applies_each_batch_as_apply_batch_would(index: Any, seed: int) -> None:
+    """Random batches of adds and evicts over three streams (in order, duplicates, gaps, older
+    epochs, unfenced batches) give the same answers, entries, mappings and watermarks as
+    apply_batch called for each in turn on the embedded index."""
+    from kvredis.memory import InMemoryIndex
+
+    idx = batch_index(index)
+    model = InMemoryIndex()
+    rng = random.Random(seed)
+    request = hashes(24, f"ab-r{seed}")
+    engine = hashes(24, f"ab-e{seed}")
+    pods = [A_GPU, B_GPU, A_CPU]
+    seqs = {"s1": 0, "s2": 0, "s3": 0}
+    for _round in range(12):
+        batches: list[Batch] = []
+        for _ in range(rng.randint(1, 9)):
+            ops: list[Any] = []
+            for _ in range(rng.randint(0, 4)):
+                entry = rng.choice(pods)
+                i = rng.randrange(len(request) - 4)
+                if rng.random() < 0.6:
+                    n = rng.randint(1, 4)
+                    parent = request[i - 1] if i and rng.random() < 0.5 else None
+                    ops.append(
+                        AddOp(tuple(engine[i : i + n]), tuple(request[i : i + n]), (entry,), parent)
+                    )
+                elif rng.random() < 0.5:
+                    ops.append(EvictOp(engine[i], ENGINE, (entry,)))
+                else:
+                    ops.append(EvictOp(request[i], REQUEST, (entry,)))
+            stream = rng.choice([*seqs, None])
+            if stream is None:
+                batches.append(Batch(ops))
+                continue
+            step = rng.choice([1, 1, 1, 2, 0, -1])
+            seqs[stream] = max(seqs[stream] + step, -1)
+            epoch = 1 if rng.random() < 0.1 else 0
+            batches.append(Batch(ops, stream, Watermark(epoch, seqs[stream])))
+        want = _model_of(batches, model)
+        assert apply_batches(idx, batches) == want
+        assert snapshot(idx, request) == snapshot(model, request)
+        assert {e: mapped(idx, e) for e in engine} == {e: mapped(model, e) for e in engine}
+        assert {s: idx.get_watermark(s) for s in seqs} == {s: model.get_watermark(s) for s in seqs}
+
+
+def test_apply_batches_skips_a_stream_after_its_first_skipped_batch(index: Any) -> None:
+    idx = batch_index(index)
+    [r1, r2, r3] = hashes(3, "abskip-r")
+    assert idx.apply_batch([], "s", Watermark(0, 5))
+    answers = apply_batches(
+        idx,
+        [
+            Batch([AddOp(None, (r1,), (A_GPU,))], "s", Watermark(0, 5)),
+            Batch([AddOp(None, (r2,), (A_GPU,))], "s", Watermark(0, 6)),
+            Batch([AddOp(None, (r3,), (B_GPU,))], "t", Watermark(0, 0)),
+            Batch([AddOp(None, (r3,), (A_GPU,))]),
+        ],
+    )
+    # seq 6 is newer than the stored 5, but follows a skipped batch of its stream
+    assert answers == [False, False, True, True]
+    assert held(idx, r1) == set() and held(idx, r2) == set()
+    assert held(idx, r3) == {A_GPU, B_GPU}
+    assert idx.get_watermark("s") == Watermark(0, 5)
+    assert idx.get_watermark("t") == Watermark(0, 0)
+
+
+def test_apply_batches_of_one_stream_advance_its_watermark_in_order(index: Any) -> None:
+    idx = batch_index(index)
+    [r1, r2] = hashes(2, "abseq-r")
+    [e1] = hashes(1, "abseq-e")
+    answers = apply_batches(
+        idx,
+        [
+            Batch([AddOp((e1,), (r1,), (A_GPU,))], "s", Watermark(0, 0)),
+            Batch([AddOp(None, (r2,), (A_GPU,), parent=r1)], "s", Watermark(0, 1)),
+            Batch([EvictOp(e1, ENGINE, (A_GPU,))], "s", Watermark(0, 2)),
+            Batch([], "s", Watermark(0, 3)),
+        ],
+    )
+    assert answers == [True, True, True, True]
+    assert held(idx, r1) == set() and held(idx, r2) == {A_GPU}
+    assert mapped(idx, e1) is None
+    assert idx.get_watermark("s") == Watermark(0, 3)
+    assert apply_batches(idx, [Batch([], "s", Watermark(0, 3))]) == [False]
+    assert apply_batches(idx, []) == []
+
+
+def test_apply_batches_rejects_a_bad_batch_before_applying_any(index: Any) -> None:
+    idx = batch_index(index)
+    [r1, r2] = hashes(2, "abbad-r")
+    good = Batch([AddOp(None, (r1,), (A_GPU,))], "s", Watermark(0, 0))
+    for bad in (
+        Batch([AddOp(None, (r2,), ())], "t", Watermark(0, 0)),
+        Batch([AddOp(None, (r2,), (A_GPU,))], "t", None),
+        Batch(["not an op"], None, None),  # type: ignore[list-item]
+        ("too", "short"),
+    ):
+        with pytest.raises(InvalidInputError):
+            apply_batches(idx, [good, bad])  # type: ignore[list-item]
+        assert held(idx, r1) == set()
+        assert idx.get_watermark("s") is None
+    with pytest.raises(InvalidInputError):
+        apply_batches(idx, "not batches")  # type: ignore[arg-type]
 
 
 def test_concurrent_replicas_apply_a_batch_exactly_once(index: Any) -> None:

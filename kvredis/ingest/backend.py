@@ -16,15 +16,17 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
-from kvredis.batch import IndexOp
+from kvredis.batch import Batch, IndexOp
 from kvredis.errors import BackendUnavailableError, EngineKeyNotFoundError
 from kvredis.hashing.config import BlockKeyScheme
 from kvredis.index import (
     BatchIndex,
     Index,
+    MultiBatchIndex,
     ProgressClearIndex,
     SchemeIndex,
     SelectiveClearIndex,
+    apply_batches_in_turn,
     apply_op,
 )
 from kvredis.ingest.actions import (
@@ -168,6 +170,18 @@ class IndexBackend:
 
         applied = self._call(call)
         return StepResult(applied, attempts)
+
+    def apply_steps(self, steps: Sequence[ApplyStep]) -> list[bool]:
+        """Apply fenced steps of one or more streams together (one index call where the index
+        is a :class:`~kvredis.index.MultiBatchIndex`): whether each applied. Retried like any
+        index call; raises :class:`Abandoned` or :class:`Failed` as :meth:`perform` does."""
+        batch = self._batch_index()
+        self._record_scheme()
+        batches = [Batch(s.ops, s.stream, s.watermark) for s in steps]
+        if isinstance(batch, MultiBatchIndex):
+            multi = batch
+            return self._call(lambda: multi.apply_batches(batches))
+        return self._call(lambda: apply_batches_in_turn(batch, batches))
 
     def _apply_ops(self, ops: Sequence[IndexOp]) -> None:
         self._record_scheme()

@@ -316,6 +316,30 @@ class EngineKeyCache:
                 tails.pop(key, None)
                 cuts.pop(key, None)
 
+    def save(self, keys: Iterable[int]) -> list[tuple[int, int | None, Tail | None, Cut | None]]:
+        """What is known of these engine keys now, for :meth:`restore`."""
+        with self._lock:
+            data, tails, cuts = self._data, self._tails, self._cuts
+            return [(k, data.get(k), tails.get(k), cuts.get(k)) for k in keys]
+
+    def restore(self, saved: Sequence[tuple[int, int | None, Tail | None, Cut | None]]) -> None:
+        """Know of these engine keys exactly what :meth:`save` found."""
+        with self._lock:
+            data, tails, cuts = self._data, self._tails, self._cuts
+            for key, value, tail, cut in saved:
+                if value is None:
+                    data.pop(key, None)
+                else:
+                    data[key] = value
+                if tail is None:
+                    tails.pop(key, None)
+                else:
+                    tails[key] = tail
+                if cut is None:
+                    cuts.pop(key, None)
+                else:
+                    cuts[key] = cut
+
     def inside(self, key: int) -> bool:
         """Whether page ``key`` is known to end inside an index block."""
         with self._lock:

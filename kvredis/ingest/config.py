@@ -170,6 +170,11 @@ class IngesterConfig:
     dropped), besides chain ends: a branch hanging from such a page gets exact keys; a branch
     from a forgotten one is a parent miss. About 300 bytes a page (SGLang page size 1, 16-token
     blocks; see docs/ingest.md, "Ingestion fidelity")."""
+    max_batches_per_call: int = 256
+    """Engine batches a worker applies together at most: the batches queued for it that need
+    nothing but their fenced step go to the index in one ``apply_batches`` call (one script
+    call on Redis, fewer when their work exceeds one call's budget), each fenced on its own.
+    ``1``: each batch alone."""
     use_watermarks: bool = True
     """Fence batches with per-stream watermarks when the index is a BatchIndex (HA-safe)."""
     replay_timeout_s: float = 2.0
@@ -213,6 +218,7 @@ class IngesterConfig:
             "workers",
             "queue_size",
             "queue_bytes",
+            "max_batches_per_call",
             "parent_cache_size",
             "partial_block_pages",
             "max_replay_batches",

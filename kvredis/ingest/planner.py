@@ -81,7 +81,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -299,6 +299,18 @@ class BatchPlan:
     def commit_cache(self) -> None:
         """The batch took effect: the pod cache learns its mappings and forgets its evictions."""
         self._settle_cache(took_effect=True)
+
+    def commit_cache_undoably(self) -> Callable[[], None]:
+        """:meth:`commit_cache` before the batch is known to take effect; the function returned
+        puts the pod cache back exactly as it was (the batch did not take effect: unlike
+        :meth:`discard_cache`, what earlier batches taught the cache stays)."""
+        cache = self.cache
+        if cache is None:
+            return lambda: None
+        keys = {*self.evicted, *self.stale_tails, *self.batch_map, *self.batch_tails}
+        saved = cache.save(keys)
+        self._settle_cache(took_effect=True)
+        return lambda: cache.restore(saved)
 
     def discard_cache(self) -> None:
         """The batch may have partly applied: forget every mapping it touched."""

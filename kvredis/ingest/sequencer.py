@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from kvredis.batch import IndexOp, Watermark
 from kvredis.ingest.actions import (
@@ -60,11 +60,13 @@ __all__ = [
     "Action",
     "ApplyOps",
     "ApplyStep",
+    "BatchGroup",
     "BatchOutcome",
     "BatchRun",
     "ClearPod",
     "Conflict",
     "Failed",
+    "FastBatch",
     "FetchReplay",
     "FreshVerdict",
     "Interrupt",
@@ -226,6 +228,19 @@ class BatchRun:
                 yield from self.clear([self.pod], Counter.CLEARS_ALL_BLOCKS_CLEARED, need)
 
 
+@dataclass(slots=True)
+class FastBatch:
+    """A batch planned on the fast path (:meth:`Sequencer.plan_fast`): its one fenced step, to be
+    applied together with other streams' and its own stream's later batches."""
+
+    st: StreamState
+    msg: _Message
+    plan: BatchPlan
+    step: ApplyStep
+    restore: Callable[[], None]
+    """Puts the pod's cache back as it was before this batch taught it."""
+
+
 PlanFn = Callable[[BatchRun], Steps[None]]
 
 # ------------------------------------------------------------------------------------------
@@ -293,6 +308,104 @@ class Sequencer:
             return (yield from self._sequence(st, msg, allow_restart=True))
         finally:
             st.subscribed_before = False
+
+    # -- the fast path ----------------------------------------------------------------------
+
+    def plan_fast(
+        self,
+        st: StreamState,
+        topic: object,
+        seq: int,
+        payload: object,
+        decoded: DecodedBatch | None = None,
+    ) -> FastBatch | None:
+        """What :meth:`on_message` would do for the common message, without any I/O: a batch of
+        the current epoch, next in order, whose plan needs no lookup, flush or clear, and whose
+        only action is its one fenced step (see ``docs/ingest-protocol.md``, "Batches applied
+        together").
+
+        Returns ``None``, having changed nothing, for any other message: the caller applies the
+        fast batches it holds, then gives this message to :meth:`on_message`. Otherwise the
+        message is counted and the stream advanced as if the step were applied (the pod's cache
+        learns the batch's mappings): the caller then applies the step and calls
+        :meth:`finish_fast` if it applied, else :meth:`undo_fast` on it and on every later fast
+        batch of the stream (latest first), then :meth:`resequence` on each in order.
+        """
+        if not self.fenced or isinstance(seq, bool) or not isinstance(seq, int):
+            return None
+        if not isinstance(topic, (bytes, bytearray, memoryview)) or not isinstance(
+            payload, (bytes, bytearray, memoryview)
+        ):
+            return None
+        last = st.last_seq
+        known = st.known
+        if (
+            not st.synced
+            or st.superseded
+            or last is None
+            or seq != last + 1
+            or seq > MAX_ENGINE_SEQ
+            or self.clock() >= st.next_reset_check
+            or (known is not None and (known[1] != PHASE_DONE or known[0] >= seq))
+        ):
+            return None
+        topic_b = bytes(topic)
+        pod, model = st.identity(topic_b)
+        if pod is None:
+            return None
+        msg = _Message(topic_b, seq, bytes(payload), _decoded=decoded, decode=st.decode)
+        decoded = msg.decoded
+        if not decoded.events and decoded.rejects:
+            return None
+        plan = BatchPlan(self.planner.caches.get(pod))
+        planning = self.planner.plan(plan, decoded, pod, model)
+        try:
+            planning.send(None)
+        except StopIteration:
+            pass
+        else:
+            planning.close()
+            return None
+        counters = self.counters
+        counters.inc(Counter.MESSAGES)
+        counters.inc(Counter.BATCHES)
+        counters.inc(Counter.EVENTS, decoded.total_events)
+        if topic_b:
+            st.last_topic = topic_b
+        st.subscribed_before = False
+        msg.counted = True
+        for rejection in decoded.rejects:
+            self._reject(rejection, st.endpoint.endpoint)
+        st.last_seq = seq
+        st.pods.add(pod)
+        st.ranks.add(decoded.data_parallel_rank or 0)
+        ops = plan.take()
+        restore = plan.commit_cache_undoably()
+        step = ApplyStep(ops, st.name, Watermark(st.epoch, stream_position(seq)))
+        return FastBatch(st, msg, plan, step, restore)
+
+    def finish_fast(self, fast: FastBatch) -> BatchOutcome:
+        """A fast batch's step applied: count it as :meth:`on_message` would have."""
+        fast.st.known = (fast.msg.seq, PHASE_DONE)
+        for rejection in fast.plan.rejects:
+            self._reject(rejection, fast.st.endpoint.endpoint)
+        self.counters.add_all(fast.plan.stats)
+        self.counters.inc(Counter.BATCHES_APPLIED)
+        return BatchOutcome.APPLIED
+
+    def undo_fast(self, fast: FastBatch) -> None:
+        """A fast batch's step did not apply (or is not known to have): put the pod's cache and
+        the stream back as they were before it."""
+        fast.restore()
+        fast.st.last_seq = fast.msg.seq - 1
+
+    def resequence(self, fast: FastBatch) -> Steps[BatchOutcome]:
+        """Handle an undone fast batch's message the way :meth:`on_message` does (it is counted
+        already): a duplicate, a stream moved on, a superseded incarnation, or apply it."""
+        try:
+            return (yield from self._sequence(fast.st, fast.msg, allow_restart=True))
+        finally:
+            fast.st.subscribed_before = False
 
     def _bad_message(self, detail: str, where: str) -> BatchOutcome:
         self._reject(Rejection(RejectReason.BAD_MESSAGE, detail), where)
@@ -990,6 +1103,81 @@ class Sequencer:
                 waited = True
                 self.counters.inc(Counter.PEER_WAITS)
             yield SleepUntil(self.clock() + self.config.poll_interval_s)
+
+
+class BatchGroup:
+    """Messages handled in order, the fast batches among them applied together
+    (``docs/ingest-protocol.md``, "Batches applied together").
+
+    :meth:`handle` takes one message at a time: a batch :meth:`Sequencer.plan_fast` takes joins
+    the group; any other message first has the group applied (:meth:`flush`), then runs through
+    :meth:`Sequencer.on_message` alone, so the index sees every message's effect in order.
+    ``perform`` performs the machine's actions, ``apply_steps`` applies fenced steps together
+    (whether each applied; raising :class:`Abandoned` or :class:`Failed` as ``perform`` may).
+    The caller holds whatever orders each stream (its lock) until :meth:`flush` returns.
+    """
+
+    def __init__(
+        self,
+        sequencer: Sequencer,
+        perform: Callable[[Action], Any],
+        apply_steps: Callable[[Sequence[ApplyStep]], list[bool]],
+        limit: int,
+    ) -> None:
+        self.sequencer = sequencer
+        self.perform = perform
+        self.apply_steps = apply_steps
+        self.limit = limit
+        self.outcomes: dict[int, BatchOutcome] = {}
+        """Each message's outcome, by the number :meth:`handle` was given (set once known)."""
+        self._group: list[tuple[int, FastBatch]] = []
+
+    def handle(
+        self,
+        number: int,
+        st: StreamState,
+        topic: object,
+        seq: int,
+        payload: object,
+        decoded: DecodedBatch | None = None,
+    ) -> None:
+        """Handle message ``number`` of stream ``st`` (its outcome lands in :attr:`outcomes`,
+        at once or by a later :meth:`flush`)."""
+        seqr = self.sequencer
+        fast = seqr.plan_fast(st, topic, seq, payload, decoded) if self.limit > 1 else None
+        if fast is None:
+            self.flush()
+            steps = seqr.on_message(st, topic, seq, payload, decoded)
+            self.outcomes[number] = drive(steps, self.perform)
+            return
+        self._group.append((number, fast))
+        if len(self._group) >= self.limit:
+            self.flush()
+
+    def flush(self) -> None:
+        """Apply the group; a stream whose batch did not apply (or may not have) gets that
+        batch and its later ones undone and handled again by the full machine."""
+        group, self._group = self._group, []
+        if not group:
+            return
+        seqr, outcomes = self.sequencer, self.outcomes
+        try:
+            verdicts: list[bool] | None = self.apply_steps([f.step for _, f in group])
+        except (Abandoned, Failed) as exc:
+            logger.warning("applying %d batches together failed: %s", len(group), exc)
+            verdicts = None
+        redo: dict[int, list[tuple[int, FastBatch]]] = {}
+        for j, (number, fast) in enumerate(group):
+            key = id(fast.st)
+            if key not in redo and verdicts is not None and verdicts[j]:
+                outcomes[number] = seqr.finish_fast(fast)
+            else:
+                redo.setdefault(key, []).append((number, fast))
+        for again in redo.values():
+            for _, fast in reversed(again):
+                seqr.undo_fast(fast)
+            for number, fast in again:
+                outcomes[number] = drive(seqr.resequence(fast), self.perform)
 
 
 def _contiguous_tail(found: list[_Message], upto: int) -> list[_Message]:

@@ -31,7 +31,7 @@ import queue
 import threading
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -47,7 +47,7 @@ from kvredis.ingest.config import EndpointConfig, IngesterConfig, is_http_endpoi
 from kvredis.ingest.counters import Counter, IngestCounters, RateLimitedLog
 from kvredis.ingest.events import DecodedBatch, Rejection, RejectReason
 from kvredis.ingest.planner import Planner, PodCaches
-from kvredis.ingest.sequencer import Sequencer
+from kvredis.ingest.sequencer import BatchGroup, Sequencer
 from kvredis.ingest.stream import StreamState
 from kvredis.ingest.transport import ReplayClient, ReplayFactory
 
@@ -84,6 +84,12 @@ class _Stream:
 
 
 _STOP = object()
+
+#: One message for :meth:`EventIngester.process_many`: ``(topic, seq, payload)`` or
+#: ``(topic, seq, payload, endpoint)``.
+Message = (
+    tuple[bytes | str, int, bytes] | tuple[bytes | str, int, bytes, "EndpointConfig | str | None"]
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,6 +272,23 @@ class EventIngester:
         st = self._stream(endpoint)
         topic_b = topic.encode("utf-8", "surrogateescape") if isinstance(topic, str) else topic
         return self._handle(st, topic_b, seq, payload)  # anything not bytes is a counted reject
+
+    def process_many(self, messages: Iterable[Message]) -> list[BatchOutcome]:
+        """Apply several engine messages now, in the caller's thread, as a worker applies the
+        messages queued for it: consecutive messages that need nothing but their fenced step
+        go to the index together (one ``apply_batches`` call, see
+        :class:`~kvredis.index.MultiBatchIndex`), the others one by one, in order. Each message
+        is ``(topic, seq, payload)`` or ``(topic, seq, payload, endpoint)``, with the meaning
+        :meth:`process` gives them. Never raises on bad input; returns each one's outcome.
+        """
+        items: list[tuple[_Stream, object, int, object]] = []
+        for message in messages:
+            topic, seq, payload, *rest = message
+            st = self._stream(rest[0] if rest else None)
+            if isinstance(topic, str):
+                topic = topic.encode("utf-8", "surrogateescape")
+            items.append((st, topic, seq, payload))
+        return self._handle_many(items)
 
     def submit(
         self,
@@ -460,19 +483,30 @@ class EventIngester:
 
     def _handle(self, st: _Stream, topic: object, seq: int, payload: object) -> BatchOutcome:
         with st.lock:
-            perform = self._backend.perform
-            endpoint = st.state.endpoint
-            decoded: DecodedBatch | None = None
-            if is_http_endpoint(endpoint.endpoint):
-                state, decoded = self._rank_stream(st, payload)
-            elif endpoint.identified_by_topic:
-                state = self._topic_stream(st, topic)
-            else:
-                state = st.state
+            state, decoded = self._route(st, topic, payload)
             steps = self._sequencer.on_message(state, topic, seq, payload, decoded)
-            return drive(steps, perform)
+            return drive(steps, self._backend.perform)
 
-    def _topic_stream(self, st: _Stream, topic: object) -> StreamState:
+    def _route(
+        self,
+        st: _Stream,
+        topic: object,
+        payload: object,
+        before_io: Callable[[], None] | None = None,
+    ) -> tuple[StreamState, DecodedBatch | None]:
+        """The stream a message of endpoint ``st`` belongs to, and its payload when routing
+        had to decode it. ``before_io`` runs before routing performs an index action (the
+        clear of an engine replaced on a topic-named endpoint)."""
+        endpoint = st.state.endpoint
+        if is_http_endpoint(endpoint.endpoint):
+            return self._rank_stream(st, payload)
+        if endpoint.identified_by_topic:
+            return self._topic_stream(st, topic, before_io), None
+        return st.state, None
+
+    def _topic_stream(
+        self, st: _Stream, topic: object, before_io: Callable[[], None] | None = None
+    ) -> StreamState:
         """The stream of the engine ``topic`` names (``kv@<pod>@<model>``); a change of engine
         clears the previous engine's pod, on its own stream."""
         if not isinstance(topic, (bytes, bytearray)) or not topic:
@@ -491,6 +525,8 @@ class EventIngester:
         previous, previous_key = st.state, st.engine_key
         st.state, st.engine_key = state, key
         if previous_key is not None and previous is not state:
+            if before_io is not None:
+                before_io()
             drive(self._sequencer.on_replaced(previous), self._backend.perform)
         return state
 
@@ -511,6 +547,33 @@ class EventIngester:
             st.subscribed.add(rank)
             drive(self._sequencer.on_subscribe(state), self._backend.perform)
         return state, decoded
+
+    def _handle_many(
+        self, items: Sequence[tuple[_Stream, object, int, object]]
+    ) -> list[BatchOutcome]:
+        """Handle messages in order, applying the fast batches among them together
+        (:class:`~kvredis.ingest.sequencer.BatchGroup`): a group is applied before any message
+        that needs more (a lookup, a clear, a gap, a restart, another engine on an endpoint) is
+        handled, so the index sees every message's effect in order."""
+        group = BatchGroup(
+            self._sequencer,
+            self._backend.perform,
+            self._backend.apply_steps,
+            self.config.max_batches_per_call,
+        )
+        held: list[_Stream] = []
+        try:
+            for number, (st, topic, seq, payload) in enumerate(items):
+                if not any(st is h for h in held):
+                    st.lock.acquire()
+                    held.append(st)
+                state, decoded = self._route(st, topic, payload, group.flush)
+                group.handle(number, state, topic, seq, payload, decoded)
+            group.flush()
+        finally:
+            for st in held:
+                st.lock.release()
+        return [group.outcomes.get(n, BatchOutcome.FAILED) for n in range(len(items))]
 
     def _enqueue(
         self, st: _Stream, topic: bytes, seq: int, payload: bytes, timeout: float | None
@@ -558,19 +621,34 @@ class EventIngester:
                 self._idle.notify_all()
 
     def _worker(self, q: queue.Queue[object], budget: _ByteBudget) -> None:
-        while True:
-            item = q.get()
-            if item is _STOP:
+        limit = max(1, self.config.max_batches_per_call)
+        stop = False
+        while not stop:
+            first = q.get()
+            if first is _STOP:
                 return
-            assert isinstance(item, _Queued)
+            items = [first]
+            # what else is queued already goes with it (group commit): one index call for
+            # every batch that needs nothing but its step
+            while len(items) < limit:
+                try:
+                    more = q.get_nowait()
+                except queue.Empty:
+                    break
+                if more is _STOP:
+                    stop = True
+                    break
+                items.append(more)
+            queued = [item for item in items if isinstance(item, _Queued)]
             try:
-                self._handle(item.stream, item.topic, item.seq, item.payload)
+                self._handle_many([(i.stream, i.topic, i.seq, i.payload) for i in queued])
             except Exception:  # the worker must survive anything
                 logger.exception("unexpected error while ingesting a batch")
                 self.counters.inc(Counter.BATCHES_FAILED)
             finally:
-                budget.release(item.size)
-                self._done_one(item.stream)
+                for item in queued:
+                    budget.release(item.size)
+                    self._done_one(item.stream)
 
     # -- rejections ------------------------------------------------------------------------
 

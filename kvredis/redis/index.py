@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import redis
 import redis.asyncio
 
-from kvredis.batch import IndexOp, Watermark
+from kvredis.batch import Batch, IndexOp, Watermark
 from kvredis.checks import check_selection
 from kvredis.errors import ConfigError
 from kvredis.hashing.config import BlockKeyScheme
@@ -37,6 +37,7 @@ from kvredis.redis.ops import (
     Weights,
     op_add,
     op_apply_batch,
+    op_apply_batches,
     op_block_key_scheme,
     op_clear,
     op_connect,
@@ -219,6 +220,12 @@ class RedisIndex(_Facade):
         """Apply ``ops`` in order in one atomic script call, fenced by the stream's watermark."""
         return self._exec.run(self._op(lambda s: op_apply_batch(s, ops, stream, watermark)))
 
+    def apply_batches(self, batches: Sequence[Batch]) -> list[bool]:
+        """Apply the batches in order, as few script calls as their work allows (one in the
+        common case), each fenced by its stream's watermark (see
+        :meth:`kvredis.index.MultiBatchIndex.apply_batches`)."""
+        return self._exec.run(self._op(lambda s: op_apply_batches(s, batches)))
+
     def get_watermark(self, stream: str) -> Watermark | None:
         """The stored watermark of ``stream``, or ``None``."""
         return self._exec.run(self._op(lambda s: op_get_watermark(s, stream)))
@@ -381,6 +388,10 @@ class AsyncRedisIndex(_Facade):
     ) -> bool:
         """See :meth:`RedisIndex.apply_batch`."""
         return await self._exec.run(self._op(lambda s: op_apply_batch(s, ops, stream, watermark)))
+
+    async def apply_batches(self, batches: Sequence[Batch]) -> list[bool]:
+        """See :meth:`RedisIndex.apply_batches`."""
+        return await self._exec.run(self._op(lambda s: op_apply_batches(s, batches)))
 
     async def get_watermark(self, stream: str) -> Watermark | None:
         """See :meth:`RedisIndex.get_watermark`."""

@@ -23,10 +23,20 @@ from __future__ import annotations
 import logging
 import math
 import secrets
+import struct
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from kvredis.batch import AddOp, EvictOp, IndexOp, Watermark, check_batch, check_stream
+from kvredis.batch import (
+    AddOp,
+    Batch,
+    EvictOp,
+    IndexOp,
+    Watermark,
+    check_batch,
+    check_batches,
+    check_stream,
+)
 from kvredis.checks import (
     MAX_REQUEST_KEYS_PER_ENGINE_KEY,
     EntrySelection,
@@ -54,6 +64,7 @@ from kvredis.redis.codec import (
     ID_WIDTH,
     bytes_text,
     decode_entry,
+    encode_entry,
     hash_field,
     pack_hashes,
     text_bytes,
@@ -62,9 +73,11 @@ from kvredis.redis.config import DEFAULT_CLEAR_FIELDS_PER_CALL
 from kvredis.redis.functions import API_VERSION, namespace_call
 from kvredis.redis.layout import EXPIRY_FIELD, EXPIRY_KEY, Layout
 from kvredis.redis.program import (
+    CALL_BUDGET,
     Program,
     Programs,
     add_pieces,
+    blob_ops,
     engine_evict_units,
     piece_parents,
     program_of,
@@ -641,14 +654,148 @@ def op_apply_batch(
     plan = check_batch(ops, stream, watermark)
     if not plan and stream is None:
         return True
+    return (yield from _apply_alone(batch_programs(state.layout, plan), stream, watermark))
+
+
+def op_apply_batches(state: CoreState, batches: Sequence[Batch]) -> Op[list[bool]]:
+    """``MultiBatchIndex.apply_batches``: the batches in ``apply_batches`` script calls of as
+    many whole batches as fit one call's work budget (``lua/apply_batches.lua``), each batch
+    with its own fence and token.
+
+    A batch too large for one call goes alone as :func:`op_apply_batch` does (in parts); so do
+    the batches of a call the server refuses as over budget (it wrote nothing). Once a fenced
+    batch of a stream is not applied, the stream's later batches are not sent (``False``).
+    """
+    checked = check_batches(batches)
+    out = [False] * len(checked)
+    stopped: set[str] = set()
+    group = _BatchGroup(state.layout)
+    for i, (plan, stream, watermark) in enumerate(checked):
+        if stream is not None and stream in stopped:
+            continue
+        if not plan and stream is None:
+            out[i] = True
+            continue
+        if not group.add(i, plan, stream, watermark):
+            yield from group.send(out, stopped)
+            group = _BatchGroup(state.layout)
+            if not group.add(i, plan, stream, watermark):
+                out[i] = yield from _apply_alone(
+                    batch_programs(state.layout, plan), stream, watermark
+                )
+                if not out[i] and stream is not None:
+                    stopped.add(stream)
+    yield from group.send(out, stopped)
+    return out
+
+
+def _apply_alone(
+    programs: list[Program], stream: str | None, watermark: Watermark | None
+) -> Op[bool]:
+    """One batch's programs as the parts of one ``apply_batch`` (:func:`op_apply_batch`)."""
     fence = batch_fence(stream, watermark)
     token = secrets.token_hex(8)
     applied, _ = yield from op_parts(
-        batch_programs(state.layout, plan),
+        programs,
         lambda program, part, parts: batch_call(program, fence, token, part, parts),
         fenced=True,
     )
     return applied
+
+
+_BATCH_HEAD = struct.Struct(">HB")
+_U16 = struct.Struct(">H")
+
+
+class _BatchGroup:
+    """Whole batches gathered into one ``apply_batches`` call (``lua/apply_batches.lua``):
+    the entries and streams they name, each listed once, and each batch's fence and ops."""
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        self.cost = 0
+        self.entries: list[bytes] = []
+        self._entry_index: dict[PodEntry, int] = {}
+        self._order: list[PodEntry] = []
+        self.streams: dict[str, int] = {}
+        self.members: list[tuple[int, list[IndexOp], str | None, Watermark | None]] = []
+        self.blob: list[bytes] = []
+
+    def _entry(self, entry: PodEntry) -> int:
+        index = self._entry_index.get(entry)
+        if index is None:
+            self.entries.append(encode_entry(entry))
+            self._order.append(entry)
+            index = self._entry_index[entry] = len(self.entries)
+        return index
+
+    def add(
+        self, index: int, plan: list[IndexOp], stream: str | None, watermark: Watermark | None
+    ) -> bool:
+        """Add a batch, unless it would take the call over its work budget (``False``: send
+        the group first; a batch over budget alone goes on its own)."""
+        known = len(self.entries)
+        blob, count, cost = blob_ops(plan, self._entry)
+        if (self.members and self.cost + cost > CALL_BUDGET) or cost > CALL_BUDGET:
+            for entry in self._order[known:]:
+                del self._entry_index[entry]
+            del self.entries[known:], self._order[known:]
+            return False
+        self.cost += cost
+        self.members.append((index, plan, stream, watermark))
+        if count > 0xFFFF:
+            raise InvalidInputError(f"a batch of {count} ops is too many for one call")
+        if stream is None or watermark is None:
+            self.blob.append(_BATCH_HEAD.pack(0, 0))
+        else:
+            number = self.streams.setdefault(stream, len(self.streams) + 1)
+            mark = f"{watermark.epoch}:{watermark.seq}:{secrets.token_hex(8)}".encode()
+            self.blob += (_BATCH_HEAD.pack(number, len(mark)), mark)
+        self.blob += (_U16.pack(count), blob)
+        return True
+
+    def call(self) -> ScriptCall:
+        layout = self.layout
+        return ScriptCall(
+            "apply_batches",
+            (layout.meta, layout.pe, layout.pi, layout.pp, layout.wm, layout.sx),
+            [
+                layout.gen,
+                layout.rprefix,
+                layout.eprefix,
+                layout.bucket_bits,
+                MAX_REQUEST_KEYS_PER_ENGINE_KEY,
+                len(self.entries),
+                *self.entries,
+                len(self.streams),
+                *(text_bytes(name) for name in self.streams),
+                b"".join(self.blob),
+            ],
+        )
+
+    def send(self, out: list[bool], stopped: set[str]) -> Op[None]:
+        """Send the group (nothing when empty); record each batch's outcome in ``out``."""
+        if not self.members:
+            return
+        try:
+            replies = yield self.call()
+        except CallBudgetError:
+            # the ops reach too many fragmented runs together: each batch on its own (in
+            # parts where needed); the refused call wrote nothing
+            for index, plan, stream, watermark in self.members:
+                if stream is not None and stream in stopped:
+                    continue
+                applied = yield from _apply_alone(
+                    batch_programs(self.layout, plan), stream, watermark
+                )
+                out[index] = applied
+                if not applied and stream is not None:
+                    stopped.add(stream)
+            return
+        for (index, _, stream, _), reply in zip(self.members, replies, strict=True):
+            out[index] = bool(int(reply))
+            if not out[index] and stream is not None:
+                stopped.add(stream)
 
 
 def batch_fence(stream: str | None, watermark: Watermark | None) -> list[Arg]:

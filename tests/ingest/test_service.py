@@ -17,7 +17,7 @@ import msgpack
 import pytest
 
 from kvredis.batch import Watermark
-from kvredis.errors import ConfigError, InvalidInputError
+from kvredis.errors import BackendError, ConfigError, InvalidInputError
 from kvredis.features import (
     BlockExtraFeatures,
     MMHash,
@@ -897,3 +897,59 @@ def test_a_redis_restart_that_loses_the_data_is_detected_and_replay_recovers(
         assert index.get_watermark(STREAM) == Watermark(0, stream_position(11))
     finally:
         index.close()
+
+
+# -- batches applied together ----------------------------------------------------------------
+
+
+class _NoGroups:
+    """An index whose apply_batches always fails (the others delegate)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def apply_batches(self, batches: Any) -> list[bool]:
+        raise BackendError("the index went away")
+
+
+def _page1_nodes() -> list[tuple[str, int, bytes]]:
+    """SGLang page-1 radix nodes of 7, 20, 37, 9 and 23 tokens, each continuing the last: chains
+    ending inside 16-token blocks, which only the ingester's memory of their pages continues."""
+    from tests.ingest.test_fidelity import MODEL, _sglang_nodes
+
+    payloads = _sglang_nodes((7, 20, 37, 9, 23), 1)
+    return [(f"kv@pod-a@{MODEL}", seq, p) for seq, p in enumerate(payloads)]
+
+
+def _page1_keys() -> list[int]:
+    from tests.ingest.test_fidelity import MODEL, PROMPT, TP16
+
+    return TP16.tokens_to_kv_block_keys(0, PROMPT[:96], MODEL)
+
+
+def test_a_group_that_failed_is_applied_again_and_its_chains_continue() -> None:
+    from tests.ingest.test_fidelity import TP16
+
+    index = InMemoryIndex()
+    ing = EventIngester(_NoGroups(index), TP16)
+    assert ing.process_many(_page1_nodes()) == [BatchOutcome.APPLIED] * 5
+    assert ing.counters.get("parent_misses") == 0
+    assert len(index.lookup(_page1_keys())) == 6
+
+
+def test_a_replica_whose_group_a_peer_applied_first_continues_its_chains() -> None:
+    """HA: the peer applied the first batches; this replica's group is refused at the first,
+    handled again as duplicates, and its later batches still find their parents."""
+    from tests.ingest.test_fidelity import TP16
+
+    index = InMemoryIndex()
+    messages = _page1_nodes()
+    peer, mine = EventIngester(index, TP16), EventIngester(index, TP16)
+    for topic, seq, payload in messages[:3]:
+        assert peer.process(topic, seq, payload) is BatchOutcome.APPLIED
+    assert mine.process_many(messages) == [BatchOutcome.DUPLICATE] * 3 + [BatchOutcome.APPLIED] * 2
+    assert mine.counters.get("parent_misses") == 0
+    assert len(index.lookup(_page1_keys())) == 6

@@ -431,13 +431,13 @@ def test_queue_bytes_bound_the_queued_payload() -> None:
     index = InMemoryIndex()
     ing = EventIngester(index, TP, config=IngesterConfig(workers=1, queue_bytes=1000))
     gate = threading.Event()
-    original = ing._handle  # the worker waits on the gate: the queue fills up
+    original = ing._handle_many  # the worker waits on the gate: the queue fills up
 
-    def gated(*args: Any) -> BatchOutcome:
+    def gated(*args: Any) -> list[BatchOutcome]:
         gate.wait(10)
         return original(*args)
 
-    ing._handle = gated  # type: ignore[method-assign]
+    ing._handle_many = gated  # type: ignore[method-assign]
     ing.start()
     try:
         payload = bytes(300)  # rejected when handled; 300 bytes of budget until then

@@ -30,7 +30,16 @@ from unittest import mock
 import pytest
 import redis
 
-from kvredis import AddOp, EvictOp, KeyType, PodEntry, RedisIndex, RedisIndexConfig, Watermark
+from kvredis import (
+    AddOp,
+    Batch,
+    EvictOp,
+    KeyType,
+    PodEntry,
+    RedisIndex,
+    RedisIndexConfig,
+    Watermark,
+)
 from kvredis.redis import ops
 from kvredis.redis.codec import hash_blob
 from kvredis.redis.functions import FunctionRegistry, shipped_library
@@ -140,6 +149,15 @@ def record_calls(
             Watermark(1, 1),
         )
         index.apply_batch([EvictOp(7, KeyType.REQUEST, (A,))], "stream-1", Watermark(1, 2))
+        index.apply_batches(
+            [
+                Batch(
+                    [AddOp(engine[:3], tuple(chain[20:23]), (B,), chain[19])], "s2", Watermark(0, 1)
+                ),
+                Batch([EvictOp(engine[21], KeyType.ENGINE, (B,))], "s2", Watermark(0, 2)),
+                Batch([AddOp(None, (3000,), (A,)), EvictOp(3000, KeyType.REQUEST, (A,))]),
+            ]
+        )
         index.evict(chain[3], KeyType.REQUEST, [A])
         index.evict(engine[9], KeyType.ENGINE, [B])
         index.lookup(chain)
@@ -188,11 +206,19 @@ def hand_built(layout: Layout, chain: list[int], stamps: Sequence[Arg]) -> list[
         ScriptCall("lookup_shards", names, ("1", "pod-a", *shard, "0", "0", *carried), read=True),
         ScriptCall("apply_shards", writes, apply_args),
         ScriptCall(
-            "unmap", (layout.meta,), (layout.gen, layout.eprefix, layout.bucket_bits,
-                                      hash_blob([chain[0] + 10**6]), hash_blob([chain[0]]))
+            "unmap",
+            (layout.meta,),
+            (
+                layout.gen,
+                layout.eprefix,
+                layout.bucket_bits,
+                hash_blob([chain[0] + 10**6]),
+                hash_blob([chain[0]]),
+            ),
         ),
         ScriptCall(
-            "migrate", meta_pi,
+            "migrate",
+            meta_pi,
             ("begin", "kvredis-kvblock/1", LAYOUT_VERSION, "g1", "key", layout.rprefix, "10"),
         ),
         ScriptCall("migrate", meta_pi, ("page", layout.gen, layout.rprefix, "2", "10")),

@@ -17,6 +17,7 @@ import redis
 
 from kvredis import (
     AddOp,
+    Batch,
     CallBudgetError,
     EvictOp,
     InMemoryIndex,
@@ -26,6 +27,7 @@ from kvredis import (
     RedisIndexConfig,
     Watermark,
 )
+from kvredis.index import apply_batches_in_turn
 from kvredis.redis import ops
 from kvredis.redis.cluster.shards import shard_of
 from kvredis.redis.cluster.writes import _part_args
@@ -366,3 +368,28 @@ def test_random_batches_over_fragmented_runs_match_the_model(fleet: Fleet) -> No
             assert got_key == expected_key, (round_, engine)
     assert fleet.refused() > refused  # the batches did reach the limit
     assert fleet.index.get_watermark("s") == (Watermark(1, watermark) if watermark else None)
+
+
+def test_batches_applied_together_reaching_many_runs_go_one_by_one(fleet: Fleet) -> None:
+    """Several small fenced batches whose keys together reach too many fragmented runs: the
+    server refuses the joint call before any write, and the client sends each batch on its
+    own; the answers, entries and watermarks are those of apply_batch one by one."""
+    target = getattr(fleet.index, "inner", fleet.index)
+    if not callable(getattr(target, "apply_batches", None)):
+        pytest.skip(f"{type(target).__name__} has no apply_batches")
+    at = [chain[16] for chain in fleet.chains]
+    batches = [
+        Batch(
+            [AddOp(None, (k,), (B,)), EvictOp(k, KeyType.REQUEST, (A,))],
+            f"s{i % 2}",
+            Watermark(0, i // 2),
+        )
+        for i, k in enumerate(at)
+    ]
+    before = fleet.refused()
+    got = fleet.index.apply_batches(batches)
+    assert got == apply_batches_in_turn(fleet.model, batches) == [True] * len(at)
+    assert fleet.refused() > before
+    fleet.agree(at)
+    assert fleet.index.get_watermark("s0") == Watermark(0, (len(at) - 1) // 2)
+    assert fleet.index.apply_batches(batches[:1]) == [False]
