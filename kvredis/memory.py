@@ -32,6 +32,7 @@ import time
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from dataclasses import fields
 from itertools import groupby, repeat
 from operator import attrgetter
 
@@ -105,14 +106,14 @@ def _holds(stored: tuple[PodEntry, ...] | None, entry: PodEntry) -> bool:
     return False
 
 
-_FIELDS = attrgetter(
-    "pod_identifier", "device_tier", "speculative", "has_group", "group_idx", "dp_rank"
-)
+#: The fields PodEntry equality compares, read at C speed; derived from the dataclass, so a
+#: field added to PodEntry distinguishes entries here too.
+_FIELDS = attrgetter(*(field.name for field in fields(PodEntry) if field.compare))
 
 
 def _equality_key(entry: PodEntry) -> tuple[object, ...]:
-    """What PodEntry equality compares (the class and the six fields), as a tuple that is
-    hashed and compared at C speed."""
+    """What PodEntry equality compares (the class and every compared field), as a tuple that
+    is hashed and compared at C speed."""
     return (entry.__class__, _FIELDS(entry))
 
 

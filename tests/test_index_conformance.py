@@ -8,6 +8,7 @@ sets after checking that no entry is reported twice.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import random
 import sys
@@ -185,6 +186,42 @@ def test_evict_matches_all_five_fields_exactly(index: Any, key_type: KeyType) ->
         remaining.discard(VARIANTS[i])
         assert held(index, request_key) == remaining, f"after evicting {VARIANTS[i]}"
     assert index.lookup([request_key]) == {}
+
+
+#: Two values of each type a PodEntry field has (the annotations, as strings).
+_FIELD_VALUES: dict[str, tuple[object, object]] = {
+    "str": ("pod-f", "pod-g"),
+    "bool": (False, True),
+    "int": (0, 1),
+}
+
+
+def _entries_differing_in_one_field() -> list[tuple[str, PodEntry, PodEntry]]:
+    """For every field PodEntry compares: two entries equal in all the others."""
+    base = {"pod_identifier": "pod-f", "device_tier": "gpu"}
+    out = []
+    for field in dataclasses.fields(PodEntry):
+        assert field.compare, f"PodEntry.{field.name} is left out of equality"
+        values = _FIELD_VALUES.get(str(field.type))
+        assert values is not None, f"no test values for PodEntry.{field.name}: {field.type}"
+        one = PodEntry(**{**base, field.name: values[0]})  # type: ignore[arg-type]
+        other = PodEntry(**{**base, field.name: values[1]})  # type: ignore[arg-type]
+        out.append((field.name, one, other))
+    return out
+
+
+def test_entries_differing_in_any_one_field_are_distinct(index: Any) -> None:
+    cases = _entries_differing_in_one_field()
+    assert {name for name, _, _ in cases} >= {"pod_identifier", "dp_rank"}
+    for name, one, other in cases:
+        [key] = hashes(1, f"field-{name}")
+        index.add(None, [key], [one])
+        index.add(None, [key], [other])
+        assert held(index, key) == {one, other}, f"entries differing in {name} merged"
+        index.evict(key, REQUEST, [one])
+        assert held(index, key) == {other}, f"evicting one removed both ({name})"
+        index.evict(key, REQUEST, [other])
+        assert held(index, key) == set()
 
 
 def test_evict_of_entries_not_held_changes_nothing(index: Any) -> None:
