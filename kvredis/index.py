@@ -11,6 +11,7 @@ Capabilities beyond the core contract are declared as protocols of their own, so
 =========================  ===============================================================
 :class:`BatchIndex`        ``apply_batch`` fenced by per-stream watermarks (ingestion)
 :class:`ScoringIndex`      ``score``: the LongestPrefixScorer computed by the backend itself
+:class:`RankScoringIndex`  ``score_by_rank``: the same scores per data-parallel rank of each pod
 :class:`ProgressClearIndex` ``clear_with_progress``: a pod clear that reports progress
 :class:`SelectiveClearIndex` ``clear_entries``: clear only some tiers or one rank of a pod
 :class:`NamespaceIndex`    ``drop_namespace``: delete everything the index stored
@@ -36,6 +37,7 @@ __all__ = [
     "AsyncIndex",
     "AsyncNamespaceIndex",
     "AsyncProgressClearIndex",
+    "AsyncRankScoringIndex",
     "AsyncScoringIndex",
     "AsyncSelectiveClearIndex",
     "BatchIndex",
@@ -44,6 +46,7 @@ __all__ = [
     "Index",
     "NamespaceIndex",
     "ProgressClearIndex",
+    "RankScoringIndex",
     "ScoringIndex",
     "SelectiveClearIndex",
     "apply_op",
@@ -174,7 +177,8 @@ class ScoringIndex(Protocol):
         medium_weights: Mapping[str, float] | None = None,
         pod_identifier_set: Collection[str] | None = None,
     ) -> dict[str, float]:
-        """Per-pod longest-prefix scores; bit-identical to ``LongestPrefixScorer.score``."""
+        """Per-pod longest-prefix scores, each pod's best data-parallel rank's; bit-identical
+        to ``LongestPrefixScorer.score``."""
         ...
 
 
@@ -188,6 +192,35 @@ class AsyncScoringIndex(Protocol):
         medium_weights: Mapping[str, float] | None = None,
         pod_identifier_set: Collection[str] | None = None,
     ) -> dict[str, float]: ...
+
+
+@runtime_checkable
+class RankScoringIndex(Protocol):
+    """An index that scores every data-parallel rank of a pod on its own and returns them all,
+    for a router that pins a request to a rank."""
+
+    def score_by_rank(
+        self,
+        request_keys: Sequence[int],
+        medium_weights: Mapping[str, float] | None = None,
+        pod_identifier_set: Collection[str] | None = None,
+    ) -> dict[str, dict[int, float]]:
+        """pod -> dp_rank -> longest-prefix score of that rank (a pod without data parallelism
+        has only rank 0; a rank that does not hold the first key is absent); bit-identical to
+        ``LongestPrefixScorer.score_by_rank``. ``score`` gives each pod's best rank's."""
+        ...
+
+
+@runtime_checkable
+class AsyncRankScoringIndex(Protocol):
+    """The asyncio form of :class:`RankScoringIndex`."""
+
+    async def score_by_rank(
+        self,
+        request_keys: Sequence[int],
+        medium_weights: Mapping[str, float] | None = None,
+        pod_identifier_set: Collection[str] | None = None,
+    ) -> dict[str, dict[int, float]]: ...
 
 
 @runtime_checkable

@@ -12,10 +12,12 @@ Two backends share one implementation and differ only in how they bound their me
 
 "Used" means added to, looked up with a hit (request keys) or resolved by ``get_request_key``
 (engine keys). Both backends implement :class:`~kvredis.index.Index`,
-:class:`~kvredis.batch.BatchIndex` and :class:`~kvredis.index.ScoringIndex` (``score`` walks the
-chain once, run of equal entries by run, and stops when no pod is left); one lock guards all
-state, so every method is atomic. ``scripts/bench_vs_dynamo.py`` measures ``score`` and the
-memory per entry against Dynamo's in-process radix tree.
+:class:`~kvredis.index.BatchIndex`, :class:`~kvredis.index.ScoringIndex` and
+:class:`~kvredis.index.RankScoringIndex` (``score`` and ``score_by_rank`` walk the chain once,
+run of equal entries by run, racing each data-parallel rank of a pod on its own, and stop when
+no (pod, rank) is left); one lock guards all state, so every method is atomic.
+``scripts/bench_vs_dynamo.py`` measures ``score`` and the memory per entry against Dynamo's
+in-process radix tree.
 
 Built to cost little more than a plain dict of sets on the hot paths (``scripts/bench_memory.py``
 measures the two side by side): inputs that are plain lists of ints and plain PodEntry values
@@ -115,6 +117,24 @@ def _equality_key(entry: PodEntry) -> tuple[object, ...]:
     """What PodEntry equality compares (the class and every compared field), as a tuple that
     is hashed and compared at C speed."""
     return (entry.__class__, _FIELDS(entry))
+
+
+#: Who races in a score: a pod's rank 0 as the pod's name, any other rank as (pod, rank).
+_Racer = str | tuple[str, int]
+#: Marks race results where some racer is a rank other than 0.
+_RANKED = ("", -1)
+
+
+def _best_ranks(scores: Mapping[_Racer, float]) -> dict[str, float]:
+    """Each pod's best rank's score, from the scores of a race."""
+    out: dict[str, float] = {}
+    for racer, total in scores.items():
+        if racer is _RANKED:
+            continue
+        pod = racer if isinstance(racer, str) else racer[0]
+        if pod not in out or total > out[pod]:
+            out[pod] = total
+    return out
 
 
 _INT_ONLY = {int}
@@ -230,14 +250,51 @@ class _MemoryIndex:
         medium_weights: Mapping[str, float] | None = None,
         pod_identifier_set: Collection[str] | None = None,
     ) -> dict[str, float]:
-        """Per-pod longest-prefix scores, the floats of ``LongestPrefixScorer(medium_weights)
-        .score(keys, lookup(keys, pod_identifier_set))``, in one walk that stops as soon as no
-        pod holds every key so far.
+        """Per-pod longest-prefix scores, each pod's best data-parallel rank's: the floats of
+        ``LongestPrefixScorer(medium_weights).score(keys, lookup(keys, pod_identifier_set))``,
+        in one walk that stops as soon as no (pod, rank) holds every key so far.
 
         Consecutive keys holding the same entries (a chain added pod by pod shares one stored
         tuple along its keys) are scored once per run. The keys where some pod is still in the
         race count as used, as a lookup's hits do; keys are checked up to where the walk stops.
         """
+        scores = self._race(request_keys, medium_weights, pod_identifier_set)
+        if _RANKED in scores:
+            return _best_ranks(scores)
+        return scores  # type: ignore[return-value]
+
+    def score_by_rank(
+        self,
+        request_keys: Sequence[int],
+        medium_weights: Mapping[str, float] | None = None,
+        pod_identifier_set: Collection[str] | None = None,
+    ) -> dict[str, dict[int, float]]:
+        """pod -> dp_rank -> longest-prefix score of that rank: the floats of
+        ``LongestPrefixScorer(medium_weights).score_by_rank(keys, lookup(keys, ...))``, in the
+        walk :meth:`score` makes (see :class:`~kvredis.index.RankScoringIndex`)."""
+        scores = self._race(request_keys, medium_weights, pod_identifier_set)
+        scores.pop(_RANKED, None)
+        out: dict[str, dict[int, float]] = {}
+        for racer, total in scores.items():
+            if isinstance(racer, str):
+                pod, rank = racer, 0
+            else:
+                pod, rank = racer
+            ranks = out.get(pod)
+            if ranks is None:
+                out[pod] = {rank: total}
+            else:
+                ranks[rank] = total
+        return out
+
+    def _race(
+        self,
+        request_keys: Sequence[int],
+        medium_weights: Mapping[str, float] | None,
+        pod_identifier_set: Collection[str] | None,
+    ) -> dict[_Racer, float]:
+        """The score of every (pod, rank) in the race (see :func:`_racer`), with
+        :data:`_RANKED` among the keys when some rank is not 0."""
         keys = request_keys
         if type(keys) is not list and type(keys) is not tuple:
             keys = check_hashes(keys, "request key")
@@ -511,11 +568,12 @@ class _MemoryIndex:
         weights: dict[str, float],
         pods: frozenset[str] | None,
         now: float,
-    ) -> tuple[dict[str, float], int]:
-        """The scores of the chain and how many keys of it some pod in the race holds.
+    ) -> tuple[dict[_Racer, float], int]:
+        """The scores of the chain per (pod, rank) and how many keys of it some (pod, rank) in
+        the race holds.
 
         Walks runs of keys with equal (live) entries: each run costs one pass over its entries
-        and, per pod, one :func:`_add_times`. The sums are the scorer's: a pod's score is its
+        and, per racer, one :func:`add_times`. The sums are the scorer's: a racer's score is its
         best weight at the first key, plus its best weight at every later key in key order.
         """
         stored: Iterable[tuple[PodEntry, ...] | None] = map(self._keys.get, keys)
@@ -525,37 +583,45 @@ class _MemoryIndex:
         head, run = next(runs)
         if head is None:
             return {}, 0
-        scores: dict[str, float] = {}
+        scores: dict[_Racer, float] = {}
+        ranked = False
         for entry in head:
             pod = entry.pod_identifier
             if pods is None or pod in pods:
+                racer: _Racer = pod
+                if entry.dp_rank:
+                    racer, ranked = (pod, entry.dp_rank), True
                 w = weights.get(entry.device_tier, UNKNOWN_TIER_WEIGHT)
-                if pod not in scores or w > scores[pod]:
-                    scores[pod] = w
+                if racer not in scores or w > scores[racer]:
+                    scores[racer] = w
         if not scores:
             return {}, 0
         active = dict(scores)
         walked = len([*run])
         if walked > 1:
-            for pod, w in active.items():
-                scores[pod] = add_times(scores[pod], w, walked - 1)
+            for racer, w in active.items():
+                scores[racer] = add_times(scores[racer], w, walked - 1)
         for head, run in runs:
             if head is None:
                 break
-            best: dict[str, float] = {}
+            best: dict[_Racer, float] = {}
             for entry in head:
-                pod = entry.pod_identifier
-                if pod in active:
+                racer = entry.pod_identifier
+                if entry.dp_rank:
+                    racer = (racer, entry.dp_rank)
+                if racer in active:
                     w = weights.get(entry.device_tier, UNKNOWN_TIER_WEIGHT)
-                    if pod not in best or w > best[pod]:
-                        best[pod] = w
+                    if racer not in best or w > best[racer]:
+                        best[racer] = w
             if not best:
                 break
             n = len([*run])
-            for pod, w in best.items():
-                scores[pod] = add_times(scores[pod], w, n)
+            for racer, w in best.items():
+                scores[racer] = add_times(scores[racer], w, n)
             walked += n
             active = best
+        if ranked:
+            scores[_RANKED] = 0.0
         return scores, walked
 
     def _live(self, keys: Sequence[int], now: float) -> Iterator[tuple[PodEntry, ...] | None]:

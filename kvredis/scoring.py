@@ -40,11 +40,14 @@ UNKNOWN_TIER_WEIGHT = 1.0
 class LongestPrefixScorer:
     """Scores each pod by the consecutive prefix of keys it holds, from the first key.
 
-    For every key along the chain a pod earns the highest weight among its tiers holding that
-    key (:data:`UNKNOWN_TIER_WEIGHT` for a tier not in ``medium_weights``) and drops out at the
-    first key it does not hold. A pod that does not hold the first key is absent from the result.
-    Scores are summed in key order, the order the Redis ``score`` script uses too, so both give
-    bit-identical floats.
+    A request runs on one data-parallel rank of a pod and reuses only that rank's cache, so each
+    (pod, rank) is scored on its own (:meth:`score_by_rank`) and a pod's score is its best
+    rank's (:meth:`score`); a pod without data parallelism has only rank 0. For every key along
+    the chain a (pod, rank) earns the highest weight among its entries holding that key (its
+    tiers, groups, speculative copies; :data:`UNKNOWN_TIER_WEIGHT` for a tier not in
+    ``medium_weights``) and drops out at the first key it does not hold. A pod none of whose
+    ranks holds the first key is absent from the result. Scores are summed in key order, the
+    order every backend's ``score`` uses too, so all give bit-identical floats.
     """
 
     __slots__ = ("_weights",)
@@ -79,35 +82,53 @@ class LongestPrefixScorer:
     def score(
         self, keys: Sequence[int], key_to_pods: Mapping[int, Sequence[PodEntry]]
     ) -> dict[str, float]:
-        """Per-pod scores for the chain ``keys`` given which entries hold each key.
+        """Per-pod scores for the chain ``keys`` given which entries hold each key: each pod's
+        best data-parallel rank's score (see :meth:`score_by_rank`).
 
         ``key_to_pods`` is typically the result of ``Index.lookup(keys, ...)``; keys it lacks
         count as held by no pod.
         """
+        return {
+            pod: max(ranks.values()) for pod, ranks in self.score_by_rank(keys, key_to_pods).items()
+        }
+
+    def score_by_rank(
+        self, keys: Sequence[int], key_to_pods: Mapping[int, Sequence[PodEntry]]
+    ) -> dict[str, dict[int, float]]:
+        """Per-pod, per-data-parallel-rank scores (pod -> dp_rank -> score) for the chain
+        ``keys``: each (pod, rank) scored on its own prefix of the chain. A rank that does not
+        hold the first key is absent; a pod without data parallelism has only rank 0."""
         if not keys:
             return {}
         weights = self._weights
-        scores: dict[str, float] = {}
+        scores: dict[tuple[str, int], float] = {}
         for entry in key_to_pods.get(keys[0], ()):
             w = weights.get(entry.device_tier, UNKNOWN_TIER_WEIGHT)
-            pod = entry.pod_identifier
-            if pod not in scores or w > scores[pod]:
-                scores[pod] = w
-        active: Mapping[str, float] = scores
+            racer = (entry.pod_identifier, entry.dp_rank)
+            if racer not in scores or w > scores[racer]:
+                scores[racer] = w
+        active: Mapping[tuple[str, int], float] = scores
         for key in keys[1:]:
             if not active:
                 break
-            best: dict[str, float] = {}
+            best: dict[tuple[str, int], float] = {}
             for entry in key_to_pods.get(key, ()):
-                pod = entry.pod_identifier
-                if pod in active:
+                racer = (entry.pod_identifier, entry.dp_rank)
+                if racer in active:
                     w = weights.get(entry.device_tier, UNKNOWN_TIER_WEIGHT)
-                    if pod not in best or w > best[pod]:
-                        best[pod] = w
-            for pod, w in best.items():
-                scores[pod] += w
+                    if racer not in best or w > best[racer]:
+                        best[racer] = w
+            for racer, w in best.items():
+                scores[racer] += w
             active = best
-        return scores
+        out: dict[str, dict[int, float]] = {}
+        for (pod, rank), total in scores.items():
+            ranks = out.get(pod)
+            if ranks is None:
+                out[pod] = {rank: total}
+            else:
+                ranks[rank] = total
+        return out
 
 
 _DEFAULT_WEIGHTS = dict(DEFAULT_MEDIUM_WEIGHTS)
