@@ -19,6 +19,11 @@ no (pod, rank) is left); one lock guards all state, so every method is atomic.
 ``scripts/bench_vs_dynamo.py`` measures ``score`` and the memory per entry against Dynamo's
 in-process radix tree.
 
+The parts, each in a module of its own: :mod:`kvredis.memory_bounds` (the configs and the
+byte-cost model), :mod:`kvredis.memory_expiry` (when each expiring entry dies),
+:mod:`kvredis.memory_engine` (engine key -> request keys); this module holds the request keys,
+the entry records, the walks and the bounds' enforcement.
+
 Built to cost little more than a plain dict of sets on the hot paths (``scripts/bench_memory.py``
 measures the two side by side): inputs that are plain lists of ints and plain PodEntry values
 are checked at C speed or in one ``type()`` test, anything else goes through the shared checks
@@ -28,7 +33,6 @@ reaches it, so keys past the first miss are never read.
 
 from __future__ import annotations
 
-import heapq
 import threading
 import time
 from array import array
@@ -50,21 +54,29 @@ from kvredis.checks import (
     check_pod_identifier,
     check_selection,
     check_ttl,
-    infer_mappings,
     pod_filter,
 )
 from kvredis.errors import ConfigError, EngineKeyNotFoundError, InvalidInputError
 from kvredis.index import ClearProgress
 from kvredis.memory_bounds import (
     KEY_COST,
-    MAPPING_COST,
-    MAPPING_REF_COST,
     CostAwareMemoryIndexConfig,
     InMemoryIndexConfig,
     estimated_entry_cost,
 )
+from kvredis.memory_engine import EngineTable, refs
+from kvredis.memory_expiry import ExpiryTable
 from kvredis.scoring import UNKNOWN_TIER_WEIGHT, add_times, score_weights
 from kvredis.types import MAX_BLOCK_HASH, KeyType, PodEntry
+
+__all__ = [
+    "CLEAR_MAPPINGS_PER_PAGE",
+    "EXPIRED_PER_CALL",
+    "LOG_SLACK",
+    "MAX_REQUEST_KEYS_PER_ENGINE_KEY",
+    "CostAwareMemoryIndex",
+    "InMemoryIndex",
+]
 
 #: Most expired speculative entries reclaimed per call (the rest on later calls; reads filter
 #: out whatever is left past its deadline).
@@ -167,11 +179,6 @@ def _checked_entries(entries: Sequence[PodEntry], *, for_add: bool) -> Sequence[
     return check_entries(entries, for_add=for_add)
 
 
-def _refs(value: int | tuple[int, ...]) -> tuple[int, ...]:
-    """The request keys of an engine mapping, oldest first (one is stored as a bare int)."""
-    return (value,) if type(value) is int else value  # type: ignore[return-value]
-
-
 class _MemoryIndex:
     """The shared implementation; subclasses decide the per-key entry cap and :meth:`_shrink`.
 
@@ -179,29 +186,27 @@ class _MemoryIndex:
     just one entry share its 1-tuple, and consecutive keys an add or a removal leaves with the
     same entries share one tuple); per distinct entry a :class:`_Held` with the count and a log
     of the request keys holding it (membership tests compare identities in a key's tuple and
-    ``clear(pod)`` walks the pod's logs, never comparing PodEntry values key by key); engine
-    key -> its request key, or a tuple of them when it has several. ``_key_ticks`` and
-    ``_engine_ticks`` (last use of every key) exist only where :meth:`_shrink` weighs request
-    keys against engine keys.
+    ``clear(pod)`` walks the pod's logs, never comparing PodEntry values key by key); the
+    engine keys in an :class:`~kvredis.memory_engine.EngineTable`; the deadlines of expiring
+    entries in an :class:`~kvredis.memory_expiry.ExpiryTable`. ``_key_ticks`` and the engine
+    table's ticks (last use of every key) exist only where :meth:`_shrink` weighs request keys
+    against engine keys. ``_cost`` is the request keys' share of the byte estimate, the engine
+    table keeps its own.
     """
 
     def __init__(self, entries_per_key: int | None, *, track_ticks: bool = False) -> None:
         self._lock = threading.Lock()
         self._entries_per_key = entries_per_key
         self._keys: OrderedDict[int, tuple[PodEntry, ...]] = OrderedDict()
-        self._engine: OrderedDict[int, int | tuple[int, ...]] = OrderedDict()
+        self._engine = EngineTable(track_ticks=track_ticks)
         self._held: dict[tuple[object, ...], _Held] = {}
         self._by_id: dict[int, _Held] = {}  # id of the stored instance -> its record
         self._pods: dict[str, set[_Held]] = {}  # so clear() is O(pod's keys)
         self._key_ticks: dict[int, int] | None = {} if track_ticks else None
-        self._engine_ticks: dict[int, int] | None = {} if track_ticks else None
         self._watermarks: dict[str, Watermark] = {}
         self._tick = 0
         self._cost = 0
-        # Speculative entries added with a ttl: (request key, entry record) -> monotonic
-        # deadline, and a heap of (deadline, seq, key, record), stale once the dict holds
-        # another deadline (records hash by identity, not by the fields of the entry).
-        self._deadlines: dict[tuple[int, _Held], float] = {}
+        self._expiry: ExpiryTable[_Held] = ExpiryTable()
         # The last tuple an entry was removed from, the record and what was left: the next key
         # holding the same tuple gets the same tuple back (one tuple per run of a chain).
         self._shrunk: tuple[tuple[PodEntry, ...], _Held | None, tuple[PodEntry, ...]] = (
@@ -209,8 +214,6 @@ class _MemoryIndex:
             None,
             (),
         )
-        self._expiry: list[tuple[float, int, int, _Held]] = []
-        self._seq = 0
 
     # -- Index -----------------------------------------------------------------------------
 
@@ -229,11 +232,11 @@ class _MemoryIndex:
         lock.acquire()  # (a with block costs more: its special-method lookups)
         try:
             now = 0.0
-            if self._deadlines:
+            if self._expiry:
                 now = time.monotonic()
                 self._expire(now)
             out = None
-            if pods is None and not self._deadlines:
+            if pods is None and not self._expiry:
                 out = self._walk_plain(keys)
             if out is None:
                 out = self._walk(keys, pods, now)
@@ -306,7 +309,7 @@ class _MemoryIndex:
         lock.acquire()
         try:
             now = 0.0
-            if self._deadlines:
+            if self._expiry:
                 now = time.monotonic()
                 self._expire(now)
             try:
@@ -350,7 +353,7 @@ class _MemoryIndex:
         lock.acquire()
         try:
             now = 0.0
-            if self._expiry or seconds is not None:
+            if self._expiry.pending or seconds is not None:
                 now = time.monotonic()
                 self._expire(now)
             self._add(eng, req, ents, None if seconds is None else now + seconds)
@@ -369,7 +372,7 @@ class _MemoryIndex:
         lock = self._lock
         lock.acquire()
         try:
-            if self._expiry:
+            if self._expiry.pending:
                 self._expire(time.monotonic())
             if key_type is _ENGINE and len(ents) == 1:  # the common case, in as few steps
                 value = self._engine.get(key)
@@ -381,7 +384,7 @@ class _MemoryIndex:
                     if held is not None:
                         self._drop_pair(value, held)
                     if value not in self._keys:
-                        self._drop_mapping(key)
+                        self._engine.drop(key)
                     return
             self._evict(key, key_type, ents)
         finally:
@@ -395,16 +398,13 @@ class _MemoryIndex:
         lock = self._lock
         lock.acquire()
         try:
-            refs = self._engine.get(key)
-            if refs is None:
+            self._tick += 1
+            value = self._engine.resolve(key, self._tick)
+            if value is None:
                 raise EngineKeyNotFoundError(key)
-            self._engine.move_to_end(key)
-            if self._engine_ticks is not None:
-                self._tick += 1
-                self._engine_ticks[key] = self._tick
         finally:
             lock.release()
-        return refs if type(refs) is int else refs[-1]  # type: ignore[index]
+        return value if type(value) is int else value[-1]  # type: ignore[index]
 
     def clear(self, pod_identifier: str) -> None:
         """Remove every entry of the pod, on every tier, group and data-parallel rank."""
@@ -450,7 +450,7 @@ class _MemoryIndex:
                     removed += self._drop_pair(key, held)
                     if not held.count:
                         break
-            engine_keys = list(self._engine)
+            engine_keys = self._engine.keys()
         # As in the Redis backend, a clear also drops every engine mapping none of whose request
         # keys holds an entry, so a stale engine key no longer resolves. Like the Redis clear it
         # goes page by page, so lookups are never held up for long by a large index.
@@ -458,11 +458,11 @@ class _MemoryIndex:
             with self._lock:
                 table, get = self._keys, self._engine.get
                 for engine_key in engine_keys[start : start + CLEAR_MAPPINGS_PER_PAGE]:
-                    refs = get(engine_key)
-                    if refs is None or refs in table:  # (an int: one request key)
+                    value = get(engine_key)
+                    if value is None or value in table:  # (an int: one request key)
                         continue
-                    if type(refs) is int or not any(r in table for r in _refs(refs)):
-                        self._drop_mapping(engine_key)
+                    if type(value) is int or not any(r in table for r in refs(value)):
+                        self._engine.drop(engine_key)
             if progress is not None:
                 progress(min(start + CLEAR_MAPPINGS_PER_PAGE, len(engine_keys)), removed)
         return removed
@@ -470,7 +470,7 @@ class _MemoryIndex:
     def __len__(self) -> int:
         """Number of request keys held."""
         with self._lock:
-            if self._expiry:
+            if self._expiry.pending:
                 self._expire(time.monotonic())
             return len(self._keys)
 
@@ -485,7 +485,7 @@ class _MemoryIndex:
         """Apply ``ops`` in order, atomically, if ``watermark`` is newer than the stream's."""
         plan = check_batch(ops, stream, watermark)
         with self._lock:
-            if self._expiry:
+            if self._expiry.pending:
                 self._expire(time.monotonic())
             if stream is not None and watermark is not None:
                 stored = self._watermarks.get(stream)
@@ -542,9 +542,8 @@ class _MemoryIndex:
     ) -> dict[int, list[PodEntry]]:
         """The walk with a pod filter, expiring entries or keys other than plain ints."""
         out: dict[int, list[PodEntry]] = {}
-        table, deadlines, by_id = self._keys, self._deadlines, self._by_id
+        table, expiry, by_id = self._keys, self._expiry, self._by_id
         get, touch = table.get, table.move_to_end
-        later = now + 1.0
         for key in keys:
             if type(key) is not int:
                 key = check_hash(key, "request key")
@@ -554,8 +553,8 @@ class _MemoryIndex:
                     check_hash(key, "request key")
                 break
             hits = [*held] if pods is None else [e for e in held if e.pod_identifier in pods]
-            if deadlines:
-                hits = [e for e in hits if deadlines.get((key, by_id[id(e)]), later) > now]
+            if expiry:
+                hits = [e for e in hits if expiry.live(key, by_id[id(e)], now)]
             if not hits:
                 break
             out[key] = hits
@@ -577,7 +576,7 @@ class _MemoryIndex:
         best weight at the first key, plus its best weight at every later key in key order.
         """
         stored: Iterable[tuple[PodEntry, ...] | None] = map(self._keys.get, keys)
-        if self._deadlines:
+        if self._expiry:
             stored = self._live(keys, now)
         runs = groupby(stored)
         head, run = next(runs)
@@ -627,13 +626,12 @@ class _MemoryIndex:
     def _live(self, keys: Sequence[int], now: float) -> Iterator[tuple[PodEntry, ...] | None]:
         """The entries of each key not past their deadline, ``None`` from the first key with
         none (the walk stops there)."""
-        get, deadlines, by_id = self._keys.get, self._deadlines, self._by_id
-        later = now + 1.0
+        get, expiry, by_id = self._keys.get, self._expiry, self._by_id
         for key in keys:
             stored = get(key)
             if stored is not None:
                 stored = tuple(
-                    [e for e in stored if deadlines.get((key, by_id[id(e)]), later) > now]
+                    [e for e in stored if expiry.live(key, by_id[id(e)], now)]
                 )
             yield stored or None
             if not stored:
@@ -677,7 +675,7 @@ class _MemoryIndex:
         ents: Sequence[PodEntry],
         deadline: float | None = None,
     ) -> None:
-        if len(ents) == 1 and deadline is None and not self._deadlines:
+        if len(ents) == 1 and deadline is None and not self._expiry:
             self._add_one(req, self._intern(ents[0]))
         else:
             self._add_many(req, ents, deadline)
@@ -685,7 +683,7 @@ class _MemoryIndex:
         if self._key_ticks is not None:
             self._key_ticks.update(dict.fromkeys(req, self._tick))
         if eng:
-            self._map_all(eng, req)
+            self._engine.map_all(eng, req, self._tick)
         self._shrink()
 
     def _add_one(self, req: Sequence[int], held: _Held) -> None:
@@ -760,8 +758,8 @@ class _MemoryIndex:
         by_id = self._by_id
         # A confirmed entry of a pod replaces that pod's expiring speculative entries under
         # the key (speculative entries added without a ttl stay until evicted).
-        deadlines = self._deadlines
-        confirmed = {e.pod_identifier for e in added if not e.speculative} if deadlines else ()
+        expiry = self._expiry
+        confirmed = {e.pod_identifier for e in added if not e.speculative} if expiry else ()
         table = self._keys
         new_keys: list[list[int]] = [[] for _ in helds]  # logged once the keys hold them
         for key in req:
@@ -777,7 +775,7 @@ class _MemoryIndex:
                 replaced = {
                     id(e): e
                     for e in kept
-                    if e.pod_identifier in confirmed and (key, by_id[id(e)]) in deadlines
+                    if e.pod_identifier in confirmed and (key, by_id[id(e)]) in expiry
                 }
                 if replaced:
                     for entry in replaced.values():
@@ -792,12 +790,10 @@ class _MemoryIndex:
             table[key] = merged
             if deadline is not None:
                 for held in helds:
-                    deadlines[(key, held)] = deadline
-                    self._seq += 1
-                    heapq.heappush(self._expiry, (deadline, self._seq, key, held))
-            elif deadlines:
+                    expiry.set(key, held, deadline)
+            elif expiry:
                 for held in helds:
-                    deadlines.pop((key, held), None)
+                    expiry.discard(key, held)
         for held, logged in zip(helds, new_keys, strict=True):
             if logged:
                 self._log_keys(held, logged)
@@ -807,52 +803,6 @@ class _MemoryIndex:
         for entry in stored[:-cap]:
             self._forget(key, entry)
         return stored[-cap:]
-
-    def _map_all(self, eng: Sequence[int], req: Sequence[int]) -> None:
-        """Record the engine→request mappings of an add."""
-        engine = self._engine
-        pairs: Iterable[tuple[int, int]]
-        if len(eng) == len(req):
-            if engine.keys().isdisjoint(eng):  # all new engine keys: one C-level update
-                before = len(engine)
-                engine.update(zip(eng, req, strict=True))
-                if len(engine) - before == len(eng):
-                    self._cost += (MAPPING_COST + MAPPING_REF_COST) * len(eng)
-                    pairs = ()
-                else:  # an engine key repeated: undo, then pair by pair
-                    for engine_key in eng:
-                        engine.pop(engine_key, None)
-                    pairs = zip(eng, req, strict=True)
-            else:
-                pairs = zip(eng, req, strict=True)
-        else:
-            pairs = infer_mappings(eng, req)
-        get, touch = engine.get, engine.move_to_end
-        for engine_key, request_key in pairs:
-            refs = get(engine_key)
-            if refs is None:
-                engine[engine_key] = request_key
-                self._cost += MAPPING_COST + MAPPING_REF_COST
-            else:
-                touch(engine_key)
-                if refs != request_key:
-                    self._remap(engine_key, refs, request_key)
-        if self._engine_ticks is not None:
-            self._engine_ticks.update(dict.fromkeys(eng, self._tick))
-
-    def _remap(self, engine_key: int, value: int | tuple[int, ...], request_key: int) -> None:
-        """Make ``request_key`` the most recent of an engine key's request keys."""
-        refs = _refs(value)
-        if refs[-1] == request_key:
-            return
-        if request_key in refs:
-            refs = tuple([r for r in refs if r != request_key])
-        else:
-            self._cost += MAPPING_REF_COST
-            if len(refs) >= MAX_REQUEST_KEYS_PER_ENGINE_KEY:
-                refs = refs[1:]
-                self._cost -= MAPPING_REF_COST
-        self._engine[engine_key] = (*refs, request_key)
 
     def _evict(self, key: int, key_type: KeyType, ents: Sequence[PodEntry]) -> None:
         found: Iterable[_Held]
@@ -874,14 +824,14 @@ class _MemoryIndex:
             for held in found:
                 self._drop_pair(value, held)
             if value not in table:
-                self._drop_mapping(key)
+                self._engine.drop(key)
             return
         refs: tuple[int, ...] = value  # type: ignore[assignment]
         for request_key in refs:
             for held in found:
                 self._drop_pair(request_key, held)
         if not any(request_key in table for request_key in refs):
-            self._drop_mapping(key)
+            self._engine.drop(key)
 
     def _drop_pair(self, key: int, held: _Held) -> int:
         """Remove one entry from one key (and the key once empty); 1 if it was there, else 0."""
@@ -910,8 +860,8 @@ class _MemoryIndex:
                 )
                 table[key] = left
                 self._shrunk = (stored, held, left)
-        if self._deadlines:
-            self._deadlines.pop((key, held), None)
+        if self._expiry:
+            self._expiry.discard(key, held)
         if not held.count:
             self._release(held)
         return 1
@@ -921,25 +871,15 @@ class _MemoryIndex:
         held = self._by_id[id(entry)]
         held.count -= 1
         self._cost -= held.cost
-        if self._deadlines:
-            self._deadlines.pop((key, held), None)
+        if self._expiry:
+            self._expiry.discard(key, held)
         if not held.count:
             self._release(held)
 
     def _expire(self, now: float) -> None:
         """Reclaim up to :data:`EXPIRED_PER_CALL` entries whose deadline is past."""
-        heap, deadlines = self._expiry, self._deadlines
-        if not deadlines:
-            heap.clear()
-            return
-        done = 0
-        while heap and heap[0][0] <= now and done < EXPIRED_PER_CALL:
-            deadline, _, key, held = heapq.heappop(heap)
-            if deadlines.get((key, held)) != deadline:
-                continue
-            done += 1
-            if not self._drop_pair(key, held):
-                deadlines.pop((key, held), None)
+        for key, held in self._expiry.due(now, EXPIRED_PER_CALL):
+            self._drop_pair(key, held)
 
     def _drop_key(self, key: int) -> None:
         stored = self._keys.pop(key)
@@ -948,12 +888,6 @@ class _MemoryIndex:
             del self._key_ticks[key]
         for entry in stored:
             self._forget(key, entry)
-
-    def _drop_mapping(self, engine_key: int) -> None:
-        refs = self._engine.pop(engine_key)
-        self._cost -= MAPPING_COST + MAPPING_REF_COST * len(_refs(refs))
-        if self._engine_ticks is not None:
-            del self._engine_ticks[engine_key]
 
     def _shrink(self) -> None:
         raise NotImplementedError
@@ -978,7 +912,7 @@ class InMemoryIndex(_MemoryIndex):
         while len(keys) > size:
             self._drop_key(next(iter(keys)))
         while len(engine) > size:
-            self._drop_mapping(next(iter(engine)))
+            self._engine.drop(engine.oldest())  # type: ignore[arg-type]
 
 
 class CostAwareMemoryIndex(_MemoryIndex):
@@ -1007,20 +941,21 @@ class CostAwareMemoryIndex(_MemoryIndex):
     def cost(self) -> int:
         """The current estimate of bytes held."""
         with self._lock:
-            return self._cost
+            return self._cost + self._engine.cost
 
     def _shrink(self) -> None:
-        if self._cost <= self._max_cost:
+        engine = self._engine
+        if self._cost + engine.cost <= self._max_cost:
             return
-        keys, engine = self._keys, self._engine
-        key_ticks, engine_ticks = self._key_ticks, self._engine_ticks
+        keys = self._keys
+        key_ticks, engine_ticks = self._key_ticks, engine.ticks
         assert key_ticks is not None and engine_ticks is not None
-        while self._cost > self._max_cost and (keys or engine):
+        while self._cost + engine.cost > self._max_cost and (keys or engine):
             key = next(iter(keys), None)
-            engine_key = next(iter(engine), None)
+            engine_key = engine.oldest()
             if key is not None and (
                 engine_key is None or key_ticks[key] <= engine_ticks[engine_key]
             ):
                 self._drop_key(key)
             elif engine_key is not None:
-                self._drop_mapping(engine_key)
+                self._engine.drop(engine_key)
