@@ -16,6 +16,10 @@ __all__ = [
     "KEY_COST",
     "MAPPING_COST",
     "MAPPING_REF_COST",
+    "RUN_COST",
+    "RUN_KEY_COST",
+    "RUN_MAPPING_COST",
+    "RUN_POSITION_COST",
     "CostAwareMemoryIndexConfig",
     "InMemoryIndexConfig",
     "estimated_entry_cost",
@@ -36,7 +40,16 @@ ENTRY_COST = 16
 MAPPING_COST = 136
 #: One request key remembered by an engine key.
 MAPPING_REF_COST = 24
-
+#: A run (:mod:`kvredis.memory_runs`): the object, its lists, ranges and counts, whatever its
+#: length.
+RUN_COST = 800
+#: A position of a run, for the run's whole life: its slot in the key list and the key's int.
+RUN_POSITION_COST = 44
+#: A run position that holds entries: its key's slot in the table of keys in runs.
+RUN_KEY_COST = 40
+#: An engine key kept in a run: its int and its table slot (its list slot, 8 bytes a position,
+#: is charged with the run's first engine key).
+RUN_MAPPING_COST = 76
 
 def _positive_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -52,6 +52,10 @@ class EngineTable:
         """What the table holds for ``engine_key``, without counting it as used."""
         return self._map.get(engine_key)
 
+    def disjoint(self, engine_keys: Iterable[int]) -> bool:
+        """Whether the table holds none of ``engine_keys``."""
+        return self._map.keys().isdisjoint(engine_keys)
+
     def keys(self) -> list[int]:
         """A snapshot of the engine keys, least recently used first."""
         return list(self._map)
@@ -73,23 +77,24 @@ class EngineTable:
         """Record the engine->request mappings of an add (pairwise when the lengths match,
         else as :func:`~kvredis.checks.infer_mappings` pairs them), all used at ``tick``."""
         table = self._map
-        pairs: Iterable[tuple[int, int]]
-        if len(eng) == len(req):
-            if table.keys().isdisjoint(eng):  # all new engine keys: one C-level update
-                before = len(table)
-                table.update(zip(eng, req, strict=True))
-                if len(table) - before == len(eng):
-                    self.cost += (MAPPING_COST + MAPPING_REF_COST) * len(eng)
-                    pairs = ()
-                else:  # an engine key repeated: undo, then pair by pair
-                    for engine_key in eng:
-                        table.pop(engine_key, None)
-                    pairs = zip(eng, req, strict=True)
-            else:
-                pairs = zip(eng, req, strict=True)
-        else:
-            pairs = infer_mappings(eng, req)
+        if len(eng) == len(req) and table.keys().isdisjoint(eng):  # new engine keys
+            before = len(table)
+            table.update(zip(eng, req, strict=True))  # one C-level update
+            if len(table) - before == len(eng):
+                self.cost += (MAPPING_COST + MAPPING_REF_COST) * len(eng)
+                if self.ticks is not None:
+                    self.ticks.update(dict.fromkeys(eng, tick))
+                return
+            for engine_key in eng:  # an engine key repeated: undo, then pair by pair
+                table.pop(engine_key, None)
+        pairs = zip(eng, req, strict=True) if len(eng) == len(req) else infer_mappings(eng, req)
+        self.map_pairs(pairs, tick)
+
+    def map_pairs(self, pairs: Iterable[tuple[int, int]], tick: int) -> None:
+        """Record (engine key, request key) pairs, in order, all used at ``tick``."""
+        table = self._map
         get, touch = table.get, table.move_to_end
+        ticks = self.ticks
         for engine_key, request_key in pairs:
             value = get(engine_key)
             if value is None:
@@ -99,8 +104,15 @@ class EngineTable:
                 touch(engine_key)
                 if value != request_key:
                     self._remap(engine_key, value, request_key)
+            if ticks is not None:
+                ticks[engine_key] = tick
+
+    def put(self, engine_key: int, value: Refs, tick: int) -> None:
+        """Hold ``value`` for an engine key the table does not hold, used at ``tick``."""
+        self._map[engine_key] = value
+        self.cost += MAPPING_COST + MAPPING_REF_COST * len(refs(value))
         if self.ticks is not None:
-            self.ticks.update(dict.fromkeys(eng, tick))
+            self.ticks[engine_key] = tick
 
     def _remap(self, engine_key: int, value: Refs, request_key: int) -> None:
         """Make ``request_key`` the most recent of an engine key's request keys."""
