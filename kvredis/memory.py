@@ -176,67 +176,138 @@ def _best_ranks(scores: Mapping[_Racer, float]) -> dict[str, float]:
     return out
 
 
-def _race(
-    pieces: Iterator[_Piece], best_of: Callable[[tuple[PodEntry, ...]], dict[_Racer, float]]
-) -> tuple[dict[_Racer, float], list[_Piece]]:
-    """Score a walk (see :class:`~kvredis.scoring.LongestPrefixScorer`): each (pod, rank)
-    earns its best weight at every key from the first on (``best_of`` gives them for a tuple
-    of entries), and drops out at its first key without an entry. Returns the scores (with
-    :data:`_RANKED` when some rank is not 0) and the pieces where some racer was still in the
-    race.
+#: What a score needs of a tuple of entries: each racer's best weight, the racers, and their
+#: one weight when they all have the same (else None).
+_Best = tuple[dict[_Racer, float], frozenset[_Racer], float | None]
 
-    A racer's keys are added up only when its weight changes or it drops out (with
-    :func:`~kvredis.scoring.add_times`, the same floats as adding key by key), so a piece where
-    every racer keeps its weight costs one comparison of two dicts' items.
+
+class _Race:
+    """A score in progress (see :class:`~kvredis.scoring.LongestPrefixScorer`): each
+    (pod, rank) earns its best weight at every key from the first on and drops out at its
+    first key without an entry; :meth:`step` takes the next stretch of keys with equal entries
+    (their best weights per racer, as :func:`_best_weights` gives them).
+
+    A racer's keys are added up only when it drops out or changes weight (with
+    :func:`~kvredis.scoring.add_times`, the same floats as adding key by key). While every
+    racer left has one weight and keeps it (the usual case: one tier), a stretch costs one
+    subset test of two sets.
     """
+
+    __slots__ = ("alive", "common", "scores", "since", "weight")
+
+    def __init__(self, i: int, first: _Best) -> None:
+        best, racers, common = first
+        self.scores = dict(best)  # the first key's weights
+        self.weight = dict(best)
+        self.alive = set(racers)
+        self.since = dict.fromkeys(racers, i + 1)  # keys from here on are not added up yet
+        self.common = common
+
+    def step(self, i: int, info: _Best) -> bool:
+        """The keys from ``i`` on hold these entries; ``False`` if no racer is left."""
+        best, racers, uniform = info
+        common = self.common
+        if common is not None and uniform == common:
+            alive = self.alive
+            if alive <= racers:
+                return True
+            gone = alive - racers  # some drop out, the others keep the weight
+            if len(gone) == len(alive):
+                return False
+            _settle(self.scores, self.since, gone, common, i)
+            weight = self.weight
+            for racer in gone:
+                del weight[racer]
+            alive -= gone
+            return True
+        scores, since, weight = self.scores, self.since, self.weight
+        for racer in list(weight):  # weights differ: racer by racer
+            w = weight[racer]
+            now = best.get(racer)
+            if now == w:
+                continue
+            n = i - since[racer]
+            if n:
+                scores[racer] = _add_up(scores[racer], w, n)
+            if now is None:
+                del weight[racer]
+            else:
+                weight[racer] = now
+                since[racer] = i
+        if not weight:
+            return False
+        self.alive = set(weight)
+        values = set(weight.values())
+        self.common = next(iter(values)) if len(values) == 1 else None
+        return True
+
+    def finish(self, end: int) -> dict[_Racer, float]:
+        """The scores, the race having reached key ``end``; with :data:`_RANKED` among the
+        keys when some rank is not 0."""
+        scores = self.scores
+        if self.common is not None:
+            _settle(scores, self.since, self.weight, self.common, end)
+        else:
+            for racer, w in self.weight.items():
+                n = end - self.since[racer]
+                if n:
+                    scores[racer] = _add_up(scores[racer], w, n)
+        if not all(map(isinstance, scores, repeat(str))):
+            scores[_RANKED] = 0.0
+        return scores
+
+
+def _race(
+    pieces: Iterator[_Piece], best_of: Callable[[tuple[PodEntry, ...]], _Best]
+) -> tuple[dict[_Racer, float], list[_Piece]]:
+    """Score a walk given as pieces (:meth:`_MemoryIndex._pieces`); returns the scores and
+    the pieces where some racer was still in the race."""
     used: list[_Piece] = []
     first = next(pieces, None)
     if first is None:
         return {}, used
-    i, c, entries, _, _ = first
-    weight = dict(best_of(entries))
-    scores = dict(weight)  # the first key's weights
-    since = dict.fromkeys(weight, i + 1)  # keys from here on are not added up yet
+    race = _Race(first[0], best_of(first[2]))
     used.append(first)
-    end = i + c
+    end = first[0] + first[1]
     for piece in pieces:
         i, c, entries, _, _ = piece
-        best = best_of(entries)
-        current = weight.items()
-        if not current <= best.items():  # some racer drops out or changes weight
-            for racer, w in current - best.items():
-                n = i - since[racer]
-                if n:
-                    total = scores[racer]
-                    if w == 1.0 and total.is_integer() and total < _EXACT:  # (exact as is)
-                        scores[racer] = total + n
-                    else:
-                        scores[racer] = add_times(total, w, n)
-                now = best.get(racer)
-                if now is None:
-                    del weight[racer]
-                else:
-                    weight[racer] = now
-                    since[racer] = i
-            if not weight:
-                break
+        if not race.step(i, best_of(entries)):
+            break
         used.append(piece)
         end = i + c
-    for racer, w in weight.items():
+    return race.finish(end), used
+
+
+def _settle(
+    scores: dict[_Racer, float],
+    since: dict[_Racer, int],
+    racers: Iterable[_Racer],
+    weight: float,
+    end: int,
+) -> None:
+    """Add up the keys of ``racers`` (all at ``weight``) from where each was last added up to
+    ``end``; racers that started together end together (one sum for all of them)."""
+    last: tuple[float, int] | None = None
+    result = 0.0
+    for racer in racers:
         n = end - since[racer]
         if n:
             total = scores[racer]
-            if w == 1.0 and total.is_integer() and total < _EXACT:
-                scores[racer] = total + n
-            else:
-                scores[racer] = add_times(total, w, n)
-    if not all(map(isinstance, scores, repeat(str))):
-        scores[_RANKED] = 0.0
-    return scores, used
+            if last != (total, n):
+                last = (total, n)
+                result = _add_up(total, weight, n)
+            scores[racer] = result
 
 
-def _best_weights(entries: tuple[PodEntry, ...], weights: dict[str, float]) -> dict[_Racer, float]:
-    """Each (pod, rank)'s best weight among these entries."""
+def _add_up(total: float, weight: float, times: int) -> float:
+    """:func:`~kvredis.scoring.add_times`, whole weights of 1 added at once."""
+    if weight == 1.0 and total.is_integer() and total < _EXACT:
+        return total + times
+    return add_times(total, weight, times)
+
+
+def _best_weights(entries: tuple[PodEntry, ...], weights: dict[str, float]) -> _Best:
+    """Each (pod, rank)'s best weight among these entries, the racers, their one weight."""
     best: dict[_Racer, float] = {}
     for entry in entries:
         racer: _Racer = entry.pod_identifier
@@ -245,7 +316,8 @@ def _best_weights(entries: tuple[PodEntry, ...], weights: dict[str, float]) -> d
         w = weights.get(entry.device_tier, UNKNOWN_TIER_WEIGHT)
         if racer not in best or w > best[racer]:
             best[racer] = w
-    return best
+    values = set(best.values())
+    return best, frozenset(best), next(iter(values)) if len(values) == 1 else None
 
 
 #: Below this, adding whole numbers to a float total is exact (chains are far shorter).
@@ -256,7 +328,7 @@ _BEST_CACHED = 4096
 _WEIGHTS_CACHED = 64
 
 
-_INT_ONLY = {int}
+_INT_ONLY = frozenset({int})
 _ENGINE, _REQUEST = KeyType.ENGINE, KeyType.REQUEST
 
 
@@ -290,8 +362,10 @@ def _checked_reach(keys: list[int], reached: int) -> bool:
     """Check the first ``reached`` keys of a walk (the keys it compared or looked up; the last
     one may be where it stopped): plain ints at C speed, anything else as every backend does.
     Returns whether they are all plain ints."""
-    seen = keys[:reached]
-    if seen and (not _INT_ONLY.issuperset(map(type, seen)) or not 0 <= seen[-1] <= MAX_BLOCK_HASH):
+    seen = keys if reached >= len(keys) else keys[:reached]
+    if seen and (
+        list(map(type, seen)).count(int) != len(seen) or not 0 <= seen[-1] <= MAX_BLOCK_HASH
+    ):  # (counting is the fastest whole pass in C: the types compare by identity)
         check_hashes(seen, "request key")
         return False
     return True
@@ -326,7 +400,7 @@ class _MemoryIndex:
         self._watermarks: dict[str, Watermark] = {}
         # The best weights of tuples of entries scored lately (id -> the tuple, which keeps
         # the id its own, the weights and the best weights), and the weight maps seen lately.
-        self._bests: dict[int, tuple[tuple[PodEntry, ...], dict[str, float], dict[_Racer, float]]]
+        self._bests: dict[int, tuple[tuple[PodEntry, ...], dict[str, float], _Best]]
         self._bests = {}
         self._weights_seen: dict[tuple[tuple[object, ...], ...], dict[str, float]] = {}
         self._tick = 0
@@ -448,12 +522,12 @@ class _MemoryIndex:
             if self._expiry:
                 now = time.monotonic()
                 self._expire(now)
-            if pods is None:
-                best_of = self._best_of(weights)
-            else:  # (filtered pieces are tuples of their own: nothing to remember)
-                best_of = partial(_best_weights, weights=weights)
             try:
-                scores, used = _race(self._pieces(keys, pods, now), best_of)
+                if pods is None and not self._expiry:
+                    scores, used = self._score_walk(keys, weights, self._best_of(weights))
+                else:  # (filtered pieces are tuples of their own: nothing to remember)
+                    best_of = partial(_best_weights, weights=weights)
+                    scores, used = _race(self._pieces(keys, pods, now), best_of)
             except TypeError:  # an unhashable key
                 check_hashes(keys, "request key")
                 raise
@@ -484,14 +558,12 @@ class _MemoryIndex:
             self._weights_seen[key] = weights
         return weights
 
-    def _best_of(
-        self, weights: dict[str, float]
-    ) -> Callable[[tuple[PodEntry, ...]], dict[_Racer, float]]:
+    def _best_of(self, weights: dict[str, float]) -> Callable[[tuple[PodEntry, ...]], _Best]:
         """:func:`_best_weights` for ``weights``, remembered per tuple of entries."""
         cache = self._bests
         cache_get = cache.get
 
-        def best_of(entries: tuple[PodEntry, ...]) -> dict[_Racer, float]:
+        def best_of(entries: tuple[PodEntry, ...]) -> _Best:
             hit = cache_get(id(entries))
             if hit is not None and hit[0] is entries and hit[1] is weights:
                 return hit[2]
@@ -762,6 +834,102 @@ class _MemoryIndex:
                 p = e
                 j += 1
 
+    def _view(
+        self,
+        run: Run,
+        weights: dict[str, float],
+        best_of: Callable[[tuple[PodEntry, ...]], _Best],
+    ) -> tuple[list[int], list[_Best | None]]:
+        """What a score reads of a run for these weights (see :attr:`Run.view`): the ends of
+        its ranges with neighbours of equal best weights merged, and their best weights
+        (``None`` at holes); built on the run's first score after its entries changed."""
+        view = run.view
+        if view is not None and view[0] is weights:
+            return view[1], view[2]  # type: ignore[return-value]
+        ends: list[int] = []
+        infos: list[_Best | None] = []
+        for end, entries in zip(run.sets.ends, run.sets.values, strict=True):
+            info = best_of(entries) if entries else None
+            if infos and (
+                info[0] == infos[-1][0]
+                if info is not None and infos[-1] is not None
+                else info is infos[-1]
+            ):
+                ends[-1] = end
+            else:
+                ends.append(end)
+                infos.append(info)
+        run.view = (weights, ends, infos)  # type: ignore[assignment]
+        return ends, infos
+
+    def _score_walk(
+        self,
+        keys: list[int],
+        weights: dict[str, float],
+        best_of: Callable[[tuple[PodEntry, ...]], _Best],
+    ) -> tuple[dict[_Racer, float], list[_Piece]]:
+        """:func:`_race` over :meth:`_pieces` without a filter or expiring entries, in one
+        loop: the walk of a score, its hot path. Returns the scores and the stretches used (one
+        per span of a run, one per group of inline keys)."""
+        inline_get, resident_get = self._keys.get, self._resident.get
+        used: list[_Piece] = []
+        race: _Race | None = None
+        n = len(keys)
+        i = 0
+        while i < n:
+            key = keys[i]
+            run = resident_get(key)
+            if run is None:
+                if inline_get(key) is None:
+                    break
+                stop = False
+                for stored, group in groupby(map(inline_get, islice(keys, i, None))):
+                    if stored is None:
+                        break
+                    c = len([*group])
+                    if race is None:
+                        race = _Race(i, best_of(stored))
+                    elif not race.step(i, best_of(stored)):
+                        stop = True
+                        break
+                    used.append((i, c, stored, None, 0))
+                    i += c
+                if stop:
+                    break
+                continue
+            run_keys = run.keys
+            pos = run_keys.index(key)
+            end = pos + span(keys, i, run_keys, pos)
+            ends, infos = self._view(run, weights, best_of)
+            j = bisect_right(ends, pos)
+            p = pos
+            start = i
+            stop = False
+            while p < end:
+                info = infos[j]
+                if info is None:
+                    break  # a hole: its key may be held elsewhere
+                if race is None:
+                    race = _Race(i, info)
+                elif (
+                    info[2] != race.common or race.common is None or not race.alive <= info[1]
+                ) and not race.step(i, info):  # (the usual stretch: nobody drops out)
+                    stop = True
+                    break
+                e = ends[j]
+                if e > end:
+                    e = end
+                i += e - p
+                p = e
+                j += 1
+            if p > pos:
+                used.append((start, p - pos, (), run, pos))
+            if stop:
+                break
+        if race is None:
+            return {}, used
+        return race.finish(i), used
+
     def _use(self, keys: list[int], used: list[_Piece]) -> None:
         """Count the keys of these pieces of a walk as used, in walk order."""
         inline, ticks, order = self._keys, self._key_ticks, self._order
@@ -1007,6 +1175,7 @@ class _MemoryIndex:
             if new != old:
                 self._account(run, old, new, end - start)
                 values[j] = new
+                run.view = None
             start = end
             j += 1
         else:
@@ -1366,6 +1535,7 @@ class _MemoryIndex:
         if not _holds(old, entry):
             return 0
         new = old[:-1] if old[-1] is entry else tuple([e for e in old if e is not entry])
+        run.view = None
         start = ends[j - 1] if j else 0
         end = ends[j]
         if end - start == 1:
@@ -1426,6 +1596,7 @@ class _MemoryIndex:
                 if new is None:
                     new = made[id(old)] = tuple([e for e in old if e is not entry])
                 values[j] = new
+                run.view = None
                 removed += end - start
                 if not new:
                     holes.append((start, end))
@@ -1469,6 +1640,7 @@ class _MemoryIndex:
             if old:
                 self._account(run, old, (), end - start)
                 values[j] = ()
+                run.view = None
                 self._emptied(run, start, end)
                 live += end - start
             start = end

@@ -51,6 +51,7 @@ RUN_KEY_COST = 40
 #: is charged with the run's first engine key).
 RUN_MAPPING_COST = 76
 
+
 def _positive_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{name} must be a positive int, got {value!r}")

@@ -104,7 +104,9 @@ class Run:
     entries of each position (oldest added first, ``()`` at holes); ``recency`` and
     ``engine_recency`` the last-use tick of each position (0: not in use). ``live`` counts the
     positions that hold entries, ``mapped`` those with an engine key; ``holders`` the positions
-    each entry record holds.
+    each entry record holds. ``view`` is what scores read, kept by the index until ``sets``
+    change: the ranges again, neighbours that score alike merged, with what a score needs of
+    their entries (for one set of tier weights).
     """
 
     __slots__ = (
@@ -116,6 +118,7 @@ class Run:
         "mapped",
         "recency",
         "sets",
+        "view",
     )
 
     def __init__(self, keys: list[int], entries: tuple[PodEntry, ...], tick: int) -> None:
@@ -128,6 +131,7 @@ class Run:
         self.engine_recency: Ranges[int] | None = None
         self.mapped = 0
         self.holders: dict[object, int] = {}
+        self.view: tuple[object, list[int], list[object]] | None = None
 
     def __repr__(self) -> str:
         return f"<Run {len(self.keys)} keys, {self.live} live, {self.mapped} mapped>"

@@ -88,9 +88,12 @@ class LongestPrefixScorer:
         ``key_to_pods`` is typically the result of ``Index.lookup(keys, ...)``; keys it lacks
         count as held by no pod.
         """
-        return {
-            pod: max(ranks.values()) for pod, ranks in self.score_by_rank(keys, key_to_pods).items()
-        }
+        out: dict[str, float] = {}
+        for racer, total in self._race(keys, key_to_pods).items():
+            pod = racer if isinstance(racer, str) else racer[0]
+            if pod not in out or total > out[pod]:
+                out[pod] = total
+        return out
 
     def score_by_rank(
         self, keys: Sequence[int], key_to_pods: Mapping[int, Sequence[PodEntry]]
@@ -98,22 +101,41 @@ class LongestPrefixScorer:
         """Per-pod, per-data-parallel-rank scores (pod -> dp_rank -> score) for the chain
         ``keys``: each (pod, rank) scored on its own prefix of the chain. A rank that does not
         hold the first key is absent; a pod without data parallelism has only rank 0."""
+        out: dict[str, dict[int, float]] = {}
+        for racer, total in self._race(keys, key_to_pods).items():
+            pod, rank = (racer, 0) if isinstance(racer, str) else racer
+            ranks = out.get(pod)
+            if ranks is None:
+                out[pod] = {rank: total}
+            else:
+                ranks[rank] = total
+        return out
+
+    def _race(
+        self, keys: Sequence[int], key_to_pods: Mapping[int, Sequence[PodEntry]]
+    ) -> dict[str | tuple[str, int], float]:
+        """The score of each (pod, rank) holding the first key: rank 0 named by the pod alone,
+        any other rank as (pod, rank)."""
         if not keys:
             return {}
         weights = self._weights
-        scores: dict[tuple[str, int], float] = {}
+        scores: dict[str | tuple[str, int], float] = {}
         for entry in key_to_pods.get(keys[0], ()):
             w = weights.get(entry.device_tier, UNKNOWN_TIER_WEIGHT)
-            racer = (entry.pod_identifier, entry.dp_rank)
+            racer: str | tuple[str, int] = entry.pod_identifier
+            if entry.dp_rank:
+                racer = (entry.pod_identifier, entry.dp_rank)
             if racer not in scores or w > scores[racer]:
                 scores[racer] = w
-        active: Mapping[tuple[str, int], float] = scores
+        active: Mapping[str | tuple[str, int], float] = scores
         for key in keys[1:]:
             if not active:
                 break
-            best: dict[tuple[str, int], float] = {}
+            best: dict[str | tuple[str, int], float] = {}
             for entry in key_to_pods.get(key, ()):
-                racer = (entry.pod_identifier, entry.dp_rank)
+                racer = entry.pod_identifier
+                if entry.dp_rank:
+                    racer = (entry.pod_identifier, entry.dp_rank)
                 if racer in active:
                     w = weights.get(entry.device_tier, UNKNOWN_TIER_WEIGHT)
                     if racer not in best or w > best[racer]:
@@ -121,14 +143,7 @@ class LongestPrefixScorer:
             for racer, w in best.items():
                 scores[racer] += w
             active = best
-        out: dict[str, dict[int, float]] = {}
-        for (pod, rank), total in scores.items():
-            ranks = out.get(pod)
-            if ranks is None:
-                out[pod] = {rank: total}
-            else:
-                ranks[rank] = total
-        return out
+        return scores
 
 
 _DEFAULT_WEIGHTS = dict(DEFAULT_MEDIUM_WEIGHTS)

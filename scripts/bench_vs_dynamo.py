@@ -18,9 +18,10 @@ as ``add(engine_keys, request_keys, [PodEntry])``, a ``RedisIndex`` on its own `
 the same way.
 
 Measured in one process, ratios against Dynamo's ``find_matches``:
-  * whole-chain query latency (512 blocks, every chain in turn; and chains that leave their
-    holders at block 256): Dynamo ``find_matches(keys).scores``, ``InMemoryIndex.score``,
-    ``CostAwareMemoryIndex.score``, ``lookup`` + ``LongestPrefixScorer``, ``RedisIndex.score``
+  * whole-chain query latency (512 blocks, every chain in turn, the sides timed in interleaved
+    rounds; and chains that leave their holders at block 256): Dynamo
+    ``find_matches(keys).scores``, ``InMemoryIndex.score``, ``CostAwareMemoryIndex.score``,
+    ``lookup`` + ``LongestPrefixScorer``, ``RedisIndex.score``
     (wall time, loopback). Every query's scores are asserted equal on every side (Dynamo counts
     blocks: the weights are ``{"gpu": 1.0}``);
     The round trip of a Redis ``PING`` is printed too: the floor under ``RedisIndex.score``,
@@ -321,7 +322,9 @@ def run_shape(
 def run_queries(
     sides: dict[str, Query], query_sets: dict[str, list[list[int]]], repeat: int
 ) -> list[dict[str, Any]]:
-    """Check every side gives the same scores on every query, then time each side."""
+    """Check every side gives the same scores on every query, then time the sides in
+    interleaved rounds (each round runs every query once on every side, the sides in turn), so
+    a change of load on a shared machine falls on all of them alike."""
     rows = []
     for label, queries in query_sets.items():
         reference = next(iter(sides))
@@ -331,11 +334,14 @@ def run_queries(
                 got = query(keys)
                 assert got == want, f"{name} scored {got}, {reference} {want}"
         print(f"-- {label} ({len(queries[0])} keys; every side gave the same scores)")
+        samples: dict[str, list[float]] = {name: [] for name in sides}
+        for _ in range(repeat):
+            for name, query in sides.items():
+                samples[name] += timed(query, queries, 1)
         base = None
-        for name, query in sides.items():
-            samples = timed(query, queries, repeat)
-            p50 = statistics.median(samples) * 1e6
-            p99 = percentile(samples, 0.99) * 1e6
+        for name, times in samples.items():
+            p50 = statistics.median(times) * 1e6
+            p99 = percentile(times, 0.99) * 1e6
             base = base or p50
             ratio = p50 / base
             print(f"{name:<46} p50 {p50:8.1f} us  p99 {p99:8.1f} us  {ratio:6.2f}x {reference}")
