@@ -87,7 +87,7 @@ from kvredis.memory_bounds import (
 from kvredis.memory_engine import EngineTable, refs
 from kvredis.memory_expiry import ExpiryTable
 from kvredis.memory_recency import RunOrder
-from kvredis.memory_runs import RUN_MIN, Ranges, Run, span
+from kvredis.memory_runs import RUN_MIN, Ranges, Run, span, span_at
 from kvredis.scoring import UNKNOWN_TIER_WEIGHT, add_times, score_weights
 from kvredis.types import MAX_BLOCK_HASH, KeyType, PodEntry
 
@@ -899,8 +899,8 @@ class _MemoryIndex:
                 continue
             run_keys = run.keys
             pos = run_keys.index(key)
-            end = pos + span(keys, i, run_keys, pos)
             ends, infos = self._view(run, weights, best_of)
+            end = pos + span_at(keys, i, run_keys, pos, ends)
             j = bisect_right(ends, pos)
             p = pos
             start = i

@@ -32,7 +32,7 @@ from typing import Generic, TypeVar
 
 from kvredis.types import PodEntry
 
-__all__ = ["RUN_MIN", "Ranges", "Run", "span"]
+__all__ = ["RUN_MIN", "Ranges", "Run", "span", "span_at"]
 
 #: Fewest new request keys one add stores as a run (fewer are kept one by one).
 RUN_MIN = 8
@@ -206,3 +206,23 @@ def span(keys: Sequence[int], i: int, run_keys: Sequence[int | None], pos: int) 
         else:
             top = mid
     return lo
+
+
+def span_at(
+    keys: Sequence[int], i: int, run_keys: Sequence[int | None], pos: int, ends: Sequence[int]
+) -> int:
+    """:func:`span`, trying first where the run's holders change (``ends``, sorted): a chain
+    that leaves a run usually leaves where the run's own chain went on to other pods, so a few
+    single keys at those places find it, then one comparison confirms it."""
+    m = min(len(keys) - i, len(run_keys) - pos)
+    if m > 2 and keys[i + m - 1] != run_keys[pos + m - 1]:
+        lo, hi = bisect_right(ends, pos + 1), bisect_right(ends, pos + m - 2)
+        for j in range(hi - 1, lo - 1, -1):  # the last place where the keys still agree
+            k = ends[j] - pos
+            if keys[i + k - 1] == run_keys[pos + k - 1]:
+                if keys[i + k] != run_keys[pos + k] and (
+                    keys[i + 1 : i + k] == run_keys[pos + 1 : pos + k]
+                ):
+                    return k
+                break
+    return span(keys, i, run_keys, pos)

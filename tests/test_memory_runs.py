@@ -20,7 +20,7 @@ from kvredis.checks import MAX_REQUEST_KEYS_PER_ENGINE_KEY, infer_mappings
 from kvredis.errors import EngineKeyNotFoundError
 from kvredis.memory import CostAwareMemoryIndex, InMemoryIndex
 from kvredis.memory_bounds import CostAwareMemoryIndexConfig, InMemoryIndexConfig
-from kvredis.memory_runs import RUN_MIN
+from kvredis.memory_runs import RUN_MIN, span, span_at
 from kvredis.scoring import LongestPrefixScorer
 from kvredis.types import KeyType, PodEntry
 from tests import memory_state
@@ -334,3 +334,25 @@ def test_fewer_new_keys_than_a_run_stay_inline() -> None:
     index.add(None, list(range(100, 100 + RUN_MIN)), [PodEntry("pod-a", "gpu")])
     assert len(index._runs) == 1
     memory_state.check(index)
+
+
+def test_span_is_the_length_of_the_common_stretch() -> None:
+    """``span`` and ``span_at`` against a key-by-key count, on chained keys (that never meet
+    again once they part) and on keys that do (small values, repeated)."""
+    rng = random.Random(5)
+    for _ in range(30_000):
+        n = rng.randint(1, 40)
+        run = [rng.getrandbits(rng.choice([2, 8, 64])) for _ in range(n)]
+        pos, i = rng.randrange(n), rng.randint(0, 5)
+        chain = [rng.getrandbits(8) for _ in range(i)] + run[pos : pos + rng.randint(1, n - pos)]
+        for _ in range(rng.randint(0, 3)):
+            k = rng.randrange(i, len(chain))
+            if k > i:
+                chain[k] = rng.getrandbits(rng.choice([1, 8]))
+        chain += [rng.getrandbits(2) for _ in range(rng.randint(0, 5))]
+        ends = sorted({*rng.sample(range(1, n + 1), rng.randint(1, n)), n})
+        want = 0
+        while i + want < len(chain) and pos + want < n and chain[i + want] == run[pos + want]:
+            want += 1
+        assert span(chain, i, run, pos) == want
+        assert span_at(chain, i, run, pos, ends) == want
