@@ -37,12 +37,13 @@ class RunOrder:
     none, as a run without engine keys on the engine side).
     """
 
-    __slots__ = ("_heap", "_ranges", "_seq")
+    __slots__ = ("_check_at", "_heap", "_ranges", "_seq")
 
     def __init__(self, ranges: Callable[[Run], Ranges[int] | None]) -> None:
         self._ranges = ranges
         self._heap: list[tuple[int, int, Run]] | None = None
         self._seq = count()
+        self._check_at = _SLACK  # the heap size at which to count its live events again
 
     @property
     def active(self) -> bool:
@@ -58,8 +59,9 @@ class RunOrder:
         """The tick and run of the least recently used positions, or ``None`` if no run
         position is in use; ``runs`` are the live runs (read to build or rebuild the heap)."""
         heap = self._heap
-        if heap is None or (len(heap) > 2 * len(runs) + _SLACK and self._stale(runs)):
+        if heap is None or (len(heap) > self._check_at and self._stale(runs)):
             heap = self._heap = self._build(runs)
+            self._check_at = 2 * len(heap) + _SLACK
         ranges_of = self._ranges
         while heap:
             tick, _, run = heap[0]
@@ -76,14 +78,18 @@ class RunOrder:
             heapq.heappop(heap)
 
     def _stale(self, runs: Collection[Run]) -> bool:
-        """Whether the heap holds more than twice the live events (one per tick in use)."""
+        """Whether the heap holds more than twice the live events (at most one per range in
+        use); if not, the next count waits until the heap has doubled (amortized O(1))."""
         assert self._heap is not None
         live = 0
         for run in runs:
             ranges = self._ranges(run)
             if ranges is not None:
                 live += len(ranges)
-        return len(self._heap) > 2 * live + _SLACK
+        if len(self._heap) > 2 * live + _SLACK:
+            return True
+        self._check_at = 2 * len(self._heap)
+        return False
 
     def _build(self, runs: Collection[Run]) -> list[tuple[int, int, Run]]:
         heap: list[tuple[int, int, Run]] = []

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from kvredis import memory
+from kvredis import memory, memory_recency
 from kvredis.batch import AddOp
 from kvredis.checks import MAX_REQUEST_KEYS_PER_ENGINE_KEY, infer_mappings
 from kvredis.errors import EngineKeyNotFoundError
@@ -292,6 +292,8 @@ def run_workload(
 
 @pytest.mark.parametrize("seed", range(24))
 def test_key_count_bounds_drop_in_exact_lru_order(seed: int, monkeypatch: Any) -> None:
+    if seed % 2:  # the heap of uses rebuilt often, not just past 1024 stale events
+        monkeypatch.setattr(memory_recency, "_SLACK", 4)
     rng = random.Random(seed * 7919)
     size = rng.choice([None, 40, 90, 150])
     cap = rng.choice([None, 2, 3, 10])
