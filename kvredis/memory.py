@@ -22,10 +22,13 @@ How the keys are kept:
 * An add that brings :data:`~kvredis.memory_runs.RUN_MIN` or more new request keys (without a
   ttl) stores them as a *run* (:mod:`kvredis.memory_runs`): the keys in chain order, their
   entries as ranges of positions, their recency as ranges of ticks, and, when the add paired
-  them 1:1 with new engine keys, those engine keys. A walk reads a run with one table lookup
-  and one list comparison, and takes its entries range by range; using a span of a run is one
-  range assignment. So a score of a chain stored by a few events costs a few lookups, not one
-  per block, and a key in a run costs a table slot and two list slots, not an ordered-dict node.
+  them 1:1 with new engine keys, those engine keys. An add that names its parent
+  (``AddOp.parent`` in :meth:`apply_batch`, as the ingester writes an engine's chain block by
+  block) appends its new keys to the run its parent ends. A walk reads a run with one table
+  lookup and one list comparison, and takes its entries range by range; using a span of a run
+  is one range assignment. So a score of a chain stored by a few events costs a few lookups,
+  not one per block, and a key in a run costs a table slot and two list slots, not an
+  ordered-dict node.
 * Other request keys are kept one by one (*inline*): key -> the tuple of its entries, oldest
   added first, in least-recently-used order, with its last-use tick (keys holding one entry
   share its 1-tuple, and consecutive keys an add or a removal leaves with the same entries share
@@ -87,7 +90,7 @@ from kvredis.memory_bounds import (
 from kvredis.memory_engine import EngineTable, refs
 from kvredis.memory_expiry import ExpiryTable
 from kvredis.memory_recency import RunOrder
-from kvredis.memory_runs import RUN_MIN, Ranges, Run, span, span_at
+from kvredis.memory_runs import RUN_MAX, RUN_MIN, Ranges, Run, span, span_at
 from kvredis.scoring import UNKNOWN_TIER_WEIGHT, add_times, score_weights
 from kvredis.types import MAX_BLOCK_HASH, KeyType, PodEntry
 
@@ -753,7 +756,7 @@ class _MemoryIndex:
                     return False
             for op in plan:
                 if isinstance(op, AddOp):
-                    self._add(op.engine_keys, op.request_keys, op.entries)
+                    self._add(op.engine_keys, op.request_keys, op.entries, parent=op.parent)
                 else:
                     self._evict(op.key, op.key_type, op.entries)
             if stream is not None and watermark is not None:
@@ -1014,8 +1017,23 @@ class _MemoryIndex:
         req: Sequence[int],
         ents: Sequence[PodEntry],
         deadline: float | None = None,
+        *,
+        parent: int | None = None,
     ) -> None:
         resident = self._resident
+        if parent is not None and deadline is None:  # an append to a chain
+            run = resident.get(parent)
+            if (
+                run is not None
+                and run.keys[-1] == parent
+                and len(run.keys) + len(req) <= RUN_MAX
+                and resident.keys().isdisjoint(req)
+                and self._keys.keys().isdisjoint(req)
+                and len(set(req)) == len(req)
+            ):
+                self._extend_run(run, eng, req, ents)
+                self._shrink()
+                return
         if (
             deadline is None
             and len(req) >= RUN_MIN
@@ -1077,6 +1095,45 @@ class _MemoryIndex:
             self._engine_order.used(run, self._tick)
             return
         self._map(eng, req, run, {k: p for p, k in enumerate(run.keys)})
+
+    def _extend_run(
+        self, run: Run, eng: Sequence[int] | None, req: Sequence[int], ents: Sequence[PodEntry]
+    ) -> None:
+        """Append new, distinct request keys to the run whose last key is their parent (an
+        engine storing a chain block by block): the chain stays one run."""
+        helds = self._records(ents)
+        entries = tuple(h.entry for h in helds)
+        start, n = len(run.keys), len(req)
+        end = start + n
+        run.keys.extend(req)
+        sets = run.sets
+        sets.ends.append(end)
+        sets.values.append(entries)
+        sets.merge(len(sets.ends) - 1)
+        run.view = None
+        run.live += n
+        self._resident.update(zip(req, repeat(run)))
+        self._cost += n * (RUN_POSITION_COST + RUN_KEY_COST)
+        holders = run.holders
+        for held in helds:
+            count = holders.get(held, 0)
+            if not count:
+                held.runs.add(run)
+                self._cost += held.cost
+            holders[held] = count + n
+            held.count += n
+        self._tick += 1
+        run.recency.ends.append(end)
+        run.recency.values.append(self._tick)
+        self._order.used(run, self._tick)
+        if run.engine is not None:
+            assert run.engine_recency is not None
+            run.engine.extend([None] * n)
+            run.engine_recency.ends.append(end)
+            run.engine_recency.values.append(0)
+            self._cost += n * 8
+        if eng:
+            self._map(eng, req, run, {k: start + p for p, k in enumerate(req)})
 
     def _new_run(self, keys: list[int], helds: list[_Held], tick: int) -> Run:
         """A run of new keys holding these entries, all used at ``tick``."""

@@ -32,10 +32,15 @@ from typing import Generic, TypeVar
 
 from kvredis.types import PodEntry
 
-__all__ = ["RUN_MIN", "Ranges", "Run", "span", "span_at"]
+__all__ = ["RUN_MAX", "RUN_MIN", "Ranges", "Run", "span", "span_at"]
 
-#: Fewest new request keys one add stores as a run (fewer are kept one by one).
+#: Fewest new request keys one add stores as a run (fewer are kept one by one, unless they
+#: continue a run: see :data:`RUN_MAX`).
 RUN_MIN = 8
+#: Most keys a run grows to by appends: an add that names its parent (``AddOp.parent``, as an
+#: ingester does for an engine storing a chain block by block) appends its new keys to the run
+#: its parent ends, up to this length.
+RUN_MAX = 1024
 
 V = TypeVar("V", bound=Hashable)
 

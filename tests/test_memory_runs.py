@@ -206,6 +206,8 @@ def run_workload(
         chain = rng.choice(chains)
         start = 0 if rng.random() < 0.6 else rng.randrange(len(chain))
         keys = chain[start : rng.randint(start + 1, len(chain))]
+        if start and rng.random() < 0.2:
+            keys = keys[: rng.randint(1, 3)]  # a decode step's block or two
         if rng.random() < 0.15:
             keys = rng.sample(chain, min(len(chain), rng.randint(1, 12)))  # out of order
         elif rng.random() < 0.1:
@@ -228,11 +230,31 @@ def run_workload(
             else:
                 eng = None
             if ttl is None and rng.random() < 0.3:  # as an ingester writes: tuples, in a batch
-                op = AddOp(None if eng is None else tuple(eng), tuple(keys), tuple(entries))
+                parent = None
+                if rng.random() < 0.6 and start and keys == chain[start : start + len(keys)]:
+                    parent = chain[start - 1]  # an append to the chain (a block or a few)
+                op = AddOp(None if eng is None else tuple(eng), tuple(keys), tuple(entries), parent)
                 assert index.apply_batch([op])
             else:
                 index.add(eng, keys, entries, ttl=ttl)
             model.add(eng, keys, entries, ttl, clock[0])
+        elif action < 0.52:  # the next blocks of a chain, naming their parent
+            held = [n for n, k in enumerate(chain) if k in model.keys]
+            nxt = next((n for n in range(len(chain)) if chain[n] not in model.keys), None)
+            if nxt and held:
+                keys = chain[nxt : nxt + rng.randint(1, 3)]
+                eng = [engine_of[k] for k in keys] if rng.random() < 0.7 else None
+                entries = [entry()]
+                op = AddOp(None if eng is None else tuple(eng), tuple(keys), tuple(entries))
+                op = AddOp(op.engine_keys, op.request_keys, op.entries, chain[nxt - 1])
+                assert index.apply_batch([op])
+                model.add(eng, keys, entries, None, clock[0])
+                if bytes_bound:
+                    sync_dropped(index, model)
+                query = chain[: nxt + len(keys) + 1]
+                want = LongestPrefixScorer().score_by_rank(query, model.walk(query, None))
+                assert index.score_by_rank(query) == want, where
+                model.use(query[: raced(query, model.walk(query, None))])
         elif action < 0.62:
             key = rng.choice(keys)
             held = list(model.keys.get(key, ())) or [entry()]
@@ -358,3 +380,22 @@ def test_span_is_the_length_of_the_common_stretch() -> None:
             want += 1
         assert span(chain, i, run, pos) == want
         assert span_at(chain, i, run, pos, ends) == want
+
+
+def test_appends_naming_their_parent_grow_the_run() -> None:
+    """An engine storing a chain block by block (the ingester names each add's parent): the
+    chain stays one run, and a score reads it in one piece."""
+    index = InMemoryIndex()
+    chain = list(range(5000, 5000 + 40))
+    a = PodEntry("pod-a", "gpu")
+    index.add([k + 1 for k in chain[:16]], chain[:16], [a])  # the prompt
+    for n in range(16, 40):  # one block per decode step
+        assert index.apply_batch([AddOp((chain[n] + 1,), (chain[n],), (a,), chain[n - 1])])
+        assert index.score(chain) == {"pod-a": n + 1.0}  # (what a score read is kept fresh)
+    assert len(index._runs) == 1 and not index._keys
+    assert index.score(chain) == {"pod-a": 40.0}
+    assert index.get_request_key(chain[30] + 1) == chain[30]
+    assert len(list(index._pieces(chain, None, 0.0))) == 1
+    index.apply_batch([AddOp(None, (77,), (a,), 12345)])  # a parent no run ends: inline
+    assert len(index._keys) == 1
+    memory_state.check(index)
