@@ -40,6 +40,14 @@ How the keys are kept:
   first eviction. Per distinct entry a record counts the keys holding it and knows its runs and
   (a log of) its inline keys, so ``clear(pod)`` never compares PodEntry values key by key.
 
+The implementation is a stack of layers, each a module of its own importing only those before
+it: :mod:`kvredis.memory_tables` (the tables and entry records), :mod:`kvredis.memory_inline`,
+:mod:`kvredis.memory_in_runs`, :mod:`kvredis.memory_engine_keys`, :mod:`kvredis.memory_walks`,
+then this module (the public indexes: checks, the lock, adds, evicts, clears, the bounds); the
+data structures they use are :mod:`kvredis.memory_runs`, :mod:`kvredis.memory_recency`,
+:mod:`kvredis.memory_engine`, :mod:`kvredis.memory_expiry`, :mod:`kvredis.memory_race` and
+:mod:`kvredis.memory_bounds`.
+
 ``scripts/bench_vs_dynamo.py`` measures ``score`` and the memory per entry against Dynamo's
 in-process radix tree, ``scripts/bench_memory.py`` against a plain dict of sets. Inputs that
 are plain lists of ints and plain PodEntry values are checked at C speed or in one ``type()``
@@ -49,16 +57,11 @@ every backend); walks check the keys they reach, so keys past the first miss are
 
 from __future__ import annotations
 
-import threading
 import time
 from array import array
-from bisect import bisect_right
-from collections import OrderedDict, deque
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
-from dataclasses import fields
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from functools import partial
-from itertools import groupby, islice, repeat
-from operator import attrgetter
+from itertools import repeat
 
 from kvredis.batch import AddOp, IndexOp, Watermark, check_batch, check_stream, check_watermark
 from kvredis.checks import (
@@ -72,26 +75,23 @@ from kvredis.checks import (
     check_pod_identifier,
     check_selection,
     check_ttl,
-    infer_mappings,
     pod_filter,
 )
 from kvredis.errors import ConfigError, EngineKeyNotFoundError, InvalidInputError
 from kvredis.index import ClearProgress
 from kvredis.memory_bounds import (
-    KEY_COST,
-    RUN_COST,
     RUN_KEY_COST,
     RUN_MAPPING_COST,
     RUN_POSITION_COST,
     CostAwareMemoryIndexConfig,
     InMemoryIndexConfig,
-    estimated_entry_cost,
 )
-from kvredis.memory_engine import EngineTable, refs
-from kvredis.memory_expiry import ExpiryTable
-from kvredis.memory_recency import RunOrder
-from kvredis.memory_runs import RUN_MAX, RUN_MIN, Ranges, Run, span, span_at
-from kvredis.scoring import UNKNOWN_TIER_WEIGHT, add_times, score_weights
+from kvredis.memory_engine import refs
+from kvredis.memory_inline import EXPIRED_PER_CALL, LOG_SLACK
+from kvredis.memory_race import RANKED, Racer, best_ranks, best_weights, race
+from kvredis.memory_runs import RUN_MAX, RUN_MIN, Run, span
+from kvredis.memory_tables import Held
+from kvredis.memory_walks import Walks, checked_reach
 from kvredis.types import MAX_BLOCK_HASH, KeyType, PodEntry
 
 __all__ = [
@@ -103,233 +103,8 @@ __all__ = [
     "InMemoryIndex",
 ]
 
-#: Most expired speculative entries reclaimed per call (the rest on later calls; reads filter
-#: out whatever is left past its deadline).
-EXPIRED_PER_CALL = 256
-
 #: Engine mappings checked per lock hold when a clear drops the mappings it left without holders.
 CLEAR_MAPPINGS_PER_PAGE = 4096
-
-#: A log of request keys is compacted once it is longer than twice its live keys plus this.
-LOG_SLACK = 64
-
-
-class _Held:
-    """One distinct entry the index holds: the one instance every key stores (equal entries
-    added later resolve to it), the request keys holding it, its cost and its 1-tuple.
-
-    ``count`` is the number of request keys holding it, inline or in runs. The runs holding it
-    are ``runs`` (each run counts its positions per record); the inline keys are in ``log``, an
-    ``array('Q')`` of 8 bytes per key (a set would take 5-6 times that): every inline key
-    holding the entry is in the log, which may also name keys that no longer hold it (removals
-    do not touch it) or name a key twice; whether a key holds the entry is read from the key's
-    tuple. :meth:`_MemoryIndex._log_keys` compacts a log that has grown past twice its keys.
-    """
-
-    __slots__ = ("alone", "cost", "count", "entry", "fields", "log", "runs")
-
-    def __init__(self, entry: PodEntry, fields: tuple[object, ...]) -> None:
-        self.entry = entry
-        self.fields = fields
-        self.log = array("Q")
-        self.count = 0
-        self.cost = estimated_entry_cost(entry)
-        self.alone = (entry,)
-        self.runs: set[Run] = set()
-
-
-def _holds(stored: tuple[PodEntry, ...] | None, entry: PodEntry) -> bool:
-    """Whether a key's tuple holds this very (interned) entry instance."""
-    if stored is not None:
-        for held in stored:
-            if held is entry:
-                return True
-    return False
-
-
-#: The fields PodEntry equality compares, read at C speed; derived from the dataclass, so a
-#: field added to PodEntry distinguishes entries here too.
-_FIELDS = attrgetter(*(field.name for field in fields(PodEntry) if field.compare))
-
-
-def _equality_key(entry: PodEntry) -> tuple[object, ...]:
-    """What PodEntry equality compares (the class and every compared field), as a tuple that
-    is hashed and compared at C speed."""
-    return (entry.__class__, _FIELDS(entry))
-
-
-#: Who races in a score: a pod's rank 0 as the pod's name, any other rank as (pod, rank).
-_Racer = str | tuple[str, int]
-#: Marks race results where some racer is a rank other than 0.
-_RANKED = ("", -1)
-#: A stretch of a walk with equal entries: (index of its first key in the chain, number of
-#: keys, the entries, the run and position it is read from or None and 0 for inline keys).
-_Piece = tuple[int, int, tuple[PodEntry, ...], "Run | None", int]
-
-
-def _best_ranks(scores: Mapping[_Racer, float]) -> dict[str, float]:
-    """Each pod's best rank's score, from the scores of a race."""
-    out: dict[str, float] = {}
-    for racer, total in scores.items():
-        if racer is _RANKED:
-            continue
-        pod = racer if isinstance(racer, str) else racer[0]
-        if pod not in out or total > out[pod]:
-            out[pod] = total
-    return out
-
-
-#: What a score needs of a tuple of entries: each racer's best weight, the racers, and their
-#: one weight when they all have the same (else None).
-_Best = tuple[dict[_Racer, float], frozenset[_Racer], float | None]
-
-
-class _Race:
-    """A score in progress (see :class:`~kvredis.scoring.LongestPrefixScorer`): each
-    (pod, rank) earns its best weight at every key from the first on and drops out at its
-    first key without an entry; :meth:`step` takes the next stretch of keys with equal entries
-    (their best weights per racer, as :func:`_best_weights` gives them).
-
-    A racer's keys are added up only when it drops out or changes weight (with
-    :func:`~kvredis.scoring.add_times`, the same floats as adding key by key). While every
-    racer left has one weight and keeps it (the usual case: one tier), a stretch costs one
-    subset test of two sets.
-    """
-
-    __slots__ = ("alive", "common", "scores", "since", "weight")
-
-    def __init__(self, i: int, first: _Best) -> None:
-        best, racers, common = first
-        self.scores = dict(best)  # the first key's weights
-        self.weight = dict(best)
-        self.alive = set(racers)
-        self.since = dict.fromkeys(racers, i + 1)  # keys from here on are not added up yet
-        self.common = common
-
-    def step(self, i: int, info: _Best) -> bool:
-        """The keys from ``i`` on hold these entries; ``False`` if no racer is left."""
-        best, racers, uniform = info
-        common = self.common
-        if common is not None and uniform == common:
-            alive = self.alive
-            if alive <= racers:
-                return True
-            gone = alive - racers  # some drop out, the others keep the weight
-            if len(gone) == len(alive):
-                return False
-            _settle(self.scores, self.since, gone, common, i)
-            weight = self.weight
-            for racer in gone:
-                del weight[racer]
-            alive -= gone
-            return True
-        scores, since, weight = self.scores, self.since, self.weight
-        for racer in list(weight):  # weights differ: racer by racer
-            w = weight[racer]
-            now = best.get(racer)
-            if now == w:
-                continue
-            n = i - since[racer]
-            if n:
-                scores[racer] = _add_up(scores[racer], w, n)
-            if now is None:
-                del weight[racer]
-            else:
-                weight[racer] = now
-                since[racer] = i
-        if not weight:
-            return False
-        self.alive = set(weight)
-        values = set(weight.values())
-        self.common = next(iter(values)) if len(values) == 1 else None
-        return True
-
-    def finish(self, end: int) -> dict[_Racer, float]:
-        """The scores, the race having reached key ``end``; with :data:`_RANKED` among the
-        keys when some rank is not 0."""
-        scores = self.scores
-        if self.common is not None:
-            _settle(scores, self.since, self.weight, self.common, end)
-        else:
-            for racer, w in self.weight.items():
-                n = end - self.since[racer]
-                if n:
-                    scores[racer] = _add_up(scores[racer], w, n)
-        if not all(map(isinstance, scores, repeat(str))):
-            scores[_RANKED] = 0.0
-        return scores
-
-
-def _race(
-    pieces: Iterator[_Piece], best_of: Callable[[tuple[PodEntry, ...]], _Best]
-) -> tuple[dict[_Racer, float], list[_Piece]]:
-    """Score a walk given as pieces (:meth:`_MemoryIndex._pieces`); returns the scores and
-    the pieces where some racer was still in the race."""
-    used: list[_Piece] = []
-    first = next(pieces, None)
-    if first is None:
-        return {}, used
-    race = _Race(first[0], best_of(first[2]))
-    used.append(first)
-    end = first[0] + first[1]
-    for piece in pieces:
-        i, c, entries, _, _ = piece
-        if not race.step(i, best_of(entries)):
-            break
-        used.append(piece)
-        end = i + c
-    return race.finish(end), used
-
-
-def _settle(
-    scores: dict[_Racer, float],
-    since: dict[_Racer, int],
-    racers: Iterable[_Racer],
-    weight: float,
-    end: int,
-) -> None:
-    """Add up the keys of ``racers`` (all at ``weight``) from where each was last added up to
-    ``end``; racers that started together end together (one sum for all of them)."""
-    last: tuple[float, int] | None = None
-    result = 0.0
-    for racer in racers:
-        n = end - since[racer]
-        if n:
-            total = scores[racer]
-            if last != (total, n):
-                last = (total, n)
-                result = _add_up(total, weight, n)
-            scores[racer] = result
-
-
-def _add_up(total: float, weight: float, times: int) -> float:
-    """:func:`~kvredis.scoring.add_times`, whole weights of 1 added at once."""
-    if weight == 1.0 and total.is_integer() and total < _EXACT:
-        return total + times
-    return add_times(total, weight, times)
-
-
-def _best_weights(entries: tuple[PodEntry, ...], weights: dict[str, float]) -> _Best:
-    """Each (pod, rank)'s best weight among these entries, the racers, their one weight."""
-    best: dict[_Racer, float] = {}
-    for entry in entries:
-        racer: _Racer = entry.pod_identifier
-        if entry.dp_rank:
-            racer = (entry.pod_identifier, entry.dp_rank)
-        w = weights.get(entry.device_tier, UNKNOWN_TIER_WEIGHT)
-        if racer not in best or w > best[racer]:
-            best[racer] = w
-    values = set(best.values())
-    return best, frozenset(best), next(iter(values)) if len(values) == 1 else None
-
-
-#: Below this, adding whole numbers to a float total is exact (chains are far shorter).
-_EXACT = float(1 << 52)
-#: Tuples of entries whose best weights the index remembers (then it forgets them all).
-_BEST_CACHED = 4096
-#: Weight maps the index remembers validated (then it forgets them all).
-_WEIGHTS_CACHED = 64
-
 
 _INT_ONLY = frozenset({int})
 _ENGINE, _REQUEST = KeyType.ENGINE, KeyType.REQUEST
@@ -361,61 +136,9 @@ def _checked_entries(entries: Sequence[PodEntry], *, for_add: bool) -> Sequence[
     return check_entries(entries, for_add=for_add)
 
 
-def _checked_reach(keys: list[int], reached: int) -> bool:
-    """Check the first ``reached`` keys of a walk (the keys it compared or looked up; the last
-    one may be where it stopped): plain ints at C speed, anything else as every backend does.
-    Returns whether they are all plain ints."""
-    seen = keys if reached >= len(keys) else keys[:reached]
-    if seen and (
-        list(map(type, seen)).count(int) != len(seen) or not 0 <= seen[-1] <= MAX_BLOCK_HASH
-    ):  # (counting is the fastest whole pass in C: the types compare by identity)
-        check_hashes(seen, "request key")
-        return False
-    return True
-
-
-class _MemoryIndex:
-    """The shared implementation; subclasses decide the per-key entry cap and :meth:`_shrink`.
-
-    State (see the module docstring): ``_keys``, the inline request keys (key -> entries, in
-    least-recently-used order) and ``_key_ticks`` (their last-use ticks); ``_resident``, the
-    request keys in runs (key -> run) and ``_runs``, the live runs; ``_engine``, the engine keys
-    not in runs, and ``_engine_resident``, those in runs (engine key -> run); the entry records
-    ``_held`` (by the fields equality compares), ``_by_id`` (by the id of the stored instance)
-    and ``_pods`` (by pod); ``_cost``, the byte estimate of everything but the engine table
-    (which keeps its own).
-    """
-
-    def __init__(self, entries_per_key: int | None) -> None:
-        self._lock = threading.Lock()
-        self._entries_per_key = entries_per_key
-        self._keys: OrderedDict[int, tuple[PodEntry, ...]] = OrderedDict()
-        self._key_ticks: dict[int, int] = {}
-        self._resident: dict[int, Run] = {}
-        self._runs: dict[Run, None] = {}
-        self._order = RunOrder(_request_recency)
-        self._engine = EngineTable(track_ticks=True)
-        self._engine_resident: dict[int, Run] = {}
-        self._engine_order = RunOrder(_engine_recency)
-        self._held: dict[tuple[object, ...], _Held] = {}
-        self._by_id: dict[int, _Held] = {}  # id of the stored instance -> its record
-        self._pods: dict[str, set[_Held]] = {}  # so clear() is O(pod's keys)
-        self._watermarks: dict[str, Watermark] = {}
-        # The best weights of tuples of entries scored lately (id -> the tuple, which keeps
-        # the id its own, the weights and the best weights), and the weight maps seen lately.
-        self._bests: dict[int, tuple[tuple[PodEntry, ...], dict[str, float], _Best]]
-        self._bests = {}
-        self._weights_seen: dict[tuple[tuple[object, ...], ...], dict[str, float]] = {}
-        self._tick = 0
-        self._cost = 0
-        self._expiry: ExpiryTable[_Held] = ExpiryTable()
-        # The last tuple an entry was removed from, the record and what was left: the next key
-        # holding the same tuple gets the same tuple back (one tuple per run of a chain).
-        self._shrunk: tuple[tuple[PodEntry, ...], _Held | None, tuple[PodEntry, ...]] = (
-            (),
-            None,
-            (),
-        )
+class _MemoryIndex(Walks):
+    """The shared implementation (the public face of the layers, see the module docstring);
+    subclasses decide the per-key entry cap and :meth:`_shrink`."""
 
     # -- Index -----------------------------------------------------------------------------
 
@@ -452,7 +175,7 @@ class _MemoryIndex:
             except TypeError:  # an unhashable key
                 check_hashes(keys, "request key")
                 raise
-            if not _checked_reach(keys, end + 1):  # int subclasses: answer with ints
+            if not checked_reach(keys, end + 1):  # int subclasses: answer with ints
                 out = {int(key): found for key, found in out.items()}
             if used:
                 self._use(keys, used)
@@ -475,8 +198,8 @@ class _MemoryIndex:
         are checked up to where the walk stops.
         """
         scores = self._scores(request_keys, medium_weights, pod_identifier_set)
-        if _RANKED in scores:
-            return _best_ranks(scores)
+        if RANKED in scores:
+            return best_ranks(scores)
         return scores  # type: ignore[return-value]
 
     def score_by_rank(
@@ -489,7 +212,7 @@ class _MemoryIndex:
         ``LongestPrefixScorer(medium_weights).score_by_rank(keys, lookup(keys, ...))``, in the
         walk :meth:`score` makes (see :class:`~kvredis.index.RankScoringIndex`)."""
         scores = self._scores(request_keys, medium_weights, pod_identifier_set)
-        scores.pop(_RANKED, None)
+        scores.pop(RANKED, None)
         out: dict[str, dict[int, float]] = {}
         for racer, total in scores.items():
             if isinstance(racer, str):
@@ -508,8 +231,8 @@ class _MemoryIndex:
         request_keys: Sequence[int],
         medium_weights: Mapping[str, float] | None,
         pod_identifier_set: Collection[str] | None,
-    ) -> dict[_Racer, float]:
-        """The score of every (pod, rank) in the race, with :data:`_RANKED` among the keys
+    ) -> dict[Racer, float]:
+        """The score of every (pod, rank) in the race, with :data:`RANKED` among the keys
         when some rank is not 0."""
         keys = request_keys
         if type(keys) is not list:
@@ -529,54 +252,20 @@ class _MemoryIndex:
                 if pods is None and not self._expiry:
                     scores, used = self._score_walk(keys, weights, self._best_of(weights))
                 else:  # (filtered pieces are tuples of their own: nothing to remember)
-                    best_of = partial(_best_weights, weights=weights)
-                    scores, used = _race(self._pieces(keys, pods, now), best_of)
+                    best_of = partial(best_weights, weights=weights)
+                    scores, used = race(self._pieces(keys, pods, now), best_of)
             except TypeError:  # an unhashable key
                 check_hashes(keys, "request key")
                 raise
             if used:
                 i, c, _, _, _ = used[-1]
-                _checked_reach(keys, i + c + 1)
+                checked_reach(keys, i + c + 1)
                 self._use(keys, used)
             else:
-                _checked_reach(keys, 1)
+                checked_reach(keys, 1)
         finally:
             lock.release()
         return scores
-
-    def _weights(self, medium_weights: Mapping[str, float] | None) -> dict[str, float]:
-        """The validated weights: the same dict for equal weight maps (of equal types), so
-        the best weights of a tuple of entries are remembered across calls."""
-        if medium_weights is None:
-            return score_weights(None)
-        try:
-            key = tuple([(k, type(v), v) for k, v in medium_weights.items()])
-            weights = self._weights_seen.get(key)
-        except (AttributeError, TypeError):  # not a mapping, or unhashable
-            return score_weights(medium_weights)
-        if weights is None:
-            weights = score_weights(medium_weights)
-            if len(self._weights_seen) >= _WEIGHTS_CACHED:
-                self._weights_seen.clear()
-            self._weights_seen[key] = weights
-        return weights
-
-    def _best_of(self, weights: dict[str, float]) -> Callable[[tuple[PodEntry, ...]], _Best]:
-        """:func:`_best_weights` for ``weights``, remembered per tuple of entries."""
-        cache = self._bests
-        cache_get = cache.get
-
-        def best_of(entries: tuple[PodEntry, ...]) -> _Best:
-            hit = cache_get(id(entries))
-            if hit is not None and hit[0] is entries and hit[1] is weights:
-                return hit[2]
-            best = _best_weights(entries, weights)
-            if len(cache) >= _BEST_CACHED:
-                cache.clear()
-            cache[id(entries)] = (entries, weights, best)
-            return best
-
-        return best_of
 
     def add(
         self,
@@ -779,237 +468,7 @@ class _MemoryIndex:
             else:
                 self._watermarks[stream] = watermark
 
-    # -- walks (called with the lock held) -------------------------------------------------
-
-    def _pieces(self, keys: list[int], pods: frozenset[str] | None, now: float) -> Iterator[_Piece]:
-        """The walk of a chain: its stretches of equal (filtered, live) entries, in order, up
-        to the first key without any. A run is read span by span (:func:`span` compares the
-        chain with the run's keys; the run's ranges give the entries); inline keys are read
-        in groups of equal tuples, key by key where entries expire or a filter applies."""
-        inline_get, resident_get = self._keys.get, self._resident.get
-        expiry, by_id = self._expiry, self._by_id
-        n = len(keys)
-        i = 0
-        while i < n:
-            key = keys[i]
-            run = resident_get(key)
-            if run is None:
-                stored = inline_get(key)
-                if stored is None:
-                    return
-                if expiry or pods is not None:
-                    if pods is not None:
-                        stored = tuple([e for e in stored if e.pod_identifier in pods])
-                    if expiry:
-                        stored = tuple([e for e in stored if expiry.live(key, by_id[id(e)], now)])
-                    if not stored:
-                        return
-                    yield i, 1, stored, None, 0
-                    i += 1
-                    continue
-                for stored, group in groupby(map(inline_get, islice(keys, i, None))):
-                    if stored is None:
-                        break
-                    c = len([*group])
-                    yield i, c, stored, None, 0
-                    i += c
-                continue
-            run_keys = run.keys
-            pos = run_keys.index(key)
-            end = pos + span(keys, i, run_keys, pos)
-            sets = run.sets
-            ends, values = sets.ends, sets.values
-            j = sets.index(pos)
-            p = pos
-            while p < end:
-                stored = values[j]
-                if not stored:
-                    break  # a hole: its key may be held elsewhere
-                e = ends[j]
-                if e > end:
-                    e = end
-                if pods is not None:
-                    stored = tuple([x for x in stored if x.pod_identifier in pods])
-                    if not stored:
-                        return
-                yield i, e - p, stored, run, p
-                i += e - p
-                p = e
-                j += 1
-
-    def _view(
-        self,
-        run: Run,
-        weights: dict[str, float],
-        best_of: Callable[[tuple[PodEntry, ...]], _Best],
-    ) -> tuple[list[int], list[_Best | None]]:
-        """What a score reads of a run for these weights (see :attr:`Run.view`): the ends of
-        its ranges with neighbours of equal best weights merged, and their best weights
-        (``None`` at holes); built on the run's first score after its entries changed."""
-        view = run.view
-        if view is not None and view[0] is weights:
-            return view[1], view[2]  # type: ignore[return-value]
-        ends: list[int] = []
-        infos: list[_Best | None] = []
-        for end, entries in zip(run.sets.ends, run.sets.values, strict=True):
-            info = best_of(entries) if entries else None
-            if infos and (
-                info[0] == infos[-1][0]
-                if info is not None and infos[-1] is not None
-                else info is infos[-1]
-            ):
-                ends[-1] = end
-            else:
-                ends.append(end)
-                infos.append(info)
-        run.view = (weights, ends, infos)  # type: ignore[assignment]
-        return ends, infos
-
-    def _score_walk(
-        self,
-        keys: list[int],
-        weights: dict[str, float],
-        best_of: Callable[[tuple[PodEntry, ...]], _Best],
-    ) -> tuple[dict[_Racer, float], list[_Piece]]:
-        """:func:`_race` over :meth:`_pieces` without a filter or expiring entries, in one
-        loop: the walk of a score, its hot path. Returns the scores and the stretches used (one
-        per span of a run, one per group of inline keys)."""
-        inline_get, resident_get = self._keys.get, self._resident.get
-        used: list[_Piece] = []
-        race: _Race | None = None
-        n = len(keys)
-        i = 0
-        while i < n:
-            key = keys[i]
-            run = resident_get(key)
-            if run is None:
-                if inline_get(key) is None:
-                    break
-                stop = False
-                for stored, group in groupby(map(inline_get, islice(keys, i, None))):
-                    if stored is None:
-                        break
-                    c = len([*group])
-                    if race is None:
-                        race = _Race(i, best_of(stored))
-                    elif not race.step(i, best_of(stored)):
-                        stop = True
-                        break
-                    used.append((i, c, stored, None, 0))
-                    i += c
-                if stop:
-                    break
-                continue
-            run_keys = run.keys
-            pos = run_keys.index(key)
-            ends, infos = self._view(run, weights, best_of)
-            end = pos + span_at(keys, i, run_keys, pos, ends)
-            j = bisect_right(ends, pos)
-            p = pos
-            start = i
-            stop = False
-            while p < end:
-                info = infos[j]
-                if info is None:
-                    break  # a hole: its key may be held elsewhere
-                if race is None:
-                    race = _Race(i, info)
-                elif (
-                    info[2] != race.common or race.common is None or not race.alive <= info[1]
-                ) and not race.step(i, info):  # (the usual stretch: nobody drops out)
-                    stop = True
-                    break
-                e = ends[j]
-                if e > end:
-                    e = end
-                i += e - p
-                p = e
-                j += 1
-            if p > pos:
-                used.append((start, p - pos, (), run, pos))
-            if stop:
-                break
-        if race is None:
-            return {}, used
-        return race.finish(i), used
-
-    def _use(self, keys: list[int], used: list[_Piece]) -> None:
-        """Count the keys of these pieces of a walk as used, in walk order."""
-        inline, ticks, order = self._keys, self._key_ticks, self._order
-        tick = self._tick
-        last: Run | None = None
-        a = b = 0
-        for i, c, _, run, p in used:
-            if run is not None and run is last and p == b:
-                b += c
-                continue
-            if last is not None:
-                tick += 1
-                last.recency.assign(a, b, tick)
-                order.used(last, tick)
-            if run is None:
-                last = None
-                tick += 1
-                touched = keys[i : i + c]
-                deque(map(inline.move_to_end, touched), 0)  # (C-level loop)
-                ticks.update(zip(touched, repeat(tick)))
-            else:
-                last, a, b = run, p, p + c
-        if last is not None:
-            tick += 1
-            last.recency.assign(a, b, tick)
-            order.used(last, tick)
-        self._tick = tick
-
-    def _use_engine(self, run: Run, a: int, b: int) -> None:
-        """Count the engine keys at ``[a, b)`` of ``run`` as used."""
-        assert run.engine_recency is not None
-        self._tick += 1
-        run.engine_recency.assign(a, b, self._tick)
-        self._engine_order.used(run, self._tick)
-
-    # -- entry records ---------------------------------------------------------------------
-
-    def _find(self, entry: PodEntry) -> _Held | None:
-        """The record of the entry equal to ``entry``, if the index holds one."""
-        held = self._by_id.get(id(entry))
-        if held is not None and held.entry is entry:
-            return held
-        return self._held.get(_equality_key(entry))
-
-    def _intern(self, entry: PodEntry) -> _Held:
-        """:meth:`_find`, creating the record (with ``entry`` as the instance stored)."""
-        held = self._find(entry)
-        if held is None:
-            fields = _equality_key(entry)
-            held = self._held[fields] = _Held(entry, fields)
-            self._by_id[id(entry)] = held
-            pods = self._pods.get(entry.pod_identifier)
-            if pods is None:
-                self._pods[entry.pod_identifier] = {held}
-            else:
-                pods.add(held)
-        return held
-
-    def _release(self, held: _Held) -> None:
-        """Forget the record of an entry no key holds any more."""
-        del self._held[held.fields]
-        del self._by_id[id(held.entry)]
-        pod = held.entry.pod_identifier
-        pods = self._pods[pod]
-        pods.discard(held)
-        if not pods:
-            del self._pods[pod]
-
-    def _records(self, ents: Sequence[PodEntry]) -> list[_Held]:
-        """The records of the distinct entries of an add (the most recent ``cap`` of them)."""
-        cap = self._entries_per_key
-        unique = list(dict.fromkeys(ents))
-        if cap is not None and len(unique) > cap:  # the oldest would be dropped at once
-            unique = unique[-cap:]
-        return [self._intern(e) for e in unique]
-
-    # -- adds ------------------------------------------------------------------------------
+    # -- adds, evicts and bounds (called with the lock held) -------------------------------
 
     def _add(
         self,
@@ -1059,17 +518,6 @@ class _MemoryIndex:
                 return
         self._add_mixed(eng, req, ents)
         self._shrink()
-
-    def _add_inline(
-        self, req: Sequence[int], ents: Sequence[PodEntry], deadline: float | None
-    ) -> None:
-        """Add to keys that are all inline or new (and stay inline)."""
-        if len(ents) == 1 and deadline is None and not self._expiry:
-            self._add_one(req, self._intern(ents[0]))
-        else:
-            self._add_many(req, ents, deadline)
-        self._tick += 1
-        self._key_ticks.update(dict.fromkeys(req, self._tick))
 
     def _add_run(
         self, eng: Sequence[int] | None, req: Sequence[int], ents: Sequence[PodEntry]
@@ -1135,23 +583,6 @@ class _MemoryIndex:
         if eng:
             self._map(eng, req, run, {k: start + p for p, k in enumerate(req)})
 
-    def _new_run(self, keys: list[int], helds: list[_Held], tick: int) -> Run:
-        """A run of new keys holding these entries, all used at ``tick``."""
-        n = len(keys)
-        entries = tuple(h.entry for h in helds)
-        run = Run(keys, entries, tick)
-        self._runs[run] = None
-        self._resident.update(zip(keys, repeat(run)))
-        self._cost += RUN_COST + n * (RUN_POSITION_COST + RUN_KEY_COST)
-        for held in helds:
-            run.holders[held] = n
-            held.runs.add(run)
-            held.count += n
-            self._cost += held.cost
-        if tick:
-            self._order.used(run, tick)
-        return run
-
     def _add_mixed(
         self, eng: Sequence[int] | None, req: Sequence[int], ents: Sequence[PodEntry]
     ) -> None:
@@ -1203,338 +634,8 @@ class _MemoryIndex:
         if eng:
             self._map(eng, req, run, positions)
 
-    def _run_add(self, run: Run, a: int, b: int, helds: list[_Held]) -> int:
-        """Add the entries to the live positions ``[a, b)`` of a run, up to its first hole;
-        returns where it stopped. Equal tuples before give equal tuples after (one per range),
-        re-added entries move to the most recent end, the per-key cap drops the oldest."""
-        added = tuple(h.entry for h in helds)
-        added_ids = set(map(id, added))
-        cap = self._entries_per_key
-        sets = run.sets
-        ja = sets.cut(a)
-        jb = sets.cut(b)
-        made: dict[int, tuple[PodEntry, ...]] = {}
-        ends, values = sets.ends, sets.values
-        start = a
-        j = ja
-        while j < jb:
-            old: tuple[PodEntry, ...] = values[j]
-            end = ends[j]
-            if not old:  # a hole: its key is not this run's any more
-                b = start
-                break
-            new = made.get(id(old))
-            if new is None:
-                new = (*[e for e in old if id(e) not in added_ids], *added)
-                if cap is not None and len(new) > cap:
-                    new = new[-cap:]
-                made[id(old)] = new
-            if new != old:
-                self._account(run, old, new, end - start)
-                values[j] = new
-                run.view = None
-            start = end
-            j += 1
-        else:
-            b = start
-        sets.merge_span(ja, jb)
-        return b
-
-    def _account(
-        self, run: Run, old: tuple[PodEntry, ...], new: tuple[PodEntry, ...], length: int
-    ) -> None:
-        """Entries come and go on ``length`` positions of a run (``old`` -> ``new``)."""
-        by_id, holders = self._by_id, run.holders
-        for entry in new:
-            if not _holds(old, entry):
-                held = by_id[id(entry)]
-                count = holders.get(held, 0)
-                if not count:
-                    held.runs.add(run)
-                    self._cost += held.cost
-                holders[held] = count + length
-                held.count += length
-        for entry in old:
-            if not _holds(new, entry):
-                held = by_id[id(entry)]
-                count = holders[held] - length
-                held.count -= length
-                if count:
-                    holders[held] = count
-                else:
-                    del holders[held]
-                    held.runs.discard(run)
-                    self._cost -= held.cost
-                if not held.count:
-                    self._release(held)
-
-    def _add_one(self, req: Sequence[int], held: _Held) -> None:
-        """Add one entry to inline or new keys (no expiry involved): the common event."""
-        table = self._keys
-        entry, alone = held.entry, held.alone
-        keys_before = len(table)
-        added: Sequence[int] = ()
-        fresh = None
-        if table.keys().isdisjoint(req):  # all new keys: one C-level update of each dict
-            fresh = dict.fromkeys(req, alone)
-            if len(fresh) == len(req):
-                table.update(fresh)
-                added = req
-            else:  # a key repeated: its place in the LRU order is its last occurrence
-                fresh = None
-        if fresh is None:
-            get, touch, cap = table.get, table.move_to_end, self._entries_per_key
-            # Keys that held the same tuple hold the same tuple after the add too: a chain
-            # added pod by pod keeps one tuple for the whole run of keys its pods share.
-            grown_from: tuple[PodEntry, ...] | None = None
-            grown: tuple[PodEntry, ...] = alone
-            refreshed_from: tuple[PodEntry, ...] | None = None
-            refreshed: tuple[PodEntry, ...] = alone
-            added = []
-            for key in req:
-                stored = get(key)
-                if stored is None:
-                    table[key] = alone
-                    added.append(key)
-                    continue
-                if stored[-1] is not entry:
-                    if stored is grown_from:  # as the key before: share its tuple
-                        stored = grown
-                        added.append(key)
-                    elif stored is refreshed_from:
-                        stored = refreshed
-                    elif _holds(stored, entry):  # re-added: it becomes the most recent
-                        refreshed_from = stored
-                        stored = refreshed = (*[e for e in stored if e is not entry], entry)
-                    else:
-                        added.append(key)
-                        grown_from = stored
-                        stored += alone
-                        if cap is not None and len(stored) > cap:
-                            stored = self._trim(key, stored, cap)
-                            grown_from = None
-                        grown = stored
-                    table[key] = stored
-                touch(key)
-        self._cost += (len(table) - keys_before) * KEY_COST
-        if added:
-            self._log_keys(held, added)
-
-    def _log_keys(self, held: _Held, keys: Sequence[int]) -> None:
-        """Record that inline ``keys`` (not holding the entry before) now hold it; compact the
-        log once it is over twice its keys (amortized O(1) per key logged)."""
-        held.count += len(keys)
-        self._cost += len(keys) * held.cost
-        log = held.log
-        log.extend(keys)
-        if len(log) > 2 * held.count + LOG_SLACK:
-            get, entry = self._keys.get, held.entry
-            held.log = array("Q", [k for k in dict.fromkeys(log) if _holds(get(k), entry)])
-
-    def _add_many(
-        self, req: Sequence[int], ents: Sequence[PodEntry], deadline: float | None
-    ) -> None:
-        """Add several entries, or entries that expire, or while some entries expire, to
-        inline or new keys."""
-        cap = self._entries_per_key
-        helds = self._records(ents)
-        added = tuple(h.entry for h in helds)
-        added_ids = set(map(id, added))
-        by_id = self._by_id
-        # A confirmed entry of a pod replaces that pod's expiring speculative entries under
-        # the key (speculative entries added without a ttl stay until evicted).
-        expiry = self._expiry
-        confirmed = {e.pod_identifier for e in added if not e.speculative} if expiry else ()
-        table = self._keys
-        new_keys: list[list[int]] = [[] for _ in helds]  # logged once the keys hold them
-        for key in req:
-            stored = table.get(key)
-            if stored is None:
-                stored = ()
-                self._cost += KEY_COST
-            else:
-                table.move_to_end(key)
-            # Re-adding an entry refreshes it: it moves to the most recently added end.
-            kept = [e for e in stored if id(e) not in added_ids]
-            if confirmed and kept:
-                replaced = {
-                    id(e): e
-                    for e in kept
-                    if e.pod_identifier in confirmed and (key, by_id[id(e)]) in expiry
-                }
-                if replaced:
-                    for entry in replaced.values():
-                        self._forget(key, entry)
-                    kept = [e for e in kept if id(e) not in replaced]
-            for held, logged in zip(helds, new_keys, strict=True):
-                if not _holds(stored, held.entry):
-                    logged.append(key)
-            merged = (*kept, *added)
-            if cap is not None and len(merged) > cap:
-                merged = self._trim(key, merged, cap)
-            table[key] = merged
-            if deadline is not None:
-                for held in helds:
-                    expiry.set(key, held, deadline)
-            elif expiry:
-                for held in helds:
-                    expiry.discard(key, held)
-        for held, logged in zip(helds, new_keys, strict=True):
-            if logged:
-                self._log_keys(held, logged)
-
-    def _trim(self, key: int, stored: tuple[PodEntry, ...], cap: int) -> tuple[PodEntry, ...]:
-        """Keep the ``cap`` most recently added entries of an inline key."""
-        for entry in stored[:-cap]:
-            self._forget(key, entry)
-        return stored[-cap:]
-
-    def _unrun(self, key: int, run: Run) -> None:
-        """Move a key out of its run to stand inline with the same entries (its position
-        becomes a hole; its engine key, if any, stays with the run)."""
-        pos = run.position(key)
-        entries: tuple[PodEntry, ...] = run.sets.at(pos)
-        tick = run.recency.at(pos)
-        self._hole(run, pos, pos + 1)
-        if not entries:
-            return
-        self._keys[key] = entries
-        self._key_ticks[key] = tick
-        self._cost += KEY_COST
-        for entry in entries:
-            held = self._intern(entry)
-            self._log_keys(held, (key,))
-
-    # -- engine mappings -------------------------------------------------------------------
-
-    def _map(
-        self,
-        eng: Sequence[int],
-        req: Sequence[int],
-        run: Run | None,
-        positions: Mapping[int, int],
-    ) -> None:
-        """Record the engine->request mappings of an add, used in their order. A new engine
-        key paired with a key of the add's new run is kept in the run, at the key's position;
-        the others go to (or stay in) the engine table, or stay in the run they are in."""
-        engine_resident, table = self._engine_resident, self._engine
-        if run is None and not engine_resident:
-            self._tick += 1
-            table.map_all(eng, req, self._tick)
-            return
-        aligned = len(eng) == len(req)
-        if aligned and (type(eng) is not list or type(req) is not list):
-            eng, req = list(eng), list(req)  # (compared with the runs' key lists)
-        pairs: Iterable[tuple[int, int]]
-        pairs = enumerate(eng) if aligned else infer_mappings(eng, req)
-        skip = 0  # pairs already handled as part of a stretch of a run
-        inline: list[tuple[int, int]] = []  # pairs for the table, used next
-        # engine keys of one run at positions [a, b), used next
-        used: Run | None = None
-        a = b = 0
-
-        def flush() -> None:
-            nonlocal used
-            if inline:
-                self._tick += 1
-                table.map_pairs(inline, self._tick)
-                inline.clear()
-            if used is not None:
-                self._use_engine(used, a, b)
-                used = None
-
-        for first, second in pairs:
-            if aligned:  # (index, engine key)
-                if skip:
-                    skip -= 1
-                    continue
-                engine_key, request_key = second, req[first]
-            else:
-                engine_key, request_key = first, second
-            home = engine_resident.get(engine_key)
-            if home is not None:
-                pos = home.engine_position(engine_key, b if home is used else -1)
-                if home.keys[pos] == request_key:
-                    if home is not used or pos != b:
-                        flush()
-                        used, a = home, pos
-                    b = pos + 1
-                    if aligned:  # the pairs that follow along the run, at once
-                        assert home.engine is not None
-                        more = min(
-                            span(eng, first, home.engine, pos), span(req, first, home.keys, pos)
-                        )
-                        skip = more - 1
-                        b = pos + more
-                    continue
-                flush()  # a second request key: the mapping moves to the table
-                old = home.keys[pos]
-                self._drop_engine(home, pos)
-                self._tick += 1
-                table.put(engine_key, old, self._tick)
-                table.map_pairs(((engine_key, request_key),), self._tick)
-                continue
-            pos = positions.get(request_key, -1)
-            if pos >= 0 and run is not None and (run.engine is None or run.engine[pos] is None):
-                if inline:
-                    flush()
-                if table.get(engine_key) is None:
-                    self._place_engine(run, pos, engine_key)
-                    if run is not used or pos != b:
-                        flush()
-                        used, a = run, pos
-                    b = pos + 1
-                    continue
-            if used is not None:
-                flush()
-            inline.append((engine_key, request_key))
-        flush()
-
-    def _place_engine(self, run: Run, pos: int, engine_key: int) -> None:
-        """Keep a new engine key at ``pos`` of ``run`` (the caller marks it used)."""
-        n = len(run.keys)
-        if run.engine is None:
-            run.engine = [None] * n
-            run.engine_recency = Ranges(n, 0)
-            self._cost += n * 8
-        run.engine[pos] = engine_key
-        run.mapped += 1
-        self._engine_resident[engine_key] = run
-        self._cost += RUN_MAPPING_COST
-
-    def _drop_engine(self, run: Run, pos: int) -> None:
-        """Forget the engine key at ``pos`` of ``run``."""
-        assert run.engine is not None
-        engine_key = run.engine[pos]
-        assert engine_key is not None
-        del self._engine_resident[engine_key]
-        run.engine[pos] = None
-        run.mapped -= 1
-        self._cost -= RUN_MAPPING_COST
-        if not run.alive:
-            self._bury(run)
-
-    def _drop_unheld_engine_keys(self, run: Run) -> int:
-        """Drop the engine keys of ``run`` whose request key no key holds; returns how many
-        engine keys it examined."""
-        engine = run.engine
-        if engine is None or not run.mapped:
-            return 0
-        examined = run.mapped
-        inline, resident = self._keys, self._resident
-        for pos, engine_key in enumerate(engine):
-            if engine_key is not None:
-                key = run.keys[pos]
-                if key not in resident and key not in inline:
-                    self._drop_engine(run, pos)
-                    if run.engine is None or not run.alive:
-                        break
-        return examined
-
-    # -- evicts ----------------------------------------------------------------------------
-
     def _evict(self, key: int, key_type: KeyType, ents: Sequence[PodEntry]) -> None:
-        found: Iterable[_Held]
+        found: Iterable[Held]
         if len(ents) == 1:  # the common case, without building lists
             held = self._find(ents[0])
             found = () if held is None else (held,)
@@ -1571,7 +672,7 @@ class _MemoryIndex:
         if not any(r in inline or r in resident for r in targets):
             self._engine.drop(key)
 
-    def _remove(self, key: int, held: _Held, hint: int = -1) -> int:
+    def _remove(self, key: int, held: Held, hint: int = -1) -> int:
         """Remove one entry from one key, inline or in a run (``hint``: where in its run it
         likely is); 1 if it was there, else 0."""
         run = self._resident.get(key)
@@ -1580,197 +681,6 @@ class _MemoryIndex:
         if held not in run.holders:
             return 0
         return self._run_remove_at(run, run.position(key, hint), held)
-
-    def _run_remove_at(self, run: Run, pos: int, held: _Held) -> int:
-        """:meth:`_run_remove` of one position (an evict): the position's range is split
-        around it, and merged with a neighbour holding the same entries."""
-        sets = run.sets
-        ends, values = sets.ends, sets.values
-        j = bisect_right(ends, pos)
-        old: tuple[PodEntry, ...] = values[j]
-        entry = held.entry
-        if not _holds(old, entry):
-            return 0
-        new = old[:-1] if old[-1] is entry else tuple([e for e in old if e is not entry])
-        run.view = None
-        start = ends[j - 1] if j else 0
-        end = ends[j]
-        if end - start == 1:
-            values[j] = new
-        else:
-            split_ends, split_values = [pos + 1], [new]
-            if end > pos + 1:
-                split_ends.append(end)
-                split_values.append(old)
-            if pos > start:
-                split_ends.insert(0, pos)
-                split_values.insert(0, old)
-            ends[j : j + 1] = split_ends
-            values[j : j + 1] = split_values
-            if pos > start:
-                j += 1
-        if j + 1 < len(ends) and values[j + 1] == new:
-            del ends[j]
-            del values[j + 1]
-        if j and values[j - 1] == new:
-            del ends[j - 1]
-            del values[j]
-        count = run.holders[held] - 1
-        if count:
-            run.holders[held] = count
-        else:
-            del run.holders[held]
-            held.runs.discard(run)
-            self._cost -= held.cost
-        held.count -= 1
-        if not held.count:
-            self._release(held)
-        if not new:
-            self._emptied(run, pos, pos + 1)
-            if not run.alive:
-                self._bury(run)
-        return 1
-
-    def _run_remove(self, run: Run, a: int, b: int, held: _Held) -> int:
-        """Remove one entry from the positions ``[a, b)`` of a run (positions left without
-        entries become holes); returns how many positions held it."""
-        if held not in run.holders:
-            return 0
-        entry = held.entry
-        sets = run.sets
-        ja = sets.cut(a)
-        jb = sets.cut(b)
-        ends, values = sets.ends, sets.values
-        made: dict[int, tuple[PodEntry, ...]] = {}
-        removed = 0
-        holes: list[tuple[int, int]] = []
-        start = sets.start(ja)
-        for j in range(ja, jb):
-            end = ends[j]
-            old: tuple[PodEntry, ...] = values[j]
-            if _holds(old, entry):
-                new = made.get(id(old))
-                if new is None:
-                    new = made[id(old)] = tuple([e for e in old if e is not entry])
-                values[j] = new
-                run.view = None
-                removed += end - start
-                if not new:
-                    holes.append((start, end))
-            start = end
-        count = run.holders[held] - removed
-        if count:
-            run.holders[held] = count
-        else:
-            del run.holders[held]
-            held.runs.discard(run)
-            self._cost -= held.cost
-        held.count -= removed
-        if not held.count:
-            self._release(held)
-        for hole_start, hole_end in holes:
-            self._emptied(run, hole_start, hole_end)
-        sets.merge_span(ja, jb)
-        if holes and not run.alive:
-            self._bury(run)
-        return removed
-
-    def _emptied(self, run: Run, a: int, b: int) -> None:
-        """Positions ``[a, b)`` of a run were left without entries: their keys leave the
-        table of keys in runs."""
-        deque(map(self._resident.pop, run.keys[a:b]), 0)
-        run.live -= b - a
-        self._cost -= (b - a) * RUN_KEY_COST
-
-    def _hole(self, run: Run, a: int, b: int) -> int:
-        """Drop every entry of the live positions in ``[a, b)`` of a run; returns how many
-        positions were live."""
-        sets = run.sets
-        ja = sets.cut(a)
-        jb = sets.cut(b)
-        ends, values = sets.ends, sets.values
-        live = 0
-        start = sets.start(ja)
-        for j in range(ja, jb):
-            end = ends[j]
-            old: tuple[PodEntry, ...] = values[j]
-            if old:
-                self._account(run, old, (), end - start)
-                values[j] = ()
-                run.view = None
-                self._emptied(run, start, end)
-                live += end - start
-            start = end
-        sets.merge_span(ja, jb)
-        if not run.alive:
-            self._bury(run)
-        return live
-
-    def _bury(self, run: Run) -> None:
-        """Forget a run none of whose positions holds entries or an engine key."""
-        if self._runs.pop(run, 0) is None:
-            self._cost -= RUN_COST + len(run.keys) * RUN_POSITION_COST
-            if run.engine is not None:
-                self._cost -= len(run.keys) * 8
-
-    def _drop_pair(self, key: int, held: _Held) -> int:
-        """Remove one entry from one inline key (and the key once empty); 1 if it was there,
-        else 0."""
-        table = self._keys
-        stored = table.get(key)
-        if not _holds(stored, held.entry):
-            return 0
-        assert stored is not None
-        held.count -= 1
-        self._cost -= held.cost
-        if len(stored) == 1:  # it held only this entry
-            del table[key]
-            del self._key_ticks[key]
-            self._cost -= KEY_COST
-        else:
-            shrunk = self._shrunk
-            if shrunk[0] is stored and shrunk[1] is held:  # as the key before: share
-                table[key] = shrunk[2]
-            else:
-                entry = held.entry
-                left = (
-                    stored[:-1]
-                    if stored[-1] is entry
-                    else tuple([e for e in stored if e is not entry])
-                )
-                table[key] = left
-                self._shrunk = (stored, held, left)
-        if self._expiry:
-            self._expiry.discard(key, held)
-        if not held.count:
-            self._release(held)
-        return 1
-
-    def _forget(self, key: int, entry: PodEntry) -> None:
-        """Account for a stored entry no longer under an inline key (the caller updates the
-        key)."""
-        held = self._by_id[id(entry)]
-        held.count -= 1
-        self._cost -= held.cost
-        if self._expiry:
-            self._expiry.discard(key, held)
-        if not held.count:
-            self._release(held)
-
-    def _expire(self, now: float) -> None:
-        """Reclaim up to :data:`EXPIRED_PER_CALL` entries whose deadline is past."""
-        for key, held in self._expiry.due(now, EXPIRED_PER_CALL):
-            self._drop_pair(key, held)
-
-    # -- bounds ----------------------------------------------------------------------------
-
-    def _drop_key(self, key: int) -> None:
-        """Drop an inline key with all its entries."""
-        stored = self._keys.pop(key)
-        del self._key_ticks[key]
-        self._cost -= KEY_COST
-        for entry in stored:
-            self._forget(key, entry)
 
     def _oldest_key(self) -> tuple[int, int | None, Run | None]:
         """The least recently used request keys: (tick, an inline key, None) or (tick, None,
@@ -1799,58 +709,8 @@ class _MemoryIndex:
             return event[0], None, event[1]
         return 0, None, None
 
-    def _drop_used(self, run: Run, tick: int, limit: int) -> int:
-        """Drop up to ``limit`` request keys of ``run`` last used at ``tick`` (position
-        order: the order they were used in); returns how many were held."""
-        recency = run.recency
-        dropped = 0
-        while dropped < limit:
-            try:
-                j = recency.values.index(tick)
-            except ValueError:
-                self._order.done(run, tick)
-                break
-            a = recency.start(j)
-            b = min(recency.ends[j], a + limit - dropped)
-            recency.assign(a, b, 0)
-            dropped += self._hole(run, a, b)
-            if not run.alive:
-                break
-        return dropped
-
-    def _drop_used_engine(self, run: Run, tick: int, limit: int) -> int:
-        """Drop up to ``limit`` engine keys of ``run`` last used at ``tick``; returns how
-        many there were."""
-        recency, engine = run.engine_recency, run.engine
-        assert recency is not None and engine is not None
-        dropped = 0
-        while dropped < limit:
-            try:
-                j = recency.values.index(tick)
-            except ValueError:
-                self._engine_order.done(run, tick)
-                break
-            a = recency.start(j)
-            b = min(recency.ends[j], a + limit - dropped)
-            recency.assign(a, b, 0)
-            for pos in range(a, b):
-                if engine[pos] is not None:
-                    self._drop_engine(run, pos)
-                    dropped += 1
-            if not run.alive:
-                break
-        return dropped
-
     def _shrink(self) -> None:
         raise NotImplementedError
-
-
-def _request_recency(run: Run) -> Ranges[int]:
-    return run.recency
-
-
-def _engine_recency(run: Run) -> Ranges[int] | None:
-    return run.engine_recency
 
 
 class InMemoryIndex(_MemoryIndex):

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvredis import memory
+from kvredis import memory, memory_tables
 from kvredis.batch import AddOp, Watermark
 from kvredis.errors import ConfigError, EngineKeyNotFoundError, InvalidInputError
 from kvredis.jsonconfig import parse_size
@@ -521,14 +521,14 @@ def test_the_key_log_of_an_entry_stays_bounded_under_churn(make: Any) -> None:
         index.add(None, keys[::2], [A, B])  # re-added to half of them, with another entry
         for key in keys[:-3]:
             index.evict(key, KeyType.REQUEST, [A])
-        held = index._held[memory._equality_key(A)]
+        held = index._held[memory_tables.equality_key(A)]
         assert held.count == 1 + 3 * (round_ + 1)
         assert len(held.log) <= 2 * (held.count + len(keys)) + LOG_SLACK  # (+ evicted since)
     live = {k for k in range(2600) if A in present(index, k)}
     assert len(live) == 1 + 3 * 50
     assert index.clear_with_progress("pod-a") == len(live)
     assert all(A not in present(index, k) for k in range(2600))
-    assert memory._equality_key(A) not in index._held
+    assert memory_tables.equality_key(A) not in index._held
 
 
 # -- parse_size --------------------------------------------------------------------------------
