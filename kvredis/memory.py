@@ -479,6 +479,19 @@ class _MemoryIndex(Walks):
         *,
         parent: int | None = None,
     ) -> None:
+        if len(req) > RUN_MAX and deadline is None and (not eng or len(eng) == len(req)):
+            # One add per RUN_MAX keys, each naming the last key of the one before as its
+            # parent: runs stay short enough to search a key in, and the keys are used in the
+            # same order.
+            for start in range(0, len(req), RUN_MAX):
+                stop = start + RUN_MAX
+                self._add(
+                    eng[start:stop] if eng else None,
+                    req[start:stop],
+                    ents,
+                    parent=req[start - 1] if start else parent,
+                )
+            return
         resident = self._resident
         if parent is not None and deadline is None:  # an append to a chain
             run = resident.get(parent)

@@ -20,7 +20,7 @@ from kvredis.checks import MAX_REQUEST_KEYS_PER_ENGINE_KEY, infer_mappings
 from kvredis.errors import EngineKeyNotFoundError
 from kvredis.memory import CostAwareMemoryIndex, InMemoryIndex
 from kvredis.memory_bounds import CostAwareMemoryIndexConfig, InMemoryIndexConfig
-from kvredis.memory_runs import RUN_MIN, span, span_at
+from kvredis.memory_runs import RUN_MAX, RUN_MIN, span, span_at
 from kvredis.scoring import LongestPrefixScorer
 from kvredis.types import KeyType, PodEntry
 from tests import memory_state
@@ -398,4 +398,16 @@ def test_appends_naming_their_parent_grow_the_run() -> None:
     assert len(list(index._pieces(chain, None, 0.0))) == 1
     index.apply_batch([AddOp(None, (77,), (a,), 12345)])  # a parent no run ends: inline
     assert len(index._keys) == 1
+    memory_state.check(index)
+
+
+def test_an_add_longer_than_a_run_makes_several() -> None:
+    """Runs stay at most RUN_MAX keys long, so finding a key in one stays cheap."""
+    index = CostAwareMemoryIndex()
+    keys = list(range(10_000, 10_000 + 2 * RUN_MAX + 100))
+    index.add([k + 7 for k in keys], keys, [PodEntry("pod-a", "gpu")])
+    assert sorted(len(run.keys) for run in index._runs) == [100, RUN_MAX, RUN_MAX]
+    assert index.score(keys) == {"pod-a": float(len(keys))}
+    assert index.get_request_key(keys[-1] + 7) == keys[-1]
+    assert memory_state.key_order(index) == keys
     memory_state.check(index)
