@@ -6,7 +6,8 @@ Two backends share one implementation and differ only in how they bound their me
   (least recently used dropped first) and at most ``pod_cache_size`` entries per request key
   (least recently added dropped first).
 * :class:`CostAwareMemoryIndex` keeps an estimate of the bytes it holds (see
-  :func:`estimated_entry_cost` and the ``*_COST`` constants) under a budget such as ``"2GiB"``,
+  :func:`~kvredis.memory_bounds.estimated_entry_cost` and the ``*_COST`` constants) under a
+  budget such as ``"2GiB"``,
   dropping the least recently used request keys and engine keys, whichever is older, until it
   fits.
 
@@ -23,12 +24,12 @@ How the keys are kept:
   ttl) stores them as a *run* (:mod:`kvredis.memory_runs`): the keys in chain order, their
   entries as ranges of positions, their recency as ranges of ticks, and, when the add paired
   them 1:1 with new engine keys, those engine keys. An add that names its parent
-  (``AddOp.parent`` in :meth:`apply_batch`, as the ingester writes an engine's chain block by
-  block) appends its new keys to the run its parent ends. A walk reads a run with one table
-  lookup and one list comparison, and takes its entries range by range; using a span of a run
-  is one range assignment. So a score of a chain stored by a few events costs a few lookups,
-  not one per block, and a key in a run costs a table slot and two list slots, not an
-  ordered-dict node.
+  (``AddOp.parent`` in :meth:`InMemoryIndex.apply_batch`, as the ingester writes an engine's
+  chain block by block) appends its new keys to the run its parent ends. A walk reads a run
+  with one table lookup and one list comparison, and takes its entries range by range; using a
+  span of a run is one range assignment. So a score of a chain stored by a few events costs a
+  few lookups, not one per block, and a key in a run costs a table slot and two list slots, not
+  an ordered-dict node.
 * Other request keys are kept one by one (*inline*): key -> the tuple of its entries, oldest
   added first, in least-recently-used order, with its last-use tick (keys holding one entry
   share its 1-tuple, and consecutive keys an add or a removal leaves with the same entries share
@@ -768,12 +769,12 @@ class InMemoryIndex(_MemoryIndex):
 class CostAwareMemoryIndex(_MemoryIndex):
     """An embedded index bounded by an estimate of the bytes it holds (see the module docstring).
 
-    The estimate charges :data:`KEY_COST` per inline request key and :func:`estimated_entry_cost`
-    per entry under it; per run :data:`RUN_COST`, :data:`RUN_POSITION_COST` per position,
-    :data:`RUN_KEY_COST` per position holding entries, :data:`RUN_MAPPING_COST` per engine key
-    and :func:`estimated_entry_cost` per distinct entry it holds; :data:`MAPPING_COST` per engine
-    key not in a run and :data:`MAPPING_REF_COST` per request key it remembers. The number of
-    entries per request key is not capped separately.
+    The estimate (the constants of :mod:`kvredis.memory_bounds`) charges ``KEY_COST`` per inline
+    request key and ``estimated_entry_cost`` per entry under it; per run ``RUN_COST``,
+    ``RUN_POSITION_COST`` per position, ``RUN_KEY_COST`` per position holding entries,
+    ``RUN_MAPPING_COST`` per engine key and ``estimated_entry_cost`` per distinct entry it
+    holds; ``MAPPING_COST`` per engine key not in a run and ``MAPPING_REF_COST`` per request key
+    it remembers. The number of entries per request key is not capped separately.
     """
 
     #: the ``backend`` label of metrics and traces

@@ -61,7 +61,7 @@ def _positive_int(name: str, value: object) -> int:
 
 @dataclass(frozen=True, slots=True)
 class InMemoryIndexConfig:
-    """Bounds of :class:`InMemoryIndex`: request keys kept, entries kept per key."""
+    """Bounds of :class:`~kvredis.memory.InMemoryIndex`: request keys kept, entries kept per key."""
 
     size: int = 100_000_000
     pod_cache_size: int = 10
@@ -79,7 +79,8 @@ class InMemoryIndexConfig:
 
 @dataclass(frozen=True, slots=True)
 class CostAwareMemoryIndexConfig:
-    """Budget of :class:`CostAwareMemoryIndex`: a human size (``"2GiB"``) or bytes."""
+    """Budget of :class:`~kvredis.memory.CostAwareMemoryIndex`: a human size (``"2GiB"``) or
+    bytes."""
 
     size: int | str = "2GiB"
 

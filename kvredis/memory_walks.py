@@ -106,9 +106,9 @@ class Walks(EngineKeys):
         weights: dict[str, float],
         best_of: Callable[[tuple[PodEntry, ...]], Best],
     ) -> tuple[dict[Racer, float], list[Piece]]:
-        """:func:`race` over :meth:`_pieces` without a filter or expiring entries, in one
-        loop: the walk of a score, its hot path. Returns the scores and the stretches used (one
-        per span of a run, one per group of inline keys)."""
+        """:func:`~kvredis.memory_race.race` over :meth:`_pieces` without a filter or expiring
+        entries, in one loop: the walk of a score, its hot path. Returns the scores and the
+        stretches used (one per span of a run, one per group of inline keys)."""
         inline_get, resident_get = self._keys.get, self._resident.get
         used: list[Piece] = []
         race: Race | None = None
