@@ -6,34 +6,63 @@ Two backends share one implementation and differ only in how they bound their me
   (least recently used dropped first) and at most ``pod_cache_size`` entries per request key
   (least recently added dropped first).
 * :class:`CostAwareMemoryIndex` keeps an estimate of the bytes it holds (see
-  :func:`estimated_entry_cost` and the ``*_COST`` constants) under a budget such as ``"2GiB"``,
+  :func:`~kvredis.memory_bounds.estimated_entry_cost` and the ``*_COST`` constants) under a
+  budget such as ``"2GiB"``,
   dropping the least recently used request keys and engine keys, whichever is older, until it
   fits.
 
-"Used" means added to, looked up with a hit (request keys) or resolved by ``get_request_key``
-(engine keys). Both backends implement :class:`~kvredis.index.Index`,
-:class:`~kvredis.index.BatchIndex` and :class:`~kvredis.index.ScoringIndex` (``score`` walks the
-chain once, run of equal entries by run, and stops when no pod is left); one lock guards all
-state, so every method is atomic. ``scripts/bench_vs_dynamo.py`` measures ``score`` and the
-memory per entry against Dynamo's in-process radix tree.
+"Used" means added to, looked up with a hit, or walked by a score while some pod is still in
+the race (request keys), or resolved by ``get_request_key`` (engine keys). Both backends
+implement :class:`~kvredis.index.Index`, :class:`~kvredis.index.BatchIndex`,
+:class:`~kvredis.index.ScoringIndex` and :class:`~kvredis.index.RankScoringIndex` (``score``
+and ``score_by_rank`` walk the chain once, racing each data-parallel rank of a pod on its own,
+and stop when no (pod, rank) is left); one lock guards all state, so every method is atomic.
 
-Built to cost little more than a plain dict of sets on the hot paths (``scripts/bench_memory.py``
-measures the two side by side): inputs that are plain lists of ints and plain PodEntry values
-are checked at C speed or in one ``type()`` test, anything else goes through the shared checks
-of :mod:`kvredis.checks` (same errors as every backend); ``lookup`` checks each key as its walk
-reaches it, so keys past the first miss are never read.
+How the keys are kept:
+
+* An add that brings :data:`~kvredis.memory_runs.RUN_MIN` or more new request keys (without a
+  ttl) stores them as a *run* (:mod:`kvredis.memory_runs`): the keys in chain order, their
+  entries as ranges of positions, their recency as ranges of ticks, and, when the add paired
+  them 1:1 with new engine keys, those engine keys. An add that names its parent
+  (``AddOp.parent`` in :meth:`InMemoryIndex.apply_batch`, as the ingester writes an engine's
+  chain block by block) appends its new keys to the run its parent ends. A walk reads a run
+  with one table lookup and one list comparison, and takes its entries range by range; using a
+  span of a run is one range assignment. So a score of a chain stored by a few events costs a
+  few lookups, not one per block, and a key in a run costs a table slot and two list slots, not
+  an ordered-dict node.
+* Other request keys are kept one by one (*inline*): key -> the tuple of its entries, oldest
+  added first, in least-recently-used order, with its last-use tick (keys holding one entry
+  share its 1-tuple, and consecutive keys an add or a removal leaves with the same entries share
+  one tuple). Entries that expire are kept inline only: an add with a ttl moves its keys out of
+  their runs.
+* Engine keys not in a run are in an :class:`~kvredis.memory_engine.EngineTable`; the deadlines
+  of expiring entries in an :class:`~kvredis.memory_expiry.ExpiryTable`; the order of run
+  positions by last use in :class:`~kvredis.memory_recency.RunOrder` heaps, built on the
+  first eviction. Per distinct entry a record counts the keys holding it and knows its runs and
+  (a log of) its inline keys, so ``clear(pod)`` never compares PodEntry values key by key.
+
+The implementation is a stack of layers, each a module of its own importing only those before
+it: :mod:`kvredis.memory_tables` (the tables and entry records), :mod:`kvredis.memory_inline`,
+:mod:`kvredis.memory_in_runs`, :mod:`kvredis.memory_engine_keys`, :mod:`kvredis.memory_walks`,
+then this module (the public indexes: checks, the lock, adds, evicts, clears, the bounds); the
+data structures they use are :mod:`kvredis.memory_runs`, :mod:`kvredis.memory_recency`,
+:mod:`kvredis.memory_engine`, :mod:`kvredis.memory_expiry`, :mod:`kvredis.memory_race` and
+:mod:`kvredis.memory_bounds`.
+
+``scripts/bench_vs_dynamo.py`` measures ``score`` and the memory per entry against Dynamo's
+in-process radix tree, ``scripts/bench_memory.py`` against a plain dict of sets. Inputs that
+are plain lists of ints and plain PodEntry values are checked at C speed or in one ``type()``
+test, anything else goes through the shared checks of :mod:`kvredis.checks` (same errors as
+every backend); walks check the keys they reach, so keys past the first miss are never read.
 """
 
 from __future__ import annotations
 
-import heapq
-import threading
 import time
 from array import array
-from collections import OrderedDict, deque
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
-from itertools import groupby, repeat
-from operator import attrgetter
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from functools import partial
+from itertools import repeat
 
 from kvredis.batch import AddOp, IndexOp, Watermark, check_batch, check_stream, check_watermark
 from kvredis.checks import (
@@ -47,76 +76,38 @@ from kvredis.checks import (
     check_pod_identifier,
     check_selection,
     check_ttl,
-    infer_mappings,
     pod_filter,
 )
 from kvredis.errors import ConfigError, EngineKeyNotFoundError, InvalidInputError
 from kvredis.index import ClearProgress
 from kvredis.memory_bounds import (
-    KEY_COST,
-    MAPPING_COST,
-    MAPPING_REF_COST,
+    RUN_KEY_COST,
+    RUN_MAPPING_COST,
+    RUN_POSITION_COST,
     CostAwareMemoryIndexConfig,
     InMemoryIndexConfig,
-    estimated_entry_cost,
 )
-from kvredis.scoring import UNKNOWN_TIER_WEIGHT, add_times, score_weights
+from kvredis.memory_engine import refs
+from kvredis.memory_inline import EXPIRED_PER_CALL, LOG_SLACK
+from kvredis.memory_race import RANKED, Racer, best_ranks, best_weights, race
+from kvredis.memory_runs import RUN_MAX, RUN_MIN, Run, span
+from kvredis.memory_tables import Held
+from kvredis.memory_walks import Walks, checked_reach
 from kvredis.types import MAX_BLOCK_HASH, KeyType, PodEntry
 
-#: Most expired speculative entries reclaimed per call (the rest on later calls; reads filter
-#: out whatever is left past its deadline).
-EXPIRED_PER_CALL = 256
+__all__ = [
+    "CLEAR_MAPPINGS_PER_PAGE",
+    "EXPIRED_PER_CALL",
+    "LOG_SLACK",
+    "MAX_REQUEST_KEYS_PER_ENGINE_KEY",
+    "CostAwareMemoryIndex",
+    "InMemoryIndex",
+]
 
 #: Engine mappings checked per lock hold when a clear drops the mappings it left without holders.
 CLEAR_MAPPINGS_PER_PAGE = 4096
 
-#: A log of request keys is compacted once it is longer than twice its live keys plus this.
-LOG_SLACK = 64
-
-
-class _Held:
-    """One distinct entry the index holds: the one instance every key stores (equal entries
-    added later resolve to it), the request keys holding it, its cost and its 1-tuple.
-
-    The request keys holding it are ``count`` and a log, an ``array('Q')`` of 8 bytes per key
-    (a set would take 5-6 times that): every key holding the entry is in the log, which may also
-    name keys that no longer hold it (removals do not touch it) or name a key twice; whether a
-    key holds the entry is read from the key's tuple. :meth:`_MemoryIndex._log_keys` compacts
-    a log that has grown past twice its live keys.
-    """
-
-    __slots__ = ("alone", "cost", "count", "entry", "fields", "log")
-
-    def __init__(self, entry: PodEntry, fields: tuple[object, ...]) -> None:
-        self.entry = entry
-        self.fields = fields
-        self.log = array("Q")
-        self.count = 0
-        self.cost = estimated_entry_cost(entry)
-        self.alone = (entry,)
-
-
-def _holds(stored: tuple[PodEntry, ...] | None, entry: PodEntry) -> bool:
-    """Whether a key's tuple holds this very (interned) entry instance."""
-    if stored is not None:
-        for held in stored:
-            if held is entry:
-                return True
-    return False
-
-
-_FIELDS = attrgetter(
-    "pod_identifier", "device_tier", "speculative", "has_group", "group_idx", "dp_rank"
-)
-
-
-def _equality_key(entry: PodEntry) -> tuple[object, ...]:
-    """What PodEntry equality compares (the class and the six fields), as a tuple that is
-    hashed and compared at C speed."""
-    return (entry.__class__, _FIELDS(entry))
-
-
-_INT_ONLY = {int}
+_INT_ONLY = frozenset({int})
 _ENGINE, _REQUEST = KeyType.ENGINE, KeyType.REQUEST
 
 
@@ -146,50 +137,9 @@ def _checked_entries(entries: Sequence[PodEntry], *, for_add: bool) -> Sequence[
     return check_entries(entries, for_add=for_add)
 
 
-def _refs(value: int | tuple[int, ...]) -> tuple[int, ...]:
-    """The request keys of an engine mapping, oldest first (one is stored as a bare int)."""
-    return (value,) if type(value) is int else value  # type: ignore[return-value]
-
-
-class _MemoryIndex:
-    """The shared implementation; subclasses decide the per-key entry cap and :meth:`_shrink`.
-
-    State: request key -> the tuple of entries it holds, oldest added first (keys holding
-    just one entry share its 1-tuple, and consecutive keys an add or a removal leaves with the
-    same entries share one tuple); per distinct entry a :class:`_Held` with the count and a log
-    of the request keys holding it (membership tests compare identities in a key's tuple and
-    ``clear(pod)`` walks the pod's logs, never comparing PodEntry values key by key); engine
-    key -> its request key, or a tuple of them when it has several. ``_key_ticks`` and
-    ``_engine_ticks`` (last use of every key) exist only where :meth:`_shrink` weighs request
-    keys against engine keys.
-    """
-
-    def __init__(self, entries_per_key: int | None, *, track_ticks: bool = False) -> None:
-        self._lock = threading.Lock()
-        self._entries_per_key = entries_per_key
-        self._keys: OrderedDict[int, tuple[PodEntry, ...]] = OrderedDict()
-        self._engine: OrderedDict[int, int | tuple[int, ...]] = OrderedDict()
-        self._held: dict[tuple[object, ...], _Held] = {}
-        self._by_id: dict[int, _Held] = {}  # id of the stored instance -> its record
-        self._pods: dict[str, set[_Held]] = {}  # so clear() is O(pod's keys)
-        self._key_ticks: dict[int, int] | None = {} if track_ticks else None
-        self._engine_ticks: dict[int, int] | None = {} if track_ticks else None
-        self._watermarks: dict[str, Watermark] = {}
-        self._tick = 0
-        self._cost = 0
-        # Speculative entries added with a ttl: (request key, entry record) -> monotonic
-        # deadline, and a heap of (deadline, seq, key, record), stale once the dict holds
-        # another deadline (records hash by identity, not by the fields of the entry).
-        self._deadlines: dict[tuple[int, _Held], float] = {}
-        # The last tuple an entry was removed from, the record and what was left: the next key
-        # holding the same tuple gets the same tuple back (one tuple per run of a chain).
-        self._shrunk: tuple[tuple[PodEntry, ...], _Held | None, tuple[PodEntry, ...]] = (
-            (),
-            None,
-            (),
-        )
-        self._expiry: list[tuple[float, int, int, _Held]] = []
-        self._seq = 0
+class _MemoryIndex(Walks):
+    """The shared implementation (the public face of the layers, see the module docstring);
+    subclasses decide the per-key entry cap and :meth:`_shrink`."""
 
     # -- Index -----------------------------------------------------------------------------
 
@@ -198,27 +148,38 @@ class _MemoryIndex:
     ) -> dict[int, list[PodEntry]]:
         """Entries per key along the chain, stopping at the first key no (filtered) pod holds.
 
-        Keys are checked as the walk reaches them: a bad key past the first miss is not read.
+        Keys are checked up to where the walk stops: a bad key past the first miss is not read.
         """
         keys = request_keys
-        if type(keys) is not list and type(keys) is not tuple:
-            keys = check_hashes(keys, "request key")
+        if type(keys) is not list:
+            keys = list(keys) if type(keys) is tuple else check_hashes(keys, "request key")
         pods = None if pod_identifier_set is None else pod_filter(pod_identifier_set)
+        out: dict[int, list[PodEntry]] = {}
         lock = self._lock
         lock.acquire()  # (a with block costs more: its special-method lookups)
         try:
             now = 0.0
-            if self._deadlines:
+            if self._expiry:
                 now = time.monotonic()
                 self._expire(now)
-            out = None
-            if pods is None and not self._deadlines:
-                out = self._walk_plain(keys)
-            if out is None:
-                out = self._walk(keys, pods, now)
-            if out and self._key_ticks is not None:
-                self._tick += 1
-                self._key_ticks.update(dict.fromkeys(out, self._tick))
+            used = []
+            end = 0
+            try:
+                for piece in self._pieces(keys, pods, now):
+                    i, c, entries, _, _ = piece
+                    if c == 1:
+                        out[keys[i]] = [*entries]
+                    else:
+                        out.update(zip(keys[i : i + c], map(list, repeat(entries, c)), strict=True))
+                    used.append(piece)
+                    end = i + c
+            except TypeError:  # an unhashable key
+                check_hashes(keys, "request key")
+                raise
+            if not checked_reach(keys, end + 1):  # int subclasses: answer with ints
+                out = {int(key): found for key, found in out.items()}
+            if used:
+                self._use(keys, used)
         finally:
             lock.release()
         return out
@@ -229,18 +190,55 @@ class _MemoryIndex:
         medium_weights: Mapping[str, float] | None = None,
         pod_identifier_set: Collection[str] | None = None,
     ) -> dict[str, float]:
-        """Per-pod longest-prefix scores, the floats of ``LongestPrefixScorer(medium_weights)
-        .score(keys, lookup(keys, pod_identifier_set))``, in one walk that stops as soon as no
-        pod holds every key so far.
+        """Per-pod longest-prefix scores, each pod's best data-parallel rank's: the floats of
+        ``LongestPrefixScorer(medium_weights).score(keys, lookup(keys, pod_identifier_set))``,
+        in one walk that stops as soon as no (pod, rank) holds every key so far.
 
-        Consecutive keys holding the same entries (a chain added pod by pod shares one stored
-        tuple along its keys) are scored once per run. The keys where some pod is still in the
-        race count as used, as a lookup's hits do; keys are checked up to where the walk stops.
+        The walk reads runs span by span and inline keys with equal entries group by group.
+        The keys where some pod is still in the race count as used, as a lookup's hits do; keys
+        are checked up to where the walk stops.
         """
+        scores = self._scores(request_keys, medium_weights, pod_identifier_set)
+        if RANKED in scores:
+            return best_ranks(scores)
+        return scores  # type: ignore[return-value]
+
+    def score_by_rank(
+        self,
+        request_keys: Sequence[int],
+        medium_weights: Mapping[str, float] | None = None,
+        pod_identifier_set: Collection[str] | None = None,
+    ) -> dict[str, dict[int, float]]:
+        """pod -> dp_rank -> longest-prefix score of that rank: the floats of
+        ``LongestPrefixScorer(medium_weights).score_by_rank(keys, lookup(keys, ...))``, in the
+        walk :meth:`score` makes (see :class:`~kvredis.index.RankScoringIndex`)."""
+        scores = self._scores(request_keys, medium_weights, pod_identifier_set)
+        scores.pop(RANKED, None)
+        out: dict[str, dict[int, float]] = {}
+        for racer, total in scores.items():
+            if isinstance(racer, str):
+                pod, rank = racer, 0
+            else:
+                pod, rank = racer
+            ranks = out.get(pod)
+            if ranks is None:
+                out[pod] = {rank: total}
+            else:
+                ranks[rank] = total
+        return out
+
+    def _scores(
+        self,
+        request_keys: Sequence[int],
+        medium_weights: Mapping[str, float] | None,
+        pod_identifier_set: Collection[str] | None,
+    ) -> dict[Racer, float]:
+        """The score of every (pod, rank) in the race, with :data:`RANKED` among the keys
+        when some rank is not 0."""
         keys = request_keys
-        if type(keys) is not list and type(keys) is not tuple:
-            keys = check_hashes(keys, "request key")
-        weights = score_weights(medium_weights)
+        if type(keys) is not list:
+            keys = list(keys) if type(keys) is tuple else check_hashes(keys, "request key")
+        weights = self._weights(medium_weights)
         pods = None if pod_identifier_set is None else pod_filter(pod_identifier_set)
         if not keys:
             return {}
@@ -248,23 +246,24 @@ class _MemoryIndex:
         lock.acquire()
         try:
             now = 0.0
-            if self._deadlines:
+            if self._expiry:
                 now = time.monotonic()
                 self._expire(now)
             try:
-                scores, walked = self._score_walk(keys, weights, pods, now)
+                if pods is None and not self._expiry:
+                    scores, used = self._score_walk(keys, weights, self._best_of(weights))
+                else:  # (filtered pieces are tuples of their own: nothing to remember)
+                    best_of = partial(best_weights, weights=weights)
+                    scores, used = race(self._pieces(keys, pods, now), best_of)
             except TypeError:  # an unhashable key
                 check_hashes(keys, "request key")
                 raise
-            reached = keys[: walked + 1]
-            if set(map(type, reached)) != _INT_ONLY or not 0 <= reached[-1] <= MAX_BLOCK_HASH:
-                check_hashes(reached, "request key")
-            if walked:
-                used = keys[:walked]
-                deque(map(self._keys.move_to_end, used), 0)  # (C-level loop)
-                if self._key_ticks is not None:
-                    self._tick += 1
-                    self._key_ticks.update(zip(used, repeat(self._tick)))
+            if used:
+                i, c, _, _, _ = used[-1]
+                checked_reach(keys, i + c + 1)
+                self._use(keys, used)
+            else:
+                checked_reach(keys, 1)
         finally:
             lock.release()
         return scores
@@ -292,7 +291,7 @@ class _MemoryIndex:
         lock.acquire()
         try:
             now = 0.0
-            if self._expiry or seconds is not None:
+            if self._expiry.pending or seconds is not None:
                 now = time.monotonic()
                 self._expire(now)
             self._add(eng, req, ents, None if seconds is None else now + seconds)
@@ -311,20 +310,8 @@ class _MemoryIndex:
         lock = self._lock
         lock.acquire()
         try:
-            if self._expiry:
+            if self._expiry.pending:
                 self._expire(time.monotonic())
-            if key_type is _ENGINE and len(ents) == 1:  # the common case, in as few steps
-                value = self._engine.get(key)
-                if type(value) is int:
-                    entry = ents[0]
-                    held = self._by_id.get(id(entry))
-                    if held is None or held.entry is not entry:
-                        held = self._held.get(_equality_key(entry))
-                    if held is not None:
-                        self._drop_pair(value, held)
-                    if value not in self._keys:
-                        self._drop_mapping(key)
-                    return
             self._evict(key, key_type, ents)
         finally:
             lock.release()
@@ -337,16 +324,18 @@ class _MemoryIndex:
         lock = self._lock
         lock.acquire()
         try:
-            refs = self._engine.get(key)
-            if refs is None:
+            self._tick += 1
+            run = self._engine_resident.get(key)
+            if run is not None:
+                pos = run.engine_position(key)
+                self._use_engine(run, pos, pos + 1)
+                return run.keys[pos]
+            value = self._engine.resolve(key, self._tick)
+            if value is None:
                 raise EngineKeyNotFoundError(key)
-            self._engine.move_to_end(key)
-            if self._engine_ticks is not None:
-                self._tick += 1
-                self._engine_ticks[key] = self._tick
         finally:
             lock.release()
-        return refs if type(refs) is int else refs[-1]  # type: ignore[index]
+        return value if type(value) is int else value[-1]  # type: ignore[index]
 
     def clear(self, pod_identifier: str) -> None:
         """Remove every entry of the pod, on every tier, group and data-parallel rank."""
@@ -388,33 +377,55 @@ class _MemoryIndex:
             for held in list(self._pods.get(pod, ())):
                 if selection is not None and not selection.matches(held.entry):
                     continue
+                for run in list(held.runs):
+                    removed += self._run_remove(run, 0, len(run.keys), held)
                 for key in held.log.tolist():
-                    removed += self._drop_pair(key, held)
                     if not held.count:
                         break
-            engine_keys = list(self._engine)
+                    removed += self._drop_pair(key, held)
+            engine_keys = self._engine.keys()
+            runs = [run for run in self._runs if run.mapped]
         # As in the Redis backend, a clear also drops every engine mapping none of whose request
         # keys holds an entry, so a stale engine key no longer resolves. Like the Redis clear it
         # goes page by page, so lookups are never held up for long by a large index.
+        total = len(engine_keys) + sum(run.mapped for run in runs)
+        done = 0
         for start in range(0, len(engine_keys), CLEAR_MAPPINGS_PER_PAGE):
+            page = engine_keys[start : start + CLEAR_MAPPINGS_PER_PAGE]
             with self._lock:
-                table, get = self._keys, self._engine.get
-                for engine_key in engine_keys[start : start + CLEAR_MAPPINGS_PER_PAGE]:
-                    refs = get(engine_key)
-                    if refs is None or refs in table:  # (an int: one request key)
-                        continue
-                    if type(refs) is int or not any(r in table for r in _refs(refs)):
-                        self._drop_mapping(engine_key)
+                inline, resident, get = self._keys, self._resident, self._engine.get
+                for engine_key in page:
+                    value = get(engine_key)
+                    if value is None or value in inline or value in resident:
+                        continue  # (an int: one request key)
+                    if type(value) is int or not any(
+                        r in inline or r in resident for r in refs(value)
+                    ):
+                        self._engine.drop(engine_key)
+            done += len(page)
             if progress is not None:
-                progress(min(start + CLEAR_MAPPINGS_PER_PAGE, len(engine_keys)), removed)
+                progress(done, removed)
+        page_runs: list[Run] = []
+        page_size = 0
+        for i, run in enumerate(runs):
+            page_runs.append(run)
+            page_size += len(run.keys)
+            if page_size < CLEAR_MAPPINGS_PER_PAGE and i + 1 < len(runs):
+                continue
+            with self._lock:
+                for run in page_runs:
+                    done += self._drop_unheld_engine_keys(run)
+            page_runs, page_size = [], 0
+            if progress is not None:
+                progress(min(done, total), removed)
         return removed
 
     def __len__(self) -> int:
         """Number of request keys held."""
         with self._lock:
-            if self._expiry:
+            if self._expiry.pending:
                 self._expire(time.monotonic())
-            return len(self._keys)
+            return len(self._keys) + len(self._resident)
 
     # -- BatchIndex ------------------------------------------------------------------------
 
@@ -427,7 +438,7 @@ class _MemoryIndex:
         """Apply ``ops`` in order, atomically, if ``watermark`` is newer than the stream's."""
         plan = check_batch(ops, stream, watermark)
         with self._lock:
-            if self._expiry:
+            if self._expiry.pending:
                 self._expire(time.monotonic())
             if stream is not None and watermark is not None:
                 stored = self._watermarks.get(stream)
@@ -435,7 +446,7 @@ class _MemoryIndex:
                     return False
             for op in plan:
                 if isinstance(op, AddOp):
-                    self._add(op.engine_keys, op.request_keys, op.entries)
+                    self._add(op.engine_keys, op.request_keys, op.entries, parent=op.parent)
                 else:
                     self._evict(op.key, op.key_type, op.entries)
             if stream is not None and watermark is not None:
@@ -458,151 +469,7 @@ class _MemoryIndex:
             else:
                 self._watermarks[stream] = watermark
 
-    # -- internals (called with the lock held) ---------------------------------------------
-
-    def _walk_plain(self, keys: Sequence[int]) -> dict[int, list[PodEntry]] | None:
-        """The unfiltered walk over plain int keys, or ``None`` once it meets any other key
-        (then :meth:`_walk` starts over and checks each key it reaches)."""
-        out: dict[int, list[PodEntry]] = {}
-        table = self._keys
-        get, touch = table.get, table.move_to_end
-        try:
-            for key in keys:
-                held = get(key)
-                if held is None or type(key) is not int:
-                    if type(key) is int and 0 <= key <= MAX_BLOCK_HASH:
-                        break
-                    return None
-                out[key] = [*held]
-                touch(key)
-        except TypeError:  # an unhashable key
-            return None
-        return out
-
-    def _walk(
-        self, keys: Sequence[int], pods: frozenset[str] | None, now: float
-    ) -> dict[int, list[PodEntry]]:
-        """The walk with a pod filter, expiring entries or keys other than plain ints."""
-        out: dict[int, list[PodEntry]] = {}
-        table, deadlines, by_id = self._keys, self._deadlines, self._by_id
-        get, touch = table.get, table.move_to_end
-        later = now + 1.0
-        for key in keys:
-            if type(key) is not int:
-                key = check_hash(key, "request key")
-            held = get(key)
-            if held is None:
-                if not 0 <= key <= MAX_BLOCK_HASH:
-                    check_hash(key, "request key")
-                break
-            hits = [*held] if pods is None else [e for e in held if e.pod_identifier in pods]
-            if deadlines:
-                hits = [e for e in hits if deadlines.get((key, by_id[id(e)]), later) > now]
-            if not hits:
-                break
-            out[key] = hits
-            touch(key)
-        return out
-
-    def _score_walk(
-        self,
-        keys: Sequence[int],
-        weights: dict[str, float],
-        pods: frozenset[str] | None,
-        now: float,
-    ) -> tuple[dict[str, float], int]:
-        """The scores of the chain and how many keys of it some pod in the race holds.
-
-        Walks runs of keys with equal (live) entries: each run costs one pass over its entries
-        and, per pod, one :func:`~kvredis.scoring.add_times`. The sums are the scorer's: a pod's
-        score is its best weight at the first key, plus its best weight at every later key in
-        key order.
-        """
-        stored: Iterable[tuple[PodEntry, ...] | None] = map(self._keys.get, keys)
-        if self._deadlines:
-            stored = self._live(keys, now)
-        runs = groupby(stored)
-        head, run = next(runs)
-        if head is None:
-            return {}, 0
-        scores: dict[str, float] = {}
-        for entry in head:
-            pod = entry.pod_identifier
-            if pods is None or pod in pods:
-                w = weights.get(entry.device_tier, UNKNOWN_TIER_WEIGHT)
-                if pod not in scores or w > scores[pod]:
-                    scores[pod] = w
-        if not scores:
-            return {}, 0
-        active = dict(scores)
-        walked = len([*run])
-        if walked > 1:
-            for pod, w in active.items():
-                scores[pod] = add_times(scores[pod], w, walked - 1)
-        for head, run in runs:
-            if head is None:
-                break
-            best: dict[str, float] = {}
-            for entry in head:
-                pod = entry.pod_identifier
-                if pod in active:
-                    w = weights.get(entry.device_tier, UNKNOWN_TIER_WEIGHT)
-                    if pod not in best or w > best[pod]:
-                        best[pod] = w
-            if not best:
-                break
-            n = len([*run])
-            for pod, w in best.items():
-                scores[pod] = add_times(scores[pod], w, n)
-            walked += n
-            active = best
-        return scores, walked
-
-    def _live(self, keys: Sequence[int], now: float) -> Iterator[tuple[PodEntry, ...] | None]:
-        """The entries of each key not past their deadline, ``None`` from the first key with
-        none (the walk stops there)."""
-        get, deadlines, by_id = self._keys.get, self._deadlines, self._by_id
-        later = now + 1.0
-        for key in keys:
-            stored = get(key)
-            if stored is not None:
-                stored = tuple(
-                    [e for e in stored if deadlines.get((key, by_id[id(e)]), later) > now]
-                )
-            yield stored or None
-            if not stored:
-                return
-
-    def _find(self, entry: PodEntry) -> _Held | None:
-        """The record of the entry equal to ``entry``, if the index holds one."""
-        held = self._by_id.get(id(entry))
-        if held is not None and held.entry is entry:
-            return held
-        return self._held.get(_equality_key(entry))
-
-    def _intern(self, entry: PodEntry) -> _Held:
-        """:meth:`_find`, creating the record (with ``entry`` as the instance stored)."""
-        held = self._find(entry)
-        if held is None:
-            fields = _equality_key(entry)
-            held = self._held[fields] = _Held(entry, fields)
-            self._by_id[id(entry)] = held
-            pods = self._pods.get(entry.pod_identifier)
-            if pods is None:
-                self._pods[entry.pod_identifier] = {held}
-            else:
-                pods.add(held)
-        return held
-
-    def _release(self, held: _Held) -> None:
-        """Forget the record of an entry no key holds any more."""
-        del self._held[held.fields]
-        del self._by_id[id(held.entry)]
-        pod = held.entry.pod_identifier
-        pods = self._pods[pod]
-        pods.discard(held)
-        if not pods:
-            del self._pods[pod]
+    # -- adds, evicts and bounds (called with the lock held) -------------------------------
 
     def _add(
         self,
@@ -610,186 +477,179 @@ class _MemoryIndex:
         req: Sequence[int],
         ents: Sequence[PodEntry],
         deadline: float | None = None,
+        *,
+        parent: int | None = None,
     ) -> None:
-        if len(ents) == 1 and deadline is None and not self._deadlines:
-            self._add_one(req, self._intern(ents[0]))
-        else:
-            self._add_many(req, ents, deadline)
-        self._tick += 1
-        if self._key_ticks is not None:
-            self._key_ticks.update(dict.fromkeys(req, self._tick))
-        if eng:
-            self._map_all(eng, req)
+        if len(req) > RUN_MAX and deadline is None and (not eng or len(eng) == len(req)):
+            # One add per RUN_MAX keys, each naming the last key of the one before as its
+            # parent: runs stay short enough to search a key in, and the keys are used in the
+            # same order.
+            for start in range(0, len(req), RUN_MAX):
+                stop = start + RUN_MAX
+                self._add(
+                    eng[start:stop] if eng else None,
+                    req[start:stop],
+                    ents,
+                    parent=req[start - 1] if start else parent,
+                )
+            return
+        resident = self._resident
+        if parent is not None and deadline is None:  # an append to a chain
+            run = resident.get(parent)
+            if (
+                run is not None
+                and run.keys[-1] == parent
+                and len(run.keys) + len(req) <= RUN_MAX
+                and resident.keys().isdisjoint(req)
+                and self._keys.keys().isdisjoint(req)
+                and len(set(req)) == len(req)
+            ):
+                self._extend_run(run, eng, req, ents)
+                self._shrink()
+                return
+        if (
+            deadline is None
+            and len(req) >= RUN_MIN
+            and resident.keys().isdisjoint(req)
+            and self._keys.keys().isdisjoint(req)
+            and len(set(req)) == len(req)
+        ):
+            self._add_run(eng, req, ents)  # a new chain, or a new piece of one
+            self._shrink()
+            return
+        if deadline is not None or not (resident and not resident.keys().isdisjoint(req)):
+            fresh = [k for k in req if k not in self._keys] if deadline is None else ()
+            if len(fresh) < RUN_MIN:  # everything inline
+                if deadline is not None and resident:
+                    for key in req:
+                        run = resident.get(key)
+                        if run is not None:
+                            self._unrun(key, run)
+                self._add_inline(req, ents, deadline)
+                if eng:
+                    self._map(eng, req, None, {})
+                self._shrink()
+                return
+        self._add_mixed(eng, req, ents)
         self._shrink()
 
-    def _add_one(self, req: Sequence[int], held: _Held) -> None:
-        """Add one entry to every key of ``req`` (no expiry involved): the common event."""
-        table = self._keys
-        entry, alone = held.entry, held.alone
-        keys_before = len(table)
-        added: Sequence[int] = ()
-        fresh = None
-        if table.keys().isdisjoint(req):  # all new keys: one C-level update of each dict
-            fresh = dict.fromkeys(req, alone)
-            if len(fresh) == len(req):
-                table.update(fresh)
-                added = req
-            else:  # a key repeated: its place in the LRU order is its last occurrence
-                fresh = None
-        if fresh is None:
-            get, touch, cap = table.get, table.move_to_end, self._entries_per_key
-            # Keys that held the same tuple hold the same tuple after the add too: a chain
-            # added pod by pod keeps one tuple for the whole run of keys its pods share.
-            grown_from: tuple[PodEntry, ...] | None = None
-            grown: tuple[PodEntry, ...] = alone
-            added = []
-            for key in req:
-                stored = get(key)
-                if stored is None:
-                    table[key] = alone
-                    added.append(key)
-                    continue
-                if stored[-1] is not entry:
-                    if stored is grown_from:  # as the key before: share its tuple
-                        stored = grown
-                        added.append(key)
-                    elif _holds(stored, entry):  # re-added: it becomes the most recent
-                        stored = (*[e for e in stored if e is not entry], entry)
-                    else:
-                        added.append(key)
-                        grown_from = stored
-                        stored += alone
-                        if cap is not None and len(stored) > cap:
-                            stored = self._trim(key, stored, cap)
-                            grown_from = None
-                        grown = stored
-                    table[key] = stored
-                touch(key)
-        self._cost += (len(table) - keys_before) * KEY_COST
-        if added:
-            self._log_keys(held, added)
-
-    def _log_keys(self, held: _Held, keys: Sequence[int]) -> None:
-        """Record that ``keys`` (not holding the entry before) now hold it; compact the log
-        once it is over twice the live keys (amortized O(1) per key logged)."""
-        held.count += len(keys)
-        self._cost += len(keys) * held.cost
-        log = held.log
-        log.extend(keys)
-        if len(log) > 2 * held.count + LOG_SLACK:
-            get, entry = self._keys.get, held.entry
-            held.log = array("Q", [k for k in dict.fromkeys(log) if _holds(get(k), entry)])
-
-    def _add_many(
-        self, req: Sequence[int], ents: Sequence[PodEntry], deadline: float | None
+    def _add_run(
+        self, eng: Sequence[int] | None, req: Sequence[int], ents: Sequence[PodEntry]
     ) -> None:
-        """Add several entries, or entries that expire, or while some entries expire."""
-        cap = self._entries_per_key
-        unique = list(dict.fromkeys(ents))
-        if cap is not None and len(unique) > cap:  # the oldest would be dropped at once
-            unique = unique[-cap:]
-        helds = [self._intern(e) for e in unique]
-        added = tuple(h.entry for h in helds)
-        added_ids = set(map(id, added))
-        by_id = self._by_id
-        # A confirmed entry of a pod replaces that pod's expiring speculative entries under
-        # the key (speculative entries added without a ttl stay until evicted).
-        deadlines = self._deadlines
-        confirmed = {e.pod_identifier for e in added if not e.speculative} if deadlines else ()
-        table = self._keys
-        new_keys: list[list[int]] = [[] for _ in helds]  # logged once the keys hold them
-        for key in req:
-            stored = table.get(key)
-            if stored is None:
-                stored = ()
-                self._cost += KEY_COST
-            else:
-                table.move_to_end(key)
-            # Re-adding an entry refreshes it: it moves to the most recently added end.
-            kept = [e for e in stored if id(e) not in added_ids]
-            if confirmed and kept:
-                replaced = {
-                    id(e): e
-                    for e in kept
-                    if e.pod_identifier in confirmed and (key, by_id[id(e)]) in deadlines
-                }
-                if replaced:
-                    for entry in replaced.values():
-                        self._forget(key, entry)
-                    kept = [e for e in kept if id(e) not in replaced]
-            for held, logged in zip(helds, new_keys, strict=True):
-                if not _holds(stored, held.entry):
-                    logged.append(key)
-            merged = (*kept, *added)
-            if cap is not None and len(merged) > cap:
-                merged = self._trim(key, merged, cap)
-            table[key] = merged
-            if deadline is not None:
-                for held in helds:
-                    deadlines[(key, held)] = deadline
-                    self._seq += 1
-                    heapq.heappush(self._expiry, (deadline, self._seq, key, held))
-            elif deadlines:
-                for held in helds:
-                    deadlines.pop((key, held), None)
-        for held, logged in zip(helds, new_keys, strict=True):
-            if logged:
-                self._log_keys(held, logged)
-
-    def _trim(self, key: int, stored: tuple[PodEntry, ...], cap: int) -> tuple[PodEntry, ...]:
-        """Keep the ``cap`` most recently added entries of a key."""
-        for entry in stored[:-cap]:
-            self._forget(key, entry)
-        return stored[-cap:]
-
-    def _map_all(self, eng: Sequence[int], req: Sequence[int]) -> None:
-        """Record the engine→request mappings of an add."""
-        engine = self._engine
-        pairs: Iterable[tuple[int, int]]
-        if len(eng) == len(req):
-            if engine.keys().isdisjoint(eng):  # all new engine keys: one C-level update
-                before = len(engine)
-                engine.update(zip(eng, req, strict=True))
-                if len(engine) - before == len(eng):
-                    self._cost += (MAPPING_COST + MAPPING_REF_COST) * len(eng)
-                    pairs = ()
-                else:  # an engine key repeated: undo, then pair by pair
-                    for engine_key in eng:
-                        engine.pop(engine_key, None)
-                    pairs = zip(eng, req, strict=True)
-            else:
-                pairs = zip(eng, req, strict=True)
-        else:
-            pairs = infer_mappings(eng, req)
-        get, touch = engine.get, engine.move_to_end
-        for engine_key, request_key in pairs:
-            refs = get(engine_key)
-            if refs is None:
-                engine[engine_key] = request_key
-                self._cost += MAPPING_COST + MAPPING_REF_COST
-            else:
-                touch(engine_key)
-                if refs != request_key:
-                    self._remap(engine_key, refs, request_key)
-        if self._engine_ticks is not None:
-            self._engine_ticks.update(dict.fromkeys(eng, self._tick))
-
-    def _remap(self, engine_key: int, value: int | tuple[int, ...], request_key: int) -> None:
-        """Make ``request_key`` the most recent of an engine key's request keys."""
-        refs = _refs(value)
-        if refs[-1] == request_key:
+        """Store new, distinct request keys as one run."""
+        helds = self._records(ents)
+        self._tick += 1
+        run = self._new_run(list(req), helds, self._tick)
+        if not eng:
             return
-        if request_key in refs:
-            refs = tuple([r for r in refs if r != request_key])
-        else:
-            self._cost += MAPPING_REF_COST
-            if len(refs) >= MAX_REQUEST_KEYS_PER_ENGINE_KEY:
-                refs = refs[1:]
-                self._cost -= MAPPING_REF_COST
-        self._engine[engine_key] = (*refs, request_key)
+        n = len(req)
+        engine_resident = self._engine_resident
+        if (
+            len(eng) == n
+            and engine_resident.keys().isdisjoint(eng)
+            and self._engine.disjoint(eng)
+            and len(set(eng)) == n
+        ):
+            self._tick += 1
+            run.map_engine(list(eng), self._tick)
+            engine_resident.update(zip(eng, repeat(run)))
+            self._cost += n * (RUN_MAPPING_COST + 8)
+            self._engine_order.used(run, self._tick)
+            return
+        self._map(eng, req, run, {k: p for p, k in enumerate(run.keys)})
+
+    def _extend_run(
+        self, run: Run, eng: Sequence[int] | None, req: Sequence[int], ents: Sequence[PodEntry]
+    ) -> None:
+        """Append new, distinct request keys to the run whose last key is their parent (an
+        engine storing a chain block by block): the chain stays one run."""
+        helds = self._records(ents)
+        entries = tuple(h.entry for h in helds)
+        start, n = len(run.keys), len(req)
+        end = start + n
+        run.keys.extend(req)
+        sets = run.sets
+        sets.ends.append(end)
+        sets.values.append(entries)
+        sets.merge(len(sets.ends) - 1)
+        run.view = None
+        run.live += n
+        self._resident.update(zip(req, repeat(run)))
+        self._cost += n * (RUN_POSITION_COST + RUN_KEY_COST)
+        holders = run.holders
+        for held in helds:
+            count = holders.get(held, 0)
+            if not count:
+                held.runs.add(run)
+                self._cost += held.cost
+            holders[held] = count + n
+            held.count += n
+        self._tick += 1
+        run.recency.ends.append(end)
+        run.recency.values.append(self._tick)
+        self._order.used(run, self._tick)
+        if run.engine is not None:
+            assert run.engine_recency is not None
+            run.engine.extend([None] * n)
+            run.engine_recency.ends.append(end)
+            run.engine_recency.values.append(0)
+            self._cost += n * 8
+        if eng:
+            self._map(eng, req, run, {k: start + p for p, k in enumerate(req)})
+
+    def _add_mixed(
+        self, eng: Sequence[int] | None, req: Sequence[int], ents: Sequence[PodEntry]
+    ) -> None:
+        """Add to keys of runs, inline keys and new keys alike (no ttl): new keys become a run
+        when there are enough of them; keys are used in the order of ``req``."""
+        helds = self._records(ents)
+        if type(req) is not list:
+            req = list(req)  # (compared with the runs' key lists)
+        inline, resident = self._keys, self._resident
+        new = [k for k in req if k not in inline and k not in resident]
+        run: Run | None = None
+        positions: dict[int, int] = {}
+        if len(new) >= RUN_MIN and len(set(new)) == len(new):
+            run = self._new_run(new, helds, 0)
+            positions = {k: p for p, k in enumerate(new)}
+        n = len(req)
+        i = 0
+        last: Run | None = None
+        hint = -1
+        while i < n:
+            key = req[i]
+            pos = positions.get(key)
+            if pos is not None:  # new keys of the new run, in its order
+                j = i + 1
+                while j < n and positions.get(req[j]) == pos + j - i:
+                    j += 1
+                assert run is not None
+                self._tick += 1
+                run.recency.assign(pos, pos + j - i, self._tick)
+                self._order.used(run, self._tick)
+                i = j
+                continue
+            home = resident.get(key)
+            if home is not None:  # a stretch of an older run
+                start = home.position(key, hint if home is last else -1)
+                stop = start + span(req, i, home.keys, start)
+                stop = self._run_add(home, start, stop, helds)
+                last, hint = home, stop
+                self._tick += 1
+                home.recency.assign(start, stop, self._tick)
+                self._order.used(home, self._tick)
+                i += stop - start
+                continue
+            j = i + 1  # inline keys (or new ones kept inline)
+            while j < n and req[j] not in resident:
+                j += 1
+            self._add_inline(req[i:j], ents, None)
+            i = j
+        if eng:
+            self._map(eng, req, run, positions)
 
     def _evict(self, key: int, key_type: KeyType, ents: Sequence[PodEntry]) -> None:
-        found: Iterable[_Held]
+        found: Iterable[Held]
         if len(ents) == 1:  # the common case, without building lists
             held = self._find(ents[0])
             found = () if held is None else (held,)
@@ -797,97 +657,71 @@ class _MemoryIndex:
             found = [h for h in map(self._find, ents) if h is not None]
         if key_type is KeyType.REQUEST:
             for held in found:
-                self._drop_pair(key, held)
+                self._remove(key, held)
+            return
+        inline, resident = self._keys, self._resident
+        run = self._engine_resident.get(key)
+        if run is not None:
+            pos = run.engine_position(key)
+            request_key = run.keys[pos]
+            for held in found:
+                self._remove(request_key, held, pos)
+            if request_key not in resident and request_key not in inline:
+                self._drop_engine(run, pos)
             return
         value = self._engine.get(key)
         if value is None:
             return
-        table = self._keys
         # Empty request keys are always removed, so "holds no entry" is "is not a key".
         if type(value) is int:
             for held in found:
-                self._drop_pair(value, held)
-            if value not in table:
-                self._drop_mapping(key)
+                self._remove(value, held)
+            if value not in inline and value not in resident:
+                self._engine.drop(key)
             return
-        refs: tuple[int, ...] = value  # type: ignore[assignment]
-        for request_key in refs:
+        targets: tuple[int, ...] = value  # type: ignore[assignment]
+        for request_key in targets:
             for held in found:
-                self._drop_pair(request_key, held)
-        if not any(request_key in table for request_key in refs):
-            self._drop_mapping(key)
+                self._remove(request_key, held)
+        if not any(r in inline or r in resident for r in targets):
+            self._engine.drop(key)
 
-    def _drop_pair(self, key: int, held: _Held) -> int:
-        """Remove one entry from one key (and the key once empty); 1 if it was there, else 0."""
-        table = self._keys
-        stored = table.get(key)
-        if not _holds(stored, held.entry):
+    def _remove(self, key: int, held: Held, hint: int = -1) -> int:
+        """Remove one entry from one key, inline or in a run (``hint``: where in its run it
+        likely is); 1 if it was there, else 0."""
+        run = self._resident.get(key)
+        if run is None:
+            return self._drop_pair(key, held)
+        if held not in run.holders:
             return 0
-        assert stored is not None
-        held.count -= 1
-        self._cost -= held.cost
-        if len(stored) == 1:  # it held only this entry
-            del table[key]
-            self._cost -= KEY_COST
-            if self._key_ticks is not None:
-                del self._key_ticks[key]
-        else:
-            shrunk = self._shrunk
-            if shrunk[0] is stored and shrunk[1] is held:  # as the key before: share
-                table[key] = shrunk[2]
-            else:
-                entry = held.entry
-                left = (
-                    stored[:-1]
-                    if stored[-1] is entry
-                    else tuple([e for e in stored if e is not entry])
-                )
-                table[key] = left
-                self._shrunk = (stored, held, left)
-        if self._deadlines:
-            self._deadlines.pop((key, held), None)
-        if not held.count:
-            self._release(held)
-        return 1
+        return self._run_remove_at(run, run.position(key, hint), held)
 
-    def _forget(self, key: int, entry: PodEntry) -> None:
-        """Account for a stored entry no longer under a key (the caller updates the key)."""
-        held = self._by_id[id(entry)]
-        held.count -= 1
-        self._cost -= held.cost
-        if self._deadlines:
-            self._deadlines.pop((key, held), None)
-        if not held.count:
-            self._release(held)
+    def _oldest_key(self) -> tuple[int, int | None, Run | None]:
+        """The least recently used request keys: (tick, an inline key, None) or (tick, None,
+        a run whose positions used at tick are the oldest); (0, None, None) if there are none."""
+        key = next(iter(self._keys), None)
+        event = self._order.oldest(self._runs) if self._resident else None
+        if key is not None:
+            tick = self._key_ticks[key]
+            if event is None or tick < event[0]:
+                return tick, key, None
+        if event is not None:
+            return event[0], None, event[1]
+        return 0, None, None
 
-    def _expire(self, now: float) -> None:
-        """Reclaim up to :data:`EXPIRED_PER_CALL` entries whose deadline is past."""
-        heap, deadlines = self._expiry, self._deadlines
-        if not deadlines:
-            heap.clear()
-            return
-        done = 0
-        while heap and heap[0][0] <= now and done < EXPIRED_PER_CALL:
-            deadline, _, key, held = heapq.heappop(heap)
-            if deadlines.get((key, held)) != deadline:
-                continue
-            done += 1
-            if not self._drop_pair(key, held):
-                deadlines.pop((key, held), None)
-
-    def _drop_key(self, key: int) -> None:
-        stored = self._keys.pop(key)
-        self._cost -= KEY_COST
-        if self._key_ticks is not None:
-            del self._key_ticks[key]
-        for entry in stored:
-            self._forget(key, entry)
-
-    def _drop_mapping(self, engine_key: int) -> None:
-        refs = self._engine.pop(engine_key)
-        self._cost -= MAPPING_COST + MAPPING_REF_COST * len(_refs(refs))
-        if self._engine_ticks is not None:
-            del self._engine_ticks[engine_key]
+    def _oldest_engine_key(self) -> tuple[int, int | None, Run | None]:
+        """As :meth:`_oldest_key`, for engine keys."""
+        engine = self._engine
+        key = engine.oldest()
+        event = self._engine_order.oldest(self._runs) if self._engine_resident else None
+        if key is not None:
+            assert engine.ticks is not None
+            tick = engine.ticks[key]
+            if event is None or tick < event[0]:
+                return tick, key, None
+        if event is not None:
+            return event[0], None, event[1]
+        return 0, None, None
 
     def _shrink(self) -> None:
         raise NotImplementedError
@@ -908,19 +742,39 @@ class InMemoryIndex(_MemoryIndex):
         self._size = cfg.size
 
     def _shrink(self) -> None:
-        keys, engine, size = self._keys, self._engine, self._size
-        while len(keys) > size:
-            self._drop_key(next(iter(keys)))
-        while len(engine) > size:
-            self._drop_mapping(next(iter(engine)))
+        size = self._size
+        excess = len(self._keys) + len(self._resident) - size
+        while excess > 0:
+            tick, key, run = self._oldest_key()
+            if key is not None:
+                self._drop_key(key)
+                excess -= 1
+            elif run is not None:
+                excess -= self._drop_used(run, tick, excess)
+            else:
+                break
+        engine = self._engine
+        excess = len(engine) + len(self._engine_resident) - size
+        while excess > 0:
+            tick, key, run = self._oldest_engine_key()
+            if key is not None:
+                engine.drop(key)
+                excess -= 1
+            elif run is not None:
+                excess -= self._drop_used_engine(run, tick, excess)
+            else:
+                break
 
 
 class CostAwareMemoryIndex(_MemoryIndex):
     """An embedded index bounded by an estimate of the bytes it holds (see the module docstring).
 
-    The estimate charges :data:`KEY_COST` per request key, :func:`estimated_entry_cost` per entry
-    under a key, :data:`MAPPING_COST` per engine key and :data:`MAPPING_REF_COST` per request key
-    an engine key remembers. The number of entries per request key is not capped separately.
+    The estimate (the constants of :mod:`kvredis.memory_bounds`) charges ``KEY_COST`` per inline
+    request key and ``estimated_entry_cost`` per entry under it; per run ``RUN_COST``,
+    ``RUN_POSITION_COST`` per position, ``RUN_KEY_COST`` per position holding entries,
+    ``RUN_MAPPING_COST`` per engine key and ``estimated_entry_cost`` per distinct entry it
+    holds; ``MAPPING_COST`` per engine key not in a run and ``MAPPING_REF_COST`` per request key
+    it remembers. The number of entries per request key is not capped separately.
     """
 
     #: the ``backend`` label of metrics and traces
@@ -930,7 +784,7 @@ class CostAwareMemoryIndex(_MemoryIndex):
         cfg = CostAwareMemoryIndexConfig() if config is None else config
         if not isinstance(cfg, CostAwareMemoryIndexConfig):
             raise ConfigError(f"config must be a CostAwareMemoryIndexConfig, got {cfg!r}")
-        super().__init__(None, track_ticks=True)
+        super().__init__(None)
         self.config = cfg
         self._max_cost = cfg.max_cost()
 
@@ -941,20 +795,24 @@ class CostAwareMemoryIndex(_MemoryIndex):
     def cost(self) -> int:
         """The current estimate of bytes held."""
         with self._lock:
-            return self._cost
+            return self._cost + self._engine.cost
 
     def _shrink(self) -> None:
-        if self._cost <= self._max_cost:
-            return
-        keys, engine = self._keys, self._engine
-        key_ticks, engine_ticks = self._key_ticks, self._engine_ticks
-        assert key_ticks is not None and engine_ticks is not None
-        while self._cost > self._max_cost and (keys or engine):
-            key = next(iter(keys), None)
-            engine_key = next(iter(engine), None)
-            if key is not None and (
-                engine_key is None or key_ticks[key] <= engine_ticks[engine_key]
+        engine = self._engine
+        while self._cost + engine.cost > self._max_cost:
+            tick, key, run = self._oldest_key()
+            engine_tick, engine_key, engine_run = self._oldest_engine_key()
+            if (key is not None or run is not None) and (
+                (engine_key is None and engine_run is None) or tick <= engine_tick
             ):
-                self._drop_key(key)
+                if key is not None:
+                    self._drop_key(key)
+                else:
+                    assert run is not None
+                    self._drop_used(run, tick, 1)
             elif engine_key is not None:
-                self._drop_mapping(engine_key)
+                engine.drop(engine_key)
+            elif engine_run is not None:
+                self._drop_used_engine(engine_run, engine_tick, 1)
+            else:
+                break

@@ -8,6 +8,7 @@ sets after checking that no entry is reported twice.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import os
 import random
@@ -187,6 +188,42 @@ def test_evict_matches_all_five_fields_exactly(index: Any, key_type: KeyType) ->
         remaining.discard(VARIANTS[i])
         assert held(index, request_key) == remaining, f"after evicting {VARIANTS[i]}"
     assert index.lookup([request_key]) == {}
+
+
+#: Two values of each type a PodEntry field has (the annotations, as strings).
+_FIELD_VALUES: dict[str, tuple[object, object]] = {
+    "str": ("pod-f", "pod-g"),
+    "bool": (False, True),
+    "int": (0, 1),
+}
+
+
+def _entries_differing_in_one_field() -> list[tuple[str, PodEntry, PodEntry]]:
+    """For every field PodEntry compares: two entries equal in all the others."""
+    base = {"pod_identifier": "pod-f", "device_tier": "gpu"}
+    out = []
+    for field in dataclasses.fields(PodEntry):
+        assert field.compare, f"PodEntry.{field.name} is left out of equality"
+        values = _FIELD_VALUES.get(str(field.type))
+        assert values is not None, f"no test values for PodEntry.{field.name}: {field.type}"
+        one = PodEntry(**{**base, field.name: values[0]})  # type: ignore[arg-type]
+        other = PodEntry(**{**base, field.name: values[1]})  # type: ignore[arg-type]
+        out.append((field.name, one, other))
+    return out
+
+
+def test_entries_differing_in_any_one_field_are_distinct(index: Any) -> None:
+    cases = _entries_differing_in_one_field()
+    assert {name for name, _, _ in cases} >= {"pod_identifier", "dp_rank"}
+    for name, one, other in cases:
+        [key] = hashes(1, f"field-{name}")
+        index.add(None, [key], [one])
+        index.add(None, [key], [other])
+        assert held(index, key) == {one, other}, f"entries differing in {name} merged"
+        index.evict(key, REQUEST, [one])
+        assert held(index, key) == {other}, f"evicting one removed both ({name})"
+        index.evict(key, REQUEST, [other])
+        assert held(index, key) == set()
 
 
 def test_evict_of_entries_not_held_changes_nothing(index: Any) -> None:
@@ -1219,23 +1256,10 @@ def _bits(scores: Mapping[str, float]) -> dict[str, str]:
     return {pod: value.hex() for pod, value in scores.items()}
 
 
-def needs_rank_scoring(index: Any) -> None:
-    """Skip an embedded backend that does not score per data-parallel rank yet: ``memory.py``
-    gains ``score_by_rank`` (and a ``score`` that keeps each pod's best rank instead of the union
-    of its ranks) in its own rework; from then on these tests run on it too."""
-    from kvredis.index import RankScoringIndex
-    from kvredis.memory import CostAwareMemoryIndex, InMemoryIndex
-
-    embedded = isinstance(index, (InMemoryIndex, CostAwareMemoryIndex))
-    if embedded and not isinstance(index, RankScoringIndex):
-        pytest.skip("embedded per-rank scoring (memory.py) lands with the embedded index rework")
-
-
 @pytest.mark.parametrize("seed", [1, 2])
 def test_score_is_the_longest_prefix_scorer_over_lookup(index: Any, seed: int) -> None:
     from kvredis.scoring import LongestPrefixScorer
 
-    needs_rank_scoring(index)  # the states hold data-parallel ranks
     queries = _score_state(index, seed)
     for weights in SCORE_WEIGHTS:
         scorer = LongestPrefixScorer(weights)
@@ -1246,11 +1270,28 @@ def test_score_is_the_longest_prefix_scorer_over_lookup(index: Any, seed: int) -
                 assert _bits(got) == _bits(expected), (weights, pods, keys)
 
 
+def test_a_rank_is_credited_only_with_its_own_prefix(index: Any) -> None:
+    keys = hashes(3, "rank-prefix")
+    index.add(None, [keys[0], keys[2]], [PodEntry("pod-a", "gpu")])
+    index.add(None, [keys[1]], [PodEntry("pod-a", "gpu", dp_rank=1)])
+    assert index.score(keys) == {"pod-a": 1.0}  # not 3: no rank reuses more than block 1
+    assert index.score_by_rank(keys) == {"pod-a": {0: 1.0}}
+    index.add(None, keys, [PodEntry("pod-a", "cpu", dp_rank=1), PodEntry("pod-b", "gpu")])
+    assert index.score_by_rank(keys, {"gpu": 1.0, "cpu": 0.5}) == {
+        "pod-a": {0: 1.0, 1: 0.5 + 1.0 + 0.5},
+        "pod-b": {0: 3.0},
+    }
+    assert index.score(keys, {"gpu": 1.0, "cpu": 0.5}) == {"pod-a": 2.0, "pod-b": 3.0}
+    assert index.score_by_rank(keys, None, {"pod-b"}) == {"pod-b": {0: 3.0}}
+    assert index.score_by_rank([]) == {}
+    with pytest.raises(InvalidInputError):
+        index.score_by_rank([True])
+
+
 @pytest.mark.parametrize("seed", [1, 2])
 def test_score_by_rank_is_the_scorer_per_rank_over_lookup(index: Any, seed: int) -> None:
     from kvredis.scoring import LongestPrefixScorer
 
-    needs_rank_scoring(index)
     queries = _score_state(index, seed)
     for weights in SCORE_WEIGHTS:
         scorer = LongestPrefixScorer(weights)
@@ -1268,7 +1309,6 @@ def test_score_by_rank_is_the_scorer_per_rank_over_lookup(index: Any, seed: int)
 def test_a_pod_scores_its_best_rank_not_the_union_of_its_ranks(index: Any) -> None:
     """Rank 0 holds blocks 1 and 3 of a chain (it lost block 2), rank 1 holds block 2: no rank
     can reuse more than 1 block, so the pod scores 1, not the 3 of the union of its ranks."""
-    needs_rank_scoring(index)
     keys = hashes(3, "ranks")
     rank0, rank1 = PodEntry("pod-dp", "gpu"), PodEntry("pod-dp", "gpu", dp_rank=1)
     index.add(None, keys, [rank0])

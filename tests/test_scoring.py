@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 from kvredis.errors import InvalidInputError
 from kvredis.features import BlockExtraFeatures, MMHash
 from kvredis.hashing import ChunkedTokenDatabase, TokenProcessorConfig
-from kvredis.index import RankScoringIndex, ScoringIndex
 from kvredis.indexer import Indexer
 from kvredis.memory import InMemoryIndex
 from kvredis.scoring import DEFAULT_MEDIUM_WEIGHTS, LongestPrefixScorer
@@ -101,6 +100,67 @@ def test_custom_and_empty_weights() -> None:
     assert scorer.score(keys, key_to_pods)["a"] == 1.0
     with pytest.raises(TypeError):
         scorer.medium_weights["cpu"] = 2.0  # type: ignore[index]
+
+
+def test_each_data_parallel_rank_scores_its_own_prefix() -> None:
+    keys = [1, 2, 3]
+    # Rank 0 holds blocks 1 and 3, rank 1 block 2: no rank can reuse more than block 1.
+    key_to_pods = {1: [E("a")], 2: [E("a", dp_rank=1)], 3: [E("a")]}
+    scorer = LongestPrefixScorer()
+    assert scorer.score_by_rank(keys, key_to_pods) == {"a": {0: 1.0}}
+    assert scorer.score(keys, key_to_pods) == {"a": 1.0}
+
+
+def test_a_pods_score_is_its_best_ranks() -> None:
+    keys = [1, 2, 3, 4]
+    key_to_pods = {
+        1: [E("a"), E("a", "cpu", dp_rank=1), E("a", dp_rank=2), E("b", "cpu", dp_rank=3)],
+        2: [E("a"), E("a", "cpu", dp_rank=1), E("a", dp_rank=2), E("b", "cpu", dp_rank=3)],
+        3: [E("a", "cpu", dp_rank=1), E("a", "gpu", dp_rank=1), E("a", dp_rank=2)],
+        4: [E("a", dp_rank=1), E("a", dp_rank=2), E("a")],  # rank 0 dropped out at key 3
+    }
+    scorer = LongestPrefixScorer()
+    assert scorer.score_by_rank(keys, key_to_pods) == {
+        "a": {0: 2.0, 1: 0.8 + 0.8 + 1.0 + 1.0, 2: 4.0},
+        "b": {3: 1.6},
+    }
+    assert scorer.score(keys, key_to_pods) == {"a": 4.0, "b": 1.6}
+    assert scorer.score_by_rank([], key_to_pods) == {}
+    assert scorer.score_by_rank([9, 1], key_to_pods) == {}
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    holdings=st.lists(
+        st.tuples(
+            st.sampled_from(["a", "b"]),
+            st.integers(0, 2),
+            st.sampled_from(["gpu", "cpu", "x"]),
+            st.integers(0, 5),
+            st.integers(1, 6),
+        ),
+        max_size=12,
+    )
+)
+def test_without_ranks_a_pod_scores_as_the_union_of_its_entries(holdings: list[Any]) -> None:
+    """With one rank per pod the per-rank race is the per-pod race; with several, each rank's
+    score is the race of that rank's entries alone."""
+    keys = list(range(6))
+    key_to_pods: dict[int, list[PodEntry]] = {}
+    for pod, rank, tier, start, end in holdings:
+        for key in keys[start:end]:
+            key_to_pods.setdefault(key, []).append(E(pod, tier, dp_rank=rank))
+    scorer = LongestPrefixScorer({"gpu": 1.0, "cpu": 0.3})
+    by_rank = scorer.score_by_rank(keys, key_to_pods)
+    for pod, ranks in by_rank.items():
+        for rank, total in ranks.items():
+            alone = {
+                k: [e for e in v if (e.pod_identifier, e.dp_rank) == (pod, rank)]
+                for k, v in key_to_pods.items()
+            }
+            assert scorer.score(keys, alone) == {pod: total}
+    for pod, total in scorer.score(keys, key_to_pods).items():
+        assert total == max(by_rank[pod].values())
 
 
 def test_empty_inputs() -> None:
@@ -259,9 +319,7 @@ def test_score_tokens_by_rank_on_every_backend(index: Any, processor: ChunkedTok
     }
     assert indexer.score_tokens_by_rank(tokens, MODEL, {"pod-b"}) == {"pod-b": {2: 1.0}}
     assert indexer.score_tokens_by_rank(tokens[: BLOCK - 1], MODEL) == {}
-    if isinstance(index, RankScoringIndex) or not isinstance(index, ScoringIndex):
-        # (the embedded walk scores per rank once memory.py does: test_index_conformance)
-        assert indexer.score_tokens(tokens, MODEL) == {"pod-a": 3.0, "pod-b": 1.0}
+    assert indexer.score_tokens(tokens, MODEL) == {"pod-a": 3.0, "pod-b": 1.0}
 
 
 def test_client_side_and_server_side_scoring_are_identical(
