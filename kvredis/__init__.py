@@ -80,9 +80,9 @@ _EXPORTS: dict[str, str] = {
     "DEFAULT_TIERS": "kvredis.tiers",
     # backends, scoring, configuration
     "CostAwareMemoryIndex": "kvredis.memory",
-    "CostAwareMemoryIndexConfig": "kvredis.memory_bounds",
+    "CostAwareMemoryIndexConfig": "kvredis.memory",
     "InMemoryIndex": "kvredis.memory",
-    "InMemoryIndexConfig": "kvredis.memory_bounds",
+    "InMemoryIndexConfig": "kvredis.memory",
     "DEFAULT_MEDIUM_WEIGHTS": "kvredis.scoring",
     "LongestPrefixScorer": "kvredis.scoring",
     "Indexer": "kvredis.indexer",
@@ -343,8 +343,12 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
     from kvredis.ingest.metrics import IngestMetrics
     from kvredis.ingest.zmq import ZmqReplayClient
     from kvredis.jsonconfig import parse_duration, parse_size
-    from kvredis.memory import CostAwareMemoryIndex, InMemoryIndex
-    from kvredis.memory_bounds import CostAwareMemoryIndexConfig, InMemoryIndexConfig
+    from kvredis.memory import (
+        CostAwareMemoryIndex,
+        CostAwareMemoryIndexConfig,
+        InMemoryIndex,
+        InMemoryIndexConfig,
+    )
     from kvredis.metrics import AsyncInstrumentedIndex, InstrumentedIndex
     from kvredis.redis.address import RedisAddress, mask_password, parse_address
     from kvredis.redis.cluster.index import AsyncRedisClusterIndex, RedisClusterIndex

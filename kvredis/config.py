@@ -10,8 +10,12 @@ from typing import TYPE_CHECKING, Any
 from kvredis.errors import ConfigError
 from kvredis.index import Index
 from kvredis.jsonconfig import parse_duration, take_fields
-from kvredis.memory import CostAwareMemoryIndex, InMemoryIndex
-from kvredis.memory_bounds import CostAwareMemoryIndexConfig, InMemoryIndexConfig
+from kvredis.memory import (
+    CostAwareMemoryIndex,
+    CostAwareMemoryIndexConfig,
+    InMemoryIndex,
+    InMemoryIndexConfig,
+)
 
 if TYPE_CHECKING:
     from types import ModuleType

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvredis.memory_bounds import (
+from kvredis.memory import (
     KEY_COST,
     RUN_COST,
     RUN_KEY_COST,
     RUN_MAPPING_COST,
     RUN_POSITION_COST,
 )
-from kvredis.memory_engine import refs
+from kvredis.memory.engine import refs
 from kvredis.types import PodEntry
 
 

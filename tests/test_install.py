@@ -90,3 +90,19 @@ def test_no_page_installs_kvredis_from_a_package_index() -> None:
         for m in _FROM_AN_INDEX.finditer(page.read_text(encoding="utf-8"))
     ]
     assert found == []
+
+
+def test_the_wheel_lists_every_package_of_the_source_tree() -> None:
+    """``[tool.setuptools] packages`` is a list written by hand: a package folder it misses is
+    left out of the wheel (and found only in a checkout), so each one must be on it."""
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    block = r"^\[tool\.setuptools\]\npackages = \[(.*?)\]"
+    m = re.search(block, pyproject, re.MULTILINE | re.DOTALL)
+    assert m, "pyproject.toml has no [tool.setuptools] packages list"
+    listed = set(re.findall(r'"([\w.]+)"', m.group(1)))
+    assert "kvredis" in listed
+    on_disk = {
+        ".".join(init.parent.relative_to(ROOT).parts)
+        for init in (ROOT / "kvredis").rglob("__init__.py")
+    }
+    assert on_disk - listed == set()

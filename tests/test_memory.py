@@ -14,23 +14,22 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvredis import memory, memory_tables
 from kvredis.batch import AddOp, Watermark
 from kvredis.errors import ConfigError, EngineKeyNotFoundError, InvalidInputError
 from kvredis.jsonconfig import parse_size
 from kvredis.memory import (
     CLEAR_MAPPINGS_PER_PAGE,
+    KEY_COST,
     LOG_SLACK,
     MAX_REQUEST_KEYS_PER_ENGINE_KEY,
     CostAwareMemoryIndex,
-    InMemoryIndex,
-)
-from kvredis.memory_bounds import (
-    KEY_COST,
     CostAwareMemoryIndexConfig,
+    InMemoryIndex,
     InMemoryIndexConfig,
     estimated_entry_cost,
 )
+from kvredis.memory import index as memory_index
+from kvredis.memory import tables as memory_tables
 from kvredis.scoring import LongestPrefixScorer
 from kvredis.types import KeyType, PodEntry
 from tests import memory_state
@@ -211,7 +210,7 @@ def test_pods_added_and_cleared_leave_nothing_behind(make: Any) -> None:
 @pytest.mark.parametrize("make", [InMemoryIndex, CostAwareMemoryIndex])
 def test_expiry_follows_the_latest_add_across_clears(make: Any, monkeypatch: Any) -> None:
     clock = [1000.0]
-    monkeypatch.setattr(memory, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(memory_index, "time", SimpleNamespace(monotonic=lambda: clock[0]))
     index = make()
     spec = PodEntry("pod-s", speculative=True)
     index.add(None, [1, 2, 3], [spec], ttl=5)

@@ -14,13 +14,18 @@ from typing import Any
 
 import pytest
 
-from kvredis import memory, memory_recency
 from kvredis.batch import AddOp
 from kvredis.checks import MAX_REQUEST_KEYS_PER_ENGINE_KEY, infer_mappings
 from kvredis.errors import EngineKeyNotFoundError
-from kvredis.memory import CostAwareMemoryIndex, InMemoryIndex
-from kvredis.memory_bounds import CostAwareMemoryIndexConfig, InMemoryIndexConfig
-from kvredis.memory_runs import RUN_MAX, RUN_MIN, span, span_at
+from kvredis.memory import (
+    CostAwareMemoryIndex,
+    CostAwareMemoryIndexConfig,
+    InMemoryIndex,
+    InMemoryIndexConfig,
+)
+from kvredis.memory import index as memory_index
+from kvredis.memory import recency as memory_recency
+from kvredis.memory.runs import RUN_MAX, RUN_MIN, span, span_at
 from kvredis.scoring import LongestPrefixScorer
 from kvredis.types import KeyType, PodEntry
 from tests import memory_state
@@ -186,7 +191,7 @@ def run_workload(
     seed: int, make: Any, model: Model, *, bytes_bound: bool, monkeypatch: Any
 ) -> None:
     clock = [1000.0]
-    monkeypatch.setattr(memory, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(memory_index, "time", SimpleNamespace(monotonic=lambda: clock[0]))
     rng = random.Random(seed)
     index = make()
     chains = [[rng.getrandbits(64) for _ in range(48)] for _ in range(3)]

@@ -9,10 +9,9 @@ from typing import Any
 
 import pytest
 
-from kvredis import memory
 from kvredis.index import RankScoringIndex, ScoringIndex
-from kvredis.memory import CostAwareMemoryIndex, InMemoryIndex
-from kvredis.memory_bounds import InMemoryIndexConfig
+from kvredis.memory import CostAwareMemoryIndex, InMemoryIndex, InMemoryIndexConfig
+from kvredis.memory import index as memory_index
 from kvredis.scoring import LongestPrefixScorer
 from kvredis.types import KeyType, PodEntry
 
@@ -66,7 +65,7 @@ def test_scores_per_rank_match_the_reference_on_random_chains(
     make: Any, seed: int, monkeypatch: Any
 ) -> None:
     clock = [1000.0]
-    monkeypatch.setattr(memory, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(memory_index, "time", SimpleNamespace(monotonic=lambda: clock[0]))
     rng = random.Random(seed)
     index, model = make(), Model()
     assert isinstance(index, RankScoringIndex) and isinstance(index, ScoringIndex)

@@ -3,9 +3,9 @@
 The longest-prefix score is computed in four places that must give bit-identical floats:
 :class:`kvredis.scoring.LongestPrefixScorer` (the reference), ``lua/score.lua`` (Redis and
 Valkey), the cluster client's merge of per-shard lookups (scored on the client), and the
-embedded indexes' own walk (``memory.py``). Here every backend is driven through the index
-interface with random holdings on random chains, kept in lockstep with a plain model of what
-each key holds: tiers and tier weights (sums exact in binary and not), data-parallel ranks,
+embedded indexes' own walk (``kvredis/memory/walks.py``). Here every backend is driven through
+the index interface with random holdings on random chains, kept in lockstep with a plain model of
+what each key holds: tiers and tier weights (sums exact in binary and not), data-parallel ranks,
 KV-cache groups, speculative entries, expiring entries (live, and lapsed before the reads),
 holes (mid-chain evictions, by request and by engine key), pod filters, and chains read in
 parts (a few keys per script call). The reference scores the model's holdings; each backend's
@@ -22,8 +22,7 @@ from typing import Any
 
 import pytest
 
-from kvredis.memory import InMemoryIndex
-from kvredis.memory_bounds import InMemoryIndexConfig
+from kvredis.memory import InMemoryIndex, InMemoryIndexConfig
 from kvredis.redis import ops as redis_ops
 from kvredis.redis.cluster import ops as cluster_ops
 from kvredis.scoring import LongestPrefixScorer

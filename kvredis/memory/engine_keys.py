@@ -1,9 +1,9 @@
-"""Engine keys of an embedded index: in the engine table (:mod:`kvredis.memory_engine`), or kept
+"""Engine keys of an embedded index: in the engine table (:mod:`kvredis.memory.engine`), or kept
 beside their request keys in a run when an add paired them 1:1 with the run's new keys (one list
 slot and one table slot each, instead of an ordered-dict node). Recording an add's mappings in
 the order of its keys, resolving, dropping, and dropping the least recently used.
 
-A layer of the index class (see :mod:`kvredis.memory_tables`); its methods run with the index's
+A layer of the index class (see :mod:`kvredis.memory.tables`); its methods run with the index's
 lock held.
 """
 
@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 from kvredis.checks import infer_mappings
-from kvredis.memory_bounds import RUN_MAPPING_COST
-from kvredis.memory_in_runs import RunKeys
-from kvredis.memory_runs import Ranges, Run, span
+from kvredis.memory.bounds import RUN_MAPPING_COST
+from kvredis.memory.in_runs import RunKeys
+from kvredis.memory.runs import Ranges, Run, span
 
 __all__ = ["EngineKeys"]
 

@@ -6,8 +6,8 @@ keeps, per engine key, its most recent request keys (at most
 :data:`~kvredis.checks.MAX_REQUEST_KEYS_PER_ENGINE_KEY`, oldest first; one is stored as a bare
 int, several as a tuple), in least-recently-used order, with the last-use tick of every key
 where the index weighs engine keys against request keys, and its share of the byte estimate
-(:data:`~kvredis.memory_bounds.MAPPING_COST` per engine key,
-:data:`~kvredis.memory_bounds.MAPPING_REF_COST` per request key remembered).
+(:data:`~kvredis.memory.bounds.MAPPING_COST` per engine key,
+:data:`~kvredis.memory.bounds.MAPPING_REF_COST` per request key remembered).
 
 Not thread-safe on its own: the index calls it with its lock held.
 """
@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from kvredis.checks import MAX_REQUEST_KEYS_PER_ENGINE_KEY, infer_mappings
-from kvredis.memory_bounds import MAPPING_COST, MAPPING_REF_COST
+from kvredis.memory.bounds import MAPPING_COST, MAPPING_REF_COST
 
 __all__ = ["EngineTable", "refs"]
 

@@ -2,11 +2,11 @@
 :mod:`kvredis.memory` reads and changes, each part a layer of the index class over this one.
 
 The layers, each a module importing only those before it: this one (the tables, the entry
-records), :mod:`kvredis.memory_inline` (keys kept one by one), :mod:`kvredis.memory_in_runs`
-(keys kept in runs), :mod:`kvredis.memory_engine_keys` (engine keys, in the engine table or
-beside their run's keys), :mod:`kvredis.memory_walks` (walks: lookups, scores, what they count as
-used) and :mod:`kvredis.memory` (the public indexes, the adds, evicts, clears and bounds). Each
-layer's methods run with the index's lock held.
+records), :mod:`kvredis.memory.inline` (keys kept one by one), :mod:`kvredis.memory.in_runs`
+(keys kept in runs), :mod:`kvredis.memory.engine_keys` (engine keys, in the engine table or
+beside their run's keys), :mod:`kvredis.memory.walks` (walks: lookups, scores, what they count as
+used) and :mod:`kvredis.memory.index` (the public indexes, the adds, evicts, clears and
+bounds). Each layer's methods run with the index's lock held.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from dataclasses import fields
 from operator import attrgetter
 
 from kvredis.batch import Watermark
-from kvredis.memory_bounds import estimated_entry_cost
-from kvredis.memory_engine import EngineTable
-from kvredis.memory_expiry import ExpiryTable
-from kvredis.memory_race import Best
-from kvredis.memory_recency import RunOrder
-from kvredis.memory_runs import Ranges, Run
+from kvredis.memory.bounds import estimated_entry_cost
+from kvredis.memory.engine import EngineTable
+from kvredis.memory.expiry import ExpiryTable
+from kvredis.memory.race import Best
+from kvredis.memory.recency import RunOrder
+from kvredis.memory.runs import Ranges, Run
 from kvredis.types import PodEntry
 
 __all__ = ["Held", "Tables", "equality_key", "holds"]
@@ -83,7 +83,7 @@ def _engine_recency(run: Run) -> Ranges[int] | None:
 
 
 class Tables:
-    """The state of an embedded index (see the module docstring of :mod:`kvredis.memory`) and
+    """The state of an embedded index (see the docstring of :mod:`kvredis.memory`) and
     its entry records.
 
     ``_keys``: the inline request keys (key -> entries, oldest added first, in least recently

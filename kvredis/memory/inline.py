@@ -1,9 +1,9 @@
 """Request keys an embedded index keeps one by one (*inline*): key -> the tuple of its entries,
 oldest added first, in least-recently-used order with its last-use tick. Keys holding one entry
 share its 1-tuple, and consecutive keys an add or a removal leaves with the same entries share
-one tuple. Entries that expire are only ever held inline (:mod:`kvredis.memory_expiry`).
+one tuple. Entries that expire are only ever held inline (:mod:`kvredis.memory.expiry`).
 
-A layer of the index class (see :mod:`kvredis.memory_tables`); its methods run with the index's
+A layer of the index class (see :mod:`kvredis.memory.tables`); its methods run with the index's
 lock held.
 """
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 
-from kvredis.memory_bounds import KEY_COST
-from kvredis.memory_tables import Held, Tables, holds
+from kvredis.memory.bounds import KEY_COST
+from kvredis.memory.tables import Held, Tables, holds
 from kvredis.types import PodEntry
 
 __all__ = ["EXPIRED_PER_CALL", "LOG_SLACK", "InlineKeys"]

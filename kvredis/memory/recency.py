@@ -2,7 +2,7 @@
 
 Every use of a key takes a new tick from the index's counter. A key kept on its own has its tick
 beside it (the index's ordered tables); a stretch of run positions used together gets one tick
-in the run's recency ranges (:class:`~kvredis.memory_runs.Ranges`), so one use of a run's span
+in the run's recency ranges (:class:`~kvredis.memory.runs.Ranges`), so one use of a run's span
 costs one range assignment. :class:`RunOrder` finds the least recently used run positions: a
 heap of (tick, run) *events*, one per use of a run, where an event is stale once no range of the
 run holds its tick any more. Ticks are unique per use, so the positions an event names are the
@@ -22,7 +22,7 @@ import heapq
 from collections.abc import Callable, Collection
 from itertools import count
 
-from kvredis.memory_runs import Ranges, Run
+from kvredis.memory.runs import Ranges, Run
 
 __all__ = ["RunOrder"]
 

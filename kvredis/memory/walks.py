@@ -2,7 +2,7 @@
 live) entry holds, run span by run span and inline group by group; the score's own loop; what a
 walk counts as used; the tier weights and best weights a score reads.
 
-A layer of the index class (see :mod:`kvredis.memory_tables`); its methods run with the index's
+A layer of the index class (see :mod:`kvredis.memory.tables`); its methods run with the index's
 lock held.
 """
 
@@ -14,9 +14,9 @@ from collections.abc import Callable, Iterator, Mapping
 from itertools import groupby, islice, repeat
 
 from kvredis.checks import check_hashes
-from kvredis.memory_engine_keys import EngineKeys
-from kvredis.memory_race import Best, Piece, Race, Racer, best_weights
-from kvredis.memory_runs import Run, span, span_at
+from kvredis.memory.engine_keys import EngineKeys
+from kvredis.memory.race import Best, Piece, Race, Racer, best_weights
+from kvredis.memory.runs import Run, span, span_at
 from kvredis.scoring import score_weights
 from kvredis.types import MAX_BLOCK_HASH, PodEntry
 
@@ -106,7 +106,7 @@ class Walks(EngineKeys):
         weights: dict[str, float],
         best_of: Callable[[tuple[PodEntry, ...]], Best],
     ) -> tuple[dict[Racer, float], list[Piece]]:
-        """:func:`~kvredis.memory_race.race` over :meth:`_pieces` without a filter or expiring
+        """:func:`~kvredis.memory.race.race` over :meth:`_pieces` without a filter or expiring
         entries, in one loop: the walk of a score, its hot path. Returns the scores and the
         stretches used (one per span of a run, one per group of inline keys)."""
         inline_get, resident_get = self._keys.get, self._resident.get

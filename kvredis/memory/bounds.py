@@ -41,7 +41,7 @@ ENTRY_COST = 16
 MAPPING_COST = 136
 #: One request key remembered by an engine key.
 MAPPING_REF_COST = 24
-#: A run (:mod:`kvredis.memory_runs`): the object, its lists, ranges and counts, whatever its
+#: A run (:mod:`kvredis.memory.runs`): the object, its lists, ranges and counts, whatever its
 #: length.
 RUN_COST = 800
 #: A position of a run, for the run's whole life: its slot in the key list and the key's int.

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from itertools import repeat
 
-from kvredis.memory_runs import Run
+from kvredis.memory.runs import Run
 from kvredis.scoring import UNKNOWN_TIER_WEIGHT, add_times
 from kvredis.types import PodEntry
 
@@ -139,7 +139,7 @@ def race(
     pieces: Iterator[Piece], best_of: Callable[[tuple[PodEntry, ...]], Best]
 ) -> tuple[dict[Racer, float], list[Piece]]:
     """Score a walk given as pieces (a filtered or expiring walk of
-    :mod:`kvredis.memory_walks`); returns the scores and the pieces where some racer was still
+    :mod:`kvredis.memory.walks`); returns the scores and the pieces where some racer was still
     in the race."""
     used: list[Piece] = []
     first = next(pieces, None)

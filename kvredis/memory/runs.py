@@ -20,8 +20,8 @@ Each run may also hold the engine keys an add paired 1:1 with its new request ke
 (``engine``), with their own recency ranges: an engine key resolves to the request key at its
 position. Positions whose engine key went away hold ``None``.
 
-This module holds the data and the range algebra; the index (:mod:`kvredis.memory`) keeps the
-tables, the entry records and the byte estimate consistent with them.
+This module holds the data and the range algebra; the index (:mod:`kvredis.memory.index`) keeps
+the tables, the entry records and the byte estimate consistent with them.
 """
 
 from __future__ import annotations

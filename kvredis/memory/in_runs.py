@@ -1,10 +1,10 @@
-"""Request keys an embedded index keeps in runs (:mod:`kvredis.memory_runs`): making a run of
+"""Request keys an embedded index keeps in runs (:mod:`kvredis.memory.runs`): making a run of
 an add's new keys, adding entries to a span of a run and removing them (positions left without
 entries become holes), holing positions, forgetting a dead run, taking a key out of its run to
 stand inline, what a score reads of a run (its view), and dropping the least recently used
 positions.
 
-A layer of the index class (see :mod:`kvredis.memory_tables`); its methods run with the index's
+A layer of the index class (see :mod:`kvredis.memory.tables`); its methods run with the index's
 lock held.
 """
 
@@ -15,16 +15,16 @@ from collections import deque
 from collections.abc import Callable
 from itertools import repeat
 
-from kvredis.memory_bounds import (
+from kvredis.memory.bounds import (
     KEY_COST,
     RUN_COST,
     RUN_KEY_COST,
     RUN_POSITION_COST,
 )
-from kvredis.memory_inline import InlineKeys
-from kvredis.memory_race import Best
-from kvredis.memory_runs import Run
-from kvredis.memory_tables import Held, holds
+from kvredis.memory.inline import InlineKeys
+from kvredis.memory.race import Best
+from kvredis.memory.runs import Run
+from kvredis.memory.tables import Held, holds
 from kvredis.types import PodEntry
 
 __all__ = ["RunKeys"]

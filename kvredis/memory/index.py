@@ -1,59 +1,12 @@
-"""Embedded indexes: the whole KV-block index in this process's memory.
+"""The public embedded indexes, :class:`InMemoryIndex` and :class:`CostAwareMemoryIndex`: the
+checks of their inputs, the lock, adds, evicts, clears, expiry, and the bounds each keeps its
+memory under. The top layer of the index class (see :mod:`kvredis.memory` for the design and the
+layers below).
 
-Two backends share one implementation and differ only in how they bound their memory:
-
-* :class:`InMemoryIndex` keeps at most ``size`` request keys and at most ``size`` engine keys
-  (least recently used dropped first) and at most ``pod_cache_size`` entries per request key
-  (least recently added dropped first).
-* :class:`CostAwareMemoryIndex` keeps an estimate of the bytes it holds (see
-  :func:`~kvredis.memory_bounds.estimated_entry_cost` and the ``*_COST`` constants) under a
-  budget such as ``"2GiB"``,
-  dropping the least recently used request keys and engine keys, whichever is older, until it
-  fits.
-
-"Used" means added to, looked up with a hit, or walked by a score while some pod is still in
-the race (request keys), or resolved by ``get_request_key`` (engine keys). Both backends
-implement :class:`~kvredis.index.Index`, :class:`~kvredis.index.BatchIndex`,
-:class:`~kvredis.index.ScoringIndex` and :class:`~kvredis.index.RankScoringIndex` (``score``
-and ``score_by_rank`` walk the chain once, racing each data-parallel rank of a pod on its own,
-and stop when no (pod, rank) is left); one lock guards all state, so every method is atomic.
-
-How the keys are kept:
-
-* An add that brings :data:`~kvredis.memory_runs.RUN_MIN` or more new request keys (without a
-  ttl) stores them as a *run* (:mod:`kvredis.memory_runs`): the keys in chain order, their
-  entries as ranges of positions, their recency as ranges of ticks, and, when the add paired
-  them 1:1 with new engine keys, those engine keys. An add that names its parent
-  (``AddOp.parent`` in :meth:`InMemoryIndex.apply_batch`, as the ingester writes an engine's
-  chain block by block) appends its new keys to the run its parent ends. A walk reads a run
-  with one table lookup and one list comparison, and takes its entries range by range; using a
-  span of a run is one range assignment. So a score of a chain stored by a few events costs a
-  few lookups, not one per block, and a key in a run costs a table slot and two list slots, not
-  an ordered-dict node.
-* Other request keys are kept one by one (*inline*): key -> the tuple of its entries, oldest
-  added first, in least-recently-used order, with its last-use tick (keys holding one entry
-  share its 1-tuple, and consecutive keys an add or a removal leaves with the same entries share
-  one tuple). Entries that expire are kept inline only: an add with a ttl moves its keys out of
-  their runs.
-* Engine keys not in a run are in an :class:`~kvredis.memory_engine.EngineTable`; the deadlines
-  of expiring entries in an :class:`~kvredis.memory_expiry.ExpiryTable`; the order of run
-  positions by last use in :class:`~kvredis.memory_recency.RunOrder` heaps, built on the
-  first eviction. Per distinct entry a record counts the keys holding it and knows its runs and
-  (a log of) its inline keys, so ``clear(pod)`` never compares PodEntry values key by key.
-
-The implementation is a stack of layers, each a module of its own importing only those before
-it: :mod:`kvredis.memory_tables` (the tables and entry records), :mod:`kvredis.memory_inline`,
-:mod:`kvredis.memory_in_runs`, :mod:`kvredis.memory_engine_keys`, :mod:`kvredis.memory_walks`,
-then this module (the public indexes: checks, the lock, adds, evicts, clears, the bounds); the
-data structures they use are :mod:`kvredis.memory_runs`, :mod:`kvredis.memory_recency`,
-:mod:`kvredis.memory_engine`, :mod:`kvredis.memory_expiry`, :mod:`kvredis.memory_race` and
-:mod:`kvredis.memory_bounds`.
-
-``scripts/bench_vs_dynamo.py`` measures ``score`` and the memory per entry against Dynamo's
-in-process radix tree, ``scripts/bench_memory.py`` against a plain dict of sets. Inputs that
-are plain lists of ints and plain PodEntry values are checked at C speed or in one ``type()``
-test, anything else goes through the shared checks of :mod:`kvredis.checks` (same errors as
-every backend); walks check the keys they reach, so keys past the first miss are never read.
+Inputs that are plain lists of ints and plain PodEntry values are checked at C speed or in one
+``type()`` test, anything else goes through the shared checks of :mod:`kvredis.checks` (same
+errors as every backend); walks check the keys they reach, so keys past the first miss are never
+read.
 """
 
 from __future__ import annotations
@@ -80,19 +33,19 @@ from kvredis.checks import (
 )
 from kvredis.errors import ConfigError, EngineKeyNotFoundError, InvalidInputError
 from kvredis.index import ClearProgress
-from kvredis.memory_bounds import (
+from kvredis.memory.bounds import (
     RUN_KEY_COST,
     RUN_MAPPING_COST,
     RUN_POSITION_COST,
     CostAwareMemoryIndexConfig,
     InMemoryIndexConfig,
 )
-from kvredis.memory_engine import refs
-from kvredis.memory_inline import EXPIRED_PER_CALL, LOG_SLACK
-from kvredis.memory_race import RANKED, Racer, best_ranks, best_weights, race
-from kvredis.memory_runs import RUN_MAX, RUN_MIN, Run, span
-from kvredis.memory_tables import Held
-from kvredis.memory_walks import Walks, checked_reach
+from kvredis.memory.engine import refs
+from kvredis.memory.inline import EXPIRED_PER_CALL, LOG_SLACK
+from kvredis.memory.race import RANKED, Racer, best_ranks, best_weights, race
+from kvredis.memory.runs import RUN_MAX, RUN_MIN, Run, span
+from kvredis.memory.tables import Held
+from kvredis.memory.walks import Walks, checked_reach
 from kvredis.types import MAX_BLOCK_HASH, KeyType, PodEntry
 
 __all__ = [
@@ -769,7 +722,7 @@ class InMemoryIndex(_MemoryIndex):
 class CostAwareMemoryIndex(_MemoryIndex):
     """An embedded index bounded by an estimate of the bytes it holds (see the module docstring).
 
-    The estimate (the constants of :mod:`kvredis.memory_bounds`) charges ``KEY_COST`` per inline
+    The estimate (the constants of :mod:`kvredis.memory.bounds`) charges ``KEY_COST`` per inline
     request key and ``estimated_entry_cost`` per entry under it; per run ``RUN_COST``,
     ``RUN_POSITION_COST`` per position, ``RUN_KEY_COST`` per position holding entries,
     ``RUN_MAPPING_COST`` per engine key and ``estimated_entry_cost`` per distinct entry it
