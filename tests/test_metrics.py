@@ -87,6 +87,11 @@ def test_wrapper_keeps_exactly_the_capabilities() -> None:
     ):
         assert isinstance(mem, capability) == isinstance(raw, capability), capability
     assert isinstance(mem, ScoringIndex)  # the embedded indexes score on their own
+    assert isinstance(mem, RankScoringIndex)  # each data-parallel rank on its own, too
+    for index in (mem, raw):
+        index.add(None, [1, 2], [A, PodEntry("pod-a", "cpu", dp_rank=1)])
+    assert mem.score_by_rank([1, 2]) == raw.score_by_rank([1, 2]) == {"pod-a": {0: 2.0, 1: 1.6}}
+    assert value(reg, "kvredis_index_operation_seconds_count", backend="in_memory", op="score") == 1
 
 
 @pytest.mark.redis
