@@ -35,19 +35,28 @@ _EXPORTS: dict[str, str] = {
     "NamespaceMissingError": "kvredis.errors",
     "CallBudgetError": "kvredis.errors",
     "StaleNamespaceError": "kvredis.errors",
+    "BlockKeySchemeError": "kvredis.errors",
+    "ProtocolVersionError": "kvredis.errors",
     "AddOp": "kvredis.batch",
+    "Batch": "kvredis.batch",
     "EvictOp": "kvredis.batch",
     "IndexOp": "kvredis.batch",
     "Watermark": "kvredis.batch",
     "AsyncIndex": "kvredis.index",
     "AsyncBatchIndex": "kvredis.index",
+    "AsyncMultiBatchIndex": "kvredis.index",
+    "AsyncRankScoringIndex": "kvredis.index",
     "AsyncScoringIndex": "kvredis.index",
     "BatchIndex": "kvredis.index",
     "Index": "kvredis.index",
     "LabelledIndex": "kvredis.index",
+    "MultiBatchIndex": "kvredis.index",
     "NamespaceIndex": "kvredis.index",
     "ProgressClearIndex": "kvredis.index",
+    "RankScoringIndex": "kvredis.index",
     "ScoringIndex": "kvredis.index",
+    "SchemeIndex": "kvredis.index",
+    "AsyncSchemeIndex": "kvredis.index",
     "SelectiveClearIndex": "kvredis.index",
     "parse_size": "kvredis.jsonconfig",
     "parse_duration": "kvredis.jsonconfig",
@@ -57,6 +66,7 @@ _EXPORTS: dict[str, str] = {
     "ChunkedTokenDatabase": "kvredis.hashing.database",
     "TokenProcessor": "kvredis.hashing.database",
     "TokenProcessorConfig": "kvredis.hashing.config",
+    "BlockKeyScheme": "kvredis.hashing.config",
     "BlockExtraFeatures": "kvredis.features",
     "MMHash": "kvredis.features",
     "PlaceholderRange": "kvredis.features",
@@ -70,9 +80,9 @@ _EXPORTS: dict[str, str] = {
     "DEFAULT_TIERS": "kvredis.tiers",
     # backends, scoring, configuration
     "CostAwareMemoryIndex": "kvredis.memory",
-    "CostAwareMemoryIndexConfig": "kvredis.memory_bounds",
+    "CostAwareMemoryIndexConfig": "kvredis.memory",
     "InMemoryIndex": "kvredis.memory",
-    "InMemoryIndexConfig": "kvredis.memory_bounds",
+    "InMemoryIndexConfig": "kvredis.memory",
     "DEFAULT_MEDIUM_WEIGHTS": "kvredis.scoring",
     "LongestPrefixScorer": "kvredis.scoring",
     "Indexer": "kvredis.indexer",
@@ -84,10 +94,10 @@ _EXPORTS: dict[str, str] = {
     "AsyncRedisIndex": "kvredis.redis.index",
     "RedisIndex": "kvredis.redis.index",
     "RedisIndexConfig": "kvredis.redis.config",
-    "new_redis_index": "kvredis.redis.index",
-    "new_valkey_index": "kvredis.redis.index",
-    "new_async_redis_index": "kvredis.redis.index",
-    "drop_namespace": "kvredis.redis.index",
+    "new_redis_index": "kvredis.redis.factories",
+    "new_valkey_index": "kvredis.redis.factories",
+    "new_async_redis_index": "kvredis.redis.factories",
+    "drop_namespace": "kvredis.redis.factories",
     "MigrationReport": "kvredis.redis.migrate",
     "migrate_namespace": "kvredis.redis.migrate",
     "migrate_namespace_async": "kvredis.redis.migrate",
@@ -133,18 +143,24 @@ __all__ = [
     "AsyncBatchIndex",
     "AsyncIndex",
     "AsyncInstrumentedIndex",
+    "AsyncMultiBatchIndex",
+    "AsyncRankScoringIndex",
     "AsyncRedisClusterIndex",
     "AsyncRedisIndex",
+    "AsyncSchemeIndex",
     "AsyncScoringIndex",
     "AsyncTracedIndex",
     "BackendAuthenticationError",
     "BackendError",
     "BackendOutOfMemoryError",
     "BackendUnavailableError",
+    "Batch",
     "BatchIndex",
     "BatchOutcome",
     "BlockExtraFeatures",
     "BlockHash",
+    "BlockKeyScheme",
+    "BlockKeySchemeError",
     "BlockRemoved",
     "BlockStored",
     "CallBudgetError",
@@ -179,12 +195,15 @@ __all__ = [
     "MMHash",
     "MessageSink",
     "MigrationReport",
+    "MultiBatchIndex",
     "NamespaceIndex",
     "NamespaceLayoutError",
     "NamespaceMissingError",
     "PlaceholderRange",
     "PodEntry",
     "ProgressClearIndex",
+    "ProtocolVersionError",
+    "RankScoringIndex",
     "RedisAddress",
     "RedisClusterIndex",
     "RedisIndex",
@@ -193,6 +212,7 @@ __all__ = [
     "Rejection",
     "ReplayClient",
     "ReplayedMessage",
+    "SchemeIndex",
     "ScoringIndex",
     "SelectiveClearIndex",
     "StaleNamespaceError",
@@ -240,13 +260,14 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
-    from kvredis.batch import AddOp, EvictOp, IndexOp, Watermark
+    from kvredis.batch import AddOp, Batch, EvictOp, IndexOp, Watermark
     from kvredis.config import IndexConfig, new_index
     from kvredis.errors import (
         BackendAuthenticationError,
         BackendError,
         BackendOutOfMemoryError,
         BackendUnavailableError,
+        BlockKeySchemeError,
         CallBudgetError,
         ClusterModeError,
         ConfigError,
@@ -255,6 +276,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
         KVRedisError,
         NamespaceLayoutError,
         NamespaceMissingError,
+        ProtocolVersionError,
         StaleNamespaceError,
         UnsafeServerConfigError,
     )
@@ -270,17 +292,28 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
         split_extra_keys,
     )
     from kvredis.groups import GroupCatalog
-    from kvredis.hashing.config import DEFAULT_BLOCK_SIZE, HASH_ALGOS, TokenProcessorConfig
+    from kvredis.hashing.config import (
+        DEFAULT_BLOCK_SIZE,
+        HASH_ALGOS,
+        BlockKeyScheme,
+        TokenProcessorConfig,
+    )
     from kvredis.hashing.database import ChunkedTokenDatabase, TokenProcessor
     from kvredis.index import (
         AsyncBatchIndex,
         AsyncIndex,
+        AsyncMultiBatchIndex,
+        AsyncRankScoringIndex,
+        AsyncSchemeIndex,
         AsyncScoringIndex,
         BatchIndex,
         Index,
         LabelledIndex,
+        MultiBatchIndex,
         NamespaceIndex,
         ProgressClearIndex,
+        RankScoringIndex,
+        SchemeIndex,
         ScoringIndex,
         SelectiveClearIndex,
     )
@@ -310,20 +343,23 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
     from kvredis.ingest.metrics import IngestMetrics
     from kvredis.ingest.zmq import ZmqReplayClient
     from kvredis.jsonconfig import parse_duration, parse_size
-    from kvredis.memory import CostAwareMemoryIndex, InMemoryIndex
-    from kvredis.memory_bounds import CostAwareMemoryIndexConfig, InMemoryIndexConfig
+    from kvredis.memory import (
+        CostAwareMemoryIndex,
+        CostAwareMemoryIndexConfig,
+        InMemoryIndex,
+        InMemoryIndexConfig,
+    )
     from kvredis.metrics import AsyncInstrumentedIndex, InstrumentedIndex
     from kvredis.redis.address import RedisAddress, mask_password, parse_address
     from kvredis.redis.cluster.index import AsyncRedisClusterIndex, RedisClusterIndex
     from kvredis.redis.config import RedisIndexConfig
-    from kvredis.redis.index import (
-        AsyncRedisIndex,
-        RedisIndex,
+    from kvredis.redis.factories import (
         drop_namespace,
         new_async_redis_index,
         new_redis_index,
         new_valkey_index,
     )
+    from kvredis.redis.index import AsyncRedisIndex, RedisIndex
     from kvredis.redis.migrate import (
         MigrationReport,
         migrate_namespace,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvredis.checks import check_add, check_entries, check_hash, check_key_type
 from kvredis.errors import InvalidInputError
@@ -117,3 +118,32 @@ def check_batch(
         except InvalidInputError as exc:
             raise InvalidInputError(f"batch op {position}: {exc}") from exc
     return plan
+
+
+class Batch(NamedTuple):
+    """One batch of :meth:`kvredis.index.MultiBatchIndex.apply_batches`: the arguments of one
+    ``apply_batch(ops, stream, watermark)`` call (a plain ``(ops, stream, watermark)`` tuple is
+    one too)."""
+
+    ops: Sequence[IndexOp]
+    stream: str | None = None
+    watermark: Watermark | None = None
+
+
+def check_batches(batches: object) -> list[tuple[list[IndexOp], str | None, Watermark | None]]:
+    """Validate every batch of an ``apply_batches`` call up front (see :func:`check_batch`), so
+    that a bad one rejects the call before anything applies."""
+    if isinstance(batches, (str, bytes)) or not isinstance(batches, Sequence):
+        raise InvalidInputError(f"batches must be a sequence of Batch, got {batches!r}")
+    out: list[tuple[list[IndexOp], str | None, Watermark | None]] = []
+    for position, batch in enumerate(batches):
+        if not isinstance(batch, tuple) or len(batch) != 3:
+            raise InvalidInputError(
+                f"batch {position}: expected Batch(ops, stream, watermark), got {batch!r}"
+            )
+        ops, stream, watermark = batch
+        try:
+            out.append((check_batch(ops, stream, watermark), stream, watermark))
+        except InvalidInputError as exc:
+            raise InvalidInputError(f"batch {position}: {exc}") from exc
+    return out

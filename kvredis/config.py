@@ -10,8 +10,12 @@ from typing import TYPE_CHECKING, Any
 from kvredis.errors import ConfigError
 from kvredis.index import Index
 from kvredis.jsonconfig import parse_duration, take_fields
-from kvredis.memory import CostAwareMemoryIndex, InMemoryIndex
-from kvredis.memory_bounds import CostAwareMemoryIndexConfig, InMemoryIndexConfig
+from kvredis.memory import (
+    CostAwareMemoryIndex,
+    CostAwareMemoryIndexConfig,
+    InMemoryIndex,
+    InMemoryIndexConfig,
+)
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -32,7 +36,7 @@ _FIELDS = {
 
 def _redis_module() -> ModuleType:
     try:
-        import kvredis.redis.index as module
+        import kvredis.redis.factories as module
     except ImportError as exc:
         raise ConfigError(f"the Redis/Valkey backend is not available: {exc}") from exc
     return module

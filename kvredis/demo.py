@@ -102,7 +102,7 @@ class SimulatedPod:
         """Serve a sequence: every block ends up on the GPU tier, most recently used.
 
         What changed is reported the way an engine does, as one event batch per step: a single
-        ``apply_batch`` call on a :class:`~kvredis.batch.BatchIndex` (one op at a time otherwise).
+        ``apply_batch`` call on a :class:`~kvredis.index.BatchIndex` (one op at a time otherwise).
         """
         gpu, cpu = PodEntry(self.name, GPU), PodEntry(self.name, CPU)
         ops: list[IndexOp] = []

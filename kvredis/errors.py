@@ -26,6 +26,12 @@ class ConfigError(InvalidInputError):
     """A configuration value is missing, malformed or names an unsupported option."""
 
 
+class BlockKeySchemeError(ConfigError):
+    """The namespace holds block keys of another scheme (hash algorithm, block size, hash seed)
+    than this client computes: its keys would never meet the namespace's, and every lookup and
+    score would come back empty. The message names both schemes."""
+
+
 class EngineKeyNotFoundError(KVRedisError, KeyError):
     """No engine-key to request-key mapping exists for the given engine key."""
 
@@ -122,6 +128,14 @@ class CallBudgetError(BackendError):
         self.ops, self.keys = ops, keys
 
 
+class ProtocolVersionError(BackendError):
+    """A function of the ``kvredis`` library refused a call of another protocol version (the
+    server's library was loaded by a client of another kvredis api): the call was neither read
+    nor applied. The Redis clients handle it themselves (they reload their library where it is
+    older, and keep to ``EVALSHA`` of their own scripts where it is newer); it reaches callers
+    only when neither is possible (``use_functions=True``)."""
+
+
 #: Every ``KVREDIS_<CODE>`` a Lua script can raise (the part after ``KVREDIS_``) -> exception.
 LUA_ERROR_CODES: Mapping[str, type[KVRedisError]] = MappingProxyType(
     {
@@ -129,10 +143,20 @@ LUA_ERROR_CODES: Mapping[str, type[KVRedisError]] = MappingProxyType(
         "LAYOUT": NamespaceLayoutError,
         "STALE": StaleNamespaceError,
         "BUDGET": CallBudgetError,
+        "VERSION": ProtocolVersionError,
     }
 )
 
 _PREFIX = "KVREDIS_"
+
+
+def lua_error_code(cls: type[KVRedisError]) -> str:
+    """The error code (``KVREDIS_<CODE>``, the reply's first word) the scripts raise for
+    ``cls`` (:data:`LUA_ERROR_CODES`), to tell a raw error reply apart by its code."""
+    for code, mapped in LUA_ERROR_CODES.items():
+        if mapped is cls:
+            return _PREFIX + code
+    raise KeyError(f"no script error code maps to {cls.__name__}")
 
 
 def translate(message: str) -> KVRedisError:

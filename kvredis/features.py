@@ -8,8 +8,10 @@ content. These helpers produce the per-block identifier lists that
 * :func:`compute_block_extra_features` derives them on the router side from the tokenizer's
   multimodal hashes and placeholder ranges;
 * :func:`split_extra_keys` decodes an engine's ``BlockStored`` ``extra_keys`` item by item (LoRA
-  name, multimodal items, cache salt, prompt-embedding digests); :func:`parse_raw_extra_keys` is
-  the older reading that takes every string for a multimodal identifier;
+  name, multimodal items, cache salt, prompt-embedding digests), untyped (vLLM 0.34) or typed
+  (:class:`MultiModalKey`, :class:`LoRAKey`, :class:`CacheSaltKey`, :class:`PromptEmbedsKey`:
+  vLLM's ``event_version`` 1 schema); :func:`parse_raw_extra_keys` is the older reading that
+  takes every string for a multimodal identifier;
 * :func:`realign_extra_features` maps per-engine-block features onto kvredis's block size.
 """
 
@@ -24,9 +26,15 @@ from kvredis.errors import InvalidInputError
 __all__ = [
     "PROMPT_EMBEDS_PREFIX",
     "BlockExtraFeatures",
+    "CacheSaltKey",
     "ExtraKeys",
+    "LoRAKey",
     "MMHash",
+    "MultiModalKey",
     "PlaceholderRange",
+    "PromptEmbedsKey",
+    "TypedExtraKey",
+    "UnplacedExtraKeyError",
     "compute_block_extra_features",
     "parse_raw_extra_keys",
     "realign_extra_features",
@@ -217,6 +225,93 @@ class ExtraKeys:
     """The salt of the request that stored the chain (first block of a chain only)."""
 
 
+class UnplacedExtraKeyError(InvalidInputError):
+    """An extra key kvredis cannot place in the block keys (a LoRA that is not the event's, a
+    salt off the first block of a chain, a key vLLM itself could not classify): the event is
+    refused rather than hashed as if the key were not there."""
+
+
+@dataclass(frozen=True, slots=True)
+class MultiModalKey:
+    """Typed extra key ``mm``: a multimodal item the block holds tokens of.
+
+    ``hash`` is the item's hash as the engine's renderer computed it (vLLM: ``mm_hashes``, the
+    identifier without a LoRA prefix); ``block_offset`` is where the item's tokens start relative
+    to the block (negative when the item began in an earlier block). The block's features hold
+    ``MMHash(hash)``, as an untyped ``[identifier, offset]`` pair's identifier.
+    """
+
+    modality: str
+    hash: str
+    block_offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAKey:
+    """Typed extra key ``lora``: the adapter the block was computed with (the event's
+    ``lora_name``, under which it is hashed as the model; not a feature)."""
+
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class CacheSaltKey:
+    """Typed extra key ``cache_salt``: the request's salt (first block of a request only)."""
+
+    salt: str
+
+
+@dataclass(frozen=True, slots=True)
+class PromptEmbedsKey:
+    """Typed extra key ``prompt_embeds``: the digest of the prompt embeddings the block covers
+    (a feature ``PROMPT_EMBEDS_PREFIX + hash.hex()``, as an untyped ``bytes`` item)."""
+
+    hash: bytes
+
+
+TypedExtraKey = MultiModalKey | LoRAKey | CacheSaltKey | PromptEmbedsKey
+"""The typed extra keys kvredis places (vLLM's ``legacy`` wrapper and unknown tags it refuses)."""
+_TYPED = (MultiModalKey, LoRAKey, CacheSaltKey, PromptEmbedsKey)
+
+
+def _split_typed(
+    blocks: list[Sequence[Any]], lora_name: str | None, chain_start: bool
+) -> ExtraKeys:
+    """:func:`split_extra_keys` for typed keys: each is placed by its type, never by position;
+    a key that cannot be placed raises :class:`UnplacedExtraKeyError`."""
+    salt: str | None = None
+    result: list[BlockExtraFeatures | None] = []
+    for block_idx, items in enumerate(blocks):
+        hashes: list[MMHash] = []
+        for item in items:
+            if isinstance(item, MultiModalKey):
+                hashes.append(MMHash(item.hash))
+            elif isinstance(item, PromptEmbedsKey):
+                hashes.append(MMHash(PROMPT_EMBEDS_PREFIX + bytes(item.hash).hex()))
+            elif isinstance(item, LoRAKey):
+                if item.name != lora_name:
+                    raise UnplacedExtraKeyError(
+                        f"extra_keys[{block_idx}] names LoRA {item.name!r} but the event's "
+                        f"lora_name is {lora_name!r}: its blocks cannot be hashed under either"
+                    )
+            elif isinstance(item, CacheSaltKey):
+                if not chain_start or block_idx != 0 or salt is not None:
+                    raise UnplacedExtraKeyError(
+                        f"extra_keys[{block_idx}] carries a cache salt off the first block of a "
+                        "chain: a salt isolates a chain from its root, nowhere else"
+                    )
+                salt = item.salt
+            else:
+                raise UnplacedExtraKeyError(
+                    f"extra_keys[{block_idx}] mixes typed and untyped items "
+                    f"({type(item).__name__}): the untyped ones cannot be placed"
+                )
+        result.append(BlockExtraFeatures(hashes) if hashes else None)
+    if all(f is None for f in result):
+        return ExtraKeys(None, salt)
+    return ExtraKeys(result, salt)
+
+
 def _block_items(block_idx: int, block: object) -> Sequence[Any]:
     if block is None:
         return ()
@@ -257,6 +352,13 @@ def split_extra_keys(
 
     One case stays ambiguous: an old-style bare identifier that appears only in the first block
     of a chain's first event reads as a salt. Both isolate the prefix; only the key differs.
+
+    Typed keys (vLLM's ``event_version`` 1 schema, decoded by
+    :func:`kvredis.ingest.events.decode_batch`) need no guessing: :class:`MultiModalKey` and
+    :class:`PromptEmbedsKey` are features of their block, :class:`LoRAKey` must name the event's
+    ``lora_name``, :class:`CacheSaltKey` may only be on the first block of a chain start; a typed
+    key anywhere else, or untyped items mixed with typed ones, raise
+    :class:`UnplacedExtraKeyError`.
     """
     if raw is None:
         return ExtraKeys(None)
@@ -265,6 +367,8 @@ def split_extra_keys(
             f"extra_keys must be a list of per-block lists, got {type(raw).__name__}"
         )
     blocks = [_block_items(i, block) for i, block in enumerate(raw)]
+    if any(isinstance(item, _TYPED) for items in blocks for item in items):
+        return _split_typed(blocks, lora_name, chain_start)
 
     def is_lora(i: int, item: object) -> bool:
         return i == 0 and bool(lora_name) and item == lora_name

@@ -10,10 +10,13 @@ Capabilities beyond the core contract are declared as protocols of their own, so
 
 =========================  ===============================================================
 :class:`BatchIndex`        ``apply_batch`` fenced by per-stream watermarks (ingestion)
+:class:`MultiBatchIndex`   ``apply_batches``: several fenced batches in one step (one call)
 :class:`ScoringIndex`      ``score``: the LongestPrefixScorer computed by the backend itself
+:class:`RankScoringIndex`  ``score_by_rank``: the same, per data-parallel rank of each pod
 :class:`ProgressClearIndex` ``clear_with_progress``: a pod clear that reports progress
 :class:`SelectiveClearIndex` ``clear_entries``: clear only some tiers or one rank of a pod
 :class:`NamespaceIndex`    ``drop_namespace``: delete everything the index stored
+:class:`SchemeIndex`       ``check_block_key_scheme``: the block key scheme the namespace records
 :class:`Closeable`         ``close``: release connections (network backends)
 =========================  ===============================================================
 
@@ -26,26 +29,34 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
-from kvredis.batch import AddOp, IndexOp, Watermark
+from kvredis.batch import AddOp, Batch, IndexOp, Watermark, check_batches
 from kvredis.checks import MAX_REQUEST_KEYS_PER_ENGINE_KEY
+from kvredis.hashing.config import BlockKeyScheme
 from kvredis.types import KeyType, PodEntry
 
 __all__ = [
     "MAX_REQUEST_KEYS_PER_ENGINE_KEY",
     "AsyncBatchIndex",
     "AsyncIndex",
+    "AsyncMultiBatchIndex",
     "AsyncNamespaceIndex",
     "AsyncProgressClearIndex",
+    "AsyncRankScoringIndex",
+    "AsyncSchemeIndex",
     "AsyncScoringIndex",
     "AsyncSelectiveClearIndex",
     "BatchIndex",
     "ClearProgress",
     "Closeable",
     "Index",
+    "MultiBatchIndex",
     "NamespaceIndex",
     "ProgressClearIndex",
+    "RankScoringIndex",
+    "SchemeIndex",
     "ScoringIndex",
     "SelectiveClearIndex",
+    "apply_batches_in_turn",
     "apply_op",
 ]
 
@@ -165,6 +176,30 @@ class AsyncBatchIndex(Protocol):
 
 
 @runtime_checkable
+class MultiBatchIndex(Protocol):
+    """A :class:`BatchIndex` that applies several fenced batches in one step (for Redis, one
+    script call): what an ingester sends for the engine batches queued for it."""
+
+    def apply_batches(self, batches: Sequence[Batch]) -> list[bool]:
+        """Apply each batch as ``apply_batch(*batch)`` would, in order; returns whether each
+        applied.
+
+        Once a fenced batch of a stream is not applied, the later batches of that stream in
+        ``batches`` are not applied either (``False``): their sender must sequence them again.
+        Each batch is atomic (a backend may apply all of them in one atomic step). Invalid ops
+        in any batch raise ``InvalidInputError`` before anything is applied.
+        """
+        ...
+
+
+@runtime_checkable
+class AsyncMultiBatchIndex(Protocol):
+    """The asyncio form of :class:`MultiBatchIndex`."""
+
+    async def apply_batches(self, batches: Sequence[Batch]) -> list[bool]: ...
+
+
+@runtime_checkable
 class ScoringIndex(Protocol):
     """An index that computes the LongestPrefixScorer itself (server-side for Redis)."""
 
@@ -174,7 +209,8 @@ class ScoringIndex(Protocol):
         medium_weights: Mapping[str, float] | None = None,
         pod_identifier_set: Collection[str] | None = None,
     ) -> dict[str, float]:
-        """Per-pod longest-prefix scores; bit-identical to ``LongestPrefixScorer.score``."""
+        """Per-pod longest-prefix scores (each pod's best data-parallel rank's); bit-identical
+        to ``LongestPrefixScorer.score``."""
         ...
 
 
@@ -188,6 +224,36 @@ class AsyncScoringIndex(Protocol):
         medium_weights: Mapping[str, float] | None = None,
         pod_identifier_set: Collection[str] | None = None,
     ) -> dict[str, float]: ...
+
+
+@runtime_checkable
+class RankScoringIndex(Protocol):
+    """An index that scores each data-parallel rank of a pod on its own, as ``score`` does
+    before it keeps each pod's best rank: for a router that can pin the rank a request runs on
+    (vLLM's external data-parallel load balancing takes it per request)."""
+
+    def score_by_rank(
+        self,
+        request_keys: Sequence[int],
+        medium_weights: Mapping[str, float] | None = None,
+        pod_identifier_set: Collection[str] | None = None,
+    ) -> dict[str, dict[int, float]]:
+        """pod -> ``dp_rank`` -> longest-prefix score (a pod without data parallelism has only
+        rank 0); bit-identical to ``LongestPrefixScorer.score_by_rank``, and the pod's best rank
+        is what ``score`` returns for it."""
+        ...
+
+
+@runtime_checkable
+class AsyncRankScoringIndex(Protocol):
+    """The asyncio form of :class:`RankScoringIndex`."""
+
+    async def score_by_rank(
+        self,
+        request_keys: Sequence[int],
+        medium_weights: Mapping[str, float] | None = None,
+        pod_identifier_set: Collection[str] | None = None,
+    ) -> dict[str, dict[int, float]]: ...
 
 
 @runtime_checkable
@@ -266,6 +332,31 @@ class AsyncNamespaceIndex(Protocol):
 
 
 @runtime_checkable
+class SchemeIndex(Protocol):
+    """An index whose namespace records the block key scheme of the keys it holds (hash
+    algorithm, block size, hash seed: :class:`~kvredis.hashing.config.BlockKeyScheme`), so that
+    a client computing keys another way fails clearly instead of missing every key."""
+
+    def check_block_key_scheme(
+        self, scheme: BlockKeyScheme, *, record: bool = False
+    ) -> BlockKeyScheme | None:
+        """Check ``scheme`` against the namespace's now, and at every later load of the
+        namespace; with ``record`` (a writer), record it first when the namespace records none
+        (the first writer's stays). Returns the scheme recorded (None: none yet); raises
+        :class:`~kvredis.errors.BlockKeySchemeError`, naming both, when it is another."""
+        ...
+
+
+@runtime_checkable
+class AsyncSchemeIndex(Protocol):
+    """The asyncio form of :class:`SchemeIndex`."""
+
+    async def check_block_key_scheme(
+        self, scheme: BlockKeyScheme, *, record: bool = False
+    ) -> BlockKeyScheme | None: ...
+
+
+@runtime_checkable
 class LabelledIndex(Protocol):
     """An index that names its backend for metrics and traces (``in_memory``,
     ``cost_aware_memory``, ``redis``, ``valkey``: the labels the upstream metrics use)."""
@@ -291,3 +382,19 @@ def apply_op(index: Index, op: IndexOp) -> None:
         index.add(op.engine_keys, op.request_keys, op.entries)
     else:
         index.evict(op.key, op.key_type, op.entries)
+
+
+def apply_batches_in_turn(index: BatchIndex, batches: Sequence[Batch]) -> list[bool]:
+    """:meth:`MultiBatchIndex.apply_batches` on any :class:`BatchIndex`: one ``apply_batch``
+    call per batch, in order, skipping the batches of a stream after one that did not apply."""
+    out: list[bool] = []
+    stopped: set[str] = set()
+    for ops, stream, watermark in check_batches(batches):
+        if stream is not None and stream in stopped:
+            out.append(False)
+            continue
+        applied = index.apply_batch(ops, stream, watermark)
+        if not applied and stream is not None and watermark is not None:
+            stopped.add(stream)
+        out.append(applied)
+    return out

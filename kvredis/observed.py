@@ -7,9 +7,10 @@
 
 A wrapper has exactly the capabilities of the index it wraps: wrapping a
 :class:`~kvredis.redis.index.RedisIndex` gives an object that is still a
-:class:`~kvredis.index.ScoringIndex`, :class:`~kvredis.index.BatchIndex`,
+:class:`~kvredis.index.ScoringIndex`, :class:`~kvredis.index.RankScoringIndex`,
+:class:`~kvredis.index.BatchIndex`,
 :class:`~kvredis.index.ProgressClearIndex`, :class:`~kvredis.index.SelectiveClearIndex`,
-:class:`~kvredis.index.NamespaceIndex` and
+:class:`~kvredis.index.NamespaceIndex`, :class:`~kvredis.index.SchemeIndex` and
 :class:`~kvredis.index.Closeable` (so the Indexer still scores server-side and the ingester still
 sends one ``apply_batch`` per engine batch); wrapping an :class:`~kvredis.memory.InMemoryIndex`
 gives one that is not a ``ScoringIndex``. Each wrapper class is composed once per set of
@@ -26,11 +27,14 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 
 from kvredis.batch import IndexOp, Watermark
+from kvredis.hashing.config import BlockKeyScheme
 from kvredis.index import (
     AsyncBatchIndex,
     AsyncIndex,
     AsyncNamespaceIndex,
     AsyncProgressClearIndex,
+    AsyncRankScoringIndex,
+    AsyncSchemeIndex,
     AsyncScoringIndex,
     AsyncSelectiveClearIndex,
     BatchIndex,
@@ -39,6 +43,8 @@ from kvredis.index import (
     LabelledIndex,
     NamespaceIndex,
     ProgressClearIndex,
+    RankScoringIndex,
+    SchemeIndex,
     ScoringIndex,
     SelectiveClearIndex,
 )
@@ -199,6 +205,20 @@ class _Scoring(_Sync):
         )
 
 
+class _RankScoring(_Sync):
+    __slots__ = ()
+
+    def score_by_rank(
+        self, request_keys: Keys, medium_weights: Weights = None, pod_identifier_set: Pods = None
+    ) -> dict[str, dict[int, float]]:
+        """See :meth:`kvredis.index.RankScoringIndex.score_by_rank` (observed as a score)."""
+        inner = cast(RankScoringIndex, self._wrapped)
+        call = Call(Operation.SCORE, request_keys=request_keys, pods=pod_identifier_set)
+        return self._run(
+            call, lambda: inner.score_by_rank(request_keys, medium_weights, pod_identifier_set)
+        )
+
+
 class _Batch(_Sync):
     __slots__ = ()
 
@@ -270,6 +290,17 @@ class _Namespace(_Sync):
         return self._run(Call(Operation.DROP_NAMESPACE), inner.drop_namespace)
 
 
+class _Scheme(_Sync):
+    __slots__ = ()
+
+    def check_block_key_scheme(
+        self, scheme: BlockKeyScheme, *, record: bool = False
+    ) -> BlockKeyScheme | None:
+        """See :meth:`kvredis.index.SchemeIndex.check_block_key_scheme` (not observed)."""
+        inner = cast(SchemeIndex, self._wrapped)
+        return inner.check_block_key_scheme(scheme, record=record)
+
+
 class _Close(_Sync):
     __slots__ = ()
 
@@ -286,10 +317,12 @@ class _Close(_Sync):
 
 _SYNC_CAPABILITIES: tuple[tuple[type, type], ...] = (
     (ScoringIndex, _Scoring),
+    (RankScoringIndex, _RankScoring),
     (BatchIndex, _Batch),
     (ProgressClearIndex, _ProgressClear),
     (SelectiveClearIndex, _SelectiveClear),
     (NamespaceIndex, _Namespace),
+    (SchemeIndex, _Scheme),
     (Closeable, _Close),
 )
 
@@ -389,6 +422,20 @@ class _AsyncScoring(_Async):
         )
 
 
+class _AsyncRankScoring(_Async):
+    __slots__ = ()
+
+    async def score_by_rank(
+        self, request_keys: Keys, medium_weights: Weights = None, pod_identifier_set: Pods = None
+    ) -> dict[str, dict[int, float]]:
+        """See :meth:`kvredis.index.RankScoringIndex.score_by_rank` (observed as a score)."""
+        inner = cast(AsyncRankScoringIndex, self._wrapped)
+        call = Call(Operation.SCORE, request_keys=request_keys, pods=pod_identifier_set)
+        return await self._arun(
+            call, lambda: inner.score_by_rank(request_keys, medium_weights, pod_identifier_set)
+        )
+
+
 class _AsyncBatch(_Async):
     __slots__ = ()
 
@@ -460,6 +507,17 @@ class _AsyncNamespace(_Async):
         return await self._arun(Call(Operation.DROP_NAMESPACE), inner.drop_namespace)
 
 
+class _AsyncScheme(_Async):
+    __slots__ = ()
+
+    async def check_block_key_scheme(
+        self, scheme: BlockKeyScheme, *, record: bool = False
+    ) -> BlockKeyScheme | None:
+        """See :meth:`kvredis.index.SchemeIndex.check_block_key_scheme` (not observed)."""
+        inner = cast(AsyncSchemeIndex, self._wrapped)
+        return await inner.check_block_key_scheme(scheme, record=record)
+
+
 class _AsyncClose(_Async):
     __slots__ = ()
 
@@ -485,10 +543,12 @@ class _AsyncContext(_Async):
 
 _ASYNC_CAPABILITIES: tuple[tuple[type, type], ...] = (
     (AsyncScoringIndex, _AsyncScoring),
+    (AsyncRankScoringIndex, _AsyncRankScoring),
     (AsyncBatchIndex, _AsyncBatch),
     (AsyncProgressClearIndex, _AsyncProgressClear),
     (AsyncSelectiveClearIndex, _AsyncSelectiveClear),
     (AsyncNamespaceIndex, _AsyncNamespace),
+    (AsyncSchemeIndex, _AsyncScheme),
     (_AsyncClosing, _AsyncClose),
     (AbstractAsyncContextManager, _AsyncContext),
 )

@@ -35,16 +35,21 @@ DEFAULT_MEDIUM_WEIGHTS: Mapping[str, float] = MappingProxyType(
 
 #: Weight of a device tier missing from the weight map.
 UNKNOWN_TIER_WEIGHT = 1.0
+#: A (pod, data-parallel rank) as the scorer names it: the pod id (rank 0), or (pod id, rank).
+Slot = str | tuple[str, int]
 
 
 class LongestPrefixScorer:
     """Scores each pod by the consecutive prefix of keys it holds, from the first key.
 
-    For every key along the chain a pod earns the highest weight among its tiers holding that
-    key (:data:`UNKNOWN_TIER_WEIGHT` for a tier not in ``medium_weights``) and drops out at the
-    first key it does not hold. A pod that does not hold the first key is absent from the result.
-    Scores are summed in key order, the order the Redis ``score`` script uses too, so both give
-    bit-identical floats.
+    Each data-parallel rank of a pod is scored on its own (a request runs on one rank, and only
+    that rank's cache is reused): for every key along the chain a (pod, rank) earns the highest
+    weight among its tiers holding that key (:data:`UNKNOWN_TIER_WEIGHT` for a tier not in
+    ``medium_weights``) and drops out at the first key it does not hold; a pod scores its best
+    rank's score. A pod that does not hold the first key is absent from the result. Scores are
+    summed in key order, the order the Redis ``score`` script uses too, so both give
+    bit-identical floats. This is the reference every other scoring path (the Redis and Valkey
+    scripts, the cluster client, the embedded indexes) is tested against.
     """
 
     __slots__ = ("_weights",)
@@ -79,35 +84,73 @@ class LongestPrefixScorer:
     def score(
         self, keys: Sequence[int], key_to_pods: Mapping[int, Sequence[PodEntry]]
     ) -> dict[str, float]:
-        """Per-pod scores for the chain ``keys`` given which entries hold each key.
+        """Per-pod scores for the chain ``keys`` given which entries hold each key: each pod's
+        best data-parallel rank's score (:meth:`score_by_rank`; a request runs on one rank,
+        and only that rank's copies are reused).
 
         ``key_to_pods`` is typically the result of ``Index.lookup(keys, ...)``; keys it lacks
         count as held by no pod.
         """
+        return best_ranks(self.score_by_rank(keys, key_to_pods))
+
+    def score_by_rank(
+        self, keys: Sequence[int], key_to_pods: Mapping[int, Sequence[PodEntry]]
+    ) -> dict[str, dict[int, float]]:
+        """Per-pod, per-data-parallel-rank scores: pod -> ``dp_rank`` -> score.
+
+        Each (pod, rank) is scored on its own, over the entries of that rank only: a rank that
+        misses a key drops out there, whatever the pod's other ranks hold. A pod without data
+        parallelism (every entry ``dp_rank=0``) has only rank 0. Pods and ranks come in the
+        order they first appear at the first key.
+        """
         if not keys:
             return {}
         weights = self._weights
-        scores: dict[str, float] = {}
+        # A (pod, rank) is named by its pod id for rank 0 (most pods run no data parallelism:
+        # no tuple to make per entry), else by the tuple (pod id, rank).
+        scores: dict[Slot, float] = {}
         for entry in key_to_pods.get(keys[0], ()):
             w = weights.get(entry.device_tier, UNKNOWN_TIER_WEIGHT)
-            pod = entry.pod_identifier
-            if pod not in scores or w > scores[pod]:
-                scores[pod] = w
-        active: Mapping[str, float] = scores
+            rank = entry.dp_rank
+            slot = (entry.pod_identifier, rank) if rank else entry.pod_identifier
+            if slot not in scores or w > scores[slot]:
+                scores[slot] = w
+        active: Mapping[Slot, float] = scores
+        previous: object = None
         for key in keys[1:]:
             if not active:
                 break
-            best: dict[str, float] = {}
-            for entry in key_to_pods.get(key, ()):
-                pod = entry.pod_identifier
-                if pod in active:
-                    w = weights.get(entry.device_tier, UNKNOWN_TIER_WEIGHT)
-                    if pod not in best or w > best[pod]:
-                        best[pod] = w
-            for pod, w in best.items():
-                scores[pod] += w
+            held = key_to_pods.get(key, ())
+            # Keys sharing one entry list (as shared lookups give them) weigh the same for the
+            # (pod, rank)s still in: the best weights of the key before hold for this one.
+            if held is not previous:
+                best: dict[Slot, float] = {}
+                for entry in held:
+                    rank = entry.dp_rank
+                    slot = (entry.pod_identifier, rank) if rank else entry.pod_identifier
+                    if slot in active:
+                        w = weights.get(entry.device_tier, UNKNOWN_TIER_WEIGHT)
+                        if slot not in best or w > best[slot]:
+                            best[slot] = w
+                previous = held
+            for slot, w in best.items():
+                scores[slot] += w
             active = best
-        return scores
+        out: dict[str, dict[int, float]] = {}
+        for slot, total in scores.items():
+            pod, rank = (slot, 0) if isinstance(slot, str) else slot
+            ranks = out.get(pod)
+            if ranks is None:
+                out[pod] = {rank: total}
+            else:
+                ranks[rank] = total
+        return out
+
+
+def best_ranks(by_rank: Mapping[str, Mapping[int, float]]) -> dict[str, float]:
+    """Each pod's score from its per-rank scores (:meth:`LongestPrefixScorer.score_by_rank`):
+    its best rank's."""
+    return {pod: max(ranks.values()) for pod, ranks in by_rank.items() if ranks}
 
 
 _DEFAULT_WEIGHTS = dict(DEFAULT_MEDIUM_WEIGHTS)

@@ -21,7 +21,7 @@ The other calls get ``kvredis.index.<op>`` spans (``score``, ``apply_batch``, ``
 with ``kvredis.*`` attributes. Every span carries ``kvredis.backend``. A call that raises records
 the exception and sets the span status to ``ERROR`` with its message.
 
-The OpenTelemetry API is an optional extra (``pip install kvredis[otel]``): without it,
+The OpenTelemetry API is an optional extra (``otel``; README, "Install"): without it,
 :class:`TracedIndex` only delegates. ``tracer_provider`` defaults to the global provider.
 """
 

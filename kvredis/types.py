@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from kvredis.errors import InvalidInputError
 
 MAX_BLOCK_HASH = (1 << 64) - 1
+#: The largest data-parallel rank (``PodEntry.dp_rank``) an entry holds.
+MAX_DP_RANK = (1 << 31) - 1
 
 
 class BlockHash(int):
@@ -53,7 +55,8 @@ class PodEntry:
     ``has_group=True`` (hybrid-memory-allocator KV-cache groups). ``dp_rank`` is the
     data-parallel rank holding the copy (0: rank 0, or a pod without data parallelism): the
     ranks of a pod hold their copies on their own, so each rank's copy is an entry of its own,
-    while filters, scores and ``clear`` work on ``pod_identifier`` and so cover every rank.
+    while filters and ``clear`` work on ``pod_identifier`` and so cover every rank; a score takes
+    each rank on its own (a pod scores its best rank's).
     """
 
     pod_identifier: str
@@ -80,7 +83,7 @@ class PodEntry:
             raise InvalidInputError(f"group_idx must be in [0, 2**31), got {self.group_idx}")
         if isinstance(self.dp_rank, bool) or not isinstance(self.dp_rank, int):
             raise InvalidInputError(f"dp_rank must be an int, got {self.dp_rank!r}")
-        if not 0 <= self.dp_rank < (1 << 31):
+        if not 0 <= self.dp_rank <= MAX_DP_RANK:
             raise InvalidInputError(f"dp_rank must be in [0, 2**31), got {self.dp_rank}")
 
     def __str__(self) -> str:

@@ -19,6 +19,7 @@
   Complexity  O(request keys x entries per key + mappings); new entries are interned once;
               without hash field expiry, each expiring bucket written is read whole ]]
 --@include program
+keys_arg(KEYS, 5)
 check_gen(KEYS[1], ARGV[1])
 local k = write_context(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[2], ARGV[3], ARGV[4], KEYS[5])
 local cap = int_arg(ARGV[5], 'request keys per engine key', 1, 2147483647)

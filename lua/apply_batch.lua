@@ -39,6 +39,7 @@
               within a fixed work budget ]]
 --@include program
 --@include fence
+keys_arg(KEYS, 7)
 check_gen(KEYS[1], ARGV[1])
 local k = write_context(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[2], ARGV[3], ARGV[4], KEYS[7])
 local cap = int_arg(ARGV[5], 'request keys per engine key', 1, 2147483647)

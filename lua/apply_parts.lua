@@ -26,6 +26,7 @@
   Complexity  the sum of the parts' (see apply_batch.lua), their run work bounded together ]]
 --@include program
 --@include fence
+keys_arg(KEYS, 7)
 local cap = int_arg(ARGV[1], 'request keys per engine key', 1, 2147483647)
 -- a part's arguments: 1-7 its shard's keys, then these
 local GEN, RPREFIX, EPREFIX, BITS, MS, STREAM, EPOCH, SEQ, TOKEN = 8, 9, 10, 11, 12, 13, 14, 15, 16

@@ -28,6 +28,7 @@
   Complexity  the sum of the parts' (see apply_batch.lua), their run work bounded together ]]
 --@include program
 --@include fence
+keys_arg(KEYS, 7)
 local cap = int_arg(ARGV[1], 'request keys per engine key', 1, 2147483647)
 local stream, epoch, seq, token = ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 if stream ~= '' then fence_args(epoch, seq, token) end

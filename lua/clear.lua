@@ -8,7 +8,7 @@
   ARGV[3]     "s" when the keys are expiring buckets, else absent or ""
   Returns     [pairs (request key, entry) removed, fields examined]; request keys left empty
               are deleted (the client sizes its next page from the fields examined)
-  Errors      KVREDIS_INVALID for a malformed id list, before the first write
+  Errors      KVREDIS_INVALID for malformed keys or arguments, before the first write
   Complexity  O(fields of the page's buckets x entries per key). Keys or fields that do not have
               the shape of a request bucket (not a hash, field not 8 bytes) are left alone. ]]
 --@include layout
@@ -17,14 +17,16 @@
 --@include expiry
 
 -- One page of a pod clear over expiring buckets: remove the ids in set (and the past-due items)
--- from every field of the keys; returns the ids removed and the fields examined.
-local function clear_expiring(meta, keys, set)
+-- from every field of the keys from position first on; returns the ids removed and the fields
+-- examined.
+local function clear_expiring(meta, keys, first, set)
   local fields = redis.call('HGET', meta, 'expiry') == 'field'
   local x = expiry_items()
   local items_without = x.items_without
   local now = x.now_ms()
   local removed, examined = 0, 0
-  for _, key in ipairs(keys) do
+  for k = first, #keys do
+    local key = keys[k]
     local all = {}
     if redis.call('TYPE', key)['ok'] == 'hash' then all = redis.call('HGETALL', key) end
     examined = examined + #all / 2
@@ -56,9 +58,13 @@ local function clear_expiring(meta, keys, set)
   return removed, examined
 end
 
+keys_arg(KEYS, 1, true)
 check_gen(KEYS[1], ARGV[1])
 local set = list_set(blob_arg(ARGV[2], ID_WIDTH, 'entry ids'), ID_WIDTH)
-if ARGV[3] == 's' then return {clear_expiring(KEYS[1], {unpack(KEYS, 2)}, set)} end
+if ARGV[3] ~= nil and ARGV[3] ~= 's' and ARGV[3] ~= '' then
+  fail('INVALID', 'the bucket kind must be "s" or "", got ' .. tostring(ARGV[3]))
+end
+if ARGV[3] == 's' then return {clear_expiring(KEYS[1], KEYS, 2, set)} end
 local removed, examined = 0, 0
 for i = 2, #KEYS do
   local all = {}

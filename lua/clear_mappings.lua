@@ -15,6 +15,7 @@
 --@include layout
 --@include hash_chunks
 --@include expiry
+keys_arg(KEYS, 2, true)
 check_gen(KEYS[1], ARGV[1])
 local rbucket = bucket_namer(ARGV[2], ARGV[3])
 -- nil while no expiring entry can be live

@@ -14,6 +14,7 @@
               from the run's keys (they are data, not arguments). ]]
 --@include runs
 --@include id_lists
+keys_arg(KEYS, 1, true)
 check_gen(KEYS[1], ARGV[1])
 local set = list_set(blob_arg(ARGV[2], ID_WIDTH, 'entry ids'), ID_WIDTH)
 local rbucket = bucket_namer(ARGV[3], ARGV[4])

@@ -16,6 +16,7 @@
   Errors      KVREDIS_INVALID for malformed arguments
   Complexity  O(keys of the page + their fields) ]]
 --@include args
+keys_arg(KEYS, 1, true)
 local mode, token = ARGV[1], text_arg(ARGV[2], 'token')
 local gen = redis.call('HGET', KEYS[1], 'gen')
 if mode == 'begin' then
@@ -26,8 +27,11 @@ if mode == 'begin' then
 end
 if mode == 'page' then
   if gen ~= token then return -1 end
-  if #KEYS < 2 then return 0 end
-  return redis.call('UNLINK', unpack(KEYS, 2))
+  local deleted = 0
+  for i = 2, #KEYS, 1000 do
+    deleted = deleted + redis.call('UNLINK', unpack(KEYS, i, math.min(i + 999, #KEYS)))
+  end
+  return deleted
 end
 if mode == 'end' then
   if gen ~= token then return 0 end

@@ -20,6 +20,7 @@
   Returns     number of (request key, entry) pairs removed
   Complexity  O(request keys mapped x entries per key); entries never added are ignored ]]
 --@include program
+keys_arg(KEYS, 3)
 check_gen(KEYS[1], ARGV[1])
 local k = write_context(KEYS[1], KEYS[2], nil, nil, ARGV[2], ARGV[3], ARGV[4], KEYS[3])
 return run_program(k, read_program(ARGV, 5, nil, {R = true, E = true}), nil, 0)

@@ -44,6 +44,7 @@
   Complexity  O(pairs converted x entries per key) ]]
 --@include expiry
 
+keys_arg(KEYS, 4)
 local meta, pi, sx, mx = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local mode = ARGV[1]
 
@@ -124,7 +125,8 @@ if mode == 'begin' then
   end
   if current[1] ~= from then return {'other', current[1], 0, 0, 0, 0} end
   local bits = current[6]
-  if not (bits and tonumber(bits) and tonumber(bits) >= 1 and tonumber(bits) <= 24) then
+  local nbits = tonumber(bits)
+  if not (nbits and nbits >= MIN_BUCKET_BITS and nbits <= MAX_BUCKET_BITS) then
     fail('LAYOUT', meta .. ' holds no valid bucket_bits (' .. tostring(bits) .. ')')
   end
   local rbucket = bucket_namer(ARGV[6], bits)

@@ -13,6 +13,7 @@
   Complexity  O(pairs x request keys per mapping) ]]
 --@include layout
 --@include id_lists
+keys_arg(KEYS, 1)
 check_gen(KEYS[1], ARGV[1])
 local ebucket = bucket_namer(ARGV[2], ARGV[3])
 local cap = int_arg(ARGV[4], 'request keys per engine key', 1, 2147483647)

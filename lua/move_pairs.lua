@@ -21,6 +21,7 @@
               namespace's; as apply_batch.lua's ops, all before the first write
   Complexity  O(p) reads, then as the ops (add.lua's) ]]
 --@include program
+keys_arg(KEYS, 6)
 check_gen(KEYS[1], ARGV[1])
 local k = write_context(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[2], ARGV[3], ARGV[4], KEYS[5])
 local cap = int_arg(ARGV[5], 'request keys per engine key', 1, 2147483647)

@@ -9,9 +9,14 @@
   ARGV[3]     the pod's entry ids to reclaim (id list, as retire.lua returned them)
   Errors      KVREDIS_INVALID for a malformed id list, before the first write
   Returns     number of definitions deleted; the ids leave the pod's retired list in <ns>:pr
+              (when it empties, the clear has ended: the pod's stamps hold again,
+              includes/stamps)
   Complexity  O(ids + the pod's retired list) ]]
 --@include entries
+--@include stamps
+keys_arg(KEYS, 4)
 check_gen(KEYS[1], ARGV[1])
+local pod = text_arg(ARGV[2], 'pod id')
 local ids = blob_arg(ARGV[3], ID_WIDTH, 'entry ids')
 local list = {}
 for i = 1, #ids, ID_WIDTH do list[#list + 1] = string.sub(ids, i, i + ID_WIDTH - 1) end
@@ -21,7 +26,7 @@ local owners = hmget(KEYS[2], (function()
   for i = 1, #list do out[i] = encs[i] or '' end
   return out
 end)())
-local retired = redis.call('HGET', KEYS[4], ARGV[2])
+local retired = redis.call('HGET', KEYS[4], pod)
 local deleted = 0
 for i = 1, #list do
   if encs[i] then
@@ -33,9 +38,10 @@ end
 if retired then
   local left = list_without(retired, list_set(ids, ID_WIDTH), ID_WIDTH)
   if left == '' then
-    redis.call('HDEL', KEYS[4], ARGV[2])
+    redis.call('HDEL', KEYS[4], pod)
+    stamp_cleared(KEYS[1], pod)
   elseif left ~= retired then
-    redis.call('HSET', KEYS[4], ARGV[2], left)
+    redis.call('HSET', KEYS[4], pod, left)
   end
 end
 return deleted

@@ -8,6 +8,7 @@
               key not 8 bytes
   Complexity  O(1) ]]
 --@include layout
+keys_arg(KEYS, 1)
 check_gen(KEYS[1], ARGV[1])
 local field = blob_arg(ARGV[4], HASH_WIDTH, 'engine key', 1)
 local refs = redis.call('HGET', bucket_namer(ARGV[2], ARGV[3])(field), field)

@@ -12,11 +12,15 @@
   ARGV[3]     optional: the ids to retire (id list; a clear of some tiers or one data-parallel
               rank: the pod's ids whose definitions it matches); without it, every id of the pod
   Returns     the pod's retired ids (id list: the ids the clear removes from every bucket and
-              run, then reclaims; with ARGV[3], those of them ARGV[3] lists), "" when none
+              run, then reclaims; with ARGV[3], those of them ARGV[3] lists), "" when none;
+              when some, the pod's stamps stop holding until reclaim.lua ends the clear
+              (includes/stamps)
   Errors      KVREDIS_INVALID for an empty pod id, KVREDIS_LAYOUT for a malformed stored id
               list; both before the first write
   Complexity  O(the pod's ids) ]]
 --@include entries
+--@include stamps
+keys_arg(KEYS, 5)
 check_gen(KEYS[1], ARGV[1])
 local pod = text_arg(ARGV[2], 'pod id')
 local only = ARGV[3] and blob_arg(ARGV[3], ID_WIDTH, 'entry ids')
@@ -32,13 +36,17 @@ if only then
   current = list_without(current, list_set(keep, ID_WIDTH), ID_WIDTH)
 end
 local function result(ids)
-  if not only then return ids end
-  local wanted, out = list_set(only, ID_WIDTH), {}
-  for i = 1, #ids, ID_WIDTH do
-    local id = string.sub(ids, i, i + ID_WIDTH - 1)
-    if wanted[id] then out[#out + 1] = id end
+  if only then
+    local wanted, out = list_set(only, ID_WIDTH), {}
+    for i = 1, #ids, ID_WIDTH do
+      local id = string.sub(ids, i, i + ID_WIDTH - 1)
+      if wanted[id] then out[#out + 1] = id end
+    end
+    ids = table.concat(out)
   end
-  return table.concat(out)
+  -- the clear removes these (reclaim.lua ends it): no stamp of the pod holds meanwhile
+  if ids ~= '' then stamp_clearing(KEYS[1], pod) end
+  return ids
 end
 if current == '' then return result(retired) end
 local list = {}

@@ -8,8 +8,9 @@
               live on this node)
   ARGV[1]     s, the number of shards
   ARGV[2..]   per shard: m, then m arguments: <shard>:meta, :pi, :pp, :sx, namespace
-              generation, request bucket prefix, bucket bits, then c and c x (pod id, score so
-              far): the pods of this shard carried over from the chain's earlier parts (c = 0
+              generation, request bucket prefix, bucket bits, then 1 when keys of the chain
+              follow this part (else 0), c and c x (pod id, rank, score so far, stamp): the
+              (pod, rank)s of this shard carried over from the chain's earlier parts (c = 0
               for the chain's first part; see score.lua)
   then        score.lua's ARGV from its pod filter on, the same for every shard: f and f pod
               ids, w and w x (tier, weight), the weight of a tier without one, the request keys
@@ -25,10 +26,11 @@
               costs three reads: its reply is score.lua's for it, [0, 0], without running it ]]
 --@command score
 --@include args
+keys_arg(KEYS, 4)
 local s = int_arg(ARGV[1], 'shard count', 1, #ARGV)
 local starts, pos = {}, 2
 for i = 1, s do
-  local m = int_arg(ARGV[pos], 'shard argument count', 8, #ARGV - pos)
+  local m = int_arg(ARGV[pos], 'shard argument count', 9, #ARGV - pos)
   starts[i] = {pos + 1, m}
   pos = pos + m + 1
 end
@@ -50,13 +52,14 @@ local function holds_nothing(meta, sx, rprefix, bits, gen, carried)
   if first == '' or carried ~= '0' then return false end
   if redis.call('HGET', meta, 'gen') ~= gen then return false end
   if redis.call('EXISTS', sx) == 1 then return false end
-  return redis.call('HEXISTS', bucket_namer(rprefix, bits)(first), first) == 0
+  -- HGET, not HEXISTS: a router's ACL allows the commands of the single-server reads only
+  return not redis.call('HGET', bucket_namer(rprefix, bits)(first), first)
 end
 
 local out = {}
 for i = 1, s do
   local a, m = starts[i][1], starts[i][2]
-  if holds_nothing(ARGV[a], ARGV[a + 3], ARGV[a + 5], ARGV[a + 6], ARGV[a + 4], ARGV[a + 7]) then
+  if holds_nothing(ARGV[a], ARGV[a + 3], ARGV[a + 5], ARGV[a + 6], ARGV[a + 4], ARGV[a + 8]) then
     out[i] = {0, 0}
   else
     local keys = {ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]}

@@ -9,6 +9,7 @@
   Returns     the number of mappings dropped (a mapping changed since it was read is kept)
   Complexity  O(pairs) ]]
 --@include layout
+keys_arg(KEYS, 1)
 check_gen(KEYS[1], ARGV[1])
 local ebucket = bucket_namer(ARGV[2], ARGV[3])
 if (#ARGV - 3) % 2 ~= 0 then fail('INVALID', 'engine keys and mappings must come in pairs') end

@@ -160,7 +160,12 @@ def child(tree: str, page: int, requests: int, url: str | None) -> dict[str, Any
         "state_bytes": state,
         "bytes_per_page": state / pages if pages else 0.0,
         # the index's engine keys (pages, boundary keys), or the Redis memory the index took
-        "engine_mappings": len(index._engine) if server is None else None,
+        "engine_mappings": (
+            # (the engine table, and the engine keys kept in runs where the index has them)
+            len(index._engine) + len(getattr(index, "_engine_resident", ()))
+            if server is None
+            else None
+        ),
         "redis_bytes": redis_bytes,
         "ingest_ms": elapsed * 1000,
     }

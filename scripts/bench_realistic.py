@@ -29,8 +29,16 @@ possible; CPU is ``INFO cpu`` growth minus the idle server's (see ``bench_server
 score's is the median of rounds that each measure every side in turn.
 ``--server valkey`` runs it all on Valkey 9 instead of redis-server.
 
+``--before REF`` also measures, in the same server and in interleaved rounds, the Lua scripts of
+the git revision ``REF`` of this repository against this checkout's, both by ``EVALSHA`` of the
+same arguments from a bare client (each side in its own protocol): Redis CPU per conversation
+score, per score of a chain of 3 parts (12,288 keys held by 8 pods, each of which evicted a
+block elsewhere: the parts' stamps; and the same with a second data-parallel rank per pod, which
+the scripts from before per-rank scores, function API 1 and 2, merge into the pod), and per
+block ingested through the ingester (each side into namespaces of its own, fed in alternation).
+
 Run:  .venv/bin/python scripts/bench_realistic.py [--quick] [--shape vllm,sglang] [--server valkey]
-      [--json PATH]
+      [--before REF] [--json PATH]
 """
 
 from __future__ import annotations
@@ -38,6 +46,8 @@ from __future__ import annotations
 import hashlib
 import random
 import statistics
+import struct
+import subprocess
 import time
 import uuid
 from collections import OrderedDict
@@ -51,6 +61,8 @@ from bench_server_cpu import Server, pin
 from kvredis.hashing import ChunkedTokenDatabase, TokenProcessorConfig
 from kvredis.ingest import EventIngester
 from kvredis.redis import RedisIndex, RedisIndexConfig
+from kvredis.redis.ops import SCORE_KEYS_PER_CALL
+from kvredis.redis.scripts import Script, expand
 from kvredis.scoring import LongestPrefixScorer
 from kvredis.testing.wire import (
     sglang_batch,
@@ -63,7 +75,7 @@ from kvredis.testing.wire import (
 from kvredis.tiers import DEFAULT_TIERS
 from kvredis.types import KeyType, PodEntry
 
-from _bench import RedisServer, bench_parser, write_json
+from _bench import REPO, RedisServer, bench_parser, write_json
 from reference_layout import ReferenceLayout
 
 MODEL = "base-model"
@@ -256,6 +268,8 @@ class Result:
     scores_checked: int
     ratios: dict[str, float] = field(default_factory=dict)
     server: str = "redis"
+    before: dict[str, dict[str, float]] = field(default_factory=dict)
+    """With ``--before REF``: per figure, Redis CPU µs of REF's scripts and of this checkout's."""
 
 
 def _calls(raw: redis.Redis) -> tuple[int, int]:
@@ -293,7 +307,178 @@ def interleaved(
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-def run_shape(shape: str, url: str, server: Server, quick: bool, seed: int) -> Result:
+def _git(*args: str) -> str:
+    done = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"git {' '.join(args)}: {done.stderr.strip()}")
+    return done.stdout
+
+
+def per_rank(script: Script) -> bool:
+    """Whether a ``score`` script scores per (pod, data-parallel rank) and carries stamps (its
+    parts take a more-keys flag, then (pod, rank, score, stamp) per slot carried), as this
+    checkout's; else it is one of before that change (function API 1 and 2: (pod, score) per
+    pod carried)."""
+    return b"'more keys flag'" in script.source
+
+
+def ref_scripts(ref: str) -> dict[str, Script]:
+    """The command scripts (includes expanded) of the git revision ``ref`` of this repository."""
+    git = _git
+    sources = {}
+    for path in git("ls-tree", "-r", "--name-only", ref, "lua/").split():
+        if path.endswith(".lua"):
+            sources[path[len("lua/") : -len(".lua")]] = git("show", f"{ref}:{path}")
+    out = {}
+    for name in sources:
+        if "/" not in name:
+            source = expand(name, sources).encode()
+            out[name] = Script(name, source, hashlib.sha1(source).hexdigest())
+    return out
+
+
+def _score_args(layout: Any, weights: dict[str, float]) -> list[Any]:
+    flat: list[Any] = [layout.gen, layout.rprefix, layout.bucket_bits, 0, len(weights)]
+    for tier, weight in weights.items():
+        flat += (tier, repr(weight))
+    return [*flat, "1.0"]
+
+
+def score_now(
+    raw: redis.Redis, sha: str, layout: Any, keys: list[int], w: dict[str, float]
+) -> int:
+    """A whole chain scored by this checkout's ``score`` script, part by part as the client does
+    (each part carrying the (pod, rank)s still in, their scores and stamps); script calls made."""
+    fixed, names = _score_args(layout, w), (layout.meta, layout.pi, layout.pp, layout.sx)
+    carried: list[Any] = [0]
+    start = calls = 0
+    while start < len(keys):
+        part = keys[start : start + SCORE_KEYS_PER_CALL]
+        more = 1 if start + len(part) < len(keys) else 0
+        blob = struct.pack(f">{len(part)}Q", *part)
+        reply = raw.evalsha(sha, 4, *names, *fixed, blob, more, *carried)
+        calls += 1
+        live = [reply[i : i + 5] for i in range(2, len(reply), 5) if int(reply[i + 3])]
+        walked, cut = int(reply[0]), int(reply[1])
+        if not live or walked == 0 or (walked < len(part) and not cut):
+            break
+        start += walked
+        carried = [len(live)]
+        for pod, rank, value, _, stamp in live:
+            carried += (pod, rank, value, stamp)
+    return calls
+
+
+def score_then(
+    raw: redis.Redis, sha: str, layout: Any, keys: list[int], w: dict[str, float]
+) -> int:
+    """The same by a ``score`` script from before per-rank scores (function API 1 and 2: parts
+    carrying pods and scores)."""
+    fixed, names = _score_args(layout, w), (layout.meta, layout.pi, layout.pp, layout.sx)
+    carried: list[Any] = [0]
+    start = calls = 0
+    while start < len(keys):
+        part = keys[start : start + SCORE_KEYS_PER_CALL]
+        blob = struct.pack(f">{len(part)}Q", *part)
+        reply = raw.evalsha(sha, 4, *names, *fixed, blob, *carried)
+        calls += 1
+        live = [reply[i : i + 3] for i in range(2, len(reply), 3) if int(reply[i + 2])]
+        walked, cut = int(reply[0]), int(reply[1])
+        if not live or walked == 0 or (walked < len(part) and not cut):
+            break
+        start += walked
+        carried = [len(live)]
+        for pod, value, _ in live:
+            carried += (pod, value)
+    return calls
+
+
+def compare_before(
+    ref: str, fleet: Fleet, url: str, server: Server, kv: RedisIndex, quick: bool
+) -> dict[str, dict[str, float]]:
+    """Redis CPU µs of REF's scripts and of this checkout's (see the module docstring)."""
+    then = ref_scripts(ref)
+    score_ref = score_now if per_rank(then["score"]) else score_then
+    raw = server.raw
+    now_sha = raw.script_load(kv.registry["score"].source)
+    then_sha = raw.script_load(then["score"].source)
+    assert now_sha == kv.registry["score"].sha and then_sha == then["score"].sha
+    layout = kv._session.state.layout
+    chains = [c.keys for c in fleet.convs]
+    m = len(chains)
+    for keys in chains:  # both protocols score the same
+        score_now(raw, now_sha, layout, keys, WEIGHTS)
+        score_ref(raw, then_sha, layout, keys, WEIGHTS)
+    rounds, calls = (3, 40) if quick else (7, 100)
+    sides: dict[str, Callable[[int], object]] = {
+        f"score ({ref})": lambda i: score_ref(raw, then_sha, layout, chains[i % m], WEIGHTS),
+        "score (now)": lambda i: score_now(raw, now_sha, layout, chains[i % m], WEIGHTS),
+    }
+    conv = interleaved(server, sides, rounds, calls)
+    # chains of 3 parts held by 8 pods, each of which evicted a block elsewhere (so has a
+    # version), the second also by a second data-parallel rank of each pod
+    parts = RedisIndex(
+        RedisIndexConfig(address=f"{url}/0", namespace=f"parts-{uuid.uuid4().hex[:6]}")
+    )
+    rng = random.Random(3)
+    long_chains = [[_h(9, c, i) for i in range(3 * SCORE_KEYS_PER_CALL)] for c in range(2)]
+    for c, chain in enumerate(long_chains):
+        for p in range(PODS):
+            held = rng.randint(2 * SCORE_KEYS_PER_CALL + 100, len(chain))
+            parts.add(None, chain[:held], [PodEntry(f"pod-{p}", "gpu")])
+            if c:
+                rank = PodEntry(f"pod-{p}", "cpu", dp_rank=1)
+                parts.add(None, chain[: held // 2], [rank])
+            gone = _h(10, c, p)
+            parts.add(None, [gone], [PodEntry(f"pod-{p}", "gpu")])
+            parts.evict(gone, KeyType.REQUEST, [PodEntry(f"pod-{p}", "gpu")])
+    playout = parts._session.state.layout
+    long: dict[str, float] = {}
+    for c, chain in enumerate(long_chains):
+        assert score_now(raw, now_sha, playout, chain, WEIGHTS) == 3
+        long_sides: dict[str, Callable[[int], object]] = {
+            ref: lambda i, chain=chain: score_ref(raw, then_sha, playout, chain, WEIGHTS),
+            "now": lambda i, chain=chain: score_now(raw, now_sha, playout, chain, WEIGHTS),
+        }
+        for side, us in interleaved(server, long_sides, rounds, max(5, calls // 8)).items():
+            long[f"{side}/{c}"] = us
+    parts.drop_namespace()
+    parts.close()
+    # ingest: each side into namespaces of its own, in alternation
+    ingest: dict[str, list[float]] = {ref: [], "now": []}
+    blocks = sum(msg.blocks for msg in fleet.messages)
+    for _ in range(2):
+        for side in (ref, "now"):
+            config = RedisIndexConfig(
+                address=f"{url}/0", namespace=f"ing-{uuid.uuid4().hex[:6]}", use_functions=False
+            )
+            index = RedisIndex(config)
+            if side == ref:
+                index.registry._scripts = dict(then)
+            ing = EventIngester(index, TP)
+            seqs = [0] * PODS
+
+            def feed(i: int, ing: EventIngester = ing, seqs: list[int] = seqs) -> None:
+                msg = fleet.messages[i]
+                ing.process(
+                    f"kv@pod-{msg.pod}@{MODEL}", seqs[msg.pod], msg.payload, f"pod-{msg.pod}"
+                )
+                seqs[msg.pod] += 1
+
+            ingest[side].append(cpu_us(server, feed, len(fleet.messages)) / blocks)
+            index.drop_namespace()
+            index.close()
+    return {
+        "conversation score": {ref: conv[f"score ({ref})"], "now": conv["score (now)"]},
+        "3-part chain score": {ref: long[f"{ref}/0"], "now": long["now/0"]},
+        "3-part chain, 2 ranks": {ref: long[f"{ref}/1"], "now": long["now/1"]},
+        "ingest per block": {side: statistics.median(v) for side, v in ingest.items()},
+    }
+
+
+def run_shape(
+    shape: str, url: str, server: Server, quick: bool, seed: int, before: str | None = None
+) -> Result:
     fleet = Fleet(shape, 24 if quick else 64, 4 if quick else 7, 800 if quick else 3000, seed)
     fleet.run()
     raw = server.raw
@@ -370,6 +555,7 @@ def run_shape(shape: str, url: str, server: Server, quick: bool, seed: int) -> R
         "bare call": lambda i: bare(),
     }
     score_us = interleaved(server, sides, rounds=3 if quick else 7, calls=40 if quick else 100)
+    compared = compare_before(before, fleet, url, server, kv, quick) if before else {}
     kv.close()
     fill.close()
     ref_client.close()
@@ -386,6 +572,7 @@ def run_shape(shape: str, url: str, server: Server, quick: bool, seed: int) -> R
         per_block,
         checked,
     )
+    result.before = compared
     result.ratios = {
         "score vs go layout": score_us["kvredis"] / score_us["go layout"],
         "score vs 64-key fill": score_us["kvredis"] / score_us["64-key fill"],
@@ -409,6 +596,9 @@ def print_result(r: Result) -> None:
     for name, ratio in r.ratios.items():
         print(f"  {name:<22} {ratio:6.2f}x")
     print(f"  scores checked against the pods: {r.scores_checked}")
+    for name, sides in r.before.items():
+        (ref, then), (_, now) = sides.items()
+        print(f"  {name:<22} {ref}: {then:8,.1f} us, now: {now:8,.1f} us ({now / then:5.2f}x)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -416,6 +606,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", default="vllm,sglang", help="vllm, sglang or both")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--server", default="redis", choices=("redis", "valkey"))
+    parser.add_argument(
+        "--before", metavar="REF", help="also measure the Lua scripts of git revision REF"
+    )
     args = parser.parse_args(argv)
     server_proc = RedisServer(args.server)
     server_proc.start()
@@ -426,7 +619,7 @@ def main(argv: list[str] | None = None) -> int:
         server = Server(server_proc.url, pid)
         server.calibrate()
         for shape in args.shape.split(","):
-            r = run_shape(shape, server_proc.url, server, args.quick, args.seed)
+            r = run_shape(shape, server_proc.url, server, args.quick, args.seed, args.before)
             r.pinned = pinned
             r.server = args.server
             print_result(r)

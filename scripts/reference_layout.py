@@ -218,6 +218,36 @@ class ReferenceLayout:
         self._prune_engine_key(keys=[engine_key_name(key), *request_keys])
         self.round_trips += 1
 
+    def evict_many(self, engine_keys: Sequence[int], entries: Sequence[PodEntry]) -> None:
+        """A removal event's engine keys, written well: every mapping read in one pipeline
+        (a ZRANGE per engine key), then every entry dropped in another (an HDEL and the prune
+        script per request key, the engine-key prune script per engine key). 2 round trips
+        whatever the number of keys, where :meth:`evict` pays ``2 + 2 * len(request keys)`` per
+        engine key, as the Go index's own per-key ``Evict`` does."""
+        keys = [check_hash(k, "engine key") for k in engine_keys]
+        fields = [encode_field(e) for e in check_entries(entries)]
+        if not keys:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.zrange(engine_key_name(key), 0, -1)
+        members = pipe.execute()
+        self.round_trips += 1
+        pipe = self.client.pipeline(transaction=False)
+        queued = False
+        for key, found in zip(keys, members, strict=True):
+            request_keys = [m.decode() if isinstance(m, bytes) else str(m) for m in found]
+            if not request_keys:
+                continue
+            for rk in request_keys:
+                pipe.hdel(rk, *fields)
+                self._prune_request_key(keys=[rk], client=pipe)
+            self._prune_engine_key(keys=[engine_key_name(key), *request_keys], client=pipe)
+            queued = True
+        if queued:
+            pipe.execute()
+            self.round_trips += 1
+
     def get_request_key(self, engine_key: int) -> int:
         """The highest-scored request key of the engine key's ZSET."""
         key = check_hash(engine_key, "engine key")

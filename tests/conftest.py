@@ -58,9 +58,11 @@ REDIS_FIXTURES = frozenset(
 CLUSTER_FIXTURES = frozenset({"redis_cluster", "cluster_pool"})
 #: Test namespaces start with this; whatever is left under it after the session is deleted.
 TEST_PREFIX = "kvt-"
+#: ``async_redis`` is used without ``connect()`` (its first call connects), and
+#: ``async_redis_connected`` after ``connect()``.
 REDIS_BACKENDS = [
     pytest.param(f"{name}@{kind}", marks=pytest.mark.redis)
-    for name in ("redis", "async_redis")
+    for name in ("redis", "async_redis", "async_redis_connected")
     for kind in server_kinds()
 ]
 CLUSTER_BACKENDS = [
@@ -281,13 +283,22 @@ class LoopThread:
 class SyncOverAsync:
     """Presents an AsyncIndex through the sync Index methods, so one conformance suite covers it."""
 
-    def __init__(self, factory: Callable[[], Any]) -> None:
+    def __init__(self, factory: Callable[[], Any], connect: bool = False) -> None:
         self._loop = LoopThread()
 
         async def build() -> Any:
-            return factory()
+            index = factory()
+            if connect:
+                await index.connect()
+            return index
 
         self.inner = self._loop.run(build())
+        if callable(getattr(self.inner, "apply_batches", None)):
+            # only an AsyncMultiBatchIndex offers it (isinstance checks look for the method)
+            self.apply_batches = self._apply_batches
+
+    def _apply_batches(self, batches: Sequence[Any]) -> list[bool]:
+        return self._loop.run(self.inner.apply_batches(batches))  # type: ignore[no-any-return]
 
     def lookup(
         self, request_keys: Sequence[int], pod_identifier_set: Collection[str] | None = None
@@ -335,6 +346,16 @@ class SyncOverAsync:
     ) -> dict[str, float]:
         return self._loop.run(  # type: ignore[no-any-return]
             self.inner.score(request_keys, medium_weights, pod_identifier_set)
+        )
+
+    def score_by_rank(
+        self,
+        request_keys: Sequence[int],
+        medium_weights: Any = None,
+        pod_identifier_set: Collection[str] | None = None,
+    ) -> dict[str, dict[int, float]]:
+        return self._loop.run(  # type: ignore[no-any-return]
+            self.inner.score_by_rank(request_keys, medium_weights, pod_identifier_set)
         )
 
     def apply_batch(
@@ -389,6 +410,8 @@ def make_backend(name: str, request: pytest.FixtureRequest) -> Any:
         return RedisIndex(config)
     if client == "async_redis":
         return SyncOverAsync(lambda: AsyncRedisIndex(config))
+    if client == "async_redis_connected":
+        return SyncOverAsync(lambda: AsyncRedisIndex(config), connect=True)
     raise ValueError(f"unknown backend {name}")
 
 

@@ -46,3 +46,28 @@ def test_quick_run_on_valkey(tmp_path: Path) -> None:
     (result,) = json.loads(out.read_text())
     assert result["shape"] == "vllm" and result["server"] == "valkey"
     assert result["scores_checked"] > 0
+
+
+@pytest.mark.redis
+def test_quick_run_compares_another_revisions_scripts(tmp_path: Path) -> None:
+    """``--before REF``: the scripts of a git revision against this checkout's, in one server
+    (here the checkout's own last commit, so both speak the same protocol)."""
+    if not (SCRIPT.parents[1] / ".git").exists():
+        pytest.skip("not a git checkout")
+    out = tmp_path / "realistic.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--shape=vllm", "--before=HEAD", "--json", out],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    (result,) = json.loads(out.read_text())
+    rows = result["before"]
+    assert set(rows) == {
+        "conversation score",
+        "3-part chain score",
+        "3-part chain, 2 ranks",
+        "ingest per block",
+    }
+    assert all(set(sides) == {"HEAD", "now"} and min(sides.values()) > 0 for sides in rows.values())

@@ -243,6 +243,8 @@ def test_verbose_and_log_level_anywhere(caplog: pytest.LogCaptureFixture) -> Non
         "restore",
         "migrate",
         "drop",
+        "rename",
+        "acl",
     ],
 )
 def test_every_command_has_an_example_and_log_options(command: str) -> None:
@@ -309,3 +311,41 @@ def test_score_refuses_negative_non_finite_or_non_ascii_weights(weight: str) -> 
     )  # fmt: skip
     assert result.exit_code == 2, result.output
     assert "--weight" in result.output and "127.0.0.1:1" not in result.output
+
+
+def test_every_command_on_a_server_defaults_to_the_local_one() -> None:
+    """One rule: --redis (env KVREDIS_REDIS_URL) defaults to redis://127.0.0.1:6379 for every
+    command that works on a server; only the demo runs embedded without it."""
+    import click
+
+    from kvredis.cli.options import DEFAULT_REDIS_URL
+
+    def commands(group: click.Group) -> list[tuple[str, click.Command]]:
+        out: list[tuple[str, click.Command]] = []
+        for name, command in group.commands.items():
+            if isinstance(command, click.Group):
+                out += [(f"{name} {n}", c) for n, c in commands(command)]
+            else:
+                out.append((name, command))
+        return out
+
+    defaults = {}
+    for name, command in commands(cli):  # type: ignore[arg-type]
+        for param in command.params:
+            if isinstance(param, click.Option) and "--redis" in param.opts:
+                assert param.envvar == "KVREDIS_REDIS_URL", name
+                defaults[name] = param.default
+    assert "ingest" in defaults and "functions show" in defaults
+    assert {n: d for n, d in defaults.items() if d != DEFAULT_REDIS_URL} == {
+        "demo": None,  # embedded unless --redis
+        "acl": None,  # prints without a server; --redis tailors the line
+    }
+
+
+def test_an_unknown_kvredis_variable_is_named(caplog: pytest.LogCaptureFixture) -> None:
+    from kvredis.cli.options import unknown_environment
+
+    lines = unknown_environment(
+        {"KVREDIS_REDIS_URI": "x", "KVREDIS_NAMESPACE": "kv", "KVREDIS_TEST_CALLS": "scripts"}
+    )
+    assert len(lines) == 1 and "did you mean KVREDIS_REDIS_URL?" in lines[0]

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from kvredis import AddOp, PodEntry, RedisIndex, RedisIndexConfig, Watermark
 from kvredis.cli import cli
-from kvredis.redis.functions import LIBRARY, VERSION_FUNCTION, shipped_library
+from kvredis.redis.functions import API_VERSION, LIBRARY, VERSION_FUNCTION, shipped_library
 from tests.servers import LocalCluster, RedisServer
 
 
@@ -30,7 +30,8 @@ def test_load_then_show(own_redis_server: RedisServer) -> None:
     assert json.loads(shown.output)["servers"][0]["version"] is None
     loaded = runner.invoke(cli, ["functions", "load", "--redis", url])
     assert loaded.exit_code == 0, loaded.output
-    assert "loaded kvredis api 1" in loaded.output and "was: no kvredis library" in loaded.output
+    assert f"loaded kvredis api {API_VERSION}" in loaded.output
+    assert "was: no kvredis library" in loaded.output
     again = runner.invoke(cli, ["functions", "load", "--redis", url, "--json"])
     assert json.loads(again.output)["servers"][0]["loaded"] is False
     shown = runner.invoke(cli, ["functions", "show", "--redis", url])
@@ -90,6 +91,6 @@ def test_the_library_is_on_every_node_of_a_cluster(redis_cluster: LocalCluster) 
 
 
 def _cluster_index(config: RedisIndexConfig) -> RedisIndex:
-    from kvredis.redis.index import new_redis_index
+    from kvredis.redis.factories import new_redis_index
 
     return new_redis_index(config)  # type: ignore[return-value]

@@ -50,8 +50,14 @@ def no_leaked_ingesters() -> Iterator[None]:
         ([], "at least one --endpoint"),
         (["--pod", "p", "--endpoint", "tcp://h:1"], "--pod p comes before any --endpoint"),
         (["--endpoint", "tcp://h:1", "--model", "a", "--model", "b"], "--model is given twice"),
-        (["--endpoint", "http://h:1"], "is not a ZMQ endpoint"),
-        (["--endpoint", "tcp://h"], "is not a ZMQ endpoint"),
+        (["--endpoint", "http://h:1"], "give pod_id and model_name (--pod and --model)"),
+        (
+            ["--endpoint", "http://h:1", "--pod", "p", "--model", "m", "--replay", "tcp://h:2"],
+            "no replay",
+        ),
+        (["--endpoint", "udp://h:1"], "is not an engine endpoint"),
+        (["--endpoint", "tcp://h"], "is not an engine endpoint"),
+        (["--endpoint", "tcp://h:1", "--engine", "tgi"], "Invalid value for --engine"),
         (["--endpoint", "tcp://h:1", "--replay", "h:2"], "Invalid value for --replay"),
         (["--endpoint", "tcp://h:1", "--endpoint", "tcp://h:1"], "is given twice"),
         (
@@ -86,6 +92,7 @@ def test_endpoint_groups_in_any_spelling(caplog: pytest.LogCaptureFixture) -> No
         result = CliRunner().invoke(
             ingest,
             [
+                "--in-memory",
                 "--endpoint",
                 a.endpoint,
                 "--pod=pod-a",
@@ -236,6 +243,7 @@ def test_empty_topic_without_pod_and_model_warns_and_fails(
             cli,
             [
                 "ingest",
+                "--in-memory",
                 "--endpoint",
                 engine.endpoint,
                 "--duration",
@@ -245,7 +253,8 @@ def test_empty_topic_without_pod_and_model_warns_and_fails(
             ],
         )
         thread.join(20)
-    assert "has no --pod or --model" in caplog.text
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("names no pod" in w for w in warnings), warnings
     assert result.exit_code == 1, result.output
     assert "give --pod and --model after each --endpoint" in result.output
 
@@ -361,3 +370,79 @@ def test_ctrl_c_with_redis_down_says_how_long_it_drains_and_a_second_one_exits_a
     assert code == 130, err.text
     last = err.text.splitlines()[-1]
     assert "exiting now" in last and "were not applied" in last and "pod-a:" in last, err.text
+
+
+def test_a_topic_naming_pod_and_model_gives_no_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """docs/engines.md's setting: the engine names pod and model in its topic, the command
+    names neither: every batch is applied, and nothing is logged at WARNING."""
+    with FakeEngine("pod-t", "m", topic="kv@pod-t@m") as engine, caplog.at_level(logging.INFO):
+
+        def publish() -> None:
+            engine.wait_subscribed(20)
+            engine.publish([BlockStored((1,), None, tuple(range(16)), 16)])
+
+        thread = threading.Thread(target=publish, daemon=True)
+        thread.start()
+        result = CliRunner().invoke(
+            cli,
+            [
+                "ingest", "--in-memory", "--endpoint", engine.endpoint,
+                "--duration", "2", "--status-interval", "0.2",
+            ],
+        )  # fmt: skip
+        thread.join(20)
+    assert result.exit_code == 0, result.output
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert [w for w in warnings if "in-memory" not in w] == []
+    assert any("applied=1" in r.getMessage() for r in caplog.records)
+
+
+def test_without_redis_ingest_uses_the_default_server_as_every_command(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No --redis and a misspelled KVREDIS_REDIS_URL: the ingester works on
+    redis://127.0.0.1:6379 (here refused, or a server there), never in memory, and the
+    misspelling is named."""
+    monkeypatch.delenv("KVREDIS_REDIS_URL", raising=False)
+    monkeypatch.setenv("KVREDIS_REDIS_ULR", "redis://127.0.0.1:1")
+    with caplog.at_level(logging.INFO):
+        result = CliRunner().invoke(
+            cli, ["ingest", "--endpoint", "tcp://127.0.0.1:1", "--pod", "p", "--model", "m",
+                  "--duration", "0.2"],
+        )  # fmt: skip
+    assert "in-memory index" not in caplog.text
+    said = result.output + caplog.text
+    assert "redis://127.0.0.1:6379" in said, said
+    assert "KVREDIS_REDIS_ULR is not one kvredis reads (did you mean KVREDIS_REDIS_URL?)" in said
+
+
+def test_redis_and_in_memory_together_are_a_usage_error() -> None:
+    result = CliRunner().invoke(
+        cli,
+        ["ingest", "--in-memory", "--redis", "redis://127.0.0.1:1", "--endpoint", "tcp://127.0.0.1:1"],
+    )
+    assert result.exit_code == 2 and "not both" in result.output
+
+
+def test_in_memory_says_so_at_warning_and_in_readyz() -> None:
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "kvredis", "ingest", "--in-memory",
+            "--endpoint", "tcp://127.0.0.1:1", "--pod", "p", "--model", "m",
+            "--metrics-port", str(port), "--metrics-address", "127.0.0.1",
+        ],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    err = _Lines(proc.stderr)  # type: ignore[arg-type]
+    try:
+        wait_until(lambda: _get(f"http://127.0.0.1:{port}/healthz")[0] == 200, timeout=30)
+        body = _get(f"http://127.0.0.1:{port}/readyz")[1]
+        assert "index: in memory" in body and "nothing is durable" in body, body
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        err.close()
+        proc.stderr.close()  # type: ignore[union-attr]
+    warning = [line for line in err.lines if " WARNING " in line and "--in-memory" in line]
+    assert warning and "no router can read it" in warning[0], err.text

@@ -10,8 +10,12 @@ import pytest
 from kvredis.config import IndexConfig, new_index
 from kvredis.errors import ConfigError
 from kvredis.jsonconfig import parse_duration
-from kvredis.memory import CostAwareMemoryIndex, InMemoryIndex
-from kvredis.memory_bounds import CostAwareMemoryIndexConfig, InMemoryIndexConfig
+from kvredis.memory import (
+    CostAwareMemoryIndex,
+    CostAwareMemoryIndexConfig,
+    InMemoryIndex,
+    InMemoryIndexConfig,
+)
 from kvredis.types import PodEntry
 
 

@@ -133,3 +133,34 @@ def test_the_variables_the_recipes_set_are_the_ones_the_ingester_reads(name: str
         p.envvar for p in ingest.params if isinstance(p, click.Option) and p.envvar
     }
     assert name in envvars
+
+
+def _systemd_setup() -> str:
+    (block,) = [b for b in _blocks("sh") if "systemctl" in b]
+    return block
+
+
+def test_the_systemd_recipe_creates_the_user_it_runs_as() -> None:
+    (unit_text,) = _blocks("ini")
+    user = re.search(r"^User=(\S+)$", unit_text, re.MULTILINE)
+    assert user is not None
+    lines = _systemd_setup().splitlines()
+    created = [
+        n
+        for n, line in enumerate(lines)
+        if re.match(r"(useradd|adduser)\b", line) and line.split()[-1] == user.group(1)
+    ]
+    assert created, f"the recipe never creates the user {user.group(1)!r}"
+    used = [n for n, line in enumerate(lines) if re.search(rf"-[og] {user.group(1)}\b", line)]
+    assert used and created[0] < min(used)  # created before the files it owns
+    assert "--system" in lines[created[0]] and "nologin" in lines[created[0]]
+
+
+def test_the_recipes_install_the_built_wheel_not_a_package_index_name() -> None:
+    (dockerfile,) = _blocks("dockerfile")
+    assert re.search(r"^COPY dist/kvredis-\*\.whl ", dockerfile, re.MULTILINE)
+    assert re.search(r"^RUN pip install .*/kvredis-\*\.whl", dockerfile, re.MULTILINE)
+    container = _container()
+    assert "command" not in container  # the image's entry point is kvredis
+    assert not container["image"].startswith("python:")
+    assert "kvredis-*.whl" in _systemd_setup()

@@ -8,7 +8,9 @@ sets after checking that no entry is reported twice.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
+import os
 import random
 import sys
 import threading
@@ -18,8 +20,9 @@ from typing import Any
 
 import pytest
 
-from kvredis.batch import AddOp, EvictOp, Watermark
+from kvredis.batch import AddOp, Batch, EvictOp, Watermark
 from kvredis.errors import EngineKeyNotFoundError, InvalidInputError, KVRedisError
+from kvredis.index import apply_batches_in_turn
 from kvredis.types import MAX_BLOCK_HASH, BlockHash, KeyType, PodEntry
 
 ENGINE, REQUEST = KeyType.ENGINE, KeyType.REQUEST
@@ -193,6 +196,42 @@ def test_evict_matches_all_five_fields_exactly(index: Any, key_type: KeyType) ->
         remaining.discard(VARIANTS[i])
         assert held(index, request_key) == remaining, f"after evicting {VARIANTS[i]}"
     assert index.lookup([request_key]) == {}
+
+
+#: Two values of each type a PodEntry field has (the annotations, as strings).
+_FIELD_VALUES: dict[str, tuple[object, object]] = {
+    "str": ("pod-f", "pod-g"),
+    "bool": (False, True),
+    "int": (0, 1),
+}
+
+
+def _entries_differing_in_one_field() -> list[tuple[str, PodEntry, PodEntry]]:
+    """For every field PodEntry compares: two entries equal in all the others."""
+    base = {"pod_identifier": "pod-f", "device_tier": "gpu"}
+    out = []
+    for field in dataclasses.fields(PodEntry):
+        assert field.compare, f"PodEntry.{field.name} is left out of equality"
+        values = _FIELD_VALUES.get(str(field.type))
+        assert values is not None, f"no test values for PodEntry.{field.name}: {field.type}"
+        one = PodEntry(**{**base, field.name: values[0]})  # type: ignore[arg-type]
+        other = PodEntry(**{**base, field.name: values[1]})  # type: ignore[arg-type]
+        out.append((field.name, one, other))
+    return out
+
+
+def test_entries_differing_in_any_one_field_are_distinct(index: Any) -> None:
+    cases = _entries_differing_in_one_field()
+    assert {name for name, _, _ in cases} >= {"pod_identifier", "dp_rank"}
+    for name, one, other in cases:
+        [key] = hashes(1, f"field-{name}")
+        index.add(None, [key], [one])
+        index.add(None, [key], [other])
+        assert held(index, key) == {one, other}, f"entries differing in {name} merged"
+        index.evict(key, REQUEST, [one])
+        assert held(index, key) == {other}, f"evicting one removed both ({name})"
+        index.evict(key, REQUEST, [other])
+        assert held(index, key) == set()
 
 
 def test_evict_of_entries_not_held_changes_nothing(index: Any) -> None:
@@ -1034,6 +1073,127 @@ def test_invalid_op_rejects_the_whole_batch(index: Any, bad_op: Any) -> None:
     assert held(idx, r2) == set()
 
 
+def apply_batches(idx: Any, batches: list[Batch]) -> list[bool]:
+    """``idx.apply_batches`` where the backend has it (MultiBatchIndex), else the same
+    contract one batch at a time."""
+    try:
+        return list(idx.apply_batches(batches))
+    except AttributeError:
+        return apply_batches_in_turn(idx, batches)
+
+
+def _model_of(batches: list[Batch], model: Any) -> list[bool]:
+    """What apply_batches must answer: apply_batch one by one, skipping the batches of a stream
+    after its first skipped batch."""
+    return apply_batches_in_turn(model, batches)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_apply_batches_applies_each_batch_as_apply_batch_would(index: Any, seed: int) -> None:
+    """Random batches of adds and evicts over three streams (in order, duplicates, gaps, older
+    epochs, unfenced batches) give the same answers, entries, mappings and watermarks as
+    apply_batch called for each in turn on the embedded index."""
+    from kvredis.memory import InMemoryIndex
+
+    idx = batch_index(index)
+    model = InMemoryIndex()
+    rng = random.Random(seed)
+    request = hashes(24, f"ab-r{seed}")
+    engine = hashes(24, f"ab-e{seed}")
+    pods = [A_GPU, B_GPU, A_CPU]
+    seqs = {"s1": 0, "s2": 0, "s3": 0}
+    for _round in range(12):
+        batches: list[Batch] = []
+        for _ in range(rng.randint(1, 9)):
+            ops: list[Any] = []
+            for _ in range(rng.randint(0, 4)):
+                entry = rng.choice(pods)
+                i = rng.randrange(len(request) - 4)
+                if rng.random() < 0.6:
+                    n = rng.randint(1, 4)
+                    parent = request[i - 1] if i and rng.random() < 0.5 else None
+                    ops.append(
+                        AddOp(tuple(engine[i : i + n]), tuple(request[i : i + n]), (entry,), parent)
+                    )
+                elif rng.random() < 0.5:
+                    ops.append(EvictOp(engine[i], ENGINE, (entry,)))
+                else:
+                    ops.append(EvictOp(request[i], REQUEST, (entry,)))
+            stream = rng.choice([*seqs, None])
+            if stream is None:
+                batches.append(Batch(ops))
+                continue
+            step = rng.choice([1, 1, 1, 2, 0, -1])
+            seqs[stream] = max(seqs[stream] + step, -1)
+            epoch = 1 if rng.random() < 0.1 else 0
+            batches.append(Batch(ops, stream, Watermark(epoch, seqs[stream])))
+        want = _model_of(batches, model)
+        assert apply_batches(idx, batches) == want
+        assert snapshot(idx, request) == snapshot(model, request)
+        assert {e: mapped(idx, e) for e in engine} == {e: mapped(model, e) for e in engine}
+        assert {s: idx.get_watermark(s) for s in seqs} == {s: model.get_watermark(s) for s in seqs}
+
+
+def test_apply_batches_skips_a_stream_after_its_first_skipped_batch(index: Any) -> None:
+    idx = batch_index(index)
+    [r1, r2, r3] = hashes(3, "abskip-r")
+    assert idx.apply_batch([], "s", Watermark(0, 5))
+    answers = apply_batches(
+        idx,
+        [
+            Batch([AddOp(None, (r1,), (A_GPU,))], "s", Watermark(0, 5)),
+            Batch([AddOp(None, (r2,), (A_GPU,))], "s", Watermark(0, 6)),
+            Batch([AddOp(None, (r3,), (B_GPU,))], "t", Watermark(0, 0)),
+            Batch([AddOp(None, (r3,), (A_GPU,))]),
+        ],
+    )
+    # seq 6 is newer than the stored 5, but follows a skipped batch of its stream
+    assert answers == [False, False, True, True]
+    assert held(idx, r1) == set() and held(idx, r2) == set()
+    assert held(idx, r3) == {A_GPU, B_GPU}
+    assert idx.get_watermark("s") == Watermark(0, 5)
+    assert idx.get_watermark("t") == Watermark(0, 0)
+
+
+def test_apply_batches_of_one_stream_advance_its_watermark_in_order(index: Any) -> None:
+    idx = batch_index(index)
+    [r1, r2] = hashes(2, "abseq-r")
+    [e1] = hashes(1, "abseq-e")
+    answers = apply_batches(
+        idx,
+        [
+            Batch([AddOp((e1,), (r1,), (A_GPU,))], "s", Watermark(0, 0)),
+            Batch([AddOp(None, (r2,), (A_GPU,), parent=r1)], "s", Watermark(0, 1)),
+            Batch([EvictOp(e1, ENGINE, (A_GPU,))], "s", Watermark(0, 2)),
+            Batch([], "s", Watermark(0, 3)),
+        ],
+    )
+    assert answers == [True, True, True, True]
+    assert held(idx, r1) == set() and held(idx, r2) == {A_GPU}
+    assert mapped(idx, e1) is None
+    assert idx.get_watermark("s") == Watermark(0, 3)
+    assert apply_batches(idx, [Batch([], "s", Watermark(0, 3))]) == [False]
+    assert apply_batches(idx, []) == []
+
+
+def test_apply_batches_rejects_a_bad_batch_before_applying_any(index: Any) -> None:
+    idx = batch_index(index)
+    [r1, r2] = hashes(2, "abbad-r")
+    good = Batch([AddOp(None, (r1,), (A_GPU,))], "s", Watermark(0, 0))
+    for bad in (
+        Batch([AddOp(None, (r2,), ())], "t", Watermark(0, 0)),
+        Batch([AddOp(None, (r2,), (A_GPU,))], "t", None),
+        Batch(["not an op"], None, None),  # type: ignore[list-item]
+        ("too", "short"),
+    ):
+        with pytest.raises(InvalidInputError):
+            apply_batches(idx, [good, bad])  # type: ignore[list-item]
+        assert held(idx, r1) == set()
+        assert idx.get_watermark("s") is None
+    with pytest.raises(InvalidInputError):
+        apply_batches(idx, "not batches")  # type: ignore[arg-type]
+
+
 def test_concurrent_replicas_apply_a_batch_exactly_once(index: Any) -> None:
     idx = batch_index(index)
     request = hashes(4, "replicas-r")
@@ -1127,6 +1287,64 @@ def test_score_is_the_longest_prefix_scorer_over_lookup(index: Any, seed: int) -
                 assert _bits(got) == _bits(expected), (weights, pods, keys)
 
 
+def test_a_rank_is_credited_only_with_its_own_prefix(index: Any) -> None:
+    keys = hashes(3, "rank-prefix")
+    index.add(None, [keys[0], keys[2]], [PodEntry("pod-a", "gpu")])
+    index.add(None, [keys[1]], [PodEntry("pod-a", "gpu", dp_rank=1)])
+    assert index.score(keys) == {"pod-a": 1.0}  # not 3: no rank reuses more than block 1
+    assert index.score_by_rank(keys) == {"pod-a": {0: 1.0}}
+    index.add(None, keys, [PodEntry("pod-a", "cpu", dp_rank=1), PodEntry("pod-b", "gpu")])
+    assert index.score_by_rank(keys, {"gpu": 1.0, "cpu": 0.5}) == {
+        "pod-a": {0: 1.0, 1: 0.5 + 1.0 + 0.5},
+        "pod-b": {0: 3.0},
+    }
+    assert index.score(keys, {"gpu": 1.0, "cpu": 0.5}) == {"pod-a": 2.0, "pod-b": 3.0}
+    assert index.score_by_rank(keys, None, {"pod-b"}) == {"pod-b": {0: 3.0}}
+    assert index.score_by_rank([]) == {}
+    with pytest.raises(InvalidInputError):
+        index.score_by_rank([True])
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_score_by_rank_is_the_scorer_per_rank_over_lookup(index: Any, seed: int) -> None:
+    from kvredis.scoring import LongestPrefixScorer
+
+    queries = _score_state(index, seed)
+    for weights in SCORE_WEIGHTS:
+        scorer = LongestPrefixScorer(weights)
+        for pods in (None, ["pod-1", "pod-3", "pod-none"], {"pod-2"}):
+            for keys in queries:
+                expected = scorer.score_by_rank(keys, index.lookup(keys, pods))
+                got = index.score_by_rank(keys, weights, pods)
+                assert {p: _bits(r) for p, r in got.items()} == {
+                    p: _bits(r) for p, r in expected.items()
+                }, (weights, pods, keys)
+                best = {pod: max(ranks.values()) for pod, ranks in got.items()}
+                assert _bits(index.score(keys, weights, pods)) == _bits(best)
+
+
+def test_a_pod_scores_its_best_rank_not_the_union_of_its_ranks(index: Any) -> None:
+    """Rank 0 holds blocks 1 and 3 of a chain (it lost block 2), rank 1 holds block 2: no rank
+    can reuse more than 1 block, so the pod scores 1, not the 3 of the union of its ranks."""
+    keys = hashes(3, "ranks")
+    rank0, rank1 = PodEntry("pod-dp", "gpu"), PodEntry("pod-dp", "gpu", dp_rank=1)
+    index.add(None, keys, [rank0])
+    index.evict(keys[1], REQUEST, [rank0])  # a mid-chain eviction on rank 0
+    index.add(None, keys[1:2], [rank1])
+    assert index.score(keys) == {"pod-dp": 1.0}
+    assert index.score_by_rank(keys) == {"pod-dp": {0: 1.0}}  # rank 1 lacks block 1
+    index.add(None, keys[:2], [PodEntry("pod-dp", "cpu", dp_rank=1)])
+    index.add(None, keys, [PodEntry("pod-x", "cpu", speculative=True)])
+    assert index.score_by_rank(keys, {"gpu": 1.0, "cpu": 0.5}) == {
+        "pod-dp": {0: 1.0, 1: 1.5},
+        "pod-x": {0: 1.5},
+    }
+    assert index.score(keys, {"gpu": 1.0, "cpu": 0.5}) == {"pod-dp": 1.5, "pod-x": 1.5}
+    assert index.score_by_rank(keys, {"cpu": 0.25}, {"pod-x"}) == {"pod-x": {0: 0.75}}
+    assert index.score_by_rank(hashes(2, "ranks-none")) == {}
+    assert index.score_by_rank([]) == {}
+
+
 def test_score_counts_live_expiring_entries_only(index: Any) -> None:
     from kvredis.scoring import LongestPrefixScorer
 
@@ -1158,3 +1376,20 @@ def test_score_of_unknown_keys_and_bad_input(index: Any) -> None:
     with pytest.raises(InvalidInputError):
         index.score(keys, None, "pod-a")
     assert index.score(keys) == {"pod-a": 4.0}
+
+
+# -- connecting --------------------------------------------------------------------------------
+
+
+def test_a_redis_client_calls_through_the_function_library_connected_or_not(
+    redis_backend_index: Any,
+) -> None:
+    """Every Redis client, the asyncio ones used without ``connect()`` too (their first call
+    connects), settles on the function library when connecting; with
+    ``KVREDIS_TEST_CALLS=scripts`` every client keeps to EVALSHA."""
+    index = redis_backend_index
+    index.add(None, [1, 2], [A_GPU])
+    assert norm(index.lookup([1, 2])) == {1: {A_GPU}, 2: {A_GPU}}
+    inner = getattr(index, "inner", index)
+    registry = inner.core.registry if hasattr(inner, "core") else inner.registry
+    assert registry.active == (os.environ.get("KVREDIS_TEST_CALLS") != "scripts")

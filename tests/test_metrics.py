@@ -15,7 +15,13 @@ from prometheus_client import CollectorRegistry
 from kvredis.batch import AddOp, EvictOp, Watermark
 from kvredis.config import IndexConfig, new_index
 from kvredis.errors import InvalidInputError
-from kvredis.index import BatchIndex, NamespaceIndex, ProgressClearIndex, ScoringIndex
+from kvredis.index import (
+    BatchIndex,
+    NamespaceIndex,
+    ProgressClearIndex,
+    RankScoringIndex,
+    ScoringIndex,
+)
 from kvredis.memory import InMemoryIndex
 from kvredis.metrics import (
     AsyncInstrumentedIndex,
@@ -72,9 +78,20 @@ def test_wrapper_keeps_exactly_the_capabilities() -> None:
     reg = CollectorRegistry()
     mem = InstrumentedIndex(InMemoryIndex(), registry=reg)
     raw = InMemoryIndex()
-    for capability in (ScoringIndex, BatchIndex, ProgressClearIndex, NamespaceIndex):
+    for capability in (
+        ScoringIndex,
+        RankScoringIndex,
+        BatchIndex,
+        ProgressClearIndex,
+        NamespaceIndex,
+    ):
         assert isinstance(mem, capability) == isinstance(raw, capability), capability
     assert isinstance(mem, ScoringIndex)  # the embedded indexes score on their own
+    assert isinstance(mem, RankScoringIndex)  # each data-parallel rank on its own, too
+    for index in (mem, raw):
+        index.add(None, [1, 2], [A, PodEntry("pod-a", "cpu", dp_rank=1)])
+    assert mem.score_by_rank([1, 2]) == raw.score_by_rank([1, 2]) == {"pod-a": {0: 2.0, 1: 1.6}}
+    assert value(reg, "kvredis_index_operation_seconds_count", backend="in_memory", op="score") == 1
 
 
 @pytest.mark.redis
@@ -108,6 +125,10 @@ def test_redis_index_metrics(redis_server_url: str, namespace: str) -> None:
         after = value(reg, "kvredis_index_redis_round_trips_total", backend="redis")
         assert after == raw.round_trips >= before + 3
         assert value(reg, "kvredis_index_operation_seconds_count", backend="redis", op="score") == 1
+        # the per-rank scores of the same calls are a capability the wrapper keeps, seen as scores
+        assert isinstance(index, RankScoringIndex)
+        assert index.score_by_rank([1, 2]) == {"pod-b": {0: 1.0}}
+        assert value(reg, "kvredis_index_operation_seconds_count", backend="redis", op="score") == 2
     finally:
         index.drop_namespace()
         index.close()

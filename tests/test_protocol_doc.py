@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from kvredis.errors import LUA_ERROR_CODES
-from kvredis.redis.functions import API_VERSION, shipped_library
+from kvredis.redis.functions import API_VERSION, api_argument, shipped_library
 from kvredis.redis.layout import LAYOUT_VERSION
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "protocol.md"
@@ -27,3 +28,20 @@ def test_every_error_code_is_documented() -> None:
 def test_the_versions_named_are_the_current_ones() -> None:
     title = DOC.read_text().splitlines()[0]
     assert f"function API {API_VERSION}" in title and f"`{LAYOUT_VERSION}`" in title
+
+
+def test_every_client_and_page_speaks_the_current_version() -> None:
+    """The protocol version the docs, the Go client and the redis-cli example send and check is
+    the library's (a bump of API_VERSION must reach all of them)."""
+    root = DOC.parents[1]
+    texts = {
+        path: (root / path).read_text()
+        for path in ("docs/protocol.md", "docs/operations.md", "examples/go/main.go",
+                     "examples/go/README.md", "tests/examples/test_redis_cli.sh")
+    }  # fmt: skip
+    for path, text in texts.items():
+        assert set(re.findall(r"kvredis-api:(\d+)", text)) <= {str(API_VERSION)}, path
+    assert re.search(rf"apiVersion\s+= {API_VERSION}\n", texts["examples/go/main.go"])
+    script = texts["tests/examples/test_redis_cli.sh"]
+    assert f'[ "$api" = {API_VERSION} ]' in script and f"kvredis-api:{API_VERSION})" in script
+    assert api_argument() == f"kvredis-api:{API_VERSION}"

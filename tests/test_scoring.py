@@ -16,7 +16,7 @@ from kvredis.indexer import Indexer
 from kvredis.memory import InMemoryIndex
 from kvredis.scoring import DEFAULT_MEDIUM_WEIGHTS, LongestPrefixScorer
 from kvredis.tiers import DEFAULT_TIERS
-from kvredis.types import PodEntry
+from kvredis.types import KeyType, PodEntry
 
 MODEL = "test/model-7b"
 BLOCK = 4
@@ -102,6 +102,67 @@ def test_custom_and_empty_weights() -> None:
         scorer.medium_weights["cpu"] = 2.0  # type: ignore[index]
 
 
+def test_each_data_parallel_rank_scores_its_own_prefix() -> None:
+    keys = [1, 2, 3]
+    # Rank 0 holds blocks 1 and 3, rank 1 block 2: no rank can reuse more than block 1.
+    key_to_pods = {1: [E("a")], 2: [E("a", dp_rank=1)], 3: [E("a")]}
+    scorer = LongestPrefixScorer()
+    assert scorer.score_by_rank(keys, key_to_pods) == {"a": {0: 1.0}}
+    assert scorer.score(keys, key_to_pods) == {"a": 1.0}
+
+
+def test_a_pods_score_is_its_best_ranks() -> None:
+    keys = [1, 2, 3, 4]
+    key_to_pods = {
+        1: [E("a"), E("a", "cpu", dp_rank=1), E("a", dp_rank=2), E("b", "cpu", dp_rank=3)],
+        2: [E("a"), E("a", "cpu", dp_rank=1), E("a", dp_rank=2), E("b", "cpu", dp_rank=3)],
+        3: [E("a", "cpu", dp_rank=1), E("a", "gpu", dp_rank=1), E("a", dp_rank=2)],
+        4: [E("a", dp_rank=1), E("a", dp_rank=2), E("a")],  # rank 0 dropped out at key 3
+    }
+    scorer = LongestPrefixScorer()
+    assert scorer.score_by_rank(keys, key_to_pods) == {
+        "a": {0: 2.0, 1: 0.8 + 0.8 + 1.0 + 1.0, 2: 4.0},
+        "b": {3: 1.6},
+    }
+    assert scorer.score(keys, key_to_pods) == {"a": 4.0, "b": 1.6}
+    assert scorer.score_by_rank([], key_to_pods) == {}
+    assert scorer.score_by_rank([9, 1], key_to_pods) == {}
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    holdings=st.lists(
+        st.tuples(
+            st.sampled_from(["a", "b"]),
+            st.integers(0, 2),
+            st.sampled_from(["gpu", "cpu", "x"]),
+            st.integers(0, 5),
+            st.integers(1, 6),
+        ),
+        max_size=12,
+    )
+)
+def test_without_ranks_a_pod_scores_as_the_union_of_its_entries(holdings: list[Any]) -> None:
+    """With one rank per pod the per-rank race is the per-pod race; with several, each rank's
+    score is the race of that rank's entries alone."""
+    keys = list(range(6))
+    key_to_pods: dict[int, list[PodEntry]] = {}
+    for pod, rank, tier, start, end in holdings:
+        for key in keys[start:end]:
+            key_to_pods.setdefault(key, []).append(E(pod, tier, dp_rank=rank))
+    scorer = LongestPrefixScorer({"gpu": 1.0, "cpu": 0.3})
+    by_rank = scorer.score_by_rank(keys, key_to_pods)
+    for pod, ranks in by_rank.items():
+        for rank, total in ranks.items():
+            alone = {
+                k: [e for e in v if (e.pod_identifier, e.dp_rank) == (pod, rank)]
+                for k, v in key_to_pods.items()
+            }
+            assert scorer.score(keys, alone) == {pod: total}
+    for pod, total in scorer.score(keys, key_to_pods).items():
+        assert total == max(by_rank[pod].values())
+
+
 def test_empty_inputs() -> None:
     scorer = LongestPrefixScorer()
     assert scorer.score([], {1: [E("a")]}) == {}
@@ -125,26 +186,61 @@ def test_bad_weights_are_rejected(weights: Any) -> None:
         LongestPrefixScorer(weights)
 
 
-def reference_score(
+def test_each_data_parallel_rank_is_scored_on_its_own() -> None:
+    """A request runs on one rank, and reuses only that rank's copies: rank 0 holding blocks 1
+    and 3 of a chain and rank 1 holding block 2 reuse 1 block at most, not the union's 3."""
+    keys = [1, 2, 3]
+    key_to_pods = {1: [E("a")], 2: [E("a", dp_rank=1)], 3: [E("a")]}
+    scorer = LongestPrefixScorer()
+    assert scorer.score(keys, key_to_pods) == {"a": 1.0}
+    assert scorer.score_by_rank(keys, key_to_pods) == {"a": {0: 1.0}}  # rank 1 misses block 1
+    key_to_pods[1].append(E("a", "cpu", dp_rank=1))
+    assert scorer.score_by_rank(keys, key_to_pods) == {"a": {0: 1.0, 1: 1.8}}
+    assert scorer.score(keys, key_to_pods) == {"a": 1.8}  # the pod's best rank
+    # a pod without data parallelism has only rank 0; other pods are scored as before
+    key_to_pods[1].append(E("b", "cpu"))
+    key_to_pods[2].append(E("b"))
+    assert scorer.score_by_rank(keys, key_to_pods) == {"a": {0: 1.0, 1: 1.8}, "b": {0: 1.8}}
+
+
+def reference_score_by_rank(
     keys: Sequence[int], key_to_pods: Mapping[int, Sequence[PodEntry]], weights: Mapping[str, float]
-) -> dict[str, float]:
-    """The definition, pod by pod: sum the best tier weight per key until the pod's first miss."""
+) -> dict[str, dict[int, float]]:
+    """The definition, (pod, rank) by (pod, rank): sum the best tier weight per key among that
+    rank's entries until its first miss."""
     if not keys:
         return {}
-    pods = {e.pod_identifier for e in key_to_pods.get(keys[0], [])}
-    out = {}
-    for pod in pods:
+    slots = {(e.pod_identifier, e.dp_rank) for e in key_to_pods.get(keys[0], [])}
+    out: dict[str, dict[int, float]] = {}
+    for pod, rank in slots:
         total = 0.0
         for key in keys:
-            tiers = [e.device_tier for e in key_to_pods.get(key, []) if e.pod_identifier == pod]
+            tiers = [
+                e.device_tier
+                for e in key_to_pods.get(key, [])
+                if (e.pod_identifier, e.dp_rank) == (pod, rank)
+            ]
             if not tiers:
                 break
             total += max(weights.get(t, 1.0) for t in tiers)
-        out[pod] = total
+        out.setdefault(pod, {})[rank] = total
     return out
 
 
-ENTRY = st.builds(E, st.sampled_from(["a", "b", "c", "d"]), st.sampled_from(["gpu", "cpu", "x"]))
+def reference_score(
+    keys: Sequence[int], key_to_pods: Mapping[int, Sequence[PodEntry]], weights: Mapping[str, float]
+) -> dict[str, float]:
+    """A pod's score: its best rank's."""
+    by_rank = reference_score_by_rank(keys, key_to_pods, weights)
+    return {pod: max(ranks.values()) for pod, ranks in by_rank.items()}
+
+
+ENTRY = st.builds(
+    E,
+    st.sampled_from(["a", "b", "c", "d"]),
+    st.sampled_from(["gpu", "cpu", "x"]),
+    dp_rank=st.sampled_from([0, 0, 1, 2]),
+)
 
 
 @settings(max_examples=200, deadline=None)
@@ -157,8 +253,10 @@ def test_scorer_matches_the_definition(
     n: int, held: dict[int, list[PodEntry]], weights: dict[str, float] | None
 ) -> None:
     keys = list(range(n))
-    expected = reference_score(keys, held, DEFAULT_MEDIUM_WEIGHTS if weights is None else weights)
-    assert LongestPrefixScorer(weights).score(keys, held) == expected
+    w = DEFAULT_MEDIUM_WEIGHTS if weights is None else weights
+    scorer = LongestPrefixScorer(weights)
+    assert scorer.score_by_rank(keys, held) == reference_score_by_rank(keys, held, w)
+    assert scorer.score(keys, held) == reference_score(keys, held, w)
 
 
 # -- Indexer -----------------------------------------------------------------------------------
@@ -203,6 +301,25 @@ def test_score_tokens_on_every_backend(index: Any, processor: ChunkedTokenDataba
     assert indexer.score_tokens(tokens, "other/model") == {}
     weighted = Indexer(index, processor, LongestPrefixScorer({"gpu": 2.0, "cpu": 0.5}))
     assert weighted.score_tokens(tokens, MODEL) == pytest.approx({"pod-a": 8.0, "pod-b": 6.0})
+
+
+def test_score_tokens_by_rank_on_every_backend(index: Any, processor: ChunkedTokenDatabase) -> None:
+    """A router that pins the data-parallel rank gets every rank's score; without that, each
+    pod's best rank's (never the union of its ranks': rank 0 lost block 3 of 6)."""
+    indexer = Indexer(index, processor, LongestPrefixScorer({"gpu": 1.0, "cpu": 0.75}))
+    tokens = prompt(6)
+    keys = indexer.compute_block_keys(tokens, MODEL)
+    index.add(None, keys, [E("pod-a")])
+    index.evict(keys[2], KeyType.REQUEST, [E("pod-a")])
+    index.add(None, keys[:4], [E("pod-a", "cpu", dp_rank=1)])
+    index.add(None, keys[:1], [E("pod-b", dp_rank=2)])
+    assert indexer.score_tokens_by_rank(tokens, MODEL) == {
+        "pod-a": {0: 2.0, 1: 3.0},
+        "pod-b": {2: 1.0},
+    }
+    assert indexer.score_tokens_by_rank(tokens, MODEL, {"pod-b"}) == {"pod-b": {2: 1.0}}
+    assert indexer.score_tokens_by_rank(tokens[: BLOCK - 1], MODEL) == {}
+    assert indexer.score_tokens(tokens, MODEL) == {"pod-a": 3.0, "pod-b": 1.0}
 
 
 def test_client_side_and_server_side_scoring_are_identical(

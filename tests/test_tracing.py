@@ -13,7 +13,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from kvredis.errors import InvalidInputError
-from kvredis.index import ScoringIndex
+from kvredis.index import RankScoringIndex, ScoringIndex
 from kvredis.memory import InMemoryIndex
 from kvredis.tracing import AsyncTracedIndex, TracedIndex, tracing_available
 from kvredis.types import KeyType, PodEntry
@@ -92,6 +92,12 @@ def test_other_calls_get_kvredis_spans(
     index.clear("pod-a")
     assert [s.name for s in exporter.get_finished_spans()][-1] == "kvredis.index.clear"
     assert isinstance(index, ScoringIndex) == isinstance(InMemoryIndex(), ScoringIndex)
+    # the embedded index scores per data-parallel rank: the traced one passes that through
+    assert isinstance(index, RankScoringIndex)
+    index.add(None, [1, 2], [A, PodEntry("pod-a", "gpu", dp_rank=1)])
+    index.evict(2, KeyType.REQUEST, [A])
+    assert index.score_by_rank([1, 2]) == {"pod-a": {0: 1.0, 1: 2.0}}
+    assert [s.name for s in exporter.get_finished_spans()][-1] == "kvredis.index.score"
 
 
 @pytest.mark.redis

@@ -1,17 +1,22 @@
 // Command score is a kvredis router read path in Go with nothing but the standard library:
-// it computes llm-d's fnv64a_cbor block keys from token ids, and scores them against a kvredis
-// index in Redis or Valkey by calling the kvredis function library (FCALL_RO kvredis_score),
-// speaking RESP over a plain TCP connection. docs/protocol.md is the contract it follows.
+// it computes block keys from token ids (kvredis's default xxh3_64 scheme, or llm-d's
+// fnv64a_cbor), checks them against the scheme the namespace records, and scores them against a
+// kvredis index in Redis or Valkey by calling the kvredis function library (FCALL_RO
+// kvredis_score), speaking RESP over a plain TCP connection. docs/protocol.md is the contract it
+// follows.
 //
-//	go run . -addr 127.0.0.1:6379 -namespace kvblock -model M -tokens 1,2,3,... -weights gpu=1,cpu=0.8
+//	go run . -addr 127.0.0.1:6379 -namespace NS -model M -tokens 1,2,3,... -weights gpu=1,cpu=0.8
 //
-// It prints one JSON object: the block keys (decimal strings) and each pod's score as the exact
-// text the function replied ("%.17g"), which parses to the same float64 the Python client gets.
+// It prints one JSON object: the block keys (decimal strings), each pod's score (its best
+// data-parallel rank's) and each pod's per-rank scores, as the exact text the function replied
+// ("%.17g"), which parses to the same float64 the Python client gets. With -keys-only it prints
+// the keys without asking a server.
 package main
 
 import (
 	"bufio"
 	"encoding/binary"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"flag"
@@ -27,70 +32,13 @@ import (
 
 // The protocol this client speaks (docs/protocol.md): the function API and the key layout.
 const (
-	apiVersion    = 1
+	apiVersion    = 3
 	layoutVersion = "kvredis-kvblock/2"
 )
 
-// ---- fnv64a_cbor block keys (kvredis/hashing/fnv_cbor.py; llm-d's Go token processor) ----
-
-const (
-	fnvOffset = 0xcbf29ce484222325
-	fnvPrime  = 0x100000001b3
-)
-
-func fnv1a64(data []byte) uint64 {
-	h := uint64(fnvOffset)
-	for _, b := range data {
-		h ^= uint64(b)
-		h *= fnvPrime
-	}
-	return h
-}
-
-// cborHead appends the shortest CBOR head of major type major with argument v.
-func cborHead(out []byte, major byte, v uint64) []byte {
-	mt := major << 5
-	switch {
-	case v < 24:
-		return append(out, mt|byte(v))
-	case v <= 0xff:
-		return append(out, mt|24, byte(v))
-	case v <= 0xffff:
-		return append(out, mt|25, byte(v>>8), byte(v))
-	case v <= 0xffffffff:
-		return append(out, mt|26, byte(v>>24), byte(v>>16), byte(v>>8), byte(v))
-	}
-	out = append(out, mt|27)
-	return binary.BigEndian.AppendUint64(out, v)
-}
-
-// rootKey is H(FNV-1a-64(seed), null, model): canonical CBOR [parent, null, model].
-func rootKey(seed, model string) uint64 {
-	buf := []byte{0x83}
-	buf = cborHead(buf, 0, fnv1a64([]byte(seed)))
-	buf = append(buf, 0xf6)
-	buf = cborHead(buf, 3, uint64(len(model)))
-	buf = append(buf, model...)
-	return fnv1a64(buf)
-}
-
-// blockKeys chains H(parent, tokens, null) over the full blocks of tokens.
-func blockKeys(seed, model string, tokens []uint64, blockSize int) []uint64 {
-	parent := rootKey(seed, model)
-	var keys []uint64
-	for start := 0; start+blockSize <= len(tokens); start += blockSize {
-		buf := []byte{0x83}
-		buf = cborHead(buf, 0, parent)
-		buf = cborHead(buf, 4, uint64(blockSize))
-		for _, t := range tokens[start : start+blockSize] {
-			buf = cborHead(buf, 0, t)
-		}
-		buf = append(buf, 0xf6)
-		parent = fnv1a64(buf)
-		keys = append(keys, parent)
-	}
-	return keys
-}
+// apiArgument is the last argument of every function call: the api this client speaks (a
+// library of another api refuses the call with KVREDIS_VERSION instead of misreading it).
+var apiArgument = []byte(fmt.Sprintf("kvredis-api:%d", apiVersion))
 
 // ---- RESP2 over net ----
 
@@ -229,15 +177,21 @@ func checkLibrary(c *conn) error {
 	return nil
 }
 
-// loadNamespace reads <ns>:meta (layout, bucket_bits, gen) with a plain HMGET.
-func loadNamespace(c *conn, name string) (namespace, error) {
-	reply, err := c.call(b("HMGET"), b(name+":meta"), b("layout"), b("bucket_bits"), b("gen"))
+// loadNamespace reads <ns>:meta (layout, bucket_bits, gen, scheme) with a plain HMGET, and
+// checks that the namespace holds keys of this client's scheme (when it records one).
+func loadNamespace(c *conn, name string, ours scheme) (namespace, error) {
+	reply, err := c.call(b("HMGET"), b(name+":meta"), b("layout"), b("bucket_bits"), b("gen"), b("scheme"))
 	if err != nil {
 		return namespace{}, err
 	}
 	v, _ := reply.([]interface{})
-	if len(v) != 3 || v[0] == nil || v[1] == nil || v[2] == nil {
+	if len(v) != 4 || v[0] == nil || v[1] == nil || v[2] == nil {
 		return namespace{}, fmt.Errorf("namespace %q does not exist", name)
+	}
+	if recorded := text(v[3]); v[3] != nil && recorded != ours.text() {
+		return namespace{}, fmt.Errorf("namespace %q holds block keys of scheme %s, but this client "+
+			"computes %s: its scores would all be empty; give -hash-algo, -block-size and -hash-seed "+
+			"as the namespace's writers use them", name, describe(recorded), ours)
 	}
 	if text(v[0]) != layoutVersion {
 		return namespace{}, fmt.Errorf("namespace %q has layout %s, not %s", name, text(v[0]), layoutVersion)
@@ -257,16 +211,23 @@ type weight struct {
 // Python client's SCORE_KEYS_PER_CALL): a longer chain is scored in parts.
 const scoreKeysPerCall = 4096
 
-// podScore is a pod's score so far, as the exact text the function replied ("%.17g").
-type podScore struct {
-	pod, score string
+// slotScore is a (pod, data-parallel rank)'s score so far, as the exact text the function
+// replied ("%.17g"), and the stamp that carries it to the chain's next part.
+type slotScore struct {
+	pod   string
+	rank  int64
+	score string
+	stamp string
 }
 
-// score calls FCALL_RO kvredis_score over the chain, one part of at most perCall keys per call. A reply is [walked, cut, then pod, score, still-in triples]; the next part is sent
-// only while a pod still holds every key walked and the walk reached the part's end (or stopped
-// at its work limit, cut = 1), and it carries the pods still in and their scores so far. A pod's
-// final score is the last one any reply gave it; pods keep their order of first appearance.
-func score(c *conn, ns namespace, keys []uint64, weights []weight, unknown float64, perCall int) ([]podScore, error) {
+// score calls FCALL_RO kvredis_score over the chain, one part of at most perCall keys per call.
+// A reply is [walked, cut, then pod, rank, score, still-in, stamp per (pod, rank)]; the next
+// part is sent only while one still holds every key walked and the walk reached the part's end
+// (or stopped at its work limit, cut = 1), and it carries those still in with their ranks,
+// scores so far and stamps (a stamp that no longer holds leaves its score as it was). A (pod,
+// rank)'s final score is the last one any reply gave it; they keep their order of first
+// appearance.
+func score(c *conn, ns namespace, keys []uint64, weights []weight, unknown float64, perCall int) ([]slotScore, error) {
 	chain := make([]byte, 0, 8*len(keys))
 	for _, k := range keys {
 		chain = binary.BigEndian.AppendUint64(chain, k)
@@ -282,46 +243,56 @@ func score(c *conn, ns namespace, keys []uint64, weights []weight, unknown float
 		fixed = append(fixed, b(w.tier), b(strconv.FormatFloat(w.value, 'g', -1, 64)))
 	}
 	fixed = append(fixed, b(strconv.FormatFloat(unknown, 'g', -1, 64)))
-	var out []podScore
-	at := map[string]int{} // pod -> its index in out
+	var out []slotScore
+	type slot struct {
+		pod  string
+		rank int64
+	}
+	at := map[slot]int{} // (pod, rank) -> its index in out
 	carried := [][]byte{b("0")}
 	for start := 0; start < len(keys); {
 		end := start + perCall
 		if end > len(keys) {
 			end = len(keys)
 		}
-		args := append(append([][]byte{}, fixed...), chain[8*start:8*end])
-		args = append(args, carried...)
+		more := "0"
+		if end < len(keys) {
+			more = "1"
+		}
+		args := append(append([][]byte{}, fixed...), chain[8*start:8*end], b(more))
+		args = append(append(args, carried...), apiArgument)
 		reply, err := c.call(args...)
 		if err != nil {
 			return nil, err
 		}
 		v, _ := reply.([]interface{})
-		if len(v) < 2 || (len(v)-2)%3 != 0 {
+		if len(v) < 2 || (len(v)-2)%5 != 0 {
 			return nil, fmt.Errorf("unexpected kvredis_score reply %v", reply)
 		}
 		walked, _ := v[0].(int64)
 		cut, _ := v[1].(int64)
-		var live []podScore
-		for i := 2; i+2 < len(v); i += 3 {
-			s := podScore{text(v[i]), text(v[i+1])}
-			if j, ok := at[s.pod]; ok {
+		var live []slotScore
+		for i := 2; i+4 < len(v); i += 5 {
+			rank, _ := v[i+1].(int64)
+			s := slotScore{text(v[i]), rank, text(v[i+2]), text(v[i+4])}
+			key := slot{s.pod, s.rank}
+			if j, ok := at[key]; ok {
 				out[j] = s
 			} else {
-				at[s.pod] = len(out)
+				at[key] = len(out)
 				out = append(out, s)
 			}
-			if in, _ := v[i+2].(int64); in == 1 {
+			if in, _ := v[i+3].(int64); in == 1 {
 				live = append(live, s)
 			}
 		}
 		if len(live) == 0 || walked == 0 || (int(walked) < end-start && cut == 0) {
-			break // no pod left, or a key no pod holds
+			break // none left, or a key none holds
 		}
 		start += int(walked)
 		carried = [][]byte{b(strconv.Itoa(len(live)))}
 		for _, s := range live {
-			carried = append(carried, b(s.pod), b(s.score))
+			carried = append(carried, b(s.pod), b(strconv.FormatInt(s.rank, 10)), b(s.score), b(s.stamp))
 		}
 	}
 	return out, nil
@@ -370,19 +341,34 @@ func run() error {
 	password := flag.String("password", os.Getenv("KVREDIS_REDIS_PASSWORD"), "password (env KVREDIS_REDIS_PASSWORD)")
 	ns := flag.String("namespace", "kvblock", "kvredis namespace")
 	model := flag.String("model", "", "model name (the root of the block-key chain)")
+	algo := flag.String("hash-algo", "xxh3_64", "block key scheme: xxh3_64 or fnv64a_cbor")
 	seed := flag.String("hash-seed", "", "hash seed of the block keys")
 	blockSize := flag.Int("block-size", 16, "tokens per block")
+	keysOnly := flag.Bool("keys-only", false, "print the block keys only (no server)")
+	digests := flag.Bool("xxh3-digests", false,
+		"check mode: read 'SEED HEX' lines on stdin, print XXH3-64 of each as 16 hex digits")
 	tokenText := flag.String("tokens", "-", "token ids, comma or space separated (- for stdin)")
 	weightText := flag.String("weights", "gpu=1,cpu=0.8", "tier weights, tier=number,...")
 	unknown := flag.Float64("unknown-weight", 1.0, "weight of a tier not in -weights")
 	perCall := flag.Int("keys-per-call", scoreKeysPerCall, "most block keys sent in one kvredis_score call")
 	flag.Parse()
+	if *digests {
+		return printDigests(os.Stdin, os.Stdout)
+	}
 	if *model == "" || *blockSize <= 0 || *perCall <= 0 {
 		return errors.New("-model, a positive -block-size and a positive -keys-per-call are required")
 	}
 	tokens, err := parseTokens(*tokenText)
 	if err != nil {
 		return err
+	}
+	ours := scheme{*algo, *blockSize, *seed}
+	keys, err := ours.blockKeys(*model, tokens)
+	if err != nil {
+		return err
+	}
+	if *keysOnly {
+		return printResult(keys, nil)
 	}
 	weights, err := parseWeights(*weightText)
 	if err != nil {
@@ -405,10 +391,9 @@ func run() error {
 	if err := checkLibrary(c); err != nil {
 		return err
 	}
-	keys := blockKeys(*seed, *model, tokens, *blockSize)
-	var scores []podScore
+	var scores []slotScore
 	for attempt := 0; ; attempt++ {
-		space, err := loadNamespace(c, *ns)
+		space, err := loadNamespace(c, *ns, ours)
 		if err != nil {
 			return err
 		}
@@ -425,17 +410,70 @@ func run() error {
 		}
 		break
 	}
+	return printResult(keys, scores)
+}
+
+func printResult(keys []uint64, scores []slotScore) error {
 	out := struct {
-		Keys   []string          `json:"keys"`
-		Scores map[string]string `json:"scores"`
-	}{Keys: make([]string, len(keys)), Scores: map[string]string{}}
+		Keys   []string                     `json:"keys"`
+		Scores map[string]string            `json:"scores"`
+		Ranks  map[string]map[string]string `json:"ranks"`
+	}{Keys: make([]string, len(keys)), Scores: map[string]string{}, Ranks: map[string]map[string]string{}}
 	for i, k := range keys {
 		out.Keys[i] = strconv.FormatUint(k, 10)
 	}
+	best := map[string]float64{}
 	for _, s := range scores {
-		out.Scores[s.pod] = s.score
+		// a pod's score is its best rank's
+		value, err := strconv.ParseFloat(s.score, 64)
+		if err != nil {
+			return fmt.Errorf("score %q of pod %s: %w", s.score, s.pod, err)
+		}
+		if old, ok := best[s.pod]; !ok || value > old {
+			best[s.pod] = value
+			out.Scores[s.pod] = s.score
+		}
+		if out.Ranks[s.pod] == nil {
+			out.Ranks[s.pod] = map[string]string{}
+		}
+		out.Ranks[s.pod][strconv.FormatInt(s.rank, 10)] = s.score
 	}
 	return json.NewEncoder(os.Stdout).Encode(out)
+}
+
+// describe shows a recorded scheme ("<algo>:<block size>:<seed>") as scheme.String does.
+func describe(recorded string) string {
+	parts := strings.SplitN(recorded, ":", 3)
+	if len(parts) == 3 {
+		if size, err := strconv.Atoi(parts[1]); err == nil {
+			return scheme{parts[0], size, parts[2]}.String()
+		}
+	}
+	return strconv.Quote(recorded)
+}
+
+// printDigests reads "SEED HEX" lines (seed in decimal, the message in hex) and prints the
+// XXH3-64 digest of each message as 16 hex digits, one per line.
+func printDigests(in io.Reader, out io.Writer) error {
+	lines := bufio.NewScanner(in)
+	lines.Buffer(make([]byte, 1<<20), 1<<24)
+	w := bufio.NewWriter(out)
+	for lines.Scan() {
+		seedText, msgHex, _ := strings.Cut(lines.Text(), " ")
+		seed, err := strconv.ParseUint(seedText, 10, 64)
+		if err != nil {
+			return err
+		}
+		msg, err := hex.DecodeString(msgHex)
+		if err != nil {
+			return err
+		}
+		fmt.Fprintf(w, "%016x\n", xxh3(msg, seed))
+	}
+	if err := lines.Err(); err != nil {
+		return err
+	}
+	return w.Flush()
 }
 
 func main() {

@@ -13,11 +13,12 @@ from collections.abc import Callable
 import click
 
 from kvredis._version import __version__
+from kvredis.cli.acl import COMMANDS as ACL_COMMANDS
+from kvredis.cli.backup import COMMANDS as BACKUP_COMMANDS
 from kvredis.cli.cluster import COMMANDS as CLUSTER_COMMANDS
 from kvredis.cli.functions import COMMANDS as FUNCTION_COMMANDS
 from kvredis.cli.ingest import ingest
 from kvredis.cli.migrate import COMMANDS as LAYOUT_COMMANDS
-from kvredis.cli.operate import COMMANDS
 from kvredis.cli.options import (
     Prompt,
     RedisTarget,
@@ -26,7 +27,11 @@ from kvredis.cli.options import (
     logging_params,
     prompt_options,
     redis_options,
+    warn_unknown_environment,
 )
+from kvredis.cli.query import COMMANDS as QUERY_COMMANDS
+from kvredis.cli.repair import COMMANDS as REPAIR_COMMANDS
+from kvredis.cli.report import COMMANDS as REPORT_COMMANDS
 from kvredis.index import Closeable, Index, NamespaceIndex
 
 BACKENDS = ("memory", "cost-aware")
@@ -42,16 +47,22 @@ CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 @click.version_option(__version__, "--version", prog_name="kvredis")
 @logging_options
 def cli() -> None:
-    """kvredis: a shared KV-cache block index for LLM routers, kept in Redis or Valkey."""
+    """kvredis: a shared KV-cache block index for LLM routers, kept in Redis or Valkey.
+
+    Every command that works on a server takes --redis URL (env KVREDIS_REDIS_URL; default
+    redis://127.0.0.1:6379). Only `kvredis demo` without --redis and `kvredis ingest
+    --in-memory` use an index in the process instead, and say so.
+    """
+    warn_unknown_environment()
 
 
 def _index_factory(
     backend: str, target: RedisTarget | None, namespace: str
 ) -> Callable[[str], Index]:
     if target is not None:
-        from kvredis.redis.index import new_redis_index
+        from kvredis.redis.factories import new_redis_index
 
-        return lambda router: new_redis_index(target.config(namespace=f"{namespace}:{router}"))
+        return lambda router: new_redis_index(target.config(namespace=f"{namespace}-{router}"))
     if backend == "cost-aware":
         from kvredis.memory import CostAwareMemoryIndex
 
@@ -107,7 +118,7 @@ def demo(
 ) -> None:
     """Route a synthetic multi-turn chat workload with kvredis vs. random routing.
 
-    With --redis, each router gets the namespace <NAMESPACE>:<router> (default NAMESPACE: a
+    With --redis, each router gets the namespace <NAMESPACE>-<router> (default NAMESPACE: a
     fresh demo-<id>), dropped when the demo ends.
     """
     from kvredis.demo import WorkloadConfig, generate_requests, routers, simulate
@@ -190,7 +201,16 @@ def keys(prompt: Prompt, parent: int) -> None:
 
 ingest.params.extend(logging_params())
 cli.add_command(ingest)
-for _command in (*COMMANDS, *LAYOUT_COMMANDS, *CLUSTER_COMMANDS, *FUNCTION_COMMANDS):
+for _command in (
+    *REPORT_COMMANDS,
+    *QUERY_COMMANDS,
+    *REPAIR_COMMANDS,
+    *BACKUP_COMMANDS,
+    *LAYOUT_COMMANDS,
+    *CLUSTER_COMMANDS,
+    *FUNCTION_COMMANDS,
+    *ACL_COMMANDS,
+):
     cli.add_command(_command)
 
 

@@ -54,10 +54,16 @@ def _servers(target: RedisTarget) -> Iterator[list[tuple[str, Callable[[Op[Any]]
             cluster.close()
         return
     from kvredis.redis.executor import SyncExecutor
+    from kvredis.redis.scripts import ScriptRegistry
+    from kvredis.redis.session import RetryPolicy, Session, op_drive
+    from kvredis.redis.state import CoreState
 
     single = SyncExecutor(config)
+    # retries, and a refused connection, password or protocol as one typed error
+    policy = RetryPolicy(config.retries, config.retry_backoff, config.server())
+    session = Session(CoreState(config.namespace), ScriptRegistry(), policy)
     try:
-        yield [(target.shown, single.run)]
+        yield [(target.shown, lambda op: single.run(op_drive(session, op)))]
     finally:
         single.close()
 
@@ -118,7 +124,7 @@ def load_command(target: RedisTarget, namespace: str | None, replace: bool, as_j
     epilog="\b\nExamples:\n  kvredis functions show --redis redis://10.0.0.7:6379\n"
     "  kvredis functions show --code | redis-cli -x FUNCTION LOAD REPLACE",
 )
-@redis_options(default_namespace=None)
+@redis_options(default_namespace=None, url_required=True)
 @click.option("--code", is_flag=True, help="Print this release's library code (for FUNCTION LOAD).")
 @click.option("--json", "as_json", is_flag=True, help="Print the versions as JSON.")
 @logging_options
@@ -133,7 +139,7 @@ def show_command(
         click.echo(library.code.decode("utf-8"), nl=False)
         return
     rows = []
-    if target is not None:
+    if target is not None:  # the server of --redis (default: the local one)
         with _servers(target) as servers:
             rows = [(name, run(op_server_library())) for name, run in servers]
     if as_json:

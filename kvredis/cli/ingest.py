@@ -1,12 +1,15 @@
 """``kvredis ingest``: subscribe to engines' KV events and keep an index true to them.
 
 Endpoint options form groups: ``--endpoint`` starts a publisher, and the ``--replay``, ``--pod``,
-``--model``, ``--topic-filter`` and ``--stream`` options after it (before the next ``--endpoint``)
-describe that publisher::
+``--model``, ``--topic-filter``, ``--stream`` and ``--engine`` options after it (before the next
+``--endpoint``) describe that publisher. A ``tcp://`` (or ``ipc://``) endpoint is a vLLM or SGLang
+ZMQ publisher; an ``http://HOST:PORT`` one is a TensorRT-LLM ``trtllm-serve`` whose
+``/kv_cache_events`` is polled (it needs ``--pod`` and ``--model``)::
 
     kvredis ingest --redis redis://127.0.0.1:6379 \\
         --endpoint tcp://10.0.0.5:5557 --replay tcp://10.0.0.5:5558 --pod pod-a --model m \\
-        --endpoint tcp://10.0.0.6:5557 --pod pod-b --model m
+        --endpoint tcp://10.0.0.6:5557 --pod pod-b --model m \\
+        --endpoint http://10.0.0.7:8000 --pod pod-c --model m
 """
 
 from __future__ import annotations
@@ -25,8 +28,10 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 import click
+from click.core import ParameterSource
 
 from kvredis.cli.options import (
+    DEFAULT_REDIS_URL,
     check_namespace_option,
     check_redis_url,
     explicit_log_level,
@@ -38,7 +43,7 @@ from kvredis.cli.options import (
 from kvredis.errors import BackendUnavailableError, ConfigError, KVRedisError
 from kvredis.hashing import HASH_ALGOS, ChunkedTokenDatabase, TokenProcessorConfig
 from kvredis.index import Closeable, Index
-from kvredis.ingest.config import DEFAULT_RESET_MEDIUMS, EndpointConfig, IngesterConfig
+from kvredis.ingest.config import EndpointConfig, IngesterConfig
 from kvredis.ingest.counters import Counter
 from kvredis.ingest.service import EventIngester
 from kvredis.tiers import DEFAULT_TIERS, TierMap
@@ -57,11 +62,18 @@ _GROUP_OPTIONS = {
     "--model": "model_name",
     "--topic-filter": "topic_filter",
     "--stream": "stream",
+    "--engine": "engine",
 }
 #: Seconds a stop waits for the received batches to be applied (a second Ctrl-C abandons them).
 DRAIN_TIMEOUT_S = 30.0
 _ZMQ_ENDPOINT = re.compile(r"^(tcp://[^\s/]+:(\d+|\*)|ipc://\S+|inproc://\S+)$")
+_HTTP_ENDPOINT = re.compile(r"^https?://[^\s/]+:\d+(/\S*)?$")
 _META_KEY = "kvredis.ingest.args"
+#: What an ingester with --in-memory says at WARNING and in /readyz.
+IN_MEMORY = (
+    "the index lives in this process only: nothing is durable (it is lost at exit) and no "
+    "router can read it; give --redis URL for a shared index"
+)
 
 
 class _IngestCommand(click.Command):
@@ -123,20 +135,30 @@ def _endpoint_groups(ctx: click.Context) -> list[dict[str, str]]:
 
 def _endpoint_configs(groups: Sequence[dict[str, str]]) -> list[EndpointConfig]:
     if not groups:
-        raise click.UsageError("give at least one --endpoint tcp://HOST:PORT to subscribe to")
+        raise click.UsageError(
+            "give at least one --endpoint tcp://HOST:PORT (vLLM, SGLang) or http://HOST:PORT "
+            "(TensorRT-LLM's trtllm-serve) to follow"
+        )
     configs = []
     for group in groups:
-        for field, option in (("endpoint", "--endpoint"), ("replay_endpoint", "--replay")):
-            value = group.get(field)
-            if value is not None and not _ZMQ_ENDPOINT.match(value):
-                raise click.BadParameter(
-                    f"{value!r} is not a ZMQ endpoint (expected tcp://HOST:PORT, ipc://PATH)",
-                    param_hint=option,
-                )
+        endpoint = group["endpoint"]
+        if not (_ZMQ_ENDPOINT.match(endpoint) or _HTTP_ENDPOINT.match(endpoint)):
+            raise click.BadParameter(
+                f"{endpoint!r} is not an engine endpoint (expected tcp://HOST:PORT or ipc://PATH "
+                "for vLLM and SGLang, http://HOST:PORT for TensorRT-LLM's trtllm-serve)",
+                param_hint="--endpoint",
+            )
+        replay = group.get("replay_endpoint")
+        if replay is not None and not _ZMQ_ENDPOINT.match(replay):
+            raise click.BadParameter(
+                f"{replay!r} is not a ZMQ endpoint (expected tcp://HOST:PORT, ipc://PATH)",
+                param_hint="--replay",
+            )
         try:
             configs.append(EndpointConfig(**group))
         except ConfigError as exc:
-            raise click.BadParameter(str(exc), param_hint="--endpoint") from None
+            hint = "--engine" if str(exc).startswith("engine must be") else "--endpoint"
+            raise click.BadParameter(str(exc), param_hint=hint) from None
     seen: set[str] = set()
     for config in configs:
         if config.endpoint in seen:
@@ -157,8 +179,9 @@ def _endpoint_configs(groups: Sequence[dict[str, str]]) -> list[EndpointConfig]:
 
 
 def _check_resolvable(endpoint: str, option: str) -> None:
-    """A tcp:// endpoint's host must resolve (a typo would otherwise wait silently forever)."""
-    match = re.match(r"^tcp://(.+):(\d+|\*)$", endpoint)
+    """A tcp:// or http:// endpoint's host must resolve (a typo would otherwise wait silently
+    forever)."""
+    match = re.match(r"^(?:tcp|https?)://([^/]+):(\d+|\*)(?:/.*)?$", endpoint)
     if match is None:
         return
     host = match.group(1).strip("[]")
@@ -176,7 +199,7 @@ def _open_index(redis_url: str | None, namespace: str, password: str | None) -> 
     if redis_url is None:
         from kvredis.memory import InMemoryIndex
 
-        logger.info("no --redis given: using an in-memory index (lost at exit)")
+        logger.warning("--in-memory: %s", IN_MEMORY)
         return InMemoryIndex()
     from kvredis.redis import RedisIndexConfig, new_redis_index
 
@@ -197,6 +220,9 @@ def _open_index(redis_url: str | None, namespace: str, password: str | None) -> 
 
 
 def _identity_hints(configs: Sequence[EndpointConfig]) -> None:
+    """Say where each endpoint's pod and model come from. Not a warning: an engine configured
+    as docs/engines.md says names them in its topic (kv@POD@MODEL); a batch whose topic names
+    none is rejected with a warning, and :func:`_unidentified` says what to do."""
     for config in configs:
         missing = [
             option
@@ -204,11 +230,11 @@ def _identity_hints(configs: Sequence[EndpointConfig]) -> None:
             if not value
         ]
         if missing:
-            logger.warning(
-                "endpoint %s has no %s: it must come from kv@POD@MODEL topics, but vLLM "
-                "publishes with an empty topic by default; give %s after this --endpoint",
+            logger.info(
+                "endpoint %s: %s from its kv@POD@MODEL topics (without %s, a batch whose "
+                "topic names none is rejected)",
                 config.endpoint,
-                " or ".join(missing),
+                " and ".join(m.lstrip("-") for m in missing),
                 " and ".join(missing),
             )
 
@@ -241,7 +267,7 @@ def _readiness(index: Index, ingester: EventIngester) -> Any:
                 ok = False
                 lines.append(f"redis: {type(exc).__name__}: {exc}")
         else:
-            lines.append("index: in memory")
+            lines.append(f"index: in memory ({IN_MEMORY})")
         endpoints = [e for e in ingester.endpoints if "://" in e.endpoint]
         connected = connected_endpoints(ingester.counters.snapshot())
         if connected < len(endpoints):
@@ -280,7 +306,8 @@ def _tier_map(spec: str | None) -> TierMap:
     "endpoints",
     multiple=True,
     metavar="URL",
-    help="Engine KV-event PUB endpoint (tcp://HOST:PORT); starts an endpoint group. Repeatable.",
+    help="Engine KV-event endpoint: a vLLM/SGLang PUB socket (tcp://HOST:PORT) or a "
+    "TensorRT-LLM trtllm-serve (http://HOST:PORT); starts an endpoint group. Repeatable.",
 )
 @click.option("--replay", multiple=True, metavar="URL", help="The group's replay ROUTER endpoint.")
 @click.option(
@@ -299,12 +326,28 @@ def _tier_map(spec: str | None) -> TierMap:
     help="The group's watermark stream (default: its pod, else its endpoint).",
 )
 @click.option(
+    "--engine",
+    "engine",
+    multiple=True,
+    metavar="vllm|sglang|trtllm",
+    help="The group's engine, for what its prefix-cache reset drops (default: learned from its "
+    "events; http:// endpoints are trtllm).",
+)
+@click.option(
     "--redis",
     "redis_url",
     metavar="URL",
     envvar="KVREDIS_REDIS_URL",
+    default=DEFAULT_REDIS_URL,
+    show_default=True,
     callback=check_redis_url,
-    help="Redis/Valkey index (env KVREDIS_REDIS_URL; default: in memory).",
+    help="Redis/Valkey index (env KVREDIS_REDIS_URL), as for every command.",
+)
+@click.option(
+    "--in-memory",
+    is_flag=True,
+    help="Keep the index in this process instead (for trying it out: lost at exit, and no "
+    "router can read it).",
 )
 @click.option(
     "--namespace",
@@ -383,8 +426,9 @@ def _tier_map(spec: str | None) -> TierMap:
     "reset_mediums",
     multiple=True,
     metavar="MEDIUM",
-    help="An engine medium whose copies a prefix-cache reset (AllBlocksCleared) removes "
-    "(default: GPU, as vLLM; add CPU_PINNED for SGLang with HiCache). Repeatable.",
+    help="An engine medium whose copies a prefix-cache reset (AllBlocksCleared) removes, for "
+    "every engine (default: each engine's own: GPU for vLLM, GPU and CPU_PINNED for SGLang, "
+    "both cache levels for TensorRT-LLM). Repeatable.",
 )
 @click.pass_context
 @handle_errors
@@ -396,7 +440,9 @@ def ingest(
     model: tuple[str, ...],
     topic_filter: tuple[str, ...],
     stream: tuple[str, ...],
-    redis_url: str | None,
+    engine: tuple[str, ...],
+    redis_url: str,
+    in_memory: bool,
     namespace: str,
     password_file: str | None,
     block_size: int,
@@ -413,11 +459,12 @@ def ingest(
     offload_blocks_per_chunk: int,
     reset_mediums: tuple[str, ...],
 ) -> None:
-    """Subscribe to engines' KV-cache events (vLLM, SGLang) and apply them to the index.
+    """Follow engines' KV-cache events (vLLM, SGLang, TensorRT-LLM) and apply them to the index.
 
-    Each --endpoint starts a group; the --replay, --pod, --model, --topic-filter and --stream
-    options after it describe that endpoint. Runs until interrupted, logging a status line
-    every --status-interval seconds.
+    Each --endpoint starts a group; the --replay, --pod, --model, --topic-filter, --stream and
+    --engine options after it describe that endpoint (tcp:// for vLLM and SGLang, http:// for
+    TensorRT-LLM's trtllm-serve). Runs until interrupted, logging a status line every
+    --status-interval seconds.
 
     \b
     Example:
@@ -425,6 +472,10 @@ def ingest(
         --endpoint tcp://10.0.0.5:5557 --replay tcp://10.0.0.5:5558 --pod pod-a --model m
     """
     configs = _endpoint_configs(_endpoint_groups(ctx))
+    given = ctx.get_parameter_source("redis_url") is not ParameterSource.DEFAULT
+    if in_memory and given:
+        raise click.UsageError("give --redis URL or --in-memory, not both")
+    target = None if in_memory else redis_url
     try:
         processor = ChunkedTokenDatabase(
             TokenProcessorConfig(
@@ -433,9 +484,20 @@ def ingest(
         )
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--block-size/--hash-algo") from None
+    try:
+        config = IngesterConfig(
+            workers=workers,
+            use_watermarks=not no_watermarks,
+            tiers=_tier_map(tier_map),
+            offload_blocks_per_chunk=offload_blocks_per_chunk,
+            reset_mediums=reset_mediums or None,
+            partial_block_pages=partial_block_pages,
+        )
+    except ConfigError as exc:  # the other options are checked by their types
+        raise click.BadParameter(str(exc), param_hint="--reset-medium") from None
     _setup_logging(ctx)
     _identity_hints(configs)
-    index = _open_index(redis_url, namespace, read_password(password_file))
+    index = _open_index(target, namespace, read_password(password_file))
     raw_index = index
     registry = probes = None
     if metrics_port is not None:
@@ -447,17 +509,6 @@ def ingest(
         ProcessCollector(registry=registry)
         PlatformCollector(registry=registry)
         index = InstrumentedIndex(index, registry=registry)
-    try:
-        config = IngesterConfig(
-            workers=workers,
-            use_watermarks=not no_watermarks,
-            tiers=_tier_map(tier_map),
-            offload_blocks_per_chunk=offload_blocks_per_chunk,
-            reset_mediums=reset_mediums or DEFAULT_RESET_MEDIUMS,
-            partial_block_pages=partial_block_pages,
-        )
-    except ConfigError as exc:  # the other options are checked by their types
-        raise click.BadParameter(str(exc), param_hint="--reset-medium") from None
     ingester = EventIngester(index, processor, configs, config)
     if registry is not None and metrics_port is not None:
         from kvredis.ingest.metrics import IngestMetrics
@@ -483,7 +534,7 @@ def ingest(
         logger.info(
             "ingesting from %s into %s",
             ", ".join(f"{c.endpoint} (pod {c.pod_id or 'from topic'})" for c in configs),
-            _shown(redis_url, namespace),
+            _shown(target, namespace),
         )
         deadline = None if duration is None else time.monotonic() + duration
         while not stop.is_set():

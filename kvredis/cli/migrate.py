@@ -13,7 +13,7 @@ from click.core import ParameterSource
 
 from kvredis.cli.options import (
     RedisTarget,
-    check_namespace_option,
+    check_existing_namespace,
     echo_json,
     handle_errors,
     json_option,
@@ -23,8 +23,10 @@ from kvredis.cli.options import (
 
 __all__ = ["COMMANDS", "drop", "migrate"]
 
-#: kvredis.redis.migrate.PAIRS_PER_CALL (that module loads redis-py: not imported up front)
+#: kvredis.redis.migrate.PAIRS_PER_CALL and MAX_PAIRS_PER_CALL (that module loads redis-py: not
+#: imported up front; tests compare them)
 PAIRS_PER_CALL = 250
+MAX_PAIRS_PER_CALL = 10_000
 
 _NAMESPACE_ARG = click.argument("namespace_arg", metavar="[NAMESPACE]", required=False)
 
@@ -53,8 +55,9 @@ def _target(target: RedisTarget | None, namespace_arg: str | None) -> RedisTarge
             raise click.UsageError(
                 f"two namespaces given: {namespace_arg!r} and --namespace {target.namespace!r}"
             )
-        param = next(p for p in ctx.command.params if p.name == "namespace")
-        target.namespace = check_namespace_option(ctx, param, namespace_arg) or namespace_arg
+        # also a name the rules refuse now: an earlier kvredis's namespace, to migrate or drop
+        target.namespace = check_existing_namespace(namespace_arg)
+        target.existing = True
     return target
 
 
@@ -99,7 +102,7 @@ class _ProgressLine:
 @click.option("--no-progress", is_flag=True, help="Do not print the progress line.")
 @click.option(
     "--pairs-per-call",
-    type=click.IntRange(1, 10_000),
+    type=click.IntRange(1, MAX_PAIRS_PER_CALL),
     default=PAIRS_PER_CALL,
     show_default=True,
     help="Speculative entries converted per server call (each call is atomic).",
@@ -168,6 +171,7 @@ def migrate(
 
 def _migrate_cluster(tgt: RedisTarget, no_progress: bool, as_json: bool) -> None:
     """``kvredis migrate`` of a cluster namespace (:mod:`kvredis.redis.cluster.migrate`)."""
+    from kvredis.errors import NamespaceMissingError
     from kvredis.redis.cluster.index import RedisClusterIndex
     from kvredis.redis.cluster.shards import CLUSTER_LAYOUT
 
@@ -177,7 +181,14 @@ def _migrate_cluster(tgt: RedisTarget, no_progress: bool, as_json: bool) -> None
         if show:
             click.echo(f"migrating {tgt.namespace!r}: {done}/{total} shards moved", err=True)
 
-    with RedisClusterIndex(tgt.config(), create=False) as index:
+    try:
+        index = RedisClusterIndex(tgt.config(), create=False)
+    except NamespaceMissingError:
+        raise NamespaceMissingError(
+            f"namespace {tgt.namespace!r} does not exist at {tgt.shown}: nothing to migrate "
+            "(check the namespace and --redis)"
+        ) from None
+    with index:
         report = index.migrate(progress)
     if as_json:
         echo_json(
@@ -221,7 +232,7 @@ def drop(
     (also those whose names extend this one) are never touched. Clients of the namespace start
     over with an empty one.
     """
-    from kvredis.redis.index import drop_namespace
+    from kvredis.redis.factories import drop_namespace
 
     source = click.get_current_context().get_parameter_source("namespace")
     if namespace_arg is None and source in (None, ParameterSource.DEFAULT):

@@ -17,7 +17,7 @@ import json
 import logging
 import re
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import click
@@ -30,9 +30,11 @@ from kvredis.errors import (
 )
 
 __all__ = [
+    "DEFAULT_REDIS_URL",
     "LOG_LEVELS",
     "Prompt",
     "RedisTarget",
+    "check_existing_namespace",
     "check_namespace_option",
     "check_redis_url",
     "echo_json",
@@ -50,6 +52,8 @@ __all__ = [
     "table",
     "token_options",
     "unavailable_message",
+    "unknown_environment",
+    "warn_unknown_environment",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -130,6 +134,48 @@ def logging_options(f: F) -> F:
     return f
 
 
+# -- the environment ----------------------------------------------------------------------------
+
+#: The environment variables the command line reads.
+ENVIRONMENT = (
+    "KVREDIS_REDIS_URL",
+    "KVREDIS_NAMESPACE",
+    "KVREDIS_REDIS_PASSWORD",
+    "KVREDIS_REDIS_PASSWORD_FILE",
+    "KVREDIS_LOG_LEVEL",
+)
+#: Prefixes of the variables kvredis's own test suite and benchmarks read.
+_TOOL_PREFIXES = ("KVREDIS_TEST_", "KVREDIS_BENCH_", "KVREDIS_ENGINE_", "KVREDIS_MODEL_")
+
+
+def unknown_environment(environ: Mapping[str, str]) -> list[str]:
+    """A line for each ``KVREDIS_*`` variable of ``environ`` that the command line does not
+    read (a misspelled ``KVREDIS_REDIS_URL`` would otherwise go unnoticed)."""
+    import difflib
+
+    lines = []
+    for name in sorted(environ):
+        if not name.startswith("KVREDIS_") or name in ENVIRONMENT:
+            continue
+        if name.startswith(_TOOL_PREFIXES):
+            continue
+        close = difflib.get_close_matches(name, ENVIRONMENT, n=1, cutoff=0.7)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        lines.append(
+            f"the environment variable {name} is not one kvredis reads{hint}; it reads "
+            f"{', '.join(ENVIRONMENT)}"
+        )
+    return lines
+
+
+def warn_unknown_environment() -> None:
+    """Log :func:`unknown_environment` of this process at WARNING."""
+    import os
+
+    for line in unknown_environment(os.environ):
+        logging.getLogger("kvredis.cli").warning("%s", line)
+
+
 # -- the Redis target ---------------------------------------------------------------------------
 
 
@@ -140,6 +186,9 @@ class RedisTarget:
         self.url = url
         self.namespace = namespace
         self.password = password
+        #: the namespace may have a name the rules refuse (one an earlier kvredis created):
+        #: for the commands that move or delete such a namespace (rename, drop, migrate)
+        self.existing = False
 
     @property
     def shown(self) -> str:
@@ -156,10 +205,18 @@ class RedisTarget:
         if self.password is not None:
             kwargs["password"] = self.password
         kwargs.update(overrides)
+        named = kwargs["namespace"]
+        if self.existing:
+            kwargs["namespace"] = "kvblock"
         try:
-            return RedisIndexConfig(**kwargs)
+            config = RedisIndexConfig(**kwargs)
+            if self.existing:
+                from kvredis.redis.config import config_for_existing
+
+                config = config_for_existing(config, named)
         except (ConfigError, ValueError) as exc:
             raise click.BadParameter(str(exc), param_hint="--redis") from None
+        return config
 
 
 def check_namespace_option(
@@ -168,12 +225,23 @@ def check_namespace_option(
     """Validate ``--namespace`` (blamed on ``--namespace``, not on ``--redis``)."""
     if value is None:
         return None
+    from kvredis.redis.layout import check_namespace_name
+
+    try:
+        return check_namespace_name(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def check_existing_namespace(value: str, hint: str = "NAMESPACE") -> str:
+    """Validate the name of an existing namespace to move or delete: any name an earlier
+    kvredis could create (also one :func:`check_namespace_option` refuses for new use)."""
     from kvredis.redis.layout import check_namespace
 
     try:
         return check_namespace(value)
     except ValueError as exc:
-        raise click.BadParameter(str(exc)) from None
+        raise click.BadParameter(str(exc), param_hint=hint) from None
 
 
 def check_redis_url(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
@@ -212,47 +280,59 @@ password_file_option = click.option(
 )
 
 
+#: The server every command works on unless ``--redis`` (``KVREDIS_REDIS_URL``) names another.
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379"
+
+
 def redis_options(
-    default_namespace: str | None = "kvblock", url_required: bool = False
+    default_namespace: str | None = "kvblock",
+    url_required: bool = False,
+    namespace_option: bool = True,
 ) -> Callable[[F], F]:
-    """Add ``--redis``, ``--namespace`` and ``--password-file``; pass a ``target``."""
+    """Add ``--redis``, ``--namespace`` and ``--password-file``; pass a ``target``.
+
+    With ``url_required`` the address defaults to :data:`DEFAULT_REDIS_URL` (the rule of every
+    command that works on a server); without, a missing ``--redis`` passes ``target=None`` (the
+    demo, which runs on an embedded index then). Without ``namespace_option`` there is no
+    ``--namespace`` (a command that takes its namespaces as arguments).
+    """
 
     def decorate(f: F) -> F:
-        @click.option(
-            "--redis",
-            "redis_url",
-            metavar="URL",
-            envvar="KVREDIS_REDIS_URL",
-            default=None if not url_required else "redis://127.0.0.1:6379",
-            show_default=url_required,
-            callback=check_redis_url,
-            help="Redis/Valkey address (env KVREDIS_REDIS_URL).",
-        )
-        @click.option(
-            "--namespace",
-            envvar="KVREDIS_NAMESPACE",
-            default=default_namespace,
-            show_default=default_namespace is not None,
-            callback=check_namespace_option,
-            help="Key namespace (env KVREDIS_NAMESPACE).",
-        )
-        @password_file_option
         @functools.wraps(f)
         def wrapper(
             *args: Any,
             redis_url: str | None,
-            namespace: str | None,
             password_file: str | None,
             **kwargs: Any,
         ) -> Any:
+            namespace = kwargs.get("namespace") if namespace_option else None
             target = None
             if redis_url is not None:
                 target = RedisTarget(
                     redis_url, namespace or "kvblock", read_password(password_file)
                 )
-            return f(*args, target=target, namespace=namespace, **kwargs)
+            return f(*args, target=target, **kwargs)
 
-        return wrapper  # type: ignore[return-value]
+        decorated: Any = password_file_option(wrapper)
+        if namespace_option:
+            decorated = click.option(
+                "--namespace",
+                envvar="KVREDIS_NAMESPACE",
+                default=default_namespace,
+                show_default=default_namespace is not None,
+                callback=check_namespace_option,
+                help="Key namespace (env KVREDIS_NAMESPACE).",
+            )(decorated)
+        return click.option(  # type: ignore[no-any-return]
+            "--redis",
+            "redis_url",
+            metavar="URL",
+            envvar="KVREDIS_REDIS_URL",
+            default=None if not url_required else DEFAULT_REDIS_URL,
+            show_default=url_required,
+            callback=check_redis_url,
+            help="Redis/Valkey address (env KVREDIS_REDIS_URL).",
+        )(decorated)
 
     return decorate
 
@@ -544,6 +624,9 @@ def handle_errors(f: F) -> F:
         except KVRedisError as exc:
             raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
         except Exception as exc:
+            failure = _failure_error(exc, kwargs.get("target"))
+            if failure is not None:  # a request's failure that no session translated
+                raise click.ClickException(failure) from None
             if isinstance(exc, OSError) and not isinstance(exc, ConnectionError) and exc.filename:
                 raise click.ClickException(  # a local file, not the server
                     f"cannot access {exc.filename}: {exc.strerror or exc}"
@@ -572,6 +655,22 @@ def unavailable_message(exc: BackendUnavailableError) -> str:
     if isinstance(exc, BackendAuthenticationError):
         return f"{exc}; {PASSWORD_HINT}"
     return str(exc)
+
+
+def _failure_error(exc: BaseException, target: object) -> str | None:
+    """The one line for a :class:`kvredis.redis.requests.Failure` (None for anything else)."""
+    requests = sys.modules.get("kvredis.redis.requests")
+    if requests is None or not isinstance(exc, requests.Failure):
+        return None
+    from kvredis.errors import translate
+    from kvredis.redis.session import RetryPolicy
+
+    server = f"redis at {target.shown}" if isinstance(target, RedisTarget) else "the server"
+    if isinstance(exc, requests.ErrorReply):
+        error: KVRedisError = translate(exc.message)
+        return f"{type(error).__name__}: {error}"
+    unavailable = RetryPolicy(0, 0.0, server).unavailable(exc)
+    return unavailable_message(unavailable)
 
 
 def _is_redis_error(exc: BaseException) -> bool:

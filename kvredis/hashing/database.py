@@ -12,13 +12,13 @@ from typing import Any, Protocol, runtime_checkable
 
 from kvredis.errors import ConfigError, InvalidInputError
 from kvredis.features import BlockExtraFeatures
-from kvredis.hashing.config import TokenProcessorConfig
+from kvredis.hashing.config import BlockKeyScheme, TokenProcessorConfig
 from kvredis.hashing.fnv_cbor import FnvCborScheme
 from kvredis.hashing.tokens import U32_CODE, token_array
 from kvredis.hashing.xxh3 import Xxh3Scheme
 from kvredis.types import MAX_BLOCK_HASH
 
-__all__ = ["ChunkedTokenDatabase", "TokenProcessor"]
+__all__ = ["ChunkedTokenDatabase", "SchemedTokenProcessor", "TokenProcessor"]
 
 
 @runtime_checkable
@@ -40,6 +40,17 @@ class TokenProcessor(Protocol):
 
     def block_size(self) -> int:
         """Tokens per block."""
+        ...
+
+
+@runtime_checkable
+class SchemedTokenProcessor(TokenProcessor, Protocol):
+    """A token processor that names its block key scheme (:class:`ChunkedTokenDatabase` does):
+    the Indexer and the EventIngester check it against the one their namespace records."""
+
+    @property
+    def scheme(self) -> BlockKeyScheme:
+        """The block key scheme of its keys."""
         ...
 
 
@@ -76,6 +87,11 @@ class ChunkedTokenDatabase:
     def config(self) -> TokenProcessorConfig:
         """The configuration this database was built with."""
         return self._config
+
+    @property
+    def scheme(self) -> BlockKeyScheme:
+        """The block key scheme of its keys (what a namespace records)."""
+        return self._config.scheme
 
     @property
     def hash_algo(self) -> str:

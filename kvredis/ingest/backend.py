@@ -16,9 +16,19 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
-from kvredis.batch import IndexOp
+from kvredis.batch import Batch, IndexOp
 from kvredis.errors import BackendUnavailableError, EngineKeyNotFoundError
-from kvredis.index import BatchIndex, Index, ProgressClearIndex, SelectiveClearIndex, apply_op
+from kvredis.hashing.config import BlockKeyScheme
+from kvredis.index import (
+    BatchIndex,
+    Index,
+    MultiBatchIndex,
+    ProgressClearIndex,
+    SchemeIndex,
+    SelectiveClearIndex,
+    apply_batches_in_turn,
+    apply_op,
+)
 from kvredis.ingest.actions import (
     Abandoned,
     Action,
@@ -73,8 +83,12 @@ class IndexBackend:
         replay_factory: ReplayFactory,
         retry_max_s: float,
         warn: RateLimitedLog,
+        scheme: BlockKeyScheme | None = None,
     ) -> None:
         self.index = index
+        #: a block key scheme still to record in the namespace before the first write (the
+        #: backend was down when the ingester was built)
+        self._scheme = scheme
         self._batch = index if isinstance(index, BatchIndex) else None
         self._counters = counters
         self._stop = stop
@@ -136,7 +150,16 @@ class IndexBackend:
             raise Failed(f"{type(self.index).__name__} has no watermarks (not a BatchIndex)")
         return self._batch
 
+    def _record_scheme(self) -> None:
+        """Record (and check) the pending block key scheme before the first write; a namespace
+        recording another fails every write with :class:`~kvredis.errors.BlockKeySchemeError`."""
+        scheme, index = self._scheme, self.index
+        if scheme is not None and isinstance(index, SchemeIndex):
+            self._call(lambda: index.check_block_key_scheme(scheme, record=True))
+            self._scheme = None
+
     def _apply_step(self, action: ApplyStep) -> StepResult:
+        self._record_scheme()
         batch = self._batch_index()
         attempts = 0
 
@@ -148,7 +171,20 @@ class IndexBackend:
         applied = self._call(call)
         return StepResult(applied, attempts)
 
+    def apply_steps(self, steps: Sequence[ApplyStep]) -> list[bool]:
+        """Apply fenced steps of one or more streams together (one index call where the index
+        is a :class:`~kvredis.index.MultiBatchIndex`): whether each applied. Retried like any
+        index call; raises :class:`Abandoned` or :class:`Failed` as :meth:`perform` does."""
+        batch = self._batch_index()
+        self._record_scheme()
+        batches = [Batch(s.ops, s.stream, s.watermark) for s in steps]
+        if isinstance(batch, MultiBatchIndex):
+            multi = batch
+            return self._call(lambda: multi.apply_batches(batches))
+        return self._call(lambda: apply_batches_in_turn(batch, batches))
+
     def _apply_ops(self, ops: Sequence[IndexOp]) -> None:
+        self._record_scheme()
         batch = self._batch
         if batch is not None:
             self._call(lambda: batch.apply_batch(ops))

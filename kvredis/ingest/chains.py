@@ -163,7 +163,7 @@ class Cut(NamedTuple):
     """A page ending inside an index block, as remembered: the first ``tokens`` tokens (and
     ``ids`` identifiers, ``keys`` engine keys) of ``whole``, the record of that block shared by
     all its pages (a tuple of 4, not a :class:`Tail` each: about 300 bytes a page with
-    SGLang's page size 1, see *Branches inside a block* in the README)."""
+    SGLang's page size 1, see docs/ingest.md, "Ingestion fidelity")."""
 
     whole: Tail
     tokens: int
@@ -316,6 +316,30 @@ class EngineKeyCache:
                 tails.pop(key, None)
                 cuts.pop(key, None)
 
+    def save(self, keys: Iterable[int]) -> list[tuple[int, int | None, Tail | None, Cut | None]]:
+        """What is known of these engine keys now, for :meth:`restore`."""
+        with self._lock:
+            data, tails, cuts = self._data, self._tails, self._cuts
+            return [(k, data.get(k), tails.get(k), cuts.get(k)) for k in keys]
+
+    def restore(self, saved: Sequence[tuple[int, int | None, Tail | None, Cut | None]]) -> None:
+        """Know of these engine keys exactly what :meth:`save` found."""
+        with self._lock:
+            data, tails, cuts = self._data, self._tails, self._cuts
+            for key, value, tail, cut in saved:
+                if value is None:
+                    data.pop(key, None)
+                else:
+                    data[key] = value
+                if tail is None:
+                    tails.pop(key, None)
+                else:
+                    tails[key] = tail
+                if cut is None:
+                    cuts.pop(key, None)
+                else:
+                    cuts[key] = cut
+
     def inside(self, key: int) -> bool:
         """Whether page ``key`` is known to end inside an index block."""
         with self._lock:
@@ -338,8 +362,9 @@ class PodCaches:
         self._caches: dict[str, EngineKeyCache] = {}
         self._lock = threading.Lock()
         self.block_size: int | None = None
-        """The index block size, set by the :class:`Planner` using these caches: with it,
-        :meth:`forget_batch` learns the tails of the chains a peer's batch extended."""
+        """The index block size, set by the :class:`~kvredis.ingest.planner.Planner` using these
+        caches: with it, :meth:`forget_batch` learns the tails of the chains a peer's batch
+        extended."""
 
     def get(self, pod: str) -> EngineKeyCache:
         """The pod's cache (created empty on first use)."""

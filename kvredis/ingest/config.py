@@ -2,29 +2,64 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from kvredis.errors import ConfigError
+from kvredis.ingest.events import Engine
 from kvredis.jsonconfig import check_number
 from kvredis.tiers import DEFAULT_TIERS, TierMap
 
-__all__ = ["DEFAULT_RESET_MEDIUMS", "EndpointConfig", "IngesterConfig"]
+__all__ = [
+    "DEFAULT_RESET_MEDIUMS",
+    "ENGINE_RESET_MEDIUMS",
+    "EndpointConfig",
+    "IngesterConfig",
+    "is_http_endpoint",
+]
 
 DEFAULT_RESET_MEDIUMS: tuple[str, ...] = ("GPU",)
-"""The mediums a prefix-cache reset (``AllBlocksCleared``) covers by default: vLLM 0.34's
-``reset_prefix_cache`` resets its block pools (the GPU prefix cache) and keeps the offloading
-connector's CPU and storage copies unless asked to reset the connector too (which publishes
-nothing)."""
+"""The mediums a prefix-cache reset (``AllBlocksCleared``) covers for vLLM, and for a stream
+whose engine is not known: vLLM 0.34's ``reset_prefix_cache`` resets its block pools (the GPU
+prefix cache) and keeps the offloading connector's CPU and storage copies unless asked to reset
+the connector too (which publishes nothing)."""
+
+ENGINE_RESET_MEDIUMS: Mapping[Engine, tuple[str, ...]] = MappingProxyType(
+    {
+        Engine.VLLM: DEFAULT_RESET_MEDIUMS,
+        Engine.SGLANG: ("GPU", "CPU_PINNED"),
+        Engine.TRTLLM: ("GPU", "CPU"),
+    }
+)
+"""The mediums a reset covers per engine (``IngesterConfig.reset_mediums`` unset): SGLang's radix
+cache reset also empties its HiCache host pool (``CPU_PINNED``; its ``DISK``/``EXTERNAL``
+storage stays); a TensorRT-LLM ``created`` event is a new KV-cache manager, primary (``GPU``,
+cache level 0) and secondary (``CPU``, level 1) pools alike."""
+
+_HTTP = re.compile(r"^https?://(\[[0-9A-Fa-f:.]+\]|[^\s/:\[\]@]+):(\d{1,5})(/[^\s?#]*)?$")
+
+
+def is_http_endpoint(endpoint: str) -> bool:
+    """Whether ``endpoint`` names a polled HTTP source (``http://HOST:PORT``: trtllm-serve)."""
+    return endpoint.startswith(("http://", "https://"))
 
 
 @dataclass(frozen=True, slots=True)
 class EndpointConfig:
     """One engine publisher.
 
-    ``endpoint`` is the ZMQ address of its PUB socket (any label when messages are fed directly).
-    ``pod_id`` and ``model_name`` override what the ``kv@<pod>@<model>`` topic says (the engine
-    default topic is empty). ``stream`` names the watermark stream; replicas of an HA deployment
-    must use the same name for the same publisher (default: ``pod_id``, else ``endpoint``).
+    ``endpoint`` is the ZMQ address of its PUB socket (vLLM, SGLang), the ``http://HOST:PORT``
+    address of a ``trtllm-serve`` whose ``/kv_cache_events`` is polled (TensorRT-LLM), or any
+    label when messages are fed directly. ``pod_id`` and ``model_name`` override what the
+    ``kv@<pod>@<model>`` topic says (the engine default topic is empty; TensorRT-LLM has no topic,
+    so an ``http://`` endpoint needs both). ``stream`` names the watermark stream; replicas of an
+    HA deployment must use the same name for the same publisher (default: ``pod_id``, else
+    ``endpoint``; with the pod taken from the topic, each engine's stream is its own, see
+    :attr:`stream_name`). ``engine`` (``"vllm"``, ``"sglang"``, ``"trtllm"``) says which
+    engine publishes, for what its prefix-cache reset drops; unset, it is learned from the
+    events (``http://`` endpoints are TensorRT-LLM).
     """
 
     endpoint: str
@@ -33,6 +68,7 @@ class EndpointConfig:
     model_name: str | None = None
     topic_filter: str = ""
     stream: str | None = None
+    engine: Engine | str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.endpoint, str) or not self.endpoint:
@@ -43,11 +79,64 @@ class EndpointConfig:
                 raise ConfigError(f"{name} must be a non-empty string or None, got {value!r}")
         if not isinstance(self.topic_filter, str):
             raise ConfigError("topic_filter must be a string")
+        engine = self.engine
+        if engine is not None and not isinstance(engine, Engine):
+            try:
+                engine = Engine(engine)
+            except ValueError:
+                names = ", ".join(e.value for e in Engine)
+                raise ConfigError(f"engine must be one of {names}, got {engine!r}") from None
+            object.__setattr__(self, "engine", engine)
+        if is_http_endpoint(self.endpoint):
+            self._check_http(engine)
+
+    def _check_http(self, engine: Engine | str | None) -> None:
+        where = f"endpoint {self.endpoint}"
+        match = _HTTP.match(self.endpoint)
+        if not match or not 0 < int(match.group(2)) < 65536:
+            raise ConfigError(
+                f"{where} is not an HTTP address (expected http://HOST:PORT, trtllm-serve's)"
+            )
+        if engine is not None and engine is not Engine.TRTLLM:
+            raise ConfigError(f"{where} is polled over HTTP: only TensorRT-LLM publishes so")
+        object.__setattr__(self, "engine", Engine.TRTLLM)
+        if not self.pod_id or not self.model_name:
+            raise ConfigError(
+                f"{where} (TensorRT-LLM's trtllm-serve) has no topic to name the pod and model "
+                "by: give pod_id and model_name (--pod and --model)"
+            )
+        if self.replay_endpoint is not None:
+            raise ConfigError(f"{where} has no replay endpoint: trtllm-serve keeps no replay")
+        if self.topic_filter:
+            raise ConfigError(f"{where} has no topics to filter")
 
     @property
     def stream_name(self) -> str:
-        """The watermark stream of this publisher."""
+        """The watermark stream of this publisher.
+
+        With the pod taken from the ``kv@<pod>@<model>`` topic, this is the base name: each
+        engine the endpoint publishes has the stream ``<stream_name>#kv@<pod>@<model>``
+        (:meth:`topic_stream_name`), so a different engine on the same endpoint is never taken
+        for a restart of the previous one.
+        """
         return self.stream or self.pod_id or self.endpoint
+
+    @property
+    def engine_kind(self) -> Engine | None:
+        """:attr:`engine` as an :class:`~kvredis.ingest.events.Engine` (``None``: learned)."""
+        return self.engine if isinstance(self.engine, Engine) else None
+
+    @property
+    def identified_by_topic(self) -> bool:
+        """Whether the pod comes from the messages' topic (then each engine the topic names,
+        pod and model, has a stream of its own)."""
+        return not self.pod_id
+
+    def topic_stream_name(self, pod: str | None, model: str | None) -> str:
+        """The watermark stream of the engine publishing as ``pod``/``model`` on this endpoint."""
+        if not self.identified_by_topic:
+            return self.stream_name
+        return f"{self.stream_name}#kv@{pod or ''}@{model or ''}"
 
     @property
     def shard_key(self) -> str:
@@ -80,7 +169,12 @@ class IngesterConfig:
     """Engine pages ending inside an index block remembered per pod (least recently used
     dropped), besides chain ends: a branch hanging from such a page gets exact keys; a branch
     from a forgotten one is a parent miss. About 300 bytes a page (SGLang page size 1, 16-token
-    blocks; see "Ingestion fidelity" in the README)."""
+    blocks; see docs/ingest.md, "Ingestion fidelity")."""
+    max_batches_per_call: int = 256
+    """Engine batches a worker applies together at most: the batches queued for it that need
+    nothing but their fenced step go to the index in one ``apply_batches`` call (one script
+    call on Redis, fewer when their work exceeds one call's budget), each fenced on its own.
+    ``1``: each batch alone."""
     use_watermarks: bool = True
     """Fence batches with per-stream watermarks when the index is a BatchIndex (HA-safe)."""
     replay_timeout_s: float = 2.0
@@ -111,17 +205,20 @@ class IngesterConfig:
     self-describing events a stored or removed chunk names only its last block's hash; the
     ingester credits (and removes) the chunk's blocks before it too, through the parents its
     GPU events named."""
-    reset_mediums: tuple[str, ...] = DEFAULT_RESET_MEDIUMS
+    reset_mediums: tuple[str, ...] | None = None
     """The engine mediums whose local copies ``AllBlocksCleared`` removes (of the batch's
-    data-parallel rank); copies on other tiers stay (on an index that is not a
-    :class:`~kvredis.index.SelectiveClearIndex` the whole pod is cleared). SGLang's radix cache
-    reset also drops its host copies: add ``"CPU_PINNED"`` for SGLang with HiCache."""
+    data-parallel rank), for every engine; copies on other tiers stay (on an index that is not a
+    :class:`~kvredis.index.SelectiveClearIndex` the whole pod is cleared). ``None`` (the default):
+    each stream's engine's own (:data:`ENGINE_RESET_MEDIUMS`: vLLM ``GPU``; SGLang ``GPU`` and
+    ``CPU_PINNED``, its reset empties the HiCache host pool too; TensorRT-LLM both cache levels),
+    :data:`DEFAULT_RESET_MEDIUMS` while a stream's engine is not known yet."""
 
     def __post_init__(self) -> None:
         for name in (
             "workers",
             "queue_size",
             "queue_bytes",
+            "max_batches_per_call",
             "parent_cache_size",
             "partial_block_pages",
             "max_replay_batches",
@@ -140,13 +237,13 @@ class IngesterConfig:
             "reject_log_interval_s",
         ):
             check_number(name, getattr(self, name), zero=True)
-        if (
+        if self.reset_mediums is not None and (
             not isinstance(self.reset_mediums, tuple)
             or not self.reset_mediums
             or not all(isinstance(m, str) and m for m in self.reset_mediums)
         ):
             raise ConfigError(
-                "reset_mediums must be a non-empty tuple of medium names, got "
+                "reset_mediums must be None or a non-empty tuple of medium names, got "
                 f"{self.reset_mediums!r}"
             )
         if self.max_message_bytes != -1:

@@ -50,11 +50,15 @@ class Counter(enum.Enum):
     """The stored watermark went back while this ingester had progress: the index lost its data
     (a Redis restart without persistence, a failover to an empty replica, a FLUSHALL)."""
     RESTARTS = "restarts"
+    ENGINES_REPLACED = "engines_replaced"
+    """An endpoint began publishing another engine's ``kv@<pod>@<model>`` topic: the previous
+    engine is gone, and its pod was cleared (on its own stream; the new engine's is its own)."""
     EPOCHS_ADOPTED = "epochs_adopted"
     CLEARS = "clears"
     CLEARS_ALL_BLOCKS_CLEARED = "clears_all_blocks_cleared"
     CLEARS_RESTART = "clears_restart"
     CLEARS_GAP = "clears_gap"
+    CLEARS_REPLACED = "clears_replaced"
     PEER_WAITS = "peer_waits"
     TAKEOVERS = "takeovers"
     LOST_OWNERSHIP = "lost_ownership"

@@ -1,5 +1,7 @@
 """KV-cache events as vLLM and SGLang publish them: wire decoding (and encoding) into typed values.
 
+(TensorRT-LLM's JSON events decode into the same values in :mod:`kvredis.ingest.trtllm`.)
+
 An engine publishes one msgpack *batch* per scheduler step, a positional array (vLLM's
 ``EventBatch`` omits a nil rank, SGLang always sends three elements)::
 
@@ -34,6 +36,11 @@ chain (``pair[i][1] != pair[i + 1][0]``) are rejected.
 :func:`decode_batch` never raises on bad input. Every event is decoded on its own: a malformed one
 becomes a :class:`Rejection` with a :class:`RejectReason` and the well-formed events of the same
 batch are still returned. Only a payload that is not a batch at all is rejected as a whole.
+
+Which engine published a batch shows in telltale fields (:attr:`DecodedBatch.engine`): SGLang's
+``cache_salt``/``metadata`` fields, ``attn_dp_rank``, its ``CPU_PINNED``/``DISK``/``EXTERNAL``
+mediums and signed (negative) hashes; vLLM's ``extra_keys``, ``group_idx``, ``event_version``,
+``locality``/``ownership`` fields, ``data_parallel_rank`` and its ``CPU``/``STORAGE`` mediums.
 """
 
 from __future__ import annotations
@@ -46,14 +53,25 @@ from typing import Any, Literal
 import msgpack
 
 from kvredis.errors import InvalidInputError
+from kvredis.features import (
+    CacheSaltKey,
+    LoRAKey,
+    MultiModalKey,
+    PromptEmbedsKey,
+    TypedExtraKey,
+    UnplacedExtraKeyError,
+    split_extra_keys,
+)
 from kvredis.tiers import DEFAULT_TIERS
 
 __all__ = [
+    "EVENT_VERSION",
     "MAX_PAYLOAD_BYTES",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
     "DecodedBatch",
+    "Engine",
     "Event",
     "RejectReason",
     "Rejection",
@@ -69,11 +87,23 @@ __all__ = [
 MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
 """Payloads larger than this are rejected unread (a batch of a scheduler step is far smaller)."""
 
+EVENT_VERSION = 1
+"""The newest vLLM ``event_version`` this module decodes (typed extra keys)."""
+
 _U64 = 1 << 64
 _I64_MIN = -(1 << 63)
 _U32 = 1 << 32
 _GROUP_LIMIT = 1 << 31
 _INT_TYPE = {int}
+
+
+class Engine(enum.Enum):
+    """The engine a stream's events come from: what a prefix-cache reset drops depends on it."""
+
+    VLLM = "vllm"
+    SGLANG = "sglang"
+    TRTLLM = "trtllm"
+    """TensorRT-LLM (``trtllm-serve``'s ``/kv_cache_events``, :mod:`kvredis.ingest.trtllm`)."""
 
 
 class RejectReason(enum.Enum):
@@ -101,6 +131,10 @@ class RejectReason(enum.Enum):
     HASH_OUT_OF_RANGE = "hash_out_of_range"
     TOKEN_OUT_OF_RANGE = "token_out_of_range"
     BAD_EXTRA_KEYS = "bad_extra_keys"
+    UNPLACED_EXTRA_KEY = "unplaced_extra_key"
+    """An extra key kvredis cannot place in the block keys (vLLM's ``legacy`` or an unknown typed
+    key, a LoRA or salt out of place, an SGLang metadata key other than ``cache_salt``, a
+    TensorRT-LLM ``token_extra_id`` or LoRA id): the event is refused, never hashed without it."""
     BAD_MESSAGE = "bad_message"
     """A transport message without the ``[topic, seq, payload]`` frames or with a bad seq frame."""
     SEQ_OUT_OF_RANGE = "seq_out_of_range"
@@ -137,7 +171,8 @@ class BlockStored:
     medium: str | None = None
     lora_name: str | None = None
     extra_keys: tuple[Any, ...] | None = None
-    """Raw per-engine-block extra keys (see :func:`kvredis.features.split_extra_keys`)."""
+    """Per-engine-block extra keys: raw items, or the typed keys of :mod:`kvredis.features`
+    (see :func:`kvredis.features.split_extra_keys`)."""
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
@@ -147,6 +182,10 @@ class BlockStored:
     """vLLM: the secondary offloading tier that reported the block, if any."""
     cache_salt: str | None = None
     """SGLang: the salt of the request that stored the blocks (vLLM: in ``extra_keys``)."""
+    moved_from: str | None = None
+    """A tier move (no tokens): the medium the blocks left (TensorRT-LLM's ``updated`` cache
+    level); their entries of that medium go from the keys the new medium's entries go to.
+    Never on the wire of vLLM or SGLang."""
 
     @property
     def tier(self) -> str:
@@ -188,6 +227,9 @@ class DecodedBatch:
     rejects: tuple[Rejection, ...] = ()
     total_events: int = 0
     """Number of events the payload carried, well-formed or not."""
+    engine: Engine | None = None
+    """The engine that published the batch: what its shape shows (see the module docstring),
+    or, once the batch is handed to the sequencer, its stream's configured or learned engine."""
 
 
 class WireError(InvalidInputError):
@@ -316,35 +358,147 @@ def _opt_str(value: object, what: str) -> str | None:
     return value
 
 
-def _extra_keys(value: object) -> tuple[Any, ...] | None:
+def _extra_keys(value: object, lora_name: str | None, chain_start: bool) -> tuple[Any, ...] | None:
     if value is None:
         return None
     if not isinstance(value, (list, tuple)):
         raise WireError(
             RejectReason.BAD_EXTRA_KEYS, f"extra_keys must be an array, got {_tname(value)}"
         )
+    typed = False
     for block in value:
-        if block is not None and not isinstance(block, (list, tuple)):
+        if block is None:
+            continue
+        if not isinstance(block, (list, tuple)):
             raise WireError(
                 RejectReason.BAD_EXTRA_KEYS,
                 f"extra_keys entries must be arrays or nil, got {_tname(block)}",
             )
-    return tuple(value)
+        if not typed:
+            typed = any(isinstance(item, Mapping) for item in block)
+    if not typed:
+        return tuple(value)
+    blocks = tuple(
+        None if block is None else tuple(_typed_key(item) for item in block) for block in value
+    )
+    try:  # placed now, so that a key out of place refuses the event here, with its reason
+        split_extra_keys(blocks, lora_name=lora_name, chain_start=chain_start)
+    except UnplacedExtraKeyError as exc:
+        raise WireError(RejectReason.UNPLACED_EXTRA_KEY, str(exc)) from None
+    return blocks
+
+
+def _typed_key(item: object) -> TypedExtraKey | object:
+    """A typed extra key map (vLLM ``event_version`` 1) as its :mod:`kvredis.features` type;
+    other items are left as they are (mixed with typed ones, they refuse the event)."""
+    if not isinstance(item, Mapping):
+        return item
+    tag = item.get("type")
+    if not isinstance(tag, str):
+        raise WireError(RejectReason.BAD_EXTRA_KEYS, "typed extra key without a 'type' tag")
+    if tag == "mm":
+        modality, digest, offset = item.get("modality"), item.get("hash"), item.get("block_offset")
+        if not isinstance(modality, str) or not isinstance(digest, str) or type(offset) is not int:
+            raise WireError(
+                RejectReason.BAD_EXTRA_KEYS,
+                "an 'mm' extra key needs modality (string), hash (string), block_offset (int)",
+            )
+        return MultiModalKey(modality, _utf8(digest, "mm hash"), offset)
+    if tag == "lora":
+        name = item.get("name")
+        if not isinstance(name, str):
+            raise WireError(RejectReason.BAD_EXTRA_KEYS, "a 'lora' extra key needs a name string")
+        return LoRAKey(name)
+    if tag == "cache_salt":
+        salt = item.get("salt")
+        if not isinstance(salt, str):
+            raise WireError(
+                RejectReason.BAD_EXTRA_KEYS, "a 'cache_salt' extra key needs a salt string"
+            )
+        return CacheSaltKey(_utf8(salt, "cache salt"))
+    if tag == "prompt_embeds":
+        digest = item.get("hash")
+        if not isinstance(digest, (bytes, bytearray)) or not digest:
+            raise WireError(
+                RejectReason.BAD_EXTRA_KEYS, "a 'prompt_embeds' extra key needs a hash (bytes)"
+            )
+        return PromptEmbedsKey(bytes(digest))
+    if tag == "legacy":
+        raise WireError(
+            RejectReason.UNPLACED_EXTRA_KEY,
+            f"a 'legacy' extra key ({item.get('value')!r:.60}): the engine could not classify "
+            "it, and kvredis does not guess where it goes in the block keys",
+        )
+    raise WireError(
+        RejectReason.UNPLACED_EXTRA_KEY,
+        f"unknown extra key type {tag[:40]!r}: kvredis cannot place it in the block keys",
+    )
+
+
+def _utf8(value: str, what: str) -> str:
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise WireError(RejectReason.BAD_EXTRA_KEYS, f"{what} is not valid UTF-8") from None
+    return value
+
+
+def _event_version(value: object) -> None:
+    if value is None:
+        return
+    if type(value) is not int:
+        raise WireError(
+            RejectReason.BAD_FIELD_TYPE, f"event_version must be an int, got {_tname(value)}"
+        )
+    if value > EVENT_VERSION:
+        raise WireError(
+            RejectReason.BAD_FIELD_VALUE,
+            f"event_version {value} is newer than this kvredis decodes ({EVENT_VERSION}); "
+            "upgrade kvredis",
+        )
+
+
+def _metadata_salt(meta: object) -> str | None:
+    """The ``cache_salt`` of SGLang's ``BlockStoredWithMetadata`` metadata map."""
+    if meta is None:
+        return None
+    if not isinstance(meta, Mapping):
+        raise WireError(RejectReason.BAD_FIELD_TYPE, f"metadata must be a map, got {_tname(meta)}")
+    for key in meta:
+        if key != "cache_salt":
+            raise WireError(
+                RejectReason.UNPLACED_EXTRA_KEY,
+                f"BlockStored metadata key {str(key)[:40]!r} is not one kvredis can place in "
+                "the block keys (only cache_salt)",
+            )
+    return _opt_str(meta.get("cache_salt"), "metadata.cache_salt")
 
 
 def _block_stored(f: Mapping[str, Any]) -> BlockStored:
     if "block_hashes" not in f:
         raise WireError(RejectReason.MISSING_FIELD, "BlockStored without block_hashes")
+    _event_version(f.get("event_version"))
     block_size = _opt_int(f.get("block_size"), "block_size", 0, _U32)
+    parent = _opt_hash(f.get("parent_block_hash"), "parent_block_hash")
+    lora_name = _opt_str(f.get("lora_name"), "lora_name")
+    salt = _opt_str(f.get("cache_salt"), "cache_salt")
+    meta_salt = _metadata_salt(f.get("metadata"))
+    if meta_salt is not None:
+        if salt is not None and salt != meta_salt:
+            raise WireError(
+                RejectReason.BAD_FIELD_VALUE, "cache_salt and metadata.cache_salt disagree"
+            )
+        salt = meta_salt
     return BlockStored(
         block_hashes=_hashes(f["block_hashes"], "block_hashes"),
-        parent_block_hash=_opt_hash(f.get("parent_block_hash"), "parent_block_hash"),
+        parent_block_hash=parent,
         token_ids=_tokens(f.get("token_ids")),
         block_size=block_size or 0,
         lora_id=_opt_int(f.get("lora_id"), "lora_id"),
         medium=_opt_str(f.get("medium"), "medium"),
-        lora_name=_opt_str(f.get("lora_name"), "lora_name"),
-        extra_keys=_extra_keys(f.get("extra_keys")),
+        lora_name=lora_name,
+        extra_keys=_extra_keys(f.get("extra_keys"), lora_name, not parent),
         group_idx=_opt_int(f.get("group_idx"), "group_idx", 0, _GROUP_LIMIT),
         kv_cache_spec_kind=_opt_str(f.get("kv_cache_spec_kind"), "kv_cache_spec_kind"),
         kv_cache_spec_sliding_window=_opt_int(
@@ -352,7 +506,7 @@ def _block_stored(f: Mapping[str, Any]) -> BlockStored:
         ),
         locality=_opt_str(f.get("locality"), "locality"),
         ownership=_opt_str(f.get("ownership"), "ownership"),
-        cache_salt=_opt_str(f.get("cache_salt"), "cache_salt"),
+        cache_salt=salt,
     )
 
 
@@ -384,6 +538,10 @@ _STORED_FIELDS = (
     "ownership",
 )
 """BlockStored fields in vLLM's declaration order (the positional order of array events)."""
+_STORED_FIELDS_V1 = (*_STORED_FIELDS[:7], "event_version", *_STORED_FIELDS[7:])
+"""The same in vLLM's ``event_version`` 1 order: ``event_version`` comes before ``extra_keys``."""
+_SGLANG_STORED_FIELDS = _STORED_FIELDS[:6]
+"""SGLang's array ``BlockStored`` (``metadata`` follows them in ``BlockStoredWithMetadata``)."""
 _STORED_REQUIRED = 7
 """vLLM's BlockStored fields without a default: always encoded, even as nil."""
 _REMOVED_FIELDS = ("block_hashes", "medium", "group_idx", "locality", "ownership")
@@ -407,8 +565,16 @@ def _event(raw: object) -> Event:
         if not raw:
             raise WireError(RejectReason.BAD_EVENT, "empty event array")
         tag = raw[0]
-        names = _FIELDS.get(tag) if isinstance(tag, str) else None
-        fields = dict(zip(names, raw[1:], strict=False)) if names is not None else {}
+        body = raw[1:]
+        if tag == "BlockStored" and len(body) > 6 and isinstance(body[6], Mapping):
+            # SGLang's BlockStoredWithMetadata: its seven fields, then the metadata map
+            fields = dict(zip(_SGLANG_STORED_FIELDS, body, strict=False))
+            fields["metadata"] = body[6]
+        elif tag == "BlockStored" and len(body) > 7 and type(body[7]) is int:
+            fields = dict(zip(_STORED_FIELDS_V1, body, strict=False))
+        else:
+            names = _FIELDS.get(tag) if isinstance(tag, str) else None
+            fields = dict(zip(names, body, strict=False)) if names is not None else {}
     else:
         raise WireError(
             RejectReason.BAD_EVENT, f"event must be a map or an array, got {_tname(raw)}"
@@ -422,6 +588,60 @@ def _event(raw: object) -> Event:
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
     raise WireError(RejectReason.UNKNOWN_TAG, f"unknown event tag {tag[:64]!r}")
+
+
+_SGLANG_KEYS = frozenset({"cache_salt", "metadata"})
+_VLLM_KEYS = frozenset(
+    {
+        "extra_keys",
+        "group_idx",
+        "kv_cache_spec_kind",
+        "kv_cache_spec_sliding_window",
+        "locality",
+        "ownership",
+        "event_version",
+        "lookahead_token_ids",
+    }
+)
+_SGLANG_MEDIUMS = frozenset({"CPU_PINNED", "DISK", "EXTERNAL"})
+_VLLM_MEDIUMS = frozenset({"CPU", "STORAGE"})
+
+
+def _engine_hint(obj: object, raw_events: list[Any] | tuple[Any, ...]) -> Engine | None:
+    """The engine a batch's telltale fields name, if any (see the module docstring)."""
+    try:
+        if isinstance(obj, Mapping):
+            if "attn_dp_rank" in obj:
+                return Engine.SGLANG
+            if "data_parallel_rank" in obj:
+                return Engine.VLLM
+        for raw in raw_events:
+            medium: object = None
+            hashes: object = None
+            if isinstance(raw, Mapping):
+                if not _SGLANG_KEYS.isdisjoint(raw.keys()):
+                    return Engine.SGLANG
+                if not _VLLM_KEYS.isdisjoint(raw.keys()):
+                    return Engine.VLLM
+                medium, hashes = raw.get("medium"), raw.get("block_hashes")
+            elif isinstance(raw, (list, tuple)) and len(raw) > 1:
+                if raw[0] == "BlockStored":
+                    if len(raw) > 7:  # SGLang's metadata map, or vLLM's lora_name and on
+                        return Engine.SGLANG if isinstance(raw[7], Mapping) else Engine.VLLM
+                    medium = raw[6] if len(raw) > 6 else None
+                elif raw[0] == "BlockRemoved":
+                    medium = raw[2] if len(raw) > 2 else None
+                hashes = raw[1]
+            if isinstance(medium, str):
+                if medium in _SGLANG_MEDIUMS:
+                    return Engine.SGLANG
+                if medium in _VLLM_MEDIUMS:
+                    return Engine.VLLM
+            if isinstance(hashes, list) and hashes and _only_ints(hashes) and min(hashes) < 0:
+                return Engine.SGLANG  # int64 hashes: vLLM's are unsigned (or bytes)
+    except Exception:  # a hostile object names no engine
+        return None
+    return None
 
 
 def _reject_batch(reason: RejectReason, detail: str) -> DecodedBatch:
@@ -445,10 +665,11 @@ def _batch_fields(obj: object) -> tuple[object, object, object] | None:
     return None
 
 
-def decode_batch_object(obj: object) -> DecodedBatch:
+def decode_batch_object(obj: object, *, hint: bool = True) -> DecodedBatch:
     """Decode an already-unpacked batch object (``[ts, events, dp_rank?]`` or the same as a map).
 
-    Never raises.
+    Never raises. With ``hint``, :attr:`DecodedBatch.engine` is the engine the batch's shape
+    names (a stream that knows its engine skips looking).
     """
     fields = _batch_fields(obj)
     if fields is None:
@@ -486,14 +707,15 @@ def decode_batch_object(obj: object) -> DecodedBatch:
         data_parallel_rank=dp_rank,
         rejects=tuple(rejects),
         total_events=len(raw_events),
+        engine=_engine_hint(obj, raw_events) if hint else None,
     )
 
 
-def decode_batch(payload: bytes) -> DecodedBatch:
+def decode_batch(payload: object, *, hint: bool = True) -> DecodedBatch:
     """Decode one msgpack batch payload. Never raises; see the module docstring.
 
     Anything but ``bytes``, ``bytearray`` or ``memoryview`` (``None`` included) is a rejected
-    payload (:attr:`RejectReason.MALFORMED_PAYLOAD`).
+    payload (:attr:`RejectReason.MALFORMED_PAYLOAD`). ``hint``: see :func:`decode_batch_object`.
     """
     if not isinstance(payload, (bytes, bytearray, memoryview)):
         return _reject_batch(
@@ -509,7 +731,7 @@ def decode_batch(payload: bytes) -> DecodedBatch:
         )
     except Exception as exc:
         return _reject_batch(RejectReason.MALFORMED_PAYLOAD, _undecodable(exc, bytes(payload)))
-    return decode_batch_object(obj)
+    return decode_batch_object(obj, hint=hint)
 
 
 def _undecodable(exc: Exception, payload: bytes) -> str:
@@ -552,22 +774,37 @@ def event_to_wire(event: Event, fmt: WireFormat = "map") -> list[Any] | dict[str
     order, those without a default always present (``nil`` when unset) and those with one
     omitted at their default (``omit_defaults``); SGLang's ``cache_salt`` comes last when set.
     Array events carry every field up to the last non-default one (they cannot carry
-    ``cache_salt``).
+    ``cache_salt``). Typed extra keys are written as vLLM's ``event_version`` 1 tagged maps (an
+    array event then carries ``event_version`` before ``extra_keys``).
     """
     if isinstance(event, AllBlocksCleared):
         return {"type": "AllBlocksCleared"} if fmt == "map" else ["AllBlocksCleared"]
     names: tuple[str, ...]
+    typed = False
     if isinstance(event, BlockStored):
         names = _STORED_FIELDS
         tag = "BlockStored"
         required = _STORED_REQUIRED
+        typed = event.extra_keys is not None and any(
+            isinstance(item, _TYPED_KEYS) for block in event.extra_keys if block for item in block
+        )
+        if typed and fmt == "array":
+            names = _STORED_FIELDS_V1
     else:
         names = _REMOVED_FIELDS
         tag = "BlockRemoved"
         required = _REMOVED_REQUIRED
     values: list[Any] = []
     for name in names:
+        if name == "event_version":
+            values.append(EVENT_VERSION)
+            continue
         value = getattr(event, name)
+        if name == "extra_keys" and typed:
+            value = [
+                None if block is None else [_typed_to_wire(item) for item in block]
+                for block in value
+            ]
         values.append(list(value) if isinstance(value, tuple) else value)
     if fmt == "map":
         out: dict[str, Any] = {"type": tag}
@@ -579,6 +816,27 @@ def event_to_wire(event: Event, fmt: WireFormat = "map") -> list[Any] | dict[str
         return out
     last = max([_ARRAY_REQUIRED[tag] - 1] + [i for i, v in enumerate(values) if v is not None])
     return [tag, *values[: last + 1]]
+
+
+_TYPED_KEYS = (MultiModalKey, LoRAKey, CacheSaltKey, PromptEmbedsKey)
+
+
+def _typed_to_wire(item: object) -> object:
+    """A typed extra key as vLLM's tagged map (other items unchanged)."""
+    if isinstance(item, MultiModalKey):
+        return {
+            "type": "mm",
+            "modality": item.modality,
+            "hash": item.hash,
+            "block_offset": item.block_offset,
+        }
+    if isinstance(item, LoRAKey):
+        return {"type": "lora", "name": item.name}
+    if isinstance(item, CacheSaltKey):
+        return {"type": "cache_salt", "salt": item.salt}
+    if isinstance(item, PromptEmbedsKey):
+        return {"type": "prompt_embeds", "hash": item.hash}
+    return list(item) if isinstance(item, tuple) else item
 
 
 def encode_batch(

@@ -8,8 +8,9 @@ so one scrape shows both), it reads ``ingester.counters.snapshot()`` at every sc
                                             (``batches``, ``events``, ``blocks_stored``,
                                             ``blocks_removed``, ``gaps``, ``replays``,
                                             ``restarts``, ``clears``, ...)
-``kvredis_ingest_rejects_total{reason}``    rejections by :class:`~kvredis.ingest.events.
-                                            RejectReason` (their sum is not exported again)
+``kvredis_ingest_rejects_total{reason}``    rejections by
+                                            :class:`~kvredis.ingest.events.RejectReason`
+                                            (their sum is not exported again)
 ``kvredis_ingest_endpoints``                configured publishers
 ``kvredis_ingest_endpoints_connected``      publishers with a live connection (connects minus
                                             disconnects)

@@ -25,7 +25,7 @@ Semantics, per event in batch order:
   is added to those keys, with no mapping.
 * ``BlockRemoved`` → ``EvictOp(hash, ENGINE, [PodEntry(pod, tier[, group])])`` per hash.
 * ``AllBlocksCleared`` → a clear of the pod's entries of the batch's rank on the tiers a prefix
-  cache reset covers (:attr:`Planner.reset_tiers`).
+  cache reset of the batch's engine covers (:meth:`Planner.reset_tiers_for`).
 
 Data parallelism. Every entry carries the batch's ``data_parallel_rank`` (``dp_rank``, 0 when
 unset): ranks of one pod hold their copies on their own, so one rank's removal or reset leaves
@@ -81,7 +81,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -106,13 +106,14 @@ from kvredis.ingest.chains import (
     group_keyed,
     tail_of,
 )
-from kvredis.ingest.config import DEFAULT_RESET_MEDIUMS
+from kvredis.ingest.config import DEFAULT_RESET_MEDIUMS, ENGINE_RESET_MEDIUMS
 from kvredis.ingest.counters import Counter
 from kvredis.ingest.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     DecodedBatch,
+    Engine,
     Rejection,
     RejectReason,
 )
@@ -299,6 +300,18 @@ class BatchPlan:
         """The batch took effect: the pod cache learns its mappings and forgets its evictions."""
         self._settle_cache(took_effect=True)
 
+    def commit_cache_undoably(self) -> Callable[[], None]:
+        """:meth:`commit_cache` before the batch is known to take effect; the function returned
+        puts the pod cache back exactly as it was (the batch did not take effect: unlike
+        :meth:`discard_cache`, what earlier batches taught the cache stays)."""
+        cache = self.cache
+        if cache is None:
+            return lambda: None
+        keys = {*self.evicted, *self.stale_tails, *self.batch_map, *self.batch_tails}
+        saved = cache.save(keys)
+        self._settle_cache(took_effect=True)
+        return lambda: cache.restore(saved)
+
     def discard_cache(self) -> None:
         """The batch may have partly applied: forget every mapping it touched."""
         self._settle_cache(took_effect=False)
@@ -335,7 +348,7 @@ class Planner:
         caches: PodCaches,
         *,
         tiers: TierMap = DEFAULT_TIERS,
-        reset_mediums: Sequence[str] = DEFAULT_RESET_MEDIUMS,
+        reset_mediums: Sequence[str] | None = None,
         offload_blocks_per_chunk: int = 1,
     ) -> None:
         self.token_processor = token_processor
@@ -343,8 +356,19 @@ class Planner:
         self.caches = caches
         self.tiers = tiers
         """How an event's medium, locality and ownership name the entry's device tier."""
-        self.reset_tiers = frozenset(tiers.tier(m, None, None) for m in reset_mediums)
-        """The tiers ``AllBlocksCleared`` clears: those of ``reset_mediums`` (local copies)."""
+        self.reset_tiers = frozenset(
+            tiers.tier(m, None, None) for m in reset_mediums or DEFAULT_RESET_MEDIUMS
+        )
+        """The tiers ``AllBlocksCleared`` clears when the batch's engine is not known (or for
+        every engine, with ``reset_mediums`` given): those of the mediums' local copies."""
+        self._engine_reset_tiers: dict[Engine, frozenset[str]] = {
+            engine: (
+                self.reset_tiers
+                if reset_mediums
+                else frozenset(tiers.tier(m, None, None) for m in mediums)
+            )
+            for engine, mediums in ENGINE_RESET_MEDIUMS.items()
+        }
         self.offload_blocks_per_chunk = offload_blocks_per_chunk
         """Engine blocks per offloaded chunk: a chunk's placeholder event (one hash, no tokens,
         ``block_size`` 0) names only its last block, and credits (or removes) them all."""
@@ -354,18 +378,24 @@ class Planner:
         caches.block_size = self.block_size
         self._entries: dict[tuple[str, str, int | None, int], PodEntry] = {}
 
+    def reset_tiers_for(self, engine: Engine | None) -> frozenset[str]:
+        """The tiers a prefix-cache reset (``AllBlocksCleared``) of ``engine`` clears."""
+        return self.reset_tiers if engine is None else self._engine_reset_tiers[engine]
+
     def plan(
         self, plan: BatchPlan, decoded: DecodedBatch, pod: str, model: str | None
     ) -> PlanSteps:
         """Plan every event of ``decoded`` for ``pod`` into ``plan``; see the module docstring."""
         rank = decoded.data_parallel_rank or 0
+        # vLLM's offloading connector's chunks: TensorRT-LLM's tier moves are single blocks
+        chunks = self.offload_blocks_per_chunk > 1 and decoded.engine is not Engine.TRTLLM
         for position, event in enumerate(map(group_keyed, decoded.events)):
             if isinstance(event, BlockStored):
-                yield from self._stored(plan, event, pod, model, position, rank)
+                yield from self._stored(plan, event, pod, model, position, rank, chunks)
             elif isinstance(event, BlockRemoved):
-                self._removed(plan, event, pod, position, rank)
+                self._removed(plan, event, pod, position, rank, chunks)
             elif isinstance(event, AllBlocksCleared):
-                yield Reset(rank, self.reset_tiers)
+                yield Reset(rank, self.reset_tiers_for(decoded.engine))
                 plan.count(Counter.EVENTS_APPLIED)
 
     def _entry(
@@ -396,6 +426,7 @@ class Planner:
         model: str | None,
         position: int,
         rank: int,
+        chunks: bool = False,
     ) -> PlanSteps:
         tier = self.tiers.tier(ev.medium, ev.locality, ev.ownership)
         entry = self._entry(plan, pod, tier, ev.group_idx, position, rank)
@@ -410,10 +441,14 @@ class Planner:
                 ),
             )
         if not ev.token_ids:
-            if ev.block_hashes and self.offload_blocks_per_chunk > 1 and not ev.block_size:
+            if ev.block_hashes and chunks and not ev.block_size:
                 yield from self._chunks_stored(plan, ev, entry)
             elif ev.block_hashes:
-                yield from self._tier_update(plan, ev, entry)
+                moved = None
+                if ev.moved_from is not None:
+                    old = self.tiers.tier(ev.moved_from, ev.locality, ev.ownership)
+                    moved = self._entry(plan, pod, old, ev.group_idx, position, rank)
+                yield from self._tier_update(plan, ev, entry, moved_from=moved)
             return
         model_name = ev.lora_name or model
         if not model_name:
@@ -571,7 +606,10 @@ class Planner:
         ev: BlockStored,
         entry: PodEntry,
         miss: Counter = Counter.TIER_UPDATE_MISSES,
+        moved_from: PodEntry | None = None,
     ) -> PlanSteps:
+        """Add ``entry`` to the request keys ``ev``'s engine keys resolve to (the most recent
+        of each); with ``moved_from`` (a tier move), take that entry off the same keys."""
         resolved: list[int] = []
         seen: set[int] = set()
         for engine_key in ev.block_hashes:
@@ -583,11 +621,19 @@ class Planner:
             plan.count(miss)
             return
         plan.add(AddOp(None, tuple(resolved), (entry,)), None)
+        if moved_from is not None and moved_from != entry:
+            plan.pending.extend(EvictOp(key, KeyType.REQUEST, (moved_from,)) for key in resolved)
         plan.count(Counter.TIER_UPDATES)
         plan.count(Counter.EVENTS_APPLIED)
 
     def _removed(
-        self, plan: BatchPlan, ev: BlockRemoved, pod: str, position: int, rank: int
+        self,
+        plan: BatchPlan,
+        ev: BlockRemoved,
+        pod: str,
+        position: int,
+        rank: int,
+        chunks: bool = False,
     ) -> None:
         tier = self.tiers.tier(ev.medium, ev.locality, ev.ownership)
         entry = self._entry(plan, pod, tier, ev.group_idx, position, rank)
@@ -597,7 +643,6 @@ class Planner:
         # boundary, so the pages known to end inside a block need none; a chunk's removal
         # names its last block, so the chunk's key goes too.
         fine = plan.cache is not None and plan.cache.fine(ev.group_idx) is not False
-        chunks = self.offload_blocks_per_chunk > 1
         keys: list[int] = []
         for h in ev.block_hashes:
             keys.append(h)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from kvredis.batch import IndexOp, Watermark
 from kvredis.ingest.actions import (
@@ -60,11 +60,13 @@ __all__ = [
     "Action",
     "ApplyOps",
     "ApplyStep",
+    "BatchGroup",
     "BatchOutcome",
     "BatchRun",
     "ClearPod",
     "Conflict",
     "Failed",
+    "FastBatch",
     "FetchReplay",
     "FreshVerdict",
     "Interrupt",
@@ -95,13 +97,15 @@ class _Message:
     payload: bytes
     counted: bool = False
     _decoded: DecodedBatch | None = field(default=None, repr=False)
+    decode: Callable[[object], DecodedBatch] = field(default=decode_batch, repr=False)
+    """The stream's wire format (:meth:`~kvredis.ingest.stream.StreamState.decode`)."""
 
     @property
     def decoded(self) -> DecodedBatch:
         """The payload, decoded once: a batch re-sequenced, retried or seen again as a duplicate
         is not decoded again."""
         if self._decoded is None:
-            self._decoded = decode_batch(self.payload)
+            self._decoded = self.decode(self.payload)
         return self._decoded
 
 
@@ -224,6 +228,19 @@ class BatchRun:
                 yield from self.clear([self.pod], Counter.CLEARS_ALL_BLOCKS_CLEARED, need)
 
 
+@dataclass(slots=True)
+class FastBatch:
+    """A batch planned on the fast path (:meth:`Sequencer.plan_fast`): its one fenced step, to be
+    applied together with other streams' and its own stream's later batches."""
+
+    st: StreamState
+    msg: _Message
+    plan: BatchPlan
+    step: ApplyStep
+    restore: Callable[[], None]
+    """Puts the pod's cache back as it was before this batch taught it."""
+
+
 PlanFn = Callable[[BatchRun], Steps[None]]
 
 # ------------------------------------------------------------------------------------------
@@ -262,9 +279,18 @@ class Sequencer:
     # -- entry point -----------------------------------------------------------------------
 
     def on_message(
-        self, st: StreamState, topic: object, seq: int, payload: object
+        self,
+        st: StreamState,
+        topic: object,
+        seq: int,
+        payload: object,
+        decoded: DecodedBatch | None = None,
     ) -> Steps[BatchOutcome]:
-        """Handle one engine message of ``st``'s publisher. Never raises on bad input."""
+        """Handle one engine message of ``st``'s publisher. Never raises on bad input.
+
+        ``decoded`` is the payload already decoded by the stream's wire format (``st.decode``);
+        without it the payload is decoded when first needed.
+        """
         self.counters.inc(Counter.MESSAGES)
         where = st.endpoint.endpoint
         if isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq <= MAX_ENGINE_SEQ:
@@ -277,11 +303,109 @@ class Sequencer:
         topic_b = bytes(topic)
         if topic_b:
             st.last_topic = topic_b
-        msg = _Message(topic_b, seq, bytes(payload))
+        msg = _Message(topic_b, seq, bytes(payload), _decoded=decoded, decode=st.decode)
         try:
             return (yield from self._sequence(st, msg, allow_restart=True))
         finally:
             st.subscribed_before = False
+
+    # -- the fast path ----------------------------------------------------------------------
+
+    def plan_fast(
+        self,
+        st: StreamState,
+        topic: object,
+        seq: int,
+        payload: object,
+        decoded: DecodedBatch | None = None,
+    ) -> FastBatch | None:
+        """What :meth:`on_message` would do for the common message, without any I/O: a batch of
+        the current epoch, next in order, whose plan needs no lookup, flush or clear, and whose
+        only action is its one fenced step (see ``docs/ingest-protocol.md``, "Batches applied
+        together").
+
+        Returns ``None``, having changed nothing, for any other message: the caller applies the
+        fast batches it holds, then gives this message to :meth:`on_message`. Otherwise the
+        message is counted and the stream advanced as if the step were applied (the pod's cache
+        learns the batch's mappings): the caller then applies the step and calls
+        :meth:`finish_fast` if it applied, else :meth:`undo_fast` on it and on every later fast
+        batch of the stream (latest first), then :meth:`resequence` on each in order.
+        """
+        if not self.fenced or isinstance(seq, bool) or not isinstance(seq, int):
+            return None
+        if not isinstance(topic, (bytes, bytearray, memoryview)) or not isinstance(
+            payload, (bytes, bytearray, memoryview)
+        ):
+            return None
+        last = st.last_seq
+        known = st.known
+        if (
+            not st.synced
+            or st.superseded
+            or last is None
+            or seq != last + 1
+            or seq > MAX_ENGINE_SEQ
+            or self.clock() >= st.next_reset_check
+            or (known is not None and (known[1] != PHASE_DONE or known[0] >= seq))
+        ):
+            return None
+        topic_b = bytes(topic)
+        pod, model = st.identity(topic_b)
+        if pod is None:
+            return None
+        msg = _Message(topic_b, seq, bytes(payload), _decoded=decoded, decode=st.decode)
+        decoded = msg.decoded
+        if not decoded.events and decoded.rejects:
+            return None
+        plan = BatchPlan(self.planner.caches.get(pod))
+        planning = self.planner.plan(plan, decoded, pod, model)
+        try:
+            planning.send(None)
+        except StopIteration:
+            pass
+        else:
+            planning.close()
+            return None
+        counters = self.counters
+        counters.inc(Counter.MESSAGES)
+        counters.inc(Counter.BATCHES)
+        counters.inc(Counter.EVENTS, decoded.total_events)
+        if topic_b:
+            st.last_topic = topic_b
+        st.subscribed_before = False
+        msg.counted = True
+        for rejection in decoded.rejects:
+            self._reject(rejection, st.endpoint.endpoint)
+        st.last_seq = seq
+        st.pods.add(pod)
+        st.ranks.add(decoded.data_parallel_rank or 0)
+        ops = plan.take()
+        restore = plan.commit_cache_undoably()
+        step = ApplyStep(ops, st.name, Watermark(st.epoch, stream_position(seq)))
+        return FastBatch(st, msg, plan, step, restore)
+
+    def finish_fast(self, fast: FastBatch) -> BatchOutcome:
+        """A fast batch's step applied: count it as :meth:`on_message` would have."""
+        fast.st.known = (fast.msg.seq, PHASE_DONE)
+        for rejection in fast.plan.rejects:
+            self._reject(rejection, fast.st.endpoint.endpoint)
+        self.counters.add_all(fast.plan.stats)
+        self.counters.inc(Counter.BATCHES_APPLIED)
+        return BatchOutcome.APPLIED
+
+    def undo_fast(self, fast: FastBatch) -> None:
+        """A fast batch's step did not apply (or is not known to have): put the pod's cache and
+        the stream back as they were before it."""
+        fast.restore()
+        fast.st.last_seq = fast.msg.seq - 1
+
+    def resequence(self, fast: FastBatch) -> Steps[BatchOutcome]:
+        """Handle an undone fast batch's message the way :meth:`on_message` does (it is counted
+        already): a duplicate, a stream moved on, a superseded incarnation, or apply it."""
+        try:
+            return (yield from self._sequence(fast.st, fast.msg, allow_restart=True))
+        finally:
+            fast.st.subscribed_before = False
 
     def _bad_message(self, detail: str, where: str) -> BatchOutcome:
         self._reject(Rejection(RejectReason.BAD_MESSAGE, detail), where)
@@ -303,6 +427,67 @@ class Sequencer:
             st.subscribed_before = True
         except (Abandoned, Failed) as exc:
             logger.warning("stream %s: cannot read the stored watermark yet: %s", st.name, exc)
+
+    def on_replaced(self, st: StreamState) -> Steps[BatchOutcome]:
+        """``st``'s endpoint now publishes another engine's topic: ``st``'s engine is gone.
+
+        Its pods are cleared once, as a new epoch of its stream (claimed like a restart's opening
+        clear, so HA replicas that all see the change clear once, and a replica still holding
+        the old engine's batches drops them as superseded); the new engine's stream is its own
+        and is never cleared for it. Only the entries of the stream's data-parallel rank go when
+        every batch of the stream carried one.
+        """
+        self.counters.inc(Counter.ENGINES_REPLACED)
+        topic = st.last_topic
+        pods = st.pods_for(topic or None)
+        logger.warning(
+            "stream %s: its endpoint publishes another engine now: clearing %s",
+            st.name,
+            ", ".join(sorted(pods)) or "nothing",
+        )
+        try:
+            if not st.synced:
+                yield from self._sync(st)
+        except Failed as exc:
+            logger.error("stream %s: cannot read the stored watermark: %s", st.name, exc)
+            self.counters.inc(Counter.BATCHES_FAILED)
+            return BatchOutcome.FAILED
+        except Abandoned:
+            self.counters.inc(Counter.BATCHES_ABANDONED)
+            return BatchOutcome.ABANDONED
+        for pod in pods:
+            self.planner.catalog.forget_pod(pod)
+            self.planner.caches.drop(pod)
+        # the clear covers the stream's one rank (if it had one), not the marker's
+        rank = next(iter(st.ranks)) if len(st.ranks) == 1 else None
+        marker = _Message(topic, -1, b"", _decoded=DecodedBatch(0.0, (), rank), decode=st.decode)
+        st.superseded = False
+        st.subscribed_before = False
+        new_epoch = st.epoch + 1
+        try:
+            if (
+                self.fenced
+                and st.known is not None
+                and st.known[0] == -1
+                and st.known[1] != PHASE_DONE
+            ):
+                opened = yield from self._open_epoch(st, st.epoch, marker, supersede=False)
+                if opened in (BatchOutcome.ABANDONED, BatchOutcome.FAILED):
+                    return opened
+            outcome = yield from self._open_epoch(
+                st, new_epoch, marker, supersede=False, cause=Counter.CLEARS_REPLACED
+            )
+        except Abandoned:
+            self.counters.inc(Counter.BATCHES_ABANDONED)
+            return BatchOutcome.ABANDONED
+        if outcome is BatchOutcome.DUPLICATE:
+            self.counters.inc(Counter.EPOCHS_ADOPTED)
+        if outcome in (BatchOutcome.APPLIED, BatchOutcome.DUPLICATE) and st.epoch < new_epoch:
+            st.epoch = new_epoch
+            if outcome is BatchOutcome.APPLIED:
+                st.known = (-1, PHASE_DONE)
+        st.last_seq = None
+        return outcome
 
     # -- sequencing ------------------------------------------------------------------------
 
@@ -544,7 +729,12 @@ class Sequencer:
         return (yield from self._sequence(st, msg, False, depth + 1))
 
     def _open_epoch(
-        self, st: StreamState, epoch: int, msg: _Message, supersede: bool = True
+        self,
+        st: StreamState,
+        epoch: int,
+        msg: _Message,
+        supersede: bool = True,
+        cause: Counter = Counter.CLEARS_RESTART,
     ) -> Steps[BatchOutcome]:
         """Open ``epoch`` with a clear of every pod of the stream, or see that a peer did.
 
@@ -559,7 +749,7 @@ class Sequencer:
 
         def plan(run: BatchRun) -> Steps[None]:
             if pods:
-                yield from run.clear(pods, Counter.CLEARS_RESTART, scope)
+                yield from run.clear(pods, cause, scope)
             else:
                 yield from run.flush()
 
@@ -603,7 +793,13 @@ class Sequencer:
                     # look like a publisher restart when they arrive
                     if first_missing <= item.seq < msg.seq:
                         by_seq.setdefault(
-                            item.seq, _Message(item.topic or st.last_topic, item.seq, item.payload)
+                            item.seq,
+                            _Message(
+                                item.topic or st.last_topic,
+                                item.seq,
+                                item.payload,
+                                decode=st.decode,
+                            ),
                         )
                 expect = first_missing
                 while expect in by_seq:
@@ -907,6 +1103,81 @@ class Sequencer:
                 waited = True
                 self.counters.inc(Counter.PEER_WAITS)
             yield SleepUntil(self.clock() + self.config.poll_interval_s)
+
+
+class BatchGroup:
+    """Messages handled in order, the fast batches among them applied together
+    (``docs/ingest-protocol.md``, "Batches applied together").
+
+    :meth:`handle` takes one message at a time: a batch :meth:`Sequencer.plan_fast` takes joins
+    the group; any other message first has the group applied (:meth:`flush`), then runs through
+    :meth:`Sequencer.on_message` alone, so the index sees every message's effect in order.
+    ``perform`` performs the machine's actions, ``apply_steps`` applies fenced steps together
+    (whether each applied; raising :class:`Abandoned` or :class:`Failed` as ``perform`` may).
+    The caller holds whatever orders each stream (its lock) until :meth:`flush` returns.
+    """
+
+    def __init__(
+        self,
+        sequencer: Sequencer,
+        perform: Callable[[Action], Any],
+        apply_steps: Callable[[Sequence[ApplyStep]], list[bool]],
+        limit: int,
+    ) -> None:
+        self.sequencer = sequencer
+        self.perform = perform
+        self.apply_steps = apply_steps
+        self.limit = limit
+        self.outcomes: dict[int, BatchOutcome] = {}
+        """Each message's outcome, by the number :meth:`handle` was given (set once known)."""
+        self._group: list[tuple[int, FastBatch]] = []
+
+    def handle(
+        self,
+        number: int,
+        st: StreamState,
+        topic: object,
+        seq: int,
+        payload: object,
+        decoded: DecodedBatch | None = None,
+    ) -> None:
+        """Handle message ``number`` of stream ``st`` (its outcome lands in :attr:`outcomes`,
+        at once or by a later :meth:`flush`)."""
+        seqr = self.sequencer
+        fast = seqr.plan_fast(st, topic, seq, payload, decoded) if self.limit > 1 else None
+        if fast is None:
+            self.flush()
+            steps = seqr.on_message(st, topic, seq, payload, decoded)
+            self.outcomes[number] = drive(steps, self.perform)
+            return
+        self._group.append((number, fast))
+        if len(self._group) >= self.limit:
+            self.flush()
+
+    def flush(self) -> None:
+        """Apply the group; a stream whose batch did not apply (or may not have) gets that
+        batch and its later ones undone and handled again by the full machine."""
+        group, self._group = self._group, []
+        if not group:
+            return
+        seqr, outcomes = self.sequencer, self.outcomes
+        try:
+            verdicts: list[bool] | None = self.apply_steps([f.step for _, f in group])
+        except (Abandoned, Failed) as exc:
+            logger.warning("applying %d batches together failed: %s", len(group), exc)
+            verdicts = None
+        redo: dict[int, list[tuple[int, FastBatch]]] = {}
+        for j, (number, fast) in enumerate(group):
+            key = id(fast.st)
+            if key not in redo and verdicts is not None and verdicts[j]:
+                outcomes[number] = seqr.finish_fast(fast)
+            else:
+                redo.setdefault(key, []).append((number, fast))
+        for again in redo.values():
+            for _, fast in reversed(again):
+                seqr.undo_fast(fast)
+            for number, fast in again:
+                outcomes[number] = drive(seqr.resequence(fast), self.perform)
 
 
 def _contiguous_tail(found: list[_Message], upto: int) -> list[_Message]:

@@ -2,10 +2,16 @@
 
 :class:`EventIngester` takes an :class:`~kvredis.index.Index`, a token processor and endpoint
 configurations. Engine messages ``(topic, seq, payload)`` come from ZMQ subscribers
-(:mod:`kvredis.ingest.zmq`, started by :meth:`EventIngester.start`) or are fed directly
-(:meth:`EventIngester.process`, :meth:`EventIngester.submit`). Each message goes through the
-:class:`~kvredis.ingest.sequencer.Sequencer`, driven here with real time against an
-:class:`~kvredis.ingest.backend.IndexBackend`.
+(:mod:`kvredis.ingest.zmq`), ``trtllm-serve`` pollers (:mod:`kvredis.ingest.http`, one message per
+TensorRT-LLM event, its id the ``seq``), both started by :meth:`EventIngester.start`, or are fed
+directly (:meth:`EventIngester.process`, :meth:`EventIngester.submit`). Each message is routed to
+its stream (the endpoint's; with the pod and model taken from the topic, the engine's that the
+topic names; for TensorRT-LLM, the attention-DP rank's), decoded by the endpoint's wire format
+and goes through the :class:`~kvredis.ingest.sequencer.Sequencer`, driven here with real time
+against an :class:`~kvredis.ingest.backend.IndexBackend`. When an endpoint's topic names another
+engine than the one before, the previous engine is gone: its stream clears its pod
+(:meth:`~kvredis.ingest.sequencer.Sequencer.on_replaced`), the new engine's stream starts on
+its own.
 
 Throughput: with a :class:`~kvredis.index.BatchIndex`, one engine batch becomes one
 ``apply_batch`` call, one round trip to Redis in the common case; parents usually resolve from a
@@ -25,20 +31,23 @@ import queue
 import threading
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvredis.errors import ConfigError, InvalidInputError
+from kvredis.errors import BackendUnavailableError, ConfigError, InvalidInputError
 from kvredis.groups import GroupCatalog
-from kvredis.index import BatchIndex, Index
+from kvredis.hashing import TokenProcessor
+from kvredis.hashing.config import BlockKeyScheme
+from kvredis.hashing.database import SchemedTokenProcessor
+from kvredis.index import BatchIndex, Index, SchemeIndex
 from kvredis.ingest.actions import BatchOutcome, drive
 from kvredis.ingest.backend import IndexBackend
-from kvredis.ingest.config import EndpointConfig, IngesterConfig
+from kvredis.ingest.config import EndpointConfig, IngesterConfig, is_http_endpoint
 from kvredis.ingest.counters import Counter, IngestCounters, RateLimitedLog
-from kvredis.ingest.events import Rejection, RejectReason
+from kvredis.ingest.events import DecodedBatch, Rejection, RejectReason
 from kvredis.ingest.planner import Planner, PodCaches
-from kvredis.ingest.sequencer import Sequencer
+from kvredis.ingest.sequencer import BatchGroup, Sequencer
 from kvredis.ingest.stream import StreamState
 from kvredis.ingest.transport import ReplayClient, ReplayFactory
 
@@ -52,15 +61,35 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _Stream:
-    """A publisher as the service holds it: sequencing state and the lock that orders it."""
+    """A publisher as the service holds it: the sequencing state of its streams and the lock
+    that orders them (one endpoint's messages are handled one at a time, in order)."""
 
     state: StreamState
+    """The stream the endpoint's last message went to (messages whose topic names no engine go
+    there too); at first the endpoint's own."""
     lock: threading.Lock = field(default_factory=threading.Lock)
     queued: int = 0
     """Messages received and not yet handled (guarded by the service's ``_idle`` lock)."""
+    states: dict[object, StreamState] = field(default_factory=dict)
+    """Every stream of the endpoint, by engine (``(pod, model)`` from the topic) or, for
+    TensorRT-LLM, by attention-DP rank."""
+    engine_key: object = None
+    """The engine the endpoint published last (``None``: none named yet)."""
+    subscribed: set[object] = field(default_factory=set)
+    """The streams of a polled endpoint whose stored watermark was read since
+    :meth:`EventIngester.start`."""
+
+    def all_states(self) -> list[StreamState]:
+        return [self.state, *(s for s in self.states.values() if s is not self.state)]
 
 
 _STOP = object()
+
+#: One message for :meth:`EventIngester.process_many`: ``(topic, seq, payload)`` or
+#: ``(topic, seq, payload, endpoint)``.
+Message = (
+    tuple[bytes | str, int, bytes] | tuple[bytes | str, int, bytes, "EndpointConfig | str | None"]
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +127,21 @@ class _ByteBudget:
             self._cond.notify_all()
 
 
+def _record_scheme(index: Index, token_processor: TokenProcessor) -> BlockKeyScheme | None:
+    """Record the token processor's block key scheme in the namespace when it records none, and
+    check it (:class:`~kvredis.errors.BlockKeySchemeError`, naming both, when it records
+    another). A backend that cannot be reached now: the scheme to record before the first write
+    (the ingester rides out outages), else None."""
+    if not (isinstance(token_processor, SchemedTokenProcessor) and isinstance(index, SchemeIndex)):
+        return None
+    try:
+        index.check_block_key_scheme(token_processor.scheme, record=True)
+    except BackendUnavailableError as exc:
+        logger.warning("cannot record the block key scheme yet (%s): before the first write", exc)
+        return token_processor.scheme
+    return None
+
+
 class EventIngester:
     """Applies engine KV-cache event batches to an index; see the module docstring.
 
@@ -119,6 +163,7 @@ class EventIngester:
     ) -> None:
         self.index = index
         self.token_processor = token_processor
+        scheme = _record_scheme(index, token_processor)
         self.config = config or IngesterConfig()
         self.catalog = group_catalog if group_catalog is not None else GroupCatalog()
         self.counters = counters if counters is not None else IngestCounters()
@@ -145,6 +190,7 @@ class EventIngester:
             replay_factory=self._open_replay,
             retry_max_s=self.config.backend_retry_max_s,
             warn=self._log,
+            scheme=scheme,
         )
         self._sequencer = Sequencer(
             self.config,
@@ -185,6 +231,8 @@ class EventIngester:
                     "publisher its own stream name"
                 )
             self._streams[endpoint.endpoint] = _Stream(StreamState(endpoint))
+            if is_http_endpoint(endpoint.endpoint):
+                self._streams[endpoint.endpoint].states[0] = self._streams[endpoint.endpoint].state
             self._endpoints.append(endpoint)
 
     @property
@@ -225,6 +273,23 @@ class EventIngester:
         topic_b = topic.encode("utf-8", "surrogateescape") if isinstance(topic, str) else topic
         return self._handle(st, topic_b, seq, payload)  # anything not bytes is a counted reject
 
+    def process_many(self, messages: Iterable[Message]) -> list[BatchOutcome]:
+        """Apply several engine messages now, in the caller's thread, as a worker applies the
+        messages queued for it: consecutive messages that need nothing but their fenced step
+        go to the index together (one ``apply_batches`` call, see
+        :class:`~kvredis.index.MultiBatchIndex`), the others one by one, in order. Each message
+        is ``(topic, seq, payload)`` or ``(topic, seq, payload, endpoint)``, with the meaning
+        :meth:`process` gives them. Never raises on bad input; returns each one's outcome.
+        """
+        items: list[tuple[_Stream, object, int, object]] = []
+        for message in messages:
+            topic, seq, payload, *rest = message
+            st = self._stream(rest[0] if rest else None)
+            if isinstance(topic, str):
+                topic = topic.encode("utf-8", "surrogateescape")
+            items.append((st, topic, seq, payload))
+        return self._handle_many(items)
+
     def submit(
         self,
         topic: bytes | str,
@@ -264,11 +329,15 @@ class EventIngester:
     # -- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the workers and a ZMQ subscriber per configured endpoint."""
+        """Start the workers, a ZMQ subscriber per ZMQ endpoint and a poller per ``http://``
+        (trtllm-serve) endpoint."""
         if self._started:
             return
         self._stopping.clear()
         self._closed.clear()
+        with self._streams_lock:
+            for st in self._streams.values():
+                st.subscribed.clear()
         self._queues = [queue.Queue(self.config.queue_size) for _ in range(self.config.workers)]
         self._budgets = [_ByteBudget(self.config.queue_bytes) for _ in self._queues]
         self._workers = [
@@ -280,7 +349,8 @@ class EventIngester:
         for worker in self._workers:
             worker.start()
         self._started = True
-        real = [e for e in self._endpoints if "://" in e.endpoint]
+        polled = [e for e in self._endpoints if is_http_endpoint(e.endpoint)]
+        real = [e for e in self._endpoints if "://" in e.endpoint and e not in polled]
         if real:
             from kvredis.ingest.zmq import SubscriberOptions, ZmqSubscriber, new_context
 
@@ -290,6 +360,15 @@ class EventIngester:
                 sub = ZmqSubscriber(endpoint, self, self._context, options)
                 sub.start()
                 self._receivers.append(sub)
+        if polled:
+            from kvredis.ingest.http import PollerOptions, TrtllmPoller
+
+            for endpoint in polled:
+                poller = TrtllmPoller(
+                    endpoint, self, PollerOptions(max_answer_bytes=self.config.queue_bytes)
+                )
+                poller.start()
+                self._receivers.append(poller)
 
     def stop(self, drain: bool = True, timeout: float = 30.0) -> bool:
         """Stop receiving; apply what was received (``drain``) or drop it; join the workers.
@@ -353,11 +432,13 @@ class EventIngester:
         return True
 
     def stream_lags(self) -> dict[str, int]:
-        """Per watermark stream, messages received and not yet applied (queued or in progress)."""
+        """Per endpoint, by its stream name, messages received and not yet applied (queued or
+        in progress): an endpoint's engines (with the pod taken from the topic) and
+        attention-DP ranks (TensorRT-LLM) share its queue."""
         with self._streams_lock:
             streams = list(self._streams.values())
         with self._idle:
-            return {st.state.name: st.queued for st in streams}
+            return {st.state.endpoint.stream_name: st.queued for st in streams}
 
     def status_line(self) -> str:
         """A one-line summary of the counters (what the CLI logs periodically)."""
@@ -395,14 +476,104 @@ class EventIngester:
             streams = list(self._streams.values())
         self._backend.close_replays()
         for st in streams:
-            st.state.has_replay = None
+            for state in st.all_states():
+                state.has_replay = None
 
     # -- workers ---------------------------------------------------------------------------
 
     def _handle(self, st: _Stream, topic: object, seq: int, payload: object) -> BatchOutcome:
         with st.lock:
-            steps = self._sequencer.on_message(st.state, topic, seq, payload)
+            state, decoded = self._route(st, topic, payload)
+            steps = self._sequencer.on_message(state, topic, seq, payload, decoded)
             return drive(steps, self._backend.perform)
+
+    def _route(
+        self,
+        st: _Stream,
+        topic: object,
+        payload: object,
+        before_io: Callable[[], None] | None = None,
+    ) -> tuple[StreamState, DecodedBatch | None]:
+        """The stream a message of endpoint ``st`` belongs to, and its payload when routing
+        had to decode it. ``before_io`` runs before routing performs an index action (the
+        clear of an engine replaced on a topic-named endpoint)."""
+        endpoint = st.state.endpoint
+        if is_http_endpoint(endpoint.endpoint):
+            return self._rank_stream(st, payload)
+        if endpoint.identified_by_topic:
+            return self._topic_stream(st, topic, before_io), None
+        return st.state, None
+
+    def _topic_stream(
+        self, st: _Stream, topic: object, before_io: Callable[[], None] | None = None
+    ) -> StreamState:
+        """The stream of the engine ``topic`` names (``kv@<pod>@<model>``); a change of engine
+        clears the previous engine's pod, on its own stream."""
+        if not isinstance(topic, (bytes, bytearray)) or not topic:
+            return st.state
+        endpoint = st.state.endpoint
+        pod, model = st.state.identity(bytes(topic))
+        if pod is None:
+            return st.state
+        key = (pod, model)
+        if key == st.engine_key:
+            return st.state
+        state = st.states.get(key)
+        if state is None:
+            state = StreamState(endpoint, stream=endpoint.topic_stream_name(pod, model))
+            st.states[key] = state
+        previous, previous_key = st.state, st.engine_key
+        st.state, st.engine_key = state, key
+        if previous_key is not None and previous is not state:
+            if before_io is not None:
+                before_io()
+            drive(self._sequencer.on_replaced(previous), self._backend.perform)
+        return state
+
+    def _rank_stream(self, st: _Stream, payload: object) -> tuple[StreamState, DecodedBatch]:
+        """A TensorRT-LLM event's stream (its attention-DP rank's) and the event, decoded. A
+        drained source hands each event out once: the stored watermark read before a stream's
+        first event in this run covers only events handed out before, as a subscription's."""
+        base = st.states[0]
+        decoded = base.decode(payload)
+        rank = decoded.data_parallel_rank or 0
+        state = st.states.get(rank)
+        if state is None:
+            endpoint = base.endpoint
+            state = StreamState(endpoint, stream=f"{endpoint.stream_name}#dp{rank}")
+            st.states[rank] = state
+        st.state = state
+        if rank not in st.subscribed:
+            st.subscribed.add(rank)
+            drive(self._sequencer.on_subscribe(state), self._backend.perform)
+        return state, decoded
+
+    def _handle_many(
+        self, items: Sequence[tuple[_Stream, object, int, object]]
+    ) -> list[BatchOutcome]:
+        """Handle messages in order, applying the fast batches among them together
+        (:class:`~kvredis.ingest.sequencer.BatchGroup`): a group is applied before any message
+        that needs more (a lookup, a clear, a gap, a restart, another engine on an endpoint) is
+        handled, so the index sees every message's effect in order."""
+        group = BatchGroup(
+            self._sequencer,
+            self._backend.perform,
+            self._backend.apply_steps,
+            self.config.max_batches_per_call,
+        )
+        held: list[_Stream] = []
+        try:
+            for number, (st, topic, seq, payload) in enumerate(items):
+                if not any(st is h for h in held):
+                    st.lock.acquire()
+                    held.append(st)
+                state, decoded = self._route(st, topic, payload, group.flush)
+                group.handle(number, state, topic, seq, payload, decoded)
+            group.flush()
+        finally:
+            for st in held:
+                st.lock.release()
+        return [group.outcomes.get(n, BatchOutcome.FAILED) for n in range(len(items))]
 
     def _enqueue(
         self, st: _Stream, topic: bytes, seq: int, payload: bytes, timeout: float | None
@@ -450,19 +621,34 @@ class EventIngester:
                 self._idle.notify_all()
 
     def _worker(self, q: queue.Queue[object], budget: _ByteBudget) -> None:
-        while True:
-            item = q.get()
-            if item is _STOP:
+        limit = max(1, self.config.max_batches_per_call)
+        stop = False
+        while not stop:
+            first = q.get()
+            if first is _STOP:
                 return
-            assert isinstance(item, _Queued)
+            items = [first]
+            # what else is queued already goes with it (group commit): one index call for
+            # every batch that needs nothing but its step
+            while len(items) < limit:
+                try:
+                    more = q.get_nowait()
+                except queue.Empty:
+                    break
+                if more is _STOP:
+                    stop = True
+                    break
+                items.append(more)
+            queued = [item for item in items if isinstance(item, _Queued)]
             try:
-                self._handle(item.stream, item.topic, item.seq, item.payload)
+                self._handle_many([(i.stream, i.topic, i.seq, i.payload) for i in queued])
             except Exception:  # the worker must survive anything
                 logger.exception("unexpected error while ingesting a batch")
                 self.counters.inc(Counter.BATCHES_FAILED)
             finally:
-                budget.release(item.size)
-                self._done_one(item.stream)
+                for item in queued:
+                    budget.release(item.size)
+                    self._done_one(item.stream)
 
     # -- rejections ------------------------------------------------------------------------
 

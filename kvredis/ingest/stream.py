@@ -1,5 +1,11 @@
 """One publisher's sequencing state, and how a batch's place in it is encoded in a watermark.
 
+A stream is one engine's sequence of batches: an endpoint's, or, when its pod and model come
+from the topic, each engine's that the endpoint publishes (and, for TensorRT-LLM, each
+attention-DP rank's). Its state also holds the decoder of its endpoint's wire format (the seam
+between transports and the sequencer: msgpack batches of vLLM and SGLang, TensorRT-LLM's JSON
+events) and the engine it learned its batches come from.
+
 A watermark ``position`` packs the engine ``seq`` and a 16-bit *phase*:
 ``((seq + 1) << 16) | phase``. ``seq = -1`` is the start of an epoch; phase :data:`PHASE_DONE`
 marks a batch fully applied, lower phases the steps of a multi-step batch in progress (see
@@ -8,10 +14,14 @@ marks a batch fully applied, lower phases the steps of a multi-step batch in pro
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from kvredis.ingest.config import EndpointConfig
-from kvredis.ingest.events import parse_topic
+from kvredis.ingest.config import EndpointConfig, is_http_endpoint
+from kvredis.ingest.events import DecodedBatch, Engine, decode_batch, parse_topic
+from kvredis.ingest.trtllm import TrtllmDecoder
 
 __all__ = [
     "CLEAR_PHASE",
@@ -19,10 +29,28 @@ __all__ = [
     "PHASE_BITS",
     "PHASE_DONE",
     "PHASE_LAST_STEP",
+    "Decoder",
     "StreamState",
+    "decoder_for",
     "split_position",
     "stream_position",
 ]
+
+logger = logging.getLogger(__name__)
+
+class Decoder(Protocol):
+    """A wire format: one message payload to a decoded batch (never raises); with ``hint``, the
+    batch names the engine its shape shows, if any."""
+
+    def __call__(self, payload: object, *, hint: bool = True) -> DecodedBatch: ...
+
+
+def decoder_for(endpoint: EndpointConfig) -> Decoder:
+    """The decoder of ``endpoint``'s wire format: TensorRT-LLM's JSON events for an ``http://``
+    endpoint (a :class:`~kvredis.ingest.trtllm.TrtllmDecoder` of its own), else vLLM's and
+    SGLang's msgpack batches."""
+    return TrtllmDecoder() if is_http_endpoint(endpoint.endpoint) else decode_batch
+
 
 PHASE_BITS = 16
 PHASE_DONE = (1 << PHASE_BITS) - 1
@@ -73,11 +101,51 @@ class StreamState:
     """When the stored watermark is next read back to detect a namespace reset (clock time)."""
     has_replay: bool | None = None
     """Whether the publisher has a replay client (None: not asked yet)."""
+    stream: str | None = None
+    """The watermark stream's name, when not the endpoint's own (one engine of an endpoint whose
+    pod and model come from the topic, one attention-DP rank of a TensorRT-LLM endpoint)."""
+    decoder: Decoder | None = None
+    """The endpoint's wire format (default: :func:`decoder_for` the endpoint)."""
+    engine: Engine | None = None
+    """The engine publishing the stream: configured (``EndpointConfig.engine``), else learned
+    from the first batch whose shape names one (see :mod:`kvredis.ingest.events`)."""
+    _conflict_seen: bool = field(default=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.decoder is None:
+            self.decoder = decoder_for(self.endpoint)
+        if self.engine is None:
+            self.engine = self.endpoint.engine_kind
 
     @property
     def name(self) -> str:
         """The watermark stream name."""
-        return self.endpoint.stream_name
+        return self.stream or self.endpoint.stream_name
+
+    def decode(self, payload: object) -> DecodedBatch:
+        """``payload`` decoded by the endpoint's wire format, its ``engine`` the stream's."""
+        assert self.decoder is not None
+        return self.with_engine(self.decoder(payload, hint=self.engine is None))
+
+    def with_engine(self, decoded: DecodedBatch) -> DecodedBatch:
+        """``decoded`` with the stream's engine (learning it from ``decoded`` if not known)."""
+        engine = self.engine
+        seen = decoded.engine
+        if engine is None and seen is not None:
+            self.engine = engine = seen
+            logger.info("stream %s: the events are %s's", self.name, seen.value)
+        elif seen is not None and seen is not engine and not self._conflict_seen:
+            self._conflict_seen = True
+            logger.warning(
+                "stream %s: a batch looks like %s's, the stream is taken for %s's "
+                "(set the endpoint's engine if that is wrong)",
+                self.name,
+                seen.value,
+                engine.value if engine is not None else "?",
+            )
+        if seen is engine:
+            return decoded
+        return dataclasses.replace(decoded, engine=engine)
 
     def known_at_least(self, seq: int) -> bool:
         """Whether the stored position is known to have reached batch ``seq`` (done)."""

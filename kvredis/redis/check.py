@@ -51,15 +51,14 @@ Repairs are plain commands, not one atomic step: run ``check --repair`` while no
 namespace (stop the ingesters first), or a concurrent write may be undone.
 """
 
-
 from __future__ import annotations
 
 import dataclasses
 import enum
 from collections import Counter as Tally
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvredis.errors import NamespaceLayoutError
 from kvredis.redis.codec import (
@@ -129,6 +128,14 @@ INFORMATIONAL = frozenset(
 )
 
 
+class ClearScope(NamedTuple):
+    """What an unfinished clear was removing: the tiers and data-parallel ranks of the retired
+    entries (``clear_pending``)."""
+
+    tiers: tuple[str, ...]
+    dp_ranks: tuple[int, ...]
+
+
 @dataclass(frozen=True, slots=True)
 class Finding:
     """One broken invariant: where, what, and whether it was repaired."""
@@ -140,9 +147,8 @@ class Finding:
     repaired: bool = False
     shard: int | None = None
     """On a cluster: the shard whose key it is (the key name carries the shard's hash tag)."""
-    scope: tuple[tuple[str, ...], tuple[int, ...]] | None = None
-    """For ``clear_pending``: the tiers and data-parallel ranks of the retired entries (what the
-    unfinished clear was removing)."""
+    scope: ClearScope | None = None
+    """For ``clear_pending``: what the unfinished clear was removing."""
 
     def as_json(self) -> dict[str, Any]:
         """A JSON-ready dict (key and field as text, non-UTF-8 bytes escaped; ``shard`` only on
@@ -157,7 +163,7 @@ class Finding:
         if self.shard is not None:
             out["shard"] = self.shard
         if self.scope is not None:
-            out["scope"] = {"tiers": list(self.scope[0]), "dp_ranks": list(self.scope[1])}
+            out["scope"] = {"tiers": list(self.scope.tiers), "dp_ranks": list(self.scope.dp_ranks)}
         return out
 
 
@@ -222,11 +228,19 @@ class _Checker:
         self._fixing: set[Command] = set()
 
     def found(
-        self, problem: Problem, key: bytes, fld: bytes | None, detail: str, *fix: Command
+        self,
+        problem: Problem,
+        key: bytes,
+        fld: bytes | None,
+        detail: str,
+        *fix: Command,
+        scope: ClearScope | None = None,
     ) -> None:
+        """Record a finding (a note for the :data:`INFORMATIONAL` kinds); with ``repair``, and
+        unless a fix writes to a foreign key, queue its fix (a command once)."""
         writable = not any(f.args[1] in self.foreign for f in fix)
         fixable = bool(fix) and self.repair and writable
-        found = Finding(problem, key, fld, detail, fixable)
+        found = Finding(problem, key, fld, detail, fixable, scope=scope)
         (self.notes if problem in INFORMATIONAL else self.findings).append(found)
         if fixable:
             for command in fix:  # a run rewrite repairs several findings: written once
@@ -300,6 +314,21 @@ def _check_dictionary(c: _Checker, d: Dictionary) -> set[bytes]:
 def _check_pod_records(
     c: _Checker, d: Dictionary, defined: set[bytes], retired: set[bytes]
 ) -> None:
+    """Check the pods' records: their retired ids (``pr``), then their ids (``pp``)."""
+    _check_retired_records(c, d, defined)
+    _check_pod_lists(c, d, defined, retired)
+
+
+def _owned_by(d: Dictionary, defined: set[bytes], pod: bytes) -> Callable[[bytes], bool]:
+    """Whether an id is defined, as an entry of ``pod``."""
+    return lambda i: (
+        i in defined and d.entries[i].pod_identifier.encode("utf-8", "surrogatepass") == pod
+    )
+
+
+def _check_retired_records(c: _Checker, d: Dictionary, defined: set[bytes]) -> None:
+    """A pod with retired ids is a clear under way (a note); a retired id must be defined, as an
+    entry of that pod."""
     lay = c.layout
     for pod, stored in sorted(d.pr.items()):
         ids = split_ids(stored) if len(stored) % ID_WIDTH == 0 else []
@@ -314,14 +343,10 @@ def _check_pod_records(
                 f"pod {show_bytes(pod)!r}: a clear of it is under way or was interrupted "
                 f"({len(ids)} retired entries, tiers {', '.join(tiers) or '-'}); if no clear of "
                 "it runs, run that clear again",
+                scope=ClearScope(tiers, ranks),
             )
-            c.notes[-1] = dataclasses.replace(c.notes[-1], scope=(tiers, ranks))
-        stray = [
-            i
-            for i in ids
-            if i not in defined
-            or d.entries[i].pod_identifier.encode("utf-8", "surrogatepass") != pod
-        ]
+        owned = _owned_by(d, defined, pod)
+        stray = [i for i in ids if not owned(i)]
         if stray or len(stored) % ID_WIDTH:
             kept = [i for i in dict.fromkeys(ids) if i not in stray]
             c.found(
@@ -333,6 +358,11 @@ def _check_pod_records(
                 if kept
                 else Command(("HDEL", lay.pr, pod)),
             )
+
+
+def _check_pod_lists(c: _Checker, d: Dictionary, defined: set[bytes], retired: set[bytes]) -> None:
+    """A pod's list (``pp``) holds exactly its defined ids that are not retired."""
+    lay = c.layout
     expected: dict[bytes, list[bytes]] = {}
     for entry_id in sorted(defined - retired):
         pod = d.entries[entry_id].pod_identifier.encode("utf-8", "surrogatepass")
@@ -341,12 +371,8 @@ def _check_pod_records(
         stored = d.pp.get(pod, b"")
         ids = split_ids(stored) if len(stored) % ID_WIDTH == 0 else []
         want = expected.get(pod, [])
-        stray = [
-            i
-            for i in ids
-            if i not in defined
-            or d.entries[i].pod_identifier.encode("utf-8", "surrogatepass") != pod
-        ]
+        owned = _owned_by(d, defined, pod)
+        stray = [i for i in ids if not owned(i)]
         missing = [i for i in want if i not in ids]
         if not stray and not missing and len(stored) % ID_WIDTH == 0:
             continue
@@ -388,17 +414,69 @@ def _well_formed(c: _Checker, key: bytes, fld: bytes, value: bytes, width: int, 
     return False
 
 
+#: A chain run as decoded (:func:`~kvredis.redis.codec.decode_run`): per position, in order,
+#: the request key stored there and its ids (empty: a hole).
+Run = list[tuple[bytes, bytes]]
+
+
+class RunPosition(NamedTuple):
+    """A position of a chain run (1-based), as a ref names it."""
+
+    run_id: bytes
+    position: int
+
+
+class RefField(NamedTuple):
+    """A request key held through a run: the request bucket holding its ref, and the ref."""
+
+    bucket: bytes
+    ref: bytes
+
+
+class ExpiringField(NamedTuple):
+    """A field of an expiring bucket: the bucket, and its items (entry id + deadline each)."""
+
+    bucket: bytes
+    items: bytes
+
+
+class EngineMapping(NamedTuple):
+    """A well-formed engine mapping: its engine bucket, engine key field and request keys."""
+
+    bucket: bytes
+    field: bytes
+    request_keys: list[bytes]
+
+
+class ExpiryProbe(NamedTuple):
+    """What must expire by itself by ``deadline``: an expiring bucket key, or one of its
+    fields where fields expire (``field`` set)."""
+
+    key: bytes
+    field: bytes | None
+    deadline: int
+
+
+class _RunFinding(NamedTuple):
+    """A finding of a run position, reported once the run's rewrite is known."""
+
+    problem: Problem
+    field: bytes
+    detail: str
+    fix: list[Command]
+
+
 def _check_request_bucket(
     c: _Checker,
     key: bytes,
     fields: dict[bytes, bytes],
     defined: set[bytes],
-    refs: dict[bytes, tuple[bytes, bytes]],
+    refs: dict[bytes, RefField],
 ) -> None:
     lay = c.layout
     for fld, value in fields.items():
         if len(fld) == HASH_WIDTH and len(value) == REF_WIDTH:
-            refs[fld] = (key, value)  # checked against the runs (_check_runs)
+            refs[fld] = RefField(key, value)  # checked against the runs (_check_runs)
             continue
         if not _well_formed(c, key, fld, value, ID_WIDTH, "request"):
             continue
@@ -423,8 +501,8 @@ def _check_request_bucket(
 
 def _check_engine_bucket(
     c: _Checker, key: bytes, fields: dict[bytes, bytes]
-) -> list[tuple[bytes, bytes, list[bytes]]]:
-    """Check shapes; returns the well-formed mappings ``(field, value, request keys)`` to probe."""
+) -> list[EngineMapping]:
+    """Check shapes; returns the well-formed mappings, to probe."""
     lay = c.layout
     probe = []
     for fld, value in fields.items():
@@ -440,8 +518,63 @@ def _check_engine_bucket(
                 Command(("HSET", home, fld, value)),
                 Command(("HDEL", key, fld)),
             )
-        probe.append((fld, value, split_hashes(value)))
+        probe.append(EngineMapping(key, fld, split_hashes(value)))
     return probe
+
+
+class _BucketPass:
+    """One pass over the bucket keys (:func:`~kvredis.redis.reading.op_read_hashes` calls
+    :meth:`visit` with each): checks each bucket on its own, and gathers what the checks that
+    span buckets need (runs and the refs to them, request records, expiring items, mappings)."""
+
+    def __init__(self, c: _Checker, defined: set[bytes], now: int) -> None:
+        self.c = c
+        self.defined = defined
+        self.now = now
+        self.refs: dict[bytes, RefField] = {}
+        """Request key -> where its ref is (the last bucket seen holding one)."""
+        self.inline: dict[bytes, bytes] = {}
+        """Request key -> the ids of its inline record (not a ref)."""
+        self.timed: dict[bytes, ExpiringField] = {}
+        """Request key -> its expiring field of a well-formed length."""
+        self.expiring: dict[bytes, dict[bytes, int]] = {}
+        """Expiring bucket -> field -> the latest deadline it keeps."""
+        self.runs: dict[bytes, Run] = {}
+        """Run id -> the run, for the runs that decode."""
+        self.mappings: list[EngineMapping] = []
+
+    def visit(self, key: bytes, fields: dict[bytes, bytes]) -> None:
+        c, lay = self.c, self.c.layout
+        if key.startswith(lay.rprefix):
+            _check_request_bucket(c, key, fields, self.defined, self.refs)
+            self.inline.update((f, v) for f, v in fields.items() if len(v) != REF_WIDTH)
+        elif key.startswith(lay.sprefix):
+            self.expiring[key] = _check_expiring_bucket(c, key, fields, self.defined, self.now)
+            self.timed.update(
+                (f, ExpiringField(key, v))
+                for f, v in fields.items()
+                if len(v) % EXPIRING_ITEM_WIDTH == 0
+            )
+        elif key.startswith(lay.cprefix):
+            try:
+                self.runs[key[len(lay.cprefix) :]] = decode_run(
+                    fields.get(b"k", b""), fields.get(b"r", b"")
+                )
+            except NamespaceLayoutError as exc:
+                c.found(Problem.MALFORMED_RUN, key, None, str(exc), Command(("DEL", key)))
+        else:
+            self.mappings += _check_engine_bucket(c, key, fields)
+
+    def held(self) -> dict[bytes, bytes]:
+        """Request key -> the ids of its request record: inline, or at the run position its
+        ref names (where that position is its own)."""
+        held = dict(self.inline)
+        for fld, ref in self.refs.items():
+            rid, pos = decode_ref(ref.ref)
+            run = self.runs.get(rid, [])
+            if 1 <= pos <= len(run) and run[pos - 1][0] == fld:
+                held[fld] = run[pos - 1][1]
+        return held
 
 
 def op_check(
@@ -455,99 +588,82 @@ def op_check(
     Returns what was found (and repaired). ``progress(done, total)`` follows the bucket pages.
     ``mappings=False`` skips the ``dangling_mapping`` notes (a shard of a cluster namespace holds
     engine keys whose request keys live in other shards).
+
+    The steps: the expiry mode; the types of the namespace's fixed keys; the entry dictionary;
+    the types of the bucket keys; one pass over the buckets (each checked on its own); then what
+    spans buckets: engine mappings, runs and refs, entries held twice, expiry; last, with
+    ``repair``, the fixes, in the order of the findings.
     """
     c = _Checker(layout, repair)
     report = CheckReport(layout.namespace)
     mode = yield Command(("HGET", layout.meta, "expiry"))
     c.fields_expire = mode is not None and bytes(mode).decode() == EXPIRY_FIELD
-    fixed = fixed_keys(layout)
-    types = yield Pipeline(tuple(Command(("TYPE", k)) for k in fixed))
-    for key, t in zip(fixed, types, strict=True):
-        if type_name(t) not in ("hash", "none"):
-            c.foreign.add(key)
-            c.found(Problem.WRONG_TYPE, key, None, f"a {type_name(t)}, not a hash: delete it")
-    gate_type = yield Command(("TYPE", layout.sx))
-    if type_name(gate_type) not in ("string", "none"):
-        c.foreign.add(layout.sx)
-        c.found(Problem.WRONG_TYPE, layout.sx, None, f"a {type_name(gate_type)}, not a string")
-    dictionary = yield from op_dictionary(layout, c.foreign)
-    defined = _check_dictionary(c, dictionary)
+    gate_is_string = yield from _op_check_fixed_types(c)
+    defined = _check_dictionary(c, (yield from op_dictionary(layout, c.foreign)))
     keys = yield from op_namespace_keys(layout)
-    buckets = [k for k in keys if k not in fixed and k != layout.sx]
     report.keys_checked = len(keys)
-    btypes: list[Any] = []
-    for chunk in chunks(buckets, KEYS_PER_PIPELINE):
-        btypes += yield Pipeline(tuple(Command(("TYPE", k)) for k in chunk))
-    for key, t in zip(buckets, btypes, strict=True):
-        if type_name(t) not in ("hash", "none"):
-            what = f"a {type_name(t)}, not a bucket hash: delete it"
-            c.found(Problem.WRONG_TYPE, key, None, what)
-    probe_mappings = mappings
-    found_mappings: list[tuple[bytes, bytes, list[bytes]]] = []
-    map_keys: list[bytes] = []
-    sec, usec = yield Command(("TIME",))
-    now = int(sec) * 1000 + int(usec) // 1000
-    expiring: dict[bytes, dict[bytes, int]] = {}
-
-    refs: dict[bytes, tuple[bytes, bytes]] = {}
-    runs: dict[bytes, list[tuple[bytes, bytes]]] = {}
-    inline: set[bytes] = set()
-    held: dict[bytes, bytes] = {}  # request key -> its inline ids
-    timed: dict[bytes, tuple[bytes, bytes]] = {}  # request key -> (expiring bucket, items)
-
-    def visit(key: bytes, fields: dict[bytes, bytes]) -> None:
-        if key.startswith(layout.rprefix):
-            _check_request_bucket(c, key, fields, defined, refs)
-            inline.update(f for f, v in fields.items() if len(v) != REF_WIDTH)
-            held.update((f, v) for f, v in fields.items() if len(v) != REF_WIDTH)
-        elif key.startswith(layout.sprefix):
-            expiring[key] = _check_expiring_bucket(c, key, fields, defined, now)
-            timed.update(
-                (f, (key, v)) for f, v in fields.items() if len(v) % EXPIRING_ITEM_WIDTH == 0
-            )
-        elif key.startswith(layout.cprefix):
-            try:
-                runs[key[len(layout.cprefix) :]] = decode_run(
-                    fields.get(b"k", b""), fields.get(b"r", b"")
-                )
-            except NamespaceLayoutError as exc:
-                c.found(Problem.MALFORMED_RUN, key, None, str(exc), Command(("DEL", key)))
-        else:
-            for m in _check_engine_bucket(c, key, fields):
-                found_mappings.append(m)
-                map_keys.append(key)
-
-    yield from op_read_hashes(buckets, visit, progress)
-    if probe_mappings:
-        yield from _check_mappings(c, found_mappings, map_keys)
-    _check_runs(c, runs, refs, inline, defined)
-    for fld, (_key, ref) in refs.items():
-        rid, pos = decode_ref(ref)
-        run = runs.get(rid, [])
-        if 1 <= pos <= len(run) and run[pos - 1][0] == fld:
-            held[fld] = run[pos - 1][1]
+    fixed = set(fixed_keys(layout))
+    buckets = [k for k in keys if k not in fixed and k != layout.sx]
+    yield from _op_check_bucket_types(c, buckets)
+    scan = _BucketPass(c, defined, (yield from _op_server_ms()))
+    yield from op_read_hashes(buckets, scan.visit, progress)
+    if mappings:
+        yield from _check_mappings(c, scan.mappings)
+    _check_runs(c, scan.runs, scan.refs, set(scan.inline), defined)
     # before the expiry probes: a rewritten field gets its expiry back after its HSET
-    _check_held_twice(c, held, timed, defined, now)
-    yield from _check_expiry(c, expiring, type_name(gate_type) == "string")
-    if c.fixes:
-        for fixes in chunks(c.fixes, KEYS_PER_PIPELINE):
-            yield Pipeline(tuple(fixes))
+    _check_held_twice(c, scan.held(), scan.timed, defined, scan.now)
+    yield from _check_expiry(c, scan.expiring, gate_is_string)
+    for fixes in chunks(c.fixes, KEYS_PER_PIPELINE):
+        yield Pipeline(tuple(fixes))
     report.findings = c.findings
     report.notes = c.notes
     return report
 
 
-def _check_mappings(
-    c: _Checker, mappings: list[tuple[bytes, bytes, list[bytes]]], keys: list[bytes]
-) -> Op[None]:
+def _op_check_fixed_types(c: _Checker) -> Op[bool]:
+    """The namespace's fixed keys must be hashes, the gate ``sx`` a string (or absent): another
+    type is reported, and the key marked foreign (never written to). Whether the gate is a
+    string."""
+    lay = c.layout
+    fixed = fixed_keys(lay)
+    types = yield Pipeline(tuple(Command(("TYPE", k)) for k in fixed))
+    for key, t in zip(fixed, types, strict=True):
+        if type_name(t) not in ("hash", "none"):
+            c.foreign.add(key)
+            c.found(Problem.WRONG_TYPE, key, None, f"a {type_name(t)}, not a hash: delete it")
+    gate_type = type_name((yield Command(("TYPE", lay.sx))))
+    if gate_type not in ("string", "none"):
+        c.foreign.add(lay.sx)
+        c.found(Problem.WRONG_TYPE, lay.sx, None, f"a {gate_type}, not a string")
+    return gate_type == "string"
+
+
+def _op_check_bucket_types(c: _Checker, buckets: Sequence[bytes]) -> Op[None]:
+    """Every bucket key must be a hash (or gone since it was listed)."""
+    types: list[Any] = []
+    for chunk in chunks(buckets, KEYS_PER_PIPELINE):
+        types += yield Pipeline(tuple(Command(("TYPE", k)) for k in chunk))
+    for key, t in zip(buckets, types, strict=True):
+        if type_name(t) not in ("hash", "none"):
+            what = f"a {type_name(t)}, not a bucket hash: delete it"
+            c.found(Problem.WRONG_TYPE, key, None, what)
+
+
+def _op_server_ms() -> Op[int]:
+    """The server clock (TIME) in ms: expiring deadlines are on it."""
+    sec, usec = yield Command(("TIME",))
+    return int(sec) * 1000 + int(usec) // 1000
+
+
+def _check_mappings(c: _Checker, mappings: Sequence[EngineMapping]) -> Op[None]:
     """Note engine mappings none of whose request keys holds an entry, with or without expiry
     (HEXISTS, pipelined): legitimate (an evict by request key leaves them, and
     ``get_request_key`` still answers them), so never repaired."""
     lay = c.layout
     probes = [
         (i, bucket(int.from_bytes(r, "big")), r)
-        for i, (_f, _v, refs) in enumerate(mappings)
-        for r in refs
+        for i, mapping in enumerate(mappings)
+        for r in mapping.request_keys
         for bucket in (lay.request_bucket, lay.expiring_bucket)
     ]
     held = [False] * len(mappings)
@@ -555,16 +671,17 @@ def _check_mappings(
         replies = yield Pipeline(tuple(Command(("HEXISTS", b, r)) for _, b, r in chunk))
         for (i, _b, _r), exists in zip(chunk, replies, strict=True):
             held[i] = held[i] or bool(int(exists))
-    for (fld, _value, refs), key, ok in zip(mappings, keys, held, strict=True):
+    for mapping, ok in zip(mappings, held, strict=True):
         if not ok:
-            detail = f"none of its {len(refs)} request keys holds an entry (clear drops it)"
-            c.found(Problem.DANGLING_MAPPING, key, fld, detail)
+            n = len(mapping.request_keys)
+            detail = f"none of its {n} request keys holds an entry (clear drops it)"
+            c.found(Problem.DANGLING_MAPPING, mapping.bucket, mapping.field, detail)
 
 
 def _check_runs(
     c: _Checker,
-    runs: dict[bytes, list[tuple[bytes, bytes]]],
-    refs: dict[bytes, tuple[bytes, bytes]],
+    runs: Mapping[bytes, Run],
+    refs: Mapping[bytes, RefField],
     inline: set[bytes],
     defined: set[bytes],
 ) -> None:
@@ -574,15 +691,26 @@ def _check_runs(
     becomes a hole and its key's ref goes). Runs never hold expiring entries (those live in the
     expiring buckets).
     """
-    lay = c.layout
-    edits: dict[bytes, dict[int, bytes]] = {}
-    notes: dict[bytes, list[tuple[Problem, bytes, str, list[Command]]]] = {}
-    valid: dict[bytes, tuple[bytes, int]] = {}
+    valid = _check_refs(c, runs, refs)
+    elsewhere = refs.keys() | inline  # keys with a record of their own besides a run position
+    for rid, run in runs.items():
+        found, edits = _check_run_positions(c, rid, run, valid, elsewhere, defined)
+        run_key = c.layout.run_key(rid)
+        for problem, fld, detail, fix in found:
+            c.found(problem, run_key, fld, detail, *fix, *_rewrite(run_key, run, edits))
+
+
+def _check_refs(
+    c: _Checker, runs: Mapping[bytes, Run], refs: Mapping[bytes, RefField]
+) -> dict[bytes, RunPosition]:
+    """Report the refs that do not name a held position of their own key's; returns the
+    others, by request key."""
+    valid: dict[bytes, RunPosition] = {}
     for fld, (key, value) in refs.items():
         rid, pos = decode_ref(value)
         run = runs.get(rid)
         if run and 1 <= pos <= len(run) and run[pos - 1][0] == fld and run[pos - 1][1]:
-            valid[fld] = (rid, pos)
+            valid[fld] = RunPosition(rid, pos)
         else:
             c.found(
                 Problem.DANGLING_REF,
@@ -591,34 +719,48 @@ def _check_runs(
                 f"points at {rid.hex()}:{pos}, which is not its",
                 Command(("HDEL", key, fld)),
             )
-    for rid, run in runs.items():
-        run_key = lay.run_key(rid)
-        for pos, (fld, ids) in enumerate(run, 1):
-            if not ids:
-                continue
-            home = lay.request_bucket(int.from_bytes(fld, "big"))
-            if valid.get(fld) != (rid, pos):
-                if fld in refs or fld in inline:  # the key is held elsewhere
-                    edits.setdefault(rid, {})[pos] = b""
-                    fix = []
-                else:
-                    fix = [Command(("HSET", home, fld, encode_ref(rid, pos)))]
-                detail = f"position {pos} not pointed at by its key"
-                notes.setdefault(rid, []).append((Problem.UNREFERENCED_POSITION, fld, detail, fix))
-                continue
-            kept = [i for i in dict.fromkeys(split_ids(ids)) if i in defined]
-            if len(kept) * ID_WIDTH != len(ids):
-                detail = f"{len(ids) // ID_WIDTH - len(kept)} undefined or repeated ids"
-                fix = [] if kept else [Command(("HDEL", home, fld))]
-                notes.setdefault(rid, []).append((Problem.UNKNOWN_ID, fld, detail, fix))
-                edits.setdefault(rid, {})[pos] = b"".join(kept)
-        for problem, fld, detail, fix in notes.get(rid, []):
-            c.found(problem, run_key, fld, detail, *fix, *_rewrite(run_key, run, edits.get(rid)))
+    return valid
 
 
-def _rewrite(
-    run_key: bytes, run: list[tuple[bytes, bytes]], edits: dict[int, bytes] | None
-) -> list[Command]:
+def _check_run_positions(
+    c: _Checker,
+    rid: bytes,
+    run: Run,
+    valid: Mapping[bytes, RunPosition],
+    elsewhere: Set[bytes],
+    defined: set[bytes],
+) -> tuple[list[_RunFinding], dict[int, bytes]]:
+    """The findings of a run's held positions (one its key does not point at, or holding
+    undefined or repeated ids), and the edits (position -> its new ids) of the rewrite that
+    repairs them. ``valid``: the refs that name their key's position; ``elsewhere``: the keys
+    with a record of their own (inline, or a ref)."""
+    found: list[_RunFinding] = []
+    edits: dict[int, bytes] = {}
+    for pos, (fld, ids) in enumerate(run, 1):
+        if not ids:
+            continue
+        home = c.layout.request_bucket(int.from_bytes(fld, "big"))
+        if valid.get(fld) != (rid, pos):
+            if fld in elsewhere:  # the key is held elsewhere
+                edits[pos] = b""
+                fix = []
+            else:
+                fix = [Command(("HSET", home, fld, encode_ref(rid, pos)))]
+            detail = f"position {pos} not pointed at by its key"
+            found.append(_RunFinding(Problem.UNREFERENCED_POSITION, fld, detail, fix))
+            continue
+        kept = [i for i in dict.fromkeys(split_ids(ids)) if i in defined]
+        if len(kept) * ID_WIDTH != len(ids):
+            detail = f"{len(ids) // ID_WIDTH - len(kept)} undefined or repeated ids"
+            fix = [] if kept else [Command(("HDEL", home, fld))]
+            found.append(_RunFinding(Problem.UNKNOWN_ID, fld, detail, fix))
+            edits[pos] = b"".join(kept)
+    return found, edits
+
+
+def _rewrite(run_key: bytes, run: Run, edits: Mapping[int, bytes]) -> list[Command]:
+    """The commands that store ``run`` with ``edits`` (position -> ids) made: none without
+    edits, the run's deletion when no key is left."""
     if not edits:
         return []
     keys, ranges = encode_run([(k, edits.get(p, ids)) for p, (k, ids) in enumerate(run, 1)])
@@ -674,7 +816,7 @@ def _expiring_write(c: _Checker, key: bytes, fld: bytes, kept: Sequence[bytes]) 
 def _check_held_twice(
     c: _Checker,
     held: Mapping[bytes, bytes],
-    timed: Mapping[bytes, tuple[bytes, bytes]],
+    timed: Mapping[bytes, ExpiringField],
     defined: set[bytes],
     now: int,
 ) -> None:
@@ -706,14 +848,14 @@ def _check_expiry(
     gate must last as long as the latest expiring entry."""
     lay = c.layout
     fields_expire = c.fields_expire
-    probes: list[tuple[bytes, bytes | None, int]] = []
+    probes: list[ExpiryProbe] = []
     for key, latest in expiring.items():
         if not latest:
             continue
         if fields_expire:
-            probes += [(key, f, d) for f, d in latest.items()]
+            probes += [ExpiryProbe(key, f, d) for f, d in latest.items()]
         else:
-            probes.append((key, None, max(latest.values())))
+            probes.append(ExpiryProbe(key, None, max(latest.values())))
     for chunk in chunks(probes, KEYS_PER_PIPELINE):
         replies = yield Pipeline(
             tuple(
@@ -732,7 +874,7 @@ def _check_expiry(
                 else Command(("PEXPIREAT", key, at))
             )
             c.found(Problem.NO_EXPIRY, key, fld, "the server would never delete it", fix)
-    latest_all = max((d for _, _, d in probes), default=0)
+    latest_all = max((probe.deadline for probe in probes), default=0)
     if latest_all:
         stored = (yield Command(("GET", lay.sx))) if gate else None
         try:

@@ -20,6 +20,7 @@ from kvredis.checks import check_hashes
 from kvredis.errors import NamespaceLayoutError
 from kvredis.types import PodEntry
 
+#: Width of a hash and of an entry id (``lua/includes/layout.lua`` HASH_WIDTH, ID_WIDTH).
 HASH_WIDTH = 8
 ID_WIDTH = 4
 _U32 = struct.Struct(">I")
@@ -129,6 +130,8 @@ def escape_glob(data: bytes) -> bytes:
     return bytes(b for c in data for b in ((92, c) if c in _GLOB_SPECIAL else (c,)))
 
 
+#: Width of a run id (``lua/includes/runs.lua`` RUN_ID_WIDTH).
+RUN_ID_WIDTH = 4
 #: Width of a ref to a run position: u32 run id, u16 position (1-based). Id lists are multiples
 #: of 4 bytes, so a request bucket value of this width is a ref.
 REF_WIDTH = 6
@@ -137,7 +140,7 @@ _RANGE = struct.Struct(">HH")
 
 def decode_ref(value: bytes) -> tuple[bytes, int]:
     """(run id, position) of a ref."""
-    return value[:4], int.from_bytes(value[4:6], "big")
+    return value[:RUN_ID_WIDTH], int.from_bytes(value[RUN_ID_WIDTH:REF_WIDTH], "big")
 
 
 def encode_ref(run_id: bytes, position: int) -> bytes:

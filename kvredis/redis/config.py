@@ -7,23 +7,33 @@ Accepts the upstream llm-d JSON shape (``address``, ``backendType``, ``enableRDM
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
 from kvredis.errors import ConfigError
 from kvredis.jsonconfig import check_number, take_fields
 from kvredis.redis.address import RedisAddress, mask_password, parse_address
-from kvredis.redis.cluster.shards import DEFAULT_SHARDS, check_cluster_namespace, check_shards
 from kvredis.redis.functions import UseFunctions, check_use_functions
-from kvredis.redis.layout import DEFAULT_BUCKET_BITS, check_bucket_bits, check_namespace
-from kvredis.redis.ops import DEFAULT_CLEAR_FIELDS_PER_CALL
+from kvredis.redis.layout import (
+    DEFAULT_BUCKET_BITS,
+    DEFAULT_SHARDS,
+    check_bucket_bits,
+    check_cluster_namespace,
+    check_namespace,
+    check_namespace_name,
+    check_shards,
+)
 
 BACKEND_TYPES = ("redis", "valkey")
 #: ``read_from_replicas``: reads on the primary (False), on its replicas (True), or on the
 #: primary and its replicas in turn (``"spread"``).
 ReadFromReplicas = bool | Literal["spread"]
-#: Address of :func:`kvredis.redis.index.new_valkey_index` without a config.
+#: Address of :func:`kvredis.redis.factories.new_valkey_index` without a config.
 DEFAULT_VALKEY_ADDRESS = "valkey://127.0.0.1:6379"
+
+#: Fields the clear loop aims to examine per script call (sizes the SCAN pages):
+#: ``clear_fields_per_call`` unless configured.
+DEFAULT_CLEAR_FIELDS_PER_CALL = 512
 
 #: JSON key -> field name (snake_case names are accepted as well)
 _CAMEL = {
@@ -54,6 +64,7 @@ _CAMEL = {
     "clusterShards": "cluster_shards",
     "clusterWaitReplicas": "cluster_wait_replicas",
     "useFunctions": "use_functions",
+    "waitForNamespace": "wait_for_namespace",
 }
 
 
@@ -75,10 +86,13 @@ class RedisIndexConfig:
 
     ``cluster`` selects Redis Cluster mode: ``address`` then names seed nodes. A cluster address
     (``redis+cluster://``, ``valkey+cluster://``, ``rediss+cluster://``, ``valkeys+cluster://``)
-    sets it by itself; :func:`kvredis.redis.index.new_redis_index` then returns the cluster
+    sets it by itself; :func:`kvredis.redis.factories.new_redis_index` then returns the cluster
     index (:mod:`kvredis.redis.cluster.index`). ``cluster_shards`` is the number of shards a
     new cluster namespace is spread over (fixed by its first client, as ``bucket_bits``; see
     :mod:`kvredis.redis.cluster.shards`); a cluster namespace may not contain ``{`` or ``}``.
+    No ``namespace`` contains ``:``, a glob character, a space or a control character
+    (:func:`~kvredis.redis.layout.check_namespace_name`: one namespace's ACL key pattern
+    ``~<ns>:*`` matches no other's keys).
     ``read_from_replicas`` sends lookups and scores to replicas: ``True`` to the replicas
     alone, in turn (on a cluster, the replicas of each slot; on a single server, the online
     replicas of the server (the primary), found with ``INFO replication`` on it: see
@@ -94,7 +108,12 @@ class RedisIndexConfig:
     Redis Functions library (``FCALL``/``FCALL_RO``, loading it at connect when it is missing or
     older) and falls back to ``EVALSHA``, with one log line, when the server or the ACL user does
     not offer functions; ``True`` requires the library; ``False`` keeps to ``EVALSHA``
-    (:mod:`kvredis.redis.functions`, docs/protocol.md).
+    (:mod:`kvredis.redis.functions`, docs/protocol.md). ``wait_for_namespace`` (seconds, JSON
+    ``waitForNamespace``; default 0) is for routers that may start before the namespace exists:
+    connecting to a namespace that does not exist yet then waits that long for its creator (an
+    ingester, ``kvredis restore``) instead of creating it, and raises
+    :class:`~kvredis.errors.NamespaceMissingError` if it did not appear; with 0 a client
+    creates it, and one whose ACL user may not raises that error at once.
     """
 
     address: str = "redis://127.0.0.1:6379"
@@ -123,6 +142,7 @@ class RedisIndexConfig:
     cluster_shards: int = DEFAULT_SHARDS
     cluster_wait_replicas: int = 0
     use_functions: UseFunctions = "auto"
+    wait_for_namespace: float = 0.0
 
     def __repr__(self) -> str:
         shown = []
@@ -158,7 +178,7 @@ class RedisIndexConfig:
                 "is reached over TCP: use redis+cluster://host:port[,host:port...]"
             )
         try:
-            check_namespace(self.namespace)
+            check_namespace_name(self.namespace)
             check_bucket_bits(self.bucket_bits)
             check_shards(self.cluster_shards)
             if self.cluster:
@@ -172,6 +192,7 @@ class RedisIndexConfig:
         check_number("retries", self.retries, integer=True, zero=True)
         check_number("cluster_wait_replicas", self.cluster_wait_replicas, integer=True, zero=True)
         check_number("clear_fields_per_call", self.clear_fields_per_call, integer=True)
+        check_number("wait_for_namespace", self.wait_for_namespace, zero=True)
         check_use_functions(self.use_functions)
         for name in (
             "username",
@@ -217,6 +238,22 @@ class RedisIndexConfig:
     def server(self) -> str:
         """``"<backend type> at <address>"`` with any password masked, for messages."""
         return f"{self.backend_type} at {self.parsed_address().display}"
+
+
+def config_for_existing(config: RedisIndexConfig, namespace: str) -> RedisIndexConfig:
+    """``config`` naming ``namespace``, also a name that
+    :func:`~kvredis.redis.layout.check_namespace_name` refuses (one an earlier kvredis
+    created): for the operator's commands that move such a namespace to an accepted name or
+    delete it (``kvredis rename``, ``kvredis drop``), never for the index's clients."""
+    try:
+        check_namespace(namespace)
+        if config.cluster:
+            check_cluster_namespace(namespace)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    copy = replace(config)
+    object.__setattr__(copy, "namespace", namespace)
+    return copy
 
 
 def check_supported(config: RedisIndexConfig) -> None:

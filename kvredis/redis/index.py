@@ -20,24 +20,25 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import redis
 import redis.asyncio
 
-from kvredis.batch import IndexOp, Watermark
+from kvredis.batch import Batch, IndexOp, Watermark
 from kvredis.checks import check_selection
-from kvredis.errors import ConfigError, NamespaceMissingError
+from kvredis.errors import ConfigError
+from kvredis.hashing.config import BlockKeyScheme
 from kvredis.index import Progress
-from kvredis.redis.cluster.index import AsyncRedisClusterIndex, RedisClusterIndex
-from kvredis.redis.config import DEFAULT_VALKEY_ADDRESS, RedisIndexConfig, check_supported
+from kvredis.redis.config import RedisIndexConfig, check_supported
 from kvredis.redis.executor import AsyncExecutor, SyncExecutor
 from kvredis.redis.functions import FunctionRegistry
 from kvredis.redis.ops import (
     Weights,
     op_add,
     op_apply_batch,
+    op_apply_batches,
+    op_block_key_scheme,
     op_clear,
     op_connect,
     op_drop_namespace,
@@ -48,10 +49,11 @@ from kvredis.redis.ops import (
     op_reset_watermark,
     op_run,
     op_score,
+    op_score_by_rank,
 )
 from kvredis.redis.requests import Op
 from kvredis.redis.scripts import ScriptRegistry
-from kvredis.redis.session import RetryPolicy, Session, op_drive
+from kvredis.redis.session import RetryPolicy, Session
 from kvredis.redis.state import CoreState
 from kvredis.types import Entries, Keys, KeyType, Lookup, Pods
 
@@ -86,6 +88,7 @@ class _Facade:
             RetryPolicy(cfg.retries, cfg.retry_backoff, cfg.server()),
         )
         self._session.state.address = cfg.parsed_address().display
+        self._session.state.wait_for_namespace = cfg.wait_for_namespace
 
     def _op(self, factory: Callable[[CoreState], Op[T]]) -> Op[T]:
         """The operation ``factory(state)``, run with namespace loading and stale reloads."""
@@ -150,9 +153,18 @@ class RedisIndex(_Facade):
     def score(
         self, request_keys: Keys, medium_weights: Weights = None, pod_identifier_set: Pods = None
     ) -> dict[str, float]:
-        """Per-pod longest-prefix scores, computed in Redis (same floats as LongestPrefixScorer)."""
+        """Per-pod longest-prefix scores, computed in Redis (same floats as LongestPrefixScorer):
+        each pod's best data-parallel rank's."""
         args = (request_keys, medium_weights, pod_identifier_set)
         return self._exec.run(self._op(lambda s: op_score(s, *args)))
+
+    def score_by_rank(
+        self, request_keys: Keys, medium_weights: Weights = None, pod_identifier_set: Pods = None
+    ) -> dict[str, dict[int, float]]:
+        """pod -> data-parallel rank -> longest-prefix score, computed in Redis in the same
+        calls as :meth:`score` (same floats as ``LongestPrefixScorer.score_by_rank``)."""
+        args = (request_keys, medium_weights, pod_identifier_set)
+        return self._exec.run(self._op(lambda s: op_score_by_rank(s, *args)))
 
     def add(
         self,
@@ -208,6 +220,12 @@ class RedisIndex(_Facade):
         """Apply ``ops`` in order in one atomic script call, fenced by the stream's watermark."""
         return self._exec.run(self._op(lambda s: op_apply_batch(s, ops, stream, watermark)))
 
+    def apply_batches(self, batches: Sequence[Batch]) -> list[bool]:
+        """Apply the batches in order, as few script calls as their work allows (one in the
+        common case), each fenced by its stream's watermark (see
+        :meth:`kvredis.index.MultiBatchIndex.apply_batches`)."""
+        return self._exec.run(self._op(lambda s: op_apply_batches(s, batches)))
+
     def get_watermark(self, stream: str) -> Watermark | None:
         """The stored watermark of ``stream``, or ``None``."""
         return self._exec.run(self._op(lambda s: op_get_watermark(s, stream)))
@@ -219,6 +237,12 @@ class RedisIndex(_Facade):
     def drop_namespace(self) -> int:
         """Delete every key of this index's namespace; returns the number of keys deleted."""
         return self._exec.run(self._op(op_drop_namespace))
+
+    def check_block_key_scheme(
+        self, scheme: BlockKeyScheme, *, record: bool = False
+    ) -> BlockKeyScheme | None:
+        """See :meth:`kvredis.index.SchemeIndex.check_block_key_scheme`."""
+        return self._exec.run(self._op(lambda s: op_block_key_scheme(s, scheme, record)))
 
     def close(self) -> None:
         """Close the connections."""
@@ -234,14 +258,28 @@ class RedisIndex(_Facade):
 class AsyncRedisIndex(_Facade):
     """The asyncio form of :class:`RedisIndex`: same methods, same semantics, as coroutines.
 
-    The constructor does no I/O; the namespace is loaded (and the server pinged) by
-    :meth:`connect`, by ``async with``, by :meth:`create`, or else by the first call. Close it
-    with :meth:`aclose`.
+    The constructor does no I/O; the client connects (what constructing a :class:`RedisIndex`
+    does: it pings the server, checks that it is no cluster node, learns how it expires
+    entries, settles on the function library or EVALSHA, loads the namespace and checks the
+    eviction policy) in :meth:`connect`, ``async with``, :meth:`create`, or else in its first
+    call. Close it with :meth:`aclose`.
     """
 
     def __init__(self, config: RedisIndexConfig | None = None) -> None:
         super().__init__(config)
         self._exec = AsyncExecutor(self.config)
+        self._connected = False
+
+    def _op(self, factory: Callable[[CoreState], Op[T]]) -> Op[T]:
+        """The operation, after the whole connect when this client has not connected yet."""
+        op = super()._op(factory)
+        return op if self._connected else self._connect_first(op)
+
+    def _connect_first(self, op: Op[T]) -> Op[T]:
+        if not self._connected:  # another call may have connected meanwhile
+            yield from op_connect(self._session, self.config.strict)
+            self._connected = True
+        return (yield from op)
 
     @classmethod
     async def create(cls, config: RedisIndexConfig | None = None) -> AsyncRedisIndex:
@@ -255,8 +293,10 @@ class AsyncRedisIndex(_Facade):
         return index
 
     async def connect(self) -> None:
-        """Ping the server and load the namespace (BackendUnavailableError if unreachable)."""
+        """Connect as :class:`RedisIndex` does when it is built (BackendUnavailableError if the
+        server is unreachable)."""
         await self._exec.run(op_connect(self._session, self.config.strict))
+        self._connected = True
 
     @property
     def client(self) -> redis.asyncio.Redis:
@@ -279,6 +319,13 @@ class AsyncRedisIndex(_Facade):
         """See :meth:`RedisIndex.score`."""
         args = (request_keys, medium_weights, pod_identifier_set)
         return await self._exec.run(self._op(lambda s: op_score(s, *args)))
+
+    async def score_by_rank(
+        self, request_keys: Keys, medium_weights: Weights = None, pod_identifier_set: Pods = None
+    ) -> dict[str, dict[int, float]]:
+        """See :meth:`RedisIndex.score_by_rank`."""
+        args = (request_keys, medium_weights, pod_identifier_set)
+        return await self._exec.run(self._op(lambda s: op_score_by_rank(s, *args)))
 
     async def add(
         self,
@@ -329,11 +376,22 @@ class AsyncRedisIndex(_Facade):
         """See :meth:`RedisIndex.drop_namespace`."""
         return await self._exec.run(self._op(op_drop_namespace))
 
+    async def check_block_key_scheme(
+        self, scheme: BlockKeyScheme, *, record: bool = False
+    ) -> BlockKeyScheme | None:
+        """See :meth:`kvredis.index.SchemeIndex.check_block_key_scheme`."""
+        run = self._op(lambda s: op_block_key_scheme(s, scheme, record))
+        return await self._exec.run(run)
+
     async def apply_batch(
         self, ops: Sequence[IndexOp], stream: str | None = None, watermark: Watermark | None = None
     ) -> bool:
         """See :meth:`RedisIndex.apply_batch`."""
         return await self._exec.run(self._op(lambda s: op_apply_batch(s, ops, stream, watermark)))
+
+    async def apply_batches(self, batches: Sequence[Batch]) -> list[bool]:
+        """See :meth:`RedisIndex.apply_batches`."""
+        return await self._exec.run(self._op(lambda s: op_apply_batches(s, batches)))
 
     async def get_watermark(self, stream: str) -> Watermark | None:
         """See :meth:`RedisIndex.get_watermark`."""
@@ -359,62 +417,17 @@ class AsyncRedisIndex(_Facade):
         await self.aclose()
 
 
-def new_redis_index(config: RedisIndexConfig | None = None) -> RedisIndex | RedisClusterIndex:
-    """A :class:`RedisIndex` (default: ``redis://127.0.0.1:6379``, namespace ``kvblock``), or a
-    :class:`~kvredis.redis.cluster.index.RedisClusterIndex` for a cluster config."""
-    if config is not None and config.cluster:
-        return RedisClusterIndex(config)
-    return RedisIndex(config)
+#: The factories, which pick the cluster index for a cluster config, are in
+#: :mod:`kvredis.redis.factories` (this module knows no cluster); imports of them from here work.
+_FACTORIES = frozenset(
+    {"new_redis_index", "new_valkey_index", "new_async_redis_index", "drop_namespace"}
+)
 
 
-def new_valkey_index(config: RedisIndexConfig | None = None) -> RedisIndex | RedisClusterIndex:
-    """:func:`new_redis_index` on Valkey (default: ``valkey://127.0.0.1:6379``, backend
-    "valkey")."""
-    if config is None:
-        config = RedisIndexConfig(address=DEFAULT_VALKEY_ADDRESS, backend_type="valkey")
-    elif config.backend_type != "valkey":
-        config = replace(config, backend_type="valkey")
-    return new_redis_index(config)
+def __getattr__(name: str) -> Any:
+    """The factories' old place (PEP 562): loaded from :mod:`kvredis.redis.factories`."""
+    if name in _FACTORIES:
+        from kvredis.redis import factories
 
-
-def new_async_redis_index(
-    config: RedisIndexConfig | None = None,
-) -> AsyncRedisIndex | AsyncRedisClusterIndex:
-    """The asyncio index for ``config`` (:class:`AsyncRedisIndex`, or
-    :class:`~kvredis.redis.cluster.index.AsyncRedisClusterIndex` for a cluster config), not
-    connected yet: ``await index.connect()``, ``async with``, or the first call connects."""
-    if config is not None and config.cluster:
-        return AsyncRedisClusterIndex(config)
-    return AsyncRedisIndex(config)
-
-
-def drop_namespace(config: RedisIndexConfig) -> int:
-    """Delete every key of the namespace of ``config``, whatever its layout (also one of an
-    earlier or later kvredis, which :class:`RedisIndex` refuses to open, and one whose drop was
-    cut short); returns the number of keys deleted, 0 when there was no namespace.
-
-    The same steps as :meth:`RedisIndex.drop_namespace` (the generation becomes a tombstone
-    first, so no client writes meanwhile), without loading the namespace; on a cluster address,
-    :meth:`~kvredis.redis.cluster.index.RedisClusterIndex.drop_namespace`.
-    """
-    if not isinstance(config, RedisIndexConfig):
-        raise ConfigError(f"config must be a RedisIndexConfig, got {config!r}")
-    if config.cluster:
-        try:
-            cluster = RedisClusterIndex(config, create=False)
-        except NamespaceMissingError:
-            return 0
-        try:
-            return cluster.drop_namespace()
-        finally:
-            cluster.close()
-    check_supported(config)
-    state = CoreState(config.namespace, config.bucket_bits)
-    session = Session(
-        state, ScriptRegistry(), RetryPolicy(config.retries, config.retry_backoff, config.server())
-    )
-    executor = SyncExecutor(config)
-    try:
-        return executor.run(op_drive(session, op_drop_namespace(state)))
-    finally:
-        executor.close()
+        return getattr(factories, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

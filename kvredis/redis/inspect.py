@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvredis.errors import NamespaceLayoutError
+from kvredis.redis.calls import CallChoice
 from kvredis.redis.check import INFORMATIONAL, CheckReport, Finding, Problem, merge_checks, op_check
 from kvredis.redis.codec import (
     HASH_WIDTH,
@@ -59,7 +60,6 @@ from kvredis.redis.reading import (
     split_ids,
 )
 from kvredis.redis.requests import Command, Op, Pipeline
-from kvredis.redis.scripts import ScriptRegistry
 from kvredis.redis.session import RetryPolicy, Session, op_drive
 from kvredis.redis.state import CoreState
 
@@ -321,15 +321,17 @@ class Inspector:
     def __init__(self, config: RedisIndexConfig) -> None:
         self.config = config
         self._exec = SyncExecutor(config)
+        self._calls = CallChoice(config.use_functions, config.server())
         self._session = Session(
             CoreState(config.namespace, config.bucket_bits),
-            ScriptRegistry(),
+            self._calls.registry,
             RetryPolicy(config.retries, config.retry_backoff, config.server()),
         )
 
     def run(self, op: Op[T]) -> T:
-        """Run one operation to its end."""
-        return self._exec.run(op_drive(self._session, op))
+        """Run one operation to its end (script calls through the function library where the
+        server offers it: :class:`~kvredis.redis.calls.CallChoice`)."""
+        return self._exec.run(op_drive(self._session, self._calls.op(op)))
 
     def ping(self) -> None:
         """Check that the server answers (BackendUnavailableError otherwise)."""

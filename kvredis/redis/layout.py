@@ -6,7 +6,8 @@ Key layout of a namespace ``<ns>`` (all keys start with ``<ns>:``)::
     <ns>:meta        HASH  layout (LAYOUT_VERSION), bucket_bits, gen (random token of this
                            incarnation), next_id (last entry id allocated), next_run (last
                            run id allocated), expiry (how expiring entries expire: "field"
-                           or "key", see below)
+                           or "key", see below); removals, cleared and removed:<pod id> (the
+                           stamps of reads in parts: lua/includes/stamps.lua)
     <ns>:pe          HASH  encoded entry -> 4-byte entry id
     <ns>:pi          HASH  4-byte entry id -> encoded entry (ids are never reused); also the
                            fields next_id, bucket_bits, expiry and next_run, from which a
@@ -62,8 +63,10 @@ namespace of an earlier layout, ``<ns>:meta`` already names this layout and also
 
 from __future__ import annotations
 
+import shlex
+
 from kvredis.errors import InvalidInputError
-from kvredis.redis.codec import escape_glob, text_bytes
+from kvredis.redis.codec import ID_WIDTH, RUN_ID_WIDTH, escape_glob, text_bytes
 
 #: Layout version stored in ``<ns>:meta``; a client refuses a namespace of another version.
 LAYOUT_VERSION = "kvredis-kvblock/2"
@@ -74,28 +77,42 @@ MIGRATABLE_LAYOUTS = ("kvredis-kvblock/1",)
 #: Bucket bits of a new namespace unless configured: 65,536 request buckets (and as many engine
 #: buckets), which keeps buckets small (listpack-encoded) up to tens of millions of keys.
 DEFAULT_BUCKET_BITS = 16
+#: The bucket bits a namespace may have (``lua/includes/layout.lua`` MIN_BUCKET_BITS,
+#: MAX_BUCKET_BITS).
 MIN_BUCKET_BITS = 1
 MAX_BUCKET_BITS = 24
 #: The fields of ``<ns>:pi`` that are not entry ids: the copies of ``next_id``, ``bucket_bits``,
 #: ``expiry`` and ``next_run`` from which a lost ``<ns>:meta`` heals. Entry ids are 4 bytes, so
 #: they never collide.
 PI_RECORD_FIELDS = (b"next_id", b"bucket_bits", b"expiry", b"next_run")
-#: Width of an item of an expiring bucket: entry id (4 bytes) + deadline (8 bytes, ms).
+#: Width of an item of an expiring bucket: entry id (4 bytes) + deadline (8 bytes, ms):
+#: ``lua/includes/expiry.lua`` ITEM_WIDTH.
 EXPIRING_ITEM_WIDTH = 12
 #: ``expiry`` in ``<ns>:meta``: expiring entries use hash field expiry (HPEXPIREAT per field) ...
 EXPIRY_FIELD = "field"
 #: ... or expiring bucket keys (PEXPIREAT per bucket key; also what an absent field means).
 EXPIRY_KEY = "key"
-#: Width of a run id, and of a ref to a run position (run id + u16 position).
-RUN_ID_WIDTH = 4
-REF_WIDTH = 6
-#: Most request keys of one run (lua/includes/runs.lua RUN_MAX).
+#: Most request keys of one run (``lua/includes/runs.lua`` RUN_MAX; a run id is
+#: :data:`~kvredis.redis.codec.RUN_ID_WIDTH` bytes, a ref :data:`~kvredis.redis.codec.REF_WIDTH`).
 RUN_MAX = 1024
+#: Fewest consecutive new request keys of one add that become a run (fewer stay inline, unless
+#: they follow the last key of a run): ``lua/includes/runs.lua`` RUN_MIN.
+RUN_MIN = 8
+#: What reading a run costs on top of its ranges, in the work limits below (RUN_READ_COST).
+RUN_READ_COST = 4
+#: Most run work (ranges read, plus :data:`RUN_READ_COST` per run) of one write call; a write
+#: past it is refused before its first write (``KVREDIS_BUDGET``) and the client splits it:
+#: ``lua/includes/writes.lua`` RUN_WORK_LIMIT. One run always fits.
+RUN_WORK_LIMIT = 4096
+#: Most run work of one walk (lookup, score); past it the walk stops and says where:
+#: ``lua/includes/walk.lua`` WALK_WORK_LIMIT. The scripts enforce these limits: the client only
+#: reads the outcome (``KVREDIS_BUDGET``, a cut walk), and tests compare them with the Lua.
+WALK_WORK_LIMIT = 8192
 
 
 def expiring_item_deadline(item: bytes) -> int:
     """The deadline (unix ms, server clock) of an item of an expiring bucket."""
-    return int.from_bytes(item[4:EXPIRING_ITEM_WIDTH], "big")
+    return int.from_bytes(item[ID_WIDTH:EXPIRING_ITEM_WIDTH], "big")
 
 
 def bucket_of(value: int, bits: int) -> int:
@@ -237,6 +254,73 @@ def check_namespace(namespace: object) -> str:
     return namespace
 
 
+#: What a namespace name may not contain (:func:`check_namespace_name`): ``:``, which joins a
+#: namespace's name to its keys' own parts, and the glob characters of key patterns.
+NAMESPACE_SEPARATOR = ":"
+NAMESPACE_GLOB = "*?[]\\"
+
+
+def namespace_name_problem(namespace: str) -> str | None:
+    """Why ``namespace`` is no namespace name this kvredis creates or opens (``None``: it is).
+
+    Every key of a namespace ``<ns>`` starts with ``<ns>:``, and an ACL user is given its
+    namespace as the key pattern ``~<ns>:*`` (``%R~<ns>:*``). For that pattern to match the
+    keys of ``<ns>`` and of no other namespace, a name holds no ``:`` (``~a:*`` would match
+    the keys of ``a:b``) and no glob character (``~t*:*`` would match those of ``tx``). Space
+    and control characters, which split or end an ``ACL SETUSER`` line, are refused too.
+    """
+    bad = sorted(
+        {
+            c
+            for c in namespace
+            if c == NAMESPACE_SEPARATOR or c in NAMESPACE_GLOB or c.isspace() or not c.isprintable()
+        }
+    )
+    if not bad:
+        return None
+    shown = " ".join(repr(c) for c in bad)
+    return (
+        f"namespace {namespace!r} contains {shown}: a namespace name may not contain ':', "
+        "the glob characters * ? [ ] \\, spaces or control characters (the ACL key pattern "
+        "~<ns>:* of one namespace would match the keys of another)"
+    )
+
+
+def suggested_name(namespace: str) -> str:
+    """A name the rules accept, for a message about one they refuse (each refused character
+    becomes ``-``)."""
+    out = "".join(
+        "-"
+        if c == NAMESPACE_SEPARATOR or c in NAMESPACE_GLOB or c.isspace() or not c.isprintable()
+        else c
+        for c in namespace
+    )
+    return out.strip("-") or "kvblock"
+
+
+def check_namespace_name(namespace: object) -> str:
+    """Validate the name of a namespace a client creates or opens (:func:`check_namespace`,
+    and :func:`namespace_name_problem`).
+
+    A namespace an earlier kvredis created under a name refused now keeps its keys; the error
+    names the command that moves them to an accepted name (``kvredis rename``).
+    """
+    name = check_namespace(namespace)
+    problem = namespace_name_problem(name)
+    if problem is not None:
+        raise InvalidInputError(f"{problem}; {rename_hint(name)}")
+    return name
+
+
+def rename_hint(namespace: str) -> str:
+    """What to do with an existing namespace whose name the rules refuse."""
+    return (
+        "a namespace of this name made by an earlier kvredis keeps its keys until renamed: stop "
+        f"its ingesters and run `kvredis rename {shlex.quote(namespace)} "
+        f"{shlex.quote(suggested_name(namespace))} --redis URL`, then use the new name"
+    )
+
+
 def check_bucket_bits(bits: object) -> int:
     """Validate a bucket bit count."""
     if isinstance(bits, bool) or not isinstance(bits, int):
@@ -246,3 +330,31 @@ def check_bucket_bits(bits: object) -> int:
             f"bucket bits must be in [{MIN_BUCKET_BITS}, {MAX_BUCKET_BITS}], got {bits}"
         )
     return bits
+
+
+# -- a cluster namespace (kvredis.redis.cluster.shards): its name and shard count, checked here
+# (a config checks them) so that the checks need no cluster package ---------------------------
+
+#: Shards of a new cluster namespace unless configured otherwise.
+DEFAULT_SHARDS = 6
+#: The largest shard count (each shard costs one script call per operation that touches it).
+MAX_SHARDS = 256
+
+
+def check_shards(count: object) -> int:
+    """Validate a shard count (1..:data:`MAX_SHARDS`)."""
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_SHARDS:
+        raise InvalidInputError(
+            f"cluster shards must be an int in [1, {MAX_SHARDS}], got {count!r}"
+        )
+    return count
+
+
+def check_cluster_namespace(namespace: str) -> str:
+    """A cluster namespace may not hold ``{`` or ``}`` (its keys carry hash tags)."""
+    if "{" in namespace or "}" in namespace:
+        raise InvalidInputError(
+            f"a cluster namespace may not contain '{{' or '}}' (got {namespace!r}): the index "
+            "puts its own hash tags in its key names"
+        )
+    return namespace

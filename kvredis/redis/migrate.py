@@ -36,6 +36,7 @@ from kvredis.errors import (
     NamespaceMissingError,
     StaleNamespaceError,
 )
+from kvredis.redis.calls import CallChoice
 from kvredis.redis.config import RedisIndexConfig
 from kvredis.redis.executor import AsyncExecutor, SyncExecutor
 from kvredis.redis.layout import (
@@ -47,7 +48,6 @@ from kvredis.redis.layout import (
 )
 from kvredis.redis.ops import op_expiry_mode
 from kvredis.redis.requests import Command, Op, ScriptCall
-from kvredis.redis.scripts import ScriptRegistry
 from kvredis.redis.session import RetryPolicy, Session, op_drive
 from kvredis.redis.state import CoreState, drop_command, layout_error
 
@@ -57,6 +57,8 @@ MigrateProgress = Callable[[int, int], None]
 
 #: Pairs one call converts at most: about 3 ms of server time (scripts/bench_migrate.py).
 PAIRS_PER_CALL = 250
+#: Most pairs one call may be asked to convert (``lua/migrate.lua`` refuses more).
+MAX_PAIRS_PER_CALL = 10_000
 
 
 def _noop(_done: int, _total: int) -> None:
@@ -96,8 +98,10 @@ def op_migrate(
     ``expiry_mode`` is given to a namespace that has none (``"field"`` when the server has hash
     field expiry: :func:`kvredis.redis.ops.op_expiry_mode`). ``address`` is shown in errors.
     """
-    if not 1 <= pairs_per_call <= 10_000:
-        raise ConfigError(f"pairs_per_call must be in [1, 10000], got {pairs_per_call}")
+    if not 1 <= pairs_per_call <= MAX_PAIRS_PER_CALL:
+        raise ConfigError(
+            f"pairs_per_call must be in [1, {MAX_PAIRS_PER_CALL}], got {pairs_per_call}"
+        )
     started = time.monotonic()
     probe = Layout(namespace, 1, b"")
     keys = (probe.meta, probe.pi, probe.sx, probe.mx)
@@ -224,19 +228,20 @@ def _text(value: object) -> str:
 
 
 def _op_migrate_session(
-    session: Session, progress: MigrateProgress, pairs_per_call: int
+    session: tuple[Session, CallChoice], progress: MigrateProgress, pairs_per_call: int
 ) -> Op[MigrationReport]:
-    mode = yield from op_expiry_mode(session)
-    state = session.state
+    run, calls = session
+    mode = yield from op_expiry_mode(run)
+    state = run.state
     return (
         yield from op_drive(
-            session,
-            op_migrate(state.namespace, mode, progress, pairs_per_call, state.address),
+            run,
+            calls.op(op_migrate(state.namespace, mode, progress, pairs_per_call, state.address)),
         )
     )
 
 
-def _session(config: RedisIndexConfig) -> Session:
+def _session(config: RedisIndexConfig) -> tuple[Session, CallChoice]:
     if not isinstance(config, RedisIndexConfig):
         raise ConfigError(f"config must be a RedisIndexConfig, got {config!r}")
     if config.cluster:
@@ -246,9 +251,9 @@ def _session(config: RedisIndexConfig) -> Session:
         )
     state = CoreState(config.namespace, config.bucket_bits)
     state.address = config.parsed_address().display
-    return Session(
-        state, ScriptRegistry(), RetryPolicy(config.retries, config.retry_backoff, config.server())
-    )
+    calls = CallChoice(config.use_functions, config.server())
+    policy = RetryPolicy(config.retries, config.retry_backoff, config.server())
+    return Session(state, calls.registry, policy), calls
 
 
 def migrate_namespace(

@@ -23,10 +23,20 @@ from __future__ import annotations
 import logging
 import math
 import secrets
+import struct
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from kvredis.batch import AddOp, EvictOp, IndexOp, Watermark, check_batch, check_stream
+from kvredis.batch import (
+    AddOp,
+    Batch,
+    EvictOp,
+    IndexOp,
+    Watermark,
+    check_batch,
+    check_batches,
+    check_stream,
+)
 from kvredis.checks import (
     MAX_REQUEST_KEYS_PER_ENGINE_KEY,
     EntrySelection,
@@ -47,20 +57,27 @@ from kvredis.errors import (
     NamespaceLayoutError,
     StaleNamespaceError,
 )
+from kvredis.hashing.config import BlockKeyScheme
 from kvredis.index import ClearProgress
 from kvredis.redis.codec import (
+    HASH_WIDTH,
     ID_WIDTH,
     bytes_text,
     decode_entry,
+    encode_entry,
     hash_field,
     pack_hashes,
     text_bytes,
 )
-from kvredis.redis.layout import EXPIRY_FIELD, EXPIRY_KEY, LAYOUT_VERSION, Layout
+from kvredis.redis.config import DEFAULT_CLEAR_FIELDS_PER_CALL
+from kvredis.redis.functions import API_VERSION, namespace_call
+from kvredis.redis.layout import EXPIRY_FIELD, EXPIRY_KEY, Layout
 from kvredis.redis.program import (
+    CALL_BUDGET,
     Program,
     Programs,
     add_pieces,
+    blob_ops,
     engine_evict_units,
     piece_parents,
     program_of,
@@ -71,6 +88,7 @@ from kvredis.redis.requests import (
     Op,
     Pipeline,
     ScriptCall,
+    Sleep,
 )
 from kvredis.redis.session import (
     Session,
@@ -79,8 +97,19 @@ from kvredis.redis.session import (
     op_drive,
     op_send,
 )
-from kvredis.redis.state import CoreState, EntryCache
-from kvredis.scoring import DEFAULT_MEDIUM_WEIGHTS, UNKNOWN_TIER_WEIGHT, LongestPrefixScorer
+from kvredis.redis.stamps import StampBook
+from kvredis.redis.state import (
+    CoreState,
+    EntryCache,
+    namespace_missing_error,
+    refused_by_acl,
+)
+from kvredis.scoring import (
+    DEFAULT_MEDIUM_WEIGHTS,
+    UNKNOWN_TIER_WEIGHT,
+    LongestPrefixScorer,
+    best_ranks,
+)
 from kvredis.types import Entries, Keys, KeyType, PodEntry, Pods
 
 T = TypeVar("T")
@@ -95,8 +124,6 @@ LOOKUP_KEYS_PER_CALL = 4096
 #: Request keys one ``score`` call walks at most; a longer chain is scored in parts, each sent
 #: only while a pod holds every key so far.
 SCORE_KEYS_PER_CALL = 4096
-#: Fields the clear loop aims to examine per script call (sizes the SCAN pages).
-DEFAULT_CLEAR_FIELDS_PER_CALL = 512
 #: Entry ids one ``reclaim`` call deletes at most.
 RECLAIM_IDS_PER_CALL = 1024
 
@@ -107,11 +134,11 @@ def op_run(session: Session, factory: Callable[[], Op[T]]) -> Op[T]:
     Loads the namespace first if this client has not loaded it yet.
     """
     if not session.state.loaded:
-        yield from op_drive(session, op_load_namespace(session.state, ping=False))
+        yield from op_drive(session, op_load_namespace(session.state, False, session.registry.api))
     try:
         return (yield from op_drive(session, factory()))
     except StaleNamespaceError:
-        yield from op_drive(session, op_load_namespace(session.state, ping=False))
+        yield from op_drive(session, op_load_namespace(session.state, False, session.registry.api))
         return (yield from op_drive(session, factory()))
 
 
@@ -129,8 +156,9 @@ def op_connect(session: Session, strict: bool = False) -> Op[Layout]:
     else:
         check_not_cluster(cluster_info, session.policy.server)
     session.state.expiry_mode = yield from op_expiry_mode(session)
-    yield from op_drive(session, session.registry.op_choose(session.policy.server))
-    layout = yield from op_drive(session, op_load_namespace(session.state, ping=False))
+    registry, state = session.registry, session.state
+    yield from op_drive(session, registry.op_choose(session.policy.server, state))
+    layout = yield from op_drive(session, op_load_namespace(state, False, registry.api))
     try:
         info = yield from op_send(session, Command(("INFO", "memory")))
     except BackendError as exc:  # INFO not permitted (ACL, renamed command): nothing to check
@@ -149,7 +177,9 @@ TOMBSTONE = b"dropping:"
 LOAD_ATTEMPTS = 4
 
 
-def op_load_namespace(state: CoreState, ping: bool = True) -> Op[Layout]:
+def op_load_namespace(
+    state: CoreState, ping: bool = True, api: int | None = API_VERSION
+) -> Op[Layout]:
     """Ping the server, then read the namespace's meta record (creating it if missing) and
     adopt it.
 
@@ -157,24 +187,78 @@ def op_load_namespace(state: CoreState, ping: bool = True) -> Op[Layout]:
     under ``maxmemory`` with ``noeviction`` when the namespace exists; only a missing record
     costs the (writing) ``namespace`` script. A drop in progress is finished first. A new
     namespace records how its expiring entries expire (``state.expiry_mode``, found by
-    :func:`op_expiry_mode` when the client connects).
+    :func:`op_expiry_mode` when the client connects), and ``api``, the protocol version of the
+    client's function library (see :func:`kvredis.redis.functions.namespace_call`).
     """
     if ping:
         yield Command(("PING",))
     keys = Layout(state.namespace, state.bucket_bits, b"")
     for _ in range(LOAD_ATTEMPTS):
-        reply = yield Command(("HMGET", keys.meta, "layout", "bucket_bits", "gen"))
-        if not all(reply):
-            reply = yield ScriptCall(
-                "namespace",
-                (keys.meta, keys.pi),
-                (LAYOUT_VERSION, state.bucket_bits, secrets.token_hex(8), state.expiry_mode),
-            )
+        fields = yield _read_meta(keys)
+        if not all(fields[:3]) and state.wait_for_namespace > 0:
+            fields = yield from _op_wait_for_namespace(state, keys)
+        if all(fields[:3]):
+            state.check_scheme(_scheme_field(fields))
+            reply = list(fields[:3])
+        else:
+            scheme = None if state.scheme is None else state.scheme.text
+            try:
+                reply = yield namespace_call(state, API_VERSION if api is None else api, scheme)
+            except BackendError as exc:
+                if not refused_by_acl(str(exc)):
+                    raise
+                fields = yield _read_meta(keys)
+                if not all(fields[:3]):  # still none, and this client may not make it
+                    raise namespace_missing_error(state, str(exc)) from None
+                state.check_scheme(_scheme_field(fields))
+                reply = list(fields[:3])
         gen = reply[2] if isinstance(reply, (list, tuple)) and len(reply) == 3 else None
         if not (isinstance(gen, bytes) and gen.startswith(TOMBSTONE)):
             return state.adopt(reply)
         yield from _finish_drop(keys, gen)
     raise StaleNamespaceError(f"namespace {state.namespace!r} keeps being dropped; try again")
+
+
+#: The first and the longest pause between two reads of a namespace a client waits for.
+#: The first and the longest pause between reads of a namespace a client waits for.
+WAIT_FIRST_S = 0.05
+WAIT_LONGEST_S = 1.0
+
+
+def _read_meta(keys: Layout) -> Command:
+    """The read of a namespace's meta record: ``layout``, ``bucket_bits``, ``gen`` (all set
+    once it exists) and ``scheme`` (its block key scheme, when one was recorded)."""
+    return Command(("HMGET", keys.meta, "layout", "bucket_bits", "gen", "scheme"))
+
+
+def _scheme_field(fields: Sequence[Any]) -> Any:
+    """The ``scheme`` of a :func:`_read_meta` reply (None when it holds none)."""
+    return fields[3] if len(fields) > 3 else None
+
+
+def _op_wait_for_namespace(state: CoreState, keys: Layout) -> Op[Any]:
+    """Read the meta record (:func:`_read_meta`) until it exists, for at most
+    ``state.wait_for_namespace`` seconds (slept between reads, doubling up to
+    :data:`WAIT_LONGEST_S`); never creates it. Raises
+    :class:`~kvredis.errors.NamespaceMissingError` when it did not appear in time."""
+    waited, pause = 0.0, WAIT_FIRST_S
+    logger.info(
+        "namespace %r does not exist yet%s: waiting up to %g s for its creator (an ingester, "
+        "kvredis restore)",
+        state.namespace,
+        f" at {state.address}" if state.address else "",
+        state.wait_for_namespace,
+    )
+    while True:
+        step = min(pause, state.wait_for_namespace - waited)
+        if step <= 0:
+            raise namespace_missing_error(state, None)
+        yield Sleep(step)
+        waited += step
+        pause = min(WAIT_LONGEST_S, pause * 2)
+        fields = yield _read_meta(keys)
+        if all(fields[:3]):
+            return fields
 
 
 def op_expiry_mode(session: Session) -> Op[str]:
@@ -229,31 +313,51 @@ def pod_args(pods: frozenset[str] | None) -> list[Arg]:
 
 
 def op_lookup(
-    state: CoreState, request_keys: Keys, pod_identifier_set: Pods
+    state: CoreState, request_keys: Keys, pod_identifier_set: Pods, book: StampBook | None = None
 ) -> Op[dict[int, list[PodEntry]]]:
     """``Index.lookup``: one ``lookup`` script call (one per :data:`LOOKUP_KEYS_PER_CALL` keys
     of a longer chain, and one more where a walk stops at its work limit, each sent only while
-    the chain keeps hitting); a read, which a replica may answer."""
+    the chain keeps hitting); a read, which a replica may answer. The parts of a chain carry
+    stamps (:mod:`kvredis.redis.stamps`; ``book``, when given, carries them from and to the
+    caller's earlier and later reads of the namespace, and every part then asks for the stamps
+    of the pods it reads): a pod that lost an entry since an earlier part read it keeps only
+    what the parts before read."""
     keys, chain = pack_hashes(request_keys, "request key")
     pods = pod_filter(pod_identifier_set)
     if not keys:
         return {}
     layout, cache = state.snapshot()
+    # a caller's book reads on after this lookup (a cluster's other shards): every part stamps
+    always = book is not None
+    if book is None:
+        book = StampBook()
+    book.bind(layout.gen)
     filter_args = pod_args(pods)
     found: dict[int, list[PodEntry]] = {}
     step, start = LOOKUP_KEYS_PER_CALL, 0
     while start < len(keys):
-        piece = chain if start == 0 and len(keys) <= step else chain[start * 8 : (start + step) * 8]
+        whole = start == 0 and len(keys) <= step
+        piece = chain if whole else chain[start * HASH_WIDTH : (start + step) * HASH_WIDTH]
+        more = 1 if always or start + len(piece) // HASH_WIDTH < len(keys) else 0
         reply = yield ScriptCall(
             "lookup",
             (layout.meta, layout.pi, layout.pp, layout.sx),
-            (layout.gen, layout.rprefix, layout.bucket_bits, cache.floor, *filter_args, piece),
+            (
+                layout.gen,
+                layout.rprefix,
+                layout.bucket_bits,
+                cache.floor,
+                *filter_args,
+                piece,
+                more,
+                *book.args(),
+            ),
             read=True,
         )
-        at = read_lookup_reply(cache, reply, keys, start, found)
+        at = read_lookup_reply(cache, reply, keys, start, found, book=book)
         if walk_cut(reply) and at > start:  # stopped at the walk's work limit: walk on
             start = at
-        elif at - start < len(piece) // 8:
+        elif at - start < len(piece) // HASH_WIDTH:
             break
         else:
             start += step
@@ -261,9 +365,9 @@ def op_lookup(
 
 
 def walk_cut(reply: Sequence[Any]) -> bool:
-    """Whether a ``lookup`` or ``score`` reply says the walk stopped at its work limit (an
-    odd element at the end) rather than at a miss or the chain's end."""
-    return len(reply) % 2 == 1
+    """Whether a ``lookup`` reply says the walk stopped at its work limit (an element after its
+    pairs) rather than at a miss or the chain's end."""
+    return len(reply) % 2 == 0
 
 
 def read_lookup_reply(
@@ -273,17 +377,30 @@ def read_lookup_reply(
     start: int,
     found: dict[int, Any],
     shared: bool = False,
+    book: StampBook | None = None,
 ) -> int:
     """Take in a ``lookup`` reply for the chain ``keys`` walked from ``start``: learn the
     definitions it carries, record each hit key's entries in ``found`` (a list of its own per
     key, or with ``shared`` one tuple shared by the keys holding the same entries); the position
     after the last hit. A key whose ids all lack a definition holds no entry: the chain ends
-    before it (never a hit with an empty entry list)."""
+    before it (never a hit with an empty entry list). With ``book``, the reply's stamps go into
+    it first, and the entries of the pods it dropped are left out (a key left without entries
+    ends the chain there)."""
     cache.learn(reply[1], int(reply[0]))
     entries = cache.holders
+    dropped: set[str] = set()
+    if book is not None:
+        book.take(reply[2])
+        dropped = book.dropped
+    kept: dict[Any, tuple[PodEntry, ...]] = {}
     at = start
-    for i in range(2, len(reply) - 1, 2):  # a last odd element: the walk was cut
+    for i in range(3, len(reply) - 1, 2):  # a last element after the pairs: the walk was cut
         n, held = int(reply[i]), entries(reply[i + 1])
+        if dropped and held:
+            ids = reply[i + 1]
+            held = kept.get(ids)  # type: ignore[assignment]
+            if held is None:
+                held = kept[ids] = tuple(e for e in entries(ids) if e.pod_identifier not in dropped)
         if not held:
             break
         if shared:
@@ -305,10 +422,22 @@ def score_weights(medium_weights: Weights) -> Mapping[str, float]:
 def op_score(
     state: CoreState, request_keys: Keys, medium_weights: Weights, pod_identifier_set: Pods
 ) -> Op[dict[str, float]]:
-    """Server-side LongestPrefixScorer over the chain: one ``score`` script call per
-    :data:`SCORE_KEYS_PER_CALL` keys of the chain (and one more where a walk stops at its work
-    limit), each sent only while a pod holds every key so far; a later call goes on from the
-    scores the earlier ones reached, so the floats are the scorer's whatever the parts. A read,
+    """Server-side LongestPrefixScorer over the chain: each pod's best data-parallel rank's
+    score (:func:`op_score_by_rank`)."""
+    return best_ranks(
+        (yield from op_score_by_rank(state, request_keys, medium_weights, pod_identifier_set))
+    )
+
+
+def op_score_by_rank(
+    state: CoreState, request_keys: Keys, medium_weights: Weights, pod_identifier_set: Pods
+) -> Op[dict[str, dict[int, float]]]:
+    """Server-side LongestPrefixScorer over the chain, per pod and data-parallel rank: one
+    ``score`` script call per :data:`SCORE_KEYS_PER_CALL` keys of the chain (and one more
+    where a walk stops at its work limit), each sent only while a (pod, rank) holds every key
+    so far; a later call goes on from the scores the earlier ones reached, so the floats are
+    the scorer's whatever the parts, and carries their stamps (:mod:`kvredis.redis.stamps`):
+    one whose pod lost an entry since an earlier part read it keeps the score it had. A read,
     which a replica may answer."""
     keys, chain = pack_hashes(request_keys, "request key")
     pods = pod_filter(pod_identifier_set)
@@ -321,39 +450,43 @@ def op_score(
     for tier, weight in weights.items():
         fixed += (text_bytes(tier), repr(float(weight)))
     fixed.append(repr(float(UNKNOWN_TIER_WEIGHT)))
-    scores: dict[bytes, float] = {}
-    carried: list[Arg] = [0]  # the pods still in the race and their scores so far
+    scores: dict[tuple[bytes, int], float] = {}
+    carried: list[Arg] = [0]  # the (pod, rank)s still in the race, their scores and stamps
     start = 0
     while start < len(keys):
-        piece = chain[start * 8 : (start + SCORE_KEYS_PER_CALL) * 8]
+        piece = chain[start * HASH_WIDTH : (start + SCORE_KEYS_PER_CALL) * HASH_WIDTH]
+        more = 1 if start + len(piece) // HASH_WIDTH < len(keys) else 0
         reply = yield ScriptCall(
             "score",
             (layout.meta, layout.pi, layout.pp, layout.sx),
-            (*fixed, piece, *carried),
+            (*fixed, piece, more, *carried),
             read=True,
         )
         walked, cut, live = read_score_reply(reply, scores)
-        if not live or (walked < len(piece) // 8 and not cut) or walked == 0:
-            break  # no pod left, or a key no pod holds
+        if not live or (walked < len(piece) // HASH_WIDTH and not cut) or walked == 0:
+            break  # none left, or a key none holds
         start += walked
         carried = [len(live)]
-        for pod in live:
-            carried += (pod, repr(scores[pod]))
-    return {bytes_text(pod): score for pod, score in scores.items()}
+        for slot, stamp in live:
+            carried += (slot[0], slot[1], repr(scores[slot]), stamp)
+    out: dict[str, dict[int, float]] = {}
+    for (pod, rank), score in scores.items():
+        out.setdefault(bytes_text(pod), {})[rank] = score
+    return out
 
 
 def read_score_reply(
-    reply: Sequence[Any], scores: dict[bytes, float]
-) -> tuple[int, bool, list[bytes]]:
-    """Take in a ``score`` reply: each pod's score into ``scores`` (a pod keeps its place of
-    first appearance); how many keys the call walked, whether its walk stopped at the work
-    limit, and the pods still holding every key walked, in order."""
-    live: list[bytes] = []
-    for i in range(2, len(reply), 3):
-        pod = bytes(reply[i])
-        scores[pod] = float(reply[i + 1])
-        if int(reply[i + 2]):
-            live.append(pod)
+    reply: Sequence[Any], scores: dict[tuple[bytes, int], float]
+) -> tuple[int, bool, list[tuple[tuple[bytes, int], bytes]]]:
+    """Take in a ``score`` reply: each (pod, rank)'s score into ``scores`` (keeping its place
+    of first appearance); how many keys the call walked, whether its walk stopped at the work
+    limit, and the (pod, rank)s still holding every key walked, in order, with their stamps."""
+    live: list[tuple[tuple[bytes, int], bytes]] = []
+    for i in range(2, len(reply) - 4, 5):
+        slot = (bytes(reply[i]), int(reply[i + 1]))
+        scores[slot] = float(reply[i + 2])
+        if int(reply[i + 3]):
+            live.append((slot, bytes(reply[i + 4])))
     return int(reply[0]), bool(int(reply[1])), live
 
 
@@ -364,7 +497,8 @@ def op_add(
     entries: Entries,
     ttl: float | None = None,
 ) -> Op[None]:
-    """``Index.add``: one ``add`` script call (one per :data:`CALL_BUDGET` of work)."""
+    """``Index.add``: one ``add`` script call (one per
+    :data:`~kvredis.redis.program.CALL_BUDGET` of work)."""
     eng, req, ents = check_add(engine_keys, request_keys, entries)
     seconds = check_ttl(ttl, ents)
     ttl_ms = 0 if seconds is None else max(1, math.ceil(seconds * 1000))
@@ -520,14 +654,148 @@ def op_apply_batch(
     plan = check_batch(ops, stream, watermark)
     if not plan and stream is None:
         return True
+    return (yield from _apply_alone(batch_programs(state.layout, plan), stream, watermark))
+
+
+def op_apply_batches(state: CoreState, batches: Sequence[Batch]) -> Op[list[bool]]:
+    """``MultiBatchIndex.apply_batches``: the batches in ``apply_batches`` script calls of as
+    many whole batches as fit one call's work budget (``lua/apply_batches.lua``), each batch
+    with its own fence and token.
+
+    A batch too large for one call goes alone as :func:`op_apply_batch` does (in parts); so do
+    the batches of a call the server refuses as over budget (it wrote nothing). Once a fenced
+    batch of a stream is not applied, the stream's later batches are not sent (``False``).
+    """
+    checked = check_batches(batches)
+    out = [False] * len(checked)
+    stopped: set[str] = set()
+    group = _BatchGroup(state.layout)
+    for i, (plan, stream, watermark) in enumerate(checked):
+        if stream is not None and stream in stopped:
+            continue
+        if not plan and stream is None:
+            out[i] = True
+            continue
+        if not group.add(i, plan, stream, watermark):
+            yield from group.send(out, stopped)
+            group = _BatchGroup(state.layout)
+            if not group.add(i, plan, stream, watermark):
+                out[i] = yield from _apply_alone(
+                    batch_programs(state.layout, plan), stream, watermark
+                )
+                if not out[i] and stream is not None:
+                    stopped.add(stream)
+    yield from group.send(out, stopped)
+    return out
+
+
+def _apply_alone(
+    programs: list[Program], stream: str | None, watermark: Watermark | None
+) -> Op[bool]:
+    """One batch's programs as the parts of one ``apply_batch`` (:func:`op_apply_batch`)."""
     fence = batch_fence(stream, watermark)
     token = secrets.token_hex(8)
     applied, _ = yield from op_parts(
-        batch_programs(state.layout, plan),
+        programs,
         lambda program, part, parts: batch_call(program, fence, token, part, parts),
         fenced=True,
     )
     return applied
+
+
+_BATCH_HEAD = struct.Struct(">HB")
+_U16 = struct.Struct(">H")
+
+
+class _BatchGroup:
+    """Whole batches gathered into one ``apply_batches`` call (``lua/apply_batches.lua``):
+    the entries and streams they name, each listed once, and each batch's fence and ops."""
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        self.cost = 0
+        self.entries: list[bytes] = []
+        self._entry_index: dict[PodEntry, int] = {}
+        self._order: list[PodEntry] = []
+        self.streams: dict[str, int] = {}
+        self.members: list[tuple[int, list[IndexOp], str | None, Watermark | None]] = []
+        self.blob: list[bytes] = []
+
+    def _entry(self, entry: PodEntry) -> int:
+        index = self._entry_index.get(entry)
+        if index is None:
+            self.entries.append(encode_entry(entry))
+            self._order.append(entry)
+            index = self._entry_index[entry] = len(self.entries)
+        return index
+
+    def add(
+        self, index: int, plan: list[IndexOp], stream: str | None, watermark: Watermark | None
+    ) -> bool:
+        """Add a batch, unless it would take the call over its work budget (``False``: send
+        the group first; a batch over budget alone goes on its own)."""
+        known = len(self.entries)
+        blob, count, cost = blob_ops(plan, self._entry)
+        if (self.members and self.cost + cost > CALL_BUDGET) or cost > CALL_BUDGET:
+            for entry in self._order[known:]:
+                del self._entry_index[entry]
+            del self.entries[known:], self._order[known:]
+            return False
+        self.cost += cost
+        self.members.append((index, plan, stream, watermark))
+        if count > 0xFFFF:
+            raise InvalidInputError(f"a batch of {count} ops is too many for one call")
+        if stream is None or watermark is None:
+            self.blob.append(_BATCH_HEAD.pack(0, 0))
+        else:
+            number = self.streams.setdefault(stream, len(self.streams) + 1)
+            mark = f"{watermark.epoch}:{watermark.seq}:{secrets.token_hex(8)}".encode()
+            self.blob += (_BATCH_HEAD.pack(number, len(mark)), mark)
+        self.blob += (_U16.pack(count), blob)
+        return True
+
+    def call(self) -> ScriptCall:
+        layout = self.layout
+        return ScriptCall(
+            "apply_batches",
+            (layout.meta, layout.pe, layout.pi, layout.pp, layout.wm, layout.sx),
+            [
+                layout.gen,
+                layout.rprefix,
+                layout.eprefix,
+                layout.bucket_bits,
+                MAX_REQUEST_KEYS_PER_ENGINE_KEY,
+                len(self.entries),
+                *self.entries,
+                len(self.streams),
+                *(text_bytes(name) for name in self.streams),
+                b"".join(self.blob),
+            ],
+        )
+
+    def send(self, out: list[bool], stopped: set[str]) -> Op[None]:
+        """Send the group (nothing when empty); record each batch's outcome in ``out``."""
+        if not self.members:
+            return
+        try:
+            replies = yield self.call()
+        except CallBudgetError:
+            # the ops reach too many fragmented runs together: each batch on its own (in
+            # parts where needed); the refused call wrote nothing
+            for index, plan, stream, watermark in self.members:
+                if stream is not None and stream in stopped:
+                    continue
+                applied = yield from _apply_alone(
+                    batch_programs(self.layout, plan), stream, watermark
+                )
+                out[index] = applied
+                if not applied and stream is not None:
+                    stopped.add(stream)
+            return
+        for (index, _, stream, _), reply in zip(self.members, replies, strict=True):
+            out[index] = bool(int(reply))
+            if not out[index] and stream is not None:
+                stopped.add(stream)
 
 
 def batch_fence(stream: str | None, watermark: Watermark | None) -> list[Arg]:
@@ -557,6 +825,24 @@ def batch_call(
             *program.ops,
         ],
     )
+
+
+def op_block_key_scheme(
+    state: CoreState, scheme: BlockKeyScheme, record: bool = False
+) -> Op[BlockKeyScheme | None]:
+    """Check ``scheme`` (the client's block key scheme) against the one the namespace records,
+    and from now on at every load of the namespace; with ``record``, record it first when the
+    namespace records none (the first writer's stays). The scheme recorded (None: none);
+    :class:`~kvredis.errors.BlockKeySchemeError` when it is another."""
+    if not isinstance(scheme, BlockKeyScheme):
+        raise InvalidInputError(f"scheme must be a BlockKeyScheme, got {scheme!r}")
+    state.scheme = scheme
+    meta = state.layout.meta
+    recorded = yield Command(("HGET", meta, "scheme"))
+    if not recorded and record:
+        yield namespace_call(state, API_VERSION, scheme.text)
+        recorded = yield Command(("HGET", meta, "scheme"))
+    return state.check_scheme(recorded)
 
 
 def op_get_watermark(state: CoreState, stream: str) -> Op[Watermark | None]:

@@ -4,9 +4,11 @@ split of a write into calls that stay within :data:`CALL_BUDGET`."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import struct
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from kvredis.batch import AddOp, IndexOp
 from kvredis.checks import (
     MAX_REQUEST_KEYS_PER_ENGINE_KEY,
     infer_mappings,
@@ -28,10 +30,13 @@ from kvredis.types import Entries, Keys, KeyType, PodEntry
 #: the longest call): adds and batches larger than this are sent in parts, so no call blocks
 #: the server for long whatever the input size.
 CALL_BUDGET = 1024
-#: Units of one engine -> request key mapping (its list of up to 1024 request keys is rewritten).
-PAIR_COST = 4
-#: Units of an evict by engine key (it rewrites every request key the engine key maps to).
-ENGINE_EVICT_COST = 64
+#: Units of one engine -> request key mapping (as a request key: a long mapping list, whose
+#: rewrite costs more, is counted by the server, which refuses a call over its work limit
+#: before any write: ``lua/includes/writes.lua``).
+PAIR_COST = 1
+#: Units of an evict by engine key (its usual one request key; an engine key mapped to many
+#: more is counted by the server, as for :data:`PAIR_COST`).
+ENGINE_EVICT_COST = 2
 
 
 def compress_pairs(pairs: Sequence[tuple[int, int]], cap: int) -> list[tuple[int, int]]:
@@ -109,6 +114,10 @@ class Program:
         self.count += 1
         self.cost += evict_cost(len(ents), key_type)
 
+    def extend(self, units: Sequence[Unit]) -> None:
+        """Append the ops ``units`` (another program's :attr:`units`), in order."""
+        _fill(self, units)
+
     def bucket_args(self) -> list[Arg]:
         layout = self.layout
         return [layout.gen, layout.rprefix, layout.eprefix, layout.bucket_bits]
@@ -120,8 +129,8 @@ class Program:
         """The program as smaller ones that, applied in order, do the same: of ``ops`` ops
         each; else (``ops`` 0) its first op's request keys in pieces of ``keys`` (its mappings
         with the last), then the other ops; else cut in two. Empty for one op that cannot be
-        split (an evict; :func:`op_parts` turns a refused evict by engine key into evicts by
-        request key)."""
+        split (an evict; :func:`~kvredis.redis.ops.op_parts` turns a refused evict by engine
+        key into evicts by request key)."""
         units, layout = self.units, self.layout
         if 0 < ops < len(units):
             return [program_of(layout, units[i : i + ops]) for i in range(0, len(units), ops)]
@@ -277,3 +286,69 @@ def piece_parents(
         if keys:
             parent = keys[-1]
     return out
+
+
+_U16 = struct.Struct(">H")
+_U32 = struct.Struct(">I")
+
+
+def blob_ops(
+    plan: Sequence[IndexOp], entry: Callable[[PodEntry], int]
+) -> tuple[bytes, int, int]:
+    """The ops of one checked batch in the binary form of ``apply_batches``
+    (``lua/includes/program.lua``, ``read_blob_batches``), how many ops that is, and their
+    units of work.
+
+    ``entry`` gives an entry's 1-based index among the call's entries. Consecutive evicts of
+    the same kind and entries become one op of several keys (evicted in turn, as separate ops
+    would be); an add's mappings are those :func:`add_pieces` sends.
+    """
+    out: list[bytes] = []
+    cost = count = 0
+    u16, u32 = _U16.pack, _U32.pack
+    tag = b""
+    heads: tuple[bytes, ...] = ()
+    keys: list[int] = []
+
+    def flush() -> None:
+        nonlocal count
+        if keys:
+            out.append(tag + b"".join(heads) + u32(len(keys)) + hash_blob(keys))
+            keys.clear()
+            count += 1
+
+    for op in plan:
+        if isinstance(op, AddOp):
+            flush()
+            ents = list(dict.fromkeys(op.entries))
+            req = op.request_keys
+            eng = op.engine_keys
+            if eng and len(eng) == len(req) and len(set(eng)) == len(eng):
+                # one engine key per request key, none repeated: the pairs as they come
+                npairs = len(req)
+                flat = [k for pair in zip(eng, req, strict=True) for k in pair]
+            else:
+                pairs = infer_mappings(eng, req) if eng else []
+                pairs = compress_pairs(pairs, MAX_REQUEST_KEYS_PER_ENGINE_KEY)
+                npairs = len(pairs)
+                flat = [k for pair in pairs for k in pair]
+            head = [b"A" if op.parent is None or not req else b"P", u16(len(ents))]
+            head += [u16(entry(e)) for e in ents]
+            if op.parent is not None and req:
+                head.append(hash_field(op.parent))
+            out.append(b"".join(head))
+            out.append(u32(len(req)) + hash_blob(req))
+            out.append(u32(npairs) + hash_blob(flat))
+            cost += add_cost(len(req), npairs, len(ents))
+            count += 1
+            continue
+        ents = list(dict.fromkeys(op.entries))
+        kind = b"R" if op.key_type is KeyType.REQUEST else b"E"
+        these = (u16(len(ents)), *(u16(entry(e)) for e in ents))
+        if not keys or kind != tag or these != heads:
+            flush()
+            tag, heads = kind, these
+        keys.append(op.key)
+        cost += evict_cost(len(ents), op.key_type)
+    flush()
+    return b"".join(out), count, cost

@@ -141,7 +141,7 @@ def op_read_hashes(
     """HGETALL every key (pipelined), calling ``visit(key, fields)`` for each hash key.
 
     A key that is not a hash is visited with an empty dict only if its TYPE is ``none``; keys of
-    another type are skipped (see :func:`op_check`, which reports them).
+    another type are skipped (see :func:`~kvredis.redis.check.op_check`, which reports them).
     """
     done = 0
     for chunk in chunks(keys, KEYS_PER_PIPELINE):

@@ -81,6 +81,10 @@ class Failure(Exception):
         self.message = message
 
 
+#: Error replies of a server that is up but cannot serve right now (retried like timeouts).
+TRANSIENT_REPLIES = frozenset({"BUSY", "LOADING", "MASTERDOWN", "READONLY", "TRYAGAIN"})
+
+
 class ErrorReply(Failure):
     """The server answered with an error reply: ``message`` is the reply, starting with its code.
 
@@ -92,6 +96,19 @@ class ErrorReply(Failure):
     def code(self) -> str:
         """The error code: the reply's first word (``NOSCRIPT``, ``BUSY``, ``KVREDIS_STALE``)."""
         return self.message.split(" ", 1)[0]
+
+
+def error_reply(exc: BaseException) -> ErrorReply | None:
+    """The server's error reply behind ``exc``, as it came: ``exc`` itself (an operation run on
+    raw replies, as a cluster wave runs them, gets it thrown in as it is), or the reply a
+    :mod:`kvredis.errors` exception was made from (:func:`~kvredis.redis.session.op_send` and
+    the cluster's per-node runs raise it ``from`` the reply); ``None`` for an error no reply
+    caused. What an operation decides from an error reply it reads here, from the reply's code
+    and text, never from the message of the exception made of it."""
+    if isinstance(exc, ErrorReply):
+        return exc
+    cause = exc.__cause__
+    return cause if isinstance(cause, ErrorReply) else None
 
 
 class ConnectionLost(Failure):

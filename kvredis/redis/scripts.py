@@ -11,33 +11,72 @@ once), so a script can run a command unchanged on keys and arguments it builds (
 ``score_shards`` runs ``score`` per shard). The SHA1 of every expanded script is computed
 locally, so the first call is already an EVALSHA.
 
-The registry only builds commands: ``EVALSHA`` for a :class:`~kvredis.redis.requests.ScriptCall`
-and ``SCRIPT LOAD`` for the reload after ``NOSCRIPT`` (its subclass
+The registry only builds commands, each method named after what it returns:
+:meth:`~ScriptRegistry.call_command` for a :class:`~kvredis.redis.requests.ScriptCall` (here its
+``EVALSHA``, :meth:`~ScriptRegistry.evalsha_command`) and :meth:`~ScriptRegistry.load_command`
+for the reload after ``NOSCRIPT`` (here ``SCRIPT LOAD``,
+:meth:`~ScriptRegistry.script_load_command`); its subclass
 :class:`kvredis.redis.functions.FunctionRegistry` sends the same calls as ``FCALL``/``FCALL_RO``
-of the ``kvredis`` function library). Sending them, and reloading on ``NOSCRIPT``, is the job of
-:func:`kvredis.redis.ops.op_send`. No I/O library is imported here.
+of the ``kvredis`` function library. Sending them, and reloading what the server lacks
+(:func:`missing_callee`), is the job of :func:`kvredis.redis.session.op_send`. No I/O library is
+imported here.
 """
 
 from __future__ import annotations
 
+import enum
 import functools
 import hashlib
 import importlib.resources
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from importlib.abc import Traversable
 from pathlib import Path
 from typing import Any
 
 from kvredis.errors import BackendError
-from kvredis.redis.requests import Command, Op, ScriptCall
+from kvredis.redis.requests import Command, ErrorReply, Op, ScriptCall
+from kvredis.redis.state import CoreState
 
 _INCLUDE_RE = re.compile(r"^--@(include|command)\s+(\S+)\s*$", re.MULTILINE)
 _SHEBANG_RE = re.compile(r"\A#!lua[^\n]*\n")
 #: Folder (under ``lua/``) of the include files, and the prefix of their names in a source map.
 INCLUDES = "includes"
 _REPO_LUA = Path(__file__).resolve().parents[2] / "lua"
+#: Text a server answers a call of a function it does not have with (``ERR Function not found``).
+NOT_FOUND = "function not found"
+#: The error code of a function's refusal of a call of another protocol version
+#: (``lua/includes/api.lua``).
+VERSION_CODE = "KVREDIS_VERSION"
+
+
+class Missing(enum.Enum):
+    """What a server lacked, by the error reply to a call of it."""
+
+    #: ``NOSCRIPT``: the script an ``EVALSHA`` named (a flush, a restart, a failover)
+    SCRIPT = "script"
+    #: ``ERR Function not found``: the function an ``FCALL`` named (no library loaded)
+    FUNCTION = "function"
+    #: ``KVREDIS_VERSION``: the function of the protocol version the ``FCALL`` carried (the
+    #: server's library was loaded by a kvredis of another version)
+    VERSION = "version"
+
+
+def missing_callee(reply: object) -> Missing | None:
+    """What the server lacks when ``reply`` is the error reply of a call of a script or function
+    it does not have; ``None`` for any other reply (not an error reply, or another error). The
+    one reading of such replies: the single-server session and the cluster's waves decide with
+    it whether loading and calling again helps (see :meth:`ScriptRegistry.missing`)."""
+    if not isinstance(reply, ErrorReply):
+        return None
+    if reply.code == "NOSCRIPT":
+        return Missing.SCRIPT
+    if reply.code == VERSION_CODE:
+        return Missing.VERSION
+    if NOT_FOUND in reply.message.lower():
+        return Missing.FUNCTION
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +183,12 @@ class ScriptRegistry:
     #: :class:`kvredis.redis.functions.FunctionRegistry` may).
     active: bool = False
 
+    @property
+    def api(self) -> int | None:
+        """The protocol version of the function library calls may go to (None: EVALSHA only;
+        a namespace this client creates then records the shipped one)."""
+        return None
+
     def __init__(self, scripts: Mapping[str, Script] | None = None) -> None:
         self._scripts: dict[str, Script] = dict(_shipped_scripts() if scripts is None else scripts)
 
@@ -160,48 +205,64 @@ class ScriptRegistry:
         """Names of the registered scripts."""
         return sorted(self._scripts)
 
-    def evalsha(self, call: ScriptCall) -> Command:
-        """The command that calls ``call``: its ``EVALSHA`` (:meth:`script_command`)."""
-        return self.script_command(call)
+    def call_command(self, call: ScriptCall) -> Command:
+        """The command that calls ``call`` the way calls are sent now: its ``EVALSHA``
+        (:meth:`evalsha_command`) here, ``FCALL``/``FCALL_RO`` for a function registry using
+        the library."""
+        return self.evalsha_command(call)
 
-    def script_command(self, call: ScriptCall) -> Command:
+    def evalsha_command(self, call: ScriptCall) -> Command:
         """The ``EVALSHA`` command of ``call`` (a read only for a ``no-writes`` script)."""
         keys, script = call.keys, self[call.script]
         if call.read and not script.no_writes:
             raise BackendError(f"script {call.script} may write: it cannot be sent as a read")
         return Command(("EVALSHA", script.sha, len(keys), *keys, *call.args), call.read)
 
-    def load(self, name: str, read: bool = False) -> Command:
-        """The command that loads what a call of ``name`` needs: :meth:`script_load`."""
-        return self.script_load(name, read)
+    def load_command(self, name: str, read: bool = False) -> Command:
+        """The command that loads what a call of ``name`` needs: :meth:`script_load_command`
+        here, ``FUNCTION LOAD`` for a function registry using the library."""
+        return self.script_load_command(name, read)
 
-    def script_load(self, name: str, read: bool = False) -> Command:
+    def script_load_command(self, name: str, read: bool = False) -> Command:
         """The ``SCRIPT LOAD`` command of script ``name`` (``read``: for the server a read
         call of it goes to, a replica maybe)."""
         return Command(("SCRIPT", "LOAD", self[name].source), read)
 
     def check_loaded(self, name: str, reply: Any) -> None:
-        """Check the reply of :meth:`load`: the server must hash the script as we did."""
+        """Check the reply of :meth:`load_command`: the server must hash the script as we did."""
         script = self[name]
         got = reply.decode() if isinstance(reply, bytes) else str(reply)
         if got != script.sha:
             raise BackendError(f"server hashed script {name} to {got}, expected {script.sha}")
 
-    def missing(self, message: str) -> bool:
-        """Whether the error reply ``message`` of a call says the server lacks what was called
-        (``NOSCRIPT``): loading it (:meth:`load`) and calling again helps."""
-        return message.startswith("NOSCRIPT")
+    def missing(self, reply: object) -> bool:
+        """Whether ``reply`` (to a call of :meth:`call_command`) is the error reply saying the
+        server lacks what was called (:func:`missing_callee`: here a script, ``NOSCRIPT``), so
+        that loading it (:meth:`load_command`) and calling again helps."""
+        return missing_callee(reply) is Missing.SCRIPT
 
-    def refused(self, message: str) -> bool:
-        """Whether the error reply ``message`` refuses the way calls are sent, where EVALSHA
-        (:meth:`script_command`) may still work; never, for EVALSHA itself."""
+    def refused(self, reply: object) -> bool:
+        """Whether ``reply`` is an error reply refusing the way calls are sent, where EVALSHA
+        (:meth:`evalsha_command`) may still work; never, for EVALSHA itself."""
         return False
 
     def fall_back(self, message: str) -> None:
         """Keep to EVALSHA from now on, because of the refusal ``message``."""
 
-    def op_choose(self, server: str = "the server") -> Op[None]:
-        """Decide, when connecting to ``server``, how calls are sent: by EVALSHA here (see
-        :meth:`kvredis.redis.functions.FunctionRegistry.op_choose`)."""
+    def op_choose(self, server: str = "the server", state: CoreState | None = None) -> Op[None]:
+        """Decide, when connecting to ``server`` (for ``state``'s namespace), how calls are
+        sent: by EVALSHA here (see :meth:`kvredis.redis.functions.FunctionRegistry.op_choose`)."""
         return
         yield
+
+    def op_reload(
+        self, names: Collection[str], read: bool = False, state: CoreState | None = None
+    ) -> Op[None]:
+        """After calls of ``names`` missed what they call (:meth:`missing`): load it, each
+        distinct load command once (``read``: for the server a read call goes to)."""
+        done: set[Command] = set()
+        for name in sorted(names):
+            command = self.load_command(name, read)
+            if command not in done:
+                done.add(command)
+                self.check_loaded(name, (yield command))

@@ -3,7 +3,9 @@
 - :func:`op_send` sends one request: a :class:`~kvredis.redis.requests.ScriptCall` as ``FCALL``
   of the function library (or ``EVALSHA``, its fallback), loading the library or script and
   sending it again when the server lost it (after ``FUNCTION FLUSH``/``SCRIPT FLUSH``, a restart
-  or a failover; in a pipeline only the calls that missed are sent again); transient failures
+  or a failover; in a pipeline only the calls that missed are sent again) or a library of
+  another protocol version refused it (the registry settles again, for the session's namespace:
+  :meth:`~kvredis.redis.functions.FunctionRegistry.op_reload`); transient failures
   (connection lost, timeout, ``BUSY``/``LOADING``/``MASTERDOWN``/``READONLY``/``TRYAGAIN``
   replies) are retried ``retries`` times after a :class:`~kvredis.redis.requests.Sleep` with
   exponential backoff, then raise :class:`~kvredis.errors.BackendUnavailableError` naming the
@@ -31,6 +33,7 @@ from kvredis.errors import (
     translate,
 )
 from kvredis.redis.requests import (
+    TRANSIENT_REPLIES,
     AuthenticationFailed,
     Command,
     ConnectionLost,
@@ -44,14 +47,12 @@ from kvredis.redis.requests import (
     Sleep,
     TlsFailed,
 )
-from kvredis.redis.scripts import ScriptRegistry
+from kvredis.redis.scripts import Missing, ScriptRegistry, missing_callee
 from kvredis.redis.state import CoreState
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
-#: Error replies of a server that is up but cannot serve right now (retried like timeouts).
-TRANSIENT_REPLIES = frozenset({"BUSY", "LOADING", "MASTERDOWN", "READONLY", "TRYAGAIN"})
 #: How many times one call is sent in all when the server keeps answering NOSCRIPT (a flush
 #: racing the reload).
 NOSCRIPT_ATTEMPTS = 3
@@ -110,15 +111,15 @@ class Session:
     policy: RetryPolicy
 
 
-def _load_scripts(registry: ScriptRegistry, names: Collection[str], read: bool = False) -> Op[None]:
-    """Load what the calls of ``names`` need, each distinct load command once (a function
-    library is one load for every name)."""
-    done: set[Command] = set()
-    for name in sorted(names):
-        command = registry.load(name, read)
-        if command not in done:
-            done.add(command)
-            registry.check_loaded(name, (yield command))
+def _load_scripts(
+    registry: ScriptRegistry,
+    names: Collection[str],
+    read: bool = False,
+    state: CoreState | None = None,
+) -> Op[None]:
+    """Load what the calls of ``names`` need (:meth:`ScriptRegistry.op_reload`: each script
+    once, or the function library once for every name, settled for ``state``'s namespace)."""
+    yield from registry.op_reload(names, read, state)
 
 
 def _by_evalsha(registry: ScriptRegistry, call: ScriptCall, refusal: ErrorReply) -> Op[Any]:
@@ -128,12 +129,12 @@ def _by_evalsha(registry: ScriptRegistry, call: ScriptCall, refusal: ErrorReply)
     try:
         for attempt in range(1, NOSCRIPT_ATTEMPTS + 1):
             try:
-                reply = yield registry.script_command(call)
+                reply = yield registry.evalsha_command(call)
                 break
             except ErrorReply as failure:
-                if not failure.code == "NOSCRIPT" or attempt == NOSCRIPT_ATTEMPTS:
+                if missing_callee(failure) is not Missing.SCRIPT or attempt == NOSCRIPT_ATTEMPTS:
                     raise
-            loaded = yield registry.script_load(call.script, call.read)
+            loaded = yield registry.script_load_command(call.script, call.read)
             ScriptRegistry.check_loaded(registry, call.script, loaded)
     except ErrorReply:
         raise refusal from None
@@ -141,51 +142,54 @@ def _by_evalsha(registry: ScriptRegistry, call: ScriptCall, refusal: ErrorReply)
     return reply
 
 
-def _script_call(registry: ScriptRegistry, call: ScriptCall) -> Op[Any]:
+def _script_call(
+    registry: ScriptRegistry, call: ScriptCall, state: CoreState | None = None
+) -> Op[Any]:
     for attempt in range(1, NOSCRIPT_ATTEMPTS + 1):
         try:
-            return (yield registry.evalsha(call))
+            return (yield registry.call_command(call))
         except ErrorReply as failure:
-            if registry.refused(failure.message):
+            if registry.refused(failure):
                 return (yield from _by_evalsha(registry, call, failure))
-            if not registry.missing(failure.message) or attempt == NOSCRIPT_ATTEMPTS:
+            if not registry.missing(failure) or attempt == NOSCRIPT_ATTEMPTS:
                 raise
         try:
-            yield from _load_scripts(registry, (call.script,), call.read)
+            yield from _load_scripts(registry, (call.script,), call.read, state)
         except ErrorReply as failure:
-            if not registry.refused(failure.message):
+            if not registry.refused(failure):
                 raise
             return (yield from _by_evalsha(registry, call, failure))
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _pipeline(registry: ScriptRegistry, items: Sequence[ScriptCall | Command]) -> Op[list[Any]]:
+def _pipeline(
+    registry: ScriptRegistry, items: Sequence[ScriptCall | Command], state: CoreState | None = None
+) -> Op[list[Any]]:
     def wire(positions: Sequence[int]) -> Pipeline:
         return Pipeline(
             tuple(
-                registry.evalsha(item) if isinstance(item, ScriptCall) else item
+                registry.call_command(item) if isinstance(item, ScriptCall) else item
                 for item in (items[i] for i in positions)
             )
         )
 
     def retry(reply: Any) -> bool:
-        return isinstance(reply, ErrorReply) and (
-            registry.missing(reply.message) or registry.refused(reply.message)
-        )
+        return registry.missing(reply) or registry.refused(reply)
 
     replies = list((yield wire(range(len(items)))))
     for _ in range(NOSCRIPT_ATTEMPTS - 1):
         again = [i for i, reply in enumerate(replies) if retry(reply)]
         if not again:
             break
-        if any(registry.refused(replies[i].message) for i in again):
+        if any(registry.refused(replies[i]) for i in again):
             for i in again:  # one by one: each call finds its way (see _script_call)
                 item = items[i]
                 if isinstance(item, ScriptCall):
-                    replies[i] = yield from _script_call(registry, item)
+                    replies[i] = yield from _script_call(registry, item, state)
             continue
         calls = (items[i] for i in again)
-        yield from _load_scripts(registry, {c.script for c in calls if isinstance(c, ScriptCall)})
+        names = {c.script for c in calls if isinstance(c, ScriptCall)}
+        yield from _load_scripts(registry, names, False, state)
         for i, reply in zip(again, (yield wire(again)), strict=True):
             replies[i] = reply
     for reply in replies:
@@ -195,29 +199,41 @@ def _pipeline(registry: ScriptRegistry, items: Sequence[ScriptCall | Command]) -
 
 
 def op_send(session: Session, request: Request) -> Op[Any]:
-    """Send one request: scripts by EVALSHA with reload on NOSCRIPT, retries, error translation.
+    """Send one request: scripts by FCALL or EVALSHA with a reload of what the server lacks,
+    retries, error translation.
 
     A pipeline's reply is the list of its replies; a failed command in it fails the whole
-    request (every request is idempotent, so it may be sent again).
+    request (every request is idempotent, so it may be sent again). An error reply is raised as
+    its :mod:`kvredis.errors` exception (:func:`typed_error`), which carries the reply as it
+    came (:func:`~kvredis.redis.requests.error_reply`).
     """
     policy, registry = session.policy, session.registry
     attempt = 0
     while True:
         try:
             if isinstance(request, ScriptCall):
-                return (yield from _script_call(registry, request))
+                return (yield from _script_call(registry, request, session.state))
             if isinstance(request, Pipeline):
-                return (yield from _pipeline(registry, request.items))
+                return (yield from _pipeline(registry, request.items, session.state))
             return (yield request)
         except (AuthenticationFailed, NotRedis, TlsFailed) as failure:
             raise policy.unavailable(failure) from failure
         except (ConnectionLost, ErrorReply) as failure:
             if isinstance(failure, ErrorReply) and failure.code not in TRANSIENT_REPLIES:
-                raise translate(failure.message) from failure
+                raise typed_error(failure) from failure
             if attempt >= policy.retries:
                 raise policy.unavailable(failure) from failure
         yield Sleep(policy.delay(attempt))
         attempt += 1
+
+
+def typed_error(reply: ErrorReply) -> KVRedisError:
+    """The :mod:`kvredis.errors` exception of an error reply (:func:`kvredis.errors.translate`),
+    with the reply as its cause: what an operation decides from it, it reads from the reply
+    (:func:`~kvredis.redis.requests.error_reply`), not from the exception's message."""
+    exc = translate(reply.message)
+    exc.__cause__ = reply
+    return exc
 
 
 def op_drive(session: Session, op: Op[T]) -> Op[T]:

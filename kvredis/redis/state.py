@@ -16,10 +16,13 @@ from typing import Any
 
 from kvredis.errors import (
     BackendError,
+    BlockKeySchemeError,
     InvalidInputError,
     NamespaceLayoutError,
+    NamespaceMissingError,
     StaleNamespaceError,
 )
+from kvredis.hashing.config import BlockKeyScheme
 from kvredis.redis.codec import ID_WIDTH, decode_entry
 from kvredis.redis.layout import (
     DEFAULT_BUCKET_BITS,
@@ -55,6 +58,34 @@ def migrate_command(namespace: str, address: str | None = None) -> str:
 def drop_command(namespace: str, address: str | None = None) -> str:
     """The command line that deletes ``namespace`` whatever its layout."""
     return f"`kvredis drop {_target(namespace, address)} --yes`"
+
+
+#: Words of a reply refusing a command to the ACL user (a command, or one a script ran).
+_REFUSALS = ("NOPERM", "no permissions", "can't run this command")
+
+
+def refused_by_acl(message: str) -> bool:
+    """Whether an error reply says the ACL user may not run what was sent."""
+    return any(word in message for word in _REFUSALS)
+
+
+def namespace_missing_error(state: CoreState, refusal: str | None) -> NamespaceMissingError:
+    """The error of a client that found no namespace and may not, or would not, create it:
+    ``refusal`` is the server's reply to the create (``None``: it waited in vain)."""
+    where = f" at {state.address}" if state.address else ""
+    head = f"namespace {state.namespace!r} does not exist yet{where}"
+    if refusal is None:
+        return NamespaceMissingError(
+            f"{head}: it did not appear within wait_for_namespace={state.wait_for_namespace:g} s; "
+            "an ingester (kvredis ingest) or kvredis restore creates it: check that one runs "
+            "with this namespace"
+        )
+    return NamespaceMissingError(
+        f"{head}, and this client may not create it (its ACL user only reads: "
+        f"{refusal.splitlines()[0][:160]}); an ingester (kvredis ingest) or kvredis restore "
+        "creates it. Start one first, or let this client wait for it: RedisIndexConfig("
+        "wait_for_namespace=SECONDS) (JSON waitForNamespace)"
+    )
 
 
 def layout_number(version: str) -> int | None:
@@ -186,6 +217,12 @@ class CoreState:
         self.expiry_mode = EXPIRY_KEY
         #: The server's address as shown to people (password masked), for error messages.
         self.address: str | None = None
+        #: Seconds a client that finds no namespace waits for its creator instead of creating
+        #: it (``RedisIndexConfig.wait_for_namespace``; 0: create it).
+        self.wait_for_namespace = 0.0
+        #: The block key scheme this client computes keys with, once an Indexer or an ingester
+        #: said so (:meth:`check_scheme` compares it with the namespace's at every load).
+        self.scheme: BlockKeyScheme | None = None
         self._current: tuple[Layout, EntryCache] | None = None
         self._lock = threading.Lock()
 
@@ -210,6 +247,26 @@ class CoreState:
     def loaded(self) -> bool:
         """Whether a layout was loaded."""
         return self._current is not None
+
+    def check_scheme(self, recorded: bytes | str | None) -> BlockKeyScheme | None:
+        """The block key scheme the namespace records (``None``: none yet), checked against
+        :attr:`scheme`: :class:`~kvredis.errors.BlockKeySchemeError` naming both when they
+        differ."""
+        if recorded is None or recorded in (b"", ""):
+            return None
+        try:
+            theirs = BlockKeyScheme.parse(recorded)
+        except InvalidInputError as exc:
+            raise NamespaceLayoutError(f"namespace {self.namespace!r}: {exc}") from None
+        ours = self.scheme
+        if ours is not None and theirs != ours:
+            raise BlockKeySchemeError(
+                f"namespace {self.namespace!r} holds block keys of scheme {theirs}, but this "
+                f"client computes {ours}: its lookups and scores would all miss; configure the "
+                "token processor as the namespace's writers do (hashAlgo, blockSizeTokens, "
+                "hashSeed), or use another namespace"
+            )
+        return theirs
 
     def adopt(self, reply: Sequence[Any]) -> Layout:
         """Take over the namespace record returned by the ``namespace`` script."""

@@ -17,7 +17,8 @@ none of them is not affected (the plugin only declares fixtures).
   SGLang 0.5.23 KV events for the prompts a test stores; every engine is closed after the test.
 
 The same building blocks are importable without pytest: :mod:`kvredis.testing.servers`,
-:mod:`kvredis.testing.engine`, :mod:`kvredis.testing.wire` and
+:mod:`kvredis.testing.engine`, :mod:`kvredis.testing.wire`, :mod:`kvredis.testing.trtllm` (a
+fake ``trtllm-serve``: :class:`FakeTrtllmServe`, TensorRT-LLM 1.2's KV cache events over HTTP) and
 ``python -m kvredis.testing.cluster up|down`` (also ``kvredis cluster-up`` / ``cluster-down``).
 """
 
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 #: plugin imports neither redis-py nor pyzmq
 _EXPORTS: dict[str, str] = {
     "FakeEngine": "kvredis.testing.engine",
+    "FakeTrtllmServe": "kvredis.testing.trtllm",
     "wait_until": "kvredis.testing.engine",
     "LocalCluster": "kvredis.testing.servers",
     "RedisServer": "kvredis.testing.servers",
@@ -51,6 +53,7 @@ if TYPE_CHECKING:
         free_port,
         provide_server,
     )
+    from kvredis.testing.trtllm import FakeTrtllmServe
 
 
 def __getattr__(name: str) -> Any:
@@ -64,6 +67,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "FakeEngine",
+    "FakeTrtllmServe",
     "LocalCluster",
     "RedisServer",
     "ServerHandle",

@@ -37,8 +37,9 @@ class EngineFactory(Protocol):
 
 @pytest.fixture(scope="session")
 def kvredis_server() -> Iterator[ServerHandle]:
-    """A real Redis or Valkey server for the session (see :func:`~kvredis.testing.servers.
-    provide_server` for the order it looks in); skips with what to install when none exists."""
+    """A real Redis or Valkey server for the session (see
+    :func:`~kvredis.testing.servers.provide_server` for the order it looks in); skips with
+    what to install when none exists."""
     from kvredis.testing.servers import ServerUnavailableError, provide_server
 
     manager = provide_server()

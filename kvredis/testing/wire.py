@@ -1,4 +1,5 @@
-"""KV-event payloads byte for byte as vLLM 0.34 and SGLang 0.5.23 publish them.
+"""KV-event payloads byte for byte as vLLM 0.34 and SGLang 0.5.23 publish them (and vLLM's
+``event_version`` 1 shapes from its main branch, SGLang's older array form).
 
 Both engines encode with msgspec: an event is a tagged struct (a map whose first key is
 ``"type"``, then the fields in declaration order), ``omit_defaults`` drops fields that have a
@@ -245,3 +246,107 @@ def sglang_pages(
         parent = h
         h += 1
     return events, h - 1
+
+
+# -- vLLM's next shapes (main branch: event_version 1, typed extra keys) --------------------------
+
+
+def vllm_mm(modality: str, mm_hash: str, block_offset: int) -> dict[str, Any]:
+    """vLLM's typed extra key ``MultiModalKey`` (tag ``mm``)."""
+    return {"type": "mm", "modality": modality, "hash": mm_hash, "block_offset": block_offset}
+
+
+def vllm_lora(name: str) -> dict[str, Any]:
+    """vLLM's typed extra key ``LoRAKey``."""
+    return {"type": "lora", "name": name}
+
+
+def vllm_salt(salt: str) -> dict[str, Any]:
+    """vLLM's typed extra key ``CacheSaltKey`` (first block of a request only)."""
+    return {"type": "cache_salt", "salt": salt}
+
+
+def vllm_embeds(digest: bytes) -> dict[str, Any]:
+    """vLLM's typed extra key ``PromptEmbedsKey``."""
+    return {"type": "prompt_embeds", "hash": digest}
+
+
+def vllm_legacy(value: Any) -> dict[str, Any]:
+    """vLLM's ``LegacyExtraKey``: an internal extra key it could not classify."""
+    return {"type": "legacy", "value": value}
+
+
+def vllm_stored_v1(
+    block_hashes: Sequence[Hash],
+    parent_block_hash: Hash | None,
+    token_ids: Sequence[int],
+    block_size: int,
+    *,
+    lora_id: int | None = None,
+    medium: str | None = "GPU",
+    lora_name: str | None = None,
+    event_version: int = 1,
+    extra_keys: Sequence[Sequence[Any] | None] | None = None,
+    group_idx: int | None = None,
+    kv_cache_spec_kind: str | None = None,
+    kv_cache_spec_sliding_window: int | None = None,
+    locality: str | None = None,
+    ownership: str | None = None,
+    fmt: str = "map",
+) -> dict[str, Any] | list[Any]:
+    """vLLM main's ``BlockStored`` (``event_version`` 1, typed ``extra_keys``): as a tagged map
+    (``event_version`` omitted at its default, 1) or in the positional array form (an
+    ``array_like`` struct: every field, in order), where ``event_version`` comes before
+    ``extra_keys``."""
+    extra = None if extra_keys is None else [None if b is None else list(b) for b in extra_keys]
+    names_values: list[tuple[str, Any]] = [
+        ("block_hashes", list(block_hashes)),
+        ("parent_block_hash", parent_block_hash),
+        ("token_ids", list(token_ids)),
+        ("block_size", block_size),
+        ("lora_id", lora_id),
+        ("medium", medium),
+        ("lora_name", lora_name),
+        ("event_version", event_version),
+        ("extra_keys", extra),
+        ("group_idx", group_idx),
+        ("kv_cache_spec_kind", kv_cache_spec_kind),
+        ("kv_cache_spec_sliding_window", kv_cache_spec_sliding_window),
+        ("locality", locality),
+        ("ownership", ownership),
+    ]
+    if fmt == "array":
+        return ["BlockStored", *[v for _, v in names_values]]
+    out: dict[str, Any] = {"type": "BlockStored"}
+    for i, (name, value) in enumerate(names_values):
+        if name == "event_version":
+            if value != 1:
+                out[name] = value
+        elif i < 7 or value is not None:
+            out[name] = value
+    return out
+
+
+def sglang_array_stored(
+    block_hashes: Sequence[int],
+    parent_block_hash: int | None,
+    token_ids: Sequence[int],
+    block_size: int,
+    *,
+    medium: str | None = "GPU",
+    cache_salt: str | None = None,
+) -> list[Any]:
+    """SGLang's array-form ``BlockStored`` (``array_like`` events, before tagged maps), and with
+    a salt its ``BlockStoredWithMetadata``: the seven base fields, then ``{"cache_salt": s}``."""
+    out: list[Any] = [
+        "BlockStored",
+        [signed(h) for h in block_hashes],
+        None if parent_block_hash is None else signed(parent_block_hash),
+        list(token_ids),
+        block_size,
+        None,
+        medium,
+    ]
+    if cache_salt is not None:
+        out.append({"cache_salt": cache_salt})
+    return out

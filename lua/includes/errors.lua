@@ -18,12 +18,14 @@ local function fail_stale()
 end
 
 local function check_gen(meta_key, gen)
+  if type(gen) ~= 'string' then fail('INVALID', 'the namespace generation is missing') end
   if redis.call('HGET', meta_key, 'gen') ~= gen then fail_stale() end
 end
 
 -- The meta record's gen and next_id, or nil when its gen is not the client's (a stale client:
 -- one shard of a cluster call answers "STALE", a single-server call fails as check_gen does).
 local function read_meta(meta_key, gen)
+  if type(gen) ~= 'string' then fail('INVALID', 'the namespace generation is missing') end
   local meta = redis.call('HMGET', meta_key, 'gen', 'next_id')
   if meta[1] ~= gen then return nil end
   return meta

@@ -1,4 +1,4 @@
---[[ expiry: speculative entries added with a ttl (see the README, "Speculative entries").
+--[[ expiry: speculative entries added with a ttl (docs/design/expiry.md).
   They live apart from the request buckets, in expiring buckets <ns>:s:<bucket> (named like the
   request buckets; the prefix is the name of the gate key <ns>:sx without its last letter):
   field = 8-byte request key, value = items of 12 bytes, a 4-byte entry id and its 8-byte
@@ -21,7 +21,8 @@ local ITEM_WIDTH = 12
 -- The functions over items, created on first use: now_ms() (the server clock in ms),
 -- item_deadline(items, j), item(id, deadline) and items_without(items, now, drop) (the items
 -- without those past due at now and those whose id is in drop, a set or nil; returns the
--- items left, how many ids of drop were removed, and the latest deadline left, 0 when none).
+-- items left, how many ids of drop were removed, the latest deadline left, 0 when none, and
+-- the latest deadline of the removed ones, 0 when none).
 local function expiry_items()
   local TWO_32 = 4294967296
   local function now_ms()
@@ -36,18 +37,19 @@ local function expiry_items()
     return id .. struct.pack('>I4I4', math.floor(deadline / TWO_32), deadline % TWO_32)
   end
   local function items_without(items, now, drop)
-    local kept, removed, latest = {}, 0, 0
+    local kept, removed, latest, dropped = {}, 0, 0, 0
     for j = 1, #items, ITEM_WIDTH do
       local id = string.sub(items, j, j + ID_WIDTH - 1)
       local d = item_deadline(items, j)
       if drop and drop[id] then
         removed = removed + 1
+        if d > dropped then dropped = d end
       elseif d > now then
         kept[#kept + 1] = string.sub(items, j, j + ITEM_WIDTH - 1)
         if d > latest then latest = d end
       end
     end
-    return table.concat(kept), removed, latest
+    return table.concat(kept), removed, latest, dropped
   end
   return {now_ms = now_ms, item_deadline = item_deadline, item = item,
           items_without = items_without}
@@ -100,7 +102,7 @@ end
 --   xs.remove(h, set)          remove the ids in set from request key h's expiring entries;
 --                              returns how many were removed
 --   xs.add(h, ids, deadline)   give the ids (array) a deadline under request key h (replacing
---                              an earlier one)
+--                              an earlier one); returns whether one of them had a later one
 --   xs.holds(h)                whether request key h holds a live expiring entry (as staged)
 -- Returns xs.
 local function expiring_open(xs)
@@ -153,11 +155,12 @@ local function expiring_open(xs)
   function xs.add(h, ids, deadline)
     local set = {}
     for _, id in ipairs(ids) do set[id] = true end
-    local left = items_without(get(h), now, set)
+    local left, _, _, before = items_without(get(h), now, set)
     local out = {left}
     for _, id in ipairs(ids) do out[#out + 1] = item(id, deadline) end
     values[h] = table.concat(out)
     if deadline > xs.latest then xs.latest = deadline end
+    return before > deadline
   end
 
   function xs.holds(h)

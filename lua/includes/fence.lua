@@ -11,21 +11,15 @@ local function dec_arg(value, what)
   return value
 end
 
--- Compare two decimal integer strings (optional leading "-", no leading zeros).
+-- Compare two decimal integer strings (optional leading "-", no leading zeros): -1, 0 or 1.
+-- Numbers of one sign and length compare as strings (byte order is digit order).
 local function cmp_dec(a, b)
-  local na, nb = string.sub(a, 1, 1) == '-', string.sub(b, 1, 1) == '-'
+  if a == b then return 0 end
+  local na, nb = string.byte(a, 1) == 45, string.byte(b, 1) == 45
   if na ~= nb then return na and -1 or 1 end
-  local sign = 1
-  if na then
-    sign = -1
-    a, b = string.sub(a, 2), string.sub(b, 2)
-  end
+  local sign = na and -1 or 1
   if #a ~= #b then return (#a < #b and -1 or 1) * sign end
-  for i = 1, #a do
-    local x, y = string.byte(a, i), string.byte(b, i)
-    if x ~= y then return (x < y and -1 or 1) * sign end
-  end
-  return 0
+  return (a < b and -1 or 1) * sign
 end
 
 -- Check the fence of a fenced call (stream ~= ''): epoch, seq and token.
@@ -37,23 +31,45 @@ local function fence_args(epoch, seq, token)
   end
 end
 
+-- A stored watermark "epoch:seq[:token]" taken apart: epoch, seq, token (nil when absent);
+-- fails KVREDIS_LAYOUT when malformed.
+local function mark_parts(stored)
+  local colon = string.find(stored, ':', 1, true)
+  if not colon then fail('LAYOUT', 'malformed watermark ' .. stored) end
+  local colon2 = string.find(stored, ':', colon + 1, true)
+  if colon2 then
+    return string.sub(stored, 1, colon - 1), string.sub(stored, colon + 1, colon2 - 1),
+      string.sub(stored, colon2 + 1)
+  end
+  return string.sub(stored, 1, colon - 1), string.sub(stored, colon + 1), nil
+end
+
+-- How a batch (epoch, seq, token) compares with a watermark taken apart (mark_parts; epoch nil:
+-- none stored): 'apply' (the batch is newer), 'done' (this very token stored it: a lost reply) or
+-- 'skip' (the stream is at or past the batch, applied by another call).
+local function fence_order(stored_epoch, stored_seq, stored_token, epoch, seq, token)
+  if not stored_epoch then return 'apply' end
+  local c = cmp_dec(epoch, stored_epoch)
+  if c == 0 then c = cmp_dec(seq, stored_seq) end
+  if c < 0 then return 'skip' end
+  if c > 0 then return 'apply' end
+  -- The same watermark: applied already, by this very call (a lost reply) or by another.
+  return stored_token == token and 'done' or 'skip'
+end
+
+-- fence_order against a stored watermark string (nil: none stored).
+local function fence_compare(stored, epoch, seq, token)
+  if not stored then return 'apply' end
+  local se, ss, stoken = mark_parts(stored)
+  return fence_order(se, ss, stoken, epoch, seq, token)
+end
+
 -- Whether part `part` of `parts` of the batch (epoch, seq, token) applies: 'apply', 'done' (this
 -- very call applied it already: a lost reply) or 'skip' (the stream is at or past the batch, or
 -- another sender took it over).
 local function fence_open(wm_key, wp_key, stream, epoch, seq, token, part, parts)
-  local stored = redis.call('HGET', wm_key, stream)
-  if stored then
-    local colon = string.find(stored, ':', 1, true)
-    if not colon then fail('LAYOUT', 'malformed watermark ' .. stored) end
-    local rest = string.sub(stored, colon + 1)
-    local colon2 = string.find(rest, ':', 1, true)
-    local stored_seq = colon2 and string.sub(rest, 1, colon2 - 1) or rest
-    local c = cmp_dec(epoch, string.sub(stored, 1, colon - 1))
-    if c == 0 then c = cmp_dec(seq, stored_seq) end
-    if c < 0 then return 'skip' end
-    -- The same watermark: applied already, by this very call (a lost reply) or by another.
-    if c == 0 then return (colon2 and string.sub(rest, colon2 + 1) == token) and 'done' or 'skip' end
-  end
+  local verdict = fence_compare(redis.call('HGET', wm_key, stream), epoch, seq, token)
+  if verdict ~= 'apply' then return verdict end
   if parts > 1 then
     local pending = redis.call('HGET', wp_key, stream)
     local done = 0

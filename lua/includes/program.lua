@@ -19,15 +19,17 @@
 --@include entries
 --@include writes
 --@include expiry
+--@include fence
+--@include stamps
 
 -- The keys and bucket namers the ops write through; sx is the gate key of the expiring
 -- buckets (includes/expiry), read here, before any write. A caller running several programs
 -- in one call sets k.spent to one table for all of them: their run work adds up
 -- (includes/writes).
 local function write_context(meta, pe, pi, pp, rprefix, eprefix, bits, sx)
+  local rbucket, ebucket = bucket_namer(rprefix, bits), bucket_namer(eprefix, bits)
   return {meta = meta, pe = pe, pi = pi, pp = pp, bits = bits, cprefix = run_prefix(rprefix),
-          rbucket = bucket_namer(rprefix, bits), ebucket = bucket_namer(eprefix, bits),
-          xs = expiring_stage(meta, sx, bits)}
+          rbucket = rbucket, ebucket = ebucket, xs = expiring_stage(meta, sx, bits)}
 end
 
 local function entry_indexes(args, pos, nent, nents)
@@ -36,20 +38,21 @@ local function entry_indexes(args, pos, nent, nents)
   return out
 end
 
--- The entries and ops in args from pos, checked; nops nil reads the op count from args; tags is
--- the set of op letters allowed. Returns {ents = encoded entries, ops = parsed ops}.
-local function read_program(args, pos, nops, tags)
+-- The n encoded entries of args from pos (n, then the entries), checked. Returns the entries
+-- and the position after them.
+local function read_entries(args, pos)
   local nents = int_arg(args[pos], 'entry count', 0, #args - pos)
   local ents = {}
   for i = 1, nents do
     ents[i] = args[pos + i]
     if not entry_ok(ents[i]) then fail('INVALID', 'malformed entry encoding ' .. i) end
   end
-  pos = pos + nents + 1
-  if nops == nil then
-    nops = int_arg(args[pos], 'op count', 0, #args - pos)
-    pos = pos + 1
-  end
+  return ents, pos + nents + 1
+end
+
+-- nops ops of args from pos, checked (nents: how many entries their indexes may name; tags: the
+-- set of op letters allowed). Returns the parsed ops and the position after them.
+local function read_ops(args, pos, nops, nents, tags)
   local ops = {}
   for o = 1, nops do
     local tag = args[pos]
@@ -79,6 +82,116 @@ local function read_program(args, pos, nops, tags)
     end
     ops[o] = op
   end
+  return ops, pos
+end
+
+-- The batches of apply_batches.lua, all in one binary string (one argument: a call of many
+-- small batches pays no per-argument conversion), checked. nents: how many entries the ops may
+-- name; nstreams: how many streams the batches may name. Each batch:
+--   u16 stream (1-based among the call's streams; 0: an unfenced batch),
+--   u8 length l, l bytes of mark "epoch:seq:token" (fenced batches; l = 0 otherwise),
+--   u16 number of ops, then the ops, each:
+--     u8 tag, u16 entry count c, c x u16 entry index (1-based, <= nents), then for tag
+--     "A": u32 n, n request keys (8 bytes each), u32 m, m engine/request key pairs (16 bytes)
+--     "P": the 8-byte parent key, then as "A"
+--     "R", "E": u32 n, n keys (8 bytes each), each evicted in turn (request or engine keys)
+-- Integers are big-endian. Returns the batches: {stream = number or nil, mark, epoch, seq,
+-- token, ops} (ops as read_ops gives them; multi-key evicts have keys, not field). Ops naming
+-- the same entries share one ents table (most do).
+local function read_blob_batches(blob, nents, nstreams)
+  if type(blob) ~= 'string' then fail('INVALID', 'batches must be a string') end
+  local batches, len, pos = {}, #blob, 1
+  local entsets = {}
+  local b, a1, a2, a3, a4 = 0
+  while pos <= len do
+    b = b + 1
+    if pos + 4 > len then fail('INVALID', 'batch ' .. b .. ' is cut short') end
+    a1, a2, a3 = string.byte(blob, pos, pos + 2)
+    local stream, ml = a1 * 256 + a2, a3
+    if stream > nstreams or (stream > 0) ~= (ml > 0) then
+      fail('INVALID', 'batch ' .. b .. ': stream ' .. stream .. ' with a mark of ' .. ml .. ' bytes')
+    end
+    local batch = {}
+    if stream > 0 then
+      local mark = string.sub(blob, pos + 3, pos + 2 + ml)
+      local epoch, seq, token = string.match(mark, '^(%-?%d+):(%-?%d+):(%x+)$')
+      if not epoch or #mark ~= ml then
+        fail('INVALID', 'batch ' .. b .. ': mark must be epoch:seq:token, got ' .. mark)
+      end
+      dec_arg(epoch, 'epoch')
+      dec_arg(seq, 'seq')
+      batch.stream, batch.mark, batch.epoch, batch.seq, batch.token = stream, mark, epoch, seq,
+        token
+    end
+    pos = pos + 3 + ml
+    if pos + 1 > len then fail('INVALID', 'batch ' .. b .. ' is cut short') end
+    a1, a2 = string.byte(blob, pos, pos + 1)
+    local nops = a1 * 256 + a2
+    pos = pos + 2
+    local ops = {}
+    for o = 1, nops do
+      if pos + 2 > len then fail('INVALID', 'batch ' .. b .. ' ends inside op ' .. o) end
+      local tag = string.sub(blob, pos, pos)
+      a1, a2 = string.byte(blob, pos + 1, pos + 2)
+      local stop = pos + 2 + 2 * (a1 * 256 + a2)
+      if stop > len then fail('INVALID', 'batch ' .. b .. ' ends inside op ' .. o) end
+      local key = string.sub(blob, pos + 3, stop)
+      local ents = entsets[key]
+      if not ents then
+        ents = {}
+        for at = 1, #key, 2 do
+          a1, a2 = string.byte(key, at, at + 1)
+          local e = a1 * 256 + a2
+          if e < 1 or e > nents then
+            fail('INVALID', 'batch ' .. b .. ': entry index ' .. e .. ' out of range')
+          end
+          ents[#ents + 1] = e
+        end
+        entsets[key] = ents
+      end
+      pos = stop + 1
+      local op = {tag = tag, ents = ents}
+      if tag == 'P' then
+        op.tag, op.parent = 'A', string.sub(blob, pos, pos + HASH_WIDTH - 1)
+        pos = pos + HASH_WIDTH
+      elseif tag ~= 'A' and tag ~= 'R' and tag ~= 'E' then
+        fail('INVALID', 'batch ' .. b .. ': unknown op ' .. string.format('%q', tag))
+      end
+      -- one list of hashes (R, E), or the request keys and the pairs (A)
+      for width = HASH_WIDTH, op.tag == 'A' and 2 * HASH_WIDTH or HASH_WIDTH, HASH_WIDTH do
+        if pos + 3 > len then fail('INVALID', 'batch ' .. b .. ' ends inside op ' .. o) end
+        a1, a2, a3, a4 = string.byte(blob, pos, pos + 3)
+        local stop2 = pos + 3 + (((a1 * 256 + a2) * 256 + a3) * 256 + a4) * width
+        if stop2 > len then fail('INVALID', 'batch ' .. b .. ' ends inside op ' .. o) end
+        local list = string.sub(blob, pos + 4, stop2)
+        if op.tag ~= 'A' then
+          op.keys, op.first = list, 0
+        elseif width == HASH_WIDTH then
+          op.req = list
+        else
+          op.pairs = list
+        end
+        pos = stop2 + 1
+      end
+      ops[o] = op
+    end
+    batch.ops = ops
+    batches[b] = batch
+  end
+  return batches
+end
+
+-- The entries and ops in args from pos, checked; nops nil reads the op count from args; tags is
+-- the set of op letters allowed. Returns {ents = encoded entries, ops = parsed ops}.
+local function read_program(args, pos, nops, tags)
+  local ents
+  ents, pos = read_entries(args, pos)
+  if nops == nil then
+    nops = int_arg(args[pos], 'op count', 0, #args - pos)
+    pos = pos + 1
+  end
+  local ops
+  ops, pos = read_ops(args, pos, nops, #ents, tags)
   if pos ~= #args + 1 then fail('INVALID', (#args + 1 - pos) .. ' arguments after the last op') end
   return {ents = ents, ops = ops}
 end
@@ -149,12 +262,13 @@ local function run_program(k, program, cap, ms)
   -- key's is bounded.
   local one = ops[1]
   local splittable = #ops > 1 or (one and (one.tag == 'E' or
-    one.tag == 'A' and #one.req > HASH_WIDTH))
+    one.tag == 'A' and #one.req > HASH_WIDTH or one.keys and #one.keys > HASH_WIDTH))
   local st, xs = new_stage(k.cprefix, splittable and RUN_WORK_LIMIT or nil, k.spent), k.xs
   if ms > 0 or xs.live or #new > 0 then expiring_open(xs) end
   local removed = 0
   local spec = nil
   local rbucket = k.rbucket
+  local marks = {}  -- entries whose copies this call takes away (includes/stamps)
   for o, op in ipairs(ops) do
     st.op, st.key = o - 1, 0
     local set = {}
@@ -192,6 +306,7 @@ local function run_program(k, program, cap, ms)
       local deadline = ms > 0 and xs.now + ms
       local parent = op.parent
       local prev = parent
+      local taken = false
       for i = 1, #req, HASH_WIDTH do
         local rfield = string.sub(req, i, i + HASH_WIDTH - 1)
         local bucket = rbucket(rfield)
@@ -201,48 +316,57 @@ local function run_program(k, program, cap, ms)
           -- A new first key following a held parent key continues a stored chain: read the
           -- parent's record (its ref names the run it may end).
           if i == 1 and parent and st.prev[rfield] == parent
-              and stage_get(st, 'r', rbucket(parent), parent, true) then
+              and stage_get(st, 'r', rbucket(parent), parent) then
             st.chain[rfield] = true
           end
           prev = rfield
         end
         if timed then
-          remove_ids(st, bucket, rfield, timed_set)
-          xs.add(rfield, timed, deadline)
+          local _, moved = remove_ids(st, bucket, rfield, timed_set)
+          if xs.add(rfield, timed, deadline) or moved > 0 then taken = true end
         elseif untimed then
-          xs.remove(rfield, untimed)
+          if xs.remove(rfield, untimed) > 0 then taken = true end
         end
       end
+      if taken then stamp_mark(marks, ents, op.ents) end
       for i = 1, #pairs_, 2 * HASH_WIDTH do
         local efield = string.sub(pairs_, i, i + HASH_WIDTH - 1)
         local rfield = string.sub(pairs_, i + HASH_WIDTH, i + 2 * HASH_WIDTH - 1)
         map_engine(st, k.ebucket(efield), efield, rfield, cap)
       end
     else
+      local before = removed
       for _, j in ipairs(op.ents) do
         local id = lookup_id(j)
         if id and id ~= 0 then set[id] = true end
       end
-      if op.tag == 'R' then
-        local _, n = remove_ids(st, k.rbucket(op.field), op.field, set)
-        removed = removed + n
-        if xs.live then removed = removed + xs.remove(op.field, set) end
-      else
-        local ebucket = k.ebucket(op.field)
-        if xs.live then
-          local refs = stage_get(st, 'e', ebucket, op.field) or ''
-          for i = op.first * HASH_WIDTH + 1, #refs, HASH_WIDTH do
-            removed = removed + xs.remove(string.sub(refs, i, i + HASH_WIDTH - 1), set)
+      local keys = op.keys or op.field
+      for at = 1, #keys, HASH_WIDTH do
+        local field = op.keys and string.sub(keys, at, at + HASH_WIDTH - 1) or keys
+        if op.keys then st.key = (at - 1) / HASH_WIDTH end
+        if op.tag == 'R' then
+          local _, n = remove_ids(st, k.rbucket(field), field, set)
+          removed = removed + n
+          if xs.live then removed = removed + xs.remove(field, set) end
+        else
+          local ebucket = k.ebucket(field)
+          if xs.live then
+            local refs = stage_get(st, 'e', ebucket, field) or ''
+            for i = op.first * HASH_WIDTH + 1, #refs, HASH_WIDTH do
+              removed = removed + xs.remove(string.sub(refs, i, i + HASH_WIDTH - 1), set)
+            end
           end
+          removed = removed + evict_engine(st, k.rbucket, ebucket, field, set, op.first,
+            xs.live and xs.holds or nil)
         end
-        removed = removed + evict_engine(st, k.rbucket, ebucket, op.field, set, op.first,
-          xs.live and xs.holds or nil)
       end
+      if removed > before then stamp_mark(marks, ents, op.ents) end
     end
   end
   local plan = plan_stage(st, k)
   if #new > 0 then defs.define_entries(k, new, new_ids, next_id, pod_lists) end
   flush_stage(st, k, plan)
   expiring_flush(xs)
+  stamp_removals(k.meta, marks)
   return removed
 end

@@ -17,8 +17,10 @@ local WALK_WORK_LIMIT = 8192
 
 -- Read path: nil while no expiring entry can be live (the gate key sx is absent: one EXISTS per
 -- call), else a function (h, ids) -> the ids of request key h: ids (its request-bucket list, or
--- nil) followed by its expiring ids that are not past due; nil when it holds none.
-local function expiring_reader(sx, bits)
+-- nil) followed by its expiring ids that are not past due; nil when it holds none. With
+-- deadlines (a table), it also records there, per expiring id returned, its earliest deadline
+-- (includes/stamps).
+local function expiring_reader(sx, bits, deadlines)
   if redis.call('EXISTS', sx) == 0 then return nil end
   local x = expiry_items()
   local item_deadline = x.item_deadline
@@ -29,8 +31,14 @@ local function expiring_reader(sx, bits)
     if not items then return ids end
     local live = {}
     for j = 1, #items, ITEM_WIDTH do
-      if item_deadline(items, j) > now then
-        live[#live + 1] = string.sub(items, j, j + ID_WIDTH - 1)
+      local d = item_deadline(items, j)
+      if d > now then
+        local id = string.sub(items, j, j + ID_WIDTH - 1)
+        live[#live + 1] = id
+        if deadlines then
+          local before = deadlines[id]
+          if not before or d < before then deadlines[id] = d end
+        end
       end
     end
     if #live == 0 then return ids end

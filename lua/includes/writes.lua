@@ -25,6 +25,18 @@ end
 -- 1.4 us per range on a small machine). One run (at most RUN_MAX ranges) always fits.
 local RUN_WORK_LIMIT = 4096
 
+-- Count units of work a call does besides reading runs (the request keys an evict by engine
+-- key reaches, the mapping lists rewritten) into the stage's work; fails KVREDIS_BUDGET, before
+-- any write, past the stage's work limit (as stage_run does for runs).
+local function stage_work(st, units)
+  local spent = st.spent
+  spent.work = spent.work + units
+  if st.limit and spent.work > st.limit then
+    fail('BUDGET', st.op .. ' ' .. st.key .. ' the ops reach more than ' .. st.limit ..
+      ' units of work in all; send fewer ops or keys per call')
+  end
+end
+
 -- The run rid as staged (read on first use), or false when absent or malformed. Only the
 -- ranges are read: the keys (a long string) are read by run_keys when a write needs them, or
 -- with the ranges when keys_too (a caller that will likely extend the run: one call, not two).
@@ -323,6 +335,7 @@ local function map_engine(st, bucket, efield, rfield, cap)
     return
   end
   if string.sub(current, -HASH_WIDTH) == rfield then return end
+  stage_work(st, math.floor(#current / (16 * HASH_WIDTH)))
   local pos = list_find(current, rfield, HASH_WIDTH)
   if pos then
     current = string.sub(current, 1, pos - 1) .. string.sub(current, pos + HASH_WIDTH)
@@ -357,6 +370,7 @@ local function evict_engine(st, rbucket, bucket, efield, set, first, timed)
     local rfield = string.sub(refs, (j - 1) * HASH_WIDTH + 1, j * HASH_WIDTH)
     if j > first then
       st.key = j - first - 1
+      if j > first + 1 then stage_work(st, 1) end
       local left, m = remove_ids(st, rbucket(rfield), rfield, set)
       removed = removed + m
       if left and left ~= '' then held = true end

@@ -224,9 +224,13 @@ def test_the_documented_settings_route_the_prompts_an_engine_published(
     finally:
         publisher.close()
         ingest.terminate()
-        ingest.communicate(timeout=30)
+        _, err = ingest.communicate(timeout=30)
         index.drop_namespace()
         index.close()
+    # the engine names pod and model in its topic, as documented: nothing to warn about (but
+    # the engine's going away when the test stops it first)
+    warnings = [line for line in err.splitlines() if " WARNING " in line]
+    assert [w for w in warnings if "disconnected from" not in w] == [], warnings
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])

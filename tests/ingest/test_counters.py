@@ -13,8 +13,9 @@ NAMES = [
     "batches_abandoned", "batches_rejected", "batches_superseded", "events", "events_applied",
     "blocks_stored", "blocks_removed", "request_keys_stored", "tier_updates", "tier_update_misses",
     "parent_misses", "index_calls", "index_lookups", "gaps", "replays", "replayed_batches",
-    "replay_failures", "namespace_resets", "restarts", "epochs_adopted", "clears",
-    "clears_all_blocks_cleared", "clears_restart", "clears_gap", "peer_waits", "takeovers",
+    "replay_failures", "namespace_resets", "restarts", "engines_replaced", "epochs_adopted",
+    "clears", "clears_all_blocks_cleared", "clears_restart", "clears_gap", "clears_replaced",
+    "peer_waits", "takeovers",
     "lost_ownership", "backend_retries", "rejected", "received", "connects", "disconnects",
     "transport_errors",
 ]

@@ -39,7 +39,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvredis.batch import AddOp, IndexOp, Watermark
 from kvredis.ingest.events import BlockRemoved, BlockStored, encode_batch
-from kvredis.ingest.sequencer import BatchOutcome, drive
+from kvredis.ingest.sequencer import BatchGroup, BatchOutcome, drive
 from kvredis.ingest.stream import PHASE_DONE, split_position
 from kvredis.ingest.transport import ReplayedMessage
 from kvredis.memory import InMemoryIndex
@@ -304,6 +304,33 @@ class Protocol(RuleBasedStateMachine):
                 return
             self._step(node)
         raise AssertionError("a message took more than MAX_ACTIONS actions")
+
+    @rule(which=strat.integers(0, 2), most=strat.integers(2, 6))
+    def drain(self, which: int, most: int) -> None:
+        """The replica takes up to ``most`` queued messages at once and applies them as a
+        worker does (``BatchGroup``): the fast batches among them in one ``apply_batches``, the
+        others one by one, in order."""
+        node = self.slots[which % len(self.slots)]
+        replica = node.replica
+        if replica is None or node.stepper is not None or not node.queue:
+            return
+        group = BatchGroup(
+            replica.sequencer, replica.perform, replica.backend.apply_steps, limit=most
+        )
+        taken: list[Published] = []
+        while node.queue and len(taken) < most:
+            msg = node.queue.popleft()
+            if node.anchor is not None:
+                self._anchor(node, msg)
+            before = self._epoch()
+            group.handle(len(taken), replica.stream, TOPIC, msg.seq, msg.payload)
+            for opened in range(before + 1, self._epoch() + 1):
+                self.epoch_of[opened] = self.visible[msg.incarnation]
+            taken.append(msg)
+        group.flush()
+        for number, msg in enumerate(taken):
+            node.current = msg
+            self._done(node, group.outcomes.get(number))
 
     def _step(self, node: Node) -> bool:
         """One action of ``node`` (starting its next message if idle); False if it has none."""

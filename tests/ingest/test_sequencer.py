@@ -6,7 +6,7 @@ replica acts, when time passes and when shutdown begins (see tests/ingest/harnes
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import pytest
@@ -20,8 +20,10 @@ from kvredis.ingest.sequencer import (
     Action,
     ApplyOps,
     ApplyStep,
+    BatchGroup,
     BatchOutcome,
     ClearPod,
+    Failed,
     FetchReplay,
     LookupRequestKey,
     OpenReplay,
@@ -35,6 +37,7 @@ from tests.ingest.harness import (
     CONFIG,
     POD,
     STREAM,
+    TOPIC,
     FakeClock,
     FakeReplay,
     Replica,
@@ -626,3 +629,85 @@ def test_a_subscriber_that_read_an_epoch_opening_takes_seq_0_for_a_new_restart(
     assert held(index, [*range(3), 60, 70]) == {70}
     assert stalled.finish() is BatchOutcome.SUPERSEDED
     assert a.count("clears") == 0
+
+
+# -- batches applied together (BatchGroup) ----------------------------------------------------
+
+
+def _group(replica: Replica, calls: list[int], fail: bool = False, limit: int = 64) -> BatchGroup:
+    def apply_steps(steps: Sequence[Any]) -> list[bool]:
+        calls.append(len(steps))
+        if fail:
+            raise Failed("the index went away")
+        return replica.backend.apply_steps(steps)
+
+    return BatchGroup(replica.sequencer, replica.perform, apply_steps, limit)
+
+
+def test_a_group_of_fast_batches_is_one_index_call_with_the_outcomes_of_one_by_one() -> None:
+    index, clock = InMemoryIndex(), FakeClock()
+    one, many = Replica(InMemoryIndex(), clock), Replica(index, clock)
+    one.feed(range(3))
+    many.feed(range(3))  # the stream is synced: the next batches take the fast path
+    calls: list[int] = []
+    group = _group(many, calls)
+    for n in range(3, 13):
+        group.handle(n, many.stream, TOPIC, n, batch(n))
+    group.flush()
+    one.feed(range(3, 13))
+    assert calls == [10]
+    assert [group.outcomes[n] for n in range(3, 13)] == [BatchOutcome.APPLIED] * 10
+    assert held(index, range(13)) == held(one.index, range(13)) == set(range(13))
+    assert index.get_watermark(STREAM) == one.index.get_watermark(STREAM)
+    for name in ("batches", "batches_applied", "events", "blocks_stored", "messages"):
+        assert many.count(name) == one.count(name), name
+
+
+def test_batches_a_peer_applied_first_are_duplicates_and_the_rest_apply() -> None:
+    index, clock = InMemoryIndex(), FakeClock()
+    peer, mine = Replica(index, clock), Replica(index, clock)
+    for replica in (peer, mine):
+        replica.feed(range(2))
+    peer.feed(range(2, 5))  # the peer is ahead by three batches
+    calls: list[int] = []
+    group = _group(mine, calls)
+    for n in range(2, 8):
+        group.handle(n, mine.stream, TOPIC, n, batch(n))
+    group.flush()
+    assert calls == [6]  # one call: its first three were skipped, so were the rest
+    assert [group.outcomes[n] for n in range(2, 8)] == [BatchOutcome.DUPLICATE] * 3 + [
+        BatchOutcome.APPLIED
+    ] * 3
+    assert held(index, range(8)) == set(range(8))
+    # the first two were duplicates too (the peer applied them before this replica saw them)
+    assert mine.count("batches_duplicate") == 5 and mine.count("batches_applied") == 3
+
+
+def test_a_failed_group_is_handled_again_message_by_message() -> None:
+    index, clock = InMemoryIndex(), FakeClock()
+    replica = Replica(index, clock)
+    replica.feed(range(2))
+    calls: list[int] = []
+    group = _group(replica, calls, fail=True)
+    for n in range(2, 6):
+        group.handle(n, replica.stream, TOPIC, n, batch(n))
+    group.flush()
+    assert calls == [4]
+    assert [group.outcomes[n] for n in range(2, 6)] == [BatchOutcome.APPLIED] * 4
+    assert held(index, range(6)) == set(range(6))
+    assert replica.count("batches") == 6 and replica.count("messages") == 6
+
+
+def test_a_message_that_needs_more_applies_the_group_first() -> None:
+    """A gap (a lost batch with no replay) is handled alone, after the batches before it."""
+    index, clock = InMemoryIndex(), FakeClock()
+    replica = Replica(index, clock)
+    replica.feed(range(2))
+    calls: list[int] = []
+    group = _group(replica, calls)
+    for n in (2, 3, 5, 6):  # 4 is lost
+        group.handle(n, replica.stream, TOPIC, n, batch(n))
+    group.flush()
+    assert calls == [2, 1]  # 2 and 3 together, 5 alone (the gap clear), 6 after it
+    assert held(index, range(7)) == {5, 6}
+    assert replica.count("gaps") == 1

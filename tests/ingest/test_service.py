@@ -17,7 +17,7 @@ import msgpack
 import pytest
 
 from kvredis.batch import Watermark
-from kvredis.errors import ConfigError, InvalidInputError
+from kvredis.errors import BackendError, ConfigError, InvalidInputError
 from kvredis.features import (
     BlockExtraFeatures,
     MMHash,
@@ -50,6 +50,8 @@ from tests.ingest.engine import wait_until
 TP = ChunkedTokenDatabase()
 MODEL = "model-a"
 TOPIC = f"kv@pod-a@{MODEL}"
+STREAM = f"engine-1#{TOPIC}"
+"""The watermark stream of the engine TOPIC names on endpoint ``engine-1``."""
 FAST = IngesterConfig(peer_grace_s=0.05, takeover_timeout_s=0.2, poll_interval_s=0.005)
 
 
@@ -329,7 +331,7 @@ def test_without_watermarks_batches_still_apply_in_one_call() -> None:
     ing = EventIngester(index, TP, config=IngesterConfig(use_watermarks=False))
     feed = Feeder(ing)
     feed.send(BlockStored((1, 2), None, toks(0, 32), 16), BlockRemoved((1,)))
-    assert index.get_watermark("engine-1") is None
+    assert index.get_watermark(STREAM) is None
     assert ing.counters.get("index_calls") == 1
     assert index.lookup(keys(toks(0, 32))[1:]) != {}
 
@@ -489,7 +491,7 @@ def test_lost_batches_clear_the_pod(shared_index: Any) -> None:
     assert shared_index.lookup(keys(toks(300, 16)))
     c = ing.counters.snapshot()
     assert (c["gaps"], c["clears_gap"], c["replays"]) == (1, 1, 0)
-    assert shared_index.get_watermark("engine-1") == Watermark(0, stream_position(5))
+    assert shared_index.get_watermark(STREAM) == Watermark(0, stream_position(5))
 
 
 def test_gap_before_anything_was_applied_clears_without_waiting(shared_index: Any) -> None:
@@ -515,7 +517,7 @@ def test_engine_restart_clears_and_starts_an_epoch(shared_index: Any) -> None:
     assert feed.send(BlockStored((50,), None, toks(900, 16), 16)) is BatchOutcome.APPLIED
     assert shared_index.lookup(keys(toks(0, 16))) == {}
     assert shared_index.lookup(keys(toks(900, 16)))
-    assert shared_index.get_watermark("engine-1") == Watermark(1, stream_position(0))
+    assert shared_index.get_watermark(STREAM) == Watermark(1, stream_position(0))
     c = ing.counters.snapshot()
     assert (c["restarts"], c["clears_restart"], c["gaps"]) == (1, 1, 0)
     # the new incarnation's chains resolve again
@@ -551,7 +553,7 @@ def test_ingester_and_engine_restarted_together(shared_index: Any, second_client
     )
     assert again.counters.get("clears_restart") == 1
     assert shared_index.lookup(keys(toks(0, 16))) == {}
-    assert shared_index.get_watermark("engine-1") == Watermark(1, stream_position(0))
+    assert shared_index.get_watermark(STREAM) == Watermark(1, stream_position(0))
 
 
 def test_stalled_peer_batch_is_taken_over(shared_index: Any) -> None:
@@ -559,12 +561,12 @@ def test_stalled_peer_batch_is_taken_over(shared_index: Any) -> None:
     feed = Feeder(ing)
     feed.send(BlockStored((1,), None, toks(0, 16), 16))
     # a peer claimed batch 1 (a multi-step batch: it clears) and died before finishing it
-    shared_index.reset_watermark("engine-1", Watermark(0, stream_position(1, 1)))
+    shared_index.reset_watermark(STREAM, Watermark(0, stream_position(1, 1)))
     outcome = feed.send(AllBlocksCleared(), BlockStored((2,), None, toks(16, 16), 16))
     assert outcome is BatchOutcome.APPLIED
     c = ing.counters.snapshot()
     assert (c["takeovers"], c["peer_waits"], c["clears"]) == (1, 1, 1)
-    assert shared_index.get_watermark("engine-1") == Watermark(0, stream_position(1))
+    assert shared_index.get_watermark(STREAM) == Watermark(0, stream_position(1))
     assert shared_index.lookup(keys(toks(0, 16))) == {}
     assert shared_index.lookup(keys(toks(16, 16)))
 
@@ -573,10 +575,10 @@ def test_single_step_plan_overtakes_a_stalled_multi_step_owner(shared_index: Any
     ing = EventIngester(shared_index, TP, config=FAST)
     feed = Feeder(ing)
     feed.send(BlockStored((1,), None, toks(0, 16), 16))
-    shared_index.reset_watermark("engine-1", Watermark(0, stream_position(1, 3)))
+    shared_index.reset_watermark(STREAM, Watermark(0, stream_position(1, 3)))
     assert feed.send(BlockStored((2,), 1, toks(16, 16), 16)) is BatchOutcome.APPLIED
     assert ing.counters.get("takeovers") == 0
-    assert shared_index.get_watermark("engine-1") == Watermark(0, stream_position(1))
+    assert shared_index.get_watermark(STREAM) == Watermark(0, stream_position(1))
     assert len(shared_index.lookup(keys(toks(0, 32)))) == 2
 
 
@@ -678,7 +680,7 @@ def test_two_replicas_agree_on_a_restart(shared_index: Any, second_client: Any) 
     assert (a.counters.get("restarts"), b.counters.get("restarts")) == (1, 1)
     assert a.counters.get("clears") + b.counters.get("clears") == 1
     assert b.counters.get("batches_applied") == 0
-    assert shared_index.get_watermark("engine-1") == Watermark(1, stream_position(2))
+    assert shared_index.get_watermark(STREAM) == Watermark(1, stream_position(2))
     assert snapshot(shared_index, 5) == {}
     for i in range(3):
         assert shared_index.lookup(keys(toks(7000 + 16 * i, 16)))
@@ -751,7 +753,7 @@ def test_backend_outage_retries_then_applies(own_redis_server: Any) -> None:
         worker.join(30)
         assert outcome == [BatchOutcome.APPLIED]
         assert index.lookup(keys(toks(32, 16)))
-        assert index.get_watermark("engine-1") == Watermark(0, stream_position(1))
+        assert index.get_watermark(STREAM) == Watermark(0, stream_position(1))
 
         admin.execute_command("CLIENT", "PAUSE", 20_000, "WRITE")
         retries = ing.counters.get("backend_retries")
@@ -826,7 +828,7 @@ def test_a_replica_lagging_across_a_restart_drops_its_old_backlog(
     held_new = [bool(shared_index.lookup(keys(toks(7000, 16))))]
     held_old = [bool(shared_index.lookup(keys(toks(16 * i, 16)))) for i in range(4)]
     assert (held_new, held_old) == ([True], [False] * 4)
-    assert shared_index.get_watermark("engine-1") == Watermark(1, stream_position(0))
+    assert shared_index.get_watermark(STREAM) == Watermark(1, stream_position(0))
     # both follow the new engine: each batch applied once, by whoever comes first
     assert a.process(TOPIC, 1, new[1], "engine-1") is BatchOutcome.APPLIED
     assert [b.process(TOPIC, seq, new[seq], "engine-1") for seq in range(3)] == [
@@ -836,7 +838,7 @@ def test_a_replica_lagging_across_a_restart_drops_its_old_backlog(
     ]
     assert a.process(TOPIC, 2, new[2], "engine-1") is BatchOutcome.DUPLICATE
     assert all(shared_index.lookup(keys(toks(7000 + 16 * i, 16))) for i in range(3))
-    assert shared_index.get_watermark("engine-1") == Watermark(1, stream_position(2))
+    assert shared_index.get_watermark(STREAM) == Watermark(1, stream_position(2))
     ca, cb = a.counters.snapshot(), b.counters.snapshot()
     assert ca["clears"] + cb["clears"] == 1
     assert (ca["clears_restart"], cb["restarts"], cb["epochs_adopted"]) == (1, 1, 1)
@@ -892,6 +894,62 @@ def test_a_redis_restart_that_loses_the_data_is_detected_and_replay_recovers(
         # the replay buffer held batches 7..10: they are back, the older ones are lost
         held = [bool(index.lookup(keys(toks(16 * i, 16)))) for i in range(12)]
         assert held == [False] * 7 + [True] * 5
-        assert index.get_watermark("engine-1") == Watermark(0, stream_position(11))
+        assert index.get_watermark(STREAM) == Watermark(0, stream_position(11))
     finally:
         index.close()
+
+
+# -- batches applied together ----------------------------------------------------------------
+
+
+class _NoGroups:
+    """An index whose apply_batches always fails (the others delegate)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def apply_batches(self, batches: Any) -> list[bool]:
+        raise BackendError("the index went away")
+
+
+def _page1_nodes() -> list[tuple[str, int, bytes]]:
+    """SGLang page-1 radix nodes of 7, 20, 37, 9 and 23 tokens, each continuing the last: chains
+    ending inside 16-token blocks, which only the ingester's memory of their pages continues."""
+    from tests.ingest.test_fidelity import MODEL, _sglang_nodes
+
+    payloads = _sglang_nodes((7, 20, 37, 9, 23), 1)
+    return [(f"kv@pod-a@{MODEL}", seq, p) for seq, p in enumerate(payloads)]
+
+
+def _page1_keys() -> list[int]:
+    from tests.ingest.test_fidelity import MODEL, PROMPT, TP16
+
+    return TP16.tokens_to_kv_block_keys(0, PROMPT[:96], MODEL)
+
+
+def test_a_group_that_failed_is_applied_again_and_its_chains_continue() -> None:
+    from tests.ingest.test_fidelity import TP16
+
+    index = InMemoryIndex()
+    ing = EventIngester(_NoGroups(index), TP16)
+    assert ing.process_many(_page1_nodes()) == [BatchOutcome.APPLIED] * 5
+    assert ing.counters.get("parent_misses") == 0
+    assert len(index.lookup(_page1_keys())) == 6
+
+
+def test_a_replica_whose_group_a_peer_applied_first_continues_its_chains() -> None:
+    """HA: the peer applied the first batches; this replica's group is refused at the first,
+    handled again as duplicates, and its later batches still find their parents."""
+    from tests.ingest.test_fidelity import TP16
+
+    index = InMemoryIndex()
+    messages = _page1_nodes()
+    peer, mine = EventIngester(index, TP16), EventIngester(index, TP16)
+    for topic, seq, payload in messages[:3]:
+        assert peer.process(topic, seq, payload) is BatchOutcome.APPLIED
+    assert mine.process_many(messages) == [BatchOutcome.DUPLICATE] * 3 + [BatchOutcome.APPLIED] * 2
+    assert mine.counters.get("parent_misses") == 0
+    assert len(index.lookup(_page1_keys())) == 6

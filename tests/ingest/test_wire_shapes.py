@@ -155,3 +155,134 @@ def test_sglang_bytes() -> None:
     bigram_ref = SglStored([9], None, [(1, 2), (2, 3), (3, 4)], 3, None, "GPU")
     assert wire.sglang_batch(bigram) == ENCODE(SglBatch(1.0, [bigram_ref]))
     assert wire.pack(wire.sglang_removed([1])) == ENCODE(SglRemoved([1], "GPU"))
+
+
+# -- vLLM main (event_version 1: typed extra keys) ----------------------------------------------
+
+
+class ExtraKey(msgspec.Struct, gc=False, frozen=True, tag=True):
+    pass
+
+
+class LoRAKey(ExtraKey, frozen=True, tag="lora"):
+    name: str
+
+
+class CacheSaltKey(ExtraKey, frozen=True, tag="cache_salt"):
+    salt: str
+
+
+class PromptEmbedsKey(ExtraKey, frozen=True, tag="prompt_embeds"):
+    hash: bytes
+
+
+class MultiModalKey(ExtraKey, frozen=True, tag="mm"):
+    modality: str
+    hash: str
+    block_offset: int
+
+
+class LegacyExtraKey(ExtraKey, frozen=True, tag="legacy"):
+    value: Any
+
+
+class StoredV1(VllmEvent, tag="BlockStored"):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    event_version: int = 1
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class ArrayEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class ArrayStoredV1(ArrayEvent, tag="BlockStored"):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    event_version: int = 1
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+def test_vllm_event_version_1_bytes() -> None:
+    typed = (
+        LoRAKey("sql"),
+        MultiModalKey("image", "img", 4),
+        CacheSaltKey("salt"),
+        PromptEmbedsKey(DIGEST),
+        LegacyExtraKey("x"),
+    )
+    ref = StoredV1([1, 2], None, list(range(32)), 16, None, "GPU", "sql", extra_keys=[typed, None])
+    wire_typed = [
+        wire.vllm_lora("sql"),
+        wire.vllm_mm("image", "img", 4),
+        wire.vllm_salt("salt"),
+        wire.vllm_embeds(DIGEST),
+        wire.vllm_legacy("x"),
+    ]
+    ours = wire.vllm_stored_v1(
+        [1, 2], None, list(range(32)), 16, lora_name="sql", extra_keys=[wire_typed, None]
+    )
+    assert wire.vllm_batch([ours]) == ENCODE(VllmBatch(1.0, [ref]))
+    array_ref = ArrayStoredV1([1], 7, [5], 1, None, "GPU", None, extra_keys=[(typed[1],)])
+    array = wire.vllm_stored_v1([1], 7, [5], 1, extra_keys=[[wire_typed[1]]], fmt="array")
+    assert wire.vllm_batch([array]) == ENCODE(VllmBatch(1.0, [array_ref]))
+    grouped_ref = ArrayStoredV1([1], 7, [5], 1, None, "GPU", None, group_idx=0)
+    grouped = wire.vllm_stored_v1([1], 7, [5], 1, group_idx=0, fmt="array")
+    assert wire.vllm_batch([grouped]) == ENCODE(VllmBatch(1.0, [grouped_ref]))
+
+
+# -- SGLang's array form, with BlockStoredWithMetadata ------------------------------------------
+
+
+class SglArrayEvent(msgspec.Struct, array_like=True, gc=False, tag=True):
+    pass
+
+
+class SglArrayStored(SglArrayEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None = None
+
+
+class StoredMetadata(msgspec.Struct, omit_defaults=True, gc=False):
+    cache_salt: str
+
+
+class SglArrayStoredWithMetadata(SglArrayStored, tag="BlockStored", kw_only=True):
+    metadata: StoredMetadata
+
+
+def test_sglang_array_form_bytes() -> None:
+    plain = SglArrayStored([wire.signed(2**63 + 1)], None, [1, 2], 2, None, "GPU")
+    salted = SglArrayStoredWithMetadata(
+        [5], wire.signed(2**63 + 1), [3, 4], 2, None, "GPU", metadata=StoredMetadata("s")
+    )
+    ours = [
+        wire.sglang_array_stored([2**63 + 1], None, [1, 2], 2),
+        wire.sglang_array_stored([5], 2**63 + 1, [3, 4], 2, cache_salt="s"),
+    ]
+    assert wire.sglang_batch(ours) == ENCODE(SglBatch(1.0, [plain, salted]))

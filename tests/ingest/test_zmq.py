@@ -171,8 +171,10 @@ def test_engine_restart_clears_and_resumes(engine: FakeEngine) -> None:
         c = ing.counters.snapshot()
         assert (c["restarts"], c["clears_restart"], c["gaps"]) == (1, 1, 0)
         assert c["connects"] >= 2 and c["disconnects"] >= 1
-        assert index.get_watermark(engine.endpoint) is not None
-        assert index.get_watermark(engine.endpoint).epoch == 1  # type: ignore[union-attr]
+        # the engine's stream: the endpoint's, and the engine its topic names
+        stream = f"{engine.endpoint}#kv@pod-a@model-a"
+        assert index.get_watermark(stream) is not None
+        assert index.get_watermark(stream).epoch == 1  # type: ignore[union-attr]
     finally:
         assert ing.stop()
 
@@ -429,13 +431,13 @@ def test_queue_bytes_bound_the_queued_payload() -> None:
     index = InMemoryIndex()
     ing = EventIngester(index, TP, config=IngesterConfig(workers=1, queue_bytes=1000))
     gate = threading.Event()
-    original = ing._handle  # the worker waits on the gate: the queue fills up
+    original = ing._handle_many  # the worker waits on the gate: the queue fills up
 
-    def gated(*args: Any) -> BatchOutcome:
+    def gated(*args: Any) -> list[BatchOutcome]:
         gate.wait(10)
         return original(*args)
 
-    ing._handle = gated  # type: ignore[method-assign]
+    ing._handle_many = gated  # type: ignore[method-assign]
     ing.start()
     try:
         payload = bytes(300)  # rejected when handled; 300 bytes of budget until then

@@ -12,7 +12,7 @@ namespace, its value and expiry times are the same afterwards."""
 from __future__ import annotations
 
 import asyncio
-import re
+import shlex
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -35,7 +35,7 @@ from kvredis import (
 )
 from kvredis.cli import cli
 from kvredis.errors import KVRedisError
-from kvredis.redis.functions import function_name, shipped_library
+from kvredis.redis.functions import api_argument, function_name, shipped_library
 from kvredis.redis.layout import EXPIRY_FIELD, EXPIRY_KEY
 from kvredis.redis.ops import expiry_mode_of
 from kvredis.redis.requests import Command, ScriptCall
@@ -199,16 +199,13 @@ def cli_run(url: str, namespace: str, *args: str) -> str:
 
 def operator(url: str, namespace: str, tmp: Path) -> None:
     """The operator's CLI on a namespace a router reads (stats, pods, watermarks, check, dump,
-    restore into a second namespace, clear of a pod), and the drop of both namespaces."""
+    restore in its place, clear of a pod), and the drop of the namespace."""
     for command in ("stats", "pods", "watermarks", "check"):
         cli_run(url, namespace, command)
     dump = tmp / "dump.jsonl"
     cli_run(url, namespace, "dump", "--no-progress", str(dump))
-    copy = f"{namespace}:copy"
-    cli_run(url, copy, "restore", str(dump))
-    cli_run(url, copy, "clear", "--pod", "pod-a", "--yes", "--no-progress")
-    with RedisIndex(config(url, copy)) as index:
-        assert index.drop_namespace() > 0
+    cli_run(url, namespace, "restore", "--replace", str(dump))
+    cli_run(url, namespace, "clear", "--pod", "pod-a", "--yes", "--no-progress")
     with RedisIndex(config(url, namespace)) as index:
         assert index.drop_namespace() > 0
 
@@ -343,16 +340,16 @@ def recorded_writes(server: Server, namespace: str) -> list[Recorded]:
         registry = index.registry
         assert registry.active  # the admin's writes go to the function library
         sent: list[Recorded] = []
-        evalsha = registry.evalsha
+        call_command = registry.call_command
 
         def record(call: ScriptCall) -> Command:
-            command = evalsha(call)
+            command = call_command(call)
             if not registry[call.script].no_writes:
                 sent.append((call.script, command.args))
-                sent.append((call.script, registry.script_command(call).args))
+                sent.append((call.script, registry.evalsha_command(call).args))
             return command
 
-        registry.evalsha = record  # type: ignore[method-assign]
+        registry.call_command = record  # type: ignore[method-assign]
         writes(index)
     for key in server.admin.scan_iter(match=f"{namespace}:*", count=1000):
         server.admin.unlink(key)
@@ -389,7 +386,8 @@ def test_a_router_cannot_change_a_key_through_any_call(server: Server, tmp_path:
     assert {args[0] for _, args in calls} == {"FCALL", "EVALSHA"}
     layout = (f"{ns}:meta", f"{ns}:pe", f"{ns}:pi", f"{ns}:pp", f"{ns}:sx", f"{ns}:wm")
     for name in sorted(may_write - tried):  # cluster-only and repair scripts: the namespace's keys
-        calls.append((name, ("FCALL", function_name(name), len(layout), *layout, "1", "2", "3")))
+        fcall = ("FCALL", function_name(name), len(layout), *layout, "1", "2", "3", api_argument())
+        calls.append((name, fcall))
         calls.append((name, ("EVALSHA", registry[name].sha, len(layout), *layout, "1", "2", "3")))
     raw = redis.Redis.from_url(url)
     try:
@@ -445,18 +443,17 @@ def _write_attempts(index: RedisIndex) -> list[Callable[[], Any]]:
     ]
 
 
-def test_the_readme_lists_each_roles_commands() -> None:
-    text = (ROOT / "docs" / "operations.md").read_text()
-    section = text.split("## Access control", 1)[1].split("\n## ", 1)[0]
-    rows = {
-        line.split("|")[1].split()[0]: set(re.findall(r"\+[a-z|]+", line.replace("\\|", "|")))
-        for line in section.splitlines()
-        if line.startswith(("| router", "| ingester", "| operator"))
-    }
-    router_commands = set(ROLES["router"])
-    assert rows["router"] == router_commands
-    for role in ("ingester", "operator"):
-        listed = rows[role] | router_commands
-        for mode in (EXPIRY_KEY, EXPIRY_FIELD):
-            assert set(commands_of(role, mode)) <= listed, (role, mode)
-        assert listed == set(ROLES[role]) | {c for m in EXPIRY.values() for c in m[role]}
+@pytest.mark.parametrize("role", list(ROLES))
+def test_kvredis_acl_evalsha_prints_these_lines(server: Server, role: str) -> None:
+    """``kvredis acl --role ROLE NS --evalsha --redis URL`` (docs/operations.md, "Access
+    control") prints exactly the rules measured here, for the server's expiry mode."""
+    ns = f"{TEST_PREFIX}{uuid.uuid4().hex[:12]}"
+    result = CliRunner().invoke(
+        cli, ["acl", "--role", role, ns, "--evalsha", "--redis", server.url]
+    )
+    assert result.exit_code == 0, result.output
+    args = shlex.split(result.stdout)
+    assert args[:3] == ["ACL", "SETUSER", f"{role}-{ns}"]
+    assert args[3:6] == ["reset", "on", "><password>"]
+    assert args[6:9] == [f"~{ns}:*", "resetchannels", "-@all"]
+    assert sorted(args[9:]) == sorted(commands_of(role, server.mode))

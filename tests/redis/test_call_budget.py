@@ -17,6 +17,7 @@ import redis
 
 from kvredis import (
     AddOp,
+    Batch,
     CallBudgetError,
     EvictOp,
     InMemoryIndex,
@@ -26,9 +27,11 @@ from kvredis import (
     RedisIndexConfig,
     Watermark,
 )
+from kvredis.index import apply_batches_in_turn
 from kvredis.redis import ops
 from kvredis.redis.cluster.placement import Segment
 from kvredis.redis.cluster.writes import part_args
+from kvredis.redis.layout import RUN_MAX, RUN_READ_COST, RUN_WORK_LIMIT, WALK_WORK_LIMIT
 from kvredis.redis.requests import ScriptCall
 from kvredis.scoring import LongestPrefixScorer
 from tests.conftest import (
@@ -46,11 +49,13 @@ pytestmark = pytest.mark.redis
 ONE_SHARD_CLUSTERS = [p for p in CLUSTER_BACKENDS if "cluster_split" not in str(p.values[0])]
 
 A, B, C = PodEntry("pod-a", "gpu"), PodEntry("pod-b", "gpu"), PodEntry("pod-c", "cpu")
-#: Each fragmented run below has 1024 ranges: a write may reach 3 of them
-#: (lua/includes/writes.lua), a walk 7 (lua/includes/walk.lua).
-CHAINS = 6
-WALK_CHAINS = 12
-RUN = 1024
+#: Each fragmented run below has RUN_MAX ranges: a write may reach WRITE_RUNS (3) of them
+#: (lua/includes/writes.lua), a walk WALK_RUNS (7: lua/includes/walk.lua).
+RUN = RUN_MAX
+WRITE_RUNS = RUN_WORK_LIMIT // (RUN + RUN_READ_COST)
+WALK_RUNS = WALK_WORK_LIMIT // (RUN + RUN_READ_COST)
+CHAINS = 2 * WRITE_RUNS
+WALK_CHAINS = WALK_RUNS + 5
 ENGINE = 10**12
 
 
@@ -73,7 +78,7 @@ class Fleet:
         return got, expected
 
     def fragment(self) -> None:
-        """Each chain stored by one add (one run), then every other key evicted: 1024 ranges."""
+        """Each chain stored by one add (one run), then every other key evicted: RUN ranges."""
         for chain in self.chains:
             self.both("add", [k + ENGINE for k in chain], chain, [A])
         evicts = [EvictOp(k, KeyType.REQUEST, (A,)) for c in self.chains for k in c[1::2]]
@@ -246,12 +251,12 @@ def test_the_server_refuses_an_over_budget_call_before_its_first_write(
     call = ops.add_call(program, 0)
     with pytest.raises(CallBudgetError, match="chain runs") as refused:
         send(index, call)
-    assert (refused.value.ops, refused.value.keys) == (0, 3)  # what fits: 3 runs' worth
+    assert (refused.value.ops, refused.value.keys) == (0, WRITE_RUNS)  # what fits: in runs
     assert raw_state(raw, ns) == before  # nothing written, not even the new entry's definition
     # one key fewer than the limit's worth of runs goes through in one call
-    fits = ops.add_call(ops.program_of(program.layout, [("A", keys[:3], [], [C])]), 0)
+    fits = ops.add_call(ops.program_of(program.layout, [("A", keys[:WRITE_RUNS], [], [C])]), 0)
     send(index, fits)
-    assert all(C in index.lookup([k])[k] for k in keys[:3])
+    assert all(C in index.lookup([k])[k] for k in keys[:WRITE_RUNS])
 
 
 def raw_state(raw: redis.Redis, namespace: str) -> dict[bytes, Any]:
@@ -285,7 +290,7 @@ def test_the_parts_of_one_node_call_share_the_write_limit(two: tuple[Fleet, Flee
     """``apply_parts`` runs one part per shard; the parts' run work adds up, so a call of many
     parts is bounded like one of many ops."""
     for fleet in two:
-        fleet.chains = fleet.chains[:3]  # 3 runs each: one part fits, two do not
+        fleet.chains = fleet.chains[:WRITE_RUNS]  # one part fits, two do not
         fleet.fragment()
     parts: list[Any] = []
     for shard, fleet in enumerate(two):
@@ -305,7 +310,7 @@ def test_the_parts_of_one_node_call_share_the_write_limit(two: tuple[Fleet, Flee
 
 def test_the_walks_of_one_node_call_share_the_walk_limit(two: tuple[Fleet, Fleet]) -> None:
     for fleet in two:
-        fleet.chains = chains_in(5)  # 5 runs each: one walk fits, two do not
+        fleet.chains = chains_in(WALK_RUNS // 2 + 1)  # one walk fits, two do not
         fleet.fragment()
     chain = [c[4] for c in two[0].chains]
     assert chain == [c[4] for c in two[1].chains]
@@ -313,11 +318,13 @@ def test_the_walks_of_one_node_call_share_the_walk_limit(two: tuple[Fleet, Fleet
     for fleet in two:
         layout, cache = fleet.index._session.state.snapshot()
         args += (layout.meta, layout.pi, layout.pp, layout.sx, layout.gen, layout.rprefix)
-        args += (layout.bucket_bits, cache.floor, 1, 1)
+        args += (layout.bucket_bits, cache.floor, 1, 1, 0, 0)
     first = two[0].index._session.state.layout
     call = ScriptCall("lookup_union", (first.meta, first.pi, first.pp, first.sx), args)
     whole, cut = send(two[0].index, call)
-    assert whole[2:4] == [2, len(chain) + 1] and whole[5] == [len(chain), whole[5][1]]
+    # walked to the chain's end: known, defs, how, where, stamps, then one run of hits
+    assert whole[2:4] == [2, len(chain) + 1] and whole[4] == []
+    assert len(whole) == 7 and whole[6] == [len(chain), whole[6][1]]
     assert cut[2] == 1  # stopped at the work limit: the client walks that shard on
 
 
@@ -367,3 +374,32 @@ def test_random_batches_over_fragmented_runs_match_the_model(fleet: Fleet) -> No
             assert got_key == expected_key, (round_, engine)
     assert fleet.refused() > refused  # the batches did reach the limit
     assert fleet.index.get_watermark("s") == (Watermark(1, watermark) if watermark else None)
+
+
+def test_batches_applied_together_reaching_many_runs_go_one_by_one(fleet: Fleet) -> None:
+    """Several small fenced batches whose keys together reach too many fragmented runs: the
+    server refuses the joint call before any write, and the client sends each batch on its
+    own; the answers, entries and watermarks are those of apply_batch one by one."""
+    target = getattr(fleet.index, "inner", fleet.index)
+    if not callable(getattr(target, "apply_batches", None)):
+        pytest.skip(f"{type(target).__name__} has no apply_batches")
+    at = [chain[16] for chain in fleet.chains]
+    batches = [
+        Batch(
+            [AddOp(None, (k,), (B,)), EvictOp(k, KeyType.REQUEST, (A,))],
+            f"s{i % 2}",
+            Watermark(0, i // 2),
+        )
+        for i, k in enumerate(at)
+    ]
+    before, calls = fleet.refused(), fleet.script_calls()
+    got = fleet.index.apply_batches(batches)
+    assert got == apply_batches_in_turn(fleet.model, batches) == [True] * len(at)
+    if getattr(target, "core", None) is None:
+        assert fleet.refused() > before
+    else:  # apply_parts answers a part over the limit in its reply (no error reply to count):
+        # the parts after it went on in calls of their own
+        assert fleet.script_calls() - calls >= 2
+    fleet.agree(at)
+    assert fleet.index.get_watermark("s0") == Watermark(0, (len(at) - 1) // 2)
+    assert fleet.index.apply_batches(batches[:1]) == [False]

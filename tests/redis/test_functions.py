@@ -32,13 +32,14 @@ from kvredis.redis.functions import (
     VERSION_FUNCTION,
     FunctionRegistry,
     Plan,
+    api_argument,
     build_library,
     function_name,
     plan,
     shipped_library,
 )
 from kvredis.redis.layout import LAYOUT_VERSION
-from kvredis.redis.scripts import ScriptRegistry, lua_sources
+from kvredis.redis.scripts import Missing, ScriptRegistry, lua_sources, missing_callee
 from kvredis.redis.session import RetryPolicy, Session, op_drive, op_send
 from kvredis.redis.state import CoreState
 from tests.servers import RedisServer
@@ -149,7 +150,7 @@ class Tee:
             first = self._send(self.scripts, args)
             if isinstance(first, rq.ErrorReply) and first.code == "NOSCRIPT":
                 return first  # loaded, then sent again
-            second = self._send(self.functions, self.registry.evalsha(call).args)
+            second = self._send(self.functions, self.registry.call_command(call).args)
             assert _same(first) == _same(second), (name, first, second)
             self.compared[name] = self.compared.get(name, 0) + 1
             return first
@@ -431,16 +432,20 @@ def test_plan_of_each_version_reply() -> None:
 def test_calls_by_function_name_once_active() -> None:
     registry = FunctionRegistry()
     call = rq.ScriptCall("lookup", (b"k",), ("a",), read=True)
-    assert registry.evalsha(call).args[0] == "EVALSHA"
+    assert registry.call_command(call).args[0] == "EVALSHA"
     registry.active = True
-    assert registry.evalsha(call) == rq.Command(("FCALL_RO", "kvredis_lookup", 1, b"k", "a"), True)
+    marker = api_argument()
+    assert registry.call_command(call) == rq.Command(
+        ("FCALL_RO", "kvredis_lookup", 1, b"k", "a", marker), True
+    )
     write = rq.ScriptCall("add", (b"k",), ("a",))
-    assert registry.evalsha(write).args[:2] == ("FCALL", "kvredis_add")
-    assert registry.load("add").args[:3] == ("FUNCTION", "LOAD", "REPLACE")
-    assert not registry.load("lookup", read=True).read  # loads go to the primary
-    assert registry.missing("Function not found")
-    assert registry.missing("NOSCRIPT No matching script")
-    assert not registry.missing("KVREDIS_STALE namespace layout changed")
+    assert registry.call_command(write).args[:2] == ("FCALL", "kvredis_add")
+    assert registry.load_command("add").args[:3] == ("FUNCTION", "LOAD", "REPLACE")
+    assert not registry.load_command("lookup", read=True).read  # loads go to the primary
+    assert registry.missing(rq.ErrorReply("ERR Function not found"))
+    assert registry.missing(rq.ErrorReply("NOSCRIPT No matching script"))
+    assert not registry.missing(rq.ErrorReply("KVREDIS_STALE namespace layout changed"))
+    assert not registry.missing("NOSCRIPT No matching script")  # a reply, not an error reply
 
 
 def test_a_script_cannot_take_the_version_function_name() -> None:
@@ -500,17 +505,70 @@ def _active_session() -> Session:
     return session
 
 
+def test_what_a_server_lacks_is_read_from_its_reply() -> None:
+    """One reading of "the server lacks what was called", for the session and the cluster's
+    waves alike: by the reply's code (NOSCRIPT, KVREDIS_VERSION) or text (function not found),
+    never by anything but an error reply."""
+    assert missing_callee(rq.ErrorReply("NOSCRIPT No matching script.")) is Missing.SCRIPT
+    assert missing_callee(rq.ErrorReply("ERR Function not found")) is Missing.FUNCTION
+    other_api = rq.ErrorReply("KVREDIS_VERSION the call speaks kvredis-api:1, the library ...")
+    assert missing_callee(other_api) is Missing.VERSION
+    assert missing_callee(rq.ErrorReply("ERR unknown command 'FCALL'")) is None
+    assert missing_callee(b"NOSCRIPT No matching script.") is None  # a reply, not an error
+    assert missing_callee(b"KVREDIS_VERSION the call speaks ...") is None
+    scripts, functions = ScriptRegistry(), FunctionRegistry()
+    function_missing = rq.ErrorReply("ERR Function not found")
+    for reply in (function_missing, other_api):
+        assert not scripts.missing(reply) and not functions.missing(reply)
+    functions.active = True  # a missing function only matters while calls go by FCALL
+    assert functions.missing(function_missing) and functions.missing(other_api)
+    assert not scripts.missing(other_api)
+
+
+def test_connecting_reads_the_error_reply_not_the_exception_message() -> None:
+    """A reply that reached the library check typed (as a :mod:`kvredis.errors` exception) is
+    read as the reply it was made of: the check decides by the reply, whatever the exception
+    says."""
+    registry = FunctionRegistry()
+    op = registry.op_choose()
+    assert next(op).args[:2] == ("FCALL_RO", VERSION_FUNCTION)
+    typed = BackendError("the version function cannot be called")
+    typed.__cause__ = rq.ErrorReply("ERR Function not found")
+    load = op.throw(typed).args  # missing: load it, without REPLACE (a racing load stays)
+    assert load == ("FUNCTION", "LOAD", registry.library.code)
+    raced = BackendError("the library cannot be loaded")
+    raced.__cause__ = rq.ErrorReply("ERR Library 'kvredis' already exists")
+    assert op.throw(raced).args[:2] == ("FCALL_RO", VERSION_FUNCTION)  # loaded meanwhile: ask
+    assert op.throw(typed).args == load
+    with pytest.raises(StopIteration):
+        op.send(b"kvredis")
+    assert registry.active
+
+
+def test_an_error_reply_raised_typed_carries_the_reply() -> None:
+    session = _functions_session()
+    reply = rq.ErrorReply("ERR Function not found")
+    with pytest.raises(BackendError) as raised:
+        _drive(op_send(session, rq.Command(("FCALL_RO", VERSION_FUNCTION, 0))), [reply])
+    assert rq.error_reply(raised.value) is reply
+
+
 def test_a_missing_function_reloads_the_library_and_calls_again() -> None:
     session = _active_session()
     call = rq.ScriptCall("ping", (), (), read=True)
-    result, sent = _drive(op_send(session, call), [NOT_FOUND, b"kvredis", 1])
+    replies = [NOT_FOUND, NOT_FOUND, None, b"kvredis", [b"l", b"16", b"g"], 1]
+    result, sent = _drive(op_send(session, call), replies)
     assert result == 1
-    assert [r.args[0] for r in sent if isinstance(r, rq.Command)] == [
-        "FCALL_RO",
-        "FUNCTION",
-        "FCALL_RO",
+    assert [r.args[:2] for r in sent if isinstance(r, rq.Command)] == [
+        ("FCALL_RO", "kvredis_ping"),
+        ("FCALL_RO", VERSION_FUNCTION),  # what the server holds now: nothing
+        ("HGET", f"{session.state.namespace}:meta".encode()),  # no newer api recorded
+        ("FUNCTION", "LOAD"),  # never REPLACE: a library loaded meanwhile stays
+        ("FCALL", "kvredis_namespace"),  # the api recorded
+        ("FCALL_RO", "kvredis_ping"),
     ]
-    assert not sent[1].read  # the library goes to the primary
+    assert sent[3].args[2] == shipped_library().code
+    assert not sent[3].read  # the library goes to the primary
 
 
 def test_a_refused_fcall_that_evalsha_serves_switches_for_good() -> None:
@@ -534,6 +592,8 @@ def test_a_refusal_evalsha_cannot_serve_either_keeps_the_function_path() -> None
             op_send(session, call),
             [
                 NOT_FOUND,
+                NOT_FOUND,
+                None,
                 rq.ErrorReply(
                     "NOPERM User u has no permissions to run the 'function|load' command"
                 ),
@@ -547,7 +607,8 @@ def test_a_pipeline_reloads_once_for_all_its_missing_functions() -> None:
     session = _active_session()
     calls = (rq.ScriptCall("ping", (), ()), rq.ScriptCall("ping", (b"k",), ()))
     result, sent = _drive(
-        op_send(session, rq.Pipeline(calls)), [[NOT_FOUND, NOT_FOUND], b"kvredis", [1, 1]]
+        op_send(session, rq.Pipeline(calls)),
+        [[NOT_FOUND, NOT_FOUND], NOT_FOUND, None, b"kvredis", [b"l", b"16", b"g"], [1, 1]],
     )
     assert result == [1, 1]
     loads = [r for r in sent if isinstance(r, rq.Command) and r.args[0] == "FUNCTION"]

@@ -25,6 +25,7 @@ from kvredis import (
     RedisIndexConfig,
     Watermark,
 )
+from kvredis.redis.config import config_for_existing
 from kvredis.redis.layout import LAYOUT_VERSION, Layout, bucket_of, check_namespace
 from kvredis.redis.ops import op_clear, op_lookup
 from kvredis.redis.requests import Pipeline, Request, ScriptCall
@@ -72,7 +73,9 @@ def make(redis_server_url: str) -> Iterator[Any]:
     made: list[RedisIndex] = []
 
     def build(namespace: str | None = None, **kwargs: Any) -> RedisIndex:
-        cfg = RedisIndexConfig(address=redis_server_url, namespace=namespace or _ns(), **kwargs)
+        cfg = RedisIndexConfig(address=redis_server_url, namespace=_ns(), **kwargs)
+        if namespace is not None:  # also a name only an earlier kvredis created (with ':')
+            cfg = config_for_existing(cfg, namespace)
         made.append(RedisIndex(cfg))
         return made[-1]
 

@@ -104,10 +104,11 @@ def test_a_drop_midway_stops_the_migration_and_bad_page_sizes_are_refused() -> N
 
 
 def test_the_command_line_pages_as_the_api_does() -> None:
-    from kvredis.cli.migrate import PAIRS_PER_CALL as CLI_PAIRS_PER_CALL
-    from kvredis.redis.migrate import PAIRS_PER_CALL
+    from kvredis.cli import migrate as cli
+    from kvredis.redis.migrate import MAX_PAIRS_PER_CALL, PAIRS_PER_CALL
 
-    assert CLI_PAIRS_PER_CALL == PAIRS_PER_CALL
+    assert cli.PAIRS_PER_CALL == PAIRS_PER_CALL
+    assert cli.MAX_PAIRS_PER_CALL == MAX_PAIRS_PER_CALL
 
 
 @pytest.mark.parametrize(

@@ -32,6 +32,7 @@ from kvredis.redis import ops, program
 from kvredis.redis import requests as rq
 from kvredis.redis import session as sessions
 from kvredis.redis.codec import encode_entry, hash_field
+from kvredis.redis.functions import API_VERSION
 from kvredis.redis.layout import LAYOUT_VERSION, Layout
 from kvredis.redis.scripts import ScriptRegistry
 from kvredis.redis.state import CoreState
@@ -112,10 +113,11 @@ def test_load_namespace_pings_then_creates_or_reads_the_meta_record() -> None:
     layout = exchange.run(ops.op_load_namespace(state, ping=True))
     ping, read, call = exchange.requests
     assert ping == rq.Command(("PING",))
-    assert read == rq.Command(("HMGET", b"ns:meta", "layout", "bucket_bits", "gen"))
+    assert read == rq.Command(("HMGET", b"ns:meta", "layout", "bucket_bits", "gen", "scheme"))
     assert isinstance(call, rq.ScriptCall) and call.script == "namespace"
     assert call.keys == (b"ns:meta", b"ns:pi")
     assert call.args[:2] == (LAYOUT_VERSION, 12) and len(call.args[2]) == 16
+    assert call.args[4] == API_VERSION  # the api the namespace records
     assert isinstance(layout, Layout) and layout.bucket_bits == 10 and layout.gen == GEN
     assert state.layout is layout
     # An existing record is only read: a reader starts on a replica and under maxmemory.
@@ -157,24 +159,25 @@ def test_lookup_sends_the_chain_as_one_blob_and_decodes_through_the_entry_cache(
     state = _state()
     defs = [_id(1), encode_entry(A), _id(2), encode_entry(B)]
     request, result = _one(
-        ops.op_lookup(state, [5, 2**64 - 1, 7], {"pod-a"}), [2, defs, 1, _id(1) + _id(2), 1, _id(2)]
+        ops.op_lookup(state, [5, 2**64 - 1, 7], {"pod-a"}),
+        [2, defs, [], 1, _id(1) + _id(2), 1, _id(2)],
     )
     assert request == rq.ScriptCall(
         "lookup",
         (b"ns:meta", b"ns:pi", b"ns:pp", b"ns:sx"),
-        (GEN, b"ns:r:", 16, 0, 1, b"pod-a", _blob(5, 2**64 - 1, 7)),
+        (GEN, b"ns:r:", 16, 0, 1, b"pod-a", _blob(5, 2**64 - 1, 7), 0, 0),
         read=True,
     )
     assert result == {5: [A, B], 2**64 - 1: [B]}  # the walk stopped before key 7
     assert state.cache.floor == 2
-    request, result = _one(ops.op_lookup(state, [5], None), [2, [], 1, _id(2)])
+    request, result = _one(ops.op_lookup(state, [5], None), [2, [], [], 1, _id(2)])
     assert isinstance(request, rq.ScriptCall) and request.args[3:5] == (2, 0)  # floor, no filter
     assert result == {5: [B]}
 
 
 def test_lookup_of_an_id_the_client_never_learned_is_stale() -> None:
     with pytest.raises(StaleNamespaceError):
-        _one(ops.op_lookup(_state(), [5], None), [0, [], 1, _id(9)])
+        _one(ops.op_lookup(_state(), [5], None), [0, [], [], 1, _id(9)])
 
 
 def test_empty_chains_and_bad_input_send_nothing() -> None:
@@ -195,15 +198,15 @@ def test_empty_chains_and_bad_input_send_nothing() -> None:
 def test_score_sends_weights_and_decodes_scores() -> None:
     request, result = _one(
         ops.op_score(_state(), [1, 2], {"gpu": 1.0, "cpu": 0.5}, None),
-        [2, 0, b"pod-a", b"2", 1, b"pod-b", b"0.5", 0],
+        [2, 0, b"pod-a", 0, b"2", 1, b"", b"pod-b", 0, b"0.5", 0, b"", b"pod-b", 1, b"1", 0, b""],
     )
     assert request == rq.ScriptCall(
         "score",
         (b"ns:meta", b"ns:pi", b"ns:pp", b"ns:sx"),
-        (GEN, b"ns:r:", 16, 0, 2, b"gpu", "1.0", b"cpu", "0.5", "1.0", _blob(1, 2), 0),
+        (GEN, b"ns:r:", 16, 0, 2, b"gpu", "1.0", b"cpu", "0.5", "1.0", _blob(1, 2), 0, 0),
         read=True,
     )
-    assert result == {"pod-a": 2.0, "pod-b": 0.5}
+    assert result == {"pod-a": 2.0, "pod-b": 1.0}  # each pod's best rank
 
 
 def test_a_long_chain_is_scored_in_parts_from_the_scores_reached() -> None:
@@ -214,26 +217,27 @@ def test_a_long_chain_is_scored_in_parts_from_the_scores_reached() -> None:
     third = 0.1 * 3
     exchange = Exchange(
         [
-            [part, 0, b"pod-a", repr(third).encode(), 1, b"pod-b", b"0.5", 0],
-            [part - 7, 1, b"pod-a", b"12.5", 1],  # stopped at the walk's work limit
-            [3, 0, b"pod-a", b"13.25", 1],  # a key no pod holds: the chain ends here
+            [part, 0, b"pod-a", 2, repr(third).encode(), 1, b"7@", b"pod-b", 0, b"0.5", 0, b""],
+            [part - 7, 1, b"pod-a", 2, b"12.5", 1, b"7@99"],  # stopped at the walk's work limit
+            [3, 0, b"pod-a", 2, b"13.25", 1, b""],  # a key no pod holds: the chain ends here
         ]
     )
-    result = exchange.run(ops.op_score(_state(), keys, {"gpu": 1.0}, None))
-    assert result == {"pod-a": 13.25, "pod-b": 0.5}
+    result = exchange.run(ops.op_score_by_rank(_state(), keys, {"gpu": 1.0}, None))
+    assert result == {"pod-a": {2: 13.25}, "pod-b": {0: 0.5}}
     calls = [r for r in exchange.requests if isinstance(r, rq.ScriptCall)]
     head = (GEN, b"ns:r:", 16, 0, 1, b"gpu", "1.0", "1.0")
     assert [c.args[: len(head)] for c in calls] == [head] * 3
     assert [c.args[len(head) :] for c in calls] == [
-        (_blob(*keys[:part]), 0),
-        (_blob(*keys[part : 2 * part]), 1, b"pod-a", repr(third)),
-        (_blob(*keys[2 * part - 7 :]), 1, b"pod-a", "12.5"),  # on from the first key not walked
+        (_blob(*keys[:part]), 1, 0),
+        (_blob(*keys[part : 2 * part]), 1, 1, b"pod-a", 2, repr(third), b"7@"),
+        # on from the first key not walked, with the stamp the latest part gave
+        (_blob(*keys[2 * part - 7 :]), 0, 1, b"pod-a", 2, "12.5", b"7@99"),
     ]
 
 
 def test_scoring_stops_once_no_pod_is_left() -> None:
     keys = list(range(1, ops.SCORE_KEYS_PER_CALL + 2))
-    exchange = Exchange([[ops.SCORE_KEYS_PER_CALL, 0, b"pod-a", b"3", 0]])
+    exchange = Exchange([[ops.SCORE_KEYS_PER_CALL, 0, b"pod-a", 0, b"3", 0, b""]])
     assert exchange.run(ops.op_score(_state(), keys, None, None)) == {"pod-a": 3.0}
 
 
@@ -564,9 +568,9 @@ def test_an_unknown_entry_id_reloads_too() -> None:
     session = _session()
     exchange = Exchange(
         [
-            [0, [], 1, _id(1)],  # an id this client never learned
+            [0, [], [], 1, _id(1)],  # an id this client never learned
             _namespace_reply(GEN),  # same generation: the cache is kept
-            [1, [_id(1), encode_entry(A)], 1, _id(1)],
+            [1, [_id(1), encode_entry(A)], [], 1, _id(1)],
         ]
     )
     lookup = ops.op_run(session, lambda: ops.op_lookup(session.state, [5], None))
@@ -617,7 +621,7 @@ def test_a_new_namespace_records_the_expiry_mode_of_its_server() -> None:
     exchange.run(ops.op_load_namespace(state, ping=False))
     create = exchange.requests[1]
     assert isinstance(create, rq.ScriptCall) and create.script == "namespace"
-    assert create.args[-1] == "field"
+    assert create.args[3] == "field"
 
 
 def test_a_failure_thrown_into_an_operation_closes_it() -> None:
@@ -696,9 +700,32 @@ def test_a_long_lookup_chain_goes_in_parts_and_stops_at_the_first_miss(
     monkeypatch.setattr(ops, "LOOKUP_KEYS_PER_CALL", 2)
     state = _state()
     state.cache.learn([_id(1), encode_entry(A)], 1)
-    exchange = Exchange([[1, [], 2, _id(1)], [1, [], 1, _id(1)]])
+    exchange = Exchange(
+        [[1, [], [b"pod-a", b"3@"], 2, _id(1)], [1, [], [b"pod-a", b"3@"], 1, _id(1)]]
+    )
     assert exchange.run(ops.op_lookup(state, [1, 2, 3, 4, 5], None)) == {k: [A] for k in (1, 2, 3)}
     assert len(exchange.requests) == 2
+    calls = [r for r in exchange.requests if isinstance(r, rq.ScriptCall)]
+    assert [c.args[-3:] for c in calls] == [(_blob(1, 2), 1, 0), (1, b"pod-a", b"3@")]
+
+
+def test_a_lookup_in_parts_drops_a_pod_from_the_part_its_stamp_broke_in(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The server answers "" for a carried stamp that no longer holds: that pod's entries count
+    only up to the part before, and a key left without entries ends the chain."""
+    monkeypatch.setattr(ops, "LOOKUP_KEYS_PER_CALL", 2)
+    state = _state()
+    state.cache.learn([_id(1), encode_entry(A), _id(2), encode_entry(B)], 2)
+    both = _id(1) + _id(2)
+    exchange = Exchange(
+        [
+            [2, [], [b"pod-a", b"3@", b"pod-b", b"g0@"], 2, both],
+            [2, [], [b"pod-a", b"", b"pod-b", b"g0@"], 1, both, 1, _id(1)],
+        ]
+    )
+    got = exchange.run(ops.op_lookup(state, [1, 2, 3, 4, 5], None))
+    assert got == {1: [A, B], 2: [A, B], 3: [B]}  # pod-a from the second part on: dropped
 
 
 def test_add_with_a_ttl_sends_it_in_milliseconds() -> None:

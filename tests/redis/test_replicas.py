@@ -183,11 +183,12 @@ def test_only_no_writes_scripts_can_be_sent_as_reads() -> None:
         "score",
         "score_shards",
     }
-    assert registry.evalsha(ScriptCall("lookup", (), (), read=True)).read
+    assert registry.call_command(ScriptCall("lookup", (), (), read=True)).read
     source = registry["lookup"].source
-    assert registry.load("lookup", read=True) == Command(("SCRIPT", "LOAD", source), read=True)
+    load = registry.load_command("lookup", read=True)
+    assert load == Command(("SCRIPT", "LOAD", source), read=True)
     with pytest.raises(BackendError, match="may write"):
-        registry.evalsha(ScriptCall("add", (), (), read=True))
+        registry.call_command(ScriptCall("add", (), (), read=True))
 
 
 # -- a primary with two replicas --------------------------------------------------------------

@@ -51,21 +51,32 @@ class Recorder:
         core = getattr(target, "core", None)
         self.registry = core.registry if core is not None else target.registry
         self.walked: list[int] = []
-        self._evalsha = self.registry.evalsha
-        self.registry.evalsha = self._record
+        self._call_command = self.registry.call_command
+        self.registry.call_command = self._record
 
     def _record(self, call: ScriptCall) -> Command:
         if call.script in ("score", "lookup"):
             blob = max((a for a in call.args if isinstance(a, bytes)), key=len)  # the chain
             self.walked.append(len(blob) // 8)
-        elif call.script == "lookup_shards":  # 9 arguments per shard, the blob last
-            self.walked.append(sum(len(a) // 8 for a in call.args[9::9]))
+        elif call.script == "lookup_shards":
+            self.walked.append(sum(len(blob) // 8 for blob in shard_chains(call.args)))
         elif call.script == "score_shards":  # the shards' part of the chain: the last argument
             self.walked.append(len(call.args[-1]) // 8)
-        return self._evalsha(call)
+        return self._call_command(call)
 
     def close(self) -> None:
-        self.registry.evalsha = self._evalsha
+        self.registry.call_command = self._call_command
+
+
+def shard_chains(args: Any) -> list[bytes]:
+    """The chain (hash blob) of each shard of a ``lookup_shards`` call's arguments: after the
+    pod filter, per shard 11 arguments (the chain the 9th) and 2 per stamp carried."""
+    at = 1 + int(args[0])
+    chains = []
+    while at < len(args):
+        chains.append(bytes(args[at + 8]))
+        at += 11 + 2 * int(args[at + 10])
+    return chains
 
 
 Fleet = tuple[Any, InMemoryIndex, list[int]]
@@ -159,12 +170,23 @@ def test_malformed_carried_scores_are_refused(redis_server_url: str) -> None:
         layout = index._session.state.layout
         head = (layout.gen, layout.rprefix, layout.bucket_bits, 0, 0, "1.0", hash_blob([1]))
         keys = (layout.meta, layout.pi, layout.pp, layout.sx)
-        for carried in ([1, b"pod-a", "nope"], [2, b"pod-a", "1.5"], [-1], ["x"]):
-            call = ScriptCall("score", keys, (*head, *carried), read=True)
+        for tail in (
+            [0, 1, b"pod-a", 0, "nope", b""],  # a score that is no number
+            [0, 2, b"pod-a", 0, "1.5", b""],  # fewer slots than c says
+            [0, -1],
+            [0, "x"],
+            [2],  # the more-keys flag is 0 or 1
+            [0, 1, b"pod-a", "r", "1.5", b""],  # a rank that is no integer
+            [0, 1, b"pod-a", -1, "1.5", b""],
+            [0, 1, b"pod-a", 0, "1.5", b"no stamp"],
+            [0, 1, b"pod-a", 0, "1.5", b"3@soon"],
+        ):
+            call = ScriptCall("score", keys, (*head, *tail), read=True)
             with pytest.raises(InvalidInputError):
                 index._exec.run(op_send(index._session, call))
-        call = ScriptCall("score", keys, (*head, 1, b"pod-a", "1.5"), read=True)
-        assert index._exec.run(op_send(index._session, call)) == [0, 0, b"pod-a", b"1.5", 1]
+        # a stamp that never holds (""): the slot is out, with the score it came with
+        call = ScriptCall("score", keys, (*head, 0, 1, b"pod-a", 3, "1.5", b""), read=True)
+        assert index._exec.run(op_send(index._session, call)) == [0, 0, b"pod-a", 3, b"1.5", 0, b""]
     finally:
         index.drop_namespace()
         index.close()

@@ -34,6 +34,7 @@ A, B = PodEntry("pod-a", "gpu"), PodEntry("pod-b", "cpu")
 COMMANDS = {
     "add",
     "apply_batch",
+    "apply_batches",
     "clear",
     "clear_mappings",
     "clear_runs",

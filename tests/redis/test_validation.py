@@ -198,7 +198,9 @@ def test_malformed_page_and_namespace_calls_write_nothing(
             "clear_mappings", (layout.meta, layout.sx, ebucket), (layout.gen, layout.rprefix, 16)
         ),
         "namespace": ScriptCall(
-            "namespace", (f"{index.namespace}:new",), ("kvredis-kvblock/1", 16, "g")
+            "namespace",
+            (f"{index.namespace}:new:meta", f"{index.namespace}:new:pi"),
+            ("kvredis-kvblock/1", 16, "g"),
         ),
     }[script]
     _refused(index, _with_args(valid, edit), InvalidInputError, match)

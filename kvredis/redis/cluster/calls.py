@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvredis.errors import BackendUnavailableError, translate
+from kvredis.errors import BackendUnavailableError
 from kvredis.redis.cluster.core import ClusterCore, write_wave
 from kvredis.redis.cluster.routing import (
     TRANSIENT_CLUSTER_REPLIES,
@@ -29,8 +29,8 @@ from kvredis.redis.cluster.routing import (
     op_wave,
 )
 from kvredis.redis.cluster.topology import ClusterNode, SlotMap
-from kvredis.redis.requests import ErrorReply, Failure, ScriptCall
-from kvredis.redis.session import TRANSIENT_REPLIES
+from kvredis.redis.requests import TRANSIENT_REPLIES, ErrorReply, Failure, ScriptCall
+from kvredis.redis.session import typed_error
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +110,7 @@ def _op_direct(
         if node not in batches:
             batches[node] = [("READONLY",)] if node in replicas else []
             positions[node] = []
-        batches[node].append(core.registry.evalsha(call.call).args)
+        batches[node].append(core.registry.call_command(call.call).args)
         positions[node].append(position)
     wave = Wave(tuple(NodeBatch(node, tuple(cmds)) for node, cmds in batches.items()))
     answered = yield wave
@@ -129,7 +129,7 @@ def _op_routed(
 ) -> WaveOp[list[Any] | None]:
     """One wave of ``calls`` routed by their slots (a write ending with ``WAIT`` when the
     client waits for replicas); None when the wave failed as a whole."""
-    commands = [SlotCommand(c.slot, core.registry.evalsha(c.call).args) for c in calls]
+    commands = [SlotCommand(c.slot, core.registry.call_command(c.call).args) for c in calls]
     on_replicas = read and core.read_from_replicas
     try:
         if read:
@@ -160,14 +160,15 @@ def _take(
     out: list[list[Any] | None] = []
     reload: list[NodeCall] = []
     for call, reply in zip(calls, replies, strict=True):
-        if isinstance(reply, ErrorReply) and call.single and _part_error(reply):
+        missing = core.registry.missing(reply)
+        if isinstance(reply, ErrorReply) and call.single and _part_error(reply) and not missing:
             out.append([reply.message])
         elif isinstance(reply, list):
             out.append(reply if not call.single else [reply])
         elif call.single and not isinstance(reply, Failure) and reply is not None:
             out.append([reply])
         elif isinstance(reply, ErrorReply):
-            if core.registry.missing(reply.message):
+            if missing:
                 reload.append(call)
             elif (
                 reply.code not in TRANSIENT_REPLIES
@@ -175,12 +176,12 @@ def _take(
                 and not reply.message.startswith(("MOVED", "ASK"))
                 and not non_local_key(reply)
             ):
-                raise translate(reply.message)
+                raise typed_error(reply)
             out.append(None)
         else:
             out.append(None)
-    if reload:
-        loads = [core.registry.load(c.call.script, c.call.read) for c in reload]
+    if reload and not core.registry.active:  # the library: each shard's call settles it
+        loads = [core.registry.load_command(c.call.script, c.call.read) for c in reload]
         yield from op_wave(
             core.cluster,
             [SlotCommand(c.slot, load.args) for c, load in zip(reload, loads, strict=True)],

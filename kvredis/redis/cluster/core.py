@@ -7,6 +7,7 @@ every primary). The operations themselves are :mod:`.ops` (reads, clear, drop) a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -52,6 +53,8 @@ from kvredis.redis.layout import (
     check_namespace,
 )
 from kvredis.redis.ops import (
+    WAIT_FIRST_S,
+    WAIT_LONGEST_S,
     expiry_mode_of,
     op_load_namespace,
     op_run,
@@ -71,8 +74,9 @@ from kvredis.redis.session import (
     Session,
     check_eviction_policy,
     op_drive,
+    typed_error,
 )
-from kvredis.redis.state import CoreState
+from kvredis.redis.state import CoreState, namespace_missing_error, refused_by_acl
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -127,6 +131,8 @@ class ClusterCore:
         self.wait_replicas = 0
         self.wait_timeout_ms = 1000
         self.expiry_mode = "key"
+        #: seconds to wait for a missing namespace's creator (RedisIndexConfig's option)
+        self.wait_for_namespace = 0.0
         #: the namespace's descriptor (after connecting), and when it was read (monotonic s)
         self.descriptor = Descriptor(CLUSTER_LAYOUT, self.configured_shards)
         self.descriptor_read_at = 0.0
@@ -164,6 +170,7 @@ class ClusterCore:
         for name in shard_names(self.namespace, count):
             state = CoreState(name, self.bucket_bits)
             state.expiry_mode = self.expiry_mode
+            state.wait_for_namespace = self.wait_for_namespace
             sessions.append(Session(state, self.registry, self.policy))
             slots.append(shard_slot(name))
         self.sessions, self.slots = sessions, slots
@@ -528,6 +535,8 @@ def op_cluster_connect(core: ClusterCore, strict: bool = False, create: bool = T
     found = parse_descriptor(wave_reply(replies[0]), core.namespace)
     if found is None and not create:
         raise NamespaceMissingError(f"cluster namespace {core.namespace!r} does not exist")
+    if found is None and core.wait_for_namespace > 0:  # its creator makes it: wait
+        found = yield from _op_wait_for_descriptor(core, read)
     if found is None:  # written only when missing: a reader starts on a full node
         replies = yield from op_wave(
             core.cluster,
@@ -538,6 +547,11 @@ def op_cluster_connect(core: ClusterCore, strict: bool = False, create: bool = T
             ],
             core.wave_policy,
         )
+        refusal = next((r for r in replies if isinstance(r, Failure)), None)
+        if refusal is not None and refused_by_acl(refusal.message):
+            stand_in = CoreState(core.namespace)
+            stand_in.address = core.wave_policy.server
+            raise namespace_missing_error(stand_in, refusal.message)
         found = parse_descriptor([wave_reply(r) for r in replies][-1], core.namespace)
         assert found is not None  # just written
     if not isinstance(info, Failure):
@@ -550,7 +564,7 @@ def op_cluster_connect(core: ClusterCore, strict: bool = False, create: bool = T
         session.state.expiry_mode = core.expiry_mode
     yield from op_load_scripts(core)
     ops = {
-        shard: op_drive(session, op_load_namespace(session.state, ping=False))
+        shard: op_drive(session, op_load_namespace(session.state, False, session.registry.api))
         for shard, session in enumerate(core.sessions)
     }
     yield from op_parallel(core, ops)
@@ -565,6 +579,31 @@ def op_cluster_connect(core: ClusterCore, strict: bool = False, create: bool = T
     return count
 
 
+def _op_wait_for_descriptor(core: ClusterCore, read: list[SlotCommand]) -> WaveOp[Descriptor]:
+    """Read the descriptor until it exists, for at most ``core.wait_for_namespace`` seconds
+    (as :func:`~kvredis.redis.ops.op_load_namespace` waits on one server)."""
+    waited, pause = 0.0, WAIT_FIRST_S
+    logger.info(
+        "cluster namespace %r does not exist yet: waiting up to %g s for its creator",
+        core.namespace,
+        core.wait_for_namespace,
+    )
+    while True:
+        step = min(pause, core.wait_for_namespace - waited)
+        if step <= 0:
+            stand_in = CoreState(core.namespace)
+            stand_in.wait_for_namespace = core.wait_for_namespace
+            stand_in.address = core.wave_policy.server
+            raise namespace_missing_error(stand_in, None)
+        yield Sleep(step)
+        waited += step
+        pause = min(WAIT_LONGEST_S, pause * 2)
+        replies = yield from op_wave(core.cluster, read, core.wave_policy)
+        found = parse_descriptor(wave_reply(replies[0]), core.namespace)
+        if found is not None:
+            return found
+
+
 def op_load_scripts(core: ClusterCore) -> WaveOp[None]:
     """Decide how calls are sent, on every primary of the slot map (the registry's
     ``op_choose``: the ``kvredis`` function library, loaded where it is missing or older, its
@@ -575,22 +614,27 @@ def op_load_scripts(core: ClusterCore) -> WaveOp[None]:
     if slot_map is None:
         return
     registry = core.registry
+    # a shard each primary serves: its namespace records the newest api of its clients
+    states: dict[Any, CoreState] = {}
+    for shard, slot in enumerate(core.slots):
+        with contextlib.suppress(BackendUnavailableError):
+            states.setdefault(slot_map.primary(slot), core.state(shard))
     for node in slot_map.primaries:
         try:
-            yield from op_on_node(
-                node, registry.op_choose(f"primary {node} of {core.policy.server}")
-            )
+            server = f"primary {node} of {core.policy.server}"
+            yield from op_on_node(node, registry.op_choose(server, states.get(node)))
         except BackendUnavailableError as exc:
             logger.debug("cannot check the function library on %s: %s", node, exc)
     if registry.active:
         return
-    loads = tuple(registry.load(name).args for name in registry.names())
+    loads = tuple(registry.load_command(name).args for name in registry.names())
     yield Wave(tuple(NodeBatch(node, loads) for node in slot_map.nodes))
 
 
 def op_on_node(node: Any, op: Op[T]) -> WaveOp[T]:
     """Run ``op`` (plain commands only) against one node; error replies are thrown into it as
-    :mod:`kvredis.errors` exceptions, a lost node as BackendUnavailableError."""
+    :mod:`kvredis.errors` exceptions carrying the reply (as :func:`~kvredis.redis.session.op_drive`
+    throws them), a lost node as BackendUnavailableError."""
     try:
         request = next(op)
         while True:
@@ -598,7 +642,7 @@ def op_on_node(node: Any, op: Op[T]) -> WaveOp[T]:
                 raise TypeError(f"only commands can be sent to one node, got {request!r}")
             ((reply,),) = yield Wave((NodeBatch(node, (request.args,)),))
             if isinstance(reply, ErrorReply):
-                request = op.throw(translate(reply.message))
+                request = op.throw(typed_error(reply))
             elif isinstance(reply, Failure):
                 request = op.throw(BackendUnavailableError(f"{node}: {reply.message}"))
             else:

@@ -3,9 +3,10 @@
 
 Same methods and semantics as :class:`~kvredis.redis.index.RedisIndex`, except where pods on
 different shards do not share engine-key mappings and a write spanning shards is one atomic
-step per shard (see :mod:`kvredis.redis.cluster.ops`, :mod:`.writes` and docs/design/cluster.md).
-Both run the sans-IO cluster operations of :mod:`.ops` and :mod:`.writes` with the executors of
-:mod:`.executor`; nothing here knows about slots or redirections.
+step per shard (see :mod:`kvredis.redis.cluster.ops`, :mod:`.writes` and
+``docs/design/cluster.md``). Both run the sans-IO cluster operations of :mod:`.ops` and
+:mod:`.writes` with the executors of :mod:`.executor`; nothing here knows about slots or
+redirections.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ import logging
 from collections.abc import Callable, Collection, Sequence
 from typing import Any, TypeVar
 
-from kvredis.batch import IndexOp, Watermark
+from kvredis.batch import Batch, IndexOp, Watermark
 from kvredis.checks import check_selection
 from kvredis.errors import ConfigError
+from kvredis.hashing.config import BlockKeyScheme
 from kvredis.index import Progress
 from kvredis.redis.cluster.core import ClusterCore, ReadFrom, op_cluster_connect
 from kvredis.redis.cluster.executor import AsyncClusterExecutor, SyncClusterExecutor
@@ -27,15 +29,16 @@ from kvredis.redis.cluster.migrate import (
     op_converting,
 )
 from kvredis.redis.cluster.ops import (
+    op_cluster_block_key_scheme,
     op_cluster_clear,
     op_cluster_drop,
     op_cluster_get_request_key,
     op_cluster_lookup,
     op_cluster_score,
+    op_cluster_score_by_rank,
 )
 from kvredis.redis.cluster.routing import WaveOp
 from kvredis.redis.cluster.writes import (
-    Batch,
     op_cluster_add,
     op_cluster_apply_batch,
     op_cluster_apply_batches,
@@ -83,6 +86,7 @@ class _ClusterFacade:
             _read_from(cfg.read_from_replicas),
         )
         core.wait_replicas = cfg.cluster_wait_replicas
+        core.wait_for_namespace = cfg.wait_for_namespace
         core.registry = FunctionRegistry(use=cfg.use_functions)
         core.wait_timeout_ms = max(1, int(cfg.socket_timeout * 500))
         return core
@@ -150,9 +154,18 @@ class RedisClusterIndex(_ClusterFacade):
     def score(
         self, request_keys: Keys, medium_weights: Any = None, pod_identifier_set: Pods = None
     ) -> dict[str, float]:
-        """Per-pod longest-prefix scores (the same floats as LongestPrefixScorer)."""
+        """Per-pod longest-prefix scores (the same floats as LongestPrefixScorer): each pod's
+        best data-parallel rank's."""
         args = (request_keys, medium_weights, pod_identifier_set)
         return self._run(lambda c: op_cluster_score(c, *args))
+
+    def score_by_rank(
+        self, request_keys: Keys, medium_weights: Any = None, pod_identifier_set: Pods = None
+    ) -> dict[str, dict[int, float]]:
+        """pod -> data-parallel rank -> longest-prefix score, from the same lookup as
+        :meth:`score` (the same floats as ``LongestPrefixScorer.score_by_rank``)."""
+        args = (request_keys, medium_weights, pod_identifier_set)
+        return self._run(lambda c: op_cluster_score_by_rank(c, *args))
 
     def add(
         self,
@@ -231,6 +244,13 @@ class RedisClusterIndex(_ClusterFacade):
             return self._exec.run(op_cluster_migrate(self.core))
         return self._exec.run(op_cluster_migrate(self.core, progress))
 
+    def check_block_key_scheme(
+        self, scheme: BlockKeyScheme, *, record: bool = False
+    ) -> BlockKeyScheme | None:
+        """See :meth:`kvredis.index.SchemeIndex.check_block_key_scheme` (every shard records
+        it)."""
+        return self._run(lambda c: op_cluster_block_key_scheme(c, scheme, record))
+
     def close(self) -> None:
         """Close every node's connections."""
         self._exec.close()
@@ -297,6 +317,13 @@ class AsyncRedisClusterIndex(_ClusterFacade):
         args = (request_keys, medium_weights, pod_identifier_set)
         return await self._run(lambda c: op_cluster_score(c, *args))
 
+    async def score_by_rank(
+        self, request_keys: Keys, medium_weights: Any = None, pod_identifier_set: Pods = None
+    ) -> dict[str, dict[int, float]]:
+        """See :meth:`RedisClusterIndex.score_by_rank`."""
+        args = (request_keys, medium_weights, pod_identifier_set)
+        return await self._run(lambda c: op_cluster_score_by_rank(c, *args))
+
     async def add(
         self,
         engine_keys: Keys | None,
@@ -361,6 +388,12 @@ class AsyncRedisClusterIndex(_ClusterFacade):
     async def drop_namespace(self) -> int:
         """See :meth:`RedisClusterIndex.drop_namespace`."""
         return await self._run(op_cluster_drop)
+
+    async def check_block_key_scheme(
+        self, scheme: BlockKeyScheme, *, record: bool = False
+    ) -> BlockKeyScheme | None:
+        """See :meth:`RedisClusterIndex.check_block_key_scheme`."""
+        return await self._run(lambda c: op_cluster_block_key_scheme(c, scheme, record))
 
     async def aclose(self) -> None:
         """Close every node's connections."""

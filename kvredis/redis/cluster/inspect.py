@@ -4,7 +4,7 @@ A cluster namespace is ``count`` shards, each a complete single-server namespace
 (:mod:`.shards`). The inspector reads the descriptor ``<ns>:cluster`` for the shard count, then
 runs the single-server operator operations of :mod:`kvredis.redis.inspect` (``op_stats``,
 ``op_check``, ``op_dump``, ``op_restore``, ``op_watermarks``) on every shard at once, each on
-the node owning its slot (:func:`~kvredis.redis.cluster.ops.op_parallel`: one wave per step,
+the node owning its slot (:func:`~kvredis.redis.cluster.core.op_parallel`: one wave per step,
 one round trip per node), and merges what they return: statistics summed with each shard's own
 kept (a request key held by pods of several shards counts once in each), findings naming their
 shard, watermarks at their highest over the shards (in the key layout: their lowest).

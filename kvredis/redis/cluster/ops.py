@@ -7,16 +7,20 @@ the shards of the pods it asks about (every shard without a pod filter); the sha
 holds are read by one script call on that node (:mod:`.calls`), every node's call in one wave.
 
 - score: ``score_shards``, the single-server ``score`` run on each shard: each shard scores its
-  own pods over the whole chain (a pod's prefix is in its shard), so the replies merge by union
-  into exactly the floats one server gives (:class:`~kvredis.scoring.LongestPrefixScorer`'s).
-  One round trip per involved node; a chain longer than one call's keys goes in parts, each
-  shard going on from where its pods got.
+  own pods (per data-parallel rank) over the whole chain (a pod's prefix is in its shard), so
+  the replies merge by union into exactly the floats one server gives
+  (:class:`~kvredis.scoring.LongestPrefixScorer`'s). One round trip per involved node; a chain
+  longer than one call's keys goes in parts, each shard going on from where its pods got and
+  carrying their stamps (:mod:`kvredis.redis.stamps`), so the parts never credit a pod with
+  more than it held at once.
 - lookup: a key's entries are spread over the shards of the pods holding it, and the chain
   ends at the first key no shard holds. Each shard walks to its first miss (``lookup_union``);
   the farthest of them is where the chain may end, so the shards that stopped before it walk
   again, passing over their misses up to it, and stop at their first miss at or after it;
   until every shard stops at the same key. One wave when the shards stop together (the pods
-  holding a chain hold a prefix of it), a second for the others.
+  holding a chain hold a prefix of it), a second for the others; a lookup of more than one step
+  carries each shard's stamps and checks them once more after its last step (a pod that lost an
+  entry meanwhile keeps only what the first wave read).
 - get_request_key: every shard's mapping of the engine key (each shard keeps the mappings its
   pods' adds made): the first shard's that has one.
 - clear: on the pod's shard only, the single-server clear (mappings included).
@@ -39,11 +43,13 @@ from kvredis.checks import (
     pod_filter,
 )
 from kvredis.errors import (
+    BackendUnavailableError,
     EngineKeyNotFoundError,
     InvalidInputError,
     StaleNamespaceError,
     translate,
 )
+from kvredis.hashing.config import BlockKeyScheme
 from kvredis.index import ClearProgress
 from kvredis.redis.cluster.calls import NodeCall, group_shards, op_node_calls, op_slot_map
 from kvredis.redis.cluster.core import (
@@ -55,20 +61,23 @@ from kvredis.redis.cluster.core import (
 from kvredis.redis.cluster.routing import NON_LOCAL_KEY, WaveOp
 from kvredis.redis.cluster.shards import descriptor_key, shard_slot
 from kvredis.redis.cluster.topology import ClusterNode
-from kvredis.redis.codec import bytes_text, hash_field, pack_hashes, text_bytes
+from kvredis.redis.codec import HASH_WIDTH, bytes_text, hash_field, pack_hashes, text_bytes
+from kvredis.redis.config import DEFAULT_CLEAR_FIELDS_PER_CALL
 from kvredis.redis.ops import (
-    DEFAULT_CLEAR_FIELDS_PER_CALL,
+    LOOKUP_KEYS_PER_CALL,
     SCORE_KEYS_PER_CALL,
+    op_block_key_scheme,
     op_clear,
     op_drop_namespace,
-    op_score,
+    op_score_by_rank,
     pod_args,
     read_score_reply,
     score_weights,
 )
 from kvredis.redis.requests import Arg, Command, Op, ScriptCall
+from kvredis.redis.stamps import StampBook
 from kvredis.redis.state import CoreState, EntryCache
-from kvredis.scoring import UNKNOWN_TIER_WEIGHT, LongestPrefixScorer
+from kvredis.scoring import UNKNOWN_TIER_WEIGHT, LongestPrefixScorer, best_ranks
 from kvredis.types import Keys, PodEntry
 
 T = TypeVar("T")
@@ -92,12 +101,21 @@ class ShardWalk:
 
 @dataclass(slots=True)
 class UnionLookup:
-    """The merge of the shards' walks of one chain: every shard's hits by position."""
+    """The merge of the shards' walks of one chain: every shard's hits by position.
+
+    With ``books`` (a read in more than one step), each shard's walks carry its stamps
+    (:mod:`kvredis.redis.stamps`), and a pod whose stamp broke keeps only the entries the first
+    step read."""
 
     keys: Sequence[int]
     walks: dict[int, ShardWalk]
-    #: position -> the entries shards reported there, in shard order
-    hits: dict[int, list[tuple[PodEntry, ...]]] = field(default_factory=dict)
+    #: position -> the entries shards reported there, in shard order, with the step that read
+    #: them (0: the first wave)
+    hits: dict[int, list[tuple[int, tuple[PodEntry, ...]]]] = field(default_factory=dict)
+    #: shard -> its stamps (None: a read of one step, no stamps)
+    books: dict[int, StampBook] | None = None
+    #: the steps taken so far (a wave, or the per-shard path after one)
+    step: int = 0
 
     @property
     def frontier(self) -> int:
@@ -122,15 +140,18 @@ class UnionLookup:
     def take(self, shard: int, cache: EntryCache, reply: Sequence[Any]) -> None:
         """Take in one shard's ``lookup_union`` reply."""
         cache.learn(reply[1], int(reply[0]))
+        if self.books is not None:
+            self.books[shard].take(reply[4])
         holders = cache.holders
-        for i in range(4, len(reply) - 1, 2):
+        step = self.step
+        for i in range(5, len(reply) - 1, 2):
             at = int(reply[i]) - 1
             pairs = reply[i + 1]
             for j in range(0, len(pairs) - 1, 2):
                 n, held = int(pairs[j]), holders(pairs[j + 1])
                 if held:
                     for p in range(at, at + n):
-                        self.hits.setdefault(p, []).append(held)
+                        self.hits.setdefault(p, []).append((step, held))
                 at += n
         how, where = int(reply[2]), int(reply[3]) - 1
         walk = self.walks[shard]
@@ -141,35 +162,55 @@ class UnionLookup:
             walk.end = True
 
     def result(self) -> dict[int, list[PodEntry]]:
-        """Entries per key, in chain order, up to the first key no shard holds."""
+        """Entries per key, in chain order, up to the first key no shard holds (the entries of
+        a pod whose stamp broke counting only where the first step read them)."""
+        dropped: set[str] = set()
+        if self.books is not None:
+            dropped = set().union(*(book.dropped for book in self.books.values()))
         out: dict[int, list[PodEntry]] = {}
         for position, key in enumerate(self.keys[: self.frontier]):
             found = self.hits.get(position)
             if not found:
                 break
-            if len(found) == 1:
-                out[key] = list(found[0])
+            lists = [held for _, held in found]
+            if dropped:
+                lists = [
+                    held if step == 0 else tuple(e for e in held if e.pod_identifier not in dropped)
+                    for step, held in found
+                ]
+                lists = [held for held in lists if held]
+                if not lists:
+                    break
+            if len(lists) == 1:
+                out[key] = list(lists[0])
             else:
-                out[key] = list(dict.fromkeys(e for held in found for e in held))
+                out[key] = list(dict.fromkeys(e for held in lists for e in held))
         return out
 
 
-def _union_shard_args(state: CoreState, start: int, upto: int) -> tuple[list[Arg], EntryCache]:
+def _union_shard_args(
+    state: CoreState, start: int, upto: int, book: StampBook | None
+) -> tuple[list[Arg], EntryCache]:
     layout, cache = state.snapshot()
     args: list[Arg] = [
         *(layout.meta, layout.pi, layout.pp, layout.sx),
         *(layout.gen, layout.rprefix, layout.bucket_bits, cache.floor, start + 1, upto + 1),
     ]
+    if book is None:
+        args += (0, 0)
+    else:
+        book.bind(layout.gen)
+        args += (1, *book.args())
     return args, cache
 
 
 def _union_walk_factory(
-    chain: bytes, filter_args: list[Arg], start: int, upto: int
+    chain: bytes, filter_args: list[Arg], start: int, upto: int, book: StampBook | None
 ) -> Callable[[CoreState], Op[tuple[EntryCache, list[Any]]]]:
     """One shard's walk by the per-shard path (``lookup_union`` of one shard)."""
 
     def factory(state: CoreState) -> Op[tuple[EntryCache, list[Any]]]:
-        args, cache = _union_shard_args(state, start, upto)
+        args, cache = _union_shard_args(state, start, upto, book)
         layout = state.layout
         keys = (layout.meta, layout.pi, layout.pp, layout.sx)
         (reply,) = yield ScriptCall("lookup_union", keys, [*filter_args, chain, *args], read=True)
@@ -181,9 +222,16 @@ def _union_walk_factory(
 
 
 def op_cluster_lookup(
-    core: ClusterCore, request_keys: Keys, pod_identifier_set: Any
+    core: ClusterCore, request_keys: Keys, pod_identifier_set: Any, stamped: bool | None = None
 ) -> WaveOp[dict[int, list[PodEntry]]]:
-    """``Index.lookup`` over the shards (see the module docstring)."""
+    """``Index.lookup`` over the shards (see the module docstring).
+
+    A lookup read in more than one step carries each shard's stamps from its first wave on
+    and checks them once more after its last (:func:`op_check_union_stamps`): a pod whose
+    stamp broke keeps only the entries the first wave read. Stamps are asked for from the start
+    where more than one step is likely (several shards, or a chain longer than one call
+    walks; ``stamped`` decides otherwise); a lookup without them that takes a second step
+    starts over with them."""
     keys, chain = pack_hashes(request_keys, "request key")
     pods = pod_filter(pod_identifier_set)
     if not keys:
@@ -191,13 +239,18 @@ def op_cluster_lookup(
     shards = core.pods_shards(pods)
     if not shards:
         return {}
-    merge = UnionLookup(keys, {shard: ShardWalk() for shard in shards})
+    if stamped is None:
+        stamped = len(shards) > 1 or len(keys) > LOOKUP_KEYS_PER_CALL
+    books = {shard: StampBook() for shard in shards} if stamped else None
+    merge = UnionLookup(keys, {shard: ShardWalk() for shard in shards}, books=books)
     filter_args = pod_args(pods)
     pick = core.pick()
     while True:
         due = merge.due()
         if not due:
             break
+        if merge.step and books is None:  # a step more than planned: read again, stamped
+            return (yield from op_cluster_lookup(core, keys, pods, stamped=True))
         slot_map = yield from op_slot_map(core)
         by_node, again = group_shards(core, due, core.reader(slot_map, pick))
         calls: list[NodeCall] = []
@@ -207,7 +260,8 @@ def op_cluster_lookup(
             args: list[Arg] = [*filter_args, chain]
             node_caches = []
             for shard in node_shards:
-                shard_args, cache = _union_shard_args(core.state(shard), *due[shard])
+                book = None if books is None else books[shard]
+                shard_args, cache = _union_shard_args(core.state(shard), *due[shard], book)
                 args += shard_args
                 node_caches.append(cache)
             names = (first.meta, first.pi, first.pp, first.sx)
@@ -225,34 +279,93 @@ def op_cluster_lookup(
                     merge.take(shard, cache, part)
                 else:
                     again.append(shard)  # "STALE": the per-shard path reloads the shard
+        merge.step += 1
         if again:
-            factories = {s: _union_walk_factory(chain, filter_args, *due[s]) for s in again}
+            if books is None:  # a step more than planned: read again, stamped
+                return (yield from op_cluster_lookup(core, keys, pods, stamped=True))
+            factories = {
+                s: _union_walk_factory(chain, filter_args, *due[s], books[s]) for s in again
+            }
             found = yield from on_shards(core, factories, read=True)
             for shard, (cache, reply) in found.items():
                 merge.take(shard, cache, reply)
+            merge.step += 1
+    if books is not None and merge.step > 1:
+        yield from op_check_union_stamps(core, books, filter_args, pick)
     return merge.result()
+
+
+def op_check_union_stamps(
+    core: ClusterCore, books: Mapping[int, StampBook], filter_args: list[Arg], pick: int = 0
+) -> WaveOp[None]:
+    """Check the stamps of every shard's book once more (after a read's last step): one
+    ``lookup_union`` call of an empty chain per node, its shards carrying their stamps; a book
+    whose shard cannot be checked now (a slot moving, a node in trouble, a recreated shard)
+    drops all its pods."""
+    checking = [shard for shard, book in books.items() if book.stamps]
+    if not checking:
+        return
+    slot_map = yield from op_slot_map(core)
+    by_node, again = group_shards(core, checking, core.reader(slot_map, pick))
+    calls: list[NodeCall] = []
+    for node, node_shards in by_node.items():
+        first = core.state(node_shards[0]).layout
+        args: list[Arg] = [*filter_args, b""]
+        for shard in node_shards:
+            args += _union_shard_args(core.state(shard), 0, 0, books[shard])[0]
+        names = (first.meta, first.pi, first.pp, first.sx)
+        check = ScriptCall("lookup_union", names, args, read=True)
+        calls.append(NodeCall(core.slots[node_shards[0]], check, tuple(node_shards), node=node))
+    replies = yield from op_node_calls(core, calls, read=True, pick=pick)
+    for node_call, reply in zip(calls, replies, strict=True):
+        if reply is None:
+            again += node_call.items
+            continue
+        for shard, part in zip(node_call.items, reply, strict=True):
+            if isinstance(part, list):
+                books[shard].take(part[4])
+            else:
+                again.append(shard)
+    if not again:
+        return
+    factories = {s: _union_walk_factory(b"", filter_args, 0, 0, books[s]) for s in again}
+    try:
+        found = yield from on_shards(core, factories, read=True)
+    except (BackendUnavailableError, StaleNamespaceError):
+        found = {}
+    for shard in again:
+        if shard in found:
+            books[shard].take(found[shard][1][4])
+        else:
+            books[shard].drop_all()
 
 
 # -- score -------------------------------------------------------------------------------------
 
 
+#: A (pod id, data-parallel rank) of a score.
+Slot = tuple[bytes, int]
+
+
 @dataclass(slots=True)
 class ShardScore:
-    """One shard's scores over a chain walked in parts: its pods' scores so far, where its
-    next part starts, and the pods still holding every key walked (None: done)."""
+    """One shard's scores over a chain walked in parts: its (pod, rank)s' scores so far, where
+    its next part starts, and the (pod, rank)s still holding every key walked, with their
+    scores and stamps (score.lua's carried arguments)."""
 
-    scores: dict[bytes, float] = field(default_factory=dict)
+    scores: dict[Slot, float] = field(default_factory=dict)
     start: int = 0
     carried: list[Arg] = field(default_factory=lambda: [0])
     done: bool = False
 
 
-def _score_shard_args(core: ClusterCore, shard: int, state: ShardScore) -> list[Arg]:
+def _score_shard_args(core: ClusterCore, shard: int, state: ShardScore, more: int) -> list[Arg]:
     """One shard's arguments in ``score_shards``: their count, the shard's keys and namespace
-    (:meth:`~.core.ClusterCore.shard_args`), the pods carried over."""
+    (:meth:`~.core.ClusterCore.shard_args`), whether keys follow this part, the (pod, rank)s
+    carried over."""
     fixed = core.shard_args(shard)
     carried = state.carried
-    return [len(fixed) + len(carried), *fixed, *carried]
+    return [len(fixed) + 1 + len(carried), *fixed, more, *carried]
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,7 +387,7 @@ def _score_calls(core: ClusterCore, by_node: Mapping[ClusterNode, list[int]]) ->
         head: list[Arg] = [len(group)]
         for shard in group:
             fixed = core.shard_args(shard)
-            head += (len(fixed) + 1, *fixed, 0)
+            head += (len(fixed) + 2, *fixed, 0, 0)  # the whole chain: no keys follow, none carried
         names = core.shard_args(group[0])[:4]
         out.append(ScoreCall(node, core.slots[group[0]], tuple(group), names, tuple(head)))
     return out
@@ -282,16 +395,30 @@ def _score_calls(core: ClusterCore, by_node: Mapping[ClusterNode, list[int]]) ->
 
 def _score_factory(
     keys: list[int], weights: Any, pods: frozenset[str] | None
-) -> Callable[[CoreState], Op[dict[str, float]]]:
+) -> Callable[[CoreState], Op[dict[str, dict[int, float]]]]:
     """One shard's whole score by the per-shard path (the single-server ``score``)."""
-    return lambda state: op_score(state, keys, weights, pods)
+    return lambda state: op_score_by_rank(state, keys, weights, pods)
 
 
 def op_cluster_score(
     core: ClusterCore, request_keys: Keys, medium_weights: Any, pod_identifier_set: Any
 ) -> WaveOp[dict[str, float]]:
-    """Per-pod longest-prefix scores (see the module docstring): the same floats as
+    """Per-pod longest-prefix scores (see the module docstring): each pod's best data-parallel
+    rank's (:func:`op_cluster_score_by_rank`); the same floats as
     :class:`~kvredis.scoring.LongestPrefixScorer`."""
+    by_rank = yield from op_cluster_score_by_rank(
+        core, request_keys, medium_weights, pod_identifier_set
+    )
+    return best_ranks(by_rank)
+
+
+def op_cluster_score_by_rank(
+    core: ClusterCore, request_keys: Keys, medium_weights: Any, pod_identifier_set: Any
+) -> WaveOp[dict[str, dict[int, float]]]:
+    """Per-pod, per-data-parallel-rank longest-prefix scores (see the module docstring): the
+    same floats as :meth:`~kvredis.scoring.LongestPrefixScorer.score_by_rank`. A chain read in
+    parts carries each shard's stamps from part to part (score.lua): a (pod, rank) whose pod
+    lost an entry since an earlier part read it keeps the score it had."""
     keys, chain = pack_hashes(request_keys, "request key")
     pods = pod_filter(pod_identifier_set)
     weights = score_weights(medium_weights)
@@ -299,7 +426,7 @@ def op_cluster_score(
         return {}
     if not core.by_pod:  # a pod's entries may be in several shards: merge, then score
         found = yield from op_cluster_lookup(core, keys, pods)
-        return LongestPrefixScorer(weights).score(keys, found)
+        return LongestPrefixScorer(weights).score_by_rank(keys, found)
     shards = core.pods_shards(pods)
     if not shards:
         return {}
@@ -323,7 +450,7 @@ def op_cluster_score(
             if whole is not None:
                 return whole
     states = {shard: ShardScore() for shard in shards}
-    careful: dict[int, dict[str, float]] = {}
+    careful: dict[int, dict[str, dict[int, float]]] = {}
     pending = list(shards)
     while pending:
         slot_map = yield from op_slot_map(core)
@@ -332,12 +459,13 @@ def op_cluster_score(
         for node, node_shards in by_node.items():
             for start in dict.fromkeys(states[s].start for s in node_shards):
                 group = [s for s in node_shards if states[s].start == start]
+                piece = chain[start * HASH_WIDTH : (start + SCORE_KEYS_PER_CALL) * HASH_WIDTH]
+                more = 1 if start + len(piece) // HASH_WIDTH < len(keys) else 0
                 args: list[Arg] = [len(group)]
                 for shard in group:
-                    args += _score_shard_args(core, shard, states[shard])
+                    args += _score_shard_args(core, shard, states[shard], more)
                 args += common
-                args.append(chain if start == 0 and len(keys) <= SCORE_KEYS_PER_CALL
-                            else chain[start * 8 : (start + SCORE_KEYS_PER_CALL) * 8])  # fmt: skip
+                args.append(piece)
                 names = core.shard_args(group[0])[:4]
                 score = ScriptCall("score_shards", names, args, read=True)
                 calls.append(NodeCall(core.slots[group[0]], score, tuple(group), node=node))
@@ -355,28 +483,31 @@ def op_cluster_score(
                     continue
                 state = states[shard]
                 walked, cut, live = read_score_reply(part, state.scores)
-                piece = min(SCORE_KEYS_PER_CALL, len(keys) - state.start)
+                piece_keys = min(SCORE_KEYS_PER_CALL, len(keys) - state.start)
                 state.start += walked
-                if live and walked and (cut or walked == piece) and state.start < len(keys):
+                if live and walked and (cut or walked == piece_keys) and state.start < len(keys):
                     state.carried = [len(live)]
-                    for pod in live:
-                        state.carried += (pod, repr(state.scores[pod]))
+                    for slot, stamp in live:
+                        state.carried += (slot[0], slot[1], repr(state.scores[slot]), stamp)
                     pending.append(shard)
-        if again:
+        if again:  # the shard scored again, whole, by the per-shard path
             factories = {s: _score_factory(keys, weights, pods) for s in again}
             careful.update((yield from on_shards(core, factories, read=True)))
             for shard in again:
                 states[shard].done = True
-    out: dict[str, float] = {}
+    out: dict[str, dict[int, float]] = {}
     for shard, state in states.items():
-        scored = (
-            careful[shard]
-            if state.done
-            else {bytes_text(name): value for name, value in state.scores.items()}
-        )
-        for pod_id, value in scored.items():
-            known = out.get(pod_id)
-            out[pod_id] = value if known is None else max(known, value)
+        if state.done:
+            scored = careful[shard]
+        else:
+            scored = {}
+            for (pod, rank), value in state.scores.items():
+                scored.setdefault(bytes_text(pod), {})[rank] = value
+        for pod_id, ranks in scored.items():
+            known = out.setdefault(pod_id, {})
+            for rank, value in ranks.items():
+                if rank not in known or value > known[rank]:
+                    known[rank] = value
     return out
 
 
@@ -390,11 +521,13 @@ def _shard_again(error: Any) -> bool:
     )
 
 
-def _whole_scores(replies: Sequence[list[Any] | None], length: int) -> dict[str, float] | None:
-    """The scores of a one-wave score, merged (a pod in several shards: its highest), or None
-    when a shard needs more (its call failed, its walk was cut at the work limit, its shard is
-    stale): the general path then scores again."""
-    out: dict[str, float] = {}
+def _whole_scores(
+    replies: Sequence[list[Any] | None], length: int
+) -> dict[str, dict[int, float]] | None:
+    """The scores of a one-wave score, merged (a (pod, rank) in several shards: its highest),
+    or None when a shard needs more (its call failed, its walk was cut at the work limit, its
+    shard is stale): the general path then scores again."""
+    out: dict[str, dict[int, float]] = {}
     for reply in replies:
         if reply is None:
             return None
@@ -405,10 +538,11 @@ def _whole_scores(replies: Sequence[list[Any] | None], length: int) -> dict[str,
                 return None
             if int(part[1]) and int(part[0]) < length:  # cut: walk on from there
                 return None
-            for i in range(2, len(part), 3):
-                pod, value = bytes_text(part[i]), float(part[i + 1])
-                known = out.get(pod)
-                out[pod] = value if known is None or value > known else known
+            for i in range(2, len(part) - 4, 5):
+                ranks = out.setdefault(bytes_text(part[i]), {})
+                rank, value = int(part[i + 1]), float(part[i + 2])
+                known = ranks.get(rank)
+                ranks[rank] = value if known is None or value > known else known
     return out
 
 
@@ -519,3 +653,13 @@ def op_cluster_drop(core: ClusterCore) -> WaveOp[int]:
     removed = yield from slot_command(core, shard_slot(desc.decode()), "DEL", desc)
     core.stream_homes.clear()
     return sum(deleted.values()) + int(removed)
+
+
+def op_cluster_block_key_scheme(
+    core: ClusterCore, scheme: BlockKeyScheme, record: bool = False
+) -> WaveOp[BlockKeyScheme | None]:
+    """:func:`~kvredis.redis.ops.op_block_key_scheme` on every shard (each shard's namespace
+    records the scheme); the scheme recorded (None: none yet on some shard)."""
+    found = yield from on_every_shard(core, lambda s: op_block_key_scheme(s, scheme, record))
+    schemes = list(found.values())
+    return schemes[0] if schemes and all(s is not None for s in schemes) else None

@@ -35,6 +35,10 @@ from dataclasses import dataclass
 
 from kvredis.errors import InvalidInputError, NamespaceLayoutError
 from kvredis.redis.cluster.slots import SLOT_COUNT, key_slot
+from kvredis.redis.layout import DEFAULT_SHARDS as DEFAULT_SHARDS
+from kvredis.redis.layout import MAX_SHARDS as MAX_SHARDS
+from kvredis.redis.layout import check_cluster_namespace as check_cluster_namespace
+from kvredis.redis.layout import check_shards as check_shards
 
 #: The layout of the cluster namespaces this client creates: shards by pod.
 CLUSTER_LAYOUT = "kvredis-cluster/2"
@@ -43,31 +47,8 @@ CLUSTER_LAYOUT = "kvredis-cluster/2"
 KEY_LAYOUT = "kvredis-cluster/1"
 #: Every cluster layout this client reads.
 CLUSTER_LAYOUTS = (KEY_LAYOUT, CLUSTER_LAYOUT)
-#: Shards of a new cluster namespace unless configured otherwise.
-DEFAULT_SHARDS = 6
-#: The largest shard count (each shard costs one script call per operation that touches it).
-MAX_SHARDS = 256
 _MIX = 0x9E3779B97F4A7C15
 _MASK = (1 << 64) - 1
-
-
-def check_shards(count: object) -> int:
-    """Validate a shard count (1..:data:`MAX_SHARDS`)."""
-    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_SHARDS:
-        raise InvalidInputError(
-            f"cluster shards must be an int in [1, {MAX_SHARDS}], got {count!r}"
-        )
-    return count
-
-
-def check_cluster_namespace(namespace: str) -> str:
-    """A cluster namespace may not hold ``{`` or ``}`` (its keys carry hash tags)."""
-    if "{" in namespace or "}" in namespace:
-        raise InvalidInputError(
-            f"a cluster namespace may not contain '{{' or '}}' (got {namespace!r}): the index "
-            "puts its own hash tags in its key names"
-        )
-    return namespace
 
 
 def descriptor_key(namespace: str) -> bytes:

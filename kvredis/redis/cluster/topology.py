@@ -18,7 +18,7 @@ from typing import Any
 
 from kvredis.errors import BackendError, BackendUnavailableError
 from kvredis.redis.cluster.slots import SLOT_COUNT, key_slot
-from kvredis.redis.requests import Command, ErrorReply, Op
+from kvredis.redis.requests import Command, ErrorReply, Op, error_reply
 
 #: Endpoints a node reports when it does not know its own address (use the host asked).
 _UNKNOWN_HOSTS = frozenset({"", "?"})
@@ -270,7 +270,8 @@ def op_slot_map(replied_host: str, tls: bool = False) -> Op[SlotMap]:
     try:
         reply = yield Command(("CLUSTER", "SHARDS"))
     except (ErrorReply, BackendError) as failure:
-        if "unknown" not in str(failure).lower():
+        reply = error_reply(failure)  # "ERR unknown subcommand": a server before CLUSTER SHARDS
+        if reply is None or "unknown" not in reply.message.lower():
             raise
         return parse_cluster_slots((yield Command(("CLUSTER", "SLOTS"))), replied_host)
     return parse_cluster_shards(reply, replied_host, tls)

@@ -32,7 +32,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvredis.batch import AddOp, EvictOp, IndexOp, Watermark, check_batch, check_stream
+from kvredis.batch import (
+    AddOp,
+    Batch,
+    EvictOp,
+    IndexOp,
+    Watermark,
+    check_batches,
+    check_stream,
+)
 from kvredis.checks import (
     MAX_REQUEST_KEYS_PER_ENGINE_KEY,
     check_add,
@@ -41,7 +49,11 @@ from kvredis.checks import (
     check_key_type,
     check_ttl,
 )
-from kvredis.errors import CallBudgetError, InvalidInputError, translate
+from kvredis.errors import (
+    CallBudgetError,
+    StaleNamespaceError,
+    lua_error_code,
+)
 from kvredis.redis.cluster.calls import NodeCall, group_shards, op_node_calls, op_slot_map
 from kvredis.redis.cluster.core import ClusterCore, on_every_shard, on_shards
 from kvredis.redis.cluster.placement import (
@@ -50,7 +62,7 @@ from kvredis.redis.cluster.placement import (
     batch_segments,
     evict_segments,
 )
-from kvredis.redis.cluster.routing import NON_LOCAL_KEY, WaveOp
+from kvredis.redis.cluster.routing import WaveOp, non_local_key
 from kvredis.redis.cluster.topology import ClusterNode
 from kvredis.redis.codec import blob_hashes, hash_field, text_bytes
 from kvredis.redis.layout import Layout
@@ -71,12 +83,15 @@ from kvredis.redis.program import (
     piece_parents,
     program_of,
 )
-from kvredis.redis.requests import Arg, Command, Op, Pipeline, ScriptCall
+from kvredis.redis.requests import Arg, Command, ErrorReply, Op, Pipeline, ScriptCall
+from kvredis.redis.session import typed_error
 from kvredis.redis.state import CoreState
 from kvredis.types import Entries, Keys, KeyType
 
-#: One batch of ``apply_batches``: its ops, stream and watermark (both None: unfenced).
-Batch = tuple[Sequence[IndexOp], str | None, Watermark | None]
+#: The code of an error reply refusing a call as over budget (the client splits the call).
+OVER_BUDGET = lua_error_code(CallBudgetError)
+#: The code of an error reply refusing a part of a shard whose generation is not the client's.
+STALE = lua_error_code(StaleNamespaceError)
 
 
 def segment_programs(layout: Layout, segment: Segment) -> list[Program]:
@@ -200,14 +215,12 @@ class WritePlan:
 
     def failed(self, run: SegmentRun, message: str) -> None:
         """A part stopped with an error reply before its first write."""
-        if message.startswith("KVREDIS_STALE") or NON_LOCAL_KEY in message:
-            self.go_careful(run.shard)  # reloads the shard, follows the slot
-            return
-        exc = translate(message)
-        if isinstance(exc, CallBudgetError):  # the per-shard path splits the part
+        failure = ErrorReply(message)
+        if failure.code in (STALE, OVER_BUDGET) or non_local_key(failure):
+            # reloads the shard, follows the slot, or splits the part over budget
             self.go_careful(run.shard)
             return
-        self.error = self.error or exc
+        self.error = self.error or typed_error(failure)
         run.outcome = False
         self.stop(run)
         self.go_careful(run.shard)  # its later segments: after it, in order
@@ -506,21 +519,11 @@ def op_cluster_apply_batches(core: ClusterCore, batches: Sequence[Batch]) -> Wav
     except that once a batch of a stream is not applied, the stream's later batches in the call
     are not applied either (reported False). One wave for batches whose streams each live on
     one node (an ingester's: one pod per stream)."""
-    if isinstance(batches, (str, bytes)) or not isinstance(batches, Sequence):
-        raise InvalidInputError(
-            f"batches must be a sequence of (ops, stream, watermark), got {batches!r}"
-        )
+    checked = check_batches(batches)  # every batch before anything applies
     segments: list[Segment] = []
     owners: list[tuple[int, bool]] = []  # per segment: its batch, whether it decides
     empty: list[bool] = []
-    for number, item in enumerate(batches):
-        try:
-            ops, stream, watermark = item
-        except (TypeError, ValueError):
-            raise InvalidInputError(
-                f"batch {number} must be an (ops, stream, watermark) tuple, got {item!r}"
-            ) from None
-        plan = check_batch(ops, stream, watermark)
+    for number, (plan, stream, watermark) in enumerate(checked):
         fenced = stream is not None and watermark is not None
         empty.append(not plan and not fenced)
         if not plan and not fenced:
@@ -544,7 +547,7 @@ def op_cluster_apply_batch(
     watermark: Watermark | None,
 ) -> WaveOp[bool]:
     """``BatchIndex.apply_batch``: :func:`op_cluster_apply_batches` of one batch."""
-    (applied,) = yield from op_cluster_apply_batches(core, [(ops, stream, watermark)])
+    (applied,) = yield from op_cluster_apply_batches(core, [Batch(ops, stream, watermark)])
     return applied
 
 

@@ -43,7 +43,7 @@ from kvredis.redis.cluster.shards import (
     shard_slot,
 )
 from kvredis.redis.cluster.slots import SLOT_COUNT, key_slot
-from kvredis.redis.index import new_async_redis_index, new_redis_index, new_valkey_index
+from kvredis.redis.factories import new_async_redis_index, new_redis_index, new_valkey_index
 from tests.redis.checks import check_findings
 from tests.servers import LocalCluster
 
@@ -203,7 +203,8 @@ def test_round_trips_are_one_per_involved_node(
     """A write of one pod is one call on one node; a score is one call per node holding a
     shard of the pods asked about (every node without a filter); a lookup, one wave when every
     shard stops at the same key, two when some stop before the farthest (they pass over their
-    misses up to it in the second)."""
+    misses up to it in the second), and then one call per node holding the pods read, which
+    checks their stamps (a read of two steps)."""
     with RedisClusterIndex(cfg) as index:
         keys, engine = chain(512, 6), chain(512, 7)
         nodes = len(index.executor.slot_map.primaries)
@@ -223,7 +224,14 @@ def test_round_trips_are_one_per_involved_node(
         index.add(None, keys[:100], [other])
         before = index.round_trips
         assert len(index.lookup(keys)) == 512
-        assert index.round_trips - before == 2 * nodes  # pod-a's shard's walk goes farthest
+        # pod-a's shard's walk goes farthest; a lookup of two waves then checks the stamps of
+        # the shards holding the pods it read, one call per node holding them
+        slot_map = index.executor.slot_map
+        stamped = {
+            slot_map.primary(index.core.slots[index.core.pod_shard(pod)])
+            for pod in ("pod-a", "pod-1")
+        }
+        assert index.round_trips - before == 2 * nodes + len(stamped)
         before = index.round_trips
         assert len(index.lookup(keys, ["pod-a"])) == 512
         assert index.round_trips - before == 1

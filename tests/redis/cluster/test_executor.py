@@ -111,6 +111,7 @@ def test_resharding_ask_then_moved(
     # a key alone in its slot: the slot is handed over once that key moved (the session's
     # cluster holds other tests' keys too)
     key = next(k for k in keys if _keys_in_slot(redis_cluster, executor, key_slot(k)) == 1)
+    value = str(keys.index(key)).encode()
     slot = key_slot(key)
     source = executor.slot_map.primary(slot)
     target = next(n for n in executor.slot_map.primaries if n != source)
@@ -125,13 +126,13 @@ def test_resharding_ask_then_moved(
         finally:
             client.close()
         # the key left, its slot did not: the source answers ASK
-        assert executor.wave(_gets([key])) == [b"0"]
+        assert executor.wave(_gets([key])) == [value]
         trips = executor.round_trips
         # finish the migration (on every primary, as redis-cli does)
         for node in executor.slot_map.primaries:
             _set_slot(redis_cluster, node.port, slot, "NODE", ids[target.port])
         assert executor.slot_map.primary(slot) == source  # the executor's map is stale now
-        assert executor.wave(_gets([key])) == [b"0"]  # MOVED, then the new owner
+        assert executor.wave(_gets([key])) == [value]  # MOVED, then the new owner
         assert executor.round_trips - trips == 3  # MOVED, CLUSTER SHARDS, the new owner
         assert executor.slot_map.primary(slot) == target  # refreshed
         moved_back = _move_slot_back(redis_cluster, executor, slot, key, target, source, ids)

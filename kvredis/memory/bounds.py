@@ -16,6 +16,10 @@ __all__ = [
     "KEY_COST",
     "MAPPING_COST",
     "MAPPING_REF_COST",
+    "RUN_COST",
+    "RUN_KEY_COST",
+    "RUN_MAPPING_COST",
+    "RUN_POSITION_COST",
     "CostAwareMemoryIndexConfig",
     "InMemoryIndexConfig",
     "estimated_entry_cost",
@@ -23,19 +27,30 @@ __all__ = [
 
 # Byte-cost estimate of the cost-aware index: what the structures below take on 64-bit CPython
 # 3.11, measured with tracemalloc, counting the ints of the keys (the index keeps them). Dict
-# tables grow in powers of two, so the true figure swings with the number of keys: for 50k-400k
-# keys and 1-10 pods the estimate is within -15%/+30% of what is allocated, around 10k keys it
-# can err high by up to 80% (scripts/bench_memory.py reports it, tests/test_memory.py checks it).
-#: A request key: its int and its slots in the LRU dict and the last-use dict.
+# tables grow in powers of two, so the true figure swings with the number of keys: for chains
+# stored as runs, 10k-200k keys and 1-8 pods, the estimate is within -11%/+15% of what is
+# allocated (scripts/bench_memory.py reports it, tests/test_memory.py checks it).
+#: A request key kept inline: its int and its slots in the LRU dict and the last-use dict.
 KEY_COST = 152
 #: One entry under one request key (its 8 bytes in the entry's key log, and its slot in the
 #: key's tuple where that tuple is not shared along a chain), plus the length of its two strings
 #: (see estimated_entry_cost).
 ENTRY_COST = 16
-#: An engine key: its int and its slots in the LRU dict and the last-use dict.
+#: An engine key in the engine table: its int and its slots in the LRU dict and the last-use
+#: dict.
 MAPPING_COST = 136
 #: One request key remembered by an engine key.
 MAPPING_REF_COST = 24
+#: A run (:mod:`kvredis.memory.runs`): the object, its lists, ranges and counts, whatever its
+#: length.
+RUN_COST = 800
+#: A position of a run, for the run's whole life: its slot in the key list and the key's int.
+RUN_POSITION_COST = 44
+#: A run position that holds entries: its key's slot in the table of keys in runs.
+RUN_KEY_COST = 40
+#: An engine key kept in a run: its int and its table slot (its list slot, 8 bytes a position,
+#: is charged with the run's first engine key).
+RUN_MAPPING_COST = 76
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -46,7 +61,7 @@ def _positive_int(name: str, value: object) -> int:
 
 @dataclass(frozen=True, slots=True)
 class InMemoryIndexConfig:
-    """Bounds of :class:`InMemoryIndex`: request keys kept, entries kept per key."""
+    """Bounds of :class:`~kvredis.memory.InMemoryIndex`: request keys kept, entries kept per key."""
 
     size: int = 100_000_000
     pod_cache_size: int = 10
@@ -64,7 +79,8 @@ class InMemoryIndexConfig:
 
 @dataclass(frozen=True, slots=True)
 class CostAwareMemoryIndexConfig:
-    """Budget of :class:`CostAwareMemoryIndex`: a human size (``"2GiB"``) or bytes."""
+    """Budget of :class:`~kvredis.memory.CostAwareMemoryIndex`: a human size (``"2GiB"``) or
+    bytes."""
 
     size: int | str = "2GiB"
 
