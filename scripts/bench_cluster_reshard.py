@@ -34,7 +34,14 @@ def main() -> None:
     # imported once _bench put this checkout first on the path
     from kvredis import RedisIndexConfig
     from kvredis.redis.cluster.index import RedisClusterIndex
-    from tests.redis.cluster.reshard import Workload, owner, primaries, reshard, run_during
+    from tests.redis.cluster.reshard import (
+        Workload,
+        owner,
+        primaries,
+        reshard,
+        run_during,
+        writer_pods,
+    )
     from tests.servers import LocalCluster
 
     moves = 1 if args.quick else args.moves
@@ -48,7 +55,9 @@ def main() -> None:
         with RedisClusterIndex(cfg) as index:
             half = args.keys // 2
             workload = Workload(index, range(1, half + 1))
-            writes = Workload(index, range(half + 1, args.keys + 1), 8, "ingest", reads=False)
+            writes = Workload(
+                index, range(half + 1, args.keys + 1), 8, "ingest", False, writer_pods(index)
+            )
             for _ in range(10):
                 workload.step()
                 writes.step()

@@ -29,6 +29,7 @@ from tests.redis.cluster.reshard import (
     primaries,
     reshard,
     run_during,
+    writer_pods,
 )
 from tests.servers import LocalCluster
 
@@ -160,7 +161,9 @@ def test_a_shard_migrating_under_a_mixed_workload_fails_no_call_and_answers_righ
     model's, and so is every key afterwards."""
     with RedisClusterIndex(cfg) as index, RedisClusterIndex(cfg) as writer:
         mixed = Workload(index, range(1, 401))
-        writes = Workload(writer, range(401, 801), seed=8, stream="ingest", reads=False)
+        writes = Workload(
+            writer, range(401, 801), seed=8, stream="ingest", reads=False, pods=writer_pods(writer)
+        )
         for _ in range(10):
             mixed.step()
             writes.step()
