@@ -17,7 +17,7 @@ from bisect import bisect_left, bisect_right
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from kvredis.features import (
     BlockExtraFeatures,
@@ -34,23 +34,22 @@ from kvredis.ingest.events import (
     Event,
 )
 
-if TYPE_CHECKING:
-    pass
-
 __all__ = [
     "DEFAULT_PARTIAL_BLOCK_PAGES",
     "MAX_TAILS_PER_POD",
+    "Boundary",
     "Cut",
     "EngineKeyCache",
+    "PageCut",
     "PodCaches",
+    "Step",
     "Tail",
+    "advance",
     "boundary_key",
     "chunk_engine_key",
     "fine_pages",
     "group_engine_key",
 ]
-
-
 
 
 MAX_TAILS_PER_POD = 32_768
@@ -431,10 +430,10 @@ def _learn_tail(cache: EngineKeyCache, ev: BlockStored, prior: Tail | None, bs: 
         return
     step = advance(prior, ev, extra.features, bs, fine)
     hashes = ev.block_hashes
-    closing = {j: boundary_key(hashes[i]) for i, j in step.boundaries}
+    closing = {b.block: boundary_key(hashes[b.page]) for b in step.boundaries}
     wholes: dict[int, Tail | None] = {}
     for cut in step.cuts:
-        j = cut[1]
+        j = cut.block
         if j not in wholes:
             if j == step.full:
                 wholes[j] = None  # the chain end's tail, recorded below
@@ -445,14 +444,34 @@ def _learn_tail(cache: EngineKeyCache, ev: BlockStored, prior: Tail | None, bs: 
                 wholes[j] = None if named is None else step.whole(j, prior, 0, named)
         whole = wholes[j]
         if whole is not None:
-            cache.put_tail(hashes[cut[0]], Cut(whole, cut[2], cut[3], cut[4]))
+            cache.put_tail(hashes[cut.page], Cut(whole, cut.tokens, cut.ids, cut.keys))
     if step.full and step.last_engine_key is None:
         return  # no engine key names the new base for sure: learn nothing more
     after = step.after(prior, 0, step.last_engine_key)
     for cut in step.cuts:
-        if cut[1] == step.full:
-            cache.put_tail(hashes[cut[0]], Cut(after, cut[2], cut[3], cut[4]))
+        if cut.block == step.full:
+            cache.put_tail(hashes[cut.page], Cut(after, cut.tokens, cut.ids, cut.keys))
     cache.put_tail(hashes[-1], after)
+
+
+class PageCut(NamedTuple):
+    """A page of an event, not its last, that ends inside index block ``block`` (numbered from
+    the block the chain's tail is in): the chain after it is the first ``tokens`` tokens, ``ids``
+    identifiers and ``keys`` engine keys of that block's record (:meth:`Step.whole`, or the tail
+    after the event for block :attr:`Step.full`)."""
+
+    page: int
+    block: int
+    tokens: int
+    ids: int
+    keys: int
+
+
+class Boundary(NamedTuple):
+    """A page of an event that ends exactly where completed block ``block`` ends."""
+
+    page: int
+    block: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -475,12 +494,10 @@ class Step:
     last_engine_key: int | None
     """An engine key whose most recent mapping is the last completed block's request key, now
     and after any later event (``None`` when the event has no such key)."""
-    cuts: tuple[tuple[int, int, int, int, int], ...] = ()
-    """Pages but the last ending inside an index block: ``(page, block, tokens, ids, keys)``,
-    the chain after that page being the first ``tokens``/``ids``/``keys`` of that block's
-    record (:meth:`whole`, or the tail after the event for block ``full``)."""
-    boundaries: tuple[tuple[int, int], ...] = ()
-    """Pages ending exactly where a completed block ends (fine pages only): ``(page, block)``."""
+    cuts: tuple[PageCut, ...] = ()
+    """Pages but the last ending inside an index block (fine pages only)."""
+    boundaries: tuple[Boundary, ...] = ()
+    """Pages ending exactly where a completed block ends (fine pages only)."""
     page_keys: tuple[int, ...] = ()
     """The event's engine keys (with ``boundaries``)."""
 
@@ -516,6 +533,147 @@ class Step:
         )
 
 
+class _EventPages:
+    """Where an event's tokens fall: each engine page's span of tokens, the spans its extra keys
+    describe, and the multimodal identifiers of any range of its tokens.
+
+    Extra keys come one per engine page; a list of another length is spread over the index
+    blocks as a whole (an event starting at a block boundary: :attr:`realigned`), or else evenly
+    over the tokens. Spans are in token order (starts and ends never decrease), so the pages
+    overlapping a range are a run, found by bisection (a page-1 event has a span per token).
+    """
+
+    __slots__ = ("_bounds", "features", "fspans", "realigned", "spans")
+
+    def __init__(
+        self,
+        ev: BlockStored,
+        features: list[BlockExtraFeatures | None] | None,
+        offset: int,
+        full: int,
+    ) -> None:
+        n = len(ev.token_ids)
+        self.spans = _engine_spans(n, len(ev.block_hashes), ev.block_size)
+        """The token range ``[start, end)`` of each engine page."""
+        self.fspans = self.spans
+        """The token range each of :attr:`features` describes."""
+        self.realigned: list[BlockExtraFeatures | None] | None = None
+        """The features spread over the completed blocks (then :attr:`features` is None)."""
+        if features is not None and len(features) != len(self.spans):
+            if offset == 0:
+                self.realigned = realign_extra_features(features, full) if full else None
+                features = None
+            else:
+                self.fspans = _engine_spans(n, len(features), ev.block_size)
+        self.features = features
+        self._bounds = {
+            id(over): ([s for s, _ in over], [e for _, e in over])
+            for over in (self.spans, self.fspans)
+        }
+
+    @property
+    def per_page(self) -> bool:
+        """Whether the features come one per engine page."""
+        return self.features is not None and self.fspans is self.spans
+
+    def overlapping(self, lo: int, hi: int, over: list[tuple[int, int]] | None = None) -> range:
+        """The pages (indexes into ``over``, by default the engine pages) holding any event
+        token in ``[lo, hi)``."""
+        over = self.spans if over is None else over
+        starts, ends = self._bounds[id(over)]
+        return range(bisect_right(ends, lo), bisect_left(starts, hi))
+
+    def ids_of(self, lo: int, hi: int, head: tuple[MMHash, ...]) -> list[MMHash]:
+        """``head`` and then the identifiers of the event's tokens in ``[lo, hi)`` (an item
+        running on from one page into the next counted once)."""
+        out = list(head)
+        features = self.features
+        if features is None or lo >= hi:
+            return out
+        prev: list[MMHash] = list(head)
+        for i in self.overlapping(lo, hi, self.fspans):
+            feat = features[i]
+            cur = list(feat.mm_hashes) if feat is not None else []
+            out.extend(cur[_continued(prev, cur) :])
+            prev = cur
+        return out
+
+
+def _page_ends(
+    pages: _EventPages, tail: Tail, ev: BlockStored, offset: int, bs: int
+) -> tuple[list[PageCut], list[Boundary]]:
+    """Where each page of an event of fine pages ends: inside a block (a cut, for every page but
+    the last) or exactly at a block's end (a boundary).
+
+    One pass: the pages ending in a block are the pages overlapping it from the first whose last
+    token is in it (they are contiguous), so a cut's engine keys and identifiers are counted on
+    from the previous page's.
+    """
+    cuts: list[PageCut] = []
+    boundaries: list[Boundary] = []
+    last_page = len(ev.block_hashes) - 1
+    features = pages.features
+    block, first = -1, 0
+    acc: list[MMHash] = []
+    prev: list[MMHash] = []
+    for i, (s, e) in enumerate(pages.spans):
+        if e <= s:
+            continue
+        j = (offset + e - 1) // bs
+        if j != block:
+            block, first = j, i
+            acc = list(tail.ids) if j == 0 else []
+            prev = list(acc)
+        if features is not None and pages.per_page:
+            feat = features[i]
+            cur = list(feat.mm_hashes) if feat is not None else []
+            acc.extend(cur[_continued(prev, cur) :])
+            prev = cur
+        inside = (offset + e) % bs
+        if not inside:
+            boundaries.append(Boundary(i, j))
+        elif i < last_page and pages.realigned is None:
+            keys = (len(tail.engine_keys) if j == 0 else 0) + i - first + 1
+            if features is not None and not pages.per_page:
+                head = tail.ids if j == 0 else ()
+                n_ids = len(pages.ids_of(max(j * bs - offset, 0), e, head))
+            else:
+                n_ids = len(acc)
+            cuts.append(PageCut(i, j, inside, n_ids, keys))
+    return cuts, boundaries
+
+
+def _block_groups(
+    pages: _EventPages,
+    tail: Tail,
+    ev: BlockStored,
+    blocks: list[tuple[int, int]],
+    rest_lo: int,
+    bs: int,
+    fine: bool,
+    boundaries: Sequence[Boundary],
+) -> tuple[list[tuple[int, ...]] | None, int | None]:
+    """The engine keys holding each completed block's tokens (``None``: the event's pages line
+    up with whole blocks, and the index maps them by length ratio), and the engine key whose
+    mapping stays the last completed block's request key (see :attr:`Step.last_engine_key`)."""
+    hashes = ev.block_hashes
+    if not blocks or not hashes:
+        return None, None
+    if not (tail.tokens or rest_lo < len(ev.token_ids) or fine):
+        return None, hashes[-1]  # the ratio mapping maps it to the last block, last
+    groups = [
+        (tail.engine_keys if j == 0 else ()) + tuple(hashes[i] for i in pages.overlapping(lo, hi))
+        for j, (lo, hi) in enumerate(blocks)
+    ]
+    if fine:
+        closing = [boundary_key(hashes[b.page]) for b in boundaries if b.block == len(blocks) - 1]
+        return groups, closing[0] if closing else None
+    # An engine block ending inside the last full block maps to it last, and no later block
+    # claims it (only the engine blocks of a tail are mapped again).
+    inside_last = [i for i, (_, e) in enumerate(pages.spans) if rest_lo - bs < e <= rest_lo]
+    return groups, hashes[inside_last[-1]] if inside_last else None
+
+
 def advance(
     tail: Tail,
     ev: BlockStored,
@@ -523,120 +681,46 @@ def advance(
     bs: int,
     fine: bool = False,
 ) -> Step:
+    """How ``ev`` extends the chain ending in ``tail`` (index blocks of ``bs`` tokens): the
+    blocks it completes with their tokens and features, the engine keys of each, the tail after
+    it, and, with ``fine`` pages, where each of its pages ends. No hashing: the caller hashes
+    :attr:`Step.chain` on from the tail's base."""
     offset = len(tail.tokens)
     tokens = ev.token_ids
     n = len(tokens)
     full = (offset + n) // bs
     hashes = ev.block_hashes
-    spans = _engine_spans(n, len(hashes), ev.block_size)
-    # Extra keys come one per engine block; a list of another length is spread over the
-    # index blocks as a whole (from a block boundary), or else evenly over the tokens.
-    fspans = spans
-    realigned: list[BlockExtraFeatures | None] | None = None
-    if features is not None and len(features) != len(spans):
-        if offset == 0:
-            realigned = realign_extra_features(features, full) if full else None
-            features = None
-        else:
-            fspans = _engine_spans(n, len(features), ev.block_size)
-
-    # Spans are in token order (starts and ends never decrease): the engine blocks overlapping
-    # a range are a run, found by bisection (a page-1 event has as many spans as tokens).
-    bounds = {id(over): ([s for s, _ in over], [e for _, e in over]) for over in (spans, fspans)}
-
-    def overlapping(lo: int, hi: int, over: list[tuple[int, int]]) -> range:
-        """Engine blocks (indexes into ``over``) holding any event token in ``[lo, hi)``."""
-        starts, ends = bounds[id(over)]
-        return range(bisect_right(ends, lo), bisect_left(starts, hi))
-
-    def ids_of(lo: int, hi: int, head: tuple[MMHash, ...]) -> list[MMHash]:
-        out = list(head)
-        if features is None or lo >= hi:
-            return out
-        prev: list[MMHash] = list(head)
-        for i in overlapping(lo, hi, fspans):
-            feat = features[i]
-            cur = list(feat.mm_hashes) if feat is not None else []
-            out.extend(cur[_continued(prev, cur) :])
-            prev = cur
-        return out
-
-    block_ranges = [(max(j * bs - offset, 0), (j + 1) * bs - offset) for j in range(full)]
+    pages = _EventPages(ev, features, offset, full)
+    blocks = [(max(j * bs - offset, 0), (j + 1) * bs - offset) for j in range(full)]
     block_feats: list[BlockExtraFeatures | None] = []
-    for j, (lo, hi) in enumerate(block_ranges):
-        ids = ids_of(lo, hi, tail.ids if j == 0 else ())
+    for j, (lo, hi) in enumerate(blocks):
+        ids = pages.ids_of(lo, hi, tail.ids if j == 0 else ())
         block_feats.append(BlockExtraFeatures(ids) if ids else None)
     rest_lo = max(full * bs - offset, 0)
-    rest = overlapping(rest_lo, n, spans)
+    rest = pages.overlapping(rest_lo, n)
     if full:
         tail_tokens = tuple(tokens[rest_lo:])
-        tail_ids = tuple(ids_of(rest_lo, n, ()))
+        tail_ids = tuple(pages.ids_of(rest_lo, n, ()))
         tail_keys = tuple(hashes[i] for i in rest)
     else:
         tail_tokens = tail.tokens + tuple(tokens)
-        tail_ids = tuple(ids_of(rest_lo, n, tail.ids))
+        tail_ids = tuple(pages.ids_of(rest_lo, n, tail.ids))
         tail_keys = tail.engine_keys + tuple(hashes[i] for i in rest)
-    cuts: list[tuple[int, int, int, int, int]] = []
-    boundaries: list[tuple[int, int]] = []
+    cuts: list[PageCut] = []
+    boundaries: list[Boundary] = []
     if fine and hashes:
-        # One pass: the pages ending in a block are the pages overlapping it from the first
-        # whose last token is in it (they are contiguous), so a cut's engine keys and
-        # identifiers are counted on from the previous page's.
-        block, first = -1, 0
-        acc: list[MMHash] = []
-        prev: list[MMHash] = []
-        for i, (s, e) in enumerate(spans):
-            if e <= s:
-                continue
-            j = (offset + e - 1) // bs
-            if j != block:
-                block, first = j, i
-                acc = list(tail.ids) if j == 0 else []
-                prev = list(acc)
-            if features is not None and fspans is spans:
-                feat = features[i]
-                cur = list(feat.mm_hashes) if feat is not None else []
-                acc.extend(cur[_continued(prev, cur) :])
-                prev = cur
-            inside = (offset + e) % bs
-            if not inside:
-                boundaries.append((i, j))
-            elif i < len(hashes) - 1 and realigned is None:
-                keys = (len(tail.engine_keys) if j == 0 else 0) + i - first + 1
-                if features is not None and fspans is not spans:
-                    n_ids = len(ids_of(max(j * bs - offset, 0), e, tail.ids if j == 0 else ()))
-                else:
-                    n_ids = len(acc)
-                cuts.append((i, j, inside, n_ids, keys))
-    groups: list[tuple[int, ...]] | None = None
-    last_engine_key: int | None = None
-    if full and hashes:
-        if offset or tail_tokens or fine:
-            groups = [
-                (tail.engine_keys if j == 0 else ())
-                + tuple(hashes[i] for i in overlapping(lo, hi, spans))
-                for j, (lo, hi) in enumerate(block_ranges)
-            ]
-            if fine:
-                closing = [boundary_key(hashes[i]) for i, j in boundaries if j == full - 1]
-                last_engine_key = closing[0] if closing else None
-            else:
-                # An engine block ending inside the last full block maps to it last, and no
-                # later block claims it (only the engine blocks of a tail are mapped again).
-                inside_last = [i for i, (_, e) in enumerate(spans) if rest_lo - bs < e <= rest_lo]
-                last_engine_key = hashes[inside_last[-1]] if inside_last else None
-        else:
-            last_engine_key = hashes[-1]  # the ratio mapping maps it to the last block, last
+        cuts, boundaries = _page_ends(pages, tail, ev, offset, bs)
+    groups, last_engine_key = _block_groups(pages, tail, ev, blocks, rest_lo, bs, fine, boundaries)
     return Step(
-        full,
-        tail.tokens + tuple(tokens[:rest_lo]),
-        block_feats if any(f is not None for f in block_feats) else realigned,
-        groups,
-        tail_tokens,
-        tail_ids,
-        tail_keys,
-        last_engine_key,
-        tuple(cuts),
-        tuple(boundaries),
-        tuple(hashes) if boundaries else (),
+        full=full,
+        chain=tail.tokens + tuple(tokens[:rest_lo]),
+        feats=block_feats if any(f is not None for f in block_feats) else pages.realigned,
+        groups=groups,
+        tokens=tail_tokens,
+        ids=tail_ids,
+        engine_keys=tail_keys,
+        last_engine_key=last_engine_key,
+        cuts=tuple(cuts),
+        boundaries=tuple(boundaries),
+        page_keys=tuple(hashes) if boundaries else (),
     )
