@@ -17,7 +17,8 @@ none of them is not affected (the plugin only declares fixtures).
   SGLang 0.5.23 KV events for the prompts a test stores; every engine is closed after the test.
 
 The same building blocks are importable without pytest: :mod:`kvredis.testing.servers`,
-:mod:`kvredis.testing.engine`, :mod:`kvredis.testing.wire` and
+:mod:`kvredis.testing.engine`, :mod:`kvredis.testing.wire`, :mod:`kvredis.testing.radix` (an
+SGLang radix cache that publishes the events a real one would) and
 ``python -m kvredis.testing.cluster up|down`` (also ``kvredis cluster-up`` / ``cluster-down``).
 """
 
