@@ -11,6 +11,7 @@ operations with them.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
 import threading
 from bisect import bisect_left, bisect_right
@@ -31,16 +32,19 @@ from kvredis.ingest.events import (
     BlockRemoved,
     BlockStored,
     DecodedBatch,
+    Engine,
     Event,
 )
 
 __all__ = [
     "DEFAULT_PARTIAL_BLOCK_PAGES",
+    "LEAF_FIRST_ENGINES",
     "MAX_TAILS_PER_POD",
     "Boundary",
     "Cut",
     "EngineKeyCache",
     "PageCut",
+    "PageMapping",
     "PodCaches",
     "Step",
     "Tail",
@@ -49,6 +53,7 @@ __all__ = [
     "chunk_engine_key",
     "fine_pages",
     "group_engine_key",
+    "page_mapping",
 ]
 
 
@@ -85,6 +90,42 @@ def boundary_key(engine_key: int) -> int:
 def fine_pages(engine_block_size: int, block_size: int) -> bool:
     """Whether an engine's pages (``engine_block_size`` tokens) can end inside an index block."""
     return engine_block_size <= 0 or engine_block_size % block_size != 0
+
+
+LEAF_FIRST_ENGINES: frozenset[Engine] = frozenset({Engine.SGLANG, Engine.TRTLLM})
+"""Engines whose caches evict a whole leaf of their block tree at a time, never a page whose
+descendants they still hold (SGLang's radix tree, TensorRT-LLM's block tree). vLLM frees blocks
+one by one (a sliding window frees a chain's first blocks while its last ones stay), so it is
+not one of them."""
+
+
+class PageMapping(enum.Enum):
+    """How the index maps an engine's pages to index blocks (:func:`page_mapping`)."""
+
+    WHOLE = "whole"
+    """Pages of whole index blocks (or several): mapped to them by length ratio."""
+    EVERY_PAGE = "every_page"
+    """Pages finer than blocks: every page maps to the block holding its tokens (removing any
+    of them removes the block), and the page ending a block also under its
+    :func:`boundary_key`."""
+    BLOCK_END = "block_end"
+    """Pages finer than blocks of an engine in :data:`LEAF_FIRST_ENGINES`, dividing the block:
+    only the page ending a block is mapped, under its :func:`boundary_key`. Exact because such
+    an engine removes a page only with the node it is in and after that node's descendants, so
+    a block's tokens go no sooner than its last page; the pages inside a block have no mapping
+    (their removal costs the index nothing when the ingester knows them, see
+    :meth:`EngineKeyCache.record`)."""
+
+
+def page_mapping(engine: Engine | None, engine_block_size: int, block_size: int) -> PageMapping:
+    """How pages of ``engine_block_size`` tokens of ``engine`` (``None``: not known) map to index
+    blocks of ``block_size`` tokens."""
+    if not fine_pages(engine_block_size, block_size):
+        return PageMapping.WHOLE
+    dividing = engine_block_size > 0 and block_size % engine_block_size == 0
+    if engine in LEAF_FIRST_ENGINES and dividing:
+        return PageMapping.BLOCK_END
+    return PageMapping.EVERY_PAGE
 
 
 def group_engine_key(engine_key: int, group_idx: int | None) -> int:
@@ -156,6 +197,10 @@ class Tail:
     ids: tuple[MMHash, ...] = ()
     engine_keys: tuple[int, ...] = ()
     base_engine_key: int | None = None
+    mapped: bool = True
+    """Whether ``engine_keys`` (and the pages recorded with this tail) have mappings of their own
+    in the index (:attr:`PageMapping.EVERY_PAGE`); under :attr:`PageMapping.BLOCK_END` they have
+    none, and ``engine_keys`` is empty."""
 
 
 class Cut(NamedTuple):
@@ -180,6 +225,7 @@ class Cut(NamedTuple):
             w.ids[: self.ids],
             w.engine_keys[: self.keys],
             w.base_engine_key,
+            w.mapped,
         )
 
 
@@ -195,7 +241,7 @@ class EngineKeyCache:
     clears).
     """
 
-    __slots__ = ("_cut_limit", "_cuts", "_data", "_fine", "_limit", "_lock", "_parents", "_tails")
+    __slots__ = ("_cut_limit", "_cuts", "_data", "_limit", "_lock", "_modes", "_parents", "_tails")
 
     def __init__(self, limit: int, cut_limit: int = DEFAULT_PARTIAL_BLOCK_PAGES) -> None:
         self._data: OrderedDict[int, int] = OrderedDict()
@@ -205,24 +251,39 @@ class EngineKeyCache:
         self._limit = limit
         self._cut_limit = cut_limit
         self._lock = threading.Lock()
-        # KV-cache group -> whether its pages can end inside index blocks (see
-        # :func:`boundary_key`): learned from the group's first stored page (any such page makes
-        # it True for good); unknown until then, when a removal evicts boundary keys too. Per
-        # group: a hybrid model's groups use different page sizes.
-        self._fine: dict[int, bool] = {}
+        # KV-cache group -> how its pages are mapped: learned from the group's stored pages (any
+        # page finer than a block makes it fine for good, and a group whose fine pages were
+        # ever mapped page by page stays so); unknown until then, when a removal evicts
+        # boundary keys too. Per group: a hybrid model's groups use different page sizes.
+        self._modes: dict[int, PageMapping] = {}
 
-    def learn_pages(self, engine_block_size: int, block_size: int, group: int | None) -> bool:
-        """Note a stored event's page size; whether the group's pages can end inside blocks."""
+    def learn_pages(
+        self, engine_block_size: int, block_size: int, group: int | None, engine: Engine | None
+    ) -> PageMapping:
+        """Note a stored event's page size; how its pages are mapped (a whole-block event of a
+        group whose pages were finer is mapped page by page, as before)."""
         g = group or 0
-        if fine_pages(engine_block_size, block_size):
-            self._fine[g] = True
+        mapping = page_mapping(engine, engine_block_size, block_size)
+        known = self._modes.get(g)
+        if mapping is PageMapping.WHOLE:
+            if known is None:
+                self._modes[g] = mapping
+            elif known is not PageMapping.WHOLE:
+                return PageMapping.EVERY_PAGE
+        elif known in (None, PageMapping.WHOLE, mapping):
+            self._modes[g] = mapping
         else:
-            self._fine.setdefault(g, False)
-        return self._fine[g]
+            self._modes[g] = PageMapping.EVERY_PAGE
+        return mapping
 
     def fine(self, group: int | None) -> bool | None:
         """Whether the group's pages can end inside index blocks (``None``: not known yet)."""
-        return self._fine.get(group or 0)
+        mode = self._modes.get(group or 0)
+        return None if mode is None else mode is not PageMapping.WHOLE
+
+    def mapping(self, group: int | None) -> PageMapping | None:
+        """How the group's pages were mapped so far (``None``: not known yet)."""
+        return self._modes.get(group or 0)
 
     def put_parents(self, keys: Sequence[int], parent: int | None) -> None:
         """Record the chain ``parent → keys[0] → keys[1] → ...``."""
@@ -317,11 +378,17 @@ class EngineKeyCache:
 
     def inside(self, key: int) -> bool:
         """Whether page ``key`` is known to end inside an index block."""
+        return self.record(key) is not None
+
+    def record(self, key: int) -> Tail | None:
+        """The record of page ``key`` if it is known to end inside an index block (its
+        :attr:`Tail.mapped` says whether the page has a mapping of its own), else ``None``."""
         with self._lock:
-            if key in self._cuts:
-                return True
+            cut = self._cuts.get(key)
+            if cut is not None:
+                return cut.whole
             tail = self._tails.get(key)
-            return tail is not None and bool(tail.tokens)
+            return tail if tail is not None and tail.tokens else None
 
     def __len__(self) -> int:
         with self._lock:
@@ -376,7 +443,7 @@ class PodCaches:
             if isinstance(event, BlockStored) and event.token_ids:
                 cache.put_parents(event.block_hashes, event.parent_block_hash)
             if isinstance(event, BlockStored) and self.block_size is not None:
-                _learn_tail(cache, event, prior, self.block_size)
+                _learn_tail(cache, event, prior, self.block_size, decoded.engine)
 
 
 def _engine_spans(n_tokens: int, n_hashes: int, block_size: int) -> list[tuple[int, int]]:
@@ -410,7 +477,9 @@ def event_extra_keys(ev: BlockStored) -> ExtraKeys:
     )
 
 
-def _learn_tail(cache: EngineKeyCache, ev: BlockStored, prior: Tail | None, bs: int) -> None:
+def _learn_tail(
+    cache: EngineKeyCache, ev: BlockStored, prior: Tail | None, bs: int, engine: Engine | None
+) -> None:
     """Record the tails ``ev`` leaves (a peer applied it), without hashing or I/O: a block the
     event completes is named by the derived key of the page ending at its boundary."""
     if not ev.token_ids or not ev.block_hashes:
@@ -419,7 +488,8 @@ def _learn_tail(cache: EngineKeyCache, ev: BlockStored, prior: Tail | None, bs: 
         extra = event_extra_keys(ev)
     except (ValueError, TypeError):
         return
-    fine = cache.learn_pages(ev.block_size, bs, ev.group_idx)
+    mapping = cache.learn_pages(ev.block_size, bs, ev.group_idx, engine)
+    fine = mapping is not PageMapping.WHOLE
     if not ev.parent_block_hash:
         prior = Tail(0, ev.lora_name, ev.cache_salt or extra.cache_salt)
     elif prior is None and fine:
@@ -428,7 +498,7 @@ def _learn_tail(cache: EngineKeyCache, ev: BlockStored, prior: Tail | None, bs: 
         prior = Tail(0, ev.lora_name, None, base_engine_key=boundary_key(ev.parent_block_hash))
     elif prior is None:  # where the parent's chain ended is unknown here: learn nothing
         return
-    step = advance(prior, ev, extra.features, bs, fine)
+    step = advance(prior, ev, extra.features, bs, fine, mapping is not PageMapping.BLOCK_END)
     hashes = ev.block_hashes
     closing = {b.block: boundary_key(hashes[b.page]) for b in step.boundaries}
     wholes: dict[int, Tail | None] = {}
@@ -500,6 +570,10 @@ class Step:
     """Pages ending exactly where a completed block ends (fine pages only)."""
     page_keys: tuple[int, ...] = ()
     """The event's engine keys (with ``boundaries``)."""
+    mapped: bool = True
+    """Whether every page is mapped (``groups`` hold the pages holding each block's tokens);
+    else only each block's last page is (``groups`` are empty, to be given its boundary key:
+    :attr:`PageMapping.BLOCK_END`)."""
 
     def after(self, tail: Tail, base: int, base_engine_key: int | None) -> Tail:
         """The tail after the event, continuing from ``base`` (or ``base_engine_key``'s mapping)
@@ -514,6 +588,7 @@ class Step:
             self.ids,
             self.engine_keys,
             base_engine_key,
+            self.mapped,
         )
 
     def whole(self, j: int, tail: Tail, base: int, base_engine_key: int | None) -> Tail:
@@ -528,8 +603,9 @@ class Step:
             tail.cache_salt,
             self.chain[j * bs : (j + 1) * bs],
             tuple(feat.mm_hashes) if feat is not None else (),
-            self.groups[j],
+            self.groups[j] if self.mapped else (),
             base_engine_key,
+            self.mapped,
         )
 
 
@@ -652,6 +728,7 @@ def _block_groups(
     bs: int,
     fine: bool,
     boundaries: Sequence[Boundary],
+    map_pages: bool,
 ) -> tuple[list[tuple[int, ...]] | None, int | None]:
     """The engine keys holding each completed block's tokens (``None``: the event's pages line
     up with whole blocks, and the index maps them by length ratio), and the engine key whose
@@ -661,10 +738,14 @@ def _block_groups(
         return None, None
     if not (tail.tokens or rest_lo < len(ev.token_ids) or fine):
         return None, hashes[-1]  # the ratio mapping maps it to the last block, last
-    groups = [
-        (tail.engine_keys if j == 0 else ()) + tuple(hashes[i] for i in pages.overlapping(lo, hi))
-        for j, (lo, hi) in enumerate(blocks)
-    ]
+    if map_pages:
+        groups = [
+            (tail.engine_keys if j == 0 else ())
+            + tuple(hashes[i] for i in pages.overlapping(lo, hi))
+            for j, (lo, hi) in enumerate(blocks)
+        ]
+    else:
+        groups = [() for _ in blocks]
     if fine:
         closing = [boundary_key(hashes[b.page]) for b in boundaries if b.block == len(blocks) - 1]
         return groups, closing[0] if closing else None
@@ -680,11 +761,17 @@ def advance(
     features: list[BlockExtraFeatures | None] | None,
     bs: int,
     fine: bool = False,
+    map_pages: bool = True,
 ) -> Step:
     """How ``ev`` extends the chain ending in ``tail`` (index blocks of ``bs`` tokens): the
     blocks it completes with their tokens and features, the engine keys of each, the tail after
     it, and, with ``fine`` pages, where each of its pages ends. No hashing: the caller hashes
-    :attr:`Step.chain` on from the tail's base."""
+    :attr:`Step.chain` on from the tail's base.
+
+    Without ``map_pages`` (:attr:`PageMapping.BLOCK_END`) the pages get no mappings of their
+    own: each completed block is mapped from the page ending it alone. An event in which a
+    completed block has no such page (pages not dividing the block) is mapped page by page
+    instead (see :attr:`Step.mapped`)."""
     offset = len(tail.tokens)
     tokens = ev.token_ids
     n = len(tokens)
@@ -698,19 +785,23 @@ def advance(
         block_feats.append(BlockExtraFeatures(ids) if ids else None)
     rest_lo = max(full * bs - offset, 0)
     rest = pages.overlapping(rest_lo, n)
-    if full:
-        tail_tokens = tuple(tokens[rest_lo:])
-        tail_ids = tuple(pages.ids_of(rest_lo, n, ()))
-        tail_keys = tuple(hashes[i] for i in rest)
-    else:
-        tail_tokens = tail.tokens + tuple(tokens)
-        tail_ids = tuple(pages.ids_of(rest_lo, n, tail.ids))
-        tail_keys = tail.engine_keys + tuple(hashes[i] for i in rest)
     cuts: list[PageCut] = []
     boundaries: list[Boundary] = []
     if fine and hashes:
         cuts, boundaries = _page_ends(pages, tail, ev, offset, bs)
-    groups, last_engine_key = _block_groups(pages, tail, ev, blocks, rest_lo, bs, fine, boundaries)
+    if not map_pages and (not fine or len(boundaries) != full):
+        return advance(tail, ev, features, bs, fine, map_pages=True)
+    if full:
+        tail_tokens = tuple(tokens[rest_lo:])
+        tail_ids = tuple(pages.ids_of(rest_lo, n, ()))
+        tail_keys = tuple(hashes[i] for i in rest) if map_pages else ()
+    else:
+        tail_tokens = tail.tokens + tuple(tokens)
+        tail_ids = tuple(pages.ids_of(rest_lo, n, tail.ids))
+        tail_keys = tail.engine_keys + tuple(hashes[i] for i in rest) if map_pages else ()
+    groups, last_engine_key = _block_groups(
+        pages, tail, ev, blocks, rest_lo, bs, fine, boundaries, map_pages
+    )
     return Step(
         full=full,
         chain=tail.tokens + tuple(tokens[:rest_lo]),
@@ -723,4 +814,5 @@ def advance(
         cuts=tuple(cuts),
         boundaries=tuple(boundaries),
         page_keys=tuple(hashes) if boundaries else (),
+        mapped=map_pages,
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvredis.errors import ConfigError
+from kvredis.ingest.events import Engine
 from kvredis.jsonconfig import check_number
 from kvredis.tiers import DEFAULT_TIERS, TierMap
 
@@ -25,6 +26,10 @@ class EndpointConfig:
     ``pod_id`` and ``model_name`` override what the ``kv@<pod>@<model>`` topic says (the engine
     default topic is empty). ``stream`` names the watermark stream; replicas of an HA deployment
     must use the same name for the same publisher (default: ``pod_id``, else ``endpoint``).
+    ``engine`` (``"vllm"``, ``"sglang"``, ``"trtllm"``, or an :class:`Engine`) says which engine
+    publishes: an engine whose cache evicts leaves first (SGLang, TensorRT-LLM) gets one mapping
+    per index block where its pages are finer than blocks (see *Ingestion fidelity* in
+    ``docs/ingest.md``); unset, every page is mapped.
     """
 
     endpoint: str
@@ -33,6 +38,7 @@ class EndpointConfig:
     model_name: str | None = None
     topic_filter: str = ""
     stream: str | None = None
+    engine: Engine | str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.endpoint, str) or not self.endpoint:
@@ -43,6 +49,19 @@ class EndpointConfig:
                 raise ConfigError(f"{name} must be a non-empty string or None, got {value!r}")
         if not isinstance(self.topic_filter, str):
             raise ConfigError("topic_filter must be a string")
+        engine = self.engine
+        if engine is not None and not isinstance(engine, Engine):
+            try:
+                engine = Engine(engine)
+            except ValueError:
+                names = ", ".join(e.value for e in Engine)
+                raise ConfigError(f"engine must be one of {names}, got {engine!r}") from None
+            object.__setattr__(self, "engine", engine)
+
+    @property
+    def engine_kind(self) -> Engine | None:
+        """:attr:`engine` as an :class:`~kvredis.ingest.events.Engine` (``None``: not known)."""
+        return self.engine if isinstance(self.engine, Engine) else None
 
     @property
     def stream_name(self) -> str:

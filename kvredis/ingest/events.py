@@ -54,6 +54,7 @@ __all__ = [
     "BlockRemoved",
     "BlockStored",
     "DecodedBatch",
+    "Engine",
     "Event",
     "RejectReason",
     "Rejection",
@@ -74,6 +75,16 @@ _I64_MIN = -(1 << 63)
 _U32 = 1 << 32
 _GROUP_LIMIT = 1 << 31
 _INT_TYPE = {int}
+
+
+class Engine(enum.Enum):
+    """The engine a stream's events come from: how its cache evicts decides how the ingester
+    maps pages finer than index blocks (:func:`kvredis.ingest.chains.page_mapping`)."""
+
+    VLLM = "vllm"
+    SGLANG = "sglang"
+    TRTLLM = "trtllm"
+    """TensorRT-LLM."""
 
 
 class RejectReason(enum.Enum):
@@ -188,6 +199,9 @@ class DecodedBatch:
     rejects: tuple[Rejection, ...] = ()
     total_events: int = 0
     """Number of events the payload carried, well-formed or not."""
+    engine: Engine | None = None
+    """The engine that published the batch, once the batch is handed to the sequencer: its
+    stream's configured engine (``None``: not known)."""
 
 
 class WireError(InvalidInputError):

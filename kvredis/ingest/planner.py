@@ -91,9 +91,11 @@ from kvredis.errors import ConfigError, InvalidInputError
 from kvredis.groups import GroupCatalog
 from kvredis.ingest.chains import (
     DEFAULT_PARTIAL_BLOCK_PAGES,
+    LEAF_FIRST_ENGINES,
     MAX_TAILS_PER_POD,
     Cut,
     EngineKeyCache,
+    PageMapping,
     PodCaches,
     Step,
     Tail,
@@ -104,6 +106,7 @@ from kvredis.ingest.chains import (
     fine_pages,
     group_engine_key,
     group_keyed,
+    page_mapping,
     tail_of,
 )
 from kvredis.ingest.config import DEFAULT_RESET_MEDIUMS
@@ -113,6 +116,7 @@ from kvredis.ingest.events import (
     BlockRemoved,
     BlockStored,
     DecodedBatch,
+    Engine,
     Rejection,
     RejectReason,
 )
@@ -124,12 +128,14 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_PARTIAL_BLOCK_PAGES",
+    "LEAF_FIRST_ENGINES",
     "MAX_TAILS_PER_POD",
     "Barrier",
     "BatchPlan",
     "Cut",
     "EngineKeyCache",
     "Lookup",
+    "PageMapping",
     "PlanSteps",
     "Planner",
     "PodCaches",
@@ -139,6 +145,7 @@ __all__ = [
     "chunk_engine_key",
     "fine_pages",
     "group_engine_key",
+    "page_mapping",
 ]
 
 
@@ -253,15 +260,18 @@ class BatchPlan:
             return None
         return self.cache.get_tail(engine_key)
 
-    def inside(self, engine_key: int) -> bool:
-        """Whether page ``engine_key`` is known to end inside an index block (so no
-        :func:`boundary_key` of it is mapped), as if the batch so far were applied."""
+    def record(self, engine_key: int) -> Tail | None:
+        """The record of page ``engine_key`` if it is known to end inside an index block (so no
+        :func:`boundary_key` of it is mapped; :attr:`Tail.mapped` says whether the page itself
+        is), as if the batch so far were applied; else ``None``."""
         hit = self.batch_tails.get(engine_key)
         if hit is not None:
-            return isinstance(hit, Cut) or bool(hit.tokens)
+            if isinstance(hit, Cut):
+                return hit.whole
+            return hit if hit.tokens else None
         if self.cache is None or engine_key in self.evicted or engine_key in self.stale_tails:
-            return False
-        return self.cache.inside(engine_key)
+            return None
+        return self.cache.record(engine_key)
 
     def drop_tails(self, engine_keys: Sequence[int]) -> None:
         """These engine keys were stored again: a chain end recorded for them is stale."""
@@ -359,9 +369,10 @@ class Planner:
     ) -> PlanSteps:
         """Plan every event of ``decoded`` for ``pod`` into ``plan``; see the module docstring."""
         rank = decoded.data_parallel_rank or 0
+        engine = decoded.engine
         for position, event in enumerate(map(group_keyed, decoded.events)):
             if isinstance(event, BlockStored):
-                yield from self._stored(plan, event, pod, model, position, rank)
+                yield from self._stored(plan, event, pod, model, position, rank, engine)
             elif isinstance(event, BlockRemoved):
                 self._removed(plan, event, pod, position, rank)
             elif isinstance(event, AllBlocksCleared):
@@ -396,6 +407,7 @@ class Planner:
         model: str | None,
         position: int,
         rank: int,
+        engine: Engine | None,
     ) -> PlanSteps:
         tier = self.tiers.tier(ev.medium, ev.locality, ev.ownership)
         entry = self._entry(plan, pod, tier, ev.group_idx, position, rank)
@@ -429,9 +441,10 @@ class Planner:
             return
         cache = plan.cache
         if cache is None:
-            fine = fine_pages(ev.block_size, self.block_size)
+            mapping = page_mapping(engine, ev.block_size, self.block_size)
         else:
-            fine = cache.learn_pages(ev.block_size, self.block_size, ev.group_idx)
+            mapping = cache.learn_pages(ev.block_size, self.block_size, ev.group_idx, engine)
+        fine = mapping is not PageMapping.WHOLE
         if chain_start:
             tail = Tail(0, model_name, ev.cache_salt or extra.cache_salt)
         else:
@@ -460,14 +473,21 @@ class Planner:
                     return
                 tail = Tail(found, model_name, None)
         try:
-            step = advance(tail, ev, extra.features, self.block_size, fine)
+            step = advance(
+                tail,
+                ev,
+                extra.features,
+                self.block_size,
+                fine,
+                mapping is not PageMapping.BLOCK_END,
+            )
             request, groups, after = self._continue(tail, step)
         except (ValueError, TypeError) as exc:
             plan.rejects.append(Rejection(RejectReason.HASHING_FAILED, str(exc), position))
             return
         plan.count(Counter.EVENTS_APPLIED)
         plan.count(Counter.BLOCKS_STORED, len(ev.block_hashes))
-        self._add(plan, ev, entry, request, groups, tail.base or None)
+        self._add(plan, ev, entry, request, groups, tail.base or None, step.mapped)
         if ev.block_hashes and plan.cache is not None:
             plan.cache.put_parents(ev.block_hashes, ev.parent_block_hash)
         hashes = ev.block_hashes
@@ -490,11 +510,17 @@ class Planner:
         request: tuple[int, ...],
         groups: list[tuple[tuple[int, ...], int]] | None,
         parent: int | None,
+        pages_mapped: bool = True,
     ) -> None:
-        """Add ``request`` (following ``parent``, the request key the chain continues from)."""
+        """Add ``request`` (following ``parent``, the request key the chain continues from):
+        one operation for the event when each block has one engine key (the boundary key of its
+        last page, :attr:`PageMapping.BLOCK_END`), else one per block."""
         if not request:
             return
-        if groups is None:
+        if groups is not None and not pages_mapped:
+            ends = tuple(keys[0] for keys, _ in groups)
+            plan.add(AddOp(ends, request, (entry,), parent), list(zip(ends, request, strict=True)))
+        elif groups is None:
             engine = ev.block_hashes or None
             mappings = infer_mappings(ev.block_hashes, request) if ev.block_hashes else None
             plan.add(AddOp(engine, request, (entry,), parent), mappings)
@@ -593,16 +619,26 @@ class Planner:
         entry = self._entry(plan, pod, tier, ev.group_idx, position, rank)
         if entry is None:
             return
-        # A page's derived key goes with it: it is mapped only if the page ends at a block
-        # boundary, so the pages known to end inside a block need none; a chunk's removal
-        # names its last block, so the chunk's key goes too.
-        fine = plan.cache is not None and plan.cache.fine(ev.group_idx) is not False
+        # What the index maps for each page: its own key (whole pages, and pages finer than
+        # blocks mapped page by page), the boundary key of a page ending a block (fine pages),
+        # nothing for a page known to end inside a block under the block-end mapping; a page
+        # this ingester knows nothing of gets every key it may have. A chunk's removal names its
+        # last block, so the chunk's key goes too.
+        cache = plan.cache
+        mapping = cache.mapping(ev.group_idx) if cache is not None else PageMapping.WHOLE
         chunks = self.offload_blocks_per_chunk > 1
         keys: list[int] = []
         for h in ev.block_hashes:
-            keys.append(h)
-            if fine and not plan.inside(h):
+            record = plan.record(h)
+            if record is not None:
+                if record.mapped:
+                    keys.append(h)
+            elif mapping is PageMapping.BLOCK_END:
                 keys.append(boundary_key(h))
+            else:
+                keys.append(h)
+                if mapping is not PageMapping.WHOLE:
+                    keys.append(boundary_key(h))
             if chunks:
                 keys.append(chunk_engine_key(h, tier))
         plan.evict(keys, (entry,))

@@ -12,6 +12,7 @@ the injected ``clock``, shutdown from the injected ``stopping`` flag;
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -42,7 +43,7 @@ from kvredis.ingest.actions import (
 )
 from kvredis.ingest.config import IngesterConfig
 from kvredis.ingest.counters import Counter, IngestCounters
-from kvredis.ingest.events import DecodedBatch, Rejection, RejectReason, decode_batch
+from kvredis.ingest.events import DecodedBatch, Engine, Rejection, RejectReason, decode_batch
 from kvredis.ingest.planner import Barrier, BatchPlan, Lookup, Planner, PlanSteps, Reset
 from kvredis.ingest.stream import (
     CLEAR_PHASE,
@@ -94,6 +95,8 @@ class _Message:
     topic: bytes
     seq: int
     payload: bytes
+    engine: Engine | None = None
+    """The stream's engine (:attr:`EndpointConfig.engine`), given to the decoded batch."""
     counted: bool = False
     _decoded: DecodedBatch | None = field(default=None, repr=False)
 
@@ -102,7 +105,10 @@ class _Message:
         """The payload, decoded once: a batch re-sequenced, retried or seen again as a duplicate
         is not decoded again."""
         if self._decoded is None:
-            self._decoded = decode_batch(self.payload)
+            decoded = decode_batch(self.payload)
+            if self.engine is not None:
+                decoded = dataclasses.replace(decoded, engine=self.engine)
+            self._decoded = decoded
         return self._decoded
 
 
@@ -339,7 +345,7 @@ class Sequencer:
         topic_b = bytes(topic)
         if topic_b:
             st.last_topic = topic_b
-        msg = _Message(topic_b, seq, bytes(payload))
+        msg = _Message(topic_b, seq, bytes(payload), st.endpoint.engine_kind)
         try:
             return (yield from self._sequence(st, msg, allow_restart=True))
         finally:
@@ -384,7 +390,7 @@ class Sequencer:
         pod, model = st.identity(topic_b)
         if pod is None:
             return None
-        msg = _Message(topic_b, seq, bytes(payload))
+        msg = _Message(topic_b, seq, bytes(payload), st.endpoint.engine_kind)
         decoded = msg.decoded
         if not decoded.events and decoded.rejects:
             return None
@@ -748,7 +754,13 @@ class Sequencer:
                     # look like a publisher restart when they arrive
                     if first_missing <= item.seq < msg.seq:
                         by_seq.setdefault(
-                            item.seq, _Message(item.topic or st.last_topic, item.seq, item.payload)
+                            item.seq,
+                            _Message(
+                                item.topic or st.last_topic,
+                                item.seq,
+                                item.payload,
+                                st.endpoint.engine_kind,
+                            ),
                         )
                 expect = first_missing
                 while expect in by_seq:

@@ -17,12 +17,12 @@ from typing import Any
 
 import pytest
 
-from kvredis.batch import AddOp
+from kvredis.batch import AddOp, EvictOp
 from kvredis.errors import EngineKeyNotFoundError
 from kvredis.features import PlaceholderRange, compute_block_extra_features
 from kvredis.hashing import ChunkedTokenDatabase, TokenProcessorConfig
 from kvredis.indexer import Indexer
-from kvredis.ingest import EventIngester, IngesterConfig
+from kvredis.ingest import EndpointConfig, EventIngester, IngesterConfig
 from kvredis.ingest.events import decode_batch
 from kvredis.ingest.planner import boundary_key
 from kvredis.memory import InMemoryIndex
@@ -84,16 +84,18 @@ def want(tp: ChunkedTokenDatabase, sequences: Sequence[Sequence[int]]) -> set[in
 
 
 class Stream:
-    """One pod's publisher as ingesters see it: batches in sequence."""
+    """One pod's publisher as ingesters see it: batches in sequence (of ``engine``'s, when set:
+    the endpoint says so)."""
 
-    def __init__(self, pod: str) -> None:
+    def __init__(self, pod: str, engine: str | None = None) -> None:
         self.pod = pod
         self.seq = -1
+        self.endpoint = EndpointConfig(f"eng-{pod}", engine=engine)
 
     def send(self, payload: bytes, *ingesters: EventIngester) -> None:
         self.seq += 1
         for ing in ingesters:
-            ing.process(f"kv@{self.pod}@{MODEL}", self.seq, payload, endpoint=f"eng-{self.pod}")
+            ing.process(f"kv@{self.pod}@{MODEL}", self.seq, payload, endpoint=self.endpoint)
 
 
 def misses(*ingesters: EventIngester) -> int:
@@ -107,12 +109,19 @@ OWN_1 = tuple(range(2000, 2060))
 OWN_2 = tuple(range(3000, 3060))
 
 
+ENGINES = [None, "sglang"]
+"""The endpoint's engine: unknown (every page mapped), SGLang (only the page ending a block)."""
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("page", [1, 4])
 @pytest.mark.parametrize("shared", [40, 48])
-def test_a_second_request_branching_inside_a_block(index: Any, page: int, shared: int) -> None:
+def test_a_second_request_branching_inside_a_block(
+    index: Any, page: int, shared: int, engine: str | None
+) -> None:
     # Every backend: embedded, Redis and Valkey (sync, asyncio), and a local cluster of each.
     recorded = recording(index)
-    cache, stream = RadixCache(page), Stream("pod-a")
+    cache, stream = RadixCache(page), Stream("pod-a", engine)
     ing = EventIngester(recorded, TP16)
     first, second = SHARED[:shared] + OWN_1, SHARED[:shared] + OWN_2
     for tokens in (first, second):
@@ -161,11 +170,14 @@ def check_exact(index: Any, tp: ChunkedTokenDatabase, caches: dict[str, RadixCac
         assert held(index, pod) == want(tp, cache.held()), pod
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("page", [1, 2, 4, 8])
-def test_random_radix_trees_hold_exactly_the_routers_keys(recorded: Any, page: int) -> None:
+def test_random_radix_trees_hold_exactly_the_routers_keys(
+    recorded: Any, page: int, engine: str | None
+) -> None:
     rng = random.Random(page)
     caches = {pod: RadixCache(page) for pod in ("pod-a", "pod-b")}
-    streams = {pod: Stream(pod) for pod in caches}
+    streams = {pod: Stream(pod, engine) for pod in caches}
     ing = EventIngester(recorded, TP16)
     for n, (pod, events) in enumerate(workload(rng, caches, 40)):
         streams[pod].send(sglang_batch(events), ing)
@@ -175,13 +187,14 @@ def test_random_radix_trees_hold_exactly_the_routers_keys(recorded: Any, page: i
     assert misses(ing) == 0
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("seed", range(6))
-def test_random_radix_trees_under_a_64_token_index(seed: int) -> None:
+def test_random_radix_trees_under_a_64_token_index(seed: int, engine: str | None) -> None:
     index = recording(InMemoryIndex())
     rng = random.Random(100 + seed)
     page = rng.choice([1, 2, 4, 8, 16])
     caches = {pod: RadixCache(page) for pod in ("pod-a", "pod-b")}
-    streams = {pod: Stream(pod) for pod in caches}
+    streams = {pod: Stream(pod, engine) for pod in caches}
     ing = EventIngester(index, TP64)
     for pod, events in workload(rng, caches, 50):
         streams[pod].send(sglang_batch(events), ing)
@@ -192,13 +205,16 @@ def test_random_radix_trees_under_a_64_token_index(seed: int) -> None:
 # -- HA replicas --------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("page", [1, 4])
-def test_ha_replicas_taking_turns_agree_on_branches(recorded: Any, page: int) -> None:
+def test_ha_replicas_taking_turns_agree_on_branches(
+    recorded: Any, page: int, engine: str | None
+) -> None:
     # Both replicas receive every batch; whoever comes first applies it and the other learns
     # it, so most branches hang from a page that the replica applying them only learned.
     rng = random.Random(7 + page)
     caches = {pod: RadixCache(page) for pod in ("pod-a", "pod-b")}
-    streams = {pod: Stream(pod) for pod in caches}
+    streams = {pod: Stream(pod, engine) for pod in caches}
     replicas = [EventIngester(recorded, TP16), EventIngester(recorded, TP16)]
     for pod, events in workload(rng, caches, 40):
         order = replicas if rng.random() < 0.5 else replicas[::-1]
@@ -351,8 +367,9 @@ def test_little_state_and_restarts_write_no_wrong_key(recorded: Any, page: int) 
     assert sum(len(held(recorded, pod)) for pod in caches) > 0
 
 
-def test_an_evicted_branch_point_is_forgotten(recorded: Any) -> None:
-    cache, stream = RadixCache(1), Stream("pod-a")
+@pytest.mark.parametrize("engine", ENGINES)
+def test_an_evicted_branch_point_is_forgotten(recorded: Any, engine: str | None) -> None:
+    cache, stream = RadixCache(1), Stream("pod-a", engine)
     ing = EventIngester(recorded, TP16)
     first = SHARED[:40] + OWN_1
     cache.insert(first)
@@ -378,12 +395,13 @@ def mapped(index: Any, engine_key: int) -> bool:
     return True
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("restart", [False, True], ids=["same", "restarted"])
-def test_evictions_leave_no_mapping(recorded: Any, restart: bool) -> None:
+def test_evictions_leave_no_mapping(recorded: Any, restart: bool, engine: str | None) -> None:
     # The index maps a page ending at a block boundary under its boundary key as well; the
     # removal of the page removes both, also for an ingester that restarted in between (it
     # knows nothing of the pages yet).
-    cache, stream = RadixCache(1), Stream("pod-a")
+    cache, stream = RadixCache(1), Stream("pod-a", engine)
     ing = EventIngester(recorded, TP16)
     pages: list[int] = []
     for tokens in (SHARED[:40] + OWN_1, SHARED[:40] + OWN_2, SHARED[:40] + OWN_1[:30]):
@@ -441,3 +459,64 @@ def test_vllm_branch_inside_a_block_after_an_image(recorded: Any) -> None:
     }
     assert held(recorded, "pod-a") == keys
     assert misses(ing) == 0
+
+
+# -- SGLang: one mapping per index block --------------------------------------------------------
+
+
+def recording_ops(index: Any) -> Any:
+    """``recording(index)``, with ``index.ops``: every operation of an applied batch."""
+    recording(index)
+    index.ops = []
+    apply_batch = index.apply_batch
+
+    def apply_and_keep(ops: Any, stream: Any = None, watermark: Any = None) -> bool:
+        applied = bool(apply_batch(ops, stream, watermark))
+        if applied:
+            index.ops.extend(ops)
+        return applied
+
+    index.apply_batch = apply_and_keep
+    return index
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_sglang_maps_only_the_page_ending_each_block(recorded: Any, page: int) -> None:
+    # A 100-token prompt: 6 full blocks. SGLang evicts a radix node only after its children,
+    # so a block goes exactly when the page holding its last token does: that page alone is
+    # mapped, under its boundary key. An engine not known to evict so maps every page.
+    for engine, name, first in ((None, "pod-a", 500), ("sglang", "pod-b", 700)):
+        tokens = tuple(range(first, first + 100))
+        cache, stream = RadixCache(page), Stream(name, engine)
+        ing = EventIngester(recorded, TP16, config=IngesterConfig(max_batches_per_call=1))
+        cache.insert(tokens)
+        (event,) = cache.take()
+        pages = [h % 2**64 for h in event["block_hashes"]]
+        stream.send(sglang_batch([event]), ing)
+        assert held(recorded, name) == want(TP16, [tokens])
+        ends = {pages[(16 * (b + 1)) // page - 1] for b in range(6)}
+        assert {h for h in pages if mapped(recorded, boundary_key(h))} == ends
+        own = {h for h in pages if mapped(recorded, h)}
+        if engine is None:
+            assert own == set(pages[: 96 // page])  # the last 4 tokens' pages: no full block
+        else:
+            assert own == set()
+
+
+def test_sglang_removal_sends_one_evict_per_block(recorded: Any) -> None:
+    # Removing a node of 100 pages costs the index one evict per block it held (6), not one
+    # per page and boundary key; the ingester knows which pages end inside blocks.
+    index = recording_ops(recorded)
+    counts = {}
+    for engine, name, first in ((None, "pod-a", 500), ("sglang", "pod-b", 700)):
+        tokens = tuple(range(first, first + 100))
+        cache, stream = RadixCache(1), Stream(name, engine)
+        ing = EventIngester(index, TP16, config=IngesterConfig(max_batches_per_call=1))
+        cache.insert(tokens)
+        stream.send(sglang_batch(cache.take()), ing)
+        index.ops.clear()
+        cache.evict(cache.leaves()[0])
+        stream.send(sglang_batch(cache.take()), ing)
+        assert held(index, name) == set()
+        counts[engine] = sum(isinstance(op, EvictOp) for op in index.ops)
+    assert counts == {None: 100 + 6, "sglang": 6}
