@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
@@ -30,6 +31,7 @@ from kvredis.index import (
 from kvredis.ingest.actions import (
     Abandoned,
     Action,
+    AppendJournal,
     ApplyOps,
     ApplyStep,
     ClearPod,
@@ -38,6 +40,7 @@ from kvredis.ingest.actions import (
     Interrupt,
     LookupRequestKey,
     OpenReplay,
+    ReadJournal,
     ReadWatermark,
     SleepUntil,
     StepResult,
@@ -45,6 +48,7 @@ from kvredis.ingest.actions import (
 )
 from kvredis.ingest.config import EndpointConfig
 from kvredis.ingest.counters import Counter, IngestCounters, RateLimitedLog
+from kvredis.ingest.journal import COMPACT_MIN_BYTES, PageJournal
 from kvredis.ingest.transport import ReplayClient, ReplayedMessage, ReplayFactory
 
 __all__ = ["IndexBackend", "StopSignal"]
@@ -81,8 +85,16 @@ class IndexBackend:
         replay_factory: ReplayFactory,
         retry_max_s: float,
         warn: RateLimitedLog,
+        journal: PageJournal | None = None,
     ) -> None:
         self.index = index
+        self.journal = journal
+        """Where the pods' page journals are kept (``None``: nowhere)."""
+        self._journal_lock = threading.Lock()
+        self._appended: dict[str, int] = {}
+        """Bytes this process appended to each pod's journal since it last compacted it."""
+        self._compacted: dict[str, int] = {}
+        """The size of each pod's journal as this process last compacted it."""
         self._batch = index if isinstance(index, BatchIndex) else None
         self._counters = counters
         self._stop = stop
@@ -117,6 +129,11 @@ class IndexBackend:
             return None
         if isinstance(action, OpenReplay):
             return self._replay(action.endpoint) is not None
+        if isinstance(action, ReadJournal):
+            return self._read_journal(action.pod)
+        if isinstance(action, AppendJournal):
+            self._append_journal(action.entries)
+            return None
         return self._fetch(action)
 
     # -- index calls -----------------------------------------------------------------------
@@ -206,6 +223,45 @@ class IndexBackend:
             self._call(lambda: index.clear_with_progress(action.pod, progress))
         else:
             self._call(lambda: index.clear(action.pod))
+        journal = self.journal
+        if journal is not None and not selective:
+            self._journal_call(lambda: journal.delete(action.pod))
+
+    # -- page journals -----------------------------------------------------------------------
+
+    def _journal_call(self, fn: Callable[[], T]) -> T:
+        """A journal operation: an error becomes :class:`Failed` (the journal is kept beside
+        the index, by another client: the index calls' retries do not cover it)."""
+        self._counters.inc(Counter.INDEX_CALLS)
+        try:
+            return fn()
+        except Exception as exc:
+            raise Failed(f"{type(exc).__name__}: {exc}") from exc
+
+    def _read_journal(self, pod: str) -> list[bytes]:
+        journal = self.journal
+        if journal is None:
+            return []
+        return self._journal_call(lambda: journal.read(pod))
+
+    def _append_journal(self, entries: Sequence[tuple[str, bytes]]) -> None:
+        """Append, then compact the pods whose journal this process doubled since it last did."""
+        journal = self.journal
+        if journal is None or not entries:
+            return
+        self._journal_call(lambda: journal.append(entries))
+        due: list[str] = []
+        with self._journal_lock:
+            for pod, entry in entries:
+                appended = self._appended[pod] = self._appended.get(pod, 0) + len(entry)
+                if appended >= max(COMPACT_MIN_BYTES, 2 * self._compacted.get(pod, 0)):
+                    self._appended[pod] = 0
+                    due.append(pod)
+        for pod in due:
+            size = self._journal_call(functools.partial(journal.compact, pod))
+            if size is not None:
+                with self._journal_lock:
+                    self._compacted[pod] = size
 
     # -- replay ----------------------------------------------------------------------------
 

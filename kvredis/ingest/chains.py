@@ -241,9 +241,24 @@ class EngineKeyCache:
     clears).
     """
 
-    __slots__ = ("_cut_limit", "_cuts", "_data", "_limit", "_lock", "_modes", "_parents", "_tails")
+    __slots__ = (
+        "_cut_limit",
+        "_cuts",
+        "_data",
+        "_limit",
+        "_lock",
+        "_modes",
+        "_parents",
+        "_tails",
+        "recalled",
+    )
 
-    def __init__(self, limit: int, cut_limit: int = DEFAULT_PARTIAL_BLOCK_PAGES) -> None:
+    def __init__(
+        self, limit: int, cut_limit: int = DEFAULT_PARTIAL_BLOCK_PAGES, recalled: bool = True
+    ) -> None:
+        self.recalled = recalled
+        """Whether the pod's page journal (:mod:`kvredis.ingest.journal`) was replayed here, or
+        there is none to replay: until then, a batch that needs a page's record recalls it."""
         self._data: OrderedDict[int, int] = OrderedDict()
         self._tails: OrderedDict[int, Tail] = OrderedDict()
         self._parents: OrderedDict[int, int] = OrderedDict()
@@ -317,6 +332,12 @@ class EngineKeyCache:
             if tails:
                 self._tails.clear()
 
+    def forget_records(self) -> None:
+        """Drop every page record (chain ends and pages inside blocks)."""
+        with self._lock:
+            self._tails.clear()
+            self._cuts.clear()
+
     def get_tail(self, key: int) -> Tail | None:
         """Where the chain stands after page ``key`` (``None``: not remembered)."""
         with self._lock:
@@ -380,6 +401,12 @@ class EngineKeyCache:
         """Whether page ``key`` is known to end inside an index block."""
         return self.record(key) is not None
 
+    def records(self) -> list[tuple[int, Tail | Cut]]:
+        """Every page known to end inside an index block, with what continues after it."""
+        with self._lock:
+            tails = [(k, t) for k, t in self._tails.items() if t.tokens]
+            return [*tails, *self._cuts.items()]
+
     def record(self, key: int) -> Tail | None:
         """The record of page ``key`` if it is known to end inside an index block (its
         :attr:`Tail.mapped` says whether the page has a mapping of its own), else ``None``."""
@@ -398,11 +425,16 @@ class EngineKeyCache:
 class PodCaches:
     """One :class:`EngineKeyCache` per pod, filled from what this ingester stored and read."""
 
-    def __init__(self, limit: int, cut_limit: int = DEFAULT_PARTIAL_BLOCK_PAGES) -> None:
+    def __init__(
+        self, limit: int, cut_limit: int = DEFAULT_PARTIAL_BLOCK_PAGES, journaled: bool = False
+    ) -> None:
         self._limit = limit
         self._cut_limit = cut_limit
         self._caches: dict[str, EngineKeyCache] = {}
         self._lock = threading.Lock()
+        self.journaled = journaled
+        """Whether the pods' page records are kept in a journal (:mod:`kvredis.ingest.journal`):
+        a pod's cache then starts by recalling it."""
         self.block_size: int | None = None
         """The index block size, set by the :class:`Planner` using these caches: with it,
         :meth:`forget_batch` learns the tails of the chains a peer's batch extended."""
@@ -412,7 +444,9 @@ class PodCaches:
         with self._lock:
             cache = self._caches.get(pod)
             if cache is None:
-                cache = self._caches[pod] = EngineKeyCache(self._limit, self._cut_limit)
+                cache = self._caches[pod] = EngineKeyCache(
+                    self._limit, self._cut_limit, recalled=not self.journaled
+                )
             return cache
 
     def drop(self, pod: str, tails: bool = True) -> None:
@@ -422,6 +456,8 @@ class PodCaches:
             cache = self._caches.get(pod)
         if cache is not None:
             cache.forget_mappings(tails)
+            if tails and self.journaled:
+                cache.recalled = False  # what a peer's journal may hold about its pages
 
     def forget_batch(self, pod: str, decoded: DecodedBatch) -> None:
         """A batch a peer applied may have changed mappings cached here: drop those, and learn

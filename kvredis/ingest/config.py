@@ -107,6 +107,12 @@ class IngesterConfig:
     ``1``: each batch alone."""
     use_watermarks: bool = True
     """Fence batches with per-stream watermarks when the index is a BatchIndex (HA-safe)."""
+    page_journal: bool = True
+    """Keep what this ingester knows of the pages that end inside index blocks in a journal per
+    pod beside the index (an embedded index, or the Redis of a ``RedisIndex``), so that an
+    ingester that restarts, or a replica that takes over, continues every chain exactly
+    (:mod:`kvredis.ingest.journal`; the bytes it costs are in ``docs/ingest.md``). ``False``:
+    such an ingester counts a parent miss for a chain hanging inside a block it never saw."""
     replay_timeout_s: float = 2.0
     """Give up on a replay when the replay endpoint is silent this long."""
     max_replay_batches: int = 20_000

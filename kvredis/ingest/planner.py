@@ -120,6 +120,7 @@ from kvredis.ingest.events import (
     Rejection,
     RejectReason,
 )
+from kvredis.ingest.journal import encode_entry, recall
 from kvredis.tiers import DEFAULT_TIERS, TierMap
 from kvredis.types import GroupMetadata, KeyType, PodEntry
 
@@ -136,9 +137,11 @@ __all__ = [
     "EngineKeyCache",
     "Lookup",
     "PageMapping",
+    "PlanRequest",
     "PlanSteps",
     "Planner",
     "PodCaches",
+    "Recall",
     "Reset",
     "Tail",
     "boundary_key",
@@ -172,7 +175,16 @@ class Reset:
     device_tiers: frozenset[str] | None
 
 
-PlanSteps = Generator[Lookup | Barrier | Reset, int | None, None]
+@dataclass(frozen=True, slots=True)
+class Recall:
+    """Planner request: replay the pod's page journal into its cache (:meth:`BatchPlan.recall`),
+    before the first batch of the pod that needs a page's record."""
+
+    pod: str
+
+
+PlanRequest = Lookup | Barrier | Reset | Recall
+PlanSteps = Generator[PlanRequest, int | None, None]
 """What :meth:`Planner.plan` returns: requests out, lookup answers in."""
 
 
@@ -183,6 +195,7 @@ class BatchPlan:
         "batch_map",
         "batch_tails",
         "cache",
+        "dropped_records",
         "evicted",
         "pending",
         "pending_evicts",
@@ -206,6 +219,8 @@ class BatchPlan:
         """Engine keys evicted by pending operations."""
         self.evicted: set[int] = set()
         """Engine keys evicted by this batch (and not re-added): the pod cache is stale there."""
+        self.dropped_records: set[int] = set()
+        """Pages removed by this batch that had a record (ended inside an index block)."""
         self.stats: dict[Counter, int] = {}
         """What the batch counts once it takes effect."""
         self.rejects: list[Rejection] = []
@@ -223,6 +238,7 @@ class BatchPlan:
     def after_clear(self, cache: EngineKeyCache | None) -> None:
         """The pod was cleared as a step of this batch: start over from an empty cache."""
         self.cache = cache
+        self.dropped_records.clear()
         self.batch_map.clear()
         self.batch_tails.clear()
         self.stale_tails.clear()
@@ -237,14 +253,48 @@ class BatchPlan:
                 batch_map[engine_key] = request_key
                 evicted.discard(engine_key)
 
-    def evict(self, keys: Sequence[int], entries: tuple[PodEntry, ...]) -> None:
+    def evict(
+        self, keys: Sequence[int], entries: tuple[PodEntry, ...], pages: Sequence[int] = ()
+    ) -> None:
+        """Evict ``keys`` (engine keys), and forget what is known of ``pages`` (the engine pages
+        removed, of which only some may have mappings)."""
         self.pending.extend([EvictOp(key, KeyType.ENGINE, entries) for key in keys])
         batch_map, batch_tails = self.batch_map, self.batch_tails
-        for key in keys:
+        for key in (*keys, *pages):
             batch_map.pop(key, None)
             batch_tails.pop(key, None)
         self.pending_evicts.update(keys)
         self.evicted.update(keys)
+        self.evicted.update(pages)
+
+    def needs_recall(self, group: int | None) -> bool:
+        """Whether the pod's page journal is still to be recalled before a page of ``group`` is
+        looked up (not for a group whose pages are known to be whole blocks: they have no
+        records)."""
+        cache = self.cache
+        return (
+            cache is not None
+            and not cache.recalled
+            and cache.mapping(group) is not PageMapping.WHOLE
+        )
+
+    def recall(self, entries: Sequence[bytes]) -> int:
+        """Replay the pod's page journal ``entries`` into its cache (once per pod and ingester);
+        the number of page records restored."""
+        cache = self.cache
+        if cache is None or cache.recalled:
+            return 0
+        cache.recalled = True
+        return recall(cache, entries)
+
+    def journal_entry(self) -> bytes | None:
+        """This batch's entry in the pod's page journal, once it took effect: the page records
+        it dropped and learned (``None``: nothing to record)."""
+        records = self.batch_tails.items()
+        dropped = self.dropped_records - self.batch_tails.keys()
+        if not dropped and not any(isinstance(value, Cut) or value.tokens for _, value in records):
+            return None
+        return encode_entry(records, dropped)
 
     def put_tail(self, engine_key: int, tail: Tail | Cut) -> None:
         self.batch_tails[engine_key] = tail
@@ -279,9 +329,7 @@ class BatchPlan:
             self.batch_tails.pop(key, None)
         self.stale_tails.update(engine_keys)
 
-    def resolve(
-        self, engine_key: int
-    ) -> Generator[Lookup | Barrier | Reset, int | None, int | None]:
+    def resolve(self, engine_key: int) -> Generator[PlanRequest, int | None, int | None]:
         """The request key ``engine_key`` maps to, as if the batch so far were applied."""
         hit = self.batch_map.get(engine_key)
         if hit is not None:
@@ -298,7 +346,7 @@ class BatchPlan:
 
     def _lookup(
         self, engine_key: int, cache: EngineKeyCache | None
-    ) -> Generator[Lookup | Barrier | Reset, int | None, int | None]:
+    ) -> Generator[PlanRequest, int | None, int | None]:
         self.count(Counter.INDEX_LOOKUPS)
         found = yield Lookup(engine_key)
         if found is not None and cache is not None:
@@ -374,7 +422,7 @@ class Planner:
             if isinstance(event, BlockStored):
                 yield from self._stored(plan, event, pod, model, position, rank, engine)
             elif isinstance(event, BlockRemoved):
-                self._removed(plan, event, pod, position, rank)
+                yield from self._removed(plan, event, pod, position, rank)
             elif isinstance(event, AllBlocksCleared):
                 yield Reset(rank, self.reset_tiers)
                 plan.count(Counter.EVENTS_APPLIED)
@@ -450,6 +498,8 @@ class Planner:
         else:
             parent = ev.parent_block_hash
             assert parent is not None
+            if plan.needs_recall(ev.group_idx):
+                yield Recall(pod)
             known = plan.tail(parent)
             if known is not None and known.base_engine_key is not None:
                 base = yield from plan.resolve(known.base_engine_key)
@@ -614,11 +664,13 @@ class Planner:
 
     def _removed(
         self, plan: BatchPlan, ev: BlockRemoved, pod: str, position: int, rank: int
-    ) -> None:
+    ) -> PlanSteps:
         tier = self.tiers.tier(ev.medium, ev.locality, ev.ownership)
         entry = self._entry(plan, pod, tier, ev.group_idx, position, rank)
         if entry is None:
             return
+        if plan.needs_recall(ev.group_idx):
+            yield Recall(pod)
         # What the index maps for each page: its own key (whole pages, and pages finer than
         # blocks mapped page by page), the boundary key of a page ending a block (fine pages),
         # nothing for a page known to end inside a block under the block-end mapping; a page
@@ -631,6 +683,7 @@ class Planner:
         for h in ev.block_hashes:
             record = plan.record(h)
             if record is not None:
+                plan.dropped_records.add(h)
                 if record.mapped:
                     keys.append(h)
             elif mapping is PageMapping.BLOCK_END:
@@ -641,6 +694,6 @@ class Planner:
                     keys.append(boundary_key(h))
             if chunks:
                 keys.append(chunk_engine_key(h, tier))
-        plan.evict(keys, (entry,))
+        plan.evict(keys, (entry,), ev.block_hashes)
         plan.count(Counter.EVENTS_APPLIED)
         plan.count(Counter.BLOCKS_REMOVED, len(ev.block_hashes))

@@ -22,6 +22,7 @@ from kvredis.batch import IndexOp, Watermark
 from kvredis.ingest.actions import (
     Abandoned,
     Action,
+    AppendJournal,
     ApplyOps,
     ApplyStep,
     BatchOutcome,
@@ -35,6 +36,7 @@ from kvredis.ingest.actions import (
     LostOwnership,
     NotOwner,
     OpenReplay,
+    ReadJournal,
     ReadWatermark,
     SleepUntil,
     StepResult,
@@ -44,7 +46,15 @@ from kvredis.ingest.actions import (
 from kvredis.ingest.config import IngesterConfig
 from kvredis.ingest.counters import Counter, IngestCounters
 from kvredis.ingest.events import DecodedBatch, Engine, Rejection, RejectReason, decode_batch
-from kvredis.ingest.planner import Barrier, BatchPlan, Lookup, Planner, PlanSteps, Reset
+from kvredis.ingest.planner import (
+    Barrier,
+    BatchPlan,
+    Lookup,
+    Planner,
+    PlanSteps,
+    Recall,
+    Reset,
+)
 from kvredis.ingest.stream import (
     CLEAR_PHASE,
     MAX_ENGINE_SEQ,
@@ -213,6 +223,18 @@ class BatchRun:
         self.plan.after_clear(caches.get(self.pod) if self.pod is not None else None)
         self._last_beat = seqr.clock()
 
+    def recall(self, pod: str) -> Steps[None]:
+        """Replay ``pod``'s page journal into its cache (a journal that cannot be read now is
+        not read: the batch plans with what this ingester knows)."""
+        try:
+            entries: list[bytes] = yield ReadJournal(pod)
+        except Failed as exc:
+            logger.warning("pod %s: cannot read its page journal: %s", pod, exc)
+            entries = []
+        restored = self.plan.recall(entries)
+        if restored:
+            logger.info("pod %s: %d page records recalled from its journal", pod, restored)
+
     def run_plan(self, planning: PlanSteps) -> Steps[None]:
         """Drive the planner, answering its lookups and applying its barriers."""
         answer: int | None = None
@@ -226,6 +248,8 @@ class BatchRun:
                 answer = yield LookupRequestKey(need.engine_key)
             elif need is Barrier.FLUSH:
                 yield from self.flush()
+            elif isinstance(need, Recall):
+                yield from self.recall(need.pod)
             else:
                 assert self.pod is not None and isinstance(need, Reset)
                 yield from self.clear([self.pod], Counter.CLEARS_ALL_BLOCKS_CLEARED, need)
@@ -240,6 +264,7 @@ class FastBatch:
     msg: _Message
     plan: BatchPlan
     step: ApplyStep
+    pod: str
 
 
 PlanFn = Callable[[BatchRun], Steps[None]]
@@ -323,6 +348,8 @@ class Sequencer:
         self.counters = counters
         self.fenced = fenced
         """Whether batches are fenced by stored watermarks (a BatchIndex with watermarks on)."""
+        self.journaled = planner.caches.journaled
+        """Whether applied batches' page records go to the pods' page journals."""
         self.clock = clock
         self.stopping = stopping
         self._reject = reject
@@ -419,7 +446,7 @@ class Sequencer:
         ops = plan.take()
         plan.commit_cache()
         step = ApplyStep(ops, st.name, Watermark(st.epoch, stream_position(seq)))
-        return FastBatch(st, msg, plan, step)
+        return FastBatch(st, msg, plan, step, pod)
 
     def finish_fast(self, fast: FastBatch) -> BatchOutcome:
         """A fast batch's step applied: count it as :meth:`on_message` would have."""
@@ -946,7 +973,9 @@ class Sequencer:
                 logger.error("stream %s: batch %d failed: %s", st.name, job.seq, exc)
                 self.counters.inc(Counter.BATCHES_FAILED)
                 return BatchOutcome.FAILED
-            return self._applied(run, st, job)
+            outcome = self._applied(run, st, job)
+            yield from self.journal([(job.pod, run.plan)])
+            return outcome
         logger.error("stream %s: batch %d kept conflicting, dropped", st.name, job.seq)
         self.counters.inc(Counter.BATCHES_FAILED)
         return BatchOutcome.FAILED
@@ -1014,6 +1043,23 @@ class Sequencer:
             claim.phase = max(claim.phase, CLEAR_PHASE)
         # the claim stood for a clear (below the batch, or at a clear phase): redo it
         claim.redo_clear = not job.plans_clears and (sseq < job.seq or sphase >= CLEAR_PHASE)
+
+    def journal(self, applied: Iterable[tuple[str | None, BatchPlan]]) -> Steps[None]:
+        """Append the page journal entries of batches that took effect (their pods' records:
+        a failure loses records, which are parent misses later, never wrong keys)."""
+        if not self.journaled:
+            return
+        entries = tuple(
+            (pod, entry)
+            for pod, plan in applied
+            if pod is not None and (entry := plan.journal_entry()) is not None
+        )
+        if not entries:
+            return
+        try:
+            yield AppendJournal(entries)
+        except Interrupt as exc:
+            logger.warning("cannot append to the page journals: %s", exc)
 
     def _applied(self, run: BatchRun, st: StreamState, job: BatchJob) -> BatchOutcome:
         """The batch's last step applied: its cache, rejects and counters take effect."""

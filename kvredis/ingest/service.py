@@ -37,6 +37,7 @@ from kvredis.ingest.backend import IndexBackend
 from kvredis.ingest.config import EndpointConfig, IngesterConfig
 from kvredis.ingest.counters import Counter, IngestCounters, RateLimitedLog
 from kvredis.ingest.events import Rejection, RejectReason
+from kvredis.ingest.journal import journal_for
 from kvredis.ingest.planner import Planner, PodCaches
 from kvredis.ingest.sequencer import FastBatch, Sequencer
 from kvredis.ingest.stream import StreamState
@@ -128,7 +129,12 @@ class EventIngester:
         self.config = config or IngesterConfig()
         self.catalog = group_catalog if group_catalog is not None else GroupCatalog()
         self.counters = counters if counters is not None else IngestCounters()
-        caches = PodCaches(self.config.parent_cache_size, self.config.partial_block_pages)
+        journal = journal_for(index) if self.config.page_journal else None
+        caches = PodCaches(
+            self.config.parent_cache_size,
+            self.config.partial_block_pages,
+            journaled=journal is not None,
+        )
         self._planner = Planner(
             token_processor,
             self.catalog,
@@ -151,6 +157,7 @@ class EventIngester:
             replay_factory=self._open_replay,
             retry_max_s=self.config.backend_retry_max_s,
             warn=self._log,
+            journal=journal,
         )
         self._sequencer = Sequencer(
             self.config,
@@ -475,12 +482,16 @@ class EventIngester:
             logger.warning("applying %d batches together failed: %s", len(group), exc)
             verdicts = None
         redo: dict[int, list[tuple[int, FastBatch]]] = {}
+        applied: list[FastBatch] = []
         for j, (i, fast) in enumerate(group):
             key = id(fast.st)
             if key not in redo and verdicts is not None and verdicts[j]:
                 outcomes[i] = seqr.finish_fast(fast)
+                applied.append(fast)
             else:
                 redo.setdefault(key, []).append((i, fast))
+        if applied:
+            drive(seqr.journal([(f.pod, f.plan) for f in applied]), self._backend.perform)
         for again in redo.values():
             for _, fast in reversed(again):
                 seqr.undo_fast(fast)

@@ -23,7 +23,9 @@ from kvredis.features import PlaceholderRange, compute_block_extra_features
 from kvredis.hashing import ChunkedTokenDatabase, TokenProcessorConfig
 from kvredis.indexer import Indexer
 from kvredis.ingest import EndpointConfig, EventIngester, IngesterConfig
+from kvredis.ingest import backend as backend_module
 from kvredis.ingest.events import decode_batch
+from kvredis.ingest.journal import journal_for
 from kvredis.ingest.planner import boundary_key
 from kvredis.memory import InMemoryIndex
 from kvredis.scoring import LongestPrefixScorer
@@ -288,12 +290,19 @@ def test_a_replica_learning_batches_it_skips_continues_them_exactly() -> None:
     assert two.count("parent_misses") == 0
 
 
-def test_a_replica_that_never_saw_the_parent_writes_nothing_wrong(recorded: Any) -> None:
+@pytest.mark.parametrize("journal", [True, False], ids=["journal", "no-journal"])
+def test_a_replica_that_never_saw_the_parent(recorded: Any, journal: bool) -> None:
     # Replica one stored request 1; replica two (fresh, or restarted) gets request 2 only. The
     # branch at token 48 hangs from a block boundary: the index names that block's key. The
-    # branch at token 40 hangs inside block 2: its first 8 tokens are unknown there.
+    # branch at token 40 hangs inside block 2, whose first 8 tokens replica two never saw:
+    # replica one's page journal has them; without it the branch is a parent miss, and
+    # nothing wrong is written.
     cache, stream = RadixCache(1), Stream("pod-a")
-    one, two = EventIngester(recorded, TP16), EventIngester(recorded, TP16)
+    config = IngesterConfig(page_journal=journal)
+    one, two = (
+        EventIngester(recorded, TP16, config=config),
+        EventIngester(recorded, TP16, config=config),
+    )
     first = SHARED + OWN_1
     cache.insert(first)
     stream.send(sglang_batch(cache.take()), one)
@@ -304,8 +313,12 @@ def test_a_replica_that_never_saw_the_parent_writes_nothing_wrong(recorded: Any)
     inside = SHARED[:40] + tuple(range(4000, 4060))
     cache.insert(inside)
     stream.send(sglang_batch(cache.take()), two)
-    assert misses(two) == 1
-    assert held(recorded, "pod-a") == want(TP16, [first, at_boundary, SHARED[:40]])
+    if journal:
+        assert misses(two) == 0
+        assert held(recorded, "pod-a") == want(TP16, [first, at_boundary, inside])
+    else:
+        assert misses(two) == 1
+        assert held(recorded, "pod-a") == want(TP16, [first, at_boundary, SHARED[:40]])
 
 
 def test_a_short_event_from_an_unknown_page_is_not_a_tier_update(recorded: Any) -> None:
@@ -520,3 +533,100 @@ def test_sglang_removal_sends_one_evict_per_block(recorded: Any) -> None:
         assert held(index, name) == set()
         counts[engine] = sum(isinstance(op, EvictOp) for op in index.ops)
     assert counts == {None: 100 + 6, "sglang": 6}
+
+
+# -- restarts and takeovers: the page journal ---------------------------------------------------
+
+
+def exact_pairs(index: Any, caches: dict[str, RadixCache]) -> None:
+    """The index holds exactly the router's keys of what every pod's cache holds."""
+    for pod, cache in caches.items():
+        assert held(index, pod) == want(TP16, cache.held()), pod
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("page", [1, 4])
+def test_an_ingester_restarted_mid_stream_continues_exactly(
+    recorded: Any, page: int, engine: str | None
+) -> None:
+    # The ingester dies now and then (never stopped: whatever it knew is gone) and a new one
+    # takes the stream on: branches from pages the dead one stored, and their removals, are
+    # exact, from the pods' page journals.
+    rng = random.Random(70 + page)
+    caches = {pod: RadixCache(page) for pod in ("pod-a", "pod-b")}
+    streams = {pod: Stream(pod, engine) for pod in caches}
+    ing = EventIngester(recorded, TP16)
+    restarts = 0
+    for n, (pod, events) in enumerate(workload(rng, caches, 60)):
+        if n and n % 7 == 0:
+            ing, restarts = EventIngester(recorded, TP16), restarts + 1
+        streams[pod].send(sglang_batch(events), ing)
+        exact_pairs(recorded, caches)
+        assert misses(ing) == 0
+    assert restarts >= 5
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_replica_that_joined_late_takes_over_exactly(recorded: Any, engine: str | None) -> None:
+    # Replica one follows the pods alone; replica two starts half-way (it never saw the first
+    # half), both then receive every batch, and replica one dies: replica two carries on.
+    rng = random.Random(91)
+    caches = {pod: RadixCache(1) for pod in ("pod-a", "pod-b")}
+    streams = {pod: Stream(pod, engine) for pod in caches}
+    one = EventIngester(recorded, TP16)
+    two: EventIngester | None = None
+    batches = list(workload(rng, caches, 60))
+    for n, (pod, events) in enumerate(batches):
+        if n == len(batches) // 3:
+            two = EventIngester(recorded, TP16)
+        if two is None:
+            receivers = [one]
+        elif n < 2 * len(batches) // 3:
+            receivers = [one, two] if rng.random() < 0.5 else [two, one]
+        else:
+            receivers = [two]  # replica one died
+        streams[pod].send(sglang_batch(events), *receivers)
+    exact_pairs(recorded, caches)
+    assert misses(one) == 0
+    assert two is not None and misses(two) == 0
+
+
+def test_a_compacted_journal_recalls_the_same_pages(
+    recorded: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With journals compacted after every few kilobytes, a pod's journal stays one entry or a
+    # few, and an ingester starting from it is as exact as one that appended it all.
+    monkeypatch.setattr(backend_module, "COMPACT_MIN_BYTES", 4096)
+    rng = random.Random(5)
+    caches = {pod: RadixCache(1) for pod in ("pod-a", "pod-b")}
+    streams = {pod: Stream(pod, "sglang") for pod in caches}
+    ing = EventIngester(recorded, TP16)
+    batches = list(workload(rng, caches, 80))
+    for pod, events in batches[:60]:
+        streams[pod].send(sglang_batch(events), ing)
+    journal = journal_for(recorded)
+    assert journal is not None
+    sizes = {pod: len(journal.read(pod)) for pod in caches}
+    assert all(0 < n < 20 for n in sizes.values()), sizes
+    fresh = EventIngester(recorded, TP16)
+    for pod, events in batches[60:]:
+        streams[pod].send(sglang_batch(events), fresh)
+    exact_pairs(recorded, caches)
+    assert misses(ing, fresh) == 0
+
+
+def test_without_the_journal_a_restart_writes_nothing_wrong(recorded: Any) -> None:
+    rng = random.Random(70)
+    caches = {pod: RadixCache(1) for pod in ("pod-a", "pod-b")}
+    streams = {pod: Stream(pod, "sglang") for pod in caches}
+    config = IngesterConfig(page_journal=False)
+    ing = EventIngester(recorded, TP16, config=config)
+    restarted = []
+    for n, (pod, events) in enumerate(workload(rng, caches, 60)):
+        if n and n % 7 == 0:
+            restarted.append(ing)
+            ing = EventIngester(recorded, TP16, config=config)
+        streams[pod].send(sglang_batch(events), ing)
+        for name, cache in caches.items():
+            assert held(recorded, name) <= want(TP16, cache.held()), name
+    assert misses(ing, *restarted) > 0
