@@ -1,8 +1,8 @@
 """``kvredis ingest``: subscribe to engines' KV events and keep an index true to them.
 
 Endpoint options form groups: ``--endpoint`` starts a publisher, and the ``--replay``, ``--pod``,
-``--model``, ``--topic-filter`` and ``--stream`` options after it (before the next ``--endpoint``)
-describe that publisher::
+``--model``, ``--topic-filter``, ``--stream`` and ``--engine`` options after it (before the next
+``--endpoint``) describe that publisher::
 
     kvredis ingest --redis redis://127.0.0.1:6379 \\
         --endpoint tcp://10.0.0.5:5557 --replay tcp://10.0.0.5:5558 --pod pod-a --model m \\
@@ -57,6 +57,7 @@ _GROUP_OPTIONS = {
     "--model": "model_name",
     "--topic-filter": "topic_filter",
     "--stream": "stream",
+    "--engine": "engine",
 }
 #: Seconds a stop waits for the received batches to be applied (a second Ctrl-C abandons them).
 DRAIN_TIMEOUT_S = 30.0
@@ -136,7 +137,8 @@ def _endpoint_configs(groups: Sequence[dict[str, str]]) -> list[EndpointConfig]:
         try:
             configs.append(EndpointConfig(**group))
         except ConfigError as exc:
-            raise click.BadParameter(str(exc), param_hint="--endpoint") from None
+            hint = "--engine" if str(exc).startswith("engine must be") else "--endpoint"
+            raise click.BadParameter(str(exc), param_hint=hint) from None
     seen: set[str] = set()
     for config in configs:
         if config.endpoint in seen:
@@ -299,6 +301,14 @@ def _tier_map(spec: str | None) -> TierMap:
     help="The group's watermark stream (default: its pod, else its endpoint).",
 )
 @click.option(
+    "--engine",
+    "engine",
+    multiple=True,
+    metavar="vllm|sglang|trtllm",
+    help="The group's engine: SGLang's pages finer than index blocks get one mapping per "
+    "block (default: every page mapped).",
+)
+@click.option(
     "--redis",
     "redis_url",
     metavar="URL",
@@ -352,6 +362,12 @@ def _tier_map(spec: str | None) -> TierMap:
     help="Do not fence batches with stored watermarks (only for a single ingester).",
 )
 @click.option(
+    "--no-page-journal",
+    is_flag=True,
+    help="Keep no journal of the pages inside index blocks beside the index (less Redis "
+    "memory; a restarted ingester then misses chains hanging inside blocks it never saw).",
+)
+@click.option(
     "--metrics-port",
     type=click.IntRange(0, 65535),
     default=None,
@@ -396,6 +412,7 @@ def ingest(
     model: tuple[str, ...],
     topic_filter: tuple[str, ...],
     stream: tuple[str, ...],
+    engine: tuple[str, ...],
     redis_url: str | None,
     namespace: str,
     password_file: str | None,
@@ -407,6 +424,7 @@ def ingest(
     status_interval: float,
     duration: float | None,
     no_watermarks: bool,
+    no_page_journal: bool,
     metrics_port: int | None,
     metrics_address: str,
     tier_map: str | None,
@@ -415,8 +433,8 @@ def ingest(
 ) -> None:
     """Subscribe to engines' KV-cache events (vLLM, SGLang) and apply them to the index.
 
-    Each --endpoint starts a group; the --replay, --pod, --model, --topic-filter and --stream
-    options after it describe that endpoint. Runs until interrupted, logging a status line
+    Each --endpoint starts a group; the --replay, --pod, --model, --topic-filter, --stream and
+    --engine options after it describe that endpoint. Runs until interrupted, logging a status line
     every --status-interval seconds.
 
     \b
@@ -451,6 +469,7 @@ def ingest(
         config = IngesterConfig(
             workers=workers,
             use_watermarks=not no_watermarks,
+            page_journal=not no_page_journal,
             tiers=_tier_map(tier_map),
             offload_blocks_per_chunk=offload_blocks_per_chunk,
             reset_mediums=reset_mediums or DEFAULT_RESET_MEDIUMS,
