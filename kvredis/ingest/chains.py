@@ -2,7 +2,7 @@
 
 The engine keys the index maps besides the engines' own (a KV-cache group's keys, an offloaded
 chunk's key, the boundary key of a page that ends an index block), where a chain stands after a
-page (:class:`Tail`, :class:`Cut`), the bounded per-pod caches of mappings, chain ends and
+page (:class:`Tail`), the bounded per-pod caches of mappings, chain ends and
 parents (:class:`EngineKeyCache`, :class:`PodCaches`), and the step that hashes an event's
 tokens on from where its parent's chain stands. :mod:`kvredis.ingest.planner` plans index
 operations with them.
@@ -13,10 +13,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 import hashlib
+import itertools
 import threading
 from bisect import bisect_left, bisect_right
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -40,11 +41,11 @@ __all__ = [
     "DEFAULT_PARTIAL_BLOCK_PAGES",
     "LEAF_FIRST_ENGINES",
     "MAX_TAILS_PER_POD",
+    "BlockCuts",
     "Boundary",
-    "Cut",
     "EngineKeyCache",
-    "PageCut",
     "PageMapping",
+    "PageRecords",
     "PodCaches",
     "Step",
     "Tail",
@@ -54,8 +55,12 @@ __all__ = [
     "fine_pages",
     "group_engine_key",
     "page_mapping",
+    "step_records",
 ]
 
+
+_TRIM_SHARE = 16
+"""Past its bound, a pod's record table drops its oldest 1/16 at once (not one per insert)."""
 
 MAX_TAILS_PER_POD = 32_768
 """Chain ends remembered per pod (fewer when the engine-key cache is smaller): each holds less
@@ -188,6 +193,12 @@ class Tail:
     blocks (mapped to the block they complete). A tail learned from a batch a peer applied has
     ``base_engine_key`` instead of ``base``: the engine key whose mapping in the index is the
     base (the engine block holding the last token of the last full block).
+
+    A tail is also the *record* the pages of one event that end inside one index block share
+    (one object, not one per page: about 90 bytes a page with SGLang's page size 1, see
+    ``docs/ingest.md``): ``pages`` in order, the chain after ``pages[i]`` holding the first
+    ``page_tokens[i]`` tokens, ``page_ids[i]`` identifiers and ``page_keys[i]`` engine keys of
+    it (:meth:`after`; ``page_ids``/``page_keys`` empty when ``ids``/``engine_keys`` are).
     """
 
     base: int
@@ -201,48 +212,96 @@ class Tail:
     """Whether ``engine_keys`` (and the pages recorded with this tail) have mappings of their own
     in the index (:attr:`PageMapping.EVERY_PAGE`); under :attr:`PageMapping.BLOCK_END` they have
     none, and ``engine_keys`` is empty."""
+    pages: tuple[int, ...] = ()
+    page_tokens: tuple[int, ...] = ()
+    page_ids: tuple[int, ...] = ()
+    page_keys: tuple[int, ...] = ()
 
-
-class Cut(NamedTuple):
-    """A page ending inside an index block, as remembered: the first ``tokens`` tokens (and
-    ``ids`` identifiers, ``keys`` engine keys) of ``whole``, the record of that block shared by
-    all its pages (a tuple of 4, not a :class:`Tail` each: about 300 bytes a page with
-    SGLang's page size 1, see *Branches inside a block* in the README)."""
-
-    whole: Tail
-    tokens: int
-    ids: int
-    keys: int
-
-    def tail(self) -> Tail:
-        """The chain as it ends after this page."""
-        w = self.whole
+    def after(self, page: int) -> Tail:
+        """The chain as it ends after ``page`` (one of :attr:`pages`; a tail without pages is
+        the chain after whichever page it was recorded for)."""
+        pages = self.pages
+        if not pages:
+            return self
+        i = pages.index(page)
         return Tail(
-            w.base,
-            w.model,
-            w.cache_salt,
-            w.tokens[: self.tokens],
-            w.ids[: self.ids],
-            w.engine_keys[: self.keys],
-            w.base_engine_key,
-            w.mapped,
+            self.base,
+            self.model,
+            self.cache_salt,
+            self.tokens[: self.page_tokens[i]],
+            self.ids[: self.page_ids[i]] if self.page_ids else (),
+            self.engine_keys[: self.page_keys[i]] if self.page_keys else (),
+            self.base_engine_key,
+            self.mapped,
+        )
+
+    def holding(
+        self,
+        pages: tuple[int, ...],
+        tokens: tuple[int, ...],
+        ids: tuple[int, ...],
+        keys: tuple[int, ...],
+    ) -> Tail:
+        """This tail as the record of ``pages`` (with their counts, see the class docstring)."""
+        return Tail(
+            self.base,
+            self.model,
+            self.cache_salt,
+            self.tokens,
+            self.ids,
+            self.engine_keys,
+            self.base_engine_key,
+            self.mapped,
+            pages,
+            tokens,
+            ids if self.ids else (),
+            keys if self.engine_keys else (),
         )
 
 
-def tail_of(value: Tail | Cut | None) -> Tail | None:
-    return value.tail() if isinstance(value, Cut) else value
+class _Table:
+    """A bounded table of page records: past ``limit``, its oldest 1/:data:`_TRIM_SHARE` is
+    dropped at once (a record used is the newest again)."""
+
+    __slots__ = ("items", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.items: dict[int, Tail] = {}
+        self.limit = max(limit, 1)
+
+    def put(self, records: Mapping[int, Tail]) -> None:
+        items = self.items
+        items.update(records)
+        if len(items) > self.limit:
+            excess = len(items) - self.limit + self.limit // _TRIM_SHARE
+            for key in list(itertools.islice(items, excess)):
+                del items[key]
+
+    def use(self, key: int) -> Tail | None:
+        record = self.items.pop(key, None)
+        if record is not None:
+            self.items[key] = record
+        return record
+
+
+class PageRecords(NamedTuple):
+    """Records of pages (see :class:`Tail`): ``cuts`` for pages ending inside an index block,
+    ``tails`` for pages ending a chain (the two are bounded apart)."""
+
+    cuts: dict[int, Tail]
+    tails: dict[int, Tail]
 
 
 class EngineKeyCache:
-    """What one ingester knows of a pod's engine keys, bounded and thread-safe (least recently
-    used dropped, each kind on its own): engine→request mappings, the :class:`Tail` of chains
-    that end mid-block, a :class:`Cut` for each other page that ends inside an index block, and
+    """What one ingester knows of a pod's engine keys, bounded and thread-safe: engine→request
+    mappings (least recently used dropped), the :class:`Tail` of every chain end and the record
+    of every other page that ends inside an index block (each kind bounded on its own, the
+    oldest dropped first, a record refreshed when a branch uses it), and, for offloaded chunks,
     each stored engine block's parent (hashes chain, so a parent never changes: kept across
     clears).
     """
 
     __slots__ = (
-        "_cut_limit",
         "_cuts",
         "_data",
         "_limit",
@@ -260,11 +319,10 @@ class EngineKeyCache:
         """Whether the pod's page journal (:mod:`kvredis.ingest.journal`) was replayed here, or
         there is none to replay: until then, a batch that needs a page's record recalls it."""
         self._data: OrderedDict[int, int] = OrderedDict()
-        self._tails: OrderedDict[int, Tail] = OrderedDict()
+        self._tails = _Table(min(limit, MAX_TAILS_PER_POD))
+        self._cuts = _Table(cut_limit)
         self._parents: OrderedDict[int, int] = OrderedDict()
-        self._cuts: OrderedDict[int, Cut] = OrderedDict()
         self._limit = limit
-        self._cut_limit = cut_limit
         self._lock = threading.Lock()
         # KV-cache group -> how its pages are mapped: learned from the group's stored pages (any
         # page finer than a block makes it fine for good, and a group whose fine pages were
@@ -330,46 +388,45 @@ class EngineKeyCache:
         with self._lock:
             self._data.clear()
             if tails:
-                self._tails.clear()
+                self._tails.items.clear()
 
     def forget_records(self) -> None:
         """Drop every page record (chain ends and pages inside blocks)."""
         with self._lock:
-            self._tails.clear()
-            self._cuts.clear()
+            self._tails.items.clear()
+            self._cuts.items.clear()
 
     def get_tail(self, key: int) -> Tail | None:
         """Where the chain stands after page ``key`` (``None``: not remembered)."""
         with self._lock:
-            tail = self._tails.get(key)
-            if tail is not None:
-                self._tails.move_to_end(key)
-                return tail
-            cut = self._cuts.get(key)
-            if cut is None:
-                return None
-            self._cuts.move_to_end(key)
-        return cut.tail()
+            record = self._tails.use(key) or self._cuts.use(key)
+        return None if record is None else record.after(key)
 
     def pop_tail(self, key: int) -> None:
         with self._lock:
-            self._tails.pop(key, None)
-            self._cuts.pop(key, None)
+            self._tails.items.pop(key, None)
+            self._cuts.items.pop(key, None)
 
-    def put_tail(self, key: int, tail: Tail | Cut) -> None:
+    def put_tail(self, key: int, tail: Tail) -> None:
+        """Record ``tail`` as the chain after page ``key`` (a chain end)."""
+        self.put_records(PageRecords({}, {key: tail}))
+
+    def put_records(self, records: PageRecords) -> None:
+        """Record each page's tail."""
         with self._lock:
-            if isinstance(tail, Cut):
-                self._tails.pop(key, None)
-                self._cuts[key] = tail
-                self._cuts.move_to_end(key)
-                if len(self._cuts) > self._cut_limit:
-                    self._cuts.popitem(last=False)
-            else:
-                self._cuts.pop(key, None)
-                self._tails[key] = tail
-                self._tails.move_to_end(key)
-                if len(self._tails) > min(self._limit, MAX_TAILS_PER_POD):
-                    self._tails.popitem(last=False)
+            self._put(records)
+
+    def _put(self, records: PageRecords) -> None:
+        cuts, tails = records
+        if cuts:
+            if self._tails.items:
+                for key in cuts.keys() & self._tails.items.keys():
+                    del self._tails.items[key]
+            self._cuts.put(cuts)
+        if tails:
+            for key in tails.keys() & self._cuts.items.keys():
+                del self._cuts.items[key]
+            self._tails.put(tails)
 
     def get(self, key: int) -> int | None:
         with self._lock:
@@ -385,13 +442,40 @@ class EngineKeyCache:
             if len(self._data) > self._limit:
                 self._data.popitem(last=False)
 
+    def commit(
+        self,
+        dropped: Iterable[int],
+        stale: Iterable[int],
+        mappings: Mapping[int, int],
+        records: PageRecords,
+    ) -> None:
+        """What a batch that took effect changed: forget everything of ``dropped`` engine keys
+        and the records of ``stale`` pages (stored again), then learn ``mappings`` and
+        ``records``."""
+        with self._lock:
+            data, tails, cuts = self._data, self._tails.items, self._cuts.items
+            for key in dropped:
+                data.pop(key, None)
+                tails.pop(key, None)
+                cuts.pop(key, None)
+            for key in stale:
+                tails.pop(key, None)
+                cuts.pop(key, None)
+            if mappings:
+                data.update(mappings)
+                for key in mappings:
+                    data.move_to_end(key)
+                while len(data) > self._limit:
+                    data.popitem(last=False)
+            self._put(records)
+
     def pop(self, key: int) -> None:
         self.pop_many((key,))
 
     def pop_many(self, keys: Iterable[int]) -> None:
         """Forget everything about these engine keys."""
         with self._lock:
-            data, tails, cuts = self._data, self._tails, self._cuts
+            data, tails, cuts = self._data, self._tails.items, self._cuts.items
             for key in keys:
                 data.pop(key, None)
                 tails.pop(key, None)
@@ -401,21 +485,19 @@ class EngineKeyCache:
         """Whether page ``key`` is known to end inside an index block."""
         return self.record(key) is not None
 
-    def records(self) -> list[tuple[int, Tail | Cut]]:
-        """Every page known to end inside an index block, with what continues after it."""
+    def records(self) -> PageRecords:
+        """Every page known to end inside an index block, with its record."""
         with self._lock:
-            tails = [(k, t) for k, t in self._tails.items() if t.tokens]
-            return [*tails, *self._cuts.items()]
+            cuts = dict(self._cuts.items)
+            tails = {k: t for k, t in self._tails.items.items() if t.tokens}
+        return PageRecords(cuts, tails)
 
     def record(self, key: int) -> Tail | None:
         """The record of page ``key`` if it is known to end inside an index block (its
         :attr:`Tail.mapped` says whether the page has a mapping of its own), else ``None``."""
         with self._lock:
-            cut = self._cuts.get(key)
-            if cut is not None:
-                return cut.whole
-            tail = self._tails.get(key)
-            return tail if tail is not None and tail.tokens else None
+            record = self._cuts.items.get(key) or self._tails.items.get(key)
+        return record if record is not None and record.tokens else None
 
     def __len__(self) -> int:
         with self._lock:
@@ -537,40 +619,76 @@ def _learn_tail(
     step = advance(prior, ev, extra.features, bs, fine, mapping is not PageMapping.BLOCK_END)
     hashes = ev.block_hashes
     closing = {b.block: boundary_key(hashes[b.page]) for b in step.boundaries}
-    wholes: dict[int, Tail | None] = {}
-    for cut in step.cuts:
-        j = cut.block
-        if j not in wholes:
-            if j == step.full:
-                wholes[j] = None  # the chain end's tail, recorded below
-            elif j == 0:
-                wholes[j] = step.whole(j, prior, prior.base, prior.base_engine_key)
-            else:
-                named = closing.get(j - 1)
-                wholes[j] = None if named is None else step.whole(j, prior, 0, named)
-        whole = wholes[j]
+
+    def whole_of(j: int) -> Tail | None:
+        if j == 0:
+            return step.whole(j, prior, prior.base, prior.base_engine_key)
+        named = closing.get(j - 1)
+        return None if named is None else step.whole(j, prior, 0, named)
+
+    after = None
+    if not step.full or step.last_engine_key is not None:  # else no key names the new base
+        after = step.after(prior, 0, step.last_engine_key)
+    cache.put_records(step_records(step, hashes, whole_of, after))
+
+
+def step_records(
+    step: Step,
+    hashes: tuple[int, ...],
+    whole_of: Callable[[int], Tail | None],
+    after: Tail | None,
+) -> PageRecords:
+    """The records ``step`` leaves, page by page: the pages ending inside completed block ``j``
+    share ``whole_of(j)`` (``None``: not known, no record), those ending inside the block the
+    chain now ends in share ``after`` with the event's last page, the chain's end (``None``: no
+    record)."""
+    cuts: dict[int, Tail] = {}
+    tails: dict[int, Tail] = {}
+    tail_cuts: BlockCuts | None = None
+    for bc in step.cuts:
+        if bc.block == step.full:
+            tail_cuts = bc
+            continue
+        whole = whole_of(bc.block)
         if whole is not None:
-            cache.put_tail(hashes[cut.page], Cut(whole, cut.tokens, cut.ids, cut.keys))
-    if step.full and step.last_engine_key is None:
-        return  # no engine key names the new base for sure: learn nothing more
-    after = step.after(prior, 0, step.last_engine_key)
-    for cut in step.cuts:
-        if cut.block == step.full:
-            cache.put_tail(hashes[cut.page], Cut(after, cut.tokens, cut.ids, cut.keys))
-    cache.put_tail(hashes[-1], after)
+            inside = hashes[bc.first : bc.stop]
+            cuts.update(zip(inside, itertools.repeat(whole.holding(inside, *bc.counts()))))
+    if after is None or not hashes:
+        return PageRecords(cuts, tails)
+    last = hashes[-1]
+    if not after.tokens:
+        tails[last] = after
+        return PageRecords(cuts, tails)
+    pages: tuple[int, ...] = (last,)
+    tokens: tuple[int, ...] = (len(after.tokens),)
+    ids: tuple[int, ...] = (len(after.ids),)
+    keys: tuple[int, ...] = (len(after.engine_keys),)
+    if tail_cuts is not None:
+        pages = hashes[tail_cuts.first : tail_cuts.stop] + pages
+        tokens, ids, keys = tail_cuts.tokens + tokens, tail_cuts.ids + ids, tail_cuts.keys + keys
+    record = after.holding(pages, tokens, ids, keys)
+    cuts.update(zip(pages[:-1], itertools.repeat(record)))
+    tails[last] = record
+    return PageRecords(cuts, tails)
 
 
-class PageCut(NamedTuple):
-    """A page of an event, not its last, that ends inside index block ``block`` (numbered from
-    the block the chain's tail is in): the chain after it is the first ``tokens`` tokens, ``ids``
-    identifiers and ``keys`` engine keys of that block's record (:meth:`Step.whole`, or the tail
-    after the event for block :attr:`Step.full`)."""
+class BlockCuts(NamedTuple):
+    """The pages of an event, but its last, that end inside index block ``block`` (numbered from
+    the block the chain's tail is in): ``first`` to ``stop`` (indexes into the event's pages),
+    the chain after each holding the first ``tokens[i]`` tokens, ``ids[i]`` identifiers and
+    ``keys[i]`` engine keys of the block's record (:meth:`Step.whole`, or the tail after the
+    event for block :attr:`Step.full`)."""
 
-    page: int
     block: int
-    tokens: int
-    ids: int
-    keys: int
+    first: int
+    stop: int
+    tokens: tuple[int, ...]
+    ids: tuple[int, ...]
+    keys: tuple[int, ...]
+
+    def counts(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """``(tokens, ids, keys)``."""
+        return self.tokens, self.ids, self.keys
 
 
 class Boundary(NamedTuple):
@@ -600,8 +718,8 @@ class Step:
     last_engine_key: int | None
     """An engine key whose most recent mapping is the last completed block's request key, now
     and after any later event (``None`` when the event has no such key)."""
-    cuts: tuple[PageCut, ...] = ()
-    """Pages but the last ending inside an index block (fine pages only)."""
+    cuts: tuple[BlockCuts, ...] = ()
+    """Pages but the last ending inside an index block, by block (fine pages only)."""
     boundaries: tuple[Boundary, ...] = ()
     """Pages ending exactly where a completed block ends (fine pages only)."""
     page_keys: tuple[int, ...] = ()
@@ -713,15 +831,65 @@ class _EventPages:
 
 def _page_ends(
     pages: _EventPages, tail: Tail, ev: BlockStored, offset: int, bs: int
-) -> tuple[list[PageCut], list[Boundary]]:
+) -> tuple[list[BlockCuts], list[Boundary]]:
     """Where each page of an event of fine pages ends: inside a block (a cut, for every page but
-    the last) or exactly at a block's end (a boundary).
+    the last) or exactly at a block's end (a boundary)."""
+    n = len(ev.block_hashes)
+    size = len(ev.token_ids) // n if n else 0
+    if (
+        pages.features is None
+        and pages.realigned is None
+        and size > 0
+        and size * n == len(ev.token_ids)
+        and bs % size == 0
+        and offset % size == 0
+    ):
+        return _even_page_ends(n, size, tail, offset, bs)
+    return _any_page_ends(pages, tail, ev, offset, bs)
 
-    One pass: the pages ending in a block are the pages overlapping it from the first whose last
-    token is in it (they are contiguous), so a cut's engine keys and identifiers are counted on
-    from the previous page's.
-    """
-    cuts: list[PageCut] = []
+
+def _even_page_ends(
+    n: int, size: int, tail: Tail, offset: int, bs: int
+) -> tuple[list[BlockCuts], list[Boundary]]:
+    """:func:`_page_ends` for ``n`` pages of ``size`` tokens dividing the block, the chain's
+    tail a whole number of pages and no identifiers to count: arithmetic, block by block (page
+    ``i`` ends ``offset + (i + 1) * size`` tokens into the chain)."""
+    cuts: list[BlockCuts] = []
+    boundaries: list[Boundary] = []
+    per_block = bs // size
+    last_block = (offset + n * size - 1) // bs
+    for j in range(last_block + 1):
+        d = (j * bs - offset) // size  # the first page ending past the block's start
+        first = max(d, 0)
+        end_page = d + per_block - 1  # the page ending at the block's end
+        stop = min(end_page, n - 1)
+        if end_page < n:
+            boundaries.append(Boundary(end_page, j))
+        if stop <= first:
+            continue
+        k = stop - first
+        held = len(tail.engine_keys) if j == 0 else 0
+        ids = len(tail.ids) if j == 0 else 0
+        cuts.append(
+            BlockCuts(
+                j,
+                first,
+                stop,
+                tuple(range((first - d + 1) * size, (stop - d + 1) * size, size)),
+                (ids,) * k if ids else (),
+                tuple(range(held + 1, held + k + 1)),
+            )
+        )
+    return cuts, boundaries
+
+
+def _any_page_ends(
+    pages: _EventPages, tail: Tail, ev: BlockStored, offset: int, bs: int
+) -> tuple[list[BlockCuts], list[Boundary]]:
+    """:func:`_page_ends` in general, page by page: the pages ending in a block are the pages
+    overlapping it from the first whose last token is in it (they are contiguous), so a cut's
+    engine keys and identifiers are counted on from the previous page's."""
+    cuts: list[tuple[int, int, int, int, int]] = []
     boundaries: list[Boundary] = []
     last_page = len(ev.block_hashes) - 1
     features = pages.features
@@ -751,8 +919,21 @@ def _page_ends(
                 n_ids = len(pages.ids_of(max(j * bs - offset, 0), e, head))
             else:
                 n_ids = len(acc)
-            cuts.append(PageCut(i, j, inside, n_ids, keys))
-    return cuts, boundaries
+            cuts.append((i, j, inside, n_ids, keys))
+    grouped: list[BlockCuts] = []
+    for j, group in itertools.groupby(cuts, key=lambda cut: cut[1]):
+        run = list(group)
+        grouped.append(
+            BlockCuts(
+                j,
+                run[0][0],
+                run[-1][0] + 1,
+                tuple(c[2] for c in run),
+                tuple(c[3] for c in run),
+                tuple(c[4] for c in run),
+            )
+        )
+    return grouped, boundaries
 
 
 def _block_groups(
@@ -821,7 +1002,7 @@ def advance(
         block_feats.append(BlockExtraFeatures(ids) if ids else None)
     rest_lo = max(full * bs - offset, 0)
     rest = pages.overlapping(rest_lo, n)
-    cuts: list[PageCut] = []
+    cuts: list[BlockCuts] = []
     boundaries: list[Boundary] = []
     if fine and hashes:
         cuts, boundaries = _page_ends(pages, tail, ev, offset, bs)

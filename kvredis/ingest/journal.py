@@ -5,9 +5,9 @@ replica that joined late or took over) continues its chains exactly.
 An engine whose pages are finer than index blocks (SGLang's page size 1) hangs a new chain from
 any page of a chain it stored long ago, and publishes only that page's 64-bit hash: the block
 the child's first tokens complete also holds tokens of the parent's chain, which no event names
-again. An ingester remembers, for every page ending inside a block, the chain up to it
-(:class:`~kvredis.ingest.chains.Cut`, :class:`~kvredis.ingest.chains.Tail`: the block before
-and the block's tokens so far); this module keeps those records in a journal per pod:
+again. An ingester remembers, for every page ending inside a block, the chain up to it (a
+:class:`~kvredis.ingest.chains.Tail` the block's pages share: the block before and the block's
+tokens so far); this module keeps those records in a journal per pod:
 
 * an entry per applied batch (appended by the ingester that applied it): the records the batch
   learned and the pages whose records it dropped (removed, stored again, or, with ``cleared``,
@@ -26,24 +26,26 @@ Entry format (msgpack): ``[1, cleared, removed, records]``; ``removed`` holds 8-
 (big-endian), each record ``[pages, tokens, ids, keys, base, base_engine_key, model, cache_salt,
 block_tokens, block_ids, engine_keys, mapped]``: the pages sharing one block record (8 bytes
 each), per page how many of the record's tokens, identifiers and engine keys the chain after it
-holds (lists of ints; ``nil`` when all 0), then the record (:class:`~kvredis.ingest.chains.Tail`):
-its tokens as little-endian uint32, its engine keys as 8-byte hashes. At SGLang's page size 1
+holds (lists of ints; ``nil`` when the record has none), then the record
+(:class:`~kvredis.ingest.chains.Tail`): its tokens as little-endian uint32, its engine keys as
+8-byte hashes. At SGLang's page size 1
 and 16-token blocks that is about 13 bytes a page: its hash, its token, its token count.
 """
 
 from __future__ import annotations
 
+import itertools
 import sys
 import threading
 import weakref
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgpack
 
 from kvredis.features import MMHash
-from kvredis.ingest.chains import Cut, EngineKeyCache, Tail
+from kvredis.ingest.chains import EngineKeyCache, PageRecords, Tail
 
 if TYPE_CHECKING:
     from kvredis.memory import _MemoryIndex
@@ -102,68 +104,83 @@ def _from_little(code: str, raw: bytes) -> list[int]:
 
 
 def encode_entry(
-    records: Iterable[tuple[int, Tail | Cut]], removed: Iterable[int] = (), cleared: bool = False
+    records: Mapping[int, Tail], removed: Iterable[int] = (), cleared: bool = False
 ) -> bytes:
     """One journal entry: ``cleared`` (forget every record of the pod first), the pages whose
-    records go, then ``records`` (page → what continues after it; a :class:`Tail` without
-    tokens, a block's end, is not recorded: the index maps it)."""
-    wholes: dict[int, tuple[Tail, list[int], list[int], list[int], list[int]]] = {}
-    for page, value in records:
-        if isinstance(value, Cut):
-            whole, t, i, k = value.whole, value.tokens, value.ids, value.keys
-        elif value.tokens:
-            whole, t, i, k = value, len(value.tokens), len(value.ids), len(value.engine_keys)
-        else:
-            continue
-        slot = wholes.get(id(whole))
-        if slot is None:
-            slot = wholes[id(whole)] = (whole, [], [], [], [])
-        slot[1].append(page)
-        slot[2].append(t)
-        slot[3].append(i)
-        slot[4].append(k)
+    records go, then ``records`` (page → the record it shares, see
+    :class:`~kvredis.ingest.chains.Tail`; a tail without tokens, a block's end, is not
+    recorded: the index maps it)."""
     out = []
-    for whole, pages, tokens, ids, keys in wholes.values():
+    done: set[int] = set()
+    for record in records.values():
+        if not record.tokens or id(record) in done:
+            continue
+        done.add(id(record))
+        keep = [i for i, page in enumerate(record.pages) if records.get(page) is record]
+        if not keep:
+            continue
+        whole = len(keep) == len(record.pages)
+        pages = record.pages if whole else [record.pages[i] for i in keep]
+        tokens = record.page_tokens if whole else [record.page_tokens[i] for i in keep]
+        ids = (
+            record.page_ids if whole or not record.page_ids else [record.page_ids[i] for i in keep]
+        )
+        keys = (
+            record.page_keys
+            if whole or not record.page_keys
+            else [record.page_keys[i] for i in keep]
+        )
         out.append(
             [
                 _u64s(pages),
-                tokens,
-                ids if any(ids) else None,
-                keys if any(keys) else None,
-                whole.base,
-                whole.base_engine_key,
-                whole.model,
-                whole.cache_salt,
-                _little("I", whole.tokens),
-                [i.hash for i in whole.ids] if whole.ids else None,
-                _u64s(whole.engine_keys) if whole.engine_keys else None,
-                whole.mapped,
+                list(tokens),
+                list(ids) if ids else None,
+                list(keys) if keys else None,
+                record.base,
+                record.base_engine_key,
+                record.model,
+                record.cache_salt,
+                _little("I", record.tokens),
+                [i.hash for i in record.ids] if record.ids else None,
+                _u64s(record.engine_keys) if record.engine_keys else None,
+                record.mapped,
             ]
         )
     packed: bytes = msgpack.packb([FORMAT, cleared, _u64s(removed), out], use_bin_type=True)
     return packed
 
 
-def _decode(blob: bytes) -> tuple[bool, list[int], list[tuple[list[int], list[Cut]]]]:
+def _decode(blob: bytes) -> tuple[bool, list[int], list[Tail]]:
     fmt, cleared, removed, records = msgpack.unpackb(blob, raw=False)
     if fmt != FORMAT:
         raise ValueError(f"page journal entry of format {fmt!r}, this release reads {FORMAT}")
     out = []
     for pages, t, i, k, base, bek, model, salt, tokens, ids, keys, mapped in records:
-        whole = Tail(
-            base,
-            model,
-            salt,
-            tuple(_from_little("I", tokens)),
-            tuple(MMHash(h) for h in ids) if ids else (),
-            tuple(_from_u64s(keys)) if keys else (),
-            bek,
-            mapped,
+        out.append(
+            Tail(
+                base,
+                model,
+                salt,
+                tuple(_from_little("I", tokens)),
+                tuple(MMHash(h) for h in ids) if ids else (),
+                tuple(_from_u64s(keys)) if keys else (),
+                bek,
+                mapped,
+                tuple(_from_u64s(pages)),
+                tuple(t),
+                tuple(i) if i else (),
+                tuple(k) if k else (),
+            )
         )
-        zeros = [0] * len(t)
-        cuts = [Cut(whole, *c) for c in zip(t, i or zeros, k or zeros, strict=True)]
-        out.append((_from_u64s(pages), cuts))
     return bool(cleared), _from_u64s(removed), out
+
+
+def _records_of(record: Tail) -> PageRecords:
+    """``record``'s pages: the last ends the chain when its chain holds all the tokens."""
+    pages = record.pages
+    if pages and record.page_tokens[-1] == len(record.tokens):
+        return PageRecords(dict(zip(pages[:-1], itertools.repeat(record))), {pages[-1]: record})
+    return PageRecords(dict(zip(pages, itertools.repeat(record))), {})
 
 
 def replay(cache: EngineKeyCache, blobs: Iterable[bytes]) -> int:
@@ -178,10 +195,9 @@ def replay(cache: EngineKeyCache, blobs: Iterable[bytes]) -> int:
         if cleared:
             cache.forget_records()
         cache.pop_many(removed)
-        for pages, cuts in records:
-            for page, cut in zip(pages, cuts, strict=True):
-                cache.put_tail(page, cut)
-            restored += len(pages)
+        for record in records:
+            cache.put_records(_records_of(record))
+            restored += len(record.pages)
     return restored
 
 
@@ -190,19 +206,21 @@ def recall(cache: EngineKeyCache, blobs: Iterable[bytes]) -> int:
     it learned itself is as recent as the journal, or more); how many it added."""
     journal = EngineKeyCache(1 << 62, 1 << 62)
     replay(journal, blobs)
-    added = 0
-    for page, value in journal.records():
-        if cache.get_tail(page) is None:
-            cache.put_tail(page, value)
-            added += 1
-    return added
+    cuts, tails = journal.records()
+    added = PageRecords(
+        {page: record for page, record in cuts.items() if cache.get_tail(page) is None},
+        {page: record for page, record in tails.items() if cache.get_tail(page) is None},
+    )
+    cache.put_records(added)
+    return len(added.cuts) + len(added.tails)
 
 
 def compact(blobs: Sequence[bytes]) -> bytes:
     """The journal ``blobs`` as one entry: the records their replay leaves."""
     cache = EngineKeyCache(1 << 62, 1 << 62)
     replay(cache, blobs)
-    return encode_entry(cache.records(), cleared=True)
+    cuts, tails = cache.records()
+    return encode_entry({**cuts, **tails}, cleared=True)
 
 
 class PageJournal(Protocol):

@@ -55,7 +55,7 @@ hold its tokens (a tail's engine keys included), so removing any of them removes
 Branches. A parent can also be a page in the middle of an event (SGLang splits a radix node
 where a second request diverges, publishes nothing for the split, and hangs the new node from
 the page at the split). So the planner also keeps, for every other page ending inside an index
-block, a :class:`Cut`: that page's position in a record of its block (the request key of the
+block, a record: that page's position in a record of its block (the request key of the
 block before, the block's tokens, identifiers and engine keys) that all the block's pages share.
 A page's own mapping names the block holding its tokens, which is the right base only for a page
 ending at the block's end; with pages finer than blocks (:func:`fine_pages`) such a page is also
@@ -81,7 +81,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Generator, Sequence
+import itertools
+from collections.abc import Generator, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -93,9 +94,9 @@ from kvredis.ingest.chains import (
     DEFAULT_PARTIAL_BLOCK_PAGES,
     LEAF_FIRST_ENGINES,
     MAX_TAILS_PER_POD,
-    Cut,
     EngineKeyCache,
     PageMapping,
+    PageRecords,
     PodCaches,
     Step,
     Tail,
@@ -107,7 +108,7 @@ from kvredis.ingest.chains import (
     group_engine_key,
     group_keyed,
     page_mapping,
-    tail_of,
+    step_records,
 )
 from kvredis.ingest.config import DEFAULT_RESET_MEDIUMS
 from kvredis.ingest.counters import Counter
@@ -133,7 +134,6 @@ __all__ = [
     "MAX_TAILS_PER_POD",
     "Barrier",
     "BatchPlan",
-    "Cut",
     "EngineKeyCache",
     "Lookup",
     "PageMapping",
@@ -195,6 +195,7 @@ class BatchPlan:
         "batch_map",
         "batch_tails",
         "cache",
+        "chain_ends",
         "dropped_records",
         "evicted",
         "pending",
@@ -211,8 +212,11 @@ class BatchPlan:
         """Operations planned since the last barrier."""
         self.batch_map: dict[int, int] = {}
         """Engine→request mappings added by this batch so far (not yet in the pod cache)."""
-        self.batch_tails: dict[int, Tail | Cut] = {}
-        """Chain tails recorded by this batch so far (not yet in the pod cache)."""
+        self.batch_tails: dict[int, Tail] = {}
+        """Page records (chain ends and pages inside blocks) recorded by this batch so far (not
+        yet in the pod cache)."""
+        self.chain_ends: set[int] = set()
+        """The pages of ``batch_tails`` that end chains."""
         self.stale_tails: set[int] = set()
         """Engine keys stored again by this batch: their cached tails no longer hold."""
         self.pending_evicts: set[int] = set()
@@ -241,6 +245,7 @@ class BatchPlan:
         self.dropped_records.clear()
         self.batch_map.clear()
         self.batch_tails.clear()
+        self.chain_ends.clear()
         self.stale_tails.clear()
         self.evicted.clear()
         self.pending_evicts.clear()
@@ -290,22 +295,28 @@ class BatchPlan:
     def journal_entry(self) -> bytes | None:
         """This batch's entry in the pod's page journal, once it took effect: the page records
         it dropped and learned (``None``: nothing to record)."""
-        records = self.batch_tails.items()
-        dropped = self.dropped_records - self.batch_tails.keys()
-        if not dropped and not any(isinstance(value, Cut) or value.tokens for _, value in records):
+        tails = self.batch_tails
+        dropped = self.dropped_records - tails.keys()
+        if not dropped and not any(value.tokens for value in tails.values()):
             return None
-        return encode_entry(records, dropped)
+        return encode_entry(tails, dropped)
 
-    def put_tail(self, engine_key: int, tail: Tail | Cut) -> None:
-        self.batch_tails[engine_key] = tail
-        self.stale_tails.discard(engine_key)
-        self.evicted.discard(engine_key)
+    def put_records(self, records: PageRecords) -> None:
+        """Record each page's tail (see :func:`~kvredis.ingest.chains.step_records`)."""
+        for part in records:
+            self.batch_tails.update(part)
+            self.stale_tails.difference_update(part)
+            self.evicted.difference_update(part)
+        self.chain_ends.difference_update(records.cuts)
+        self.chain_ends.update(records.tails)
 
     def tail(self, engine_key: int) -> Tail | None:
         """The tail of the chain ending at ``engine_key``, as if the batch so far were applied."""
         hit = self.batch_tails.get(engine_key)
-        if hit is not None or self.cache is None:
-            return tail_of(hit)
+        if hit is not None:
+            return hit.after(engine_key)
+        if self.cache is None:
+            return None
         if engine_key in self.evicted or engine_key in self.stale_tails:
             return None
         return self.cache.get_tail(engine_key)
@@ -316,18 +327,17 @@ class BatchPlan:
         is), as if the batch so far were applied; else ``None``."""
         hit = self.batch_tails.get(engine_key)
         if hit is not None:
-            if isinstance(hit, Cut):
-                return hit.whole
             return hit if hit.tokens else None
         if self.cache is None or engine_key in self.evicted or engine_key in self.stale_tails:
             return None
         return self.cache.record(engine_key)
 
-    def drop_tails(self, engine_keys: Sequence[int]) -> None:
+    def drop_tails(self, engine_keys: Iterable[int]) -> None:
         """These engine keys were stored again: a chain end recorded for them is stale."""
+        tails = self.batch_tails
         for key in engine_keys:
-            self.batch_tails.pop(key, None)
-        self.stale_tails.update(engine_keys)
+            tails.pop(key, None)
+            self.stale_tails.add(key)
 
     def resolve(self, engine_key: int) -> Generator[PlanRequest, int | None, int | None]:
         """The request key ``engine_key`` maps to, as if the batch so far were applied."""
@@ -365,19 +375,20 @@ class BatchPlan:
         cache = self.cache
         if cache is None:
             return
-        cache.pop_many(self.evicted)
-        for engine_key in self.stale_tails:
-            cache.pop_tail(engine_key)
-        for engine_key, request_key in self.batch_map.items():
-            if took_effect:
-                cache.put(engine_key, request_key)
-            else:
-                cache.pop(engine_key)
-        for engine_key, tail in self.batch_tails.items():
-            if took_effect:
-                cache.put_tail(engine_key, tail)
-            else:
-                cache.pop(engine_key)
+        if took_effect:
+            tails, ends = self.batch_tails, self.chain_ends
+            records = PageRecords(
+                {k: v for k, v in tails.items() if k not in ends},
+                {k: tails[k] for k in ends if k in tails},
+            )
+            cache.commit(self.evicted, self.stale_tails, self.batch_map, records)
+        else:
+            cache.commit(
+                itertools.chain(self.evicted, self.batch_map, self.batch_tails),
+                self.stale_tails,
+                {},
+                PageRecords({}, {}),
+            )
 
 
 _ENTRY_CACHE_LIMIT = 4096
@@ -538,19 +549,17 @@ class Planner:
         plan.count(Counter.EVENTS_APPLIED)
         plan.count(Counter.BLOCKS_STORED, len(ev.block_hashes))
         self._add(plan, ev, entry, request, groups, tail.base or None, step.mapped)
-        if ev.block_hashes and plan.cache is not None:
-            plan.cache.put_parents(ev.block_hashes, ev.parent_block_hash)
         hashes = ev.block_hashes
+        if hashes and plan.cache is not None and self.offload_blocks_per_chunk > 1:
+            plan.cache.put_parents(hashes, ev.parent_block_hash)
         if hashes:
-            plan.drop_tails(hashes[:-1])
-            wholes: dict[int, Tail] = {step.full: after}
-            for i, j, n_tokens, n_ids, n_keys in step.cuts:
-                whole = wholes.get(j)
-                if whole is None:
-                    base = request[j - 1] if j else tail.base
-                    whole = wholes[j] = step.whole(j, tail, base, None)
-                plan.put_tail(hashes[i], Cut(whole, n_tokens, n_ids, n_keys))
-            plan.put_tail(hashes[-1], after)
+
+            def whole_of(j: int) -> Tail:
+                return step.whole(j, tail, request[j - 1] if j else tail.base, None)
+
+            records = step_records(step, hashes, whole_of, after)
+            plan.drop_tails(set(hashes[:-1]).difference(records.cuts))
+            plan.put_records(records)
 
     def _add(
         self,

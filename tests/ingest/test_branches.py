@@ -342,10 +342,12 @@ def test_a_short_event_from_an_unknown_page_is_not_a_tier_update(recorded: Any) 
 
 
 def test_forgotten_partial_blocks_are_parent_misses(recorded: Any) -> None:
-    # State for 64 pages per pod: request 1's pages inside block 2 are long forgotten when
-    # request 2 branches there; the branch is counted and writes nothing.
+    # State for 64 pages per pod (and no page journal to recall them from): request 1's pages
+    # inside block 2 are long forgotten when request 2 branches there; the branch is counted
+    # and writes nothing.
     cache, stream = RadixCache(1), Stream("pod-a")
-    ing = EventIngester(recorded, TP16, config=IngesterConfig(partial_block_pages=64))
+    config = IngesterConfig(partial_block_pages=64, page_journal=False)
+    ing = EventIngester(recorded, TP16, config=config)
     first = SHARED[:40] + OWN_1 + tuple(range(5000, 5200))
     cache.insert(first)
     stream.send(sglang_batch(cache.take()), ing)

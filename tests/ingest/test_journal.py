@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from kvredis.features import MMHash
-from kvredis.ingest.chains import Cut, EngineKeyCache, Tail
+from kvredis.ingest.chains import EngineKeyCache, PageRecords, Tail
 from kvredis.ingest.journal import (
     MemoryPageJournal,
     RedisPageJournal,
@@ -24,6 +24,7 @@ from kvredis.memory import InMemoryIndex
 from tests.conftest import close_backend, make_backend
 from tests.servers import server_kinds
 
+# The record pages 101-103 share (the chain ends after 103), and a learned chain end (201).
 WHOLE = Tail(
     base=2**64 - 5,
     model="lora-a",
@@ -33,18 +34,18 @@ WHOLE = Tail(
     engine_keys=(11, 12, 13),
     base_engine_key=None,
     mapped=True,
-)
-LEARNED = Tail(0, None, None, (9, 8, 7), (), (), base_engine_key=2**63 + 1, mapped=False)
+).holding((101, 102, 103), (2, 4, 6), (1, 2, 2), (1, 2, 3))
+LEARNED = Tail(0, None, None, (9, 8, 7), (), (), 2**63 + 1, False).holding((201,), (3,), (), ())
 
 
-def records() -> list[tuple[int, Tail | Cut]]:
-    return [
-        (101, Cut(WHOLE, 2, 1, 1)),
-        (102, Cut(WHOLE, 4, 2, 2)),
-        (103, WHOLE),
-        (201, LEARNED),
-        (301, Tail(7, None, None)),  # a block's end: the index maps it, nothing to record
-    ]
+def records() -> dict[int, Tail]:
+    return {
+        101: WHOLE,
+        102: WHOLE,
+        103: WHOLE,
+        201: LEARNED,
+        301: Tail(7, None, None),  # a block's end: the index maps it, nothing to record
+    }
 
 
 def known(cache: EngineKeyCache) -> dict[int, Tail | None]:
@@ -54,24 +55,30 @@ def known(cache: EngineKeyCache) -> dict[int, Tail | None]:
 def test_an_entry_round_trips_every_record() -> None:
     cache = EngineKeyCache(64)
     assert replay(cache, [encode_entry(records())]) == 4
-    want = {page: (value.tail() if isinstance(value, Cut) else value) for page, value in records()}
-    want[301] = None
-    assert known(cache) == want
+    assert known(cache) == {
+        101: Tail(WHOLE.base, "lora-a", "salt", (1, 2), (MMHash("img-1"),), (11,)),
+        102: Tail(WHOLE.base, "lora-a", "salt", (1, 2, 3, 4), WHOLE.ids, (11, 12)),
+        103: Tail(WHOLE.base, "lora-a", "salt", WHOLE.tokens, WHOLE.ids, WHOLE.engine_keys),
+        201: Tail(0, None, None, (9, 8, 7), (), (), 2**63 + 1, False),
+        301: None,
+    }
     assert cache.record(201) == LEARNED and not LEARNED.mapped
+    cuts, tails = cache.records()
+    assert set(cuts) == {101, 102} and set(tails) == {103, 201}  # chain ends apart
 
 
 def test_removals_and_clears_replay_in_order() -> None:
     cache = EngineKeyCache(64)
     entries = [
         encode_entry(records()),
-        encode_entry([], removed=[101, 201]),
-        encode_entry([(201, LEARNED)]),
+        encode_entry({}, removed=[101, 201]),
+        encode_entry({201: LEARNED}),
     ]
     replay(cache, entries)
-    assert cache.get_tail(101) is None and cache.get_tail(201) == LEARNED
-    replay(cache, [encode_entry([(102, Cut(WHOLE, 1, 0, 1))], cleared=True)])
+    assert cache.get_tail(101) is None and cache.get_tail(201) == LEARNED.after(201)
+    replay(cache, [encode_entry({102: WHOLE}, cleared=True)])
     assert cache.get_tail(103) is None  # every record went with the clear
-    assert cache.get_tail(102) == Cut(WHOLE, 1, 0, 1).tail()
+    assert cache.get_tail(102) == WHOLE.after(102)
 
 
 def test_a_damaged_entry_is_skipped() -> None:
@@ -83,14 +90,14 @@ def test_recall_keeps_what_the_ingester_learned_itself() -> None:
     # The ingester stored page 101 again after the journal said it went: its own record stays.
     cache = EngineKeyCache(64)
     mine = Tail(5, None, None, (42,), (), (), None, False)
-    cache.put_tail(101, mine)
-    added = recall(cache, [encode_entry(records()), encode_entry([], removed=[101])])
+    cache.put_records(PageRecords({}, {101: mine}))
+    added = recall(cache, [encode_entry(records()), encode_entry({}, removed=[101])])
     assert added == 3
     assert cache.get_tail(101) == mine
 
 
 def test_compaction_leaves_what_the_entries_leave() -> None:
-    entries = [encode_entry(records()), encode_entry([], removed=[102]), encode_entry([])]
+    entries = [encode_entry(records()), encode_entry({}, removed=[102]), encode_entry({})]
     one, two = EngineKeyCache(64), EngineKeyCache(64)
     replay(one, entries)
     replay(two, [compact(entries)])
@@ -125,7 +132,7 @@ def test_a_journal_keeps_each_pods_entries_in_order(journal: Any) -> None:
 
 
 def test_compacting_a_journal_rewrites_it_as_one_entry(journal: Any) -> None:
-    entries = [encode_entry(records()), encode_entry([], removed=[103])]
+    entries = [encode_entry(records()), encode_entry({}, removed=[103])]
     journal.append([("pod-a", e) for e in entries])
     size = journal.compact("pod-a")
     assert journal.read("pod-a") == [compact(entries)]
@@ -143,9 +150,9 @@ def test_an_entry_appended_while_compacting_is_kept(
     try:
         journal = journal_for(index)
         assert isinstance(journal, RedisPageJournal)
-        entries = [encode_entry(records()), encode_entry([], removed=[103])]
+        entries = [encode_entry(records()), encode_entry({}, removed=[103])]
         journal.append([("pod-a", e) for e in entries])
-        late = encode_entry([(401, LEARNED)])
+        late = encode_entry({401: LEARNED.holding((401,), (3,), (), ())})
         import kvredis.ingest.journal as module
 
         real = module.compact
@@ -161,7 +168,7 @@ def test_an_entry_appended_while_compacting_is_kept(
         assert journal.compact("pod-a") is not None
         cache = EngineKeyCache(64)
         replay(cache, journal.read("pod-a"))
-        assert cache.get_tail(401) == LEARNED and cache.get_tail(103) is None
+        assert cache.get_tail(401) == LEARNED.after(201) and cache.get_tail(103) is None
         journal.delete("pod-a")
     finally:
         close_backend(index)
