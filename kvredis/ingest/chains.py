@@ -445,7 +445,7 @@ class EngineKeyCache:
     def commit(
         self,
         dropped: Iterable[int],
-        stale: Iterable[int],
+        stale: set[int],
         mappings: Mapping[int, int],
         records: PageRecords,
     ) -> None:
@@ -454,13 +454,14 @@ class EngineKeyCache:
         ``records``."""
         with self._lock:
             data, tails, cuts = self._data, self._tails.items, self._cuts.items
-            for key in dropped:
-                data.pop(key, None)
-                tails.pop(key, None)
-                cuts.pop(key, None)
-            for key in stale:
-                tails.pop(key, None)
-                cuts.pop(key, None)
+            dropped = set(dropped)
+            for table in (data, tails, cuts):
+                for key in table.keys() & dropped:
+                    del table[key]
+            if stale:
+                for table in (tails, cuts):
+                    for key in table.keys() & stale:
+                        del table[key]
             if mappings:
                 data.update(mappings)
                 for key in mappings:
@@ -491,6 +492,15 @@ class EngineKeyCache:
             cuts = dict(self._cuts.items)
             tails = {k: t for k, t in self._tails.items.items() if t.tokens}
         return PageRecords(cuts, tails)
+
+    def records_of(self, keys: Iterable[int]) -> dict[int, Tail]:
+        """The records of those of ``keys`` that have one."""
+        with self._lock:
+            cuts, tails = self._cuts.items, self._tails.items
+            found = {k: cuts[k] for k in cuts.keys() & keys} if cuts else {}
+            if tails:
+                found.update((k, tails[k]) for k in tails.keys() & keys if k not in found)
+            return found
 
     def record(self, key: int) -> Tail | None:
         """The record of page ``key`` if it is known to end inside an index block (its
@@ -773,7 +783,7 @@ class _EventPages:
     overlapping a range are a run, found by bisection (a page-1 event has a span per token).
     """
 
-    __slots__ = ("_bounds", "features", "fspans", "realigned", "spans")
+    __slots__ = ("_bounds", "_even", "_pages", "_spans", "features", "fspans", "realigned", "size")
 
     def __init__(
         self,
@@ -782,35 +792,53 @@ class _EventPages:
         offset: int,
         full: int,
     ) -> None:
-        n = len(ev.token_ids)
-        self.spans = _engine_spans(n, len(ev.block_hashes), ev.block_size)
-        """The token range ``[start, end)`` of each engine page."""
-        self.fspans = self.spans
-        """The token range each of :attr:`features` describes."""
+        n, k = len(ev.token_ids), len(ev.block_hashes)
+        self.size = (n, k, ev.block_size)
+        self._pages = k
+        self._even = n // k if k and n and n % k == 0 else 0
+        """The tokens of each page when they are all the same (0: not so): then the pages
+        overlapping a range are found by division."""
+        self._spans: list[tuple[int, int]] | None = None
+        self.fspans: list[tuple[int, int]] | None = None
+        """The token range each of :attr:`features` describes (``None``: the engine pages')."""
         self.realigned: list[BlockExtraFeatures | None] | None = None
         """The features spread over the completed blocks (then :attr:`features` is None)."""
-        if features is not None and len(features) != len(self.spans):
+        if features is not None and len(features) != k:
             if offset == 0:
                 self.realigned = realign_extra_features(features, full) if full else None
                 features = None
             else:
                 self.fspans = _engine_spans(n, len(features), ev.block_size)
         self.features = features
-        self._bounds = {
-            id(over): ([s for s, _ in over], [e for _, e in over])
-            for over in (self.spans, self.fspans)
-        }
+        self._bounds: dict[bool, tuple[list[int], list[int]]] = {}
+
+    @property
+    def spans(self) -> list[tuple[int, int]]:
+        """The token range ``[start, end)`` of each engine page."""
+        if self._spans is None:
+            self._spans = _engine_spans(*self.size)
+        return self._spans
 
     @property
     def per_page(self) -> bool:
         """Whether the features come one per engine page."""
-        return self.features is not None and self.fspans is self.spans
+        return self.features is not None and self.fspans is None
 
-    def overlapping(self, lo: int, hi: int, over: list[tuple[int, int]] | None = None) -> range:
-        """The pages (indexes into ``over``, by default the engine pages) holding any event
-        token in ``[lo, hi)``."""
-        over = self.spans if over is None else over
-        starts, ends = self._bounds[id(over)]
+    def overlapping(self, lo: int, hi: int, features: bool = False) -> range:
+        """The pages (or with ``features`` the feature spans) holding any event token in
+        ``[lo, hi)``."""
+        if features and self.fspans is not None:
+            over = self.fspans
+        else:
+            size = self._even
+            if size:
+                k = self._pages
+                return range(min(lo // size, k), min(-(-hi // size), k))
+            over = self.spans
+        bounds = self._bounds.get(features)
+        if bounds is None:
+            bounds = self._bounds[features] = ([s for s, _ in over], [e for _, e in over])
+        starts, ends = bounds
         return range(bisect_right(ends, lo), bisect_left(starts, hi))
 
     def ids_of(self, lo: int, hi: int, head: tuple[MMHash, ...]) -> list[MMHash]:
@@ -821,7 +849,7 @@ class _EventPages:
         if features is None or lo >= hi:
             return out
         prev: list[MMHash] = list(head)
-        for i in self.overlapping(lo, hi, self.fspans):
+        for i in self.overlapping(lo, hi, features=True):
             feat = features[i]
             cur = list(feat.mm_hashes) if feat is not None else []
             out.extend(cur[_continued(prev, cur) :])

@@ -39,6 +39,7 @@ batch are still returned. Only a payload that is not a batch at all is rejected 
 from __future__ import annotations
 
 import enum
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -72,6 +73,7 @@ MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
 
 _U64 = 1 << 64
 _I64_MIN = -(1 << 63)
+_I64_LIMIT = 1 << 63
 _U32 = 1 << 32
 _GROUP_LIMIT = 1 << 31
 _INT_TYPE = {int}
@@ -243,8 +245,13 @@ def _hashes(value: object, what: str) -> tuple[int, ...]:
         )
     if not value:
         return ()
-    if _only_ints(value) and min(value) >= 0 and max(value) < _U64:
-        return tuple(value)
+    if _only_ints(value):
+        low = min(value)
+        if low >= 0 and max(value) < _U64:
+            return tuple(value)
+        if low >= _I64_MIN and max(value) < _I64_LIMIT:
+            # SGLang's signed hashes: their two's complement, read back as unsigned, in C
+            return tuple(array("Q", array("q", value).tobytes()).tolist())
     return tuple(wire_hash(v, "block hash") for v in value)
 
 

@@ -265,9 +265,10 @@ class BatchPlan:
         removed, of which only some may have mappings)."""
         self.pending.extend([EvictOp(key, KeyType.ENGINE, entries) for key in keys])
         batch_map, batch_tails = self.batch_map, self.batch_tails
-        for key in (*keys, *pages):
-            batch_map.pop(key, None)
-            batch_tails.pop(key, None)
+        for key in batch_map.keys() & {*keys, *pages}:
+            del batch_map[key]
+        for key in batch_tails.keys() & {*keys, *pages}:
+            del batch_tails[key]
         self.pending_evicts.update(keys)
         self.evicted.update(keys)
         self.evicted.update(pages)
@@ -331,6 +332,25 @@ class BatchPlan:
         if self.cache is None or engine_key in self.evicted or engine_key in self.stale_tails:
             return None
         return self.cache.record(engine_key)
+
+    def records(self, engine_keys: Sequence[int]) -> list[Tail | None]:
+        """:meth:`record` of each engine key."""
+        tails = self.batch_tails
+        cache = self.cache
+        gone = self.evicted, self.stale_tails
+        if cache is None:
+            found = [tails.get(k) for k in engine_keys]
+            return [r if r is not None and r.tokens else None for r in found]
+        known = cache.records_of(
+            [k for k in engine_keys if k not in tails and k not in gone[0] and k not in gone[1]]
+        )
+        out: list[Tail | None] = []
+        for key in engine_keys:
+            record = tails.get(key)
+            if record is None and key not in gone[0] and key not in gone[1]:
+                record = known.get(key)
+            out.append(record if record is not None and record.tokens else None)
+        return out
 
     def drop_tails(self, engine_keys: Iterable[int]) -> None:
         """These engine keys were stored again: a chain end recorded for them is stale."""
@@ -688,21 +708,32 @@ class Planner:
         cache = plan.cache
         mapping = cache.mapping(ev.group_idx) if cache is not None else PageMapping.WHOLE
         chunks = self.offload_blocks_per_chunk > 1
+        hashes = ev.block_hashes
+        records = plan.records(hashes)
         keys: list[int] = []
-        for h in ev.block_hashes:
-            record = plan.record(h)
-            if record is not None:
-                plan.dropped_records.add(h)
-                if record.mapped:
-                    keys.append(h)
-            elif mapping is PageMapping.BLOCK_END:
-                keys.append(boundary_key(h))
-            else:
-                keys.append(h)
-                if mapping is not PageMapping.WHOLE:
+        if mapping is PageMapping.BLOCK_END and not chunks:
+            # the common case of an engine evicting leaves: block ends only
+            known = [h for h, r in zip(hashes, records, strict=True) if r is not None]
+            plan.dropped_records.update(known)
+            for h, record in zip(hashes, records, strict=True):
+                if record is None:
                     keys.append(boundary_key(h))
-            if chunks:
-                keys.append(chunk_engine_key(h, tier))
+                elif record.mapped:
+                    keys.append(h)
+        else:
+            for h, record in zip(hashes, records, strict=True):
+                if record is not None:
+                    plan.dropped_records.add(h)
+                    if record.mapped:
+                        keys.append(h)
+                elif mapping is PageMapping.BLOCK_END:
+                    keys.append(boundary_key(h))
+                else:
+                    keys.append(h)
+                    if mapping is not PageMapping.WHOLE:
+                        keys.append(boundary_key(h))
+                if chunks:
+                    keys.append(chunk_engine_key(h, tier))
         plan.evict(keys, (entry,), ev.block_hashes)
         plan.count(Counter.EVENTS_APPLIED)
         plan.count(Counter.BLOCKS_REMOVED, len(ev.block_hashes))
