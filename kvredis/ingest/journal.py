@@ -104,32 +104,36 @@ def _from_little(code: str, raw: bytes) -> list[int]:
 
 
 def encode_entry(
-    records: Mapping[int, Tail], removed: Iterable[int] = (), cleared: bool = False
+    records: Mapping[int, Tail],
+    removed: Iterable[int] = (),
+    cleared: bool = False,
+    candidates: Iterable[Tail] | None = None,
 ) -> bytes:
     """One journal entry: ``cleared`` (forget every record of the pod first), the pages whose
     records go, then ``records`` (page → the record it shares, see
     :class:`~kvredis.ingest.chains.Tail`; a tail without tokens, a block's end, is not
-    recorded: the index maps it)."""
+    recorded: the index maps it). ``candidates``: the records of ``records``, when the caller
+    knows them (else they are found page by page)."""
+    if candidates is None:
+        candidates = {id(r): r for r in records.values()}.values()
     out = []
     done: set[int] = set()
-    for record in records.values():
+    for record in candidates:
         if not record.tokens or id(record) in done:
             continue
         done.add(id(record))
-        keep = [i for i, page in enumerate(record.pages) if records.get(page) is record]
-        if not keep:
-            continue
-        whole = len(keep) == len(record.pages)
-        pages = record.pages if whole else [record.pages[i] for i in keep]
-        tokens = record.page_tokens if whole else [record.page_tokens[i] for i in keep]
-        ids = (
-            record.page_ids if whole or not record.page_ids else [record.page_ids[i] for i in keep]
-        )
-        keys = (
-            record.page_keys
-            if whole or not record.page_keys
-            else [record.page_keys[i] for i in keep]
-        )
+        held = list(map(records.get, record.pages))
+        if held.count(record) == len(held):
+            pages, tokens = record.pages, record.page_tokens
+            ids, keys = record.page_ids, record.page_keys
+        else:
+            keep = [i for i, r in enumerate(held) if r is record]
+            if not keep:
+                continue
+            pages = tuple(record.pages[i] for i in keep)
+            tokens = tuple(record.page_tokens[i] for i in keep)
+            ids = tuple(record.page_ids[i] for i in keep) if record.page_ids else ()
+            keys = tuple(record.page_keys[i] for i in keep) if record.page_keys else ()
         out.append(
             [
                 _u64s(pages),

@@ -200,6 +200,7 @@ class BatchPlan:
         "evicted",
         "pending",
         "pending_evicts",
+        "recorded",
         "rejects",
         "stale_tails",
         "stats",
@@ -217,6 +218,8 @@ class BatchPlan:
         yet in the pod cache)."""
         self.chain_ends: set[int] = set()
         """The pages of ``batch_tails`` that end chains."""
+        self.recorded: list[Tail] = []
+        """Every record this batch put in ``batch_tails`` (some pages may have left it since)."""
         self.stale_tails: set[int] = set()
         """Engine keys stored again by this batch: their cached tails no longer hold."""
         self.pending_evicts: set[int] = set()
@@ -246,6 +249,7 @@ class BatchPlan:
         self.batch_map.clear()
         self.batch_tails.clear()
         self.chain_ends.clear()
+        self.recorded.clear()
         self.stale_tails.clear()
         self.evicted.clear()
         self.pending_evicts.clear()
@@ -300,7 +304,7 @@ class BatchPlan:
         dropped = self.dropped_records - tails.keys()
         if not dropped and not any(value.tokens for value in tails.values()):
             return None
-        return encode_entry(tails, dropped)
+        return encode_entry(tails, dropped, candidates=self.recorded)
 
     def put_records(self, records: PageRecords) -> None:
         """Record each page's tail (see :func:`~kvredis.ingest.chains.step_records`)."""
@@ -310,6 +314,8 @@ class BatchPlan:
             self.evicted.difference_update(part)
         self.chain_ends.difference_update(records.cuts)
         self.chain_ends.update(records.tails)
+        self.recorded.extend({id(r): r for r in records.tails.values()}.values())
+        self.recorded.extend({id(r): r for r in records.cuts.values()}.values())
 
     def tail(self, engine_key: int) -> Tail | None:
         """The tail of the chain ending at ``engine_key``, as if the batch so far were applied."""
@@ -338,6 +344,10 @@ class BatchPlan:
         tails = self.batch_tails
         cache = self.cache
         gone = self.evicted, self.stale_tails
+        if cache is not None and not tails and not gone[0] and not gone[1]:
+            known = cache.records_of(engine_keys)
+            found = [known.get(k) for k in engine_keys]
+            return [r if r is not None and r.tokens else None for r in found]
         if cache is None:
             found = [tails.get(k) for k in engine_keys]
             return [r if r is not None and r.tokens else None for r in found]
