@@ -86,6 +86,7 @@ class IndexBackend:
         retry_max_s: float,
         warn: RateLimitedLog,
         journal: PageJournal | None = None,
+        snapshot: Callable[[str], bytes] | None = None,
     ) -> None:
         self.index = index
         self.journal = journal
@@ -95,6 +96,11 @@ class IndexBackend:
         """Bytes this process appended to each pod's journal since it last compacted it."""
         self._compacted: dict[str, int] = {}
         """The size of each pod's journal as this process last compacted it."""
+        self._snapshot = snapshot
+        """What this process knows of a pod's pages, as a journal entry (for compaction)."""
+        self._entries: dict[str, int] = {}
+        """How many entries each pod's journal has if only this process wrote to it since it
+        read or compacted it (a compaction then takes :attr:`_snapshot`, not a replay)."""
         self._batch = index if isinstance(index, BatchIndex) else None
         self._counters = counters
         self._stop = stop
@@ -226,6 +232,8 @@ class IndexBackend:
         journal = self.journal
         if journal is not None and not selective:
             self._journal_call(lambda: journal.delete(action.pod))
+            with self._journal_lock:
+                self._entries[action.pod] = 0
 
     # -- page journals -----------------------------------------------------------------------
 
@@ -242,7 +250,10 @@ class IndexBackend:
         journal = self.journal
         if journal is None:
             return []
-        return self._journal_call(lambda: journal.read(pod))
+        entries = self._journal_call(lambda: journal.read(pod))
+        with self._journal_lock:
+            self._entries[pod] = len(entries)
+        return entries
 
     def _append_journal(self, entries: Sequence[tuple[str, bytes]]) -> None:
         """Append, then compact the pods whose journal this process doubled since it last did."""
@@ -253,15 +264,24 @@ class IndexBackend:
         due: list[str] = []
         with self._journal_lock:
             for pod, entry in entries:
+                if pod in self._entries:
+                    self._entries[pod] += 1
                 appended = self._appended[pod] = self._appended.get(pod, 0) + len(entry)
                 if appended >= max(COMPACT_MIN_BYTES, 2 * self._compacted.get(pod, 0)):
                     self._appended[pod] = 0
                     due.append(pod)
         for pod in due:
-            size = self._journal_call(functools.partial(journal.compact, pod))
-            if size is not None:
-                with self._journal_lock:
+            with self._journal_lock:
+                mine = self._entries.get(pod)
+            take = self._snapshot
+            snapshot = None if take is None else functools.partial(take, pod)
+            size = self._journal_call(functools.partial(journal.compact, pod, mine, snapshot))
+            with self._journal_lock:
+                if size is not None:
                     self._compacted[pod] = size
+                    self._entries[pod] = 1
+                else:
+                    self._entries.pop(pod, None)  # a peer wrote to it: replay it next time
 
     # -- replay ----------------------------------------------------------------------------
 

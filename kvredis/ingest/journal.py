@@ -39,7 +39,7 @@ import sys
 import threading
 import weakref
 from array import array
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgpack
@@ -61,6 +61,7 @@ __all__ = [
     "journal_for",
     "recall",
     "replay",
+    "snapshot",
 ]
 
 FORMAT = 1
@@ -223,8 +224,18 @@ def compact(blobs: Sequence[bytes]) -> bytes:
     """The journal ``blobs`` as one entry: the records their replay leaves."""
     cache = EngineKeyCache(1 << 62, 1 << 62)
     replay(cache, blobs)
+    return snapshot(cache)
+
+
+def snapshot(cache: EngineKeyCache) -> bytes:
+    """What ``cache`` knows of a pod's pages, as one entry that replaces its journal."""
     cuts, tails = cache.records()
     return encode_entry({**cuts, **tails}, cleared=True)
+
+
+Snapshot = Callable[[], bytes]
+"""The entry that replaces a pod's journal when it holds only what this ingester knows (its
+entries, since it recalled or compacted the journal): taken from memory, not by replay."""
 
 
 class PageJournal(Protocol):
@@ -238,9 +249,12 @@ class PageJournal(Protocol):
         """The pod's journal, oldest entry first."""
         ...
 
-    def compact(self, pod: str) -> int | None:
-        """Rewrite the pod's journal as one entry (:func:`compact`) unless it changed meanwhile;
-        the size of that entry, or ``None`` when it was not rewritten."""
+    def compact(
+        self, pod: str, mine: int | None = None, snapshot: Snapshot | None = None
+    ) -> int | None:
+        """Rewrite the pod's journal as one entry unless it changed meanwhile: ``snapshot()``
+        when it holds exactly ``mine`` entries (all this ingester's), else :func:`compact` of
+        them. The size of that entry, or ``None`` when it was not rewritten."""
         ...
 
     def delete(self, pod: str) -> None:
@@ -264,12 +278,14 @@ class MemoryPageJournal:
         with self._lock:
             return list(self._entries.get(pod, ()))
 
-    def compact(self, pod: str) -> int | None:
+    def compact(
+        self, pod: str, mine: int | None = None, snapshot: Snapshot | None = None
+    ) -> int | None:
         with self._lock:
             entries = self._entries.get(pod)
             if entries is None or len(entries) < 2:
                 return None
-            blob = compact(entries)
+            blob = snapshot() if snapshot and mine == len(entries) else compact(entries)
             self._entries[pod] = [blob]
             return len(blob)
 
@@ -310,17 +326,22 @@ class RedisPageJournal:
     def read(self, pod: str) -> list[bytes]:
         return list(self._client.lrange(self.key(pod), 0, -1))
 
-    def compact(self, pod: str) -> int | None:
+    def compact(
+        self, pod: str, mine: int | None = None, snapshot: Snapshot | None = None
+    ) -> int | None:
         import redis
 
         key = self.key(pod)
         try:
             with self._client.pipeline(transaction=True) as pipe:
                 pipe.watch(key)
-                entries = pipe.lrange(key, 0, -1)
-                if len(entries) < 2:
-                    return None
-                blob = compact(entries)
+                if snapshot is not None and mine is not None and pipe.llen(key) == mine:
+                    blob = snapshot()
+                else:
+                    entries = pipe.lrange(key, 0, -1)
+                    if len(entries) < 2:
+                        return None
+                    blob = compact(entries)
                 pipe.multi()
                 pipe.delete(key)
                 pipe.rpush(key, blob)

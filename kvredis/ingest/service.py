@@ -37,7 +37,7 @@ from kvredis.ingest.backend import IndexBackend
 from kvredis.ingest.config import EndpointConfig, IngesterConfig
 from kvredis.ingest.counters import Counter, IngestCounters, RateLimitedLog
 from kvredis.ingest.events import Rejection, RejectReason
-from kvredis.ingest.journal import journal_for
+from kvredis.ingest.journal import journal_for, snapshot
 from kvredis.ingest.planner import Planner, PodCaches
 from kvredis.ingest.sequencer import FastBatch, Sequencer
 from kvredis.ingest.stream import StreamState
@@ -158,6 +158,7 @@ class EventIngester:
             retry_max_s=self.config.backend_retry_max_s,
             warn=self._log,
             journal=journal,
+            snapshot=lambda pod: snapshot(caches.get(pod)),
         )
         self._sequencer = Sequencer(
             self.config,

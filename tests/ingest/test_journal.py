@@ -181,3 +181,16 @@ def test_the_embedded_journal_stays_with_its_index() -> None:
     assert journal_for(index) is first
     assert journal_for(InMemoryIndex()) is not first
     assert journal_for(object()) is None
+
+
+def test_a_journal_only_this_ingester_wrote_is_compacted_from_its_memory(journal: Any) -> None:
+    # Two entries, both this ingester's: the compaction writes what its memory holds. With a
+    # peer's entry among them, the count does not match and the journal is replayed instead.
+    entries = [encode_entry(records()), encode_entry({}, removed=[103])]
+    journal.append([("pod-a", e) for e in entries])
+    memory = encode_entry({201: LEARNED}, cleared=True)
+    assert journal.compact("pod-a", 2, lambda: memory) == len(memory)
+    assert journal.read("pod-a") == [memory]
+    journal.append([("pod-a", entries[0]), ("pod-a", entries[1])])
+    assert journal.compact("pod-a", 2, lambda: memory) is not None  # 3 entries: replayed
+    assert journal.read("pod-a") == [compact([memory, *entries])]
