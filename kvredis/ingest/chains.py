@@ -290,6 +290,8 @@ class PageRecords(NamedTuple):
 
     cuts: dict[int, Tail]
     tails: dict[int, Tail]
+    made: tuple[Tail, ...] | None = None
+    """Every record of ``cuts`` and ``tails``, once (``None``: not listed)."""
 
 
 class EngineKeyCache:
@@ -417,7 +419,7 @@ class EngineKeyCache:
             self._put(records)
 
     def _put(self, records: PageRecords) -> None:
-        cuts, tails = records
+        cuts, tails, _ = records
         if cuts:
             if self._tails.items:
                 for key in cuts.keys() & self._tails.items.keys():
@@ -654,6 +656,7 @@ def step_records(
     record)."""
     cuts: dict[int, Tail] = {}
     tails: dict[int, Tail] = {}
+    made: list[Tail] = []
     tail_cuts: BlockCuts | None = None
     for bc in step.cuts:
         if bc.block == step.full:
@@ -662,13 +665,14 @@ def step_records(
         whole = whole_of(bc.block)
         if whole is not None:
             inside = hashes[bc.first : bc.stop]
-            cuts.update(zip(inside, itertools.repeat(whole.holding(inside, *bc.counts()))))
+            made.append(whole.holding(inside, *bc.counts()))
+            cuts.update(zip(inside, itertools.repeat(made[-1])))
     if after is None or not hashes:
-        return PageRecords(cuts, tails)
+        return PageRecords(cuts, tails, tuple(made))
     last = hashes[-1]
     if not after.tokens:
         tails[last] = after
-        return PageRecords(cuts, tails)
+        return PageRecords(cuts, tails, tuple(made))
     pages: tuple[int, ...] = (last,)
     tokens: tuple[int, ...] = (len(after.tokens),)
     ids: tuple[int, ...] = (len(after.ids),)
@@ -677,9 +681,10 @@ def step_records(
         pages = hashes[tail_cuts.first : tail_cuts.stop] + pages
         tokens, ids, keys = tail_cuts.tokens + tokens, tail_cuts.ids + ids, tail_cuts.keys + keys
     record = after.holding(pages, tokens, ids, keys)
+    made.append(record)
     cuts.update(zip(pages[:-1], itertools.repeat(record)))
     tails[last] = record
-    return PageRecords(cuts, tails)
+    return PageRecords(cuts, tails, tuple(made))
 
 
 class BlockCuts(NamedTuple):

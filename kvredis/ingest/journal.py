@@ -211,7 +211,7 @@ def recall(cache: EngineKeyCache, blobs: Iterable[bytes]) -> int:
     it learned itself is as recent as the journal, or more); how many it added."""
     journal = EngineKeyCache(1 << 62, 1 << 62)
     replay(journal, blobs)
-    cuts, tails = journal.records()
+    cuts, tails, _ = journal.records()
     added = PageRecords(
         {page: record for page, record in cuts.items() if cache.get_tail(page) is None},
         {page: record for page, record in tails.items() if cache.get_tail(page) is None},
@@ -229,7 +229,7 @@ def compact(blobs: Sequence[bytes]) -> bytes:
 
 def snapshot(cache: EngineKeyCache) -> bytes:
     """What ``cache`` knows of a pod's pages, as one entry that replaces its journal."""
-    cuts, tails = cache.records()
+    cuts, tails, _ = cache.records()
     return encode_entry({**cuts, **tails}, cleared=True)
 
 

@@ -308,14 +308,17 @@ class BatchPlan:
 
     def put_records(self, records: PageRecords) -> None:
         """Record each page's tail (see :func:`~kvredis.ingest.chains.step_records`)."""
-        for part in records:
+        for part in (records.cuts, records.tails):
             self.batch_tails.update(part)
             self.stale_tails.difference_update(part)
             self.evicted.difference_update(part)
         self.chain_ends.difference_update(records.cuts)
         self.chain_ends.update(records.tails)
-        self.recorded.extend({id(r): r for r in records.tails.values()}.values())
-        self.recorded.extend({id(r): r for r in records.cuts.values()}.values())
+        if records.made is not None:
+            self.recorded.extend(records.made)
+        else:
+            self.recorded.extend({id(r): r for r in records.tails.values()}.values())
+            self.recorded.extend({id(r): r for r in records.cuts.values()}.values())
 
     def tail(self, engine_key: int) -> Tail | None:
         """The tail of the chain ending at ``engine_key``, as if the batch so far were applied."""
