@@ -552,7 +552,7 @@ class Planner:
                     return
                 known = dataclasses.replace(known, base=base, base_engine_key=None)
             if known is not None:
-                tail = dataclasses.replace(known, model=known.model or model_name)
+                tail = known if known.model else dataclasses.replace(known, model=model_name)
             else:
                 # With fine pages only a page ending at a block boundary continues from a
                 # block's key alone: its derived key is mapped; a page inside a block is not.
