@@ -31,8 +31,8 @@ growth minus the idle server's, see ``bench_server_cpu.py``):
   per key) and written well (``evict_many``: a removal's mappings read in one pipeline, its
   entries dropped in another);
 - **memory per (block, pod) pair**: ``used_memory`` growth of the event-filled namespace (the
-  page journal included, and apart) against the same pairs added by 64-key adds (no engine
-  mappings);
+  page journal included, and apart: as the ingester left it, up to twice what a compaction keeps,
+  and compacted) against the same pairs added by 64-key adds (no engine mappings);
 - **scores** of every conversation against what each simulated pod holds (must be equal; the
   script fails otherwise), parent misses, and the share of request keys held in chain runs;
 - **score CPU** (kvredis, Go layout, 64-key fill, a floor script that GETs one 4 KiB string, and
@@ -67,7 +67,7 @@ from bench_server_cpu import Server, pin
 
 from kvredis.hashing import ChunkedTokenDatabase, TokenProcessorConfig
 from kvredis.ingest import EndpointConfig, EventIngester
-from kvredis.ingest.journal import JOURNAL_KEY_INFIX
+from kvredis.ingest.journal import JOURNAL_KEY_INFIX, RedisPageJournal
 from kvredis.ingest.stream import PHASE_DONE, split_position
 from kvredis.redis import RedisIndex, RedisIndexConfig
 from kvredis.scoring import LongestPrefixScorer
@@ -581,10 +581,18 @@ def run_shape(
         for j in range(0, len(keys), 64):
             fill.add(None, keys[j : j + 64], [entries[p]])
     fill_bytes = used_memory(raw) - before
+    # the journal as the ingester left it (up to twice what compaction keeps), then compacted
     before = used_memory(raw)
+    if journal_keys:
+        journal = RedisPageJournal(raw, many.ns)
+        prefix = len(f"{many.ns}{JOURNAL_KEY_INFIX}")
+        for key in journal_keys:
+            journal.compact(key[prefix:].decode())
+    compacted = used_memory(raw)
     if journal_keys:
         raw.delete(*journal_keys)
     journal_bytes = before - used_memory(raw)
+    journal_compacted = compacted - used_memory(raw)
     # scores against what the pods hold
     scorer = LongestPrefixScorer(WEIGHTS)
     chains = [c.keys for c in fleet.convs]
@@ -665,6 +673,7 @@ def run_shape(
         memory={
             "event-filled": event_filled / n_pairs,
             "of which page journal": journal_bytes / n_pairs,
+            "page journal compacted": journal_compacted / n_pairs,
             "64-key fill": fill_bytes / n_pairs,
         },
         pairs=n_pairs,
@@ -680,6 +689,10 @@ def run_shape(
         "ingest vs go layout written well": redis_us[f"kvredis, backlog {backlog}"] / well,
         "memory vs 64-key fill": event_filled / fill_bytes,
         "memory without the journal vs 64-key fill": (event_filled - journal_bytes) / fill_bytes,
+        "memory, journal compacted, vs 64-key fill": (
+            event_filled - journal_bytes + journal_compacted
+        )
+        / fill_bytes,
     }
     return result
 

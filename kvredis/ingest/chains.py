@@ -1027,6 +1027,19 @@ def advance(
     n = len(tokens)
     full = (offset + n) // bs
     hashes = ev.block_hashes
+    if not offset and not fine and features is None and hashes and n == full * bs:
+        # whole blocks from a block's start (vLLM's own block size): nothing left over
+        return Step(
+            full=full,
+            chain=tuple(tokens),
+            feats=None,
+            groups=None,
+            tokens=(),
+            ids=(),
+            engine_keys=(),
+            last_engine_key=hashes[-1] if full else None,
+            mapped=map_pages,
+        )
     pages = _EventPages(ev, features, offset, full)
     blocks = [(max(j * bs - offset, 0), (j + 1) * bs - offset) for j in range(full)]
     block_feats: list[BlockExtraFeatures | None] = []

@@ -65,7 +65,7 @@ __all__ = [
 ]
 
 FORMAT = 1
-COMPACT_MIN_BYTES = 1 << 20
+COMPACT_MIN_BYTES = 1 << 18
 """A pod's journal is compacted once this process appended at least this much since the last
 compaction (and twice what that compaction left)."""
 JOURNAL_KEY_INFIX = ":pj:"

@@ -367,10 +367,12 @@ class BatchPlan:
 
     def drop_tails(self, engine_keys: Iterable[int]) -> None:
         """These engine keys were stored again: a chain end recorded for them is stale."""
+        keys = set(engine_keys)
         tails = self.batch_tails
-        for key in engine_keys:
-            tails.pop(key, None)
-            self.stale_tails.add(key)
+        if tails:
+            for key in tails.keys() & keys:
+                del tails[key]
+        self.stale_tails |= keys
 
     def resolve(self, engine_key: int) -> Generator[PlanRequest, int | None, int | None]:
         """The request key ``engine_key`` maps to, as if the batch so far were applied."""

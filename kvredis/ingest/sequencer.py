@@ -430,10 +430,9 @@ class Sequencer:
         else:
             planning.close()
             return None
-        counters = self.counters
-        counters.inc(Counter.MESSAGES)
-        counters.inc(Counter.BATCHES)
-        counters.inc(Counter.EVENTS, decoded.total_events)
+        self.counters.add_all(
+            {Counter.MESSAGES: 1, Counter.BATCHES: 1, Counter.EVENTS: decoded.total_events}
+        )
         if topic_b:
             st.last_topic = topic_b
         st.subscribed_before = False
@@ -453,8 +452,9 @@ class Sequencer:
         fast.st.known = (fast.msg.seq, PHASE_DONE)
         for rejection in fast.plan.rejects:
             self._reject(rejection, fast.st.endpoint.endpoint)
-        self.counters.add_all(fast.plan.stats)
-        self.counters.inc(Counter.BATCHES_APPLIED)
+        stats = fast.plan.stats
+        stats[Counter.BATCHES_APPLIED] = stats.get(Counter.BATCHES_APPLIED, 0) + 1
+        self.counters.add_all(stats)
         return BatchOutcome.APPLIED
 
     def undo_fast(self, fast: FastBatch) -> None:
