@@ -340,7 +340,7 @@ def _tier_map(spec: str | None) -> TierMap:
     type=click.IntRange(min=1),
     default=IngesterConfig().partial_block_pages,
     show_default=True,
-    help="Engine pages ending inside an index block remembered per pod (about 300 bytes "
+    help="Engine pages ending inside an index block remembered per pod (about 220 bytes "
     "each), so that a branch from one gets exact keys.",
 )
 @click.option(

@@ -68,7 +68,7 @@ than one index block of tokens, a few hundred bytes."""
 
 DEFAULT_PARTIAL_BLOCK_PAGES = 65_536
 """Default of ``IngesterConfig.partial_block_pages``: other engine pages ending inside an index
-block remembered per pod (the pages a branch may hang from), about 300 bytes each."""
+block remembered per pod (the pages a branch may hang from), about 220 bytes each."""
 
 _MASK64 = (1 << 64) - 1
 _BOUNDARY_TAG = 0x6B7672656469732D  # "kvredis-"
@@ -195,10 +195,11 @@ class Tail:
     base (the engine block holding the last token of the last full block).
 
     A tail is also the *record* the pages of one event that end inside one index block share
-    (one object, not one per page: about 90 bytes a page with SGLang's page size 1, see
-    ``docs/ingest.md``): ``pages`` in order, the chain after ``pages[i]`` holding the first
-    ``page_tokens[i]`` tokens, ``page_ids[i]`` identifiers and ``page_keys[i]`` engine keys of
-    it (:meth:`after`; ``page_ids``/``page_keys`` empty when ``ids``/``engine_keys`` are).
+    (one object, not one per page: about 220 bytes a page with SGLang's page size 1, its hash
+    and token included, see ``docs/ingest.md``): ``pages`` in order, the chain after
+    ``pages[i]`` holding the first ``page_tokens[i]`` tokens, ``page_ids[i]`` identifiers and
+    ``page_keys[i]`` engine keys of it (:meth:`after`; ``page_ids``/``page_keys`` empty when
+    ``ids``/``engine_keys`` are).
     """
 
     base: int

@@ -98,8 +98,8 @@ class IngesterConfig:
     partial_block_pages: int = 65_536
     """Engine pages ending inside an index block remembered per pod (least recently used
     dropped), besides chain ends: a branch hanging from such a page gets exact keys; a branch
-    from a forgotten one is a parent miss. About 300 bytes a page (SGLang page size 1, 16-token
-    blocks; see "Ingestion fidelity" in the README)."""
+    from a forgotten one is a parent miss. About 220 bytes a page (SGLang page size 1, 16-token
+    blocks; see "Ingestion fidelity" in ``docs/ingest.md``)."""
     max_batches_per_call: int = 256
     """Engine batches a worker applies together at most: the batches queued for it that need
     nothing but their fenced step go to the index in one ``apply_batches`` call (one script
