@@ -48,7 +48,7 @@ from kvredis.ingest.actions import (
 )
 from kvredis.ingest.config import EndpointConfig
 from kvredis.ingest.counters import Counter, IngestCounters, RateLimitedLog
-from kvredis.ingest.journal import COMPACT_MIN_BYTES, PageJournal
+from kvredis.ingest.journal import COMPACT_GROWTH, COMPACT_MIN_BYTES, PageJournal
 from kvredis.ingest.transport import ReplayClient, ReplayedMessage, ReplayFactory
 
 __all__ = ["IndexBackend", "StopSignal"]
@@ -267,7 +267,7 @@ class IndexBackend:
                 if pod in self._entries:
                     self._entries[pod] += 1
                 appended = self._appended[pod] = self._appended.get(pod, 0) + len(entry)
-                if appended >= max(COMPACT_MIN_BYTES, 2 * self._compacted.get(pod, 0)):
+                if appended >= max(COMPACT_MIN_BYTES, COMPACT_GROWTH * self._compacted.get(pod, 0)):
                     self._appended[pod] = 0
                     due.append(pod)
         for pod in due:

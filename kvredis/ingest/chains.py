@@ -633,11 +633,12 @@ def _learn_tail(
     hashes = ev.block_hashes
     closing = {b.block: boundary_key(hashes[b.page]) for b in step.boundaries}
 
-    def whole_of(j: int) -> Tail | None:
+    def whole_of(cuts: BlockCuts, pages: tuple[int, ...]) -> Tail | None:
+        j = cuts.block
         if j == 0:
-            return step.whole(j, prior, prior.base, prior.base_engine_key)
+            return step.whole(j, prior, prior.base, prior.base_engine_key, cuts, pages)
         named = closing.get(j - 1)
-        return None if named is None else step.whole(j, prior, 0, named)
+        return None if named is None else step.whole(j, prior, 0, named, cuts, pages)
 
     after = None
     if not step.full or step.last_engine_key is not None:  # else no key names the new base
@@ -648,13 +649,13 @@ def _learn_tail(
 def step_records(
     step: Step,
     hashes: tuple[int, ...],
-    whole_of: Callable[[int], Tail | None],
+    whole_of: Callable[[BlockCuts, tuple[int, ...]], Tail | None],
     after: Tail | None,
 ) -> PageRecords:
-    """The records ``step`` leaves, page by page: the pages ending inside completed block ``j``
-    share ``whole_of(j)`` (``None``: not known, no record), those ending inside the block the
-    chain now ends in share ``after`` with the event's last page, the chain's end (``None``: no
-    record)."""
+    """The records ``step`` leaves, page by page: the pages ending inside a completed block share
+    ``whole_of(cuts, pages)``, its record (``None``: not known, no record); those ending inside
+    the block the chain now ends in share ``after`` with the event's last page, the chain's end
+    (``None``: no record)."""
     cuts: dict[int, Tail] = {}
     tails: dict[int, Tail] = {}
     made: list[Tail] = []
@@ -663,11 +664,11 @@ def step_records(
         if bc.block == step.full:
             tail_cuts = bc
             continue
-        whole = whole_of(bc.block)
-        if whole is not None:
-            inside = hashes[bc.first : bc.stop]
-            made.append(whole.holding(inside, *bc.counts()))
-            cuts.update(zip(inside, itertools.repeat(made[-1])))
+        inside = hashes[bc.first : bc.stop]
+        record = whole_of(bc, inside)
+        if record is not None:
+            made.append(record)
+            cuts.update(zip(inside, itertools.repeat(record)))
     if after is None or not hashes:
         return PageRecords(cuts, tails, tuple(made))
     last = hashes[-1]
@@ -761,21 +762,47 @@ class Step:
             self.mapped,
         )
 
-    def whole(self, j: int, tail: Tail, base: int, base_engine_key: int | None) -> Tail:
+    def whole(
+        self,
+        j: int,
+        tail: Tail,
+        base: int,
+        base_engine_key: int | None,
+        cuts: BlockCuts | None = None,
+        pages: tuple[int, ...] = (),
+    ) -> Tail:
         """The record of completed block ``j`` that its cuts share: the chain before it (block
-        ``j - 1``'s request key, or ``base_engine_key``'s mapping) and all of the block."""
+        ``j - 1``'s request key, or ``base_engine_key``'s mapping) and all of the block; with
+        ``cuts``, the record of its ``pages`` (:meth:`Tail.holding`)."""
         assert self.groups is not None, "cuts come with groups"
         bs = len(self.chain) // self.full
         feat = self.feats[j] if self.feats is not None else None
+        ids = tuple(feat.mm_hashes) if feat is not None else ()
+        keys = self.groups[j] if self.mapped else ()
+        if cuts is None:
+            return Tail(
+                base,
+                tail.model,
+                tail.cache_salt,
+                self.chain[j * bs : (j + 1) * bs],
+                ids,
+                keys,
+                base_engine_key,
+                self.mapped,
+            )
         return Tail(
             base,
             tail.model,
             tail.cache_salt,
             self.chain[j * bs : (j + 1) * bs],
-            tuple(feat.mm_hashes) if feat is not None else (),
-            self.groups[j] if self.mapped else (),
+            ids,
+            keys,
             base_engine_key,
             self.mapped,
+            pages,
+            cuts.tokens,
+            cuts.ids if ids else (),
+            cuts.keys if keys else (),
         )
 
 
@@ -1044,9 +1071,10 @@ def advance(
     pages = _EventPages(ev, features, offset, full)
     blocks = [(max(j * bs - offset, 0), (j + 1) * bs - offset) for j in range(full)]
     block_feats: list[BlockExtraFeatures | None] = []
-    for j, (lo, hi) in enumerate(blocks):
-        ids = pages.ids_of(lo, hi, tail.ids if j == 0 else ())
-        block_feats.append(BlockExtraFeatures(ids) if ids else None)
+    if pages.features is not None or tail.ids:
+        for j, (lo, hi) in enumerate(blocks):
+            ids = pages.ids_of(lo, hi, tail.ids if j == 0 else ())
+            block_feats.append(BlockExtraFeatures(ids) if ids else None)
     rest_lo = max(full * bs - offset, 0)
     rest = pages.overlapping(rest_lo, n)
     cuts: list[BlockCuts] = []

@@ -15,7 +15,8 @@ tokens so far); this module keeps those records in a journal per pod:
 * an ingester *recalls* a pod's journal (replays it into its memory) before it first plans a
   batch of the pod that needs a record (one that continues a chain or removes pages);
 * the journal is *compacted* (rewritten as one entry holding what its replay leaves) once this
-  process appended twice what the last compaction left, at least :data:`COMPACT_MIN_BYTES`.
+  process appended :data:`COMPACT_GROWTH` times what the last compaction left, at least
+  :data:`COMPACT_MIN_BYTES`.
 
 A record is a function of the engine's tokens alone (page hashes chain over content): replaying
 an entry twice, or a duplicate an HA peer appended, changes nothing. A record the journal lacks
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
     from kvredis.memory import _MemoryIndex
 
 __all__ = [
+    "COMPACT_GROWTH",
     "COMPACT_MIN_BYTES",
     "JOURNAL_KEY_INFIX",
     "MemoryPageJournal",
@@ -67,7 +69,11 @@ __all__ = [
 FORMAT = 1
 COMPACT_MIN_BYTES = 1 << 18
 """A pod's journal is compacted once this process appended at least this much since the last
-compaction (and twice what that compaction left)."""
+compaction, and :data:`COMPACT_GROWTH` times what that compaction left."""
+COMPACT_GROWTH = 2
+"""A compacted journal may grow this many times its size before it is compacted again: the
+journal holds at most ``1 + COMPACT_GROWTH`` times what it must (compacting costs about what
+appending did, once per this much growth)."""
 JOURNAL_KEY_INFIX = ":pj:"
 """A pod's journal in Redis is the LIST ``<namespace>:pj:<pod>``."""
 

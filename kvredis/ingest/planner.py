@@ -94,6 +94,7 @@ from kvredis.ingest.chains import (
     DEFAULT_PARTIAL_BLOCK_PAGES,
     LEAF_FIRST_ENGINES,
     MAX_TAILS_PER_POD,
+    BlockCuts,
     EngineKeyCache,
     PageMapping,
     PageRecords,
@@ -589,8 +590,9 @@ class Planner:
             plan.cache.put_parents(hashes, ev.parent_block_hash)
         if hashes:
 
-            def whole_of(j: int) -> Tail:
-                return step.whole(j, tail, request[j - 1] if j else tail.base, None)
+            def whole_of(cuts: BlockCuts, pages: tuple[int, ...]) -> Tail:
+                j = cuts.block
+                return step.whole(j, tail, request[j - 1] if j else tail.base, None, cuts, pages)
 
             records = step_records(step, hashes, whole_of, after)
             plan.drop_tails(set(hashes[:-1]).difference(records.cuts))
