@@ -43,7 +43,7 @@ storing ``--pod-rate`` blocks a second each, and evicting as many), printed as M
 ``docs/benchmarks.md``. ``--server valkey`` runs it all on Valkey 9 instead of redis-server.
 
 Run:  .venv/bin/python scripts/bench_realistic.py [--quick] [--shape vllm,sglang]
-      [--server valkey] [--backlog N] [--pod-rate R] [--no-zmq] [--json PATH]
+      [--server valkey] [--backlog N] [--pod-rate R] [--no-zmq] [--zmq-workers N] [--json PATH]
 """
 
 from __future__ import annotations
@@ -462,7 +462,7 @@ class Ingest:
         self.index.close()
 
 
-def zmq_client_cpu(fleet: Fleet, url: str) -> float:
+def zmq_client_cpu(fleet: Fleet, url: str, workers: int = 4) -> float:
     """CPU seconds ``kvredis ingest`` spends applying the fleet's messages, received over ZMQ on
     loopback (8 publishers; startup excluded: read from ``/proc`` once it subscribed)."""
     import zmq
@@ -482,7 +482,7 @@ def zmq_client_cpu(fleet: Fleet, url: str) -> float:
         args += ["--engine", fleet.engine]
     cmd = [sys.executable, "-m", "kvredis.cli.ingest", "--redis", url, "--namespace", ns]
     proc = subprocess.Popen(
-        [*cmd, "--status-interval", "600", *args],
+        [*cmd, "--status-interval", "600", "--workers", str(workers), *args],
         cwd=str(REPO),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -533,7 +533,13 @@ def zmq_client_cpu(fleet: Fleet, url: str) -> float:
 
 
 def run_shape(
-    fleet: Fleet, url: str, server: Server, quick: bool, backlog: int, zmq_path: bool
+    fleet: Fleet,
+    url: str,
+    server: Server,
+    quick: bool,
+    backlog: int,
+    zmq_path: bool,
+    zmq_workers: int = 4,
 ) -> Result:
     raw = server.raw
     raw.flushall()
@@ -632,7 +638,7 @@ def run_shape(
         "bare call": lambda i: bare(),
     }
     score_us = interleaved(server, sides, rounds=3 if quick else 7, calls=40 if quick else 100)
-    zmq_s = zmq_client_cpu(fleet, url) if zmq_path else None
+    zmq_s = zmq_client_cpu(fleet, url, zmq_workers) if zmq_path else None
     for side in (single, many):
         side.close()
     fill.close()
@@ -765,6 +771,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-zmq", action="store_true", help="skip the kvredis ingest over ZMQ measurement"
     )
+    parser.add_argument(
+        "--zmq-workers", type=int, default=4, help="kvredis ingest --workers (default 4)"
+    )
     args = parser.parse_args(argv)
     fleets = [make_fleet(shape, args.quick, args.seed) for shape in args.shape.split(",")]
     server_proc = RedisServer(args.server)
@@ -776,7 +785,15 @@ def main(argv: list[str] | None = None) -> int:
         server = Server(server_proc.url, pid)
         server.calibrate()
         for fleet in fleets:
-            r = run_shape(fleet, server_proc.url, server, args.quick, args.backlog, not args.no_zmq)
+            r = run_shape(
+                fleet,
+                server_proc.url,
+                server,
+                args.quick,
+                args.backlog,
+                not args.no_zmq,
+                args.zmq_workers,
+            )
             r.pinned = pinned
             r.server = args.server
             print_result(r)
