@@ -12,6 +12,8 @@ config         :class:`EndpointConfig` (a publisher), :class:`IngesterConfig` (t
 counters       :class:`Counter` names, :class:`IngestCounters`, rate-limited warnings
 transport      the seam to transports: :class:`MessageSink`, :class:`ReplayClient`
 stream         one publisher's sequencing state; the watermark position encoding
+chains         what the ingester remembers of the engines' chains, how an event advances one
+journal        the page journal: page records kept per pod beside the index (restarts, takeovers)
 planner        decoded batch → index operations (pure; asks for lookups and barriers)
 sequencer      the ingest protocol as a sans-IO state machine that yields actions
 backend        the port those actions run against: index calls with retry, replay, waiting
