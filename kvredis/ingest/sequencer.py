@@ -21,6 +21,7 @@ from kvredis.batch import IndexOp, Watermark
 from kvredis.ingest.actions import (
     Abandoned,
     Action,
+    AppendJournal,
     ApplyOps,
     ApplyStep,
     BatchOutcome,
@@ -34,6 +35,7 @@ from kvredis.ingest.actions import (
     LostOwnership,
     NotOwner,
     OpenReplay,
+    ReadJournal,
     ReadWatermark,
     SleepUntil,
     StepResult,
@@ -43,7 +45,15 @@ from kvredis.ingest.actions import (
 from kvredis.ingest.config import IngesterConfig
 from kvredis.ingest.counters import Counter, IngestCounters
 from kvredis.ingest.events import DecodedBatch, Rejection, RejectReason, decode_batch
-from kvredis.ingest.planner import Barrier, BatchPlan, Lookup, Planner, PlanSteps, Reset
+from kvredis.ingest.planner import (
+    Barrier,
+    BatchPlan,
+    Lookup,
+    Planner,
+    PlanSteps,
+    Recall,
+    Reset,
+)
 from kvredis.ingest.stream import (
     CLEAR_PHASE,
     MAX_ENGINE_SEQ,
@@ -210,6 +220,18 @@ class BatchRun:
         self.plan.after_clear(caches.get(self.pod) if self.pod is not None else None)
         self._last_beat = seqr.clock()
 
+    def recall(self, pod: str) -> Steps[None]:
+        """Replay ``pod``'s page journal into its cache (a journal that cannot be read now is
+        not read: the batch plans with what this ingester knows)."""
+        try:
+            entries: list[bytes] = yield ReadJournal(pod)
+        except Failed as exc:
+            logger.warning("pod %s: cannot read its page journal: %s", pod, exc)
+            entries = []
+        restored = self.plan.recall(entries)
+        if restored:
+            logger.info("pod %s: %d page records recalled from its journal", pod, restored)
+
     def run_plan(self, planning: PlanSteps) -> Steps[None]:
         """Drive the planner, answering its lookups and applying its barriers."""
         answer: int | None = None
@@ -223,6 +245,8 @@ class BatchRun:
                 answer = yield LookupRequestKey(need.engine_key)
             elif need is Barrier.FLUSH:
                 yield from self.flush()
+            elif isinstance(need, Recall):
+                yield from self.recall(need.pod)
             else:
                 assert self.pod is not None and isinstance(need, Reset)
                 yield from self.clear([self.pod], Counter.CLEARS_ALL_BLOCKS_CLEARED, need)
@@ -239,9 +263,60 @@ class FastBatch:
     step: ApplyStep
     restore: Callable[[], None]
     """Puts the pod's cache back as it was before this batch taught it."""
+    pod: str
 
 
 PlanFn = Callable[[BatchRun], Steps[None]]
+"""What a batch applies: drives a :class:`BatchRun` through its steps (planning, clears)."""
+
+MAX_CLAIM_ATTEMPTS = 8
+"""Attempts at one batch (each refused claim a peer's takeover finished, or a reset stored
+watermark retried) before it is dropped as failed."""
+
+
+@dataclass(frozen=True, slots=True)
+class BatchJob:
+    """One batch for :meth:`Sequencer._run_batch`: what it applies, where its claim starts, and
+    how its outcome counts."""
+
+    msg: _Message
+    """The engine message the batch comes from (what a newer epoch supersedes)."""
+    epoch: int
+    seq: int
+    """The batch's own position (``-1``: the opening of ``epoch``)."""
+    plan: PlanFn
+    claim_seq: int
+    """Where the claim starts (a takeover moves it to the stalled peer's position)."""
+    first_phase: int = 1
+    """The first step's phase (:data:`CLEAR_PHASE` for a batch that opens with a gap clear)."""
+    pod: str | None = None
+    """The pod whose cache the plan uses (``None``: the batch names no pod)."""
+    count_batch: bool = True
+    """Whether the outcome counts as a batch (an epoch's opening does not)."""
+    unusable: bool = False
+    """Nothing could be decoded: the batch still advances the watermark (peers see the stream
+    move on) but counts as rejected, not applied."""
+    supersede: bool = True
+    """Whether a newer stored epoch supersedes ``msg`` (else it just ends the batch)."""
+    depth: int = 0
+    """Re-sequencing depth of ``msg`` (bounded by :meth:`Sequencer._sequence_synced`)."""
+
+    @property
+    def plans_clears(self) -> bool:
+        """Whether the plan itself clears (an epoch opening, a gap clear): a takeover of its
+        claim then redoes nothing but the plan."""
+        return self.first_phase >= CLEAR_PHASE or self.seq < 0
+
+
+@dataclass(slots=True)
+class _Claim:
+    """Where the next attempt at a batch claims the stream, and what it must redo first."""
+
+    seq: int
+    phase: int
+    redo_clear: bool = False
+    """A stalled peer's claim, taken over, stood for a clear of the stream's pods: redo it."""
+
 
 # ------------------------------------------------------------------------------------------
 # The machine
@@ -272,6 +347,8 @@ class Sequencer:
         self.counters = counters
         self.fenced = fenced
         """Whether batches are fenced by stored watermarks (a BatchIndex with watermarks on)."""
+        self.journaled = planner.caches.journaled
+        """Whether applied batches' page records go to the pods' page journals."""
         self.clock = clock
         self.stopping = stopping
         self._reject = reject
@@ -366,10 +443,9 @@ class Sequencer:
         else:
             planning.close()
             return None
-        counters = self.counters
-        counters.inc(Counter.MESSAGES)
-        counters.inc(Counter.BATCHES)
-        counters.inc(Counter.EVENTS, decoded.total_events)
+        self.counters.add_all(
+            {Counter.MESSAGES: 1, Counter.BATCHES: 1, Counter.EVENTS: decoded.total_events}
+        )
         if topic_b:
             st.last_topic = topic_b
         st.subscribed_before = False
@@ -382,15 +458,16 @@ class Sequencer:
         ops = plan.take()
         restore = plan.commit_cache_undoably()
         step = ApplyStep(ops, st.name, Watermark(st.epoch, stream_position(seq)))
-        return FastBatch(st, msg, plan, step, restore)
+        return FastBatch(st, msg, plan, step, restore, pod)
 
     def finish_fast(self, fast: FastBatch) -> BatchOutcome:
         """A fast batch's step applied: count it as :meth:`on_message` would have."""
         fast.st.known = (fast.msg.seq, PHASE_DONE)
         for rejection in fast.plan.rejects:
             self._reject(rejection, fast.st.endpoint.endpoint)
-        self.counters.add_all(fast.plan.stats)
-        self.counters.inc(Counter.BATCHES_APPLIED)
+        stats = fast.plan.stats
+        stats[Counter.BATCHES_APPLIED] = stats.get(Counter.BATCHES_APPLIED, 0) + 1
+        self.counters.add_all(stats)
         return BatchOutcome.APPLIED
 
     def undo_fast(self, fast: FastBatch) -> None:
@@ -753,18 +830,8 @@ class Sequencer:
             else:
                 yield from run.flush()
 
-        return (
-            yield from self._run_batch(
-                st,
-                epoch=epoch,
-                seq=-1,
-                claim_seq=-1,
-                plan=plan,
-                count_batch=False,
-                msg=msg,
-                supersede=supersede,
-            )
-        )
+        job = BatchJob(msg, epoch, -1, plan, claim_seq=-1, count_batch=False, supersede=supersede)
+        return (yield from self._run_batch(st, job))
 
     def _gap(
         self, st: StreamState, first_missing: int, msg: _Message, depth: int
@@ -934,144 +1001,160 @@ class Sequencer:
             if pod is not None:
                 yield from run.run_plan(planner.plan(run.plan, decoded, pod, model))
 
-        outcome = yield from self._run_batch(
-            st,
-            epoch=st.epoch,
-            seq=msg.seq,
+        job = BatchJob(
+            msg,
+            st.epoch,
+            msg.seq,
+            plan,
             claim_seq=msg.seq,
-            plan=plan,
             first_phase=CLEAR_PHASE if pre_clear else 1,
-            count_batch=True,
-            msg=msg,
-            depth=depth,
-            unusable=unusable,
             pod=pod,
+            unusable=unusable,
+            depth=depth,
         )
+        outcome = yield from self._run_batch(st, job)
         if tail and outcome is BatchOutcome.APPLIED:
             self.counters.inc(Counter.BATCHES_APPLIED, len(tail))
         return outcome
 
-    def _run_batch(
-        self,
-        st: StreamState,
-        epoch: int,
-        seq: int,
-        claim_seq: int,
-        plan: PlanFn,
-        count_batch: bool,
-        msg: _Message,
-        depth: int = 0,
-        unusable: bool = False,
-        pod: str | None = None,
-        first_phase: int = 1,
-        supersede: bool = True,
-    ) -> Steps[BatchOutcome]:
-        """Run ``plan`` as one batch until applied, found duplicate, or given up.
-
-        ``unusable`` marks a payload nothing could be decoded from: it still advances the
-        watermark (so peers see the stream move on) but counts as rejected, not applied.
-        A newer epoch stored supersedes ``msg`` (``supersede``) or just ends the batch.
-        """
-        counters = self.counters
-        plan_clears = first_phase >= CLEAR_PHASE or seq < 0
-        takeover_clear = False
+    def _run_batch(self, st: StreamState, job: BatchJob) -> Steps[BatchOutcome]:
+        """Run ``job`` until applied, found duplicate, superseded or given up (each refused claim
+        is read back from the stored watermark: :meth:`_refused`)."""
+        claim = _Claim(job.claim_seq, job.first_phase)
         # a peer's claim seen in progress is never stepped over: wait for it or take it over
         known = st.known
-        in_claim = (
+        peer_claim = (
             self.fenced
-            and epoch == st.epoch
+            and job.epoch == st.epoch
             and known is not None
             and known[1] != PHASE_DONE
-            and stream_position(*known) < stream_position(seq)
+            and stream_position(*known) < stream_position(job.seq)
         )
-        for _attempt in range(8):
-            run = BatchRun(self, st, epoch, seq, claim_seq, first_phase, pod)
+        for _attempt in range(MAX_CLAIM_ATTEMPTS):
+            run = BatchRun(self, st, job.epoch, job.seq, claim.seq, claim.phase, job.pod)
             try:
-                if in_claim:
-                    in_claim = False
-                    raise NotOwner
-                if takeover_clear:
-                    cause = Counter.CLEARS_RESTART if claim_seq < 0 else Counter.CLEARS_GAP
-                    yield from run.clear(st.pods_for(msg.topic), cause, _stream_scope(st, msg))
-                yield from plan(run)
-                yield from run.finish()
-            except (NotOwner, LostOwnership) as refused:
-                if isinstance(refused, LostOwnership):
-                    # a peer took the batch over: wait until it is done (or take it back)
-                    counters.inc(Counter.LOST_OWNERSHIP)
-                    logger.warning("stream %s: a peer took batch %d over", st.name, seq)
                 try:
-                    verdict, stored = yield from self._conflict(st, epoch, seq)
-                except Abandoned:
-                    verdict, stored = Conflict.ABANDONED, None
-                except Failed as exc:
-                    run.plan.discard_cache()
-                    logger.error("stream %s: batch %d failed: %s", st.name, seq, exc)
-                    counters.inc(Counter.BATCHES_FAILED)
-                    return BatchOutcome.FAILED
-                if verdict is Conflict.DUPLICATE:
-                    run.plan.commit_cache()
-                    if count_batch:
-                        counters.inc(Counter.BATCHES_DUPLICATE)
-                    return BatchOutcome.DUPLICATE
-                if verdict is Conflict.TAKEOVER:
-                    assert stored is not None
-                    counters.inc(Counter.TAKEOVERS)
-                    sseq, sphase = split_position(stored.seq)
-                    logger.warning(
-                        "stream %s: peer stalled at batch %d phase %d, taking over",
-                        st.name,
-                        sseq,
-                        sphase,
-                    )
-                    claim_seq, first_phase = sseq, sphase + 1
-                    if plan_clears and seq >= 0:
-                        first_phase = max(first_phase, CLEAR_PHASE)
-                    # the claim stood for a clear (below the batch, or at a clear phase): redo it
-                    takeover_clear = not plan_clears and (sseq < seq or sphase >= CLEAR_PHASE)
-                    continue
-                run.plan.discard_cache()
-                if verdict is Conflict.RETRY:
-                    continue
-                if verdict is Conflict.ABANDONED:
-                    counters.inc(Counter.BATCHES_ABANDONED)
-                    return BatchOutcome.ABANDONED
-                assert stored is not None and msg is not None
-                if stored.epoch > epoch:
-                    if not supersede:
-                        return BatchOutcome.SUPERSEDED
-                    # a peer saw an engine restart this replica has not seen yet: the message
-                    # belongs to an earlier incarnation, and the restart's clear superseded it
-                    st.epoch = epoch
-                    return self._supersede(st, stored, msg)
-                # the stream moved past our claim: sequence the message again
-                st.known = split_position(stored.seq)
-                st.last_seq = None
-                return (yield from self._sequence(st, msg, False, depth + 1))
+                    if peer_claim:
+                        peer_claim = False
+                        raise NotOwner
+                    yield from self._attempt(run, st, job, claim)
+                except (NotOwner, LostOwnership) as refused:
+                    outcome = yield from self._refused(run, st, job, claim, refused)
+                    if outcome is None:
+                        continue
+                    return outcome
             except Abandoned:
                 run.plan.discard_cache()
-                counters.inc(Counter.BATCHES_ABANDONED)
+                self.counters.inc(Counter.BATCHES_ABANDONED)
                 return BatchOutcome.ABANDONED
             except Failed as exc:
                 run.plan.discard_cache()
-                logger.error("stream %s: batch %d failed: %s", st.name, seq, exc)
-                counters.inc(Counter.BATCHES_FAILED)
+                logger.error("stream %s: batch %d failed: %s", st.name, job.seq, exc)
+                self.counters.inc(Counter.BATCHES_FAILED)
                 return BatchOutcome.FAILED
-            run.plan.commit_cache()
-            for rejection in run.plan.rejects:
-                self._reject(rejection, st.endpoint.endpoint)
-            counters.add_all(run.plan.stats)
-            if not self.fenced:
-                st.known = (seq, PHASE_DONE)
-            if unusable:
-                counters.inc(Counter.BATCHES_REJECTED)
-                return BatchOutcome.REJECTED
-            if count_batch:
-                counters.inc(Counter.BATCHES_APPLIED)
-            return BatchOutcome.APPLIED
-        logger.error("stream %s: batch %d kept conflicting, dropped", st.name, seq)
-        counters.inc(Counter.BATCHES_FAILED)
+            outcome = self._applied(run, st, job)
+            yield from self.journal([(job.pod, run.plan)])
+            return outcome
+        logger.error("stream %s: batch %d kept conflicting, dropped", st.name, job.seq)
+        self.counters.inc(Counter.BATCHES_FAILED)
         return BatchOutcome.FAILED
+
+    def _attempt(self, run: BatchRun, st: StreamState, job: BatchJob, claim: _Claim) -> Steps[None]:
+        """One attempt: the clear a taken-over claim stood for, the plan, the last step."""
+        if claim.redo_clear:
+            cause = Counter.CLEARS_RESTART if claim.seq < 0 else Counter.CLEARS_GAP
+            yield from run.clear(st.pods_for(job.msg.topic), cause, _stream_scope(st, job.msg))
+        yield from job.plan(run)
+        yield from run.finish()
+
+    def _refused(
+        self,
+        run: BatchRun,
+        st: StreamState,
+        job: BatchJob,
+        claim: _Claim,
+        refused: NotOwner | LostOwnership,
+    ) -> Steps[BatchOutcome | None]:
+        """A claim of ``job`` was refused: its outcome as the stored watermark tells it, or
+        ``None`` to try again (``claim`` moved on for a takeover). Raises :class:`Abandoned`
+        or :class:`Failed` when the watermark cannot be read."""
+        if isinstance(refused, LostOwnership):
+            # a peer took the batch over: wait until it is done (or take it back)
+            self.counters.inc(Counter.LOST_OWNERSHIP)
+            logger.warning("stream %s: a peer took batch %d over", st.name, job.seq)
+        verdict, stored = yield from self._conflict(st, job.epoch, job.seq)
+        if verdict is Conflict.ABANDONED:
+            raise Abandoned
+        if verdict is Conflict.DUPLICATE:
+            run.plan.commit_cache()
+            if job.count_batch:
+                self.counters.inc(Counter.BATCHES_DUPLICATE)
+            return BatchOutcome.DUPLICATE
+        if verdict is Conflict.TAKEOVER:
+            assert stored is not None
+            self._take_over(st, job, claim, stored)
+            return None
+        run.plan.discard_cache()
+        if verdict is Conflict.RETRY:
+            return None
+        assert stored is not None
+        if stored.epoch > job.epoch:
+            if not job.supersede:
+                return BatchOutcome.SUPERSEDED
+            # a peer saw an engine restart this replica has not seen yet: the message belongs
+            # to an earlier incarnation, and the restart's clear superseded it
+            st.epoch = job.epoch
+            return self._supersede(st, stored, job.msg)
+        # the stream moved past our claim: sequence the message again
+        st.known = split_position(stored.seq)
+        st.last_seq = None
+        return (yield from self._sequence(st, job.msg, False, job.depth + 1))
+
+    def _take_over(self, st: StreamState, job: BatchJob, claim: _Claim, stored: Watermark) -> None:
+        """Move ``claim`` past a stalled peer's claim ``stored`` (the next attempt finishes it)."""
+        self.counters.inc(Counter.TAKEOVERS)
+        sseq, sphase = split_position(stored.seq)
+        logger.warning(
+            "stream %s: peer stalled at batch %d phase %d, taking over", st.name, sseq, sphase
+        )
+        claim.seq, claim.phase = sseq, sphase + 1
+        if job.plans_clears and job.seq >= 0:
+            claim.phase = max(claim.phase, CLEAR_PHASE)
+        # the claim stood for a clear (below the batch, or at a clear phase): redo it
+        claim.redo_clear = not job.plans_clears and (sseq < job.seq or sphase >= CLEAR_PHASE)
+
+    def journal(self, applied: Iterable[tuple[str | None, BatchPlan]]) -> Steps[None]:
+        """Append the page journal entries of batches that took effect (their pods' records:
+        a failure loses records, which are parent misses later, never wrong keys)."""
+        if not self.journaled:
+            return
+        entries = tuple(
+            (pod, entry)
+            for pod, plan in applied
+            if pod is not None and (entry := plan.journal_entry()) is not None
+        )
+        if not entries:
+            return
+        try:
+            yield AppendJournal(entries)
+        except Interrupt as exc:
+            logger.warning("cannot append to the page journals: %s", exc)
+
+    def _applied(self, run: BatchRun, st: StreamState, job: BatchJob) -> BatchOutcome:
+        """The batch's last step applied: its cache, rejects and counters take effect."""
+        counters = self.counters
+        run.plan.commit_cache()
+        for rejection in run.plan.rejects:
+            self._reject(rejection, st.endpoint.endpoint)
+        counters.add_all(run.plan.stats)
+        if not self.fenced:
+            st.known = (job.seq, PHASE_DONE)
+        if job.unusable:
+            counters.inc(Counter.BATCHES_REJECTED)
+            return BatchOutcome.REJECTED
+        if job.count_batch:
+            counters.inc(Counter.BATCHES_APPLIED)
+        return BatchOutcome.APPLIED
 
     def _conflict(
         self, st: StreamState, epoch: int, seq: int
@@ -1167,12 +1250,17 @@ class BatchGroup:
             logger.warning("applying %d batches together failed: %s", len(group), exc)
             verdicts = None
         redo: dict[int, list[tuple[int, FastBatch]]] = {}
+        applied: list[FastBatch] = []
         for j, (number, fast) in enumerate(group):
             key = id(fast.st)
             if key not in redo and verdicts is not None and verdicts[j]:
                 outcomes[number] = seqr.finish_fast(fast)
+                applied.append(fast)
             else:
                 redo.setdefault(key, []).append((number, fast))
+        if applied:
+            # before the batches handled again: a pod's journal keeps its batches' order
+            drive(seqr.journal([(f.pod, f.plan) for f in applied]), self.perform)
         for again in redo.values():
             for _, fast in reversed(again):
                 seqr.undo_fast(fast)
