@@ -26,8 +26,17 @@ def check_hash(value: object, what: str = "block hash") -> int:
     return int(value)
 
 
+_INT_ONLY = frozenset((int,))
+
+
 def check_hashes(values: Sequence[int], what: str = "block hash") -> list[int]:
     """Validate a sequence of 64-bit hashes (see :func:`check_hash`)."""
+    if (
+        isinstance(values, (list, tuple))
+        and _INT_ONLY.issuperset(map(type, values))  # plain ints (no bool), checked in C
+        and (not values or (min(values) >= 0 and max(values) <= MAX_BLOCK_HASH))
+    ):
+        return list(values)
     if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
         raise InvalidInputError(
             f"{what} list must be a sequence of ints, got {type(values).__name__}"

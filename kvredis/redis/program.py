@@ -322,16 +322,24 @@ def blob_ops(
             flush()
             ents = list(dict.fromkeys(op.entries))
             req = op.request_keys
-            pairs = infer_mappings(op.engine_keys, req) if op.engine_keys else []
-            pairs = compress_pairs(pairs, MAX_REQUEST_KEYS_PER_ENGINE_KEY)
+            eng = op.engine_keys
+            if eng and len(eng) == len(req) and len(set(eng)) == len(eng):
+                # one engine key per request key, none repeated: the pairs as they come
+                npairs = len(req)
+                flat = [k for pair in zip(eng, req, strict=True) for k in pair]
+            else:
+                pairs = infer_mappings(eng, req) if eng else []
+                pairs = compress_pairs(pairs, MAX_REQUEST_KEYS_PER_ENGINE_KEY)
+                npairs = len(pairs)
+                flat = [k for pair in pairs for k in pair]
             head = [b"A" if op.parent is None or not req else b"P", u16(len(ents))]
             head += [u16(entry(e)) for e in ents]
             if op.parent is not None and req:
                 head.append(hash_field(op.parent))
             out.append(b"".join(head))
             out.append(u32(len(req)) + hash_blob(req))
-            out.append(u32(len(pairs)) + hash_blob([k for pair in pairs for k in pair]))
-            cost += add_cost(len(req), len(pairs), len(ents))
+            out.append(u32(npairs) + hash_blob(flat))
+            cost += add_cost(len(req), npairs, len(ents))
             count += 1
             continue
         ents = list(dict.fromkeys(op.entries))
