@@ -194,17 +194,25 @@ class IndexBackend:
         applied = self._call(call)
         return StepResult(applied, attempts)
 
-    def apply_steps(self, steps: Sequence[ApplyStep]) -> list[bool]:
+    def apply_steps(self, steps: Sequence[ApplyStep]) -> list[StepResult]:
         """Apply fenced steps of one or more streams together (one index call where the index
-        is a :class:`~kvredis.index.MultiBatchIndex`): whether each applied. Retried like any
-        index call; raises :class:`Abandoned` or :class:`Failed` as :meth:`perform` does."""
+        is a :class:`~kvredis.index.MultiBatchIndex`): what each did, with the attempts the
+        call took (an attempt whose reply was lost may have applied steps the next one refuses).
+        Retried like any index call; raises :class:`Abandoned` or :class:`Failed` as
+        :meth:`perform` does."""
         batch = self._batch_index()
         self._record_scheme()
         batches = [Batch(s.ops, s.stream, s.watermark) for s in steps]
-        if isinstance(batch, MultiBatchIndex):
-            multi = batch
-            return self._call(lambda: multi.apply_batches(batches))
-        return self._call(lambda: apply_batches_in_turn(batch, batches))
+        attempts = 0
+
+        def call() -> list[bool]:
+            nonlocal attempts
+            attempts += 1
+            if isinstance(batch, MultiBatchIndex):
+                return list(batch.apply_batches(batches))
+            return apply_batches_in_turn(batch, batches)
+
+        return [StepResult(bool(applied), attempts) for applied in self._call(call)]
 
     def _apply_ops(self, ops: Sequence[IndexOp]) -> None:
         self._record_scheme()

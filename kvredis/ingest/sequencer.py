@@ -397,9 +397,9 @@ class Sequencer:
         decoded: DecodedBatch | None = None,
     ) -> FastBatch | None:
         """What :meth:`on_message` would do for the common message, without any I/O: a batch of
-        the current epoch, next in order, whose plan needs no lookup, flush or clear, and whose
-        only action is its one fenced step (see ``docs/ingest-protocol.md``, "Batches applied
-        together").
+        the current epoch, next in order, whose plan needs no lookup, flush, clear or read of
+        the pod's page journal, and whose only action is its one fenced step (see
+        ``docs/ingest-protocol.md``, "Batches applied together").
 
         Returns ``None``, having changed nothing, for any other message: the caller applies the
         fast batches it holds, then gives this message to :meth:`on_message`. Otherwise the
@@ -1196,7 +1196,7 @@ class BatchGroup:
     the group; any other message first has the group applied (:meth:`flush`), then runs through
     :meth:`Sequencer.on_message` alone, so the index sees every message's effect in order.
     ``perform`` performs the machine's actions, ``apply_steps`` applies fenced steps together
-    (whether each applied; raising :class:`Abandoned` or :class:`Failed` as ``perform`` may).
+    (what each did; raising :class:`Abandoned` or :class:`Failed` as ``perform`` may).
     The caller holds whatever orders each stream (its lock) until :meth:`flush` returns.
     """
 
@@ -1204,7 +1204,7 @@ class BatchGroup:
         self,
         sequencer: Sequencer,
         perform: Callable[[Action], Any],
-        apply_steps: Callable[[Sequence[ApplyStep]], list[bool]],
+        apply_steps: Callable[[Sequence[ApplyStep]], list[StepResult]],
         limit: int,
     ) -> None:
         self.sequencer = sequencer
@@ -1239,33 +1239,69 @@ class BatchGroup:
 
     def flush(self) -> None:
         """Apply the group; a stream whose batch did not apply (or may not have) gets that
-        batch and its later ones undone and handled again by the full machine."""
+        batch and its later ones undone and handled again by the full machine.
+
+        Every batch to handle again is undone first (latest first, over all streams), then the
+        applied batches are journaled, then the undone ones handled again: a pod's journal keeps
+        its batches' order and never holds a batch that did not apply.
+        """
         group, self._group = self._group, []
         if not group:
             return
         seqr, outcomes = self.sequencer, self.outcomes
         try:
-            verdicts: list[bool] | None = self.apply_steps([f.step for _, f in group])
+            results: list[StepResult] | None = self.apply_steps([f.step for _, f in group])
         except (Abandoned, Failed) as exc:
             logger.warning("applying %d batches together failed: %s", len(group), exc)
-            verdicts = None
+            results = None
+        verdicts = self._verdicts(group, results)
         redo: dict[int, list[tuple[int, FastBatch]]] = {}
         applied: list[FastBatch] = []
         for j, (number, fast) in enumerate(group):
             key = id(fast.st)
-            if key not in redo and verdicts is not None and verdicts[j]:
+            if key not in redo and verdicts[j]:
                 outcomes[number] = seqr.finish_fast(fast)
                 applied.append(fast)
             else:
                 redo.setdefault(key, []).append((number, fast))
+        undone = {id(fast) for again in redo.values() for _, fast in again}
+        for _, fast in reversed(group):
+            if id(fast) in undone:
+                seqr.undo_fast(fast)
         if applied:
-            # before the batches handled again: a pod's journal keeps its batches' order
             drive(seqr.journal([(f.pod, f.plan) for f in applied]), self.perform)
         for again in redo.values():
-            for _, fast in reversed(again):
-                seqr.undo_fast(fast)
             for number, fast in again:
                 outcomes[number] = drive(seqr.resequence(fast), self.perform)
+
+    def _verdicts(
+        self, group: Sequence[tuple[int, FastBatch]], results: Sequence[StepResult] | None
+    ) -> list[bool]:
+        """Whether each batch of the group applied. A call that took more than one attempt may
+        have applied batches in an attempt whose reply was lost, which the next attempt then
+        refused: such a batch applied when its stream's stored mark has reached its own in its
+        epoch (read once per stream; a mark that cannot be read leaves the batch to the full
+        machine)."""
+        if results is None:
+            return [False] * len(group)
+        verdicts = [r.applied for r in results]
+        if all(r.applied or r.attempts <= 1 for r in results):
+            return verdicts
+        stored: dict[str, Watermark | None] = {}
+        for j, (_, fast) in enumerate(group):
+            if verdicts[j] or results[j].attempts <= 1:
+                continue
+            name = fast.step.stream
+            if name not in stored:
+                try:
+                    stored[name] = self.perform(ReadWatermark(name, once=True))
+                except (Abandoned, Failed) as exc:
+                    logger.warning("stream %s: cannot read the stored watermark: %s", name, exc)
+                    stored[name] = None
+            mark = stored[name]
+            wm = fast.step.watermark
+            verdicts[j] = mark is not None and mark.epoch == wm.epoch and mark >= wm
+        return verdicts
 
 
 def _contiguous_tail(found: list[_Message], upto: int) -> list[_Message]:

@@ -9,7 +9,10 @@ from typing import Any
 
 import pytest
 
+from kvredis.errors import BackendUnavailableError
 from kvredis.features import MMHash
+from kvredis.ingest import BatchOutcome, EndpointConfig, EventIngester
+from kvredis.ingest import backend as backend_module
 from kvredis.ingest.chains import EngineKeyCache, PageRecords, Tail
 from kvredis.ingest.journal import (
     MemoryPageJournal,
@@ -20,8 +23,11 @@ from kvredis.ingest.journal import (
     recall,
     replay,
 )
+from kvredis.ingest.stream import split_position
 from kvredis.memory import InMemoryIndex
+from kvredis.testing.wire import sglang_batch, sglang_pages
 from tests.conftest import close_backend, make_backend
+from tests.ingest.test_fidelity import MODEL, PROMPT, TP16
 from tests.servers import server_kinds
 
 # The record pages 101-103 share (the chain ends after 103), and a learned chain end (201).
@@ -194,3 +200,103 @@ def test_a_journal_only_this_ingester_wrote_is_compacted_from_its_memory(journal
     journal.append([("pod-a", entries[0]), ("pod-a", entries[1])])
     assert journal.compact("pod-a", 2, lambda: memory) is not None  # 3 entries: replayed
     assert journal.read("pod-a") == [compact([memory, *entries])]
+
+
+# -- batches applied together: the journal holds exactly the batches that took effect ---------
+
+
+def _pages(first_hash: int, tokens: tuple[int, ...], sizes: tuple[int, ...]) -> list[bytes]:
+    """SGLang page-1 batches continuing one chain, ``sizes`` tokens each."""
+    out: list[bytes] = []
+    parent, start, h = None, 0, first_hash
+    for size in sizes:
+        events, parent = sglang_pages(tokens[start : start + size], 1, h, parent)
+        out.append(sglang_batch(events))
+        start, h = start + size, h + size
+    return out
+
+
+def _journaled(index: Any, pod: str) -> set[int]:
+    """The pages whose records the pod's journal holds."""
+    journal = journal_for(index)
+    assert journal is not None
+    cache = EngineKeyCache(1 << 30, 1 << 30)
+    replay(cache, journal.read(pod))
+    return set(cache.records().cuts) | set(cache.records().tails)
+
+
+def _known(ing: EventIngester, pod: str) -> set[int]:
+    records = ing._planner.caches.get(pod).records()
+    return set(records.cuts) | set(records.tails)
+
+
+def test_a_group_whose_reply_was_lost_is_journaled_and_counted_as_applied() -> None:
+    # The index applies a group of fast batches and the reply is lost; the retry finds every
+    # batch applied already. They are this ingester's: journaled, counted applied (the stored
+    # marks say so), and an ingester started afterwards continues a branch from inside them.
+    index = InMemoryIndex()
+    real = index.apply_batch
+    lose = {"armed": False}
+
+    def applies_then_loses_the_reply(*args: Any, **kwargs: Any) -> bool:
+        applied = real(*args, **kwargs)
+        if lose["armed"]:
+            lose["armed"] = False
+            raise BackendUnavailableError("connection reset after the script ran")
+        return applied
+
+    index.apply_batch = applies_then_loses_the_reply  # type: ignore[method-assign]
+    ep = EndpointConfig("eng-a", pod_id="pod-a", model_name=MODEL, engine="sglang")
+    payloads = _pages(2**63 + 1, PROMPT, (7, 20, 37, 9, 23, 5, 11))
+    ing = EventIngester(index, TP16, endpoints=[ep])
+    outcomes = [ing.process(b"", s, payloads[s], ep.endpoint) for s in range(2)]
+    lose["armed"] = True
+    outcomes += ing.process_many([(b"", s, payloads[s], ep) for s in range(2, 7)])
+    assert lose["armed"] is False  # the group's reply was lost
+    assert outcomes == [BatchOutcome.APPLIED] * 7
+    assert ing.counters.get("batches_applied") == 7
+    assert ing.counters.get("batches_duplicate") == 0
+    assert _journaled(index, "pod-a") == _known(ing, "pod-a")
+    # a fresh ingester: a branch from the page holding token 30 (inside block 2, batch 2's)
+    events, _ = sglang_pages(tuple(range(5000, 5040)), 1, 2**63 + 10_000, 2**63 + 1 + 30)
+    again = EventIngester(index, TP16, endpoints=[ep])
+    assert again.process(b"", 7, sglang_batch(events), ep.endpoint) is BatchOutcome.APPLIED
+    assert again.counters.get("parent_misses") == 0
+
+
+def test_a_batch_of_a_group_that_never_applied_is_not_journaled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Two streams of one pod; the group's call fails, and stream y's batch then fails for
+    # good. A compaction from the ingester's memory (forced at every append) happens while the
+    # group is undone: the journal never holds y's batch, whose records the ingester dropped.
+    monkeypatch.setattr(backend_module, "COMPACT_MIN_BYTES", 1)
+    monkeypatch.setattr(backend_module, "COMPACT_GROWTH", 0)
+    xs = _pages(2**63 + 1, tuple(range(1000, 1100)), (7, 20, 9))
+    ys = _pages(2**63 + 100_000, tuple(range(7000, 7100)), (7, 20, 9))
+    y_last = set(range(2**63 + 100_000 + 27, 2**63 + 100_000 + 36))
+    index = InMemoryIndex()
+    real = index.apply_batch
+    fail = {"group": False}
+
+    def flaky(ops: Any = None, stream: Any = None, watermark: Any = None) -> bool:
+        if fail["group"]:
+            fail["group"] = False
+            raise RuntimeError("a script error")
+        if stream == "eng-y" and watermark is not None and split_position(watermark.seq)[0] >= 2:
+            raise RuntimeError("this batch cannot be applied")
+        return real(ops, stream, watermark)
+
+    index.apply_batch = flaky  # type: ignore[method-assign]
+    ex = EndpointConfig("eng-x", pod_id="pod-a", model_name=MODEL, engine="sglang", stream="eng-x")
+    ey = EndpointConfig("eng-y", pod_id="pod-a", model_name=MODEL, engine="sglang", stream="eng-y")
+    ing = EventIngester(index, TP16, endpoints=[ex, ey])
+    for s in range(2):
+        assert ing.process(b"", s, xs[s], ex.endpoint) is BatchOutcome.APPLIED
+        assert ing.process(b"", s, ys[s], ey.endpoint) is BatchOutcome.APPLIED
+    fail["group"] = True
+    outcomes = ing.process_many([(b"", 2, xs[2], ex), (b"", 2, ys[2], ey)])
+    assert outcomes == [BatchOutcome.APPLIED, BatchOutcome.FAILED]
+    assert not _known(ing, "pod-a") & y_last
+    assert not _journaled(index, "pod-a") & y_last
+    assert _journaled(index, "pod-a") == _known(ing, "pod-a")
