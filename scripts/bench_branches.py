@@ -2,7 +2,7 @@
 
 A fleet of SGLang pods (page size ``--page``, default 1) serves requests that share system
 prompts of arbitrary length and continue earlier conversations; each pod's radix cache (the model
-in ``tests/ingest/radix.py``: node splits publish nothing, leaves evict first) publishes its
+in ``kvredis/testing/radix.py``: node splits publish nothing, leaves evict first) publishes its
 events, one batch per request, into an ingester on an in-memory index with 16-token blocks.
 Printed, for this checkout ("after") and for the kvredis tree of ``--before``:
 
@@ -42,7 +42,7 @@ BLOCK = 16
 
 def fleet(page: int, requests: int, seed: int = 1) -> list[tuple[str, list[Any], Any]]:
     """The fleet's batches in order: ``(pod, events, caches)`` (``caches`` as after them)."""
-    radix = __import__("tests.ingest.radix", fromlist=["radix"])
+    radix = _this_checkouts("radix")
     rng = random.Random(seed)
     pods = [f"pod-{i}" for i in range(4)]
     caches = {pod: radix.RadixCache(page) for pod in pods}
@@ -62,6 +62,32 @@ def fleet(page: int, requests: int, seed: int = 1) -> list[tuple[str, list[Any],
             cache.evict(rng.choice(cache.leaves()))
         out.append((pod, cache.take(), caches))
     return out
+
+
+def _load(name: str, path: Path) -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _this_checkouts(module: str) -> Any:
+    """This checkout's ``kvredis.testing.<module>`` (the engines' wire shapes, the SGLang radix
+    model), loaded from its file: a child measuring an older tree imports that tree's
+    ``kvredis``, which may have neither. The radix model finds the wire shapes under their
+    usual name."""
+    wire = _load("kvredis_bench_wire", REPO / "kvredis" / "testing" / "wire.py")
+    if module == "wire":
+        return wire
+    try:
+        import kvredis.testing.wire  # noqa: F401
+    except ImportError:
+        sys.modules["kvredis.testing.wire"] = wire
+    return _load(f"kvredis_bench_{module}", REPO / "kvredis" / "testing" / f"{module}.py")
 
 
 def deep_size(obj: object, seen: set[int]) -> int:
@@ -90,7 +116,7 @@ def child(tree: str, page: int, requests: int, url: str | None) -> dict[str, Any
     from kvredis.ingest import EventIngester
     from kvredis.memory import InMemoryIndex
 
-    wire = __import__("tests.ingest.wire", fromlist=["wire"])
+    wire = _this_checkouts("wire")
     tp = ChunkedTokenDatabase(TokenProcessorConfig(block_size_tokens=BLOCK))
     index: Any = InMemoryIndex()
     server: Any = None
@@ -146,7 +172,7 @@ def child(tree: str, page: int, requests: int, url: str | None) -> dict[str, Any
         for name in ("_tails", "_cuts")
         if hasattr(planner_caches.get(pod), name)
     ]
-    pages = sum(len(t) for t in tails)
+    pages = sum(len(getattr(t, "items", t)) for t in tails)  # a table of records, or a dict
     seen: set[int] = set()
     state = sum(deep_size(t, seen) for t in tails)
     counters = ingester.counters.snapshot()

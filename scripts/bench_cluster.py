@@ -49,7 +49,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import redis
-from bench_realistic import MODEL, TP, WEIGHTS, Fleet
+from bench_realistic import BLOCK, MODEL, TP, WEIGHTS, Fleet, SglangFleet, VllmFleet
 from bench_server_cpu import pin
 
 from kvredis.ingest import EventIngester
@@ -422,7 +422,11 @@ def print_sizing(rows: list[SizingRow], args: Any) -> None:
 
 def run_shape(args: Any, shape: str, kind: str) -> ShapeResult:
     quick = args.quick
-    fleet = Fleet(shape, args.conversations, args.turns, 3000, args.seed, pods=args.pods)
+    fleet: Fleet
+    if shape == "vllm":  # pods of 3,000 blocks (SGLang's radix caches count tokens)
+        fleet = VllmFleet(args.conversations, args.turns, 3000, args.seed, pods=args.pods)
+    else:
+        fleet = SglangFleet(args.conversations, args.turns, 3000 * BLOCK, args.seed, args.pods)
     fleet.run()
     with ExitStack() as stack:
         setups = start_setups(stack, args.setups.split(","), kind, args.shards_per_primary)

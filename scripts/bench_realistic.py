@@ -1,33 +1,46 @@
-"""Redis CPU on indexes filled the way engines write them, against the Go llm-d layout.
+"""Ingestion at fleet rate on indexes filled the way engines write them, against the Go layout.
 
-The other benchmarks fill the index with 64-key adds. Engines do not write like that: vLLM
-stores a prompt in prefill chunks (up to 128 blocks per ``BlockStored``), then one one-block
-``BlockStored`` per 16 generated tokens; SGLang stores radix nodes, with page size 1 one engine
-hash per token. This benchmark simulates a fleet and feeds every message through
+The other benchmarks fill the index with 64-key adds. Engines do not write like that. This
+benchmark simulates a fleet of 8 pods and feeds every message through
 :class:`~kvredis.ingest.EventIngester` in the engines' own wire shapes (``kvredis.testing.wire``):
 
-- 8 pods; conversations of several turns, each opening with one of 16 shared system prompts of
-  any length (2-120 blocks); a user turn of 1-40 blocks of tokens (not block aligned for vLLM,
-  whole blocks for SGLang, whose mid-block chains are another matter), then 1-40 blocks of
-  generated tokens (vLLM: one event per block; SGLang, page size 1: radix nodes of 1-4 blocks,
-  one engine hash per token, each node extending the one before); one turn in ten moves to
-  another pod;
-- each pod holds a bounded number of blocks, least recently used evicted as ``BlockRemoved``
-  (a request's tail blocks first, as vLLM's free queue orders them);
-- each message is one engine batch (one ``apply_batch``), the worst case for fixed costs.
+- **vLLM** (16-token blocks): conversations of several turns, each opening with one of 16 shared
+  system prompts of 2-120 blocks; a user turn of 1-40 blocks of tokens (not block aligned), in
+  prefill chunks of up to 128 blocks per ``BlockStored``, then one one-block ``BlockStored`` per
+  16 generated tokens (1-40); each pod holds a bounded number of blocks, least recently used
+  evicted as ``BlockRemoved`` (a request's tail first, as vLLM's free queue orders them);
+- **SGLang** (page size 1, one engine hash per token, ``--engine sglang``): each pod is SGLang
+  0.5.23's radix cache (:mod:`kvredis.testing.radix`): system prompts of 30-1,900 tokens and
+  turns of 5-640 tokens in and 1-640 out, so that radix nodes begin and end anywhere inside
+  16-token blocks; a node per prefill chunk (1,024 tokens) and per finished request, branches
+  where prompts diverge (splits publish nothing), least recently used leaves evicted whole;
+- in both, one turn in ten moves to another pod, and each insert is one engine batch (the worst
+  case for fixed costs).
 
-The same (engine event → request keys, entries) stream fills the Go layout
-(``scripts/reference_layout.py``: one pipeline per event, an HSET per key and a ZADD per engine
-key; evictions as the Go index makes them), and the final pairs fill a third namespace by
-64-key adds. Reported: the share of request keys held through chain runs, Redis calls inside
-a whole-conversation score, Redis CPU per score (kvredis, Go layout, 64-key fill and the floor:
-a Lua script that GETs one string of 512 x 8 bytes and compares it; and a script call that does
-nothing, what any call costs the server on the machine), ingest Redis CPU per stored
-block (kvredis through the ingester, Go layout per-event pipeline), and scores checked against
-what each simulated pod really holds. The server is pinned to one core (``taskset``) when
-possible; CPU is ``INFO cpu`` growth minus the idle server's (see ``bench_server_cpu.py``); a
-score's is the median of rounds that each measure every side in turn.
-``--server valkey`` runs it all on Valkey 9 instead of redis-server.
+Measured, side by side on one server pinned to one core (``taskset``; CPU is ``INFO cpu``
+growth minus the idle server's, see ``bench_server_cpu.py``):
+
+- **client**: the ingester's CPU per stored index block and blocks per CPU-second, through
+  ``process`` (one message at a time), through ``process_many`` of the messages a busy worker
+  finds queued (``--backlog``, default 16), and through the production path: ``kvredis ingest``
+  in its own process subscribed over ZMQ on loopback (its CPU read from ``/proc``, startup
+  excluded);
+- **Redis CPU per stored block** (stores and the evictions they cause): kvredis at backlog 1 and
+  at ``--backlog``; the Go layout (``scripts/reference_layout.py``: one pipeline per event, an
+  HSET per key and a ZADD per engine key) evicting as its own code does (``evict``, a round trip
+  per key) and written well (``evict_many``: a removal's mappings read in one pipeline, its
+  entries dropped in another);
+- **memory per (block, pod) pair**: ``used_memory`` growth of the event-filled namespace (the
+  page journal included, and apart: as the ingester left it, up to twice what a compaction keeps,
+  and compacted) against the same pairs added by 64-key adds (no engine mappings);
+- **scores** of every conversation against what each simulated pod holds (must be equal; the
+  script fails otherwise), parent misses, and the share of request keys held in chain runs;
+- **score CPU** (kvredis, Go layout, 64-key fill, a floor script that GETs one 4 KiB string, and
+  a script that does nothing), the median of interleaved rounds.
+
+It ends with a fleet-sizing table (Redis cores and ingester processes for 100 and 1,000 pods
+storing ``--pod-rate`` blocks a second each, and evicting as many), printed as Markdown for
+``docs/benchmarks.md``. ``--server valkey`` runs it all on Valkey 9 instead of redis-server.
 
 ``--before REF`` also measures, in the same server and in interleaved rounds, the Lua scripts of
 the git revision ``REF`` of this repository against this checkout's, both by ``EVALSHA`` of the
@@ -37,17 +50,21 @@ block elsewhere: the parts' stamps; and the same with a second data-parallel ran
 the scripts from before per-rank scores, function API 1 and 2, merge into the pod), and per
 block ingested through the ingester (each side into namespaces of its own, fed in alternation).
 
-Run:  .venv/bin/python scripts/bench_realistic.py [--quick] [--shape vllm,sglang] [--server valkey]
+Run:  .venv/bin/python scripts/bench_realistic.py [--quick] [--shape vllm,sglang]
+      [--server valkey] [--backlog N] [--pod-rate R] [--no-zmq] [--zmq-workers N]
       [--before REF] [--json PATH]
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
 import random
 import statistics
 import struct
 import subprocess
+import sys
 import time
 import uuid
 from collections import OrderedDict
@@ -59,15 +76,16 @@ import redis
 from bench_server_cpu import Server, pin
 
 from kvredis.hashing import ChunkedTokenDatabase, TokenProcessorConfig
-from kvredis.ingest import EventIngester
+from kvredis.ingest import EndpointConfig, EventIngester
+from kvredis.ingest.journal import JOURNAL_KEY_INFIX, RedisPageJournal
+from kvredis.ingest.stream import PHASE_DONE, split_position
 from kvredis.redis import RedisIndex, RedisIndexConfig
 from kvredis.redis.ops import SCORE_KEYS_PER_CALL
 from kvredis.redis.scripts import Script, expand
 from kvredis.scoring import LongestPrefixScorer
+from kvredis.testing.radix import RadixCache, page_digest
 from kvredis.testing.wire import (
     sglang_batch,
-    sglang_removed,
-    sglang_stored,
     vllm_batch,
     vllm_removed,
     vllm_stored,
@@ -89,6 +107,8 @@ local run = redis.call('GET', KEYS[1])
 return run == ARGV[1] and 1 or 0
 """
 BARE = "return 1"
+SGLANG_CHUNK = 1024
+"""Tokens per SGLang prefill chunk: a radix node each."""
 
 
 def _h(*parts: int) -> int:
@@ -105,9 +125,11 @@ class Conversation:
     """The request keys of its full blocks, as a router computes them."""
     pod: int = 0
     blocks: list[tuple[int, ...]] = field(default_factory=list)
-    """The engine hashes of each full block (one per vLLM block, one per SGLang page)."""
+    """vLLM: the engine hash of each full block (a 1-tuple)."""
     last: int = 0
-    """The running engine hash after the last block."""
+    """vLLM: the running engine hash after the last block."""
+    digests: list[bytes] = field(default_factory=list)
+    """SGLang: the digest of each page (token), chained as SGLang chains them."""
 
     def extend_keys(self) -> None:
         full = len(self.tokens) // BLOCK
@@ -115,6 +137,13 @@ class Conversation:
             base = self.keys[-1] if self.keys else 0
             new = self.tokens[len(self.keys) * BLOCK : full * BLOCK]
             self.keys += TP.tokens_to_kv_block_keys(base, new, MODEL)
+
+    def page_hashes(self, start: int, end: int) -> list[int]:
+        """SGLang: the engine hashes of pages ``[start, end)``."""
+        digests = self.digests
+        for i in range(len(digests), end):
+            digests.append(page_digest(digests[-1] if digests else None, self.tokens[i : i + 1]))
+        return [int.from_bytes(d[:8], "big") for d in digests[start:end]]
 
 
 @dataclass
@@ -124,16 +153,15 @@ class Message:
     pod: int
     payload: bytes
     adds: list[tuple[list[int], list[int]]]
-    """(engine keys, request keys) per ``BlockStored``."""
+    """(engine keys, request keys) per index write of the Go layout."""
     removed: list[int]
     """Engine keys of ``BlockRemoved``."""
     blocks: int
+    """Index blocks its stores complete."""
 
 
 class Pod:
-    """One engine's cache: blocks (their engine hashes) by their last engine hash, LRU order.
-    SGLang evicts pages; here a block's pages go together (mid-block chains are another
-    matter)."""
+    """One vLLM engine's cache: blocks by their engine hash, least recently used first."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -157,101 +185,177 @@ class Pod:
 
 
 class Fleet:
-    """The simulation: messages in the engines' shapes, and what every pod holds."""
+    """The simulation's common part: conversations, messages, what every pod holds."""
+
+    shape = ""
+    engine = ""
+
+    def __init__(self, conversations: int, turns: int, seed: int, pods: int = PODS) -> None:
+        self.rng = random.Random(seed)
+        self.npods = pods
+        """How many pods the fleet has (``PODS`` here; ``scripts/bench_cluster.py`` asks more)."""
+        self.turns = turns
+        self.conversations = conversations
+        self.messages: list[Message] = []
+        self.convs: list[Conversation] = []
+        self.pages = 0
+        """Engine pages stored."""
+
+    def run(self) -> None:
+        rng = self.rng
+        for t in range(self.turns):
+            for conv in self.convs:
+                if t and rng.random() < 0.1:
+                    conv.pod = rng.randrange(self.npods)  # the router moved it
+                self.turn(conv)
+
+    def turn(self, conv: Conversation) -> None:
+        raise NotImplementedError
+
+    def held(self, conv: Conversation, pod: int) -> int:
+        """How many leading request keys of the conversation ``pod`` holds."""
+        raise NotImplementedError
+
+    def pairs(self) -> dict[int, list[int]]:
+        """Every (request key, pod) pair the pods hold, by pod, in chain order."""
+        out: dict[int, list[int]] = {p: [] for p in range(self.npods)}
+        seen: set[tuple[int, int]] = set()
+        for conv in self.convs:
+            for p in range(self.npods):
+                for k in conv.keys[: self.held(conv, p)]:
+                    if (p, k) not in seen:
+                        seen.add((p, k))
+                        out[p].append(k)
+        return out
+
+
+class VllmFleet(Fleet):
+    shape = "vllm"
+    engine = "vllm"
 
     def __init__(
-        self,
-        shape: str,
-        conversations: int,
-        turns: int,
-        capacity: int,
-        seed: int,
-        pods: int = PODS,
+        self, conversations: int, turns: int, capacity: int, seed: int, pods: int = PODS
     ) -> None:
-        self.shape = shape
-        self.rng = random.Random(seed)
-        self.page = 1 if shape == "sglang" else BLOCK
-        self.pods = [Pod(capacity) for _ in range(pods)]
+        super().__init__(conversations, turns, seed, pods)
         rng = self.rng
-        self.prompts = [
+        self.pods = [Pod(capacity) for _ in range(pods)]
+        prompts = [
             [rng.randrange(1, 50_000) for _ in range(BLOCK * rng.randint(2, 120))]
             for _ in range(PROMPTS)
         ]
         self.convs = [
-            Conversation(list(rng.choice(self.prompts)), pod=rng.randrange(pods))
+            Conversation(list(rng.choice(prompts)), pod=rng.randrange(pods))
             for _ in range(conversations)
         ]
-        self.turns = turns
-        self.messages: list[Message] = []
 
-    def blocks(self, conv: Conversation) -> list[tuple[int, ...]]:
-        """The engine hashes of the conversation's full blocks, by a running hash of the tokens
-        (the same prefix, the same hashes)."""
+    def _blocks(self, conv: Conversation) -> list[tuple[int, ...]]:
         h = conv.last
         for b in range(len(conv.blocks), len(conv.tokens) // BLOCK):
-            block = []
-            for end in range(b * BLOCK + self.page, (b + 1) * BLOCK + 1, self.page):
-                h = _h(h, *conv.tokens[end - self.page : end])
-                block.append(h)
-            conv.blocks.append(tuple(block))
+            h = _h(h, *conv.tokens[b * BLOCK : (b + 1) * BLOCK])
+            conv.blocks.append((h,))
         conv.last = h
         return conv.blocks
 
-    def run(self) -> None:
-        order = [(t, c) for t in range(self.turns) for c in range(len(self.convs))]
-        for t, c in order:
-            conv = self.convs[c]
-            if t and self.rng.random() < 0.1:
-                conv.pod = self.rng.randrange(len(self.pods))  # the router moved it
-            user = self.rng.randint(1, 40) * BLOCK
-            if self.shape == "vllm":
-                user += self.rng.randrange(BLOCK)  # prompts are not block aligned
-            conv.tokens += [self.rng.randrange(1, 50_000) for _ in range(user)]
-            self.store(conv, prefill=True)
-            out = self.rng.randint(1, 40)
-            while out > 0:  # vLLM: one event per block; SGLang: nodes of 1-4 blocks
-                step = 1 if self.shape == "vllm" else min(out, self.rng.randint(1, 4))
-                conv.tokens += [self.rng.randrange(1, 50_000) for _ in range(step * BLOCK)]
-                self.store(conv, prefill=False)
-                out -= step
+    def turn(self, conv: Conversation) -> None:
+        rng = self.rng
+        user = rng.randint(1, 40) * BLOCK + rng.randrange(BLOCK)  # not block aligned
+        conv.tokens += [rng.randrange(1, 50_000) for _ in range(user)]
+        self._store(conv)
+        for _ in range(rng.randint(1, 40)):  # one event per generated block
+            conv.tokens += [rng.randrange(1, 50_000) for _ in range(BLOCK)]
+            self._store(conv)
 
-    def store(self, conv: Conversation, prefill: bool) -> None:
-        """The pod stores the conversation's full units it does not hold (prefill chunks of up
-        to 128 blocks; a decode block; an SGLang node), evicting to make room."""
+    def _store(self, conv: Conversation) -> None:
         pod = self.pods[conv.pod]
-        blocks = self.blocks(conv)
+        blocks = self._blocks(conv)
         removed = pod.evict(len(blocks) - pod.hit(blocks))
-        # an eviction may have taken a block of this prefix: the engine stores from the miss
-        hit = pod.hit(blocks)
+        hit = pod.hit(blocks)  # an eviction may have taken a block of this prefix
         new = blocks[hit:]
         conv.extend_keys()
-        events: list[Any] = []
+        events: list[Any] = [vllm_removed(removed)] if removed else []
         adds: list[tuple[list[int], list[int]]] = []
-        if removed:
-            rm = vllm_removed if self.shape == "vllm" else sglang_removed
-            events.append(rm(removed))
-        chunk = 128 if self.shape == "vllm" else len(new) or 1
-        for start in range(0, len(new), chunk):
+        for start in range(0, len(new), 128):  # prefill chunks of up to 128 blocks
             first = hit + start
-            part = [h for b in new[start : start + chunk] for h in b]
+            part = [h for b in new[start : start + 128] for h in b]
             parent = blocks[first - 1][-1] if first else None
-            toks = conv.tokens[first * BLOCK : first * BLOCK + len(part) * self.page]
-            if self.shape == "vllm":
-                events.append(vllm_stored(part, parent, toks, BLOCK))
-            else:
-                events.append(sglang_stored(part, parent, toks, self.page))
-            adds.append((part, conv.keys[first : first + len(part) * self.page // BLOCK]))
+            toks = conv.tokens[first * BLOCK : (first + len(part)) * BLOCK]
+            events.append(vllm_stored(part, parent, toks, BLOCK))
+            adds.append((part, conv.keys[first : first + len(part)]))
         for b in new:
             pod.lru[b[-1]] = b
         pod.touch(blocks)
-        if not events:
-            return
-        batch = vllm_batch if self.shape == "vllm" else sglang_batch
-        self.messages.append(Message(conv.pod, batch(events), adds, removed, len(new)))
+        self.pages += len(new)
+        if events:
+            self.messages.append(Message(conv.pod, vllm_batch(events), adds, removed, len(new)))
 
     def held(self, conv: Conversation, pod: int) -> int:
-        """How many leading request keys of the conversation ``pod`` holds."""
         return self.pods[pod].hit(conv.blocks[: len(conv.keys)])
+
+
+class SglangFleet(Fleet):
+    shape = "sglang"
+    engine = "sglang"
+
+    def __init__(
+        self, conversations: int, turns: int, capacity: int, seed: int, pods: int = PODS
+    ) -> None:
+        super().__init__(conversations, turns, seed, pods)
+        rng = self.rng
+        self.pods = [RadixCache(1, capacity) for _ in range(pods)]
+        prompts = [
+            [rng.randrange(1, 50_000) for _ in range(rng.randint(30, 1900))] for _ in range(PROMPTS)
+        ]
+        self.convs = [
+            Conversation(list(rng.choice(prompts)), pod=rng.randrange(pods))
+            for _ in range(conversations)
+        ]
+
+    def turn(self, conv: Conversation) -> None:
+        rng = self.rng
+        cache = self.pods[conv.pod]
+        conv.tokens += [rng.randrange(1, 50_000) for _ in range(rng.randint(5, 640))]
+        held = cache.match(conv.tokens)
+        for end in range(held + SGLANG_CHUNK, len(conv.tokens), SGLANG_CHUNK):
+            self._insert(conv, end)  # a node per prefill chunk
+        self._insert(conv, len(conv.tokens))
+        conv.tokens += [rng.randrange(1, 50_000) for _ in range(rng.randint(1, 640))]
+        self._insert(conv, len(conv.tokens))  # the finished request's node
+
+    def _insert(self, conv: Conversation, end: int) -> None:
+        cache = self.pods[conv.pod]
+        start = cache.insert(conv.tokens[:end])
+        events = cache.take()
+        if not events:
+            return
+        conv.extend_keys()
+        removed = [
+            h % 2**64 for e in events if e["type"] == "BlockRemoved" for h in e["block_hashes"]
+        ]
+        pages = conv.page_hashes(0, end)
+        # the Go layout maps every page of a block it completes to the block
+        first, last = start // BLOCK, end // BLOCK
+        adds = [
+            (pages[j * BLOCK : (j + 1) * BLOCK], [conv.keys[j]])
+            for j in range(first, last)
+            if (j + 1) * BLOCK > start
+        ]
+        self.pages += end - start
+        self.messages.append(Message(conv.pod, sglang_batch(events), adds, removed, len(adds)))
+
+    def held(self, conv: Conversation, pod: int) -> int:
+        return self.pods[pod].match(conv.tokens) // BLOCK
+
+
+def make_fleet(shape: str, quick: bool, seed: int) -> Fleet:
+    fleet: Fleet
+    if shape == "vllm":
+        fleet = VllmFleet(24 if quick else 64, 4 if quick else 7, 800 if quick else 3000, seed)
+    elif shape == "sglang":
+        fleet = SglangFleet(16 if quick else 64, 3 if quick else 7, 8000 if quick else 40_000, seed)
+    else:
+        raise SystemExit(f"unknown shape {shape!r} (vllm or sglang)")
+    fleet.run()
+    return fleet
 
 
 @dataclass
@@ -260,14 +364,30 @@ class Result:
     pinned: bool
     messages: int
     blocks_stored: int
+    """Index blocks the pods stored (request keys written; evicted ones stored again count)."""
+    pages_stored: int
+    """Engine pages (vLLM blocks, SGLang tokens) stored."""
     keys: int
     share_in_runs: float
     calls_per_score: float
     score_us: dict[str, float]
     ingest_us_per_block: dict[str, float]
+    """Redis CPU per stored block: kvredis (at the backlog) and the Go layout (evict per key)."""
     scores_checked: int
     ratios: dict[str, float] = field(default_factory=dict)
     server: str = "redis"
+    backlog: int = 16
+    redis_us_per_block: dict[str, float] = field(default_factory=dict)
+    """Redis CPU per stored block, every side."""
+    client_us_per_block: dict[str, float] = field(default_factory=dict)
+    """Ingester CPU per stored block: process, process_many, kvredis ingest over ZMQ."""
+    client_blocks_per_s: dict[str, float] = field(default_factory=dict)
+    memory: dict[str, float] = field(default_factory=dict)
+    """Bytes per (block, pod) pair: event-filled (and its page journal), 64-key fill."""
+    pairs: int = 0
+    parent_misses: int = 0
+    evicted_per_stored: float = 0.0
+    """Engine pages removed per engine page stored (1.0: caches full, evicting what they store)."""
     before: dict[str, dict[str, float]] = field(default_factory=dict)
     """With ``--before REF``: per figure, Redis CPU µs of REF's scripts and of this checkout's."""
 
@@ -284,14 +404,24 @@ def _calls(raw: redis.Redis) -> tuple[int, int]:
     return scripts, inner
 
 
-def cpu_us(server: Server, call: Callable[[int], object], n: int) -> float:
-    """Server CPU µs (less the idle server's) of ``call(i)`` for i in range(n), in all."""
+def used_memory(raw: redis.Redis) -> int:
+    """The server's ``used_memory``, after giving back what the allocator can."""
+    with contextlib.suppress(redis.ResponseError):
+        raw.execute_command("MEMORY", "PURGE")
+    return int(raw.info("memory")["used_memory"])
+
+
+def cpu_us(server: Server, call: Callable[[int], object], n: int) -> tuple[float, float]:
+    """(server CPU µs less the idle server's, this process's CPU s) of ``call(i)`` for i in
+    range(n)."""
     before = server.cpu()
     start = time.perf_counter()
+    mine = time.process_time()
     for i in range(n):
         call(i)
+    client = time.process_time() - mine
     elapsed = time.perf_counter() - start
-    return (server.cpu() - before - server.idle_per_s * elapsed) * 1e6
+    return (server.cpu() - before - server.idle_per_s * elapsed) * 1e6, client
 
 
 def interleaved(
@@ -446,6 +576,10 @@ def compare_before(
     parts.close()
     # ingest: each side into namespaces of its own, in alternation
     ingest: dict[str, list[float]] = {ref: [], "now": []}
+    endpoints = [
+        EndpointConfig(f"pod-{p}", engine=fleet.engine, pod_id=f"pod-{p}", model_name=MODEL)
+        for p in range(PODS)
+    ]
     blocks = sum(msg.blocks for msg in fleet.messages)
     for _ in range(2):
         for side in (ref, "now"):
@@ -461,11 +595,11 @@ def compare_before(
             def feed(i: int, ing: EventIngester = ing, seqs: list[int] = seqs) -> None:
                 msg = fleet.messages[i]
                 ing.process(
-                    f"kv@pod-{msg.pod}@{MODEL}", seqs[msg.pod], msg.payload, f"pod-{msg.pod}"
+                    f"kv@pod-{msg.pod}@{MODEL}", seqs[msg.pod], msg.payload, endpoints[msg.pod]
                 )
                 seqs[msg.pod] += 1
 
-            ingest[side].append(cpu_us(server, feed, len(fleet.messages)) / blocks)
+            ingest[side].append(cpu_us(server, feed, len(fleet.messages))[0] / blocks)
             index.drop_namespace()
             index.close()
     return {
@@ -476,70 +610,212 @@ def compare_before(
     }
 
 
+class Ingest:
+    """One kvredis namespace filled through an :class:`EventIngester`, messages fed ``backlog``
+    at a time (``process`` for 1, else ``process_many`` of that many consecutive messages, as a
+    worker drains its queue)."""
+
+    def __init__(self, fleet: Fleet, url: str, backlog: int) -> None:
+        self.fleet = fleet
+        self.ns = f"real-{uuid.uuid4().hex[:6]}"
+        self.index = RedisIndex(RedisIndexConfig(address=f"{url}/0", namespace=self.ns))
+        self.ingester = EventIngester(self.index, TP)
+        self.endpoints = [
+            EndpointConfig(f"pod-{p}", engine=fleet.engine, pod_id=f"pod-{p}", model_name=MODEL)
+            for p in range(PODS)
+        ]
+        self.seqs = [0] * PODS
+        self.backlog = backlog
+
+    def calls(self) -> tuple[Callable[[int], object], int]:
+        """The feeding call and how many times to make it."""
+        messages, backlog = self.fleet.messages, self.backlog
+        topics = [f"kv@pod-{p}@{MODEL}" for p in range(PODS)]
+
+        def one(i: int) -> None:
+            m = messages[i]
+            self.ingester.process(topics[m.pod], self.seqs[m.pod], m.payload, self.endpoints[m.pod])
+            self.seqs[m.pod] += 1
+
+        def many(i: int) -> None:
+            batch = []
+            for m in messages[i * backlog : (i + 1) * backlog]:
+                batch.append((topics[m.pod], self.seqs[m.pod], m.payload, self.endpoints[m.pod]))
+                self.seqs[m.pod] += 1
+            self.ingester.process_many(batch)
+
+        if backlog <= 1:
+            return one, len(messages)
+        return many, -(-len(messages) // backlog)
+
+    def counter(self, name: str) -> int:
+        return self.ingester.counters.get(name)
+
+    def close(self) -> None:
+        self.index.close()
+
+
+def zmq_client_cpu(fleet: Fleet, url: str, workers: int = 4) -> float:
+    """CPU seconds ``kvredis ingest`` spends applying the fleet's messages, received over ZMQ on
+    loopback (8 publishers; startup excluded: read from ``/proc`` once it subscribed)."""
+    import zmq
+
+    from kvredis.testing.servers import free_port
+
+    ns = f"zmq-{uuid.uuid4().hex[:6]}"
+    ctx = zmq.Context()
+    sockets, args = [], []
+    for p in range(PODS):
+        sock = ctx.socket(zmq.XPUB)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        port = free_port()
+        sock.bind(f"tcp://127.0.0.1:{port}")
+        sockets.append(sock)
+        args += ["--endpoint", f"tcp://127.0.0.1:{port}", "--pod", f"pod-{p}", "--model", MODEL]
+        args += ["--engine", fleet.engine]
+    cmd = [sys.executable, "-m", "kvredis.cli.ingest", "--redis", url, "--namespace", ns]
+    proc = subprocess.Popen(
+        [*cmd, "--status-interval", "600", "--workers", str(workers), *args],
+        cwd=str(REPO),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    index = RedisIndex(RedisIndexConfig(address=url, namespace=ns))
+
+    def cpu() -> float:
+        with open(f"/proc/{proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def applied(pod: int) -> int:
+        wm = index.get_watermark(f"pod-{pod}")
+        if wm is None:
+            return -1
+        seq, phase = split_position(wm.seq)
+        return seq if phase == PHASE_DONE else seq - 1
+
+    try:
+        for sock in sockets:  # the subscription arrives once the ingester connected
+            if not sock.poll(60_000):
+                raise SystemExit("kvredis ingest did not subscribe within 60 s")
+            sock.recv()
+        time.sleep(0.5)
+        start = cpu()
+        seqs = [0] * PODS
+        for n, m in enumerate(fleet.messages):
+            topic = f"kv@pod-{m.pod}@{MODEL}".encode()
+            sockets[m.pod].send_multipart([topic, seqs[m.pod].to_bytes(8, "big"), m.payload])
+            seqs[m.pod] += 1
+            if n % 128 == 127:  # stay within the subscriber's queue: never more than 512 ahead
+                while any(applied(p) < seqs[p] - 512 for p in range(PODS)):
+                    time.sleep(0.005)
+        deadline = time.monotonic() + 600
+        while any(applied(p) < seqs[p] - 1 for p in range(PODS)):
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise SystemExit("kvredis ingest did not apply every message")
+            time.sleep(0.01)
+        return cpu() - start
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        for sock in sockets:
+            sock.close(0)
+        ctx.term()
+        index.drop_namespace()
+        index.close()
+
+
 def run_shape(
-    shape: str, url: str, server: Server, quick: bool, seed: int, before: str | None = None
+    fleet: Fleet,
+    url: str,
+    server: Server,
+    quick: bool,
+    backlog: int,
+    zmq_path: bool,
+    zmq_workers: int = 4,
+    before_ref: str | None = None,
 ) -> Result:
-    fleet = Fleet(shape, 24 if quick else 64, 4 if quick else 7, 800 if quick else 3000, seed)
-    fleet.run()
     raw = server.raw
     raw.flushall()
-    ns = f"real-{uuid.uuid4().hex[:6]}"
-    kv = RedisIndex(RedisIndexConfig(address=f"{url}/0", namespace=ns))
-    ing = EventIngester(kv, TP)
-    seqs = [0] * PODS
-    blocks = sum(m.blocks for m in fleet.messages)
-
-    def feed(i: int) -> None:
-        m = fleet.messages[i]
-        ing.process(f"kv@pod-{m.pod}@{MODEL}", seqs[m.pod], m.payload, endpoint=f"pod-{m.pod}")
-        seqs[m.pod] += 1
-
     n = len(fleet.messages)
-    kv_ingest = cpu_us(server, feed, n)
-    ref_client = redis.Redis.from_url(url, db=1)
-    ref = ReferenceLayout(ref_client)
+    blocks = sum(m.blocks for m in fleet.messages)
+    # kvredis at backlog 1, then at the backlog: the latter's namespace is the one measured
+    single = Ingest(fleet, url, 1)
+    call, count = single.calls()
+    single_redis, single_client = cpu_us(server, call, count)
+    many = Ingest(fleet, url, backlog)
+    call, count = many.calls()
+    before = used_memory(raw)
+    many_redis, many_client = cpu_us(server, call, count)
+    event_filled = used_memory(raw) - before
+    journal_keys = list(raw.scan_iter(match=f"{many.ns}{JOURNAL_KEY_INFIX}*", count=1000))
+    # the Go layout, evicting as its own code does and written well
     tier = DEFAULT_TIERS.tier("GPU")
     entries = [PodEntry(f"pod-{p}", tier) for p in range(PODS)]
+    ref_sides: dict[str, float] = {}
+    ref_clients: list[redis.Redis] = []
+    refs: dict[str, ReferenceLayout] = {}
+    for db, name in ((1, "go layout"), (2, "go layout written well")):
+        client = redis.Redis.from_url(url, db=db)
+        ref_clients.append(client)
+        ref = refs[name] = ReferenceLayout(client)
 
-    def ref_feed(i: int) -> None:
-        m = fleet.messages[i]
-        for engine in m.removed:
-            ref.evict(engine, KeyType.ENGINE, [entries[m.pod]])
-        for engine_keys, request_keys in m.adds:
-            if request_keys:
-                ref.add(engine_keys, request_keys, [entries[m.pod]])
+        def ref_feed(i: int, ref: ReferenceLayout = ref, well: bool = db == 2) -> None:
+            m = fleet.messages[i]
+            if well and m.removed:
+                ref.evict_many(m.removed, [entries[m.pod]])
+            else:
+                for engine in m.removed:
+                    ref.evict(engine, KeyType.ENGINE, [entries[m.pod]])
+            for engine_keys, request_keys in m.adds:
+                if request_keys:
+                    ref.add(engine_keys, request_keys, [entries[m.pod]])
 
-    ref_ingest = cpu_us(server, ref_feed, n)
-    # the final pairs by 64-key adds, in chain order, each (pod, key) once
-    fill = RedisIndex(RedisIndexConfig(address=f"{url}/0", namespace=ns + "-64"))
-    done: set[tuple[int, int]] = set()
-    for conv in fleet.convs:
-        for p in range(PODS):
-            keys = [k for k in conv.keys[: fleet.held(conv, p)] if (p, k) not in done]
-            done.update((p, k) for k in keys)
-            for j in range(0, len(keys), 64):
-                fill.add(None, keys[j : j + 64], [entries[p]])
+        ref_sides[name] = cpu_us(server, ref_feed, n)[0]
+    # the final pairs by 64-key adds, in chain order
+    fill = RedisIndex(RedisIndexConfig(address=f"{url}/0", namespace=many.ns + "-64"))
+    pairs = fleet.pairs()
+    n_pairs = sum(map(len, pairs.values()))
+    before = used_memory(raw)
+    for p, keys in pairs.items():
+        for j in range(0, len(keys), 64):
+            fill.add(None, keys[j : j + 64], [entries[p]])
+    fill_bytes = used_memory(raw) - before
+    # the journal as the ingester left it (up to twice what compaction keeps), then compacted
+    before = used_memory(raw)
+    if journal_keys:
+        journal = RedisPageJournal(raw, many.ns)
+        prefix = len(f"{many.ns}{JOURNAL_KEY_INFIX}")
+        for key in journal_keys:
+            journal.compact(key[prefix:].decode())
+    compacted = used_memory(raw)
+    if journal_keys:
+        raw.delete(*journal_keys)
+    journal_bytes = before - used_memory(raw)
+    journal_compacted = compacted - used_memory(raw)
     # scores against what the pods hold
     scorer = LongestPrefixScorer(WEIGHTS)
     chains = [c.keys for c in fleet.convs]
     checked = 0
     for conv in fleet.convs:
         want = {f"pod-{p}": float(h) for p in range(PODS) if (h := fleet.held(conv, p))}
-        got = kv.score(conv.keys, WEIGHTS)
-        assert got == want, (got, want)
-        assert fill.score(conv.keys, WEIGHTS) == want
-        assert scorer.score(conv.keys, ref.lookup(conv.keys)) == want
+        for side in (many.index, single.index, fill):
+            got = side.score(conv.keys, WEIGHTS)
+            assert got == want, (fleet.shape, got, want)
+        assert scorer.score(conv.keys, refs["go layout"].lookup(conv.keys)) == want
         checked += 1
+    misses = single.counter("parent_misses") + many.counter("parent_misses")
+    assert misses == 0, f"{misses} parent misses"
     # share of request keys held through runs
     total = in_runs = 0
-    for name in raw.scan_iter(match=f"{ns}:r:*", count=1000):
+    for name in raw.scan_iter(match=f"{many.ns}:r:*", count=1000):
         values = raw.hvals(name)
         total += len(values)
         in_runs += sum(len(v) == 6 for v in values)
     m = len(chains)
     raw.config_resetstat()
     for i in range(m):
-        kv.score(chains[i], WEIGHTS)
+        many.index.score(chains[i], WEIGHTS)
     scripts, inner = _calls(raw)
     floor = raw.register_script(FLOOR)
     blob = bytes(512 * 8)
@@ -547,58 +823,131 @@ def run_shape(
     # What any script call costs the server on this machine (reading the request, writing the
     # reply: system calls, whose price differs much between machines), for reading the ratios.
     bare = raw.register_script(BARE)
+    kv = many.index
     sides: dict[str, Callable[[int], object]] = {
         "kvredis": lambda i: kv.score(chains[i % m], WEIGHTS),
-        "go layout": lambda i: ref.lookup(chains[i % m]),
+        "go layout": lambda i: refs["go layout"].lookup(chains[i % m]),
         "64-key fill": lambda i: fill.score(chains[i % m], WEIGHTS),
         "floor": lambda i: floor(keys=["floor-run"], args=[blob]),
         "bare call": lambda i: bare(),
     }
     score_us = interleaved(server, sides, rounds=3 if quick else 7, calls=40 if quick else 100)
-    compared = compare_before(before, fleet, url, server, kv, quick) if before else {}
-    kv.close()
+    compared = compare_before(before_ref, fleet, url, server, kv, quick) if before_ref else {}
+    zmq_s = zmq_client_cpu(fleet, url, zmq_workers) if zmq_path else None
+    for side in (single, many):
+        side.close()
     fill.close()
-    ref_client.close()
-    per_block = {"kvredis": kv_ingest / blocks, "go layout": ref_ingest / blocks}
+    for client in ref_clients:
+        client.close()
+    redis_us = {
+        "kvredis, backlog 1": single_redis / blocks,
+        f"kvredis, backlog {backlog}": many_redis / blocks,
+        "go layout": ref_sides["go layout"] / blocks,
+        "go layout written well": ref_sides["go layout written well"] / blocks,
+    }
+    client_us = {
+        "process": single_client * 1e6 / blocks,
+        f"process_many({backlog})": many_client * 1e6 / blocks,
+    }
+    if zmq_s is not None:
+        client_us["kvredis ingest (ZMQ)"] = zmq_s * 1e6 / blocks
+    removed = sum(len(mm.removed) for mm in fleet.messages)
     result = Result(
-        shape,
-        False,
-        n,
-        blocks,
-        total,
-        in_runs / max(total, 1),
-        (scripts + inner) / m,
-        score_us,
-        per_block,
-        checked,
+        shape=fleet.shape,
+        pinned=False,
+        messages=n,
+        blocks_stored=blocks,
+        pages_stored=fleet.pages,
+        keys=total,
+        share_in_runs=in_runs / max(total, 1),
+        calls_per_score=(scripts + inner) / m,
+        score_us=score_us,
+        ingest_us_per_block={
+            "kvredis": redis_us[f"kvredis, backlog {backlog}"],
+            "go layout": redis_us["go layout"],
+        },
+        scores_checked=checked,
+        backlog=backlog,
+        redis_us_per_block=redis_us,
+        client_us_per_block=client_us,
+        client_blocks_per_s={k: 1e6 / v for k, v in client_us.items() if v > 0},
+        memory={
+            "event-filled": event_filled / n_pairs,
+            "of which page journal": journal_bytes / n_pairs,
+            "page journal compacted": journal_compacted / n_pairs,
+            "64-key fill": fill_bytes / n_pairs,
+        },
+        pairs=n_pairs,
+        parent_misses=misses,
+        evicted_per_stored=removed / max(fleet.pages, 1),
     )
     result.before = compared
+    well = redis_us["go layout written well"]
     result.ratios = {
         "score vs go layout": score_us["kvredis"] / score_us["go layout"],
         "score vs 64-key fill": score_us["kvredis"] / score_us["64-key fill"],
         "score vs floor": score_us["kvredis"] / score_us["floor"],
-        "ingest vs go layout": per_block["kvredis"] / per_block["go layout"],
+        "ingest vs go layout": redis_us[f"kvredis, backlog {backlog}"] / redis_us["go layout"],
+        "ingest vs go layout written well": redis_us[f"kvredis, backlog {backlog}"] / well,
+        "memory vs 64-key fill": event_filled / fill_bytes,
+        "memory without the journal vs 64-key fill": (event_filled - journal_bytes) / fill_bytes,
+        "memory, journal compacted, vs 64-key fill": (
+            event_filled - journal_bytes + journal_compacted
+        )
+        / fill_bytes,
     }
     return result
 
 
 def print_result(r: Result) -> None:
     print(
-        f"\n== {r.shape}: {r.messages} engine batches, {r.blocks_stored} blocks stored, "
-        f"{r.keys} request keys, {r.server}, pinned={r.pinned}"
+        f"\n== {r.shape}: {r.messages} engine batches, {r.blocks_stored} blocks stored "
+        f"({r.pages_stored} engine pages, {r.evicted_per_stored:.2f} evicted per stored), "
+        f"{r.pairs} pairs held, {r.server}, pinned={r.pinned}"
     )
     print(f"  request keys in chain runs        {r.share_in_runs:7.1%}")
     print(f"  Redis calls per conversation score {r.calls_per_score:6.1f} (script calls included)")
     for name, us in r.score_us.items():
         print(f"  score CPU, {name:<12} {us:9,.1f} us")
-    for name, us in r.ingest_us_per_block.items():
-        print(f"  ingest CPU per block, {name:<10} {us:7.1f} us")
+    for name, us in r.redis_us_per_block.items():
+        print(f"  Redis CPU per stored block, {name:<24} {us:7.1f} us")
+    for name, us in r.client_us_per_block.items():
+        print(
+            f"  ingester CPU per stored block, {name:<22} {us:7.1f} us "
+            f"({1e6 / us:9,.0f} blocks per CPU-second)"
+        )
+    for name, b in r.memory.items():
+        print(f"  memory per pair, {name:<22} {b:7.1f} B")
     for name, ratio in r.ratios.items():
-        print(f"  {name:<22} {ratio:6.2f}x")
-    print(f"  scores checked against the pods: {r.scores_checked}")
+        print(f"  {name:<42} {ratio:6.2f}x")
+    print(f"  scores checked against the pods: {r.scores_checked}, parent misses {r.parent_misses}")
     for name, sides in r.before.items():
         (ref, then), (_, now) = sides.items()
         print(f"  {name:<22} {ref}: {then:8,.1f} us, now: {now:8,.1f} us ({now / then:5.2f}x)")
+
+
+def sizing_table(results: Sequence[Result], pod_rate: float) -> str:
+    """Markdown: Redis cores and ingester processes for 100 and 1,000 pods storing ``pod_rate``
+    blocks a second each (and evicting as many), at the measured per-block costs."""
+    lines = [
+        "| shape, server | pods | Redis cores, kvredis | Redis cores, Go layout written well "
+        "| ingester processes (`kvredis ingest`) | pods per Redis core | pods per ingester "
+        "process |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        redis_us = r.redis_us_per_block[f"kvredis, backlog {r.backlog}"]
+        go_us = r.redis_us_per_block["go layout written well"]
+        client = r.client_us_per_block
+        client_us = client.get("kvredis ingest (ZMQ)", client[f"process_many({r.backlog})"])
+        per_pod = pod_rate * 1e-6
+        for pods in (100, 1000):
+            lines.append(
+                f"| {r.shape}, {r.server} | {pods:,} | {pods * per_pod * redis_us:.1f} "
+                f"| {pods * per_pod * go_us:.1f} | {pods * per_pod * client_us:.1f} "
+                f"| {1 / (per_pod * redis_us):.0f} | {1 / (per_pod * client_us):.0f} |"
+            )
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -607,9 +956,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--server", default="redis", choices=("redis", "valkey"))
     parser.add_argument(
+        "--backlog",
+        type=int,
+        default=16,
+        help="messages a busy worker finds queued, applied together with process_many",
+    )
+    parser.add_argument(
+        "--pod-rate",
+        type=float,
+        default=1000.0,
+        help="blocks a pod stores per second, for the sizing table",
+    )
+    parser.add_argument(
+        "--no-zmq", action="store_true", help="skip the kvredis ingest over ZMQ measurement"
+    )
+    parser.add_argument(
+        "--zmq-workers", type=int, default=4, help="kvredis ingest --workers (default 4)"
+    )
+    parser.add_argument(
         "--before", metavar="REF", help="also measure the Lua scripts of git revision REF"
     )
     args = parser.parse_args(argv)
+    fleets = [make_fleet(shape, args.quick, args.seed) for shape in args.shape.split(",")]
     server_proc = RedisServer(args.server)
     server_proc.start()
     results = []
@@ -618,8 +986,17 @@ def main(argv: list[str] | None = None) -> int:
         pinned = pid is not None and pin(pid)
         server = Server(server_proc.url, pid)
         server.calibrate()
-        for shape in args.shape.split(","):
-            r = run_shape(shape, server_proc.url, server, args.quick, args.seed, args.before)
+        for fleet in fleets:
+            r = run_shape(
+                fleet,
+                server_proc.url,
+                server,
+                args.quick,
+                args.backlog,
+                not args.no_zmq,
+                args.zmq_workers,
+                args.before,
+            )
             r.pinned = pinned
             r.server = args.server
             print_result(r)
@@ -627,6 +1004,8 @@ def main(argv: list[str] | None = None) -> int:
         server.close()
     finally:
         server_proc.close()
+    print(f"\nFleet sizing at {args.pod_rate:,.0f} stored blocks per pod per second:\n")
+    print(sizing_table(results, args.pod_rate))
     if args.json:
         write_json(args.json, [asdict(r) for r in results])
     return 0

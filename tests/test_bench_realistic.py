@@ -1,6 +1,8 @@
 """Smoke test: scripts/bench_realistic.py runs end to end (``--quick``) on both engine shapes,
-its scores agree with what the simulated pods hold (the script asserts it), and keys appended
-one event at a time end up in chain runs."""
+its scores agree with what the simulated pods hold (the script asserts it), keys appended one
+event at a time end up in chain runs, and it reports every side it measures (client CPU through
+process, process_many and kvredis ingest over ZMQ; Redis CPU against the Go layout as its code
+writes and written well; memory per pair) and the fleet-sizing table."""
 
 from __future__ import annotations
 
@@ -31,6 +33,30 @@ def test_quick_run_reports_both_shapes(tmp_path: Path) -> None:
         assert r["share_in_runs"] > 0.95  # one-block events joined the runs they continue
         assert set(r["score_us"]) == {"kvredis", "go layout", "64-key fill", "floor", "bare call"}
         assert set(r["ingest_us_per_block"]) == {"kvredis", "go layout"}
+        assert set(r["redis_us_per_block"]) == {
+            "kvredis, backlog 1",
+            "kvredis, backlog 16",
+            "go layout",
+            "go layout written well",
+        }
+        assert set(r["client_us_per_block"]) == {
+            "process",
+            "process_many(16)",
+            "kvredis ingest (ZMQ)",
+        }
+        assert all(v > 0 for v in r["client_us_per_block"].values())
+        assert r["parent_misses"] == 0 and r["pairs"] > 0
+        assert set(r["memory"]) == {
+            "event-filled",
+            "of which page journal",
+            "page journal compacted",
+            "64-key fill",
+        }
+    # SGLang's radix nodes start and end inside blocks: many pages per block, branches, evictions
+    sglang = results["sglang"]
+    assert sglang["pages_stored"] > 8 * sglang["blocks_stored"]
+    assert sglang["evicted_per_stored"] > 0
+    assert "| sglang, redis | 1,000 |" in proc.stdout
 
 
 @pytest.mark.redis

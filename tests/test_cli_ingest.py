@@ -174,6 +174,47 @@ def test_runs_until_signalled(redis_server_url: str, sig: signal.Signals) -> Non
     assert "blocks=+4/-0 gaps=0 replays=0" in err and "rejects=0" in err
 
 
+@pytest.mark.redis
+@pytest.mark.parametrize("engine", [None, "sglang", "vllm"])
+def test_engine_option_maps_sglang_pages_once_per_block(
+    redis_server_url: str, engine: str | None
+) -> None:
+    # SGLang at page size 1 stores a 100-token prompt: with --engine sglang, or without
+    # --engine (SGLang's batches name it), the index maps the page ending each of its 6 blocks;
+    # an endpoint said to be an engine that may free any page (vllm) maps every page as well.
+    import redis as redis_py
+
+    from kvredis import RedisIndex, RedisIndexConfig
+
+    namespace = f"kvt-{uuid.uuid4().hex[:12]}"
+    tokens = tuple(range(1000, 1100))
+    keys = ChunkedTokenDatabase().tokens_to_kv_block_keys(0, tokens, "model-a")
+    with FakeEngine(engine="sglang", page_size=1) as fake:
+        args = ["--endpoint", fake.endpoint, *(["--engine", engine] if engine else [])]
+        args += ["--redis", redis_server_url, "--namespace", namespace, "--duration", "30"]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvredis.cli.ingest", *args],
+            cwd=str(ROOT),
+            stderr=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+        )
+        index = RedisIndex(RedisIndexConfig(address=redis_server_url, namespace=namespace))
+        raw = redis_py.Redis.from_url(redis_server_url)
+        try:
+            fake.wait_subscribed(20)
+            fake.store(tokens)
+            wait_until(lambda: len(index.lookup(keys)) == 6, timeout=20)
+            buckets = raw.keys(f"{namespace}:e:*")
+            mappings = sum(raw.hlen(b) for b in buckets)
+        finally:
+            proc.terminate()
+            proc.wait(20)
+            index.drop_namespace()
+            index.close()
+            raw.close()
+    assert mappings == (96 + 6 if engine == "vllm" else 6)
+
+
 def _sample(body: str, name: str) -> float | None:
     for line in body.splitlines():
         if line.startswith(name + " ") or line.startswith(name + "{"):

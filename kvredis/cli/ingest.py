@@ -330,8 +330,9 @@ def _tier_map(spec: str | None) -> TierMap:
     "engine",
     multiple=True,
     metavar="vllm|sglang|trtllm",
-    help="The group's engine, for what its prefix-cache reset drops (default: learned from its "
-    "events; http:// endpoints are trtllm).",
+    help="The group's engine: for what its prefix-cache reset drops, and SGLang's (or "
+    "TensorRT-LLM's) pages finer than index blocks get one mapping per block (default: "
+    "learned from its events; http:// endpoints are trtllm).",
 )
 @click.option(
     "--redis",
@@ -373,7 +374,7 @@ def _tier_map(spec: str | None) -> TierMap:
     type=click.IntRange(min=1),
     default=IngesterConfig().partial_block_pages,
     show_default=True,
-    help="Engine pages ending inside an index block remembered per pod (about 300 bytes "
+    help="Engine pages ending inside an index block remembered per pod (about 220 bytes "
     "each), so that a branch from one gets exact keys.",
 )
 @click.option(
@@ -393,6 +394,12 @@ def _tier_map(spec: str | None) -> TierMap:
     "--no-watermarks",
     is_flag=True,
     help="Do not fence batches with stored watermarks (only for a single ingester).",
+)
+@click.option(
+    "--no-page-journal",
+    is_flag=True,
+    help="Keep no journal of the pages inside index blocks beside the index (less Redis "
+    "memory; a restarted ingester then misses chains hanging inside blocks it never saw).",
 )
 @click.option(
     "--metrics-port",
@@ -453,6 +460,7 @@ def ingest(
     status_interval: float,
     duration: float | None,
     no_watermarks: bool,
+    no_page_journal: bool,
     metrics_port: int | None,
     metrics_address: str,
     tier_map: str | None,
@@ -488,6 +496,7 @@ def ingest(
         config = IngesterConfig(
             workers=workers,
             use_watermarks=not no_watermarks,
+            page_journal=not no_page_journal,
             tiers=_tier_map(tier_map),
             offload_blocks_per_chunk=offload_blocks_per_chunk,
             reset_mediums=reset_mediums or None,

@@ -13,6 +13,7 @@ trtllm         TensorRT-LLM's JSON KV cache events decoded into the same events
 config         :class:`EndpointConfig` (a publisher), :class:`IngesterConfig` (tuning)
 counters       :class:`Counter` names, :class:`IngestCounters`, rate-limited warnings
 chains         what is remembered of the engines' chains per pod, and how an event advances one
+journal        the page journal: page records kept per pod beside the index (restarts, takeovers)
 transport      the seam to transports: :class:`MessageSink`, :class:`ReplayClient`
 stream         one engine's sequencing state, its wire decoder; the watermark position encoding
 actions        the vocabulary of the state machine: the actions it yields, their results

@@ -13,6 +13,8 @@ Actions and what the port sends back:
 :class:`OpenReplay`         whether the publisher has a replay endpoint
 :class:`FetchReplay`        the buffered batches from a ``seq`` on, or ``None`` if unreachable
 :class:`SleepUntil`         ``None`` once ``clock() >= deadline`` or shutdown began
+:class:`ReadJournal`        a pod's page journal entries (``[]`` without a journal)
+:class:`AppendJournal`      ``None`` (entries of applied batches appended to page journals)
 ==========================  ===============================================================
 
 A port reports trouble by raising, into the machine, :class:`Abandoned` (shutdown while it
@@ -33,6 +35,7 @@ from kvredis.ingest.config import EndpointConfig
 __all__ = [
     "Abandoned",
     "Action",
+    "AppendJournal",
     "ApplyOps",
     "ApplyStep",
     "BatchOutcome",
@@ -45,6 +48,7 @@ __all__ = [
     "LookupRequestKey",
     "LostOwnership",
     "OpenReplay",
+    "ReadJournal",
     "ReadWatermark",
     "SleepUntil",
     "StepResult",
@@ -131,6 +135,20 @@ class FetchReplay:
 
 
 @dataclass(frozen=True, slots=True)
+class ReadJournal:
+    """Read ``pod``'s page journal (:mod:`kvredis.ingest.journal`)."""
+
+    pod: str
+
+
+@dataclass(frozen=True, slots=True)
+class AppendJournal:
+    """Append ``(pod, entry)`` pairs to the pods' page journals (batches that took effect)."""
+
+    entries: tuple[tuple[str, bytes], ...]
+
+
+@dataclass(frozen=True, slots=True)
 class SleepUntil:
     """Wait until the clock reads ``deadline`` (sooner once shutdown began)."""
 
@@ -146,6 +164,8 @@ Action = (
     | OpenReplay
     | FetchReplay
     | SleepUntil
+    | ReadJournal
+    | AppendJournal
 )
 Steps = Generator[Action, Any, T]
 """A machine routine: yields actions, is sent their results, returns a ``T``."""

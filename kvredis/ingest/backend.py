@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
@@ -32,6 +33,7 @@ from kvredis.index import (
 from kvredis.ingest.actions import (
     Abandoned,
     Action,
+    AppendJournal,
     ApplyOps,
     ApplyStep,
     ClearPod,
@@ -40,6 +42,7 @@ from kvredis.ingest.actions import (
     Interrupt,
     LookupRequestKey,
     OpenReplay,
+    ReadJournal,
     ReadWatermark,
     SleepUntil,
     StepResult,
@@ -47,6 +50,7 @@ from kvredis.ingest.actions import (
 )
 from kvredis.ingest.config import EndpointConfig
 from kvredis.ingest.counters import Counter, IngestCounters, RateLimitedLog
+from kvredis.ingest.journal import COMPACT_GROWTH, COMPACT_MIN_BYTES, PageJournal
 from kvredis.ingest.transport import ReplayClient, ReplayedMessage, ReplayFactory
 
 __all__ = ["IndexBackend", "StopSignal"]
@@ -84,11 +88,25 @@ class IndexBackend:
         retry_max_s: float,
         warn: RateLimitedLog,
         scheme: BlockKeyScheme | None = None,
+        journal: PageJournal | None = None,
+        snapshot: Callable[[str], bytes] | None = None,
     ) -> None:
         self.index = index
         #: a block key scheme still to record in the namespace before the first write (the
         #: backend was down when the ingester was built)
         self._scheme = scheme
+        self.journal = journal
+        """Where the pods' page journals are kept (``None``: nowhere)."""
+        self._journal_lock = threading.Lock()
+        self._appended: dict[str, int] = {}
+        """Bytes this process appended to each pod's journal since it last compacted it."""
+        self._compacted: dict[str, int] = {}
+        """The size of each pod's journal as this process last compacted it."""
+        self._snapshot = snapshot
+        """What this process knows of a pod's pages, as a journal entry (for compaction)."""
+        self._entries: dict[str, int] = {}
+        """How many entries each pod's journal has if only this process wrote to it since it
+        read or compacted it (a compaction then takes :attr:`_snapshot`, not a replay)."""
         self._batch = index if isinstance(index, BatchIndex) else None
         self._counters = counters
         self._stop = stop
@@ -123,6 +141,11 @@ class IndexBackend:
             return None
         if isinstance(action, OpenReplay):
             return self._replay(action.endpoint) is not None
+        if isinstance(action, ReadJournal):
+            return self._read_journal(action.pod)
+        if isinstance(action, AppendJournal):
+            self._append_journal(action.entries)
+            return None
         return self._fetch(action)
 
     # -- index calls -----------------------------------------------------------------------
@@ -171,17 +194,25 @@ class IndexBackend:
         applied = self._call(call)
         return StepResult(applied, attempts)
 
-    def apply_steps(self, steps: Sequence[ApplyStep]) -> list[bool]:
+    def apply_steps(self, steps: Sequence[ApplyStep]) -> list[StepResult]:
         """Apply fenced steps of one or more streams together (one index call where the index
-        is a :class:`~kvredis.index.MultiBatchIndex`): whether each applied. Retried like any
-        index call; raises :class:`Abandoned` or :class:`Failed` as :meth:`perform` does."""
+        is a :class:`~kvredis.index.MultiBatchIndex`): what each did, with the attempts the
+        call took (an attempt whose reply was lost may have applied steps the next one refuses).
+        Retried like any index call; raises :class:`Abandoned` or :class:`Failed` as
+        :meth:`perform` does."""
         batch = self._batch_index()
         self._record_scheme()
         batches = [Batch(s.ops, s.stream, s.watermark) for s in steps]
-        if isinstance(batch, MultiBatchIndex):
-            multi = batch
-            return self._call(lambda: multi.apply_batches(batches))
-        return self._call(lambda: apply_batches_in_turn(batch, batches))
+        attempts = 0
+
+        def call() -> list[bool]:
+            nonlocal attempts
+            attempts += 1
+            if isinstance(batch, MultiBatchIndex):
+                return list(batch.apply_batches(batches))
+            return apply_batches_in_turn(batch, batches)
+
+        return [StepResult(bool(applied), attempts) for applied in self._call(call)]
 
     def _apply_ops(self, ops: Sequence[IndexOp]) -> None:
         self._record_scheme()
@@ -223,6 +254,59 @@ class IndexBackend:
             self._call(lambda: index.clear_with_progress(action.pod, progress))
         else:
             self._call(lambda: index.clear(action.pod))
+        journal = self.journal
+        if journal is not None and not selective:
+            self._journal_call(lambda: journal.delete(action.pod))
+            with self._journal_lock:
+                self._entries[action.pod] = 0
+
+    # -- page journals -----------------------------------------------------------------------
+
+    def _journal_call(self, fn: Callable[[], T]) -> T:
+        """A journal operation: an error becomes :class:`Failed` (the journal is kept beside
+        the index, by another client: the index calls' retries do not cover it)."""
+        self._counters.inc(Counter.INDEX_CALLS)
+        try:
+            return fn()
+        except Exception as exc:
+            raise Failed(f"{type(exc).__name__}: {exc}") from exc
+
+    def _read_journal(self, pod: str) -> list[bytes]:
+        journal = self.journal
+        if journal is None:
+            return []
+        entries = self._journal_call(lambda: journal.read(pod))
+        with self._journal_lock:
+            self._entries[pod] = len(entries)
+        return entries
+
+    def _append_journal(self, entries: Sequence[tuple[str, bytes]]) -> None:
+        """Append, then compact the pods whose journal this process doubled since it last did."""
+        journal = self.journal
+        if journal is None or not entries:
+            return
+        self._journal_call(lambda: journal.append(entries))
+        due: list[str] = []
+        with self._journal_lock:
+            for pod, entry in entries:
+                if pod in self._entries:
+                    self._entries[pod] += 1
+                appended = self._appended[pod] = self._appended.get(pod, 0) + len(entry)
+                if appended >= max(COMPACT_MIN_BYTES, COMPACT_GROWTH * self._compacted.get(pod, 0)):
+                    self._appended[pod] = 0
+                    due.append(pod)
+        for pod in due:
+            with self._journal_lock:
+                mine = self._entries.get(pod)
+            take = self._snapshot
+            snapshot = None if take is None else functools.partial(take, pod)
+            size = self._journal_call(functools.partial(journal.compact, pod, mine, snapshot))
+            with self._journal_lock:
+                if size is not None:
+                    self._compacted[pod] = size
+                    self._entries[pod] = 1
+                else:
+                    self._entries.pop(pod, None)  # a peer wrote to it: replay it next time
 
     # -- replay ----------------------------------------------------------------------------
 

@@ -57,9 +57,12 @@ class EndpointConfig:
     so an ``http://`` endpoint needs both). ``stream`` names the watermark stream; replicas of an
     HA deployment must use the same name for the same publisher (default: ``pod_id``, else
     ``endpoint``; with the pod taken from the topic, each engine's stream is its own, see
-    :attr:`stream_name`). ``engine`` (``"vllm"``, ``"sglang"``, ``"trtllm"``) says which
-    engine publishes, for what its prefix-cache reset drops; unset, it is learned from the
-    events (``http://`` endpoints are TensorRT-LLM).
+    :attr:`stream_name`). ``engine`` (``"vllm"``, ``"sglang"``, ``"trtllm"``, or an
+    :class:`Engine`) says which engine publishes: for what its prefix-cache reset drops, and, for
+    an engine whose cache evicts leaves first (SGLang, TensorRT-LLM), to map one page per index
+    block where its pages are finer than blocks (see *Ingestion fidelity* in ``docs/ingest.md``).
+    Unset, it is learned from the events (``http://`` endpoints are TensorRT-LLM); until it is
+    known, every page is mapped.
     """
 
     endpoint: str
@@ -168,8 +171,8 @@ class IngesterConfig:
     partial_block_pages: int = 65_536
     """Engine pages ending inside an index block remembered per pod (least recently used
     dropped), besides chain ends: a branch hanging from such a page gets exact keys; a branch
-    from a forgotten one is a parent miss. About 300 bytes a page (SGLang page size 1, 16-token
-    blocks; see docs/ingest.md, "Ingestion fidelity")."""
+    from a forgotten one is a parent miss. About 220 bytes a page (SGLang page size 1, 16-token
+    blocks; see "Ingestion fidelity" in ``docs/ingest.md``)."""
     max_batches_per_call: int = 256
     """Engine batches a worker applies together at most: the batches queued for it that need
     nothing but their fenced step go to the index in one ``apply_batches`` call (one script
@@ -177,6 +180,12 @@ class IngesterConfig:
     ``1``: each batch alone."""
     use_watermarks: bool = True
     """Fence batches with per-stream watermarks when the index is a BatchIndex (HA-safe)."""
+    page_journal: bool = True
+    """Keep what this ingester knows of the pages that end inside index blocks in a journal per
+    pod beside the index (an embedded index, or the Redis of a ``RedisIndex``), so that an
+    ingester that restarts, or a replica that takes over, continues every chain exactly
+    (:mod:`kvredis.ingest.journal`; the bytes it costs are in ``docs/ingest.md``). ``False``:
+    such an ingester counts a parent miss for a chain hanging inside a block it never saw."""
     replay_timeout_s: float = 2.0
     """Give up on a replay when the replay endpoint is silent this long."""
     max_replay_batches: int = 20_000

@@ -46,6 +46,7 @@ mediums and signed (negative) hashes; vLLM's ``extra_keys``, ``group_idx``, ``ev
 from __future__ import annotations
 
 import enum
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -92,13 +93,16 @@ EVENT_VERSION = 1
 
 _U64 = 1 << 64
 _I64_MIN = -(1 << 63)
+_I64_LIMIT = 1 << 63
 _U32 = 1 << 32
 _GROUP_LIMIT = 1 << 31
 _INT_TYPE = {int}
 
 
 class Engine(enum.Enum):
-    """The engine a stream's events come from: what a prefix-cache reset drops depends on it."""
+    """The engine a stream's events come from: what a prefix-cache reset drops depends on it, and
+    how its cache evicts decides how the ingester maps pages finer than index blocks
+    (:func:`kvredis.ingest.chains.page_mapping`)."""
 
     VLLM = "vllm"
     SGLANG = "sglang"
@@ -229,7 +233,8 @@ class DecodedBatch:
     """Number of events the payload carried, well-formed or not."""
     engine: Engine | None = None
     """The engine that published the batch: what its shape shows (see the module docstring),
-    or, once the batch is handed to the sequencer, its stream's configured or learned engine."""
+    or, once the batch is handed to the sequencer, its stream's configured or learned engine
+    (``None``: not known)."""
 
 
 class WireError(InvalidInputError):
@@ -271,8 +276,13 @@ def _hashes(value: object, what: str) -> tuple[int, ...]:
         )
     if not value:
         return ()
-    if _only_ints(value) and min(value) >= 0 and max(value) < _U64:
-        return tuple(value)
+    if _only_ints(value):
+        low = min(value)
+        if low >= 0 and max(value) < _U64:
+            return tuple(value)
+        if low >= _I64_MIN and max(value) < _I64_LIMIT:
+            # SGLang's signed hashes: their two's complement, read back as unsigned, in C
+            return tuple(array("Q", array("q", value).tobytes()).tolist())
     return tuple(wire_hash(v, "block hash") for v in value)
 
 

@@ -55,7 +55,7 @@ hold its tokens (a tail's engine keys included), so removing any of them removes
 Branches. A parent can also be a page in the middle of an event (SGLang splits a radix node
 where a second request diverges, publishes nothing for the split, and hangs the new node from
 the page at the split). So the planner also keeps, for every other page ending inside an index
-block, a :class:`Cut`: that page's position in a record of its block (the request key of the
+block, a record: that page's position in a record of its block (the request key of the
 block before, the block's tokens, identifiers and engine keys) that all the block's pages share.
 A page's own mapping names the block holding its tokens, which is the right base only for a page
 ending at the block's end; with pages finer than blocks (:func:`fine_pages`) such a page is also
@@ -81,7 +81,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Callable, Generator, Sequence
+import itertools
+from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -91,9 +92,12 @@ from kvredis.errors import ConfigError, InvalidInputError
 from kvredis.groups import GroupCatalog
 from kvredis.ingest.chains import (
     DEFAULT_PARTIAL_BLOCK_PAGES,
+    LEAF_FIRST_ENGINES,
     MAX_TAILS_PER_POD,
-    Cut,
+    BlockCuts,
     EngineKeyCache,
+    PageMapping,
+    PageRecords,
     PodCaches,
     Step,
     Tail,
@@ -104,7 +108,8 @@ from kvredis.ingest.chains import (
     fine_pages,
     group_engine_key,
     group_keyed,
-    tail_of,
+    page_mapping,
+    step_records,
 )
 from kvredis.ingest.config import DEFAULT_RESET_MEDIUMS, ENGINE_RESET_MEDIUMS
 from kvredis.ingest.counters import Counter
@@ -117,6 +122,7 @@ from kvredis.ingest.events import (
     Rejection,
     RejectReason,
 )
+from kvredis.ingest.journal import encode_entry, recall
 from kvredis.tiers import DEFAULT_TIERS, TierMap
 from kvredis.types import GroupMetadata, KeyType, PodEntry
 
@@ -125,21 +131,25 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_PARTIAL_BLOCK_PAGES",
+    "LEAF_FIRST_ENGINES",
     "MAX_TAILS_PER_POD",
     "Barrier",
     "BatchPlan",
-    "Cut",
     "EngineKeyCache",
     "Lookup",
+    "PageMapping",
+    "PlanRequest",
     "PlanSteps",
     "Planner",
     "PodCaches",
+    "Recall",
     "Reset",
     "Tail",
     "boundary_key",
     "chunk_engine_key",
     "fine_pages",
     "group_engine_key",
+    "page_mapping",
 ]
 
 
@@ -166,7 +176,16 @@ class Reset:
     device_tiers: frozenset[str] | None
 
 
-PlanSteps = Generator[Lookup | Barrier | Reset, int | None, None]
+@dataclass(frozen=True, slots=True)
+class Recall:
+    """Planner request: replay the pod's page journal into its cache (:meth:`BatchPlan.recall`),
+    before the first batch of the pod that needs a page's record."""
+
+    pod: str
+
+
+PlanRequest = Lookup | Barrier | Reset | Recall
+PlanSteps = Generator[PlanRequest, int | None, None]
 """What :meth:`Planner.plan` returns: requests out, lookup answers in."""
 
 
@@ -177,9 +196,12 @@ class BatchPlan:
         "batch_map",
         "batch_tails",
         "cache",
+        "chain_ends",
+        "dropped_records",
         "evicted",
         "pending",
         "pending_evicts",
+        "recorded",
         "rejects",
         "stale_tails",
         "stats",
@@ -192,14 +214,21 @@ class BatchPlan:
         """Operations planned since the last barrier."""
         self.batch_map: dict[int, int] = {}
         """Engine→request mappings added by this batch so far (not yet in the pod cache)."""
-        self.batch_tails: dict[int, Tail | Cut] = {}
-        """Chain tails recorded by this batch so far (not yet in the pod cache)."""
+        self.batch_tails: dict[int, Tail] = {}
+        """Page records (chain ends and pages inside blocks) recorded by this batch so far (not
+        yet in the pod cache)."""
+        self.chain_ends: set[int] = set()
+        """The pages of ``batch_tails`` that end chains."""
+        self.recorded: list[Tail] = []
+        """Every record this batch put in ``batch_tails`` (some pages may have left it since)."""
         self.stale_tails: set[int] = set()
         """Engine keys stored again by this batch: their cached tails no longer hold."""
         self.pending_evicts: set[int] = set()
         """Engine keys evicted by pending operations."""
         self.evicted: set[int] = set()
         """Engine keys evicted by this batch (and not re-added): the pod cache is stale there."""
+        self.dropped_records: set[int] = set()
+        """Pages removed by this batch that had a record (ended inside an index block)."""
         self.stats: dict[Counter, int] = {}
         """What the batch counts once it takes effect."""
         self.rejects: list[Rejection] = []
@@ -217,8 +246,11 @@ class BatchPlan:
     def after_clear(self, cache: EngineKeyCache | None) -> None:
         """The pod was cleared as a step of this batch: start over from an empty cache."""
         self.cache = cache
+        self.dropped_records.clear()
         self.batch_map.clear()
         self.batch_tails.clear()
+        self.chain_ends.clear()
+        self.recorded.clear()
         self.stale_tails.clear()
         self.evicted.clear()
         self.pending_evicts.clear()
@@ -231,48 +263,119 @@ class BatchPlan:
                 batch_map[engine_key] = request_key
                 evicted.discard(engine_key)
 
-    def evict(self, keys: Sequence[int], entries: tuple[PodEntry, ...]) -> None:
+    def evict(
+        self, keys: Sequence[int], entries: tuple[PodEntry, ...], pages: Sequence[int] = ()
+    ) -> None:
+        """Evict ``keys`` (engine keys), and forget what is known of ``pages`` (the engine pages
+        removed, of which only some may have mappings)."""
         self.pending.extend([EvictOp(key, KeyType.ENGINE, entries) for key in keys])
         batch_map, batch_tails = self.batch_map, self.batch_tails
-        for key in keys:
-            batch_map.pop(key, None)
-            batch_tails.pop(key, None)
+        for key in batch_map.keys() & {*keys, *pages}:
+            del batch_map[key]
+        for key in batch_tails.keys() & {*keys, *pages}:
+            del batch_tails[key]
         self.pending_evicts.update(keys)
         self.evicted.update(keys)
+        self.evicted.update(pages)
 
-    def put_tail(self, engine_key: int, tail: Tail | Cut) -> None:
-        self.batch_tails[engine_key] = tail
-        self.stale_tails.discard(engine_key)
-        self.evicted.discard(engine_key)
+    def needs_recall(self, group: int | None) -> bool:
+        """Whether the pod's page journal is still to be recalled before a page of ``group`` is
+        looked up (not for a group whose pages are known to be whole blocks: they have no
+        records)."""
+        cache = self.cache
+        return (
+            cache is not None
+            and not cache.recalled
+            and cache.mapping(group) is not PageMapping.WHOLE
+        )
+
+    def recall(self, entries: Sequence[bytes]) -> int:
+        """Replay the pod's page journal ``entries`` into its cache (once per pod and ingester);
+        the number of page records restored."""
+        cache = self.cache
+        if cache is None or cache.recalled:
+            return 0
+        cache.recalled = True
+        return recall(cache, entries)
+
+    def journal_entry(self) -> bytes | None:
+        """This batch's entry in the pod's page journal, once it took effect: the page records
+        it dropped and learned (``None``: nothing to record)."""
+        tails = self.batch_tails
+        dropped = self.dropped_records - tails.keys()
+        if not dropped and not any(value.tokens for value in tails.values()):
+            return None
+        return encode_entry(tails, dropped, candidates=self.recorded)
+
+    def put_records(self, records: PageRecords) -> None:
+        """Record each page's tail (see :func:`~kvredis.ingest.chains.step_records`)."""
+        for part in (records.cuts, records.tails):
+            self.batch_tails.update(part)
+            self.stale_tails.difference_update(part)
+            self.evicted.difference_update(part)
+        self.chain_ends.difference_update(records.cuts)
+        self.chain_ends.update(records.tails)
+        if records.made is not None:
+            self.recorded.extend(records.made)
+        else:
+            self.recorded.extend({id(r): r for r in records.tails.values()}.values())
+            self.recorded.extend({id(r): r for r in records.cuts.values()}.values())
 
     def tail(self, engine_key: int) -> Tail | None:
         """The tail of the chain ending at ``engine_key``, as if the batch so far were applied."""
         hit = self.batch_tails.get(engine_key)
-        if hit is not None or self.cache is None:
-            return tail_of(hit)
+        if hit is not None:
+            return hit.after(engine_key)
+        if self.cache is None:
+            return None
         if engine_key in self.evicted or engine_key in self.stale_tails:
             return None
         return self.cache.get_tail(engine_key)
 
-    def inside(self, engine_key: int) -> bool:
-        """Whether page ``engine_key`` is known to end inside an index block (so no
-        :func:`boundary_key` of it is mapped), as if the batch so far were applied."""
+    def record(self, engine_key: int) -> Tail | None:
+        """The record of page ``engine_key`` if it is known to end inside an index block (so no
+        :func:`boundary_key` of it is mapped; :attr:`Tail.mapped` says whether the page itself
+        is), as if the batch so far were applied; else ``None``."""
         hit = self.batch_tails.get(engine_key)
         if hit is not None:
-            return isinstance(hit, Cut) or bool(hit.tokens)
+            return hit if hit.tokens else None
         if self.cache is None or engine_key in self.evicted or engine_key in self.stale_tails:
-            return False
-        return self.cache.inside(engine_key)
+            return None
+        return self.cache.record(engine_key)
 
-    def drop_tails(self, engine_keys: Sequence[int]) -> None:
-        """These engine keys were stored again: a chain end recorded for them is stale."""
+    def records(self, engine_keys: Sequence[int]) -> list[Tail | None]:
+        """:meth:`record` of each engine key."""
+        tails = self.batch_tails
+        cache = self.cache
+        gone = self.evicted, self.stale_tails
+        if cache is not None and not tails and not gone[0] and not gone[1]:
+            known = cache.records_of(engine_keys)
+            found = [known.get(k) for k in engine_keys]
+            return [r if r is not None and r.tokens else None for r in found]
+        if cache is None:
+            found = [tails.get(k) for k in engine_keys]
+            return [r if r is not None and r.tokens else None for r in found]
+        known = cache.records_of(
+            [k for k in engine_keys if k not in tails and k not in gone[0] and k not in gone[1]]
+        )
+        out: list[Tail | None] = []
         for key in engine_keys:
-            self.batch_tails.pop(key, None)
-        self.stale_tails.update(engine_keys)
+            record = tails.get(key)
+            if record is None and key not in gone[0] and key not in gone[1]:
+                record = known.get(key)
+            out.append(record if record is not None and record.tokens else None)
+        return out
 
-    def resolve(
-        self, engine_key: int
-    ) -> Generator[Lookup | Barrier | Reset, int | None, int | None]:
+    def drop_tails(self, engine_keys: Iterable[int]) -> None:
+        """These engine keys were stored again: a chain end recorded for them is stale."""
+        keys = set(engine_keys)
+        tails = self.batch_tails
+        if tails:
+            for key in tails.keys() & keys:
+                del tails[key]
+        self.stale_tails |= keys
+
+    def resolve(self, engine_key: int) -> Generator[PlanRequest, int | None, int | None]:
         """The request key ``engine_key`` maps to, as if the batch so far were applied."""
         hit = self.batch_map.get(engine_key)
         if hit is not None:
@@ -289,7 +392,7 @@ class BatchPlan:
 
     def _lookup(
         self, engine_key: int, cache: EngineKeyCache | None
-    ) -> Generator[Lookup | Barrier | Reset, int | None, int | None]:
+    ) -> Generator[PlanRequest, int | None, int | None]:
         self.count(Counter.INDEX_LOOKUPS)
         found = yield Lookup(engine_key)
         if found is not None and cache is not None:
@@ -320,19 +423,20 @@ class BatchPlan:
         cache = self.cache
         if cache is None:
             return
-        cache.pop_many(self.evicted)
-        for engine_key in self.stale_tails:
-            cache.pop_tail(engine_key)
-        for engine_key, request_key in self.batch_map.items():
-            if took_effect:
-                cache.put(engine_key, request_key)
-            else:
-                cache.pop(engine_key)
-        for engine_key, tail in self.batch_tails.items():
-            if took_effect:
-                cache.put_tail(engine_key, tail)
-            else:
-                cache.pop(engine_key)
+        if took_effect:
+            tails, ends = self.batch_tails, self.chain_ends
+            records = PageRecords(
+                {k: v for k, v in tails.items() if k not in ends},
+                {k: tails[k] for k in ends if k in tails},
+            )
+            cache.commit(self.evicted, self.stale_tails, self.batch_map, records)
+        else:
+            cache.commit(
+                itertools.chain(self.evicted, self.batch_map, self.batch_tails),
+                self.stale_tails,
+                {},
+                PageRecords({}, {}),
+            )
 
 
 _ENTRY_CACHE_LIMIT = 4096
@@ -387,13 +491,14 @@ class Planner:
     ) -> PlanSteps:
         """Plan every event of ``decoded`` for ``pod`` into ``plan``; see the module docstring."""
         rank = decoded.data_parallel_rank or 0
+        engine = decoded.engine
         # vLLM's offloading connector's chunks: TensorRT-LLM's tier moves are single blocks
-        chunks = self.offload_blocks_per_chunk > 1 and decoded.engine is not Engine.TRTLLM
+        chunks = self.offload_blocks_per_chunk > 1 and engine is not Engine.TRTLLM
         for position, event in enumerate(map(group_keyed, decoded.events)):
             if isinstance(event, BlockStored):
-                yield from self._stored(plan, event, pod, model, position, rank, chunks)
+                yield from self._stored(plan, event, pod, model, position, rank, engine, chunks)
             elif isinstance(event, BlockRemoved):
-                self._removed(plan, event, pod, position, rank, chunks)
+                yield from self._removed(plan, event, pod, position, rank, chunks)
             elif isinstance(event, AllBlocksCleared):
                 yield Reset(rank, self.reset_tiers_for(decoded.engine))
                 plan.count(Counter.EVENTS_APPLIED)
@@ -426,6 +531,7 @@ class Planner:
         model: str | None,
         position: int,
         rank: int,
+        engine: Engine | None,
         chunks: bool = False,
     ) -> PlanSteps:
         tier = self.tiers.tier(ev.medium, ev.locality, ev.ownership)
@@ -464,14 +570,17 @@ class Planner:
             return
         cache = plan.cache
         if cache is None:
-            fine = fine_pages(ev.block_size, self.block_size)
+            mapping = page_mapping(engine, ev.block_size, self.block_size)
         else:
-            fine = cache.learn_pages(ev.block_size, self.block_size, ev.group_idx)
+            mapping = cache.learn_pages(ev.block_size, self.block_size, ev.group_idx, engine)
+        fine = mapping is not PageMapping.WHOLE
         if chain_start:
             tail = Tail(0, model_name, ev.cache_salt or extra.cache_salt)
         else:
             parent = ev.parent_block_hash
             assert parent is not None
+            if plan.needs_recall(ev.group_idx):
+                yield Recall(pod)
             known = plan.tail(parent)
             if known is not None and known.base_engine_key is not None:
                 base = yield from plan.resolve(known.base_engine_key)
@@ -480,7 +589,7 @@ class Planner:
                     return
                 known = dataclasses.replace(known, base=base, base_engine_key=None)
             if known is not None:
-                tail = dataclasses.replace(known, model=known.model or model_name)
+                tail = known if known.model else dataclasses.replace(known, model=model_name)
             else:
                 # With fine pages only a page ending at a block boundary continues from a
                 # block's key alone: its derived key is mapped; a page inside a block is not.
@@ -495,27 +604,33 @@ class Planner:
                     return
                 tail = Tail(found, model_name, None)
         try:
-            step = advance(tail, ev, extra.features, self.block_size, fine)
+            step = advance(
+                tail,
+                ev,
+                extra.features,
+                self.block_size,
+                fine,
+                mapping is not PageMapping.BLOCK_END,
+            )
             request, groups, after = self._continue(tail, step)
         except (ValueError, TypeError) as exc:
             plan.rejects.append(Rejection(RejectReason.HASHING_FAILED, str(exc), position))
             return
         plan.count(Counter.EVENTS_APPLIED)
         plan.count(Counter.BLOCKS_STORED, len(ev.block_hashes))
-        self._add(plan, ev, entry, request, groups, tail.base or None)
-        if ev.block_hashes and plan.cache is not None:
-            plan.cache.put_parents(ev.block_hashes, ev.parent_block_hash)
+        self._add(plan, ev, entry, request, groups, tail.base or None, step.mapped)
         hashes = ev.block_hashes
+        if hashes and plan.cache is not None and chunks:
+            plan.cache.put_parents(hashes, ev.parent_block_hash)
         if hashes:
-            plan.drop_tails(hashes[:-1])
-            wholes: dict[int, Tail] = {step.full: after}
-            for i, j, n_tokens, n_ids, n_keys in step.cuts:
-                whole = wholes.get(j)
-                if whole is None:
-                    base = request[j - 1] if j else tail.base
-                    whole = wholes[j] = step.whole(j, tail, base, None)
-                plan.put_tail(hashes[i], Cut(whole, n_tokens, n_ids, n_keys))
-            plan.put_tail(hashes[-1], after)
+
+            def whole_of(cuts: BlockCuts, pages: tuple[int, ...]) -> Tail:
+                j = cuts.block
+                return step.whole(j, tail, request[j - 1] if j else tail.base, None, cuts, pages)
+
+            records = step_records(step, hashes, whole_of, after)
+            plan.drop_tails(set(hashes[:-1]).difference(records.cuts))
+            plan.put_records(records)
 
     def _add(
         self,
@@ -525,11 +640,17 @@ class Planner:
         request: tuple[int, ...],
         groups: list[tuple[tuple[int, ...], int]] | None,
         parent: int | None,
+        pages_mapped: bool = True,
     ) -> None:
-        """Add ``request`` (following ``parent``, the request key the chain continues from)."""
+        """Add ``request`` (following ``parent``, the request key the chain continues from):
+        one operation for the event when each block has one engine key (the boundary key of its
+        last page, :attr:`PageMapping.BLOCK_END`), else one per block."""
         if not request:
             return
-        if groups is None:
+        if groups is not None and not pages_mapped:
+            ends = tuple(keys[0] for keys, _ in groups)
+            plan.add(AddOp(ends, request, (entry,), parent), list(zip(ends, request, strict=True)))
+        elif groups is None:
             engine = ev.block_hashes or None
             mappings = infer_mappings(ev.block_hashes, request) if ev.block_hashes else None
             plan.add(AddOp(engine, request, (entry,), parent), mappings)
@@ -634,22 +755,46 @@ class Planner:
         position: int,
         rank: int,
         chunks: bool = False,
-    ) -> None:
+    ) -> PlanSteps:
         tier = self.tiers.tier(ev.medium, ev.locality, ev.ownership)
         entry = self._entry(plan, pod, tier, ev.group_idx, position, rank)
         if entry is None:
             return
-        # A page's derived key goes with it: it is mapped only if the page ends at a block
-        # boundary, so the pages known to end inside a block need none; a chunk's removal
-        # names its last block, so the chunk's key goes too.
-        fine = plan.cache is not None and plan.cache.fine(ev.group_idx) is not False
+        if plan.needs_recall(ev.group_idx):
+            yield Recall(pod)
+        # What the index maps for each page: its own key (whole pages, and pages finer than
+        # blocks mapped page by page), the boundary key of a page ending a block (fine pages),
+        # nothing for a page known to end inside a block under the block-end mapping; a page
+        # this ingester knows nothing of gets every key it may have. A chunk's removal names its
+        # last block, so the chunk's key goes too.
+        cache = plan.cache
+        mapping = cache.mapping(ev.group_idx) if cache is not None else PageMapping.WHOLE
+        hashes = ev.block_hashes
+        records = plan.records(hashes)
         keys: list[int] = []
-        for h in ev.block_hashes:
-            keys.append(h)
-            if fine and not plan.inside(h):
-                keys.append(boundary_key(h))
-            if chunks:
-                keys.append(chunk_engine_key(h, tier))
-        plan.evict(keys, (entry,))
+        if mapping is PageMapping.BLOCK_END and not chunks:
+            # the common case of an engine evicting leaves: block ends only
+            known = [h for h, r in zip(hashes, records, strict=True) if r is not None]
+            plan.dropped_records.update(known)
+            for h, record in zip(hashes, records, strict=True):
+                if record is None:
+                    keys.append(boundary_key(h))
+                elif record.mapped:
+                    keys.append(h)
+        else:
+            for h, record in zip(hashes, records, strict=True):
+                if record is not None:
+                    plan.dropped_records.add(h)
+                    if record.mapped:
+                        keys.append(h)
+                elif mapping is PageMapping.BLOCK_END:
+                    keys.append(boundary_key(h))
+                else:
+                    keys.append(h)
+                    if mapping is not PageMapping.WHOLE:
+                        keys.append(boundary_key(h))
+                if chunks:
+                    keys.append(chunk_engine_key(h, tier))
+        plan.evict(keys, (entry,), ev.block_hashes)
         plan.count(Counter.EVENTS_APPLIED)
         plan.count(Counter.BLOCKS_REMOVED, len(ev.block_hashes))

@@ -21,6 +21,7 @@ from kvredis.batch import IndexOp, Watermark
 from kvredis.ingest.actions import (
     Abandoned,
     Action,
+    AppendJournal,
     ApplyOps,
     ApplyStep,
     BatchOutcome,
@@ -34,6 +35,7 @@ from kvredis.ingest.actions import (
     LostOwnership,
     NotOwner,
     OpenReplay,
+    ReadJournal,
     ReadWatermark,
     SleepUntil,
     StepResult,
@@ -43,7 +45,15 @@ from kvredis.ingest.actions import (
 from kvredis.ingest.config import IngesterConfig
 from kvredis.ingest.counters import Counter, IngestCounters
 from kvredis.ingest.events import DecodedBatch, Rejection, RejectReason, decode_batch
-from kvredis.ingest.planner import Barrier, BatchPlan, Lookup, Planner, PlanSteps, Reset
+from kvredis.ingest.planner import (
+    Barrier,
+    BatchPlan,
+    Lookup,
+    Planner,
+    PlanSteps,
+    Recall,
+    Reset,
+)
 from kvredis.ingest.stream import (
     CLEAR_PHASE,
     MAX_ENGINE_SEQ,
@@ -210,6 +220,18 @@ class BatchRun:
         self.plan.after_clear(caches.get(self.pod) if self.pod is not None else None)
         self._last_beat = seqr.clock()
 
+    def recall(self, pod: str) -> Steps[None]:
+        """Replay ``pod``'s page journal into its cache (a journal that cannot be read now is
+        not read: the batch plans with what this ingester knows)."""
+        try:
+            entries: list[bytes] = yield ReadJournal(pod)
+        except Failed as exc:
+            logger.warning("pod %s: cannot read its page journal: %s", pod, exc)
+            entries = []
+        restored = self.plan.recall(entries)
+        if restored:
+            logger.info("pod %s: %d page records recalled from its journal", pod, restored)
+
     def run_plan(self, planning: PlanSteps) -> Steps[None]:
         """Drive the planner, answering its lookups and applying its barriers."""
         answer: int | None = None
@@ -223,6 +245,8 @@ class BatchRun:
                 answer = yield LookupRequestKey(need.engine_key)
             elif need is Barrier.FLUSH:
                 yield from self.flush()
+            elif isinstance(need, Recall):
+                yield from self.recall(need.pod)
             else:
                 assert self.pod is not None and isinstance(need, Reset)
                 yield from self.clear([self.pod], Counter.CLEARS_ALL_BLOCKS_CLEARED, need)
@@ -239,9 +263,60 @@ class FastBatch:
     step: ApplyStep
     restore: Callable[[], None]
     """Puts the pod's cache back as it was before this batch taught it."""
+    pod: str
 
 
 PlanFn = Callable[[BatchRun], Steps[None]]
+"""What a batch applies: drives a :class:`BatchRun` through its steps (planning, clears)."""
+
+MAX_CLAIM_ATTEMPTS = 8
+"""Attempts at one batch (each refused claim a peer's takeover finished, or a reset stored
+watermark retried) before it is dropped as failed."""
+
+
+@dataclass(frozen=True, slots=True)
+class BatchJob:
+    """One batch for :meth:`Sequencer._run_batch`: what it applies, where its claim starts, and
+    how its outcome counts."""
+
+    msg: _Message
+    """The engine message the batch comes from (what a newer epoch supersedes)."""
+    epoch: int
+    seq: int
+    """The batch's own position (``-1``: the opening of ``epoch``)."""
+    plan: PlanFn
+    claim_seq: int
+    """Where the claim starts (a takeover moves it to the stalled peer's position)."""
+    first_phase: int = 1
+    """The first step's phase (:data:`CLEAR_PHASE` for a batch that opens with a gap clear)."""
+    pod: str | None = None
+    """The pod whose cache the plan uses (``None``: the batch names no pod)."""
+    count_batch: bool = True
+    """Whether the outcome counts as a batch (an epoch's opening does not)."""
+    unusable: bool = False
+    """Nothing could be decoded: the batch still advances the watermark (peers see the stream
+    move on) but counts as rejected, not applied."""
+    supersede: bool = True
+    """Whether a newer stored epoch supersedes ``msg`` (else it just ends the batch)."""
+    depth: int = 0
+    """Re-sequencing depth of ``msg`` (bounded by :meth:`Sequencer._sequence_synced`)."""
+
+    @property
+    def plans_clears(self) -> bool:
+        """Whether the plan itself clears (an epoch opening, a gap clear): a takeover of its
+        claim then redoes nothing but the plan."""
+        return self.first_phase >= CLEAR_PHASE or self.seq < 0
+
+
+@dataclass(slots=True)
+class _Claim:
+    """Where the next attempt at a batch claims the stream, and what it must redo first."""
+
+    seq: int
+    phase: int
+    redo_clear: bool = False
+    """A stalled peer's claim, taken over, stood for a clear of the stream's pods: redo it."""
+
 
 # ------------------------------------------------------------------------------------------
 # The machine
@@ -272,6 +347,8 @@ class Sequencer:
         self.counters = counters
         self.fenced = fenced
         """Whether batches are fenced by stored watermarks (a BatchIndex with watermarks on)."""
+        self.journaled = planner.caches.journaled
+        """Whether applied batches' page records go to the pods' page journals."""
         self.clock = clock
         self.stopping = stopping
         self._reject = reject
@@ -320,9 +397,9 @@ class Sequencer:
         decoded: DecodedBatch | None = None,
     ) -> FastBatch | None:
         """What :meth:`on_message` would do for the common message, without any I/O: a batch of
-        the current epoch, next in order, whose plan needs no lookup, flush or clear, and whose
-        only action is its one fenced step (see ``docs/ingest-protocol.md``, "Batches applied
-        together").
+        the current epoch, next in order, whose plan needs no lookup, flush, clear or read of
+        the pod's page journal, and whose only action is its one fenced step (see
+        ``docs/ingest-protocol.md``, "Batches applied together").
 
         Returns ``None``, having changed nothing, for any other message: the caller applies the
         fast batches it holds, then gives this message to :meth:`on_message`. Otherwise the
@@ -366,10 +443,9 @@ class Sequencer:
         else:
             planning.close()
             return None
-        counters = self.counters
-        counters.inc(Counter.MESSAGES)
-        counters.inc(Counter.BATCHES)
-        counters.inc(Counter.EVENTS, decoded.total_events)
+        self.counters.add_all(
+            {Counter.MESSAGES: 1, Counter.BATCHES: 1, Counter.EVENTS: decoded.total_events}
+        )
         if topic_b:
             st.last_topic = topic_b
         st.subscribed_before = False
@@ -382,15 +458,16 @@ class Sequencer:
         ops = plan.take()
         restore = plan.commit_cache_undoably()
         step = ApplyStep(ops, st.name, Watermark(st.epoch, stream_position(seq)))
-        return FastBatch(st, msg, plan, step, restore)
+        return FastBatch(st, msg, plan, step, restore, pod)
 
     def finish_fast(self, fast: FastBatch) -> BatchOutcome:
         """A fast batch's step applied: count it as :meth:`on_message` would have."""
         fast.st.known = (fast.msg.seq, PHASE_DONE)
         for rejection in fast.plan.rejects:
             self._reject(rejection, fast.st.endpoint.endpoint)
-        self.counters.add_all(fast.plan.stats)
-        self.counters.inc(Counter.BATCHES_APPLIED)
+        stats = fast.plan.stats
+        stats[Counter.BATCHES_APPLIED] = stats.get(Counter.BATCHES_APPLIED, 0) + 1
+        self.counters.add_all(stats)
         return BatchOutcome.APPLIED
 
     def undo_fast(self, fast: FastBatch) -> None:
@@ -753,18 +830,8 @@ class Sequencer:
             else:
                 yield from run.flush()
 
-        return (
-            yield from self._run_batch(
-                st,
-                epoch=epoch,
-                seq=-1,
-                claim_seq=-1,
-                plan=plan,
-                count_batch=False,
-                msg=msg,
-                supersede=supersede,
-            )
-        )
+        job = BatchJob(msg, epoch, -1, plan, claim_seq=-1, count_batch=False, supersede=supersede)
+        return (yield from self._run_batch(st, job))
 
     def _gap(
         self, st: StreamState, first_missing: int, msg: _Message, depth: int
@@ -934,144 +1001,160 @@ class Sequencer:
             if pod is not None:
                 yield from run.run_plan(planner.plan(run.plan, decoded, pod, model))
 
-        outcome = yield from self._run_batch(
-            st,
-            epoch=st.epoch,
-            seq=msg.seq,
+        job = BatchJob(
+            msg,
+            st.epoch,
+            msg.seq,
+            plan,
             claim_seq=msg.seq,
-            plan=plan,
             first_phase=CLEAR_PHASE if pre_clear else 1,
-            count_batch=True,
-            msg=msg,
-            depth=depth,
-            unusable=unusable,
             pod=pod,
+            unusable=unusable,
+            depth=depth,
         )
+        outcome = yield from self._run_batch(st, job)
         if tail and outcome is BatchOutcome.APPLIED:
             self.counters.inc(Counter.BATCHES_APPLIED, len(tail))
         return outcome
 
-    def _run_batch(
-        self,
-        st: StreamState,
-        epoch: int,
-        seq: int,
-        claim_seq: int,
-        plan: PlanFn,
-        count_batch: bool,
-        msg: _Message,
-        depth: int = 0,
-        unusable: bool = False,
-        pod: str | None = None,
-        first_phase: int = 1,
-        supersede: bool = True,
-    ) -> Steps[BatchOutcome]:
-        """Run ``plan`` as one batch until applied, found duplicate, or given up.
-
-        ``unusable`` marks a payload nothing could be decoded from: it still advances the
-        watermark (so peers see the stream move on) but counts as rejected, not applied.
-        A newer epoch stored supersedes ``msg`` (``supersede``) or just ends the batch.
-        """
-        counters = self.counters
-        plan_clears = first_phase >= CLEAR_PHASE or seq < 0
-        takeover_clear = False
+    def _run_batch(self, st: StreamState, job: BatchJob) -> Steps[BatchOutcome]:
+        """Run ``job`` until applied, found duplicate, superseded or given up (each refused claim
+        is read back from the stored watermark: :meth:`_refused`)."""
+        claim = _Claim(job.claim_seq, job.first_phase)
         # a peer's claim seen in progress is never stepped over: wait for it or take it over
         known = st.known
-        in_claim = (
+        peer_claim = (
             self.fenced
-            and epoch == st.epoch
+            and job.epoch == st.epoch
             and known is not None
             and known[1] != PHASE_DONE
-            and stream_position(*known) < stream_position(seq)
+            and stream_position(*known) < stream_position(job.seq)
         )
-        for _attempt in range(8):
-            run = BatchRun(self, st, epoch, seq, claim_seq, first_phase, pod)
+        for _attempt in range(MAX_CLAIM_ATTEMPTS):
+            run = BatchRun(self, st, job.epoch, job.seq, claim.seq, claim.phase, job.pod)
             try:
-                if in_claim:
-                    in_claim = False
-                    raise NotOwner
-                if takeover_clear:
-                    cause = Counter.CLEARS_RESTART if claim_seq < 0 else Counter.CLEARS_GAP
-                    yield from run.clear(st.pods_for(msg.topic), cause, _stream_scope(st, msg))
-                yield from plan(run)
-                yield from run.finish()
-            except (NotOwner, LostOwnership) as refused:
-                if isinstance(refused, LostOwnership):
-                    # a peer took the batch over: wait until it is done (or take it back)
-                    counters.inc(Counter.LOST_OWNERSHIP)
-                    logger.warning("stream %s: a peer took batch %d over", st.name, seq)
                 try:
-                    verdict, stored = yield from self._conflict(st, epoch, seq)
-                except Abandoned:
-                    verdict, stored = Conflict.ABANDONED, None
-                except Failed as exc:
-                    run.plan.discard_cache()
-                    logger.error("stream %s: batch %d failed: %s", st.name, seq, exc)
-                    counters.inc(Counter.BATCHES_FAILED)
-                    return BatchOutcome.FAILED
-                if verdict is Conflict.DUPLICATE:
-                    run.plan.commit_cache()
-                    if count_batch:
-                        counters.inc(Counter.BATCHES_DUPLICATE)
-                    return BatchOutcome.DUPLICATE
-                if verdict is Conflict.TAKEOVER:
-                    assert stored is not None
-                    counters.inc(Counter.TAKEOVERS)
-                    sseq, sphase = split_position(stored.seq)
-                    logger.warning(
-                        "stream %s: peer stalled at batch %d phase %d, taking over",
-                        st.name,
-                        sseq,
-                        sphase,
-                    )
-                    claim_seq, first_phase = sseq, sphase + 1
-                    if plan_clears and seq >= 0:
-                        first_phase = max(first_phase, CLEAR_PHASE)
-                    # the claim stood for a clear (below the batch, or at a clear phase): redo it
-                    takeover_clear = not plan_clears and (sseq < seq or sphase >= CLEAR_PHASE)
-                    continue
-                run.plan.discard_cache()
-                if verdict is Conflict.RETRY:
-                    continue
-                if verdict is Conflict.ABANDONED:
-                    counters.inc(Counter.BATCHES_ABANDONED)
-                    return BatchOutcome.ABANDONED
-                assert stored is not None and msg is not None
-                if stored.epoch > epoch:
-                    if not supersede:
-                        return BatchOutcome.SUPERSEDED
-                    # a peer saw an engine restart this replica has not seen yet: the message
-                    # belongs to an earlier incarnation, and the restart's clear superseded it
-                    st.epoch = epoch
-                    return self._supersede(st, stored, msg)
-                # the stream moved past our claim: sequence the message again
-                st.known = split_position(stored.seq)
-                st.last_seq = None
-                return (yield from self._sequence(st, msg, False, depth + 1))
+                    if peer_claim:
+                        peer_claim = False
+                        raise NotOwner
+                    yield from self._attempt(run, st, job, claim)
+                except (NotOwner, LostOwnership) as refused:
+                    outcome = yield from self._refused(run, st, job, claim, refused)
+                    if outcome is None:
+                        continue
+                    return outcome
             except Abandoned:
                 run.plan.discard_cache()
-                counters.inc(Counter.BATCHES_ABANDONED)
+                self.counters.inc(Counter.BATCHES_ABANDONED)
                 return BatchOutcome.ABANDONED
             except Failed as exc:
                 run.plan.discard_cache()
-                logger.error("stream %s: batch %d failed: %s", st.name, seq, exc)
-                counters.inc(Counter.BATCHES_FAILED)
+                logger.error("stream %s: batch %d failed: %s", st.name, job.seq, exc)
+                self.counters.inc(Counter.BATCHES_FAILED)
                 return BatchOutcome.FAILED
-            run.plan.commit_cache()
-            for rejection in run.plan.rejects:
-                self._reject(rejection, st.endpoint.endpoint)
-            counters.add_all(run.plan.stats)
-            if not self.fenced:
-                st.known = (seq, PHASE_DONE)
-            if unusable:
-                counters.inc(Counter.BATCHES_REJECTED)
-                return BatchOutcome.REJECTED
-            if count_batch:
-                counters.inc(Counter.BATCHES_APPLIED)
-            return BatchOutcome.APPLIED
-        logger.error("stream %s: batch %d kept conflicting, dropped", st.name, seq)
-        counters.inc(Counter.BATCHES_FAILED)
+            outcome = self._applied(run, st, job)
+            yield from self.journal([(job.pod, run.plan)])
+            return outcome
+        logger.error("stream %s: batch %d kept conflicting, dropped", st.name, job.seq)
+        self.counters.inc(Counter.BATCHES_FAILED)
         return BatchOutcome.FAILED
+
+    def _attempt(self, run: BatchRun, st: StreamState, job: BatchJob, claim: _Claim) -> Steps[None]:
+        """One attempt: the clear a taken-over claim stood for, the plan, the last step."""
+        if claim.redo_clear:
+            cause = Counter.CLEARS_RESTART if claim.seq < 0 else Counter.CLEARS_GAP
+            yield from run.clear(st.pods_for(job.msg.topic), cause, _stream_scope(st, job.msg))
+        yield from job.plan(run)
+        yield from run.finish()
+
+    def _refused(
+        self,
+        run: BatchRun,
+        st: StreamState,
+        job: BatchJob,
+        claim: _Claim,
+        refused: NotOwner | LostOwnership,
+    ) -> Steps[BatchOutcome | None]:
+        """A claim of ``job`` was refused: its outcome as the stored watermark tells it, or
+        ``None`` to try again (``claim`` moved on for a takeover). Raises :class:`Abandoned`
+        or :class:`Failed` when the watermark cannot be read."""
+        if isinstance(refused, LostOwnership):
+            # a peer took the batch over: wait until it is done (or take it back)
+            self.counters.inc(Counter.LOST_OWNERSHIP)
+            logger.warning("stream %s: a peer took batch %d over", st.name, job.seq)
+        verdict, stored = yield from self._conflict(st, job.epoch, job.seq)
+        if verdict is Conflict.ABANDONED:
+            raise Abandoned
+        if verdict is Conflict.DUPLICATE:
+            run.plan.commit_cache()
+            if job.count_batch:
+                self.counters.inc(Counter.BATCHES_DUPLICATE)
+            return BatchOutcome.DUPLICATE
+        if verdict is Conflict.TAKEOVER:
+            assert stored is not None
+            self._take_over(st, job, claim, stored)
+            return None
+        run.plan.discard_cache()
+        if verdict is Conflict.RETRY:
+            return None
+        assert stored is not None
+        if stored.epoch > job.epoch:
+            if not job.supersede:
+                return BatchOutcome.SUPERSEDED
+            # a peer saw an engine restart this replica has not seen yet: the message belongs
+            # to an earlier incarnation, and the restart's clear superseded it
+            st.epoch = job.epoch
+            return self._supersede(st, stored, job.msg)
+        # the stream moved past our claim: sequence the message again
+        st.known = split_position(stored.seq)
+        st.last_seq = None
+        return (yield from self._sequence(st, job.msg, False, job.depth + 1))
+
+    def _take_over(self, st: StreamState, job: BatchJob, claim: _Claim, stored: Watermark) -> None:
+        """Move ``claim`` past a stalled peer's claim ``stored`` (the next attempt finishes it)."""
+        self.counters.inc(Counter.TAKEOVERS)
+        sseq, sphase = split_position(stored.seq)
+        logger.warning(
+            "stream %s: peer stalled at batch %d phase %d, taking over", st.name, sseq, sphase
+        )
+        claim.seq, claim.phase = sseq, sphase + 1
+        if job.plans_clears and job.seq >= 0:
+            claim.phase = max(claim.phase, CLEAR_PHASE)
+        # the claim stood for a clear (below the batch, or at a clear phase): redo it
+        claim.redo_clear = not job.plans_clears and (sseq < job.seq or sphase >= CLEAR_PHASE)
+
+    def journal(self, applied: Iterable[tuple[str | None, BatchPlan]]) -> Steps[None]:
+        """Append the page journal entries of batches that took effect (their pods' records:
+        a failure loses records, which are parent misses later, never wrong keys)."""
+        if not self.journaled:
+            return
+        entries = tuple(
+            (pod, entry)
+            for pod, plan in applied
+            if pod is not None and (entry := plan.journal_entry()) is not None
+        )
+        if not entries:
+            return
+        try:
+            yield AppendJournal(entries)
+        except Interrupt as exc:
+            logger.warning("cannot append to the page journals: %s", exc)
+
+    def _applied(self, run: BatchRun, st: StreamState, job: BatchJob) -> BatchOutcome:
+        """The batch's last step applied: its cache, rejects and counters take effect."""
+        counters = self.counters
+        run.plan.commit_cache()
+        for rejection in run.plan.rejects:
+            self._reject(rejection, st.endpoint.endpoint)
+        counters.add_all(run.plan.stats)
+        if not self.fenced:
+            st.known = (job.seq, PHASE_DONE)
+        if job.unusable:
+            counters.inc(Counter.BATCHES_REJECTED)
+            return BatchOutcome.REJECTED
+        if job.count_batch:
+            counters.inc(Counter.BATCHES_APPLIED)
+        return BatchOutcome.APPLIED
 
     def _conflict(
         self, st: StreamState, epoch: int, seq: int
@@ -1113,7 +1196,7 @@ class BatchGroup:
     the group; any other message first has the group applied (:meth:`flush`), then runs through
     :meth:`Sequencer.on_message` alone, so the index sees every message's effect in order.
     ``perform`` performs the machine's actions, ``apply_steps`` applies fenced steps together
-    (whether each applied; raising :class:`Abandoned` or :class:`Failed` as ``perform`` may).
+    (what each did; raising :class:`Abandoned` or :class:`Failed` as ``perform`` may).
     The caller holds whatever orders each stream (its lock) until :meth:`flush` returns.
     """
 
@@ -1121,7 +1204,7 @@ class BatchGroup:
         self,
         sequencer: Sequencer,
         perform: Callable[[Action], Any],
-        apply_steps: Callable[[Sequence[ApplyStep]], list[bool]],
+        apply_steps: Callable[[Sequence[ApplyStep]], list[StepResult]],
         limit: int,
     ) -> None:
         self.sequencer = sequencer
@@ -1156,28 +1239,69 @@ class BatchGroup:
 
     def flush(self) -> None:
         """Apply the group; a stream whose batch did not apply (or may not have) gets that
-        batch and its later ones undone and handled again by the full machine."""
+        batch and its later ones undone and handled again by the full machine.
+
+        Every batch to handle again is undone first (latest first, over all streams), then the
+        applied batches are journaled, then the undone ones handled again: a pod's journal keeps
+        its batches' order and never holds a batch that did not apply.
+        """
         group, self._group = self._group, []
         if not group:
             return
         seqr, outcomes = self.sequencer, self.outcomes
         try:
-            verdicts: list[bool] | None = self.apply_steps([f.step for _, f in group])
+            results: list[StepResult] | None = self.apply_steps([f.step for _, f in group])
         except (Abandoned, Failed) as exc:
             logger.warning("applying %d batches together failed: %s", len(group), exc)
-            verdicts = None
+            results = None
+        verdicts = self._verdicts(group, results)
         redo: dict[int, list[tuple[int, FastBatch]]] = {}
+        applied: list[FastBatch] = []
         for j, (number, fast) in enumerate(group):
             key = id(fast.st)
-            if key not in redo and verdicts is not None and verdicts[j]:
+            if key not in redo and verdicts[j]:
                 outcomes[number] = seqr.finish_fast(fast)
+                applied.append(fast)
             else:
                 redo.setdefault(key, []).append((number, fast))
-        for again in redo.values():
-            for _, fast in reversed(again):
+        undone = {id(fast) for again in redo.values() for _, fast in again}
+        for _, fast in reversed(group):
+            if id(fast) in undone:
                 seqr.undo_fast(fast)
+        if applied:
+            drive(seqr.journal([(f.pod, f.plan) for f in applied]), self.perform)
+        for again in redo.values():
             for number, fast in again:
                 outcomes[number] = drive(seqr.resequence(fast), self.perform)
+
+    def _verdicts(
+        self, group: Sequence[tuple[int, FastBatch]], results: Sequence[StepResult] | None
+    ) -> list[bool]:
+        """Whether each batch of the group applied. A call that took more than one attempt may
+        have applied batches in an attempt whose reply was lost, which the next attempt then
+        refused: such a batch applied when its stream's stored mark has reached its own in its
+        epoch (read once per stream; a mark that cannot be read leaves the batch to the full
+        machine)."""
+        if results is None:
+            return [False] * len(group)
+        verdicts = [r.applied for r in results]
+        if all(r.applied or r.attempts <= 1 for r in results):
+            return verdicts
+        stored: dict[str, Watermark | None] = {}
+        for j, (_, fast) in enumerate(group):
+            if verdicts[j] or results[j].attempts <= 1:
+                continue
+            name = fast.step.stream
+            if name not in stored:
+                try:
+                    stored[name] = self.perform(ReadWatermark(name, once=True))
+                except (Abandoned, Failed) as exc:
+                    logger.warning("stream %s: cannot read the stored watermark: %s", name, exc)
+                    stored[name] = None
+            mark = stored[name]
+            wm = fast.step.watermark
+            verdicts[j] = mark is not None and mark.epoch == wm.epoch and mark >= wm
+        return verdicts
 
 
 def _contiguous_tail(found: list[_Message], upto: int) -> list[_Message]:

@@ -46,6 +46,7 @@ from kvredis.ingest.backend import IndexBackend
 from kvredis.ingest.config import EndpointConfig, IngesterConfig, is_http_endpoint
 from kvredis.ingest.counters import Counter, IngestCounters, RateLimitedLog
 from kvredis.ingest.events import DecodedBatch, Rejection, RejectReason
+from kvredis.ingest.journal import journal_for, snapshot
 from kvredis.ingest.planner import Planner, PodCaches
 from kvredis.ingest.sequencer import BatchGroup, Sequencer
 from kvredis.ingest.stream import StreamState
@@ -167,7 +168,12 @@ class EventIngester:
         self.config = config or IngesterConfig()
         self.catalog = group_catalog if group_catalog is not None else GroupCatalog()
         self.counters = counters if counters is not None else IngestCounters()
-        caches = PodCaches(self.config.parent_cache_size, self.config.partial_block_pages)
+        journal = journal_for(index) if self.config.page_journal else None
+        caches = PodCaches(
+            self.config.parent_cache_size,
+            self.config.partial_block_pages,
+            journaled=journal is not None,
+        )
         self._planner = Planner(
             token_processor,
             self.catalog,
@@ -191,6 +197,8 @@ class EventIngester:
             retry_max_s=self.config.backend_retry_max_s,
             warn=self._log,
             scheme=scheme,
+            journal=journal,
+            snapshot=lambda pod: snapshot(caches.get(pod)),
         )
         self._sequencer = Sequencer(
             self.config,

@@ -125,6 +125,11 @@ def bucket_of(value: int, bits: int) -> int:
     return value & ((1 << bits) - 1)
 
 
+#: A pod's page journal is the LIST ``<ns>:pj:<pod>`` (kept by the ingesters beside the index:
+#: ``kvredis.ingest.journal``); it is a key of the namespace (:meth:`Layout.owns`), dropped with it.
+JOURNAL_KEY_INFIX = b":pj:"
+
+
 def meta_key(namespace: str) -> bytes:
     """The key of a namespace's meta record."""
     return text_bytes(namespace) + b":meta"
@@ -138,6 +143,7 @@ class Layout:
         "cprefix",
         "eprefix",
         "gen",
+        "jprefix",
         "mask",
         "meta",
         "mv",
@@ -176,6 +182,7 @@ class Layout:
         self.eprefix = ns + b":e:"
         self.sprefix = ns + b":s:"
         self.cprefix = ns + b":c:"
+        self.jprefix = ns + JOURNAL_KEY_INFIX
 
     def request_bucket(self, value: int) -> bytes:
         """The request bucket key holding request key ``value``."""
@@ -219,9 +226,12 @@ class Layout:
         ``SCAN MATCH <ns>:*`` also returns the keys of every namespace whose name extends
         ``<ns>:`` (``kv`` and ``kv:prod``); this tells them apart. Bucket keys are
         ``<ns>:r:``, ``<ns>:e:`` or ``<ns>:s:`` and 1 to 3 suffix bytes, runs ``<ns>:c:`` and 4
-        bytes, which no other accepted namespace can produce (:func:`check_namespace`).
+        bytes, which no other accepted namespace can produce (:func:`check_namespace`); a
+        pod's page journal is ``<ns>:pj:`` and the pod's name.
         """
         if key in self.fixed_keys():
+            return True
+        if len(key) > len(self.jprefix) and key.startswith(self.jprefix):
             return True
         suffix = len(key) - len(self.rprefix)
         if suffix == RUN_ID_WIDTH and key.startswith(self.cprefix):
@@ -236,20 +246,26 @@ class Layout:
         )
 
 
+#: The parts of key prefixes (``<ns>:<part>:``) that a namespace name may not hold as a part.
+PREFIX_PARTS = ("r", "e", "s", "c", "pj")
+
+
 def check_namespace(namespace: object) -> str:
     """Validate a namespace name: a non-empty str that cannot nest inside another namespace.
 
     Bucket keys are ``<ns>:r:<bucket>``, ``<ns>:e:<bucket>`` and ``<ns>:s:<bucket>``, runs
-    ``<ns>:c:<run id>``, so a namespace containing ``:r:``, ``:e:``, ``:s:`` or ``:c:``, or ending
-    in ``:r``, ``:e``, ``:s`` or ``:c``, would share key names with a shorter one; such names are
-    refused. Any other text (including ``:``) is fine.
+    ``<ns>:c:<run id>``, page journals ``<ns>:pj:<pod>``, so a namespace containing ``:r:``,
+    ``:e:``, ``:s:``, ``:c:`` or ``:pj:``, or ending in ``:r``, ``:e``, ``:s``, ``:c`` or ``:pj``,
+    would share key names with a shorter one; such names are refused. Any other text (including
+    ``:``) is fine.
     """
     if not isinstance(namespace, str) or not namespace:
         raise InvalidInputError(f"namespace must be a non-empty str, got {namespace!r}")
-    if any(f":{k}:" in namespace or namespace.endswith(f":{k}") for k in "resc"):
+    if any(f":{k}:" in namespace or namespace.endswith(f":{k}") for k in PREFIX_PARTS):
         raise InvalidInputError(
-            f"namespace {namespace!r} may not contain ':r:', ':e:', ':s:' or ':c:' or end in "
-            "':r', ':e', ':s' or ':c' (its keys would collide with those of a shorter namespace)"
+            f"namespace {namespace!r} may not contain ':r:', ':e:', ':s:', ':c:' or ':pj:' or "
+            "end in ':r', ':e', ':s', ':c' or ':pj' (its keys would collide with those of a "
+            "shorter namespace)"
         )
     return namespace
 

@@ -18,8 +18,10 @@ none of them is not affected (the plugin only declares fixtures).
 
 The same building blocks are importable without pytest: :mod:`kvredis.testing.servers`,
 :mod:`kvredis.testing.engine`, :mod:`kvredis.testing.wire`, :mod:`kvredis.testing.trtllm` (a
-fake ``trtllm-serve``: :class:`FakeTrtllmServe`, TensorRT-LLM 1.2's KV cache events over HTTP) and
-``python -m kvredis.testing.cluster up|down`` (also ``kvredis cluster-up`` / ``cluster-down``).
+fake ``trtllm-serve``: :class:`FakeTrtllmServe`, TensorRT-LLM 1.2's KV cache events over HTTP),
+:mod:`kvredis.testing.radix` (an SGLang radix cache that publishes the events a real one
+would) and ``python -m kvredis.testing.cluster up|down`` (also ``kvredis cluster-up`` /
+``cluster-down``).
 """
 
 from __future__ import annotations

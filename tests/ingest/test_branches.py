@@ -17,14 +17,17 @@ from typing import Any
 
 import pytest
 
-from kvredis.batch import AddOp
+from kvredis.batch import AddOp, EvictOp
 from kvredis.errors import EngineKeyNotFoundError
 from kvredis.features import PlaceholderRange, compute_block_extra_features
 from kvredis.hashing import ChunkedTokenDatabase, TokenProcessorConfig
 from kvredis.indexer import Indexer
-from kvredis.ingest import EventIngester, IngesterConfig
+from kvredis.ingest import EndpointConfig, EventIngester, IngesterConfig
+from kvredis.ingest import backend as backend_module
 from kvredis.ingest.events import decode_batch
+from kvredis.ingest.journal import journal_for
 from kvredis.ingest.planner import boundary_key
+from kvredis.ingest.sequencer import Sequencer
 from kvredis.memory import InMemoryIndex
 from kvredis.scoring import LongestPrefixScorer
 from tests.conftest import close_backend, make_backend
@@ -70,6 +73,19 @@ def recording(index: Any) -> Any:
         return applied
 
     index.apply_batch = apply_and_record
+    apply_batches = getattr(index, "apply_batches", None)
+    if apply_batches is not None:
+
+        def apply_all_and_record(batches: Any) -> list[bool]:
+            verdicts = list(apply_batches(batches))
+            for batch, applied in zip(batches, verdicts, strict=True):
+                if applied:
+                    for op in batch[0]:
+                        if isinstance(op, AddOp):
+                            index.added.update(op.request_keys)
+            return verdicts
+
+        index.apply_batches = apply_all_and_record
     return index
 
 
@@ -84,16 +100,23 @@ def want(tp: ChunkedTokenDatabase, sequences: Sequence[Sequence[int]]) -> set[in
 
 
 class Stream:
-    """One pod's publisher as ingesters see it: batches in sequence."""
+    """One pod's publisher as ingesters see it: batches in sequence (of ``engine``'s, when set:
+    the endpoint says so)."""
 
-    def __init__(self, pod: str) -> None:
+    def __init__(self, pod: str, engine: str | None = None) -> None:
         self.pod = pod
         self.seq = -1
+        self.endpoint = EndpointConfig(f"eng-{pod}", engine=engine)
 
     def send(self, payload: bytes, *ingesters: EventIngester) -> None:
         self.seq += 1
         for ing in ingesters:
-            ing.process(f"kv@{self.pod}@{MODEL}", self.seq, payload, endpoint=f"eng-{self.pod}")
+            ing.process(f"kv@{self.pod}@{MODEL}", self.seq, payload, endpoint=self.endpoint)
+
+    def message(self, payload: bytes) -> tuple[str, int, bytes, EndpointConfig]:
+        """The next batch, as one message of :meth:`EventIngester.process_many`."""
+        self.seq += 1
+        return f"kv@{self.pod}@{MODEL}", self.seq, payload, self.endpoint
 
 
 def misses(*ingesters: EventIngester) -> int:
@@ -107,12 +130,21 @@ OWN_1 = tuple(range(2000, 2060))
 OWN_2 = tuple(range(3000, 3060))
 
 
+ENGINES = ["vllm", "sglang"]
+"""The endpoint's engine: one whose cache may free any page (vLLM: every page mapped), SGLang
+(only the page ending a block). An endpoint of no configured engine learns SGLang from its
+batches' shape (see :func:`test_sglang_maps_only_the_page_ending_each_block`)."""
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("page", [1, 4])
 @pytest.mark.parametrize("shared", [40, 48])
-def test_a_second_request_branching_inside_a_block(index: Any, page: int, shared: int) -> None:
+def test_a_second_request_branching_inside_a_block(
+    index: Any, page: int, shared: int, engine: str | None
+) -> None:
     # Every backend: embedded, Redis and Valkey (sync, asyncio), and a local cluster of each.
     recorded = recording(index)
-    cache, stream = RadixCache(page), Stream("pod-a")
+    cache, stream = RadixCache(page), Stream("pod-a", engine)
     ing = EventIngester(recorded, TP16)
     first, second = SHARED[:shared] + OWN_1, SHARED[:shared] + OWN_2
     for tokens in (first, second):
@@ -161,11 +193,14 @@ def check_exact(index: Any, tp: ChunkedTokenDatabase, caches: dict[str, RadixCac
         assert held(index, pod) == want(tp, cache.held()), pod
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("page", [1, 2, 4, 8])
-def test_random_radix_trees_hold_exactly_the_routers_keys(recorded: Any, page: int) -> None:
+def test_random_radix_trees_hold_exactly_the_routers_keys(
+    recorded: Any, page: int, engine: str | None
+) -> None:
     rng = random.Random(page)
     caches = {pod: RadixCache(page) for pod in ("pod-a", "pod-b")}
-    streams = {pod: Stream(pod) for pod in caches}
+    streams = {pod: Stream(pod, engine) for pod in caches}
     ing = EventIngester(recorded, TP16)
     for n, (pod, events) in enumerate(workload(rng, caches, 40)):
         streams[pod].send(sglang_batch(events), ing)
@@ -175,13 +210,14 @@ def test_random_radix_trees_hold_exactly_the_routers_keys(recorded: Any, page: i
     assert misses(ing) == 0
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("seed", range(6))
-def test_random_radix_trees_under_a_64_token_index(seed: int) -> None:
+def test_random_radix_trees_under_a_64_token_index(seed: int, engine: str | None) -> None:
     index = recording(InMemoryIndex())
     rng = random.Random(100 + seed)
     page = rng.choice([1, 2, 4, 8, 16])
     caches = {pod: RadixCache(page) for pod in ("pod-a", "pod-b")}
-    streams = {pod: Stream(pod) for pod in caches}
+    streams = {pod: Stream(pod, engine) for pod in caches}
     ing = EventIngester(index, TP64)
     for pod, events in workload(rng, caches, 50):
         streams[pod].send(sglang_batch(events), ing)
@@ -192,13 +228,16 @@ def test_random_radix_trees_under_a_64_token_index(seed: int) -> None:
 # -- HA replicas --------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("page", [1, 4])
-def test_ha_replicas_taking_turns_agree_on_branches(recorded: Any, page: int) -> None:
+def test_ha_replicas_taking_turns_agree_on_branches(
+    recorded: Any, page: int, engine: str | None
+) -> None:
     # Both replicas receive every batch; whoever comes first applies it and the other learns
     # it, so most branches hang from a page that the replica applying them only learned.
     rng = random.Random(7 + page)
     caches = {pod: RadixCache(page) for pod in ("pod-a", "pod-b")}
-    streams = {pod: Stream(pod) for pod in caches}
+    streams = {pod: Stream(pod, engine) for pod in caches}
     replicas = [EventIngester(recorded, TP16), EventIngester(recorded, TP16)]
     for pod, events in workload(rng, caches, 40):
         order = replicas if rng.random() < 0.5 else replicas[::-1]
@@ -272,12 +311,19 @@ def test_a_replica_learning_batches_it_skips_continues_them_exactly() -> None:
     assert two.count("parent_misses") == 0
 
 
-def test_a_replica_that_never_saw_the_parent_writes_nothing_wrong(recorded: Any) -> None:
+@pytest.mark.parametrize("journal", [True, False], ids=["journal", "no-journal"])
+def test_a_replica_that_never_saw_the_parent(recorded: Any, journal: bool) -> None:
     # Replica one stored request 1; replica two (fresh, or restarted) gets request 2 only. The
     # branch at token 48 hangs from a block boundary: the index names that block's key. The
-    # branch at token 40 hangs inside block 2: its first 8 tokens are unknown there.
+    # branch at token 40 hangs inside block 2, whose first 8 tokens replica two never saw:
+    # replica one's page journal has them; without it the branch is a parent miss, and
+    # nothing wrong is written.
     cache, stream = RadixCache(1), Stream("pod-a")
-    one, two = EventIngester(recorded, TP16), EventIngester(recorded, TP16)
+    config = IngesterConfig(page_journal=journal)
+    one, two = (
+        EventIngester(recorded, TP16, config=config),
+        EventIngester(recorded, TP16, config=config),
+    )
     first = SHARED + OWN_1
     cache.insert(first)
     stream.send(sglang_batch(cache.take()), one)
@@ -288,8 +334,12 @@ def test_a_replica_that_never_saw_the_parent_writes_nothing_wrong(recorded: Any)
     inside = SHARED[:40] + tuple(range(4000, 4060))
     cache.insert(inside)
     stream.send(sglang_batch(cache.take()), two)
-    assert misses(two) == 1
-    assert held(recorded, "pod-a") == want(TP16, [first, at_boundary, SHARED[:40]])
+    if journal:
+        assert misses(two) == 0
+        assert held(recorded, "pod-a") == want(TP16, [first, at_boundary, inside])
+    else:
+        assert misses(two) == 1
+        assert held(recorded, "pod-a") == want(TP16, [first, at_boundary, SHARED[:40]])
 
 
 def test_a_short_event_from_an_unknown_page_is_not_a_tier_update(recorded: Any) -> None:
@@ -313,10 +363,12 @@ def test_a_short_event_from_an_unknown_page_is_not_a_tier_update(recorded: Any) 
 
 
 def test_forgotten_partial_blocks_are_parent_misses(recorded: Any) -> None:
-    # State for 64 pages per pod: request 1's pages inside block 2 are long forgotten when
-    # request 2 branches there; the branch is counted and writes nothing.
+    # State for 64 pages per pod (and no page journal to recall them from): request 1's pages
+    # inside block 2 are long forgotten when request 2 branches there; the branch is counted
+    # and writes nothing.
     cache, stream = RadixCache(1), Stream("pod-a")
-    ing = EventIngester(recorded, TP16, config=IngesterConfig(partial_block_pages=64))
+    config = IngesterConfig(partial_block_pages=64, page_journal=False)
+    ing = EventIngester(recorded, TP16, config=config)
     first = SHARED[:40] + OWN_1 + tuple(range(5000, 5200))
     cache.insert(first)
     stream.send(sglang_batch(cache.take()), ing)
@@ -351,8 +403,9 @@ def test_little_state_and_restarts_write_no_wrong_key(recorded: Any, page: int) 
     assert sum(len(held(recorded, pod)) for pod in caches) > 0
 
 
-def test_an_evicted_branch_point_is_forgotten(recorded: Any) -> None:
-    cache, stream = RadixCache(1), Stream("pod-a")
+@pytest.mark.parametrize("engine", ENGINES)
+def test_an_evicted_branch_point_is_forgotten(recorded: Any, engine: str | None) -> None:
+    cache, stream = RadixCache(1), Stream("pod-a", engine)
     ing = EventIngester(recorded, TP16)
     first = SHARED[:40] + OWN_1
     cache.insert(first)
@@ -378,12 +431,13 @@ def mapped(index: Any, engine_key: int) -> bool:
     return True
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("restart", [False, True], ids=["same", "restarted"])
-def test_evictions_leave_no_mapping(recorded: Any, restart: bool) -> None:
+def test_evictions_leave_no_mapping(recorded: Any, restart: bool, engine: str | None) -> None:
     # The index maps a page ending at a block boundary under its boundary key as well; the
     # removal of the page removes both, also for an ingester that restarted in between (it
     # knows nothing of the pages yet).
-    cache, stream = RadixCache(1), Stream("pod-a")
+    cache, stream = RadixCache(1), Stream("pod-a", engine)
     ing = EventIngester(recorded, TP16)
     pages: list[int] = []
     for tokens in (SHARED[:40] + OWN_1, SHARED[:40] + OWN_2, SHARED[:40] + OWN_1[:30]):
@@ -441,3 +495,196 @@ def test_vllm_branch_inside_a_block_after_an_image(recorded: Any) -> None:
     }
     assert held(recorded, "pod-a") == keys
     assert misses(ing) == 0
+
+
+# -- SGLang: one mapping per index block --------------------------------------------------------
+
+
+def recording_ops(index: Any) -> Any:
+    """``recording(index)``, with ``index.ops``: every operation of an applied batch."""
+    recording(index)
+    index.ops = []
+    apply_batch = index.apply_batch
+
+    def apply_and_keep(ops: Any, stream: Any = None, watermark: Any = None) -> bool:
+        applied = bool(apply_batch(ops, stream, watermark))
+        if applied:
+            index.ops.extend(ops)
+        return applied
+
+    index.apply_batch = apply_and_keep
+    return index
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_sglang_maps_only_the_page_ending_each_block(recorded: Any, page: int) -> None:
+    # A 100-token prompt: 6 full blocks. SGLang evicts a radix node only after its children,
+    # so a block goes exactly when the page holding its last token does: that page alone is
+    # mapped, under its boundary key. An engine not known to evict so maps every page; an
+    # endpoint of no configured engine learns SGLang from its batches (their array form).
+    cases = (("vllm", "pod-a", 500), ("sglang", "pod-b", 700), (None, "pod-c", 900))
+    for engine, name, first in cases:
+        tokens = tuple(range(first, first + 100))
+        cache, stream = RadixCache(page), Stream(name, engine)
+        ing = EventIngester(recorded, TP16, config=IngesterConfig(max_batches_per_call=1))
+        cache.insert(tokens)
+        (event,) = cache.take()
+        pages = [h % 2**64 for h in event["block_hashes"]]
+        stream.send(sglang_batch([event]), ing)
+        assert held(recorded, name) == want(TP16, [tokens])
+        ends = {pages[(16 * (b + 1)) // page - 1] for b in range(6)}
+        assert {h for h in pages if mapped(recorded, boundary_key(h))} == ends
+        own = {h for h in pages if mapped(recorded, h)}
+        if engine == "vllm":
+            assert own == set(pages[: 96 // page])  # the last 4 tokens' pages: no full block
+        else:
+            assert own == set()
+
+
+def test_sglang_removal_sends_one_evict_per_block(recorded: Any) -> None:
+    # Removing a node of 100 pages costs the index one evict per block it held (6), not one
+    # per page and boundary key; the ingester knows which pages end inside blocks.
+    index = recording_ops(recorded)
+    counts = {}
+    cases = (("vllm", "pod-a", 500), ("sglang", "pod-b", 700), (None, "pod-c", 900))
+    for engine, name, first in cases:
+        tokens = tuple(range(first, first + 100))
+        cache, stream = RadixCache(1), Stream(name, engine)
+        ing = EventIngester(index, TP16, config=IngesterConfig(max_batches_per_call=1))
+        cache.insert(tokens)
+        stream.send(sglang_batch(cache.take()), ing)
+        index.ops.clear()
+        cache.evict(cache.leaves()[0])
+        stream.send(sglang_batch(cache.take()), ing)
+        assert held(index, name) == set()
+        counts[engine] = sum(isinstance(op, EvictOp) for op in index.ops)
+    assert counts == {"vllm": 100 + 6, "sglang": 6, None: 6}
+
+
+# -- restarts and takeovers: the page journal ---------------------------------------------------
+
+
+def exact_pairs(index: Any, caches: dict[str, RadixCache]) -> None:
+    """The index holds exactly the router's keys of what every pod's cache holds."""
+    for pod, cache in caches.items():
+        assert held(index, pod) == want(TP16, cache.held()), pod
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("page", [1, 4])
+def test_an_ingester_restarted_mid_stream_continues_exactly(
+    recorded: Any, page: int, engine: str | None
+) -> None:
+    # The ingester dies now and then (never stopped: whatever it knew is gone) and a new one
+    # takes the stream on: branches from pages the dead one stored, and their removals, are
+    # exact, from the pods' page journals.
+    rng = random.Random(70 + page)
+    caches = {pod: RadixCache(page) for pod in ("pod-a", "pod-b")}
+    streams = {pod: Stream(pod, engine) for pod in caches}
+    ing = EventIngester(recorded, TP16)
+    restarts = 0
+    for n, (pod, events) in enumerate(workload(rng, caches, 60)):
+        if n and n % 7 == 0:
+            ing, restarts = EventIngester(recorded, TP16), restarts + 1
+        streams[pod].send(sglang_batch(events), ing)
+        exact_pairs(recorded, caches)
+        assert misses(ing) == 0
+    assert restarts >= 5
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_batches_applied_together_are_journaled(
+    recorded: Any, engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A busy worker applies the batches queued for it together (process_many: the fast ones in
+    # one apply_batches call); their page records go to the journal as well, so an ingester
+    # restarted after every backlog continues exactly.
+    together = []
+    finish_fast = Sequencer.finish_fast
+
+    def count_fast(self: Sequencer, fast: Any) -> Any:
+        together.append(fast)
+        return finish_fast(self, fast)
+
+    monkeypatch.setattr(Sequencer, "finish_fast", count_fast)
+    rng = random.Random(33)
+    caches = {pod: RadixCache(1) for pod in ("pod-a", "pod-b")}
+    streams = {pod: Stream(pod, engine) for pod in caches}
+    backlog: list[Any] = []
+    ingesters = []
+    for pod, events in workload(rng, caches, 80):
+        backlog.append(streams[pod].message(sglang_batch(events)))
+        if len(backlog) == 6:
+            ing = EventIngester(recorded, TP16)
+            ing.process_many(backlog)
+            ingesters.append(ing)
+            backlog.clear()
+            exact_pairs(recorded, caches)
+    assert len(together) > 20  # batches applied together, not one by one
+    assert misses(*ingesters) == 0
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_replica_that_joined_late_takes_over_exactly(recorded: Any, engine: str | None) -> None:
+    # Replica one follows the pods alone; replica two starts half-way (it never saw the first
+    # half), both then receive every batch, and replica one dies: replica two carries on.
+    rng = random.Random(91)
+    caches = {pod: RadixCache(1) for pod in ("pod-a", "pod-b")}
+    streams = {pod: Stream(pod, engine) for pod in caches}
+    one = EventIngester(recorded, TP16)
+    two: EventIngester | None = None
+    batches = list(workload(rng, caches, 60))
+    for n, (pod, events) in enumerate(batches):
+        if n == len(batches) // 3:
+            two = EventIngester(recorded, TP16)
+        if two is None:
+            receivers = [one]
+        elif n < 2 * len(batches) // 3:
+            receivers = [one, two] if rng.random() < 0.5 else [two, one]
+        else:
+            receivers = [two]  # replica one died
+        streams[pod].send(sglang_batch(events), *receivers)
+    exact_pairs(recorded, caches)
+    assert misses(one) == 0
+    assert two is not None and misses(two) == 0
+
+
+def test_a_compacted_journal_recalls_the_same_pages(
+    recorded: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With journals compacted after every few kilobytes, a pod's journal stays one entry or a
+    # few, and an ingester starting from it is as exact as one that appended it all.
+    monkeypatch.setattr(backend_module, "COMPACT_MIN_BYTES", 4096)
+    rng = random.Random(5)
+    caches = {pod: RadixCache(1) for pod in ("pod-a", "pod-b")}
+    streams = {pod: Stream(pod, "sglang") for pod in caches}
+    ing = EventIngester(recorded, TP16)
+    batches = list(workload(rng, caches, 80))
+    for pod, events in batches[:60]:
+        streams[pod].send(sglang_batch(events), ing)
+    journal = journal_for(recorded)
+    assert journal is not None
+    sizes = {pod: len(journal.read(pod)) for pod in caches}
+    assert all(0 < n < 20 for n in sizes.values()), sizes
+    fresh = EventIngester(recorded, TP16)
+    for pod, events in batches[60:]:
+        streams[pod].send(sglang_batch(events), fresh)
+    exact_pairs(recorded, caches)
+    assert misses(ing, fresh) == 0
+
+
+def test_without_the_journal_a_restart_writes_nothing_wrong(recorded: Any) -> None:
+    rng = random.Random(70)
+    caches = {pod: RadixCache(1) for pod in ("pod-a", "pod-b")}
+    streams = {pod: Stream(pod, "sglang") for pod in caches}
+    config = IngesterConfig(page_journal=False)
+    ing = EventIngester(recorded, TP16, config=config)
+    restarted = []
+    for n, (pod, events) in enumerate(workload(rng, caches, 60)):
+        if n and n % 7 == 0:
+            restarted.append(ing)
+            ing = EventIngester(recorded, TP16, config=config)
+        streams[pod].send(sglang_batch(events), ing)
+        for name, cache in caches.items():
+            assert held(recorded, name) <= want(TP16, cache.held()), name
+    assert misses(ing, *restarted) > 0

@@ -25,6 +25,7 @@ from kvredis.features import (
 from kvredis.hashing import ChunkedTokenDatabase, TokenProcessorConfig
 from kvredis.indexer import Indexer
 from kvredis.ingest import EndpointConfig, EventIngester, IngesterConfig
+from kvredis.ingest.journal import journal_for
 from kvredis.scoring import LongestPrefixScorer
 from kvredis.tiers import TierMap
 from kvredis.types import PodEntry
@@ -226,15 +227,22 @@ def test_image_across_a_split(index: Any) -> None:
     assert hits(index, TP16.tokens_to_kv_block_keys(0, PROMPT[:64], MODEL, feats)) == 4
 
 
-def test_unknown_continuation_writes_no_key(index: Any) -> None:
+@pytest.mark.parametrize("journal", [True, False], ids=["journal", "no-journal"])
+def test_a_continuation_another_replica_stored(index: Any, journal: bool) -> None:
     # Replica A stored the first event (a 40-token chain end); replica B only sees the second.
+    # B recalls A's page records from the pod's journal; without one (no journal, or an index
+    # that keeps none) B counts a parent miss and writes nothing, not a wrong key.
     first = sglang_batch(sglang_pages(PROMPT[:40], 1, 1)[0])
     second = sglang_batch(sglang_pages(PROMPT[40:64], 1, 41, parent=40)[0])
     ingest(index, [first])
-    b = EventIngester(index, TP16)
+    b = EventIngester(index, TP16, config=IngesterConfig(page_journal=journal))
     b.process(f"kv@pod-a@{MODEL}", 0, second, endpoint="replica-b")
-    assert b.counters.snapshot()["parent_misses"] == 1
     want = TP16.tokens_to_kv_block_keys(0, PROMPT[:64], MODEL)
+    if journal and journal_for(index) is not None:
+        assert b.counters.snapshot()["parent_misses"] == 0
+        assert hits(index, want) == 4
+        return
+    assert b.counters.snapshot()["parent_misses"] == 1
     assert hits(index, want) == 2  # the blocks A could hash; B wrote nothing, not a wrong key
     assert set(index.lookup(want[2:])) == set()
 

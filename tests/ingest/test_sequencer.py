@@ -635,7 +635,7 @@ def test_a_subscriber_that_read_an_epoch_opening_takes_seq_0_for_a_new_restart(
 
 
 def _group(replica: Replica, calls: list[int], fail: bool = False, limit: int = 64) -> BatchGroup:
-    def apply_steps(steps: Sequence[Any]) -> list[bool]:
+    def apply_steps(steps: Sequence[Any]) -> Any:
         calls.append(len(steps))
         if fail:
             raise Failed("the index went away")

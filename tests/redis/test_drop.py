@@ -18,9 +18,10 @@ from kvredis import (
     RedisIndexConfig,
     Watermark,
 )
+from kvredis.ingest.journal import journal_for
 from kvredis.redis.codec import escape_glob
 from kvredis.redis.config import config_for_existing
-from kvredis.redis.layout import Layout
+from kvredis.redis.layout import Layout, check_namespace
 
 pytestmark = pytest.mark.redis
 
@@ -82,6 +83,8 @@ NESTED_NAMES = [
     ("a*b", "a*b:x"),
     ("kv", "kv:cc"),
     ("x", "x:"),
+    ("kv", "kv:pjx"),
+    ("kv:pjx", "kv"),
 ]
 
 
@@ -124,6 +127,38 @@ def test_drop_and_clear_never_touch_a_namespace_whose_name_extends_theirs(
             idx.drop_namespace()
             idx.close()
         raw.close()
+
+
+def test_drop_deletes_the_pods_page_journals(redis_server_url: str, namespace: str) -> None:
+    # The page journals the ingesters keep beside the index (<ns>:pj:<pod>) are keys of the
+    # namespace: dropped with it, never those of a namespace whose name extends it.
+    raw = redis.Redis.from_url(redis_server_url)
+    mine = RedisIndex(RedisIndexConfig(address=redis_server_url, namespace=namespace))
+    longer = RedisIndex(RedisIndexConfig(address=redis_server_url, namespace=namespace + "x"))
+    try:
+        journals = [journal_for(idx) for idx in (mine, longer)]
+        for idx, journal in zip((mine, longer), journals, strict=True):
+            assert journal is not None
+            idx.add([1], [10], [P])
+            journal.append([("pod-a", b"entry"), ("pod:b", b"entry")])
+        own = [f"{namespace}:pj:pod-a".encode(), f"{namespace}:pj:pod:b".encode()]
+        assert all(Layout(namespace, 16, b"").owns(k) for k in own)
+        assert raw.exists(*own) == 2
+        assert mine.drop_namespace() > 0
+        assert raw.exists(*own) == 0
+        assert journals[1] is not None and journals[1].read("pod:b") == [b"entry"]
+    finally:
+        mine.drop_namespace()
+        longer.drop_namespace()
+        for c in (mine, longer):
+            c.close()
+        raw.close()
+
+
+@pytest.mark.parametrize("name", ["kv:pj", "kv:pj:x", "a:pj:pj"])
+def test_an_old_name_that_would_own_a_shorter_namespaces_journals_is_refused(name: str) -> None:
+    with pytest.raises(KVRedisError, match="':pj:'"):
+        check_namespace(name)
 
 
 def _race_trial(url: str) -> list[str]:

@@ -1,0 +1,302 @@
+"""The page journal alone: entries round-trip the page records, replay and compaction leave
+what the entries said, and the Redis journal's compaction never loses an entry appended
+meanwhile."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvredis.errors import BackendUnavailableError
+from kvredis.features import MMHash
+from kvredis.ingest import BatchOutcome, EndpointConfig, EventIngester
+from kvredis.ingest import backend as backend_module
+from kvredis.ingest.chains import EngineKeyCache, PageRecords, Tail
+from kvredis.ingest.journal import (
+    MemoryPageJournal,
+    RedisPageJournal,
+    compact,
+    encode_entry,
+    journal_for,
+    recall,
+    replay,
+)
+from kvredis.ingest.stream import split_position
+from kvredis.memory import InMemoryIndex
+from kvredis.testing.wire import sglang_batch, sglang_pages
+from tests.conftest import close_backend, make_backend
+from tests.ingest.test_fidelity import MODEL, PROMPT, TP16
+from tests.servers import server_kinds
+
+# The record pages 101-103 share (the chain ends after 103), and a learned chain end (201).
+WHOLE = Tail(
+    base=2**64 - 5,
+    model="lora-a",
+    cache_salt="salt",
+    tokens=(1, 2, 3, 4, 5, 6),
+    ids=(MMHash("img-1"), MMHash("img-2")),
+    engine_keys=(11, 12, 13),
+    base_engine_key=None,
+    mapped=True,
+).holding((101, 102, 103), (2, 4, 6), (1, 2, 2), (1, 2, 3))
+LEARNED = Tail(0, None, None, (9, 8, 7), (), (), 2**63 + 1, False).holding((201,), (3,), (), ())
+
+
+def records() -> dict[int, Tail]:
+    return {
+        101: WHOLE,
+        102: WHOLE,
+        103: WHOLE,
+        201: LEARNED,
+        301: Tail(7, None, None),  # a block's end: the index maps it, nothing to record
+    }
+
+
+def known(cache: EngineKeyCache) -> dict[int, Tail | None]:
+    return {page: cache.get_tail(page) for page in (101, 102, 103, 201, 301)}
+
+
+def test_an_entry_round_trips_every_record() -> None:
+    cache = EngineKeyCache(64)
+    assert replay(cache, [encode_entry(records())]) == 4
+    assert known(cache) == {
+        101: Tail(WHOLE.base, "lora-a", "salt", (1, 2), (MMHash("img-1"),), (11,)),
+        102: Tail(WHOLE.base, "lora-a", "salt", (1, 2, 3, 4), WHOLE.ids, (11, 12)),
+        103: Tail(WHOLE.base, "lora-a", "salt", WHOLE.tokens, WHOLE.ids, WHOLE.engine_keys),
+        201: Tail(0, None, None, (9, 8, 7), (), (), 2**63 + 1, False),
+        301: None,
+    }
+    assert cache.record(201) == LEARNED and not LEARNED.mapped
+    cuts, tails, _ = cache.records()
+    assert set(cuts) == {101, 102} and set(tails) == {103, 201}  # chain ends apart
+
+
+def test_removals_and_clears_replay_in_order() -> None:
+    cache = EngineKeyCache(64)
+    entries = [
+        encode_entry(records()),
+        encode_entry({}, removed=[101, 201]),
+        encode_entry({201: LEARNED}),
+    ]
+    replay(cache, entries)
+    assert cache.get_tail(101) is None and cache.get_tail(201) == LEARNED.after(201)
+    replay(cache, [encode_entry({102: WHOLE}, cleared=True)])
+    assert cache.get_tail(103) is None  # every record went with the clear
+    assert cache.get_tail(102) == WHOLE.after(102)
+
+
+def test_a_damaged_entry_is_skipped() -> None:
+    cache = EngineKeyCache(64)
+    assert replay(cache, [b"\xc1", encode_entry(records())[:-3], encode_entry(records())]) == 4
+
+
+def test_recall_keeps_what_the_ingester_learned_itself() -> None:
+    # The ingester stored page 101 again after the journal said it went: its own record stays.
+    cache = EngineKeyCache(64)
+    mine = Tail(5, None, None, (42,), (), (), None, False)
+    cache.put_records(PageRecords({}, {101: mine}))
+    added = recall(cache, [encode_entry(records()), encode_entry({}, removed=[101])])
+    assert added == 3
+    assert cache.get_tail(101) == mine
+
+
+def test_compaction_leaves_what_the_entries_leave() -> None:
+    entries = [encode_entry(records()), encode_entry({}, removed=[102]), encode_entry({})]
+    one, two = EngineKeyCache(64), EngineKeyCache(64)
+    replay(one, entries)
+    replay(two, [compact(entries)])
+    assert known(one) == known(two)
+    assert len(compact(entries)) < sum(map(len, entries))
+
+
+@pytest.fixture(params=["memory", *[f"redis@{k}" for k in server_kinds()]])
+def journal(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """A page journal: beside an embedded index, and in a real Redis and Valkey."""
+    if request.param == "memory":
+        yield journal_for(InMemoryIndex())
+        return
+    index = make_backend(request.param, request)
+    try:
+        found = journal_for(index)
+        assert isinstance(found, RedisPageJournal)
+        yield found
+        found.delete("pod-a")
+        found.delete("pod-b")
+    finally:
+        close_backend(index)
+
+
+def test_a_journal_keeps_each_pods_entries_in_order(journal: Any) -> None:
+    journal.append([("pod-a", b"1"), ("pod-b", b"x"), ("pod-a", b"2")])
+    journal.append([("pod-a", b"3")])
+    assert journal.read("pod-a") == [b"1", b"2", b"3"]
+    assert journal.read("pod-b") == [b"x"]
+    journal.delete("pod-a")
+    assert journal.read("pod-a") == []
+
+
+def test_compacting_a_journal_rewrites_it_as_one_entry(journal: Any) -> None:
+    entries = [encode_entry(records()), encode_entry({}, removed=[103])]
+    journal.append([("pod-a", e) for e in entries])
+    size = journal.compact("pod-a")
+    assert journal.read("pod-a") == [compact(entries)]
+    assert size == len(compact(entries))
+    assert journal.compact("pod-a") is None  # one entry: nothing to do
+
+
+@pytest.mark.parametrize("kind", server_kinds())
+def test_an_entry_appended_while_compacting_is_kept(
+    request: pytest.FixtureRequest, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A peer appends between the compaction's read and its rewrite: the rewrite is refused (the
+    # journal changed under WATCH), and the next compaction includes the entry.
+    index = make_backend(f"redis@{kind}", request)
+    try:
+        journal = journal_for(index)
+        assert isinstance(journal, RedisPageJournal)
+        entries = [encode_entry(records()), encode_entry({}, removed=[103])]
+        journal.append([("pod-a", e) for e in entries])
+        late = encode_entry({401: LEARNED.holding((401,), (3,), (), ())})
+        import kvredis.ingest.journal as module
+
+        real = module.compact
+
+        def compact_while_a_peer_appends(blobs: Any) -> bytes:
+            index.client.rpush(journal.key("pod-a"), late)
+            return real(blobs)
+
+        monkeypatch.setattr(module, "compact", compact_while_a_peer_appends)
+        assert journal.compact("pod-a") is None
+        assert journal.read("pod-a") == [*entries, late]
+        monkeypatch.setattr(module, "compact", real)
+        assert journal.compact("pod-a") is not None
+        cache = EngineKeyCache(64)
+        replay(cache, journal.read("pod-a"))
+        assert cache.get_tail(401) == LEARNED.after(201) and cache.get_tail(103) is None
+        journal.delete("pod-a")
+    finally:
+        close_backend(index)
+
+
+def test_the_embedded_journal_stays_with_its_index() -> None:
+    index = InMemoryIndex()
+    first = journal_for(index)
+    assert isinstance(first, MemoryPageJournal)
+    assert journal_for(index) is first
+    assert journal_for(InMemoryIndex()) is not first
+    assert journal_for(object()) is None
+
+
+def test_a_journal_only_this_ingester_wrote_is_compacted_from_its_memory(journal: Any) -> None:
+    # Two entries, both this ingester's: the compaction writes what its memory holds. With a
+    # peer's entry among them, the count does not match and the journal is replayed instead.
+    entries = [encode_entry(records()), encode_entry({}, removed=[103])]
+    journal.append([("pod-a", e) for e in entries])
+    memory = encode_entry({201: LEARNED}, cleared=True)
+    assert journal.compact("pod-a", 2, lambda: memory) == len(memory)
+    assert journal.read("pod-a") == [memory]
+    journal.append([("pod-a", entries[0]), ("pod-a", entries[1])])
+    assert journal.compact("pod-a", 2, lambda: memory) is not None  # 3 entries: replayed
+    assert journal.read("pod-a") == [compact([memory, *entries])]
+
+
+# -- batches applied together: the journal holds exactly the batches that took effect ---------
+
+
+def _pages(first_hash: int, tokens: tuple[int, ...], sizes: tuple[int, ...]) -> list[bytes]:
+    """SGLang page-1 batches continuing one chain, ``sizes`` tokens each."""
+    out: list[bytes] = []
+    parent, start, h = None, 0, first_hash
+    for size in sizes:
+        events, parent = sglang_pages(tokens[start : start + size], 1, h, parent)
+        out.append(sglang_batch(events))
+        start, h = start + size, h + size
+    return out
+
+
+def _journaled(index: Any, pod: str) -> set[int]:
+    """The pages whose records the pod's journal holds."""
+    journal = journal_for(index)
+    assert journal is not None
+    cache = EngineKeyCache(1 << 30, 1 << 30)
+    replay(cache, journal.read(pod))
+    return set(cache.records().cuts) | set(cache.records().tails)
+
+
+def _known(ing: EventIngester, pod: str) -> set[int]:
+    records = ing._planner.caches.get(pod).records()
+    return set(records.cuts) | set(records.tails)
+
+
+def test_a_group_whose_reply_was_lost_is_journaled_and_counted_as_applied() -> None:
+    # The index applies a group of fast batches and the reply is lost; the retry finds every
+    # batch applied already. They are this ingester's: journaled, counted applied (the stored
+    # marks say so), and an ingester started afterwards continues a branch from inside them.
+    index = InMemoryIndex()
+    real = index.apply_batch
+    lose = {"armed": False}
+
+    def applies_then_loses_the_reply(*args: Any, **kwargs: Any) -> bool:
+        applied = real(*args, **kwargs)
+        if lose["armed"]:
+            lose["armed"] = False
+            raise BackendUnavailableError("connection reset after the script ran")
+        return applied
+
+    index.apply_batch = applies_then_loses_the_reply  # type: ignore[method-assign]
+    ep = EndpointConfig("eng-a", pod_id="pod-a", model_name=MODEL, engine="sglang")
+    payloads = _pages(2**63 + 1, PROMPT, (7, 20, 37, 9, 23, 5, 11))
+    ing = EventIngester(index, TP16, endpoints=[ep])
+    outcomes = [ing.process(b"", s, payloads[s], ep.endpoint) for s in range(2)]
+    lose["armed"] = True
+    outcomes += ing.process_many([(b"", s, payloads[s], ep) for s in range(2, 7)])
+    assert lose["armed"] is False  # the group's reply was lost
+    assert outcomes == [BatchOutcome.APPLIED] * 7
+    assert ing.counters.get("batches_applied") == 7
+    assert ing.counters.get("batches_duplicate") == 0
+    assert _journaled(index, "pod-a") == _known(ing, "pod-a")
+    # a fresh ingester: a branch from the page holding token 30 (inside block 2, batch 2's)
+    events, _ = sglang_pages(tuple(range(5000, 5040)), 1, 2**63 + 10_000, 2**63 + 1 + 30)
+    again = EventIngester(index, TP16, endpoints=[ep])
+    assert again.process(b"", 7, sglang_batch(events), ep.endpoint) is BatchOutcome.APPLIED
+    assert again.counters.get("parent_misses") == 0
+
+
+def test_a_batch_of_a_group_that_never_applied_is_not_journaled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Two streams of one pod; the group's call fails, and stream y's batch then fails for
+    # good. A compaction from the ingester's memory (forced at every append) happens while the
+    # group is undone: the journal never holds y's batch, whose records the ingester dropped.
+    monkeypatch.setattr(backend_module, "COMPACT_MIN_BYTES", 1)
+    monkeypatch.setattr(backend_module, "COMPACT_GROWTH", 0)
+    xs = _pages(2**63 + 1, tuple(range(1000, 1100)), (7, 20, 9))
+    ys = _pages(2**63 + 100_000, tuple(range(7000, 7100)), (7, 20, 9))
+    y_last = set(range(2**63 + 100_000 + 27, 2**63 + 100_000 + 36))
+    index = InMemoryIndex()
+    real = index.apply_batch
+    fail = {"group": False}
+
+    def flaky(ops: Any = None, stream: Any = None, watermark: Any = None) -> bool:
+        if fail["group"]:
+            fail["group"] = False
+            raise RuntimeError("a script error")
+        if stream == "eng-y" and watermark is not None and split_position(watermark.seq)[0] >= 2:
+            raise RuntimeError("this batch cannot be applied")
+        return real(ops, stream, watermark)
+
+    index.apply_batch = flaky  # type: ignore[method-assign]
+    ex = EndpointConfig("eng-x", pod_id="pod-a", model_name=MODEL, engine="sglang", stream="eng-x")
+    ey = EndpointConfig("eng-y", pod_id="pod-a", model_name=MODEL, engine="sglang", stream="eng-y")
+    ing = EventIngester(index, TP16, endpoints=[ex, ey])
+    for s in range(2):
+        assert ing.process(b"", s, xs[s], ex.endpoint) is BatchOutcome.APPLIED
+        assert ing.process(b"", s, ys[s], ey.endpoint) is BatchOutcome.APPLIED
+    fail["group"] = True
+    outcomes = ing.process_many([(b"", 2, xs[2], ex), (b"", 2, ys[2], ey)])
+    assert outcomes == [BatchOutcome.APPLIED, BatchOutcome.FAILED]
+    assert not _known(ing, "pod-a") & y_last
+    assert not _journaled(index, "pod-a") & y_last
+    assert _journaled(index, "pod-a") == _known(ing, "pod-a")
