@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -49,11 +49,19 @@ LONG_TTL, SHORT_TTL = 600.0, 0.05
 class Model:
     """What each request key holds: entry -> its deadline (``None``: no expiry), with the
     index's write semantics (a confirmed entry replaces its pod's expiring speculative
-    entries under the key; a speculative entry added again without a ttl stops expiring)."""
+    entries under the key; a speculative entry added again without a ttl stops expiring).
 
-    def __init__(self) -> None:
+    Engine-key mappings are kept per group of pods sharing them (``group``: one group on a
+    single server and in the embedded index; a cluster placing pods keeps each shard's own,
+    those its pods' adds recorded: docs/design/cluster.md). An evict by engine key resolves it
+    for each entry through the entry's group, so a pod whose group never recorded the mapping
+    (or dropped it) keeps its entries, as the index does."""
+
+    def __init__(self, group: Callable[[str], int] = lambda pod: 0) -> None:
         self.keys: dict[int, dict[PodEntry, float | None]] = {}
-        self.engine: dict[int, int] = {}
+        self.engine: dict[int, int] = {}  # every engine key an add mapped: its request key
+        self.group = group
+        self.mapped: dict[tuple[int, int], int] = {}  # (group, engine key) -> request key
 
     def add(self, keys: list[int], entries: list[PodEntry], ttl: float | None) -> None:
         deadline = None if ttl is None else time.monotonic() + ttl
@@ -70,10 +78,34 @@ class Model:
             for entry in entries:
                 held[entry] = deadline
 
+    def map(self, engine: list[int], keys: list[int], entries: list[PodEntry]) -> None:
+        """An add's one-to-one mappings, recorded in the groups of its entries' pods."""
+        self.engine.update(zip(engine, keys, strict=True))
+        for group in {self.group(e.pod_identifier) for e in entries}:
+            self.mapped.update(((group, e), k) for e, k in zip(engine, keys, strict=True))
+
     def evict(self, key: int, entries: list[PodEntry]) -> None:
         held = self.keys.get(key, {})
         for entry in entries:
             held.pop(entry, None)
+
+    def evict_engine(self, engine: int, entries: list[PodEntry], now: float) -> None:
+        """An evict by engine key: in each entry's group, through that group's mapping; a
+        group's mapping goes once its request key holds no entry (live at ``now``) of the
+        group's pods."""
+        groups: dict[int, list[PodEntry]] = {}
+        for entry in entries:
+            groups.setdefault(self.group(entry.pod_identifier), []).append(entry)
+        for group, gone in groups.items():
+            key = self.mapped.get((group, engine))
+            if key is None:
+                continue
+            self.evict(key, gone)
+            if not any(
+                self.group(e.pod_identifier) == group and (d is None or d > now)
+                for e, d in self.keys.get(key, {}).items()
+            ):
+                del self.mapped[(group, engine)]
 
     def lookup(self, keys: list[int], pods: Any) -> dict[int, list[PodEntry]]:
         """Every key's live entries (of the filter's pods): the reference's input."""
@@ -127,7 +159,7 @@ def _fill(
             next_engine += len(keys)
             index.add(engine, keys, entries)
             model.add(keys, entries, None)
-            model.engine.update(zip(engine, keys, strict=True))
+            model.map(engine, keys, entries)
         else:
             entries = [_entry(rng) for _ in range(rng.randint(1, 3))]
             index.add(None, keys, entries)
@@ -139,10 +171,21 @@ def _fill(
                 gone = rng.sample(held, rng.randint(1, len(held)))
                 engine_key = next((e for e, k in model.engine.items() if k == key), None)
                 if engine_key is not None and rng.random() < 0.5:
+                    # entries of pods of several shards: each resolves the engine key in its
+                    # own shard (the model keeps the mappings per group of pods alike)
+                    now = time.monotonic()
                     index.evict(engine_key, KeyType.ENGINE, gone)
+                    model.evict_engine(engine_key, gone, now)
                 else:
                     index.evict(key, KeyType.REQUEST, gone)
-                model.evict(key, gone)
+                    model.evict(key, gone)
+
+
+def mapping_group(index: Any) -> Callable[[str], int]:
+    """The group of pods sharing engine-key mappings a pod is in: its shard on a cluster placing
+    pods (``shares_mappings`` in tests/test_index_conformance.py), one group elsewhere."""
+    core = getattr(getattr(index, "inner", index), "core", None)
+    return (lambda pod: 0) if core is None else core.pod_shard
 
 
 def _bits(by_rank: dict[str, dict[int, float]]) -> dict[str, dict[int, str]]:
@@ -176,7 +219,7 @@ def test_every_scoring_path_gives_the_references_floats(
         monkeypatch.setattr(cluster_ops, "LOOKUP_KEYS_PER_CALL", 6)
     rng = random.Random(seed)
     chains = [hashes(rng.randint(20, 45), f"reference/{seed}/{c}") for c in range(4)]
-    model = Model()
+    model = Model(mapping_group(backend))
     _fill(backend, model, rng, chains, expiring)
     if expiring:
         time.sleep(4 * SHORT_TTL)  # the short-lived entries lapse before any read

@@ -325,9 +325,48 @@ def test_an_evict_by_engine_key_split_by_request_key_keeps_a_mapping_held_by_exp
 # -- differential: random steps against the model, checked after every step ---------------------
 
 
+class MappingModel:
+    """The engine-key mappings the index keeps, modelled: one InMemoryIndex given every op on a
+    single server; on a cluster placing pods, one per shard, each given the ops of its own pods
+    only (each shard keeps the mappings its pods' adds recorded and applies the single-server
+    rules inside itself: an evict by request key leaves a mapping, a clear drops those left
+    without holders in the pod's shard only, docs/design/cluster.md). A mapping is found when
+    any shard has it (``get_request_key``: the lowest-numbered shard's)."""
+
+    def __init__(self, index: Any) -> None:
+        core = getattr(index, "core", None)
+        self.shard: Any = (lambda pod: 0) if core is None else core.pod_shard
+        self.models: dict[int, InMemoryIndex] = {}
+
+    def _model(self, pod: str) -> InMemoryIndex:
+        return self.models.setdefault(self.shard(pod), InMemoryIndex())
+
+    def add(self, engines: Any, keys: list[int], entries: list[PodEntry], ttl: Any) -> None:
+        by_shard: dict[int, list[PodEntry]] = {}
+        for entry in entries:
+            by_shard.setdefault(self.shard(entry.pod_identifier), []).append(entry)
+        for group in by_shard.values():
+            self._model(group[0].pod_identifier).add(engines, keys, group, ttl=ttl)
+
+    def evict(self, key: int, kind: KeyType, entries: list[PodEntry]) -> None:
+        for entry in entries:
+            self._model(entry.pod_identifier).evict(key, kind, [entry])
+
+    def clear(self, pod: str) -> None:
+        self._model(pod).clear(pod)
+
+    def request_key(self, engine_key: int) -> int | None:
+        for shard in sorted(self.models):
+            found = _request_key(self.models[shard], engine_key)
+            if found is not None:
+                return found
+        return None
+
+
 def _random_steps(index: Any, topology: Topology, seed: int, steps: int) -> None:
     rng = random.Random(seed)
     model = InMemoryIndex()
+    mappings = MappingModel(index)
     pods = [P, Q, A, B_SPEC, PodEntry("pod-p", "cpu", speculative=True)]
     chains = [list(range(base, base + rng.choice([3, 12]))) for base in (1, 40, 80, 120)]
     engine = 10**9
@@ -340,17 +379,17 @@ def _random_steps(index: Any, topology: Topology, seed: int, steps: int) -> None
             entries = rng.sample(pods, rng.randint(1, 2))
             ttl = TTL if all(e.speculative for e in entries) and rng.random() < 0.7 else None
             engines = [engine + k for k in keys] if rng.random() < 0.7 else None
-            for idx in (index, model):
+            for idx in (index, model, mappings):
                 idx.add(engines, keys, entries, ttl=ttl)
         elif roll < 0.75:
             kind = rng.choice([KeyType.ENGINE, KeyType.REQUEST])
             key = keys[0] + (engine if kind is KeyType.ENGINE else 0)
             entries = [rng.choice(pods)]
-            for idx in (index, model):
+            for idx in (index, model, mappings):
                 idx.evict(key, kind, entries)
         else:
             pod = rng.choice(pods).pod_identifier
-            for idx in (index, model):
+            for idx in (index, model, mappings):
                 idx.clear(pod)
         for probe in chains:
             got = index.lookup(probe)
@@ -360,7 +399,7 @@ def _random_steps(index: Any, topology: Topology, seed: int, steps: int) -> None
                 k: set(v) for k, v in expected.items()
             }, (step, probe)
             for key in probe:
-                assert _request_key(index, engine + key) == _request_key(model, engine + key), (
+                assert _request_key(index, engine + key) == mappings.request_key(engine + key), (
                     step,
                     key,
                 )
