@@ -8,7 +8,8 @@ from __future__ import annotations
 import math
 import secrets
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, NamedTuple, TypeVar
 
 from kvredis.batch import AddOp, EvictOp, IndexOp, Watermark, check_batch, check_stream
 from kvredis.checks import (
@@ -166,6 +167,156 @@ def _part_args(program: Program, part: int, parts: int, ms: int) -> list[Any]:
     return [len(args), *args]
 
 
+@dataclass(frozen=True, slots=True)
+class PartsCall:
+    """A reply that is one ``apply_shards`` call's: per part, in order, the shard it wrote."""
+
+    shards: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Clock:
+    """A reply that is the server clock (``TIME``) the probes after it compare deadlines with."""
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """A reply that says whether request key ``key`` holds an entry: its request bucket field
+    (``HEXISTS``), or its expiring bucket field (``timed``: live items against the clock)."""
+
+    key: int
+    timed: bool
+
+
+NodeReply = PartsCall | Clock | Probe
+"""What one reply of a node's pipeline is (:func:`op_node_writes`)."""
+
+
+class NodeWrites(NamedTuple):
+    """One node's share of a wave of writes: its shards, the commands sent to it, and what each
+    of their replies is."""
+
+    shards: list[int]
+    commands: list[SlotCommand]
+    replies: list[NodeReply]
+
+
+class WaveOutcome(NamedTuple):
+    """What a wave's replies said (:func:`_settle_wave`)."""
+
+    taken: dict[int, bool]
+    """Whether each shard took every part (False: its fence skipped the batch)."""
+    held: set[int]
+    """The probed request keys that hold an entry."""
+    again: list[int]
+    """The shards to write by the per-shard path."""
+    skip: dict[int, int]
+    """Per shard going again: its parts applied before the one refused."""
+    reload: list[int]
+    """Slots of nodes that miss the library's function (load it there first)."""
+    error: Exception | None
+    """The first error a part met that no path can cure."""
+
+
+def _parts_calls(
+    core: ClusterCore, shards: Sequence[int], plans: Mapping[int, PartsPlan], ms: int
+) -> list[tuple[list[Any], list[int], list[Any]]]:
+    """The ``apply_shards`` calls of one node's shards: per call its keys, the shard of each of
+    its parts and the parts' arguments; a call holds parts until they outgrow the call budget
+    (one part always fits)."""
+    calls: list[tuple[list[Any], list[int], list[Any]]] = []
+    cost = 0
+    for shard in shards:
+        state = core.state(shard)
+        programs, first, after = plans[shard](state) if shard in plans else ([], 1, 0)
+        last = first + len(programs) - 1 + after
+        for part, program in enumerate(programs, first):
+            if not calls or (cost + program.cost > CALL_BUDGET and calls[-1][1]):
+                layout = state.layout
+                keys = [layout.meta, layout.pe, layout.pi, layout.pp, layout.wm, layout.wp]
+                calls.append(([*keys, layout.sx], [], []))
+                cost = 0
+            calls[-1][1].append(shard)
+            calls[-1][2].extend(_part_args(program, part, last, ms))
+            cost += program.cost
+    return calls
+
+
+def _node_writes(
+    core: ClusterCore,
+    shards: list[int],
+    plans: Mapping[int, PartsPlan],
+    probes: Mapping[int, Sequence[int]],
+    head: Sequence[Any],
+    ms: int,
+) -> NodeWrites:
+    """One node's commands: its shards' parts in ``apply_shards`` calls, then the probes."""
+    slot = core.slots[shards[0]]
+    commands: list[SlotCommand] = []
+    replies: list[NodeReply] = []
+    for keys, part_shards, args in _parts_calls(core, shards, plans, ms):
+        call = core.registry.call_command(ScriptCall("apply_shards", keys, [*head, *args]))
+        commands.append(SlotCommand(slot, call.args))
+        replies.append(PartsCall(tuple(part_shards)))
+    for shard in shards:
+        asked = probes.get(shard, ())
+        if not asked:
+            continue
+        layout = core.state(shard).layout
+        commands += (SlotCommand(slot, c.args) for c in _probe_commands(layout, asked))
+        replies.append(Clock())
+        for key in asked:
+            replies += (Probe(key, timed=False), Probe(key, timed=True))
+    return NodeWrites(shards, commands, replies)
+
+
+def _node_failed(core: ClusterCore, node: NodeWrites, replies: Sequence[Any]) -> tuple[bool, bool]:
+    """Whether a node's pipeline failed as a whole (a call not answered with a list), and
+    whether a reason is a missing function (the library to load on the node). An error no other
+    path can cure is raised."""
+    failed = missing = False
+    for kind, reply in zip(node.replies, replies, strict=True):
+        if not isinstance(kind, PartsCall) or isinstance(reply, list):
+            continue
+        failed = True
+        if core.registry.missing(reply):
+            missing = True
+        elif (
+            isinstance(reply, ErrorReply)
+            and reply.code not in TRANSIENT_REPLIES
+            and not reply.message.startswith(("MOVED", "ASK"))
+            and not non_local_key(reply)
+        ):
+            raise typed_error(reply)
+    return failed, missing
+
+
+def _settle_wave(
+    core: ClusterCore, nodes: Sequence[NodeWrites], replies: Sequence[Any], unmapped: list[int]
+) -> WaveOutcome:
+    """Read a wave's replies, node by node (a node that failed as a whole goes again)."""
+    out = WaveOutcome({}, set(), list(unmapped), {}, [], None)
+    at = 0
+    error: Exception | None = None
+    for node in nodes:
+        node_replies = replies[at : at + len(node.replies)]
+        at += len(node.replies)
+        failed, missing = _node_failed(core, node, node_replies)
+        if failed:
+            if missing:
+                out.reload.append(core.slots[node.shards[0]])
+            out.again.extend(node.shards)
+            continue
+        refused, failure = _take_node_replies(core, node.replies, node_replies, out.taken, out.held)
+        error = error or failure
+        for shard, applied in refused.items():
+            out.skip[shard] = applied
+            out.again.append(shard)
+        for shard in node.shards:
+            out.taken.setdefault(shard, True)
+    return out._replace(error=error)
+
+
 def op_node_writes(
     core: ClusterCore,
     plans: Mapping[int, PartsPlan],
@@ -192,122 +343,44 @@ def op_node_writes(
     slot_map = core.cluster.slot_map or (yield from op_refresh(core.cluster, core.policy.server))
     by_node, unmapped = group_by_node(core, dict.fromkeys((*plans, *probes)), slot_map.primary)
     head: list[Any] = [MAX_REQUEST_KEYS_PER_ENGINE_KEY, *fence, token]
-    commands: list[SlotCommand] = []
-    # per node: its shards, then per command: ("call", shards of its parts) or ("probe", key)
-    layout_of: list[tuple[list[int], list[tuple[str, Any]]]] = []
-    for shards in by_node.values():
-        slot = core.slots[shards[0]]
-        entries: list[tuple[str, Any]] = []
-        calls: list[tuple[list[Any], list[int], list[Any]]] = []
-        cost = 0
-        for shard in shards:
-            state = core.state(shard)
-            programs, first, after = plans[shard](state) if shard in plans else ([], 1, 0)
-            last = first + len(programs) - 1 + after
-            for part, program in enumerate(programs, first):
-                if not calls or (cost + program.cost > CALL_BUDGET and calls[-1][1]):
-                    layout = state.layout
-                    calls.append(
-                        (
-                            [
-                                layout.meta,
-                                layout.pe,
-                                layout.pi,
-                                layout.pp,
-                                layout.wm,
-                                layout.wp,
-                                layout.sx,
-                            ],
-                            [],
-                            [],
-                        )
-                    )
-                    cost = 0
-                calls[-1][1].append(shard)
-                calls[-1][2].extend(_part_args(program, part, last, ms))
-                cost += program.cost
-        for keys, part_shards, args in calls:
-            call = core.registry.call_command(ScriptCall("apply_shards", keys, [*head, *args]))
-            commands.append(SlotCommand(slot, call.args))
-            entries.append(("call", part_shards))
-        for shard in shards:
-            asked = probes.get(shard, ())
-            if not asked:
-                continue
-            layout = core.state(shard).layout
-            for command in _probe_commands(layout, asked):
-                commands.append(SlotCommand(slot, command.args))
-            entries.append(("clock", None))
-            for key in asked:
-                entries += (("probe", key), ("timed", key))
-        layout_of.append((shards, entries))
+    nodes = [_node_writes(core, shards, plans, probes, head, ms) for shards in by_node.values()]
+    commands = [command for node in nodes for command in node.commands]
     try:
         replies = yield from write_wave(core, commands, core.fast_policy)
     except BackendUnavailableError:  # a redirection, a node in trouble, a WAIT short of
         replies = [None] * len(commands)  # replicas: the careful path (which waits too)
-    taken: dict[int, bool] = {}
-    held: set[int] = set()
-    error: Exception | None = None
-    again: list[int] = list(unmapped)
-    skip: dict[int, int] = {}  # shard -> its parts applied before one refused as over budget
-    reload: list[int] = []
-    at = 0
-    for shards, entries in layout_of:
-        node_replies = replies[at : at + len(entries)]
-        at += len(entries)
-        node_ok = True
-        for (kind, _), reply in zip(entries, node_replies, strict=True):
-            if kind == "call" and not isinstance(reply, list):
-                node_ok = False
-                if core.registry.missing(reply):
-                    reload.append(core.slots[shards[0]])
-                elif (
-                    isinstance(reply, ErrorReply)
-                    and reply.code not in TRANSIENT_REPLIES
-                    and not reply.message.startswith(("MOVED", "ASK"))
-                    and not non_local_key(reply)
-                ):
-                    raise typed_error(reply)
-        if not node_ok:
-            again += shards
-            continue
-        refused, failed = _take_node_replies(core, entries, node_replies, taken, held)
-        error = error or failed
-        for shard, applied in refused.items():
-            skip[shard] = applied
-            again.append(shard)
-        for shard in shards:
-            taken.setdefault(shard, True)
-    if reload and not core.registry.active:  # the library: each shard's call settles it
+    out = _settle_wave(core, nodes, replies, list(unmapped))
+    if out.reload and not core.registry.active:  # the library: each shard's call settles it
         load = core.registry.load_command("apply_shards").args
         yield from op_wave(
-            core.cluster, [SlotCommand(slot, load) for slot in reload], core.wave_policy
+            core.cluster, [SlotCommand(slot, load) for slot in out.reload], core.wave_policy
         )
-    if again:
+    taken, held = out.taken, out.held
+    if out.again:
         factories = {
             shard: _parts_factory(
-                plans.get(shard), fence, token, ms, probes.get(shard, ()), skip.get(shard, 0)
+                plans.get(shard), fence, token, ms, probes.get(shard, ()), out.skip.get(shard, 0)
             )
-            for shard in again
+            for shard in out.again
         }
         for shard, (ok, shard_held, added) in (yield from on_shards(core, factories)).items():
             taken[shard] = ok
             held |= shard_held
             if grown is not None and added:
                 grown[shard] = grown.get(shard, 0) + added
-    if error is not None:
-        raise error
+    if out.error is not None:
+        raise out.error
     return taken, held
 
 
 def _take_node_replies(
     core: ClusterCore,
-    entries: Sequence[tuple[str, Any]],
+    kinds: Sequence[NodeReply],
     replies: Sequence[Any],
     taken: dict[int, bool],
     held: set[int],
 ) -> tuple[dict[int, int], Exception | None]:
-    """Take in one node's ``apply_shards`` and probe replies (``entries`` say what each was):
+    """Take in one node's ``apply_shards`` and probe replies (``kinds`` say what each is):
     whether each shard took its parts (into ``taken``), the held probes (into ``held``).
     Returns, by shard, how many of its parts applied before one the server refused as over
     budget or for a key of a slot it does not serve now (those shards go on by the per-shard
@@ -316,16 +389,16 @@ def _take_node_replies(
     refused: dict[int, int] = {}
     error: Exception | None = None
     now = 0
-    for (kind, what), reply in zip(entries, replies, strict=True):
-        if kind == "clock":
+    for kind, reply in zip(kinds, replies, strict=True):
+        if isinstance(kind, Clock):
             now = _clock_ms(reply)
             continue
-        if kind in ("probe", "timed"):
-            holds = _live_items(reply, now) if kind == "timed" else bool(int(reply))
-            if holds and core.shard(what) not in refused:
-                held.add(what)
+        if isinstance(kind, Probe):
+            holds = _live_items(reply, now) if kind.timed else bool(int(reply))
+            if holds and core.shard(kind.key) not in refused:
+                held.add(kind.key)
             continue
-        for shard, one in zip(what, reply, strict=True):
+        for shard, one in zip(kind.shards, reply, strict=True):
             sent[shard] = sent.get(shard, 0) + 1
             if isinstance(one, bytes):  # the error that stopped this shard's part
                 failure = ErrorReply(one.decode("utf-8", "replace"))
