@@ -155,10 +155,16 @@ def _unfenced_plan(units: Sequence[Unit]) -> PartsPlan:
     return lambda state: ([p for p in programs_of(state.layout, units) if p.count], 1, 0)
 
 
+def _record_keys(layout: Layout) -> tuple[bytes, ...]:
+    """A shard's records an ``apply_shards`` part names (as its call's keys, and again in the
+    part's arguments), in the script's order."""
+    return (layout.meta, layout.pe, layout.pi, layout.pp, layout.wm, layout.wp, layout.sx)
+
+
 def _part_args(program: Program, part: int, parts: int, ms: int) -> list[Any]:
     layout = program.layout
     args: list[Any] = [
-        *(layout.meta, layout.pe, layout.pi, layout.pp, layout.wm, layout.wp, layout.sx),
+        *_record_keys(layout),
         *(layout.gen, layout.rprefix, layout.eprefix, layout.bucket_bits, ms, part, parts),
         *program.entry_args(),
         program.count,
@@ -232,9 +238,7 @@ def _parts_calls(
         last = first + len(programs) - 1 + after
         for part, program in enumerate(programs, first):
             if not calls or (cost + program.cost > CALL_BUDGET and calls[-1][1]):
-                layout = state.layout
-                keys = [layout.meta, layout.pe, layout.pi, layout.pp, layout.wm, layout.wp]
-                calls.append(([*keys, layout.sx], [], []))
+                calls.append((list(_record_keys(state.layout)), [], []))
                 cost = 0
             calls[-1][1].append(shard)
             calls[-1][2].extend(_part_args(program, part, last, ms))
