@@ -174,10 +174,14 @@ def test_sglang_eagle_bigram_pages_hash_like_plain_pages(index: Any) -> None:
 SPLITS = [(40, 24, 64), (7, 20, 37, 64), (64, 64), (1,) * 20 + (108,)]
 
 
-def _sglang_nodes(split: Sequence[int], page: int) -> list[bytes]:
-    payloads, parent, start, h = [], None, 0, 1
+def sglang_nodes(
+    split: Sequence[int], page: int, tokens: Sequence[int] = PROMPT, first_hash: int = 1
+) -> list[bytes]:
+    """SGLang batches of radix nodes continuing one chain of ``tokens``, ``split`` tokens each
+    (page hashes from ``first_hash`` on)."""
+    payloads, parent, start, h = [], None, 0, first_hash
     for size in split:
-        events, parent = sglang_pages(PROMPT[start : start + size], page, h, parent)
+        events, parent = sglang_pages(tokens[start : start + size], page, h, parent)
         payloads.append(sglang_batch(events))
         start += size
         h += size
@@ -190,7 +194,7 @@ def _sglang_nodes(split: Sequence[int], page: int) -> list[bytes]:
 def test_every_full_block_however_the_engine_splits(
     index: Any, tp: ChunkedTokenDatabase, page: int, split: Sequence[int]
 ) -> None:
-    ingest(index, _sglang_nodes(split, page), tp)
+    ingest(index, sglang_nodes(split, page), tp)
     want = tp.tokens_to_kv_block_keys(0, PROMPT, MODEL)
     assert hits(index, want) == len(want)
 
@@ -295,7 +299,7 @@ def test_ha_replicas_take_turns_and_agree(index: Any, split: Sequence[int]) -> N
     # Both replicas receive every batch of the stream; whoever comes first applies it, the other
     # finds it applied. Each one plans every batch, so each knows every tail: the keys are the
     # same whichever replica applies which batch.
-    payloads = _sglang_nodes(split, 1)
+    payloads = sglang_nodes(split, 1)
     replicas = [EventIngester(index, TP16), EventIngester(index, TP16)]
     for seq, payload in enumerate(payloads):
         order = replicas if seq % 2 == 0 else replicas[::-1]
@@ -534,7 +538,7 @@ def test_over_zmq_into_redis(redis_backend_index: Any) -> None:
         ing.start()
         try:
             engine.wait_subscribed()
-            for payload in _sglang_nodes((7, 20, 37), 1):
+            for payload in sglang_nodes((7, 20, 37), 1):
                 engine.publish_payload(payload)
             salted = vllm_stored(
                 [1, 2], None, PROMPT[:32], 16, lora_name=LORA, extra_keys=[[LORA, "s"], [LORA]]

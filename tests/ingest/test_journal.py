@@ -27,7 +27,7 @@ from kvredis.ingest.stream import split_position
 from kvredis.memory import InMemoryIndex
 from kvredis.testing.wire import sglang_batch, sglang_pages
 from tests.conftest import close_backend, make_backend
-from tests.ingest.test_fidelity import MODEL, PROMPT, TP16
+from tests.ingest.test_fidelity import MODEL, PROMPT, TP16, sglang_nodes
 from tests.servers import server_kinds
 
 # The record pages 101-103 share (the chain ends after 103), and a learned chain end (201).
@@ -205,17 +205,6 @@ def test_a_journal_only_this_ingester_wrote_is_compacted_from_its_memory(journal
 # -- batches applied together: the journal holds exactly the batches that took effect ---------
 
 
-def _pages(first_hash: int, tokens: tuple[int, ...], sizes: tuple[int, ...]) -> list[bytes]:
-    """SGLang page-1 batches continuing one chain, ``sizes`` tokens each."""
-    out: list[bytes] = []
-    parent, start, h = None, 0, first_hash
-    for size in sizes:
-        events, parent = sglang_pages(tokens[start : start + size], 1, h, parent)
-        out.append(sglang_batch(events))
-        start, h = start + size, h + size
-    return out
-
-
 def _journaled(index: Any, pod: str) -> set[int]:
     """The pages whose records the pod's journal holds."""
     journal = journal_for(index)
@@ -247,7 +236,7 @@ def test_a_group_whose_reply_was_lost_is_journaled_and_counted_as_applied() -> N
 
     index.apply_batch = applies_then_loses_the_reply  # type: ignore[method-assign]
     ep = EndpointConfig("eng-a", pod_id="pod-a", model_name=MODEL, engine="sglang")
-    payloads = _pages(2**63 + 1, PROMPT, (7, 20, 37, 9, 23, 5, 11))
+    payloads = sglang_nodes((7, 20, 37, 9, 23, 5, 11), 1, PROMPT, 2**63 + 1)
     ing = EventIngester(index, TP16, endpoints=[ep])
     outcomes = [ing.process(b"", s, payloads[s], ep.endpoint) for s in range(2)]
     lose["armed"] = True
@@ -272,8 +261,8 @@ def test_a_batch_of_a_group_that_never_applied_is_not_journaled(
     # group is undone: the journal never holds y's batch, whose records the ingester dropped.
     monkeypatch.setattr(backend_module, "COMPACT_MIN_BYTES", 1)
     monkeypatch.setattr(backend_module, "COMPACT_GROWTH", 0)
-    xs = _pages(2**63 + 1, tuple(range(1000, 1100)), (7, 20, 9))
-    ys = _pages(2**63 + 100_000, tuple(range(7000, 7100)), (7, 20, 9))
+    xs = sglang_nodes((7, 20, 9), 1, tuple(range(1000, 1100)), 2**63 + 1)
+    ys = sglang_nodes((7, 20, 9), 1, tuple(range(7000, 7100)), 2**63 + 100_000)
     y_last = set(range(2**63 + 100_000 + 27, 2**63 + 100_000 + 36))
     index = InMemoryIndex()
     real = index.apply_batch

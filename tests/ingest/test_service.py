@@ -918,9 +918,9 @@ class _NoGroups:
 def _page1_nodes() -> list[tuple[str, int, bytes]]:
     """SGLang page-1 radix nodes of 7, 20, 37, 9 and 23 tokens, each continuing the last: chains
     ending inside 16-token blocks, which only the ingester's memory of their pages continues."""
-    from tests.ingest.test_fidelity import MODEL, _sglang_nodes
+    from tests.ingest.test_fidelity import MODEL, sglang_nodes
 
-    payloads = _sglang_nodes((7, 20, 37, 9, 23), 1)
+    payloads = sglang_nodes((7, 20, 37, 9, 23), 1)
     return [(f"kv@pod-a@{MODEL}", seq, p) for seq, p in enumerate(payloads)]
 
 
