@@ -208,26 +208,20 @@ def _load(target: RedisTarget, file: str, replace: bool) -> tuple[dict[str, Any]
         _restore_cluster(target, file, replace, shards, _cluster_layout(header))
     elif shards != 1:  # the shards merged into one namespace
         from kvredis.redis.cluster.shards import KEY_LAYOUT
-        from kvredis.redis.merge import merge_shards
+        from kvredis.redis.merge import merge_pod_shards, merge_shards
 
-        layout = _cluster_layout(header)
-        if layout != KEY_LAYOUT:  # a request key may be in several shards: not merged yet
-            raise click.BadParameter(
-                f"{file} is a dump of a cluster namespace placed by pod ({layout}, {shards} "
-                "shards), which this kvredis merges into one server only from the key layout "
-                f"({KEY_LAYOUT}): restore it into a cluster namespace",
-                param_hint="FILE",
-            )
+        # the key layout holds a request key in one shard; pod placement in each of its pods'
+        merge = merge_shards if _cluster_layout(header) == KEY_LAYOUT else merge_pod_shards
 
         def key_records() -> Iterator[dict[str, Any]]:
             return (r for r in _records(file) if "key" in r)
 
         try:  # the whole merge once before the server is touched (it reads the file again)
-            for _ in merge_shards(key_records, shards):
+            for _ in merge(key_records, shards):
                 pass
         except NamespaceLayoutError as exc:
             raise click.BadParameter(f"{file}: {exc}", param_hint="FILE") from None
-        merged = merge_shards(key_records, shards)
+        merged = merge(key_records, shards)
         _restore_records(target, replace, int(header["bucket_bits"]), merged)
     else:
         records = (r for r in _records(file) if "key" in r)

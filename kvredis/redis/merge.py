@@ -21,6 +21,21 @@ A cluster namespace is ``shards`` complete namespaces of the single-server layou
 
 The records are read twice (the dictionaries first): ``records()`` returns a fresh iterator of
 the dump's key records (each with its ``shard``) at each call.
+
+A namespace placed by pod (``kvredis-cluster/2``, :func:`merge_pod_shards`) holds a request key
+in every shard one of whose pods holds it, so the same bucket field comes from several shards.
+Merged as above, and besides:
+
+- a request key held in one shard keeps its value (inline ids, or its ref into the shard's run);
+  a key held in several shards gets their ids together, inline, in shard order, and each run
+  position that held it becomes a hole (a run left without held positions is dropped, trailing
+  holes are cut off);
+- an engine key's request keys are the union of the shards' mappings, in shard order;
+- an expiring bucket field's items are the shards' items together;
+- a stream's watermark is the highest a shard holds (a stream's batches go to its pod's shard).
+
+It holds the request buckets and the runs of every shard in memory while it merges (about the
+size of the namespace's request keys and runs).
 """
 
 from __future__ import annotations
@@ -31,7 +46,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvredis.errors import NamespaceLayoutError
-from kvredis.redis.codec import ID_WIDTH, REF_WIDTH, RUN_ID_WIDTH, decode_run
+from kvredis.redis.codec import (
+    HASH_WIDTH,
+    ID_WIDTH,
+    REF_WIDTH,
+    RUN_ID_WIDTH,
+    decode_run,
+    encode_run,
+)
 from kvredis.redis.inspect import merge_watermarks
 from kvredis.redis.layout import (
     EXPIRING_ITEM_WIDTH,
@@ -42,7 +64,7 @@ from kvredis.redis.layout import (
 )
 from kvredis.redis.reading import FIELDS_PER_CALL, chunks
 
-__all__ = ["merge_shards"]
+__all__ = ["merge_pod_shards", "merge_shards"]
 
 Records = Callable[[], Iterable[Mapping[str, Any]]]
 _DICTIONARY = (b"pe", b"pi", b"pp", b"pr", b"wm", b"meta")
@@ -151,22 +173,7 @@ def _record(key: bytes, fields: list[tuple[bytes, bytes]]) -> Iterator[dict[str,
 def merge_shards(records: Records, count: int) -> Iterator[dict[str, Any]]:
     """The key records of one single-server namespace holding what the ``count`` shards of
     ``records()`` hold (see the module docstring), the meta record last."""
-    shards = _read_dictionaries(records, count)
-    present = [s for s in shards if s.meta or s.pi]
-    bits = {_number(s.meta.get(b"bucket_bits") or s.pi.get(b"bucket_bits")) for s in present}
-    if len(bits) > 1:
-        raise NamespaceLayoutError(f"the shards have different bucket bits: {sorted(bits)}")
-    layouts = {s.meta.get(b"layout", b"") for s in present if s.meta}
-    if layouts - {LAYOUT_VERSION.encode()}:
-        raise NamespaceLayoutError(f"a shard is in layout {sorted(layouts)!r}")
-    pi = _renumber(shards)
-    offsets, total_runs = [], 0
-    for shard in shards:
-        offsets.append(total_runs)
-        top = max(shard.top_run, _number(shard.meta.get(b"next_run") or shard.pi.get(b"next_run")))
-        total_runs += top
-    if total_runs > _MAX_ID:
-        raise NamespaceLayoutError("the shards hold more runs than one namespace can")
+    shards, present, pi, bits, offsets, total_runs = _prologue(records, count)
 
     def run_id(shard: int, old: bytes) -> bytes:
         return (offsets[shard] + int.from_bytes(old, "big")).to_bytes(RUN_ID_WIDTH, "big")
@@ -196,7 +203,119 @@ def merge_shards(records: Records, count: int) -> Iterator[dict[str, Any]]:
         elif kind != b"e:":
             raise NamespaceLayoutError(f"a shard holds a key kvredis does not write: {rel!r}")
         yield from _record(rel, fields)
-    yield from _dictionaries(shards, present, pi, total_runs, bits.pop() if bits else None)
+    yield from _dictionaries(shards, present, pi, total_runs, bits)
+
+
+def _prologue(
+    records: Records, count: int
+) -> tuple[list[_Shard], list[_Shard], dict[bytes, bytes], int | None, list[int], int]:
+    """Pass 1 of a merge: the shards' dictionaries, those present, the merged ``pi``, the
+    bucket bits, each shard's run id offset and the merged run count."""
+    shards = _read_dictionaries(records, count)
+    present = [s for s in shards if s.meta or s.pi]
+    bits = {_number(s.meta.get(b"bucket_bits") or s.pi.get(b"bucket_bits")) for s in present}
+    if len(bits) > 1:
+        raise NamespaceLayoutError(f"the shards have different bucket bits: {sorted(bits)}")
+    layouts = {s.meta.get(b"layout", b"") for s in present if s.meta}
+    if layouts - {LAYOUT_VERSION.encode()}:
+        raise NamespaceLayoutError(f"a shard is in layout {sorted(layouts)!r}")
+    pi = _renumber(shards)
+    offsets, total_runs = [], 0
+    for shard in shards:
+        offsets.append(total_runs)
+        top = max(shard.top_run, _number(shard.meta.get(b"next_run") or shard.pi.get(b"next_run")))
+        total_runs += top
+    if total_runs > _MAX_ID:
+        raise NamespaceLayoutError("the shards hold more runs than one namespace can")
+    return shards, present, pi, bits.pop() if bits else None, offsets, total_runs
+
+
+#: A run of one shard: (shard number, its old run id).
+_RunName = tuple[int, bytes]
+
+
+def merge_pod_shards(records: Records, count: int) -> Iterator[dict[str, Any]]:
+    """The key records of one single-server namespace holding what the ``count`` shards of a
+    namespace placed by pod hold (see the module docstring), the meta record last."""
+    shards, present, pi, bits, offsets, total_runs = _prologue(records, count)
+    runs: dict[_RunName, list[tuple[bytes, bytes]]] = {}  # positions, ids renumbered
+    request: dict[bytes, dict[bytes, list[tuple[int, bytes]]]] = {}  # bucket -> field -> values
+    engine: dict[bytes, dict[bytes, dict[bytes, None]]] = {}
+    expiring: dict[bytes, dict[bytes, bytearray]] = {}
+    for record in records():
+        number = record.get("shard", 0)
+        shard = shards[number]
+        rel = bytes.fromhex(record["key"])
+        kind = rel[:2]
+        if rel in _DICTIONARY or rel in (b"wp", b"mx", b"mv"):
+            continue
+        fields = list(_fields(record))
+        if kind == b"r:":
+            bucket = request.setdefault(rel, {})
+            for f, v in fields:
+                bucket.setdefault(f, []).append(
+                    (number, v if len(v) == REF_WIDTH else _ids(shard, v))
+                )
+        elif kind == b"s:":
+            into = expiring.setdefault(rel, {})
+            for f, v in fields:
+                into.setdefault(f, bytearray()).extend(_ids(shard, v, EXPIRING_ITEM_WIDTH))
+        elif kind == b"e:":
+            mapped = engine.setdefault(rel, {})
+            for f, v in fields:
+                if len(v) % HASH_WIDTH:
+                    raise NamespaceLayoutError(f"an engine key maps to a blob of {len(v)} bytes")
+                keys = mapped.setdefault(f, {})
+                keys.update(
+                    dict.fromkeys(v[i : i + HASH_WIDTH] for i in range(0, len(v), HASH_WIDTH))
+                )
+        elif kind == b"c:" and len(rel) == 2 + RUN_ID_WIDTH:
+            held = dict(fields)
+            positions = decode_run(held.get(b"k", b""), held.get(b"r", b""))
+            runs[(number, rel[2:])] = [(k, _ids(shard, ids)) for k, ids in positions]
+        else:
+            raise NamespaceLayoutError(f"a shard holds a key kvredis does not write: {rel!r}")
+
+    def resolve(number: int, value: bytes) -> bytes:
+        """The ids a shard's value gives its key (a ref: its run position's, made a hole)."""
+        if len(value) != REF_WIDTH:
+            return value
+        run = runs.get((number, value[:RUN_ID_WIDTH]))
+        pos = int.from_bytes(value[RUN_ID_WIDTH:], "big")
+        if run is None or not 1 <= pos <= len(run):
+            return b""  # a ref naming no position: the key is not held through it
+        key, ids = run[pos - 1]
+        run[pos - 1] = (key, b"")
+        return ids
+
+    for rel, bucket in request.items():
+        merged: list[tuple[bytes, bytes]] = []
+        for f, values in bucket.items():
+            if len(values) == 1:
+                number, value = values[0]
+                if len(value) == REF_WIDTH:
+                    rid = offsets[number] + int.from_bytes(value[:RUN_ID_WIDTH], "big")
+                    merged.append((f, rid.to_bytes(RUN_ID_WIDTH, "big") + value[RUN_ID_WIDTH:]))
+                else:
+                    merged.append((f, value))
+                continue
+            ids = b"".join(dict.fromkeys(
+                i for number, value in values for i in _chunks(resolve(number, value))
+            ))  # fmt: skip
+            if ids:
+                merged.append((f, ids))
+        yield from _record(rel, merged)
+    for (owner, old), positions in runs.items():
+        if not any(held for _key, held in positions):
+            continue  # every position held elsewhere now (or a hole)
+        run_keys, ranges = encode_run(positions)
+        run = (offsets[owner] + int.from_bytes(old, "big")).to_bytes(RUN_ID_WIDTH, "big")
+        yield from _record(b"c:" + run, [(b"k", run_keys), (b"r", ranges)])
+    for rel, mapped in engine.items():
+        yield from _record(rel, [(f, b"".join(keys)) for f, keys in mapped.items()])
+    for rel, items in expiring.items():
+        yield from _record(rel, [(f, bytes(v)) for f, v in items.items()])
+    yield from _dictionaries(shards, present, pi, total_runs, bits, by_pod=True)
 
 
 def _dictionaries(
@@ -205,6 +324,7 @@ def _dictionaries(
     pi: dict[bytes, bytes],
     total_runs: int,
     bits: int | None,
+    by_pod: bool = False,
 ) -> Iterator[dict[str, Any]]:
     pe: dict[bytes, bytes] = {}
     pods: dict[bytes, dict[bytes, None]] = {}
@@ -230,14 +350,15 @@ def _dictionaries(
     yield from _record(b"pr", [(p, b"".join(ids)) for p, ids in retired.items() if ids])
     marks = merge_watermarks(
         [{k.decode("utf-8", "surrogateescape"): v.decode("utf-8", "surrogateescape")
-          for k, v in s.wm.items()} for s in shards]
+          for k, v in s.wm.items()} for s in shards],
+        highest=by_pod,
     )  # fmt: skip
     yield from _record(
         b"wm",
         [
             (k.encode("utf-8", "surrogateescape"), v.encode("utf-8", "surrogateescape"))
             for k, (v, held) in marks.items()
-            if held == len(present)
+            if by_pod or held == len(present)
         ],
     )
     if any(s.meta for s in shards):

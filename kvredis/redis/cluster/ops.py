@@ -379,17 +379,32 @@ class ScoreCall:
     shards: tuple[int, ...]
     names: tuple[Any, ...]
     head: tuple[Any, ...]
+    #: one shard on the node: the single-server ``score`` itself (``head`` its namespace
+    #: arguments), without the wrapper's argument copies and checks
+    single: bool = False
+
+    def call(self, tail: tuple[Any, ...]) -> NodeCall:
+        """The node call scoring a whole chain, ``tail`` the pod filter, weights and keys."""
+        if self.single:  # the whole chain: no keys follow, none carried
+            script = ScriptCall("score", self.names, (*self.head, *tail, 0, 0), read=True)
+        else:
+            script = ScriptCall("score_shards", self.names, (*self.head, *tail), read=True)
+        return NodeCall(self.slot, script, self.shards, single=self.single, node=self.node)
 
 
 def _score_calls(core: ClusterCore, by_node: Mapping[ClusterNode, list[int]]) -> list[ScoreCall]:
     out = []
     for node, group in by_node.items():
-        head: list[Arg] = [len(group)]
+        names = core.shard_args(group[0])[:4]
+        if len(group) == 1:
+            head = tuple(core.shard_args(group[0])[4:])
+            out.append(ScoreCall(node, core.slots[group[0]], tuple(group), names, head, True))
+            continue
+        args: list[Arg] = [len(group)]
         for shard in group:
             fixed = core.shard_args(shard)
-            head += (len(fixed) + 2, *fixed, 0, 0)  # the whole chain: no keys follow, none carried
-        names = core.shard_args(group[0])[:4]
-        out.append(ScoreCall(node, core.slots[group[0]], tuple(group), names, tuple(head)))
+            args += (len(fixed) + 2, *fixed, 0, 0)  # the whole chain: no keys follow, none carried
+        out.append(ScoreCall(node, core.slots[group[0]], tuple(group), names, tuple(args)))
     return out
 
 
@@ -440,11 +455,7 @@ def op_cluster_score_by_rank(
         plan = core.read_plan(slot_map, shards, pick, _score_calls)
         if plan is not None:
             tail = (*common, chain)
-            first_calls = [
-                NodeCall(c.slot, ScriptCall("score_shards", c.names, (*c.head, *tail), read=True),
-                         c.shards, node=c.node)
-                for c in plan
-            ]  # fmt: skip
+            first_calls = [c.call(tail) for c in plan]
             answered = yield from op_node_calls(core, first_calls, read=True, pick=pick)
             whole = _whole_scores(answered, len(keys))
             if whole is not None:
@@ -478,7 +489,7 @@ def op_cluster_score_by_rank(
             for shard, part in zip(node_call.items, reply, strict=True):
                 if not isinstance(part, list):
                     if not _shard_again(part):
-                        raise translate(bytes(part).decode("utf-8", "replace"))
+                        raise translate(_error_text(part))
                     again.append(shard)
                     continue
                 state = states[shard]
@@ -511,11 +522,17 @@ def op_cluster_score_by_rank(
     return out
 
 
+def _error_text(error: Any) -> str:
+    """The text of a shard's error in a node's reply: a string element of ``score_shards``'s
+    reply (bytes), or the message of a single-server call's error reply (str)."""
+    return error if isinstance(error, str) else bytes(error).decode("utf-8", "replace")
+
+
 def _shard_again(error: Any) -> bool:
     """Whether the error that stopped one shard's score in ``score_shards`` is one the
     per-shard path gets past: a stale shard (it reloads), a key of a slot this node does not
     serve now (it follows the slot)."""
-    message = bytes(error).decode("utf-8", "replace")
+    message = _error_text(error)
     return message.startswith(("KVREDIS_STALE", "TRYAGAIN", "MOVED", "ASK")) or (
         NON_LOCAL_KEY in message
     )
@@ -534,7 +551,7 @@ def _whole_scores(
         for part in reply:
             if not isinstance(part, list):
                 if not _shard_again(part):
-                    raise translate(bytes(part).decode("utf-8", "replace"))
+                    raise translate(_error_text(part))
                 return None
             if int(part[1]) and int(part[0]) < length:  # cut: walk on from there
                 return None

@@ -28,7 +28,7 @@ from kvredis import (
 from kvredis.cli import cli
 from kvredis.redis.cluster.index import RedisClusterIndex
 from kvredis.redis.cluster.inspect import ClusterInspector
-from kvredis.redis.cluster.shards import shard_names
+from kvredis.redis.cluster.shards import pod_shard, shard_names
 from kvredis.redis.inspect import DUMP_FORMAT, Inspector, Problem, op_check, op_stats
 from kvredis.redis.layout import Layout
 from tests.servers import LocalCluster
@@ -193,35 +193,15 @@ def test_dump_restores_every_shard_into_another_cluster_namespace(
             copy.drop_namespace()
 
 
-def test_a_dump_placed_by_pod_is_refused_by_one_server_whole(
-    populated: RedisClusterIndex, cfg: RedisIndexConfig, redis_server_url: str, tmp_path: Path
-) -> None:
-    """A dump of a cluster namespace placed by pod (a request key in several shards) is not
-    merged into one server: a clear error naming the way out, before the server is touched."""
-    path = tmp_path / "cluster.jsonl"
-    assert invoke(cfg, "dump", str(path))[0] == 0
-    header = json.loads(path.read_text().splitlines()[0])
-    assert header["cluster_layout"] == "kvredis-cluster/2" and header["shards"] > 1
-    single = RedisIndexConfig(address=redis_server_url, namespace=f"kvt-{uuid.uuid4().hex[:12]}")
-    code, out = invoke(single, "restore", str(path))
-    assert code != 0 and "placed by pod" in out and "restore it into a cluster" in out, out
-    probe = redis.Redis.from_url(redis_server_url)
-    try:
-        assert not list(probe.scan_iter(match=f"{single.namespace}:*"))
-    finally:
-        probe.close()
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="merging a dump placed by pod (kvredis-cluster/2: a request key in several shards) "
-    "into one server is not implemented: restore refuses it",
-)
 def test_a_cluster_dump_restores_into_one_server_and_a_single_dump_makes_one_shard(
     populated: RedisClusterIndex, cfg: RedisIndexConfig, redis_server_url: str, tmp_path: Path
 ) -> None:
+    """A dump placed by pod holds a request key in each shard of a pod holding it: merged into
+    one server, each key holds every shard's entries, runs kept where one shard held a key."""
     long = chain(300, 3)  # long enough for chain runs in every shard
     ranked = PodEntry("pod-r", "gpu", dp_rank=2)
+    # the pods holding long's keys live in several shards: the merge joins a key's entries
+    assert len({pod_shard(e.pod_identifier, populated.shards) for e in (A, B, ranked, SPEC)}) > 1
     populated.add(chain(300, 4)[:100], long, [A, ranked])  # an engine key per 3 request keys
     populated.add(None, long[:50], [B])
     populated.evict(long[7], KeyType.REQUEST, [A])
