@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 import re
 import shlex
 import socket
@@ -45,9 +46,16 @@ def _port(endpoint: str) -> int:
 
 
 def _free_ports(offsets: list[int]) -> int:
-    """A base port such that base + each offset is free (publisher ranks bind base + rank)."""
+    """A base port such that base + each offset is free (publisher ranks bind base + rank),
+    below the ephemeral range: a port the kernel hands out to outgoing connections (the
+    suite's own clients) could be taken between this check and the engine's bind."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    top = min(low, 65535) - max(offsets) - 1
     for _ in range(200):
-        base = free_port()
+        base = random.randrange(10000, top) if top > 10000 else free_port()
         if base + max(offsets) >= 65535:
             continue
         try:
@@ -86,10 +94,9 @@ class Publisher:
         line = self.proc.stdout.readline()
         if not line:
             self.proc.wait(10)
+            errors = self.proc.stderr.read() if self.proc.stderr else ""
             self.close()
-            raise AssertionError(
-                f"publisher failed: {self.proc.stderr.read() if self.proc.stderr else ''}"
-            )
+            raise AssertionError(f"publisher failed: {errors}")
         self.bound = json.loads(line)
 
     def send(self, command: str) -> None:
