@@ -22,10 +22,7 @@ per shard it involves, so more shards per node cost more per score). Per shape, 
    sys, less its idle rate) per stored block, and this process's CPU per block;
 2. **score**: every conversation's whole chain scored (the router's keys), ``--rounds`` rounds
    each scoring it on every setup in turn; each node's CPU per score, and this process's; the
-   scores are checked equal to the single server's; also each node's time inside commands per
-   score (``INFO commandstats``), which leaves out the system calls of a round trip: a round
-   trip's fixed cost is paid once per node a score involves, and where it is high (a virtual
-   machine's system calls) it caps the capacity a cluster adds;
+   scores are checked equal to the single server's;
 3. **memory**: the primaries' ``used_memory`` growth per stored (key, entry) pair.
 
 Then a fleet sizing from the measured costs (:func:`fleet_sizing`, its assumptions printed).
@@ -92,14 +89,6 @@ class Node:
     def memory(self) -> int:
         return int(self.client.info("memory")["used_memory"])
 
-    def command_time(self) -> float:
-        """Seconds the server spent inside commands (``INFO commandstats``: no system calls,
-        no event loop), the INFO calls themselves left out."""
-        stats = self.client.info("commandstats")
-        return sum(
-            float(v["usec"]) for k, v in stats.items() if not k.startswith("cmdstat_info")
-        ) / 1e6
-
 
 class Setup:
     """One measured deployment: its servers, its index config, what it burnt so far."""
@@ -116,8 +105,6 @@ class Setup:
         self.client: dict[str, float] = {}
         self.samples: dict[str, list[list[float]]] = {}
         self.client_samples: dict[str, list[float]] = {}
-        #: per phase: per sample, each node's command time per operation (µs)
-        self.command_samples: dict[str, list[list[float]]] = {}
 
     @property
     def cluster(self) -> bool:
@@ -139,14 +126,10 @@ class Setup:
         self, phase: str, ops: int, run: Callable[[], object], sample: bool = False
     ) -> None:
         """Run ``run`` (``ops`` operations); add each node's CPU and the client's to ``phase``."""
-        commands = [n.command_time() for n in self.nodes] if sample else []
         before = [n.cpu() for n in self.nodes]
         cpu0, t0 = time.process_time(), time.perf_counter()
         run()
         client, elapsed = time.process_time() - cpu0, time.perf_counter() - t0
-        if sample:
-            inside = [n.command_time() - c for n, c in zip(self.nodes, commands, strict=True)]
-            self.command_samples.setdefault(phase, []).append([c * 1e6 / ops for c in inside])
         burnt = [
             max(0.0, n.cpu() - b - n.idle_per_s * elapsed)
             for n, b in zip(self.nodes, before, strict=True)
@@ -165,11 +148,6 @@ class Setup:
             rows = self.samples[phase]
             return [statistics.median(r[i] for r in rows) for i in range(len(self.nodes))]
         return [c * 1e6 / self.ops[phase] for c in self.cpu[phase]]
-
-    def command_per_op(self, phase: str) -> list[float]:
-        """Median over the samples of each node's command time per operation (µs)."""
-        rows = self.command_samples[phase]
-        return [statistics.median(r[i] for r in rows) for i in range(len(self.nodes))]
 
     def client_per_op(self, phase: str) -> float:
         if phase in self.client_samples:
@@ -291,10 +269,6 @@ class Row:
     memory_ratio: float
     ingest_cpu_per_node: list[float] = field(default_factory=list)
     score_cpu_per_node: list[float] = field(default_factory=list)
-    #: per score: the busiest node's time inside commands (scripts; no system calls), and
-    #: one server's over it: the capacity where a round trip's fixed cost is small
-    score_command_busiest: float = 0.0
-    score_command_capacity: float = 0.0
 
 
 @dataclass
@@ -314,7 +288,6 @@ def summarize(setups: Sequence[Setup], memory: dict[str, int], pairs: int) -> li
     base_score = base.per_op("score")[0]
     base_client_ingest = base.client_per_op("ingest")
     base_client_score = base.client_per_op("score")
-    base_command = base.command_per_op("score")[0]
     rows = []
     for setup in setups:
         primaries, replicas = SETUPS[setup.name]
@@ -332,8 +305,6 @@ def summarize(setups: Sequence[Setup], memory: dict[str, int], pairs: int) -> li
                 setup.client_per_op("score"), setup.client_per_op("score") / base_client_score,
                 memory[setup.name] / max(pairs, 1), memory[setup.name] / max(memory[base.name], 1),
                 [round(c, 1) for c in ingest_nodes], [round(c, 1) for c in score_nodes],
-                max(setup.command_per_op("score")),
-                base_command / max(max(setup.command_per_op("score")), 1e-9),
             )
         )  # fmt: skip
     return rows
@@ -371,15 +342,6 @@ def print_result(result: ShapeResult) -> None:
     for r in result.rows:
         nodes = f"ingest per node {r.ingest_cpu_per_node}  score per node {r.score_cpu_per_node}"
         print(f"  {r.setup:<8} {nodes}")
-    print(
-        "score capacity by time inside commands (no system calls: what a server whose round "
-        "trips cost little would give):"
-    )
-    for r in result.rows:
-        print(
-            f"  {r.setup:<8} busiest {r.score_command_busiest:.1f} µs  "
-            f"capacity {r.score_command_capacity:.2f}x"
-        )
 
 
 @dataclass
