@@ -17,7 +17,8 @@ pinned to one core and this process to the other where ``taskset`` allows):
 A cluster namespace has ``--shards-per-primary`` shards per primary (1: a score costs one call
 per shard it involves, so more shards per node cost more per score). Per shape, in one run:
 
-1. **ingest**: the whole stream into every setup, the setups taking it in turns chunk by chunk
+1. **ingest**: the whole stream into every setup (the page journal off on all: a cluster index
+   keeps none), the setups taking it in turns chunk by chunk
    (so a noisy spell of the machine hits them alike); each node's ``INFO cpu`` growth (user +
    sys, less its idle rate) per stored block, and this process's CPU per block;
 2. **score**: every conversation's whole chain scored (the router's keys), ``--rounds`` rounds
@@ -52,7 +53,7 @@ import redis
 from bench_realistic import BLOCK, MODEL, TP, WEIGHTS, Fleet, SglangFleet, VllmFleet
 from bench_server_cpu import pin
 
-from kvredis.ingest import EventIngester
+from kvredis.ingest import EventIngester, IngesterConfig
 from kvredis.redis import RedisIndex, RedisIndexConfig
 from kvredis.redis.cluster.index import RedisClusterIndex
 
@@ -200,7 +201,10 @@ def start_setups(
 
 def ingest(setups: Sequence[Setup], fleet: Fleet) -> int:
     """Every message into every setup, the setups in turns, chunk by chunk; blocks stored."""
-    ingesters = {s.name: EventIngester(s.open(), TP) for s in setups}
+    # no page journal on any setup: a cluster index keeps none (yet), so the setups do the same
+    # work per engine message
+    config = IngesterConfig(page_journal=False)
+    ingesters = {s.name: EventIngester(s.open(), TP, config=config) for s in setups}
     seqs: dict[str, dict[int, int]] = {s.name: {} for s in setups}
     messages = fleet.messages
     for start in range(0, len(messages), CHUNK):
