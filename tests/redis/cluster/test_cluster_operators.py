@@ -572,3 +572,52 @@ def test_a_dump_placed_by_pod_merged_into_one_server_answers_as_the_cluster_befo
         finally:
             with RedisIndex(single) as index:
                 index.drop_namespace()
+
+
+def _reversed_records(path: Path) -> Path:
+    """The dump at ``path`` with its key records in the reverse order (header and end record
+    kept in place): a merge must not depend on the order shards' records come in."""
+    lines = path.read_text().splitlines()
+    out = path.with_name(f"reversed-{path.name}")
+    out.write_text("\n".join([lines[0], *reversed(lines[1:-1]), lines[-1]]) + "\n")
+    return out
+
+
+def test_keys_held_in_several_shards_merge_as_the_cluster_answers_them(
+    cfg: RedisIndexConfig, redis_server_url: str, tmp_path: Path
+) -> None:
+    """An engine key mapped by pods of several shards answers, merged, the request key the
+    cluster answers (the lowest shard's mapping's), whatever order the dump's records come in;
+    a request key held in several shards lists the shards' entries in shard order."""
+    with RedisClusterIndex(cfg) as cluster:
+        low, high = sorted(
+            _pods_over_shards(cluster.shards)[:2],
+            key=lambda p: pod_shard(p.pod_identifier, cluster.shards),
+        )
+        one, two, three, four = chain(4, 51)
+        cluster.add([901], [one], [low])
+        cluster.add([901], [two], [high])  # another request key in the other shard
+        cluster.add([902], [two, three], [low])
+        cluster.add([902], [one, two], [high])
+        cluster.add([903], [four], [high])
+        cluster.add(None, [four], [low])
+        path = tmp_path / "cluster.jsonl"
+        assert invoke(cfg, "dump", str(path))[0] == 0
+        for dump in (path, _reversed_records(path)):
+            single = RedisIndexConfig(
+                address=redis_server_url, namespace=f"kvt-{uuid.uuid4().hex[:12]}"
+            )
+            code, out = invoke(single, "restore", str(dump))
+            assert code == 0, out
+            try:
+                with RedisIndex(single) as merged:
+                    for engine_key in (901, 902, 903):
+                        assert merged.get_request_key(engine_key) == cluster.get_request_key(
+                            engine_key
+                        ), (dump.name, engine_key)
+                    assert merged.lookup([four]) == {four: [low, high]}, dump.name
+                    assert merged.lookup([two]) == {two: [low, high]}, dump.name
+                    assert check_findings(single) == []
+            finally:
+                with RedisIndex(single) as index:
+                    index.drop_namespace()
