@@ -25,6 +25,7 @@ from kvredis import (
     RedisIndexConfig,
     Watermark,
 )
+from kvredis.checks import MAX_REQUEST_KEYS_PER_ENGINE_KEY
 from kvredis.cli import cli
 from kvredis.redis.cluster.index import RedisClusterIndex
 from kvredis.redis.cluster.inspect import ClusterInspector
@@ -626,3 +627,37 @@ def test_keys_held_in_several_shards_merge_as_the_cluster_answers_them(
             finally:
                 with RedisIndex(single) as index:
                     index.drop_namespace()
+
+
+def test_an_engine_key_mapped_past_one_mapping_s_cap_over_the_shards_keeps_every_request_key(
+    cfg: RedisIndexConfig, redis_server_url: str, tmp_path: Path
+) -> None:
+    """Pods of two shards map one engine key to more request keys together than one mapping
+    keeps (MAX_REQUEST_KEYS_PER_ENGINE_KEY): merged, the mapping keeps them all, so an evict by
+    that engine key still reaches every request key its pod holds, as on the cluster."""
+    with RedisClusterIndex(cfg) as cluster:
+        low, high = _pods_over_shards(cluster.shards)[:2]
+        mine, theirs = chain(700, 61), chain(700, 62)
+        assert len(mine) + len(theirs) > MAX_REQUEST_KEYS_PER_ENGINE_KEY
+        cluster.add([905], mine, [low])
+        cluster.add([905], theirs, [high])
+        path = tmp_path / "cluster.jsonl"
+        assert invoke(cfg, "dump", str(path))[0] == 0
+        single = RedisIndexConfig(
+            address=redis_server_url, namespace=f"kvt-{uuid.uuid4().hex[:12]}"
+        )
+        code, out = invoke(single, "restore", str(path))
+        assert code == 0, out
+        try:
+            with RedisIndex(single) as merged:
+                assert merged.get_request_key(905) == cluster.get_request_key(905)
+                for index in (cluster, merged):
+                    index.evict(905, KeyType.ENGINE, [high])
+                    index.add([905], [12345], [low])
+                assert merged.lookup(theirs) == cluster.lookup(theirs) == {}
+                assert merged.lookup(mine) == cluster.lookup(mine) == {k: [low] for k in mine}
+                assert merged.get_request_key(905) == cluster.get_request_key(905) == 12345
+                assert check_findings(single) == []
+        finally:
+            with RedisIndex(single) as index:
+                index.drop_namespace()
