@@ -27,11 +27,14 @@ in every shard one of whose pods holds it, so the same bucket field comes from s
 Merged as above, and besides:
 
 - a request key held in one shard keeps its value (inline ids, or its ref into the shard's run);
-  a key held in several shards gets their ids together, inline, in shard order, and each run
-  position that held it becomes a hole (a run left without held positions is dropped, trailing
-  holes are cut off);
-- an engine key's request keys are the union of the shards' mappings, in shard order;
-- an expiring bucket field's items are the shards' items together;
+  a key held in several shards gets their ids together, inline, in shard order (whatever order
+  the dump's records come in), and each run position that held it becomes a hole (a run left
+  without held positions is dropped, trailing holes are cut off);
+- an engine key's request keys are the union of the shards' mappings, the lowest shard's last
+  (most recent last: ``get_request_key`` answers what the cluster answered, the lowest shard's
+  mapping's); the union is not cut to ``MAX_REQUEST_KEYS_PER_ENGINE_KEY``, so an evict by that
+  engine key still reaches every request key a shard mapped it to;
+- an expiring bucket field's items are the shards' items together, in shard order;
 - a stream's watermark is the highest a shard holds (a stream's batches go to its pod's shard).
 
 It holds the request buckets and the runs of every shard in memory while it merges (about the
@@ -240,8 +243,9 @@ def merge_pod_shards(records: Records, count: int) -> Iterator[dict[str, Any]]:
     shards, present, pi, bits, offsets, total_runs = _prologue(records, count)
     runs: dict[_RunName, list[tuple[bytes, bytes]]] = {}  # positions, ids renumbered
     request: dict[bytes, dict[bytes, list[tuple[int, bytes]]]] = {}  # bucket -> field -> values
-    engine: dict[bytes, dict[bytes, dict[bytes, None]]] = {}
-    expiring: dict[bytes, dict[bytes, bytearray]] = {}
+    # bucket -> field -> shard -> its value (the dump's records come in no set shard order)
+    engine: dict[bytes, dict[bytes, dict[int, bytes]]] = {}
+    expiring: dict[bytes, dict[bytes, dict[int, bytes]]] = {}
     for record in records():
         number = record.get("shard", 0)
         shard = shards[number]
@@ -259,16 +263,13 @@ def merge_pod_shards(records: Records, count: int) -> Iterator[dict[str, Any]]:
         elif kind == b"s:":
             into = expiring.setdefault(rel, {})
             for f, v in fields:
-                into.setdefault(f, bytearray()).extend(_ids(shard, v, EXPIRING_ITEM_WIDTH))
+                into.setdefault(f, {})[number] = _ids(shard, v, EXPIRING_ITEM_WIDTH)
         elif kind == b"e:":
             mapped = engine.setdefault(rel, {})
             for f, v in fields:
                 if len(v) % HASH_WIDTH:
                     raise NamespaceLayoutError(f"an engine key maps to a blob of {len(v)} bytes")
-                keys = mapped.setdefault(f, {})
-                keys.update(
-                    dict.fromkeys(v[i : i + HASH_WIDTH] for i in range(0, len(v), HASH_WIDTH))
-                )
+                mapped.setdefault(f, {})[number] = v
         elif kind == b"c:" and len(rel) == 2 + RUN_ID_WIDTH:
             held = dict(fields)
             positions = decode_run(held.get(b"k", b""), held.get(b"r", b""))
@@ -291,6 +292,7 @@ def merge_pod_shards(records: Records, count: int) -> Iterator[dict[str, Any]]:
     for rel, bucket in request.items():
         merged: list[tuple[bytes, bytes]] = []
         for f, values in bucket.items():
+            values.sort(key=lambda held: held[0])  # shard order
             if len(values) == 1:
                 number, value = values[0]
                 if len(value) == REF_WIDTH:
@@ -312,10 +314,27 @@ def merge_pod_shards(records: Records, count: int) -> Iterator[dict[str, Any]]:
         run = (offsets[owner] + int.from_bytes(old, "big")).to_bytes(RUN_ID_WIDTH, "big")
         yield from _record(b"c:" + run, [(b"k", run_keys), (b"r", ranges)])
     for rel, mapped in engine.items():
-        yield from _record(rel, [(f, b"".join(keys)) for f, keys in mapped.items()])
-    for rel, items in expiring.items():
-        yield from _record(rel, [(f, bytes(v)) for f, v in items.items()])
+        yield from _record(rel, [(f, _mapping(by_shard)) for f, by_shard in mapped.items()])
+    for rel, timed in expiring.items():
+        yield from _record(
+            rel,
+            [(f, b"".join(by_shard[n] for n in sorted(by_shard))) for f, by_shard in timed.items()],
+        )
     yield from _dictionaries(shards, present, pi, total_runs, bits, by_pod=True)
+
+
+def _mapping(by_shard: Mapping[int, bytes]) -> bytes:
+    """An engine key's request keys from the mappings of the shards holding one (shard ->
+    request keys, most recent last): every shard's, each once, the lowest shard's last (its
+    last key is what the cluster's ``get_request_key`` answers: the lowest shard's mapping)."""
+    keys: dict[bytes, None] = {}
+    for number in sorted(by_shard, reverse=True):
+        held = by_shard[number]
+        for at in range(0, len(held), HASH_WIDTH):
+            key = held[at : at + HASH_WIDTH]
+            keys.pop(key, None)
+            keys[key] = None
+    return b"".join(keys)
 
 
 def _dictionaries(

@@ -40,6 +40,7 @@ from kvredis.redis import program
 from kvredis.redis.cluster import writes as cluster_writes
 from kvredis.redis.cluster.index import AsyncRedisClusterIndex, RedisClusterIndex
 from kvredis.redis.cluster.routing import Wave
+from kvredis.redis.functions import function_name
 from kvredis.redis.layout import Layout
 from kvredis.redis.requests import ConnectionLost, ErrorReply
 from tests.conftest import TEST_PREFIX
@@ -623,6 +624,125 @@ def test_a_shard_resharded_while_in_use_keeps_every_operation_answering(
         assert index.lookup(keys) == {k: [B] for k in keys}
         index.drop_namespace()
         _migrate_slot(redis_cluster, slot, target, source)  # as the cluster was
+    redis_cluster.wait_converged()
+
+
+# -- a score whose pods live in one shard: the single-server score on that shard's node --------
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _score_calls(index: RedisClusterIndex) -> list[tuple[str, Any]]:
+    """Record the score calls the index's waves send from now on: which script was called
+    (``score``, the single-server one, or ``score_shards``) and the reply it got, in order."""
+    registry = index.core.registry
+    names = {function_name(s): s for s in ("score", "score_shards")}
+    shas = {registry[s].sha: s for s in ("score", "score_shards")}
+    seen: list[tuple[str, Any]] = []
+    exec_ = index.executor
+    send = exec_._send
+
+    def recording(wave: Wave) -> list[list[Any]]:
+        replies = send(wave)
+        for batch, answered in zip(wave.batches, replies, strict=True):
+            for command, reply in zip(batch.commands, answered, strict=True):
+                verb, callee = _text(command[0]).upper(), _text(command[1])
+                script = names.get(callee) if verb.startswith("FCALL") else shas.get(callee)
+                if verb in ("FCALL", "FCALL_RO", "EVALSHA") and script:
+                    seen.append((script, reply))
+        return replies
+
+    exec_._send = recording  # type: ignore[method-assign]
+    return seen
+
+
+def _error_code(reply: Any) -> str | None:
+    return reply.code if isinstance(reply, ErrorReply) else None
+
+
+def test_a_one_shard_score_meeting_a_stale_shard_reloads_it_and_scores_the_new_namespace(
+    index: RedisClusterIndex, cfg: RedisIndexConfig
+) -> None:
+    """The namespace dropped and made again by another client: the single-server score that
+    the node of the filter's one shard runs answers KVREDIS_STALE; the shard is reloaded and
+    scored, and the next score runs the single-server score again."""
+    keys = list(range(1, 17))
+    index.add(None, keys, [A])
+    assert index.score(keys, pod_identifier_set=["pod-a"]) == {"pod-a": 16.0}
+    with RedisClusterIndex(cfg) as other:
+        other.drop_namespace()
+    with RedisClusterIndex(cfg) as other:
+        other.add(None, keys[:5], [A])
+    seen = _score_calls(index)
+    assert index.score(keys, pod_identifier_set=["pod-a"]) == {"pod-a": 5.0}
+    assert seen and seen[0][0] == "score", seen
+    assert _error_code(seen[0][1]) == "KVREDIS_STALE", seen[0]
+    del seen[:]
+    assert index.score(keys, pod_identifier_set=["pod-a"]) == {"pod-a": 5.0}
+    assert [(script, type(reply)) for script, reply in seen] == [("score", list)]
+
+
+@pytest.mark.parametrize("use_functions", [False, True], ids=["evalsha", "functions"])
+def test_a_one_shard_score_on_a_node_lacking_the_script_or_library_loads_it(
+    cfg: RedisIndexConfig, redis_cluster: LocalCluster, use_functions: bool
+) -> None:
+    """Scripts (EVALSHA) or the function library flushed on every node: the single-server
+    score that the node of the filter's one shard runs finds it missing, the score still
+    answers right, and the next one runs the single-server score there directly."""
+    keys = list(range(1, 17))
+    with RedisClusterIndex(replace(cfg, use_functions=use_functions)) as index:
+        try:
+            index.add(None, keys, [A])
+            assert index.score(keys, pod_identifier_set=["pod-a"]) == {"pod-a": 16.0}
+            _flush_scripts(redis_cluster)
+            if use_functions:
+                for port, (role, _, _) in redis_cluster.topology().items():
+                    if role == "master":
+                        _on(redis_cluster, port, "FUNCTION", "FLUSH")
+            seen = _score_calls(index)
+            assert index.score(keys, pod_identifier_set=["pod-a"]) == {"pod-a": 16.0}
+            assert seen and seen[0][0] == "score", seen
+            assert index.core.registry.missing(seen[0][1]), seen[0]
+            del seen[:]
+            assert index.score(keys, pod_identifier_set=["pod-a"]) == {"pod-a": 16.0}
+            assert [(script, type(reply)) for script, reply in seen] == [("score", list)]
+            assert index.score(keys) == {"pod-a": 16.0}  # every node loaded again
+        finally:
+            index.drop_namespace()
+
+
+def test_a_one_shard_score_follows_its_shard_s_slot_moved_and_moving(
+    cfg: RedisIndexConfig, redis_cluster: LocalCluster
+) -> None:
+    """The filter's one shard's slot moved while the index is idle: its single-server score
+    meets MOVED; moved again, key batch by key batch, and not handed over yet: it meets ASK
+    (or TRYAGAIN). Each score answers right."""
+    with RedisClusterIndex(replace(cfg, retries=10, retry_backoff=0.02)) as index:
+        slot = index.core.slots[_shard_of(index, A)]
+        keys = list(range(1, 33))
+        index.add(None, keys, [A])
+        assert index.score(keys, pod_identifier_set=["pod-a"]) == {"pod-a": 32.0}
+        source = index.executor.slot_map.primary(slot).port
+        target = next(n.port for n in index.executor.slot_map.primaries if n.port != source)
+        seen = _score_calls(index)
+        _migrate_slot(redis_cluster, slot, source, target)
+        assert index.score(keys, pod_identifier_set=["pod-a"]) == {"pod-a": 32.0}
+        assert seen and seen[0][0] == "score" and _error_code(seen[0][1]) == "MOVED", seen
+        del seen[:]
+        _move_keys(redis_cluster, slot, target, source)
+        timer = threading.Timer(0.3, _hand_over, args=(redis_cluster, slot, target, source))
+        timer.start()
+        try:
+            assert index.score(keys, pod_identifier_set=["pod-a"]) == {"pod-a": 32.0}
+        finally:
+            timer.join(30)
+        assert seen and seen[0][0] == "score", seen
+        assert _error_code(seen[0][1]) in ("ASK", "TRYAGAIN"), seen[0]
+        redis_cluster.wait_converged()
+        assert index.score(keys, pod_identifier_set=["pod-a"]) == {"pod-a": 32.0}
+        index.drop_namespace()
     redis_cluster.wait_converged()
 
 

@@ -25,12 +25,14 @@ from kvredis import (
     RedisIndexConfig,
     Watermark,
 )
+from kvredis.checks import MAX_REQUEST_KEYS_PER_ENGINE_KEY
 from kvredis.cli import cli
 from kvredis.redis.cluster.index import RedisClusterIndex
 from kvredis.redis.cluster.inspect import ClusterInspector
 from kvredis.redis.cluster.shards import pod_shard, shard_names
 from kvredis.redis.inspect import DUMP_FORMAT, Inspector, Problem, op_check, op_stats
 from kvredis.redis.layout import Layout
+from tests.redis.checks import check_findings
 from tests.servers import LocalCluster
 
 A, B = PodEntry("pod-a", "gpu"), PodEntry("pod-b", "cpu")
@@ -391,3 +393,271 @@ def test_check_problem_on_a_cluster_carries_its_shard(
         assert [(f.problem, f.shard) for f in report.findings] == [(Problem.POD_RECORD_STRAY, 2)]
         assert inspector.check(repair=True).ok
         assert inspector.check().findings == []
+
+
+# -- a dump placed by pod merged into one server, against the cluster --------------------------
+
+
+def _pods_over_shards(count: int) -> list[PodEntry]:
+    """Pods of four different shards and a fifth sharing the first's shard, of several tiers
+    and ranks."""
+    tiers = ["gpu", "cpu", "disk", "gpu", "cpu"]
+    pods: list[PodEntry] = []
+    used: list[int] = []
+    n = 0
+    while len(pods) < 5:
+        name = f"pod-m{n}"
+        shard = pod_shard(name, count)
+        n += 1
+        if (len(pods) < 4 and shard in used) or (len(pods) == 4 and shard != used[0]):
+            continue
+        pods.append(PodEntry(name, tiers[len(pods)], dp_rank=len(pods) % 2))
+        used.append(shard)
+    return pods
+
+
+def _engine_of(key: int) -> int:
+    """The engine key an engine sends for a request key (one each, whatever the pod)."""
+    return ((key * 0x9E3779B97F4A7C15) & ((1 << 64) - 1)) | 1
+
+
+def _merge_chains() -> list[list[int]]:
+    """Chains sharing prefixes: a fork of the first mid-way, an extension past its end (a run
+    grows), a short one (inline keys)."""
+    trunk = chain(96, 41)
+    return [trunk, trunk[:30] + chain(50, 42), trunk + chain(24, 43), chain(12, 44)]
+
+
+class _MergeWorkload:
+    """Random adds, evicts, speculative adds and fenced batches (one stream per pod) over pods
+    of several shards, sent to every index given."""
+
+    def __init__(self, seed: int, pods: list[PodEntry], spec: list[PodEntry]) -> None:
+        self.rng = random.Random(seed)
+        self.pods, self.spec = pods, spec
+        self.chains = _merge_chains()
+        self.seqs = {p.pod_identifier: 0 for p in pods}
+
+    def _span(self) -> list[int]:
+        keys = self.rng.choice(self.chains)
+        start = 0 if self.rng.random() < 0.6 else self.rng.randrange(len(keys))
+        end = self.rng.randint(start + 1, len(keys))
+        return keys[start:end]
+
+    def step(self, indexes: list[Any], clears: bool) -> list[bool]:
+        """One random step on every index; the verdicts of a fenced batch (else [])."""
+        rng = self.rng
+        roll = rng.random()
+        if roll < 0.15 and not self.spec:
+            roll = 0.15  # no speculative entries: no expiring bucket, runs read range by range
+        if roll < 0.1:
+            keys = self._span()[:20]
+            spec = rng.choice(self.spec)
+            for index in indexes:
+                index.add(None, keys, [spec], ttl=600)
+            return []
+        if roll < 0.15:
+            key = rng.choice(self._span())
+            spec = rng.choice(self.spec)
+            for index in indexes:
+                index.evict(key, KeyType.REQUEST, [spec])
+            return []
+        if clears and roll < 0.18:
+            pod = rng.choice(self.pods).pod_identifier
+            for index in indexes:
+                index.clear(pod)
+            return []
+        pod = rng.choice(self.pods)
+        ops: list[Any] = []
+        for _ in range(rng.randint(1, 3)):
+            keys = self._span()
+            kind = rng.random()
+            if kind < 0.55:
+                ops.append(AddOp(tuple(map(_engine_of, keys)), tuple(keys), (pod,)))
+            elif kind < 0.8:
+                ops.append(EvictOp(_engine_of(rng.choice(keys)), KeyType.ENGINE, (pod,)))
+            else:
+                ops.append(EvictOp(rng.choice(keys), KeyType.REQUEST, (pod,)))
+        name = pod.pod_identifier
+        if rng.random() < 0.1 and self.seqs[name]:  # a batch replayed: refused everywhere
+            mark = Watermark(1, rng.randint(1, self.seqs[name]))
+        else:
+            self.seqs[name] += 1
+            mark = Watermark(1, self.seqs[name])
+        return [index.apply_batch(ops, name, mark) for index in indexes]
+
+    def reads(self) -> list[list[int]]:
+        """Chains to read: every chain, and spans starting inside runs."""
+        spans = list(self.chains)
+        for keys in self.chains:
+            spans += [keys[3:], keys[17:60], keys[-9:]]
+        return spans
+
+
+def _same_answers(merged: RedisIndex, cluster: RedisClusterIndex, work: _MergeWorkload) -> None:
+    weights = {"gpu": 1.0, "cpu": 0.5, "disk": 0.25}
+    pods = [p.pod_identifier for p in work.pods]
+    for keys in work.reads():
+        assert _norm(merged.lookup(keys)) == _norm(cluster.lookup(keys)), keys[:1]
+        assert merged.score(keys) == cluster.score(keys)
+        assert merged.score_by_rank(keys, weights) == cluster.score_by_rank(keys, weights)
+        assert merged.score(keys, weights, pods[1:3]) == cluster.score(keys, weights, pods[1:3])
+    for name in pods:
+        assert merged.get_watermark(name) == cluster.get_watermark(name), name
+
+
+def _refs_held_elsewhere(path: Path) -> int:
+    """How many request keys of a dump are held through a run in one shard and held in
+    another shard too."""
+    held: dict[bytes, list[bytes]] = {}
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        if "key" in record and bytes.fromhex(record["key"]).startswith(b"r:"):
+            for field, value in record["fields"]:
+                held.setdefault(bytes.fromhex(field), []).append(bytes.fromhex(value))
+    return sum(
+        1 for values in held.values() if len(values) > 1 and any(len(v) == 6 for v in values)
+    )
+
+
+def _norm(found: dict[int, list[PodEntry]]) -> dict[int, set[PodEntry]]:
+    return {k: set(v) for k, v in found.items()}
+
+
+def _mapped(index: Any, engine_key: int) -> int | None:
+    try:
+        return int(index.get_request_key(engine_key))
+    except KeyError:
+        return None
+
+
+@pytest.mark.parametrize("speculative", [True, False], ids=["speculative", "no-expiry"])
+def test_a_dump_placed_by_pod_merged_into_one_server_answers_as_the_cluster_before_and_after_writes(
+    cfg: RedisIndexConfig, redis_server_url: str, tmp_path: Path, speculative: bool
+) -> None:
+    """Random adds (chain runs, forks mid-run, runs grown past their end), evicts, clears,
+    speculative adds (or none: reads then take a run's ranges whole) and fenced batches by pods
+    of several shards; the dump restored into one server gives the cluster's lookups, scores,
+    mappings and watermarks, and ``check`` finds nothing; then the same random writes on both
+    keep them answering alike."""
+    single = RedisIndexConfig(address=redis_server_url, namespace=f"kvt-{uuid.uuid4().hex[:12]}")
+    with RedisClusterIndex(cfg) as cluster:
+        pods = _pods_over_shards(cluster.shards)
+        spec = [_speculative_beside(cluster, p.pod_identifier) for p in pods[:2] if speculative]
+        work = _MergeWorkload(20261205, pods, spec)
+        for _ in range(80):
+            work.step([cluster], clears=True)
+        assert check_findings(cfg) == []
+        path = tmp_path / "cluster.jsonl"
+        assert invoke(cfg, "dump", str(path))[0] == 0
+        # the merge's hard case is there: keys of runs that other shards hold too
+        assert _refs_held_elsewhere(path) >= 10
+        code, out = invoke(single, "restore", str(path))
+        assert code == 0, out
+        try:
+            with RedisIndex(single) as merged:
+                assert check_findings(single) == []
+                assert list(merged.client.scan_iter(match=f"{single.namespace}:c:*"))
+                assert merged.client.exists(f"{single.namespace}:sx") == speculative
+                _same_answers(merged, cluster, work)
+                for keys in work.chains:
+                    for key in keys:
+                        engine = _engine_of(key)
+                        assert _mapped(merged, engine) == _mapped(cluster, engine), key
+                for step in range(60):
+                    verdicts = work.step([cluster, merged], clears=False)
+                    assert len(set(verdicts)) <= 1, step
+                    if step % 15 == 14:
+                        _same_answers(merged, cluster, work)
+                        assert check_findings(single) == [], step
+                for pod in pods[:2]:
+                    cluster.clear(pod.pod_identifier)
+                    merged.clear(pod.pod_identifier)
+                _same_answers(merged, cluster, work)
+                assert check_findings(single) == []
+        finally:
+            with RedisIndex(single) as index:
+                index.drop_namespace()
+
+
+def _reversed_records(path: Path) -> Path:
+    """The dump at ``path`` with its key records in the reverse order (header and end record
+    kept in place): a merge must not depend on the order shards' records come in."""
+    lines = path.read_text().splitlines()
+    out = path.with_name(f"reversed-{path.name}")
+    out.write_text("\n".join([lines[0], *reversed(lines[1:-1]), lines[-1]]) + "\n")
+    return out
+
+
+def test_keys_held_in_several_shards_merge_as_the_cluster_answers_them(
+    cfg: RedisIndexConfig, redis_server_url: str, tmp_path: Path
+) -> None:
+    """An engine key mapped by pods of several shards answers, merged, the request key the
+    cluster answers (the lowest shard's mapping's), whatever order the dump's records come in;
+    a request key held in several shards lists the shards' entries in shard order."""
+    with RedisClusterIndex(cfg) as cluster:
+        low, high = sorted(
+            _pods_over_shards(cluster.shards)[:2],
+            key=lambda p: pod_shard(p.pod_identifier, cluster.shards),
+        )
+        one, two, three, four = chain(4, 51)
+        cluster.add([901], [one], [low])
+        cluster.add([901], [two], [high])  # another request key in the other shard
+        cluster.add([902], [two, three], [low])
+        cluster.add([902], [one, two], [high])
+        cluster.add([903], [four], [high])
+        cluster.add(None, [four], [low])
+        path = tmp_path / "cluster.jsonl"
+        assert invoke(cfg, "dump", str(path))[0] == 0
+        for dump in (path, _reversed_records(path)):
+            single = RedisIndexConfig(
+                address=redis_server_url, namespace=f"kvt-{uuid.uuid4().hex[:12]}"
+            )
+            code, out = invoke(single, "restore", str(dump))
+            assert code == 0, out
+            try:
+                with RedisIndex(single) as merged:
+                    for engine_key in (901, 902, 903):
+                        assert merged.get_request_key(engine_key) == cluster.get_request_key(
+                            engine_key
+                        ), (dump.name, engine_key)
+                    assert merged.lookup([four]) == {four: [low, high]}, dump.name
+                    assert merged.lookup([two]) == {two: [low, high]}, dump.name
+                    assert check_findings(single) == []
+            finally:
+                with RedisIndex(single) as index:
+                    index.drop_namespace()
+
+
+def test_an_engine_key_mapped_past_one_mapping_s_cap_over_the_shards_keeps_every_request_key(
+    cfg: RedisIndexConfig, redis_server_url: str, tmp_path: Path
+) -> None:
+    """Pods of two shards map one engine key to more request keys together than one mapping
+    keeps (MAX_REQUEST_KEYS_PER_ENGINE_KEY): merged, the mapping keeps them all, so an evict by
+    that engine key still reaches every request key its pod holds, as on the cluster."""
+    with RedisClusterIndex(cfg) as cluster:
+        low, high = _pods_over_shards(cluster.shards)[:2]
+        mine, theirs = chain(700, 61), chain(700, 62)
+        assert len(mine) + len(theirs) > MAX_REQUEST_KEYS_PER_ENGINE_KEY
+        cluster.add([905], mine, [low])
+        cluster.add([905], theirs, [high])
+        path = tmp_path / "cluster.jsonl"
+        assert invoke(cfg, "dump", str(path))[0] == 0
+        single = RedisIndexConfig(
+            address=redis_server_url, namespace=f"kvt-{uuid.uuid4().hex[:12]}"
+        )
+        code, out = invoke(single, "restore", str(path))
+        assert code == 0, out
+        try:
+            with RedisIndex(single) as merged:
+                assert merged.get_request_key(905) == cluster.get_request_key(905)
+                for index in (cluster, merged):
+                    index.evict(905, KeyType.ENGINE, [high])
+                    index.add([905], [12345], [low])
+                assert merged.lookup(theirs) == cluster.lookup(theirs) == {}
+                assert merged.lookup(mine) == cluster.lookup(mine) == {k: [low] for k in mine}
+                assert merged.get_request_key(905) == cluster.get_request_key(905) == 12345
+                assert check_findings(single) == []
+        finally:
+            with RedisIndex(single) as index:
+                index.drop_namespace()
