@@ -349,7 +349,11 @@ def _dictionaries(
     pods: dict[bytes, dict[bytes, None]] = {}
     retired: dict[bytes, dict[bytes, None]] = {}
     for shard in shards:
-        pe.update((entry, shard.ids[old]) for entry, old in shard.pe.items())
+        for entry, old in shard.pe.items():
+            new = shard.ids.get(old)
+            if new is None:
+                raise NamespaceLayoutError(f"entry id {old.hex()} is listed but not defined")
+            pe[entry] = new
         for pod, ids in shard.pp.items():
             pods.setdefault(pod, {}).update(dict.fromkeys(_chunks(_ids(shard, ids))))
         for pod, ids in shard.pr.items():

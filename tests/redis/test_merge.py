@@ -10,7 +10,7 @@ import pytest
 from kvredis.errors import NamespaceLayoutError
 from kvredis.redis.codec import encode_entry
 from kvredis.redis.layout import LAYOUT_VERSION
-from kvredis.redis.merge import merge_shards
+from kvredis.redis.merge import merge_pod_shards, merge_shards
 from kvredis.types import PodEntry
 
 
@@ -36,9 +36,11 @@ def _shard(shard: int, bits: int = 16, held: bytes = b"\x00\x00\x00\x01") -> lis
     ]
 
 
-def _merged(records: list[dict[str, Any]], count: int) -> dict[bytes, dict[bytes, bytes]]:
+def _merged(
+    records: list[dict[str, Any]], count: int, merge: Any = merge_shards
+) -> dict[bytes, dict[bytes, bytes]]:
     out: dict[bytes, dict[bytes, bytes]] = {}
-    for r in merge_shards(lambda: iter(records), count):
+    for r in merge(lambda: iter(records), count):
         fields = {bytes.fromhex(f): bytes.fromhex(v) for f, v in r["fields"]}
         out.setdefault(bytes.fromhex(r["key"]), {}).update(fields)
     return out
@@ -64,3 +66,11 @@ def test_an_undefined_id_is_refused() -> None:
 def test_a_record_of_a_shard_beyond_the_count_is_refused() -> None:
     with pytest.raises(NamespaceLayoutError, match="shard 2 of 2"):
         _merged(_shard(0) + _shard(2), 2)
+
+
+@pytest.mark.parametrize("merge", [merge_shards, merge_pod_shards])
+def test_an_entry_listed_but_not_defined_is_refused(merge: Any) -> None:
+    broken = _shard(1)
+    broken[1] = _record(1, b"pe", {encode_entry(PodEntry("pod-b", "gpu")): b"\x00\x00\x00\x07"})
+    with pytest.raises(NamespaceLayoutError, match="listed but not defined"):
+        _merged(_shard(0) + broken, 2, merge)
