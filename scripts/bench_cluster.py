@@ -24,7 +24,12 @@ per shard it involves, so more shards per node cost more per score). Per shape, 
 2. **score**: every conversation's whole chain scored (the router's keys), ``--rounds`` rounds
    each scoring it on every setup in turn; each node's CPU per score, and this process's; the
    scores are checked equal to the single server's;
-3. **memory**: the primaries' ``used_memory`` growth per stored (key, entry) pair.
+3. **scores, shard by shard** (clusters without replicas): every chain scored against each
+   shard's pods only, the shards one after another (:func:`score_isolated`), so that a node
+   serves its calls alone, as on a core of its own: in a whole score the nodes sharing this
+   machine's one server core take each score in turns, which makes each call dearer than on a
+   core of its own, while one server is measured alone;
+4. **memory**: the primaries' ``used_memory`` growth per stored (key, entry) pair.
 
 Then a fleet sizing from the measured costs (:func:`fleet_sizing`, its assumptions printed).
 Capacity is what the busiest node allows: one server's CPU per operation on its one core over
@@ -56,6 +61,7 @@ from bench_server_cpu import pin
 from kvredis.ingest import EventIngester, IngesterConfig
 from kvredis.redis import RedisIndex, RedisIndexConfig
 from kvredis.redis.cluster.index import RedisClusterIndex
+from kvredis.redis.cluster.shards import pod_shard
 
 from _bench import LocalCluster, RedisServer, bench_parser, write_json
 
@@ -246,6 +252,42 @@ def score(setups: Sequence[Setup], chains: list[list[int]], rounds: int) -> int:
     return len(want)
 
 
+def score_isolated(
+    setups: Sequence[Setup], chains: list[list[int]], rounds: int, pods: int
+) -> None:
+    """Each shard of a cluster without replicas scored on its own: every chain scored against
+    the shard's pods only (``pod_identifier_set``: one call, on that shard's node), the shards
+    one after another, ``rounds`` rounds. A node then serves a run of calls alone, as a node on
+    a core of its own does; in a whole-cluster score the nodes of one core take each score in
+    turns, which costs each call more (each process finds the core's caches holding another's
+    data), while one server is measured alone. The filter makes a shard's call do a little more
+    than an unfiltered one (its pods' ids read), so these costs are on the high side."""
+    ids = [f"pod-{p}" for p in range(pods)]
+    for setup in setups:
+        replicas = SETUPS[setup.name][1]
+        index = setup.index
+        if not setup.cluster or replicas or not isinstance(index, RedisClusterIndex):
+            continue
+        groups: dict[int, list[str]] = {}
+        for pod in ids:
+            groups.setdefault(pod_shard(pod, index.shards), []).append(pod)
+        for _ in range(rounds):
+            for shard, group in sorted(groups.items()):
+
+                def run(index: RedisClusterIndex = index, group: list[str] = group) -> None:
+                    for chain in chains:
+                        index.score(chain, WEIGHTS, group)
+
+                setup.measure(f"isolated:{shard}", len(chains), run, sample=True)
+
+
+def isolated_costs(setup: Setup) -> list[float]:
+    """Per shard measured by :func:`score_isolated`: its node's CPU per score (µs)."""
+    return [
+        max(setup.per_op(phase)) for phase in sorted(setup.samples) if phase.startswith("isolated:")
+    ]
+
+
 # -- output -------------------------------------------------------------------------------------
 
 
@@ -273,6 +315,11 @@ class Row:
     memory_ratio: float
     ingest_cpu_per_node: list[float] = field(default_factory=list)
     score_cpu_per_node: list[float] = field(default_factory=list)
+    #: shards scored one at a time (:func:`score_isolated`; clusters without replicas): each
+    #: shard's node's CPU per score, their sum, and one server's CPU over the busiest's
+    score_isolated_per_shard: list[float] = field(default_factory=list)
+    score_isolated_all: float = 0.0
+    score_isolated_capacity: float = 0.0
 
 
 @dataclass
@@ -311,6 +358,12 @@ def summarize(setups: Sequence[Setup], memory: dict[str, int], pairs: int) -> li
                 [round(c, 1) for c in ingest_nodes], [round(c, 1) for c in score_nodes],
             )
         )  # fmt: skip
+        isolated = isolated_costs(setup)
+        if isolated:
+            row = rows[-1]
+            row.score_isolated_per_shard = [round(c, 1) for c in isolated]
+            row.score_isolated_all = sum(isolated)
+            row.score_isolated_capacity = base_score / max(isolated)
     return rows
 
 
@@ -346,6 +399,20 @@ def print_result(result: ShapeResult) -> None:
     for r in result.rows:
         nodes = f"ingest per node {r.ingest_cpu_per_node}  score per node {r.score_cpu_per_node}"
         print(f"  {r.setup:<8} {nodes}")
+    isolated = [r for r in result.rows if r.score_isolated_per_shard]
+    if isolated:
+        base = result.rows[0].score_cpu_all
+        print(
+            "scores, each shard's node measured alone (as on a core of its own): its CPU per "
+            "score; capacity with 0, 1 and 2 replicas per primary (reads spread evenly)"
+        )
+        for r in isolated:
+            c = r.score_isolated_capacity
+            print(
+                f"  {r.setup:<8} per shard {r.score_isolated_per_shard}  all "
+                f"{r.score_isolated_all:.1f} µs ({r.score_isolated_all / base:.2f}x)  capacity "
+                f"{c:.2f}x / {2 * c:.2f}x / {3 * c:.2f}x"
+            )
 
 
 @dataclass
@@ -446,6 +513,7 @@ def run_shape(args: Any, shape: str, kind: str) -> ShapeResult:
         pairs = sum(len(entries) for c in fleet.convs for entries in base.lookup(c.keys).values())
         chains = [c.keys for c in fleet.convs]
         score(setups, chains, args.rounds)
+        score_isolated(setups, chains, args.rounds, args.pods)
         rows = summarize(setups, memory, pairs)
         for setup in setups:
             if setup.index is not None:
