@@ -35,6 +35,11 @@ def test_a_tiny_run_reports_every_setup(tmp_path: Path) -> None:
     replicated = rows["3p+1r"]
     assert replicated["primaries"] == 3 and replicated["replicas"] == 1
     assert len(replicated["score_cpu_per_node"]) == 6  # every node's CPU, replicas too
+    # a cluster without replicas is also scored shard by shard, each node measured alone
+    assert len(rows["1p"]["score_isolated_per_shard"]) == rows["1p"]["shards"] == 1
+    assert rows["1p"]["score_isolated_capacity"] > 0
+    assert rows["3p+1r"]["score_isolated_per_shard"] == []
+    assert rows["single"]["score_isolated_per_shard"] == []
     for row in rows.values():
         assert row["ingest_cpu_busiest"] > 0 and row["score_cpu_busiest"] > 0
         assert row["score_cpu_all"] >= row["score_cpu_busiest"]
