@@ -6,7 +6,8 @@ namespace living in one slot; in the pod layout every pod lives in one shard. A 
 the shards of the pods it asks about (every shard without a pod filter); the shards one node
 holds are read by one script call on that node (:mod:`.calls`), every node's call in one wave.
 
-- score: ``score_shards``, the single-server ``score`` run on each shard: each shard scores its
+- score: the single-server ``score`` on each shard (itself on a node holding one shard of the
+  score, through ``score_shards`` on a node holding several): each shard scores its
   own pods (per data-parallel rank) over the whole chain (a pod's prefix is in its shard), so
   the replies merge by union into exactly the floats one server gives
   (:class:`~kvredis.scoring.LongestPrefixScorer`'s). One round trip per involved node; a chain
@@ -370,7 +371,8 @@ def _score_shard_args(core: ClusterCore, shard: int, state: ShardScore, more: in
 
 @dataclass(frozen=True, slots=True)
 class ScoreCall:
-    """The first ``score_shards`` call of a score on one node, all but its weights and keys:
+    """The first call of a score on one node (``score_shards``, or the single-server ``score``
+    on a node holding one of its shards), all but its weights and keys:
     the node, its shards and their arguments (kept while the slot map and the shards' layouts
     are the same: :meth:`~.core.ClusterCore.read_plan`)."""
 
