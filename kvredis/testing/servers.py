@@ -491,7 +491,10 @@ class LocalCluster:
             except OSError:
                 pass
             except Exception as exc:
-                if "Connection" not in type(exc).__name__ and "Timeout" not in type(exc).__name__:
+                # a node down or still loading its data (redis-py's BusyLoadingError is a
+                # ConnectionError; older releases do not retry it)
+                names = {cls.__name__ for cls in type(exc).__mro__}
+                if not any("Connection" in n or "Timeout" in n for n in names):
                     raise
             if time.monotonic() > deadline:
                 raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
