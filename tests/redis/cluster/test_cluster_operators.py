@@ -8,6 +8,7 @@ import json
 import random
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,9 @@ from kvredis.redis.cluster.shards import pod_shard, shard_names
 from kvredis.redis.inspect import DUMP_FORMAT, Inspector, Problem, op_check, op_stats
 from kvredis.redis.layout import Layout
 from tests.redis.checks import check_findings
+from tests.redis.cluster.test_cluster_index import _norm
 from tests.servers import LocalCluster
+from tests.test_index_conformance import mapped
 
 A, B = PodEntry("pod-a", "gpu"), PodEntry("pod-b", "cpu")
 SPEC = PodEntry("pod-s", speculative=True)
@@ -195,6 +198,21 @@ def test_dump_restores_every_shard_into_another_cluster_namespace(
             copy.drop_namespace()
 
 
+@contextmanager
+def _restored_in_one_server(url: str, dump: Path) -> Iterator[tuple[RedisIndexConfig, RedisIndex]]:
+    """``kvredis restore`` of ``dump`` into a new namespace of the server at ``url``: its config
+    and an index on it, the namespace dropped afterwards."""
+    single = RedisIndexConfig(address=url, namespace=f"kvt-{uuid.uuid4().hex[:12]}")
+    code, out = invoke(single, "restore", str(dump))
+    assert code == 0, out
+    try:
+        with RedisIndex(single) as merged:
+            yield single, merged
+    finally:
+        with RedisIndex(single) as index:
+            index.drop_namespace()
+
+
 def test_a_cluster_dump_restores_into_one_server_and_a_single_dump_makes_one_shard(
     populated: RedisClusterIndex, cfg: RedisIndexConfig, redis_server_url: str, tmp_path: Path
 ) -> None:
@@ -214,33 +232,26 @@ def test_a_cluster_dump_restores_into_one_server_and_a_single_dump_makes_one_sha
     records = [json.loads(line) for line in path.read_text().splitlines()]
     kinds = {bytes.fromhex(r["key"])[:2] for r in records if "key" in r}
     assert {b"r:", b"e:", b"s:", b"c:"} <= kinds  # runs, expiring entries and mappings too
-    single = RedisIndexConfig(address=redis_server_url, namespace=f"kvt-{uuid.uuid4().hex[:12]}")
-    code, out = invoke(single, "restore", str(path))
-    assert code == 0, out
-    try:
-        with RedisIndex(single) as merged:
-            for keys in (KEYS, long):
-                assert merged.lookup(keys) == populated.lookup(keys)
-                weights = {"gpu": 1.0, "cpu": 0.5}
-                assert merged.score(keys, weights) == populated.score(keys, weights)
-            for engine_key in [*ENGINE, *chain(300, 4)[:100]]:
-                assert merged.get_request_key(engine_key) == populated.get_request_key(engine_key)
-            for stream in ("pod-b", "pod-r"):
-                assert merged.get_watermark(stream) == populated.get_watermark(stream)
-            assert as_json(single, "check")["findings"] == []
-            assert as_json(single, "stats")["pairs"] == as_json(cfg, "stats")["pairs"]
-            raw = merged.client
-            assert list(raw.scan_iter(match=f"{single.namespace}:c:*"))  # the runs kept
-            entries = {A, B, SPEC, ranked}
-            assert raw.hlen(f"{single.namespace}:pe") == len(entries)  # one id per entry
-            merged.add(None, [12345], [PodEntry("pod-new", "gpu")])  # new ids after the merged
-            merged.clear("pod-a")
-            assert merged.lookup(long[:3]) == {k: [ranked, B, SPEC] for k in long[:3]}
-            assert merged.lookup([12345]) == {12345: [PodEntry("pod-new", "gpu")]}
-            assert as_json(single, "check")["findings"] == []
-    finally:
-        with RedisIndex(single) as index:
-            index.drop_namespace()
+    with _restored_in_one_server(redis_server_url, path) as (single, merged):
+        for keys in (KEYS, long):
+            assert merged.lookup(keys) == populated.lookup(keys)
+            weights = {"gpu": 1.0, "cpu": 0.5}
+            assert merged.score(keys, weights) == populated.score(keys, weights)
+        for engine_key in [*ENGINE, *chain(300, 4)[:100]]:
+            assert merged.get_request_key(engine_key) == populated.get_request_key(engine_key)
+        for stream in ("pod-b", "pod-r"):
+            assert merged.get_watermark(stream) == populated.get_watermark(stream)
+        assert as_json(single, "check")["findings"] == []
+        assert as_json(single, "stats")["pairs"] == as_json(cfg, "stats")["pairs"]
+        raw = merged.client
+        assert list(raw.scan_iter(match=f"{single.namespace}:c:*"))  # the runs kept
+        entries = {A, B, SPEC, ranked}
+        assert raw.hlen(f"{single.namespace}:pe") == len(entries)  # one id per entry
+        merged.add(None, [12345], [PodEntry("pod-new", "gpu")])  # new ids after the merged
+        merged.clear("pod-a")
+        assert merged.lookup(long[:3]) == {k: [ranked, B, SPEC] for k in long[:3]}
+        assert merged.lookup([12345]) == {12345: [PodEntry("pod-new", "gpu")]}
+        assert as_json(single, "check")["findings"] == []
 
 
 def test_a_single_server_dump_makes_a_cluster_namespace_of_one_shard(
@@ -520,17 +531,6 @@ def _refs_held_elsewhere(path: Path) -> int:
     )
 
 
-def _norm(found: dict[int, list[PodEntry]]) -> dict[int, set[PodEntry]]:
-    return {k: set(v) for k, v in found.items()}
-
-
-def _mapped(index: Any, engine_key: int) -> int | None:
-    try:
-        return int(index.get_request_key(engine_key))
-    except KeyError:
-        return None
-
-
 @pytest.mark.parametrize("speculative", [True, False], ids=["speculative", "no-expiry"])
 def test_a_dump_placed_by_pod_merged_into_one_server_answers_as_the_cluster_before_and_after_writes(
     cfg: RedisIndexConfig, redis_server_url: str, tmp_path: Path, speculative: bool
@@ -540,7 +540,6 @@ def test_a_dump_placed_by_pod_merged_into_one_server_answers_as_the_cluster_befo
     of several shards; the dump restored into one server gives the cluster's lookups, scores,
     mappings and watermarks, and ``check`` finds nothing; then the same random writes on both
     keep them answering alike."""
-    single = RedisIndexConfig(address=redis_server_url, namespace=f"kvt-{uuid.uuid4().hex[:12]}")
     with RedisClusterIndex(cfg) as cluster:
         pods = _pods_over_shards(cluster.shards)
         spec = [_speculative_beside(cluster, p.pod_identifier) for p in pods[:2] if speculative]
@@ -552,32 +551,26 @@ def test_a_dump_placed_by_pod_merged_into_one_server_answers_as_the_cluster_befo
         assert invoke(cfg, "dump", str(path))[0] == 0
         # the merge's hard case is there: keys of runs that other shards hold too
         assert _refs_held_elsewhere(path) >= 10
-        code, out = invoke(single, "restore", str(path))
-        assert code == 0, out
-        try:
-            with RedisIndex(single) as merged:
-                assert check_findings(single) == []
-                assert list(merged.client.scan_iter(match=f"{single.namespace}:c:*"))
-                assert merged.client.exists(f"{single.namespace}:sx") == speculative
-                _same_answers(merged, cluster, work)
-                for keys in work.chains:
-                    for key in keys:
-                        engine = _engine_of(key)
-                        assert _mapped(merged, engine) == _mapped(cluster, engine), key
-                for step in range(60):
-                    verdicts = work.step([cluster, merged], clears=False)
-                    assert len(set(verdicts)) <= 1, step
-                    if step % 15 == 14:
-                        _same_answers(merged, cluster, work)
-                        assert check_findings(single) == [], step
-                for pod in pods[:2]:
-                    cluster.clear(pod.pod_identifier)
-                    merged.clear(pod.pod_identifier)
-                _same_answers(merged, cluster, work)
-                assert check_findings(single) == []
-        finally:
-            with RedisIndex(single) as index:
-                index.drop_namespace()
+        with _restored_in_one_server(redis_server_url, path) as (single, merged):
+            assert check_findings(single) == []
+            assert list(merged.client.scan_iter(match=f"{single.namespace}:c:*"))
+            assert merged.client.exists(f"{single.namespace}:sx") == speculative
+            _same_answers(merged, cluster, work)
+            for keys in work.chains:
+                for key in keys:
+                    engine = _engine_of(key)
+                    assert mapped(merged, engine) == mapped(cluster, engine), key
+            for step in range(60):
+                verdicts = work.step([cluster, merged], clears=False)
+                assert len(set(verdicts)) <= 1, step
+                if step % 15 == 14:
+                    _same_answers(merged, cluster, work)
+                    assert check_findings(single) == [], step
+            for pod in pods[:2]:
+                cluster.clear(pod.pod_identifier)
+                merged.clear(pod.pod_identifier)
+            _same_answers(merged, cluster, work)
+            assert check_findings(single) == []
 
 
 def _reversed_records(path: Path) -> Path:
@@ -610,23 +603,14 @@ def test_keys_held_in_several_shards_merge_as_the_cluster_answers_them(
         path = tmp_path / "cluster.jsonl"
         assert invoke(cfg, "dump", str(path))[0] == 0
         for dump in (path, _reversed_records(path)):
-            single = RedisIndexConfig(
-                address=redis_server_url, namespace=f"kvt-{uuid.uuid4().hex[:12]}"
-            )
-            code, out = invoke(single, "restore", str(dump))
-            assert code == 0, out
-            try:
-                with RedisIndex(single) as merged:
-                    for engine_key in (901, 902, 903):
-                        assert merged.get_request_key(engine_key) == cluster.get_request_key(
-                            engine_key
-                        ), (dump.name, engine_key)
-                    assert merged.lookup([four]) == {four: [low, high]}, dump.name
-                    assert merged.lookup([two]) == {two: [low, high]}, dump.name
-                    assert check_findings(single) == []
-            finally:
-                with RedisIndex(single) as index:
-                    index.drop_namespace()
+            with _restored_in_one_server(redis_server_url, dump) as (single, merged):
+                for engine_key in (901, 902, 903):
+                    assert merged.get_request_key(engine_key) == cluster.get_request_key(
+                        engine_key
+                    ), (dump.name, engine_key)
+                assert merged.lookup([four]) == {four: [low, high]}, dump.name
+                assert merged.lookup([two]) == {two: [low, high]}, dump.name
+                assert check_findings(single) == []
 
 
 def test_an_engine_key_mapped_past_one_mapping_s_cap_over_the_shards_keeps_every_request_key(
@@ -643,21 +627,12 @@ def test_an_engine_key_mapped_past_one_mapping_s_cap_over_the_shards_keeps_every
         cluster.add([905], theirs, [high])
         path = tmp_path / "cluster.jsonl"
         assert invoke(cfg, "dump", str(path))[0] == 0
-        single = RedisIndexConfig(
-            address=redis_server_url, namespace=f"kvt-{uuid.uuid4().hex[:12]}"
-        )
-        code, out = invoke(single, "restore", str(path))
-        assert code == 0, out
-        try:
-            with RedisIndex(single) as merged:
-                assert merged.get_request_key(905) == cluster.get_request_key(905)
-                for index in (cluster, merged):
-                    index.evict(905, KeyType.ENGINE, [high])
-                    index.add([905], [12345], [low])
-                assert merged.lookup(theirs) == cluster.lookup(theirs) == {}
-                assert merged.lookup(mine) == cluster.lookup(mine) == {k: [low] for k in mine}
-                assert merged.get_request_key(905) == cluster.get_request_key(905) == 12345
-                assert check_findings(single) == []
-        finally:
-            with RedisIndex(single) as index:
-                index.drop_namespace()
+        with _restored_in_one_server(redis_server_url, path) as (single, merged):
+            assert merged.get_request_key(905) == cluster.get_request_key(905)
+            for index in (cluster, merged):
+                index.evict(905, KeyType.ENGINE, [high])
+                index.add([905], [12345], [low])
+            assert merged.lookup(theirs) == cluster.lookup(theirs) == {}
+            assert merged.lookup(mine) == cluster.lookup(mine) == {k: [low] for k in mine}
+            assert merged.get_request_key(905) == cluster.get_request_key(905) == 12345
+            assert check_findings(single) == []
