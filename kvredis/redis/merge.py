@@ -176,11 +176,7 @@ def _record(key: bytes, fields: list[tuple[bytes, bytes]]) -> Iterator[dict[str,
 def merge_shards(records: Records, count: int) -> Iterator[dict[str, Any]]:
     """The key records of one single-server namespace holding what the ``count`` shards of
     ``records()`` hold (see the module docstring), the meta record last."""
-    shards, present, pi, bits, offsets, total_runs = _prologue(records, count)
-
-    def run_id(shard: int, old: bytes) -> bytes:
-        return (offsets[shard] + int.from_bytes(old, "big")).to_bytes(RUN_ID_WIDTH, "big")
-
+    shards, present, pi, bits, run_id, total_runs = _prologue(records, count)
     for record in records():
         number = record.get("shard", 0)
         shard = shards[number]
@@ -209,11 +205,16 @@ def merge_shards(records: Records, count: int) -> Iterator[dict[str, Any]]:
     yield from _dictionaries(shards, present, pi, total_runs, bits)
 
 
+#: A shard's run id (shard number, old id) -> its merged id: shard *i*'s run *n* becomes run
+#: ``offset[i] + n``.
+RunId = Callable[[int, bytes], bytes]
+
+
 def _prologue(
     records: Records, count: int
-) -> tuple[list[_Shard], list[_Shard], dict[bytes, bytes], int | None, list[int], int]:
+) -> tuple[list[_Shard], list[_Shard], dict[bytes, bytes], int | None, RunId, int]:
     """Pass 1 of a merge: the shards' dictionaries, those present, the merged ``pi``, the
-    bucket bits, each shard's run id offset and the merged run count."""
+    bucket bits, the merged run ids and the merged run count."""
     shards = _read_dictionaries(records, count)
     present = [s for s in shards if s.meta or s.pi]
     bits = {_number(s.meta.get(b"bucket_bits") or s.pi.get(b"bucket_bits")) for s in present}
@@ -230,7 +231,11 @@ def _prologue(
         total_runs += top
     if total_runs > _MAX_ID:
         raise NamespaceLayoutError("the shards hold more runs than one namespace can")
-    return shards, present, pi, bits.pop() if bits else None, offsets, total_runs
+
+    def run_id(shard: int, old: bytes) -> bytes:
+        return (offsets[shard] + int.from_bytes(old, "big")).to_bytes(RUN_ID_WIDTH, "big")
+
+    return shards, present, pi, bits.pop() if bits else None, run_id, total_runs
 
 
 #: A run of one shard: (shard number, its old run id).
@@ -240,7 +245,7 @@ _RunName = tuple[int, bytes]
 def merge_pod_shards(records: Records, count: int) -> Iterator[dict[str, Any]]:
     """The key records of one single-server namespace holding what the ``count`` shards of a
     namespace placed by pod hold (see the module docstring), the meta record last."""
-    shards, present, pi, bits, offsets, total_runs = _prologue(records, count)
+    shards, present, pi, bits, run_id, total_runs = _prologue(records, count)
     runs: dict[_RunName, list[tuple[bytes, bytes]]] = {}  # positions, ids renumbered
     request: dict[bytes, dict[bytes, list[tuple[int, bytes]]]] = {}  # bucket -> field -> values
     # bucket -> field -> shard -> its value (the dump's records come in no set shard order)
@@ -296,8 +301,7 @@ def merge_pod_shards(records: Records, count: int) -> Iterator[dict[str, Any]]:
             if len(values) == 1:
                 number, value = values[0]
                 if len(value) == REF_WIDTH:
-                    rid = offsets[number] + int.from_bytes(value[:RUN_ID_WIDTH], "big")
-                    merged.append((f, rid.to_bytes(RUN_ID_WIDTH, "big") + value[RUN_ID_WIDTH:]))
+                    merged.append((f, run_id(number, value[:RUN_ID_WIDTH]) + value[RUN_ID_WIDTH:]))
                 else:
                     merged.append((f, value))
                 continue
@@ -311,8 +315,7 @@ def merge_pod_shards(records: Records, count: int) -> Iterator[dict[str, Any]]:
         if not any(held for _key, held in positions):
             continue  # every position held elsewhere now (or a hole)
         run_keys, ranges = encode_run(positions)
-        run = (offsets[owner] + int.from_bytes(old, "big")).to_bytes(RUN_ID_WIDTH, "big")
-        yield from _record(b"c:" + run, [(b"k", run_keys), (b"r", ranges)])
+        yield from _record(b"c:" + run_id(owner, old), [(b"k", run_keys), (b"r", ranges)])
     for rel, mapped in engine.items():
         yield from _record(rel, [(f, _mapping(by_shard)) for f, by_shard in mapped.items()])
     for rel, timed in expiring.items():
