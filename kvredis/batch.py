@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 from kvredis.checks import check_add, check_entries, check_hash, check_key_type
 from kvredis.errors import InvalidInputError
-from kvredis.types import KeyType, PodEntry
+from kvredis.types import MAX_BLOCK_HASH, KeyType, PodEntry
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +100,35 @@ def check_batch(
     if isinstance(ops, (str, bytes)) or not isinstance(ops, Sequence):
         raise InvalidInputError(f"ops must be a sequence of AddOp/EvictOp, got {ops!r}")
     plan: list[IndexOp] = []
+    # the last entries tuples found valid, of an evict and of an add
+    good_entries: tuple[PodEntry, ...] | None = None
+    good_adds: tuple[PodEntry, ...] | None = None
     for position, op in enumerate(ops):
+        # an evict already in normal form (what an ingester builds) is kept as it is
+        if type(op) is EvictOp:
+            key, entries = op.key, op.entries
+            if (
+                type(key) is int
+                and 0 <= key <= MAX_BLOCK_HASH
+                and type(op.key_type) is KeyType
+                and type(entries) is tuple
+                and (entries is good_entries or _plain_entries(entries))
+            ):
+                good_entries = entries
+                plan.append(op)
+                continue
+        elif type(op) is AddOp:
+            entries, parent = op.entries, op.parent
+            if (
+                _plain_hashes(op.request_keys, True)
+                and (op.engine_keys is None or _plain_hashes(op.engine_keys, False))
+                and (parent is None or (type(parent) is int and 0 <= parent <= MAX_BLOCK_HASH))
+                and type(entries) is tuple
+                and (entries is good_adds or _plain_add_entries(entries))
+            ):
+                good_adds = entries
+                plan.append(op)
+                continue
         try:
             if isinstance(op, AddOp):
                 eng, req, ents = check_add(op.engine_keys, op.request_keys, op.entries)
@@ -118,6 +146,33 @@ def check_batch(
         except InvalidInputError as exc:
             raise InvalidInputError(f"batch op {position}: {exc}") from exc
     return plan
+
+
+def _plain_entries(entries: tuple[object, ...]) -> bool:
+    """Whether ``entries`` is a non-empty tuple of :class:`PodEntry` (each checked when made)."""
+    return bool(entries) and all(type(e) is PodEntry for e in entries)
+
+
+def _plain_add_entries(entries: tuple[object, ...]) -> bool:
+    """Whether ``entries`` passes ``check_entries(entries, for_add=True)`` as it is."""
+    return bool(entries) and all(
+        type(e) is PodEntry and e.pod_identifier and (e.device_tier or e.speculative)
+        for e in entries
+    )
+
+
+_INT_ONLY = frozenset((int,))
+
+
+def _plain_hashes(keys: object, non_empty: bool) -> bool:
+    """Whether ``keys`` is a tuple of plain ints in the hash range (non-empty if asked), checked
+    at C speed: what :func:`check_hashes` accepts, already in the form it returns."""
+    return (
+        type(keys) is tuple
+        and (bool(keys) or not non_empty)
+        and _INT_ONLY.issuperset(map(type, keys))
+        and (not keys or (min(keys) >= 0 and max(keys) <= MAX_BLOCK_HASH))
+    )
 
 
 class Batch(NamedTuple):

@@ -17,7 +17,7 @@ import itertools
 import threading
 from bisect import bisect_left, bisect_right
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -485,12 +485,20 @@ class EngineKeyCache:
                 tails.pop(key, None)
                 cuts.pop(key, None)
 
-    def save(self, keys: Iterable[int]) -> list[tuple[int, int | None, Tail | None, Tail | None]]:
+    def save(
+        self, keys: Iterable[int], dropped: Collection[int] = ()
+    ) -> list[tuple[int, int | None, Tail | None, Tail | None]]:
         """What is known of these engine keys now (mapping, chain end, record inside a block),
-        for :meth:`restore`."""
+        for :meth:`restore`; of ``dropped``, keys a :meth:`commit` can only forget, just the
+        known ones (an SGLang removal names thousands of pages, few of them known here)."""
         with self._lock:
             data, tails, cuts = self._data, self._tails.items, self._cuts.items
-            return [(k, data.get(k), tails.get(k), cuts.get(k)) for k in keys]
+            if dropped:
+                gone = dropped if isinstance(dropped, (set, frozenset)) else set(dropped)
+                known = (gone & data.keys()) | (gone & tails.keys()) | (gone & cuts.keys())
+                keys = itertools.chain(keys, known)
+            get_data, get_tail, get_cut = data.get, tails.get, cuts.get
+            return [(k, get_data(k), get_tail(k), get_cut(k)) for k in keys]
 
     def restore(self, saved: Sequence[tuple[int, int | None, Tail | None, Tail | None]]) -> None:
         """Know of these engine keys exactly what :meth:`save` found."""

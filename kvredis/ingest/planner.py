@@ -410,8 +410,8 @@ class BatchPlan:
         cache = self.cache
         if cache is None:
             return lambda: None
-        keys = {*self.evicted, *self.stale_tails, *self.batch_map, *self.batch_tails}
-        saved = cache.save(keys)
+        learned = {*self.batch_map, *self.batch_tails}
+        saved = cache.save(learned, {*self.evicted, *self.stale_tails} - learned)
         self._settle_cache(took_effect=True)
         return lambda: cache.restore(saved)
 

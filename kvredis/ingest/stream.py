@@ -14,7 +14,6 @@ marks a batch fully applied, lower phases the steps of a multi-step batch in pro
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -37,6 +36,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
 
 class Decoder(Protocol):
     """A wire format: one message payload to a decoded batch (never raises); with ``hint``, the
@@ -145,7 +145,15 @@ class StreamState:
             )
         if seen is engine:
             return decoded
-        return dataclasses.replace(decoded, engine=engine)
+        # (the constructor, not dataclasses.replace: this runs for every message)
+        return DecodedBatch(
+            decoded.ts,
+            decoded.events,
+            decoded.data_parallel_rank,
+            decoded.rejects,
+            decoded.total_events,
+            engine,
+        )
 
     def known_at_least(self, seq: int) -> bool:
         """Whether the stored position is known to have reached batch ``seq`` (done)."""

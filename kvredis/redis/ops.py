@@ -720,6 +720,9 @@ class _BatchGroup:
         self.streams: dict[str, int] = {}
         self.members: list[tuple[int, list[IndexOp], str | None, Watermark | None]] = []
         self.blob: list[bytes] = []
+        # each batch's token: the call's random one and the batch's number in it (unique per
+        # batch, and one random draw per call instead of per batch)
+        self._token = secrets.token_hex(6)
 
     def _entry(self, entry: PodEntry) -> int:
         index = self._entry_index.get(entry)
@@ -749,7 +752,8 @@ class _BatchGroup:
             self.blob.append(_BATCH_HEAD.pack(0, 0))
         else:
             number = self.streams.setdefault(stream, len(self.streams) + 1)
-            mark = f"{watermark.epoch}:{watermark.seq}:{secrets.token_hex(8)}".encode()
+            token = f"{self._token}{len(self.members):04x}"
+            mark = f"{watermark.epoch}:{watermark.seq}:{token}".encode()
             self.blob += (_BATCH_HEAD.pack(number, len(mark)), mark)
         self.blob += (_U16.pack(count), blob)
         return True

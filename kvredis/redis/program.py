@@ -292,9 +292,7 @@ _U16 = struct.Struct(">H")
 _U32 = struct.Struct(">I")
 
 
-def blob_ops(
-    plan: Sequence[IndexOp], entry: Callable[[PodEntry], int]
-) -> tuple[bytes, int, int]:
+def blob_ops(plan: Sequence[IndexOp], entry: Callable[[PodEntry], int]) -> tuple[bytes, int, int]:
     """The ops of one checked batch in the binary form of ``apply_batches``
     (``lua/includes/program.lua``, ``read_blob_batches``), how many ops that is, and their
     units of work.
@@ -309,6 +307,9 @@ def blob_ops(
     tag = b""
     heads: tuple[bytes, ...] = ()
     keys: list[int] = []
+    last_entries: object = None
+    last_type: object = None
+    kind, these, unit = b"", heads, 0
 
     def flush() -> None:
         nonlocal count
@@ -326,7 +327,9 @@ def blob_ops(
             if eng and len(eng) == len(req) and len(set(eng)) == len(eng):
                 # one engine key per request key, none repeated: the pairs as they come
                 npairs = len(req)
-                flat = [k for pair in zip(eng, req, strict=True) for k in pair]
+                flat = [0] * (2 * npairs)
+                flat[0::2] = eng
+                flat[1::2] = req
             else:
                 pairs = infer_mappings(eng, req) if eng else []
                 pairs = compress_pairs(pairs, MAX_REQUEST_KEYS_PER_ENGINE_KEY)
@@ -342,13 +345,17 @@ def blob_ops(
             cost += add_cost(len(req), npairs, len(ents))
             count += 1
             continue
-        ents = list(dict.fromkeys(op.entries))
-        kind = b"R" if op.key_type is KeyType.REQUEST else b"E"
-        these = (u16(len(ents)), *(u16(entry(e)) for e in ents))
+        if op.entries is not last_entries or op.key_type is not last_type:
+            # (an ingester's evicts of one event share one entries tuple: worked out once)
+            last_entries, last_type = op.entries, op.key_type
+            ents = list(dict.fromkeys(op.entries))
+            kind = b"R" if op.key_type is KeyType.REQUEST else b"E"
+            these = (u16(len(ents)), *(u16(entry(e)) for e in ents))
+            unit = evict_cost(len(ents), op.key_type)
         if not keys or kind != tag or these != heads:
             flush()
             tag, heads = kind, these
         keys.append(op.key)
-        cost += evict_cost(len(ents), op.key_type)
+        cost += unit
     flush()
     return b"".join(out), count, cost

@@ -235,3 +235,25 @@ def test_vllm_removal_of_one_tier_keeps_the_other(engine_index: Any) -> None:
         ing.process(f"kv@pod-v@{MODEL}", seq, payload, "vllm-0")
     assert held(engine_index, tokens[:16], "pod-v") == {"gpu", "cpu"}
     assert held(engine_index, tokens, "pod-v") == {"cpu"}
+
+
+def test_the_streams_engine_keeps_every_other_field_of_a_batch() -> None:
+    """A stream hands the sequencer each decoded batch with its engine: every other field is
+    the decoder's, whatever fields a batch has."""
+    import dataclasses
+
+    from kvredis.ingest.events import BlockRemoved, DecodedBatch, Engine, Rejection, RejectReason
+    from kvredis.ingest.stream import StreamState
+
+    values: dict[str, Any] = {
+        "ts": 12.5,
+        "events": (BlockRemoved((1, 2)),),
+        "data_parallel_rank": 3,
+        "rejects": (Rejection(RejectReason.BAD_EVENT, "x", 1),),
+        "total_events": 2,
+        "engine": None,
+    }
+    assert {f.name for f in dataclasses.fields(DecodedBatch)} == set(values)
+    decoded = DecodedBatch(**values)
+    st = StreamState(EndpointConfig("tcp://127.0.0.1:1", engine="vllm"))
+    assert st.with_engine(decoded) == dataclasses.replace(decoded, engine=Engine.VLLM)
