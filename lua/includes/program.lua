@@ -111,7 +111,7 @@ local function read_blob_batches(blob, nents, nstreams)
     if stream > nstreams or (stream > 0) ~= (ml > 0) then
       fail('INVALID', 'batch ' .. b .. ': stream ' .. stream .. ' with a mark of ' .. ml .. ' bytes')
     end
-    local batch = {}
+    local batch = {stream = nil, mark = nil, epoch = nil, seq = nil, token = nil, ops = nil}
     if stream > 0 then
       local mark = string.sub(blob, pos + 3, pos + 2 + ml)
       local epoch, seq, token = string.match(mark, '^(%-?%d+):(%-?%d+):(%x+)$')
@@ -150,30 +150,30 @@ local function read_blob_batches(blob, nents, nstreams)
         entsets[key] = ents
       end
       pos = stop + 1
-      local op = {tag = tag, ents = ents}
+      local parent = nil
       if tag == 'P' then
-        op.tag, op.parent = 'A', string.sub(blob, pos, pos + HASH_WIDTH - 1)
+        parent = string.sub(blob, pos, pos + HASH_WIDTH - 1)
         pos = pos + HASH_WIDTH
       elseif tag ~= 'A' and tag ~= 'R' and tag ~= 'E' then
         fail('INVALID', 'batch ' .. b .. ': unknown op ' .. string.format('%q', tag))
       end
       -- one list of hashes (R, E), or the request keys and the pairs (A)
-      for width = HASH_WIDTH, op.tag == 'A' and 2 * HASH_WIDTH or HASH_WIDTH, HASH_WIDTH do
+      local list, list2
+      for width = HASH_WIDTH, (tag == 'A' or tag == 'P') and 2 * HASH_WIDTH or HASH_WIDTH,
+          HASH_WIDTH do
         if pos + 3 > len then fail('INVALID', 'batch ' .. b .. ' ends inside op ' .. o) end
         a1, a2, a3, a4 = string.byte(blob, pos, pos + 3)
         local stop2 = pos + 3 + (((a1 * 256 + a2) * 256 + a3) * 256 + a4) * width
         if stop2 > len then fail('INVALID', 'batch ' .. b .. ' ends inside op ' .. o) end
-        local list = string.sub(blob, pos + 4, stop2)
-        if op.tag ~= 'A' then
-          op.keys, op.first = list, 0
-        elseif width == HASH_WIDTH then
-          op.req = list
-        else
-          op.pairs = list
-        end
+        list2 = string.sub(blob, pos + 4, stop2)
+        list = list or list2
         pos = stop2 + 1
       end
-      ops[o] = op
+      if tag == 'R' or tag == 'E' then
+        ops[o] = {tag = tag, ents = ents, keys = list, first = 0}
+      else
+        ops[o] = {tag = 'A', ents = ents, parent = parent, req = list, pairs = list2}
+      end
     end
     batch.ops = ops
     batches[b] = batch
@@ -267,27 +267,40 @@ local function run_program(k, program, cap, ms)
   if ms > 0 or xs.live or #new > 0 then expiring_open(xs) end
   local removed = 0
   local spec = nil
-  local rbucket = k.rbucket
+  local rbucket, ebucket = k.rbucket, k.ebucket
+  local rvals, evals, sprev = st.r, st.e, st.prev
   local marks = {}  -- entries whose copies this call takes away (includes/stamps)
+  -- Without a ttl, the ids an add op stores depend on its entry indexes only, and the ops of
+  -- one call share their entry index tables (read_blob_batches): op.ents -> {set, value}.
+  local stored = {}
   for o, op in ipairs(ops) do
     st.op, st.key = o - 1, 0
-    local set = {}
+    local set
     if op.tag == 'A' then
       -- With a ttl the speculative entries get a deadline (and leave the request bucket);
       -- the others are stored without one.
-      local list, timed, timed_set = {}, nil, nil
-      for _, j in ipairs(op.ents) do
-        local id = ids[ents[j]]
-        if ms > 0 and entry_speculative(ents[j]) then
-          timed, timed_set = timed or {}, timed_set or {}
-          if not timed_set[id] then
-            timed_set[id] = true
-            timed[#timed + 1] = id
+      local value, timed, timed_set = nil, nil, nil
+      local known = ms == 0 and stored[op.ents]
+      if known then
+        set, value = known[1], known[2]
+      else
+        local list = {}
+        set = {}
+        for _, j in ipairs(op.ents) do
+          local id = ids[ents[j]]
+          if ms > 0 and entry_speculative(ents[j]) then
+            timed, timed_set = timed or {}, timed_set or {}
+            if not timed_set[id] then
+              timed_set[id] = true
+              timed[#timed + 1] = id
+            end
+          elseif not set[id] then
+            set[id] = true
+            list[#list + 1] = id
           end
-        elseif not set[id] then
-          set[id] = true
-          list[#list + 1] = id
         end
+        value = table.concat(list)
+        if ms == 0 then stored[op.ents] = {set, value} end
       end
       -- While expiring entries may be live, a confirmed entry replaces its pod's expiring
       -- speculative entries, and speculative entries added again without a ttl stop expiring.
@@ -302,27 +315,35 @@ local function run_program(k, program, cap, ms)
           end
         end
       end
-      local value, req, pairs_ = table.concat(list), op.req, op.pairs
+      local req, pairs_ = op.req, op.pairs
       local deadline = ms > 0 and xs.now + ms
       local parent = op.parent
       local prev = parent
       local taken = false
       for i = 1, #req, HASH_WIDTH do
         local rfield = string.sub(req, i, i + HASH_WIDTH - 1)
-        local bucket = rbucket(rfield)
         st.key = (i - 1) / HASH_WIDTH
         if value ~= '' then
-          add_ids(st, bucket, rfield, value, set, prev)
+          -- add_ids (includes/writes), inline: the ids join the key's, moved to the end
+          local current = rvals[rfield]
+          if current == nil then current = stage_get(st, 'r', rbucket(rfield), rfield) end
+          if not current then
+            if prev and sprev[rfield] == nil and not st.where[rfield] then sprev[rfield] = prev end
+            rvals[rfield] = value
+          elseif current ~= value then
+            rvals[rfield] = list_without(current, set, ID_WIDTH) .. value
+          end
           -- A new first key following a held parent key continues a stored chain: read the
           -- parent's record (its ref names the run it may end).
-          if i == 1 and parent and st.prev[rfield] == parent
-              and stage_get(st, 'r', rbucket(parent), parent) then
-            st.chain[rfield] = true
+          if i == 1 and parent and sprev[rfield] == parent then
+            local held = rvals[parent]
+            if held == nil then held = stage_get(st, 'r', rbucket(parent), parent) end
+            if held then st.chain[rfield] = true end
           end
           prev = rfield
         end
         if timed then
-          local _, moved = remove_ids(st, bucket, rfield, timed_set)
+          local _, moved = remove_ids(st, rbucket(rfield), rfield, timed_set)
           if xs.add(rfield, timed, deadline) or moved > 0 then taken = true end
         elseif untimed then
           if xs.remove(rfield, untimed) > 0 then taken = true end
@@ -332,10 +353,18 @@ local function run_program(k, program, cap, ms)
       for i = 1, #pairs_, 2 * HASH_WIDTH do
         local efield = string.sub(pairs_, i, i + HASH_WIDTH - 1)
         local rfield = string.sub(pairs_, i + HASH_WIDTH, i + 2 * HASH_WIDTH - 1)
-        map_engine(st, k.ebucket(efield), efield, rfield, cap)
+        -- map_engine (includes/writes), its first mapping inline
+        local current = evals[efield]
+        if current == nil then current = stage_get(st, 'e', ebucket(efield), efield) end
+        if current then
+          map_engine(st, ebucket(efield), efield, rfield, cap)
+        else
+          evals[efield] = rfield
+        end
       end
     else
       local before = removed
+      set = {}
       for _, j in ipairs(op.ents) do
         local id = lookup_id(j)
         if id and id ~= 0 then set[id] = true end

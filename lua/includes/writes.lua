@@ -6,7 +6,8 @@
 --@include id_lists
 
 -- A staging area: per bucket kind (r, e) the values read or staged by field (a field names its
--- bucket, so the field alone is the key), and the changed (bucket, field) pairs in order. A
+-- bucket, so the field alone is the key), and per kind the (bucket, field) pairs read, in order
+-- (rorder, eorder: bucket, field, ...), with the values read (rorig, eorig) and their counts. A
 -- request key held through a run reads as the ids of its run position (where: field -> its
 -- ref); runs: run id -> {ranges, n, changes = position -> ids, keys once read} or false;
 -- prev: field -> the request key before it in the add op that first stored it (new keys only);
@@ -16,8 +17,9 @@
 -- limit); op, key: how many ops, and keys of the op after them, the caller (includes/program)
 -- has staged whole.
 local function new_stage(cprefix, limit, spent)
-  return {r = {}, e = {}, order = {}, orig = {}, where = {}, runs = {}, prev = {}, chain = {},
-          cprefix = cprefix, spent = spent or {work = 0}, limit = limit, op = 0, key = 0}
+  return {r = {}, e = {}, rorder = {}, rorig = {}, nr = 0, eorder = {}, eorig = {}, ne = 0,
+          where = {}, runs = {}, prev = {}, chain = {}, cprefix = cprefix,
+          spent = spent or {work = 0}, limit = limit, op = 0, key = 0}
 end
 
 -- The most run work (ranges read, see new_stage) of a call the client can split: a run is
@@ -91,24 +93,28 @@ local function stage_get(st, kind, bucket, field, keys_too)
   local v = values[field]
   if v == nil then
     v = redis.call('HGET', bucket, field) or false
-    if kind == 'r' and v and is_ref(v) then
-      local ref = v
-      local rid, pos = ref_parse(ref)
-      local run = stage_run(st, rid, keys_too)
-      local r = run and pos >= 1 and range_at(run.ranges, pos)
-      v = false
-      if r and run.ranges[r].ids ~= '' then
-        v = run.ranges[r].ids
-        st.where[field] = ref
+    local n
+    if kind == 'r' then
+      if v and #v == REF_WIDTH then
+        local ref = v
+        local rid, pos = ref_parse(ref)
+        local run = stage_run(st, rid, keys_too)
+        local r = run and pos >= 1 and range_at(run.ranges, pos)
+        v = false
+        if r and run.ranges[r].ids ~= '' then
+          v = run.ranges[r].ids
+          st.where[field] = ref
+        end
       end
+      n = st.nr + 1
+      st.nr = n
+      st.rorder[2 * n - 1], st.rorder[2 * n], st.rorig[n] = bucket, field, v
+    else
+      n = st.ne + 1
+      st.ne = n
+      st.eorder[2 * n - 1], st.eorder[2 * n], st.eorig[n] = bucket, field, v
     end
     values[field] = v
-    local order = st.order
-    local n = #order
-    order[n + 1] = bucket
-    order[n + 2] = field
-    order[n + 3] = kind
-    st.orig[(n + 3) / 3] = v
   end
   return v
 end
@@ -130,27 +136,29 @@ end
 -- key ends a group or a run; groups of fewer than RUN_MIN keys extending no run stay inline,
 -- unless they continue a stored chain: their op's parent key is held, so the chain's later
 -- appends have a run to join), run ids allocated
--- from <ns>:meta next_run (KVREDIS_LAYOUT when exhausted). k holds meta and the bucket namer.
+-- from <ns>:meta next_run (KVREDIS_LAYOUT when exhausted), and the bucket of every changed
+-- request key (bucket: field -> bucket key name). k holds meta.
 local function plan_stage(st, k)
-  local order, orig, r, where = st.order, st.orig, st.r, st.where
-  local plan = {inline = {}, unref = {}, groups = {}, nruns = 0}
+  local order, orig, r, where = st.rorder, st.rorig, st.r, st.where
+  local bucket = {}
+  local plan = {inline = {}, unref = {}, groups = {}, nruns = 0, bucket = bucket}
   local fresh = nil
-  for i = 1, #order, 3 do
-    if order[i + 2] == 'r' then
-      local field = order[i + 1]
-      local value = r[field]
-      if value ~= orig[(i + 2) / 3] then
-        local w = where[field]
-        if w then
-          local rid, pos = ref_parse(w)
-          st.runs[rid].changes[pos] = value or ''
-          if not value then plan.unref[#plan.unref + 1] = field end
-        elseif value and not orig[(i + 2) / 3] then
-          fresh = fresh or {}
-          fresh[#fresh + 1] = field
-        else
-          plan.inline[#plan.inline + 1] = field
-        end
+  for n = 1, st.nr do
+    local field = order[2 * n]
+    local value = r[field]
+    local was = orig[n]
+    if value ~= was then
+      bucket[field] = order[2 * n - 1]
+      local w = where[field]
+      if w then
+        local rid, pos = ref_parse(w)
+        st.runs[rid].changes[pos] = value or ''
+        if not value then plan.unref[#plan.unref + 1] = field end
+      elseif value and not was then
+        fresh = fresh or {}
+        fresh[#fresh + 1] = field
+      else
+        plan.inline[#plan.inline + 1] = field
       end
     end
   end
@@ -231,16 +239,16 @@ end
 -- Write every staged change, as planned by plan_stage.
 local function flush_stage(st, k, plan)
   plan = plan or plan_stage(st, k)
-  local r = st.r
+  local r, bucket = st.r, plan.bucket
   for _, field in ipairs(plan.inline) do
     local value = r[field]
     if value then
-      redis.call('HSET', k.rbucket(field), field, value)
+      redis.call('HSET', bucket[field], field, value)
     else
-      redis.call('HDEL', k.rbucket(field), field)
+      redis.call('HDEL', bucket[field], field)
     end
   end
-  for _, field in ipairs(plan.unref) do redis.call('HDEL', k.rbucket(field), field) end
+  for _, field in ipairs(plan.unref) do redis.call('HDEL', bucket[field], field) end
   -- new runs, and runs extended by new keys
   local nextrid = 1
   for _, g in ipairs(plan.groups) do
@@ -261,7 +269,7 @@ local function flush_stage(st, k, plan)
         local field = g.keys[q]
         keys[#keys + 1] = field
         values[#values + 1] = r[field]
-        redis.call('HSET', k.rbucket(field), field, ref_make(rid, first + q - j))
+        redis.call('HSET', bucket[field], field, ref_make(rid, first + q - j))
       end
       local ranges = ranges_of(values, first)
       if run then
@@ -295,17 +303,15 @@ local function flush_stage(st, k, plan)
     if k.pi then redis.call('HSET', k.pi, 'next_run', tostring(plan.next_run)) end
   end
   -- engine mappings
-  local order, orig, e = st.order, st.orig, st.e
-  for i = 1, #order, 3 do
-    if order[i + 2] == 'e' then
-      local field = order[i + 1]
-      local value = e[field]
-      if value ~= orig[(i + 2) / 3] then
-        if value then
-          redis.call('HSET', order[i], field, value)
-        else
-          redis.call('HDEL', order[i], field)
-        end
+  local order, orig, e = st.eorder, st.eorig, st.e
+  for n = 1, st.ne do
+    local field = order[2 * n]
+    local value = e[field]
+    if value ~= orig[n] then
+      if value then
+        redis.call('HSET', order[2 * n - 1], field, value)
+      else
+        redis.call('HDEL', order[2 * n - 1], field)
       end
     end
   end
