@@ -19,7 +19,7 @@ from bisect import bisect_left, bisect_right
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from kvredis.features import (
     BlockExtraFeatures,
@@ -295,6 +295,18 @@ class PageRecords(NamedTuple):
     """Every record of ``cuts`` and ``tails``, once (``None``: not listed)."""
 
 
+ForgetLog = list[tuple[dict[int, Any], int, Any]]
+"""What :meth:`EngineKeyCache.commit` forgot, in order: ``(table, key, value)``."""
+
+
+class CacheSnapshot(NamedTuple):
+    """What :meth:`EngineKeyCache.save` found: each known key's mapping, chain end and record
+    inside a block (``None``: none), and the saved keys it knew nothing of."""
+
+    known: list[tuple[int, int | None, Tail | None, Tail | None]]
+    absent: frozenset[int]
+
+
 class EngineKeyCache:
     """What one ingester knows of a pod's engine keys, bounded and thread-safe: engine→request
     mappings (least recently used dropped), the :class:`Tail` of every chain end and the record
@@ -451,20 +463,24 @@ class EngineKeyCache:
         stale: set[int],
         mappings: Mapping[int, int],
         records: PageRecords,
+        forgotten: ForgetLog | None = None,
     ) -> None:
         """What a batch that took effect changed: forget everything of ``dropped`` engine keys
         and the records of ``stale`` pages (stored again), then learn ``mappings`` and
-        ``records``."""
+        ``records``. ``forgotten``, when given, gets ``(table, key, value)`` of everything
+        forgotten, for :meth:`restore` (what is learned, :meth:`save` takes before)."""
         with self._lock:
             data, tails, cuts = self._data, self._tails.items, self._cuts.items
             dropped = set(dropped)
-            for table in (data, tails, cuts):
-                for key in table.keys() & dropped:
-                    del table[key]
-            if stale:
-                for table in (tails, cuts):
-                    for key in table.keys() & stale:
+            tables: tuple[dict[int, Any], ...] = (data, tails, cuts)
+            for n, table in enumerate(tables):
+                gone = table.keys() & (dropped | stale if n and stale else dropped)
+                if forgotten is None:
+                    for key in gone:
                         del table[key]
+                else:
+                    pop = table.pop
+                    forgotten.extend([(table, key, pop(key)) for key in gone])
             if mappings:
                 data.update(mappings)
                 for key in mappings:
@@ -485,26 +501,34 @@ class EngineKeyCache:
                 tails.pop(key, None)
                 cuts.pop(key, None)
 
-    def save(
-        self, keys: Iterable[int], dropped: Collection[int] = ()
-    ) -> list[tuple[int, int | None, Tail | None, Tail | None]]:
+    def save(self, keys: Collection[int]) -> CacheSnapshot:
         """What is known of these engine keys now (mapping, chain end, record inside a block),
-        for :meth:`restore`; of ``dropped``, keys a :meth:`commit` can only forget, just the
-        known ones (an SGLang removal names thousands of pages, few of them known here)."""
+        for :meth:`restore` (with what a :meth:`commit` then forgot). Worked out with set
+        operations: an SGLang batch names thousands of pages, few of them known here."""
         with self._lock:
             data, tails, cuts = self._data, self._tails.items, self._cuts.items
-            if dropped:
-                gone = dropped if isinstance(dropped, (set, frozenset)) else set(dropped)
-                known = (gone & data.keys()) | (gone & tails.keys()) | (gone & cuts.keys())
-                keys = itertools.chain(keys, known)
+            wanted = keys if isinstance(keys, (set, frozenset)) else set(keys)
+            known = (wanted & data.keys()) | (wanted & tails.keys()) | (wanted & cuts.keys())
             get_data, get_tail, get_cut = data.get, tails.get, cuts.get
-            return [(k, get_data(k), get_tail(k), get_cut(k)) for k in keys]
+            return CacheSnapshot(
+                [(k, get_data(k), get_tail(k), get_cut(k)) for k in known],
+                frozenset(wanted.difference(known)),
+            )
 
-    def restore(self, saved: Sequence[tuple[int, int | None, Tail | None, Tail | None]]) -> None:
-        """Know of these engine keys exactly what :meth:`save` found."""
+    def restore(
+        self, saved: CacheSnapshot, forgotten: Sequence[tuple[dict[int, Any], int, Any]] = ()
+    ) -> None:
+        """Know exactly what was known before a :meth:`commit`: what it forgot (its
+        ``forgotten`` log), then, of the engine keys it learned, what :meth:`save` found."""
         with self._lock:
             data, tails, cuts = self._data, self._tails.items, self._cuts.items
-            for key, value, tail, cut in saved:
+            for table, key, value in forgotten:
+                table[key] = value
+            for key in saved.absent:
+                data.pop(key, None)
+                tails.pop(key, None)
+                cuts.pop(key, None)
+            for key, value, tail, cut in saved.known:
                 if value is None:
                     data.pop(key, None)
                 else:

@@ -132,7 +132,8 @@ def encode_entry(
             continue
         done.add(id(record))
         held = list(map(records.get, record.pages))
-        if held.count(record) == len(held):
+        # (by identity, at C speed: comparing a page's other record field by field is slow)
+        if list(map(id, held)).count(id(record)) == len(held):
             pages, tokens = record.pages, record.page_tokens
             ids, keys = record.page_ids, record.page_keys
         else:

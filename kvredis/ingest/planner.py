@@ -96,6 +96,7 @@ from kvredis.ingest.chains import (
     MAX_TAILS_PER_POD,
     BlockCuts,
     EngineKeyCache,
+    ForgetLog,
     PageMapping,
     PageRecords,
     PodCaches,
@@ -410,16 +411,16 @@ class BatchPlan:
         cache = self.cache
         if cache is None:
             return lambda: None
-        learned = {*self.batch_map, *self.batch_tails}
-        saved = cache.save(learned, {*self.evicted, *self.stale_tails} - learned)
-        self._settle_cache(took_effect=True)
-        return lambda: cache.restore(saved)
+        saved = cache.save({*self.batch_map, *self.batch_tails})
+        forgotten: ForgetLog = []
+        self._settle_cache(took_effect=True, forgotten=forgotten)
+        return lambda: cache.restore(saved, forgotten)
 
     def discard_cache(self) -> None:
         """The batch may have partly applied: forget every mapping it touched."""
         self._settle_cache(took_effect=False)
 
-    def _settle_cache(self, took_effect: bool) -> None:
+    def _settle_cache(self, took_effect: bool, forgotten: ForgetLog | None = None) -> None:
         cache = self.cache
         if cache is None:
             return
@@ -429,7 +430,7 @@ class BatchPlan:
                 {k: v for k, v in tails.items() if k not in ends},
                 {k: tails[k] for k in ends if k in tails},
             )
-            cache.commit(self.evicted, self.stale_tails, self.batch_map, records)
+            cache.commit(self.evicted, self.stale_tails, self.batch_map, records, forgotten)
         else:
             cache.commit(
                 itertools.chain(self.evicted, self.batch_map, self.batch_tails),

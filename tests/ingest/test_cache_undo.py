@@ -6,11 +6,16 @@ from __future__ import annotations
 
 import random
 
-from kvredis.ingest.chains import EngineKeyCache, PageRecords, Tail
+from kvredis.ingest.chains import EngineKeyCache, ForgetLog, PageRecords, Tail
+
+
+def _raw(cache: EngineKeyCache) -> tuple[dict[int, int], dict[int, Tail], dict[int, Tail]]:
+    return cache._data, cache._tails.items, cache._cuts.items
 
 
 def _tables(cache: EngineKeyCache) -> tuple[dict[int, int], dict[int, Tail], dict[int, Tail]]:
-    return dict(cache._data), dict(cache._tails.items), dict(cache._cuts.items)
+    data, tails, cuts = _raw(cache)
+    return dict(data), dict(tails), dict(cuts)
 
 
 def test_restore_undoes_a_commit_exactly() -> None:
@@ -36,16 +41,27 @@ def test_restore_undoes_a_commit_exactly() -> None:
         batch_map = {k: k + 2000 for k in rng.sample(range(1, 400), rng.randrange(0, 30))}
         batch_tails = {k: Tail(k, "m", None, (k, k)) for k in rng.sample(range(1, 400), 20)}
         learned = {*batch_map, *batch_tails}
-        saved = cache.save(learned, (evicted | stale) - learned)
+        saved = cache.save(learned)
         cuts = dict(list(batch_tails.items())[:10])
         ends = dict(list(batch_tails.items())[10:])
-        cache.commit(evicted, stale, batch_map, PageRecords(cuts, ends))
-        cache.restore(saved)
+        forgotten: ForgetLog = []
+        cache.commit(evicted, stale, batch_map, PageRecords(cuts, ends), forgotten)
+        after = _tables(cache)
+        cache.restore(saved, forgotten)
         assert _tables(cache) == before
+        # the same commit without a log forgets and learns the same
+        again = EngineKeyCache(10_000, 10_000)
+        raw = _raw(again)
+        raw[0].update(before[0])
+        raw[1].update(before[1])
+        raw[2].update(before[2])
+        again.commit(evicted, stale, batch_map, PageRecords(cuts, ends))
+        assert _tables(again) == after
 
 
-def test_only_the_known_pages_of_an_eviction_are_saved() -> None:
+def test_a_snapshot_lists_the_known_keys_and_the_unknown_ones() -> None:
     cache = EngineKeyCache(64)
     cache.commit((), set(), {5: 50}, PageRecords({6: Tail(1, "m", None, (1,))}, {}))
-    saved = cache.save((), set(range(1, 10_000)))
-    assert sorted(k for k, *_ in saved) == [5, 6]
+    saved = cache.save({5, 6, 7, 8})
+    assert sorted(k for k, *_ in saved.known) == [5, 6]
+    assert saved.absent == {7, 8}
