@@ -112,6 +112,62 @@ def _from_little(code: str, raw: bytes) -> list[int]:
     return out.tolist()
 
 
+def _fields(
+    record: Tail,
+    pages: Sequence[int],
+    tokens: Sequence[int],
+    ids: Sequence[Any],
+    keys: Sequence[int],
+) -> list[Any]:
+    """The journal's array of one record holding ``pages`` (with their tokens, ids, keys)."""
+    return [
+        _u64s(pages),
+        list(tokens),
+        list(ids) if ids else None,
+        list(keys) if keys else None,
+        record.base,
+        record.base_engine_key,
+        record.model,
+        record.cache_salt,
+        _little("I", record.tokens),
+        [i.hash for i in record.ids] if record.ids else None,
+        _u64s(record.engine_keys) if record.engine_keys else None,
+        record.mapped,
+    ]
+
+
+_PACKED_LIMIT = 1 << 17
+"""Most records whose packed form :func:`encode_entry` keeps (a record lives on in a pod's
+cache, and every compaction packs it again: packed once, it is copied after)."""
+_packed: dict[int, tuple[Tail, bytes]] = {}
+"""``id(record) -> (record, its packed array)``, for records whose every page it holds (the
+record itself kept, so that its id is not another object's)."""
+
+
+def _packed_whole(record: Tail) -> bytes:
+    """The packed array of ``record`` holding all its pages (packed once, then copied)."""
+    hit = _packed.get(id(record))
+    if hit is not None and hit[0] is record:
+        return hit[1]
+    packed: bytes = msgpack.packb(
+        _fields(record, record.pages, record.page_tokens, record.page_ids, record.page_keys),
+        use_bin_type=True,
+    )
+    if len(_packed) >= _PACKED_LIMIT:
+        _packed.clear()
+    _packed[id(record)] = (record, packed)
+    return packed
+
+
+def _array_header(n: int) -> bytes:
+    """msgpack's header of an array of ``n`` items (the shortest, as ``packb`` writes it)."""
+    if n < 16:
+        return bytes((0x90 | n,))
+    if n < 1 << 16:
+        return b"\xdc" + n.to_bytes(2, "big")
+    return b"\xdd" + n.to_bytes(4, "big")
+
+
 def encode_entry(
     records: Mapping[int, Tail],
     removed: Iterable[int] = (),
@@ -122,46 +178,39 @@ def encode_entry(
     records go, then ``records`` (page → the record it shares, see
     :class:`~kvredis.ingest.chains.Tail`; a tail without tokens, a block's end, is not
     recorded: the index maps it). ``candidates``: the records of ``records``, when the caller
-    knows them (else they are found page by page)."""
+    knows them (else they are found page by page).
+
+    The bytes are ``msgpack.packb([FORMAT, cleared, removed, [record arrays]])``, assembled
+    from each record's packed array (a record holding all its pages is packed once)."""
     if candidates is None:
-        candidates = {id(r): r for r in records.values()}.values()
-    out = []
+        values = list(records.values())
+        candidates = dict(zip(map(id, values), values, strict=True)).values()
+    out: list[bytes] = []
     done: set[int] = set()
+    get = records.get
     for record in candidates:
         if not record.tokens or id(record) in done:
             continue
         done.add(id(record))
-        held = list(map(records.get, record.pages))
+        held = list(map(get, record.pages))
         # (by identity, at C speed: comparing a page's other record field by field is slow)
         if list(map(id, held)).count(id(record)) == len(held):
-            pages, tokens = record.pages, record.page_tokens
-            ids, keys = record.page_ids, record.page_keys
-        else:
-            keep = [i for i, r in enumerate(held) if r is record]
-            if not keep:
-                continue
-            pages = tuple(record.pages[i] for i in keep)
-            tokens = tuple(record.page_tokens[i] for i in keep)
-            ids = tuple(record.page_ids[i] for i in keep) if record.page_ids else ()
-            keys = tuple(record.page_keys[i] for i in keep) if record.page_keys else ()
-        out.append(
-            [
-                _u64s(pages),
-                list(tokens),
-                list(ids) if ids else None,
-                list(keys) if keys else None,
-                record.base,
-                record.base_engine_key,
-                record.model,
-                record.cache_salt,
-                _little("I", record.tokens),
-                [i.hash for i in record.ids] if record.ids else None,
-                _u64s(record.engine_keys) if record.engine_keys else None,
-                record.mapped,
-            ]
+            out.append(_packed_whole(record))
+            continue
+        keep = [i for i, r in enumerate(held) if r is record]
+        if not keep:
+            continue
+        fields = _fields(
+            record,
+            tuple(record.pages[i] for i in keep),
+            tuple(record.page_tokens[i] for i in keep),
+            tuple(record.page_ids[i] for i in keep) if record.page_ids else (),
+            tuple(record.page_keys[i] for i in keep) if record.page_keys else (),
         )
-    packed: bytes = msgpack.packb([FORMAT, cleared, _u64s(removed), out], use_bin_type=True)
-    return packed
+        out.append(msgpack.packb(fields, use_bin_type=True))
+    head: bytes = msgpack.packb([FORMAT, cleared, _u64s(removed)], use_bin_type=True)
+    # [FORMAT, cleared, removed] packed, its 3-item header made 4, then the records' array
+    return b"".join([b"\x94", head[1:], _array_header(len(out)), *out])
 
 
 def _decode(blob: bytes) -> tuple[bool, list[int], list[Tail]]:

@@ -289,3 +289,80 @@ def test_a_batch_of_a_group_that_never_applied_is_not_journaled(
     assert not _known(ing, "pod-a") & y_last
     assert not _journaled(index, "pod-a") & y_last
     assert _journaled(index, "pod-a") == _known(ing, "pod-a")
+
+
+def _reference_entry(
+    records: dict[int, Tail], removed: list[int], cleared: bool, order: list[Tail]
+) -> bytes:
+    """The entry format spelled out: ``[FORMAT, cleared, removed, [record arrays]]``, each
+    record with the pages of ``records`` it holds, packed in one ``msgpack.packb``."""
+    import array
+    import sys
+
+    import msgpack
+
+    from kvredis.ingest.journal import FORMAT
+
+    def u64s(values: Any) -> bytes:
+        out = array.array("Q", values)
+        if sys.byteorder == "little":
+            out.byteswap()
+        return out.tobytes()
+
+    def u32s(values: Any) -> bytes:
+        out = array.array("I", values)
+        if sys.byteorder == "big":
+            out.byteswap()
+        return out.tobytes()
+
+    arrays = []
+    for record in order:
+        keep = [i for i, p in enumerate(record.pages) if records.get(p) is record]
+        if not record.tokens or not keep:
+            continue
+        ids = [record.page_ids[i] for i in keep] if record.page_ids else None
+        keys = [record.page_keys[i] for i in keep] if record.page_keys else None
+        arrays.append(
+            [
+                u64s([record.pages[i] for i in keep]),
+                [record.page_tokens[i] for i in keep],
+                ids,
+                keys,
+                record.base,
+                record.base_engine_key,
+                record.model,
+                record.cache_salt,
+                u32s(record.tokens),
+                [i.hash for i in record.ids] if record.ids else None,
+                u64s(record.engine_keys) if record.engine_keys else None,
+                record.mapped,
+            ]
+        )
+    packed: bytes = msgpack.packb([FORMAT, cleared, u64s(removed), arrays], use_bin_type=True)
+    return packed
+
+
+@pytest.mark.parametrize("count", [0, 1, 15, 16, 300, 70_000])
+def test_an_entry_is_the_format_byte_for_byte(count: int) -> None:
+    """Records are packed once and their bytes reused: the entry is still exactly the format's
+    msgpack, whatever the number of records (array headers of each size) and twice over."""
+    import random
+
+    rng = random.Random(count)
+    records: dict[int, Tail] = {}
+    order: list[Tail] = []
+    page = 1
+    for n in range(count):
+        size = rng.randrange(1, 4)
+        tail = Tail(n, "m" if n % 3 else None, "s" if n % 5 == 0 else None, (n % 7, 1, 2, 3))
+        pages = tuple(range(page, page + size))
+        page += size
+        tail = tail.holding(pages, tuple(range(1, size + 1)), (), tuple(p + 9 for p in pages))
+        order.append(tail)
+        held = pages if n % 4 else pages[:1]  # some records hold only part of their pages
+        records.update(dict.fromkeys(held, tail))
+    removed = [rng.randrange(2**64) for _ in range(rng.randrange(0, 5))]
+    for cleared in (False, True, False):
+        expected = _reference_entry(records, removed, cleared, order)
+        assert encode_entry(records, removed, cleared, candidates=order) == expected
+        assert encode_entry(records, removed, cleared) == expected
