@@ -58,6 +58,7 @@ Run:  .venv/bin/python scripts/bench_realistic.py [--quick] [--shape vllm,sglang
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import os
 import random
@@ -76,7 +77,7 @@ import redis
 from bench_server_cpu import Server, pin
 
 from kvredis.hashing import ChunkedTokenDatabase, TokenProcessorConfig
-from kvredis.ingest import EndpointConfig, EventIngester
+from kvredis.ingest import GC_THRESHOLD, EndpointConfig, EventIngester, tune_collector
 from kvredis.ingest.journal import JOURNAL_KEY_INFIX, RedisPageJournal
 from kvredis.ingest.stream import PHASE_DONE, split_position
 from kvredis.redis import RedisIndex, RedisIndexConfig
@@ -411,6 +412,14 @@ def used_memory(raw: redis.Redis) -> int:
     return int(raw.info("memory")["used_memory"])
 
 
+def settle_collector() -> None:
+    """Put what this process already holds (the simulated fleet, its messages, an earlier
+    ingester) out of the garbage collector's way, so that the ingester measured next pays
+    for collecting its own objects only, as in a process of its own (``kvredis ingest``)."""
+    gc.collect()
+    gc.freeze()
+
+
 def cpu_us(server: Server, call: Callable[[int], object], n: int) -> tuple[float, float]:
     """(server CPU µs less the idle server's, this process's CPU s) of ``call(i)`` for i in
     range(n)."""
@@ -655,7 +664,9 @@ class Ingest:
         self.index.close()
 
 
-def zmq_client_cpu(fleet: Fleet, url: str, workers: int = 4) -> float:
+def zmq_client_cpu(
+    fleet: Fleet, url: str, workers: int = 4, gc_threshold: int = GC_THRESHOLD
+) -> float:
     """CPU seconds ``kvredis ingest`` spends applying the fleet's messages, received over ZMQ on
     loopback (8 publishers; startup excluded: read from ``/proc`` once it subscribed)."""
     import zmq
@@ -674,8 +685,9 @@ def zmq_client_cpu(fleet: Fleet, url: str, workers: int = 4) -> float:
         args += ["--endpoint", f"tcp://127.0.0.1:{port}", "--pod", f"pod-{p}", "--model", MODEL]
         args += ["--engine", fleet.engine]
     cmd = [sys.executable, "-m", "kvredis.cli.ingest", "--redis", url, "--namespace", ns]
+    tuning = ["--workers", str(workers), "--gc-threshold", str(gc_threshold)]
     proc = subprocess.Popen(
-        [*cmd, "--status-interval", "600", "--workers", str(workers), *args],
+        [*cmd, "--status-interval", "600", *tuning, *args],
         cwd=str(REPO),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -734,6 +746,7 @@ def run_shape(
     zmq_path: bool,
     zmq_workers: int = 4,
     before_ref: str | None = None,
+    gc_threshold: int = GC_THRESHOLD,
 ) -> Result:
     raw = server.raw
     raw.flushall()
@@ -742,9 +755,11 @@ def run_shape(
     # kvredis at backlog 1, then at the backlog: the latter's namespace is the one measured
     single = Ingest(fleet, url, 1)
     call, count = single.calls()
+    settle_collector()
     single_redis, single_client = cpu_us(server, call, count)
     many = Ingest(fleet, url, backlog)
     call, count = many.calls()
+    settle_collector()
     before = used_memory(raw)
     many_redis, many_client = cpu_us(server, call, count)
     event_filled = used_memory(raw) - before
@@ -833,7 +848,7 @@ def run_shape(
     }
     score_us = interleaved(server, sides, rounds=3 if quick else 7, calls=40 if quick else 100)
     compared = compare_before(before_ref, fleet, url, server, kv, quick) if before_ref else {}
-    zmq_s = zmq_client_cpu(fleet, url, zmq_workers) if zmq_path else None
+    zmq_s = zmq_client_cpu(fleet, url, zmq_workers, gc_threshold) if zmq_path else None
     for side in (single, many):
         side.close()
     fill.close()
@@ -976,7 +991,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--before", metavar="REF", help="also measure the Lua scripts of git revision REF"
     )
+    parser.add_argument(
+        "--gc-threshold",
+        type=int,
+        default=GC_THRESHOLD,
+        help="the garbage collector's first threshold in this process and in kvredis ingest, "
+        f"as kvredis ingest --gc-threshold sets it (default {GC_THRESHOLD}; 0: Python's)",
+    )
     args = parser.parse_args(argv)
+    tune_collector(args.gc_threshold)
     fleets = [make_fleet(shape, args.quick, args.seed) for shape in args.shape.split(",")]
     server_proc = RedisServer(args.server)
     server_proc.start()
@@ -996,6 +1019,7 @@ def main(argv: list[str] | None = None) -> int:
                 not args.no_zmq,
                 args.zmq_workers,
                 args.before,
+                args.gc_threshold,
             )
             r.pinned = pinned
             r.server = args.server

@@ -68,6 +68,7 @@ def no_leaked_ingesters() -> Iterator[None]:
         (["--endpoint", "tcp://h:1", "--block-size", "0"], "--block-size"),
         (["--endpoint", "tcp://h:1", "--hash-algo", "md5"], "--hash-algo"),
         (["--endpoint", "tcp://h:1", "--partial-block-pages", "0"], "--partial-block-pages"),
+        (["--endpoint", "tcp://h:1", "--gc-threshold", "-1"], "--gc-threshold"),
         (["--endpoint", "tcp://h:1", "--redis", "http://nope"], "--redis"),
         (["--endpoint"], "requires an argument"),
     ],
@@ -76,6 +77,48 @@ def test_bad_arguments_exit_with_a_usage_error(args: list[str], message: str) ->
     result = CliRunner().invoke(ingest, args)
     assert result.exit_code == 2, result.output
     assert message in result.output
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"), [([], 50_000), (["--gc-threshold", "1234"], 1234)]
+)
+def test_the_ingester_process_tunes_the_garbage_collector(
+    given: list[str], expected: int
+) -> None:
+    """``kvredis ingest`` raises the collector's first threshold (default 50,000)."""
+    import gc
+
+    before = gc.get_threshold()
+    gc.set_threshold(700, 10, 10)
+    try:
+        with FakeEngine(topic="") as engine:
+            args = ["--in-memory", "--endpoint", engine.endpoint, "--pod=p", "--model", "m"]
+            result = CliRunner().invoke(ingest, [*args, "--duration", "0.2", *given])
+        assert result.exit_code == 0, result.output
+        assert gc.get_threshold()[0] == expected
+    finally:
+        gc.set_threshold(*before)
+
+
+def test_the_collector_threshold_zero_leaves_python_s() -> None:
+    import gc
+
+    from kvredis.errors import ConfigError
+    from kvredis.ingest import tune_collector
+
+    before = gc.get_threshold()
+    try:
+        gc.set_threshold(700, 10, 10)
+        tune_collector(0)
+        assert gc.get_threshold() == (700, 10, 10)
+        tune_collector(9000)
+        assert gc.get_threshold() == (9000, 20, 10)
+        for bad in (-1, True, 1.5, "5"):
+            with pytest.raises(ConfigError):
+                tune_collector(bad)  # type: ignore[arg-type]
+        assert gc.get_threshold() == (9000, 20, 10)
+    finally:
+        gc.set_threshold(*before)
 
 
 def test_unreachable_redis_exits_non_zero() -> None:

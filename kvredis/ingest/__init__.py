@@ -10,7 +10,8 @@ The modules, each importing (at its top) only those listed before it:
 =============  ===============================================================================
 events         wire decoding (and encoding) of engine batches into typed events
 trtllm         TensorRT-LLM's JSON KV cache events decoded into the same events
-config         :class:`EndpointConfig` (a publisher), :class:`IngesterConfig` (tuning)
+config         :class:`EndpointConfig` (a publisher), :class:`IngesterConfig` (tuning),
+               :func:`tune_collector` (the process's garbage collector)
 counters       :class:`Counter` names, :class:`IngestCounters`, rate-limited warnings
 chains         what is remembered of the engines' chains per pod, and how an event advances one
 journal        the page journal: page records kept per pod beside the index (restarts, takeovers)
@@ -36,7 +37,7 @@ is used).
 from __future__ import annotations
 
 from kvredis.ingest.actions import BatchOutcome
-from kvredis.ingest.config import EndpointConfig, IngesterConfig
+from kvredis.ingest.config import GC_THRESHOLD, EndpointConfig, IngesterConfig, tune_collector
 from kvredis.ingest.counters import COUNTER_NAMES, Counter, IngestCounters
 from kvredis.ingest.events import Engine
 from kvredis.ingest.planner import chunk_engine_key, group_engine_key
@@ -46,6 +47,7 @@ from kvredis.ingest.transport import MessageSink, ReplayClient, ReplayedMessage,
 
 __all__ = [
     "COUNTER_NAMES",
+    "GC_THRESHOLD",
     "MAX_ENGINE_SEQ",
     "PHASE_DONE",
     "BatchOutcome",
@@ -63,4 +65,5 @@ __all__ = [
     "group_engine_key",
     "split_position",
     "stream_position",
+    "tune_collector",
 ]
