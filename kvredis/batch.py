@@ -166,7 +166,8 @@ _INT_ONLY = frozenset((int,))
 
 def _plain_hashes(keys: object, non_empty: bool) -> bool:
     """Whether ``keys`` is a tuple of plain ints in the hash range (non-empty if asked), checked
-    at C speed: what :func:`~kvredis.checks.check_hashes` accepts, already in the form it returns."""
+    at C speed: what :func:`~kvredis.checks.check_hashes` accepts, already in the form it
+    returns."""
     return (
         type(keys) is tuple
         and (bool(keys) or not non_empty)
