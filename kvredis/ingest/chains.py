@@ -18,7 +18,7 @@ import threading
 from bisect import bisect_left, bisect_right
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from kvredis.features import (
@@ -217,6 +217,10 @@ class Tail:
     page_tokens: tuple[int, ...] = ()
     page_ids: tuple[int, ...] = ()
     page_keys: tuple[int, ...] = ()
+    packed: bytes | None = field(default=None, init=False, repr=False, compare=False)
+    """This record as a page journal entry packs it, once it was (see
+    :mod:`kvredis.ingest.journal`): a record lives on in its pod's cache, and every compaction
+    packs it again."""
 
     def after(self, page: int) -> Tail:
         """The chain as it ends after ``page`` (one of :attr:`pages`; a tail without pages is

@@ -136,26 +136,15 @@ def _fields(
     ]
 
 
-_PACKED_LIMIT = 1 << 17
-"""Most records whose packed form :func:`encode_entry` keeps (a record lives on in a pod's
-cache, and every compaction packs it again: packed once, it is copied after)."""
-_packed: dict[int, tuple[Tail, bytes]] = {}
-"""``id(record) -> (record, its packed array)``, for records whose every page it holds (the
-record itself kept, so that its id is not another object's)."""
-
-
 def _packed_whole(record: Tail) -> bytes:
-    """The packed array of ``record`` holding all its pages (packed once, then copied)."""
-    hit = _packed.get(id(record))
-    if hit is not None and hit[0] is record:
-        return hit[1]
-    packed: bytes = msgpack.packb(
-        _fields(record, record.pages, record.page_tokens, record.page_ids, record.page_keys),
-        use_bin_type=True,
-    )
-    if len(_packed) >= _PACKED_LIMIT:
-        _packed.clear()
-    _packed[id(record)] = (record, packed)
+    """The packed array of ``record`` holding all its pages (packed once, kept with it)."""
+    packed = record.packed
+    if packed is None:
+        fields = _fields(
+            record, record.pages, record.page_tokens, record.page_ids, record.page_keys
+        )
+        packed = msgpack.packb(fields, use_bin_type=True)
+        object.__setattr__(record, "packed", packed)  # a cache: not part of its value
     return packed
 
 
