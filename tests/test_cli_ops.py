@@ -551,9 +551,12 @@ def test_dump_json_prints_a_summary(
     assert code == 2 and "--json" in out
 
 
-#: Runs ``kvredis`` with a real SIGINT sent to itself at the clear's first progress report.
+#: Runs ``kvredis`` with a real SIGINT sent to itself at the clear's first progress report
+#: (Ctrl-C's handler set first: a test run started in the background of a shell without job
+#: control inherits SIGINT ignored).
 _CLEAR_INTERRUPTED = """
 import os, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from kvredis.redis.index import RedisIndex
 
 clear = RedisIndex.clear_entries
