@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from kvredis.checks import check_add, check_entries, check_hash, check_key_type
+from kvredis.checks import check_add, check_entries, check_hash, check_key_type, plain_hashes
 from kvredis.errors import InvalidInputError
 from kvredis.types import MAX_BLOCK_HASH, KeyType, PodEntry
 
@@ -161,19 +161,10 @@ def _plain_add_entries(entries: tuple[object, ...]) -> bool:
     )
 
 
-_INT_ONLY = frozenset((int,))
-
-
 def _plain_hashes(keys: object, non_empty: bool) -> bool:
-    """Whether ``keys`` is a tuple of plain ints in the hash range (non-empty if asked), checked
-    at C speed: what :func:`~kvredis.checks.check_hashes` accepts, already in the form it
-    returns."""
-    return (
-        type(keys) is tuple
-        and (bool(keys) or not non_empty)
-        and _INT_ONLY.issuperset(map(type, keys))
-        and (not keys or (min(keys) >= 0 and max(keys) <= MAX_BLOCK_HASH))
-    )
+    """Whether ``keys`` is a tuple that :func:`~kvredis.checks.check_hashes` accepts (non-empty
+    if asked), already in the form it returns."""
+    return type(keys) is tuple and (bool(keys) or not non_empty) and plain_hashes(keys)
 
 
 class Batch(NamedTuple):

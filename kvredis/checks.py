@@ -29,13 +29,17 @@ def check_hash(value: object, what: str = "block hash") -> int:
 _INT_ONLY = frozenset((int,))
 
 
+def plain_hashes(values: list[int] | tuple[int, ...]) -> bool:
+    """Whether every element of a list or tuple is a plain ``int`` (no ``bool``) in the 64-bit
+    hash range, checked at C speed."""
+    return _INT_ONLY.issuperset(map(type, values)) and (
+        not values or (min(values) >= 0 and max(values) <= MAX_BLOCK_HASH)
+    )
+
+
 def check_hashes(values: Sequence[int], what: str = "block hash") -> list[int]:
     """Validate a sequence of 64-bit hashes (see :func:`check_hash`)."""
-    if (
-        isinstance(values, (list, tuple))
-        and _INT_ONLY.issuperset(map(type, values))  # plain ints (no bool), checked in C
-        and (not values or (min(values) >= 0 and max(values) <= MAX_BLOCK_HASH))
-    ):
+    if isinstance(values, (list, tuple)) and plain_hashes(values):
         return list(values)
     if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
         raise InvalidInputError(
