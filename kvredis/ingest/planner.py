@@ -244,17 +244,22 @@ class BatchPlan:
         self.pending_evicts.clear()
         return ops
 
-    def after_clear(self, cache: EngineKeyCache | None) -> None:
-        """The pod was cleared as a step of this batch: start over from an empty cache."""
+    def after_clear(self, cache: EngineKeyCache | None, tails: bool = True) -> None:
+        """The pod was cleared as a step of this batch: start over from an empty cache, or
+        without ``tails`` (a clear of one rank's entries, which keeps the pod's chain ends) from
+        one that forgot its mappings only: the page records the batch learned before the clear
+        stay, as they would had the clear come in a batch of its own."""
         self.cache = cache
-        self.dropped_records.clear()
         self.batch_map.clear()
+        self.pending_evicts.clear()
+        if not tails:
+            return
+        self.dropped_records.clear()
         self.batch_tails.clear()
         self.chain_ends.clear()
         self.recorded.clear()
         self.stale_tails.clear()
         self.evicted.clear()
-        self.pending_evicts.clear()
 
     def add(self, op: AddOp, mappings: list[tuple[int, int]] | None) -> None:
         self.pending.append(op)

@@ -217,7 +217,9 @@ class BatchRun:
             caches.drop(pod, tails=scope is None)
             self.plan.count(Counter.CLEARS)
             self.plan.count(cause)
-        self.plan.after_clear(caches.get(self.pod) if self.pod is not None else None)
+        self.plan.after_clear(
+            caches.get(self.pod) if self.pod is not None else None, tails=scope is None
+        )
         self._last_beat = seqr.clock()
 
     def recall(self, pod: str) -> Steps[None]:

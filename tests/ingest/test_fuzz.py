@@ -3,8 +3,10 @@
 The ingester must never raise, and the index it builds must equal the one a plain reference
 model builds by applying every decodable event one Index call at a time (the llm-d pool way),
 which checks batching, the parent cache and same-batch barriers against sequential semantics.
-Chains here end on index-block boundaries (partial-block tails have their own tests in
-``test_fidelity.py``).
+Chains here end on index-block boundaries, also those of 8-token pages (kept to a KV-cache group
+of their own, as a pod's page size is learned per group); pages ending inside an index block,
+and the records that continue them, have their own tests against the pods' truth in
+``test_fidelity.py`` and ``test_branches.py``.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 
 import msgpack
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from kvredis.errors import EngineKeyNotFoundError
@@ -103,9 +105,22 @@ def _request_key(index: InMemoryIndex, engine_key: int) -> int | None:
         return None
 
 
-def reference_apply(index: InMemoryIndex, events: tuple[Event, ...], seen: set[int]) -> None:
+def reference_apply(
+    index: InMemoryIndex, events: tuple[Event, ...], seen: set[int], ends: dict[int, int]
+) -> None:
     """The events one Index call at a time; a reset clears the GPU tier (vLLM keeps its CPU
-    copies), and each KV-cache group's engine keys are its own (``group_engine_key``)."""
+    copies), and each KV-cache group's engine keys are its own (``group_engine_key``).
+
+    ``ends`` is what an ingester remembers of the pod's chains: the request key each stored
+    event's last engine key ends on. A parent resolves through it first, then through the index:
+    a reset clears the entries (and with them the index's mappings), not what the engine keys
+    name, so a chain continued from a remembered end gets its true keys. An end is forgotten
+    when the pod removes its key or stores it again inside a chain."""
+
+    def resolve_parent(engine_key: int) -> int | None:
+        found = ends.get(engine_key)
+        return found if found is not None else _request_key(index, engine_key)
+
     for ev in events:
         if isinstance(ev, AllBlocksCleared):
             index.clear_entries(POD, device_tiers={"gpu"})
@@ -120,6 +135,7 @@ def reference_apply(index: InMemoryIndex, events: tuple[Event, ...], seen: set[i
         if isinstance(ev, BlockRemoved):
             for h in ev.block_hashes:
                 index.evict(key(h), KeyType.ENGINE, [entry])
+                ends.pop(key(h), None)
             continue
         blocks = len(ev.token_ids) // TP.block_size()
         if not ev.token_ids:
@@ -133,7 +149,7 @@ def reference_apply(index: InMemoryIndex, events: tuple[Event, ...], seen: set[i
             continue
         parent = 0
         if ev.parent_block_hash:
-            found = _request_key(index, key(ev.parent_block_hash))
+            found = resolve_parent(key(ev.parent_block_hash))
             if found is None:
                 continue
             parent = found
@@ -153,7 +169,12 @@ def reference_apply(index: InMemoryIndex, events: tuple[Event, ...], seen: set[i
             parent, ev.token_ids, ev.lora_name or MODEL, feats, cache_salt=salt
         )
         seen.update(request)
-        index.add([key(h) for h in ev.block_hashes], request, [entry])
+        engine = [key(h) for h in ev.block_hashes]
+        index.add(engine, request, [entry])
+        if engine and request:
+            for inner in engine[:-1]:
+                ends.pop(inner, None)
+            ends[engine[-1]] = request[-1]
 
 
 # -- strategies -----------------------------------------------------------------------------
@@ -168,18 +189,55 @@ extra = st.none() | st.lists(
     st.none() | st.lists(st.sampled_from(["img-1", "img-2", "aud"]), max_size=2), max_size=4
 ).map(tuple)
 
-stored = st.builds(
+whole_pages = st.builds(
     BlockStored,
     block_hashes=st.lists(engine_keys, max_size=4).map(tuple),
     parent_block_hash=st.none() | engine_keys,
     token_ids=token_runs,
-    block_size=st.sampled_from([8, 16, 32]),
+    block_size=st.sampled_from([16, 32]),
     medium=mediums,
     lora_name=st.sampled_from([None, None, "lora-x"]),
     extra_keys=extra,
     group_idx=groups,
 )
-removed = st.builds(BlockRemoved, st.lists(engine_keys, max_size=3).map(tuple), mediums, groups)
+
+FINE_GROUP = 2
+"""The KV-cache group of the 8-token pages: a pod's page size is learned per group, and a
+group once seen with pages that can end inside an index block maps every later page of it
+page by page."""
+
+
+@st.composite
+def fine_pages(draw: st.DrawFn) -> BlockStored:
+    """An event of 8-token pages, its hashes splitting its tokens into whole index blocks (one
+    hash per 16, 32 or 48 tokens), so every chain still ends on a block boundary: page by page
+    mapping, derived boundary keys and parents resolved through them, without the partial-block
+    records the reference does not model."""
+    tokens = draw(token_runs)
+    blocks = len(tokens) // TP.block_size()
+    if blocks:
+        count = draw(st.sampled_from([k for k in range(1, 4) if blocks % k == 0]))
+    else:
+        count = draw(st.integers(0, 4))  # no tokens: a tier update of stored pages
+    return BlockStored(
+        tuple(draw(st.lists(engine_keys, min_size=count, max_size=count))),
+        draw(st.none() | engine_keys),
+        tokens,
+        8,
+        medium=draw(mediums),
+        lora_name=draw(st.sampled_from([None, None, "lora-x"])),
+        extra_keys=draw(extra),
+        group_idx=FINE_GROUP,
+    )
+
+
+stored = st.one_of(whole_pages, whole_pages, fine_pages())
+removed = st.builds(
+    BlockRemoved,
+    st.lists(engine_keys, max_size=3).map(tuple),
+    mediums,
+    st.sampled_from([None, None, 0, 1, FINE_GROUP]),
+)
 event = st.one_of(stored, stored, removed, st.just(AllBlocksCleared()))
 
 msgpack_values = st.recursive(
@@ -307,24 +365,50 @@ def engine_streams(draw: st.DrawFn) -> list[bytes]:
 @_fuzz_settings(150)
 @given(engine_streams())
 def test_engine_like_streams_match_the_reference(batch_payloads: list[bytes]) -> None:
+    assert _chains_end_on_block_boundaries(batch_payloads)
     check_against_reference(batch_payloads)
 
 
 @_fuzz_settings(100)
 @given(st.lists(payloads(), min_size=1, max_size=8))
 def test_random_and_mutated_payloads_match_the_reference(batch_payloads: list[bytes]) -> None:
+    assume(_chains_end_on_block_boundaries(batch_payloads))
     check_against_reference(batch_payloads)
+
+
+def _chains_end_on_block_boundaries(payloads: list[bytes]) -> bool:
+    """Whether every page of the stored events ends on an index-block boundary, as far as the
+    ingester can tell: events of whole blocks, and in a KV-cache group once seen with pages of
+    a size not dividing into whole blocks (a mutated ``block_size``), pages spanning whole
+    blocks (the tokens split evenly over the hashes when they can, else ``block_size`` each)."""
+    size = TP.block_size()
+    fine: set[int] = set()
+    for payload in payloads:
+        for ev in decode_batch(payload).events:
+            if not isinstance(ev, BlockStored) or not ev.token_ids:
+                continue
+            n, k, bs = len(ev.token_ids), len(ev.block_hashes), ev.block_size
+            if n % size:
+                return False
+            if bs <= 0 or bs % size:
+                fine.add(ev.group_idx or 0)
+            if k and (ev.group_idx or 0) in fine:
+                per = n // k if n % k == 0 else max(bs, 1)
+                if any(min((j + 1) * per, n) % size for j in range(k)):
+                    return False
+    return True
 
 
 def check_against_reference(batch_payloads: list[bytes]) -> None:
     index, ref = InMemoryIndex(), InMemoryIndex()
     ing = EventIngester(index, TP, config=CONFIG)
     request_keys: set[int] = set()
+    ends: dict[int, int] = {}
     engine: set[int] = set()
     for seq, payload in enumerate(batch_payloads):
         ing.process(TOPIC, seq, payload)  # must not raise
         decoded = decode_batch(payload)
-        reference_apply(ref, decoded.events, request_keys)
+        reference_apply(ref, decoded.events, request_keys, ends)
         for ev in decoded.events:
             if not isinstance(ev, AllBlocksCleared):
                 engine.update(ev.block_hashes)
@@ -384,3 +468,22 @@ def test_arbitrary_messages_never_raise_and_keep_entries_well_formed(
 )
 def test_extra_keys_of_engine_blocks_that_straddle_index_blocks(event: BlockStored) -> None:
     check_against_reference([encode_batch([event])])
+
+
+@pytest.mark.parametrize("reset_alone", [False, True])
+def test_a_reset_keeps_the_chain_ends_its_own_batch_stored_before_it(reset_alone: bool) -> None:
+    """A reset clears the rank's entries, not what its chain ends say: a chain whose end was
+    stored earlier in the reset's own batch continues afterwards exactly as one whose end came
+    in a batch before it (the same index, however the engine's events were batched)."""
+    stored, child = BlockStored((3,), None, (0,) * 16, 16), BlockStored((5,), 3, (0,) * 32, 32)
+    batches = [[stored], [AllBlocksCleared()], [child]] if reset_alone else None
+    batches = batches or [[stored, AllBlocksCleared()], [child]]
+    index = InMemoryIndex()
+    ing = EventIngester(index, TP, config=CONFIG)
+    for seq, events in enumerate(batches):
+        ing.process(TOPIC, seq, encode_batch(list(events)))
+    first, *continued = TP.tokens_to_kv_block_keys(0, (0,) * 48, MODEL, None)
+    held = {k: index.lookup([k]).get(k) for k in (first, *continued)}  # each key alone
+    assert held == {first: None, **{k: [PodEntry(POD, "gpu")] for k in continued}}
+    assert index.get_request_key(5) == continued[-1]
+    check_against_reference([encode_batch(list(events)) for events in batches])
