@@ -34,6 +34,7 @@ from kvredis.testing.servers import (
     free_port,
     server_binary,
     valkey_binary,
+    wait_caught_up,
 )
 
 __all__ = [
@@ -260,9 +261,8 @@ class LocalReplication:
         LocalCluster._wait(synced, timeout, "the replicas to sync")
 
     def wait_replicated(self, timeout_ms: int = 5000) -> None:
-        """``WAIT`` until the live replicas acknowledged every write so far."""
-        with self._admin(self.primary.port) as admin:
-            admin.execute_command("WAIT", len(self.live_replicas()), timeout_ms)
+        """Wait until the live replicas applied every write so far (:func:`wait_caught_up`)."""
+        wait_caught_up(self._admin, self.primary.port, timeout_ms / 1000)
 
     def kill_replica(self, index: int) -> None:
         """Kill replica ``index`` (its process, at once)."""

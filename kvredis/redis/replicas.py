@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvredis.redis.requests import Command, ConnectionLost, ErrorReply, Failure
+from kvredis.redis.scripts import Missing, missing_callee
 
 logger = logging.getLogger(__name__)
 
@@ -217,8 +218,16 @@ def unavailable(outcome: Any) -> bool:
 
 
 def behind(outcome: Any) -> bool:
-    """Whether a replica answered that it does not hold the client's namespace generation."""
-    return isinstance(outcome, ErrorReply) and outcome.code == STALE_REPLY
+    """Whether a replica answered that it does not hold what the primary does: the client's
+    namespace generation, or the function library (or its release) the client calls, which a
+    replica gets only by replication (it refuses ``FUNCTION LOAD``), so a read arriving just
+    after a load finds it missing."""
+    if not isinstance(outcome, ErrorReply):
+        return False
+    return outcome.code == STALE_REPLY or missing_callee(outcome) in _REPLICATED_CALLEES
+
+
+_REPLICATED_CALLEES = (Missing.FUNCTION, Missing.VERSION)
 
 
 #: What :meth:`ReadRoute.route` yields: the server (None for the primary) and the command.

@@ -18,7 +18,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Collection, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -389,11 +389,11 @@ class LocalCluster:
         self.wait_converged(timeout)
 
     def wait_replicated(self, timeout_ms: int = 2000) -> None:
-        """Wait until every primary's writes so far reached its replicas (``WAIT``)."""
+        """Wait until every primary's writes so far reached its replicas (see
+        :func:`wait_caught_up`)."""
         for port, (role, _, _) in self.topology().items():
             if role == "master":
-                with self._admin(port) as admin:
-                    admin.execute_command("WAIT", 1, timeout_ms)
+                wait_caught_up(self._admin, port, timeout_ms / 1000)
 
     # -- observation --------------------------------------------------------------------------
 
@@ -499,6 +499,34 @@ class LocalCluster:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
             time.sleep(0.05)
+
+
+def wait_caught_up(
+    admin: Callable[[int], AbstractContextManager[Any]], primary: int, timeout: float
+) -> None:
+    """Wait until each replica the server on port ``primary`` lists online has applied its
+    replication stream up to where it stands now (the replica's offset reached the primary's).
+
+    Not ``WAIT``: that counts the acknowledgements of its own connection's writes, so on a
+    connection that wrote nothing it returns at once, whatever the replicas hold. ``admin``
+    opens a client of a port."""
+    with admin(primary) as client:
+        info = client.info("replication")
+    target = int(info["master_repl_offset"])
+    replicas = [
+        int(value["port"])
+        for name, value in info.items()
+        if name.startswith("slave") and isinstance(value, dict) and value.get("state") == "online"
+    ]
+
+    def caught_up() -> bool:
+        for port in replicas:
+            with admin(port) as client:
+                if int(client.info("replication").get("slave_repl_offset", -1)) < target:
+                    return False
+        return True
+
+    LocalCluster._wait(caught_up, timeout, f"the replicas of port {primary} to catch up")
 
 
 def _fresh_port(taken: set[int]) -> int:

@@ -172,6 +172,27 @@ def test_a_replica_behind_the_namespace_defers_to_the_primary_without_being_set_
     assert _drive(ReadRoute(replica_set), READ, [invalid]) == ([(R1, READ)], invalid)
 
 
+@pytest.mark.parametrize(
+    "missing",
+    [
+        ErrorReply("ERR Function not found"),
+        ErrorReply("KVREDIS_VERSION library api 3, the client calls api 4"),
+    ],
+)
+def test_a_replica_without_the_library_yet_defers_to_the_primary_without_being_set_aside(
+    missing: ErrorReply,
+) -> None:
+    """A replica gets a function library only by replication: a read sent just after the
+    primary loaded it finds it missing (or an older release) there, and the primary answers."""
+    replica_set = _known(R1)
+    route = ReadRoute(replica_set)
+    assert _drive(route, READ, [missing, "p"]) == ([(R1, READ), (None, READ)], "p")
+    assert _drive(route, READ, ["p"]) == ([(None, READ)], "p")  # the rest of the operation
+    assert replica_set.pick() == R1  # the next operation asks the replica again
+    noscript = ErrorReply("NOSCRIPT No matching script")  # a script it loads itself
+    assert _drive(ReadRoute(replica_set), READ, [noscript]) == ([(R1, READ)], noscript)
+
+
 def test_only_no_writes_scripts_can_be_sent_as_reads() -> None:
     registry = ScriptRegistry()
     assert {n for n in registry.names() if registry[n].no_writes} == {
