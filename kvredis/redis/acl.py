@@ -8,7 +8,8 @@ character (:func:`kvredis.redis.layout.check_namespace_name`), so the key patter
 - ``router``: ``lookup`` and ``score`` (also ``kvredis lookup|score``), read-only keys: its
   calls are ``FCALL_RO`` of ``no-writes`` functions, which cannot write whatever they are sent;
 - ``ingester``: the writes of ``kvredis ingest`` / ``EventIngester`` (adds, evicts, batches
-  with watermarks, clears of a pod, speculative entries with a ttl);
+  with watermarks, clears of a pod, speculative entries with a ttl) and the pods' page
+  journals (lists ``<ns>:pj:<pod>``: appended, read, compacted under ``WATCH``);
 - ``operator``: the operator's commands on the namespace (``stats``, ``pods``, ``watermarks``,
   ``check [--repair]``, ``lookup``, ``score``, ``clear``, ``dump``, ``restore``, ``migrate``,
   ``drop``);
@@ -83,6 +84,14 @@ _INGESTER = (
     "+hdel",
     "+set",
     "+del",
+    # the pods' page journals (kvredis.ingest.journal): appended, read, compacted under WATCH
+    "+rpush",
+    "+lrange",
+    "+llen",
+    "+watch",
+    "+unwatch",
+    "+multi",
+    "+exec",
 )
 _OPERATOR = (
     "+ping",

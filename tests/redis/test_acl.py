@@ -35,6 +35,8 @@ from kvredis import (
 )
 from kvredis.cli import cli
 from kvredis.errors import KVRedisError
+from kvredis.ingest.chains import Tail
+from kvredis.ingest.journal import RedisPageJournal, encode_entry, journal_for
 from kvredis.redis.functions import api_argument, function_name, shipped_library
 from kvredis.redis.layout import EXPIRY_FIELD, EXPIRY_KEY
 from kvredis.redis.ops import expiry_mode_of
@@ -83,6 +85,13 @@ ROLES: dict[str, tuple[str, ...]] = {
         "+time",
         "+ping",
         "+client|setname",
+        "+rpush",
+        "+lrange",
+        "+llen",
+        "+watch",
+        "+unwatch",
+        "+multi",
+        "+exec",
     ),
     "operator": (
         "+evalsha",
@@ -188,6 +197,28 @@ def ingester(url: str, namespace: str) -> None:
         assert index.lookup(KEYS[:3]) == {k: [SPEC] for k in KEYS[:3]}
         index.evict(KEYS[0], KeyType.REQUEST, [SPEC])  # an expiring entry removed before it expires
         assert index.lookup(KEYS[:3]) == {}
+        page_journals(index)
+
+
+def page_journals(index: RedisIndex) -> None:
+    """What ingesters do with the pods' page journals: append (one entry, and several in one
+    round trip), read, compact from memory and by replay (under WATCH), skip a compaction of a
+    journal of one entry, and delete."""
+    journal = journal_for(index)
+    assert isinstance(journal, RedisPageJournal)
+    first = encode_entry({7: Tail(0, "m", None, (1, 2, 3), engine_keys=(7,))}, frozenset())
+    second = encode_entry({}, frozenset({7}))
+    journal.append([("pod-a", first)])
+    journal.append([("pod-a", second), ("pod-b", first)])
+    assert journal.read("pod-a") == [first, second]
+    assert journal.compact("pod-b") is None  # one entry: nothing to rewrite
+    assert journal.compact("pod-a", 2, lambda: first) == len(first)
+    journal.append([("pod-a", second)])
+    assert journal.compact("pod-a") is not None
+    assert len(journal.read("pod-a")) == 1
+    journal.delete("pod-a")
+    journal.delete("pod-b")
+    assert journal.read("pod-a") == journal.read("pod-b") == []
 
 
 def cli_run(url: str, namespace: str, *args: str) -> str:
