@@ -14,6 +14,7 @@ in turn, the primary when none serves); the route is the same for both executors
 from __future__ import annotations
 
 import asyncio
+import inspect
 import socket
 import ssl
 import threading
@@ -23,6 +24,7 @@ from dataclasses import replace
 from types import ModuleType
 from typing import Any, Generic, TypeVar
 
+import hiredis
 import redis
 import redis.asyncio
 import redis.asyncio.retry
@@ -242,6 +244,43 @@ def _replica_address(address: RedisAddress, replica: Replica) -> RedisAddress:
     )
 
 
+#: The script calls: the hot commands, sent through :func:`_call_packed`. redis-py has no reply
+#: callback for them, so their reply is the parsed RESP2 reply either way.
+_SCRIPT_VERBS = frozenset({"FCALL", "FCALL_RO", "EVALSHA"})
+
+
+def _takes_command_name(pool: Any) -> bool:
+    """Whether ``pool.get_connection`` needs the command's name (redis-py before 5.3; later
+    releases warn when given one)."""
+    try:
+        parameter = inspect.signature(pool.get_connection).parameters.get("command_name")
+    except (TypeError, ValueError):  # pragma: no cover - a pool without a signature
+        return True
+    return parameter is not None and parameter.default is inspect.Parameter.empty
+
+
+def _send_packed(client: redis.Redis, name: Any, packed: bytes, named: bool) -> Any:
+    """Send one command packed by hiredis (``hiredis.pack_command``, one C call) on a
+    connection of ``client``'s pool and read its reply: what ``client.execute_command`` does for
+    a command without a reply callback, without its per-argument Python encoding (a script
+    call's 20-30 arguments cost more to encode that way than the round trip itself).
+
+    A connection whose exchange failed is closed, as redis-py does: only an error reply, read
+    whole, leaves it usable."""
+    pool: Any = client.connection_pool
+    conn: Any = pool.get_connection(name) if named else pool.get_connection()
+    try:
+        conn.send_packed_command([packed])
+        return conn.read_response()
+    except redis.ResponseError:
+        raise
+    except BaseException:
+        conn.disconnect()
+        raise
+    finally:
+        pool.release(conn)
+
+
 def _queued(pipe: Any, request: rq.Pipeline) -> Any:
     for command in request.items:
         if not isinstance(command, rq.Command):
@@ -258,6 +297,7 @@ class SyncExecutor:
         self._address = config.parsed_address()
         self.pool = _pool(config, self._address, redis, redis.retry.Retry)
         self.client = redis.Redis(connection_pool=self.pool)
+        self._named = _takes_command_name(self.pool)
         self.round_trips = 0
         self._lock = threading.Lock()
         #: The replicas reads go to (``read_from_replicas``), else None.
@@ -307,8 +347,16 @@ class SyncExecutor:
                 self.round_trips += 1
         try:
             if isinstance(request, rq.Command):
+                args = request.args
+                if args[0] in _SCRIPT_VERBS:
+                    try:
+                        packed = hiredis.pack_command(args)  # type: ignore[arg-type]
+                    except TypeError:  # an argument hiredis does not take (a memoryview)
+                        pass
+                    else:
+                        return _send_packed(client, args[0], packed, self._named)
                 execute: Any = client.execute_command
-                return execute(*request.args)
+                return execute(*args)
             if isinstance(request, rq.Pipeline):
                 pipe = _queued(client.pipeline(transaction=False), request)
                 return _replies(pipe.execute(raise_on_error=False))

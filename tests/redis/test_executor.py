@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import redis
 from redis._parsers.base import BaseParser
@@ -23,6 +25,7 @@ from kvredis.errors import (
 from kvredis.redis.executor import SyncExecutor, failure
 from kvredis.redis.requests import (
     AuthenticationFailed,
+    Command,
     ConnectionLost,
     ErrorReply,
     Failure,
@@ -128,3 +131,70 @@ def test_an_executor_sends_no_unresolved_script_calls() -> None:
                 executor.run(op(request))
     finally:
         executor.close()
+
+
+# -- script calls packed in one C call ---------------------------------------------------------
+
+PACKED_SOURCE = (
+    "if ARGV[1] == 'fail' then return redis.error_reply('KVREDIS_TEST ' .. ARGV[2]) end "
+    "return {ARGV[1], tonumber(ARGV[2]) + 1, {ARGV[3]}}"
+)
+
+
+def _plain(outcome: Any) -> Any:
+    return (type(outcome), outcome.message) if isinstance(outcome, Failure) else outcome
+
+
+def _one(request: object) -> Op[Any]:
+    """One request; its failure (a Failure the executor throws in) is the result."""
+    try:
+        return (yield request)  # type: ignore[misc]
+    except Failure as exc:
+        return exc
+
+
+@pytest.mark.redis
+def test_script_calls_go_packed_and_answer_as_redis_py_does(redis_server_url: str) -> None:
+    """EVALSHA/FCALL go out packed by hiredis on a pooled connection: the same reply and error
+    reply as redis-py's ``execute_command``, arguments hiredis does not take (a memoryview)
+    through redis-py, and every connection back in the pool, usable."""
+    executor = SyncExecutor(RedisIndexConfig(address=redis_server_url))
+    plain = redis.Redis.from_url(redis_server_url)
+    try:
+        sha = plain.script_load(PACKED_SOURCE)
+        through_redis_py: list[tuple[Any, ...]] = []
+        execute = executor.client.execute_command
+
+        def counted(*args: Any, **options: Any) -> Any:
+            through_redis_py.append(args)
+            return execute(*args, **options)
+
+        executor.client.execute_command = counted  # type: ignore[method-assign]
+        calls = [
+            ("EVALSHA", sha, 0, "text", 41, b"\x00\xffbytes"),
+            ("EVALSHA", sha, 0, "fail", 2**63, "é"),
+            ("EVALSHA", sha, 0, memoryview(b"view"), 1.5, bytearray(b"array")),
+        ]
+        for args in calls * 3:
+            try:
+                want: Any = plain.execute_command(*args)
+            except ResponseError as exc:
+                want = failure(exc)
+            except redis.DataError:  # redis-py before 5.1 packs no memoryview either
+                with pytest.raises(redis.DataError):
+                    executor.run(_one(Command(args)))
+                continue
+            assert _plain(executor.run(_one(Command(args)))) == _plain(want)
+        assert isinstance(executor.run(_one(Command(calls[1]))), ErrorReply)
+        assert through_redis_py == [calls[2]] * 3  # only the call hiredis cannot pack
+        pool: Any = executor.pool  # a BlockingConnectionPool: its idle connections queued
+        assert pool._connections
+        assert [c for c in pool._connections if c not in pool.pool.queue] == []
+        assert executor.run(_one(Command(("EVALSHA", sha, 0, "again", 1, "x")))) == [
+            b"again",
+            2,
+            [b"x"],
+        ]
+    finally:
+        executor.close()
+        plain.close()
