@@ -19,12 +19,11 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import replace
 from types import ModuleType
 from typing import Any, Generic, TypeVar
 
-import hiredis
 import redis
 import redis.asyncio
 import redis.asyncio.retry
@@ -244,7 +243,17 @@ def _replica_address(address: RedisAddress, replica: Replica) -> RedisAddress:
     )
 
 
-#: The script calls: the hot commands, sent through :func:`_call_packed`. redis-py has no reply
+try:  # redis-py's own dependency when installed with hiredis (kvredis asks for it)
+    import hiredis as _hiredis
+except ImportError:  # pragma: no cover - redis-py packs then
+    _hiredis = None  # type: ignore[assignment]
+
+#: hiredis's packer (``None`` without hiredis): one C call from the arguments as the operations
+#: give them (bytes, str, int, float), where redis-py encodes each argument in Python first; a
+#: ``TypeError`` for any other argument (a memoryview), before anything is sent.
+hiredis_pack: Callable[[Any], bytes] | None = None if _hiredis is None else _hiredis.pack_command
+
+#: The script calls: the hot commands, sent through :func:`_send_packed`. redis-py has no reply
 #: callback for them, so their reply is the parsed RESP2 reply either way.
 _SCRIPT_VERBS = frozenset({"FCALL", "FCALL_RO", "EVALSHA"})
 
@@ -348,9 +357,9 @@ class SyncExecutor:
         try:
             if isinstance(request, rq.Command):
                 args = request.args
-                if args[0] in _SCRIPT_VERBS:
+                if hiredis_pack is not None and args[0] in _SCRIPT_VERBS:
                     try:
-                        packed = hiredis.pack_command(args)  # type: ignore[arg-type]
+                        packed = hiredis_pack(args)
                     except TypeError:  # an argument hiredis does not take (a memoryview)
                         pass
                     else:

@@ -35,15 +35,10 @@ from kvredis.redis.cluster.routing import (
 from kvredis.redis.cluster.topology import ClusterNode, SlotMap
 from kvredis.redis.config import RedisIndexConfig
 from kvredis.redis.executor import _FAILURES, _pool, failure
+from kvredis.redis.executor import hiredis_pack as _hiredis_pack
 from kvredis.redis.requests import Sleep
 
 T = TypeVar("T")
-
-
-try:  # redis-py's own dependency when installed with hiredis (kvredis asks for it)
-    from hiredis import pack_command as _hiredis_pack
-except ImportError:  # pragma: no cover - redis-py packs then
-    _hiredis_pack = None  # type: ignore[assignment]
 
 
 def _pack(connection: Any, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
