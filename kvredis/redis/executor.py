@@ -290,6 +290,24 @@ def _send_packed(client: redis.Redis, name: Any, packed: bytes, named: bool) -> 
         pool.release(conn)
 
 
+async def _send_packed_async(
+    client: redis.asyncio.Redis, name: Any, packed: bytes, named: bool
+) -> Any:
+    """:func:`_send_packed` on an asyncio connection (a cancelled exchange closes it too)."""
+    pool: Any = client.connection_pool
+    conn: Any = await (pool.get_connection(name) if named else pool.get_connection())
+    try:
+        await conn.send_packed_command([packed])
+        return await conn.read_response()
+    except redis.ResponseError:
+        raise
+    except BaseException:
+        await conn.disconnect()
+        raise
+    finally:
+        await pool.release(conn)
+
+
 def _queued(pipe: Any, request: rq.Pipeline) -> Any:
     for command in request.items:
         if not isinstance(command, rq.Command):
@@ -390,6 +408,7 @@ class AsyncExecutor:
         self._address = config.parsed_address()
         self.pool = _pool(config, self._address, redis.asyncio, redis.asyncio.retry.Retry)
         self.client = redis.asyncio.Redis(connection_pool=self.pool)
+        self._named = _takes_command_name(self.pool)
         self.round_trips = 0
         #: See :attr:`SyncExecutor.replicas`.
         self.replicas = (
@@ -436,8 +455,16 @@ class AsyncExecutor:
             self.round_trips += 1
         try:
             if isinstance(request, rq.Command):
+                args = request.args
+                if hiredis_pack is not None and args[0] in _SCRIPT_VERBS:
+                    try:
+                        packed = hiredis_pack(args)
+                    except TypeError:  # an argument hiredis does not take (a memoryview)
+                        pass
+                    else:
+                        return await _send_packed_async(client, args[0], packed, self._named)
                 execute: Any = client.execute_command
-                return await execute(*request.args)
+                return await execute(*args)
             if isinstance(request, rq.Pipeline):
                 pipe = _queued(client.pipeline(transaction=False), request)
                 return _replies(await pipe.execute(raise_on_error=False))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -22,7 +24,7 @@ from kvredis.errors import (
     StaleNamespaceError,
     translate,
 )
-from kvredis.redis.executor import SyncExecutor, failure
+from kvredis.redis.executor import AsyncExecutor, SyncExecutor, failure
 from kvredis.redis.requests import (
     AuthenticationFailed,
     Command,
@@ -197,4 +199,59 @@ def test_script_calls_go_packed_and_answer_as_redis_py_does(redis_server_url: st
         ]
     finally:
         executor.close()
+        plain.close()
+
+
+@pytest.mark.redis
+def test_async_script_calls_go_packed_and_answer_as_redis_py_does(redis_server_url: str) -> None:
+    """The same on the asyncio executor, and a call cancelled while it waits for its reply
+    leaves no connection that would hand its reply to the next call."""
+    plain = redis.Redis.from_url(redis_server_url)
+    sha = plain.script_load(PACKED_SOURCE)
+    slow = plain.script_load(
+        "local n = 0 for i = 1, tonumber(ARGV[2]) do n = n + i end return ARGV[1]"
+    )
+    started = time.perf_counter()
+    plain.evalsha(slow, 0, "calibrate", 1_000_000)
+    spin = int(1_000_000 * 0.3 / max(time.perf_counter() - started, 1e-4))  # about 0.3 s
+    calls = [
+        ("EVALSHA", sha, 0, "text", 41, b"\x00\xffbytes"),
+        ("EVALSHA", sha, 0, "fail", 2**63, "é"),
+    ]
+
+    async def run() -> None:
+        executor = AsyncExecutor(RedisIndexConfig(address=redis_server_url))
+        through_redis_py: list[tuple[Any, ...]] = []
+        execute = executor.client.execute_command
+
+        async def counted(*args: Any, **options: Any) -> Any:
+            through_redis_py.append(args)
+            return await execute(*args, **options)
+
+        executor.client.execute_command = counted  # type: ignore[method-assign]
+        try:
+            for args in calls * 3:
+                try:
+                    want: Any = plain.execute_command(*args)
+                except ResponseError as exc:
+                    want = failure(exc)
+                assert _plain(await executor.run(_one(Command(args)))) == _plain(want)
+            waiting = asyncio.ensure_future(
+                executor.run(_one(Command(("EVALSHA", slow, 0, "late", spin))))
+            )
+            await asyncio.sleep(0.1)
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            await asyncio.sleep(0.5)  # the late reply arrives on the cancelled call's socket
+            for _ in range(4):
+                got = await executor.run(_one(Command(("EVALSHA", sha, 0, "next", 1, "y"))))
+                assert got == [b"next", 2, [b"y"]]
+            assert through_redis_py == []
+        finally:
+            await executor.close()
+
+    try:
+        asyncio.run(run())
+    finally:
         plain.close()
