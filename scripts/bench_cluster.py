@@ -94,7 +94,10 @@ class Node:
         return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
     def memory(self) -> int:
-        return int(self.client.info("memory")["used_memory"])
+        """``used_memory`` less the clients' buffers (a connection keeps the query buffer its
+        largest recent command needed until the node finds it idle: no part of the data)."""
+        info = self.client.info("memory")
+        return int(info["used_memory"]) - int(info.get("mem_clients_normal", 0))
 
 
 class Setup:

@@ -30,9 +30,10 @@ growth minus the idle server's, see ``bench_server_cpu.py``):
   HSET per key and a ZADD per engine key) evicting as its own code does (``evict``, a round trip
   per key) and written well (``evict_many``: a removal's mappings read in one pipeline, its
   entries dropped in another);
-- **memory per (block, pod) pair**: ``used_memory`` growth of the event-filled namespace (the
-  page journal included, and apart: as the ingester left it, up to twice what a compaction keeps,
-  and compacted) against the same pairs added by 64-key adds (no engine mappings);
+- **memory per (block, pod) pair**: ``used_memory`` growth (clients' buffers left out) of the
+  event-filled namespace (the page journal included, and apart: as the ingester left it, up to
+  twice what a compaction keeps, and compacted) against the same pairs added by 64-key adds (no
+  engine mappings);
 - **scores** of every conversation against what each simulated pod holds (must be equal; the
   script fails otherwise), parent misses, and the share of request keys held in chain runs;
 - **score CPU** (kvredis, Go layout, 64-key fill, a floor script that GETs one 4 KiB string, and
@@ -406,10 +407,14 @@ def _calls(raw: redis.Redis) -> tuple[int, int]:
 
 
 def used_memory(raw: redis.Redis) -> int:
-    """The server's ``used_memory``, after giving back what the allocator can."""
+    """The server's ``used_memory`` less its clients' buffers (``mem_clients_normal``), after
+    giving back what the allocator can: the data's memory. A connection keeps the query buffer
+    its largest recent command needed (an ingester's call of 16 batches: hundreds of KiB) until
+    the server finds it idle, which is no part of what the index holds."""
     with contextlib.suppress(redis.ResponseError):
         raw.execute_command("MEMORY", "PURGE")
-    return int(raw.info("memory")["used_memory"])
+    info = raw.info("memory")
+    return int(info["used_memory"]) - int(info.get("mem_clients_normal", 0))
 
 
 def settle_collector() -> None:
