@@ -258,6 +258,18 @@ hiredis_pack: Callable[[Any], bytes] | None = None if _hiredis is None else _hir
 _SCRIPT_VERBS = frozenset({"FCALL", "FCALL_RO", "EVALSHA"})
 
 
+def _packed_script_call(args: tuple[Any, ...]) -> bytes | None:
+    """``args`` packed by hiredis when they are a script call it can pack (sent then through
+    :func:`_send_packed`), else ``None``: another command, or an argument hiredis does not take
+    (a memoryview), which redis-py's ``execute_command`` sends."""
+    if hiredis_pack is None or args[0] not in _SCRIPT_VERBS:
+        return None
+    try:
+        return hiredis_pack(args)
+    except TypeError:
+        return None
+
+
 def _takes_command_name(pool: Any) -> bool:
     """Whether ``pool.get_connection`` needs the command's name (redis-py before 5.3; later
     releases warn when given one)."""
@@ -375,13 +387,9 @@ class SyncExecutor:
         try:
             if isinstance(request, rq.Command):
                 args = request.args
-                if hiredis_pack is not None and args[0] in _SCRIPT_VERBS:
-                    try:
-                        packed = hiredis_pack(args)
-                    except TypeError:  # an argument hiredis does not take (a memoryview)
-                        pass
-                    else:
-                        return _send_packed(client, args[0], packed, self._named)
+                packed = _packed_script_call(args)
+                if packed is not None:
+                    return _send_packed(client, args[0], packed, self._named)
                 execute: Any = client.execute_command
                 return execute(*args)
             if isinstance(request, rq.Pipeline):
@@ -456,13 +464,9 @@ class AsyncExecutor:
         try:
             if isinstance(request, rq.Command):
                 args = request.args
-                if hiredis_pack is not None and args[0] in _SCRIPT_VERBS:
-                    try:
-                        packed = hiredis_pack(args)
-                    except TypeError:  # an argument hiredis does not take (a memoryview)
-                        pass
-                    else:
-                        return await _send_packed_async(client, args[0], packed, self._named)
+                packed = _packed_script_call(args)
+                if packed is not None:
+                    return await _send_packed_async(client, args[0], packed, self._named)
                 execute: Any = client.execute_command
                 return await execute(*args)
             if isinstance(request, rq.Pipeline):
