@@ -54,7 +54,6 @@ __all__ = [
 ]
 
 
-
 def server_kinds() -> list[str]:
     """The kinds the Redis tests run against: both, unless an external server is named."""
     if os.environ.get(EXTERNAL_URL_VARIABLE):
@@ -65,7 +64,6 @@ def server_kinds() -> list[str]:
 def local_server_kinds() -> list[str]:
     """The kinds whose processes tests may start, stop and configure themselves."""
     return ["redis", "valkey"]
-
 
 
 @contextmanager
@@ -85,7 +83,6 @@ def redis_url(kind: str = "redis") -> Iterator[tuple[str, RedisServer | None]]:
         return
     with container_url("redis") as url:  # pragma: no cover - needs a Docker engine
         yield url, None
-
 
 
 class Proxy:
@@ -186,9 +183,6 @@ def _close(sock: socket.socket) -> None:
     with suppress(OSError):
         sock.shutdown(socket.SHUT_RDWR)
     sock.close()
-
-
-
 
 
 class LocalReplication:

@@ -35,7 +35,6 @@ from tests.test_metrics import get as _get
 ROOT = Path(__file__).resolve().parents[1]
 
 
-
 @pytest.fixture(autouse=True)
 def no_leaked_ingesters() -> Iterator[None]:
     """The command stops its ingester on every exit path."""
@@ -79,12 +78,8 @@ def test_bad_arguments_exit_with_a_usage_error(args: list[str], message: str) ->
     assert message in result.output
 
 
-@pytest.mark.parametrize(
-    ("given", "expected"), [([], 50_000), (["--gc-threshold", "1234"], 1234)]
-)
-def test_the_ingester_process_tunes_the_garbage_collector(
-    given: list[str], expected: int
-) -> None:
+@pytest.mark.parametrize(("given", "expected"), [([], 50_000), (["--gc-threshold", "1234"], 1234)])
+def test_the_ingester_process_tunes_the_garbage_collector(given: list[str], expected: int) -> None:
     """``kvredis ingest`` raises the collector's first threshold (default 50,000)."""
     import gc
 
@@ -350,7 +345,7 @@ def test_unresolvable_endpoint_host_is_an_error() -> None:
 
 
 @pytest.mark.parametrize(
-    "spec", ['[1]', '{"mediums": {"GPU": ""}}', '{"tiers": {}}', "@/no/such/file.json", "{"]
+    "spec", ["[1]", '{"mediums": {"GPU": ""}}', '{"tiers": {}}', "@/no/such/file.json", "{"]
 )
 def test_bad_tier_map_is_an_error(spec: str) -> None:
     result = CliRunner().invoke(
@@ -503,7 +498,14 @@ def test_without_redis_ingest_uses_the_default_server_as_every_command(
 def test_redis_and_in_memory_together_are_a_usage_error() -> None:
     result = CliRunner().invoke(
         cli,
-        ["ingest", "--in-memory", "--redis", "redis://127.0.0.1:1", "--endpoint", "tcp://127.0.0.1:1"],
+        [
+            "ingest",
+            "--in-memory",
+            "--redis",
+            "redis://127.0.0.1:1",
+            "--endpoint",
+            "tcp://127.0.0.1:1",
+        ],
     )
     assert result.exit_code == 2 and "not both" in result.output
 

@@ -56,6 +56,7 @@ __all__ = [
     "COMPACT_GROWTH",
     "COMPACT_MIN_BYTES",
     "JOURNAL_KEY_INFIX",
+    "ClusterPageJournal",
     "MemoryPageJournal",
     "PageJournal",
     "RedisPageJournal",
@@ -376,29 +377,105 @@ class RedisPageJournal:
     def compact(
         self, pod: str, mine: int | None = None, snapshot: Snapshot | None = None
     ) -> int | None:
-        import redis
-
-        key = self.key(pod)
-        try:
-            with self._client.pipeline(transaction=True) as pipe:
-                pipe.watch(key)
-                if snapshot is not None and mine is not None and pipe.llen(key) == mine:
-                    blob = snapshot()
-                else:
-                    entries = pipe.lrange(key, 0, -1)
-                    if len(entries) < 2:
-                        return None
-                    blob = compact(entries)
-                pipe.multi()
-                pipe.delete(key)
-                pipe.rpush(key, blob)
-                pipe.execute()
-                return len(blob)
-        except redis.WatchError:
-            return None  # an entry was appended meanwhile: the next compaction will do
+        return _compact_watched(self._client, self.key(pod), mine, snapshot)
 
     def delete(self, pod: str) -> None:
         self._client.delete(self.key(pod))
+
+
+def _compact_watched(
+    client: Any, key: bytes, mine: int | None, snapshot: Snapshot | None
+) -> int | None:
+    """:meth:`PageJournal.compact` of the LIST ``key`` through ``client`` (a redis-py client of
+    the server holding it): read and rewritten under ``WATCH``, so an entry a peer appends
+    meanwhile makes the rewrite a no-op (the next compaction includes it)."""
+    import redis
+
+    try:
+        with client.pipeline(transaction=True) as pipe:
+            pipe.watch(key)
+            if snapshot is not None and mine is not None and pipe.llen(key) == mine:
+                blob = snapshot()
+            else:
+                entries = pipe.lrange(key, 0, -1)
+                if len(entries) < 2:
+                    return None
+                blob = compact(entries)
+            pipe.multi()
+            pipe.delete(key)
+            pipe.rpush(key, blob)
+            pipe.execute()
+            return len(blob)
+    except redis.WatchError:
+        return None  # an entry was appended meanwhile: the next compaction will do
+
+
+class ClusterPageJournal:
+    """The journals of a Redis Cluster index's pods: a LIST ``<shard>:pj:<pod>`` each, where
+    ``<shard>`` is the namespace of the shard holding the pod's entries (the pod layout's
+    :func:`~kvredis.redis.cluster.shards.pod_shard`). The journal shares the slot of every other
+    key of the pod, so a resharding moves it with them, and a drop of the namespace (which drops
+    each shard's namespace) deletes it.
+
+    Appends, reads and deletions go as waves of the index's executor (redirections and retries
+    as for its script calls; the appends of one call to the pods of several nodes in
+    parallel). A compaction reads and rewrites under ``WATCH`` on the primary serving the
+    journal's slot; while that slot moves between nodes it is skipped (the next one will do)."""
+
+    def __init__(self, index: Any) -> None:
+        self._index = index
+
+    def _where(self, pod: str) -> tuple[int, bytes]:
+        from kvredis.redis.cluster.shards import shard_names
+
+        core = self._index.core
+        shard = core.pod_shard(pod)
+        name = shard_names(core.namespace, core.count)[shard]
+        key = (name + JOURNAL_KEY_INFIX + pod).encode("utf-8", "surrogateescape")
+        return core.slots[shard], key
+
+    def key(self, pod: str) -> bytes:
+        """The key of ``pod``'s journal."""
+        return self._where(pod)[1]
+
+    def _wave(self, commands: Sequence[tuple[int, tuple[Any, ...]]]) -> list[Any]:
+        from kvredis.redis.cluster.routing import SlotCommand
+        from kvredis.redis.requests import Failure
+
+        replies = self._index.executor.wave([SlotCommand(slot, args) for slot, args in commands])
+        for reply in replies:
+            if isinstance(reply, Failure):
+                raise reply
+        return list(replies)
+
+    def append(self, entries: Sequence[tuple[str, bytes]]) -> None:
+        where = self._where
+        commands = []
+        for pod, entry in entries:
+            slot, key = where(pod)
+            commands.append((slot, (b"RPUSH", key, entry)))
+        if commands:
+            self._wave(commands)
+
+    def read(self, pod: str) -> list[bytes]:
+        slot, key = self._where(pod)
+        return list(self._wave([(slot, (b"LRANGE", key, 0, -1))])[0])
+
+    def compact(
+        self, pod: str, mine: int | None = None, snapshot: Snapshot | None = None
+    ) -> int | None:
+        import redis
+
+        slot, key = self._where(pod)
+        try:
+            client = self._index.executor.primary_client(slot)
+            return _compact_watched(client, key, mine, snapshot)
+        except redis.ResponseError:
+            return None  # MOVED or ASK: the slot is moving; the next compaction will do
+
+    def delete(self, pod: str) -> None:
+        slot, key = self._where(pod)
+        self._wave([(slot, (b"DEL", key))])
 
 
 _EMBEDDED: weakref.WeakKeyDictionary[_MemoryIndex, MemoryPageJournal] = weakref.WeakKeyDictionary()
@@ -408,8 +485,9 @@ _EMBEDDED_LOCK = threading.Lock()
 def journal_for(index: object) -> PageJournal | None:
     """Where ``index``'s pods' journals are kept: beside an embedded index (in the process, so
     that a new ingester on the same index recalls them), in the Redis of a
-    :class:`~kvredis.redis.RedisIndex`; ``None`` for any other index (a Redis Cluster index has
-    none yet: an ingester that restarts forgets the pages it knew)."""
+    :class:`~kvredis.redis.RedisIndex` or in the pods' shards of a
+    :class:`~kvredis.redis.RedisClusterIndex`; ``None`` for any other index (an asyncio
+    index: an ingester on it that restarts forgets the pages it knew)."""
     from kvredis.memory.index import _MemoryIndex
 
     if isinstance(index, _MemoryIndex):
@@ -421,4 +499,7 @@ def journal_for(index: object) -> PageJournal | None:
     single = sys.modules.get("kvredis.redis.index")
     if single is not None and isinstance(index, single.RedisIndex):
         return RedisPageJournal(index.client, index.namespace)
+    cluster = sys.modules.get("kvredis.redis.cluster.index")
+    if cluster is not None and isinstance(index, cluster.RedisClusterIndex):
+        return ClusterPageJournal(index)
     return None

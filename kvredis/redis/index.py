@@ -62,7 +62,6 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-
 class _Facade:
     """What both index classes hold: the checked config and the session their operations use."""
 

@@ -36,7 +36,7 @@ from tests.ingest.harness import POD, FakeClock, Replica
 from tests.ingest.harness import TP as HARNESS_TP
 from tests.ingest.radix import RadixCache
 from tests.ingest.wire import sglang_batch, vllm_batch, vllm_removed, vllm_stored
-from tests.servers import server_kinds
+from tests.servers import local_server_kinds, server_kinds
 
 MODEL = "base-model"
 TP16 = ChunkedTokenDatabase(TokenProcessorConfig(block_size_tokens=16))
@@ -52,6 +52,27 @@ BACKENDS = [
 def recorded(request: pytest.FixtureRequest) -> Iterator[Any]:
     """A fresh index (embedded, then a real Redis and Valkey) remembering every request key an
     applied batch added, so that a test can list every pair the index holds."""
+    index = recording(make_backend(request.param, request))
+    try:
+        yield index
+    finally:
+        close_backend(index)
+
+
+#: The backends keeping page journals: those above, and a local cluster of each whose namespace
+#: puts pod-a and pod-b on shards of their own (their journals in those shards).
+JOURNALED = [
+    *BACKENDS,
+    *[
+        pytest.param(f"cluster_split@{kind}", marks=[pytest.mark.redis, pytest.mark.cluster])
+        for kind in local_server_kinds()
+    ],
+]
+
+
+@pytest.fixture(params=JOURNALED)
+def journaled(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """A fresh recording index (:func:`recorded`) of each backend keeping page journals."""
     index = recording(make_backend(request.param, request))
     try:
         yield index
@@ -573,7 +594,7 @@ def exact_pairs(index: Any, caches: dict[str, RadixCache]) -> None:
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("page", [1, 4])
 def test_an_ingester_restarted_mid_stream_continues_exactly(
-    recorded: Any, page: int, engine: str | None
+    journaled: Any, page: int, engine: str | None
 ) -> None:
     # The ingester dies now and then (never stopped: whatever it knew is gone) and a new one
     # takes the stream on: branches from pages the dead one stored, and their removals, are
@@ -581,20 +602,20 @@ def test_an_ingester_restarted_mid_stream_continues_exactly(
     rng = random.Random(70 + page)
     caches = {pod: RadixCache(page) for pod in ("pod-a", "pod-b")}
     streams = {pod: Stream(pod, engine) for pod in caches}
-    ing = EventIngester(recorded, TP16)
+    ing = EventIngester(journaled, TP16)
     restarts = 0
     for n, (pod, events) in enumerate(workload(rng, caches, 60)):
         if n and n % 7 == 0:
-            ing, restarts = EventIngester(recorded, TP16), restarts + 1
+            ing, restarts = EventIngester(journaled, TP16), restarts + 1
         streams[pod].send(sglang_batch(events), ing)
-        exact_pairs(recorded, caches)
+        exact_pairs(journaled, caches)
         assert misses(ing) == 0
     assert restarts >= 5
 
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_batches_applied_together_are_journaled(
-    recorded: Any, engine: str, monkeypatch: pytest.MonkeyPatch
+    journaled: Any, engine: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A busy worker applies the batches queued for it together (process_many: the fast ones in
     # one apply_batches call); their page records go to the journal as well, so an ingester
@@ -615,28 +636,28 @@ def test_batches_applied_together_are_journaled(
     for pod, events in workload(rng, caches, 80):
         backlog.append(streams[pod].message(sglang_batch(events)))
         if len(backlog) == 6:
-            ing = EventIngester(recorded, TP16)
+            ing = EventIngester(journaled, TP16)
             ing.process_many(backlog)
             ingesters.append(ing)
             backlog.clear()
-            exact_pairs(recorded, caches)
+            exact_pairs(journaled, caches)
     assert len(together) > 20  # batches applied together, not one by one
     assert misses(*ingesters) == 0
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-def test_a_replica_that_joined_late_takes_over_exactly(recorded: Any, engine: str | None) -> None:
+def test_a_replica_that_joined_late_takes_over_exactly(journaled: Any, engine: str | None) -> None:
     # Replica one follows the pods alone; replica two starts half-way (it never saw the first
     # half), both then receive every batch, and replica one dies: replica two carries on.
     rng = random.Random(91)
     caches = {pod: RadixCache(1) for pod in ("pod-a", "pod-b")}
     streams = {pod: Stream(pod, engine) for pod in caches}
-    one = EventIngester(recorded, TP16)
+    one = EventIngester(journaled, TP16)
     two: EventIngester | None = None
     batches = list(workload(rng, caches, 60))
     for n, (pod, events) in enumerate(batches):
         if n == len(batches) // 3:
-            two = EventIngester(recorded, TP16)
+            two = EventIngester(journaled, TP16)
         if two is None:
             receivers = [one]
         elif n < 2 * len(batches) // 3:
@@ -644,13 +665,13 @@ def test_a_replica_that_joined_late_takes_over_exactly(recorded: Any, engine: st
         else:
             receivers = [two]  # replica one died
         streams[pod].send(sglang_batch(events), *receivers)
-    exact_pairs(recorded, caches)
+    exact_pairs(journaled, caches)
     assert misses(one) == 0
     assert two is not None and misses(two) == 0
 
 
 def test_a_compacted_journal_recalls_the_same_pages(
-    recorded: Any, monkeypatch: pytest.MonkeyPatch
+    journaled: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # With journals compacted after every few kilobytes, a pod's journal stays one entry or a
     # few, and an ingester starting from it is as exact as one that appended it all.
@@ -658,18 +679,18 @@ def test_a_compacted_journal_recalls_the_same_pages(
     rng = random.Random(5)
     caches = {pod: RadixCache(1) for pod in ("pod-a", "pod-b")}
     streams = {pod: Stream(pod, "sglang") for pod in caches}
-    ing = EventIngester(recorded, TP16)
+    ing = EventIngester(journaled, TP16)
     batches = list(workload(rng, caches, 80))
     for pod, events in batches[:60]:
         streams[pod].send(sglang_batch(events), ing)
-    journal = journal_for(recorded)
+    journal = journal_for(journaled)
     assert journal is not None
     sizes = {pod: len(journal.read(pod)) for pod in caches}
     assert all(0 < n < 20 for n in sizes.values()), sizes
-    fresh = EventIngester(recorded, TP16)
+    fresh = EventIngester(journaled, TP16)
     for pod, events in batches[60:]:
         streams[pod].send(sglang_batch(events), fresh)
-    exact_pairs(recorded, caches)
+    exact_pairs(journaled, caches)
     assert misses(ing, fresh) == 0
 
 

@@ -15,6 +15,7 @@ from kvredis.ingest import BatchOutcome, EndpointConfig, EventIngester
 from kvredis.ingest import backend as backend_module
 from kvredis.ingest.chains import EngineKeyCache, PageRecords, Tail
 from kvredis.ingest.journal import (
+    ClusterPageJournal,
     MemoryPageJournal,
     RedisPageJournal,
     compact,
@@ -25,10 +26,12 @@ from kvredis.ingest.journal import (
 )
 from kvredis.ingest.stream import split_position
 from kvredis.memory import InMemoryIndex
+from kvredis.redis.cluster.slots import key_slot
 from kvredis.testing.wire import sglang_batch, sglang_pages
+from kvredis.types import PodEntry
 from tests.conftest import close_backend, make_backend
 from tests.ingest.test_fidelity import MODEL, PROMPT, TP16, sglang_nodes
-from tests.servers import server_kinds
+from tests.servers import local_server_kinds, server_kinds
 
 # The record pages 101-103 share (the chain ends after 103), and a learned chain end (201).
 WHOLE = Tail(
@@ -111,16 +114,35 @@ def test_compaction_leaves_what_the_entries_leave() -> None:
     assert len(compact(entries)) < sum(map(len, entries))
 
 
-@pytest.fixture(params=["memory", *[f"redis@{k}" for k in server_kinds()]])
+#: Redis backends keeping journals: a real Redis and Valkey, and a local cluster of each whose
+#: namespace puts pod-a and pod-b on shards of their own.
+STORED = [
+    *[pytest.param(f"redis@{k}", marks=pytest.mark.redis) for k in server_kinds()],
+    *[
+        pytest.param(f"cluster_split@{k}", marks=[pytest.mark.redis, pytest.mark.cluster])
+        for k in local_server_kinds()
+    ],
+]
+
+
+def stored_journal(index: Any) -> RedisPageJournal | ClusterPageJournal:
+    """The journal of a Redis backend, of the class its kind keeps."""
+    found = journal_for(index)
+    cluster = type(index).__name__ == "RedisClusterIndex"
+    assert isinstance(found, ClusterPageJournal if cluster else RedisPageJournal), found
+    return found
+
+
+@pytest.fixture(params=["memory", *STORED])
 def journal(request: pytest.FixtureRequest) -> Iterator[Any]:
-    """A page journal: beside an embedded index, and in a real Redis and Valkey."""
+    """A page journal: beside an embedded index, in a real Redis and Valkey, and in the pods'
+    shards of a local cluster of each."""
     if request.param == "memory":
         yield journal_for(InMemoryIndex())
         return
     index = make_backend(request.param, request)
     try:
-        found = journal_for(index)
-        assert isinstance(found, RedisPageJournal)
+        found = stored_journal(index)
         yield found
         found.delete("pod-a")
         found.delete("pod-b")
@@ -146,16 +168,17 @@ def test_compacting_a_journal_rewrites_it_as_one_entry(journal: Any) -> None:
     assert journal.compact("pod-a") is None  # one entry: nothing to do
 
 
-@pytest.mark.parametrize("kind", server_kinds())
+@pytest.mark.parametrize("backend", STORED)
 def test_an_entry_appended_while_compacting_is_kept(
-    request: pytest.FixtureRequest, kind: str, monkeypatch: pytest.MonkeyPatch
+    request: pytest.FixtureRequest, backend: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A peer appends between the compaction's read and its rewrite: the rewrite is refused (the
     # journal changed under WATCH), and the next compaction includes the entry.
-    index = make_backend(f"redis@{kind}", request)
+    index = make_backend(backend, request)
     try:
-        journal = journal_for(index)
-        assert isinstance(journal, RedisPageJournal)
+        journal = stored_journal(index)
+        peer = journal_for(index)  # another ingester's journal of the same index
+        assert peer is not None and peer is not journal
         entries = [encode_entry(records()), encode_entry({}, removed=[103])]
         journal.append([("pod-a", e) for e in entries])
         late = encode_entry({401: LEARNED.holding((401,), (3,), (), ())})
@@ -164,7 +187,7 @@ def test_an_entry_appended_while_compacting_is_kept(
         real = module.compact
 
         def compact_while_a_peer_appends(blobs: Any) -> bytes:
-            index.client.rpush(journal.key("pod-a"), late)
+            peer.append([("pod-a", late)])
             return real(blobs)
 
         monkeypatch.setattr(module, "compact", compact_while_a_peer_appends)
@@ -176,6 +199,36 @@ def test_an_entry_appended_while_compacting_is_kept(
         replay(cache, journal.read("pod-a"))
         assert cache.get_tail(401) == LEARNED.after(201) and cache.get_tail(103) is None
         journal.delete("pod-a")
+    finally:
+        close_backend(index)
+
+
+@pytest.mark.redis
+@pytest.mark.cluster
+@pytest.mark.parametrize("kind", local_server_kinds())
+def test_a_cluster_journal_lives_in_its_pods_shard_and_goes_with_the_namespace(
+    request: pytest.FixtureRequest, kind: str
+) -> None:
+    # Each pod's journal shares the slot of the pod's shard (a resharding moves them together),
+    # sits on the primary serving that slot, and is deleted with the namespace.
+    index = make_backend(f"cluster_split@{kind}", request)
+    try:
+        journal = stored_journal(index)
+        assert isinstance(journal, ClusterPageJournal)
+        journal.append([("pod-a", b"a1"), ("pod-b", b"b1"), ("pod-a", b"a2")])
+        core = index.core
+        where = {}
+        for pod, want in (("pod-a", [b"a1", b"a2"]), ("pod-b", [b"b1"])):
+            key = journal.key(pod)
+            slot = key_slot(key)
+            assert slot == core.slots[core.pod_shard(pod)]
+            assert index.executor.primary_client(slot).lrange(key, 0, -1) == want
+            where[pod] = (slot, key)
+        assert where["pod-a"][0] != where["pod-b"][0]
+        index.add([1], [10], [PodEntry("pod-a", "gpu")])
+        assert index.drop_namespace() > 0
+        for slot, key in where.values():
+            assert index.executor.primary_client(slot).exists(key) == 0
     finally:
         close_backend(index)
 

@@ -230,6 +230,12 @@ class SyncClusterExecutor(_Executor):
         cluster = self._cluster
         return self.run(op_wave(cluster.state, commands, cluster.policy, read, pick))
 
+    def primary_client(self, slot: int) -> redis.Redis:
+        """A redis-py client of the primary serving ``slot`` as the slot map has it (for a
+        transaction under ``WATCH`` on one slot's keys; a node that no longer serves the slot
+        answers ``MOVED``, which redis-py raises as a ``ResponseError``)."""
+        return redis.Redis(connection_pool=self._cluster.pool(self.slot_map.primary(slot)))
+
     def run(self, op: WaveOp[T]) -> T:
         """Drive a cluster operation to its end and return its result."""
         result: list[T] = []
