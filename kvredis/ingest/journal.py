@@ -163,19 +163,27 @@ def encode_entry(
     removed: Iterable[int] = (),
     cleared: bool = False,
     candidates: Iterable[Tail] | None = None,
+    whole: bool = False,
 ) -> bytes:
     """One journal entry: ``cleared`` (forget every record of the pod first), the pages whose
     records go, then ``records`` (page → the record it shares, see
     :class:`~kvredis.ingest.chains.Tail`; a tail without tokens, a block's end, is not
     recorded: the index maps it). ``candidates``: the records of ``records``, when the caller
-    knows them (else they are found page by page).
+    knows them (else they are found page by page); ``whole``: the caller knows that every page
+    of every candidate maps to it in ``records`` (none was removed or recorded anew since), so
+    each is packed whole without looking its pages up.
 
     The bytes are ``msgpack.packb([FORMAT, cleared, removed, [record arrays]])``, assembled
     from each record's packed array (a record holding all its pages is packed once)."""
     if candidates is None:
         values = list(records.values())
         candidates = dict(zip(map(id, values), values, strict=True)).values()
-    out: list[bytes] = []
+    out: list[bytes]
+    if whole and candidates is not None:
+        unique = {id(record): record for record in candidates}.values()
+        out = [_packed_whole(record) for record in unique if record.tokens]
+        return _entry(out, removed, cleared)
+    out = []
     done: set[int] = set()
     get = records.get
     for record in candidates:
@@ -198,9 +206,14 @@ def encode_entry(
             tuple(record.page_keys[i] for i in keep) if record.page_keys else (),
         )
         out.append(msgpack.packb(fields, use_bin_type=True))
+    return _entry(out, removed, cleared)
+
+
+def _entry(records: list[bytes], removed: Iterable[int], cleared: bool) -> bytes:
+    """The entry of the packed ``records``, after ``cleared`` and the ``removed`` pages."""
     head: bytes = msgpack.packb([FORMAT, cleared, _u64s(removed)], use_bin_type=True)
     # [FORMAT, cleared, removed] packed, its 3-item header made 4, then the records' array
-    return b"".join([b"\x94", head[1:], _array_header(len(out)), *out])
+    return b"".join([b"\x94", head[1:], _array_header(len(records)), *records])
 
 
 def _decode(blob: bytes) -> tuple[bool, list[int], list[Tail]]:
@@ -360,16 +373,11 @@ class RedisPageJournal:
         return self._prefix + pod.encode("utf-8", "surrogateescape")
 
     def append(self, entries: Sequence[tuple[str, bytes]]) -> None:
-        if not entries:
-            return
-        if len(entries) == 1:
-            pod, entry = entries[0]
-            self._client.rpush(self.key(pod), entry)
-            return
-        pipe = self._client.pipeline(transaction=False)
-        for pod, entry in entries:
-            pipe.rpush(self.key(pod), entry)
-        pipe.execute()
+        from kvredis.redis.executor import send_commands
+
+        if entries:
+            key = self.key
+            send_commands(self._client, [(b"RPUSH", key(pod), entry) for pod, entry in entries])
 
     def read(self, pod: str) -> list[bytes]:
         return list(self._client.lrange(self.key(pod), 0, -1))

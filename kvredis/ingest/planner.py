@@ -200,6 +200,7 @@ class BatchPlan:
         "chain_ends",
         "dropped_records",
         "evicted",
+        "mixed",
         "pending",
         "pending_evicts",
         "recorded",
@@ -222,6 +223,9 @@ class BatchPlan:
         """The pages of ``batch_tails`` that end chains."""
         self.recorded: list[Tail] = []
         """Every record this batch put in ``batch_tails`` (some pages may have left it since)."""
+        self.mixed = False
+        """Whether a page left ``batch_tails``, or went to another record, after it was put there
+        (else every page of every record of ``recorded`` still maps to that record)."""
         self.stale_tails: set[int] = set()
         """Engine keys stored again by this batch: their cached tails no longer hold."""
         self.pending_evicts: set[int] = set()
@@ -258,6 +262,7 @@ class BatchPlan:
         self.batch_tails.clear()
         self.chain_ends.clear()
         self.recorded.clear()
+        self.mixed = False
         self.stale_tails.clear()
         self.evicted.clear()
 
@@ -280,6 +285,7 @@ class BatchPlan:
             del batch_map[key]
         for key in batch_tails.keys() & {*keys, *pages}:
             del batch_tails[key]
+            self.mixed = True
         self.pending_evicts.update(keys)
         self.evicted.update(keys)
         self.evicted.update(pages)
@@ -311,12 +317,16 @@ class BatchPlan:
         dropped = self.dropped_records - tails.keys()
         if not dropped and not any(value.tokens for value in tails.values()):
             return None
-        return encode_entry(tails, dropped, candidates=self.recorded)
+        return encode_entry(tails, dropped, candidates=self.recorded, whole=not self.mixed)
 
     def put_records(self, records: PageRecords) -> None:
         """Record each page's tail (see :func:`~kvredis.ingest.chains.step_records`)."""
+        batch_tails = self.batch_tails
         for part in (records.cuts, records.tails):
-            self.batch_tails.update(part)
+            had = len(batch_tails)
+            batch_tails.update(part)
+            if len(batch_tails) != had + len(part):
+                self.mixed = True  # a page moved from an earlier record to this one
             self.stale_tails.difference_update(part)
             self.evicted.difference_update(part)
         self.chain_ends.difference_update(records.cuts)
@@ -379,6 +389,7 @@ class BatchPlan:
         if tails:
             for key in tails.keys() & keys:
                 del tails[key]
+                self.mixed = True
         self.stale_tails |= keys
 
     def resolve(self, engine_key: int) -> Generator[PlanRequest, int | None, int | None]:

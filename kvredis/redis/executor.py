@@ -302,6 +302,51 @@ def _send_packed(client: redis.Redis, name: Any, packed: bytes, named: bool) -> 
         pool.release(conn)
 
 
+_NAMED_POOLS: dict[type, bool] = {}
+
+
+def send_commands(client: redis.Redis, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+    """Send ``commands`` (commands whose RESP2 reply needs no redis-py callback: ``RPUSH``,
+    ``DEL``, ``LRANGE``...) in one write on one connection of ``client``'s pool, packed by
+    hiredis, and read their replies in order: a pipeline without redis-py's per-command and
+    per-argument Python work (through redis-py's pipeline without hiredis, or for an argument
+    hiredis does not take). An error reply raises (the first), once every reply was read."""
+    packed: list[bytes] | None = None
+    if hiredis_pack is not None:
+        try:
+            packed = [hiredis_pack(command) for command in commands]
+        except TypeError:
+            packed = None
+    if packed is None:
+        pipe: Any = client.pipeline(transaction=False)
+        for command in commands:
+            pipe.execute_command(*command)
+        return list(pipe.execute())
+    pool: Any = client.connection_pool
+    named = _NAMED_POOLS.get(type(pool))
+    if named is None:
+        named = _NAMED_POOLS[type(pool)] = _takes_command_name(pool)
+    conn: Any = pool.get_connection(commands[0][0]) if named else pool.get_connection()
+    replies: list[Any] = []
+    error: redis.ResponseError | None = None
+    try:
+        conn.send_packed_command(packed if len(packed) == 1 else [b"".join(packed)])
+        for _ in packed:
+            try:
+                replies.append(conn.read_response())
+            except redis.ResponseError as exc:
+                error = error or exc
+                replies.append(exc)
+    except BaseException:
+        conn.disconnect()
+        raise
+    finally:
+        pool.release(conn)
+    if error is not None:
+        raise error
+    return replies
+
+
 async def _send_packed_async(
     client: redis.asyncio.Redis, name: Any, packed: bytes, named: bool
 ) -> Any:

@@ -24,8 +24,9 @@ from kvredis.hashing import ChunkedTokenDatabase, TokenProcessorConfig
 from kvredis.indexer import Indexer
 from kvredis.ingest import EndpointConfig, EventIngester, IngesterConfig
 from kvredis.ingest import backend as backend_module
+from kvredis.ingest import planner as planner_module
 from kvredis.ingest.events import decode_batch
-from kvredis.ingest.journal import journal_for
+from kvredis.ingest.journal import encode_entry, journal_for
 from kvredis.ingest.planner import boundary_key
 from kvredis.ingest.sequencer import Sequencer
 from kvredis.memory import InMemoryIndex
@@ -692,6 +693,45 @@ def test_a_compacted_journal_recalls_the_same_pages(
         streams[pod].send(sglang_batch(events), fresh)
     exact_pairs(journaled, caches)
     assert misses(ing, fresh) == 0
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_a_batch_whose_records_all_stand_packs_them_whole(
+    page: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A batch that neither removed a page it recorded nor recorded one anew packs its records
+    # without looking their pages up (``whole``): the entry is the one the page-by-page path
+    # writes, byte for byte. Batches of several inserts and evictions take the other path.
+    paths = {True: 0, False: 0}
+
+    def both_ways(tails: Any, dropped: Any, candidates: Any, whole: bool = False) -> bytes:
+        entry = encode_entry(tails, dropped, candidates=candidates, whole=whole)
+        assert entry == encode_entry(tails, dropped, candidates=list(candidates)), whole
+        paths[whole] += 1
+        return entry
+
+    monkeypatch.setattr(planner_module, "encode_entry", both_ways)
+    rng = random.Random(11 + page)
+    caches = {pod: RadixCache(page) for pod in ("pod-a", "pod-b")}
+    streams = {pod: Stream(pod, "sglang") for pod in caches}
+    index = recording(InMemoryIndex())
+    ing = EventIngester(index, TP16)
+    for pod, events in workload(rng, caches, 60):
+        streams[pod].send(sglang_batch(events), ing)
+    # Batches that store a request, then evict a leaf or store a branch inside it.
+    fresh = iter(range(10**9, 2 * 10**9))
+    for _ in range(60):
+        pod = rng.choice(sorted(caches))
+        cache = caches[pod]
+        tokens = tuple(next(fresh) for _ in range(4 * rng.randint(5, 15)))  # whole pages
+        cache.insert(tokens)
+        if rng.random() < 0.5:  # the new leaf itself
+            cache.evict(next(n for n in cache.leaves() if n.tokens[-1:] == tokens[-1:]))
+        else:
+            cache.insert((*tokens[: rng.randint(1, len(tokens) - 1)], next(fresh)))
+        streams[pod].send(sglang_batch(cache.take()), ing)
+    exact_pairs(index, caches)
+    assert paths[True] > 20 and paths[False] > 20, paths
 
 
 def test_without_the_journal_a_restart_writes_nothing_wrong(recorded: Any) -> None:

@@ -24,7 +24,7 @@ from kvredis.errors import (
     StaleNamespaceError,
     translate,
 )
-from kvredis.redis.executor import AsyncExecutor, SyncExecutor, failure
+from kvredis.redis.executor import AsyncExecutor, SyncExecutor, failure, send_commands
 from kvredis.redis.requests import (
     AuthenticationFailed,
     Command,
@@ -254,4 +254,38 @@ def test_async_script_calls_go_packed_and_answer_as_redis_py_does(redis_server_u
     try:
         asyncio.run(run())
     finally:
+        plain.close()
+
+
+@pytest.mark.redis
+def test_commands_sent_together_answer_as_redis_py_pipelines_do(redis_server_url: str) -> None:
+    """``send_commands`` (the page journal's appends): one write of hiredis-packed commands,
+    their replies in order as redis-py's pipeline gives them; an error reply raises once every
+    reply was read (the connection goes back clean), and an argument hiredis does not take goes
+    through redis-py's pipeline."""
+    executor = SyncExecutor(RedisIndexConfig(address=redis_server_url))
+    plain = redis.Redis.from_url(redis_server_url)
+    key, other = b"kvt-send-a", b"kvt-send-b"
+    try:
+        plain.delete(key, other)
+        commands: list[tuple[Any, ...]] = [
+            (b"RPUSH", key, b"\x00\xff"),
+            (b"RPUSH", key, "\u00e9", 7),
+            (b"SET", other, b"text"),
+            (b"LRANGE", key, 0, -1),
+        ]
+        want = [1, 3, True, [b"\x00\xff", "\u00e9".encode(), b"7"]]
+        got = send_commands(executor.client, commands)
+        assert [bool(r) if r in (b"OK", True) else r for r in got] == want
+        with pytest.raises(ResponseError, match="WRONGTYPE"):
+            send_commands(executor.client, [(b"RPUSH", other, b"y"), (b"RPUSH", key, b"z")])
+        assert plain.llen(key) == 4  # the command after the error reply ran
+        assert send_commands(executor.client, [(b"RPUSH", key, memoryview(b"view"))]) == [5]
+        assert plain.lrange(key, -1, -1) == [b"view"]
+        pool: Any = executor.pool
+        assert [c for c in pool._connections if c not in pool.pool.queue] == []
+        assert send_commands(executor.client, [(b"LLEN", key)]) == [5]
+    finally:
+        plain.delete(key, other)
+        executor.close()
         plain.close()
