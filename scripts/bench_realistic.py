@@ -51,9 +51,13 @@ block elsewhere: the parts' stamps; and the same with a second data-parallel ran
 the scripts from before per-rank scores, function API 1 and 2, merge into the pod), and per
 block ingested through the ingester (each side into namespaces of its own, fed in alternation).
 
+``--bucket-bits auto`` sizes the measured namespaces' buckets for the request keys the fleet
+holds (:func:`kvredis.redis.layout.bucket_bits_for`, as docs/deploy.md advises an operator),
+instead of the default 16 bits, which leaves a fleet of this size with sparse buckets.
+
 Run:  .venv/bin/python scripts/bench_realistic.py [--quick] [--shape vllm,sglang]
       [--server valkey] [--backlog N] [--pod-rate R] [--no-zmq] [--zmq-workers N]
-      [--before REF] [--json PATH]
+      [--before REF] [--bucket-bits N|auto] [--json PATH]
 """
 
 from __future__ import annotations
@@ -82,6 +86,7 @@ from kvredis.ingest import GC_THRESHOLD, EndpointConfig, EventIngester, tune_col
 from kvredis.ingest.journal import JOURNAL_KEY_INFIX, RedisPageJournal
 from kvredis.ingest.stream import PHASE_DONE, split_position
 from kvredis.redis import RedisIndex, RedisIndexConfig
+from kvredis.redis.layout import DEFAULT_BUCKET_BITS, bucket_bits_for
 from kvredis.redis.ops import SCORE_KEYS_PER_CALL
 from kvredis.redis.scripts import Script, expand
 from kvredis.scoring import LongestPrefixScorer
@@ -202,6 +207,8 @@ class Fleet:
         self.convs: list[Conversation] = []
         self.pages = 0
         """Engine pages stored."""
+        self.bucket_bits = DEFAULT_BUCKET_BITS
+        """Bucket bits of the namespaces the fleet is measured on (``--bucket-bits``)."""
 
     def run(self) -> None:
         rng = self.rng
@@ -217,6 +224,10 @@ class Fleet:
     def held(self, conv: Conversation, pod: int) -> int:
         """How many leading request keys of the conversation ``pod`` holds."""
         raise NotImplementedError
+
+    def distinct_keys(self) -> int:
+        """Request keys the pods hold, each counted once (what an index is sized for)."""
+        return len({k for keys in self.pairs().values() for k in keys})
 
     def pairs(self) -> dict[int, list[int]]:
         """Every (request key, pod) pair the pods hold, by pod, in chain order."""
@@ -379,6 +390,7 @@ class Result:
     ratios: dict[str, float] = field(default_factory=dict)
     server: str = "redis"
     backlog: int = 16
+    bucket_bits: int = DEFAULT_BUCKET_BITS
     redis_us_per_block: dict[str, float] = field(default_factory=dict)
     """Redis CPU per stored block, every side."""
     client_us_per_block: dict[str, float] = field(default_factory=dict)
@@ -632,7 +644,10 @@ class Ingest:
     def __init__(self, fleet: Fleet, url: str, backlog: int) -> None:
         self.fleet = fleet
         self.ns = f"real-{uuid.uuid4().hex[:6]}"
-        self.index = RedisIndex(RedisIndexConfig(address=f"{url}/0", namespace=self.ns))
+        config = RedisIndexConfig(
+            address=f"{url}/0", namespace=self.ns, bucket_bits=fleet.bucket_bits
+        )
+        self.index = RedisIndex(config)
         self.ingester = EventIngester(self.index, TP)
         self.endpoints = [
             EndpointConfig(f"pod-{p}", engine=fleet.engine, pod_id=f"pod-{p}", model_name=MODEL)
@@ -689,6 +704,8 @@ def zmq_client_cpu(
         sockets.append(sock)
         args += ["--endpoint", f"tcp://127.0.0.1:{port}", "--pod", f"pod-{p}", "--model", MODEL]
         args += ["--engine", fleet.engine]
+    # the namespace made first, with the fleet's bucket bits (the first client fixes them)
+    index = RedisIndex(RedisIndexConfig(address=url, namespace=ns, bucket_bits=fleet.bucket_bits))
     cmd = [sys.executable, "-m", "kvredis.cli.ingest", "--redis", url, "--namespace", ns]
     tuning = ["--workers", str(workers), "--gc-threshold", str(gc_threshold)]
     proc = subprocess.Popen(
@@ -697,7 +714,6 @@ def zmq_client_cpu(
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    index = RedisIndex(RedisIndexConfig(address=url, namespace=ns))
 
     def cpu() -> float:
         with open(f"/proc/{proc.pid}/stat") as f:
@@ -793,7 +809,11 @@ def run_shape(
 
         ref_sides[name] = cpu_us(server, ref_feed, n)[0]
     # the final pairs by 64-key adds, in chain order
-    fill = RedisIndex(RedisIndexConfig(address=f"{url}/0", namespace=many.ns + "-64"))
+    fill = RedisIndex(
+        RedisIndexConfig(
+            address=f"{url}/0", namespace=many.ns + "-64", bucket_bits=fleet.bucket_bits
+        )
+    )
     pairs = fleet.pairs()
     n_pairs = sum(map(len, pairs.values()))
     before = used_memory(raw)
@@ -888,6 +908,7 @@ def run_shape(
         },
         scores_checked=checked,
         backlog=backlog,
+        bucket_bits=fleet.bucket_bits,
         redis_us_per_block=redis_us,
         client_us_per_block=client_us,
         client_blocks_per_s={k: 1e6 / v for k, v in client_us.items() if v > 0},
@@ -925,6 +946,7 @@ def print_result(r: Result) -> None:
         f"({r.pages_stored} engine pages, {r.evicted_per_stored:.2f} evicted per stored), "
         f"{r.pairs} pairs held, {r.server}, pinned={r.pinned}"
     )
+    print(f"  bucket bits                        {r.bucket_bits:6d}")
     print(f"  request keys in chain runs        {r.share_in_runs:7.1%}")
     print(f"  Redis calls per conversation score {r.calls_per_score:6.1f} (script calls included)")
     for name, us in r.score_us.items():
@@ -997,6 +1019,12 @@ def main(argv: list[str] | None = None) -> int:
         "--before", metavar="REF", help="also measure the Lua scripts of git revision REF"
     )
     parser.add_argument(
+        "--bucket-bits",
+        default=str(DEFAULT_BUCKET_BITS),
+        help="bucket bits of the measured namespaces: a number, or auto (bucket_bits_for the "
+        f"request keys the fleet holds; default {DEFAULT_BUCKET_BITS})",
+    )
+    parser.add_argument(
         "--gc-threshold",
         type=int,
         default=GC_THRESHOLD,
@@ -1006,6 +1034,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     tune_collector(args.gc_threshold)
     fleets = [make_fleet(shape, args.quick, args.seed) for shape in args.shape.split(",")]
+    for fleet in fleets:
+        auto = args.bucket_bits.strip() == "auto"
+        fleet.bucket_bits = (
+            bucket_bits_for(fleet.distinct_keys()) if auto else int(args.bucket_bits)
+        )
     server_proc = RedisServer(args.server)
     server_proc.start()
     results = []

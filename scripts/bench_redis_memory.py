@@ -6,7 +6,10 @@ keys, so the engine->request mapping is included). The figure is the growth of `
 (INFO memory) over the empty server, minus the growth of the script cache, divided by
 blocks x pods. A per-key-type breakdown samples MEMORY USAGE and OBJECT ENCODING.
 
-Run:  .venv/bin/python scripts/bench_redis_memory.py [--quick]
+``--bucket-bits 16,12,auto`` measures kvredis at each bucket count (``auto``: what
+:func:`kvredis.redis.layout.bucket_bits_for` gives for the blocks).
+
+Run:  .venv/bin/python scripts/bench_redis_memory.py [--quick] [--bucket-bits 16,auto]
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import redis
 
 from kvredis.batch import AddOp
 from kvredis.redis import RedisIndex, RedisIndexConfig
+from kvredis.redis.layout import DEFAULT_BUCKET_BITS, bucket_bits_for
 from kvredis.types import PodEntry
 
 from _bench import RedisServer, bench_parser, write_json
@@ -216,9 +220,12 @@ def _breakdown_all_dbs(
     return total, groups
 
 
-def load_kvredis(workload: Workload, ops_per_call: int) -> Callable[[str], None]:
+def load_kvredis(
+    workload: Workload, ops_per_call: int, bucket_bits: int = DEFAULT_BUCKET_BITS
+) -> Callable[[str], None]:
     def load(url: str) -> None:
-        index = RedisIndex(RedisIndexConfig(address=url, namespace=NAMESPACE))
+        config = RedisIndexConfig(address=url, namespace=NAMESPACE, bucket_bits=bucket_bits)
+        index = RedisIndex(config)
         try:
             ops = workload.events()
             for start in range(0, len(ops), ops_per_call):
@@ -284,6 +291,12 @@ def main(argv: list[str] | None = None) -> int:
         help="every pod reports its own engine keys (default: pods share engine hashes)",
     )
     parser.add_argument("--ops-per-call", type=int, default=16, help="AddOps per apply_batch")
+    parser.add_argument(
+        "--bucket-bits",
+        default=str(DEFAULT_BUCKET_BITS),
+        help="kvredis bucket bits, comma-separated to compare (auto: bucket_bits_for the "
+        "blocks); the verdict is the first's",
+    )
     parser.add_argument("--no-breakdown", action="store_true")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)
@@ -295,12 +308,27 @@ def main(argv: list[str] | None = None) -> int:
         f"{EVENT_BLOCKS}-block events"
     )
     breakdown_on = not args.no_breakdown
-    kv = measure("kvredis", load_kvredis(workload, args.ops_per_call), workload, breakdown_on,
-                 args.seed)
+    sides = [
+        bucket_bits_for(blocks) if b.strip() == "auto" else int(b)
+        for b in args.bucket_bits.split(",")
+    ]
+    kvs = [
+        measure(
+            "kvredis" if b == DEFAULT_BUCKET_BITS else f"kvredis, {b} bucket bits "
+            f"({blocks / 2**b:,.0f} keys a bucket)",
+            load_kvredis(workload, args.ops_per_call, b),
+            workload,
+            breakdown_on,
+            args.seed,
+        )
+        for b in sides
+    ]
     ref = measure("reference (Go layout)", load_reference(workload), workload, breakdown_on,
                   args.seed)
-    print_layout(kv)
+    for kv in kvs:
+        print_layout(kv)
     print_layout(ref)
+    kv = kvs[0]
     ratio = kv.bytes_per_entry / ref.bytes_per_entry
     verdict = "PASS" if ratio <= TARGET else "MISS"
     print(f"kvredis / reference = {ratio:.3f} (target <= {TARGET:.3f}): {verdict}")
@@ -311,8 +339,9 @@ def main(argv: list[str] | None = None) -> int:
                 "blocks": blocks,
                 "pods": args.pods,
                 "layouts": [
-                    {**asdict(x), "bytes_per_entry": x.bytes_per_entry} for x in (kv, ref)
+                    {**asdict(x), "bytes_per_entry": x.bytes_per_entry} for x in (*kvs, ref)
                 ],
+                "bucket_bits": sides,
                 "ratio": ratio,
                 "verdict": verdict,
             },

@@ -68,6 +68,8 @@ def no_leaked_ingesters() -> Iterator[None]:
         (["--endpoint", "tcp://h:1", "--hash-algo", "md5"], "--hash-algo"),
         (["--endpoint", "tcp://h:1", "--partial-block-pages", "0"], "--partial-block-pages"),
         (["--endpoint", "tcp://h:1", "--gc-threshold", "-1"], "--gc-threshold"),
+        (["--endpoint", "tcp://h:1", "--bucket-bits", "0"], "--bucket-bits"),
+        (["--endpoint", "tcp://h:1", "--bucket-bits", "25"], "--bucket-bits"),
         (["--endpoint", "tcp://h:1", "--redis", "http://nope"], "--redis"),
         (["--endpoint"], "requires an argument"),
     ],
@@ -93,6 +95,33 @@ def test_the_ingester_process_tunes_the_garbage_collector(given: list[str], expe
         assert gc.get_threshold()[0] == expected
     finally:
         gc.set_threshold(*before)
+
+
+@pytest.mark.redis
+def test_bucket_bits_size_a_new_namespace_and_leave_an_existing_one(
+    redis_server_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``--bucket-bits`` fixes the bucket count of the namespace the ingester creates; a second
+    ingester asking another count adopts the namespace's, with a warning naming both."""
+    namespace = f"kvt-bits-{uuid.uuid4().hex[:8]}"
+    raw = redis.Redis.from_url(redis_server_url)
+    try:
+        for bits in (9, 12):
+            with FakeEngine(topic="") as engine:
+                args = ["--redis", redis_server_url, "--namespace", namespace]
+                args += ["--endpoint", engine.endpoint, "--pod=p", "--model", "m"]
+                result = CliRunner().invoke(
+                    ingest, [*args, "--bucket-bits", str(bits), "--duration", "0.2"]
+                )
+            assert result.exit_code == 0, result.output
+            assert raw.hget(f"{namespace}:meta", "bucket_bits") == b"9"
+        warned = [r.getMessage() for r in caplog.records if "bucket bits" in r.getMessage()]
+        assert len(warned) == 1 and "has 9 bucket bits" in warned[0]
+        assert "--bucket-bits 12" in warned[0]
+    finally:
+        for key in raw.scan_iter(f"{namespace}:*"):
+            raw.delete(key)
+        raw.close()
 
 
 def test_the_collector_threshold_zero_leaves_python_s() -> None:

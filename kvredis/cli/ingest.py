@@ -15,6 +15,7 @@ ZMQ publisher; an ``http://HOST:PORT`` one is a TensorRT-LLM ``trtllm-serve`` wh
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -46,6 +47,7 @@ from kvredis.index import Closeable, Index
 from kvredis.ingest.config import GC_THRESHOLD, EndpointConfig, IngesterConfig, tune_collector
 from kvredis.ingest.counters import Counter
 from kvredis.ingest.service import EventIngester
+from kvredis.redis.layout import MAX_BUCKET_BITS, MIN_BUCKET_BITS
 from kvredis.tiers import DEFAULT_TIERS, TierMap
 
 if TYPE_CHECKING:
@@ -195,7 +197,9 @@ def _check_resolvable(endpoint: str, option: str) -> None:
         ) from None
 
 
-def _open_index(redis_url: str | None, namespace: str, password: str | None) -> Index:
+def _open_index(
+    redis_url: str | None, namespace: str, password: str | None, bucket_bits: int | None = None
+) -> Index:
     if redis_url is None:
         from kvredis.memory import InMemoryIndex
 
@@ -205,10 +209,22 @@ def _open_index(redis_url: str | None, namespace: str, password: str | None) -> 
 
     try:
         config = RedisIndexConfig(address=redis_url, namespace=namespace, password=password)
+        if bucket_bits is not None:
+            config = dataclasses.replace(config, bucket_bits=bucket_bits)
     except (ConfigError, ValueError) as exc:
         raise click.BadParameter(str(exc), param_hint="--redis") from None
     try:
-        return new_redis_index(config)
+        index = new_redis_index(config)
+        found = index.bucket_bits
+        if bucket_bits is not None and found != bucket_bits:
+            logger.warning(
+                "namespace %r has %s bucket bits, fixed by the client that created it: "
+                "--bucket-bits %d only sizes a new namespace",
+                namespace,
+                found,
+                bucket_bits,
+            )
+        return index
     except BackendUnavailableError as exc:
         raise click.ClickException(unavailable_message(exc)) from None
     except KVRedisError:
@@ -404,6 +420,15 @@ def _tier_map(spec: str | None) -> TierMap:
     help="Do not fence batches with stored watermarks (only for a single ingester).",
 )
 @click.option(
+    "--bucket-bits",
+    type=click.IntRange(MIN_BUCKET_BITS, MAX_BUCKET_BITS),
+    default=None,
+    help="Bucket bits of a namespace this process creates (2**N request and as many engine "
+    "buckets; an existing namespace keeps its own). For an index of about KEYS distinct "
+    "request keys, kvredis.redis.bucket_bits_for(KEYS) (buckets of 32-64 keys; default 16, "
+    "for about 2-4M keys: a smaller index takes less memory with fewer bits).",
+)
+@click.option(
     "--no-page-journal",
     is_flag=True,
     help="Keep no journal of the pages inside index blocks beside the index (less Redis "
@@ -469,6 +494,7 @@ def ingest(
     status_interval: float,
     duration: float | None,
     no_watermarks: bool,
+    bucket_bits: int | None,
     no_page_journal: bool,
     metrics_port: int | None,
     metrics_address: str,
@@ -515,7 +541,7 @@ def ingest(
         raise click.BadParameter(str(exc), param_hint="--reset-medium") from None
     _setup_logging(ctx)
     _identity_hints(configs)
-    index = _open_index(target, namespace, read_password(password_file))
+    index = _open_index(target, namespace, read_password(password_file), bucket_bits)
     raw_index = index
     registry = probes = None
     if metrics_port is not None:

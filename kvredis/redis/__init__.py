@@ -57,6 +57,7 @@ _EXPORTS: dict[str, str] = {
     "AsyncRedisClusterIndex": "kvredis.redis.cluster.index",
     "RedisClusterIndex": "kvredis.redis.cluster.index",
     "RedisIndexConfig": "kvredis.redis.config",
+    "bucket_bits_for": "kvredis.redis.layout",
     "RedisAddress": "kvredis.redis.address",
     "mask_password": "kvredis.redis.address",
     "parse_address": "kvredis.redis.address",
@@ -69,6 +70,7 @@ __all__ = [
     "RedisClusterIndex",
     "RedisIndex",
     "RedisIndexConfig",
+    "bucket_bits_for",
     "mask_password",
     "new_async_redis_index",
     "new_redis_index",
@@ -94,3 +96,4 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
     from kvredis.redis.config import RedisIndexConfig
     from kvredis.redis.factories import new_async_redis_index, new_redis_index, new_valkey_index
     from kvredis.redis.index import AsyncRedisIndex, RedisIndex
+    from kvredis.redis.layout import bucket_bits_for

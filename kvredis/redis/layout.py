@@ -337,6 +337,31 @@ def rename_hint(namespace: str) -> str:
     )
 
 
+#: The request keys (and as many engine keys) a bucket holds in an index sized by
+#: :func:`bucket_bits_for`: 32 to 64. Fewer, and each bucket key's own overhead (about 60 bytes:
+#: its name, its dictionary entry, its listpack's header) outweighs its fields; many more, and
+#: a field's lookup scans a longer listpack (past the server's ``hash-max-listpack-entries``,
+#: 128 or 512, a bucket turns into a hashtable, which costs more per field than a listpack).
+KEYS_PER_BUCKET = 64
+
+
+def bucket_bits_for(keys: int, shards: int = 1) -> int:
+    """The bucket bits of a namespace meant to hold about ``keys`` distinct request keys (the
+    blocks the fleet holds, counted once however many pods hold them), spread over ``shards``
+    (a cluster namespace's shards each have ``2**bits`` buckets of each kind): buckets of 32 to
+    64 keys (:data:`KEYS_PER_BUCKET`), within [:data:`MIN_BUCKET_BITS`,
+    :data:`MAX_BUCKET_BITS`]. Measured (``scripts/bench_redis_memory.py --bucket-bits``): 200k
+    keys in runs cost 95 bytes a key at 16 bits (3 a bucket) and 51-54 at 10-12 bits; an index
+    of fewer than about 4M keys is smaller with fewer bits than the default 16."""
+    if isinstance(keys, bool) or not isinstance(keys, int) or keys < 0:
+        raise InvalidInputError(f"keys must be an int >= 0, got {keys!r}")
+    if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
+        raise InvalidInputError(f"shards must be an int >= 1, got {shards!r}")
+    per_shard = -(-keys // shards)  # ceil
+    bits = max(0, (per_shard - 1) // KEYS_PER_BUCKET).bit_length()
+    return min(MAX_BUCKET_BITS, max(MIN_BUCKET_BITS, bits))
+
+
 def check_bucket_bits(bits: object) -> int:
     """Validate a bucket bit count."""
     if isinstance(bits, bool) or not isinstance(bits, int):

@@ -26,7 +26,16 @@ from kvredis import (
     Watermark,
 )
 from kvredis.redis.config import config_for_existing
-from kvredis.redis.layout import LAYOUT_VERSION, Layout, bucket_of, check_namespace
+from kvredis.redis.layout import (
+    KEYS_PER_BUCKET,
+    LAYOUT_VERSION,
+    MAX_BUCKET_BITS,
+    MIN_BUCKET_BITS,
+    Layout,
+    bucket_bits_for,
+    bucket_of,
+    check_namespace,
+)
 from kvredis.redis.ops import op_clear, op_lookup
 from kvredis.redis.requests import Pipeline, Request, ScriptCall
 from kvredis.redis.session import op_send
@@ -118,6 +127,48 @@ def test_python_and_lua_agree_on_buckets(make: Any, raw: redis.Redis, bits: int)
     assert read_namespace(raw, idx.namespace).keys == sorted(
         [layout.meta, layout.pe, layout.pi, layout.pp]
     )
+
+
+@settings(deadline=None, max_examples=300)
+@given(st.integers(min_value=0, max_value=2**40), st.integers(min_value=1, max_value=64))
+def test_bucket_bits_for_an_index_give_buckets_of_32_to_64_keys(keys: int, shards: int) -> None:
+    bits = bucket_bits_for(keys, shards)
+    assert MIN_BUCKET_BITS <= bits <= MAX_BUCKET_BITS
+    per_bucket = -(-keys // shards) / 2**bits
+    if MIN_BUCKET_BITS < bits < MAX_BUCKET_BITS:
+        assert KEYS_PER_BUCKET / 2 < per_bucket <= KEYS_PER_BUCKET
+    elif bits == MIN_BUCKET_BITS:
+        assert per_bucket <= KEYS_PER_BUCKET
+    else:
+        assert per_bucket > KEYS_PER_BUCKET / 2
+    assert bucket_bits_for(keys + 1, shards) >= bits  # more keys never fewer buckets
+
+
+@pytest.mark.parametrize(("keys", "shards"), [(-1, 1), (1.5, 1), (True, 1), (10, 0), (10, "2")])
+def test_bucket_bits_for_refuses_what_is_no_count(keys: Any, shards: Any) -> None:
+    with pytest.raises(InvalidInputError):
+        bucket_bits_for(keys, shards)
+
+
+def test_an_index_sized_by_bucket_bits_for_keeps_its_buckets_small_listpacks(
+    make: Any, raw: redis.Redis
+) -> None:
+    # 6,000 keys (with an engine key each) in 64-key adds: the buckets hold 32 to 64 fields on
+    # average, none near the listpack limit, every one listpack-encoded.
+    rng = random.Random(6)
+    keys = [rng.getrandbits(64) for _ in range(6000)]
+    bits = bucket_bits_for(len(keys))
+    idx = make(bucket_bits=bits)
+    for j in range(0, len(keys), 64):
+        idx.add([k ^ 0xA5 for k in keys[j : j + 64]], keys[j : j + 64], [A])
+    layout = idx._session.state.layout
+    for prefix in (layout.rprefix, layout.eprefix):
+        buckets = [k for k in raw.scan_iter(prefix + b"*", count=1000) if layout.owns(k)]
+        sizes = [raw.hlen(k) for k in buckets]
+        assert len(buckets) == 2**bits
+        assert KEYS_PER_BUCKET / 2 < sum(sizes) / len(sizes) <= KEYS_PER_BUCKET
+        assert max(sizes) < 128
+        assert {raw.object("encoding", k) for k in buckets} == {b"listpack"}
 
 
 # -- namespaces --------------------------------------------------------------------------------
