@@ -33,7 +33,8 @@ growth minus the idle server's, see ``bench_server_cpu.py``):
 - **memory per (block, pod) pair**: ``used_memory`` growth (clients' buffers left out) of the
   event-filled namespace (the page journal included, and apart: as the ingester left it, up to
   twice what a compaction keeps, and compacted) against the same pairs added by 64-key adds (no
-  engine mappings);
+  engine mappings; and again, with each block's engine mapping: what an index of engine events
+  must hold to apply their removals);
 - **scores** of every conversation against what each simulated pod holds (must be equal; the
   script fails otherwise), parent misses, and the share of request keys held in chain runs;
 - **score CPU** (kvredis, Go layout, 64-key fill, a floor script that GETs one 4 KiB string, and
@@ -821,6 +822,26 @@ def run_shape(
         for j in range(0, len(keys), 64):
             fill.add(None, keys[j : j + 64], [entries[p]])
     fill_bytes = used_memory(raw) - before
+    # the same, each key's adds naming the engine key the index maps to it (a vLLM block's hash,
+    # the page ending an SGLang block): the mappings an index of engine events needs
+    engine_of: dict[int, int] = {}
+    for m in fleet.messages:
+        for engine_keys, request_keys in m.adds:
+            if len(engine_keys) == len(request_keys):
+                engine_of.update(zip(request_keys, engine_keys, strict=True))
+            elif len(request_keys) == 1 and engine_keys:
+                engine_of[request_keys[0]] = engine_keys[-1]
+    mapped = RedisIndex(
+        RedisIndexConfig(
+            address=f"{url}/0", namespace=many.ns + "-64e", bucket_bits=fleet.bucket_bits
+        )
+    )
+    before = used_memory(raw)
+    for p, keys in pairs.items():
+        for j in range(0, len(keys), 64):
+            part = keys[j : j + 64]
+            mapped.add([engine_of[k] for k in part], part, [entries[p]])
+    mapped_bytes = used_memory(raw) - before
     # the journal as the ingester left it (up to twice what compaction keeps), then compacted
     before = used_memory(raw)
     if journal_keys:
@@ -839,7 +860,7 @@ def run_shape(
     checked = 0
     for conv in fleet.convs:
         want = {f"pod-{p}": float(h) for p in range(PODS) if (h := fleet.held(conv, p))}
-        for side in (many.index, single.index, fill):
+        for side in (many.index, single.index, fill, mapped):
             got = side.score(conv.keys, WEIGHTS)
             assert got == want, (fleet.shape, got, want)
         assert scorer.score(conv.keys, refs["go layout"].lookup(conv.keys)) == want
@@ -877,6 +898,7 @@ def run_shape(
     for side in (single, many):
         side.close()
     fill.close()
+    mapped.close()
     for client in ref_clients:
         client.close()
     redis_us = {
@@ -917,6 +939,7 @@ def run_shape(
             "of which page journal": journal_bytes / n_pairs,
             "page journal compacted": journal_compacted / n_pairs,
             "64-key fill": fill_bytes / n_pairs,
+            "64-key fill with engine mappings": mapped_bytes / n_pairs,
         },
         pairs=n_pairs,
         parent_misses=misses,
@@ -932,6 +955,10 @@ def run_shape(
         "ingest vs go layout written well": redis_us[f"kvredis, backlog {backlog}"] / well,
         "memory vs 64-key fill": event_filled / fill_bytes,
         "memory without the journal vs 64-key fill": (event_filled - journal_bytes) / fill_bytes,
+        "memory without the journal vs 64-key fill with engine mappings": (
+            event_filled - journal_bytes
+        )
+        / mapped_bytes,
         "memory, journal compacted, vs 64-key fill": (
             event_filled - journal_bytes + journal_compacted
         )

@@ -35,6 +35,7 @@ and 16-token blocks that is about 13 bytes a page: its hash, its token, its toke
 
 from __future__ import annotations
 
+import collections
 import itertools
 import sys
 import threading
@@ -195,18 +196,28 @@ def encode_entry(
         if list(map(id, held)).count(id(record)) == len(held):
             out.append(_packed_whole(record))
             continue
-        keep = [i for i, r in enumerate(held) if r is record]
-        if not keep:
-            continue
-        fields = _fields(
-            record,
-            tuple(record.pages[i] for i in keep),
-            tuple(record.page_tokens[i] for i in keep),
-            tuple(record.page_ids[i] for i in keep) if record.page_ids else (),
-            tuple(record.page_keys[i] for i in keep) if record.page_keys else (),
-        )
-        out.append(msgpack.packb(fields, use_bin_type=True))
+        out.extend(_packed_part(record, records, held))
     return _entry(out, removed, cleared)
+
+
+def _packed_part(
+    record: Tail, records: Mapping[int, Tail], held: list[Tail | None] | None = None
+) -> list[bytes]:
+    """The packed array of ``record`` holding those of its pages that ``records`` maps to it
+    (``held``: what ``records`` maps its pages to, when known); none when it holds none."""
+    if held is None:
+        held = list(map(records.get, record.pages))
+    keep = [i for i, r in enumerate(held) if r is record]
+    if not keep:
+        return []
+    fields = _fields(
+        record,
+        tuple(record.pages[i] for i in keep),
+        tuple(record.page_tokens[i] for i in keep),
+        tuple(record.page_ids[i] for i in keep) if record.page_ids else (),
+        tuple(record.page_keys[i] for i in keep) if record.page_keys else (),
+    )
+    return [msgpack.packb(fields, use_bin_type=True)]
 
 
 def _entry(records: list[bytes], removed: Iterable[int], cleared: bool) -> bytes:
@@ -289,9 +300,29 @@ def compact(blobs: Sequence[bytes]) -> bytes:
 
 
 def snapshot(cache: EngineKeyCache) -> bytes:
-    """What ``cache`` knows of a pod's pages, as one entry that replaces its journal."""
+    """What ``cache`` knows of a pod's pages, as one entry that replaces its journal: the bytes
+    ``encode_entry`` writes for them, found with a pass or two over the pages at C speed.
+
+    A page the cache holds maps to a record listing it (or to one listing no pages at all), so
+    a record that as many pages map to as it lists is held whole: packed as it is, its pages
+    not looked up one by one (a pod holds tens of thousands of pages; a compaction of a busy
+    pod's journal went by them several times in Python)."""
     cuts, tails, _ = cache.records()
-    return encode_entry({**cuts, **tails}, cleared=True)
+    values = [*cuts.values(), *tails.values()]
+    held = collections.Counter(map(id, values))
+    records = dict(zip(map(id, values), values, strict=True))
+    merged: dict[int, Tail] | None = None
+    out: list[bytes] = []
+    for rid, record in records.items():
+        if not record.tokens:
+            continue
+        if not record.pages or held[rid] == len(record.pages):
+            out.append(_packed_whole(record))
+            continue
+        if merged is None:
+            merged = {**cuts, **tails}
+        out.extend(_packed_part(record, merged))
+    return _entry(out, (), True)
 
 
 Snapshot = Callable[[], bytes]

@@ -4,6 +4,7 @@ meanwhile."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,6 +24,7 @@ from kvredis.ingest.journal import (
     journal_for,
     recall,
     replay,
+    snapshot,
 )
 from kvredis.ingest.stream import split_position
 from kvredis.memory import InMemoryIndex
@@ -231,6 +233,38 @@ def test_a_cluster_journal_lives_in_its_pods_shard_and_goes_with_the_namespace(
             assert index.executor.primary_client(slot).exists(key) == 0
     finally:
         close_backend(index)
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_a_snapshot_is_the_entry_of_what_the_cache_holds(page: int) -> None:
+    # A pod's cache after random radix trees (branches, evictions), then pages forgotten here
+    # and there (records some of whose pages went): the snapshot compaction writes is, byte for
+    # byte, the entry of every page the cache holds, each record checked page by page.
+    from tests.ingest.radix import RadixCache
+    from tests.ingest.test_branches import Stream, workload
+
+    rng = random.Random(page)
+    caches = {pod: RadixCache(page) for pod in ("pod-a", "pod-b")}
+    streams = {pod: Stream(pod, "sglang") for pod in caches}
+    ing = EventIngester(InMemoryIndex(), TP16)
+    for pod, events in workload(rng, caches, 80):
+        streams[pod].send(sglang_batch(events), ing)
+    cache = ing._planner.caches.get("pod-a")
+    assert cache is not None
+    for forget in (False, True):
+        if forget:
+            cuts, tails, _ = cache.records()
+            cache.pop_many(rng.sample(sorted(cuts), len(cuts) // 5))
+        cuts, tails, _ = cache.records()
+        whole = encode_entry({**cuts, **tails}, cleared=True)
+        assert snapshot(cache) == whole
+        replayed = EngineKeyCache(1 << 30, 1 << 30)
+        replay(replayed, [whole])
+        again = replayed.records()
+        for mine, theirs in ((cuts, again.cuts), (tails, again.tails)):
+            assert {p: r.after(p) for p, r in theirs.items()} == {
+                p: r.after(p) for p, r in mine.items()
+            }
 
 
 def test_the_embedded_journal_stays_with_its_index() -> None:
