@@ -267,6 +267,35 @@ def test_a_snapshot_is_the_entry_of_what_the_cache_holds(page: int) -> None:
             }
 
 
+@pytest.mark.redis
+@pytest.mark.cluster
+def test_a_cluster_compaction_on_a_node_that_lost_the_slot_is_skipped(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # While the journal's slot moves, the node the slot map names answers MOVED: the compaction
+    # is skipped (the next one will do) and the journal keeps every entry.
+    import redis
+
+    index = make_backend(f"cluster_split@{local_server_kinds()[0]}", request)
+    try:
+        journal = stored_journal(index)
+        entries = [encode_entry(records()), encode_entry({}, removed=[103])]
+        journal.append([("pod-a", e) for e in entries])
+        slot = key_slot(journal.key("pod-a"))
+        owner = index.executor.slot_map.primary(slot)
+        other = next(r.primary for r in index.executor.slot_map.ranges if r.primary != owner)
+        wrong = redis.Redis(host=other.host, port=other.port)
+        monkeypatch.setattr(index.executor, "primary_client", lambda _slot: wrong)
+        assert journal.compact("pod-a") is None
+        wrong.close()
+        assert journal.read("pod-a") == entries
+        monkeypatch.undo()
+        assert journal.compact("pod-a") == len(compact(entries))
+        assert journal.read("pod-a") == [compact(entries)]
+    finally:
+        close_backend(index)
+
+
 def test_the_embedded_journal_stays_with_its_index() -> None:
     index = InMemoryIndex()
     first = journal_for(index)
