@@ -17,8 +17,10 @@ pinned to one core and this process to the other where ``taskset`` allows):
 A cluster namespace has ``--shards-per-primary`` shards per primary (1: a score costs one call
 per shard it involves, so more shards per node cost more per score). Per shape, in one run:
 
-1. **ingest**: the whole stream into every setup (the page journal off on all: a cluster index
-   keeps none), the setups taking it in turns chunk by chunk
+1. **ingest**: the whole stream into every setup (the page journal off on all: its appends and
+   compactions are the same per pod on one server and on a cluster, where a pod's journal lives
+   in the pod's shard; ``bench_realistic.py`` measures them), the setups taking it in turns chunk
+   by chunk
    (so a noisy spell of the machine hits them alike); each node's ``INFO cpu`` growth (user +
    sys, less its idle rate) per stored block, and this process's CPU per block;
 2. **score**: every conversation's whole chain scored (the router's keys), ``--rounds`` rounds
@@ -210,8 +212,8 @@ def start_setups(
 
 def ingest(setups: Sequence[Setup], fleet: Fleet) -> int:
     """Every message into every setup, the setups in turns, chunk by chunk; blocks stored."""
-    # no page journal on any setup: a cluster index keeps none (yet), so the setups do the same
-    # work per engine message
+    # no page journal on any setup: the same work per engine message everywhere (a cluster keeps
+    # a pod's journal in the pod's shard), measured by bench_realistic.py
     config = IngesterConfig(page_journal=False)
     ingesters = {s.name: EventIngester(s.open(), TP, config=config) for s in setups}
     seqs: dict[str, dict[int, int]] = {s.name: {} for s in setups}
