@@ -424,9 +424,10 @@ def _tier_map(spec: str | None) -> TierMap:
     type=click.IntRange(MIN_BUCKET_BITS, MAX_BUCKET_BITS),
     default=None,
     help="Bucket bits of a namespace this process creates (2**N request and as many engine "
-    "buckets; an existing namespace keeps its own). For an index of about KEYS distinct "
-    "request keys, kvredis.redis.bucket_bits_for(KEYS) (buckets of 32-64 keys; default 16, "
-    "for about 2-4M keys: a smaller index takes less memory with fewer bits).",
+    "buckets; an existing namespace keeps its own; not used with --in-memory). For an index "
+    "of about KEYS distinct request keys, kvredis.redis.bucket_bits_for(KEYS) (buckets of "
+    "32-64 keys; default 16, for about 2-4M keys: a smaller index takes less memory with fewer "
+    "bits).",
 )
 @click.option(
     "--no-page-journal",

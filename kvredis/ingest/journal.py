@@ -180,7 +180,7 @@ def encode_entry(
         values = list(records.values())
         candidates = dict(zip(map(id, values), values, strict=True)).values()
     out: list[bytes]
-    if whole and candidates is not None:
+    if whole:
         unique = {id(record): record for record in candidates}.values()
         out = [_packed_whole(record) for record in unique if record.tokens]
         return _entry(out, removed, cleared)
@@ -449,17 +449,23 @@ def _compact_watched(
         return None  # an entry was appended meanwhile: the next compaction will do
 
 
+#: The error replies of a node that does not serve a slot now (the slot moved or is moving, or
+#: the cluster is down): a compaction skipped, not failed.
+_SLOT_MOVING = frozenset({"MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN"})
+
+
 class ClusterPageJournal:
     """The journals of a Redis Cluster index's pods: a LIST ``<shard>:pj:<pod>`` each, where
-    ``<shard>`` is the namespace of the shard holding the pod's entries (the pod layout's
-    :func:`~kvredis.redis.cluster.shards.pod_shard`). The journal shares the slot of every other
-    key of the pod, so a resharding moves it with them, and a drop of the namespace (which drops
-    each shard's namespace) deletes it.
+    ``<shard>`` is the namespace of the shard :func:`~kvredis.redis.cluster.shards.pod_shard`
+    names for the pod: in the pod layout (``kvredis-cluster/2``) the shard holding every other
+    key of the pod, whose slot the journal shares, so a resharding moves it with them. A drop of
+    the namespace (which drops each shard's namespace) deletes it.
 
     Appends, reads and deletions go as waves of the index's executor (redirections and retries
     as for its script calls; the appends of one call to the pods of several nodes in
     parallel). A compaction reads and rewrites under ``WATCH`` on the primary serving the
-    journal's slot; while that slot moves between nodes it is skipped (the next one will do)."""
+    journal's slot; while that slot moves between nodes (``MOVED``, ``ASK``, ``TRYAGAIN``) or the
+    cluster is down it is skipped (the next one will do); any other error reply raises."""
 
     def __init__(self, index: Any) -> None:
         self._index = index
@@ -505,12 +511,16 @@ class ClusterPageJournal:
     ) -> int | None:
         import redis
 
+        from kvredis.redis.executor import reply_text
+
         slot, key = self._where(pod)
         try:
             client = self._index.executor.primary_client(slot)
             return _compact_watched(client, key, mine, snapshot)
-        except redis.ResponseError:
-            return None  # MOVED or ASK: the slot is moving; the next compaction will do
+        except redis.ResponseError as exc:
+            if reply_text(exc).split(" ", 1)[0] in _SLOT_MOVING:
+                return None  # the slot is moving or the cluster is down: the next one will do
+            raise
 
     def delete(self, pod: str) -> None:
         slot, key = self._where(pod)
@@ -529,6 +539,10 @@ def journal_for(index: object) -> PageJournal | None:
     index: an ingester on it that restarts forgets the pages it knew)."""
     from kvredis.memory.index import _MemoryIndex
 
+    observed = sys.modules.get("kvredis.observed")
+    if observed is not None:  # metrics and tracing wrap the index: the journal goes beside it
+        while isinstance(index, observed.ObservedIndex):
+            index = index.wrapped
     if isinstance(index, _MemoryIndex):
         with _EMBEDDED_LOCK:
             journal = _EMBEDDED.get(index)

@@ -311,6 +311,8 @@ def send_commands(client: redis.Redis, commands: Sequence[tuple[Any, ...]]) -> l
     hiredis, and read their replies in order: a pipeline without redis-py's per-command and
     per-argument Python work (through redis-py's pipeline without hiredis, or for an argument
     hiredis does not take). An error reply raises (the first), once every reply was read."""
+    if not commands:
+        return []
     packed: list[bytes] | None = None
     if hiredis_pack is not None:
         try:

@@ -341,7 +341,7 @@ def rename_hint(namespace: str) -> str:
 #: :func:`bucket_bits_for`: 32 to 64. Fewer, and each bucket key's own overhead (about 60 bytes:
 #: its name, its dictionary entry, its listpack's header) outweighs its fields; many more, and
 #: a field's lookup scans a longer listpack (past the server's ``hash-max-listpack-entries``,
-#: 128 or 512, a bucket turns into a hashtable, which costs more per field than a listpack).
+#: 512 by default, a bucket turns into a hashtable, which costs more per field than a listpack).
 KEYS_PER_BUCKET = 64
 
 
@@ -350,7 +350,9 @@ def bucket_bits_for(keys: int, shards: int = 1) -> int:
     blocks the fleet holds, counted once however many pods hold them), spread over ``shards``
     (a cluster namespace's shards each have ``2**bits`` buckets of each kind): buckets of 32 to
     64 keys (:data:`KEYS_PER_BUCKET`), within [:data:`MIN_BUCKET_BITS`,
-    :data:`MAX_BUCKET_BITS`]. Measured (``scripts/bench_redis_memory.py --bucket-bits``): 200k
+    :data:`MAX_BUCKET_BITS`]. A cluster namespace placed by pod (``kvredis-cluster/2``) stores a
+    request key once in each shard whose pods hold it: count it once per such shard there (at
+    most once per pod holding it). Measured (``scripts/bench_redis_memory.py --bucket-bits``): 200k
     keys in runs cost 95 bytes a key at 16 bits (3 a bucket) and 51-54 at 10-12 bits; an index
     of fewer than about 4M keys is smaller with fewer bits than the default 16."""
     if isinstance(keys, bool) or not isinstance(keys, int) or keys < 0:

@@ -296,6 +296,61 @@ def test_a_cluster_compaction_on_a_node_that_lost_the_slot_is_skipped(
         close_backend(index)
 
 
+@pytest.mark.redis
+@pytest.mark.cluster
+def test_a_cluster_compaction_raises_what_is_no_moving_slot(
+    request: pytest.FixtureRequest,
+) -> None:
+    # Only a moving slot or a cluster down skips a compaction: any other error reply (here the
+    # journal's key holding a string) raises, as on one server, for the ingester to report.
+    import redis
+
+    index = make_backend(f"cluster_split@{local_server_kinds()[0]}", request)
+    try:
+        journal = stored_journal(index)
+        key = journal.key("pod-a")
+        index.executor.primary_client(key_slot(key)).set(key, b"not a list")
+        with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+            journal.compact("pod-a")
+    finally:
+        close_backend(index)
+
+
+@pytest.mark.parametrize("backend", ["memory", *STORED])
+def test_a_journal_is_kept_beside_an_index_behind_metrics(
+    request: pytest.FixtureRequest, backend: str
+) -> None:
+    # kvredis ingest --metrics-port wraps the index in InstrumentedIndex: the journal is the
+    # wrapped index's, not none.
+    from prometheus_client import CollectorRegistry
+
+    from kvredis.metrics import InstrumentedIndex
+
+    index = make_backend(backend, request)
+    try:
+        inner = journal_for(index)
+        wrapped = InstrumentedIndex(InstrumentedIndex(index), registry=CollectorRegistry())
+        found = journal_for(wrapped)
+        assert found is not None and type(found) is type(inner)
+        found.append([("pod-a", b"entry")])
+        assert inner is not None and inner.read("pod-a") == [b"entry"]
+        # and ingesters on the wrapper that restart now and then continue every branch
+        from tests.ingest.radix import RadixCache
+        from tests.ingest.test_branches import Stream, misses, workload
+
+        rng = random.Random(5)
+        caches = {pod: RadixCache(1) for pod in ("pod-a", "pod-b")}
+        streams = {pod: Stream(pod, "sglang") for pod in caches}
+        ingesters = [EventIngester(wrapped, TP16)]
+        for n, (pod, events) in enumerate(workload(rng, caches, 40)):
+            if n and n % 5 == 0:
+                ingesters.append(EventIngester(wrapped, TP16))
+            streams[pod].send(sglang_batch(events), ingesters[-1])
+        assert len(ingesters) >= 5 and misses(*ingesters) == 0
+    finally:
+        close_backend(index)
+
+
 def test_the_embedded_journal_stays_with_its_index() -> None:
     index = InMemoryIndex()
     first = journal_for(index)

@@ -285,6 +285,7 @@ def test_commands_sent_together_answer_as_redis_py_pipelines_do(redis_server_url
         pool: Any = executor.pool
         assert [c for c in pool._connections if c not in pool.pool.queue] == []
         assert send_commands(executor.client, [(b"LLEN", key)]) == [5]
+        assert send_commands(executor.client, []) == []  # nothing sent, whatever redis-py
     finally:
         plain.delete(key, other)
         executor.close()
