@@ -54,6 +54,7 @@ __all__ = [
 ]
 
 
+
 def server_kinds() -> list[str]:
     """The kinds the Redis tests run against: both, unless an external server is named."""
     if os.environ.get(EXTERNAL_URL_VARIABLE):
@@ -64,6 +65,7 @@ def server_kinds() -> list[str]:
 def local_server_kinds() -> list[str]:
     """The kinds whose processes tests may start, stop and configure themselves."""
     return ["redis", "valkey"]
+
 
 
 @contextmanager
@@ -83,6 +85,7 @@ def redis_url(kind: str = "redis") -> Iterator[tuple[str, RedisServer | None]]:
         return
     with container_url("redis") as url:  # pragma: no cover - needs a Docker engine
         yield url, None
+
 
 
 class Proxy:
@@ -183,6 +186,9 @@ def _close(sock: socket.socket) -> None:
     with suppress(OSError):
         sock.shutdown(socket.SHUT_RDWR)
     sock.close()
+
+
+
 
 
 class LocalReplication:

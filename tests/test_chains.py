@@ -38,10 +38,7 @@ def small() -> object:
 def test_twenty_k_chains_counts() -> None:
     spec = chains.TWENTY_K_CHAINS
     assert (spec.families, spec.prefix_blocks, spec.tails_per_family, spec.tail_blocks) == (
-        1000,
-        384,
-        20,
-        128,
+        1000, 384, 20, 128,
     )
     assert spec.chains == 20_000
     assert spec.chain_blocks == 512
@@ -122,10 +119,7 @@ def test_hot_chain_and_random_keys() -> None:
     assert hot.entries() == 512 * 4
     spec = chains.random_keys(1_000_000, 64)
     assert (spec.families, spec.chain_blocks, spec.chains, spec.holders) == (
-        1953,
-        512,
-        1953,
-        (64, 64),
+        1953, 512, 1953, (64, 64),
     )
     few = chains.build(chains.random_keys(4096, 16, holders=(1, 4)))
     assert few.chains == 8 and few.distinct_keys() == 4096

@@ -78,10 +78,9 @@ def test_probes_and_scraping_point_at_the_metrics_port_the_ingester_serves() -> 
     (service_port,) = service["ports"]
     assert service_port["targetPort"] == "metrics"
     monitor = MANIFESTS["ServiceMonitor"]["spec"]
-    assert (
-        monitor["selector"]["matchLabels"].items()
-        <= MANIFESTS["Service"]["metadata"]["labels"].items()
-    )
+    assert monitor["selector"]["matchLabels"].items() <= MANIFESTS["Service"]["metadata"][
+        "labels"
+    ].items()
     assert monitor["endpoints"][0]["port"] == service_port["name"]
 
 
@@ -130,7 +129,9 @@ def test_the_systemd_unit_runs_the_ingester_with_the_documented_settings() -> No
     "name", ["KVREDIS_REDIS_URL", "KVREDIS_NAMESPACE", "KVREDIS_REDIS_PASSWORD_FILE"]
 )
 def test_the_variables_the_recipes_set_are_the_ones_the_ingester_reads(name: str) -> None:
-    envvars = {p.envvar for p in ingest.params if isinstance(p, click.Option) and p.envvar}
+    envvars = {
+        p.envvar for p in ingest.params if isinstance(p, click.Option) and p.envvar
+    }
     assert name in envvars
 
 

@@ -320,5 +320,7 @@ def test_every_metric_the_operations_guide_names_is_exported() -> None:
     named = set(re.findall(r"\b(kv(?:redis|cache)_[a-z_]+?)(?:_bucket)?\b(?![<a-z_])", text))
     named = {n for n in named if not n.endswith("_")}  # kvredis_ingest_<counter>_total patterns
     assert named, "the guide names metrics"
-    missing = sorted(n for n in named if not {n, f"{n}_total", n.removesuffix("_total")} & exported)
+    missing = sorted(
+        n for n in named if not {n, f"{n}_total", n.removesuffix("_total")} & exported
+    )
     assert missing == []

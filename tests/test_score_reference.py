@@ -71,10 +71,8 @@ class Model:
                 for entry in entries:
                     if not entry.speculative:
                         for other, d in list(held.items()):
-                            if (
-                                d is not None
-                                and other.speculative
-                                and (other.pod_identifier == entry.pod_identifier)
+                            if d is not None and other.speculative and (
+                                other.pod_identifier == entry.pod_identifier
                             ):
                                 del held[other]
             for entry in entries:

@@ -31,7 +31,7 @@ _STATE = click.option(
 @click.command(
     "cluster-up",
     epilog="\b\nExamples:\n  kvredis cluster-up\n  kvredis cluster-up --kind valkey --json\n"
-    '  kvredis stats --redis "$(kvredis cluster-up)"',
+    "  kvredis stats --redis \"$(kvredis cluster-up)\"",
 )
 @click.option(
     "--kind",

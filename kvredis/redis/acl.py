@@ -203,3 +203,4 @@ def _quoted(arg: str) -> str:
     if any(c in arg for c in "\"'") or not arg:
         return '"' + arg.replace("\\", "\\\\").replace('"', '\\"') + '"'
     return arg
+

@@ -493,7 +493,9 @@ class FunctionRegistry(ScriptRegistry):
             "client does not load its older library under them; upgrade this client"
         )
 
-    def op_choose(self, server: str = "the server", state: CoreState | None = None) -> Op[None]:
+    def op_choose(
+        self, server: str = "the server", state: CoreState | None = None
+    ) -> Op[None]:
         """Decide how calls are sent (what connecting does, and what a call that missed the
         library does again): ask ``kvredis_version``, load the library when it is missing or
         older (:func:`plan`; never over a newer api, nor, when the server holds none, when

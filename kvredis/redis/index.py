@@ -62,6 +62,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+
 class _Facade:
     """What both index classes hold: the checked config and the session their operations use."""
 

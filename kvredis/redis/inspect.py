@@ -307,6 +307,7 @@ def merge_watermarks(
     return {s: (pick(v, key=order), len(v)) for s, v in sorted(held.items())}
 
 
+
 # -- driving ------------------------------------------------------------------------------------
 
 

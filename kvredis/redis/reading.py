@@ -42,6 +42,7 @@ def no_progress(_done: int, _total: int) -> None:
     return None
 
 
+
 def op_read_layout(namespace: str, address: str | None = None) -> Op[Layout | None]:
     """The namespace's layout, from its meta record; ``None`` if it has none (never creates it).
 
@@ -56,7 +57,9 @@ def op_read_layout(namespace: str, address: str | None = None) -> Op[Layout | No
     return state.adopt(reply)
 
 
-def op_server_layout(namespace: str, server: str, address: str | None = None) -> Op[Layout | None]:
+def op_server_layout(
+    namespace: str, server: str, address: str | None = None
+) -> Op[Layout | None]:
     """:func:`op_read_layout` on a single server, once ``INFO cluster`` shows it is no cluster
     node (:class:`~kvredis.errors.ClusterModeError` otherwise, naming ``server``; a server that
     does not permit INFO is taken as it is)."""

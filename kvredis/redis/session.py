@@ -256,6 +256,8 @@ def op_drive(session: Session, op: Op[T]) -> Op[T]:
         op.close()
 
 
+
+
 def _info_field(info: Any, name: str) -> Any:
     """A field of an ``INFO`` reply (parsed into a mapping, or its text); bytes as str."""
     value: Any = None
@@ -302,3 +304,5 @@ def check_eviction_policy(info: Any, server: str, strict: bool) -> str | None:
             raise UnsafeServerConfigError(message)
         logger.warning("%s", message)
     return policy
+
+

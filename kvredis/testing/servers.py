@@ -87,6 +87,7 @@ def server_binary(kind: str) -> str | None:
     raise ValueError(f"unknown server kind {kind!r}")
 
 
+
 def docker_available() -> bool:
     """Whether a Docker engine looks reachable (a socket, or ``DOCKER_HOST``)."""
     return os.path.exists("/var/run/docker.sock") or bool(os.environ.get("DOCKER_HOST"))
@@ -164,20 +165,13 @@ class RedisServer:
             return
         args = [
             self.binary,
-            "--port",
-            str(self.port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(self.dir),
-            "--daemonize",
-            "no",
-            "--loglevel",
-            "warning",
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", str(self.dir),
+            "--daemonize", "no",
+            "--loglevel", "warning",
             *self.extra_args,
         ]
         self.proc = subprocess.Popen(
@@ -541,6 +535,7 @@ def _fresh_port(taken: set[int]) -> int:
         port = free_port()
     taken.add(port)
     return port
+
 
 
 def _fields(reply: Any) -> dict[str, Any]:

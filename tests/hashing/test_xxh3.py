@@ -31,12 +31,12 @@ def test_xxh3_message_bytes() -> None:
         xxhash.xxh3_64_intdigest(text, 7)
     ]
     # 01000000 78 000000: E = u32(1) + "x", padded | 01000000: k = 1 | 02000000: bs = 2 | 4d: "M"
-    multimodal = text + bytes.fromhex("010000007800000001000000020000004d")
+    multimodal = text + bytes.fromhex("0100000078000000" "01000000" "02000000" "4d")
     assert processor.tokens_to_kv_block_keys(7, [1, 2**32 - 1], "m", features([["x"]])) == [
         xxhash.xxh3_64_intdigest(multimodal, 7)
     ]
     # magic | 02000000: bs = 2 | 00000000: empty seed | 01000000 6d: "m" | 000000: pad | "RR"
-    root = b"KVRXXH3\x01" + bytes.fromhex("0200000000000000010000006d000000") + b"RR"
+    root = b"KVRXXH3\x01" + bytes.fromhex("02000000" "00000000" "010000006d" "000000") + b"RR"
     assert processor.root_key("m") == xxhash.xxh3_64_intdigest(root, 0)
 
 

@@ -32,12 +32,8 @@ TOPIC = f"kv@{POD}@{MODEL}".encode()
 ENDPOINT = EndpointConfig("engine-1")
 STREAM = ENDPOINT.stream_name
 CONFIG = IngesterConfig(
-    peer_grace_s=0.5,
-    takeover_timeout_s=10.0,
-    heartbeat_interval_s=1.0,
-    poll_interval_s=0.1,
-    restart_window=4,
-    backend_retry_max_s=1.0,
+    peer_grace_s=0.5, takeover_timeout_s=10.0, heartbeat_interval_s=1.0, poll_interval_s=0.1,
+    restart_window=4, backend_retry_max_s=1.0,
 )
 
 

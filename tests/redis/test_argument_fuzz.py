@@ -237,6 +237,7 @@ def hand_built(
         ScriptCall("apply_parts", writes, ("1024", len(cluster_part), *cluster_part)),
         ScriptCall("move_pairs", moved, move_args),
         ScriptCall("move_mappings", (layout.meta,), mapping_args),
+
         ScriptCall("lookup_shards", names, ("1", "pod-a", *shard, "0", "0", *carried), read=True),
         ScriptCall("apply_shards", writes, apply_args),
         ScriptCall(

@@ -22,7 +22,7 @@ def route(index, tokens, model, pods):
     return max(pods, key=lambda pod: (scores.get(pod, 0.0), pod))
 '''
 
-ROUTER_TESTS = """
+ROUTER_TESTS = '''
 from kvredis import EndpointConfig, EventIngester
 from kvredis.testing import wait_until
 
@@ -55,7 +55,7 @@ def test_the_router_sends_the_next_request_to_the_pod_that_cached_the_prompt(
 def test_each_test_gets_a_namespace_of_its_own(kvredis_index, kvredis_server):
     assert kvredis_index.lookup([1]) == {}
     assert kvredis_server.url.startswith("redis://")
-"""
+'''
 
 
 def _sample_project(pytester: pytest.Pytester, engine: str = "vllm") -> None:
@@ -220,3 +220,4 @@ def test_an_external_server_is_used_as_it_is(pytester: pytest.Pytester) -> None:
         """
     )
     pytester.runpytest_subprocess("-p", "no:cacheprovider").assert_outcomes(passed=1)
+
