@@ -7,6 +7,7 @@ writes and written well; memory per pair) and the fleet-sizing table."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -51,7 +52,16 @@ def test_quick_run_reports_both_shapes(tmp_path: Path) -> None:
             "of which page journal",
             "page journal compacted",
             "64-key fill",
+            "64-key fill with engine mappings",
         }
+        # the adds naming each block's engine mapping hold what the event-filled index holds
+        memory = r["memory"]
+        event_filled = memory["event-filled"] - memory["of which page journal"]
+        assert memory["64-key fill with engine mappings"] > memory["64-key fill"]
+        assert r["ratios"]["memory without the journal vs 64-key fill with engine mappings"] == (
+            pytest.approx(event_filled / memory["64-key fill with engine mappings"])
+        )
+        assert r["bucket_bits"] == 16
     # SGLang's radix nodes start and end inside blocks: many pages per block, branches, evictions
     sglang = results["sglang"]
     assert sglang["pages_stored"] > 8 * sglang["blocks_stored"]
@@ -61,17 +71,19 @@ def test_quick_run_reports_both_shapes(tmp_path: Path) -> None:
 
 @pytest.mark.redis
 def test_quick_run_on_valkey(tmp_path: Path) -> None:
+    # with buckets sized for the fleet (--bucket-bits auto): fewer than the default 16, printed
     out = tmp_path / "realistic.json"
+    args = ["--quick", "--shape=vllm", "--server=valkey", "--bucket-bits=auto", "--json", out]
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--shape=vllm", "--server=valkey", "--json", out],
-        capture_output=True,
-        text=True,
-        timeout=300,
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stderr
     (result,) = json.loads(out.read_text())
     assert result["shape"] == "vllm" and result["server"] == "valkey"
     assert result["scores_checked"] > 0
+    assert result["bucket_bits"] < 16
+    printed = re.search(r"bucket bits\s+(\d+)", proc.stdout)
+    assert printed is not None and int(printed.group(1)) == result["bucket_bits"]
 
 
 @pytest.mark.redis

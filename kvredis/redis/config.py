@@ -77,14 +77,14 @@ class RedisIndexConfig:
     accepted for upstream compatibility; the Python client does not support RDMA, logs a warning
     and uses TCP. ``username``/``password`` override those in the address. Timeouts are in
     seconds. ``bucket_bits`` only matters for the first client of a new namespace: it fixes the
-    number of buckets (``2**bucket_bits``) for everyone: :func:`~kvredis.redis.layout.
-    bucket_bits_for` gives the count for an index's size (buckets of 32 to 64 request keys;
-    the default 16 suits about 2-4M keys, and stays listpack-encoded up to tens of millions,
-    while a smaller index takes less memory with fewer bits). ``clear_fields_per_call`` bounds the
-    work of one ``clear`` script call. ``tls_*`` options need a TLS address (``rediss://`` or
-    ``valkeys://``). Connecting checks the server's ``maxmemory-policy``: an ``allkeys-*``
-    policy (which deletes index keys) logs a warning, or with ``strict`` raises
-    :class:`~kvredis.errors.UnsafeServerConfigError`.
+    number of buckets (``2**bucket_bits``) for everyone:
+    :func:`~kvredis.redis.layout.bucket_bits_for` gives the count for an index's size (buckets
+    of 32 to 64 request keys; the default 16 suits about 2-4M keys, and stays listpack-encoded
+    up to tens of millions, while a smaller index takes less memory with fewer bits).
+    ``clear_fields_per_call`` bounds the work of one ``clear`` script call. ``tls_*`` options
+    need a TLS address (``rediss://`` or ``valkeys://``). Connecting checks the server's
+    ``maxmemory-policy``: an ``allkeys-*`` policy (which deletes index keys) logs a warning, or
+    with ``strict`` raises :class:`~kvredis.errors.UnsafeServerConfigError`.
 
     ``cluster`` selects Redis Cluster mode: ``address`` then names seed nodes. A cluster address
     (``redis+cluster://``, ``valkey+cluster://``, ``rediss+cluster://``, ``valkeys+cluster://``)
