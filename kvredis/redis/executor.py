@@ -270,14 +270,22 @@ def _packed_script_call(args: tuple[Any, ...]) -> bytes | None:
         return None
 
 
+_NAMED_CLASSES: dict[type, bool] = {}
+
+
 def _takes_command_name(pool: Any) -> bool:
     """Whether ``pool.get_connection`` needs the command's name (redis-py before 5.3; later
-    releases warn when given one)."""
-    try:
-        parameter = inspect.signature(pool.get_connection).parameters.get("command_name")
-    except (TypeError, ValueError):  # pragma: no cover - a pool without a signature
-        return True
-    return parameter is not None and parameter.default is inspect.Parameter.empty
+    releases warn when given one): a property of the pool's class, worked out once per class."""
+    named = _NAMED_CLASSES.get(type(pool))
+    if named is None:
+        try:
+            parameter = inspect.signature(pool.get_connection).parameters.get("command_name")
+        except (TypeError, ValueError):  # pragma: no cover - a pool without a signature
+            named = True
+        else:
+            named = parameter is not None and parameter.default is inspect.Parameter.empty
+        _NAMED_CLASSES[type(pool)] = named
+    return named
 
 
 def _send_packed(client: redis.Redis, name: Any, packed: bytes, named: bool) -> Any:
@@ -302,9 +310,6 @@ def _send_packed(client: redis.Redis, name: Any, packed: bytes, named: bool) -> 
         pool.release(conn)
 
 
-_NAMED_POOLS: dict[type, bool] = {}
-
-
 def send_commands(client: redis.Redis, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
     """Send ``commands`` (commands whose RESP2 reply needs no redis-py callback: ``RPUSH``,
     ``DEL``, ``LRANGE``...) in one write on one connection of ``client``'s pool, packed by
@@ -325,9 +330,7 @@ def send_commands(client: redis.Redis, commands: Sequence[tuple[Any, ...]]) -> l
             pipe.execute_command(*command)
         return list(pipe.execute())
     pool: Any = client.connection_pool
-    named = _NAMED_POOLS.get(type(pool))
-    if named is None:
-        named = _NAMED_POOLS[type(pool)] = _takes_command_name(pool)
+    named = _takes_command_name(pool)
     conn: Any = pool.get_connection(commands[0][0]) if named else pool.get_connection()
     replies: list[Any] = []
     error: redis.ResponseError | None = None

@@ -352,9 +352,10 @@ def bucket_bits_for(keys: int, shards: int = 1) -> int:
     64 keys (:data:`KEYS_PER_BUCKET`), within [:data:`MIN_BUCKET_BITS`,
     :data:`MAX_BUCKET_BITS`]. A cluster namespace placed by pod (``kvredis-cluster/2``) stores a
     request key once in each shard whose pods hold it: count it once per such shard there (at
-    most once per pod holding it). Measured (``scripts/bench_redis_memory.py --bucket-bits``): 200k
-    keys in runs cost 95 bytes a key at 16 bits (3 a bucket) and 51-54 at 10-12 bits; an index
-    of fewer than about 4M keys is smaller with fewer bits than the default 16."""
+    most once per pod holding it). Measured (``scripts/bench_redis_memory.py --blocks 200000
+    --bucket-bits 16,auto,8``, 4 pods): 26.9 bytes per (block, pod) entry at 16 bits (3 keys a
+    bucket), 15.3 at 12 (49, what this gives), 39.3 at 8 (781: hashtables); an index of fewer
+    than about 4M keys is smaller with fewer bits than the default 16."""
     if isinstance(keys, bool) or not isinstance(keys, int) or keys < 0:
         raise InvalidInputError(f"keys must be an int >= 0, got {keys!r}")
     if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
