@@ -84,34 +84,83 @@ def _rejected_name(reason: RejectReason) -> str:
     return f"rejected.{reason.value}"
 
 
+class _Cells:
+    """One thread's counts."""
+
+    __slots__ = ("rejected", "values")
+
+    def __init__(self) -> None:
+        self.values: dict[Counter, int] = dict.fromkeys(Counter, 0)
+        self.rejected: dict[RejectReason, int] = dict.fromkeys(RejectReason, 0)
+
+    def add(self, other: _Cells) -> None:
+        for counter, value in other.values.items():
+            self.values[counter] += value
+        for reason, value in other.rejected.items():
+            self.rejected[reason] += value
+
+
 class IngestCounters:
     """Thread-safe counters of everything the ingester counts.
 
     :meth:`snapshot` returns a flat ``dict``: the names in :data:`COUNTER_NAMES` plus
     ``rejected.<reason>`` for every :class:`~kvredis.ingest.events.RejectReason`.
+
+    Each thread counts into cells of its own, so counting takes no lock (workers and
+    subscribers count several times per message, and a shared lock made them wait on each
+    other); reading sums every thread's cells. A read sees every count made before it began;
+    the counts of one :meth:`add_all` made while it runs may show in part.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._values: dict[Counter, int] = dict.fromkeys(Counter, 0)
-        self._rejected: dict[RejectReason, int] = dict.fromkeys(RejectReason, 0)
+        """Guards the list of cells (not the counts: only their thread writes them)."""
+        self._local = threading.local()
+        self._cells: list[tuple[threading.Thread, _Cells]] = []
+        self._ended = _Cells()
+        """The counts of threads that ended."""
+
+    def _own(self) -> _Cells:
+        """The calling thread's cells, made on its first count."""
+        try:
+            cells: _Cells = self._local.cells
+        except AttributeError:
+            cells = _Cells()
+            with self._lock:
+                live = []
+                for thread, other in self._cells:
+                    if thread.is_alive():
+                        live.append((thread, other))
+                    else:  # it counts no more: fold its counts in
+                        self._ended.add(other)
+                live.append((threading.current_thread(), cells))
+                self._cells = live
+            self._local.cells = cells
+        return cells
+
+    def _total(self) -> _Cells:
+        total = _Cells()
+        with self._lock:
+            total.add(self._ended)
+            for _, cells in self._cells:
+                total.add(cells)
+        return total
 
     def inc(self, counter: Counter, amount: int = 1) -> None:
         """Add ``amount`` to ``counter``."""
-        with self._lock:
-            self._values[counter] += amount
+        self._own().values[counter] += amount
 
     def add_all(self, amounts: Mapping[Counter, int]) -> None:
         """Add several counters at once."""
-        with self._lock:
-            for counter, amount in amounts.items():
-                self._values[counter] += amount
+        values = self._own().values
+        for counter, amount in amounts.items():
+            values[counter] += amount
 
     def reject(self, reason: RejectReason, amount: int = 1) -> None:
         """Count a rejection (``rejected`` and ``rejected.<reason>``)."""
-        with self._lock:
-            self._values[Counter.REJECTED] += amount
-            self._rejected[reason] += amount
+        cells = self._own()
+        cells.values[Counter.REJECTED] += amount
+        cells.rejected[reason] += amount
 
     def get(self, name: Counter | str) -> int:
         """The current value of one counter, by member or by its :meth:`snapshot` name.
@@ -120,15 +169,15 @@ class IngestCounters:
         """
         if isinstance(name, Counter):
             with self._lock:
-                return self._values[name]
+                return self._ended.values[name] + sum(c.values[name] for _, c in self._cells)
         return self.snapshot()[name]
 
     def snapshot(self) -> dict[str, int]:
-        """A consistent copy of every counter, by name."""
-        with self._lock:
-            out = {counter.value: value for counter, value in self._values.items()}
-            for reason, value in self._rejected.items():
-                out[_rejected_name(reason)] = value
+        """Every counter, by name."""
+        total = self._total()
+        out = {counter.value: value for counter, value in total.values.items()}
+        for reason, value in total.rejected.items():
+            out[_rejected_name(reason)] = value
         return out
 
 

@@ -27,7 +27,6 @@ Sequencing, gaps, restarts and the HA protocol: ``docs/ingest-protocol.md``.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 import zlib
@@ -51,6 +50,7 @@ from kvredis.ingest.planner import Planner, PodCaches
 from kvredis.ingest.sequencer import BatchGroup, Sequencer
 from kvredis.ingest.stream import StreamState
 from kvredis.ingest.transport import ReplayClient, ReplayFactory
+from kvredis.ingest.workqueue import WorkQueue
 
 if TYPE_CHECKING:
     from kvredis.hashing import TokenProcessor
@@ -71,6 +71,8 @@ class _Stream:
     lock: threading.Lock = field(default_factory=threading.Lock)
     queued: int = 0
     """Messages received and not yet handled (guarded by the service's ``_idle`` lock)."""
+    shard: int = 0
+    """The worker the endpoint's messages go to, modulo the number of workers."""
     states: dict[object, StreamState] = field(default_factory=dict)
     """Every stream of the endpoint, by engine (``(pod, model)`` from the topic) or, for
     TensorRT-LLM, by attention-DP rank."""
@@ -84,8 +86,6 @@ class _Stream:
         return [self.state, *(s for s in self.states.values() if s is not self.state)]
 
 
-_STOP = object()
-
 #: One message for :meth:`EventIngester.process_many`: ``(topic, seq, payload)`` or
 #: ``(topic, seq, payload, endpoint)``.
 Message = (
@@ -93,39 +93,8 @@ Message = (
 )
 
 
-@dataclass(frozen=True, slots=True)
-class _Queued:
-    stream: _Stream
-    topic: bytes
-    seq: int
-    payload: bytes
-    size: int
-
-
-class _ByteBudget:
-    """The payload bytes queued to (or held by) one worker, bounded by ``limit``.
-
-    A message that does not fit waits; one larger than ``limit`` waits for an empty budget.
-    """
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
-        self._cond = threading.Condition()
-
-    def acquire(self, size: int, deadline: float | None, closed: threading.Event) -> bool:
-        with self._cond:
-            while self.used and self.used + size > self.limit:
-                if closed.is_set() or (deadline is not None and time.monotonic() >= deadline):
-                    return False
-                self._cond.wait(0.1)
-            self.used += size
-            return True
-
-    def release(self, size: int) -> None:
-        with self._cond:
-            self.used -= size
-            self._cond.notify_all()
+_Queued = tuple[_Stream, bytes, int, bytes]
+"""A received message queued for a worker: its endpoint's stream, topic, seq and payload."""
 
 
 def _record_scheme(index: Index, token_processor: TokenProcessor) -> BlockKeyScheme | None:
@@ -212,8 +181,7 @@ class EventIngester:
         self._streams: dict[str, _Stream] = {}
         self._streams_lock = threading.Lock()
         self._endpoints: list[EndpointConfig] = []
-        self._queues: list[queue.Queue[object]] = []
-        self._budgets: list[_ByteBudget] = []
+        self._queues: list[WorkQueue[_Queued]] = []
         self._workers: list[threading.Thread] = []
         self._receivers: list[Any] = []
         self._context: Any = None
@@ -238,7 +206,8 @@ class EventIngester:
                     f"stream {endpoint.stream_name!r} is used by two endpoints; give each "
                     "publisher its own stream name"
                 )
-            self._streams[endpoint.endpoint] = _Stream(StreamState(endpoint))
+            shard = zlib.crc32(endpoint.shard_key.encode("utf-8", "surrogateescape"))
+            self._streams[endpoint.endpoint] = _Stream(StreamState(endpoint), shard=shard)
             if is_http_endpoint(endpoint.endpoint):
                 self._streams[endpoint.endpoint].states[0] = self._streams[endpoint.endpoint].state
             self._endpoints.append(endpoint)
@@ -250,8 +219,7 @@ class EventIngester:
 
     def _stream(self, endpoint: EndpointConfig | str | None) -> _Stream:
         key = endpoint.endpoint if isinstance(endpoint, EndpointConfig) else endpoint or "direct"
-        with self._streams_lock:
-            st = self._streams.get(key)
+        st = self._streams.get(key)  # streams are only ever added (under the lock)
         if st is None:
             if isinstance(endpoint, EndpointConfig):
                 self.add_endpoint(endpoint)
@@ -314,14 +282,22 @@ class EventIngester:
             raise InvalidInputError("submit() needs a started ingester; call start() first")
         st = self._stream(endpoint)
         topic_b = topic.encode("utf-8", "surrogateescape") if isinstance(topic, str) else topic
-        return self._enqueue(st, topic_b, seq, payload, timeout)
+        return self._enqueue(st, [(topic_b, seq, payload)], timeout)
 
     def enqueue_from_transport(
         self, endpoint: EndpointConfig, topic: bytes, seq: int, payload: bytes
     ) -> bool:
         """Used by subscribers: queue a received message (blocks while the queue is full)."""
         self.counters.inc(Counter.RECEIVED)
-        return self._enqueue(self._stream(endpoint), topic, seq, payload, None)
+        return self._enqueue(self._stream(endpoint), [(topic, seq, payload)], None)
+
+    def enqueue_many_from_transport(
+        self, endpoint: EndpointConfig, messages: Sequence[tuple[bytes, int, bytes]]
+    ) -> bool:
+        """Used by subscribers: queue messages received together, in order (blocks while the
+        queue is full)."""
+        self.counters.inc(Counter.RECEIVED, len(messages))
+        return self._enqueue(self._stream(endpoint), messages, None)
 
     def subscribing(self, endpoint: EndpointConfig) -> None:
         """Used by subscribers: a subscription to ``endpoint`` is about to connect."""
@@ -346,13 +322,15 @@ class EventIngester:
         with self._streams_lock:
             for st in self._streams.values():
                 st.subscribed.clear()
-        self._queues = [queue.Queue(self.config.queue_size) for _ in range(self.config.workers)]
-        self._budgets = [_ByteBudget(self.config.queue_bytes) for _ in self._queues]
+        self._queues = [
+            WorkQueue(self.config.queue_size, self.config.queue_bytes)
+            for _ in range(self.config.workers)
+        ]
         self._workers = [
             threading.Thread(
-                target=self._worker, args=(q, b), name=f"kvredis-ingest-{i}", daemon=True
+                target=self._worker, args=(q,), name=f"kvredis-ingest-{i}", daemon=True
             )
-            for i, (q, b) in enumerate(zip(self._queues, self._budgets, strict=True))
+            for i, q in enumerate(self._queues)
         ]
         for worker in self._workers:
             worker.start()
@@ -398,11 +376,10 @@ class EventIngester:
             sub.join(max(0.0, deadline - time.monotonic()))
         self._receivers = []
         self._closed.set()
-        if not drain:
-            for q, budget in zip(self._queues, self._budgets, strict=True):
-                self._drop_queued(q, budget)
         for q in self._queues:
-            q.put(_STOP)
+            if not drain:
+                self._done([item for item, _ in q.drain()])
+            q.finish()
         ok = True
         for worker in self._workers:
             worker.join(max(0.0, deadline - time.monotonic()))
@@ -411,7 +388,6 @@ class EventIngester:
             logger.error("ingest workers did not finish within %.1fs", timeout)
         self._workers = []
         self._queues = []
-        self._budgets = []
         self._started = False
         self._close_replays()
         if self._context is not None:
@@ -584,79 +560,58 @@ class EventIngester:
         return [group.outcomes.get(n, BatchOutcome.FAILED) for n in range(len(items))]
 
     def _enqueue(
-        self, st: _Stream, topic: bytes, seq: int, payload: bytes, timeout: float | None
+        self,
+        st: _Stream,
+        messages: Sequence[tuple[bytes, int, bytes]],
+        timeout: float | None,
     ) -> bool:
-        shard = zlib.crc32(st.state.endpoint.shard_key.encode("utf-8", "surrogateescape"))
-        q = self._queues[shard % len(self._queues)]
-        budget = self._budgets[shard % len(self._queues)]
-        size = len(payload) if isinstance(payload, (bytes, bytearray, memoryview)) else 0
+        """Queue ``messages`` of ``st`` for its worker, in order; ``False`` if not all of them
+        were queued (the ingester is closing, or ``timeout`` expired)."""
+        q = self._queues[st.shard % len(self._queues)]
+        n = len(messages)
+        items: list[_Queued] = []
+        sizes: list[int] = []
+        for topic, seq, payload in messages:
+            items.append((st, topic, seq, payload))
+            sizes.append(len(payload) if isinstance(payload, (bytes, bytearray, memoryview)) else 0)
         with self._idle:
-            self._inflight += 1
-            st.queued += 1
+            self._inflight += n
+            st.queued += n
         deadline = None if timeout is None else time.monotonic() + timeout
-        if not budget.acquire(size, deadline, self._closed):
-            self._done_one(st)
+        queued = q.put(items, sizes, deadline, self._closed)
+        if queued < n:
+            self._done(items[queued:])
             return False
-        while True:
-            if self._closed.is_set():
-                budget.release(size)
-                self._done_one(st)
-                return False
-            try:
-                q.put(_Queued(st, topic, seq, payload, size), timeout=0.1)
-                return True
-            except queue.Full:
-                if deadline is not None and time.monotonic() >= deadline:
-                    budget.release(size)
-                    self._done_one(st)
-                    return False
+        return True
 
-    def _drop_queued(self, q: queue.Queue[object], budget: _ByteBudget) -> None:
-        while True:
-            try:
-                item = q.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(item, _Queued):
-                budget.release(item.size)
-                self._done_one(item.stream)
-
-    def _done_one(self, st: _Stream) -> None:
+    def _done(self, items: Sequence[_Queued]) -> None:
+        """Messages handled (or dropped): no longer in flight."""
+        if not items:
+            return
         with self._idle:
-            self._inflight -= 1
-            st.queued -= 1
+            self._inflight -= len(items)
+            for st, *_ in items:
+                st.queued -= 1
             if not self._inflight:
                 self._idle.notify_all()
 
-    def _worker(self, q: queue.Queue[object], budget: _ByteBudget) -> None:
+    def _worker(self, q: WorkQueue[_Queued]) -> None:
+        # what is queued goes to the index together (group commit): one index call for every
+        # batch that needs nothing but its step
         limit = max(1, self.config.max_batches_per_call)
-        stop = False
-        while not stop:
-            first = q.get()
-            if first is _STOP:
+        while True:
+            taken = q.take(limit)
+            if taken is None:
                 return
-            items = [first]
-            # what else is queued already goes with it (group commit): one index call for
-            # every batch that needs nothing but its step
-            while len(items) < limit:
-                try:
-                    more = q.get_nowait()
-                except queue.Empty:
-                    break
-                if more is _STOP:
-                    stop = True
-                    break
-                items.append(more)
-            queued = [item for item in items if isinstance(item, _Queued)]
+            items = [item for item, _ in taken]
             try:
-                self._handle_many([(i.stream, i.topic, i.seq, i.payload) for i in queued])
+                self._handle_many(items)
             except Exception:  # the worker must survive anything
                 logger.exception("unexpected error while ingesting a batch")
                 self.counters.inc(Counter.BATCHES_FAILED)
             finally:
-                for item in queued:
-                    budget.release(item.size)
-                    self._done_one(item.stream)
+                q.release(sum(size for _, size in taken))
+                self._done(items)
 
     # -- rejections ------------------------------------------------------------------------
 

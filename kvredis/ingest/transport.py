@@ -8,7 +8,7 @@ module unless it starts one.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -56,6 +56,13 @@ class MessageSink(Protocol):
         self, endpoint: EndpointConfig, topic: bytes, seq: int, payload: bytes
     ) -> bool:
         """Queue one received message (blocks while full); ``False`` once the sink is closing."""
+        ...
+
+    def enqueue_many_from_transport(
+        self, endpoint: EndpointConfig, messages: Sequence[tuple[bytes, int, bytes]]
+    ) -> bool:
+        """Queue messages received together, each ``(topic, seq, payload)``, in order (blocks
+        while full); ``False`` once the sink is closing."""
         ...
 
     def subscribing(self, endpoint: EndpointConfig) -> None:

@@ -2,8 +2,9 @@
 
 Live events: the engine's PUB socket sends ``[topic, seq (8 bytes big-endian), payload]``. One
 :class:`ZmqSubscriber` thread per endpoint owns a SUB socket, validates the frames and queues the
-message into a :class:`~kvredis.ingest.transport.MessageSink` (the
-:class:`~kvredis.ingest.EventIngester`'s worker queues, blocking while they are full). libzmq
+messages waiting on it (up to 64 at a time, together) into a
+:class:`~kvredis.ingest.transport.MessageSink` (the :class:`~kvredis.ingest.EventIngester`'s
+worker queues, blocking while they are full). libzmq
 reconnects on its own with exponential backoff (``reconnect_ivl_s`` doubling up to
 ``reconnect_ivl_max_s``); ZMTP heartbeats detect a publisher that vanished without closing the
 connection, so a restarted engine is reconnected to and its reset sequence numbers are noticed.
@@ -74,6 +75,11 @@ class SubscriberOptions:
     poll_s: float = 0.1
     error_backoff_max_s: float = 5.0
 
+
+_BURST = 64
+"""Messages a subscriber receives before it queues them to the workers together."""
+_DRAIN_ROUNDS = 16
+"""Bursts a subscriber queues before it looks at its monitor and stop flag again."""
 
 _NO_RETRY_S = 0.5
 """How long after a disconnect ZMQ must report a reconnect attempt before the socket is reopened."""
@@ -190,13 +196,14 @@ class ZmqSubscriber:
                 )
                 return
             if sock in ready:
-                for _ in range(1000):
-                    try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    if not self._deliver(frames):
+                for _ in range(_DRAIN_ROUNDS):
+                    received = self._receive(sock)
+                    if received and not self._sink.enqueue_many_from_transport(
+                        self.endpoint, received
+                    ):
                         return
+                    if len(received) < _BURST:
+                        break
 
     def _drain_monitor(self, monitor: Any) -> None:
         counters = self._sink.counters
@@ -219,17 +226,26 @@ class ZmqSubscriber:
                 self.connected.clear()
                 logger.warning("disconnected from %s, reconnecting", self.endpoint.endpoint)
 
-    def _deliver(self, frames: list[bytes]) -> bool:
-        if len(frames) != 3 or len(frames[1]) != 8:
-            self._sink.reject_message(
-                RejectReason.BAD_MESSAGE,
-                f"expected [topic, seq(8 bytes), payload], got {len(frames)} frames "
-                f"from {self.endpoint.endpoint}",
-            )
-            return True
-        topic, seq_frame, payload = frames
-        seq = int.from_bytes(seq_frame, "big")
-        return self._sink.enqueue_from_transport(self.endpoint, topic, seq, payload)
+    def _receive(self, sock: Any) -> list[tuple[bytes, int, bytes]]:
+        """The messages waiting on ``sock`` (at most ``_BURST``), received without blocking;
+        malformed ones are rejected on the way."""
+        out: list[tuple[bytes, int, bytes]] = []
+        recv = sock.recv_multipart
+        for _ in range(_BURST):
+            try:
+                frames = recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if len(frames) != 3 or len(frames[1]) != 8:
+                self._sink.reject_message(
+                    RejectReason.BAD_MESSAGE,
+                    f"expected [topic, seq(8 bytes), payload], got {len(frames)} frames "
+                    f"from {self.endpoint.endpoint}",
+                )
+                continue
+            topic, seq_frame, payload = frames
+            out.append((topic, int.from_bytes(seq_frame, "big"), payload))
+        return out
 
 
 class ZmqReplayClient:

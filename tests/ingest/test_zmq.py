@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -450,3 +451,61 @@ def test_queue_bytes_bound_the_queued_payload() -> None:
     finally:
         gate.set()
         assert ing.stop()
+
+
+class _BurstSink:
+    """A :class:`~kvredis.ingest.MessageSink` that records what each hand-off carries; its
+    first hand-off waits until the test lets it go (a busy worker)."""
+
+    def __init__(self) -> None:
+        from kvredis.ingest import IngestCounters
+
+        self.counters = IngestCounters()
+        self.calls: list[list[int]] = []
+        self.rejects: list[str] = []
+        self.release = threading.Event()
+
+    def enqueue_from_transport(
+        self, endpoint: EndpointConfig, topic: bytes, seq: int, payload: bytes
+    ) -> bool:
+        return self.enqueue_many_from_transport(endpoint, [(topic, seq, payload)])
+
+    def enqueue_many_from_transport(self, endpoint: EndpointConfig, messages: Any) -> bool:
+        self.calls.append([seq for _, seq, _ in messages])
+        self.release.wait(10)
+        return True
+
+    def subscribing(self, endpoint: EndpointConfig) -> None:
+        pass
+
+    def reject_message(self, reason: Any, detail: str) -> None:
+        self.rejects.append(detail)
+
+
+def test_messages_waiting_on_the_socket_are_queued_together_in_order(
+    engine: FakeEngine,
+) -> None:
+    from kvredis.ingest.zmq import ZmqSubscriber, close_context, new_context
+
+    sink = _BurstSink()
+    context = new_context()
+    sub = ZmqSubscriber(EndpointConfig(engine.endpoint), sink, context)
+    sub.start()
+    try:
+        engine.wait_subscribed()
+        engine.publish_payload(b"first")
+        wait_until(lambda: sink.calls == [[0]])  # the subscriber is busy handing it off
+        for _ in range(150):
+            engine.publish_payload(b"more")
+        engine.send_frames([b"topic", b"\x00"])  # malformed: rejected, not queued
+        time.sleep(0.3)  # everything reaches the subscriber's socket meanwhile
+        sink.release.set()
+        wait_until(lambda: sum(map(len, sink.calls)) == 151)
+        assert [seq for call in sink.calls for seq in call] == list(range(151))
+        assert max(len(call) for call in sink.calls[1:]) == 64  # bursts, of at most 64
+        assert len(sink.calls) <= 5
+        assert len(sink.rejects) == 1
+    finally:
+        sub.stop()
+        sub.join(5)
+        close_context(context)
