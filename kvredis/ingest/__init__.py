@@ -21,6 +21,7 @@ actions        the vocabulary of the state machine: the actions it yields, their
 planner        decoded batch → index operations (pure; asks for lookups and barriers)
 sequencer      the ingest protocol as a sans-IO state machine that yields actions
 backend        the port those actions run against: index calls with retry, replay, waiting
+workqueue      a worker's queue: bounded in messages and bytes, filled and drained in bursts
 service        :class:`EventIngester`: lifecycle, workers, queues; drives the sequencer
 zmq            the ZMQ subscriber and replay client (the only module that loads pyzmq)
 http           the trtllm-serve poller (``POST /kv_cache_events``)
