@@ -120,6 +120,7 @@ _EXPORTS: dict[str, str] = {
     "IngestCounters": "kvredis.ingest",
     "IngesterConfig": "kvredis.ingest",
     "MessageSink": "kvredis.ingest",
+    "BurstSink": "kvredis.ingest",
     "ReplayClient": "kvredis.ingest",
     "ReplayedMessage": "kvredis.ingest",
     "ZmqReplayClient": "kvredis.ingest.zmq",
@@ -163,6 +164,7 @@ __all__ = [
     "BlockKeySchemeError",
     "BlockRemoved",
     "BlockStored",
+    "BurstSink",
     "CallBudgetError",
     "ChunkedTokenDatabase",
     "ClusterModeError",
@@ -320,6 +322,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; never executed
     from kvredis.indexer import Indexer
     from kvredis.ingest import (
         BatchOutcome,
+        BurstSink,
         EndpointConfig,
         EventIngester,
         IngestCounters,

@@ -15,7 +15,8 @@ config         :class:`EndpointConfig` (a publisher), :class:`IngesterConfig` (t
 counters       :class:`Counter` names, :class:`IngestCounters`, rate-limited warnings
 chains         what is remembered of the engines' chains per pod, and how an event advances one
 journal        the page journal: page records kept per pod beside the index (restarts, takeovers)
-transport      the seam to transports: :class:`MessageSink`, :class:`ReplayClient`
+transport      the seam to transports: :class:`MessageSink` (:class:`BurstSink`: in bursts),
+               :class:`ReplayClient`
 stream         one engine's sequencing state, its wire decoder; the watermark position encoding
 actions        the vocabulary of the state machine: the actions it yields, their results
 planner        decoded batch → index operations (pure; asks for lookups and barriers)
@@ -44,7 +45,13 @@ from kvredis.ingest.events import Engine
 from kvredis.ingest.planner import chunk_engine_key, group_engine_key
 from kvredis.ingest.service import EventIngester
 from kvredis.ingest.stream import MAX_ENGINE_SEQ, PHASE_DONE, split_position, stream_position
-from kvredis.ingest.transport import MessageSink, ReplayClient, ReplayedMessage, ReplayFactory
+from kvredis.ingest.transport import (
+    BurstSink,
+    MessageSink,
+    ReplayClient,
+    ReplayedMessage,
+    ReplayFactory,
+)
 
 __all__ = [
     "COUNTER_NAMES",
@@ -52,6 +59,7 @@ __all__ = [
     "MAX_ENGINE_SEQ",
     "PHASE_DONE",
     "BatchOutcome",
+    "BurstSink",
     "Counter",
     "EndpointConfig",
     "Engine",

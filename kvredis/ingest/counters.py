@@ -109,7 +109,9 @@ class IngestCounters:
     Each thread counts into cells of its own, so counting takes no lock (workers and
     subscribers count several times per message, and a shared lock made them wait on each
     other); reading sums every thread's cells. A read sees every count made before it began;
-    the counts of one :meth:`add_all` made while it runs may show in part.
+    counts made while it runs may show in some counters and not yet in others, as separate
+    reads would show them (``rejected`` is always the sum of its reasons: it is added up from
+    them when read).
     """
 
     def __init__(self) -> None:
@@ -121,7 +123,9 @@ class IngestCounters:
         """The counts of threads that ended."""
 
     def _own(self) -> _Cells:
-        """The calling thread's cells, made on its first count."""
+        """The calling thread's cells, made on its first count. The cells of threads that
+        ended are folded together then (a thread ``threading`` did not start is never seen to
+        end: its cells stay apart)."""
         try:
             cells: _Cells = self._local.cells
         except AttributeError:
@@ -144,6 +148,7 @@ class IngestCounters:
             total.add(self._ended)
             for _, cells in self._cells:
                 total.add(cells)
+        total.values[Counter.REJECTED] += sum(total.rejected.values())
         return total
 
     def inc(self, counter: Counter, amount: int = 1) -> None:
@@ -158,19 +163,17 @@ class IngestCounters:
 
     def reject(self, reason: RejectReason, amount: int = 1) -> None:
         """Count a rejection (``rejected`` and ``rejected.<reason>``)."""
-        cells = self._own()
-        cells.values[Counter.REJECTED] += amount
-        cells.rejected[reason] += amount
+        self._own().rejected[reason] += amount  # ``rejected`` is their sum (see _total)
 
     def get(self, name: Counter | str) -> int:
         """The current value of one counter, by member or by its :meth:`snapshot` name.
 
         An unknown name raises ``KeyError``.
         """
-        if isinstance(name, Counter):
+        if isinstance(name, Counter) and name is not Counter.REJECTED:
             with self._lock:
                 return self._ended.values[name] + sum(c.values[name] for _, c in self._cells)
-        return self.snapshot()[name]
+        return self.snapshot()[name.value if isinstance(name, Counter) else name]
 
     def snapshot(self) -> dict[str, int]:
         """Every counter, by name."""

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from kvredis.ingest.config import EndpointConfig
 from kvredis.ingest.counters import IngestCounters
 from kvredis.ingest.events import RejectReason
 
-__all__ = ["MessageSink", "ReplayClient", "ReplayFactory", "ReplayedMessage"]
+__all__ = ["BurstSink", "MessageSink", "ReplayClient", "ReplayFactory", "ReplayedMessage"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,13 +58,6 @@ class MessageSink(Protocol):
         """Queue one received message (blocks while full); ``False`` once the sink is closing."""
         ...
 
-    def enqueue_many_from_transport(
-        self, endpoint: EndpointConfig, messages: Sequence[tuple[bytes, int, bytes]]
-    ) -> bool:
-        """Queue messages received together, each ``(topic, seq, payload)``, in order (blocks
-        while full); ``False`` once the sink is closing."""
-        ...
-
     def subscribing(self, endpoint: EndpointConfig) -> None:
         """Called once before the subscription to ``endpoint`` connects (it reads the stream's
         stored watermark, so that whatever arrives afterwards is known to be newer)."""
@@ -72,4 +65,18 @@ class MessageSink(Protocol):
 
     def reject_message(self, reason: RejectReason, detail: str) -> None:
         """Count and log a message the transport could not even split into frames."""
+        ...
+
+
+@runtime_checkable
+class BurstSink(MessageSink, Protocol):
+    """A :class:`MessageSink` that also takes the messages a transport received together in one
+    call (the :class:`~kvredis.ingest.EventIngester` is one): one hand-off for them instead of
+    one per message. A transport hands a sink that is not one the messages one by one."""
+
+    def enqueue_many_from_transport(
+        self, endpoint: EndpointConfig, messages: Sequence[tuple[bytes, int, bytes]]
+    ) -> bool:
+        """Queue messages received together, each ``(topic, seq, payload)``, in order (blocks
+        while full); ``False`` once the sink is closing (the rest are not queued)."""
         ...

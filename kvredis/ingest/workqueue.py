@@ -46,7 +46,7 @@ class WorkQueue(Generic[T]):
         """Queue ``items`` (payload bytes ``sizes``) in order, waiting while the queue is full.
 
         Returns how many were queued: all of them, or the leading ones queued before ``closed``
-        was set or ``deadline`` (``time.monotonic()``) passed.
+        was set, ``deadline`` (``time.monotonic()``) passed or :meth:`finish` was called.
         """
         done = 0
         with self._lock:
@@ -54,7 +54,7 @@ class WorkQueue(Generic[T]):
                 while len(self._items) >= self.max_items or (
                     self.used and self.used + size > self.max_bytes
                 ):
-                    if closed.is_set():
+                    if closed.is_set() or self._finished:
                         return done
                     wait = _CLOSED_POLL_S
                     if deadline is not None:
@@ -62,7 +62,7 @@ class WorkQueue(Generic[T]):
                         if wait <= 0:
                             return done
                     self._not_full.wait(wait)
-                if closed.is_set():
+                if closed.is_set() or self._finished:
                     return done
                 self._items.append((item, size))
                 self.used += size
@@ -101,7 +101,9 @@ class WorkQueue(Generic[T]):
             return out
 
     def finish(self) -> None:
-        """Nothing more will be put: :meth:`take` returns what is left, then ``None``."""
+        """Nothing more will be put (a :meth:`put` from now on queues nothing): :meth:`take`
+        returns what is left, then ``None``."""
         with self._lock:
             self._finished = True
             self._not_empty.notify_all()
+            self._not_full.notify_all()

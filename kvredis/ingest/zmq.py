@@ -33,7 +33,7 @@ from zmq.utils.monitor import recv_monitor_message
 from kvredis.ingest.config import EndpointConfig
 from kvredis.ingest.counters import Counter
 from kvredis.ingest.events import RejectReason
-from kvredis.ingest.transport import MessageSink, ReplayedMessage
+from kvredis.ingest.transport import BurstSink, MessageSink, ReplayedMessage
 
 __all__ = [
     "END_SEQ",
@@ -101,6 +101,8 @@ class ZmqSubscriber:
     ) -> None:
         self.endpoint = endpoint
         self._sink = sink
+        self._burst = sink if isinstance(sink, BurstSink) else None
+        """The sink, when it takes the messages received together in one call."""
         self._context = context
         self._options = options or SubscriberOptions()
         self._stop = threading.Event()
@@ -197,11 +199,11 @@ class ZmqSubscriber:
                 return
             if sock in ready:
                 for _ in range(_DRAIN_ROUNDS):
-                    received = self._receive(sock)
-                    if received and not self._sink.enqueue_many_from_transport(
-                        self.endpoint, received
-                    ):
+                    received, error = self._receive(sock)
+                    if received and not self._hand_off(received):
                         return
+                    if error is not None:  # after what came before it was queued
+                        raise error
                     if len(received) < _BURST:
                         break
 
@@ -226,8 +228,9 @@ class ZmqSubscriber:
                 self.connected.clear()
                 logger.warning("disconnected from %s, reconnecting", self.endpoint.endpoint)
 
-    def _receive(self, sock: Any) -> list[tuple[bytes, int, bytes]]:
-        """The messages waiting on ``sock`` (at most ``_BURST``), received without blocking;
+    def _receive(self, sock: Any) -> tuple[list[tuple[bytes, int, bytes]], zmq.ZMQError | None]:
+        """The messages waiting on ``sock`` (at most ``_BURST``), received without blocking,
+        and the socket error that cut them short, if any (raised once they are queued);
         malformed ones are rejected on the way."""
         out: list[tuple[bytes, int, bytes]] = []
         recv = sock.recv_multipart
@@ -236,6 +239,8 @@ class ZmqSubscriber:
                 frames = recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
+            except zmq.ZMQError as exc:
+                return out, exc
             if len(frames) != 3 or len(frames[1]) != 8:
                 self._sink.reject_message(
                     RejectReason.BAD_MESSAGE,
@@ -245,7 +250,14 @@ class ZmqSubscriber:
                 continue
             topic, seq_frame, payload = frames
             out.append((topic, int.from_bytes(seq_frame, "big"), payload))
-        return out
+        return out, None
+
+    def _hand_off(self, received: list[tuple[bytes, int, bytes]]) -> bool:
+        """Queue messages received together; ``False`` once the sink is closing."""
+        if self._burst is not None:
+            return self._burst.enqueue_many_from_transport(self.endpoint, received)
+        enqueue = self._sink.enqueue_from_transport
+        return all(enqueue(self.endpoint, t, s, p) for t, s, p in received)
 
 
 class ZmqReplayClient:

@@ -109,3 +109,33 @@ def test_the_counts_of_threads_that_ended_stay_and_their_cells_go() -> None:
     assert counters.get(Counter.GAPS) == 151
     assert counters.snapshot()["gaps"] == 151
     assert len(counters._cells) <= 2  # the cells of ended threads were folded together
+
+
+def test_reads_while_threads_come_and_go_see_every_count_once() -> None:
+    counters = IngestCounters()
+    stop = threading.Event()
+    seen: list[tuple[int, int, int]] = []
+
+    def read() -> None:
+        while not stop.is_set():
+            c = counters.snapshot()
+            seen.append((c["gaps"], c["rejected"], c["rejected.no_pod"] + c["rejected.bad_event"]))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    for _ in range(200):  # short-lived threads: their cells are folded in while reads run
+        thread = threading.Thread(
+            target=lambda: [
+                counters.inc(Counter.GAPS),
+                counters.reject(RejectReason.NO_POD),
+                counters.reject(RejectReason.BAD_EVENT, 2),
+            ]
+        )
+        thread.start()
+        thread.join()
+    stop.set()
+    reader.join(10)
+    assert counters.get(Counter.GAPS) == 200 and counters.get(Counter.REJECTED) == 600
+    assert all(rejected == reasons for _, rejected, reasons in seen)  # within each read
+    gaps = [g for g, _, _ in seen]
+    assert gaps == sorted(gaps) and max(gaps, default=0) <= 200  # never a count twice

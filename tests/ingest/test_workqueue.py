@@ -6,6 +6,7 @@ import threading
 import time
 
 from kvredis.ingest.workqueue import WorkQueue
+from kvredis.testing import wait_until
 
 OPEN = threading.Event()
 
@@ -36,7 +37,7 @@ def test_a_burst_larger_than_the_queue_flows_through_to_the_worker() -> None:
 
     thread = threading.Thread(target=worker, daemon=True)
     thread.start()
-    put = threading.Thread(target=lambda: q.put(list(range(50)), [1] * 50, None, OPEN))
+    put = threading.Thread(target=lambda: q.put(list(range(50)), [1] * 50, None, OPEN), daemon=True)
     put.start()
     put.join(10)
     assert not put.is_alive(), "the burst stalled: the worker was not woken"
@@ -76,10 +77,11 @@ def test_closing_returns_how_many_were_queued() -> None:
     q: WorkQueue[int] = WorkQueue(1, 1000)
     closed = threading.Event()
     result: list[int] = []
-    put = threading.Thread(target=lambda: result.append(q.put([1, 2, 3], [1] * 3, None, closed)))
+    put = threading.Thread(
+        target=lambda: result.append(q.put([1, 2, 3], [1] * 3, None, closed)), daemon=True
+    )
     put.start()
-    time.sleep(0.05)
-    assert put.is_alive()  # waiting for room for the second
+    wait_until(lambda: q.used == 1)  # the first is queued; the second waits for room
     closed.set()
     put.join(5)
     assert result == [1]
@@ -92,9 +94,10 @@ def test_finish_lets_the_worker_take_what_is_left_then_end() -> None:
     q.finish()
     assert items(q.take(10)) == [1, 2]
     assert q.take(10) is None
+    assert q.put([3], [1], None, OPEN) == 0  # finished: nothing more is queued
     waiting: WorkQueue[int] = WorkQueue(10, 1000)
     result: list[object] = []
-    take = threading.Thread(target=lambda: result.append(waiting.take(10)))
+    take = threading.Thread(target=lambda: result.append(waiting.take(10)), daemon=True)
     take.start()
     time.sleep(0.05)
     waiting.finish()

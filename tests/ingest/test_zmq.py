@@ -453,7 +453,7 @@ def test_queue_bytes_bound_the_queued_payload() -> None:
         assert ing.stop()
 
 
-class _BurstSink:
+class _RecordingSink:
     """A :class:`~kvredis.ingest.MessageSink` that records what each hand-off carries; its
     first hand-off waits until the test lets it go (a busy worker)."""
 
@@ -468,10 +468,7 @@ class _BurstSink:
     def enqueue_from_transport(
         self, endpoint: EndpointConfig, topic: bytes, seq: int, payload: bytes
     ) -> bool:
-        return self.enqueue_many_from_transport(endpoint, [(topic, seq, payload)])
-
-    def enqueue_many_from_transport(self, endpoint: EndpointConfig, messages: Any) -> bool:
-        self.calls.append([seq for _, seq, _ in messages])
+        self.calls.append([seq])
         self.release.wait(10)
         return True
 
@@ -482,12 +479,20 @@ class _BurstSink:
         self.rejects.append(detail)
 
 
-def test_messages_waiting_on_the_socket_are_queued_together_in_order(
-    engine: FakeEngine,
-) -> None:
+class _BurstSink(_RecordingSink):
+    """The same, taking the messages received together in one call (a ``BurstSink``)."""
+
+    def enqueue_many_from_transport(self, endpoint: EndpointConfig, messages: Any) -> bool:
+        self.calls.append([seq for _, seq, _ in messages])
+        self.release.wait(10)
+        return True
+
+
+def _subscribe_busy(engine: FakeEngine, sink: _RecordingSink) -> list[int]:
+    """Run a subscriber into ``sink``, publish 150 messages (a malformed one among them) while
+    its first hand-off waits, let it go; the sequence numbers, in the order they arrived."""
     from kvredis.ingest.zmq import ZmqSubscriber, close_context, new_context
 
-    sink = _BurstSink()
     context = new_context()
     sub = ZmqSubscriber(EndpointConfig(engine.endpoint), sink, context)
     sub.start()
@@ -495,17 +500,33 @@ def test_messages_waiting_on_the_socket_are_queued_together_in_order(
         engine.wait_subscribed()
         engine.publish_payload(b"first")
         wait_until(lambda: sink.calls == [[0]])  # the subscriber is busy handing it off
-        for _ in range(150):
+        for n in range(149):
+            if n == 70:
+                engine.send_frames([b"topic", b"\x00"])  # malformed: rejected, not queued
             engine.publish_payload(b"more")
-        engine.send_frames([b"topic", b"\x00"])  # malformed: rejected, not queued
-        time.sleep(0.3)  # everything reaches the subscriber's socket meanwhile
+        time.sleep(0.3)  # what was published reaches the subscriber's socket meanwhile
         sink.release.set()
-        wait_until(lambda: sum(map(len, sink.calls)) == 151)
-        assert [seq for call in sink.calls for seq in call] == list(range(151))
-        assert max(len(call) for call in sink.calls[1:]) == 64  # bursts, of at most 64
-        assert len(sink.calls) <= 5
+        wait_until(lambda: sum(map(len, sink.calls)) == 150)
         assert len(sink.rejects) == 1
+        return [seq for call in sink.calls for seq in call]
     finally:
         sub.stop()
         sub.join(5)
         close_context(context)
+
+
+def test_messages_waiting_on_the_socket_are_queued_together_in_order(
+    engine: FakeEngine,
+) -> None:
+    sink = _BurstSink()
+    assert _subscribe_busy(engine, sink) == list(range(150))
+    sizes = [len(call) for call in sink.calls]
+    assert max(sizes) <= 64 and len(sizes) < 150 // 2  # bursts of at most 64
+
+
+def test_a_sink_that_takes_one_message_at_a_time_gets_them_one_by_one(
+    engine: FakeEngine,
+) -> None:
+    sink = _RecordingSink()
+    assert _subscribe_busy(engine, sink) == list(range(150))
+    assert len(sink.calls) == 150
