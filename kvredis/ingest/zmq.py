@@ -2,10 +2,11 @@
 
 Live events: the engine's PUB socket sends ``[topic, seq (8 bytes big-endian), payload]``. One
 :class:`ZmqSubscriber` thread per endpoint owns a SUB socket, validates the frames and queues the
-messages waiting on it (up to 64 at a time, together) into a
-:class:`~kvredis.ingest.transport.MessageSink` (the :class:`~kvredis.ingest.EventIngester`'s
-worker queues, blocking while they are full). libzmq
-reconnects on its own with exponential backoff (``reconnect_ivl_s`` doubling up to
+messages into a :class:`~kvredis.ingest.transport.MessageSink` (the
+:class:`~kvredis.ingest.EventIngester`'s worker queues, blocking while they are full): those
+waiting on the socket, up to 64, in one hand-off when the sink is a
+:class:`~kvredis.ingest.transport.BurstSink`, else one by one. libzmq reconnects on its own with
+exponential backoff (``reconnect_ivl_s`` doubling up to
 ``reconnect_ivl_max_s``); ZMTP heartbeats detect a publisher that vanished without closing the
 connection, so a restarted engine is reconnected to and its reset sequence numbers are noticed.
 Socket errors recreate the socket after a backoff.
