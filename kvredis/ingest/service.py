@@ -288,8 +288,7 @@ class EventIngester:
         self, endpoint: EndpointConfig, topic: bytes, seq: int, payload: bytes
     ) -> bool:
         """Used by subscribers: queue a received message (blocks while the queue is full)."""
-        self.counters.inc(Counter.RECEIVED)
-        return self._enqueue(self._stream(endpoint), [(topic, seq, payload)], None)
+        return self.enqueue_many_from_transport(endpoint, [(topic, seq, payload)])
 
     def enqueue_many_from_transport(
         self, endpoint: EndpointConfig, messages: Sequence[tuple[bytes, int, bytes]]

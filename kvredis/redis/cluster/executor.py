@@ -34,7 +34,7 @@ from kvredis.redis.cluster.routing import (
 )
 from kvredis.redis.cluster.topology import ClusterNode, SlotMap
 from kvredis.redis.config import RedisIndexConfig
-from kvredis.redis.executor import _FAILURES, _pool, failure
+from kvredis.redis.executor import _FAILURES, _pool, _takes_command_name, failure
 from kvredis.redis.executor import hiredis_pack as _hiredis_pack
 from kvredis.redis.requests import Sleep
 
@@ -155,10 +155,7 @@ def _resume(op: WaveOp[T], outcome: Any, result: list[T]) -> Wave | Sleep | None
 
 def _connection(pool: Any) -> Any:
     """A connection of ``pool`` (redis-py before 5.3 wants a command name; later ones none)."""
-    try:
-        return pool.get_connection()
-    except TypeError:
-        return pool.get_connection("PING")
+    return pool.get_connection("PING") if _takes_command_name(pool) else pool.get_connection()
 
 
 _READONLY = ("READONLY",)
