@@ -15,7 +15,18 @@ benchmark simulates a fleet of 8 pods and feeds every message through
   16-token blocks; a node per prefill chunk (1,024 tokens) and per finished request, branches
   where prompts diverge (splits publish nothing), least recently used leaves evicted whole;
 - in both, one turn in ten moves to another pod, and each insert is one engine batch (the worst
-  case for fixed costs).
+  case for fixed costs);
+- **vllm-steps** (``--shape vllm-steps``): the vLLM shape published as vLLM's scheduler
+  publishes, one batch per engine step holding the events of every request the step advanced:
+  each pod runs up to ``--concurrency`` requests at once (64; as many conversations per pod,
+  first turns arriving over the first 640 steps, each next turn queued when the last ends), a
+  request admitted while its blocks fit beside those running requests use, its prefill stored
+  in the step that admits it and each generated block 16 steps after the last, so a step holds
+  about ``concurrency / 16`` one-block ``BlockStored`` events besides the prefills it admitted;
+  blocks of running requests are never evicted, as vLLM never frees them, and a finished
+  request's go back to the free queue tail first; **vllm-stores** is the same stream, event
+  for event, published a batch per store: the two measure what packaging into engine steps
+  saves.
 
 Measured, side by side on one server pinned to one core (``taskset``; CPU is ``INFO cpu``
 growth minus the idle server's, see ``bench_server_cpu.py``):
@@ -24,7 +35,10 @@ growth minus the idle server's, see ``bench_server_cpu.py``):
   ``process`` (one message at a time), through ``process_many`` of the messages a busy worker
   finds queued (``--backlog``, default 16), and through the production path: ``kvredis ingest``
   in its own process subscribed over ZMQ on loopback (its CPU read from ``/proc``, startup
-  excluded);
+  excluded); and the ingester's cost split into what it pays per message (engine batch), per
+  event, per stored block and per removed engine key (least squares, no cost below 0, over the
+  CPU of each ``process`` and ``process_many``
+  call), which sizes an ingester for engines batching differently from these streams;
 - **Redis CPU per stored block** (stores and the evictions they cause): kvredis at backlog 1 and
   at ``--backlog``; the Go layout (``scripts/reference_layout.py``: one pipeline per event, an
   HSET per key and a ZADD per engine key) evicting as its own code does (``evict``, a round trip
@@ -56,7 +70,9 @@ block ingested through the ingester (each side into namespaces of its own, fed i
 holds (:func:`kvredis.redis.layout.bucket_bits_for`, as docs/deploy.md advises an operator),
 instead of the default 16 bits, which leaves a fleet of this size with sparse buckets.
 
-Run:  .venv/bin/python scripts/bench_realistic.py [--quick] [--shape vllm,sglang]
+Run:  .venv/bin/python scripts/bench_realistic.py [--quick]
+      [--shape vllm,vllm-steps,vllm-stores,sglang]
+      [--concurrency N]
       [--server valkey] [--backlog N] [--pod-rate R] [--no-zmq] [--zmq-workers N]
       [--before REF] [--bucket-bits N|auto] [--json PATH]
 """
@@ -74,7 +90,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -117,6 +133,10 @@ return run == ARGV[1] and 1 or 0
 BARE = "return 1"
 SGLANG_CHUNK = 1024
 """Tokens per SGLang prefill chunk: a radix node each."""
+CONCURRENCY = 64
+"""Requests a vllm-steps pod runs at once (``--concurrency``)."""
+ARRIVALS = 640
+"""Engine steps over which a vllm-steps fleet's first turns arrive (about two requests' life)."""
 
 
 def _h(*parts: int) -> int:
@@ -166,6 +186,15 @@ class Message:
     """Engine keys of ``BlockRemoved``."""
     blocks: int
     """Index blocks its stores complete."""
+    parts: list[tuple[list[int], list[tuple[list[int], list[int]]]]] | None = None
+    """(removed, adds) of each store the batch holds, in order, when it holds more than one
+    (an engine step's): the Go layout applies them in turn. ``None``: one store."""
+    events: int = 1
+    """Events the batch holds (``BlockStored``, ``BlockRemoved``)."""
+
+    def steps(self) -> list[tuple[list[int], list[tuple[list[int], list[int]]]]]:
+        """(removed engine keys, adds) of each store of the batch, in order."""
+        return self.parts if self.parts is not None else [(self.removed, self.adds)]
 
 
 class Pod:
@@ -174,15 +203,39 @@ class Pod:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.lru: OrderedDict[int, tuple[int, ...]] = OrderedDict()
+        self.pinned: dict[int, int] = {}
+        """Blocks running requests use, by engine hash (how many use each): never evicted."""
 
     def touch(self, blocks: Sequence[tuple[int, ...]]) -> None:
         for b in reversed(blocks):  # a request's tail is the least recently used of its blocks
             self.lru.move_to_end(b[-1])
 
+    def pin(self, blocks: Sequence[tuple[int, ...]], by: int = 1) -> None:
+        """A request starts (``by`` 1) or ends (-1) using ``blocks``."""
+        pinned = self.pinned
+        for b in blocks:
+            n = pinned.get(b[-1], 0) + by
+            assert n >= 0, "a block unpinned more often than pinned"
+            if n:
+                pinned[b[-1]] = n
+            else:
+                del pinned[b[-1]]
+
     def evict(self, room: int) -> list[int]:
+        """Evict the least recently used blocks no running request uses until ``room`` more
+        fit (fewer when the rest is in use)."""
+        lru, pinned = self.lru, self.pinned
+        excess = len(lru) + room - self.capacity
+        victims: list[int] = []
+        if excess > 0:
+            for key in lru:
+                if key not in pinned:
+                    victims.append(key)
+                    if len(victims) == excess:
+                        break
         out: list[int] = []
-        while self.lru and len(self.lru) + room > self.capacity:
-            out.extend(self.lru.popitem(last=False)[1])
+        for key in victims:
+            out.extend(lru.pop(key))
         return out
 
     def hit(self, blocks: Sequence[tuple[int, ...]]) -> int:
@@ -280,6 +333,18 @@ class VllmFleet(Fleet):
             self._store(conv)
 
     def _store(self, conv: Conversation) -> None:
+        events, adds, removed, stored = self._store_events(conv)
+        if events:
+            self.messages.append(
+                Message(conv.pod, vllm_batch(events), adds, removed, stored, events=len(events))
+            )
+
+    def _store_events(
+        self, conv: Conversation
+    ) -> tuple[list[Any], list[tuple[list[int], list[int]]], list[int], int]:
+        """Store the conversation's new full blocks in its pod: the events vLLM publishes for
+        it (the evictions first), the Go layout's adds, the engine keys evicted, and how many
+        blocks it stored."""
         pod = self.pods[conv.pod]
         blocks = self._blocks(conv)
         removed = pod.evict(len(blocks) - pod.hit(blocks))
@@ -299,11 +364,164 @@ class VllmFleet(Fleet):
             pod.lru[b[-1]] = b
         pod.touch(blocks)
         self.pages += len(new)
-        if events:
-            self.messages.append(Message(conv.pod, vllm_batch(events), adds, removed, len(new)))
+        return events, adds, removed, len(new)
 
     def held(self, conv: Conversation, pod: int) -> int:
         return self.pods[pod].hit(conv.blocks[: len(conv.keys)])
+
+
+class VllmStepFleet(VllmFleet):
+    """vLLM publishing as its scheduler does: one batch per engine step, holding the events of
+    every request the step advanced (``Scheduler.update_from_output`` takes the KV cache
+    manager's events once per step). Each pod runs up to ``concurrency`` requests at once,
+    admitting a request while its blocks fit beside those running requests use; a
+    request's prefill is stored in the step that admits it, then each of its generated blocks
+    16 steps after the last (one token per request per step), so a step carries the blocks that
+    its running requests completed in it: about ``concurrency / 16`` one-block ``BlockStored``
+    events, plus the prefills it admitted and the evictions they all caused, in order. The
+    conversations, turns and pods' caches are :class:`VllmFleet`'s.
+
+    With ``per_store`` (shape ``vllm-stores``) the same stream, event for event, is published a
+    batch per store instead: what the packaging into engine steps saves, measured apart."""
+
+    shape = "vllm-steps"
+
+    def __init__(
+        self,
+        conversations: int,
+        turns: int,
+        capacity: int,
+        seed: int,
+        concurrency: int,
+        pods: int = PODS,
+        per_store: bool = False,
+    ) -> None:
+        super().__init__(conversations, turns, capacity, seed, pods)
+        self.concurrency = concurrency
+        self.per_store = per_store
+        if per_store:
+            self.shape = "vllm-stores"
+
+    def _emit(self, batch: _StepBatch, pod: int) -> _StepBatch:
+        """Publish ``batch`` if it holds events; the batch to fill next."""
+        if batch.events:
+            self.messages.append(batch.message(pod))
+            return _StepBatch()
+        return batch
+
+    def run(self) -> None:
+        rng = self.rng
+        waiting: list[deque[Conversation]] = [deque() for _ in range(self.npods)]
+        # each queued turn: the step it arrives in, its prompt's tokens, its generated blocks
+        turn: dict[int, tuple[int, list[int], int]] = {}
+
+        def queue(conv: Conversation, arrives: int) -> None:
+            """Queue the conversation's next turn at its pod, in the order turns arrive."""
+            user = rng.randint(1, 40) * BLOCK + rng.randrange(BLOCK)  # not block aligned
+            tokens = [rng.randrange(1, 50_000) for _ in range(user)]
+            turn[id(conv)] = (arrives, tokens, rng.randint(1, 40))
+            w = waiting[conv.pod]
+            i = len(w)
+            while i and turn[id(w[i - 1])][0] > arrives:
+                i -= 1
+            w.insert(i, conv)
+
+        for conv in self.convs:
+            queue(conv, rng.randrange(ARRIVALS))
+        turns_left = {id(conv): self.turns for conv in self.convs}
+        # per pod: [conversation, generated blocks still to come, step completing the next]
+        running: list[list[list[Any]]] = [[] for _ in range(self.npods)]
+        step = 0
+        while any(waiting) or any(running):
+            wake: list[int] = []  # the steps at which something happens next
+            for p in range(self.npods):
+                pod = self.pods[p]
+                batch = _StepBatch()
+                while len(running[p]) < self.concurrency and waiting[p]:
+                    conv = waiting[p][0]
+                    arrives, tokens, generated = turn[id(conv)]
+                    if arrives > step:
+                        wake.append(arrives)
+                        break
+                    # admitted while its blocks fit beside those running requests use (or
+                    # into an idle pod); vLLM would otherwise keep it waiting
+                    size = (len(conv.tokens) + len(tokens)) // BLOCK + generated
+                    if running[p] and len(pod.pinned) + size > pod.capacity:
+                        break
+                    waiting[p].popleft()
+                    conv.tokens += tokens
+                    blocks = self._blocks(conv)
+                    held = pod.hit(blocks)
+                    pod.pin(blocks[:held])  # its cached prefix is its own before it allocates
+                    batch.add(*self._store_events(conv))  # the prefill
+                    pod.pin(blocks[held:])
+                    if self.per_store:
+                        batch = self._emit(batch, p)
+                    first = step + BLOCK - len(conv.tokens) % BLOCK
+                    running[p].append([conv, generated, first])
+                still: list[list[Any]] = []
+                for seq in running[p]:
+                    conv = seq[0]
+                    if seq[2] == step:  # one generated block completed in this step
+                        conv.tokens += [rng.randrange(1, 50_000) for _ in range(BLOCK)]
+                        batch.add(*self._store_events(conv))
+                        if self.per_store:
+                            batch = self._emit(batch, p)
+                        pod.pin(conv.blocks[-1:])
+                        seq[1] -= 1
+                        seq[2] += BLOCK
+                    if seq[1] > 0:
+                        still.append(seq)
+                        wake.append(seq[2])
+                        continue
+                    # the request ends: its blocks go back to the free queue, its tail first
+                    pod.touch(conv.blocks)
+                    pod.pin(conv.blocks, -1)
+                    turns_left[id(conv)] -= 1
+                    if turns_left[id(conv)]:  # its next turn is queued at once
+                        if rng.random() < 0.1:
+                            conv.pod = rng.randrange(self.npods)  # the router moved it
+                        queue(conv, step + 1)
+                        wake.append(step + 1)
+                running[p] = still
+                self._emit(batch, p)
+            if not wake and any(waiting):
+                wake.append(step + 1)  # a pod left idle admits its next turn
+            step = min(wake) if wake else step + 1
+
+
+class _StepBatch:
+    """The events of one pod's engine step, and what each of its stores did."""
+
+    def __init__(self) -> None:
+        self.events: list[Any] = []
+        self.parts: list[tuple[list[int], list[tuple[list[int], list[int]]]]] = []
+        self.stored = 0
+
+    def add(
+        self,
+        events: list[Any],
+        adds: list[tuple[list[int], list[int]]],
+        removed: list[int],
+        stored: int,
+    ) -> None:
+        if events:
+            self.events += events
+            self.parts.append((removed, adds))
+            self.stored += stored
+
+    def message(self, pod: int) -> Message:
+        removed = [k for r, _ in self.parts for k in r]
+        adds = [a for _, part in self.parts for a in part]
+        return Message(
+            pod,
+            vllm_batch(self.events),
+            adds,
+            removed,
+            self.stored,
+            self.parts,
+            events=len(self.events),
+        )
 
 
 class SglangFleet(Fleet):
@@ -354,20 +572,36 @@ class SglangFleet(Fleet):
             if (j + 1) * BLOCK > start
         ]
         self.pages += end - start
-        self.messages.append(Message(conv.pod, sglang_batch(events), adds, removed, len(adds)))
+        self.messages.append(
+            Message(conv.pod, sglang_batch(events), adds, removed, len(adds), events=len(events))
+        )
 
     def held(self, conv: Conversation, pod: int) -> int:
         return self.pods[pod].match(conv.tokens) // BLOCK
 
 
-def make_fleet(shape: str, quick: bool, seed: int) -> Fleet:
+def make_fleet(shape: str, quick: bool, seed: int, concurrency: int = CONCURRENCY) -> Fleet:
     fleet: Fleet
     if shape == "vllm":
         fleet = VllmFleet(24 if quick else 64, 4 if quick else 7, 800 if quick else 3000, seed)
+    elif shape in ("vllm-steps", "vllm-stores"):
+        # as many conversations per pod as it runs at once, each queued again for its next
+        # turn; 60 blocks of cache per running request: about half of what is stored evicted,
+        # as in the vllm shape
+        if quick:
+            concurrency = min(concurrency, 16)
+        fleet = VllmStepFleet(
+            PODS * concurrency,
+            2,
+            60 * concurrency,
+            seed,
+            concurrency=concurrency,
+            per_store=shape == "vllm-stores",
+        )
     elif shape == "sglang":
         fleet = SglangFleet(16 if quick else 64, 3 if quick else 7, 8000 if quick else 40_000, seed)
     else:
-        raise SystemExit(f"unknown shape {shape!r} (vllm or sglang)")
+        raise SystemExit(f"unknown shape {shape!r} (vllm, vllm-steps, vllm-stores or sglang)")
     fleet.run()
     return fleet
 
@@ -377,6 +611,8 @@ class Result:
     shape: str
     pinned: bool
     messages: int
+    events: int
+    """Events the engine batches hold."""
     blocks_stored: int
     """Index blocks the pods stored (request keys written; evicted ones stored again count)."""
     pages_stored: int
@@ -397,6 +633,9 @@ class Result:
     client_us_per_block: dict[str, float] = field(default_factory=dict)
     """Ingester CPU per stored block: process, process_many, kvredis ingest over ZMQ."""
     client_blocks_per_s: dict[str, float] = field(default_factory=dict)
+    client_cost_us: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Ingester CPU µs per message, per event, per stored block and per removed engine key
+    (:func:`cost_model`), through process and process_many."""
     memory: dict[str, float] = field(default_factory=dict)
     """Bytes per (block, pod) pair: event-filled (and its page journal), 64-key fill."""
     pairs: int = 0
@@ -438,17 +677,95 @@ def settle_collector() -> None:
     gc.freeze()
 
 
-def cpu_us(server: Server, call: Callable[[int], object], n: int) -> tuple[float, float]:
+def cpu_us(
+    server: Server, call: Callable[[int], object], n: int, each: list[float] | None = None
+) -> tuple[float, float]:
     """(server CPU µs less the idle server's, this process's CPU s) of ``call(i)`` for i in
-    range(n)."""
+    range(n); with ``each``, also the CPU seconds of each call (this thread's) appended to it."""
     before = server.cpu()
     start = time.perf_counter()
     mine = time.process_time()
-    for i in range(n):
-        call(i)
+    if each is None:
+        for i in range(n):
+            call(i)
+    else:
+        clock = time.thread_time
+        for i in range(n):
+            t = clock()
+            call(i)
+            each.append(clock() - t)
     client = time.process_time() - mine
     elapsed = time.perf_counter() - start
     return (server.cpu() - before - server.idle_per_s * elapsed) * 1e6, client
+
+
+def least_squares(rows: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float]:
+    """The coefficients ``c`` minimising ``sum((row . c - y)^2)`` (normal equations, solved by
+    Gaussian elimination with partial pivoting; a column that is all zero gets 0)."""
+    k = len(rows[0])
+    a = [[sum(r[i] * r[j] for r in rows) for j in range(k)] for i in range(k)]
+    b = [sum(r[i] * y for r, y in zip(rows, ys, strict=True)) for i in range(k)]
+    for col in range(k):
+        pivot = max(range(col, k), key=lambda i: abs(a[i][col]))
+        a[col], a[pivot], b[col], b[pivot] = a[pivot], a[col], b[pivot], b[col]
+        if abs(a[col][col]) < 1e-12:
+            continue
+        for i in range(k):
+            if i != col and a[i][col]:
+                f = a[i][col] / a[col][col]
+                a[i] = [x - f * y for x, y in zip(a[i], a[col], strict=True)]
+                b[i] -= f * b[col]
+    return [b[i] / a[i][i] if abs(a[i][i]) >= 1e-12 else 0.0 for i in range(k)]
+
+
+COSTS = ("message", "event", "block", "removed key")
+"""What the ingester's cost model prices: an engine batch, an event in it, a stored index block,
+an engine key removed."""
+
+
+def cost_model(
+    messages: Sequence[Message], backlog: int, each: Sequence[float]
+) -> dict[str, float]:
+    """The ingester's CPU µs per message, per event, per stored index block and per removed
+    engine key (:data:`COSTS`), fitted (least squares, no cost below 0) to the CPU of each call
+    that fed ``backlog`` consecutive messages."""
+    rows: list[list[float]] = []
+    backlog = max(backlog, 1)
+    for i in range(len(each)):
+        part = messages[i * backlog : (i + 1) * backlog]
+        rows.append(
+            [
+                len(part),
+                sum(m.events for m in part),
+                sum(m.blocks for m in part),
+                sum(len(m.removed) for m in part),
+            ]
+        )
+    fitted = nonnegative_least_squares(rows, [t * 1e6 for t in each])
+    return dict(zip(COSTS, fitted, strict=True))
+
+
+def nonnegative_least_squares(rows: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float]:
+    """:func:`least_squares` with every coefficient at least 0 (a cost): the best fit over the
+    subsets of columns whose own fit has no negative coefficient (noisy timings can make the
+    unconstrained fit trade one cost for a negative other)."""
+    k = len(rows[0])
+    best: tuple[float, list[float]] | None = None
+    for mask in range(1, 1 << k):
+        cols = [j for j in range(k) if mask >> j & 1]
+        coef = least_squares([[r[j] for j in cols] for r in rows], ys)
+        if min(coef) < 0:
+            continue
+        full = [0.0] * k
+        for j, c in zip(cols, coef, strict=True):
+            full[j] = c
+        residual = sum(
+            (sum(c * x for c, x in zip(full, r, strict=True)) - y) ** 2
+            for r, y in zip(rows, ys, strict=True)
+        )
+        if best is None or residual < best[0]:
+            best = (residual, full)
+    return best[1] if best is not None else [0.0] * k
 
 
 def interleaved(
@@ -501,9 +818,7 @@ def _score_args(layout: Any, weights: dict[str, float]) -> list[Any]:
     return [*flat, "1.0"]
 
 
-def score_now(
-    raw: redis.Redis, sha: str, layout: Any, keys: list[int], w: dict[str, float]
-) -> int:
+def score_now(raw: redis.Redis, sha: str, layout: Any, keys: list[int], w: dict[str, float]) -> int:
     """A whole chain scored by this checkout's ``score`` script, part by part as the client does
     (each part carrying the (pod, rank)s still in, their scores and stamps); script calls made."""
     fixed, names = _score_args(layout, w), (layout.meta, layout.pi, layout.pp, layout.sx)
@@ -778,12 +1093,14 @@ def run_shape(
     single = Ingest(fleet, url, 1)
     call, count = single.calls()
     settle_collector()
-    single_redis, single_client = cpu_us(server, call, count)
+    single_each: list[float] = []
+    single_redis, single_client = cpu_us(server, call, count, single_each)
     many = Ingest(fleet, url, backlog)
     call, count = many.calls()
     settle_collector()
     before = used_memory(raw)
-    many_redis, many_client = cpu_us(server, call, count)
+    many_each: list[float] = []
+    many_redis, many_client = cpu_us(server, call, count, many_each)
     event_filled = used_memory(raw) - before
     journal_keys = list(raw.scan_iter(match=f"{many.ns}{JOURNAL_KEY_INFIX}*", count=1000))
     # the Go layout, evicting as its own code does and written well
@@ -799,14 +1116,15 @@ def run_shape(
 
         def ref_feed(i: int, ref: ReferenceLayout = ref, well: bool = db == 2) -> None:
             m = fleet.messages[i]
-            if well and m.removed:
-                ref.evict_many(m.removed, [entries[m.pod]])
-            else:
-                for engine in m.removed:
-                    ref.evict(engine, KeyType.ENGINE, [entries[m.pod]])
-            for engine_keys, request_keys in m.adds:
-                if request_keys:
-                    ref.add(engine_keys, request_keys, [entries[m.pod]])
+            for removed, adds in m.steps():
+                if well and removed:
+                    ref.evict_many(removed, [entries[m.pod]])
+                else:
+                    for engine in removed:
+                        ref.evict(engine, KeyType.ENGINE, [entries[m.pod]])
+                for engine_keys, request_keys in adds:
+                    if request_keys:
+                        ref.add(engine_keys, request_keys, [entries[m.pod]])
 
         ref_sides[name] = cpu_us(server, ref_feed, n)[0]
     # the final pairs by 64-key adds, in chain order
@@ -918,6 +1236,7 @@ def run_shape(
         shape=fleet.shape,
         pinned=False,
         messages=n,
+        events=sum(mm.events for mm in fleet.messages),
         blocks_stored=blocks,
         pages_stored=fleet.pages,
         keys=total,
@@ -934,6 +1253,10 @@ def run_shape(
         redis_us_per_block=redis_us,
         client_us_per_block=client_us,
         client_blocks_per_s={k: 1e6 / v for k, v in client_us.items() if v > 0},
+        client_cost_us={
+            "process": cost_model(fleet.messages, 1, single_each),
+            f"process_many({backlog})": cost_model(fleet.messages, backlog, many_each),
+        },
         memory={
             "event-filled": event_filled / n_pairs,
             "of which page journal": journal_bytes / n_pairs,
@@ -969,7 +1292,8 @@ def run_shape(
 
 def print_result(r: Result) -> None:
     print(
-        f"\n== {r.shape}: {r.messages} engine batches, {r.blocks_stored} blocks stored "
+        f"\n== {r.shape}: {r.messages} engine batches ({r.events} events), "
+        f"{r.blocks_stored} blocks stored "
         f"({r.pages_stored} engine pages, {r.evicted_per_stored:.2f} evicted per stored), "
         f"{r.pairs} pairs held, {r.server}, pinned={r.pinned}"
     )
@@ -985,6 +1309,9 @@ def print_result(r: Result) -> None:
             f"  ingester CPU per stored block, {name:<22} {us:7.1f} us "
             f"({1e6 / us:9,.0f} blocks per CPU-second)"
         )
+    for name, costs in r.client_cost_us.items():
+        fitted = ", ".join(f"{us:.1f} us per {what}" for what, us in costs.items())
+        print(f"  ingester CPU, {name}, fitted: {fitted}")
     for name, b in r.memory.items():
         print(f"  memory per pair, {name:<22} {b:7.1f} B")
     for name, ratio in r.ratios.items():
@@ -1021,7 +1348,19 @@ def sizing_table(results: Sequence[Result], pod_rate: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = bench_parser(__doc__, "fewer conversations and turns")
-    parser.add_argument("--shape", default="vllm,sglang", help="vllm, sglang or both")
+    parser.add_argument(
+        "--shape",
+        default="vllm,sglang",
+        help="comma-separated: vllm (a batch per store), vllm-steps (a batch per engine step), "
+        "vllm-stores (vllm-steps' stream, a batch per store), sglang",
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=CONCURRENCY,
+        help=f"requests a vllm-steps pod runs at once (default {CONCURRENCY}; 16 at most with "
+        "--quick)",
+    )
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--server", default="redis", choices=("redis", "valkey"))
     parser.add_argument(
@@ -1060,7 +1399,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     tune_collector(args.gc_threshold)
-    fleets = [make_fleet(shape, args.quick, args.seed) for shape in args.shape.split(",")]
+    if args.concurrency < 1:
+        parser.error("--concurrency must be at least 1")
+    fleets = [
+        make_fleet(shape, args.quick, args.seed, args.concurrency)
+        for shape in args.shape.split(",")
+    ]
     for fleet in fleets:
         auto = args.bucket_bits.strip() == "auto"
         fleet.bucket_bits = (
