@@ -47,6 +47,19 @@ class EvictOp:
 IndexOp = AddOp | EvictOp
 
 
+class CheckedOps(list[IndexOp]):
+    """Ops built in the normal form :func:`check_batch` returns by code that builds nothing else
+    (the ingester's planner: plain int keys in range, tuples, :class:`~kvredis.types.PodEntry`
+    entries, each checked when made): :func:`check_batch` takes them as they are instead of
+    looking at every key again (about a twelfth of an ingester's CPU). Internal: code handing
+    in ops from anywhere else passes a plain list, which is checked."""
+
+    __slots__ = ()
+
+
+_MARK_LIMIT = 1 << 63
+
+
 @dataclass(frozen=True, slots=True, order=True)
 class Watermark:
     """Position of the last batch applied from one event stream (one publisher of one pod).
@@ -60,6 +73,14 @@ class Watermark:
     seq: int
 
     def __post_init__(self) -> None:
+        epoch, seq = self.epoch, self.seq
+        if (
+            type(epoch) is int
+            and type(seq) is int
+            and -1 <= epoch < _MARK_LIMIT
+            and -1 <= seq < _MARK_LIMIT
+        ):
+            return
         for name in ("epoch", "seq"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -97,6 +118,8 @@ def check_batch(
     if stream is not None:
         check_stream(stream)
         check_watermark(watermark)
+    if type(ops) is CheckedOps:
+        return ops
     if isinstance(ops, (str, bytes)) or not isinstance(ops, Sequence):
         raise InvalidInputError(f"ops must be a sequence of AddOp/EvictOp, got {ops!r}")
     plan: list[IndexOp] = []

@@ -1,5 +1,7 @@
 """``check_batch`` keeps ops already in normal form as they are (what an ingester builds) and
-checks every other op field by field: both ways accept and refuse exactly the same ops."""
+checks every other op field by field: both ways accept and refuse exactly the same ops. Ops the
+ingester's planner built (:class:`~kvredis.batch.CheckedOps`) are taken whole; that the planner
+builds only normal-form ops is checked by every ingestion test (``tests/ingest/conftest.py``)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kvredis.batch import AddOp, EvictOp, check_batch
+from kvredis.batch import AddOp, CheckedOps, EvictOp, Watermark, check_batch
 from kvredis.errors import InvalidInputError
 from kvredis.types import KeyType, PodEntry
 
@@ -86,3 +88,26 @@ def test_entries_found_valid_once_are_not_trusted_for_another_tuple() -> None:
         check_batch([EvictOp(1, KeyType.ENGINE, good), EvictOp(2, KeyType.ENGINE, bad)], None, None)
     with pytest.raises(InvalidInputError, match="batch op 1"):
         check_batch([AddOp(None, (1,), good), AddOp(None, (2,), (NO_POD,))], None, None)
+
+
+def test_ops_the_planner_built_are_taken_whole_and_a_plain_list_is_checked() -> None:
+    ops = CheckedOps([AddOp((7,), (1, 2), (GPU,), 9), EvictOp(3, KeyType.ENGINE, (GPU,))])
+    assert check_batch(ops, "s", Watermark(0, 1)) is ops
+    plain = list(ops)
+    checked = check_batch(plain, "s", Watermark(0, 1))
+    assert checked == plain and checked is not plain
+    # the shortcut is for the ops alone: the fence is checked all the same
+    with pytest.raises(InvalidInputError, match="both stream and watermark"):
+        check_batch(ops, "s", None)
+    with pytest.raises(InvalidInputError, match="stream"):
+        check_batch(ops, "", Watermark(0, 1))
+    # and a plain list holding the same kind of ops is still refused when one is bad
+    with pytest.raises(InvalidInputError, match="batch op 2"):
+        check_batch([*plain, EvictOp(2**64, KeyType.ENGINE, (GPU,))], None, None)
+
+
+def test_a_watermark_is_checked_on_its_fast_path_as_on_its_slow_one() -> None:
+    assert Watermark(-1, 2**63 - 1) == Watermark(-1, 2**63 - 1)
+    for bad in [(0, 2**63), (-2, 0), (True, 0), (0, 1.0), ("1", 0)]:
+        with pytest.raises(InvalidInputError, match="watermark"):
+            Watermark(*bad)

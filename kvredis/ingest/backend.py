@@ -74,6 +74,10 @@ class StopSignal(Protocol):
         ...
 
 
+_APPLIED, _NOT_APPLIED = StepResult(True), StepResult(False)
+"""The results of a step applied, or not, in one attempt (a step per batch: made once)."""
+
+
 class IndexBackend:
     """Performs the sequencer's actions against ``index``, replay clients and real waiting."""
 
@@ -212,7 +216,10 @@ class IndexBackend:
                 return list(batch.apply_batches(batches))
             return apply_batches_in_turn(batch, batches)
 
-        return [StepResult(bool(applied), attempts) for applied in self._call(call)]
+        results = self._call(call)
+        if attempts == 1:
+            return [_APPLIED if applied else _NOT_APPLIED for applied in results]
+        return [StepResult(bool(applied), attempts) for applied in results]
 
     def _apply_ops(self, ops: Sequence[IndexOp]) -> None:
         self._record_scheme()

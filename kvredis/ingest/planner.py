@@ -86,7 +86,7 @@ from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvredis.batch import AddOp, EvictOp, IndexOp
+from kvredis.batch import AddOp, CheckedOps, EvictOp
 from kvredis.checks import infer_mappings
 from kvredis.errors import ConfigError, InvalidInputError
 from kvredis.groups import GroupCatalog
@@ -212,8 +212,8 @@ class BatchPlan:
     def __init__(self, cache: EngineKeyCache | None) -> None:
         self.cache = cache
         """The pod's engine→request cache (None: the batch names no pod)."""
-        self.pending: list[IndexOp] = []
-        """Operations planned since the last barrier."""
+        self.pending = CheckedOps()
+        """Operations planned since the last barrier (all built here, in normal form)."""
         self.batch_map: dict[int, int] = {}
         """Engine→request mappings added by this batch so far (not yet in the pod cache)."""
         self.batch_tails: dict[int, Tail] = {}
@@ -242,9 +242,9 @@ class BatchPlan:
     def count(self, counter: Counter, amount: int = 1) -> None:
         self.stats[counter] = self.stats.get(counter, 0) + amount
 
-    def take(self) -> list[IndexOp]:
+    def take(self) -> CheckedOps:
         """The pending operations, to be applied now as one step."""
-        ops, self.pending = self.pending, []
+        ops, self.pending = self.pending, CheckedOps()
         self.pending_evicts.clear()
         return ops
 

@@ -629,14 +629,29 @@ def batch_programs(
 ) -> list[Program]:
     """The programs of a checked batch, each within ``budget`` units (at least one program)."""
     programs = Programs(layout, budget)
+    # consecutive evicts of one entries tuple and kind (an ingester's removal event shares one)
+    # go in together
+    run: list[int] = []
+    run_entries: tuple[PodEntry, ...] = ()
+    run_type = KeyType.ENGINE
     for op in plan:
+        if isinstance(op, EvictOp):
+            if run and (op.entries is not run_entries or op.key_type is not run_type):
+                programs.evicts(run, run_type, run_entries)
+                run = []
+            run_entries, run_type = op.entries, op.key_type
+            run.append(op.key)
+            continue
+        if run:
+            programs.evicts(run, run_type, run_entries)
+            run = []
         if isinstance(op, AddOp):
             ents = list(dict.fromkeys(op.entries))
             pieces = add_pieces(op.engine_keys, op.request_keys, ents, programs.budget)
             for (keys, pairs), parent in zip(pieces, piece_parents(pieces, op.parent), strict=True):
                 programs.add(keys, pairs, ents, parent)
-        elif isinstance(op, EvictOp):
-            programs.evict(op.key, op.key_type, op.entries)
+    if run:
+        programs.evicts(run, run_type, run_entries)
     return programs.items
 
 
@@ -676,15 +691,18 @@ def op_apply_batches(state: CoreState, batches: Sequence[Batch]) -> Op[list[bool
         if not plan and stream is None:
             out[i] = True
             continue
-        if not group.add(i, plan, stream, watermark):
+        added = group.add(i, plan, stream, watermark)
+        if added is _FULL:
             yield from group.send(out, stopped)
             group = _BatchGroup(state.layout)
-            if not group.add(i, plan, stream, watermark):
-                out[i] = yield from _apply_alone(
-                    batch_programs(state.layout, plan), stream, watermark
-                )
-                if not out[i] and stream is not None:
-                    stopped.add(stream)
+            added = group.add(i, plan, stream, watermark)
+        if added is _ALONE:
+            # over a call's budget by itself: the group so far first, to keep the order
+            yield from group.send(out, stopped)
+            group = _BatchGroup(state.layout)
+            out[i] = yield from _apply_alone(batch_programs(state.layout, plan), stream, watermark)
+            if not out[i] and stream is not None:
+                stopped.add(stream)
     yield from group.send(out, stopped)
     return out
 
@@ -704,6 +722,9 @@ def _apply_alone(
 
 
 _BATCH_HEAD = struct.Struct(">HB")
+#: What :meth:`_BatchGroup.add` did with a batch: added it, found the group too full for it, or
+#: found it over a call's budget by itself.
+_ADDED, _FULL, _ALONE = object(), object(), object()
 _U16 = struct.Struct(">H")
 
 
@@ -734,16 +755,17 @@ class _BatchGroup:
 
     def add(
         self, index: int, plan: list[IndexOp], stream: str | None, watermark: Watermark | None
-    ) -> bool:
-        """Add a batch, unless it would take the call over its work budget (``False``: send
-        the group first; a batch over budget alone goes on its own)."""
+    ) -> object:
+        """Add a batch (:data:`_ADDED`), unless it would take the call over its work budget:
+        :data:`_FULL` (send the group, then add it to the next) or, for a batch over budget
+        by itself, :data:`_ALONE` (it goes on its own, in parts)."""
         known = len(self.entries)
         blob, count, cost = blob_ops(plan, self._entry)
         if (self.members and self.cost + cost > CALL_BUDGET) or cost > CALL_BUDGET:
             for entry in self._order[known:]:
                 del self._entry_index[entry]
             del self.entries[known:], self._order[known:]
-            return False
+            return _ALONE if cost > CALL_BUDGET else _FULL
         self.cost += cost
         self.members.append((index, plan, stream, watermark))
         if count > 0xFFFF:
@@ -756,7 +778,7 @@ class _BatchGroup:
             mark = f"{watermark.epoch}:{watermark.seq}:{token}".encode()
             self.blob += (_BATCH_HEAD.pack(number, len(mark)), mark)
         self.blob += (_U16.pack(count), blob)
-        return True
+        return _ADDED
 
     def call(self) -> ScriptCall:
         layout = self.layout

@@ -14,6 +14,7 @@ from kvredis.checks import (
     infer_mappings,
 )
 from kvredis.redis.codec import (
+    HASH_WIDTH,
     blob_hashes,
     encode_entry,
     hash_blob,
@@ -113,6 +114,22 @@ class Program:
             self.units.append(("E", key, ents, first))
         self.count += 1
         self.cost += evict_cost(len(ents), key_type)
+
+    def evicts(self, keys: Sequence[int], key_type: KeyType, ents: Sequence[PodEntry]) -> None:
+        """:meth:`evict` of each of ``keys`` in turn, all of the same entries (``ents``, without
+        duplicates) and kind: their entry indexes worked out once."""
+        indexes = (len(ents), *(self.entry(e) for e in ents))
+        ops, units = self.ops, self.units
+        if key_type is KeyType.REQUEST:
+            for key in keys:
+                ops += ("R", key.to_bytes(HASH_WIDTH, "big"), *indexes)
+                units.append(("R", key, ents))
+        else:
+            for key in keys:
+                ops += ("E", key.to_bytes(HASH_WIDTH, "big"), 0, *indexes)
+                units.append(("E", key, ents, 0))
+        self.count += len(keys)
+        self.cost += evict_cost(len(ents), key_type) * len(keys)
 
     def extend(self, units: Sequence[Unit]) -> None:
         """Append the ops ``units`` (another program's :attr:`units`), in order."""
@@ -245,6 +262,19 @@ class Programs:
         """Add an evict op (see :meth:`Program.evict`)."""
         ents = list(dict.fromkeys(entries))
         self._room(evict_cost(len(ents), key_type)).evict(key, key_type, ents, first)
+
+    def evicts(self, keys: Sequence[int], key_type: KeyType, entries: Entries) -> None:
+        """:meth:`evict` of each of ``keys`` in turn (all of the same entries and kind), the
+        programs filled as many keys at a time as their budget takes."""
+        ents = list(dict.fromkeys(entries))
+        unit = evict_cost(len(ents), key_type)
+        at = 0
+        while at < len(keys):
+            last = self._room(unit)
+            room = (self.budget - last.cost) // unit if last.count else self.budget // unit
+            take = keys[at : at + max(1, room)]
+            last.evicts(take, key_type, ents)
+            at += len(take)
 
 
 def add_pieces(

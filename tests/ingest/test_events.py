@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import pickle
+from types import MappingProxyType
 from typing import Any
 
 import msgpack
@@ -10,11 +12,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvredis.ingest import events as events_module
 from kvredis.ingest.events import (
     MAX_PAYLOAD_BYTES,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    Engine,
     Rejection,
     RejectReason,
     WireError,
@@ -450,3 +454,275 @@ def test_a_malformed_payload_reject_always_says_why(payload: bytes) -> None:
 
 def test_a_rejection_never_has_an_empty_detail() -> None:
     assert Rejection(RejectReason.BAD_FIELD_VALUE, "").detail.startswith("bad_field_value")
+
+
+# ------------------------------------------------------------------------------------------
+# The fast path for plain map events (events._plain_event) against the general code. A
+# read-only proxy of the same dict is a Mapping but not a dict, so it takes the general code.
+# ------------------------------------------------------------------------------------------
+
+VLLM_STORED: dict[str, Any] = {
+    "type": "BlockStored",
+    "block_hashes": [2**64 - 1],
+    "parent_block_hash": 5,
+    "token_ids": [0, 2**32 - 1] * 8,
+    "block_size": 16,
+    "lora_id": None,
+    "medium": "GPU",
+    "lora_name": None,
+}
+VLLM_REMOVED: dict[str, Any] = {"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU"}
+SGLANG_STORED: dict[str, Any] = {
+    "type": "BlockStored",
+    "block_hashes": [-(2**63), -1, 2**63 - 1],
+    "parent_block_hash": -2,
+    "token_ids": [1, 2, 3],
+    "block_size": 1,
+    "lora_id": 4,
+    "medium": "GPU",
+}
+
+
+def both_paths(raw: dict[Any, Any]) -> tuple[Any, Any]:
+    """The batch holding ``raw`` decoded through the fast path and through the general code."""
+    general = decode_batch_object([1.5, [MappingProxyType(raw)]])
+    fast = decode_batch_object([1.5, [raw]])
+    return fast, general
+
+
+def assert_same_decoding(raw: dict[Any, Any]) -> None:
+    fast, general = both_paths(raw)
+    assert fast == general
+    assert repr(fast) == repr(general)  # also tells True from 1 and 1.0 from 1
+
+
+@pytest.mark.parametrize("raw", [VLLM_STORED, VLLM_REMOVED, SGLANG_STORED])
+def test_plain_map_events_take_the_fast_path(raw: dict[str, Any]) -> None:
+    event = events_module._plain_event(raw)
+    assert event is not None
+    assert repr(event) == repr(events_module._event(MappingProxyType(raw)))
+    assert_same_decoding(raw)
+
+
+def test_plain_events_decode_to_their_values() -> None:
+    assert events_module._plain_event(SGLANG_STORED) == BlockStored(
+        (2**63, 2**64 - 1, 2**63 - 1), 2**64 - 2, (1, 2, 3), 1, 4, "GPU"
+    )
+    assert events_module._plain_event(VLLM_REMOVED) == BlockRemoved((7,), "GPU")
+    assert events_module._plain_event({"type": "BlockStored", "block_hashes": []}) == BlockStored(
+        ()
+    )
+
+
+class _Str(str):
+    pass
+
+
+UNUSUAL_VALUES: list[Any] = [
+    True,
+    False,
+    -1,
+    -(2**63) - 1,
+    2**63,
+    2**64,
+    2**70,
+    2**32,
+    1.0,
+    b"\x01" * 9,
+    b"",
+    bytearray(b"\x02"),
+    "",
+    "é",
+    "\udc80",
+    _Str("GPU"),
+    [],
+    [True],
+    [1, True],
+    [1.0],
+    [-1],
+    [2**64],
+    [-1, 2**63],
+    [2**32],
+    [b"\x01"],
+    [[1, 2], [2, 3]],
+    [[1, 2], [3, 4]],
+    [None],
+    (1, 2),
+    {"cache_salt": "s"},
+]
+"""Values one field of a plain event may take instead, each for the fast path to turn down
+(or, for some, accept: then both paths must agree on the value)."""
+
+
+@pytest.mark.parametrize("base", [VLLM_STORED, VLLM_REMOVED, SGLANG_STORED])
+@pytest.mark.parametrize("value", UNUSUAL_VALUES, ids=repr)
+def test_an_unusual_field_decodes_as_the_general_code_decodes_it(
+    base: dict[str, Any], value: Any
+) -> None:
+    for key in [*base, "extra_keys", "event_version", "cache_salt", "metadata", "group_idx"]:
+        assert_same_decoding({**base, key: value})
+        if isinstance(base.get(key), list):
+            assert_same_decoding({**base, key: [*base[key], value]})
+            assert_same_decoding({**base, key: [value, *base[key]]})
+    for key in base:
+        assert_same_decoding({k: v for k, v in base.items() if k != key})
+
+
+def test_unusual_maps_decode_as_the_general_code_decodes_them() -> None:
+    class Hostile:
+        hashable = True
+
+        def __hash__(self) -> int:
+            if not self.hashable:
+                raise RuntimeError("no hash")
+            return 1
+
+    hostile_key = Hostile()
+    raw: dict[Any, Any] = {**VLLM_STORED, hostile_key: 1}
+    hostile_key.hashable = False  # the dict keeps the hash it got: only a lookup hashes it again
+    assert events_module._plain_event(raw) is None
+    assert_same_decoding(raw)
+    assert_same_decoding({**VLLM_STORED, 1: "int key", b"type": "bytes key"})
+    assert_same_decoding({**VLLM_REMOVED, "type": _Str("BlockRemoved")})
+    assert_same_decoding({"type": "AllBlocksCleared"})
+    assert_same_decoding({"type": "AllBlocksCleared", "block_hashes": [1], "medium": "GPU"})
+    assert_same_decoding({"type": "Nope", "block_hashes": [1]})
+    assert_same_decoding({"block_hashes": [1]})
+
+
+plain_ints = st.integers(-(2**63), 2**64 - 1)
+edge_values = st.sampled_from(
+    [
+        *(True, False, -1, 0, 2**32 - 1, 2**32, 2**63 - 1, 2**63, -(2**63), -(2**63) - 1),
+        *(2**64 - 1, 2**64, 1.0, b"\x01", b"", "", "\udc80", _Str("x"), None, [1, 2]),
+    ]
+)
+wire_values = st.recursive(
+    st.none()
+    | plain_ints
+    | st.integers()
+    | edge_values
+    | st.floats(allow_nan=False)
+    | st.binary(max_size=10)
+    | st.text(max_size=4)
+    | st.sampled_from(["GPU", "CPU", "CPU_PINNED", "é"]),
+    lambda inner: st.lists(inner, max_size=4),
+    max_leaves=8,
+)
+
+
+@st.composite
+def near_plain_maps(draw: st.DrawFn) -> dict[Any, Any]:
+    """A plain map event or a near miss: each field is mostly plain, sometimes plain but for an
+    edge value (in its array, or instead of it), absent or anything; sometimes with a key more."""
+    base = draw(st.sampled_from([VLLM_STORED, VLLM_REMOVED, SGLANG_STORED]))
+    plain: dict[str, st.SearchStrategy[Any]] = {
+        "block_hashes": st.lists(plain_ints, max_size=3),
+        "parent_block_hash": st.none() | plain_ints,
+        "token_ids": st.none() | st.lists(st.integers(0, 2**32 - 1), max_size=4),
+        "block_size": st.none() | st.integers(0, 2**32 - 1),
+        "lora_id": st.none() | st.integers(),
+        "medium": st.none() | st.sampled_from(["GPU", "CPU", "DISK"]),
+        "lora_name": st.none() | st.text(max_size=3),
+    }
+    raw: dict[Any, Any] = {"type": base["type"]}
+    for key in base:
+        if key == "type":
+            continue
+        how = draw(st.sampled_from(["plain"] * 4 + ["edge"] * 2 + ["absent", "any"]))
+        if how in ("plain", "edge"):
+            raw[key] = draw(plain[key])
+        if how == "edge":
+            if isinstance(raw[key], list):
+                raw[key].insert(draw(st.integers(0, len(raw[key]))), draw(edge_values))
+            else:
+                raw[key] = draw(edge_values)
+        elif how == "any":
+            raw[key] = draw(wire_values)
+    if draw(st.integers(0, 5)) == 0:
+        key = draw(st.sampled_from(["cache_salt", "group_idx", "extra_keys", "session_id", "x"]))
+        raw[key] = draw(wire_values)
+    return raw
+
+
+@settings(max_examples=1000, deadline=None)
+@given(near_plain_maps())
+def test_the_fast_path_decodes_as_the_general_code(raw: dict[Any, Any]) -> None:
+    assert_same_decoding(raw)
+    event = events_module._plain_event(raw)
+    if event is not None:
+        assert repr(event) == repr(events_module._event(MappingProxyType(raw)))
+
+
+def removed(**fields: Any) -> dict[str, Any]:
+    return {**VLLM_REMOVED, **fields}
+
+
+def stored(**fields: Any) -> dict[str, Any]:
+    return {"type": "BlockStored", "block_hashes": [1], "medium": "GPU", **fields}
+
+
+@pytest.mark.parametrize(
+    ("batch", "engine"),
+    [
+        ([0.0, [VLLM_STORED, VLLM_REMOVED]], None),
+        ([0.0, [VLLM_STORED, VLLM_REMOVED], 0], None),
+        ({"ts": 0.0, "events": [VLLM_STORED], "data_parallel_rank": None}, Engine.VLLM),
+        ({"ts": 0.0, "events": [SGLANG_STORED], "data_parallel_rank": 0}, Engine.VLLM),
+        ({"ts": 0.0, "events": [VLLM_STORED], "attn_dp_rank": 0}, Engine.SGLANG),
+        ([0.0, [SGLANG_STORED]], Engine.SGLANG),
+        ([0.0, [VLLM_STORED, removed(block_hashes=[-1])]], Engine.SGLANG),
+        ([0.0, [removed(block_hashes=[3, -1])]], Engine.SGLANG),
+        ([0.0, [removed(block_hashes=[True, -1])]], None),
+        ([0.0, [removed(block_hashes=[-1, b"\x01"])]], None),
+        ([0.0, [removed(block_hashes=[b"\x01"])]], None),
+        ([0.0, [removed(block_hashes=[-1.0])]], None),
+        ([0.0, [removed(block_hashes=(-1,))]], None),
+        ([0.0, [removed(medium="CPU_PINNED")]], Engine.SGLANG),
+        ([0.0, [removed(medium="DISK"), removed(medium="CPU")]], Engine.SGLANG),
+        ([0.0, [removed(medium="CPU"), SGLANG_STORED]], Engine.VLLM),
+        ([0.0, [removed(medium=_Str("STORAGE"))]], Engine.VLLM),
+        ([0.0, [removed(medium=["CPU"])]], None),
+        ([0.0, [stored(cache_salt=None)]], Engine.SGLANG),
+        ([0.0, [stored(metadata={}, group_idx=1)]], Engine.SGLANG),
+        ([0.0, [stored(group_idx=1), stored(cache_salt="s")]], Engine.VLLM),
+        ([0.0, [stored(lookahead_token_ids=[])]], Engine.VLLM),
+        ([0.0, [stored(session_id="s")]], None),
+        (
+            [0.0, [["BlockStored", [1], None, [1], 1, None, "GPU", {"cache_salt": "s"}]]],
+            Engine.SGLANG,
+        ),
+        ([0.0, [["BlockStored", [1], None, [1], 1, None, "GPU", None]]], Engine.VLLM),
+        ([0.0, [["BlockStored", [-1], None, [1], 1, None, "GPU"]]], Engine.SGLANG),
+        ([0.0, [["BlockStored", [1], None, [1], 1, None, "CPU"]]], Engine.VLLM),
+        ([0.0, [["BlockRemoved", [1], "EXTERNAL"]]], Engine.SGLANG),
+        ([0.0, [["BlockRemoved", [1]], ["AllBlocksCleared"], "junk", None]], None),
+        ([0.0, [removed(block_hashes=[[1], -1]), SGLANG_STORED]], Engine.SGLANG),
+    ],
+)
+def test_the_engine_a_batch_shape_names(batch: Any, engine: Engine | None) -> None:
+    assert decode_batch_object(batch).engine is engine
+    if msgpack.unpackb(pack(batch), strict_map_key=False) == batch:  # (not with a tuple)
+        assert decode_batch(pack(batch)).engine is engine
+    proxied = [MappingProxyType(e) if isinstance(e, dict) else e for e in batch_events(batch)]
+    assert events_module._engine_hint(batch, proxied) is engine
+    assert decode_batch_object(batch, hint=False).engine is None
+
+
+def batch_events(batch: Any) -> list[Any]:
+    return list(batch["events"] if isinstance(batch, dict) else batch[1])
+
+
+def test_the_fast_build_of_a_block_stored_is_its_init() -> None:
+    values = ((1, 2), 3, (4, 5), 16, 6, "GPU", "lora")
+    fast = events_module._new_block_stored(*values)
+    built = BlockStored(*values)
+    assert type(fast) is BlockStored
+    assert fast == built and hash(fast) == hash(built) and repr(fast) == repr(built)
+    assert [getattr(fast, f.name) for f in dataclasses.fields(BlockStored)] == [
+        getattr(built, f.name) for f in dataclasses.fields(BlockStored)
+    ]
+    assert pickle.loads(pickle.dumps(fast)) == built
+    assert dataclasses.replace(fast, medium="CPU") == dataclasses.replace(built, medium="CPU")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.medium = "CPU"  # type: ignore[misc]

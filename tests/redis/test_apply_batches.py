@@ -144,6 +144,37 @@ def test_work_over_one_calls_budget_goes_in_several_calls_in_order(served: Any) 
     assert index.get_watermark("s") == Watermark(0, 10**6 + 1)
 
 
+def test_a_batch_over_budget_by_itself_is_encoded_once_and_keeps_its_place(
+    served: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    index, raw = served
+    index.lookup([1])
+    encoded: list[int] = []
+    real = ops.blob_ops
+
+    def counting(plan: Any, entry: Any) -> Any:
+        encoded.append(len(plan))
+        return real(plan, entry)
+
+    monkeypatch.setattr(ops, "blob_ops", counting)
+    big = tuple(range(10**9, 10**9 + 2 * CALL_BUDGET))
+    batches = [
+        Batch([AddOp(None, (11,), (A,))], "s", Watermark(0, 0)),
+        Batch([AddOp(None, big, (B,)), EvictOp(11, KeyType.REQUEST, (A,))], "s", Watermark(0, 1)),
+        Batch([AddOp(None, (11,), (B,))], "s", Watermark(0, 2)),
+    ]
+    before = script_calls(raw)
+    assert index.apply_batches(batches) == [True, True, True]
+    # the small batches once each in a group call; the big one once, found over budget by
+    # itself, then sent alone (in parts) between them
+    assert encoded == [1, 2, 1]
+    assert script_calls(raw) - before >= 4
+    assert {k: set(v) for k, v in index.lookup([11]).items()} == {11: {B}}
+    for key in (big[0], big[-1]):
+        assert set(index.lookup([key])[key]) == {B}
+    assert index.get_watermark("s") == Watermark(0, 2)
+
+
 def test_a_call_sent_again_after_a_lost_reply_applies_nothing_twice(served: Any) -> None:
     index, _raw = served
     index.lookup([1])
