@@ -16,9 +16,11 @@ from typing import NamedTuple
 
 from kvredis.checks import check_add, check_entries, check_hash, check_key_type, plain_hashes
 from kvredis.errors import InvalidInputError
+from kvredis.fastinit import slot_init
 from kvredis.types import MAX_BLOCK_HASH, KeyType, PodEntry
 
 
+@slot_init
 @dataclass(frozen=True, slots=True)
 class AddOp:
     """``Index.add(engine_keys, request_keys, entries)`` as a value.
@@ -35,6 +37,7 @@ class AddOp:
     parent: int | None = None
 
 
+@slot_init
 @dataclass(frozen=True, slots=True)
 class EvictOp:
     """``Index.evict(key, key_type, entries)`` as a value."""
@@ -60,6 +63,7 @@ class CheckedOps(list[IndexOp]):
 _MARK_LIMIT = 1 << 63
 
 
+@slot_init
 @dataclass(frozen=True, slots=True, order=True)
 class Watermark:
     """Position of the last batch applied from one event stream (one publisher of one pod).

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from kvredis.errors import InvalidInputError
+from kvredis.fastinit import slot_init
 
 __all__ = [
     "PROMPT_EMBEDS_PREFIX",
@@ -215,6 +216,7 @@ def parse_raw_extra_keys(
     return result
 
 
+@slot_init
 @dataclass(frozen=True, slots=True)
 class ExtraKeys:
     """What a ``BlockStored`` event's ``extra_keys`` say, decoded (see :func:`split_extra_keys`)."""

@@ -79,6 +79,8 @@ def token_array(tokens: Sequence[int], code: str | None) -> Sequence[int]:
     try:
         if isinstance(tokens, list):
             out.fromlist(tokens)
+        elif isinstance(tokens, tuple):  # (no buffer: as below, without raising to find out)
+            out = array(code, tokens)
         else:
             try:
                 view = memoryview(tokens)  # type: ignore[arg-type]

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvredis.batch import IndexOp, Watermark
+from kvredis.fastinit import slot_init
 from kvredis.ingest.config import EndpointConfig
 
 __all__ = [
@@ -72,6 +73,7 @@ class ReadWatermark:
     once: bool = False
 
 
+@slot_init
 @dataclass(frozen=True, slots=True)
 class ApplyStep:
     """Apply ``ops`` iff ``watermark`` is above the stream's stored one, storing it atomically."""
@@ -81,6 +83,7 @@ class ApplyStep:
     watermark: Watermark
 
 
+@slot_init
 @dataclass(frozen=True, slots=True)
 class StepResult:
     """What an :class:`ApplyStep` did: ``applied``, after ``attempts`` tries (lost replies)."""

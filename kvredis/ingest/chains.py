@@ -21,6 +21,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from kvredis.fastinit import slot_init
 from kvredis.features import (
     BlockExtraFeatures,
     ExtraKeys,
@@ -182,6 +183,7 @@ def group_keyed(event: Event) -> Event:
     )
 
 
+@slot_init
 @dataclass(frozen=True, slots=True)
 class Tail:
     """Where a stored chain ends mid-block: what the next event needs to continue it exactly.
@@ -777,6 +779,7 @@ class Boundary(NamedTuple):
     block: int
 
 
+@slot_init
 @dataclass(frozen=True, slots=True)
 class Step:
     """How one ``BlockStored`` event extends a chain, computed without hashing."""

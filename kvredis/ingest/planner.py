@@ -89,6 +89,7 @@ from typing import TYPE_CHECKING
 from kvredis.batch import AddOp, CheckedOps, EvictOp
 from kvredis.checks import infer_mappings
 from kvredis.errors import ConfigError, InvalidInputError
+from kvredis.fastinit import slot_init
 from kvredis.groups import GroupCatalog
 from kvredis.ingest.chains import (
     DEFAULT_PARTIAL_BLOCK_PAGES,
@@ -154,6 +155,7 @@ __all__ = [
 ]
 
 
+@slot_init
 @dataclass(frozen=True, slots=True)
 class Lookup:
     """Planner request: the index's request key for ``engine_key`` (answer: int or None)."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import pickle
 from types import MappingProxyType
 from typing import Any
 
@@ -711,18 +710,3 @@ def test_the_engine_a_batch_shape_names(batch: Any, engine: Engine | None) -> No
 
 def batch_events(batch: Any) -> list[Any]:
     return list(batch["events"] if isinstance(batch, dict) else batch[1])
-
-
-def test_the_fast_build_of_a_block_stored_is_its_init() -> None:
-    values = ((1, 2), 3, (4, 5), 16, 6, "GPU", "lora")
-    fast = events_module._new_block_stored(*values)
-    built = BlockStored(*values)
-    assert type(fast) is BlockStored
-    assert fast == built and hash(fast) == hash(built) and repr(fast) == repr(built)
-    assert [getattr(fast, f.name) for f in dataclasses.fields(BlockStored)] == [
-        getattr(built, f.name) for f in dataclasses.fields(BlockStored)
-    ]
-    assert pickle.loads(pickle.dumps(fast)) == built
-    assert dataclasses.replace(fast, medium="CPU") == dataclasses.replace(built, medium="CPU")
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        fast.medium = "CPU"  # type: ignore[misc]
