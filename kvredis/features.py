@@ -227,6 +227,10 @@ class ExtraKeys:
     """The salt of the request that stored the chain (first block of a chain only)."""
 
 
+NO_EXTRA_KEYS = ExtraKeys(None)
+"""What an event without ``extra_keys`` says: no features, no salt (one object, immutable)."""
+
+
 class UnplacedExtraKeyError(InvalidInputError):
     """An extra key kvredis cannot place in the block keys (a LoRA that is not the event's, a
     salt off the first block of a chain, a key vLLM itself could not classify): the event is
@@ -363,7 +367,7 @@ def split_extra_keys(
     :class:`UnplacedExtraKeyError`.
     """
     if raw is None:
-        return ExtraKeys(None)
+        return NO_EXTRA_KEYS
     if isinstance(raw, (str, bytes, bytearray)) or not isinstance(raw, Sequence):
         raise InvalidInputError(
             f"extra_keys must be a list of per-block lists, got {type(raw).__name__}"

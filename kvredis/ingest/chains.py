@@ -18,11 +18,13 @@ import threading
 from bisect import bisect_left, bisect_right
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from kvredis.fastinit import slot_init
 from kvredis.features import (
+    NO_EXTRA_KEYS,
     BlockExtraFeatures,
     ExtraKeys,
     MMHash,
@@ -310,7 +312,7 @@ class CacheSnapshot(NamedTuple):
     inside a block (``None``: none), and the saved keys it knew nothing of."""
 
     known: list[tuple[int, int | None, Tail | None, Tail | None]]
-    absent: frozenset[int]
+    absent: AbstractSet[int]
 
 
 class EngineKeyCache:
@@ -477,10 +479,12 @@ class EngineKeyCache:
         forgotten, for :meth:`restore` (what is learned, :meth:`save` takes before)."""
         with self._lock:
             data, tails, cuts = self._data, self._tails.items, self._cuts.items
-            dropped = set(dropped)
+            if not isinstance(dropped, (set, frozenset)):
+                dropped = set(dropped)
+            either = dropped | stale if stale else dropped  # (records go with stale pages too)
             tables: tuple[dict[int, Any], ...] = (data, tails, cuts)
             for n, table in enumerate(tables):
-                gone = table.keys() & (dropped | stale if n and stale else dropped)
+                gone = table.keys() & (either if n else dropped)
                 if forgotten is None:
                     for key in gone:
                         del table[key]
@@ -510,7 +514,8 @@ class EngineKeyCache:
     def save(self, keys: Collection[int]) -> CacheSnapshot:
         """What is known of these engine keys now (mapping, chain end, record inside a block),
         for :meth:`restore` (with what a :meth:`commit` then forgot). Worked out with set
-        operations: an SGLang batch names thousands of pages, few of them known here."""
+        operations: an SGLang batch names thousands of pages, few of them known here. ``keys``
+        given as a set may be kept by the snapshot as it is: pass one nothing changes later."""
         with self._lock:
             data, tails, cuts = self._data, self._tails.items, self._cuts.items
             wanted = keys if isinstance(keys, (set, frozenset)) else set(keys)
@@ -518,7 +523,7 @@ class EngineKeyCache:
             get_data, get_tail, get_cut = data.get, tails.get, cuts.get
             return CacheSnapshot(
                 [(k, get_data(k), get_tail(k), get_cut(k)) for k in known],
-                frozenset(wanted.difference(known)),
+                wanted - known if known else wanted,  # (not copied when nothing is known)
             )
 
     def restore(
@@ -665,6 +670,8 @@ def _continued(acc: list[MMHash], ids: list[MMHash]) -> int:
 
 def event_extra_keys(ev: BlockStored) -> ExtraKeys:
     """``ev.extra_keys`` decoded (raises InvalidInputError when malformed)."""
+    if ev.extra_keys is None:
+        return NO_EXTRA_KEYS
     return split_extra_keys(
         None if ev.extra_keys is None else list(ev.extra_keys),
         lora_name=ev.lora_name,

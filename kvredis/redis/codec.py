@@ -48,7 +48,18 @@ def hash_field(value: int) -> bytes:
 def hash_blob(values: Sequence[int]) -> bytes:
     """Checked 64-bit hashes as one blob of 8-byte big-endian values (the form the scripts take
     key lists in)."""
-    return struct.pack(f">{len(values)}Q", *values)
+    packer = _BLOBS.get(len(values))
+    if packer is None:
+        if len(values) > _BLOB_SIZES:
+            return struct.pack(f">{len(values)}Q", *values)
+        packer = _BLOBS[len(values)] = struct.Struct(f">{len(values)}Q")
+    return packer.pack(*values)
+
+
+_BLOB_SIZES = 4096
+"""The lengths up to which :func:`hash_blob` keeps its packer (a call's key lists are shorter)."""
+_BLOBS: dict[int, struct.Struct] = {}
+""":func:`hash_blob`'s packer of each length met: a format parsed once, not on every call."""
 
 
 def blob_hashes(blob: bytes | None) -> list[int]:

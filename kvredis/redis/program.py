@@ -348,10 +348,15 @@ def blob_ops(plan: Sequence[IndexOp], entry: Callable[[PodEntry], int]) -> tuple
             keys.clear()
             count += 1
 
+    add_entries: object = None
+    add_heads: list[bytes] = []
     for op in plan:
         if isinstance(op, AddOp):
             flush()
-            ents = list(dict.fromkeys(op.entries))
+            if op.entries is not add_entries:  # (an ingester's adds of one pod share theirs)
+                add_entries = op.entries
+                ents = list(dict.fromkeys(op.entries))
+                add_heads = [u16(len(ents)), *(u16(entry(e)) for e in ents)]
             req = op.request_keys
             eng = op.engine_keys
             if eng and len(eng) == len(req) and len(set(eng)) == len(eng):
@@ -365,14 +370,13 @@ def blob_ops(plan: Sequence[IndexOp], entry: Callable[[PodEntry], int]) -> tuple
                 pairs = compress_pairs(pairs, MAX_REQUEST_KEYS_PER_ENGINE_KEY)
                 npairs = len(pairs)
                 flat = [k for pair in pairs for k in pair]
-            head = [b"A" if op.parent is None or not req else b"P", u16(len(ents))]
-            head += [u16(entry(e)) for e in ents]
             if op.parent is not None and req:
-                head.append(hash_field(op.parent))
-            out.append(b"".join(head))
+                out.append(b"P" + b"".join(add_heads) + hash_field(op.parent))
+            else:
+                out.append(b"A" + b"".join(add_heads))
             out.append(u32(len(req)) + hash_blob(req))
             out.append(u32(npairs) + hash_blob(flat))
-            cost += add_cost(len(req), npairs, len(ents))
+            cost += add_cost(len(req), npairs, len(add_heads) - 1)
             count += 1
             continue
         if op.entries is not last_entries or op.key_type is not last_type:
