@@ -724,7 +724,9 @@ def _apply_alone(
 _BATCH_HEAD = struct.Struct(">HB")
 #: What :meth:`_BatchGroup.add` did with a batch: added it, found the group too full for it, or
 #: found it over a call's budget by itself.
-_ADDED, _FULL, _ALONE = object(), object(), object()
+_ADDED = object()
+_FULL = object()
+_ALONE = object()
 _U16 = struct.Struct(">H")
 
 
