@@ -617,11 +617,9 @@ def _plain_event(raw: dict[Any, Any]) -> Event | None:
         value = hashes[0]
         if type(value) is not int:
             return None
-        if 0 <= value < _U64:
-            block_hashes = (value,)
-        elif _I64_MIN <= value < 0:
-            block_hashes = (value + _U64,)
-        else:
+        try:
+            block_hashes = (wire_hash(value),)
+        except WireError:
             return None
     elif not hashes:
         block_hashes = ()
@@ -641,11 +639,9 @@ def _plain_event(raw: dict[Any, Any]) -> Event | None:
     if parent is not None:
         if type(parent) is not int:
             return None
-        if parent < 0:
-            if parent < _I64_MIN:
-                return None
-            parent += _U64
-        elif parent >= _U64:
+        try:
+            parent = wire_hash(parent)
+        except WireError:
             return None
     tokens = raw.get("token_ids")
     token_ids: tuple[int, ...] = ()

@@ -104,18 +104,11 @@ class Program:
     def evict(self, key: int, key_type: KeyType, entries: Entries, first: int = 0) -> None:
         """An evict op; by engine key, of its request keys after the first ``first`` (see
         ``lua/includes/program.lua``)."""
-        ents = list(dict.fromkeys(entries))
-        indexes = (len(ents), *(self.entry(e) for e in ents))
-        if key_type is KeyType.REQUEST:
-            self.ops += ("R", hash_field(key), *indexes)
-            self.units.append(("R", key, ents))
-        else:
-            self.ops += ("E", hash_field(key), first, *indexes)
-            self.units.append(("E", key, ents, first))
-        self.count += 1
-        self.cost += evict_cost(len(ents), key_type)
+        self.evicts((key,), key_type, list(dict.fromkeys(entries)), first)
 
-    def evicts(self, keys: Sequence[int], key_type: KeyType, ents: Sequence[PodEntry]) -> None:
+    def evicts(
+        self, keys: Sequence[int], key_type: KeyType, ents: Sequence[PodEntry], first: int = 0
+    ) -> None:
         """:meth:`evict` of each of ``keys`` in turn, all of the same entries (``ents``, without
         duplicates) and kind: their entry indexes worked out once."""
         indexes = (len(ents), *(self.entry(e) for e in ents))
@@ -126,8 +119,8 @@ class Program:
                 units.append(("R", key, ents))
         else:
             for key in keys:
-                ops += ("E", key.to_bytes(HASH_WIDTH, "big"), 0, *indexes)
-                units.append(("E", key, ents, 0))
+                ops += ("E", key.to_bytes(HASH_WIDTH, "big"), first, *indexes)
+                units.append(("E", key, ents, first))
         self.count += len(keys)
         self.cost += evict_cost(len(ents), key_type) * len(keys)
 
@@ -349,14 +342,15 @@ def blob_ops(plan: Sequence[IndexOp], entry: Callable[[PodEntry], int]) -> tuple
             count += 1
 
     add_entries: object = None
-    add_heads: list[bytes] = []
+    add_head, add_count = b"", 0
     for op in plan:
         if isinstance(op, AddOp):
             flush()
             if op.entries is not add_entries:  # (an ingester's adds of one pod share theirs)
                 add_entries = op.entries
                 ents = list(dict.fromkeys(op.entries))
-                add_heads = [u16(len(ents)), *(u16(entry(e)) for e in ents)]
+                add_count = len(ents)
+                add_head = u16(add_count) + b"".join(u16(entry(e)) for e in ents)
             req = op.request_keys
             eng = op.engine_keys
             if eng and len(eng) == len(req) and len(set(eng)) == len(eng):
@@ -371,12 +365,12 @@ def blob_ops(plan: Sequence[IndexOp], entry: Callable[[PodEntry], int]) -> tuple
                 npairs = len(pairs)
                 flat = [k for pair in pairs for k in pair]
             if op.parent is not None and req:
-                out.append(b"P" + b"".join(add_heads) + hash_field(op.parent))
+                out.append(b"P" + add_head + hash_field(op.parent))
             else:
-                out.append(b"A" + b"".join(add_heads))
+                out.append(b"A" + add_head)
             out.append(u32(len(req)) + hash_blob(req))
             out.append(u32(npairs) + hash_blob(flat))
-            cost += add_cost(len(req), npairs, len(add_heads) - 1)
+            cost += add_cost(len(req), npairs, add_count)
             count += 1
             continue
         if op.entries is not last_entries or op.key_type is not last_type:
