@@ -25,7 +25,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_realistic.py"
 def test_quick_run_reports_both_shapes(tmp_path: Path) -> None:
     out = tmp_path / "realistic.json"
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--json", str(out)],
+        [sys.executable, str(SCRIPT), "--quick", "--zmq-runs", "2", "--json", str(out)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -33,6 +33,11 @@ def test_quick_run_reports_both_shapes(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     results = {r["shape"]: r for r in json.loads(out.read_text())}
     assert set(results) == {"vllm", "sglang"}
+    for r in results.values():  # kvredis ingest over ZMQ twice, a fresh process each: the median
+        runs = r["zmq_runs_us"]
+        assert len(runs) == 2 and min(runs) > 0
+        assert r["client_us_per_block"]["kvredis ingest (ZMQ)"] == pytest.approx(sum(runs) / 2)
+    assert "kvredis ingest (ZMQ) runs, median above: " in proc.stdout
     for r in results.values():
         assert r["scores_checked"] > 0 and r["blocks_stored"] > 0
         assert r["share_in_runs"] > 0.95  # one-block events joined the runs they continue
@@ -76,6 +81,17 @@ def test_quick_run_reports_both_shapes(tmp_path: Path) -> None:
     assert sglang["pages_stored"] > 8 * sglang["blocks_stored"]
     assert sglang["evicted_per_stored"] > 0
     assert "| sglang, redis | 1,000 |" in proc.stdout
+
+
+def test_zmq_runs_must_be_at_least_one() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--zmq-runs", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "--zmq-runs must be at least 1" in proc.stderr
 
 
 @pytest.mark.redis

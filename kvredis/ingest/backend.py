@@ -112,6 +112,8 @@ class IndexBackend:
         """How many entries each pod's journal has if only this process wrote to it since it
         read or compacted it (a compaction then takes :attr:`_snapshot`, not a replay)."""
         self._batch = index if isinstance(index, BatchIndex) else None
+        # (checked once: a runtime-checkable protocol's isinstance walks its members each time)
+        self._multi = index if isinstance(index, MultiBatchIndex) else None
         self._counters = counters
         self._stop = stop
         self._clock = clock
@@ -204,7 +206,7 @@ class IndexBackend:
         call took (an attempt whose reply was lost may have applied steps the next one refuses).
         Retried like any index call; raises :class:`Abandoned` or :class:`Failed` as
         :meth:`perform` does."""
-        batch = self._batch_index()
+        batch, multi = self._batch_index(), self._multi
         self._record_scheme()
         batches = [Batch(s.ops, s.stream, s.watermark) for s in steps]
         attempts = 0
@@ -212,8 +214,8 @@ class IndexBackend:
         def call() -> list[bool]:
             nonlocal attempts
             attempts += 1
-            if isinstance(batch, MultiBatchIndex):
-                return list(batch.apply_batches(batches))
+            if multi is not None:
+                return list(multi.apply_batches(batches))
             return apply_batches_in_turn(batch, batches)
 
         results = self._call(call)
