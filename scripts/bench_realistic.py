@@ -1083,12 +1083,13 @@ def run_shape(
     server: Server,
     quick: bool,
     backlog: int,
-    zmq_path: bool,
+    zmq_runs: int,
     zmq_workers: int = 4,
     before_ref: str | None = None,
     gc_threshold: int = GC_THRESHOLD,
-    zmq_runs: int = 1,
 ) -> Result:
+    """One fleet measured on ``server``; ``kvredis ingest`` over ZMQ ``zmq_runs`` times (0:
+    not at all)."""
     raw = server.raw
     raw.flushall()
     n = len(fleet.messages)
@@ -1217,10 +1218,7 @@ def run_shape(
     score_us = interleaved(server, sides, rounds=3 if quick else 7, calls=40 if quick else 100)
     compared = compare_before(before_ref, fleet, url, server, kv, quick) if before_ref else {}
     # each run a fresh ingester process and namespace: the machine's pace moves between runs
-    zmq_each = [
-        zmq_client_cpu(fleet, url, zmq_workers, gc_threshold)
-        for _ in range(zmq_runs if zmq_path else 0)
-    ]
+    zmq_each = [zmq_client_cpu(fleet, url, zmq_workers, gc_threshold) for _ in range(zmq_runs)]
     for side in (single, many):
         side.close()
     fill.close()
@@ -1447,11 +1445,10 @@ def main(argv: list[str] | None = None) -> int:
                 server,
                 args.quick,
                 args.backlog,
-                not args.no_zmq,
+                0 if args.no_zmq else zmq_runs,
                 args.zmq_workers,
                 args.before,
                 args.gc_threshold,
-                zmq_runs,
             )
             r.pinned = pinned
             r.server = args.server
