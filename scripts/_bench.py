@@ -13,7 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
+import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -30,6 +33,7 @@ __all__ = [
     "LocalCluster",
     "RedisServer",
     "bench_parser",
+    "callgrind_instructions",
     "percentile",
     "redis_server",
     "write_json",
@@ -78,3 +82,27 @@ def write_json(target: str, payload: object) -> None:
         print(text)
     else:
         Path(target).write_text(text + "\n")
+
+
+def callgrind_instructions(args: list[str]) -> int:
+    """The instructions (callgrind's ``Ir``) a Python child running ``args`` (this interpreter's
+    arguments: a script and its own) executes under ``valgrind --tool=callgrind``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = subprocess.run(
+            [
+                "valgrind",
+                "--tool=callgrind",
+                "--cache-sim=no",
+                "--branch-sim=no",
+                f"--callgrind-out-file={tmp}/callgrind.out",
+                sys.executable,
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    found = re.search(r"Collected : (\d+)", out.stderr)
+    if found is None:
+        raise SystemExit(f"no instruction count in valgrind's output:\n{out.stderr[-2000:]}")
+    return int(found.group(1))

@@ -5,7 +5,8 @@ Time measures of the ingester (``scripts/bench_realistic.py``) move by 10-30% fr
 the next on a machine shared with other work, more than most changes to the ingester save. The
 instructions the ingester's process runs do not: this benchmark runs the fleets of
 ``bench_realistic.py`` (``--shape``, the same seed) through ``EventIngester.process_many``
-(backlog 16, as a busy worker drains its queue) on a real server, in a child process under
+(backlog 16, as a busy worker drains its queue; ``--backlog 1``: ``process``, a call per
+message) on a real server, in a child process under
 ``valgrind --tool=callgrind``, and counts the instructions (``Ir``). A second child loads the
 same fleet and applies nothing; the difference, per stored index block and per event, is what
 ingesting costs. Two runs of the same code differ by well under 1%. Instructions are not time
@@ -16,76 +17,63 @@ Needs ``valgrind`` (``apt-get install -y valgrind``). A child runs about 50x slo
 natively: the full vLLM fleet takes about two minutes per child, ``--quick`` seconds.
 
 Run:  .venv/bin/python scripts/bench_ingest_instructions.py [--quick]
-          [--shape vllm,vllm-steps,sglang] [--json PATH]
+          [--shape vllm,vllm-steps,sglang] [--backlog 16] [--json PATH]
 """
 
 from __future__ import annotations
 
 import os
 import pickle
-import re
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from _bench import RedisServer, bench_parser, write_json
+from _bench import RedisServer, bench_parser, callgrind_instructions, write_json
 
 BACKLOG = 16
-"""Messages per ``process_many`` call (``bench_realistic.py``'s backlog 16)."""
+"""Messages per ``process_many`` call by default (``bench_realistic.py``'s backlog 16);
+``--backlog 1`` measures ``process`` (a call per message)."""
 
 
-def child(fleet_path: str, url: str, reps: int) -> None:
-    """Load the pickled fleet and ingest it ``reps`` times (0: load only)."""
+def child(fleet_path: str, url: str, reps: int, backlog: int = BACKLOG) -> None:
+    """Load the pickled fleet and ingest it ``reps`` times (0: load only), ``backlog`` messages
+    per call."""
     import bench_realistic as br
 
     br.tune_collector(br.GC_THRESHOLD)
     with open(fleet_path, "rb") as f:
         fleet = pickle.load(f)
     for _ in range(reps):
-        ingest = br.Ingest(fleet, url, BACKLOG)
+        ingest = br.Ingest(fleet, url, backlog)
         call, count = ingest.calls()
         for i in range(count):
             call(i)
         ingest.close()
 
 
-def instructions(fleet_path: str, url: str, reps: int) -> int:
+def instructions(fleet_path: str, url: str, reps: int, backlog: int = BACKLOG) -> int:
     """The instructions a child ingesting the fleet ``reps`` times runs (callgrind's ``Ir``)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = subprocess.run(
-            [
-                "valgrind",
-                "--tool=callgrind",
-                "--cache-sim=no",
-                "--branch-sim=no",
-                f"--callgrind-out-file={tmp}/callgrind.out",
-                sys.executable,
-                __file__,
-                "--child",
-                fleet_path,
-                url,
-                str(reps),
-            ],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-    found = re.search(r"Collected : (\d+)", out.stderr)
-    if found is None:
-        raise SystemExit(f"no instruction count in valgrind's output:\n{out.stderr[-2000:]}")
-    return int(found.group(1))
+    return callgrind_instructions([__file__, "--child", fleet_path, url, str(reps), str(backlog)])
 
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        child(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+        child(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
         return
     parser = bench_parser(__doc__, "the small fleets of bench_realistic --quick")
     parser.add_argument("--shape", default="vllm,vllm-steps,sglang", help="fleets to measure")
+    parser.add_argument(
+        "--backlog",
+        type=int,
+        default=BACKLOG,
+        help="messages per call: 16 is process_many as a busy worker drains its queue, 1 is"
+        " process (a call per message)",
+    )
     args = parser.parse_args()
+    if args.backlog < 1:
+        parser.error("--backlog must be at least 1")
     if shutil.which("valgrind") is None:
         raise SystemExit("valgrind is not installed (apt-get install -y valgrind)")
     import bench_realistic as br
@@ -105,8 +93,8 @@ def main() -> None:
                     pickle.dump(fleet, f)
                 blocks = sum(m.blocks for m in fleet.messages)
                 events = sum(m.events for m in fleet.messages)
-                load = instructions(path, server.url, 0)
-                total = instructions(path, server.url, 1)
+                load = instructions(path, server.url, 0, args.backlog)
+                total = instructions(path, server.url, 1, args.backlog)
                 row = {
                     "shape": shape,
                     "messages": len(fleet.messages),
@@ -126,7 +114,7 @@ def main() -> None:
     finally:
         server.close()
     if args.json:
-        write_json(args.json, {"backlog": BACKLOG, "results": results})
+        write_json(args.json, {"backlog": args.backlog, "results": results})
 
 
 if __name__ == "__main__":

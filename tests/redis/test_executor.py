@@ -189,9 +189,9 @@ def test_script_calls_go_packed_and_answer_as_redis_py_does(redis_server_url: st
             assert _plain(executor.run(_one(Command(args)))) == _plain(want)
         assert isinstance(executor.run(_one(Command(calls[1]))), ErrorReply)
         assert through_redis_py == [calls[2]] * 3  # only the call hiredis cannot pack
-        pool: Any = executor.pool  # a BlockingConnectionPool: its idle connections queued
+        pool: Any = executor.pool  # every connection idle again: queued, or on the idle stack
         assert pool._connections
-        assert [c for c in pool._connections if c not in pool.pool.queue] == []
+        assert [c for c in pool._connections if c not in pool.pool.queue + pool.idle] == []
         assert executor.run(_one(Command(("EVALSHA", sha, 0, "again", 1, "x")))) == [
             b"again",
             2,
@@ -283,10 +283,190 @@ def test_commands_sent_together_answer_as_redis_py_pipelines_do(redis_server_url
         assert send_commands(executor.client, [(b"RPUSH", key, memoryview(b"view"))]) == [5]
         assert plain.lrange(key, -1, -1) == [b"view"]
         pool: Any = executor.pool
-        assert [c for c in pool._connections if c not in pool.pool.queue] == []
+        assert [c for c in pool._connections if c not in pool.pool.queue + pool.idle] == []
         assert send_commands(executor.client, [(b"LLEN", key)]) == [5]
         assert send_commands(executor.client, []) == []  # nothing sent, whatever redis-py
     finally:
         plain.delete(key, other)
         executor.close()
         plain.close()
+
+
+# -- connections handed straight back ----------------------------------------------------------
+
+
+def _client_id(executor: SyncExecutor) -> int:
+    got = executor.run(_one(Command(("CLIENT", "ID"))))
+    assert isinstance(got, int), got
+    return got
+
+
+@pytest.mark.redis
+def test_a_released_connection_is_handed_straight_back(redis_server_url: str) -> None:
+    """Script calls, redis-py's own commands and pipelines all take the connection the last one
+    released: one connection serves a thread's calls, and it is never handed out twice."""
+    executor = SyncExecutor(RedisIndexConfig(address=redis_server_url, pool_size=4))
+    plain = redis.Redis.from_url(redis_server_url)
+    try:
+        sha = plain.script_load(PACKED_SOURCE)
+        pool: Any = executor.pool
+        first = _client_id(executor)
+        for _ in range(3):
+            assert executor.run(_one(Command(("EVALSHA", sha, 0, "a", 1, "b")))) == [
+                b"a",
+                2,
+                [b"b"],
+            ]
+            assert executor.run(_one(Pipeline((Command(("PING",)), Command(("ECHO", "x")))))) == [
+                True,
+                b"x",
+            ]
+            assert _client_id(executor) == first
+        assert len(pool._connections) == 1 and pool.idle == pool._connections
+        held = [pool.get_connection(), pool.get_connection()]
+        assert held[0] is not held[1] and pool.idle == []
+        for connection in held:
+            pool.release(connection)
+        assert sorted(map(id, pool.idle)) == sorted(map(id, held))
+    finally:
+        executor.close()
+        plain.close()
+
+
+@pytest.mark.redis
+def test_a_caller_waiting_for_a_connection_gets_the_next_one_released(
+    redis_server_url: str,
+) -> None:
+    """With every connection taken, a caller waits (redis-py's blocking pool) and the next
+    release goes to it, not onto the idle stack: it is served at once, not after its timeout."""
+    import threading
+
+    executor = SyncExecutor(RedisIndexConfig(address=redis_server_url, pool_size=1))
+    try:
+        pool: Any = executor.pool
+        _client_id(executor)
+        held = pool.get_connection()
+        got: list[Any] = []
+        waiter = threading.Thread(target=lambda: got.append(_client_id(executor)))
+        waiter.start()
+        deadline = time.monotonic() + 10
+        while pool._waiting == 0:
+            assert time.monotonic() < deadline, "the caller never waited"
+            time.sleep(0.01)
+        pool.release(held)
+        waiter.join(timeout=pool.timeout / 2)  # well before the pool's timeout
+        assert not waiter.is_alive(), "the release did not reach the waiting caller"
+        assert len(got) == 1 and isinstance(got[0], int)
+        assert pool._waiting == 0 and pool.idle == pool._connections
+    finally:
+        executor.close()
+
+
+@pytest.mark.redis
+def test_an_idle_connection_is_checked_before_it_is_handed_back(redis_server_url: str) -> None:
+    """A connection the server closed while it sat idle is reconnected, and one left with a
+    reply nobody read is not handed out with it: the next call gets its own reply."""
+    executor = SyncExecutor(RedisIndexConfig(address=redis_server_url, pool_size=2))
+    plain = redis.Redis.from_url(redis_server_url)
+    try:
+        pool: Any = executor.pool
+        before = _client_id(executor)
+        assert plain.execute_command("CLIENT", "KILL", "ID", before) == 1
+        time.sleep(0.05)
+        after = _client_id(executor)
+        assert after != before
+        connection = pool.get_connection()
+        connection.send_command("ECHO", "stale")
+        assert connection.can_read(timeout=5)
+        pool.release(connection)
+        assert executor.run(_one(Command(("ECHO", "fresh")))) == b"fresh"
+        assert _client_id(executor) not in (before, after)  # reconnected, not drained
+    finally:
+        executor.close()
+        plain.close()
+
+
+@pytest.mark.redis
+def test_a_forked_child_uses_connections_of_its_own(redis_server_url: str) -> None:
+    """A child forked with connections on the idle stack opens its own; the parent's stay
+    usable."""
+    import os
+
+    executor = SyncExecutor(RedisIndexConfig(address=redis_server_url))
+    try:
+        parent = _client_id(executor)
+        pid = os.fork()
+        if pid == 0:  # the child: exit status 0 when its connection is another one
+            code = 1
+            try:
+                code = 0 if _client_id(executor) != parent else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert _client_id(executor) == parent
+    finally:
+        executor.close()
+
+
+@pytest.mark.redis
+def test_async_connections_are_handed_straight_back(redis_server_url: str) -> None:
+    """The asyncio pool: the connection released last serves the next call, a caller waiting
+    for one gets the next released, and one the server closed while idle is reconnected."""
+    plain = redis.Redis.from_url(redis_server_url)
+
+    async def client_id(executor: AsyncExecutor) -> int:
+        got = await executor.run(_one(Command(("CLIENT", "ID"))))
+        assert isinstance(got, int), got
+        return got
+
+    async def run() -> None:
+        executor = AsyncExecutor(RedisIndexConfig(address=redis_server_url, pool_size=1))
+        pool: Any = executor.pool
+        try:
+            first = await client_id(executor)
+            assert await client_id(executor) == first and len(pool.idle) == 1
+            held = await pool.get_connection()
+            waiting = asyncio.ensure_future(client_id(executor))
+            await asyncio.sleep(0.1)
+            assert not waiting.done() and pool._waiting == 1
+            await pool.release(held)
+            assert await asyncio.wait_for(waiting, pool.timeout / 2) == first
+            assert pool._waiting == 0 and len(pool.idle) == 1
+            assert plain.execute_command("CLIENT", "KILL", "ID", first) == 1
+            await asyncio.sleep(0.05)
+            assert await client_id(executor) != first
+        finally:
+            await executor.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        plain.close()
+
+
+@pytest.mark.redis
+def test_a_call_that_finds_every_connection_taken_fails_after_the_pool_timeout(
+    redis_server_url: str,
+) -> None:
+    """With every connection in use past ``pool_timeout``, a call is retried as ``retries``
+    says and then fails ``BackendUnavailableError``; the connection released serves the next."""
+    from kvredis import RedisIndex
+    from kvredis.errors import BackendUnavailableError
+
+    config = RedisIndexConfig(
+        address=redis_server_url, pool_size=1, pool_timeout=0.2, retries=1, retry_backoff=0.01
+    )
+    index = RedisIndex(config)
+    try:
+        assert index.lookup([1, 2]) == {}
+        pool: Any = index._exec.pool
+        held = pool.get_connection()
+        started = time.monotonic()
+        with pytest.raises(BackendUnavailableError):
+            index.lookup([1, 2])
+        assert time.monotonic() - started >= 0.4  # two waits of pool_timeout: a try and a retry
+        pool.release(held)
+        assert index.lookup([1, 2]) == {}
+    finally:
+        index.close()
