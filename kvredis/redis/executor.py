@@ -194,7 +194,7 @@ def _check_sync(pool: Any, connection: Any) -> None:
     """What redis-py's pool checks before it hands out a connection: connected, and nothing
     left to read on its socket (a reply a failed exchange left, or the server closed it): such a
     connection is reconnected, and one still not ready raises ``ConnectionError``."""
-    ensure = getattr(pool, "ensure_connection", None)  # redis-py 5.1 on
+    ensure = getattr(pool, "ensure_connection", None)  # newer redis-py: its own check
     if ensure is not None:
         ensure(connection)
         return
