@@ -7,7 +7,9 @@ instructions the ingester's process runs do not: this benchmark runs the fleets 
 ``bench_realistic.py`` (``--shape``, the same seed) through ``EventIngester.process_many``
 (backlog 16, as a busy worker drains its queue; ``--backlog 1``: ``process``, a call per
 message) on a real server, in a child process under
-``valgrind --tool=callgrind``, and counts the instructions (``Ir``). A second child loads the
+``valgrind --tool=callgrind``, and counts the instructions (``Ir``); the loaded fleet is frozen
+out of the garbage collector's way first, as ``bench_realistic.py`` does, so the ingester pays
+for collecting its own objects only. A second child loads the
 same fleet and applies nothing; the difference, per stored index block and per event, is what
 ingesting costs. Two runs of the same code differ by well under 1%. Instructions are not time
 (a cache miss costs more than an add), but a change that runs fewer of them on the same path
@@ -45,6 +47,7 @@ def child(fleet_path: str, url: str, reps: int, backlog: int = BACKLOG) -> None:
     br.tune_collector(br.GC_THRESHOLD)
     with open(fleet_path, "rb") as f:
         fleet = pickle.load(f)
+    br.settle_collector()  # the fleet out of the collector's way, as in bench_realistic
     for _ in range(reps):
         ingest = br.Ingest(fleet, url, backlog)
         call, count = ingest.calls()

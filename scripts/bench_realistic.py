@@ -26,7 +26,11 @@ benchmark simulates a fleet of 8 pods and feeds every message through
   blocks of running requests are never evicted, as vLLM never frees them, and a finished
   request's go back to the free queue tail first; **vllm-stores** is the same stream, event
   for event, published a batch per store: the two measure what packaging into engine steps
-  saves.
+  saves;
+- **vllm-long** (``--shape vllm-long``): vllm-steps serving long answers, as a reasoning model
+  writes them: 64-640 generated blocks (1k-10k tokens) per turn, 8 requests at once per pod,
+  caches of 6,000 blocks, so most stored blocks are one-block events appended after long
+  chains.
 
 Measured, side by side on one server pinned to one core (``taskset``; CPU is ``INFO cpu``
 growth minus the idle server's, see ``bench_server_cpu.py``):
@@ -64,7 +68,10 @@ same arguments from a bare client (each side in its own protocol): Redis CPU per
 score, per score of a chain of 3 parts (12,288 keys held by 8 pods, each of which evicted a
 block elsewhere: the parts' stamps; and the same with a second data-parallel rank per pod, which
 the scripts from before per-rank scores, function API 1 and 2, merge into the pod), and per
-block ingested through the ingester (each side into namespaces of its own, fed in alternation).
+block ingested through the ingester (each side into namespaces of its own, fed in alternation,
+a message per call and ``--backlog`` per call), and per conversation score by this checkout's
+script on what each side's writes stored (how they group keys into chain runs decides how many
+runs a score reads).
 
 ``--bucket-bits auto`` sizes the measured namespaces' buckets for the request keys the fleet
 holds (:func:`kvredis.redis.layout.bucket_bits_for`, as docs/deploy.md advises an operator),
@@ -299,6 +306,8 @@ class Fleet:
 class VllmFleet(Fleet):
     shape = "vllm"
     engine = "vllm"
+    out_blocks = (1, 40)
+    """The fewest and most blocks a turn generates (one one-block event each)."""
 
     def __init__(
         self, conversations: int, turns: int, capacity: int, seed: int, pods: int = PODS
@@ -328,7 +337,7 @@ class VllmFleet(Fleet):
         user = rng.randint(1, 40) * BLOCK + rng.randrange(BLOCK)  # not block aligned
         conv.tokens += [rng.randrange(1, 50_000) for _ in range(user)]
         self._store(conv)
-        for _ in range(rng.randint(1, 40)):  # one event per generated block
+        for _ in range(rng.randint(*self.out_blocks)):  # one event per generated block
             conv.tokens += [rng.randrange(1, 50_000) for _ in range(BLOCK)]
             self._store(conv)
 
@@ -419,7 +428,7 @@ class VllmStepFleet(VllmFleet):
             """Queue the conversation's next turn at its pod, in the order turns arrive."""
             user = rng.randint(1, 40) * BLOCK + rng.randrange(BLOCK)  # not block aligned
             tokens = [rng.randrange(1, 50_000) for _ in range(user)]
-            turn[id(conv)] = (arrives, tokens, rng.randint(1, 40))
+            turn[id(conv)] = (arrives, tokens, rng.randint(*self.out_blocks))
             w = waiting[conv.pod]
             i = len(w)
             while i and turn[id(w[i - 1])][0] > arrives:
@@ -488,6 +497,16 @@ class VllmStepFleet(VllmFleet):
             if not wake and any(waiting):
                 wake.append(step + 1)  # a pod left idle admits its next turn
             step = min(wake) if wake else step + 1
+
+
+class VllmLongFleet(VllmStepFleet):
+    """:class:`VllmStepFleet` serving long answers (a reasoning model's): each turn generates
+    64 to 640 blocks (1k-10k tokens), so most stored blocks are one-block ``BlockStored``
+    events appended after long chains, those of the requests a pod runs at once interleaved in
+    its engine steps."""
+
+    shape = "vllm-long"
+    out_blocks = (64, 640)
 
 
 class _StepBatch:
@@ -584,6 +603,11 @@ def make_fleet(shape: str, quick: bool, seed: int, concurrency: int = CONCURRENC
     fleet: Fleet
     if shape == "vllm":
         fleet = VllmFleet(24 if quick else 64, 4 if quick else 7, 800 if quick else 3000, seed)
+    elif shape == "vllm-long":
+        # 8 requests at once per pod (4 with --quick), 2 turns each, caches of 6,000 blocks
+        # (3,000): long answers fill them, and about half of what is stored is evicted
+        running = 4 if quick else 8
+        fleet = VllmLongFleet(PODS * running, 2, 3000 if quick else 6000, seed, concurrency=running)
     elif shape in ("vllm-steps", "vllm-stores"):
         # as many conversations per pod as it runs at once, each queued again for its next
         # turn; 60 blocks of cache per running request: about half of what is stored evicted,
@@ -601,7 +625,9 @@ def make_fleet(shape: str, quick: bool, seed: int, concurrency: int = CONCURRENC
     elif shape == "sglang":
         fleet = SglangFleet(16 if quick else 64, 3 if quick else 7, 8000 if quick else 40_000, seed)
     else:
-        raise SystemExit(f"unknown shape {shape!r} (vllm, vllm-steps, vllm-stores or sglang)")
+        raise SystemExit(
+            f"unknown shape {shape!r} (vllm, vllm-long, vllm-steps, vllm-stores or sglang)"
+        )
     fleet.run()
     return fleet
 
@@ -869,7 +895,7 @@ def score_then(
 
 
 def compare_before(
-    ref: str, fleet: Fleet, url: str, server: Server, kv: RedisIndex, quick: bool
+    ref: str, fleet: Fleet, url: str, server: Server, kv: RedisIndex, quick: bool, backlog: int
 ) -> dict[str, dict[str, float]]:
     """Redis CPU µs of REF's scripts and of this checkout's (see the module docstring)."""
     then = ref_scripts(ref)
@@ -919,39 +945,77 @@ def compare_before(
             long[f"{side}/{c}"] = us
     parts.drop_namespace()
     parts.close()
-    # ingest: each side into namespaces of its own, in alternation
-    ingest: dict[str, list[float]] = {ref: [], "now": []}
+    # ingest: each side into namespaces of its own, in alternation, a message per call and
+    # ``backlog`` messages per call
     endpoints = [
         EndpointConfig(f"pod-{p}", engine=fleet.engine, pod_id=f"pod-{p}", model_name=MODEL)
         for p in range(PODS)
     ]
-    blocks = sum(msg.blocks for msg in fleet.messages)
-    for _ in range(2):
-        for side in (ref, "now"):
-            config = RedisIndexConfig(
-                address=f"{url}/0", namespace=f"ing-{uuid.uuid4().hex[:6]}", use_functions=False
-            )
-            index = RedisIndex(config)
-            if side == ref:
-                index.registry._scripts = dict(then)
-            ing = EventIngester(index, TP)
-            seqs = [0] * PODS
+    topics = [f"kv@pod-{p}@{MODEL}" for p in range(PODS)]
+    messages = fleet.messages
+    blocks = sum(msg.blocks for msg in messages)
 
-            def feed(i: int, ing: EventIngester = ing, seqs: list[int] = seqs) -> None:
-                msg = fleet.messages[i]
-                ing.process(
-                    f"kv@pod-{msg.pod}@{MODEL}", seqs[msg.pod], msg.payload, endpoints[msg.pod]
-                )
+    def fill(side: str, per_call: int) -> tuple[float, RedisIndex]:
+        """Redis CPU µs per stored block of ``side``'s scripts fed ``per_call`` messages per
+        ingester call, and the namespace it filled."""
+        config = RedisIndexConfig(
+            address=f"{url}/0", namespace=f"ing-{uuid.uuid4().hex[:6]}", use_functions=False
+        )
+        index = RedisIndex(config)
+        if side == ref:
+            index.registry._scripts = dict(then)
+        ing = EventIngester(index, TP)
+        seqs = [0] * PODS
+
+        def feed(i: int) -> None:
+            batch = []
+            for msg in messages[i * per_call : (i + 1) * per_call]:
+                batch.append((topics[msg.pod], seqs[msg.pod], msg.payload, endpoints[msg.pod]))
                 seqs[msg.pod] += 1
+            if per_call == 1:
+                ing.process(*batch[0])
+            else:
+                ing.process_many(batch)
 
-            ingest[side].append(cpu_us(server, feed, len(fleet.messages))[0] / blocks)
-            index.drop_namespace()
-            index.close()
+        calls_needed = -(-len(messages) // per_call)
+        return cpu_us(server, feed, calls_needed)[0] / blocks, index
+
+    ingest: dict[int, dict[str, list[float]]] = {1: {ref: [], "now": []}}
+    ingest[backlog] = {ref: [], "now": []}
+    filled: dict[str, RedisIndex] = {}
+    for per_call in ingest:
+        for last in (False, True):
+            for side in (ref, "now"):
+                us, index = fill(side, per_call)
+                ingest[per_call][side].append(us)
+                if last and per_call == backlog:
+                    filled[side] = index
+                else:
+                    index.drop_namespace()
+                    index.close()
+    # the conversations scored by this checkout's script on what each side's writes stored
+    # (how they group keys into runs decides how many runs a score reads)
+    fill_sides: dict[str, Callable[[int], object]] = {
+        side: lambda i, lay=index._session.state.layout: score_now(
+            raw, now_sha, lay, chains[i % m], WEIGHTS
+        )
+        for side, index in filled.items()
+    }
+    fill_scores = interleaved(server, fill_sides, rounds, calls)
+    for index in filled.values():
+        index.drop_namespace()
+        index.close()
     return {
         "conversation score": {ref: conv[f"score ({ref})"], "now": conv["score (now)"]},
         "3-part chain score": {ref: long[f"{ref}/0"], "now": long["now/0"]},
         "3-part chain, 2 ranks": {ref: long[f"{ref}/1"], "now": long["now/1"]},
-        "ingest per block": {side: statistics.median(v) for side, v in ingest.items()},
+        **{
+            f"ingest per block, {n} per call": {
+                side: statistics.median(v) for side, v in by_side.items()
+            }
+            for n, by_side in ingest.items()
+        },
+        "score, each side's fill": fill_scores,
     }
 
 
@@ -1216,7 +1280,9 @@ def run_shape(
         "bare call": lambda i: bare(),
     }
     score_us = interleaved(server, sides, rounds=3 if quick else 7, calls=40 if quick else 100)
-    compared = compare_before(before_ref, fleet, url, server, kv, quick) if before_ref else {}
+    compared = (
+        compare_before(before_ref, fleet, url, server, kv, quick, backlog) if before_ref else {}
+    )
     # each run a fresh ingester process and namespace: the machine's pace moves between runs
     zmq_each = [zmq_client_cpu(fleet, url, zmq_workers, gc_threshold) for _ in range(zmq_runs)]
     for side in (single, many):
@@ -1361,8 +1427,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--shape",
         default="vllm,sglang",
-        help="comma-separated: vllm (a batch per store), vllm-steps (a batch per engine step), "
-        "vllm-stores (vllm-steps' stream, a batch per store), sglang",
+        help="comma-separated: vllm (a batch per store), vllm-long (vllm with answers of 1k-10k "
+        "tokens), vllm-steps (a batch per engine step), vllm-stores (vllm-steps' stream, a "
+        "batch per store), sglang",
     )
     parser.add_argument(
         "--concurrency",

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import msgpack
 import pytest
@@ -131,7 +132,9 @@ def test_quick_run_compares_another_revisions_scripts(tmp_path: Path) -> None:
         "conversation score",
         "3-part chain score",
         "3-part chain, 2 ranks",
-        "ingest per block",
+        "ingest per block, 1 per call",
+        "ingest per block, 16 per call",
+        "score, each side's fill",
     }
     assert all(set(sides) == {"HEAD", "now"} and min(sides.values()) > 0 for sides in rows.values())
 
@@ -235,22 +238,52 @@ def test_step_batches_hold_each_store_in_order(bench: ModuleType) -> None:
     assert sum(len(m.removed) for m in fleet.messages) > 0  # the caches filled and evicted
 
 
-@pytest.mark.redis
-def test_quick_run_of_engine_step_batches(tmp_path: Path) -> None:
+def _quick_run(tmp_path: Path, shapes: str) -> tuple[str, dict[str, dict[str, Any]]]:
+    """``--quick --no-zmq`` of ``shapes``: what it printed, and its results by shape."""
     out = tmp_path / "realistic.json"
-    args = ["--quick", "--shape=vllm-steps,vllm-stores", "--no-zmq", "--json", out]
+    args = ["--quick", f"--shape={shapes}", "--no-zmq", "--json", out]
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stderr
-    results = {r["shape"]: r for r in json.loads(out.read_text())}
+    return proc.stdout, {r["shape"]: r for r in json.loads(out.read_text())}
+
+
+@pytest.mark.redis
+def test_quick_run_of_engine_step_batches(tmp_path: Path) -> None:
+    stdout, results = _quick_run(tmp_path, "vllm-steps,vllm-stores")
     steps, stores = results["vllm-steps"], results["vllm-stores"]
     for r in (steps, stores):
         assert r["scores_checked"] > 0 and r["parent_misses"] == 0
     # the same stream: the same events and blocks, fewer batches when a step holds several
     assert (steps["events"], steps["blocks_stored"]) == (stores["events"], stores["blocks_stored"])
     assert steps["messages"] < stores["messages"] <= stores["events"]
-    assert "| vllm-steps, redis | 1,000 |" in proc.stdout
+    assert "| vllm-steps, redis | 1,000 |" in stdout
+
+
+@pytest.mark.redis
+def test_quick_run_of_long_answers(tmp_path: Path) -> None:
+    stdout, results = _quick_run(tmp_path, "vllm-long")
+    result = results["vllm-long"]
+    assert result["scores_checked"] > 0 and result["parent_misses"] == 0
+    assert result["events"] > 0.6 * result["blocks_stored"]  # mostly one-block stores
+    assert "| vllm-long, redis | 1,000 |" in stdout
+
+
+def test_long_answers_are_appended_a_block_at_a_time(bench: ModuleType) -> None:
+    """vllm-long: vllm-steps' fleet with answers of 64-640 blocks, a one-block event each."""
+    steps = bench.VllmStepFleet(16, 2, 3000, seed=4, concurrency=2)
+    long = bench.VllmLongFleet(16, 2, 3000, seed=4, concurrency=2)
+    for fleet in (steps, long):
+        fleet.run()
+    assert long.shape == "vllm-long" and long.out_blocks == (64, 640)
+    stored = sum(m.blocks for m in long.messages)
+    # at least 64 generated blocks per turn, each its own event: most of what is stored
+    assert sum(m.events for m in long.messages) >= 64 * 16 * 2
+    assert sum(m.events for m in long.messages) > 0.6 * stored
+    assert stored > 4 * sum(m.blocks for m in steps.messages)
+    # a pod's running requests share its engine steps
+    assert any(m.events > 1 for m in long.messages)
 
 
 def test_per_store_batches_publish_the_same_stream(bench: ModuleType) -> None:

@@ -44,10 +44,11 @@ Key layout of a namespace ``<ns>`` (all keys start with ``<ns>:``)::
                            drop the bucket's past-due items). lua/includes/expiry.
 
 A run is what one add stored as consecutive new request keys (RUN_MIN of them or more, or
-any number following the last key of a run): a walk reads it with one call and compares its
-keys with the request's as bytes, instead of one call per key. ``<run id>`` is 4 big-endian
-bytes allocated from ``next_run`` in ``<ns>:meta`` (copied to ``<ns>:pi``, where a lost meta
-record heals from).
+any number following the last key of a run; keys appended to a run of more than RUN_APPEND_MAX
+keys join it only when they are at least 1/RUN_APPEND_SHARE of it, else start a run of their
+own after it): a walk reads it with one call and compares its keys with the request's as
+bytes, instead of one call per key. ``<run id>`` is 4 big-endian bytes allocated from
+``next_run`` in ``<ns>:meta`` (copied to ``<ns>:pi``, where a lost meta record heals from).
 
 ``<bucket>`` is the bucket of the hash (:func:`bucket_of`: its low ``bucket_bits`` bits) as
 ``ceil(bucket_bits / 8)`` big-endian bytes; the first client of a namespace fixes
@@ -98,6 +99,13 @@ RUN_MAX = 1024
 #: Fewest consecutive new request keys of one add that become a run (fewer stay inline, unless
 #: they follow the last key of a run): ``lua/includes/runs.lua`` RUN_MIN.
 RUN_MIN = 8
+#: Appending to a run rewrites its key list: a run of more than this many keys is extended only
+#: by at least 1/:data:`RUN_APPEND_SHARE` of its length in new keys, fewer start a run of their
+#: own after it (``lua/includes/runs.lua`` RUN_APPEND_MAX), so an append costs what its keys
+#: cost.
+RUN_APPEND_MAX = 256
+#: See :data:`RUN_APPEND_MAX` (``lua/includes/runs.lua`` RUN_APPEND_SHARE).
+RUN_APPEND_SHARE = 8
 #: What reading a run costs on top of its ranges, in the work limits below (RUN_READ_COST).
 RUN_READ_COST = 4
 #: Most run work (ranges read, plus :data:`RUN_READ_COST` per run) of one write call; a write

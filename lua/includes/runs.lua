@@ -15,6 +15,12 @@ local RUN_ID_WIDTH = 4
 -- Most request keys of one run; fewer new consecutive keys than RUN_MIN stay inline.
 local RUN_MAX = 1024
 local RUN_MIN = 8
+-- Appending keys to a run rewrites its key list whole. A run of more than RUN_APPEND_MAX keys
+-- is extended only by at least 1/RUN_APPEND_SHARE of its length in new keys (a prefill
+-- chunk); fewer start a run of their own after it (one-block decode events), so an append
+-- costs what its keys cost, not what the run it follows holds.
+local RUN_APPEND_MAX = 256
+local RUN_APPEND_SHARE = 8
 local MAX_RUN_ID = 4294967295
 -- The work limits of a call (includes/writes, includes/walk) count a run read as its ranges
 -- plus this (the commands reading it, and its rewrite when written).

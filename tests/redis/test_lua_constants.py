@@ -34,6 +34,8 @@ TWINS: dict[str, Callable[[], float]] = {
     "MAX_BUCKET_BITS": lambda: layout.MAX_BUCKET_BITS,
     "RUN_MAX": lambda: layout.RUN_MAX,
     "RUN_MIN": lambda: layout.RUN_MIN,
+    "RUN_APPEND_MAX": lambda: layout.RUN_APPEND_MAX,
+    "RUN_APPEND_SHARE": lambda: layout.RUN_APPEND_SHARE,
     "RUN_READ_COST": lambda: layout.RUN_READ_COST,
     "RUN_WORK_LIMIT": lambda: layout.RUN_WORK_LIMIT,
     "WALK_WORK_LIMIT": lambda: layout.WALK_WORK_LIMIT,

@@ -651,6 +651,69 @@ def test_appends_after_an_evicted_tail_and_a_full_run(pair: Pair) -> None:
     pair.consistent()
 
 
+def _run_of(pair: Pair, key: int) -> bytes:
+    """The run id in request key ``key``'s ref."""
+    layout = Layout(pair.namespace, 16, b"")
+    ref = pair.raw.hget(layout.request_bucket(key), key.to_bytes(8, "big")) or b""
+    assert len(ref) == 6, key
+    return ref[:4]
+
+
+def test_a_run_past_the_append_limit_is_not_rewritten_for_a_few_appended_keys(
+    pair: Pair,
+) -> None:
+    from kvredis import AddOp
+    from kvredis.redis.layout import RUN_APPEND_MAX
+
+    prompt = list(range(1, RUN_APPEND_MAX + 41))  # a prefill past the limit
+    _apply(pair, [AddOp(None, tuple(prompt), (A,))])
+    (long_run,) = pair.runs()
+    keys_before = pair.raw.hget(long_run, "k")
+    chain = list(prompt)
+    for key in range(5000, 5000 + RUN_APPEND_MAX + 5):  # decode: one key per event
+        _apply(pair, [AddOp(None, (key,), (A,), chain[-1])])
+        chain.append(key)
+    # the long run is left as it was; the appended keys fill runs of their own after it, each
+    # extended while it is short, then followed by the next
+    assert pair.raw.hget(long_run, "k") == keys_before
+    decode = chain[len(prompt) :]
+    first, later = _run_of(pair, decode[0]), _run_of(pair, decode[-1])
+    assert first != long_run[-4:] and later not in (first, long_run[-4:])
+    assert {_run_of(pair, k) for k in decode[: RUN_APPEND_MAX + 1]} == {first}
+    assert len(pair.runs()) == 3 and pair.in_runs(chain) == len(chain)
+    assert pair.agree(chain) == {k: [A] for k in chain}
+    pair.agree(chain[100:])
+    pair.agree([*chain[: len(prompt) + 3], 7])
+    pair.consistent()
+
+
+def test_a_long_run_is_extended_by_a_chunk_of_its_share_and_a_batch_of_few_keys_is_not(
+    pair: Pair,
+) -> None:
+    from kvredis import AddOp
+    from kvredis.redis.layout import RUN_APPEND_SHARE
+
+    prompt = list(range(1, 401))
+    _apply(pair, [AddOp(None, tuple(prompt), (A,))])
+    (long_run,) = pair.runs()
+    # a prefill chunk of an eighth of the run joins it
+    chunk = tuple(range(1000, 1000 + len(prompt) // RUN_APPEND_SHARE))
+    _apply(pair, [AddOp(None, chunk, (A,), prompt[-1])])
+    assert pair.runs() == [long_run] and _run_of(pair, chunk[-1]) == long_run[-4:]
+    chain = [*prompt, *chunk]
+    # five one-key appends in one batch (fewer than RUN_MIN keys, 5 x 8 < 450): a run of their
+    # own after the long one, which a later append of one key joins
+    ops = [AddOp(None, (2000 + j,), (B,), 1999 + j if j else chain[-1]) for j in range(5)]
+    _apply(pair, ops)
+    _apply(pair, [AddOp(None, (2005,), (B,), 2004)])
+    tail = list(range(2000, 2006))
+    assert len(pair.runs()) == 2 and {_run_of(pair, k) for k in tail} != {long_run[-4:]}
+    assert len({_run_of(pair, k) for k in tail}) == 1
+    pair.agree([*chain, *tail])
+    pair.agree(tail)
+    pair.consistent()
+
+
 @pytest.mark.parametrize("seed", [11, 12, 13])
 def test_random_appends_branches_and_evictions_agree_with_the_model(pair: Pair, seed: int) -> None:
     from kvredis import AddOp, EvictOp
@@ -717,6 +780,42 @@ def test_vllm_prefill_then_decode_events_through_the_ingester_fill_one_run(pair:
     assert len(keys) == 40
     assert len(pair.runs()) == 1 and pair.in_runs(keys) == 40
     assert len(pair.redis.lookup(keys)) == 40
+    pair.consistent()
+
+
+def test_vllm_decode_after_a_long_prompt_through_the_ingester_leaves_the_prompt_run_alone(
+    pair: Pair,
+) -> None:
+    """A prompt past the append limit, then one one-block event per 16 generated tokens: the
+    decode blocks go into a run of their own after the prompt's, which is not rewritten."""
+    from kvredis.redis.layout import RUN_APPEND_MAX
+    from tests.ingest.wire import vllm_stored
+
+    n, out = RUN_APPEND_MAX + 72, 30
+    tokens = list(range(5000, 5000 + 16 * (n + out)))
+    prefill = [
+        vllm_stored(
+            list(range(1 + c, 1 + min(c + 128, n))),
+            c or None,
+            tokens[16 * c : 16 * min(c + 128, n)],
+            16,
+        )
+        for c in range(0, n, 128)
+    ]
+    _ingest_vllm(pair, prefill, 0)
+    keys = _TP16.tokens_to_kv_block_keys(0, tokens, "base-model")
+    prompt_runs = {_run_of(pair, k) for k in keys[:n]}
+    stored = {r: pair.raw.hget(f"{pair.namespace}:c:".encode() + r, "k") for r in prompt_runs}
+    for j in range(n, n + out):
+        block = vllm_stored([j + 1], j, tokens[16 * j : 16 * (j + 1)], 16)
+        _ingest_vllm(pair, [block], j - n + 1)
+    assert len(keys) == n + out
+    decode_runs = {_run_of(pair, k) for k in keys[n:]}
+    assert len(decode_runs) == 1 and not decode_runs & prompt_runs
+    assert {
+        r: pair.raw.hget(f"{pair.namespace}:c:".encode() + r, "k") for r in prompt_runs
+    } == stored
+    assert len(pair.redis.lookup(keys)) == n + out
     pair.consistent()
 
 
