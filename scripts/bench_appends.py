@@ -2,8 +2,8 @@
 
 Engines store a chain piece by piece: vLLM one one-block ``BlockStored`` per 16 generated
 tokens, so a long answer is hundreds of one-key appends after one chain. Each append names its
-parent (``AddOp.parent``) and joins the chain run the parent ends, whose key list the script
-rewrites whole (``docs/design/chain-runs.md``). This benchmark appends ``--length`` keys one at
+parent (``AddOp.parent``) and may join the chain run the parent ends, whose key list the script
+then rewrites whole (``docs/design/chain-runs.md``). This benchmark appends ``--length`` keys one at
 a time (one ``apply_batch`` each, a held parent before every key) to each of ``--chains``
 chains, and reports:
 

@@ -605,7 +605,7 @@ def make_fleet(shape: str, quick: bool, seed: int, concurrency: int = CONCURRENC
         fleet = VllmFleet(24 if quick else 64, 4 if quick else 7, 800 if quick else 3000, seed)
     elif shape == "vllm-long":
         # 8 requests at once per pod (4 with --quick), 2 turns each, caches of 6,000 blocks
-        # (3,000): long answers fill them, and about half of what is stored is evicted
+        # (3,000): long answers fill them, and about a quarter of what is stored is evicted
         running = 4 if quick else 8
         fleet = VllmLongFleet(PODS * running, 2, 3000 if quick else 6000, seed, concurrency=running)
     elif shape in ("vllm-steps", "vllm-stores"):

@@ -89,7 +89,9 @@ class Program:
         parent: int | None = None,
     ) -> None:
         """An add op; ``parent`` (the request key before the first one in its chain, when
-        known) lets the keys join the chain run it ends (a ``"P"`` op)."""
+        known) lets the keys join the chain run it ends (a ``"P"`` op; past ``RUN_APPEND_MAX``
+        keys only as many as :data:`~kvredis.redis.layout.RUN_APPEND_SHARE` allows, see
+        ``docs/design/chain-runs.md``)."""
         if parent is not None and request_keys:
             self.ops += ("P", hash_field(parent))
         else:

@@ -6,7 +6,7 @@
       "A", nent, nent x entry index, request keys (hash blob),
            engine/request key pairs (hash blob: engine key, request key, ...)
       "P", 8-byte parent key, then as "A": an add whose first request key follows the parent
-           key in its chain (its keys join the run the parent key ends: includes/writes)
+           key in its chain (its keys may join the run the parent key ends: includes/writes)
       "R", 8-byte request key, nent, nent x entry index
       "E", 8-byte engine key, first, nent, nent x entry index: the engine key's request keys
            after its first `first` lose the entries, and the mapping is dropped once none of

@@ -135,7 +135,8 @@ end
 -- runs (a new key follows the key before it in its add op, or the op's parent key, when that
 -- key ends a group or a run; groups of fewer than RUN_MIN keys extending no run stay inline,
 -- unless they continue a stored chain: their op's parent key is held, so the chain's later
--- appends have a run to join), run ids allocated
+-- appends have a run to join; a group extending a run of more than RUN_APPEND_MAX keys by
+-- fewer than 1/RUN_APPEND_SHARE of them becomes a run of its own after it), run ids allocated
 -- from <ns>:meta next_run (KVREDIS_LAYOUT when exhausted), and the bucket of every changed
 -- request key (bucket: field -> bucket key name). k holds meta.
 local function plan_stage(st, k)

@@ -679,7 +679,12 @@ def test_a_run_past_the_append_limit_is_not_rewritten_for_a_few_appended_keys(
     decode = chain[len(prompt) :]
     first, later = _run_of(pair, decode[0]), _run_of(pair, decode[-1])
     assert first != long_run[-4:] and later not in (first, long_run[-4:])
+    # extended while it holds RUN_APPEND_MAX keys or fewer: RUN_APPEND_MAX + 1 in all
     assert {_run_of(pair, k) for k in decode[: RUN_APPEND_MAX + 1]} == {first}
+    assert _run_of(pair, decode[RUN_APPEND_MAX + 1]) == later
+    assert pair.raw.hstrlen(f"{pair.namespace}:c:".encode() + first, "k") == 8 * (
+        RUN_APPEND_MAX + 1
+    )
     assert len(pair.runs()) == 3 and pair.in_runs(chain) == len(chain)
     assert pair.agree(chain) == {k: [A] for k in chain}
     pair.agree(chain[100:])
@@ -711,6 +716,15 @@ def test_a_long_run_is_extended_by_a_chunk_of_its_share_and_a_batch_of_few_keys_
     assert len({_run_of(pair, k) for k in tail}) == 1
     pair.agree([*chain, *tail])
     pair.agree(tail)
+    # one key fewer than an eighth of a long run: a run of its own after it
+    other = list(range(3001, 3401))
+    _apply(pair, [AddOp(None, tuple(other), (C,))])
+    other_run = _run_of(pair, other[-1])
+    short = tuple(range(4000, 4000 + len(other) // RUN_APPEND_SHARE - 1))
+    _apply(pair, [AddOp(None, short, (C,), other[-1])])
+    assert len({_run_of(pair, k) for k in short}) == 1 and _run_of(pair, short[0]) != other_run
+    assert pair.raw.hstrlen(f"{pair.namespace}:c:".encode() + other_run, "k") == 8 * len(other)
+    pair.agree([*other, *short])
     pair.consistent()
 
 
