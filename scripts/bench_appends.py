@@ -3,9 +3,9 @@
 Engines store a chain piece by piece: vLLM one one-block ``BlockStored`` per 16 generated
 tokens, so a long answer is hundreds of one-key appends after one chain. Each append names its
 parent (``AddOp.parent``) and may join the chain run the parent ends, whose key list the script
-then rewrites whole (``docs/design/chain-runs.md``). This benchmark appends ``--length`` keys one at
-a time (one ``apply_batch`` each, a held parent before every key) to each of ``--chains``
-chains, and reports:
+then rewrites whole (``docs/design/chain-runs.md``). This benchmark appends ``--length`` keys
+one at a time (one ``apply_batch`` each, a held parent before every key) to each of
+``--chains`` chains, and reports:
 
 - the server's CPU per append (``INFO cpu`` growth over ``--segment`` appends, the median over
   the chains) at each stretch of chain length, and the last quarter of the chain against the
@@ -32,8 +32,7 @@ from typing import Any
 from _bench import RedisServer, bench_parser, write_json
 
 # isort: split
-import redis
-from bench_server_cpu import pin
+from bench_server_cpu import Server, pin
 
 import kvredis
 from kvredis import AddOp, PodEntry, RedisIndex, RedisIndexConfig
@@ -41,18 +40,14 @@ from kvredis import AddOp, PodEntry, RedisIndex, RedisIndexConfig
 WEIGHTS = {"gpu": 1.0}
 
 
-def server_cpu(raw: redis.Redis) -> float:
-    """The server's CPU seconds so far (user and system)."""
-    info = raw.info("cpu")
-    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
-
-
 def measure(args: Any) -> dict[str, Any]:
     server = RedisServer(args.server)
     server.start()
     try:
-        pinned = server.proc is not None and pin(server.proc.pid)
-        raw = redis.Redis.from_url(server.url)
+        pid = server.proc.pid if server.proc is not None else None
+        pinned = pid is not None and pin(pid)
+        measured = Server(server.url, pid)
+        raw, server_cpu = measured.raw, measured.cpu
         index = RedisIndex(RedisIndexConfig(address=server.url, namespace="appends"))
         entry = (PodEntry("pod-0", "gpu"),)
         rng = random.Random(args.seed)
@@ -63,21 +58,22 @@ def measure(args: Any) -> dict[str, Any]:
             chain = [rng.getrandbits(63)]
             index.apply_batch([AddOp(None, (chain[0],), entry)])
             for seg in range(segments):
-                before = server_cpu(raw)
+                before = server_cpu()
                 for _ in range(args.segment):
                     key = rng.getrandbits(63)
                     index.apply_batch([AddOp(None, (key,), entry, chain[-1])])
                     chain.append(key)
-                per_append[seg].append((server_cpu(raw) - before) * 1e6 / args.segment)
+                per_append[seg].append((server_cpu() - before) * 1e6 / args.segment)
             chains.append(chain)
         runs = len(list(raw.scan_iter(match="appends:c:*", count=1000))) / args.chains
         scores: list[float] = []
         for _ in range(args.rounds):
-            before = server_cpu(raw)
+            before = server_cpu()
             for i in range(20):
                 index.score(chains[i % len(chains)], WEIGHTS)
-            scores.append((server_cpu(raw) - before) * 1e6 / 20)
+            scores.append((server_cpu() - before) * 1e6 / 20)
         index.close()
+        measured.close()
     finally:
         server.close()
     medians = [statistics.median(values) for values in per_append]

@@ -9,11 +9,11 @@ instructions the ingester's process runs do not: this benchmark runs the fleets 
 message) on a real server, in a child process under
 ``valgrind --tool=callgrind``, and counts the instructions (``Ir``); the loaded fleet is frozen
 out of the garbage collector's way first, as ``bench_realistic.py`` does, so the ingester pays
-for collecting its own objects only. A second child loads the
-same fleet and applies nothing; the difference, per stored index block and per event, is what
-ingesting costs. Two runs of the same code differ by well under 1%. Instructions are not time
-(a cache miss costs more than an add), but a change that runs fewer of them on the same path
-runs faster: compare two revisions by running this script in each checkout.
+for collecting its own objects only. A second child loads the same fleet and applies nothing;
+the difference, per stored index block and per event, is what ingesting costs. Two runs of the
+same code differ by well under 1%. Instructions are not time (a cache miss costs more than an
+add), but a change that runs fewer of them on the same path runs faster: compare two revisions
+by running this script in each checkout.
 
 Needs ``valgrind`` (``apt-get install -y valgrind``). A child runs about 50x slower than
 natively: the full vLLM fleet takes about two minutes per child, ``--quick`` seconds.

@@ -947,13 +947,7 @@ def compare_before(
     parts.close()
     # ingest: each side into namespaces of its own, in alternation, a message per call and
     # ``backlog`` messages per call
-    endpoints = [
-        EndpointConfig(f"pod-{p}", engine=fleet.engine, pod_id=f"pod-{p}", model_name=MODEL)
-        for p in range(PODS)
-    ]
-    topics = [f"kv@pod-{p}@{MODEL}" for p in range(PODS)]
-    messages = fleet.messages
-    blocks = sum(msg.blocks for msg in messages)
+    blocks = sum(msg.blocks for msg in fleet.messages)
 
     def fill(side: str, per_call: int) -> tuple[float, RedisIndex]:
         """Redis CPU µs per stored block of ``side``'s scripts fed ``per_call`` messages per
@@ -964,20 +958,7 @@ def compare_before(
         index = RedisIndex(config)
         if side == ref:
             index.registry._scripts = dict(then)
-        ing = EventIngester(index, TP)
-        seqs = [0] * PODS
-
-        def feed(i: int) -> None:
-            batch = []
-            for msg in messages[i * per_call : (i + 1) * per_call]:
-                batch.append((topics[msg.pod], seqs[msg.pod], msg.payload, endpoints[msg.pod]))
-                seqs[msg.pod] += 1
-            if per_call == 1:
-                ing.process(*batch[0])
-            else:
-                ing.process_many(batch)
-
-        calls_needed = -(-len(messages) // per_call)
+        feed, calls_needed = Ingest(fleet, url, per_call, index).calls()
         return cpu_us(server, feed, calls_needed)[0] / blocks, index
 
     ingest: dict[int, dict[str, list[float]]] = {1: {ref: [], "now": []}}
@@ -1022,15 +1003,21 @@ def compare_before(
 class Ingest:
     """One kvredis namespace filled through an :class:`EventIngester`, messages fed ``backlog``
     at a time (``process`` for 1, else ``process_many`` of that many consecutive messages, as a
-    worker drains its queue)."""
+    worker drains its queue): ``index``'s, or a new one's."""
 
-    def __init__(self, fleet: Fleet, url: str, backlog: int) -> None:
+    def __init__(
+        self, fleet: Fleet, url: str, backlog: int, index: RedisIndex | None = None
+    ) -> None:
         self.fleet = fleet
-        self.ns = f"real-{uuid.uuid4().hex[:6]}"
-        config = RedisIndexConfig(
-            address=f"{url}/0", namespace=self.ns, bucket_bits=fleet.bucket_bits
-        )
-        self.index = RedisIndex(config)
+        if index is None:  # a namespace of its own, sized for the fleet
+            config = RedisIndexConfig(
+                address=f"{url}/0",
+                namespace=f"real-{uuid.uuid4().hex[:6]}",
+                bucket_bits=fleet.bucket_bits,
+            )
+            index = RedisIndex(config)
+        self.ns = index.config.namespace
+        self.index = index
         self.ingester = EventIngester(self.index, TP)
         self.endpoints = [
             EndpointConfig(f"pod-{p}", engine=fleet.engine, pod_id=f"pod-{p}", model_name=MODEL)

@@ -215,7 +215,7 @@ local function plan_stage(st, k)
     local run = g.run and st.runs[g.run]
     if run and run.n > RUN_APPEND_MAX and #g.keys * RUN_APPEND_SHARE < run.n then
       -- too few keys to rewrite a long run for: a run of their own after it
-      run.extended, g.run, g.chained = nil, nil, true
+      g.run, g.chained = nil, true
     end
     if not g.run and not g.chained and #g.keys < RUN_MIN then
       for _, field in ipairs(g.keys) do inline[#inline + 1] = field end
